@@ -1,0 +1,1 @@
+"""Rollout engines: the SGLang-protocol HTTP client and the built-in torch engine server."""

@@ -1,0 +1,129 @@
+"""Command line of the torch engine server.
+
+    python -m slime.engines.torch_engine --model-path DIR [--host 127.0.0.1] [--port 0]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--max-running-requests N]
+        [--api-key KEY] [--random-seed S]
+
+When the server accepts connections it prints one JSON line on stdout,
+`{"event": "ready", "url": "http://HOST:PORT", "pid": N}`; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from slime.utils.logging_utils import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m slime.engines.torch_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model-path", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 lets the OS pick a free one")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="parameter dtype; float32 on CPU (bf16 is emulated there and drifts)",
+    )
+    p.add_argument("--max-running-requests", type=int, default=64, help="most sequences decoding at once")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded token budget of one prefill")
+    p.add_argument("--context-length", type=int, default=None, help="default: model max_position_embeddings")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
+    p.add_argument("--weight-version", default="default", help="weight_version reported before any update")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    return p
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not os.path.isdir(args.model_path) or not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        parser.error(
+            f"--model-path {args.model_path!r} is not a Hugging Face checkpoint directory "
+            "(no config.json); make one with `python -m slime.tools.make_tiny_model --out DIR`"
+        )
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} must be in [0, 65535]")
+    if args.max_running_requests < 1:
+        parser.error("--max-running-requests must be >= 1")
+    if args.max_prefill_tokens < 1:
+        parser.error("--max-prefill-tokens must be >= 1")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda but torch sees no CUDA device; use --device cpu")
+    elif args.device != "cpu":
+        parser.error(f"--device {args.device!r}: use cpu or cuda[:N]")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from slime.engines.torch_engine.engine import EngineConfig, TorchEngine
+    from slime.engines.torch_engine.server import make_app
+
+    config = EngineConfig(
+        model_path=args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context_length,
+        random_seed=args.random_seed,
+        weight_version=args.weight_version,
+        num_threads=args.num_threads,
+    )
+    engine = TorchEngine(config)
+    engine.start()
+    runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
+    await runner.setup()
+    sock = bind_socket(args.host, args.port)
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{port}"
+    logger.info("torch engine %s ready at %s (%s)", args.model_path, url, type(engine.runner).__name__)
+    sys.stdout.write(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}) + "\n")
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    await runner.cleanup()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate(args, parser)
+    configure_logging(f"engine pid={os.getpid()}")
+    asyncio.run(serve(args))
+    return 0

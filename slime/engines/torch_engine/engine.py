@@ -1,0 +1,271 @@
+"""The torch engine's core: one thread that owns the model and runs the step loop.
+
+Every state change (new requests, abort, pause, weight updates, memory release) is a command
+executed by the engine thread between two steps, so a forward pass never sees half-updated
+weights and no lock is needed around the model. HTTP handlers submit commands and await their
+results; finished sequences are delivered through a callback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime.engines.protocol import GenerateRequest, ProtocolError
+from slime.engines.torch_engine.model_runner import load_model, make_runner
+from slime.engines.torch_engine.sampling import sample
+from slime.engines.torch_engine.scheduler import Scheduler
+from slime.engines.torch_engine.sequence import Sequence
+from slime.engines.torch_engine.weights import WeightStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one torch engine process."""
+
+    model_path: str
+    """Local Hugging Face checkpoint directory."""
+    device: str = "cpu"
+    """'cpu' or 'cuda' (or 'cuda:N')."""
+    dtype: str = "float32"
+    """Parameter dtype: 'float32' (recommended on CPU) or 'bfloat16'."""
+    max_running_requests: int = 64
+    """Most sequences decoding at once; the rest wait in a queue."""
+    max_prefill_tokens: int = 8192
+    """Token budget (padded) of one prefill step."""
+    context_length: int | None = None
+    """Prompt + output limit; default: the model's max_position_embeddings."""
+    random_seed: int = 0
+    """Seed of the generator used by requests without their own sampling_seed."""
+    weight_version: str = "default"
+    """Initial weight_version reported before any update (SGLang's default)."""
+    num_threads: int | None = None
+    """torch intra-op threads; default: torch's choice."""
+
+
+class TorchEngine:
+    """Continuous-batching generation over a Hugging Face causal LM."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.model = load_model(config.model_path, dtype, self.device)
+        model_config = self.model.config
+        self.vocab_size = int(model_config.vocab_size)
+        self.context_length = int(
+            config.context_length or getattr(model_config, "max_position_embeddings", 4096)
+        )
+        self.runner = make_runner(self.model, config.max_running_requests, self.context_length)
+        self.weights = WeightStore(self.model)
+        self.scheduler = Scheduler(
+            config.max_running_requests, config.max_prefill_tokens, self._eos_token_ids(), self._detokenize
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(config.random_seed)
+        self.weight_version = config.weight_version
+        self.paused = False
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._wakeup = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps; the future carries its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wakeup.set()
+        return fut
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._run_commands()
+            if self.paused or self.weights.released or not self.scheduler.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug or OOM: fail the in-flight requests, keep serving
+                logger.exception("engine step failed; aborting in-flight requests")
+                self._finish(self.scheduler.abort(None, f"engine error: {e}"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _step(self) -> None:
+        plan = self.scheduler.plan()
+        if plan is None:
+            return
+        if plan.kind == "prefill":
+            seqs, logits = plan.seqs, self.runner.prefill(plan.seqs)
+        else:
+            seqs, logits = self.runner.decode()
+        gens = [s.runner_state.get("generator") for s in seqs]
+        top_n = max(s.top_logprobs_num for s in seqs)
+        out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n)
+        finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
+        self.num_steps += 1
+        self.num_generated_tokens += len(seqs)
+        self._finish(finished)
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq in self.runner.active:
+                self.runner.release(seq)
+            seq.weight_version = self.weight_version
+            if seq.on_finish is not None:
+                seq.on_finish(seq)
+
+    # ---- requests (called from the HTTP thread) ---------------------------------------------
+    def check_available(self) -> None:
+        if self.weights.released:
+            raise ProtocolError(
+                "engine memory is released; call /resume_memory_occupation and push weights", 503
+            )
+        if self.weights.stale:
+            raise ProtocolError(
+                "engine weights are not loaded: "
+                + self.weights.describe_stale()
+                + "; push weights before generating",
+                503,
+            )
+
+    def make_sequence(self, req: GenerateRequest, on_finish: Callable[[Sequence], None]) -> Sequence:
+        """Tokenize and validate one request; raise ProtocolError for bad input."""
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ProtocolError(
+                    f"'input_ids' holds token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                )
+        else:
+            ids = self.tokenizer.encode(req.text, add_special_tokens=False) if req.text else []
+            if not ids:
+                raise ProtocolError("'text' tokenizes to no tokens; give a non-empty prompt")
+        params = req.sampling_params
+        if len(ids) >= self.context_length:
+            raise ProtocolError(
+                f"the input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)"
+            )
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ProtocolError(
+                f"input ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"model's context length ({self.context_length} tokens); lower max_new_tokens to "
+                f"at most {self.context_length - len(ids)}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ProtocolError(f"'sampling_params.stop_token_ids' must lie in [0, {self.vocab_size})")
+        seq = Sequence(
+            rid=req.rid,
+            prompt_ids=ids,
+            params=params,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            on_finish=on_finish,
+        )
+        if params.sampling_seed is not None and not params.greedy:
+            seq.runner_state["generator"] = torch.Generator(device=self.device).manual_seed(
+                params.sampling_seed
+            )
+        return seq
+
+    def add(self, seqs: list[Sequence]) -> concurrent.futures.Future:
+        def _add() -> None:
+            self.check_available()
+            for seq in seqs:
+                if seq.params.max_new_tokens == 0:
+                    self.scheduler.finish_without_decoding(seq)
+                    self._finish([seq])
+                else:
+                    self.scheduler.add(seq)
+
+        return self.call(_add)
+
+    def abort(self, rid: str | None, message: str = "aborted by request") -> concurrent.futures.Future:
+        def _abort() -> int:
+            victims = self.scheduler.abort(rid, message)
+            self._finish(victims)
+            return len(victims)
+
+        return self.call(_abort)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def result_of(self, seq: Sequence, started: float) -> dict[str, Any]:
+        """SGLang's /generate response object for one finished sequence."""
+        text = self._detokenize(seq.output_ids, seq.params.skip_special_tokens)
+        if seq.stop_text_end is not None:
+            text = text[: seq.stop_text_end]
+        meta: dict[str, Any] = {
+            "id": seq.rid,
+            "finish_reason": seq.finish_reason.to_json() if seq.finish_reason else None,
+            "prompt_tokens": seq.num_prompt_tokens,
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": 0,
+            "weight_version": seq.weight_version,
+            "e2e_latency": time.perf_counter() - started,
+        }
+        if seq.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)
+            ]
+            if seq.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, None] for lp, t in top] for top in seq.output_top_logprobs
+                ]
+        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}

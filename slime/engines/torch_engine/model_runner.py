@@ -1,0 +1,327 @@
+"""All tensor work of the torch engine: loading the model, the KV cache, prefill and decode.
+
+Two runners share one interface (`prefill`, `decode`, `release`, `free_cache`):
+
+* `BatchedRunner`, for Llama-style decoders (Llama, Qwen2, Qwen3, Mistral without sliding
+  window): drives the Hugging Face modules layer by layer with a slot KV cache. Running
+  sequences occupy rows [0, B) of the cache; a finished sequence's row is refilled by the last
+  row, so decode attends over a view of the cache with no gather. Prefill pads new prompts to
+  the longest and writes their keys/values straight into fresh rows.
+* `GenericRunner`, for any other causal LM: one Hugging Face `DynamicCache` per sequence and a
+  batch-1 forward per sequence and step. Slower, but correct for every architecture.
+
+Both compute exactly the model's math (same modules, same rotary embedding), so float32
+log-probs match a teacher-forced forward of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slime.engines.torch_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def is_llama_like(model: torch.nn.Module) -> bool:
+    """True when the batched runner knows this architecture's layer layout."""
+    config = model.config
+    if getattr(config, "model_type", None) not in _LLAMA_LIKE:
+        return False
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
+
+
+def make_runner(model: torch.nn.Module, max_running: int, context_length: int) -> Runner:
+    if is_llama_like(model):
+        return BatchedRunner(model, max_running, context_length)
+    logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
+    return GenericRunner(model)
+
+
+class Runner:
+    """Interface of both runners. `active` lists the sequences with KV state, in decode order."""
+
+    active: list[Sequence]
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run the prompts of new sequences; return last-position logits (n, V) in float32."""
+        raise NotImplementedError
+
+    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
+        """One token for every active sequence; return them (in row order) and logits (B, V)."""
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence's KV state."""
+        raise NotImplementedError
+
+    def free_cache(self) -> None:
+        """Drop all cache memory (only valid with no active sequences)."""
+        raise NotImplementedError
+
+
+class SlotKVCache:
+    """Per-layer K/V buffers of shape (rows, kv_heads, length, head_dim), grown by doubling."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_len: int,
+    ):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.max_rows, self.max_len = max_rows, max_len
+        self.rows = 0
+        self.length = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def ensure(self, rows: int, length: int) -> None:
+        if rows <= self.rows and length <= self.length:
+            return
+        new_rows = max(self.rows, min(self.max_rows, _next_pow2(max(rows, 8))))
+        new_len = max(self.length, min(self.max_len, _next_pow2(max(length, 128))))
+        if rows > new_rows or length > new_len:
+            raise ValueError(
+                f"KV cache request {rows} rows x {length} tokens exceeds the limit "
+                f"{self.max_rows} x {self.max_len}"
+            )
+        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
+        for store in (self.k, self.v):
+            for i in range(self.num_layers):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if i < len(store):
+                    fresh[: self.rows, :, : self.length] = store[i]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self.rows, self.length = new_rows, new_len
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for store in (self.k, self.v):
+            for buf in store:
+                buf[dst, :, :length] = buf[src, :, :length]
+
+    def free(self) -> None:
+        self.k, self.v = [], []
+        self.rows = self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class BatchedRunner(Runner):
+    """Continuous-batching runner for Llama-style decoder stacks (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, max_running: int, context_length: int):
+        self.model = model
+        self.inner = model.model  # type: ignore[attr-defined]
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        first_attn = self.inner.layers[0].self_attn
+        self.head_dim = getattr(first_attn, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = getattr(first_attn, "scaling", self.head_dim**-0.5)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache(
+            len(self.inner.layers),
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            max_running,
+            context_length,
+        )
+        self.active: list[Sequence] = []
+
+    def _attention_inputs(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, -1, self.head_dim)
+        k = attn.k_proj(x).view(B, T, -1, self.head_dim)
+        v = attn.v_proj(x).view(B, T, -1, self.head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _forward(
+        self,
+        ids_BT: torch.Tensor,
+        pos_BT: torch.Tensor,
+        mask: torch.Tensor,
+        rows: slice,
+        write_pos_B: torch.Tensor | None,
+        key_len: int,
+        last_index_B: torch.Tensor,
+    ) -> torch.Tensor:
+        h = self.inner.embed_tokens(ids_BT)
+        cos, sin = self.inner.rotary_emb(h, pos_BT)
+        B, T = ids_BT.shape
+        row_index = torch.arange(rows.start, rows.stop, device=self.device)
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._attention_inputs(attn, layer.input_layernorm(h))
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            k_cache, v_cache = self.cache.k[li], self.cache.v[li]
+            if write_pos_B is None:  # prefill: fresh rows, positions [0, T)
+                k_cache[rows, :, :T] = k
+                v_cache[rows, :, :T] = v
+            else:  # decode: one new position per row
+                k_cache[row_index, :, write_pos_B] = k[:, :, 0]
+                v_cache[row_index, :, write_pos_B] = v[:, :, 0]
+            keys, values = k_cache[rows, :, :key_len], v_cache[rows, :, :key_len]
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(B, device=self.device), last_index_B]
+        return self.model.lm_head(self.inner.norm(last)).float()  # type: ignore[attr-defined]
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        start = len(self.active)
+        lengths = [s.num_tokens for s in seqs]
+        T = max(lengths)
+        self.cache.ensure(start + len(seqs), T)
+        ids = torch.zeros((len(seqs), T), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
+        ids = ids.to(self.device)
+        lens = torch.tensor(lengths, device=self.device)
+        pos = torch.arange(T, device=self.device)
+        # Causal within each prompt and blind to padding keys: (n, 1, T, T).
+        mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
+        logits = self._forward(
+            ids,
+            pos[None].expand(len(seqs), T),
+            mask[:, None],
+            slice(start, start + len(seqs)),
+            None,
+            T,
+            lens - 1,
+        )
+        for s, n in zip(seqs, lengths):
+            s.num_cached = n
+        self.active.extend(seqs)
+        return logits
+
+    @torch.inference_mode()
+    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
+        seqs = list(self.active)
+        B = len(seqs)
+        positions = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        key_len = int(positions.max()) + 1
+        self.cache.ensure(B, key_len)
+        ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
+        mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        logits = self._forward(
+            ids,
+            positions[:, None],
+            mask,
+            slice(0, B),
+            positions,
+            key_len,
+            torch.zeros(B, dtype=torch.long, device=self.device),
+        )
+        for s in seqs:
+            s.num_cached += 1
+        return seqs, logits
+
+    @torch.inference_mode()
+    def release(self, seq: Sequence) -> None:
+        row = self.active.index(seq)
+        last = len(self.active) - 1
+        if row != last:
+            moved = self.active[last]
+            self.cache.move_row(last, row, moved.num_cached)
+            self.active[row] = moved
+        self.active.pop()
+
+    def free_cache(self) -> None:
+        assert not self.active, "free_cache with active sequences"
+        self.cache.free()
+
+
+class GenericRunner(Runner):
+    """Any HF causal LM: a DynamicCache per sequence, batch-1 forwards."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.active: list[Sequence] = []
+        self.device = next(model.parameters()).device
+
+    def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache = seq.runner_state.setdefault("hf_cache", DynamicCache())
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
+        )
+        seq.runner_state["hf_cache"] = out.past_key_values
+        seq.num_cached += len(ids)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [self._step(s, (s.prompt_ids + s.output_ids)[s.num_cached :]) for s in seqs]
+        self.active.extend(seqs)
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
+        seqs = list(self.active)
+        return seqs, torch.stack([self._step(s, [s.last_token]) for s in seqs])
+
+    def release(self, seq: Sequence) -> None:
+        self.active.remove(seq)
+        seq.runner_state.pop("hf_cache", None)
+
+    def free_cache(self) -> None:
+        assert not self.active, "free_cache with active sequences"

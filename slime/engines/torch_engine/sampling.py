@@ -1,0 +1,90 @@
+"""Batched token sampling with per-request temperature, top-k, top-p, min-p and seeds.
+
+Log-probs are taken from log_softmax(logits / temperature) *before* any truncation (for
+temperature 0 the plain log_softmax): that is the distribution the trainer recomputes, so
+trainer and engine log-probs agree even when top-p / top-k shape what is sampled.
+Sampling uses the exponential-race form argmax(p / E) with E ~ Exp(1), which equals drawing from
+p and lets each seeded request draw its noise from its own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime.engines.protocol import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the probabilities that top-k / top-p / min-p exclude, row by row (no renormalising)."""
+    device = probs_BV.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs_BV.shape[-1] for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs_BV.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs_BV.dtype)
+    sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs_BV.shape[-1], device=device)[None, :]
+    # Keep a token if the mass strictly before it is below top_p: the top token always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (ranks < top_k[:, None]) & (mass_before < top_p[:, None])
+    keep_sorted &= sorted_probs >= (min_p[:, None] * sorted_probs[:, :1])
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    return probs_BV.masked_fill(~keep, 0.0)
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    top_logprobs_num: int = 0,
+) -> SampleOutput:
+    """Pick one token per row.
+
+    Args:
+        logits_BV: float32 logits of the last position of each sequence.
+        params: one SamplingParams per row.
+        generators: per-row generator for seeded requests (None: use `default_generator`).
+        top_logprobs_num: also return the this many most likely (logprob, token) pairs per row.
+    """
+    logits_BV = logits_BV.float()
+    temps = torch.tensor(
+        [p.temperature if p.temperature > 0 else 1.0 for p in params],
+        device=logits_BV.device,
+        dtype=logits_BV.dtype,
+    )
+    logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
+    tokens_B = logits_BV.argmax(dim=-1)
+
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits_BV.device)
+        probs = logprobs_BV.index_select(0, rows).exp()
+        row_params = [params[i] for i in sampled_rows]
+        if any(p.needs_truncation for p in row_params):
+            probs = truncate_probs(probs, row_params)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                (len(unseeded), probs.shape[-1]), device=probs.device, dtype=probs.dtype
+            ).exponential_(generator=default_generator)
+        for j, i in enumerate(sampled_rows):
+            gen = generators[i]
+            if gen is not None:
+                noise[j].exponential_(generator=gen)
+        tokens_B[rows] = (probs / noise).argmax(dim=-1)
+
+    chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+    top = None
+    if top_logprobs_num > 0:
+        values, ids = logprobs_BV.topk(min(top_logprobs_num, logprobs_BV.shape[-1]), dim=-1)
+        top = [list(zip(v, t)) for v, t in zip(values.tolist(), ids.tolist())]
+    return SampleOutput(tokens_B.tolist(), chosen.tolist(), top)

@@ -1,0 +1,140 @@
+"""Continuous-batching scheduler of the torch engine: which sequences run in the next step.
+
+Plain Python with no tensors, so its decisions are unit-testable anywhere. Each engine step is
+either a prefill of newly admitted sequences or one decode token for every running sequence.
+New arrivals are admitted at the next step boundary (they join the running batch while others
+decode); a sequence that finishes leaves the batch in the step that finished it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from slime.engines.protocol import FinishReason
+from slime.engines.torch_engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class StepPlan:
+    """What the next engine step does: prefill `seqs`, or decode `seqs` (the running batch)."""
+
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    """Admission, step planning, finish detection and abort for the running batch.
+
+    Args:
+        max_running: the most sequences decoding at once (`--max-running-requests`).
+        max_prefill_tokens: token budget of one prefill step (padded length x batch).
+        eos_token_ids: ids that end a sequence unless `ignore_eos`.
+        detokenize: ids -> text, used to detect stop strings.
+    """
+
+    def __init__(
+        self,
+        max_running: int,
+        max_prefill_tokens: int,
+        eos_token_ids: set[int],
+        detokenize: Callable[[list[int], bool], str],
+    ):
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = set(eos_token_ids)
+        self.detokenize = detokenize
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- queue ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def plan(self) -> StepPlan | None:
+        """Prefill waiting sequences while there is room; otherwise decode the running batch."""
+        room = self.max_running - len(self.running)
+        if self.waiting and room > 0:
+            admitted: list[Sequence] = []
+            longest = 0
+            while self.waiting and len(admitted) < room:
+                nxt = self.waiting[0]
+                new_longest = max(longest, nxt.num_tokens)
+                # Always admit at least one, even if its prompt alone exceeds the budget.
+                if admitted and new_longest * (len(admitted) + 1) > self.max_prefill_tokens:
+                    break
+                admitted.append(self.waiting.popleft())
+                longest = new_longest
+            for seq in admitted:
+                seq.status = SeqStatus.RUNNING
+            self.running.extend(admitted)
+            return StepPlan("prefill", admitted)
+        if self.running:
+            return StepPlan("decode", list(self.running))
+        return None
+
+    # ---- after a step ----------------------------------------------------------------------
+    def append_tokens(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        top_logprobs: list[list[tuple[float, int]]] | None,
+    ) -> list[Sequence]:
+        """Record one sampled token per sequence; return those that finished with it."""
+        finished = []
+        for i, seq in enumerate(seqs):
+            seq.output_ids.append(tokens[i])
+            seq.output_logprobs.append(logprobs[i])
+            if seq.top_logprobs_num and top_logprobs is not None:
+                seq.output_top_logprobs.append(top_logprobs[i][: seq.top_logprobs_num])
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        token = seq.output_ids[-1]
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason("stop", matched=token)
+        if params.stop:
+            text = self.detokenize(seq.output_ids, params.skip_special_tokens)
+            hits = [(text.find(s), s) for s in params.stop if s in text]
+            if hits:
+                pos, stop = min(hits)
+                seq.stop_text_end = len(text) if params.no_stop_trim else pos
+                return FinishReason("stop", matched=stop)
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return FinishReason("length", length=len(seq.output_ids))
+        return None
+
+    def finish_without_decoding(self, seq: Sequence) -> None:
+        """A request with max_new_tokens == 0 finishes before any forward pass."""
+        self._finish(seq, FinishReason("length", length=0))
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+
+    # ---- abort -----------------------------------------------------------------------------
+    def abort(self, rid: str | None, message: str) -> list[Sequence]:
+        """Abort one request by rid, or every request when rid is None; return the aborted."""
+        victims = [s for s in list(self.waiting) + self.running if rid is None or s.rid == rid]
+        for seq in victims:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._finish(seq, FinishReason("abort", message=message))
+        return victims

@@ -1,0 +1,60 @@
+"""One generation request's state inside the torch engine (plain Python, no tensors)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.engines.protocol import FinishReason, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated for it so far.
+
+    `num_cached` counts the tokens whose keys/values are in the KV cache; the next forward
+    feeds the tokens after that point. `on_finish` is called exactly once, from the engine
+    thread, with the finished sequence.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    on_finish: Callable[[Sequence], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached: int = 0
+    # Where the stop string starts in the decoded text (for trimming), when one matched.
+    stop_text_end: int | None = None
+    # Per-backend state (e.g. the generic runner's per-sequence HF cache, a torch.Generator).
+    runner_state: dict[str, Any] = field(default_factory=dict)
+    weight_version: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

@@ -1,0 +1,477 @@
+"""HTTP front of the torch engine: SGLang's endpoints and field names, on aiohttp.
+
+Handlers parse and validate on the event loop, hand work to the engine thread and await it.
+Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "code": N}` with a
+4xx code for client mistakes; nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+import slime
+from slime.engines.protocol import (
+    CompletionRequest,
+    GenerateRequest,
+    ProtocolError,
+    SamplingParams,
+    parse_generate,
+    parse_tensor_specs,
+)
+from slime.engines.torch_engine.engine import TorchEngine
+from slime.engines.torch_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_OPEN_PATHS = {"/health"}
+_MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def error_response(message: str, status: int) -> web.Response:
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowed",
+        409: "ConflictError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError")
+    return web.json_response(
+        {"object": "error", "message": message, "type": kind, "code": status}, status=status
+    )
+
+
+def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application:
+    """Build the aiohttp application serving `engine`."""
+
+    @web.middleware
+    async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        authorized = request.headers.get("Authorization", "") == f"Bearer {api_key}"
+        if api_key and request.path not in _OPEN_PATHS and not authorized:
+            return error_response("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+        try:
+            return await handler(request)
+        except ProtocolError as e:
+            return error_response(e.message, e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(f"internal error: {type(e).__name__}: {e}", 500)
+
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
+    api = EngineAPI(engine)
+    r = app.router
+    r.add_get("/health", api.health)
+    r.add_get("/health_generate", api.health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, api.model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, api.server_info)
+    r.add_get("/get_weight_version", api.weight_version)
+    r.add_post("/generate", api.generate)
+    r.add_post("/pause_generation", api.pause_generation)
+    r.add_post("/continue_generation", api.continue_generation)
+    r.add_post("/abort_request", api.abort_request)
+    r.add_route("*", "/flush_cache", api.flush_cache)
+    r.add_post("/update_weights_from_disk", api.update_weights_from_disk)
+    r.add_post("/update_weights_from_tensor", api.update_weights_from_tensor)
+    r.add_post("/init_weights_update_group", api.init_weights_update_group)
+    r.add_post("/destroy_weights_update_group", api.destroy_weights_update_group)
+    r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
+    r.add_post("/release_memory_occupation", api.release_memory_occupation)
+    r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
+    r.add_post("/v1/completions", api.completions)
+    r.add_get("/v1/models", api.models)
+    return app
+
+
+async def read_json(request: web.Request, required: bool = True) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise ProtocolError("request body is empty; send a JSON object")
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"malformed JSON body: {e}") from None
+
+
+class EngineAPI:
+    """The endpoint handlers; each awaits work done on the engine thread."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+
+    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def run_requests(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
+        """Submit requests, wait for all; abort them if the client goes away."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        futures: list[asyncio.Future] = []
+        seqs: list[Sequence] = []
+        for req in requests:
+            fut: asyncio.Future = loop.create_future()
+
+            def on_finish(seq: Sequence, fut: asyncio.Future = fut) -> None:
+                result = self.engine.result_of(seq, started)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+            futures.append(fut)
+            seqs.append(self.engine.make_sequence(req, on_finish))
+        await asyncio.wrap_future(self.engine.add(seqs))
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            for seq in seqs:
+                self.engine.abort(seq.rid, "client disconnected")
+            raise
+
+    async def generate(self, request: web.Request) -> web.Response:
+        requests, is_batch = parse_generate(await read_json(request))
+        results = await self.run_requests(requests)
+        return web.json_response(results if is_batch else results[0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """A real one-token generation, as SGLang does, with a bounded wait."""
+        req = GenerateRequest(
+            rid=f"health-{uuid.uuid4().hex}",
+            input_ids=(0,),
+            text=None,
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+        try:
+            await asyncio.wait_for(self.run_requests([req]), timeout=20)
+        except asyncio.TimeoutError:
+            raise ProtocolError("health generation did not finish in 20 s", 503) from None
+        return web.Response(status=200)
+
+    # ---- info ---------------------------------------------------------------------------------
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.config
+        return web.json_response(
+            {
+                "model_path": cfg.model_path,
+                "tokenizer_path": cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(self.engine.model.config, "model_type", None),
+                "architectures": getattr(self.engine.model.config, "architectures", None),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        cfg = e.config
+        return web.json_response(
+            {
+                "engine": "slime-torch",
+                "version": slime.__version__,
+                "model_path": cfg.model_path,
+                "tokenizer_path": cfg.model_path,
+                "device": cfg.device,
+                "dtype": cfg.dtype,
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": e.context_length,
+                "max_running_requests": cfg.max_running_requests,
+                "random_seed": cfg.random_seed,
+                "runner": type(e.runner).__name__,
+                "weight_version": e.weight_version,
+                "internal_states": [
+                    {
+                        "num_running_reqs": len(e.scheduler.running),
+                        "num_waiting_reqs": len(e.scheduler.waiting),
+                        "paused": e.paused,
+                        "memory_released": e.weights.released,
+                        "num_steps": e.num_steps,
+                        "num_generated_tokens": e.num_generated_tokens,
+                    }
+                ],
+            }
+        )
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.engine.config.model_path, "object": "model", "owned_by": "slime"}],
+            }
+        )
+
+    # ---- control ------------------------------------------------------------------------------
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await read_json(request, required=False)
+        mode = body.get("mode", "in_place") if isinstance(body, dict) else None
+        if mode not in ("abort", "in_place", "retract"):
+            raise ProtocolError("'mode' must be 'abort', 'in_place' or 'retract'")
+
+        def _pause() -> int:
+            self.engine.paused = True
+            if mode == "abort":
+                victims = self.engine.scheduler.abort(None, "aborted by pause_generation")
+                self.engine._finish(victims)
+                return len(victims)
+            return 0
+
+        aborted = await self._on_engine(_pause)
+        return web.json_response(
+            {"success": True, "message": f"generation paused (mode={mode})", "num_aborted_requests": aborted}
+        )
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        def _continue() -> None:
+            self.engine.paused = False
+
+        await self._on_engine(_continue)
+        return web.json_response({"success": True, "message": "generation continued"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise ProtocolError("request body must be a JSON object")
+        abort_all = bool(body.get("abort_all", False))
+        rid = body.get("rid")
+        if not abort_all and not (isinstance(rid, str) and rid):
+            raise ProtocolError("give 'rid' (a request id) or 'abort_all': true")
+        count = await asyncio.wrap_future(self.engine.abort(None if abort_all else rid))
+        return web.json_response({"success": True, "num_aborted": count})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        def _flush() -> bool:
+            if self.engine.scheduler.has_work():
+                return False
+            self.engine.runner.free_cache()
+            return True
+
+        if not await self._on_engine(_flush):
+            raise ProtocolError(
+                "Cache not flushed because there are pending requests; abort or wait for them"
+            )
+        return web.Response(text="Cache flushed.")
+
+    # ---- weights ------------------------------------------------------------------------------
+    async def _update(
+        self, request: web.Request, body: dict[str, Any], apply: Callable[[], int]
+    ) -> web.Response:
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, (str, int)):
+            raise ProtocolError("'weight_version' must be a string")
+
+        def _run() -> tuple[int, str]:
+            count = apply()
+            self.engine.weight_version = (
+                str(version) if version is not None else _bump(self.engine.weight_version)
+            )
+            return count, self.engine.weight_version
+
+        start = time.perf_counter()
+        try:
+            count, new_version = await self._on_engine(_run)
+        except ProtocolError as e:
+            return web.json_response({"success": False, "message": e.message}, status=e.status)
+        logger.info(
+            "%s: %d tensors in %.3f s, weight_version=%s",
+            request.path,
+            count,
+            time.perf_counter() - start,
+            new_version,
+        )
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"updated {count} tensors",
+                "weight_version": new_version,
+                "num_paused_requests": 0,
+            }
+        )
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = _object(await read_json(request))
+        return await self._update(
+            request, body, lambda: self.engine.weights.update_from_disk(body.get("model_path"))
+        )
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = _object(await read_json(request))
+        return await self._update(
+            request,
+            body,
+            lambda: self.engine.weights.update_from_tensor(body.get("serialized_named_tensors")),
+        )
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = _object(await read_json(request))
+        specs = parse_tensor_specs(body)
+        group = body.get("group_name") or "weight_update_group"
+        return await self._update(
+            request,
+            body,
+            lambda: self.engine.weights.update_from_distributed(specs, group, self.engine.device),
+        )
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = _object(await read_json(request))
+        # Rendezvous blocks until the trainer joins: keep it off both the event loop and the engine thread.
+        try:
+            await asyncio.to_thread(self.engine.weights.init_group, body, self.engine.device)
+        except ProtocolError as e:
+            return web.json_response({"success": False, "message": e.message}, status=e.status)
+        return web.json_response({"success": True, "message": "weight-update group initialised"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = _object(await read_json(request, required=False))
+        name = body.get("group_name") or "weight_update_group"
+        await self._on_engine(lambda: self.engine.weights.destroy_group(name))
+        return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = _tags(_object(await read_json(request, required=False)))
+
+        def _release() -> None:
+            if self.engine.scheduler.has_work():
+                raise ProtocolError(
+                    f"{self.engine.scheduler.num_in_flight} request(s) in flight; abort them or "
+                    "let them finish before releasing memory",
+                    409,
+                )
+            if "kv_cache" in tags:
+                self.engine.runner.free_cache()
+            if "weights" in tags:
+                self.engine.weights.release()
+
+        await self._on_engine(_release)
+        return web.json_response({"success": True, "message": f"released {list(tags)}"})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = _tags(_object(await read_json(request, required=False)))
+
+        def _resume() -> None:
+            if "weights" in tags:
+                self.engine.weights.resume()
+
+        await self._on_engine(_resume)
+        return web.json_response({"success": True, "message": f"resumed {list(tags)}"})
+
+    # ---- OpenAI ------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.Response:
+        body = CompletionRequest.from_json(await read_json(request))
+        requests = []
+        for p_index, prompt in enumerate(body.prompts):
+            for c in range(body.n):
+                params = SamplingParams(
+                    max_new_tokens=body.max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    stop=body.stop,
+                    sampling_seed=None if body.seed is None else body.seed + c,
+                )
+                ids = tuple(prompt) if isinstance(prompt, list) else None
+                requests.append(
+                    GenerateRequest(
+                        rid=f"cmpl-{uuid.uuid4().hex}-{p_index}-{c}",
+                        input_ids=ids,
+                        text=prompt if isinstance(prompt, str) else None,
+                        sampling_params=params,
+                        return_logprob=body.logprobs is not None,
+                        top_logprobs_num=body.logprobs or 0,
+                    )
+                )
+        results = await self.run_requests(requests)
+        return web.json_response(completion_response(self.engine, body, results))
+
+
+def completion_response(
+    engine: TorchEngine, body: CompletionRequest, results: list[dict[str, Any]]
+) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for i, res in enumerate(results):
+        meta = res["meta_info"]
+        reason = (meta["finish_reason"] or {}).get("type")
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": res["text"],
+            "finish_reason": "length" if reason == "length" else "stop",
+            "logprobs": None,
+        }
+        if body.logprobs is not None:
+            ids = res["output_ids"]
+            tokens = [engine.tokenizer.decode([t]) for t in ids]
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+                "top_logprobs": [
+                    {engine.tokenizer.decode([t]): lp for lp, t, _ in top}
+                    for top in meta.get("output_top_logprobs", [[] for _ in ids])
+                ],
+                "text_offset": _offsets(tokens),
+            }
+        choices.append(choice)
+        if i % body.n == 0:
+            prompt_tokens += meta["prompt_tokens"]
+        completion_tokens += meta["completion_tokens"]
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or engine.config.model_path,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in tokens:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object")
+    return body
+
+
+def _tags(body: dict[str, Any]) -> tuple[str, ...]:
+    tags = body.get("tags")
+    if tags is None:
+        return _MEMORY_TAGS
+    if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
+        raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
+    return tuple(tags)
+
+
+def _bump(version: str) -> str:
+    """Next weight_version when an update names none: integers count up; anything else starts at 1."""
+    return str(int(version) + 1) if version.isdigit() else "1"

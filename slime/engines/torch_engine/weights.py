@@ -1,0 +1,242 @@
+"""Weight updates and memory release for the torch engine.
+
+Every update is all-or-nothing: the names, dtypes and shapes of the whole request are checked
+against the model before the first parameter is written, and the new values are fully received
+before any copy starts. A refused update leaves every parameter as it was and names the first
+offending tensors. Names are Hugging Face parameter names; for tied embeddings both
+`model.embed_tokens.weight` and `lm_head.weight` are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from slime.engines.protocol import NamedTensorSpec, ProtocolError
+from slime.utils import distributed as sdist
+from slime.utils.shm_tensors import dtype_from_str, open_named_tensors, parse_handle
+
+logger = logging.getLogger(__name__)
+
+
+class WeightStore:
+    """Owns the engine model's parameters: validation, updates, release and resume."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        # Canonical name per parameter object, so aliases (tied weights) count once.
+        self._canonical: dict[int, str] = {}
+        for name, p in model.named_parameters():
+            self._canonical[id(p)] = name
+        self._released: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        # Parameters reallocated by resume and not yet written by an update.
+        self.stale: set[str] = set()
+        self.groups: dict[str, Any] = {}
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, specs: Iterable[NamedTensorSpec]) -> None:
+        """Raise ProtocolError naming every unknown name, non-float dtype or wrong shape."""
+        problems = []
+        for spec in specs:
+            param = self.params.get(spec.name)
+            if param is None:
+                problems.append(f"unknown parameter name '{spec.name}'")
+                continue
+            try:
+                dtype = dtype_from_str(spec.dtype)
+            except ValueError as e:
+                problems.append(f"'{spec.name}': {e}")
+                continue
+            if not dtype.is_floating_point:
+                problems.append(f"'{spec.name}': dtype {spec.dtype} is not a floating-point type")
+            expected = tuple(self._shape_of(spec.name))
+            if tuple(spec.shape) != expected:
+                problems.append(f"'{spec.name}': shape {list(spec.shape)} != expected {list(expected)}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ProtocolError(
+                "weight update refused, no parameter changed: " + "; ".join(problems[:5]) + more
+            )
+
+    def _shape_of(self, name: str) -> torch.Size:
+        canonical = self._canonical[id(self.params[name])]
+        if canonical in self._released:
+            return self._released[canonical][0]
+        return self.params[name].shape
+
+    def specs_of(self, named: list[tuple[str, torch.Tensor]]) -> list[NamedTensorSpec]:
+        return [NamedTensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+
+    # ---- apply ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        if self._released:
+            raise ProtocolError("weights are released; call /resume_memory_occupation before updating", 409)
+        for name, tensor in named:
+            self.params[name].copy_(tensor)
+            self.stale.discard(self._canonical[id(self.params[name])])
+        return len(named)
+
+    def update_from_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        self.validate(self.specs_of(named))
+        return self._apply(named)
+
+    def update_from_disk(self, model_path: str) -> int:
+        """Load every tensor of the safetensors files in `model_path` (validated first)."""
+        from safetensors import safe_open
+
+        if not isinstance(model_path, str) or not os.path.isdir(model_path):
+            raise ProtocolError(f"'model_path' {model_path!r} is not a directory")
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+        if not files:
+            raise ProtocolError(f"'model_path' {model_path!r} holds no .safetensors files")
+        specs, handles = [], []
+        try:
+            for fname in files:
+                f = safe_open(os.path.join(model_path, fname), "pt", device="cpu")
+                handles.append(f)
+                for key in f:
+                    sl = f.get_slice(key)
+                    specs.append(
+                        NamedTensorSpec(key, _safetensors_dtype(sl.get_dtype()), tuple(sl.get_shape()))
+                    )
+        except Exception as e:  # corrupt or truncated file
+            raise ProtocolError(f"cannot read safetensors in {model_path!r}: {e}") from None
+        self.validate(specs)
+        named = [(k, f.get_tensor(k)) for f in handles for k in f]
+        return self._apply(named)
+
+    def update_from_tensor(self, serialized: Any) -> int:
+        """`serialized_named_tensors`: one shared-memory handle (JSON string) per TP rank (TP=1 here)."""
+        if not isinstance(serialized, list) or len(serialized) != 1 or not isinstance(serialized[0], str):
+            raise ProtocolError(
+                "'serialized_named_tensors' must be a list with one handle string "
+                "(this engine has tensor-parallel size 1)"
+            )
+        try:
+            named = open_named_tensors(parse_handle(serialized[0]))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        return self.update_from_named(named)
+
+    # ---- distributed ------------------------------------------------------------------------
+    def init_group(self, body: dict[str, Any], device: torch.device) -> None:
+        try:
+            address, port = body["master_address"], int(body["master_port"])
+            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+            group_name = body.get("group_name") or "weight_update_group"
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(
+                f"init_weights_update_group needs master_address, master_port, rank_offset, "
+                f"world_size (and optional group_name, backend): {e}"
+            ) from None
+        backend = body.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise ProtocolError(f"'backend' must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 < rank_offset < world_size:
+            raise ProtocolError(
+                f"'rank_offset' {rank_offset} must be in [1, world_size) (rank 0 is the trainer)"
+            )
+        timeout = float(body.get("timeout_s") or 300)
+        logger.info(
+            "joining weight-update group %r at %s:%d as rank %d/%d (%s)",
+            group_name,
+            address,
+            port,
+            rank_offset,
+            world_size,
+            backend,
+        )
+        try:
+            self.groups[group_name] = sdist.new_group(
+                backend, address, port, rank_offset, world_size, timeout
+            )
+        except Exception as e:
+            raise ProtocolError(f"could not join weight-update group {group_name!r}: {e}", 500) from None
+
+    def destroy_group(self, group_name: str) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise ProtocolError(f"no weight-update group named {group_name!r}")
+
+    def update_from_distributed(
+        self, specs: list[NamedTensorSpec], group_name: str, device: torch.device
+    ) -> int:
+        """Receive every tensor by broadcast from rank 0, then copy them all.
+
+        The broadcasts are received even when validation fails, so the trainer never blocks on
+        a peer that walked away; the update is then refused as a whole.
+        """
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ProtocolError(
+                f"no weight-update group named {group_name!r}; call /init_weights_update_group first"
+            )
+        try:
+            dtypes = [dtype_from_str(s.dtype) for s in specs]
+        except ValueError as e:
+            # We cannot size the receive buffers, so the group can no longer be trusted.
+            self.groups.pop(group_name, None)
+            raise ProtocolError(f"{e}; group {group_name!r} was dropped, re-initialise it") from None
+        problem = None
+        try:
+            self.validate(specs)
+        except ProtocolError as e:
+            problem = e
+        received = []
+        for spec, dtype in zip(specs, dtypes):
+            buf = torch.empty(spec.shape, dtype=dtype, device=device)
+            sdist.broadcast(group, buf, root=0)
+            received.append((spec.name, buf))
+        if problem is not None:
+            raise problem
+        return self._apply(received)
+
+    # ---- memory -----------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free every parameter's memory, keeping the shapes for resume."""
+        for name, p in self.model.named_parameters():
+            if name not in self._released:
+                self._released[name] = (p.shape, p.dtype, p.device)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def resume(self) -> None:
+        """Reallocate released parameters (uninitialised until an update writes them)."""
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype, device) in self._released.items():
+            params[name].data = torch.empty(shape, dtype=dtype, device=device)
+            self.stale.add(name)
+        self._released.clear()
+
+    @property
+    def released(self) -> bool:
+        return bool(self._released)
+
+    def describe_stale(self) -> str:
+        names = sorted(self.stale)
+        return f"{len(names)} parameter(s) not reloaded since resume_memory_occupation, e.g. {names[:3]}"
+
+
+def _safetensors_dtype(code: str) -> str:
+    table = {
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F64": "float64",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }
+    return table.get(code, code.lower())
+
+
+def json_dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

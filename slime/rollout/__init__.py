@@ -1,0 +1,1 @@
+"""slime.rollout package."""

@@ -1,0 +1,201 @@
+"""Write a small Hugging Face causal-LM checkpoint, built locally with no network.
+
+    python -m slime.tools.make_tiny_model --out DIR [--arch qwen3|qwen2] [--hidden-size 256]
+        [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--vocab N] [--seed 0]
+
+The directory holds config.json, model.safetensors, generation_config.json and tokenizer files
+that `AutoTokenizer.from_pretrained(DIR)` loads offline. The tokenizer is character level over
+printable ASCII (digits, arithmetic signs, letters, space, newline) plus Qwen-style chat markers,
+so every demo prompt and answer tokenizes one character per token. The same arguments and seed
+give the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
+
+# Qwen-style template: the same shape the real Qwen chat models use, so prompts built for the
+# demo look like the ones users build for real checkpoints.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def tokenizer_alphabet() -> list[str]:
+    """Printable ASCII plus newline and tab, in a fixed order."""
+    return ["\n", "\t"] + [chr(c) for c in range(32, 127)]
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer (BPE with no merges) with Qwen chat markers."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for token in SPECIAL_TOKENS + tokenizer_alphabet():
+        vocab[token] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size or _default_intermediate(args.hidden_size),
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        torch_dtype="float32",
+    )
+    if args.arch == "qwen3":
+        return Qwen3Config(head_dim=args.hidden_size // args.num_heads, **common)
+    return Qwen2Config(**common)
+
+
+def _default_intermediate(hidden_size: int) -> int:
+    # Qwen's ratio is ~2.7x hidden; round to a multiple of 16 for tidy matmuls.
+    return int(hidden_size * 8 / 3 + 15) // 16 * 16
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer_size: int) -> None:
+    if args.hidden_size % args.num_heads:
+        parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-heads {args.num_heads}")
+    if args.num_heads % args.num_kv_heads:
+        parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
+    if args.vocab is not None and args.vocab < tokenizer_size:
+        parser.error(
+            f"--vocab {args.vocab} is smaller than the tokenizer ({tokenizer_size} tokens); "
+            f"use --vocab {tokenizer_size} or more"
+        )
+    for flag in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
+
+
+def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = build_tokenizer()
+    validate(args, parser, len(tokenizer))
+    vocab_size = args.vocab if args.vocab is not None else len(tokenizer)
+    config = build_config(args, vocab_size, tokenizer)
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id, config.pad_token_id],
+        pad_token_id=config.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+    )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a sibling temp dir and rename, so a crash never leaves a half-written checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(
+        prog="python -m slime.tools.make_tiny_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
+    parser.add_argument("--arch", choices=["qwen3", "qwen2"], default="qwen3")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="embedding rows; default: the tokenizer size. Larger values pad the vocabulary",
+    )
+    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    return args, parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, parser = parse_args(argv)
+    out = make_tiny_model(args, parser)
+    with open(out / "config.json") as f:
+        config = json.load(f)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        num_params = sum(_prod(f.get_slice(k).get_shape()) for k in f)
+    sys.stdout.write(
+        json.dumps(
+            {
+                "out": str(out),
+                "model_type": config["model_type"],
+                "num_parameters": num_params,
+                "vocab_size": config["vocab_size"],
+            }
+        )
+        + "\n"
+    )
+    return 0
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Optional extensions: reward functions, generate functions, model adapters."""
