@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        num_params = sum(_prod(f.get_slice(k).get_shape()) for k in f)
+        num_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
     sys.stdout.write(
         json.dumps(
             {

@@ -101,7 +101,7 @@ class WeightStore:
             for fname in files:
                 f = safe_open(os.path.join(model_path, fname), "pt", device="cpu")
                 handles.append(f)
-                for key in f:
+                for key in f.keys():
                     sl = f.get_slice(key)
                     specs.append(
                         NamedTensorSpec(key, _safetensors_dtype(sl.get_dtype()), tuple(sl.get_shape()))
@@ -109,7 +109,7 @@ class WeightStore:
         except Exception as e:  # corrupt or truncated file
             raise ProtocolError(f"cannot read safetensors in {model_path!r}: {e}") from None
         self.validate(specs)
-        named = [(k, f.get_tensor(k)) for f in handles for k in f]
+        named = [(k, f.get_tensor(k)) for f in handles for k in f.keys()]
         return self._apply(named)
 
     def update_from_tensor(self, serialized: Any) -> int:

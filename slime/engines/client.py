@@ -1,0 +1,295 @@
+"""Async client for engines speaking SGLang's HTTP protocol (a real SGLang server or the torch engine).
+
+Every call has a timeout; connection errors (engine not up yet, connection reset) are retried a
+bounded number of times with backoff, nothing else is: a timed-out /generate may still be running
+and must not be sent twice. A semaphore bounds the requests in flight. Non-2xx answers raise
+`EngineError` carrying the status and the engine's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """An engine answered with an error status, or could not be reached after the retries."""
+
+    def __init__(self, message: str, status: int | None = None, url: str = ""):
+        super().__init__(f"{url}: {message}" if url else message)
+        self.status = status
+        self.message = message
+        self.url = url
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How the client talks to one engine."""
+
+    timeout_s: float = 600.0
+    """Total time allowed for one call (a long generation included)."""
+    connect_timeout_s: float = 10.0
+    """Time allowed to open a connection."""
+    max_retries: int = 3
+    """Retries for connection errors only."""
+    retry_backoff_s: float = 0.5
+    """First backoff; doubles each retry."""
+    max_concurrency: int = 256
+    """Most requests in flight from this client."""
+    api_key: str | None = None
+    """Sent as 'Authorization: Bearer KEY' when set."""
+
+
+class EngineClient:
+    """One engine (or a router in front of several). Use as `async with EngineClient(url) as c:`."""
+
+    def __init__(self, base_url: str, config: ClientConfig | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.config = config or ClientConfig()
+        self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency, force_close=False)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+        return self._session
+
+    async def request(
+        self, method: str, path: str, payload: Any = None, timeout_s: float | None = None
+    ) -> Any:
+        """Send one call; return the decoded JSON (or text) body. Raises EngineError."""
+        url = f"{self.base_url}{path}"
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s or self.config.timeout_s, sock_connect=self.config.connect_timeout_s
+        )
+        backoff = self.config.retry_backoff_s
+        async with self._semaphore:
+            for attempt in range(self.config.max_retries + 1):
+                try:
+                    async with self._get_session().request(
+                        method, url, json=payload, timeout=timeout
+                    ) as resp:
+                        return await _decode(resp, url)
+                except aiohttp.ClientConnectionError as e:
+                    # ServerDisconnectedError after the request was sent is not retried: it may have run.
+                    if (
+                        isinstance(e, aiohttp.ServerDisconnectedError)
+                        and method == "POST"
+                        and path == "/generate"
+                    ):
+                        raise EngineError(
+                            f"engine disconnected during {path}: {e}", None, self.base_url
+                        ) from e
+                    if attempt == self.config.max_retries:
+                        raise EngineError(
+                            f"cannot reach engine after {attempt + 1} attempts: {e}", None, self.base_url
+                        ) from e
+                    logger.warning(
+                        "connection to %s failed (%s); retry %d in %.1fs", url, e, attempt + 1, backoff
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff *= 2
+                except asyncio.TimeoutError as e:
+                    raise EngineError(
+                        f"{method} {path} timed out after {timeout.total} s", None, self.base_url
+                    ) from e
+        raise AssertionError("unreachable")
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        input_ids: list[int] | list[list[int]] | None = None,
+        *,
+        text: Any = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        top_logprobs_num: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        if text is not None:
+            payload["text"] = text
+        if rid is not None:
+            payload["rid"] = rid
+        if top_logprobs_num:
+            payload["top_logprobs_num"] = top_logprobs_num
+        return await self.request("POST", "/generate", payload, timeout_s)
+
+    async def completions(self, **body: Any) -> Any:
+        return await self.request("POST", "/v1/completions", body)
+
+    # ---- status -------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        try:
+            await self.request("GET", "/health", timeout_s=self.config.connect_timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        try:
+            await self.request("GET", "/health_generate", timeout_s=timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.5) -> None:
+        """Poll /health until it answers 200; EngineError after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                timeout = aiohttp.ClientTimeout(total=min(5.0, timeout_s))
+                async with self._get_session().get(f"{self.base_url}/health", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(interval_s)
+        raise EngineError(f"engine not healthy after {timeout_s} s", None, self.base_url)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/get_server_info")
+
+    async def get_weight_version(self) -> str:
+        return (await self.request("GET", "/get_weight_version"))["weight_version"]
+
+    # ---- control ------------------------------------------------------------------------------
+    async def pause_generation(self, mode: str = "in_place") -> Any:
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def flush_cache(self) -> Any:
+        return await self.request("POST", "/flush_cache")
+
+    # ---- weights and memory -------------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
+        return await self.request(
+            "POST",
+            "/update_weights_from_disk",
+            _drop_none({"model_path": model_path, "weight_version": weight_version}),
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> Any:
+        return await self.request(
+            "POST",
+            "/update_weights_from_tensor",
+            _drop_none(
+                {
+                    "serialized_named_tensors": serialized_named_tensors,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                }
+            ),
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> Any:
+        return await self.request(
+            "POST",
+            "/init_weights_update_group",
+            _drop_none(
+                {
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "rank_offset": rank_offset,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                }
+            ),
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        *,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> Any:
+        return await self.request(
+            "POST",
+            "/update_weights_from_distributed",
+            _drop_none(
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": group_name,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                }
+            ),
+        )
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.request("POST", "/release_memory_occupation", _drop_none({"tags": tags}))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.request("POST", "/resume_memory_occupation", _drop_none({"tags": tags}))
+
+
+async def _decode(resp: aiohttp.ClientResponse, url: str) -> Any:
+    ctype = resp.headers.get("Content-Type", "")
+    body: Any = await resp.json(content_type=None) if "json" in ctype else await resp.text()
+    if resp.status >= 400:
+        message = body.get("message", body) if isinstance(body, dict) else body
+        if isinstance(message, dict):  # {"error": {"message": ...}} style
+            message = message.get("message", message)
+        raise EngineError(f"HTTP {resp.status}: {message}", resp.status, url)
+    return body
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}

@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny models built locally, torch engines started the way users start them."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# Several processes share two cores in these tests: keep each one single-threaded.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+torch.set_num_threads(1)
+
+ENGINE_ARGS = ["--num-threads", "1"]
+
+
+def make_model(out: str, seed: int = 0, *extra: str) -> str:
+    from slime.tools.make_tiny_model import main
+
+    assert main(["--out", out, "--seed", str(seed), *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The default tiny Qwen3 checkpoint (seed 0)."""
+    return make_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"), 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> str:
+    """Same architecture, other weights (seed 1): a weight update target."""
+    return make_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-b"), 1)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def start_engine(model_path: str, log_dir, *extra: str):
+    from slime.engines.torch_engine.launcher import start_torch_engine
+
+    log = os.path.join(str(log_dir), f"engine-{len(os.listdir(str(log_dir)))}.log")
+    return start_torch_engine(model_path, [*ENGINE_ARGS, *extra], log_path=log)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    """A torch engine shared by one test module (tests must leave its weights as they found them)."""
+    proc = start_engine(tiny_model, tmp_path_factory.mktemp("engine-logs"))
+    yield proc
+    assert proc.stop() in (0, -15), "engine did not exit cleanly"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def python() -> str:
+    return sys.executable
