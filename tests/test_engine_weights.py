@@ -72,7 +72,7 @@ def test_update_from_tensor_via_shared_memory(engine, tiny_model, tiny_model_b, 
         res = run(_call(engine.url, "update_weights_from_tensor", [handle], weight_version="t1"))
         assert res["success"] and version(engine.url) == "t1"
         # Reuse the same shared buffer for the second bucket, as the bridge does.
-        handle, buf = pack_named_tensors(named[len(named) // 2:], buf)
+        handle, buf = pack_named_tensors(named[len(named) // 2 :], buf)
         run(_call(engine.url, "update_weights_from_tensor", [handle], weight_version="t2"))
         assert greedy(engine.url) == outputs["b"]
     finally:
@@ -100,8 +100,11 @@ def _push_distributed(url: str, named: list[tuple[str, torch.Tensor]], group, ba
 
     async def go():
         async with EngineClient(url) as c:
-            req = asyncio.create_task(c.update_weights_from_distributed(
-                names, [dtype_to_str(t.dtype) for _, t in named], shapes, "wg"))
+            req = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    names, [dtype_to_str(t.dtype) for _, t in named], shapes, "wg"
+                )
+            )
 
             def send():
                 for i, (_, t) in enumerate(named):
@@ -109,8 +112,10 @@ def _push_distributed(url: str, named: list[tuple[str, torch.Tensor]], group, ba
                     if bad and i == 1:
                         tensor = torch.zeros(shapes[1], dtype=t.dtype)
                     sdist.broadcast(group, tensor, root=0)
+
             await asyncio.to_thread(send)
             return await req
+
     return run(go())
 
 
@@ -139,11 +144,17 @@ def test_update_from_distributed_gloo(engine, tiny_model, tiny_model_b, outputs)
     run(_call(engine.url, "destroy_weights_update_group", "wg"))
 
 
-@pytest.mark.parametrize("mutate,needle", [
-    (lambda sd: sd.update({"model.layers.0.mlp.nonexistent.weight": torch.zeros(2)}), "unknown parameter name"),
-    (lambda sd: sd.update({"model.norm.weight": torch.zeros(7)}), "shape"),
-    (lambda sd: sd.update({"model.norm.weight": torch.zeros(256, dtype=torch.int32)}), "floating-point"),
-])
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (
+            lambda sd: sd.update({"model.layers.0.mlp.nonexistent.weight": torch.zeros(2)}),
+            "unknown parameter name",
+        ),
+        (lambda sd: sd.update({"model.norm.weight": torch.zeros(7)}), "shape"),
+        (lambda sd: sd.update({"model.norm.weight": torch.zeros(256, dtype=torch.int32)}), "floating-point"),
+    ],
+)
 def test_rejected_update_changes_nothing(engine, tiny_model_b, outputs, mutate, needle):
     v = version(engine.url)
     sd = state_dict(tiny_model_b)
@@ -191,14 +202,16 @@ def test_release_and_resume_memory(engine, tiny_model, outputs):
             assert err.value.status == 503 and "not reloaded" in err.value.message
             await c.update_weights_from_disk(tiny_model)
             return (await c.generate(input_ids=PROMPT, sampling_params=GREEDY))["output_ids"]
+
     assert run(scenario()) == outputs["a"]
 
 
 def test_release_refused_with_requests_in_flight(engine):
     async def scenario():
         async with EngineClient(engine.url) as c:
-            task = asyncio.create_task(c.generate(input_ids=[1, 2], sampling_params={
-                "max_new_tokens": 1500, "ignore_eos": True}))
+            task = asyncio.create_task(
+                c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1500, "ignore_eos": True})
+            )
             while (await c.get_server_info())["internal_states"][0]["num_running_reqs"] < 1:
                 await asyncio.sleep(0.01)
             with pytest.raises(EngineError) as err:
@@ -206,5 +219,6 @@ def test_release_refused_with_requests_in_flight(engine):
             await c.abort_request(abort_all=True)
             await task
             return err.value
+
     err = run(scenario())
     assert err.status == 409 and "in flight" in err.message

@@ -1,0 +1,91 @@
+"""Scheduler decisions, with no model: admission, prefill budget, finish rules, abort."""
+
+from __future__ import annotations
+
+from slime.engines.protocol import SamplingParams
+from slime.engines.torch_engine.scheduler import Scheduler
+from slime.engines.torch_engine.sequence import SeqStatus, Sequence
+
+
+def make(max_running=4, budget=1000, detok=None):
+    return Scheduler(
+        max_running, budget, {99}, detok or (lambda ids, skip: "".join(chr(97 + i % 26) for i in ids))
+    )
+
+
+def seq(rid, n=4, **params):
+    return Sequence(rid=rid, prompt_ids=list(range(n)), params=SamplingParams(**params))
+
+
+def test_admits_up_to_max_running_then_decodes():
+    s = make(max_running=2)
+    for i in range(3):
+        s.add(seq(str(i)))
+    plan = s.plan()
+    assert plan.kind == "prefill" and [x.rid for x in plan.seqs] == ["0", "1"]
+    plan = s.plan()
+    assert plan.kind == "decode" and len(plan.seqs) == 2
+    assert [x.rid for x in s.waiting] == ["2"]
+
+
+def test_new_arrivals_join_before_next_decode():
+    s = make()
+    s.add(seq("a"))
+    s.plan()
+    s.add(seq("b"))
+    plan = s.plan()
+    assert plan.kind == "prefill" and [x.rid for x in plan.seqs] == ["b"]
+    assert {x.rid for x in s.plan().seqs} == {"a", "b"}
+
+
+def test_prefill_budget_splits_but_always_admits_one():
+    s = make(budget=10)
+    s.add(seq("big", n=50))
+    s.add(seq("small", n=3))
+    assert [x.rid for x in s.plan().seqs] == ["big"]
+    assert [x.rid for x in s.plan().seqs] == ["small"]
+
+
+def test_finish_rules():
+    s = make()
+    a, b, c, d = (
+        seq("a", max_new_tokens=2),
+        seq("b"),
+        seq("c", stop_token_ids=(5,)),
+        seq("d", ignore_eos=True),
+    )
+    for x in (a, b, c, d):
+        s.add(x)
+    s.plan()
+    done = s.append_tokens([a, b, c, d], [1, 99, 5, 99], [-1.0] * 4, None)
+    assert {x.rid for x in done} == {"b", "c"}
+    assert b.finish_reason.to_json() == {"type": "stop", "matched": 99}
+    assert c.finish_reason.to_json() == {"type": "stop", "matched": 5}
+    done = s.append_tokens([a, d], [2, 3], [-1.0] * 2, None)
+    assert done == [a] and a.finish_reason.to_json() == {"type": "length", "length": 2}
+    assert d.status == SeqStatus.RUNNING and s.running == [d]
+
+
+def test_stop_string_trims_text_unless_no_stop_trim():
+    s = make()
+    a, b = seq("a", stop=("cd",)), seq("b", stop=("cd",), no_stop_trim=True)
+    for x in (a, b):
+        s.add(x)
+    s.plan()
+    for tok in (0, 1, 2):  # "a", "b", "c"
+        assert s.append_tokens([a, b], [tok, tok], [0.0, 0.0], None) == []
+    done = s.append_tokens([a, b], [3, 3], [0.0, 0.0], None)  # "d" completes "cd"
+    assert done == [a, b]
+    assert a.stop_text_end == 2 and b.stop_text_end == 4
+    assert a.finish_reason.to_json() == {"type": "stop", "matched": "cd"}
+
+
+def test_abort_one_and_all():
+    s = make(max_running=1)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    s.plan()
+    assert s.abort("b", "x") == [b] and not s.waiting
+    assert b.finish_reason.to_json() == {"type": "abort", "message": "x"}
+    assert s.abort(None, "all") == [a] and not s.has_work()
