@@ -1,0 +1,143 @@
+"""The engine client: retries only for connection errors, timeouts, concurrency bound, API key."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from slime.engines.client import ClientConfig, EngineClient, EngineError
+from tests.conftest import start_engine
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _serve(handler, port: int = 0):
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_errors_are_retried_until_server_appears():
+    port = _unused_port()
+    calls = []
+
+    async def handler(request):
+        calls.append(request.path)
+        return web.json_response({"ok": True})
+
+    async def scenario():
+        async def late_start():
+            await asyncio.sleep(0.4)
+            return await _serve(handler, port)
+        starter = asyncio.create_task(late_start())
+        async with EngineClient(f"http://127.0.0.1:{port}", ClientConfig(max_retries=5, retry_backoff_s=0.2)) as c:
+            result = await c.request("GET", "/get_server_info")
+        runner, _ = await starter
+        await runner.cleanup()
+        return result
+    assert run(scenario()) == {"ok": True}
+    assert calls == ["/get_server_info"]
+
+
+def test_gives_up_after_bounded_retries():
+    async def scenario():
+        async with EngineClient(f"http://127.0.0.1:{_unused_port()}",
+                                ClientConfig(max_retries=2, retry_backoff_s=0.01)) as c:
+            await c.get_server_info()
+    with pytest.raises(EngineError, match="after 3 attempts"):
+        run(scenario())
+
+
+def test_timeout_is_not_retried():
+    calls = []
+
+    async def handler(request):
+        calls.append(1)
+        await asyncio.sleep(5)
+        return web.json_response({})
+
+    async def scenario():
+        runner, url = await _serve(handler)
+        try:
+            async with EngineClient(url, ClientConfig(timeout_s=0.3, max_retries=3)) as c:
+                await c.generate([1, 2])
+        finally:
+            await runner.cleanup()
+    with pytest.raises(EngineError, match="timed out"):
+        run(scenario())
+    assert calls == [1]
+
+
+def test_http_errors_are_not_retried_and_carry_the_message():
+    calls = []
+
+    async def handler(request):
+        calls.append(1)
+        return web.json_response({"object": "error", "message": "bad thing", "code": 400}, status=400)
+
+    async def scenario():
+        runner, url = await _serve(handler)
+        try:
+            async with EngineClient(url) as c:
+                await c.generate([1])
+        finally:
+            await runner.cleanup()
+    with pytest.raises(EngineError) as info:
+        run(scenario())
+    assert info.value.status == 400 and "bad thing" in str(info.value) and calls == [1]
+
+
+def test_concurrency_limit():
+    state = {"now": 0, "peak": 0}
+
+    async def handler(request):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.05)
+        state["now"] -= 1
+        return web.json_response({})
+
+    async def scenario():
+        runner, url = await _serve(handler)
+        try:
+            async with EngineClient(url, ClientConfig(max_concurrency=3)) as c:
+                await asyncio.gather(*[c.generate([1]) for _ in range(12)])
+        finally:
+            await runner.cleanup()
+    run(scenario())
+    assert state["peak"] == 3
+
+
+def test_api_key_enforced(tiny_model, tmp_path):
+    with start_engine(tiny_model, tmp_path, "--api-key", "s3cret") as eng:
+        async def scenario():
+            async with EngineClient(eng.url) as anonymous:
+                assert await anonymous.health()  # /health stays open for routers and probes
+                with pytest.raises(EngineError) as info:
+                    await anonymous.get_server_info()
+                assert info.value.status == 401
+                with pytest.raises(EngineError):
+                    await anonymous.generate([1, 2])
+            async with EngineClient(eng.url, ClientConfig(api_key="wrong")) as wrong:
+                with pytest.raises(EngineError):
+                    await wrong.get_model_info()
+            async with EngineClient(eng.url, ClientConfig(api_key="s3cret")) as good:
+                res = await good.generate([1, 2], sampling_params={"max_new_tokens": 2})
+                return res["meta_info"]["prompt_tokens"]
+        assert run(scenario()) == 2
