@@ -48,26 +48,42 @@ def bench_hf_generate(model_path: str, reqs, batch_size: int = 32) -> float:
     useful = sum(m for _, m in reqs)
     start = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
-        batch = reqs[i: i + batch_size]
+        batch = reqs[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, (p, _) in enumerate(batch):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(m for _, m in batch), do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=pad,
-                           min_new_tokens=max(m for _, m in batch))
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in batch),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=None,
+                pad_token_id=pad,
+                min_new_tokens=max(m for _, m in batch),
+            )
     return useful / (time.perf_counter() - start)
 
 
 async def run_engine(url: str, reqs, concurrency: int) -> tuple[float, int]:
     async with EngineClient(url, ClientConfig(max_concurrency=concurrency)) as c:
         start = time.perf_counter()
-        results = await asyncio.gather(*[
-            c.generate(p, sampling_params={"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True},
-                       return_logprob=True) for p, m in reqs])
+        results = await asyncio.gather(
+            *[
+                c.generate(
+                    p,
+                    sampling_params={"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True},
+                    return_logprob=True,
+                )
+                for p, m in reqs
+            ]
+        )
         elapsed = time.perf_counter() - start
     tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     assert tokens == sum(m for _, m in reqs), "engine generated a different number of tokens than requested"
@@ -92,8 +108,9 @@ def main() -> int:
     reqs = make_workload(64, args.seed, vocab)
     rows = []
 
-    engine = start_torch_engine(model_path, ["--num-threads", str(args.threads)],
-                                log_path=os.path.join(tmp, "engine.log"))
+    engine = start_torch_engine(
+        model_path, ["--num-threads", str(args.threads)], log_path=os.path.join(tmp, "engine.log")
+    )
     try:
         asyncio.run(run_engine(engine.url, reqs[:8], 8))  # warm-up
         engine_tps, _ = asyncio.run(run_engine(engine.url, reqs, 64))
@@ -116,16 +133,22 @@ def main() -> int:
     for c, tps in sweep.items():
         rows.append((f"torch engine, concurrency {c}", f"{tps:,.0f}"))
     width = max(len(r[0]) for r in rows)
-    print(f"\nworkload: 64 requests, prompt 8-64, max_new_tokens 16-128 (seed {args.seed}), "
-          f"{sum(m for _, m in reqs)} tokens, {args.threads} threads")
+    print(
+        f"\nworkload: 64 requests, prompt 8-64, max_new_tokens 16-128 (seed {args.seed}), "
+        f"{sum(m for _, m in reqs)} tokens, {args.threads} threads"
+    )
     print(f"{'configuration'.ljust(width)} | tokens/s")
     print(f"{'-' * width}-|---------")
     for name, value in rows:
         print(f"{name.ljust(width)} | {value:>8}")
-    print(f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: {'PASS' if ratio >= 1.5 else 'FAIL'})")
-    print(f"engine RSS: {rss_before / 2**20:.1f} MB before, {rss_after / 2**20:.1f} MB after "
-          f"{args.leak_requests} requests ({leak_time:.1f} s); growth {growth_mb:+.1f} MB "
-          f"(target < 50 MB: {'PASS' if growth_mb < 50 else 'FAIL'})")
+    print(
+        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: {'PASS' if ratio >= 1.5 else 'FAIL'})"
+    )
+    print(
+        f"engine RSS: {rss_before / 2**20:.1f} MB before, {rss_after / 2**20:.1f} MB after "
+        f"{args.leak_requests} requests ({leak_time:.1f} s); growth {growth_mb:+.1f} MB "
+        f"(target < 50 MB: {'PASS' if growth_mb < 50 else 'FAIL'})"
+    )
     return 0
 
 

@@ -45,21 +45,27 @@ def test_connection_errors_are_retried_until_server_appears():
         async def late_start():
             await asyncio.sleep(0.4)
             return await _serve(handler, port)
+
         starter = asyncio.create_task(late_start())
-        async with EngineClient(f"http://127.0.0.1:{port}", ClientConfig(max_retries=5, retry_backoff_s=0.2)) as c:
+        async with EngineClient(
+            f"http://127.0.0.1:{port}", ClientConfig(max_retries=5, retry_backoff_s=0.2)
+        ) as c:
             result = await c.request("GET", "/get_server_info")
         runner, _ = await starter
         await runner.cleanup()
         return result
+
     assert run(scenario()) == {"ok": True}
     assert calls == ["/get_server_info"]
 
 
 def test_gives_up_after_bounded_retries():
     async def scenario():
-        async with EngineClient(f"http://127.0.0.1:{_unused_port()}",
-                                ClientConfig(max_retries=2, retry_backoff_s=0.01)) as c:
+        async with EngineClient(
+            f"http://127.0.0.1:{_unused_port()}", ClientConfig(max_retries=2, retry_backoff_s=0.01)
+        ) as c:
             await c.get_server_info()
+
     with pytest.raises(EngineError, match="after 3 attempts"):
         run(scenario())
 
@@ -79,6 +85,7 @@ def test_timeout_is_not_retried():
                 await c.generate([1, 2])
         finally:
             await runner.cleanup()
+
     with pytest.raises(EngineError, match="timed out"):
         run(scenario())
     assert calls == [1]
@@ -98,6 +105,7 @@ def test_http_errors_are_not_retried_and_carry_the_message():
                 await c.generate([1])
         finally:
             await runner.cleanup()
+
     with pytest.raises(EngineError) as info:
         run(scenario())
     assert info.value.status == 400 and "bad thing" in str(info.value) and calls == [1]
@@ -120,12 +128,14 @@ def test_concurrency_limit():
                 await asyncio.gather(*[c.generate([1]) for _ in range(12)])
         finally:
             await runner.cleanup()
+
     run(scenario())
     assert state["peak"] == 3
 
 
 def test_api_key_enforced(tiny_model, tmp_path):
     with start_engine(tiny_model, tmp_path, "--api-key", "s3cret") as eng:
+
         async def scenario():
             async with EngineClient(eng.url) as anonymous:
                 assert await anonymous.health()  # /health stays open for routers and probes
@@ -140,4 +150,5 @@ def test_api_key_enforced(tiny_model, tmp_path):
             async with EngineClient(eng.url, ClientConfig(api_key="s3cret")) as good:
                 res = await good.generate([1, 2], sampling_params={"max_new_tokens": 2})
                 return res["meta_info"]["prompt_tokens"]
+
         assert run(scenario()) == 2

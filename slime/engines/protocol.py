@@ -260,7 +260,9 @@ class NamedTensorSpec:
 
 def parse_tensor_specs(body: dict[str, Any]) -> list[NamedTensorSpec]:
     """Parse the parallel `names` / `dtypes` / `shapes` lists of update_weights_from_distributed."""
-    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    names: Any = body.get("names")
+    dtypes: Any = body.get("dtypes")
+    shapes: Any = body.get("shapes")
     _expect(
         isinstance(names, list) and len(names) > 0 and all(isinstance(n, str) for n in names),
         "'names' must be a non-empty list of parameter names",

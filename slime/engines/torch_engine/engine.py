@@ -65,11 +65,11 @@ class TorchEngine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.model = load_model(config.model_path, dtype, self.device)
+        self.model: Any = load_model(config.model_path, dtype, self.device)
         model_config = self.model.config
         self.vocab_size = int(model_config.vocab_size)
         self.context_length = int(
-            config.context_length or getattr(model_config, "max_position_embeddings", 4096)
+            config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
         self.runner = make_runner(self.model, config.max_running_requests, self.context_length)
         self.weights = WeightStore(self.model)
@@ -244,7 +244,7 @@ class TorchEngine:
         return ids
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def result_of(self, seq: Sequence, started: float) -> dict[str, Any]:
         """SGLang's /generate response object for one finished sequence."""

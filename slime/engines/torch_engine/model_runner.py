@@ -29,17 +29,17 @@ logger = logging.getLogger(__name__)
 _LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def is_llama_like(model: torch.nn.Module) -> bool:
+def is_llama_like(model: Any) -> bool:
     """True when the batched runner knows this architecture's layer layout."""
     config = model.config
     if getattr(config, "model_type", None) not in _LLAMA_LIKE:
@@ -53,7 +53,7 @@ def is_llama_like(model: torch.nn.Module) -> bool:
     return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
 
 
-def make_runner(model: torch.nn.Module, max_running: int, context_length: int) -> Runner:
+def make_runner(model: Any, max_running: int, context_length: int) -> Runner:
     if is_llama_like(model):
         return BatchedRunner(model, max_running, context_length)
     logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
@@ -154,9 +154,9 @@ def _apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tens
 class BatchedRunner(Runner):
     """Continuous-batching runner for Llama-style decoder stacks (see module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, max_running: int, context_length: int):
+    def __init__(self, model: Any, max_running: int, context_length: int):
         self.model = model
-        self.inner = model.model  # type: ignore[attr-defined]
+        self.inner: Any = model.model
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -222,7 +222,7 @@ class BatchedRunner(Runner):
             h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(B, device=self.device), last_index_B]
-        return self.model.lm_head(self.inner.norm(last)).float()  # type: ignore[attr-defined]
+        return self.model.lm_head(self.inner.norm(last)).float()
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -292,7 +292,7 @@ class BatchedRunner(Runner):
 class GenericRunner(Runner):
     """Any HF causal LM: a DynamicCache per sequence, batch-1 forwards."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):
         self.model = model
         self.active: list[Sequence] = []
         self.device = next(model.parameters()).device

@@ -130,7 +130,7 @@ class EngineAPI:
 
             def on_finish(seq: Sequence, fut: asyncio.Future = fut) -> None:
                 result = self.engine.result_of(seq, started)
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                loop.call_soon_threadsafe(_resolve, fut, result)
 
             futures.append(fut)
             seqs.append(self.engine.make_sequence(req, on_finish))
@@ -313,7 +313,7 @@ class EngineAPI:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = _object(await read_json(request))
         return await self._update(
-            request, body, lambda: self.engine.weights.update_from_disk(body.get("model_path"))
+            request, body, lambda: self.engine.weights.update_from_disk(body.get("model_path", ""))
         )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -421,7 +421,7 @@ def completion_response(
         }
         if body.logprobs is not None:
             ids = res["output_ids"]
-            tokens = [engine.tokenizer.decode([t]) for t in ids]
+            tokens = [str(engine.tokenizer.decode([t])) for t in ids]
             choice["logprobs"] = {
                 "tokens": tokens,
                 "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
@@ -447,6 +447,11 @@ def completion_response(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def _resolve(fut: asyncio.Future, result: Any) -> None:
+    if not fut.done():  # the client may have gone away and cancelled it
+        fut.set_result(result)
 
 
 def _offsets(tokens: list[str]) -> list[int]:

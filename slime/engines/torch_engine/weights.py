@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class WeightStore:
     """Owns the engine model's parameters: validation, updates, release and resume."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):
         self.model = model
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         # Canonical name per parameter object, so aliases (tied weights) count once.
@@ -87,7 +87,7 @@ class WeightStore:
         self.validate(self.specs_of(named))
         return self._apply(named)
 
-    def update_from_disk(self, model_path: str) -> int:
+    def update_from_disk(self, model_path: Any) -> int:
         """Load every tensor of the safetensors files in `model_path` (validated first)."""
         from safetensors import safe_open
 
