@@ -359,3 +359,26 @@ def test_client_maps_errors(engine):
     with pytest.raises(EngineError) as info:
         run(_gen(engine.url, input_ids=[1], sampling_params={"temperature": -1}))
     assert info.value.status == 400 and "temperature" in info.value.message
+
+
+def test_client_disconnect_aborts_the_request(engine):
+    from slime.engines.client import ClientConfig
+
+    async def scenario():
+        async with EngineClient(engine.url) as c:
+            before = (await c.get_server_info())["internal_states"][0]["num_generated_tokens"]
+        async with EngineClient(engine.url, ClientConfig(timeout_s=0.5)) as impatient:
+            with pytest.raises(EngineError, match="timed out"):
+                await impatient.generate(
+                    [1, 2, 3], sampling_params={"max_new_tokens": 1900, "ignore_eos": True}
+                )
+        async with EngineClient(engine.url) as c:
+            for _ in range(100):
+                state = (await c.get_server_info())["internal_states"][0]
+                if state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0:
+                    return state["num_generated_tokens"] - before
+                await asyncio.sleep(0.05)
+        return None
+
+    generated = run(scenario())
+    assert generated is not None and generated < 1900, "the request kept running after its client went away"
