@@ -100,7 +100,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     engine = TorchEngine(config)
     engine.start()
-    runner = web.AppRunner(make_app(engine, args.api_key), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+    runner = web.AppRunner(make_app(engine, args.api_key), access_log=None, handler_cancellation=True)
     await runner.setup()
     sock = bind_socket(args.host, args.port)
     await web.SockSite(runner, sock).start()
