@@ -128,8 +128,9 @@ def test_update_from_distributed_gloo(engine, tiny_model, tiny_model_b, outputs)
     t.join()
     assert res["success"]
     group = holder["g"]
+    v0 = version(engine.url)
     res = _push_distributed(engine.url, list(state_dict(tiny_model_b).items()), group)
-    assert res["success"]
+    assert res["success"] and version(engine.url) != v0
     assert greedy(engine.url) == outputs["b"]
 
     # A refused distributed update still drains the broadcasts, so the group stays usable.

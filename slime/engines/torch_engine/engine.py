@@ -83,6 +83,7 @@ class TorchEngine:
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
+        self._tokenizer_lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self.num_steps = 0
@@ -107,10 +108,12 @@ class TorchEngine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop:
+            # Clear before draining: a command queued after this point sets the event again,
+            # so the wait below cannot sleep through it.
+            self._wakeup.clear()
             self._run_commands()
             if self.paused or self.weights.released or not self.scheduler.has_work():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+                self._wakeup.wait(timeout=1.0)
                 continue
             try:
                 self._step()
@@ -179,7 +182,7 @@ class TorchEngine:
                     f"'input_ids' holds token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                 )
         else:
-            ids = self.tokenizer.encode(req.text, add_special_tokens=False) if req.text else []
+            ids = self.encode(req.text) if req.text else []
             if not ids:
                 raise ProtocolError("'text' tokenizes to no tokens; give a non-empty prompt")
         params = req.sampling_params
@@ -243,8 +246,17 @@ class TorchEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+    # The HTTP thread encodes while the engine thread decodes; a fast tokenizer is not safe to
+    # share across threads ("Already borrowed"), so every use goes through one lock.
+    def encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    decode = _detokenize
 
     def result_of(self, seq: Sequence, started: float) -> dict[str, Any]:
         """SGLang's /generate response object for one finished sequence."""

@@ -421,12 +421,12 @@ def completion_response(
         }
         if body.logprobs is not None:
             ids = res["output_ids"]
-            tokens = [str(engine.tokenizer.decode([t])) for t in ids]
+            tokens = [engine.decode([t], False) for t in ids]
             choice["logprobs"] = {
                 "tokens": tokens,
                 "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
                 "top_logprobs": [
-                    {engine.tokenizer.decode([t]): lp for lp, t, _ in top}
+                    {engine.decode([t], False): lp for lp, t, _ in top}
                     for top in meta.get("output_top_logprobs", [[] for _ in ids])
                 ],
                 "text_offset": _offsets(tokens),
