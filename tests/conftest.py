@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -77,7 +76,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def python() -> str:
-    return sys.executable

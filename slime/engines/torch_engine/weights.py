@@ -9,7 +9,6 @@ offending tensors. Names are Hugging Face parameter names; for tied embeddings b
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable
@@ -236,7 +235,3 @@ def _safetensors_dtype(code: str) -> str:
         "BOOL": "bool",
     }
     return table.get(code, code.lower())
-
-
-def json_dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
