@@ -1,0 +1,125 @@
+"""Policy, KL, entropy and SFT losses: pure tensor math, no distributed code.
+
+Every function works on response tokens laid out as [batch, response_len] with a 0/1 mask
+(padding and tokens excluded from the loss are 0). Reductions are weighted sums: the train
+actor builds one weight per token (`token_weights`) from the *global* batch, so that a
+data-parallel rank summing its share of `values * weights` and the all-reduce of those sums
+give exactly the single-process loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token estimate of KL(actor || reference), with d = log p - log p_ref.
+
+    - k1:  d
+    - k2:  d^2 / 2
+    - k3:  exp(-d) - 1 + d            (unbiased, non-negative)
+    - low_var_kl: k3 with d clamped to [-20, 20] and the result clamped to [-10, 10]
+
+    All four are exactly 0 where the two log-probs are equal.
+    """
+    d = log_probs.float() - ref_log_probs.float()
+    if kl_type == "k1":
+        return d
+    if kl_type == "k2":
+        return 0.5 * d * d
+    if kl_type == "k3":
+        return torch.exp(-d) - 1.0 + d
+    if kl_type == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.exp(-d) - 1.0 + d).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown --kl-loss-type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+
+
+def sequence_mean_kl(ppo_kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log-ratio: every token gets its sequence's masked mean of ppo_kl."""
+    mask_f = mask.to(ppo_kl.dtype)
+    per_seq = (ppo_kl * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+    return per_seq.unsqueeze(-1).expand_as(ppo_kl)
+
+
+def ppo_policy_loss(
+    ppo_kl: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate loss per token.
+
+    With ratio rho = exp(-ppo_kl) = p_new / p_old and advantage A:
+
+        L = max(-rho A, -clip(rho, 1 - eps_clip, 1 + eps_clip_high) A)
+
+    Dual clip (`eps_clip_c` = c > 1, Ye et al. 2020): for A < 0 the loss is additionally bounded
+    by -c A, i.e. L = min(L, -c A).
+
+    Returns:
+        (loss per token, clipfrac per token): clipfrac is 1 where the clipped term was chosen.
+    """
+    ratio = torch.exp(-ppo_kl)
+    loss_unclipped = -ratio * advantages
+    loss_clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = (loss_clipped > loss_unclipped).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"--eps-clip-c must be > 1 (got {eps_clip_c})")
+        bound = -eps_clip_c * advantages
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return loss, clipfrac
+
+
+def tis_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip_high: float, clip_low: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling between the trainer's and the engine's policies.
+
+    w = clamp(exp(log p_trainer_old - log p_engine), clip_low, clip_high). The policy loss is
+    multiplied by w (no gradient flows through w).
+
+    Returns:
+        (weights, clipped): clipped is 1 where the clamp changed the weight.
+    """
+    raw = torch.exp(old_log_probs.float() - rollout_log_probs.float())
+    weights = raw.clamp(min=clip_low, max=clip_high)
+    return weights.detach(), (weights != raw).float()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v over the last dimension (logits already divided by temperature)."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def sft_loss(log_probs: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood per token: -log p(token)."""
+    return -log_probs
+
+
+def token_weights(
+    masks: torch.Tensor, per_token: bool, num_samples_global: int, num_tokens_global: int
+) -> torch.Tensor:
+    """Weights w such that sum(values * w) is the loss reduction over the global batch.
+
+    - per-sample (default): mean over each sample's masked tokens, then mean over samples:
+      w_it = m_it / (sum_t m_it * num_samples_global).
+    - per-token (`--calculate-per-token-loss`): mean over every masked token of the batch:
+      w_it = m_it / num_tokens_global.
+    """
+    mask_f = masks.float()
+    if per_token:
+        return mask_f / max(num_tokens_global, 1)
+    lengths = mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    return mask_f / (lengths * max(num_samples_global, 1))
+
+
+def weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(values * weights): the reduction every loss and metric goes through."""
+    return (values.float() * weights).sum()

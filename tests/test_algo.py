@@ -1,0 +1,224 @@
+"""slime/algo against hand-computed examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slime.algo import advantages as adv
+from slime.algo import losses
+from slime.algo.objective import LossConfig, MicroBatchTerms, micro_batch_loss
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# ---- group reward normalisation -------------------------------------------------------------
+def test_grpo_group_mean_and_unbiased_std():
+    # group 0: rewards 1, 0, 0, 1 -> mean 0.5, unbiased std sqrt(1/3); group 1: 2, 4 -> mean 3, std sqrt(2)
+    out = adv.normalize_group_rewards([1, 0, 0, 1, 2, 4], [0, 0, 0, 0, 1, 1], "grpo")
+    s0 = math.sqrt(1 / 3) + 1e-6
+    s1 = math.sqrt(2) + 1e-6
+    expected = t(0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0, -1 / s1, 1 / s1)
+    torch.testing.assert_close(out, expected)
+
+
+def test_grpo_without_std_and_gspo_share_it():
+    out = adv.normalize_group_rewards([1, 0, 0, 1], [7, 7, 7, 7], "grpo", std_normalization=False)
+    torch.testing.assert_close(out, t(0.5, -0.5, -0.5, 0.5))
+    gspo = adv.normalize_group_rewards([1, 0, 0, 1], [7, 7, 7, 7], "gspo")
+    torch.testing.assert_close(gspo, adv.normalize_group_rewards([1, 0, 0, 1], [7, 7, 7, 7], "grpo"))
+
+
+def test_rloo_leave_one_out_baseline():
+    # r = 1, 2, 6: baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5
+    out = adv.normalize_group_rewards([1, 2, 6], [0, 0, 0], "rloo")
+    torch.testing.assert_close(out, t(1 - 4, 2 - 3.5, 6 - 1.5))
+
+
+def test_reinforce_baseline_and_plain():
+    torch.testing.assert_close(
+        adv.normalize_group_rewards([1, 3], [0, 0], "reinforce_plus_plus_baseline"), t(-1.0, 1.0)
+    )
+    torch.testing.assert_close(
+        adv.normalize_group_rewards([1, 3], [0, 0], "reinforce_plus_plus"), t(1.0, 3.0)
+    )
+
+
+def test_groups_are_found_by_index_not_position_and_singletons_get_zero():
+    out = adv.normalize_group_rewards([1, 5, 3, 9], [0, 1, 0, 2], "grpo", std_normalization=False)
+    torch.testing.assert_close(out, t(-1.0, 0.0, 1.0, 0.0))
+
+
+def test_unknown_estimator_is_rejected():
+    with pytest.raises(ValueError, match="advantage estimator"):
+        adv.normalize_group_rewards([1.0], [0], "ppo2")
+
+
+# ---- per-token advantages -------------------------------------------------------------------
+def test_grpo_advantage_broadcast_over_masked_tokens():
+    out = adv.compute_advantages("grpo", t(0.5, -2.0), [t(1, 1, 0), t(0, 1)])
+    torch.testing.assert_close(out[0], t(0.5, 0.5, 0.0))
+    torch.testing.assert_close(out[1], t(0.0, -2.0))
+
+
+def test_reinforce_plus_plus_discounted_returns_with_kl_penalty():
+    # kl_coef 0.1, gamma 0.5, kl = (1, 2, 3), reward 1 on the last token:
+    # x = (-0.1, -0.2, -0.3 + 1) ; G2 = 0.7 ; G1 = -0.2 + 0.35 = 0.15 ; G0 = -0.1 + 0.075 = -0.025
+    out = adv.compute_advantages(
+        "reinforce_plus_plus", t(1.0), [t(1, 1, 1)], kl=[t(1, 2, 3)], kl_coef=0.1, gamma=0.5
+    )
+    torch.testing.assert_close(out[0], t(-0.025, 0.15, 0.7))
+
+
+def test_reinforce_plus_plus_masked_token_does_not_advance_discount():
+    # mask (1, 0, 1): the middle token is skipped; G2 = 1, G0 = 0 + 0.5 * 1
+    out = adv.compute_advantages("reinforce_plus_plus", t(1.0), [t(1, 0, 1)], gamma=0.5)
+    torch.testing.assert_close(out[0], t(0.5, 0.0, 1.0))
+
+
+def test_reinforce_baseline_subtracts_kl():
+    out = adv.compute_advantages(
+        "reinforce_plus_plus_baseline", t(2.0), [t(1, 1)], kl=[t(1.0, -1.0)], kl_coef=0.5
+    )
+    torch.testing.assert_close(out[0], t(1.5, 2.5))
+
+
+def test_reinforce_needs_kl_when_coef_set():
+    with pytest.raises(ValueError, match="--kl-coef"):
+        adv.compute_advantages("reinforce_plus_plus", t(1.0), [t(1, 1)], kl=None, kl_coef=0.1)
+
+
+def test_whitening_uses_global_stats_over_masked_tokens():
+    values = [t(1, 2, 99), t(3, 4)]
+    masks = [t(1, 1, 0), t(1, 1)]
+    # split across two "ranks": stats add up
+    stats = adv.whitening_stats(values[:1], masks[:1]) + adv.whitening_stats(values[1:], masks[1:])
+    out = adv.whiten(values, masks, stats)
+    # tokens 1,2,3,4: mean 2.5, biased var 1.25
+    scale = 1 / math.sqrt(1.25 + 1e-8)
+    torch.testing.assert_close(out[0], t(-1.5 * scale, -0.5 * scale, 0.0))
+    torch.testing.assert_close(out[1], t(0.5 * scale, 1.5 * scale))
+
+
+# ---- losses ---------------------------------------------------------------------------------
+def test_kl_estimators_by_hand():
+    lp, ref = t(-1.0, -2.0), t(-1.5, -2.0)  # d = 0.5, 0
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k1"), t(0.5, 0.0))
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k2"), t(0.125, 0.0))
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k3"), t(math.exp(-0.5) - 1 + 0.5, 0.0))
+    big = losses.approx_kl(t(0.0), t(-40.0), "low_var_kl")  # d = 40 -> clamp 20 -> 19+e^-20 -> clamp 10
+    torch.testing.assert_close(big, t(10.0))
+    for kind in losses.KL_TYPES:
+        assert torch.equal(losses.approx_kl(lp, lp.clone(), kind), torch.zeros(2))
+
+
+def test_ppo_clip_by_hand():
+    # ratios: e^0.5 (above 1.2), e^-0.5 (below 0.8), 1.1 (inside)
+    ppo_kl = t(-0.5, 0.5, -math.log(1.1))
+    a = t(1.0, 1.0, -2.0)
+    loss, clipfrac = losses.ppo_policy_loss(ppo_kl, a, eps_clip=0.2, eps_clip_high=0.2)
+    # A>0, rho=1.6487: max(-1.6487, -1.2) = -1.2 (clipped); A>0, rho=0.6065: max(-0.6065, -0.8) = -0.6065
+    # A<0, rho=1.1: max(2.2, 2.2) = 2.2
+    torch.testing.assert_close(loss, t(-1.2, -math.exp(-0.5), 2.2))
+    torch.testing.assert_close(clipfrac, t(1.0, 0.0, 0.0))
+
+
+def test_asymmetric_clip_and_dual_clip():
+    ppo_kl = t(-math.log(1.25), -math.log(5.0))
+    loss, _ = losses.ppo_policy_loss(ppo_kl, t(1.0, -1.0), eps_clip=0.2, eps_clip_high=0.28)
+    torch.testing.assert_close(loss, t(-1.25, 5.0))  # 1.25 inside (0.8, 1.28); A<0: max(5, 1.28) = 5
+    dual, _ = losses.ppo_policy_loss(ppo_kl, t(1.0, -1.0), 0.2, 0.28, eps_clip_c=3.0)
+    torch.testing.assert_close(dual, t(-1.25, 3.0))  # bounded by -c*A = 3
+
+
+def test_tis_weights_clamped():
+    w, clipped = losses.tis_weights(t(0.0, 0.0, 0.0), t(-2.0, 0.0, 1.0), clip_high=2.0, clip_low=0.5)
+    torch.testing.assert_close(w, t(2.0, 1.0, 0.5))  # e^2 -> 2 ; 1 ; e^-1=0.37 -> 0.5
+    torch.testing.assert_close(clipped, t(1.0, 0.0, 1.0))
+
+
+def test_entropy_uniform_and_peaked():
+    ent = losses.entropy_from_logits(torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(ent, t(math.log(4), 0.0), atol=1e-6, rtol=0)
+
+
+def test_token_weights_per_sample_and_per_token():
+    masks = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    w = losses.token_weights(masks, per_token=False, num_samples_global=4, num_tokens_global=0)
+    torch.testing.assert_close(w[0], t(1 / 8, 1 / 8, 0, 0))
+    torch.testing.assert_close(w[1], t(1 / 16, 1 / 16, 1 / 16, 1 / 16))
+    w = losses.token_weights(masks, per_token=True, num_samples_global=0, num_tokens_global=12)
+    torch.testing.assert_close(w[1], t(1 / 12, 1 / 12, 1 / 12, 1 / 12))
+
+
+# ---- the objective --------------------------------------------------------------------------
+def _terms(**kw):
+    mask = torch.tensor([[1, 1, 0]])
+    base = dict(
+        log_probs=torch.tensor([[-1.0, -2.0, -5.0]]),
+        mask=mask,
+        weights=losses.token_weights(mask, False, 1, 0),
+        old_log_probs=torch.tensor([[-1.0, -2.0, -5.0]]),
+        advantages=torch.tensor([[1.0, 1.0, 0.0]]),
+        ref_log_probs=torch.tensor([[-1.5, -2.0, -5.0]]),
+        entropy=torch.tensor([[2.0, 4.0, 9.0]]),
+    )
+    base.update(kw)
+    return MicroBatchTerms(**base)
+
+
+def test_objective_combines_terms_by_hand():
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1)
+    loss, m = micro_batch_loss(cfg, _terms())
+    # ratio 1 -> pg = mean(-1, -1) = -1 ; entropy mean(2, 4) = 3 ; k1 = mean(0.5, 0) = 0.25
+    assert m["pg_loss"].item() == pytest.approx(-1.0)
+    assert m["entropy"].item() == pytest.approx(3.0)
+    assert m["kl_loss"].item() == pytest.approx(0.25)
+    assert loss.item() == pytest.approx(-1.0 - 0.1 * 3.0 + 0.5 * 0.25)
+    assert m["ppo_kl"].item() == 0.0 and m["pg_clipfrac"].item() == 0.0
+
+
+def test_objective_at_step0_has_exact_zero_kl():
+    lp = torch.tensor([[-1.25, -2.5, -0.125]])
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="low_var_kl")
+    _, m = micro_batch_loss(cfg, _terms(log_probs=lp, old_log_probs=lp.clone(), ref_log_probs=lp.clone()))
+    assert m["kl_loss"].item() == 0.0 and m["ppo_kl"].item() == 0.0
+
+
+def test_objective_gspo_uses_sequence_ratio():
+    # token log-ratios 0.4 and 0 -> sequence mean 0.2, ratio e^0.2 = 1.2214 > 1.2 -> clipped for both tokens
+    lp = torch.tensor([[-0.6, -2.0, -5.0]])
+    _, m = micro_batch_loss(LossConfig(advantage_estimator="gspo"), _terms(log_probs=lp))
+    assert m["pg_clipfrac"].item() == pytest.approx(1.0)
+    assert m["pg_loss"].item() == pytest.approx(-1.2)
+    _, m = micro_batch_loss(LossConfig(advantage_estimator="grpo"), _terms(log_probs=lp))
+    assert m["pg_clipfrac"].item() == pytest.approx(0.5)  # only the first token (ratio e^0.4) clips
+
+
+def test_objective_tis_and_sft():
+    cfg = LossConfig(use_tis=True, tis_clip=2.0)
+    _, m = micro_batch_loss(cfg, _terms(rollout_log_probs=torch.tensor([[-3.0, -2.0, 0.0]])))
+    # weights (clamp(e^2)=2, 1) -> pg = mean(-2, -1) = -1.5 ; tis mean 1.5 ; clipfrac 0.5
+    assert m["pg_loss"].item() == pytest.approx(-1.5)
+    assert m["tis"].item() == pytest.approx(1.5) and m["tis_clipfrac"].item() == pytest.approx(0.5)
+    loss, m = micro_batch_loss(LossConfig(loss_type="sft_loss"), _terms())
+    assert loss.item() == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(loss_type="dpo"), "--loss-type"),
+        (dict(kl_loss_type="k9"), "--kl-loss-type"),
+        (dict(eps_clip_c=0.5), "--eps-clip-c"),
+        (dict(eps_clip=1.5), "--eps-clip"),
+        (dict(use_tis=True, tis_clip=1.0, tis_clip_low=2.0), "--tis-clip-low"),
+    ],
+)
+def test_loss_config_names_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        LossConfig(**kwargs)
