@@ -41,3 +41,39 @@ def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     group.broadcast([tensor], opts).wait()
+
+
+def init_train_group(
+    device: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout_minutes: float = 10.0,
+) -> tuple[int, int]:
+    """Join the trainer's default process group: gloo on CPU, NCCL on CUDA.
+
+    Rank, world size and rendezvous come from the arguments or, when omitted, from the
+    environment that torchrun and the Ray layer set (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, LOCAL_RANK). Returns (rank, world_size).
+    """
+    import os
+
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            "no rendezvous for the train process group: pass init_method or set MASTER_ADDR/MASTER_PORT"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return rank, world_size

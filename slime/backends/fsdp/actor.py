@@ -1,0 +1,398 @@
+"""The FSDP2 train actor: one data-parallel rank that computes log-probs and trains.
+
+Losses are reduced over the *global* batch (see slime.algo.losses.token_weights) and FSDP
+sums gradients across ranks instead of averaging them, so N ranks compute the same gradient
+as one rank given the same global batch. Every rank receives the whole rollout and derives
+the same plan from it; the only collectives are FSDP's own, the all-reduces of metrics and
+whitening statistics, and the gradient-norm reduction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.algo import advantages as adv
+from slime.algo.losses import approx_kl, token_weights
+from slime.algo.objective import MicroBatchTerms, micro_batch_loss
+from slime.backends import batching
+from slime.backends.fsdp import checkpoint as ckpt
+from slime.backends.fsdp import model_init
+from slime.backends.fsdp.forward import MicroBatch, make_micro_batch, response_log_probs
+from slime.backends.interface import RolloutBatch, TrainOutput
+from slime.backends.optim import LRSchedule, make_adamw
+from slime.config.train import TrainConfig
+from slime.utils.distributed import init_train_group
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step: this rank's micro-batches and the global normalisers."""
+
+    micro_batches: list[list[int]]
+    num_samples: int
+    num_tokens: int
+
+
+class FSDPTrainActor:
+    """Implements slime.backends.interface.TrainActor with torch FSDP2 (fully_shard)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+    ):
+        self.cfg = cfg
+        self._dist_args = (rank, world_size, init_method)
+        self.rank = 0
+        self.world_size = 1
+        # Set by init().
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer
+        self.schedule: LRSchedule
+        self.ref_shards: dict[str, torch.Tensor] | None = None
+        self.hf_config: Any = None
+        self.rollout_id = -1  # last rollout trained (or resumed)
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def init(self) -> dict[str, Any]:
+        cfg = self.cfg
+        # Checks that read only files run before the process group exists: a bad flag is then
+        # the same error on every rank, never a hang.
+        self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
+        if cfg.ref_load and cfg.loss.needs_ref:
+            model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+        self.rank, self.world_size = init_train_group(
+            cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
+        )
+        cfg.batch.check_layout(self.world_size)
+        torch.manual_seed(cfg.seed)
+        self.device = (
+            torch.device(cfg.device, torch.cuda.current_device())
+            if cfg.device == "cuda"
+            else torch.device("cpu")
+        )
+        self.model = self._build_model()
+        self.optimizer = make_adamw(self.model.parameters(), cfg.optimizer)
+        self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
+        if cfg.loss.needs_ref:
+            if cfg.ref_load and cfg.ref_load != cfg.hf_checkpoint:
+                self.ref_shards = model_init.read_local_shards(
+                    self.model, cfg.ref_load, self.rank, self.world_size
+                )
+            else:
+                self.ref_shards = model_init.snapshot_shards(self.model)
+        resumed = None
+        if cfg.load:
+            resumed = self.load(cfg.load)
+        info = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "local_state_bytes": self.local_state_bytes(),
+            "resumed_rollout_id": resumed,
+        }
+        logger.info("rank %d/%d: FSDP actor ready %s", self.rank, self.world_size, info)
+        return info
+
+    def _build_model(self) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        fsdp = self.cfg.fsdp
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        model = model_init.build_meta_model(self.hf_config, fsdp.attn_implementation)
+        if fsdp.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=_DTYPES[fsdp.reduce_dtype]
+        )
+        offload = CPUOffloadPolicy() if fsdp.cpu_offload else None
+        model = model_init.shard_model(model, mesh, self.device, mp, offload)
+        shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size)
+        model_init.copy_into_shards(model, shards)
+        del shards
+        # Each rank's loss is its share of the global mean: gradients must be summed, not
+        # averaged. A plain SUM (no pre/post division) is also the only reduction gloo has.
+        for module in model_init.fsdp_modules(model):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        model.train()
+        return model
+
+    def local_state_bytes(self) -> int:
+        """Bytes of this rank's parameter shards plus optimizer states."""
+        total = sum(model_init.local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += model_init.local_tensor(value).numel() * value.element_size()
+        return total
+
+    # ---- planning ---------------------------------------------------------------------------
+    def plan(self, batch: RolloutBatch, max_tokens: int | None = None) -> list[StepPlan]:
+        """Every rank computes every rank's packing, so micro-batch counts agree without talking."""
+        b = self.cfg.batch
+        lengths = [len(t) for t in batch.tokens]
+        masks = batch.loss_masks
+        plans = []
+        for step in batching.split_steps(len(batch), b.global_batch_size):
+            shares = batching.balanced_shares(step, lengths, self.world_size)
+            if b.use_dynamic_batch_size:
+                budget = max_tokens or b.max_tokens_per_gpu
+                assert budget is not None
+                per_rank = [batching.pack_micro_batches(s, lengths, budget) for s in shares]
+            else:
+                per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
+            count = max(len(mbs) for mbs in per_rank)
+            mine = batching.split_to_count(per_rank[self.rank], count)
+            num_tokens = sum(sum(masks[i]) if masks is not None else batch.response_lengths[i] for i in step)
+            plans.append(StepPlan(mine, len(step), int(num_tokens)))
+        return plans
+
+    def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
+        return make_micro_batch(
+            positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device
+        )
+
+    # ---- log-probs --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for step in plans:
+            for positions in step.micro_batches:
+                mb = self._micro_batch(batch, positions)
+                log_probs, _ = response_log_probs(self.model, mb, self.cfg.rollout_temperature, False)
+                log_probs = log_probs.cpu()
+                for row, p in enumerate(mb.positions):
+                    out[p] = log_probs[row, : mb.response_lengths[row]].clone()
+        model_init.reshard(self.model)
+        return out
+
+    def _log_prob_plans(self, batch: RolloutBatch, train_plans: list[StepPlan]) -> list[StepPlan]:
+        # The same micro-batches as training (same padding, same kernels) make the first step's
+        # ppo_kl exactly 0; a separate log-prob budget trades that for memory.
+        budget = self.cfg.batch.log_probs_max_tokens_per_gpu
+        if (
+            budget is None
+            or not self.cfg.batch.use_dynamic_batch_size
+            or budget == self.cfg.batch.max_tokens_per_gpu
+        ):
+            return train_plans
+        return self.plan(batch, max_tokens=budget)
+
+    def compute_log_probs(self, batch: RolloutBatch, use_reference: bool = False) -> dict[int, list[float]]:
+        batch.validate(self.hf_config.vocab_size)
+        plans = self._log_prob_plans(batch, self.plan(batch))
+        if use_reference:
+            with self._reference_weights():
+                values = self._log_prob_pass(batch, plans)
+        else:
+            values = self._log_prob_pass(batch, plans)
+        index = batch.sample_indices or list(range(len(batch)))
+        return {index[p]: v.tolist() for p, v in values.items()}
+
+    class _Swap:
+        def __init__(self, actor: FSDPTrainActor):
+            self.actor = actor
+
+        def __enter__(self) -> None:
+            self.saved = model_init.snapshot_shards(self.actor.model)
+            assert self.actor.ref_shards is not None
+            model_init.copy_into_shards(self.actor.model, self.actor.ref_shards)
+
+        def __exit__(self, *exc: object) -> None:
+            model_init.copy_into_shards(self.actor.model, self.saved)
+
+    def _reference_weights(self) -> FSDPTrainActor._Swap:
+        """Context: the reference weights are in the model, the actor's are restored after."""
+        if self.ref_shards is None:
+            raise RuntimeError(
+                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
+            )
+        return FSDPTrainActor._Swap(self)
+
+    # ---- training ---------------------------------------------------------------------------
+    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+        loss_cfg = self.cfg.loss
+        batch.validate(self.hf_config.vocab_size, need_rollout_log_probs=loss_cfg.needs_rollout_log_probs)
+        plans = self.plan(batch)
+        mine = [p for step in plans for mb in step.micro_batches for p in mb]
+        output = TrainOutput()
+        old = ref = None
+        if loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None:
+            lp_plans = self._log_prob_plans(batch, plans)
+            old = self._log_prob_pass(batch, lp_plans)
+            if loss_cfg.needs_ref:
+                with self._reference_weights():
+                    ref = self._log_prob_pass(batch, lp_plans)
+            output.rollout.update(self._rollout_metrics(batch, mine, old))
+        advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
+        for step in plans:
+            output.steps.append(self._train_step(batch, step, old, ref, advantages))
+        self.rollout_id = rollout_id
+        return output
+
+    def _advantages(
+        self, batch: RolloutBatch, mine: list[int], old: Any, ref: Any
+    ) -> dict[int, torch.Tensor]:
+        cfg = self.cfg.loss
+        scalars = adv.normalize_group_rewards(
+            batch.rewards,
+            batch.group_indices,
+            cfg.advantage_estimator,
+            not cfg.disable_grpo_std_normalization,
+        )
+        masks = [self._loss_mask(batch, p) for p in mine]
+        kl = [approx_kl(old[p], ref[p], cfg.kl_loss_type) for p in mine] if ref is not None else None
+        values = adv.compute_advantages(
+            cfg.advantage_estimator, scalars[mine], masks, kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma
+        )
+        if cfg.normalize_advantages or cfg.advantage_estimator.startswith("reinforce_plus_plus"):
+            stats = adv.whitening_stats(values, masks)
+            dist.all_reduce(stats)
+            values = adv.whiten(values, masks, stats)
+        return dict(zip(mine, values))
+
+    @staticmethod
+    def _loss_mask(batch: RolloutBatch, p: int) -> torch.Tensor:
+        if batch.loss_masks is not None:
+            return torch.tensor(batch.loss_masks[p], dtype=torch.float32)
+        return torch.ones(batch.response_lengths[p])
+
+    def _rollout_metrics(
+        self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor]
+    ) -> dict[str, float]:
+        if batch.rollout_log_probs is None:
+            return {}
+        total = torch.zeros(2, dtype=torch.float64)  # sum of |diff|, number of tokens
+        worst = torch.zeros(1, dtype=torch.float64)
+        for p in mine:
+            mask = self._loss_mask(batch, p).bool()
+            diff = (old[p] - torch.tensor(batch.rollout_log_probs[p]))[mask].abs().double()
+            if diff.numel():
+                total += torch.stack([diff.sum(), diff.new_tensor(diff.numel())])
+                worst = torch.maximum(worst, diff.max().reshape(1))
+        dist.all_reduce(total)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {
+            "train_rollout_logprob_abs_diff": float(total[0] / total[1].clamp(min=1)),
+            "train_rollout_logprob_abs_diff_max": float(worst[0]),
+        }
+
+    def _train_step(
+        self,
+        batch: RolloutBatch,
+        step: StepPlan,
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        advantages: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        entropy_grad = cfg.loss.entropy_coef != 0
+        for positions in step.micro_batches:
+            mb = self._micro_batch(batch, positions)
+            log_probs, entropy = self._forward_train(mb, entropy_grad)
+            weights = token_weights(
+                mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples, step.num_tokens
+            )
+
+            dev = log_probs.device
+
+            def lay_out(values: Any, _mb: MicroBatch = mb, _dev: torch.device = dev) -> torch.Tensor | None:
+                return (
+                    None
+                    if values is None
+                    else _mb.response_tensor([values[p] for p in _mb.positions]).to(_dev)
+                )
+
+            terms = MicroBatchTerms(
+                log_probs=log_probs,
+                mask=mb.loss_mask.to(dev),
+                weights=weights.to(dev),
+                old_log_probs=lay_out(old),
+                advantages=lay_out(advantages),
+                ref_log_probs=lay_out(ref),
+                rollout_log_probs=lay_out(batch.rollout_log_probs),
+                entropy=entropy,
+            )
+            loss, metrics = micro_batch_loss(cfg.loss, terms)
+            loss.backward()
+            for name, value in metrics.items():
+                sums[name] += value.double().cpu()
+        grad_norm = self._clip_gradients()
+        lr = self.schedule.lr
+        self.optimizer.step()
+        self.schedule.step()
+        names = sorted(sums)
+        reduced = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
+        dist.all_reduce(reduced)
+        result = {n: float(v) for n, v in zip(names, reduced)}
+        result.update(grad_norm=grad_norm, lr=lr)
+        return result
+
+    def _forward_train(self, mb: MicroBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs, entropy = response_log_probs(self.model, mb, self.cfg.rollout_temperature, True)
+        assert entropy is not None
+        return log_probs, entropy if entropy_grad else entropy.detach()
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optimizer.clip_grad or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
+
+    # ---- checkpoints and weights ------------------------------------------------------------
+    def save(self, rollout_id: int, path: str) -> str:
+        return ckpt.save_checkpoint(self, rollout_id, path)
+
+    def load(self, path: str) -> int | None:
+        rollout_id = ckpt.load_checkpoint(self, path)
+        if rollout_id is not None:
+            self.rollout_id = rollout_id
+        return rollout_id
+
+    def save_hf(self, path: str) -> None:
+        ckpt.save_hf_checkpoint(self, path)
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return ckpt.export_weight_buckets(self.model, bucket_bytes)
+
+    # ---- colocation -------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Move parameters and optimizer states to host memory (no-op on --device cpu)."""
+        self._move("cpu")
+
+    def wake(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str | torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        if torch.device(device).type == "cpu":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

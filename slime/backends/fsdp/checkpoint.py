@@ -1,0 +1,271 @@
+"""Checkpoints of the FSDP actor, Hugging Face export, and the weight-export iterator.
+
+Layout of `--save DIR` (Megatron's, so tools and habits carry over):
+
+    DIR/latest_checkpointed_iteration.txt     rollout id of the newest complete checkpoint
+    DIR/iter_0000007/model_optim/             torch.distributed.checkpoint (sharded, reshardable)
+    DIR/iter_0000007/trainer_state.pt         LR schedule, rollout id, world size, RNG per rank
+
+A checkpoint is written into `iter_XXXXXXX.partial` and renamed by rank 0 only after every
+rank finished, and the tracker file is replaced atomically after that: an interrupted save
+never becomes the one a resume picks. DCP stores each shard with its global offsets, so a
+checkpoint saved by N ranks loads on M ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from slime.backends.fsdp.actor import FSDPTrainActor
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+def iteration_dir(root: str, rollout_id: int) -> str:
+    return os.path.join(root, f"iter_{rollout_id:07d}")
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _broadcast_error(message: str | None) -> None:
+    """Raise the same error on every rank if rank 0 found one (keeps ranks in step)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RuntimeError(box[0])
+
+
+def save_checkpoint(actor: FSDPTrainActor, rollout_id: int, root: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = iteration_dir(root, rollout_id)
+    partial = final + ".partial"
+    error = None
+    if actor.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as e:
+            error = f"--save {root!r}: cannot create {partial!r} ({e})"
+    _broadcast_error(error)
+    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(partial, "model_optim"))
+    rng = [None] * actor.world_size
+    dist.all_gather_object(rng, _rng_state())
+    if actor.rank == 0:
+        state = {
+            "format_version": FORMAT_VERSION,
+            "rollout_id": rollout_id,
+            "world_size": actor.world_size,
+            "schedule": actor.schedule.state_dict(),
+            "rng": rng,
+            "hf_checkpoint": actor.cfg.hf_checkpoint,
+        }
+        torch.save(state, os.path.join(partial, "trainer_state.pt"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _atomic_write_text(os.path.join(root, TRACKER), str(rollout_id))
+        logger.info("saved checkpoint %s (%d ranks)", final, actor.world_size)
+    dist.barrier()
+    return final
+
+
+def latest_rollout_id(root: str) -> int | None:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        return int(f.read().strip())
+
+
+def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
+    """Resume model, optimizer, schedule and RNG from the newest checkpoint under `root`.
+
+    Returns the rollout id it was saved at, or None when `root` has no checkpoint yet (a fresh
+    run with --load pointing at its own --save directory starts from --hf-checkpoint).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"--load {root!r} does not exist")
+    rollout_id = latest_rollout_id(root)
+    if rollout_id is None:
+        logger.info("--load %s has no %s yet: starting from --hf-checkpoint", root, TRACKER)
+        return None
+    directory = iteration_dir(root, rollout_id)
+    state_file = os.path.join(directory, "trainer_state.pt")
+    if not os.path.exists(state_file):
+        raise FileNotFoundError(
+            f"--load {root!r}: {TRACKER} names rollout {rollout_id} but {state_file} is missing"
+        )
+    state = torch.load(state_file, weights_only=False)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{state_file}: format_version {state.get('format_version')}, expected {FORMAT_VERSION}"
+        )
+    actor.schedule.load_state_dict(state["schedule"], override=actor.cfg.override_opt_param_scheduler)
+    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    # dcp.load fills these dicts in place (tensors are loaded into the local shards' layout).
+    dcp.load(
+        {"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, "model_optim")
+    )
+    set_state_dict(actor.model, actor.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    _apply_optimizer_flags(actor)
+    rng = state["rng"]
+    if state["world_size"] == actor.world_size:
+        _set_rng_state(rng[actor.rank])
+    else:
+        logger.warning(
+            "checkpoint saved by %d ranks, resumed on %d: RNG streams restart from rank 0's state",
+            state["world_size"],
+            actor.world_size,
+        )
+        _set_rng_state(rng[0])
+    logger.info(
+        "resumed %s (saved by %d ranks) on %d ranks", directory, state["world_size"], actor.world_size
+    )
+    return rollout_id
+
+
+def _apply_optimizer_flags(actor: FSDPTrainActor) -> None:
+    """Loaded param_groups carry the saved hyper-parameters; the schedule decides the lr."""
+    cfg = actor.cfg.optimizer
+    for group in actor.optimizer.param_groups:
+        if actor.cfg.override_opt_param_scheduler:
+            group.update(
+                weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps
+            )
+        group["lr"] = actor.schedule.lr
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- weights out ------------------------------------------------------------------------------
+def export_weight_buckets(
+    model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield [(HF name, full tensor)] buckets of at most `bucket_bytes` (a larger tensor alone).
+
+    Every rank must iterate: each tensor is all-gathered when its bucket is built, so at most
+    one bucket of full tensors exists at a time. Tied parameters are yielded once, under the
+    name `named_parameters()` gives (the one a Hugging Face save keeps).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {bucket_bytes}")
+    params = list(model.named_parameters())
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, param in params:
+        nbytes = param.numel() * (dtype.itemsize if dtype else param.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        full = full.detach()
+        bucket.append((name, full.to(dtype) if dtype else full))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30) -> None:
+    """A plain Hugging Face directory: safetensors (sharded past `shard_bytes`), config, tokenizer.
+
+    Written into a temporary sibling directory and renamed when complete.
+    """
+    from safetensors.torch import save_file
+
+    final = os.path.abspath(path)
+    partial = final + ".partial"
+    if actor.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    files: list[list[str]] = []
+    index: dict[str, str] = {}
+    dtype = checkpoint_dtype(actor.hf_config)
+    for bucket in export_weight_buckets(actor.model, shard_bytes, dtype):
+        if actor.rank == 0:
+            files.append([n for n, _ in bucket])
+            name = f"model-{len(files):05d}.safetensors"
+            save_file(
+                {n: t.contiguous().cpu() for n, t in bucket},
+                os.path.join(partial, name),
+                metadata={"format": "pt"},
+            )
+            index.update(dict.fromkeys(files[-1], name))
+    if actor.rank == 0:
+        _finish_hf_dir(actor, partial, final, index, len(files))
+    dist.barrier()
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype:
+    """The dtype a Hugging Face config declares for its weights (float32 when it declares none)."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    if isinstance(declared, str) and isinstance(getattr(torch, declared, None), torch.dtype):
+        return getattr(torch, declared)
+    return torch.float32
+
+
+def _finish_hf_dir(
+    actor: FSDPTrainActor, partial: str, final: str, index: dict[str, str], num_files: int
+) -> None:
+    if num_files == 1:
+        os.replace(
+            os.path.join(partial, "model-00001.safetensors"), os.path.join(partial, "model.safetensors")
+        )
+    else:
+        renamed = {}
+        for k in range(1, num_files + 1):
+            new = f"model-{k:05d}-of-{num_files:05d}.safetensors"
+            os.replace(os.path.join(partial, f"model-{k:05d}.safetensors"), os.path.join(partial, new))
+            renamed[f"model-{k:05d}.safetensors"] = new
+        with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {n: renamed[v] for n, v in index.items()}}, f, indent=2)
+    actor.hf_config.save_pretrained(partial)
+    source = actor.cfg.hf_checkpoint
+    for name in os.listdir(source):
+        if name.startswith(
+            ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")
+        ):
+            shutil.copy2(os.path.join(source, name), os.path.join(partial, name))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    logger.info("saved Hugging Face checkpoint %s (%d files)", final, num_files)

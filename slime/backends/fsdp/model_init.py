@@ -1,0 +1,268 @@
+"""Build a Hugging Face causal LM sharded with FSDP2, without ever holding the full model.
+
+1. The module tree is built with its *parameters* on the meta device (buffers such as rotary
+   frequencies are computed for real: they are small and not stored in checkpoints).
+2. `fully_shard` is applied to every decoder layer, then to the root, so each parameter
+   belongs to exactly one FSDP group.
+3. Each rank allocates only its own shard and reads only its own rows of every tensor from
+   the safetensors files (`get_slice`), so no rank ever holds more than one tensor's shard.
+
+The result is bit-identical to a single-process `from_pretrained` in float32: the same bytes,
+cast once, land in the same places.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """An --hf-checkpoint/--ref-load directory the trainer cannot use."""
+
+
+def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint") -> Any:
+    """Load and sanity-check a checkpoint's config; returns it.
+
+    Refuses a missing directory, one without config.json or weights, a config that is not a
+    causal LM, and a config whose vocab_size is smaller than its tokenizer's vocabulary.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{flag} {path!r} has no config.json: not a Hugging Face checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for bad configs
+        raise CheckpointError(f"{flag} {path!r}: config.json cannot be read ({e})") from e
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise CheckpointError(
+            f"{flag} {path!r}: model_type {config.model_type!r} is not a causal language model "
+            "(AutoModelForCausalLM cannot build it)"
+        )
+    if not weight_files(path):
+        raise CheckpointError(f"{flag} {path!r} has no *.safetensors or pytorch_model*.bin weights")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if len(tokenizer) > config.vocab_size:
+            raise CheckpointError(
+                f"{flag} {path!r}: the tokenizer has {len(tokenizer)} tokens but config.json says "
+                f"vocab_size={config.vocab_size}; token ids past {config.vocab_size - 1} would index "
+                "outside the embedding (use the tokenizer that belongs to these weights)"
+            )
+    return config
+
+
+def weight_files(path: str) -> list[str]:
+    names = sorted(os.listdir(path))
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    if safetensors:
+        return [os.path.join(path, n) for n in safetensors]
+    return [os.path.join(path, n) for n in names if n.startswith("pytorch_model") and n.endswith(".bin")]
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every nn.Parameter on the meta device while buffers are built for real.
+
+    Parameters are allocated uninitialised (torch.empty), moved to meta as they are registered,
+    and the modules' initialisers then run on meta tensors (no work). Non-persistent buffers
+    such as rotary inverse frequencies are not in checkpoints, so they must be real.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: the largest ModuleList in the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise CheckpointError(f"{type(model).__name__} has no nn.ModuleList of decoder layers to shard")
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(largest.children())
+
+
+def build_meta_model(config: Any, attn_implementation: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    return model
+
+
+def shard_model(
+    model: nn.Module, mesh: Any, device: torch.device, mp_policy: Any, offload_policy: Any
+) -> nn.Module:
+    """fully_shard each decoder layer, then the root; then allocate this rank's shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # to_empty also replaces buffers with uninitialised memory: keep the real ones.
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf.to(device)
+    return model
+
+
+def shard_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows [start, end) of dim 0 that FSDP2's Shard(0) gives `rank` (torch.chunk semantics)."""
+    chunk = -(-num_rows // world_size) if num_rows else 0
+    start = min(rank * chunk, num_rows)
+    return start, min(start + chunk, num_rows)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) parameter, as a plain tensor view."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
+
+
+class _CheckpointReader:
+    """Reads rows of named tensors from safetensors files (or a mmapped .bin as fallback)."""
+
+    def __init__(self, path: str):
+        self.files = weight_files(path)
+        self._where: dict[str, str] = {}
+        self._bin: dict[str, torch.Tensor] = {}
+        if self.files and self.files[0].endswith(".safetensors"):
+            from safetensors import safe_open
+
+            self._open = {f: safe_open(f, framework="pt") for f in self.files}
+            for f, handle in self._open.items():
+                for key in handle.keys():
+                    self._where[key] = f
+        else:
+            for f in self.files:
+                self._bin.update(torch.load(f, map_location="cpu", mmap=True, weights_only=True))
+            self._where = dict.fromkeys(self._bin, "")
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
+        if self._bin:
+            t = self._bin[key]
+            return t[start:end] if t.dim() else t
+        tensor_slice = self._open[self._where[key]].get_slice(key)
+        if len(tensor_slice.get_shape()) == 0:
+            return tensor_slice[...]
+        return tensor_slice[start:end]
+
+
+def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of every parameter of `model`, read from checkpoint dir `path`.
+
+    Tied parameters appear once (under the name named_parameters() gives). Falls back to a
+    full `from_pretrained` on CPU when the checkpoint's names differ from the module's (models
+    whose loading renames or fuses tensors); that path holds one full copy per rank.
+    """
+    reader = _CheckpointReader(path)
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in reader.keys()]
+    if missing:
+        logger.warning(
+            "checkpoint %s names %d parameters differently (e.g. %s); loading it whole with from_pretrained",
+            path,
+            len(missing),
+            missing[0],
+        )
+        return _shards_via_from_pretrained(path, params, rank, world_size)
+    shards = {}
+    for name, param in params.items():
+        start, end = shard_rows(param.shape[0], rank, world_size) if param.dim() else (0, 0)
+        shards[name] = reader.rows(name, start, end).to(torch.float32)
+    return shards
+
+
+def _shards_via_from_pretrained(path: str, params: dict[str, Any], rank: int, world_size: int):
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    state = dict(full.named_parameters())
+    unknown = [n for n in params if n not in state]
+    if unknown:
+        raise CheckpointError(f"{path!r} does not provide parameters {unknown[:5]}")
+    shards = {}
+    for name, param in params.items():
+        start, end = shard_rows(param.shape[0], rank, world_size) if param.dim() else (0, 0)
+        value = state[name].detach()
+        shards[name] = (value[start:end] if value.dim() else value).clone()
+    return shards
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP module back in its sharded state.
+
+    The root module keeps its parameters gathered after a forward (FSDP2 expects the backward
+    to need them); after a no-grad forward they must be resharded explicitly before the
+    parameters are read or written shard by shard.
+    """
+    for module in fsdp_modules(model):
+        module.reshard()
+
+
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    """The modules `fully_shard` was applied to (they carry FSDPModule's methods)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@torch.no_grad()
+def copy_into_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Write `shards` (from read_local_shards) into the model's local parameter shards."""
+    reshard(model)
+    for name, param in model.named_parameters():
+        local = local_tensor(param)
+        source = shards[name]
+        if local.shape != source.shape:
+            raise CheckpointError(
+                f"parameter {name}: checkpoint rows have shape {tuple(source.shape)}, this rank's shard "
+                f"is {tuple(local.shape)} (does the checkpoint match the model config?)"
+            )
+        local.copy_(source)
+
+
+@torch.no_grad()
+def snapshot_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of this rank's parameter shards."""
+    reshard(model)
+    return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+
+def checkpoint_metadata(path: str) -> dict[str, Any]:
+    """Small facts about a checkpoint for logs and dumps (architecture, vocab, dtype)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return {k: config.get(k) for k in ("architectures", "model_type", "vocab_size", "torch_dtype", "dtype")}

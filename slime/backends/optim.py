@@ -1,0 +1,82 @@
+"""AdamW and the learning-rate schedule shared by the train backends."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from slime.config.train import OptimizerConfig
+
+
+def lr_at(cfg: OptimizerConfig, step: int) -> float:
+    """Learning rate for optimizer step `step` (0-based).
+
+    Warm-up: lr * (step + 1) / warmup for the first `lr_warmup_iters` steps. Then, over
+    `lr_decay_iters` steps, constant (lr), linear (lr -> min_lr) or cosine
+    (min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2); min_lr after that.
+    """
+    if step < cfg.lr_warmup_iters:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_iters
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    assert cfg.lr_decay_iters
+    progress = min((step - cfg.lr_warmup_iters) / cfg.lr_decay_iters, 1.0)
+    if cfg.lr_decay_style == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """Sets the optimizer's lr from `lr_at` before each step; its state is the step count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig):
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.num_steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg, self.num_steps)
+
+    @property
+    def lr(self) -> float:
+        return lr_at(self.cfg, self.num_steps)
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "config": _config_dict(self.cfg)}
+
+    def load_state_dict(self, state: dict, override: bool) -> None:
+        """Restore the step count; refuse a changed schedule unless `override`."""
+        saved = state.get("config", {})
+        current = _config_dict(self.cfg)
+        changed = {k: (saved[k], current[k]) for k in current if k in saved and saved[k] != current[k]}
+        if changed and not override:
+            detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in sorted(changed.items()))
+            raise ValueError(
+                f"the checkpoint was trained with a different optimizer schedule ({detail}); "
+                "pass --override-opt-param-scheduler to resume with the new values"
+            )
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+def _config_dict(cfg: OptimizerConfig) -> dict:
+    keys = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        list(params),
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )

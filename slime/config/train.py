@@ -1,0 +1,253 @@
+"""Train-side configuration: typed, frozen dataclasses and the argparse flags that fill them.
+
+The train actor receives a `TrainConfig` and nothing else. `add_train_arguments` registers the
+flags (slime's names) in groups; `train_config_from_args` builds the config and validates it
+once, with messages that name the flag and the fix. No torch import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from slime.algo.advantages import ESTIMATORS
+from slime.algo.losses import KL_TYPES
+from slime.algo.objective import LOSS_TYPES, LossConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (Megatron's flag names)."""
+
+    lr: float = 1e-6
+    """`--lr`: peak learning rate."""
+    min_lr: float = 0.0
+    """`--min-lr`: floor of the linear/cosine decay."""
+    lr_decay_style: str = "constant"
+    """`--lr-decay-style`: constant, linear or cosine (after warm-up)."""
+    lr_warmup_iters: int = 0
+    """`--lr-warmup-iters`: optimizer steps of linear warm-up from 0 to --lr."""
+    lr_decay_iters: int | None = None
+    """`--lr-decay-iters`: optimizer steps from the end of warm-up to --min-lr (linear/cosine)."""
+    weight_decay: float = 0.0
+    """`--weight-decay`."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """`--clip-grad`: max global gradient norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise ValueError("--lr and --min-lr must be >= 0")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"--lr-decay-style {self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}"
+            )
+        if self.lr_decay_style != "constant" and not self.lr_decay_iters:
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters > 0")
+        if self.lr_warmup_iters < 0:
+            raise ValueError("--lr-warmup-iters must be >= 0")
+        if self.clip_grad < 0:
+            raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How a rollout is cut into optimizer steps and micro-batches."""
+
+    global_batch_size: int | None = None
+    """`--global-batch-size`: samples per optimizer step over all data-parallel ranks
+    (default: the whole rollout, i.e. one step per rollout)."""
+    micro_batch_size: int = 1
+    """`--micro-batch-size`: samples per forward/backward when batches are not dynamic."""
+    use_dynamic_batch_size: bool = False
+    """`--use-dynamic-batch-size`: pack micro-batches under --max-tokens-per-gpu instead."""
+    max_tokens_per_gpu: int | None = None
+    """`--max-tokens-per-gpu`: token budget (padded) of one training micro-batch."""
+    log_probs_max_tokens_per_gpu: int | None = None
+    """`--log-probs-max-tokens-per-gpu`: token budget of the log-prob pass (default: the train one)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError("--global-batch-size must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError("--micro-batch-size must be >= 1")
+        if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def check_layout(self, dp_size: int) -> None:
+        """Refuse a global batch that the data-parallel layout cannot split evenly."""
+        if self.global_batch_size is None:
+            return
+        unit = dp_size if self.use_dynamic_batch_size else dp_size * self.micro_batch_size
+        if self.global_batch_size % unit:
+            what = (
+                f"the number of data-parallel ranks ({dp_size})"
+                if self.use_dynamic_batch_size
+                else f"--micro-batch-size × data-parallel ranks ({self.micro_batch_size} × {dp_size})"
+            )
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by {what}; "
+                f"choose a multiple of {unit}"
+            )
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """Sharding, precision and memory options of the FSDP2 backend."""
+
+    param_dtype: str = "float32"
+    """`--fsdp-param-dtype`: dtype of the gathered parameters in forward/backward (master
+    weights and optimizer states stay float32)."""
+    reduce_dtype: str = "float32"
+    """`--fsdp-reduce-dtype`: dtype of the gradient reduce-scatter."""
+    cpu_offload: bool = False
+    """`--fsdp-cpu-offload`: keep sharded parameters, gradients and optimizer states in CPU
+    memory (GPU only)."""
+    gradient_checkpointing: bool = False
+    """`--gradient-checkpointing`: recompute decoder-layer activations in backward."""
+    attn_implementation: str = "sdpa"
+    """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--fsdp-{name.replace('_', '-')} must be one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a train actor needs."""
+
+    hf_checkpoint: str
+    """`--hf-checkpoint`: Hugging Face model directory (config, weights, tokenizer)."""
+    ref_load: str | None = None
+    """`--ref-load`: reference-model weights (HF directory; default: --hf-checkpoint)."""
+    device: str = "cpu"
+    """`--device`: cpu (gloo) or cuda (NCCL)."""
+    seed: int = 1234
+    """`--seed`."""
+    rollout_temperature: float = 1.0
+    """`--rollout-temperature`: log-probs and entropy are computed at this temperature."""
+    load: str | None = None
+    """`--load`: checkpoint root to resume from (holds latest_checkpointed_iteration.txt)."""
+    override_opt_param_scheduler: bool = False
+    """`--override-opt-param-scheduler`: on resume, use the flags' LR schedule, not the saved one."""
+    distributed_timeout_minutes: float = 10.0
+    """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.rollout_temperature <= 0:
+            raise ValueError("--rollout-temperature must be > 0")
+        if self.fsdp.cpu_offload and self.device != "cuda":
+            raise ValueError(
+                "--fsdp-cpu-offload only makes sense with --device cuda (parameters already live on CPU)"
+            )
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the trainer's flags on `parser`, grouped as they appear in --help."""
+    g = parser.add_argument_group("train: model and devices")
+    g.add_argument("--hf-checkpoint", help="Hugging Face model directory")
+    g.add_argument("--ref-load", default=None, help="reference weights (default: --hf-checkpoint)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--load", default=None, help="checkpoint root to resume from")
+    g.add_argument("--override-opt-param-scheduler", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    g = parser.add_argument_group("train: loss")
+    g.add_argument("--loss-type", choices=LOSS_TYPES, default="policy_loss")
+    g.add_argument("--advantage-estimator", choices=ESTIMATORS, default="grpo")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--normalize-advantages", action="store_true")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None)
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in REINFORCE++ rewards")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--use-tis", action="store_true")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+
+    g = parser.add_argument_group("train: optimizer")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+
+    g = parser.add_argument_group("train: batching")
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--use-dynamic-batch-size", action="store_true")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
+
+    g = parser.add_argument_group("train: FSDP")
+    g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")
+    g.add_argument("--fsdp-reduce-dtype", choices=DTYPES, default="float32")
+    g.add_argument("--fsdp-cpu-offload", action="store_true")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--attn-implementation", default="sdpa")
+
+
+def _pick(cls, ns: argparse.Namespace, prefix: str = "", **renames: str):
+    """Build dataclass `cls` from the namespace attributes of the same name (or `renames`)."""
+    kwargs = {}
+    for f in fields(cls):
+        attr = renames.get(f.name, prefix + f.name)
+        if hasattr(ns, attr):
+            kwargs[f.name] = getattr(ns, attr)
+    return cls(**kwargs)
+
+
+def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    """The validated TrainConfig of parsed flags (ValueError names the flag on bad input)."""
+    if not ns.hf_checkpoint:
+        raise ValueError("--hf-checkpoint is required: the Hugging Face model directory to train")
+    return TrainConfig(
+        hf_checkpoint=ns.hf_checkpoint,
+        ref_load=ns.ref_load,
+        device=ns.device,
+        seed=ns.seed,
+        rollout_temperature=ns.rollout_temperature,
+        load=ns.load,
+        override_opt_param_scheduler=ns.override_opt_param_scheduler,
+        distributed_timeout_minutes=ns.distributed_timeout_minutes,
+        loss=_pick(LossConfig, ns),
+        optimizer=_pick(OptimizerConfig, ns),
+        batch=_pick(BatchConfig, ns),
+        fsdp=_pick(
+            FSDPConfig,
+            ns,
+            prefix="fsdp_",
+            gradient_checkpointing="gradient_checkpointing",
+            attn_implementation="attn_implementation",
+        ),
+    )
