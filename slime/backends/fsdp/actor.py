@@ -115,7 +115,12 @@ class FSDPTrainActor:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         model = model_init.build_meta_model(self.hf_config, fsdp.attn_implementation)
         if fsdp.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(
             param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=_DTYPES[fsdp.reduce_dtype]
         )

@@ -1,0 +1,191 @@
+"""FSDP actor options on one rank (one spawned process builds several actors), and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from slime.algo.objective import LossConfig
+from slime.backends.fsdp.actor import FSDPTrainActor
+from slime.backends.fsdp.model_init import CheckpointError
+from slime.backends.interface import BatchError, RolloutBatch
+from slime.config.train import BatchConfig, FSDPConfig, OptimizerConfig, TrainConfig
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import make_batch
+
+
+def _actor(cfg, rank, world_size, init_method):
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    actor.init()
+    return actor
+
+
+def _count_layer_calls(actor) -> list[int]:
+    """Counts forwards of the first layer's attention (recomputation runs it again in backward;
+    Hugging Face checkpoints the layer's `forward`, so the layer's own hooks do not see it)."""
+    calls = [0]
+    layer = actor.model.model.layers[0].self_attn
+    layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def run_options(rank, world_size, init_method, model, save_dir):
+    out = {}
+    base = TrainConfig(
+        hf_checkpoint=model,
+        loss=LossConfig(use_kl_loss=True, kl_loss_coef=0.1),
+        optimizer=OptimizerConfig(lr=1e-4),
+        batch=BatchConfig(global_batch_size=4, micro_batch_size=2),
+    )
+    batch = make_batch(7)
+    plain = _actor(base, rank, world_size, init_method)
+    out["plain_calls"] = _count_layer_calls(plain)
+    out["plain"] = plain.train(0, batch).steps
+    plain.save(0, save_dir)
+
+    ckpt = _actor(
+        dataclasses.replace(base, fsdp=FSDPConfig(gradient_checkpointing=True)), rank, world_size, init_method
+    )
+    out["checkpointed_calls"] = _count_layer_calls(ckpt)
+    out["checkpointed"] = ckpt.train(0, batch).steps
+    out["plain_calls"], out["checkpointed_calls"] = out["plain_calls"][0], out["checkpointed_calls"][0]
+
+    bf16 = _actor(
+        dataclasses.replace(base, fsdp=FSDPConfig(param_dtype="bfloat16")), rank, world_size, init_method
+    )
+    out["bf16_lp"] = bf16.compute_log_probs(batch)
+    out["fp32_lp"] = _actor(base, rank, world_size, init_method).compute_log_probs(batch)
+
+    sft = _actor(
+        dataclasses.replace(base, loss=LossConfig(loss_type="sft_loss")), rank, world_size, init_method
+    )
+    out["sft"] = sft.train(0, batch).steps
+
+    rpp = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.05, gamma=0.9)
+    out["rpp"] = (
+        _actor(dataclasses.replace(base, loss=rpp), rank, world_size, init_method).train(0, batch).steps
+    )
+
+    tis = _actor(dataclasses.replace(base, loss=LossConfig(use_tis=True)), rank, world_size, init_method)
+    try:
+        tis.train(0, dataclasses.replace(batch, rollout_log_probs=None))
+    except BatchError as e:
+        out["tis_error"] = str(e)
+
+    changed_lr = dataclasses.replace(base, optimizer=OptimizerConfig(lr=5e-4), load=save_dir)
+    try:
+        _actor(changed_lr, rank, world_size, init_method)
+    except ValueError as e:
+        out["lr_error"] = str(e)
+    overridden = _actor(
+        dataclasses.replace(changed_lr, override_opt_param_scheduler=True), rank, world_size, init_method
+    )
+    out["overridden_lr"] = overridden.train(1, batch).steps[0]["lr"]
+
+    odd = dataclasses.replace(base, batch=BatchConfig(global_batch_size=3, micro_batch_size=2))
+    try:
+        _actor(odd, rank, world_size, init_method)
+    except ValueError as e:
+        out["layout_error"] = str(e)
+    plain.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def options(tiny_model, tmp_path_factory):
+    return run_ranks(1, run_options, tiny_model, str(tmp_path_factory.mktemp("opt") / "ckpt"))[0]
+
+
+def test_gradient_checkpointing_recomputes_and_changes_nothing(options):
+    # 4 micro-batches (2 steps x 2): log-prob pass for actor and reference, then training,
+    # whose backward recomputes each layer forward when checkpointing is on.
+    assert options["plain_calls"] == 4 * 2 + 4
+    assert options["checkpointed_calls"] == 4 * 2 + 4 + 4
+    for a, b in zip(options["plain"], options["checkpointed"]):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+def test_bf16_compute_is_close_to_fp32(options):
+    diffs = [
+        abs(a - b) for k in options["fp32_lp"] for a, b in zip(options["fp32_lp"][k], options["bf16_lp"][k])
+    ]
+    assert 0 < max(diffs) < 0.1
+
+
+def test_sft_loss_is_the_mean_nll(options, hf_model):
+    batch = make_batch(7)
+    per_sample = []
+    for tokens, r, mask in zip(batch.tokens, batch.response_lengths, batch.loss_masks):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([tokens])).logits[0].float()
+        lp = torch.log_softmax(logits[len(tokens) - r - 1 : len(tokens) - 1], -1)
+        nll = -lp.gather(-1, torch.tensor(tokens[-r:])[:, None]).squeeze(-1)
+        m = torch.tensor(mask, dtype=torch.float32)
+        per_sample.append(float((nll * m).sum() / m.sum()))
+    expected = sum(per_sample[:4]) / 4  # the first optimizer step holds samples 0-3
+    assert options["sft"][0]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert set(options["sft"][0]) == {"loss", "grad_norm", "lr"}
+
+
+def test_reinforce_plus_plus_trains_with_kl_rewards(options):
+    steps = options["rpp"]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
+    assert steps[0]["grad_norm"] > 0
+
+
+def test_bad_train_input_names_flags(options):
+    assert "--use-tis" in options["tis_error"] and "rollout_log_probs" in options["tis_error"]
+    assert "--override-opt-param-scheduler" in options["lr_error"]
+    assert options["overridden_lr"] == 5e-4
+    assert "--global-batch-size 3" in options["layout_error"]
+
+
+# ---- start-up checks that need no process group -------------------------------------------------
+def _init_error(path: str) -> str:
+    with pytest.raises(CheckpointError) as err:
+        FSDPTrainActor(TrainConfig(hf_checkpoint=path)).init()
+    return str(err.value)
+
+
+def test_missing_checkpoint_dir(tmp_path):
+    assert "--hf-checkpoint" in _init_error(str(tmp_path / "nope")) and "not a directory" in _init_error(
+        str(tmp_path / "nope")
+    )
+    assert "no config.json" in _init_error(str(tmp_path))
+
+
+def test_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip"}))
+    assert "not a causal language model" in _init_error(str(tmp_path))
+
+
+def test_vocab_disagrees_with_tokenizer(tiny_model, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["vocab_size"] = 50
+    (bad / "config.json").write_text(json.dumps(config))
+    message = _init_error(str(bad))
+    assert "101 tokens" in message and "vocab_size=50" in message
+
+
+def test_checkpoint_without_weights(tiny_model, tmp_path):
+    bad = tmp_path / "noweights"
+    shutil.copytree(tiny_model, bad)
+    os.remove(bad / "model.safetensors")
+    assert "no *.safetensors" in _init_error(str(bad))
+
+
+def test_batch_validation_names_fields():
+    batch = RolloutBatch([[1, 2, 3]], [3], [1.0], [0])
+    with pytest.raises(BatchError, match="response_length 3"):
+        batch.validate(101)
+    with pytest.raises(BatchError, match="'loss_masks' has 1 entries"):
+        RolloutBatch([[1, 2, 3]], [2], [1.0], [0], loss_masks=[[1]]).validate(101)
+    with pytest.raises(BatchError, match="outside the model's vocabulary"):
+        RolloutBatch([[1, 2, 300]], [1], [1.0], [0]).validate(101)

@@ -1,0 +1,82 @@
+"""Train flags -> TrainConfig, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from slime.backends.optim import LRSchedule, lr_at
+from slime.config.train import BatchConfig, OptimizerConfig, add_train_arguments, train_config_from_args
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return train_config_from_args(parser.parse_args(list(argv)))
+
+
+def test_flags_fill_typed_configs():
+    cfg = parse(
+        "--hf-checkpoint", "/m", "--lr", "3e-4", "--eps-clip", "0.1", "--eps-clip-high", "0.3",
+        "--use-kl-loss", "--kl-loss-type", "low_var_kl", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--fsdp-param-dtype", "bfloat16", "--gradient-checkpointing",
+        "--use-tis", "--calculate-per-token-loss", "--advantage-estimator", "rloo",
+    )  # fmt: skip
+    assert cfg.hf_checkpoint == "/m"
+    assert cfg.optimizer.lr == 3e-4
+    assert cfg.loss.clip_high == 0.3 and cfg.loss.kl_loss_type == "low_var_kl" and cfg.loss.use_kl_loss
+    assert cfg.loss.use_tis and cfg.loss.calculate_per_token_loss and cfg.loss.advantage_estimator == "rloo"
+    assert cfg.batch.global_batch_size == 8 and cfg.batch.micro_batch_size == 2
+    assert cfg.fsdp.param_dtype == "bfloat16" and cfg.fsdp.gradient_checkpointing
+    assert cfg.loss.needs_ref and cfg.loss.needs_rollout_log_probs
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        ([], "--hf-checkpoint"),
+        (["--hf-checkpoint", "m", "--use-dynamic-batch-size"], "--max-tokens-per-gpu"),
+        (["--hf-checkpoint", "m", "--lr-decay-style", "cosine"], "--lr-decay-iters"),
+        (["--hf-checkpoint", "m", "--fsdp-cpu-offload"], "--fsdp-cpu-offload"),
+        (["--hf-checkpoint", "m", "--eps-clip-c", "0.9"], "--eps-clip-c"),
+        (["--hf-checkpoint", "m", "--micro-batch-size", "0"], "--micro-batch-size"),
+    ],
+)
+def test_bad_combinations_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        parse(*argv)
+
+
+def test_global_batch_must_split_over_micro_batches_and_ranks():
+    BatchConfig(global_batch_size=8, micro_batch_size=2).check_layout(4)
+    with pytest.raises(ValueError, match=r"--micro-batch-size × data-parallel ranks \(2 × 3\)"):
+        BatchConfig(global_batch_size=8, micro_batch_size=2).check_layout(3)
+    with pytest.raises(ValueError, match="data-parallel ranks"):
+        BatchConfig(global_batch_size=5, use_dynamic_batch_size=True, max_tokens_per_gpu=64).check_layout(2)
+
+
+def test_lr_schedules_by_hand():
+    warm = OptimizerConfig(lr=1.0, lr_warmup_iters=4)
+    assert [lr_at(warm, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = OptimizerConfig(lr=1.0, min_lr=0.2, lr_decay_style="linear", lr_decay_iters=4)
+    assert [round(lr_at(linear, s), 6) for s in (0, 2, 4, 9)] == [1.0, 0.6, 0.2, 0.2]
+    cosine = OptimizerConfig(lr=1.0, min_lr=0.0, lr_warmup_iters=1, lr_decay_style="cosine", lr_decay_iters=4)
+    assert lr_at(cosine, 0) == 1.0  # warm-up of one step ends at the peak
+    assert lr_at(cosine, 3) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(cosine, 5) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_schedule_refuses_a_changed_lr_on_resume_unless_overridden():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    saved = LRSchedule(opt, OptimizerConfig(lr=1e-3))
+    saved.step()
+    state = saved.state_dict()
+    changed = LRSchedule(opt, OptimizerConfig(lr=2e-3))
+    with pytest.raises(ValueError, match="--override-opt-param-scheduler") as err:
+        changed.load_state_dict(state, override=False)
+    assert "lr: saved 0.001 vs now 0.002" in str(err.value)
+    changed.load_state_dict(state, override=True)
+    assert changed.num_steps == 1 and opt.param_groups[0]["lr"] == 2e-3
