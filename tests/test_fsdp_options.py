@@ -61,6 +61,19 @@ def run_options(rank, world_size, init_method, model, save_dir):
     out["bf16_lp"] = bf16.compute_log_probs(batch)
     out["fp32_lp"] = _actor(base, rank, world_size, init_method).compute_log_probs(batch)
 
+    # A smaller log-prob budget: more micro-batches in the log-prob pass, same values.
+    dyn = BatchConfig(
+        num_steps_per_rollout=2,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=64,
+        log_probs_max_tokens_per_gpu=16,
+    )
+    small = _actor(dataclasses.replace(base, batch=dyn), rank, world_size, init_method)
+    out["small_budget_lp"] = small.compute_log_probs(batch)
+    plans = small._log_prob_plans(batch, small.plan(batch))
+    out["small_budget_mbs"] = [mb for step in plans for mb in step.micro_batches]
+    out["train_budget_mbs"] = [mb for step in small.plan(batch) for mb in step.micro_batches]
+
     sft = _actor(
         dataclasses.replace(base, loss=LossConfig(loss_type="sft_loss")), rank, world_size, init_method
     )
@@ -115,6 +128,15 @@ def test_bf16_compute_is_close_to_fp32(options):
         abs(a - b) for k in options["fp32_lp"] for a, b in zip(options["fp32_lp"][k], options["bf16_lp"][k])
     ]
     assert 0 < max(diffs) < 0.1
+
+
+def test_log_prob_budget_splits_the_pass_without_changing_values(options):
+    lengths = [len(t) for t in make_batch(7).tokens]
+    assert len(options["small_budget_mbs"]) > len(options["train_budget_mbs"])
+    for mb in options["small_budget_mbs"]:
+        assert len(mb) == 1 or max(lengths[i] for i in mb) * len(mb) <= 16
+    for k, values in options["fp32_lp"].items():
+        assert values == pytest.approx(options["small_budget_lp"][k], abs=1e-5)
 
 
 def test_sft_loss_is_the_mean_nll(options, hf_model):

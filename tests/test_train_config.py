@@ -80,3 +80,13 @@ def test_schedule_refuses_a_changed_lr_on_resume_unless_overridden():
     assert "lr: saved 0.001 vs now 0.002" in str(err.value)
     changed.load_state_dict(state, override=True)
     assert changed.num_steps == 1 and opt.param_groups[0]["lr"] == 2e-3
+
+
+def test_num_steps_per_rollout_sets_the_global_batch():
+    assert BatchConfig(num_steps_per_rollout=4).global_batch_for(32) == 8
+    assert BatchConfig(global_batch_size=8, num_steps_per_rollout=4).global_batch_for(32) == 8
+    assert BatchConfig().global_batch_for(32) == 32
+    with pytest.raises(ValueError, match="disagrees with --num-steps-per-rollout"):
+        BatchConfig(global_batch_size=16, num_steps_per_rollout=4).global_batch_for(32)
+    with pytest.raises(ValueError, match="--num-steps-per-rollout 3 does not divide"):
+        BatchConfig(num_steps_per_rollout=3).global_batch_for(32)

@@ -62,6 +62,9 @@ class BatchConfig:
     global_batch_size: int | None = None
     """`--global-batch-size`: samples per optimizer step over all data-parallel ranks
     (default: the whole rollout, i.e. one step per rollout)."""
+    num_steps_per_rollout: int | None = None
+    """`--num-steps-per-rollout`: optimizer steps per rollout; the global batch is then the
+    rollout size divided by it (must agree with --global-batch-size when both are given)."""
     micro_batch_size: int = 1
     """`--micro-batch-size`: samples per forward/backward when batches are not dynamic."""
     use_dynamic_batch_size: bool = False
@@ -76,6 +79,8 @@ class BatchConfig:
             raise ValueError("--global-batch-size must be >= 1")
         if self.micro_batch_size < 1:
             raise ValueError("--micro-batch-size must be >= 1")
+        if self.num_steps_per_rollout is not None and self.num_steps_per_rollout < 1:
+            raise ValueError("--num-steps-per-rollout must be >= 1")
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
         for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
@@ -83,20 +88,38 @@ class BatchConfig:
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
-    def check_layout(self, dp_size: int) -> None:
+    def global_batch_for(self, num_samples: int) -> int:
+        """Samples per optimizer step for a rollout of `num_samples` samples."""
+        size = self.global_batch_size or num_samples
+        if self.num_steps_per_rollout is not None:
+            if num_samples % self.num_steps_per_rollout:
+                raise ValueError(
+                    f"the rollout has {num_samples} samples, which --num-steps-per-rollout "
+                    f"{self.num_steps_per_rollout} does not divide"
+                )
+            derived = num_samples // self.num_steps_per_rollout
+            if self.global_batch_size is not None and self.global_batch_size != derived:
+                raise ValueError(
+                    f"--global-batch-size {self.global_batch_size} disagrees with --num-steps-per-rollout "
+                    f"{self.num_steps_per_rollout} for a rollout of {num_samples} samples; give only one"
+                )
+            size = derived
+        return size
+
+    def check_layout(self, dp_size: int, global_batch_size: int | None = None) -> None:
         """Refuse a global batch that the data-parallel layout cannot split evenly."""
-        if self.global_batch_size is None:
+        size = global_batch_size or self.global_batch_size
+        if size is None:
             return
         unit = dp_size if self.use_dynamic_batch_size else dp_size * self.micro_batch_size
-        if self.global_batch_size % unit:
+        if size % unit:
             what = (
                 f"the number of data-parallel ranks ({dp_size})"
                 if self.use_dynamic_batch_size
                 else f"--micro-batch-size × data-parallel ranks ({self.micro_batch_size} × {dp_size})"
             )
             raise ValueError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by {what}; "
-                f"choose a multiple of {unit}"
+                f"--global-batch-size {size} is not divisible by {what}; choose a multiple of {unit}"
             )
 
 
@@ -204,6 +227,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("train: batching")
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--num-steps-per-rollout", type=int, default=None)
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--use-dynamic-batch-size", action="store_true")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)

@@ -152,8 +152,10 @@ class FSDPTrainActor:
         b = self.cfg.batch
         lengths = [len(t) for t in batch.tokens]
         masks = batch.loss_masks
+        global_batch = b.global_batch_for(len(batch))
+        b.check_layout(self.world_size, global_batch)
         plans = []
-        for step in batching.split_steps(len(batch), b.global_batch_size):
+        for step in batching.split_steps(len(batch), global_batch):
             shares = batching.balanced_shares(step, lengths, self.world_size)
             if b.use_dynamic_batch_size:
                 budget = max_tokens or b.max_tokens_per_gpu
