@@ -1,0 +1,33 @@
+"""What a weight transport does; the bridge (bridge.py) decides when."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from slime.engines.client import EngineClient
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class Transport(Protocol):
+    """Moves buckets of (HF name, full tensor) from trainer rank 0 into every engine.
+
+    `send` returns only when every engine has answered for the bucket, so the caller may reuse
+    the bucket's memory afterwards.
+    """
+
+    name: str
+
+    async def setup(self, engines: list[EngineClient]) -> None:
+        """Once, before the first push (e.g. join a process group)."""
+        ...
+
+    async def send(self, engines: list[EngineClient], bucket: Bucket, weight_version: str) -> None: ...
+
+    async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
+        """After the last bucket of a push (e.g. the disk transport's single load)."""
+        ...
+
+    async def close(self, engines: list[EngineClient]) -> None: ...

@@ -1,0 +1,83 @@
+"""The weight-update bridge: when and in which order weights reach the engines.
+
+One push, for every transport:
+
+    pause generation → flush the KV cache → send every bucket → (the last request sets the
+    new weight_version) → continue generation
+
+Generation is paused before the first byte moves and continued only after every engine answered
+for the last bucket, so no request ever runs on a mix of old and new weights, and every sample
+finished after the push reports the new weight_version. Paused requests stay in the engine
+(`in_place`) and continue with the new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from slime.bridge.base import Bucket, Transport
+from slime.engines.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("tensor", "distributed", "disk")
+
+
+def make_transport(name: str, hf_checkpoint: str, device: str = "cpu") -> Transport:
+    if name == "tensor":
+        from slime.bridge.tensor import TensorTransport
+
+        return TensorTransport()
+    if name == "distributed":
+        from slime.bridge.distributed import DistributedTransport
+
+        return DistributedTransport(backend="nccl" if device == "cuda" else "gloo")
+    if name == "disk":
+        from slime.bridge.disk import DiskTransport
+
+        return DiskTransport(hf_checkpoint)
+    raise ValueError(f"--update-weight-transport {name!r} is not one of {', '.join(TRANSPORTS)}")
+
+
+class WeightBridge:
+    """Pushes buckets into a fixed set of engines through one transport."""
+
+    def __init__(self, transport: Transport, engines: list[EngineClient]):
+        self.transport = transport
+        self.engines = engines
+        self._ready = False
+
+    async def push(self, buckets: Iterable[Bucket], weight_version: str) -> dict[str, float]:
+        """Run one update; returns {"bytes", "seconds", "buckets"}."""
+        if not self._ready:
+            await self.transport.setup(self.engines)
+            self._ready = True
+        start = time.perf_counter()
+        total = count = 0
+        await _all(self.engines, "pause_generation")
+        try:
+            await _all(self.engines, "flush_cache")
+            for bucket in buckets:
+                await self.transport.send(self.engines, bucket, weight_version)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                count += 1
+            await self.transport.finish(self.engines, weight_version)
+        finally:
+            await _all(self.engines, "continue_generation")
+        seconds = time.perf_counter() - start
+        logger.info(
+            "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",
+            count, total / 1e6, weight_version, self.transport.name, seconds,
+        )  # fmt: skip
+        return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
+
+    async def close(self) -> None:
+        await self.transport.close(self.engines)
+
+
+async def _all(engines: list[EngineClient], method: str) -> None:
+    import asyncio
+
+    await asyncio.gather(*(getattr(e, method)() for e in engines))

@@ -1,0 +1,68 @@
+"""`disk` transport: a safetensors directory the engines load with /update_weights_from_disk.
+
+Buckets are written as numbered safetensors files into a fresh directory; after the last one
+every engine loads the whole directory (config and tokenizer files are copied from the
+checkpoint so the directory is a complete Hugging Face model). The directory of the previous
+push is removed once the engines have loaded the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+
+from slime.bridge.base import Bucket
+from slime.engines.client import EngineClient
+
+_MODEL_FILES = ("config.json", "generation_config.json")
+
+
+class DiskTransport:
+    name = "disk"
+
+    def __init__(self, hf_checkpoint: str, root: str | None = None):
+        self.hf_checkpoint = hf_checkpoint
+        self.root = root
+        self.current: str | None = None
+        self.pending: str | None = None
+        self.count = 0
+
+    async def setup(self, engines: list[EngineClient]) -> None:
+        return None
+
+    def _new_dir(self) -> str:
+        path = tempfile.mkdtemp(prefix="slime-weights-", dir=self.root)
+        for name in os.listdir(self.hf_checkpoint):
+            if name in _MODEL_FILES or name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy2(os.path.join(self.hf_checkpoint, name), path)
+        return path
+
+    async def send(self, engines: list[EngineClient], bucket: Bucket, weight_version: str) -> None:
+        from safetensors.torch import save_file
+
+        if self.pending is None:
+            self.pending = self._new_dir()
+            self.count = 0
+        self.count += 1
+        tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
+        path = os.path.join(self.pending, f"bucket-{self.count:05d}.safetensors")
+        await asyncio.to_thread(save_file, tensors, path, {"format": "pt"})
+
+    async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
+        if self.pending is None:
+            return
+        path, self.pending = self.pending, None
+        await asyncio.gather(
+            *(e.update_weights_from_disk(path, weight_version=weight_version) for e in engines)
+        )
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = path
+
+    async def close(self, engines: list[EngineClient]) -> None:
+        for path in (self.current, self.pending):
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+        self.current = self.pending = None

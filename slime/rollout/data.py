@@ -1,0 +1,172 @@
+"""The prompt data source: jsonl or parquet rows → prompts, shuffled per epoch, resumable.
+
+Rows are read and checked once at start-up, so a malformed line or a missing key is one clear
+error naming file:line before any process starts. Prompts longer than
+--rollout-max-prompt-len tokens are dropped (the count is logged). The position in the data
+(epoch, offset) is part of the checkpoint, so a resumed run continues with the next prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Bad prompt data: names the file (and line) and the flag to fix."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One row of the prompt data, ready for generation."""
+
+    index: int  # row number in the file (0-based), stable across shuffles
+    prompt: str | list[dict[str, Any]]  # what the user wrote (text or chat messages)
+    text: str  # what the engine receives (chat template applied if asked)
+    token_ids: list[int]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) pairs from a .jsonl/.json-lines or .parquet file; location is file:line."""
+    if not os.path.isfile(path):
+        raise DataError(f"{flag} {path!r}: no such file")
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DataError(f"{flag} {path!r}: reading parquet needs pyarrow (pip install pyarrow)") from e
+        table = pq.read_table(path)
+        return [(f"{path}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append((f"{path}:{lineno}", row))
+    if not rows:
+        raise DataError(f"{flag} {path!r} holds no rows")
+    return rows
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How prompt rows become prompts (slime's flag names)."""
+
+    prompt_data: str
+    """`--prompt-data`: jsonl or parquet file."""
+    input_key: str = "prompt"
+    """`--input-key`: field holding the prompt (text, or a list of chat messages)."""
+    label_key: str | None = "label"
+    """`--label-key`: field holding the reference answer (None: no labels)."""
+    metadata_key: str | None = "metadata"
+    """`--metadata-key`: optional field passed through to reward functions."""
+    apply_chat_template: bool = False
+    """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
+    max_prompt_len: int | None = None
+    """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
+    shuffle: bool = False
+    """`--rollout-shuffle`: reshuffle the prompts at every epoch."""
+    seed: int = 42
+    """`--rollout-seed`."""
+
+
+class PromptDataset:
+    """Prompts in epoch order; `next_batch(n)` crosses epoch boundaries."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, flag: str = "--prompt-data"):
+        self.cfg = cfg
+        self.prompts: list[Prompt] = []
+        dropped = 0
+        for position, (where, row) in enumerate(read_rows(cfg.prompt_data, flag)):
+            prompt = self._make_prompt(position, where, row, tokenizer)
+            if cfg.max_prompt_len is not None and len(prompt.token_ids) > cfg.max_prompt_len:
+                dropped += 1
+                continue
+            self.prompts.append(prompt)
+        if dropped:
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %s tokens",
+                cfg.prompt_data,
+                dropped,
+                dropped + len(self.prompts),
+                cfg.max_prompt_len,
+            )
+        if not self.prompts:
+            raise DataError(
+                f"{flag} {cfg.prompt_data!r}: every prompt is longer than --rollout-max-prompt-len "
+                f"{cfg.max_prompt_len}"
+            )
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._epoch_order(0)
+
+    def _make_prompt(self, position: int, where: str, row: dict[str, Any], tokenizer: Any) -> Prompt:
+        cfg = self.cfg
+        if cfg.input_key not in row:
+            raise DataError(f"{where}: no field {cfg.input_key!r} (--input-key); fields are {sorted(row)}")
+        raw = row[cfg.input_key]
+        if cfg.label_key is not None and cfg.label_key not in row:
+            raise DataError(f"{where}: no field {cfg.label_key!r} (--label-key); fields are {sorted(row)}")
+        if isinstance(raw, list):
+            if not cfg.apply_chat_template:
+                raise DataError(f"{where}: the prompt is a list of chat messages; add --apply-chat-template")
+            messages = raw
+        elif isinstance(raw, str):
+            messages = [{"role": "user", "content": raw}]
+        else:
+            raise DataError(f"{where}: field {cfg.input_key!r} must be a string or a list of messages")
+        if cfg.apply_chat_template:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = raw
+        metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
+        return Prompt(
+            index=position,
+            prompt=raw,
+            text=text,
+            token_ids=list(tokenizer.encode(text, add_special_tokens=False)),
+            label=row.get(cfg.label_key) if cfg.label_key else None,
+            metadata=dict(metadata) if isinstance(metadata, dict) else {},
+        )
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed + epoch).shuffle(order)
+        return order
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def next_batch(self, num_prompts: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        while len(out) < num_prompts:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(num_prompts - len(out), len(self._order) - self.offset)
+            out.extend(self.prompts[i] for i in self._order[self.offset : self.offset + take])
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._epoch_order(self.epoch)
