@@ -13,12 +13,13 @@ finished after the push reports the new weight_version. Paused requests stay in 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable
 
 from slime.bridge.base import Bucket, Transport
-from slime.engines.client import EngineClient
+from slime.engines.client import EngineClient, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class WeightBridge:
         total = count = 0
         await _all(self.engines, "pause_generation")
         try:
-            await _all(self.engines, "flush_cache")
+            await asyncio.gather(*(_flush(e) for e in self.engines))
             for bucket in buckets:
                 await self.transport.send(self.engines, bucket, weight_version)
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -78,6 +79,15 @@ class WeightBridge:
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:
-    import asyncio
-
     await asyncio.gather(*(getattr(e, method)() for e in engines))
+
+
+async def _flush(engine: EngineClient) -> None:
+    """Flush the KV cache; an engine holding paused requests keeps theirs (they resume with the
+    new weights, as in SGLang's in-place pause)."""
+    try:
+        await engine.flush_cache()
+    except EngineError as e:
+        if e.status != 400:
+            raise
+        logger.info("%s kept its KV cache: %s", engine.base_url, e)

@@ -273,6 +273,10 @@ class EngineClient:
             ),
         )
 
+    async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
+        """slime extension (torch engine): per-parameter sha256 fingerprints."""
+        return await self.request("POST", "/slime/weights_checksum", _drop_none({"names": names}))
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return await self.request("POST", "/release_memory_occupation", _drop_none({"tags": tags}))
 

@@ -92,6 +92,7 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
     r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
     r.add_post("/release_memory_occupation", api.release_memory_occupation)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
+    r.add_route("*", "/slime/weights_checksum", api.weights_checksum)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
     return app
@@ -214,6 +215,15 @@ class EngineAPI:
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """slime extension: {"names": [...]?} -> {"weight_version", "checksums": {name: sha256}}."""
+        body = await request.json() if request.method == "POST" and request.can_read_body else {}
+        names = body.get("names") if isinstance(body, dict) else None
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ProtocolError("'names' must be a list of parameter names")
+        result = await self._on_engine(lambda: self.engine.weights.checksums(names))
+        return web.json_response({"weight_version": self.engine.weight_version, "checksums": result})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -196,6 +196,19 @@ class WeightStore:
             raise problem
         return self._apply(received)
 
+    def checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """Fingerprints (slime.utils.checksum) of the named parameters (all canonical ones by default)."""
+        from slime.utils.checksum import tensor_checksum
+
+        wanted = names if names is not None else sorted(set(self._canonical.values()))
+        unknown = [n for n in wanted if n not in self.params]
+        if unknown:
+            raise ProtocolError(f"unknown parameter names {unknown[:5]}")
+        released = [n for n in wanted if n in self._released or n in self.stale]
+        if released:
+            raise ProtocolError(f"parameters {released[:5]} are released or not reloaded yet")
+        return {n: tensor_checksum(self.params[n]) for n in wanted}
+
     # ---- memory -----------------------------------------------------------------------------
     def release(self) -> None:
         """Free every parameter's memory, keeping the shapes for resume."""

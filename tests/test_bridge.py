@@ -1,0 +1,123 @@
+"""The weight-update bridge against a real torch engine: every transport, bitwise, in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slime.bridge.bridge import WeightBridge, make_transport
+from slime.engines.client import EngineClient
+from slime.utils.checksum import tensor_checksum
+from tests.conftest import start_engine
+
+
+@pytest.fixture(scope="module")
+def engine_a(tiny_model, tmp_path_factory):
+    proc = start_engine(tiny_model, tmp_path_factory.mktemp("bridge-logs"))
+    yield proc
+    proc.stop()
+
+
+def buckets_of(state: dict[str, torch.Tensor], bucket_bytes: int):
+    bucket, size = [], 0
+    for name, t in state.items():
+        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+class RecordingClient(EngineClient):
+    """A real client that also records which control calls the bridge made, in order."""
+
+    def __init__(self, url: str, log: list[str]):
+        super().__init__(url)
+        self.log = log
+
+    async def request(self, method, path, body=None, **kw):
+        self.log.append(path)
+        return await super().request(method, path, body, **kw)
+
+
+async def push_and_check(url: str, transport_name: str, state, version: str, model_dir: str) -> list[str]:
+    log: list[str] = []
+    client = RecordingClient(url, log)
+    bridge = WeightBridge(make_transport(transport_name, model_dir), [client])
+    try:
+        stats = await bridge.push(buckets_of(state, 200_000), version)
+        assert stats["buckets"] > 3
+        result = await client.weights_checksum()
+    finally:
+        await bridge.close()
+        await client.close()
+    assert result["weight_version"] == version
+    expected = {n: tensor_checksum(t) for n, t in state.items()}
+    assert result["checksums"] == expected
+    return log
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
+def test_every_parameter_arrives_bitwise(engine_a, tiny_model, tiny_model_b, transport):
+    target = load_file(f"{tiny_model_b}/model.safetensors")
+    original = load_file(f"{tiny_model}/model.safetensors")
+    assert any(not torch.equal(target[n], original[n]) for n in target)
+    log = asyncio.run(push_and_check(engine_a.url, transport, target, f"{transport}-1", tiny_model))
+    # restore the fixture engine's weights for the next transport
+    asyncio.run(push_and_check(engine_a.url, transport, original, f"{transport}-0", tiny_model))
+    control = [p for p in log if p in ("/pause_generation", "/flush_cache", "/continue_generation")]
+    assert control == ["/pause_generation", "/flush_cache", "/continue_generation"]
+    updates = [i for i, p in enumerate(log) if p.startswith("/update_weights")]
+    assert updates and log.index("/flush_cache") < updates[0] <= updates[-1] < log.index(
+        "/continue_generation"
+    )
+
+
+def test_refused_push_still_continues_generation(engine_a, tiny_model):
+    bad = {"model.embed_tokens.weight": torch.zeros(3, 3)}
+    log: list[str] = []
+
+    async def go():
+        client = RecordingClient(engine_a.url, log)
+        bridge = WeightBridge(make_transport("tensor", tiny_model), [client])
+        try:
+            await bridge.push(buckets_of(bad, 1 << 20), "bad")
+        finally:
+            await bridge.close()
+            info = await client.get_server_info()
+            await client.close()
+        return info
+
+    with pytest.raises(Exception, match="shape"):
+        asyncio.run(go())
+    assert log[-2:] == ["/continue_generation", "/get_server_info"]
+
+
+def test_request_in_flight_during_a_push_finishes_with_the_new_version(engine_a, tiny_model, tiny_model_b):
+    target = load_file(f"{tiny_model_b}/model.safetensors")
+    original = load_file(f"{tiny_model}/model.safetensors")
+
+    async def go():
+        async with EngineClient(engine_a.url) as client:
+            long = asyncio.create_task(
+                client.generate(
+                    input_ids=[5, 6, 7],
+                    sampling_params={"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0},
+                )
+            )
+            await asyncio.sleep(0.3)  # the request is running
+            bridge = WeightBridge(make_transport("tensor", tiny_model), [client])
+            await bridge.push(buckets_of(target, 1 << 20), "mid-flight")
+            out = await long
+            await bridge.push(buckets_of(original, 1 << 20), "restored")
+            await bridge.close()
+            return out
+
+    out = asyncio.run(go())
+    assert out["meta_info"]["weight_version"] == "mid-flight"
+    assert out["meta_info"]["completion_tokens"] == 1500
