@@ -1,0 +1,150 @@
+"""One rollout: prompts → n samples each through the engines → rewards → kept groups.
+
+Groups are generated concurrently (the engine client bounds the number of requests in
+flight). With `over_sampling_batch_size` more prompts are started than needed; with a dynamic
+sampling filter, groups the filter rejects are dropped and more prompts are drawn until
+`rollout_batch_size` groups are kept. Once enough groups are kept, the requests still running
+are aborted and their groups discarded. Every sample keeps the weight version it was generated
+with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from slime.engines.client import EngineClient
+from slime.rollout.data import Prompt, PromptDataset
+from slime.rollout.generate import generate
+from slime.rollout.rewards import RewardModel
+from slime.rollout.sample import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled (slime's flag names)."""
+
+    n_samples_per_prompt: int = 1
+    """`--n-samples-per-prompt`."""
+    temperature: float = 1.0
+    """`--rollout-temperature`."""
+    top_p: float = 1.0
+    """`--rollout-top-p`."""
+    top_k: int = -1
+    """`--rollout-top-k` (-1: off)."""
+    max_response_len: int = 1024
+    """`--rollout-max-response-len`: max new tokens per response."""
+    stop: tuple[str, ...] = ()
+    """`--rollout-stop`: stop strings."""
+    stop_token_ids: tuple[int, ...] = ()
+    """`--rollout-stop-token-ids`."""
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_response_len,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+@dataclass
+class RolloutResult:
+    samples: list[Sample]
+    num_prompts_started: int
+    num_groups_filtered: int
+    num_groups_aborted: int
+    num_groups_surplus: int  # finished after enough groups were kept (discarded)
+
+
+class RolloutGenerator:
+    """Produces one rollout's samples from a dataset, engines and a reward model."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        clients: list[EngineClient],
+        reward: RewardModel,
+        sampling: SamplingConfig,
+        rollout_batch_size: int,
+        over_sampling_batch_size: int | None = None,
+        group_filter: Callable[[Any, list[Sample]], bool] | None = None,
+        args: Any = None,
+    ):
+        if not clients:
+            raise ValueError("the rollout needs at least one engine")
+        self.dataset = dataset
+        self.clients = clients
+        self.reward = reward
+        self.sampling = sampling
+        self.rollout_batch_size = rollout_batch_size
+        self.over_sampling_batch_size = over_sampling_batch_size or rollout_batch_size
+        self.group_filter = group_filter
+        self.args = args
+        self._next_client = itertools.cycle(range(len(clients)))
+
+    async def _group(self, prompt: Prompt) -> list[Sample]:
+        client = self.clients[next(self._next_client)]
+        params = self.sampling.params()
+        samples = [
+            Sample(
+                prompt=prompt.prompt,
+                label=prompt.label,
+                metadata=dict(prompt.metadata, prompt_index=prompt.index),
+            )
+            for _ in range(self.sampling.n_samples_per_prompt)
+        ]
+        await asyncio.gather(*(generate(client, s, prompt.token_ids, params) for s in samples))
+        if any(s.status == Status.ABORTED for s in samples):
+            return samples
+        await self.reward.score_group(samples)
+        return samples
+
+    async def generate_rollout(self) -> RolloutResult:
+        kept: list[list[Sample]] = []
+        running: set[asyncio.Task] = set()
+        started = filtered = aborted = surplus = 0
+        try:
+            while len(kept) < self.rollout_batch_size:
+                if len(kept) + len(running) < self.rollout_batch_size or not running:
+                    for prompt in self.dataset.next_batch(self.over_sampling_batch_size):
+                        running.add(asyncio.create_task(self._group(prompt)))
+                        started += 1
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()  # a failing generate or reward function ends the rollout
+                    if len(kept) >= self.rollout_batch_size:
+                        surplus += 1
+                        continue
+                    if self.group_filter is not None and not self.group_filter(self.args, group):
+                        filtered += 1
+                        continue
+                    kept.append(group)
+        finally:
+            if running:
+                aborted = len(running)
+                await asyncio.gather(
+                    *(c.abort_request(abort_all=True) for c in self.clients), return_exceptions=True
+                )
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+        samples = []
+        for group_index, group in enumerate(kept):
+            for s in group:
+                s.group_index = group_index
+                s.index = len(samples)
+                samples.append(s)
+        if filtered or aborted:
+            logger.info(
+                "rollout: %d prompts started, %d groups filtered, %d aborted", started, filtered, aborted
+            )
+        return RolloutResult(samples, started, filtered, aborted, surplus)

@@ -1,0 +1,61 @@
+"""One rollout through a real torch engine: groups, rewards, filtering, over-sampling aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from slime.engines.client import EngineClient
+from slime.rollout.data import DataConfig, PromptDataset
+from slime.rollout.manager import RolloutGenerator, SamplingConfig
+from slime.rollout.rewards import RewardModel
+from slime.rollout.sample import Status
+
+
+def keep_even_prompts(args, group):
+    return group[0].metadata["prompt_index"] % 2 == 0
+
+
+def run_rollout(engine_url, tokenizer, path, **kw):
+    async def go():
+        async with EngineClient(engine_url) as client:
+            ds = PromptDataset(DataConfig(path), tokenizer)
+            gen = RolloutGenerator(
+                ds, [client], RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=3, max_response_len=kw.pop("max_len", 4)), **kw,
+            )  # fmt: skip
+            return await gen.generate_rollout(), ds
+
+    return asyncio.run(go())
+
+
+def test_rollout_groups_rewards_and_versions(engine, tokenizer, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
+    result, ds = run_rollout(engine.url, tokenizer, str(path), rollout_batch_size=4)
+    samples = result.samples
+    assert len(samples) == 12 and [s.index for s in samples] == list(range(12))
+    assert [s.group_index for s in samples] == [g for g in range(4) for _ in range(3)]
+    for s in samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+        assert s.reward in (0.0, 1.0)
+        assert (
+            len(s.rollout_log_probs) == s.response_length == len(s.tokens) - len(tokenizer.encode(s.prompt))
+        )
+        assert s.weight_version is not None
+    assert {s.metadata["prompt_index"] for s in samples} == {0, 1, 2, 3}
+    assert ds.offset == 4
+
+
+def test_filter_and_over_sampling_abort_the_rest(engine, tokenizer, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}*3=", "label": "0"}) + "\n" for i in range(40)))
+    result, _ = run_rollout(
+        engine.url, tokenizer, str(path), rollout_batch_size=2, over_sampling_batch_size=8,
+        group_filter=keep_even_prompts, max_len=200,
+    )  # fmt: skip
+    indices = sorted({s.metadata["prompt_index"] for s in result.samples})
+    assert len(indices) == 2 and all(i % 2 == 0 for i in indices)
+    assert result.num_groups_filtered >= 1 and result.num_prompts_started >= 8
+    r = result
+    assert 2 + r.num_groups_filtered + r.num_groups_aborted + r.num_groups_surplus == r.num_prompts_started
