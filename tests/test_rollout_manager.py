@@ -47,15 +47,29 @@ def test_rollout_groups_rewards_and_versions(engine, tokenizer, tmp_path):
     assert ds.offset == 4
 
 
-def test_filter_and_over_sampling_abort_the_rest(engine, tokenizer, tmp_path):
+def test_dynamic_sampling_filter_draws_more_prompts(engine, tokenizer, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}*3=", "label": "0"}) + "\n" for i in range(40)))
+    # one prompt at a time: 0 kept, 1 filtered, 2 kept
+    result, ds = run_rollout(
+        engine.url,
+        tokenizer,
+        str(path),
+        rollout_batch_size=2,
+        over_sampling_batch_size=1,
+        group_filter=keep_even_prompts,
+    )
+    assert sorted({s.metadata["prompt_index"] for s in result.samples}) == [0, 2]
+    assert (result.num_prompts_started, result.num_groups_filtered, result.num_groups_aborted) == (3, 1, 0)
+    assert ds.offset == 3
+
+
+def test_over_sampling_discards_the_surplus(engine, tokenizer, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}*3=", "label": "0"}) + "\n" for i in range(40)))
     result, _ = run_rollout(
-        engine.url, tokenizer, str(path), rollout_batch_size=2, over_sampling_batch_size=8,
-        group_filter=keep_even_prompts, max_len=200,
-    )  # fmt: skip
-    indices = sorted({s.metadata["prompt_index"] for s in result.samples})
-    assert len(indices) == 2 and all(i % 2 == 0 for i in indices)
-    assert result.num_groups_filtered >= 1 and result.num_prompts_started >= 8
+        engine.url, tokenizer, str(path), rollout_batch_size=2, over_sampling_batch_size=8, max_len=200
+    )
     r = result
+    assert len({s.group_index for s in r.samples}) == 2 and r.num_prompts_started == 8
     assert 2 + r.num_groups_filtered + r.num_groups_aborted + r.num_groups_surplus == r.num_prompts_started

@@ -137,7 +137,7 @@ class RolloutGenerator:
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
-        samples = []
+        samples: list[Sample] = []
         for group_index, group in enumerate(kept):
             for s in group:
                 s.group_index = group_index
