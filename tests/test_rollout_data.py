@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from slime.rollout.data import DataConfig, DataError, PromptDataset
+from slime.config.rollout import DataConfig
+from slime.rollout.data import DataError, PromptDataset
 from slime.rollout.rewards import RewardModel, extract_boxed, math_reward
 from slime.rollout.sample import Sample, Status, samples_to_batch
 

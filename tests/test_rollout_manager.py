@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+from slime.config.rollout import DataConfig, SamplingConfig
 from slime.engines.client import EngineClient
-from slime.rollout.data import DataConfig, PromptDataset
-from slime.rollout.manager import RolloutGenerator, SamplingConfig
+from slime.rollout.data import PromptDataset
+from slime.rollout.manager import RolloutGenerator
 from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Status
 

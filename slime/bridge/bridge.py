@@ -19,11 +19,10 @@ import time
 from collections.abc import Iterable
 
 from slime.bridge.base import Bucket, Transport
+from slime.config.rollout import TRANSPORTS
 from slime.engines.client import EngineClient, EngineError
 
 logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("tensor", "distributed", "disk")
 
 
 def make_transport(name: str, hf_checkpoint: str, device: str = "cpu") -> Transport:

@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime.config.rollout import DataConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,28 +62,6 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[st
     if not rows:
         raise DataError(f"{flag} {path!r} holds no rows")
     return rows
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """How prompt rows become prompts (slime's flag names)."""
-
-    prompt_data: str
-    """`--prompt-data`: jsonl or parquet file."""
-    input_key: str = "prompt"
-    """`--input-key`: field holding the prompt (text, or a list of chat messages)."""
-    label_key: str | None = "label"
-    """`--label-key`: field holding the reference answer (None: no labels)."""
-    metadata_key: str | None = "metadata"
-    """`--metadata-key`: optional field passed through to reward functions."""
-    apply_chat_template: bool = False
-    """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
-    max_prompt_len: int | None = None
-    """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
-    shuffle: bool = False
-    """`--rollout-shuffle`: reshuffle the prompts at every epoch."""
-    seed: int = 42
-    """`--rollout-seed`."""
 
 
 class PromptDataset:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.generate import generate
@@ -24,36 +25,6 @@ from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How responses are sampled (slime's flag names)."""
-
-    n_samples_per_prompt: int = 1
-    """`--n-samples-per-prompt`."""
-    temperature: float = 1.0
-    """`--rollout-temperature`."""
-    top_p: float = 1.0
-    """`--rollout-top-p`."""
-    top_k: int = -1
-    """`--rollout-top-k` (-1: off)."""
-    max_response_len: int = 1024
-    """`--rollout-max-response-len`: max new tokens per response."""
-    stop: tuple[str, ...] = ()
-    """`--rollout-stop`: stop strings."""
-    stop_token_ids: tuple[int, ...] = ()
-    """`--rollout-stop-token-ids`."""
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_response_len,
-            "stop": list(self.stop),
-            "stop_token_ids": list(self.stop_token_ids),
-        }
 
 
 @dataclass

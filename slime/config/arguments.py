@@ -1,0 +1,290 @@
+"""The command line of train.py / train_async.py: slime's flags → typed, validated configs.
+
+`parse_args(argv)` returns a `Config` whose parts go to their components (the train actor gets
+`config.train` and nothing else). Every bad flag or combination ends in `parser.error`: one
+line naming the flag and the fix, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
+from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where processes go. Without GPUs every "GPU" is one CPU process (a train rank or an engine)."""
+
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 1
+    rollout_num_gpus: int = 1
+    rollout_num_gpus_per_engine: int = 1
+    colocate: bool = False
+    offload: bool = False
+    train_backend: str = "fsdp"
+    rollout_backend: str = "torch"
+    device: str = "cpu"
+
+    @property
+    def num_train_ranks(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    data: DataConfig | None
+    sampling: SamplingConfig
+    rollout_batch_size: int
+    num_rollout: int | None
+    num_epoch: int | None
+    over_sampling_batch_size: int | None = None
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+    group_rm: bool = False
+    reward_key: str | None = None
+    custom_generate_function_path: str | None = None
+    rollout_function_path: str | None = None
+    dynamic_sampling_filter_path: str | None = None
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    transport: str = "tensor"
+    buffer_size: int = 512 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    save_interval: int | None = None
+    save_hf: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int | None = None
+    prompt_data: str | None = None
+    n_samples_per_prompt: int = 1
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    use_wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "slime"
+    wandb_group: str | None = None
+    use_tensorboard: bool = False
+    tb_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: ClusterConfig
+    rollout: RolloutConfig
+    bridge: BridgeConfig
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    logging: LoggingConfig
+    train: TrainConfig
+    args: argparse.Namespace  # for user functions with slime's f(args, ...) signatures only
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train.py", description="slime: RL post-training of LLMs")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--actor-num-nodes", type=int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1)
+    g.add_argument(
+        "--rollout-num-gpus", type=int, default=None, help="default: 1, or the trainer's with --colocate"
+    )
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
+    g.add_argument("--colocate", action="store_true", help="trainer and engines share devices")
+    g.add_argument("--offload", action="store_true", help="trainer releases device memory during rollout")
+    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
+    g.add_argument("--rollout-backend", choices=["torch", "sglang"], default="torch")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
+    g.add_argument("--input-key", default="prompt")
+    g.add_argument("--label-key", default="label")
+    g.add_argument("--metadata-key", default="metadata")
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=int, default=None)
+    g.add_argument("--num-epoch", type=int, default=None)
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None)
+    g.add_argument("--rollout-max-response-len", type=int, default=1024)
+    g.add_argument("--rollout-stop", nargs="*", default=[])
+    g.add_argument("--rollout-stop-token-ids", nargs="*", type=int, default=[])
+    g.add_argument("--over-sampling-batch-size", type=int, default=None)
+    g.add_argument("--dynamic-sampling-filter-path", default=None)
+    g.add_argument("--custom-generate-function-path", default=None)
+    g.add_argument("--rollout-function-path", default=None)
+    g.add_argument("--rm-type", default=None, help="built-in reward: math or exact")
+    g.add_argument("--custom-rm-path", default=None, help="package.module.function")
+    g.add_argument("--group-rm", action="store_true")
+    g.add_argument("--reward-key", default=None, help="key of a dict reward to train on")
+
+    g = p.add_argument_group("weight bridge")
+    g.add_argument("--update-weight-transport", choices=TRANSPORTS, default="tensor")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 << 20, help="bytes per bucket")
+
+    g = p.add_argument_group("save and load")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-hf", default=None)
+
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-prompt-data", default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    g.add_argument("--wandb-project", default="slime")
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--tb-dir", default=None)
+
+    add_train_arguments(p)
+    return p
+
+
+def _positive(ns: argparse.Namespace, *names: str) -> str | None:
+    for name in names:
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1 (got {value})"
+    return None
+
+
+def _check(ns: argparse.Namespace) -> str | None:
+    """The first problem with the flags, as one message, or None."""
+    problem = _positive(
+        ns, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+        "n_samples_per_prompt", "rollout_batch_size", "num_rollout", "num_epoch", "save_interval", "eval_interval",
+        "update_weight_buffer_size", "rollout_max_response_len", "over_sampling_batch_size",
+    )  # fmt: skip
+    if problem:
+        return problem
+    if ns.rollout_batch_size is None:
+        return "--rollout-batch-size is required (prompts per rollout)"
+    if ns.prompt_data is None and ns.rollout_function_path is None:
+        return "--prompt-data is required (or a --rollout-function-path that brings its own data)"
+    if ns.num_rollout is None and ns.num_epoch is None:
+        return "give --num-rollout or --num-epoch (how long to train)"
+    if ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine:
+        return (
+            f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+            f"{ns.rollout_num_gpus_per_engine}"
+        )
+    if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
+        return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
+    train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    if ns.colocate and ns.rollout_num_gpus != train_ranks:
+        return (
+            f"--colocate puts engines on the trainer's {train_ranks} devices, but --rollout-num-gpus is "
+            f"{ns.rollout_num_gpus}; drop --rollout-num-gpus or make them equal"
+        )
+    if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < ns.rollout_batch_size:
+        return "--over-sampling-batch-size must be >= --rollout-batch-size"
+    if ns.rm_type is None and ns.custom_rm_path is None and ns.rollout_function_path is None:
+        return "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
+    if ns.save_interval is not None and ns.save is None:
+        return "--save-interval needs --save DIR"
+    if ns.eval_interval is not None and ns.eval_prompt_data is None:
+        return "--eval-interval needs --eval-prompt-data"
+    rollout_samples = ns.rollout_batch_size * ns.n_samples_per_prompt
+    if ns.global_batch_size is not None and rollout_samples % ns.global_batch_size:
+        return (
+            f"--rollout-batch-size × --n-samples-per-prompt = {rollout_samples} samples per rollout, "
+            f"not a multiple of --global-batch-size {ns.global_batch_size}"
+        )
+    if ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
+        return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
+    if ns.train_backend == "megatron":
+        return "--train-backend megatron is not available yet in this build; use --train-backend fsdp"
+    for flag in ("prompt_data", "eval_prompt_data"):
+        path = getattr(ns, flag)
+        if path is not None and not os.path.isfile(path):
+            return f"--{flag.replace('_', '-')} {path!r}: no such file"
+    return None
+
+
+def _configs(ns: argparse.Namespace) -> Config:
+    cluster = ClusterConfig(
+        ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
+        ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
+    )  # fmt: skip
+    data = None
+    if ns.prompt_data is not None:
+        data = DataConfig(
+            ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
+            ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed,
+        )  # fmt: skip
+    sampling = SamplingConfig(
+        ns.n_samples_per_prompt, ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
+        ns.rollout_max_response_len, tuple(ns.rollout_stop), tuple(ns.rollout_stop_token_ids),
+    )  # fmt: skip
+    rollout = RolloutConfig(
+        data, sampling, ns.rollout_batch_size, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
+        ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
+        ns.rollout_function_path, ns.dynamic_sampling_filter_path,
+    )  # fmt: skip
+    wandb_mode = ns.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return Config(
+        cluster=cluster,
+        rollout=rollout,
+        bridge=BridgeConfig(ns.update_weight_transport, ns.update_weight_buffer_size),
+        checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
+        eval=EvalConfig(ns.eval_interval, ns.eval_prompt_data, ns.n_samples_per_eval_prompt),
+        logging=LoggingConfig(
+            ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
+        ),
+        train=train_config_from_args(ns),
+        args=ns,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse and validate; any problem exits with code 2 and one message naming the flag."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.rollout_num_gpus is None:
+        ns.rollout_num_gpus = ns.actor_num_nodes * ns.actor_num_gpus_per_node if ns.colocate else 1
+    problem = _check(ns)
+    if problem is None:
+        try:
+            return _configs(ns)
+        except ValueError as e:
+            problem = str(e)
+    parser.error(problem)
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def describe(config: Config) -> dict[str, Any]:
+    """Facts for the start-up banner."""
+    c = config.cluster
+    unit = "GPU" if c.device == "cuda" else "CPU process"
+    return {
+        "train": f"{c.num_train_ranks} × {c.train_backend} rank ({unit} each)",
+        "rollout": f"{c.num_engines} × {c.rollout_backend} engine ({c.rollout_num_gpus_per_engine} {unit} each)",
+        "layout": "colocated" if c.colocate else "disaggregated",
+    }

@@ -1,0 +1,85 @@
+"""train.py's command line: flags → configs, and one clear exit-2 message per bad combination."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime.config.arguments import describe, parse_args
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    return str(path)
+
+
+def base(prompts, *extra):
+    return ["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "exact", *extra]  # fmt: skip
+
+
+def test_flags_reach_their_components(prompts):
+    cfg = parse_args(base(prompts, "--rollout-temperature", "0.7", "--global-batch-size", "4", "--colocate",
+                          "--actor-num-gpus-per-node", "2", "--update-weight-transport", "disk", "--lr", "1e-5"))  # fmt: skip
+    assert (
+        cfg.cluster.num_train_ranks == 2
+        and cfg.cluster.rollout_num_gpus == 2
+        and cfg.cluster.num_engines == 2
+    )
+    assert cfg.rollout.sampling.temperature == 0.7 and cfg.train.rollout_temperature == 0.7
+    assert cfg.rollout.data.prompt_data == prompts and cfg.rollout.rollout_batch_size == 4
+    assert cfg.bridge.transport == "disk" and cfg.train.optimizer.lr == 1e-5
+    assert cfg.train.batch.global_batch_size == 4
+    assert cfg.logging.wandb_mode in ("offline", "online")
+    assert describe(cfg)["layout"] == "colocated"
+    assert "2 × fsdp rank (CPU process each)" in describe(cfg)["train"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--global-batch-size", "3"], "not a multiple of --global-batch-size 3"),
+        (["--colocate", "--rollout-num-gpus", "3"], "--colocate puts engines"),
+        (["--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus", "2"], "tensor-parallel size 1"),
+        (
+            ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2", "--rollout-backend", "sglang"],
+            "not a multiple",
+        ),
+        (["--save-interval", "2"], "--save-interval needs --save"),
+        (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
+        (["--over-sampling-batch-size", "2"], "--over-sampling-batch-size must be >="),
+        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+        (["--lr-decay-style", "cosine"], "--lr-decay-iters"),
+        (["--train-backend", "megatron"], "megatron"),
+        (["--eval-prompt-data", "/nope.jsonl"], "--eval-prompt-data '/nope.jsonl': no such file"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_message(prompts, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        parse_args(base(prompts, *extra))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_required_flags(prompts, capsys):
+    for argv, message in [
+        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--num-rollout", "1", "--rm-type", "exact"], "--rollout-batch-size is required"),
+        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "1", "--rm-type", "exact"], "--num-rollout or --num-epoch"),
+        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "1", "--num-rollout", "1"], "choose a reward"),
+        (["--prompt-data", prompts, "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "exact"], "--hf-checkpoint is required"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_is_grouped(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for group in ("cluster:", "data:", "rollout:", "weight bridge:", "train: loss:", "train: FSDP:"):
+        assert group in out
