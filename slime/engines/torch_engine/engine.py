@@ -176,6 +176,9 @@ class TorchEngine:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
         if req.input_ids is not None:
             ids = list(req.input_ids)
+            # An empty prefill would fail inside the engine step and abort every request in it.
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ProtocolError("'input_ids' must be a non-empty list of integer token ids")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ProtocolError(
