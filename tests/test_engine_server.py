@@ -347,6 +347,11 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": [1, True], "max_tokens": 2}), "prompt"),
     ("/v1/completions", json.dumps({"prompt": [[1, 10**6]], "max_tokens": 2}), "outside the vocabulary"),
     ("/v1/completions", json.dumps({"prompt": "a", "seed": -1}), "seed"),
+    (
+        "/generate",
+        json.dumps({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 21}),
+        "top_logprobs_num",
+    ),
     ("/generate", json.dumps({"input_ids": [[]]}), "input_ids"),
     ("/generate", json.dumps({"input_ids": [[1.5]]}), "input_ids"),
     ("/generate", json.dumps({"input_ids": [[True, 2]]}), "input_ids"),

@@ -51,6 +51,8 @@ class EngineConfig:
     """Initial weight_version reported before any update (SGLang's default)."""
     num_threads: int | None = None
     """torch intra-op threads; default: torch's choice."""
+    max_top_logprobs_num: int = 20
+    """Largest `top_logprobs_num` a request may ask for (top-k runs per step for each such row)."""
 
 
 class TorchEngine:
@@ -143,7 +145,7 @@ class TorchEngine:
         else:
             seqs, logits = self.runner.decode()
         gens = [s.runner_state.get("generator") for s in seqs]
-        top_n = max(s.top_logprobs_num for s in seqs)
+        top_n = [s.top_logprobs_num for s in seqs]
         out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
         self.num_steps += 1
@@ -202,12 +204,19 @@ class TorchEngine:
             )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ProtocolError(f"'sampling_params.stop_token_ids' must lie in [0, {self.vocab_size})")
+        limit = self.config.max_top_logprobs_num
+        if req.top_logprobs_num > limit:
+            raise ProtocolError(
+                f"'top_logprobs_num' {req.top_logprobs_num} exceeds this server's limit of {limit} "
+                "(--max-top-logprobs-num)"
+            )
         seq = Sequence(
             rid=req.rid,
             prompt_ids=ids,
             params=params,
             return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
+            # Top log-probs are only reported with return_logprob: don't compute them otherwise.
+            top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             on_finish=on_finish,
         )
         if params.sampling_seed is not None and not params.greedy:
