@@ -258,11 +258,13 @@ class TorchEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    # The HTTP thread encodes while the engine thread decodes; a fast tokenizer is not safe to
-    # share across threads ("Already borrowed"), so every use goes through one lock.
+    # Worker threads encode while the engine thread decodes; a fast tokenizer is not safe to
+    # share across threads ("Already borrowed"), so every use goes through one lock. The event
+    # loop never takes it: the server encodes and decodes in worker threads.
     def encode(self, text: str) -> list[int]:
+        """Tokenize a text prompt as SGLang does: with the tokenizer's special tokens (e.g. BOS)."""
         with self._tokenizer_lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(text))
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:

@@ -27,6 +27,7 @@ from slime.engines.protocol import (
     parse_tensor_specs,
 )
 from slime.engines.torch_engine.engine import TorchEngine
+from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -284,9 +285,9 @@ class EngineAPI:
 
         def _run() -> tuple[int, str]:
             count = apply()
-            self.engine.weight_version = (
-                str(version) if version is not None else _bump(self.engine.weight_version)
-            )
+            # As SGLang: the version changes only when the update names one.
+            if version is not None:
+                self.engine.weight_version = str(version)
             return count, self.engine.weight_version
 
         start = time.perf_counter()
@@ -380,73 +381,16 @@ class EngineAPI:
     # ---- OpenAI ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
         body = CompletionRequest.from_json(await read_json(request))
-        requests = []
-        for p_index, prompt in enumerate(body.prompts):
-            for c in range(body.n):
-                params = SamplingParams(
-                    max_new_tokens=body.max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    stop=body.stop,
-                    sampling_seed=None if body.seed is None else body.seed + c,
-                )
-                ids = tuple(prompt) if isinstance(prompt, list) else None
-                requests.append(
-                    GenerateRequest(
-                        rid=f"cmpl-{uuid.uuid4().hex}-{p_index}-{c}",
-                        input_ids=ids,
-                        text=prompt if isinstance(prompt, str) else None,
-                        sampling_params=params,
-                        return_logprob=body.logprobs is not None,
-                        top_logprobs_num=body.logprobs or 0,
-                    )
-                )
+        limit = self.engine.config.max_top_logprobs_num
+        if body.logprobs is not None and body.logprobs > limit:
+            raise ProtocolError(
+                f"'logprobs' {body.logprobs} exceeds this server's limit of {limit} (--max-top-logprobs-num)"
+            )
+        requests = completion_requests(body)
         results = await self.run_requests(requests)
-        return web.json_response(completion_response(self.engine, body, results))
-
-
-def completion_response(
-    engine: TorchEngine, body: CompletionRequest, results: list[dict[str, Any]]
-) -> dict[str, Any]:
-    choices = []
-    prompt_tokens = completion_tokens = 0
-    for i, res in enumerate(results):
-        meta = res["meta_info"]
-        reason = (meta["finish_reason"] or {}).get("type")
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": res["text"],
-            "finish_reason": "length" if reason == "length" else "stop",
-            "logprobs": None,
-        }
-        if body.logprobs is not None:
-            ids = res["output_ids"]
-            tokens = [engine.decode([t], False) for t in ids]
-            choice["logprobs"] = {
-                "tokens": tokens,
-                "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
-                "top_logprobs": [
-                    {engine.decode([t], False): lp for lp, t, _ in top}
-                    for top in meta.get("output_top_logprobs", [[] for _ in ids])
-                ],
-                "text_offset": _offsets(tokens),
-            }
-        choices.append(choice)
-        if i % body.n == 0:
-            prompt_tokens += meta["prompt_tokens"]
-        completion_tokens += meta["completion_tokens"]
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model or engine.config.model_path,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+        # Decoding every token takes the tokenizer lock: off the event loop.
+        answer = await asyncio.to_thread(completion_response, self.engine, body, results)
+        return web.json_response(answer)
 
 
 def _resolve(fut: asyncio.Future, result: Any) -> None:
@@ -454,12 +398,9 @@ def _resolve(fut: asyncio.Future, result: Any) -> None:
         fut.set_result(result)
 
 
-def _offsets(tokens: list[str]) -> list[int]:
-    out, pos = [], 0
-    for t in tokens:
-        out.append(pos)
-        pos += len(t)
-    return out
+def _fail(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -475,8 +416,3 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
-
-
-def _bump(version: str) -> str:
-    """Next weight_version when an update names none: integers count up; anything else starts at 1."""
-    return str(int(version) + 1) if version.isdigit() else "1"
