@@ -81,6 +81,10 @@ class Runner:
         """Drop all cache memory (only valid with no active sequences)."""
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Forget every sequence's KV state and free the cache: recovery after a failed step."""
+        raise NotImplementedError
+
 
 class SlotKVCache:
     """Per-layer K/V buffers of shape (rows, kv_heads, length, head_dim), grown by doubling."""
@@ -292,6 +296,10 @@ class BatchedRunner(Runner):
         assert not self.active, "free_cache with active sequences"
         self.cache.free()
 
+    def reset(self) -> None:
+        self.active.clear()
+        self.cache.free()
+
 
 class GenericRunner(Runner):
     """Any HF causal LM: a DynamicCache per sequence, batch-1 forwards."""
@@ -329,3 +337,8 @@ class GenericRunner(Runner):
 
     def free_cache(self) -> None:
         assert not self.active, "free_cache with active sequences"
+
+    def reset(self) -> None:
+        for seq in self.active:
+            seq.runner_state.pop("hf_cache", None)
+        self.active.clear()

@@ -8,6 +8,7 @@ Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -73,6 +74,7 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
 
     app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
+    app.on_startup.append(api.on_startup)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
@@ -115,6 +117,22 @@ class EngineAPI:
 
     def __init__(self, engine: TorchEngine):
         self.engine = engine
+        # Result futures of the requests in flight, failed together if the engine thread dies.
+        self._pending: set[asyncio.Future] = set()
+
+    async def on_startup(self, app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_engine_death(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(self._fail_pending, reason)
+
+        self.engine.add_death_listener(on_engine_death)
+
+    def _fail_pending(self, reason: str) -> None:
+        for fut in list(self._pending):
+            if not fut.done():
+                fut.set_exception(ProtocolError(f"the engine is not running: {reason}", 503))
 
     async def _on_engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
@@ -124,24 +142,39 @@ class EngineAPI:
         """Submit requests, wait for all; abort them if the client goes away."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        futures: list[asyncio.Future] = []
-        seqs: list[Sequence] = []
-        for req in requests:
-            fut: asyncio.Future = loop.create_future()
+        futures: list[asyncio.Future] = [loop.create_future() for _ in requests]
 
-            def on_finish(seq: Sequence, fut: asyncio.Future = fut) -> None:
-                result = self.engine.result_of(seq, started)
+        def finisher(fut: asyncio.Future) -> Callable[[Sequence], None]:
+            def on_finish(seq: Sequence) -> None:  # on the engine thread
+                try:
+                    result = self.engine.result_of(seq, started)
+                except Exception as e:  # this request fails; it must not hang
+                    logger.exception("building the response of request %s failed", seq.rid)
+                    loop.call_soon_threadsafe(_fail, fut, e)
+                    return
                 loop.call_soon_threadsafe(_resolve, fut, result)
 
-            futures.append(fut)
-            seqs.append(self.engine.make_sequence(req, on_finish))
-        await asyncio.wrap_future(self.engine.add(seqs))
+            return on_finish
+
+        def make_sequences() -> list[Sequence]:
+            return [self.engine.make_sequence(r, finisher(f)) for r, f in zip(requests, futures)]
+
+        # Tokenizing a long text takes a while: do it in a worker thread, never on the event loop.
+        if any(r.text is not None for r in requests):
+            seqs = await asyncio.to_thread(make_sequences)
+        else:
+            seqs = make_sequences()
+        self._pending.update(futures)
         try:
+            await asyncio.wrap_future(self.engine.add(seqs))
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:
-            for seq in seqs:
-                self.engine.abort(seq.rid, "client disconnected")
+            # The client went away, possibly while the add was running: the abort queues behind
+            # it. Abort these Sequence objects, not their rids, which may be reused by then.
+            self.engine.abort_sequences(seqs, "client disconnected")
             raise
+        finally:
+            self._pending.difference_update(futures)
 
     async def generate(self, request: web.Request) -> web.Response:
         requests, is_batch = parse_generate(await read_json(request))
@@ -149,10 +182,17 @@ class EngineAPI:
         return web.json_response(results if is_batch else results[0])
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine thread runs; 503 naming the reason once it has stopped."""
+        self._check_alive()
         return web.Response(status=200)
+
+    def _check_alive(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise ProtocolError(f"the engine is not running: {self.engine.dead_reason}", 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """A real one-token generation, as SGLang does, with a bounded wait."""
+        self._check_alive()
         req = GenerateRequest(
             rid=f"health-{uuid.uuid4().hex}",
             input_ids=(0,),
@@ -234,9 +274,7 @@ class EngineAPI:
         def _pause() -> int:
             self.engine.paused = True
             if mode == "abort":
-                victims = self.engine.scheduler.abort(None, "aborted by pause_generation")
-                self.engine._finish(victims)
-                return len(victims)
+                return self.engine.abort_now(None, "aborted by pause_generation")
             return 0
 
         aborted = await self._on_engine(_pause)
