@@ -154,6 +154,72 @@ def test_update_from_distributed_gloo(engine, tiny_model, tiny_model_b, outputs)
     run(_call(engine.url, "destroy_weights_update_group", "wg"))
 
 
+def _join_group(url: str, group_name: str = "wg"):
+    """Trainer rank 0 of a new gloo group with the engine as rank 1."""
+    port = _free_port()
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(g=sdist.new_group("gloo", "127.0.0.1", port, 0, 2, 60)))
+    t.start()
+    res = run(_call(url, "init_weights_update_group", "127.0.0.1", port, 1, 2, group_name, "gloo"))
+    t.join()
+    assert res["success"]
+    return holder
+
+
+def test_failed_distributed_receive_destroys_the_group(engine, tiny_model, tiny_model_b, outputs):
+    holder = _join_group(engine.url)
+    named = list(state_dict(tiny_model_b).items())
+    v = version(engine.url)
+
+    async def trainer_dies_after_one_tensor():
+        async with EngineClient(engine.url) as c:
+            req = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    [n for n, _ in named],
+                    [dtype_to_str(t.dtype) for _, t in named],
+                    [list(t.shape) for _, t in named],
+                    "wg",
+                    weight_version="never",
+                )
+            )
+
+            def send_one_then_go_away():
+                sdist.broadcast(holder["g"], named[0][1].contiguous(), root=0)
+                del holder["g"]  # the last reference: the trainer's connections close
+
+            await asyncio.to_thread(send_one_then_go_away)
+            return await req
+
+    with pytest.raises(EngineError) as info:
+        run(trainer_dies_after_one_tensor())
+    assert info.value.status == 500 and "the group was destroyed" in info.value.message
+    assert greedy(engine.url) == outputs["a"] and version(engine.url) == v
+    with pytest.raises(EngineError) as info:
+        run(_call(engine.url, "destroy_weights_update_group", "wg"))
+    assert info.value.status == 400 and "no weight-update group" in info.value.message
+
+    # The next init under the same name starts clean and works.
+    holder = _join_group(engine.url)
+    res = _push_distributed(engine.url, list(state_dict(tiny_model).items()), holder["g"])
+    assert res["success"] and greedy(engine.url) == outputs["a"]
+    run(_call(engine.url, "destroy_weights_update_group", "wg"))
+
+
+def test_destroy_group_shuts_the_group_down():
+    calls = []
+
+    class GlooLikeGroup:
+        def shutdown(self):
+            calls.append("shutdown")
+
+        def abort(self):
+            calls.append("abort")
+
+    sdist.destroy_group(GlooLikeGroup())
+    sdist.destroy_group(GlooLikeGroup(), abort=True)  # only NCCL aborts; gloo shuts down
+    assert calls == ["shutdown", "shutdown"]
+
+
 @pytest.mark.parametrize(
     "mutate,needle",
     [
