@@ -236,7 +236,7 @@ class TorchEngine:
                 except Exception:
                     logger.exception("the finish callback of request %s failed", seq.rid)
 
-    # ---- requests (called from the HTTP thread) ---------------------------------------------
+    # ---- requests (called from the HTTP side: event loop or worker threads) ------------------
     def check_available(self) -> None:
         if self.weights.released:
             raise ProtocolError(
