@@ -70,6 +70,56 @@ def test_gives_up_after_bounded_retries():
         run(scenario())
 
 
+def test_post_to_a_missing_server_is_retried():
+    async def scenario():
+        async with EngineClient(
+            f"http://127.0.0.1:{_unused_port()}", ClientConfig(max_retries=2, retry_backoff_s=0.01)
+        ) as c:
+            await c.update_weights_from_disk("/nowhere")
+
+    with pytest.raises(EngineError, match="after 3 attempts"):
+        run(scenario())
+
+
+async def _hang_up_server(connections: list[int]):
+    """A server that reads each request and closes the connection without answering."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/generate"), ("POST", "/update_weights_from_disk")])
+def test_post_that_reached_the_server_is_not_resent(method, path):
+    connections: list[int] = []
+
+    async def scenario():
+        server, url = await _hang_up_server(connections)
+        async with server, EngineClient(url, ClientConfig(max_retries=3, retry_backoff_s=0.01)) as c:
+            await c.request(method, path, {"model_path": "/x"})
+
+    with pytest.raises(EngineError, match="not retried"):
+        run(scenario())
+    assert connections == [1]
+
+
+def test_get_is_retried_after_a_dropped_connection():
+    connections: list[int] = []
+
+    async def scenario():
+        server, url = await _hang_up_server(connections)
+        async with server, EngineClient(url, ClientConfig(max_retries=2, retry_backoff_s=0.01)) as c:
+            await c.get_server_info()
+
+    with pytest.raises(EngineError, match="after 3 attempts"):
+        run(scenario())
+    assert len(connections) >= 3  # aiohttp may also retry an idempotent GET on its own
+
+
 def test_timeout_is_not_retried():
     calls = []
 

@@ -338,6 +338,29 @@ BAD_REQUESTS = [
     ("/pause_generation", json.dumps({"mode": "sideways"}), "mode"),
     ("/release_memory_occupation", json.dumps({"tags": ["gpu"]}), "tags"),
     ("/v1/completions", json.dumps({"max_tokens": 3}), "prompt"),
+    # Inner prompt lists must be non-empty integer token ids inside the vocabulary: an empty
+    # prefill used to crash the engine step and abort every request in flight.
+    ("/v1/completions", json.dumps({"prompt": [[]], "max_tokens": 2}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [[1.5]], "max_tokens": 2}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [["a"]], "max_tokens": 2}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [[True]], "max_tokens": 2}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [1, True], "max_tokens": 2}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [[1, 10**6]], "max_tokens": 2}), "outside the vocabulary"),
+    ("/v1/completions", json.dumps({"prompt": "a", "seed": -1}), "seed"),
+    (
+        "/generate",
+        json.dumps({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 21}),
+        "top_logprobs_num",
+    ),
+    ("/generate", json.dumps({"input_ids": [[]]}), "input_ids"),
+    ("/generate", json.dumps({"input_ids": [[1.5]]}), "input_ids"),
+    ("/generate", json.dumps({"input_ids": [[True, 2]]}), "input_ids"),
+    (
+        "/generate",
+        json.dumps({"input_ids": [1], "sampling_params": {"sampling_seed": 2**64}}),
+        "sampling_seed",
+    ),
+    ("/generate", json.dumps({"input_ids": [1], "sampling_params": {"seed": -5}}), "sampling_seed"),
 ]
 
 

@@ -56,8 +56,8 @@ def test_update_from_disk_changes_outputs_and_version(engine, tiny_model, tiny_m
     res = run(_call(engine.url, "update_weights_from_disk", tiny_model_b))
     assert res["success"] is True
     assert greedy(engine.url) == outputs["b"]
-    v1 = version(engine.url)
-    assert v1 != v0
+    # As in SGLang, an update that names no weight_version leaves the version alone.
+    assert version(engine.url) == v0
     run(_call(engine.url, "update_weights_from_disk", tiny_model, weight_version="disk-a"))
     assert version(engine.url) == "disk-a"
     assert greedy(engine.url) == outputs["a"]
@@ -91,7 +91,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _push_distributed(url: str, named: list[tuple[str, torch.Tensor]], group, bad: bool = False):
+def _push_distributed(
+    url: str,
+    named: list[tuple[str, torch.Tensor]],
+    group,
+    bad: bool = False,
+    weight_version: str | None = None,
+):
     """Trainer side: POST the metadata and broadcast the tensors concurrently."""
     names = [n for n, _ in named]
     shapes = [list(t.shape) for _, t in named]
@@ -102,7 +108,11 @@ def _push_distributed(url: str, named: list[tuple[str, torch.Tensor]], group, ba
         async with EngineClient(url) as c:
             req = asyncio.create_task(
                 c.update_weights_from_distributed(
-                    names, [dtype_to_str(t.dtype) for _, t in named], shapes, "wg"
+                    names,
+                    [dtype_to_str(t.dtype) for _, t in named],
+                    shapes,
+                    "wg",
+                    weight_version=weight_version,
                 )
             )
 
@@ -128,9 +138,8 @@ def test_update_from_distributed_gloo(engine, tiny_model, tiny_model_b, outputs)
     t.join()
     assert res["success"]
     group = holder["g"]
-    v0 = version(engine.url)
-    res = _push_distributed(engine.url, list(state_dict(tiny_model_b).items()), group)
-    assert res["success"] and version(engine.url) != v0
+    res = _push_distributed(engine.url, list(state_dict(tiny_model_b).items()), group, weight_version="d1")
+    assert res["success"] and version(engine.url) == "d1"
     assert greedy(engine.url) == outputs["b"]
 
     # A refused distributed update still drains the broadcasts, so the group stays usable.
@@ -143,6 +152,72 @@ def test_update_from_distributed_gloo(engine, tiny_model, tiny_model_b, outputs)
     res = _push_distributed(engine.url, list(state_dict(tiny_model).items()), group)
     assert res["success"] and greedy(engine.url) == outputs["a"]
     run(_call(engine.url, "destroy_weights_update_group", "wg"))
+
+
+def _join_group(url: str, group_name: str = "wg"):
+    """Trainer rank 0 of a new gloo group with the engine as rank 1."""
+    port = _free_port()
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(g=sdist.new_group("gloo", "127.0.0.1", port, 0, 2, 60)))
+    t.start()
+    res = run(_call(url, "init_weights_update_group", "127.0.0.1", port, 1, 2, group_name, "gloo"))
+    t.join()
+    assert res["success"]
+    return holder
+
+
+def test_failed_distributed_receive_destroys_the_group(engine, tiny_model, tiny_model_b, outputs):
+    holder = _join_group(engine.url)
+    named = list(state_dict(tiny_model_b).items())
+    v = version(engine.url)
+
+    async def trainer_dies_after_one_tensor():
+        async with EngineClient(engine.url) as c:
+            req = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    [n for n, _ in named],
+                    [dtype_to_str(t.dtype) for _, t in named],
+                    [list(t.shape) for _, t in named],
+                    "wg",
+                    weight_version="never",
+                )
+            )
+
+            def send_one_then_go_away():
+                sdist.broadcast(holder["g"], named[0][1].contiguous(), root=0)
+                del holder["g"]  # the last reference: the trainer's connections close
+
+            await asyncio.to_thread(send_one_then_go_away)
+            return await req
+
+    with pytest.raises(EngineError) as info:
+        run(trainer_dies_after_one_tensor())
+    assert info.value.status == 500 and "the group was destroyed" in info.value.message
+    assert greedy(engine.url) == outputs["a"] and version(engine.url) == v
+    with pytest.raises(EngineError) as info:
+        run(_call(engine.url, "destroy_weights_update_group", "wg"))
+    assert info.value.status == 400 and "no weight-update group" in info.value.message
+
+    # The next init under the same name starts clean and works.
+    holder = _join_group(engine.url)
+    res = _push_distributed(engine.url, list(state_dict(tiny_model).items()), holder["g"])
+    assert res["success"] and greedy(engine.url) == outputs["a"]
+    run(_call(engine.url, "destroy_weights_update_group", "wg"))
+
+
+def test_destroy_group_shuts_the_group_down():
+    calls = []
+
+    class GlooLikeGroup:
+        def shutdown(self):
+            calls.append("shutdown")
+
+        def abort(self):
+            calls.append("abort")
+
+    sdist.destroy_group(GlooLikeGroup())
+    sdist.destroy_group(GlooLikeGroup(), abort=True)  # only NCCL aborts; gloo shuts down
+    assert calls == ["shutdown", "shutdown"]
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,9 @@ def test_defaults_follow_sglang():
         ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
         ({"text": "a", "sampling_params": {"temperature": float("nan")}}, "temperature"),
         ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"text": "a", "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed"),
+        ({"text": "a", "sampling_params": {"sampling_seed": -1}}, "sampling_seed"),
+        ({"input_ids": [[1], []]}, "input_ids"),
     ],
 )
 def test_errors_name_the_field(body, needle):
@@ -74,3 +77,21 @@ def test_completion_request():
     assert req.prompts == [[1, 2, 3]] and req.n == 2 and req.stop == ("\n",)
     with pytest.raises(ProtocolError, match="'n'"):
         CompletionRequest.from_json({"prompt": "x", "n": 0})
+
+
+def test_seed_bounds():
+    assert SamplingParams.from_json({"sampling_seed": 2**64 - 1}).sampling_seed == 2**64 - 1
+    assert CompletionRequest.from_json({"prompt": "x", "seed": 2**64 - 2, "n": 2}).seed == 2**64 - 2
+    with pytest.raises(ProtocolError, match="'seed'"):
+        CompletionRequest.from_json({"prompt": "x", "seed": 2**64 - 1, "n": 2})
+
+
+@pytest.mark.parametrize("prompt", [[[]], [[1.5]], [["a"]], [[True]], [[1], "a"], [1, False], []])
+def test_completion_prompt_forms_refused(prompt):
+    with pytest.raises(ProtocolError, match="prompt"):
+        CompletionRequest.from_json({"prompt": prompt})
+
+
+def test_completion_prompt_forms_accepted():
+    assert CompletionRequest.from_json({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    assert CompletionRequest.from_json({"prompt": ["a", "b"]}).prompts == ["a", "b"]

@@ -54,5 +54,15 @@ def test_sampling_distribution_and_seeds():
 
 def test_top_logprobs():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    out = sample(logits, [SamplingParams(temperature=0)], [None], None, top_logprobs_num=2)
+    out = sample(logits, [SamplingParams(temperature=0)], [None], None, top_logprobs_nums=[2])
     assert [t for _, t in out.top_logprobs[0]] == [1, 3]
+    assert sample(logits, [SamplingParams(temperature=0)], [None], None, [0]).top_logprobs is None
+
+
+def test_top_logprobs_only_for_rows_that_ask():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    greedy = [SamplingParams(temperature=0)] * 3
+    out = sample(logits, greedy, [None] * 3, None, top_logprobs_nums=[0, 3, 1])
+    assert out.top_logprobs[0] == []
+    assert [t for _, t in out.top_logprobs[1]] == [1, 3, 2]
+    assert [t for _, t in out.top_logprobs[2]] == [1]

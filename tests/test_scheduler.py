@@ -89,3 +89,15 @@ def test_abort_one_and_all():
     assert s.abort("b", "x") == [b] and not s.waiting
     assert b.finish_reason.to_json() == {"type": "abort", "message": "x"}
     assert s.abort(None, "all") == [a] and not s.has_work()
+
+
+def test_abort_by_identity_spares_a_namesake():
+    s = make()
+    gone, namesake = seq("same"), seq("same")
+    s.add(gone)
+    s.plan()
+    s.abort_sequences([gone], "client left")
+    s.add(namesake)  # a new request reuses the rid after the first finished
+    assert s.abort_sequences([gone], "client left again") == []
+    assert s.is_in_flight("same") and namesake.status == SeqStatus.WAITING
+    assert s.abort("same", "x") == [namesake] and not s.is_in_flight("same")

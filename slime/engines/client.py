@@ -1,9 +1,11 @@
 """Async client for engines speaking SGLang's HTTP protocol (a real SGLang server or the torch engine).
 
-Every call has a timeout; connection errors (engine not up yet, connection reset) are retried a
-bounded number of times with backoff, nothing else is: a timed-out /generate may still be running
-and must not be sent twice. A semaphore bounds the requests in flight. Non-2xx answers raise
-`EngineError` carrying the status and the engine's message.
+Every call has a timeout; connection errors are retried a bounded number of times with backoff,
+nothing else is. A GET is retried on any connection error; any other method only when the
+connection was never established (engine not up yet, refused): a POST that reached the engine
+may be running, and a /generate or weight update must not run twice. A semaphore bounds the
+requests in flight. Non-2xx answers raise `EngineError` carrying the status and the engine's
+message.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     """Time allowed to open a connection."""
     max_retries: int = 3
-    """Retries for connection errors only."""
+    """Retries for connection errors only (for non-GET calls: only before the request was sent)."""
     retry_backoff_s: float = 0.5
     """First backoff; doubles each retry."""
     max_concurrency: int = 256
@@ -90,14 +92,12 @@ class EngineClient:
                     ) as resp:
                         return await _decode(resp, url)
                 except aiohttp.ClientConnectionError as e:
-                    # ServerDisconnectedError after the request was sent is not retried: it may have run.
-                    if (
-                        isinstance(e, aiohttp.ServerDisconnectedError)
-                        and method == "POST"
-                        and path == "/generate"
-                    ):
+                    if method != "GET" and not _never_connected(e):
                         raise EngineError(
-                            f"engine disconnected during {path}: {e}", None, self.base_url
+                            f"connection lost during {method} {path} (not retried: the engine may "
+                            f"have run it): {e}",
+                            None,
+                            self.base_url,
                         ) from e
                     if attempt == self.config.max_retries:
                         raise EngineError(
@@ -293,6 +293,17 @@ async def _decode(resp: aiohttp.ClientResponse, url: str) -> Any:
             message = message.get("message", message)
         raise EngineError(f"HTTP {resp.status}: {message}", resp.status, url)
     return body
+
+
+# Errors raised before a request could reach the server (ConnectionTimeoutError: aiohttp >= 3.10).
+_NOT_CONNECTED: tuple[type[BaseException], ...] = tuple(
+    t for t in (aiohttp.ClientConnectorError, getattr(aiohttp, "ConnectionTimeoutError", None)) if t
+)
+
+
+def _never_connected(error: aiohttp.ClientConnectionError) -> bool:
+    """True when the request cannot have reached the engine: the connection never opened."""
+    return isinstance(error, _NOT_CONNECTED)
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

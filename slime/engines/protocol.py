@@ -44,6 +44,19 @@ def _as_float(value: Any, name: str) -> float:
     return float(value)
 
 
+def _is_token_ids(value: Any) -> bool:
+    """A non-empty list of integer token ids (JSON true/false are not token ids)."""
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+# torch.Generator.manual_seed takes an unsigned 64-bit seed.
+SEED_LIMIT = 2**64
+
+
 def _as_str_list(value: Any, name: str) -> list[str]:
     if value is None:
         return []
@@ -146,7 +159,12 @@ class SamplingParams:
                 _expect(isinstance(raw[flag], bool), f"'sampling_params.{flag}' must be true or false")
                 kw[flag] = raw[flag]
         if raw.get("sampling_seed") is not None:
-            kw["sampling_seed"] = _as_int(raw["sampling_seed"], "sampling_params.sampling_seed")
+            seed = _as_int(raw["sampling_seed"], "sampling_params.sampling_seed")
+            _expect(
+                0 <= seed < SEED_LIMIT,
+                f"'sampling_params.sampling_seed' must be in [0, 2**64), got {seed}",
+            )
+            kw["sampling_seed"] = seed
         return cls(**kw)
 
 
@@ -182,9 +200,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
         prompts = ids if is_batch else [ids]
         for p in prompts:
             _expect(
-                isinstance(p, list)
-                and len(p) > 0
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in p),
+                _is_token_ids(p),
                 "'input_ids' must be a non-empty list of integer token ids (or a list of such lists)",
             )
     else:
@@ -306,14 +322,7 @@ class CompletionRequest:
         _expect(not body.get("stream"), "'stream': true is not supported by this engine; omit it")
         prompt = body.get("prompt")
         _expect(prompt is not None, "'prompt' is required")
-        if isinstance(prompt, str):
-            prompts: list[Any] = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompts = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            prompts = list(prompt)
-        else:
-            raise ProtocolError("'prompt' must be a string, a list of strings, or a list of token ids")
+        prompts = _completion_prompts(prompt)
         req = cls(prompts=prompts, model=body.get("model"))
         if body.get("max_tokens") is not None:
             req.max_tokens = _as_int(body["max_tokens"], "max_tokens")
@@ -333,4 +342,29 @@ class CompletionRequest:
         req.stop = tuple(_as_str_list(body.get("stop"), "stop"))
         if body.get("seed") is not None:
             req.seed = _as_int(body["seed"], "seed")
+            # Choice c of n samples with seed + c, which must stay a valid seed too.
+            _expect(
+                0 <= req.seed <= SEED_LIMIT - req.n,
+                f"'seed' must be in [0, 2**64 - n] (n = {req.n}), got {req.seed}",
+            )
         return req
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if _is_token_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        for i, p in enumerate(prompt):
+            _expect(
+                _is_token_ids(p),
+                f"'prompt[{i}]' must be a non-empty list of integer token ids, got {str(p)[:40]}",
+            )
+        return list(prompt)
+    raise ProtocolError(
+        "'prompt' must be a string, a list of strings, a non-empty list of token ids, or a list of such lists"
+    )

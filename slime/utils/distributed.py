@@ -43,6 +43,21 @@ def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def destroy_group(group: Any, abort: bool = False) -> None:
+    """Shut down a group made by `new_group`; its connections close when the last reference goes.
+
+    Args:
+        abort: the group may be stuck in a collective (a receive failed half way). NCCL then
+            aborts its communicators rather than wait on them; gloo always shuts down, since
+            an aborted gloo group can crash the process at exit.
+    """
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    use_abort = abort and nccl is not None and isinstance(group, nccl)
+    stop = getattr(group, "abort" if use_abort else "shutdown", None)
+    if stop is not None:
+        stop()
+
+
 def init_train_group(
     device: str,
     rank: int | None = None,

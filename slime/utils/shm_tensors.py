@@ -10,6 +10,7 @@ next bucket once the receiver has answered, and must `close()` it at the end.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -48,18 +49,50 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedBuffer:
-        fd, path = tempfile.mkstemp(prefix="slime_weights_", dir=shm_dir())
+        """A new shared-memory file of `nbytes`, its pages reserved up front.
+
+        Raises OSError(ENOSPC) naming the size and the directory when the space is not there;
+        the file is removed on any failure.
+        """
+        directory = shm_dir()
+        fd, path = tempfile.mkstemp(prefix="slime_weights_", dir=directory)
         try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            try:
+                _reserve(fd, nbytes, directory)
+            finally:
+                os.close(fd)
+            data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
         return cls(path, nbytes, data)
 
     def close(self) -> None:
         self.data = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Allocate the file's pages now. A sparse file (ftruncate) on a full /dev/shm would be
+    accepted here and kill the process with SIGBUS at the first write to a missing page."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: no shared-memory tmpfs to fill up
+        os.ftruncate(fd, nbytes)
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(
+                errno.ENOSPC,
+                f"cannot reserve {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of shared memory in "
+                f"{directory}: no space left; free space there or enlarge it "
+                "(e.g. docker run --shm-size)",
+            ) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # a filesystem without fallocate: fall back to a sparse file
 
 
 def packed_size(tensors: list[torch.Tensor]) -> int:

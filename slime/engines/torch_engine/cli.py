@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="default", help="weight_version reported before any update")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--max-top-logprobs-num",
+        type=int,
+        default=20,
+        help="largest top_logprobs_num (and OpenAI logprobs) a request may ask for",
+    )
     return p
 
 
@@ -64,6 +70,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-running-requests must be >= 1")
     if args.max_prefill_tokens < 1:
         parser.error("--max-prefill-tokens must be >= 1")
+    if args.max_top_logprobs_num < 0:
+        parser.error("--max-top-logprobs-num must be >= 0")
     if args.device.startswith("cuda"):
         import torch
 
@@ -97,6 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
         random_seed=args.random_seed,
         weight_version=args.weight_version,
         num_threads=args.num_threads,
+        max_top_logprobs_num=args.max_top_logprobs_num,
     )
     engine = TorchEngine(config)
     engine.start()

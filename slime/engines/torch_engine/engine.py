@@ -4,6 +4,10 @@ Every state change (new requests, abort, pause, weight updates, memory release) 
 executed by the engine thread between two steps, so a forward pass never sees half-updated
 weights and no lock is needed around the model. HTTP handlers submit commands and await their
 results; finished sequences are delivered through a callback.
+
+A failed step or callback fails only the requests it touches; if the thread dies anyway, the
+engine records why (`dead_reason`), fails every queued command and tells its death listeners,
+so no caller waits forever on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class EngineConfig:
     """Initial weight_version reported before any update (SGLang's default)."""
     num_threads: int | None = None
     """torch intra-op threads; default: torch's choice."""
+    max_top_logprobs_num: int = 20
+    """Largest `top_logprobs_num` a request may ask for (top-k runs per step for each such row)."""
 
 
 class TorchEngine:
@@ -84,6 +90,13 @@ class TorchEngine:
         )
         self._wakeup = threading.Event()
         self._tokenizer_lock = threading.Lock()
+        # Guards the hand-over between call() and a dying thread: a command is either queued
+        # before the queue is drained for good, or refused.
+        self._commands_lock = threading.Lock()
+        self.dead_reason: str | None = None
+        self._death_listeners: list[Callable[[str], None]] = []
+        # Set when releasing a sequence's KV state failed: the runner's rows no longer match.
+        self._runner_suspect = False
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self.num_steps = 0
@@ -99,19 +112,50 @@ class TorchEngine:
         self._thread.join(timeout=10)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread between two steps; the future carries its result."""
+        """Run `fn` on the engine thread between two steps; the future carries its result.
+
+        Once the engine thread is gone the future fails at once with a 503 naming the reason.
+        """
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        with self._commands_lock:
+            if self.dead_reason is not None:
+                fut.set_exception(self._dead_error())
+                return fut
+            self._commands.put((fn, fut))
         self._wakeup.set()
         return fut
 
+    def add_death_listener(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` (from the dying thread) when the engine thread stops."""
+        with self._commands_lock:
+            dead = self.dead_reason
+            if dead is None:
+                self._death_listeners.append(listener)
+        if dead is not None:
+            listener(dead)
+
+    def _dead_error(self) -> ProtocolError:
+        return ProtocolError(f"the engine is not running: {self.dead_reason}", 503)
+
     def _loop(self) -> None:
+        reason = "the engine was shut down"
+        try:
+            self._serve()
+        except BaseException as e:
+            logger.exception("the engine thread died")
+            reason = f"the engine thread died: {type(e).__name__}: {e}"
+        finally:
+            self._die(reason)
+
+    def _serve(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop:
             # Clear before draining: a command queued after this point sets the event again,
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
             self._run_commands()
+            if self._runner_suspect:
+                self._fail_in_flight("engine error: KV state was lost and reset")
             if self.paused or self.weights.released or not self.scheduler.has_work():
                 self._wakeup.wait(timeout=1.0)
                 continue
@@ -119,7 +163,32 @@ class TorchEngine:
                 self._step()
             except Exception as e:  # a bug or OOM: fail the in-flight requests, keep serving
                 logger.exception("engine step failed; aborting in-flight requests")
-                self._finish(self.scheduler.abort(None, f"engine error: {e}"))
+                self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
+
+    def _fail_in_flight(self, message: str) -> None:
+        """Abort every request and start the runner afresh (its KV state is not trusted)."""
+        victims = self.scheduler.abort(None, message)
+        self.runner.reset()
+        self._runner_suspect = False
+        self._finish(victims)
+
+    def _die(self, reason: str) -> None:
+        """Refuse new commands, fail the queued ones and tell the listeners (HTTP front)."""
+        with self._commands_lock:
+            self.dead_reason = reason
+            listeners, self._death_listeners = self._death_listeners, []
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(self._dead_error())
+        for listener in listeners:
+            try:
+                listener(reason)
+            except Exception:
+                logger.exception("engine death listener failed")
 
     def _run_commands(self) -> None:
         while True:
@@ -143,7 +212,7 @@ class TorchEngine:
         else:
             seqs, logits = self.runner.decode()
         gens = [s.runner_state.get("generator") for s in seqs]
-        top_n = max(s.top_logprobs_num for s in seqs)
+        top_n = [s.top_logprobs_num for s in seqs]
         out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
         self.num_steps += 1
@@ -151,14 +220,23 @@ class TorchEngine:
         self._finish(finished)
 
     def _finish(self, seqs: list[Sequence]) -> None:
+        # Each sequence on its own: one failing release or callback must not leave the others'
+        # clients waiting, nor escape into the loop and take the engine thread down.
         for seq in seqs:
             if seq in self.runner.active:
-                self.runner.release(seq)
+                try:
+                    self.runner.release(seq)
+                except Exception:
+                    logger.exception("releasing the KV state of request %s failed", seq.rid)
+                    self._runner_suspect = True
             seq.weight_version = self.weight_version
             if seq.on_finish is not None:
-                seq.on_finish(seq)
+                try:
+                    seq.on_finish(seq)
+                except Exception:
+                    logger.exception("the finish callback of request %s failed", seq.rid)
 
-    # ---- requests (called from the HTTP thread) ---------------------------------------------
+    # ---- requests (called from the HTTP side: event loop or worker threads) ------------------
     def check_available(self) -> None:
         if self.weights.released:
             raise ProtocolError(
@@ -176,6 +254,9 @@ class TorchEngine:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
         if req.input_ids is not None:
             ids = list(req.input_ids)
+            # An empty prefill would fail inside the engine step and abort every request in it.
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ProtocolError("'input_ids' must be a non-empty list of integer token ids")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ProtocolError(
@@ -199,12 +280,19 @@ class TorchEngine:
             )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ProtocolError(f"'sampling_params.stop_token_ids' must lie in [0, {self.vocab_size})")
+        limit = self.config.max_top_logprobs_num
+        if req.top_logprobs_num > limit:
+            raise ProtocolError(
+                f"'top_logprobs_num' {req.top_logprobs_num} exceeds this server's limit of {limit} "
+                "(--max-top-logprobs-num)"
+            )
         seq = Sequence(
             rid=req.rid,
             prompt_ids=ids,
             params=params,
             return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
+            # Top log-probs are only reported with return_logprob: don't compute them otherwise.
+            top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             on_finish=on_finish,
         )
         if params.sampling_seed is not None and not params.greedy:
@@ -216,6 +304,12 @@ class TorchEngine:
     def add(self, seqs: list[Sequence]) -> concurrent.futures.Future:
         def _add() -> None:
             self.check_available()
+            # As SGLang does: a rid names one in-flight request, so aborting by rid is unambiguous.
+            taken = sorted({s.rid for s in seqs if self.scheduler.is_in_flight(s.rid)})
+            if taken:
+                raise ProtocolError(
+                    f"'rid' {taken[:5]} already names a request in flight; give each request its own rid"
+                )
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
                     self.scheduler.finish_without_decoding(seq)
@@ -226,12 +320,24 @@ class TorchEngine:
         return self.call(_add)
 
     def abort(self, rid: str | None, message: str = "aborted by request") -> concurrent.futures.Future:
+        """Abort the request named `rid` (None: all); the future carries how many were aborted."""
+        return self.call(lambda: self.abort_now(rid, message))
+
+    def abort_sequences(self, seqs: list[Sequence], message: str) -> concurrent.futures.Future:
+        """Abort exactly these sequences (by identity), if they are still in flight."""
+
         def _abort() -> int:
-            victims = self.scheduler.abort(rid, message)
+            victims = self.scheduler.abort_sequences(seqs, message)
             self._finish(victims)
             return len(victims)
 
         return self.call(_abort)
+
+    def abort_now(self, rid: str | None, message: str) -> int:
+        """Engine thread only: abort by rid (None: all) and deliver the partial results."""
+        victims = self.scheduler.abort(rid, message)
+        self._finish(victims)
+        return len(victims)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _eos_token_ids(self) -> set[int]:
@@ -246,11 +352,13 @@ class TorchEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    # The HTTP thread encodes while the engine thread decodes; a fast tokenizer is not safe to
-    # share across threads ("Already borrowed"), so every use goes through one lock.
+    # Worker threads encode while the engine thread decodes; a fast tokenizer is not safe to
+    # share across threads ("Already borrowed"), so every use goes through one lock. The event
+    # loop never takes it: the server encodes and decodes in worker threads.
     def encode(self, text: str) -> list[int]:
+        """Tokenize a text prompt as SGLang does: with the tokenizer's special tokens (e.g. BOS)."""
         with self._tokenizer_lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(text))
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:

@@ -81,6 +81,10 @@ class Runner:
         """Drop all cache memory (only valid with no active sequences)."""
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Forget every sequence's KV state and free the cache: recovery after a failed step."""
+        raise NotImplementedError
+
 
 class SlotKVCache:
     """Per-layer K/V buffers of shape (rows, kv_heads, length, head_dim), grown by doubling."""
@@ -114,14 +118,18 @@ class SlotKVCache:
                 f"{self.max_rows} x {self.max_len}"
             )
         shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
-        for store in (self.k, self.v):
+        # Build every new buffer before touching the old ones: if an allocation fails (OOM)
+        # half way, the cache keeps its old buffers and sizes and the running sequences'
+        # keys/values stay valid. The price is holding old and new buffers at once.
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        for old, new in ((self.k, new_k), (self.v, new_v)):
             for i in range(self.num_layers):
                 fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if i < len(store):
-                    fresh[: self.rows, :, : self.length] = store[i]
-                    store[i] = fresh
-                else:
-                    store.append(fresh)
+                if i < len(old):
+                    fresh[: self.rows, :, : self.length] = old[i]
+                new.append(fresh)
+        self.k, self.v = new_k, new_v
         self.rows, self.length = new_rows, new_len
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -288,6 +296,10 @@ class BatchedRunner(Runner):
         assert not self.active, "free_cache with active sequences"
         self.cache.free()
 
+    def reset(self) -> None:
+        self.active.clear()
+        self.cache.free()
+
 
 class GenericRunner(Runner):
     """Any HF causal LM: a DynamicCache per sequence, batch-1 forwards."""
@@ -325,3 +337,8 @@ class GenericRunner(Runner):
 
     def free_cache(self) -> None:
         assert not self.active, "free_cache with active sequences"
+
+    def reset(self) -> None:
+        for seq in self.active:
+            seq.runner_state.pop("hf_cache", None)
+        self.active.clear()

@@ -44,7 +44,7 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
-    top_logprobs_num: int = 0,
+    top_logprobs_nums: list[int] | None = None,
 ) -> SampleOutput:
     """Pick one token per row.
 
@@ -52,7 +52,8 @@ def sample(
         logits_BV: float32 logits of the last position of each sequence.
         params: one SamplingParams per row.
         generators: per-row generator for seeded requests (None: use `default_generator`).
-        top_logprobs_num: also return the this many most likely (logprob, token) pairs per row.
+        top_logprobs_nums: per row, how many most likely (logprob, token) pairs to return
+            (0: none, and that row costs no top-k).
     """
     logits_BV = logits_BV.float()
     temps = torch.tensor(
@@ -83,8 +84,18 @@ def sample(
         tokens_B[rows] = (probs / noise).argmax(dim=-1)
 
     chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
-    top = None
-    if top_logprobs_num > 0:
-        values, ids = logprobs_BV.topk(min(top_logprobs_num, logprobs_BV.shape[-1]), dim=-1)
-        top = [list(zip(v, t)) for v, t in zip(values.tolist(), ids.tolist())]
-    return SampleOutput(tokens_B.tolist(), chosen.tolist(), top)
+    return SampleOutput(tokens_B.tolist(), chosen.tolist(), _top_logprobs(logprobs_BV, top_logprobs_nums))
+
+
+def _top_logprobs(logprobs_BV: torch.Tensor, nums: list[int] | None) -> list[list[tuple[float, int]]] | None:
+    """Top-k (logprob, token) pairs, computed only for the rows that ask (others get [])."""
+    if not nums or not any(n > 0 for n in nums):
+        return None
+    rows = [i for i, n in enumerate(nums) if n > 0]
+    k = min(max(nums), logprobs_BV.shape[-1])
+    index = torch.tensor(rows, device=logprobs_BV.device)
+    values, ids = logprobs_BV.index_select(0, index).topk(k, dim=-1)
+    top: list[list[tuple[float, int]]] = [[] for _ in nums]
+    for row, v, t in zip(rows, values.tolist(), ids.tolist()):
+        top[row] = list(zip(v, t))[: nums[row]]
+    return top

@@ -47,11 +47,17 @@ class Scheduler:
         self.detokenize = detokenize
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # In-flight sequences by rid: the engine refuses a second request with a rid in here.
+        self._by_rid: dict[str, Sequence] = {}
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._by_rid[seq.rid] = seq
+
+    def is_in_flight(self, rid: str) -> bool:
+        return rid in self._by_rid
 
     @property
     def num_in_flight(self) -> int:
@@ -128,11 +134,24 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        if self._by_rid.get(seq.rid) is seq:
+            del self._by_rid[seq.rid]
 
     # ---- abort -----------------------------------------------------------------------------
     def abort(self, rid: str | None, message: str) -> list[Sequence]:
         """Abort one request by rid, or every request when rid is None; return the aborted."""
-        victims = [s for s in list(self.waiting) + self.running if rid is None or s.rid == rid]
+        if rid is None:
+            return self.abort_sequences(list(self.waiting) + self.running, message)
+        seq = self._by_rid.get(rid)
+        return self.abort_sequences([seq] if seq is not None else [], message)
+
+    def abort_sequences(self, seqs: list[Sequence], message: str) -> list[Sequence]:
+        """Abort exactly these sequences (by identity) if still in flight; return the aborted.
+
+        A client that goes away aborts its own Sequence objects, never "whatever has its rid":
+        by then its request may have finished and a new one may carry the same rid.
+        """
+        victims = [s for s in seqs if s in self.running or s in self.waiting]
         for seq in victims:
             if seq in self.waiting:
                 self.waiting.remove(seq)

@@ -8,6 +8,7 @@ Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from slime.engines.protocol import (
     parse_tensor_specs,
 )
 from slime.engines.torch_engine.engine import TorchEngine
+from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
 
     app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
+    app.on_startup.append(api.on_startup)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
@@ -115,6 +118,22 @@ class EngineAPI:
 
     def __init__(self, engine: TorchEngine):
         self.engine = engine
+        # Result futures of the requests in flight, failed together if the engine thread dies.
+        self._pending: set[asyncio.Future] = set()
+
+    async def on_startup(self, app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_engine_death(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(self._fail_pending, reason)
+
+        self.engine.add_death_listener(on_engine_death)
+
+    def _fail_pending(self, reason: str) -> None:
+        for fut in list(self._pending):
+            if not fut.done():
+                fut.set_exception(ProtocolError(f"the engine is not running: {reason}", 503))
 
     async def _on_engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
@@ -124,24 +143,39 @@ class EngineAPI:
         """Submit requests, wait for all; abort them if the client goes away."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        futures: list[asyncio.Future] = []
-        seqs: list[Sequence] = []
-        for req in requests:
-            fut: asyncio.Future = loop.create_future()
+        futures: list[asyncio.Future] = [loop.create_future() for _ in requests]
 
-            def on_finish(seq: Sequence, fut: asyncio.Future = fut) -> None:
-                result = self.engine.result_of(seq, started)
+        def finisher(fut: asyncio.Future) -> Callable[[Sequence], None]:
+            def on_finish(seq: Sequence) -> None:  # on the engine thread
+                try:
+                    result = self.engine.result_of(seq, started)
+                except Exception as e:  # this request fails; it must not hang
+                    logger.exception("building the response of request %s failed", seq.rid)
+                    loop.call_soon_threadsafe(_fail, fut, e)
+                    return
                 loop.call_soon_threadsafe(_resolve, fut, result)
 
-            futures.append(fut)
-            seqs.append(self.engine.make_sequence(req, on_finish))
-        await asyncio.wrap_future(self.engine.add(seqs))
+            return on_finish
+
+        def make_sequences() -> list[Sequence]:
+            return [self.engine.make_sequence(r, finisher(f)) for r, f in zip(requests, futures)]
+
+        # Tokenizing a long text takes a while: do it in a worker thread, never on the event loop.
+        if any(r.text is not None for r in requests):
+            seqs = await asyncio.to_thread(make_sequences)
+        else:
+            seqs = make_sequences()
+        self._pending.update(futures)
         try:
+            await asyncio.wrap_future(self.engine.add(seqs))
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:
-            for seq in seqs:
-                self.engine.abort(seq.rid, "client disconnected")
+            # The client went away, possibly while the add was running: the abort queues behind
+            # it. Abort these Sequence objects, not their rids, which may be reused by then.
+            self.engine.abort_sequences(seqs, "client disconnected")
             raise
+        finally:
+            self._pending.difference_update(futures)
 
     async def generate(self, request: web.Request) -> web.Response:
         requests, is_batch = parse_generate(await read_json(request))
@@ -149,10 +183,17 @@ class EngineAPI:
         return web.json_response(results if is_batch else results[0])
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine thread runs; 503 naming the reason once it has stopped."""
+        self._check_alive()
         return web.Response(status=200)
+
+    def _check_alive(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise ProtocolError(f"the engine is not running: {self.engine.dead_reason}", 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """A real one-token generation, as SGLang does, with a bounded wait."""
+        self._check_alive()
         req = GenerateRequest(
             rid=f"health-{uuid.uuid4().hex}",
             input_ids=(0,),
@@ -243,9 +284,7 @@ class EngineAPI:
         def _pause() -> int:
             self.engine.paused = True
             if mode == "abort":
-                victims = self.engine.scheduler.abort(None, "aborted by pause_generation")
-                self.engine._finish(victims)
-                return len(victims)
+                return self.engine.abort_now(None, "aborted by pause_generation")
             return 0
 
         aborted = await self._on_engine(_pause)
@@ -294,9 +333,9 @@ class EngineAPI:
 
         def _run() -> tuple[int, str]:
             count = apply()
-            self.engine.weight_version = (
-                str(version) if version is not None else _bump(self.engine.weight_version)
-            )
+            # As SGLang: the version changes only when the update names one.
+            if version is not None:
+                self.engine.weight_version = str(version)
             return count, self.engine.weight_version
 
         start = time.perf_counter()
@@ -390,73 +429,16 @@ class EngineAPI:
     # ---- OpenAI ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
         body = CompletionRequest.from_json(await read_json(request))
-        requests = []
-        for p_index, prompt in enumerate(body.prompts):
-            for c in range(body.n):
-                params = SamplingParams(
-                    max_new_tokens=body.max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    stop=body.stop,
-                    sampling_seed=None if body.seed is None else body.seed + c,
-                )
-                ids = tuple(prompt) if isinstance(prompt, list) else None
-                requests.append(
-                    GenerateRequest(
-                        rid=f"cmpl-{uuid.uuid4().hex}-{p_index}-{c}",
-                        input_ids=ids,
-                        text=prompt if isinstance(prompt, str) else None,
-                        sampling_params=params,
-                        return_logprob=body.logprobs is not None,
-                        top_logprobs_num=body.logprobs or 0,
-                    )
-                )
+        limit = self.engine.config.max_top_logprobs_num
+        if body.logprobs is not None and body.logprobs > limit:
+            raise ProtocolError(
+                f"'logprobs' {body.logprobs} exceeds this server's limit of {limit} (--max-top-logprobs-num)"
+            )
+        requests = completion_requests(body)
         results = await self.run_requests(requests)
-        return web.json_response(completion_response(self.engine, body, results))
-
-
-def completion_response(
-    engine: TorchEngine, body: CompletionRequest, results: list[dict[str, Any]]
-) -> dict[str, Any]:
-    choices = []
-    prompt_tokens = completion_tokens = 0
-    for i, res in enumerate(results):
-        meta = res["meta_info"]
-        reason = (meta["finish_reason"] or {}).get("type")
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": res["text"],
-            "finish_reason": "length" if reason == "length" else "stop",
-            "logprobs": None,
-        }
-        if body.logprobs is not None:
-            ids = res["output_ids"]
-            tokens = [engine.decode([t], False) for t in ids]
-            choice["logprobs"] = {
-                "tokens": tokens,
-                "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
-                "top_logprobs": [
-                    {engine.decode([t], False): lp for lp, t, _ in top}
-                    for top in meta.get("output_top_logprobs", [[] for _ in ids])
-                ],
-                "text_offset": _offsets(tokens),
-            }
-        choices.append(choice)
-        if i % body.n == 0:
-            prompt_tokens += meta["prompt_tokens"]
-        completion_tokens += meta["completion_tokens"]
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model or engine.config.model_path,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+        # Decoding every token takes the tokenizer lock: off the event loop.
+        answer = await asyncio.to_thread(completion_response, self.engine, body, results)
+        return web.json_response(answer)
 
 
 def _resolve(fut: asyncio.Future, result: Any) -> None:
@@ -464,12 +446,9 @@ def _resolve(fut: asyncio.Future, result: Any) -> None:
         fut.set_result(result)
 
 
-def _offsets(tokens: list[str]) -> list[int]:
-    out, pos = [], 0
-    for t in tokens:
-        out.append(pos)
-        pos += len(t)
-    return out
+def _fail(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -485,8 +464,3 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
-
-
-def _bump(version: str) -> str:
-    """Next weight_version when an update names none: integers count up; anything else starts at 1."""
-    return str(int(version) + 1) if version.isdigit() else "1"

@@ -152,6 +152,9 @@ class WeightStore:
             world_size,
             backend,
         )
+        if group_name in self.groups:
+            logger.warning("replacing weight-update group %r: the old one is shut down", group_name)
+            self._drop_group(group_name)
         try:
             self.groups[group_name] = sdist.new_group(
                 backend, address, port, rank_offset, world_size, timeout
@@ -160,8 +163,17 @@ class WeightStore:
             raise ProtocolError(f"could not join weight-update group {group_name!r}: {e}", 500) from None
 
     def destroy_group(self, group_name: str) -> None:
-        if self.groups.pop(group_name, None) is None:
+        if group_name not in self.groups:
             raise ProtocolError(f"no weight-update group named {group_name!r}")
+        self._drop_group(group_name)
+
+    def _drop_group(self, group_name: str, abort: bool = False) -> None:
+        """Forget the group and shut it down; a failure to shut down is only logged."""
+        group = self.groups.pop(group_name)
+        try:
+            sdist.destroy_group(group, abort=abort)
+        except Exception:
+            logger.exception("shutting down weight-update group %r failed", group_name)
 
     def update_from_distributed(
         self, specs: list[NamedTensorSpec], group_name: str, device: torch.device
@@ -180,8 +192,8 @@ class WeightStore:
             dtypes = [dtype_from_str(s.dtype) for s in specs]
         except ValueError as e:
             # We cannot size the receive buffers, so the group can no longer be trusted.
-            self.groups.pop(group_name, None)
-            raise ProtocolError(f"{e}; group {group_name!r} was dropped, re-initialise it") from None
+            self._drop_group(group_name, abort=True)
+            raise ProtocolError(f"{e}; group {group_name!r} was destroyed, re-initialise it") from None
         problem = None
         try:
             self.validate(specs)
@@ -189,8 +201,19 @@ class WeightStore:
             problem = e
         received = []
         for spec, dtype in zip(specs, dtypes):
-            buf = torch.empty(spec.shape, dtype=dtype, device=device)
-            sdist.broadcast(group, buf, root=0)
+            try:
+                buf = torch.empty(spec.shape, dtype=dtype, device=device)
+                sdist.broadcast(group, buf, root=0)
+            except Exception as e:
+                # The trainer and this engine no longer agree on which broadcast comes next:
+                # the group is useless. Destroy it so the next init starts from a clean slate.
+                self._drop_group(group_name, abort=True)
+                raise ProtocolError(
+                    f"receiving '{spec.name}' over weight-update group {group_name!r} failed: {e}; "
+                    "no parameter changed; the group was destroyed, re-initialise it with "
+                    "/init_weights_update_group",
+                    500,
+                ) from None
             received.append((spec.name, buf))
         if problem is not None:
             raise problem
