@@ -1,0 +1,64 @@
+"""Which process goes in which Ray placement-group bundle (pure logic; Ray is used elsewhere).
+
+One bundle per device. On a GPU cluster a bundle is one GPU (plus a CPU); on a machine without
+GPUs a "GPU" is one CPU process, so a bundle is one CPU. Disaggregated: train ranks take the
+first bundles, engines the rest. Colocated: engine j shares the bundles of train ranks
+[j·tp, (j+1)·tp), and both sides ask for a fraction of each bundle so Ray packs them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slime.config.arguments import ClusterConfig
+
+# Shares of a colocated bundle; they only need to fit together in one bundle.
+TRAIN_SHARE = 0.5
+ENGINE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one process goes: its bundle(s) and how much of each it asks for."""
+
+    bundles: tuple[int, ...]
+    share: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    resource: str  # "GPU" or "CPU"
+    num_bundles: int
+    train: tuple[Slot, ...]
+    engines: tuple[Slot, ...]
+
+    def bundle_specs(self) -> list[dict[str, float]]:
+        if self.resource == "GPU":
+            return [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_bundles)]
+        return [{"CPU": 1.0} for _ in range(self.num_bundles)]
+
+    def describe(self) -> list[str]:
+        lines = [f"{self.num_bundles} bundles of 1 {self.resource}"]
+        for rank, slot in enumerate(self.train):
+            lines.append(f"train rank {rank}: bundle {slot.bundles[0]} ({slot.share:g} {self.resource})")
+        for j, slot in enumerate(self.engines):
+            where = ", ".join(map(str, slot.bundles))
+            lines.append(f"engine {j}: bundle(s) {where} ({slot.share:g} {self.resource} each)")
+        return lines
+
+
+def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engines: bool = True) -> Placement:
+    """The bundles and slots for a layout (either side can be left out, as the debug modes do)."""
+    resource = "GPU" if cluster.device == "cuda" else "CPU"
+    tp = cluster.rollout_num_gpus_per_engine
+    num_train = cluster.num_train_ranks if with_trainer else 0
+    num_engines = cluster.num_engines if with_engines else 0
+    if cluster.colocate and with_trainer and with_engines:
+        train = tuple(Slot((r,), TRAIN_SHARE) for r in range(num_train))
+        engines = tuple(Slot(tuple(range(j * tp, (j + 1) * tp)), ENGINE_SHARE) for j in range(num_engines))
+        return Placement(resource, num_train, train, engines)
+    train = tuple(Slot((r,), 1.0) for r in range(num_train))
+    engines = tuple(
+        Slot(tuple(range(num_train + j * tp, num_train + (j + 1) * tp)), 1.0) for j in range(num_engines)
+    )
+    return Placement(resource, num_train + num_engines * tp, train, engines)

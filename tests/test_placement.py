@@ -1,0 +1,33 @@
+"""Placement layouts (pure logic)."""
+
+from __future__ import annotations
+
+from slime.config.arguments import ClusterConfig
+from slime.ray.placement import plan_placement
+
+
+def test_disaggregated_cpu():
+    p = plan_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=3))
+    assert p.resource == "CPU" and p.num_bundles == 5
+    assert [s.bundles for s in p.train] == [(0,), (1,)]
+    assert [s.bundles for s in p.engines] == [(2,), (3,), (4,)]
+    assert all(s.share == 1.0 for s in (*p.train, *p.engines))
+    assert p.bundle_specs() == [{"CPU": 1.0}] * 5
+
+
+def test_colocated_gpu_with_tensor_parallel_engines():
+    cluster = ClusterConfig(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8,
+                            rollout_num_gpus_per_engine=4, colocate=True, rollout_backend="sglang", device="cuda")  # fmt: skip
+    p = plan_placement(cluster)
+    assert p.num_bundles == 8 and p.bundle_specs()[0] == {"GPU": 1.0, "CPU": 1.0}
+    assert [s.bundles for s in p.engines] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    shares = [s.share for s in p.train] + [s.share for s in p.engines]
+    assert all(0 < x < 1 for x in shares) and p.train[0].share + p.engines[0].share <= 1.0
+    assert "engine 1: bundle(s) 4, 5, 6, 7" in "\n".join(p.describe())
+
+
+def test_debug_layouts_leave_a_side_out():
+    cluster = ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True)
+    assert plan_placement(cluster, with_trainer=False).train == ()
+    only_train = plan_placement(cluster, with_engines=False)
+    assert only_train.engines == () and only_train.num_bundles == 2 and only_train.train[0].share == 1.0
