@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from slime.bridge.base import Bucket, Transport
 from slime.config.rollout import TRANSPORTS
@@ -42,30 +43,49 @@ def make_transport(name: str, hf_checkpoint: str, device: str = "cpu") -> Transp
 
 
 class WeightBridge:
-    """Pushes buckets into a fixed set of engines through one transport."""
+    """Pushes buckets into a fixed set of engines through one transport.
 
-    def __init__(self, transport: Transport, engines: list[EngineClient]):
+    Engine clients are opened per push (a push may run in a fresh event loop, e.g. inside a Ray
+    actor method); the transport's state (a process group, a shared-memory file) persists.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine_urls: list[str],
+        make_client: Callable[[str], EngineClient] = EngineClient,
+    ):
         self.transport = transport
-        self.engines = engines
+        self.engine_urls = list(engine_urls)
+        self.make_client = make_client
         self._ready = False
 
     async def push(self, buckets: Iterable[Bucket], weight_version: str) -> dict[str, float]:
         """Run one update; returns {"bytes", "seconds", "buckets"}."""
+        engines = [self.make_client(u) for u in self.engine_urls]
+        try:
+            return await self._push(engines, buckets, weight_version)
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+
+    async def _push(
+        self, engines: list[EngineClient], buckets: Iterable[Bucket], weight_version: str
+    ) -> dict[str, float]:
         if not self._ready:
-            await self.transport.setup(self.engines)
+            await self.transport.setup(engines)
             self._ready = True
         start = time.perf_counter()
         total = count = 0
-        await _all(self.engines, "pause_generation")
+        await _all(engines, "pause_generation")
         try:
-            await asyncio.gather(*(_flush(e) for e in self.engines))
+            await asyncio.gather(*(_flush(e) for e in engines))
             for bucket in buckets:
-                await self.transport.send(self.engines, bucket, weight_version)
+                await self.transport.send(engines, bucket, weight_version)
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
-            await self.transport.finish(self.engines, weight_version)
+            await self.transport.finish(engines, weight_version)
         finally:
-            await _all(self.engines, "continue_generation")
+            await _all(engines, "continue_generation")
         seconds = time.perf_counter() - start
         logger.info(
             "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",
@@ -74,7 +94,24 @@ class WeightBridge:
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
 
     async def close(self) -> None:
-        await self.transport.close(self.engines)
+        engines = [self.make_client(u) for u in self.engine_urls]
+        try:
+            await self.transport.close(engines)
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+
+
+def push_actor_weights(
+    actor: Any, bridge: WeightBridge | None, weight_version: str, bucket_bytes: int
+) -> dict[str, float] | None:
+    """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
+    bridge) sends them. Returns the push statistics on rank 0, None elsewhere."""
+    buckets = actor.export_weights(bucket_bytes)
+    if bridge is None:
+        for _ in buckets:
+            pass
+        return None
+    return asyncio.run(bridge.push(buckets, weight_version))
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

@@ -1,0 +1,48 @@
+"""Trainer → engine: after a push from a two-rank FSDP actor every engine parameter equals the trainer's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import start_engine
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import base_config, make_batch
+
+
+def train_and_push(rank, world_size, init_method, model, url, transport):
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
+    from slime.engines.client import EngineClient
+    from slime.utils.checksum import tensor_checksum
+
+    actor = FSDPTrainActor(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    actor.init()
+    actor.train(0, make_batch(0))
+    bridge = WeightBridge(make_transport(transport, model), [url]) if rank == 0 else None
+    stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000)
+    trainer = {n: tensor_checksum(p.full_tensor()) for n, p in actor.model.named_parameters()}
+    engine = None
+    if rank == 0:
+
+        async def read():
+            async with EngineClient(url) as c:
+                return await c.weights_checksum()
+
+        engine = asyncio.run(read())
+        asyncio.run(bridge.close())
+    actor.close()
+    return {"stats": stats, "trainer": trainer, "engine": engine}
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_push_after_training_makes_engine_equal_trainer(tiny_model, tmp_path, transport):
+    proc = start_engine(tiny_model, tmp_path)
+    try:
+        rank0, rank1 = run_ranks(2, train_and_push, tiny_model, proc.url, transport)
+    finally:
+        proc.stop()
+    assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
+    assert rank0["engine"]["weight_version"] == "step-1"
+    assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]
