@@ -22,6 +22,7 @@ from typing import Any
 from slime.bridge.base import Bucket, Transport
 from slime.config.rollout import TRANSPORTS
 from slime.engines.client import EngineClient, EngineError
+from slime.utils.aio import run_sync
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def push_actor_weights(
         for _ in buckets:
             pass
         return None
-    return asyncio.run(bridge.push(buckets, weight_version))
+    return run_sync(bridge.push(buckets, weight_version))
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

@@ -1,0 +1,103 @@
+"""Ray actors: one train rank, one rollout engine. Thin shells around Ray-free classes.
+
+Each actor is created inside its placement-group bundle with the share planned by
+slime.ray.placement. Their methods are the TrainActor protocol's, so the loop drives a group of
+them exactly as tests drive FSDPTrainActor directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from slime.backends.interface import RolloutBatch, TrainOutput
+from slime.config.train import TrainConfig
+from slime.utils.aio import run_sync
+
+logger = logging.getLogger(__name__)
+
+
+def _quiet_threads(num_threads: int) -> None:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+
+
+class TrainRank:
+    """One data-parallel rank of the trainer (a Ray actor)."""
+
+    def __init__(
+        self, cfg: TrainConfig, rank: int, world_size: int, master_addr: str, master_port: int, threads: int
+    ):
+        from slime.utils.logging_utils import configure_logging
+
+        _quiet_threads(threads)
+        configure_logging(f"train{rank}")
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from slime.backends.fsdp.actor import FSDPTrainActor
+
+        self.rank = rank
+        self.actor = FSDPTrainActor(cfg, rank, world_size)
+        self.bridge: Any = None
+
+    def init(self) -> dict[str, Any]:
+        return self.actor.init()
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+        return self.actor.train(rollout_id, batch)
+
+    def save(self, rollout_id: int, path: str) -> str:
+        return self.actor.save(rollout_id, path)
+
+    def save_hf(self, path: str) -> None:
+        self.actor.save_hf(path)
+
+    def connect_engines(
+        self, transport: str, hf_checkpoint: str, device: str, engine_urls: list[str]
+    ) -> None:
+        if self.rank == 0:
+            from slime.bridge.bridge import WeightBridge, make_transport
+
+            self.bridge = WeightBridge(make_transport(transport, hf_checkpoint, device), engine_urls)
+
+    def push_weights(self, weight_version: str, bucket_bytes: int) -> dict[str, float] | None:
+        from slime.bridge.bridge import push_actor_weights
+
+        return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes)
+
+    def sleep(self) -> None:
+        self.actor.sleep()
+
+    def wake(self) -> None:
+        self.actor.wake()
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            run_sync(self.bridge.close())
+        self.actor.close()
+
+
+class EngineActor:
+    """Owns one torch-engine server process on this actor's node (a Ray actor)."""
+
+    def __init__(self, model_path: str, extra_args: list[str], log_path: str | None):
+        from slime.engines.torch_engine.launcher import start_torch_engine
+
+        host = ray.util.get_node_ip_address() if os.environ.get("SLIME_ENGINE_BIND_NODE_IP") else "127.0.0.1"
+        self.proc = start_torch_engine(model_path, ["--host", host, *extra_args], log_path=log_path)
+
+    def url(self) -> str:
+        return self.proc.url
+
+    def alive(self) -> bool:
+        return self.proc.proc.poll() is None
+
+    def stop(self) -> int:
+        return self.proc.stop()

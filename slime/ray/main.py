@@ -1,0 +1,32 @@
+"""Entry point shared by train.py and train_async.py: parse, run, turn failures into exit codes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from slime.config.arguments import parse_args
+from slime.utils.logging_utils import configure_logging
+
+logger = logging.getLogger("slime")
+
+
+def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
+    configure_logging("driver")
+    config = parse_args(argv)  # exits 2 on bad flags
+    log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
+    from slime.ray.loop import run
+
+    try:
+        return run(config, off_policy=off_policy, log_dir=log_dir)
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
+    except Exception as e:  # an actor's error arrives here with its remote traceback
+        logger.error("job failed: %s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

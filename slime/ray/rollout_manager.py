@@ -1,0 +1,131 @@
+"""The RolloutManager actor: data source, engines' HTTP side, rewards, rollout metrics.
+
+It owns no model. It turns a rollout id into a `RolloutBatch` for the trainer plus the
+rollout-side metrics, runs evaluation, releases/resumes engine memory for colocation, and
+carries the data position for checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+from slime.backends.interface import RolloutBatch
+from slime.config.arguments import Config
+from slime.config.rollout import DataConfig
+from slime.engines.client import EngineClient
+from slime.rollout.data import PromptDataset
+from slime.rollout.manager import RolloutGenerator
+from slime.rollout.rewards import RewardModel, load_function
+from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.utils.aio import run_sync
+
+
+def rollout_metrics(
+    samples: list[Sample], reward_key: str | None, prefix: str = "rollout"
+) -> dict[str, float]:
+    rewards = [s.scalar_reward(reward_key) for s in samples]
+    lengths = [s.response_length for s in samples]
+    lps = [lp for s in samples for lp in (s.rollout_log_probs or [])]
+    out = {
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/response_length_mean": statistics.fmean(lengths),
+        f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}/num_samples": float(len(samples)),
+    }
+    if all(r in (0.0, 1.0) for r in rewards):
+        out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
+    if lps:
+        out[f"{prefix}/rollout_log_probs_mean"] = statistics.fmean(lps)
+    return out
+
+
+class RolloutManager:
+    """Produces rollouts and evaluations from the engines at `engine_urls` (a Ray actor)."""
+
+    def __init__(self, config: Config, engine_urls: list[str]):
+        from transformers import AutoTokenizer
+
+        from slime.utils.logging_utils import configure_logging
+
+        configure_logging("rollout")
+        self.config = config
+        self.engine_urls = engine_urls
+        r = config.rollout
+        self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
+        assert r.data is not None
+        self.dataset = PromptDataset(r.data, self.tokenizer)
+        self.reward = RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
+        self.filter = (
+            load_function(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+            if r.dynamic_sampling_filter_path
+            else None
+        )
+        self.eval_dataset = None
+        if config.eval.prompt_data:
+            eval_cfg = DataConfig(
+                **{**r.data.__dict__, "prompt_data": config.eval.prompt_data, "shuffle": False}
+            )
+            self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
+
+    def num_prompts(self) -> int:
+        return len(self.dataset)
+
+    def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]]]:
+        samples = run_sync(
+            self._generate(
+                self.dataset,
+                self.config.rollout.rollout_batch_size,
+                self.config.rollout.sampling,
+                self.filter,
+            )
+        )
+        metrics = rollout_metrics(samples, self.config.rollout.reward_key)
+        return (
+            samples_to_batch(samples, self.config.rollout.reward_key),
+            metrics,
+            [s.to_dict() for s in samples],
+        )
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        assert self.eval_dataset is not None
+        import dataclasses
+
+        sampling = dataclasses.replace(
+            self.config.rollout.sampling, n_samples_per_prompt=self.config.eval.n_samples_per_prompt
+        )
+        self.eval_dataset.epoch = self.eval_dataset.offset = 0
+        samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
+        return rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
+
+    async def _generate(
+        self, dataset: PromptDataset, num_prompts: int, sampling: Any, group_filter: Any
+    ) -> list[Sample]:
+        clients = [EngineClient(u) for u in self.engine_urls]
+        try:
+            gen = RolloutGenerator(
+                dataset, clients, self.reward, sampling, num_prompts,
+                self.config.rollout.over_sampling_batch_size, group_filter, self.config.args,
+            )  # fmt: skip
+            return (await gen.generate_rollout()).samples
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    def engines(self, method: str) -> None:
+        """Call a control method (release/resume memory, ...) on every engine."""
+
+        async def call() -> None:
+            clients = [EngineClient(u) for u in self.engine_urls]
+            try:
+                await asyncio.gather(*(getattr(c, method)() for c in clients))
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        run_sync(call())
+
+    def state_dict(self) -> dict[str, int]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.dataset.load_state_dict(state)
