@@ -30,14 +30,22 @@ def run_job(script, model, prompts, tmp_path, *extra):
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
 
 
-def test_async_colocated_two_ranks_distributed_push(tiny_model, prompts, tmp_path):
-    proc = run_job("train_async.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node",
-                   "2", "--colocate", "--update-weight-transport", "distributed", "--save", str(tmp_path / "ckpt"))  # fmt: skip
+@pytest.mark.parametrize(
+    "script, layout",
+    [
+        ("train.py", ["--colocate", "--update-weight-transport", "distributed"]),
+        ("train_async.py", ["--rollout-num-gpus", "2", "--update-weight-transport", "tensor"]),
+    ],
+)
+def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
+    proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
+                   *layout, "--save", str(tmp_path / "ckpt"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in records)
-    assert "2 × fsdp rank (CPU process each)" in proc.stderr and "colocated" in proc.stderr
+    assert "2 × fsdp rank (CPU process each)" in proc.stderr
+    assert ("colocated" if "--colocate" in layout else "disaggregated") in proc.stderr
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
 
 

@@ -24,6 +24,8 @@ from slime.ray.rollout_manager import RolloutManager
 
 logger = logging.getLogger(__name__)
 
+PLACEMENT_TIMEOUT_S = 120.0
+
 
 def _in(pg: Any, slot: Slot, resource: str, **options: Any) -> dict[str, Any]:
     amount = {"num_gpus": slot.share, "num_cpus": 0} if resource == "GPU" else {"num_cpus": slot.share}
@@ -39,7 +41,13 @@ class Job:
         c = config.cluster
         self.placement: Placement = plan_placement(c)
         self.pg = placement_group(self.placement.bundle_specs(), strategy="PACK")
-        ray.get(self.pg.ready())
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(
+                f"the Ray cluster cannot place {self.placement.num_bundles} bundles of "
+                f"{self.placement.bundle_specs()[0]} within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(cluster resources: {ray.cluster_resources()}); lower the device counts or add nodes"
+            )
         res = self.placement.resource
         engine_args = ["--num-threads", "1", "--weight-version", "0", "--device", c.device]
         self.engines: list[Any] = [
@@ -67,6 +75,23 @@ class Job:
         lines = [f"{k}: {v}" for k, v in describe(self.config).items()] + self.placement.describe()
         lines.append(f"engines: {', '.join(self.engine_urls)}")
         return "\n  ".join(["slime job", *lines])
+
+    def before_train(self, generation_running: bool) -> None:
+        """Colocated: engines give their memory to the trainer while it trains (not while an
+        off-policy generation still runs on them); with --offload the trainer takes its back."""
+        c = self.config.cluster
+        if c.colocate and not generation_running:
+            ray.get(self.manager.engines.remote("release_memory_occupation"))
+        if c.offload:
+            ray.get([t.wake.remote() for t in self.train])
+
+    def before_push(self) -> None:
+        """Engines take their memory back first; the push then rewrites every parameter."""
+        c = self.config.cluster
+        if c.offload:
+            ray.get([t.sleep.remote() for t in self.train])
+        if c.colocate:
+            ray.get(self.manager.engines.remote("resume_memory_occupation"))
 
     def push(self, version: int) -> dict[str, float]:
         stats = ray.get(
@@ -111,7 +136,14 @@ def check_staleness(batch_versions: list[str | None], current: int, off_policy: 
 def run(config: Config, off_policy: bool, log_dir: str) -> int:
     """Run the whole job; returns the process exit code."""
     os.makedirs(log_dir, exist_ok=True)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
+    address = os.environ.get("RAY_ADDRESS")
+    init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
+    if not address and config.cluster.device == "cpu":
+        # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
+        # count must cover every bundle even on a 2-core machine.
+        needed = plan_placement(config.cluster).num_bundles
+        init["num_cpus"] = max(os.cpu_count() or 1, needed)
+    ray.init(address=address, **init)
     job = None
     try:
         job = Job(config, log_dir)
@@ -132,12 +164,14 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 job.manager.generate.remote(rollout_id + 1) if off_policy and rollout_id + 1 < total else None
             )
             t1 = time.perf_counter()
+            job.before_train(generation_running=pending is not None)
             outputs = ray.get([t.train.remote(rollout_id, batch) for t in job.train])
             t_train = time.perf_counter() - t1
             if off_policy and pending is not None:
                 ray.wait([pending])  # engines must be idle before the push
             t2 = time.perf_counter()
             version += 1
+            job.before_push()
             push_stats = job.push(version)
             t_push = time.perf_counter() - t2
             if not off_policy and rollout_id + 1 < total:
