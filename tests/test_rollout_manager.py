@@ -74,3 +74,40 @@ def test_over_sampling_discards_the_surplus(engine, tokenizer, tmp_path):
     r = result
     assert len({s.group_index for s in r.samples}) == 2 and r.num_prompts_started == 8
     assert 2 + r.num_groups_filtered + r.num_groups_aborted + r.num_groups_surplus == r.num_prompts_started
+
+
+async def custom_generate(args, sample, sampling_params):
+    """A user generate function with slime's signature: posts to the engine itself."""
+    import aiohttp
+
+    url = f"http://{args.url}/generate"
+    body = {"input_ids": sample.tokens, "sampling_params": {**sampling_params, "max_new_tokens": 2}}
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        out = await r.json()
+    sample.tokens = sample.tokens + out["output_ids"]
+    sample.response, sample.response_length = out["text"], len(out["output_ids"])
+    sample.status = Status.COMPLETED
+    sample.metadata["custom"] = True
+    return sample
+
+
+def test_custom_generate_function(engine, tokenizer, tmp_path):
+    from types import SimpleNamespace
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            gen = RolloutGenerator(
+                PromptDataset(DataConfig(str(path)), tokenizer), [client], RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=2), rollout_batch_size=1,
+                args=SimpleNamespace(url=engine.url.removeprefix("http://")), generate_fn=custom_generate,
+            )  # fmt: skip
+            return await gen.generate_rollout()
+
+    result = asyncio.run(go())
+    assert len(result.samples) == 2
+    for s in result.samples:
+        assert s.metadata["custom"] and s.response_length == 2 and s.reward in (0.0, 1.0)
+        assert s.tokens[:4] == tokenizer.encode("1+1=", add_special_tokens=False)

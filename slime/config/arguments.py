@@ -184,6 +184,11 @@ def _check(ns: argparse.Namespace) -> str | None:
     )  # fmt: skip
     if problem:
         return problem
+    if ns.rollout_function_path is not None:
+        return (
+            "--rollout-function-path is not supported yet in this build; use "
+            "--custom-generate-function-path (per sample) with --prompt-data"
+        )
     if ns.rollout_batch_size is None:
         return "--rollout-batch-size is required (prompts per rollout)"
     if ns.prompt_data is None and ns.rollout_function_path is None:

@@ -57,6 +57,15 @@ class RolloutManager:
         assert r.data is not None
         self.dataset = PromptDataset(r.data, self.tokenizer)
         self.reward = RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
+        self.generate_fn = (
+            load_function(r.custom_generate_function_path, "--custom-generate-function-path")
+            if r.custom_generate_function_path
+            else None
+        )
+        if engine_urls:
+            # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}.
+            host, _, port = engine_urls[0].removeprefix("http://").rpartition(":")
+            config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
         self.filter = (
             load_function(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
             if r.dynamic_sampling_filter_path
@@ -106,7 +115,7 @@ class RolloutManager:
         try:
             gen = RolloutGenerator(
                 dataset, clients, self.reward, sampling, num_prompts,
-                self.config.rollout.over_sampling_batch_size, group_filter, self.config.args,
+                self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
             )  # fmt: skip
             return (await gen.generate_rollout()).samples
         finally:

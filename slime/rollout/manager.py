@@ -49,6 +49,7 @@ class RolloutGenerator:
         over_sampling_batch_size: int | None = None,
         group_filter: Callable[[Any, list[Sample]], bool] | None = None,
         args: Any = None,
+        generate_fn: Callable[..., Any] | None = None,
     ):
         if not clients:
             raise ValueError("the rollout needs at least one engine")
@@ -60,6 +61,7 @@ class RolloutGenerator:
         self.over_sampling_batch_size = over_sampling_batch_size or rollout_batch_size
         self.group_filter = group_filter
         self.args = args
+        self.generate_fn = generate_fn
         self._next_client = itertools.cycle(range(len(clients)))
 
     async def _group(self, prompt: Prompt) -> list[Sample]:
@@ -73,11 +75,26 @@ class RolloutGenerator:
             )
             for _ in range(self.sampling.n_samples_per_prompt)
         ]
-        await asyncio.gather(*(generate(client, s, prompt.token_ids, params) for s in samples))
+        if self.generate_fn is None:
+            await asyncio.gather(*(generate(client, s, prompt.token_ids, params) for s in samples))
+        else:
+            samples = await asyncio.gather(*(self._custom(s, prompt, params) for s in samples))
         if any(s.status == Status.ABORTED for s in samples):
             return samples
         await self.reward.score_group(samples)
         return samples
+
+    async def _custom(self, sample: Sample, prompt: Prompt, params: dict[str, Any]) -> Sample:
+        """slime's custom generate signature: f(args, sample, sampling_params) -> Sample; the
+        sample arrives with the prompt ids in `tokens` and the engine address in args."""
+        assert self.generate_fn is not None
+        sample.tokens = list(prompt.token_ids)
+        result = self.generate_fn(self.args, sample, dict(params))
+        if asyncio.iscoroutine(result):
+            result = await result
+        if not isinstance(result, Sample):
+            raise TypeError(f"--custom-generate-function-path returned {type(result).__name__}, not a Sample")
+        return result
 
     async def generate_rollout(self) -> RolloutResult:
         kept: list[list[Sample]] = []
