@@ -25,7 +25,7 @@ def run_job(script, model, prompts, tmp_path, *extra):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
            "PYTHONPATH": ROOT + os.pathsep + str(tmp_path)}  # fmt: skip
     argv = [sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--prompt-data", prompts,
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "2",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
             "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4", *extra]  # fmt: skip
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
 
@@ -63,3 +63,37 @@ def test_bad_flags_exit_2_before_starting_anything(tiny_model, prompts, tmp_path
         "train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--global-batch-size", "3"
     )
     assert proc.returncode == 2 and "--global-batch-size 3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_after_a_crash_continues_from_the_saved_rollout(tiny_model, prompts, tmp_path):
+    # The reward function crashes once it has scored 3 rollouts' worth of samples (8 each).
+    (tmp_path / "flaky_rm.py").write_text(
+        "import os\n"
+        "calls = 0\n"
+        "def reward(args, sample):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if os.environ.get('CRASH') and calls > 24:\n"
+        "        raise RuntimeError('simulated crash')\n"
+        "    return float(sample.response.strip() == sample.label)\n"
+    )
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--custom-rm-path", "flaky_rm.reward", "--num-rollout", "5", "--save", ckpt, "--save-interval", "1",
+              "--load", ckpt, "--rollout-shuffle"]  # fmt: skip
+    os.environ["CRASH"] = "1"
+    try:
+        crashed = run_job("train.py", tiny_model, prompts, tmp_path, *common)
+    finally:
+        del os.environ["CRASH"]
+    assert crashed.returncode == 1 and "simulated crash" in crashed.stderr
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    resumed = run_job("train.py", tiny_model, prompts, tmp_path, *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed after rollout 2 (data position {'epoch': 1, 'offset': 2})" in resumed.stderr, (
+        resumed.stderr[-2500:]
+    )
+    ids = [
+        json.loads(line)["rollout_id"]
+        for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert ids == [0, 1, 2, 3, 4]

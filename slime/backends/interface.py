@@ -111,8 +111,9 @@ class TrainActor(Protocol):
         """Log-prob pass, advantages, then the rollout's optimizer steps."""
         ...
 
-    def save(self, rollout_id: int, path: str) -> str:
-        """Write a resumable checkpoint under `path`; returns the iteration directory."""
+    def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
+        """Write a resumable checkpoint under `path` (with `extra` plain data such as the data
+        position, returned as `resumed_extra` by init on resume); returns the iteration directory."""
         ...
 
     def save_hf(self, path: str) -> None:

@@ -50,8 +50,8 @@ class TrainRank:
     def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
         return self.actor.train(rollout_id, batch)
 
-    def save(self, rollout_id: int, path: str) -> str:
-        return self.actor.save(rollout_id, path)
+    def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
+        return self.actor.save(rollout_id, path, extra)
 
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)

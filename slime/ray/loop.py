@@ -149,15 +149,21 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         job = Job(config, log_dir)
         logger.info(job.banner())
         total = num_rollouts(config, ray.get(job.manager.num_prompts.remote()))
-        start = (job.infos[0]["resumed_rollout_id"] or -1) + 1
+        resumed = job.infos[0]["resumed_rollout_id"]
+        start = 0 if resumed is None else resumed + 1
         version = start
-        if start > 0:
-            job.push(version)
+        if resumed is not None:
+            data_state = job.infos[0]["resumed_extra"].get("data")
+            if data_state is not None:
+                ray.get(job.manager.load_state_dict.remote(data_state))
+            job.push(version)  # the engines start from --hf-checkpoint: give them the resumed weights
+            logger.info("resumed after rollout %d (data position %s)", resumed, data_state)
         metrics_file = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed below
         pending: Any = job.manager.generate.remote(start) if start < total else None
+        saved, data_state = None, None
         for rollout_id in range(start, total):
             t0 = time.perf_counter()
-            batch, rollout_metrics, samples = ray.get(pending)
+            batch, rollout_metrics, samples, data_state = ray.get(pending)
             t_gen = time.perf_counter() - t0
             check_staleness([s["weight_version"] for s in samples], version, off_policy)
             pending = (
@@ -188,13 +194,21 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 and config.checkpoint.save_interval
                 and (rollout_id + 1) % config.checkpoint.save_interval == 0
             ):
-                ray.get([t.save.remote(rollout_id, config.checkpoint.save) for t in job.train])
+                ray.get(
+                    [
+                        t.save.remote(rollout_id, config.checkpoint.save, {"data": data_state})
+                        for t in job.train
+                    ]
+                )
+                saved = rollout_id
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             logger.info("rollout %d/%d %s", rollout_id + 1, total, _short(record))
         metrics_file.close()
-        if config.checkpoint.save:
-            ray.get([t.save.remote(total - 1, config.checkpoint.save) for t in job.train])
+        if config.checkpoint.save and start < total and saved != total - 1:
+            ray.get(
+                [t.save.remote(total - 1, config.checkpoint.save, {"data": data_state}) for t in job.train]
+            )
         if config.checkpoint.save_hf:
             ray.get([t.save_hf.remote(config.checkpoint.save_hf) for t in job.train])
         return 0

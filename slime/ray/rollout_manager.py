@@ -81,7 +81,10 @@ class RolloutManager:
     def num_prompts(self) -> int:
         return len(self.dataset)
 
-    def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]]]:
+    def generate(
+        self, rollout_id: int
+    ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], dict[str, int]]:
+        """The rollout's train batch, metrics, samples (plain dicts) and the data position after it."""
         samples = run_sync(
             self._generate(
                 self.dataset,
@@ -91,11 +94,8 @@ class RolloutManager:
             )
         )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
-        return (
-            samples_to_batch(samples, self.config.rollout.reward_key),
-            metrics,
-            [s.to_dict() for s in samples],
-        )
+        batch = samples_to_batch(samples, self.config.rollout.reward_key)
+        return batch, metrics, [s.to_dict() for s in samples], self.dataset.state_dict()
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         assert self.eval_dataset is not None

@@ -65,6 +65,7 @@ class FSDPTrainActor:
         self.ref_shards: dict[str, torch.Tensor] | None = None
         self.hf_config: Any = None
         self.rollout_id = -1  # last rollout trained (or resumed)
+        self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
 
     # ---- set-up -----------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
@@ -103,6 +104,7 @@ class FSDPTrainActor:
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "local_state_bytes": self.local_state_bytes(),
             "resumed_rollout_id": resumed,
+            "resumed_extra": self.resumed_extra,
         }
         logger.info("rank %d/%d: FSDP actor ready %s", self.rank, self.world_size, info)
         return info
@@ -365,8 +367,8 @@ class FSDPTrainActor:
         return float(full() if full is not None else norm)
 
     # ---- checkpoints and weights ------------------------------------------------------------
-    def save(self, rollout_id: int, path: str) -> str:
-        return ckpt.save_checkpoint(self, rollout_id, path)
+    def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
+        return ckpt.save_checkpoint(self, rollout_id, path, extra)
 
     def load(self, path: str) -> int | None:
         rollout_id = ckpt.load_checkpoint(self, path)

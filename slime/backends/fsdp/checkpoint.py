@@ -55,7 +55,11 @@ def _broadcast_error(message: str | None) -> None:
         raise RuntimeError(box[0])
 
 
-def save_checkpoint(actor: FSDPTrainActor, rollout_id: int, root: str) -> str:
+def save_checkpoint(
+    actor: FSDPTrainActor, rollout_id: int, root: str, extra: dict[str, Any] | None = None
+) -> str:
+    """Save; `extra` (plain data, e.g. the data position) is stored with the trainer state and
+    becomes visible atomically with the rest."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -82,6 +86,7 @@ def save_checkpoint(actor: FSDPTrainActor, rollout_id: int, root: str) -> str:
             "schedule": actor.schedule.state_dict(),
             "rng": rng,
             "hf_checkpoint": actor.cfg.hf_checkpoint,
+            "extra": extra or {},
         }
         torch.save(state, os.path.join(partial, "trainer_state.pt"))
         if os.path.exists(final):
@@ -111,7 +116,8 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"--load {root!r} does not exist")
+        logger.info("--load %s does not exist yet: starting from --hf-checkpoint", root)
+        return None
     rollout_id = latest_rollout_id(root)
     if rollout_id is None:
         logger.info("--load %s has no %s yet: starting from --hf-checkpoint", root, TRACKER)
@@ -148,6 +154,7 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     logger.info(
         "resumed %s (saved by %d ranks) on %d ranks", directory, state["world_size"], actor.world_size
     )
+    actor.resumed_extra = state.get("extra", {})
     return rollout_id
 
 
