@@ -27,19 +27,12 @@ from slime.bridge.bridge import WeightBridge, make_transport
 from slime.engines.client import EngineClient
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
+from slime.utils.buckets import iter_buckets
 from slime.utils.checksum import tensor_checksum
 
 
 def buckets_of(state: dict[str, torch.Tensor], bucket_bytes: int):
-    bucket, size = [], 0
-    for name, t in state.items():
-        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+    return iter_buckets(state.items(), bucket_bytes)
 
 
 def copy_rate(state: dict[str, torch.Tensor], repeats: int) -> float:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from slime.bridge.bridge import WeightBridge, make_transport
 from slime.engines.client import EngineClient
+from slime.utils.buckets import iter_buckets
 from slime.utils.checksum import tensor_checksum
 from tests.conftest import start_engine
 
@@ -22,15 +23,7 @@ def engine_a(tiny_model, tmp_path_factory):
 
 
 def buckets_of(state: dict[str, torch.Tensor], bucket_bytes: int):
-    bucket, size = [], 0
-    for name, t in state.items():
-        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+    return iter_buckets(state.items(), bucket_bytes)
 
 
 class RecordingClient(EngineClient):

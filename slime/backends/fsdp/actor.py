@@ -403,5 +403,10 @@ class FSDPTrainActor:
             torch.cuda.empty_cache()
 
     def close(self) -> None:
+        """Leave the process group together: a rank tearing gloo down while a peer still talks
+        to it can abort the peer."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from slime.utils.buckets import iter_buckets
+
 if TYPE_CHECKING:
     from slime.backends.fsdp.actor import FSDPTrainActor
 
@@ -194,20 +196,13 @@ def export_weight_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {bucket_bytes}")
-    params = list(model.named_parameters())
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, param in params:
-        nbytes = param.numel() * (dtype.itemsize if dtype else param.element_size())
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        full = full.detach()
-        bucket.append((name, full.to(dtype) if dtype else full))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            full = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+            yield name, full.to(dtype) if dtype else full
+
+    return iter_buckets(gathered(), bucket_bytes)
 
 
 def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30) -> None:
