@@ -75,9 +75,6 @@ class TrainRank:
     def wake(self) -> None:
         self.actor.wake()
 
-    def node_address(self) -> str:
-        return ray.util.get_node_ip_address()
-
     def close(self) -> None:
         if self.bridge is not None:
             run_sync(self.bridge.close())
@@ -95,9 +92,6 @@ class EngineActor:
 
     def url(self) -> str:
         return self.proc.url
-
-    def alive(self) -> bool:
-        return self.proc.proc.poll() is None
 
     def stop(self) -> int:
         return self.proc.stop()

@@ -14,7 +14,6 @@ cast once, land in the same places.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -259,10 +258,3 @@ def snapshot_shards(model: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of this rank's parameter shards."""
     reshard(model)
     return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-
-
-def checkpoint_metadata(path: str) -> dict[str, Any]:
-    """Small facts about a checkpoint for logs and dumps (architecture, vocab, dtype)."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    return {k: config.get(k) for k in ("architectures", "model_type", "vocab_size", "torch_dtype", "dtype")}
