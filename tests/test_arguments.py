@@ -38,6 +38,17 @@ def test_flags_reach_their_components(prompts):
     assert "2 × fsdp rank (CPU process each)" in describe(cfg)["train"]
 
 
+def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
+    cfg = parse_args(base(prompts, "--rollout-temperature", "0.7", "--rollout-top-k", "5",
+                          "--eval-interval", "2", "--eval-prompt-data", prompts, "--eval-temperature", "0",
+                          "--n-samples-per-eval-prompt", "3"))  # fmt: skip
+    s = cfg.eval.sampling
+    assert (s.temperature, s.top_k, s.n_samples_per_prompt) == (0.0, 5, 3)
+    assert s.max_response_len == cfg.rollout.sampling.max_response_len
+    assert cfg.rollout.sampling.temperature == 0.7 and cfg.eval.before_train
+    assert not parse_args(base(prompts, "--skip-eval-before-train")).eval.before_train
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

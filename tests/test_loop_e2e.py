@@ -39,11 +39,24 @@ def run_job(script, model, prompts, tmp_path, *extra):
 )
 def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
-                   *layout, "--save", str(tmp_path / "ckpt"))  # fmt: skip
+                   *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", prompts,
+                   "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["rollout_id"] for r in records] == [0, 1]
-    assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in records)
+    assert [(r["rollout_id"], r["step"]) for r in records] == [(-1, 0), (0, 1), (1, 2)]
+    assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2] and "eval/accuracy" not in records[1]
+    steps = records[1:]
+    assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in steps)
+    for r in steps:
+        for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/rollout_log_probs", "rollout/kl",
+                    "rollout/train_rollout_logprob_abs_diff", "rollout/response_length_mean",
+                    "rollout/truncated_ratio", "train/entropy", "train/pg_clipfrac", "train/kl_loss",
+                    "time/generate", "time/reward", "time/log_probs", "time/train", "time/push", "time/idle"):  # fmt: skip
+            assert key in r, key
+        assert r["rollout/log_probs"] < 0
+        assert 0 <= r["time/idle_ratio"] < 1 and r["time/step"] >= r["time/train"] + r["time/push"]
+    assert steps[0]["rollout/kl"] == 0.0  # the first rollout: actor == reference
+    assert os.listdir(tmp_path / "logs" / "tensorboard")
     assert "2 × fsdp rank (CPU process each)" in proc.stderr
     assert ("colocated" if "--colocate" in layout else "disaggregated") in proc.stderr
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"

@@ -93,6 +93,8 @@ class TrainOutput:
 
     steps: list[dict[str, float]] = field(default_factory=list)
     rollout: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    """Wall seconds on this rank: `log_probs` (old and reference passes), `train` (optimizer steps)."""
 
 
 class TrainActor(Protocol):

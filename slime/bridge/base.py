@@ -14,8 +14,8 @@ Bucket = list[tuple[str, torch.Tensor]]
 class Transport(Protocol):
     """Moves buckets of (HF name, full tensor) from trainer rank 0 into every engine.
 
-    `send` returns only when every engine has answered for the bucket, so the caller may reuse
-    the bucket's memory afterwards.
+    `send` returns once the caller may reuse the bucket's memory (the transport copied or
+    delivered it); `finish` returns once every engine has applied every bucket of the push.
     """
 
     name: str
@@ -28,6 +28,10 @@ class Transport(Protocol):
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
         """After the last bucket of a push (e.g. the disk transport's single load)."""
+        ...
+
+    async def abort(self) -> None:
+        """After a failed push: wait for whatever the transport still has in flight."""
         ...
 
     async def close(self, engines: list[EngineClient]) -> None: ...

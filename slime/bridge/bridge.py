@@ -80,11 +80,15 @@ class WeightBridge:
         await _all(engines, "pause_generation")
         try:
             await asyncio.gather(*(_flush(e) for e in engines))
-            for bucket in buckets:
-                await self.transport.send(engines, bucket, weight_version)
-                total += sum(t.numel() * t.element_size() for _, t in bucket)
-                count += 1
-            await self.transport.finish(engines, weight_version)
+            try:
+                for bucket in buckets:
+                    await self.transport.send(engines, bucket, weight_version)
+                    total += sum(t.numel() * t.element_size() for _, t in bucket)
+                    count += 1
+                await self.transport.finish(engines, weight_version)
+            except BaseException:
+                await self.transport.abort()
+                raise
         finally:
             await _all(engines, "continue_generation")
         seconds = time.perf_counter() - start

@@ -61,6 +61,9 @@ class DiskTransport:
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = path
 
+    async def abort(self) -> None:
+        return None  # every send completed before it returned
+
     async def close(self, engines: list[EngineClient]) -> None:
         for path in (self.current, self.pending):
             if path is not None:

@@ -82,6 +82,9 @@ class DistributedTransport:
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
         return None
 
+    async def abort(self) -> None:
+        return None  # every send completed before it returned
+
     async def close(self, engines: list[EngineClient]) -> None:
         if self.group is None:
             return

@@ -8,12 +8,14 @@ line naming the flag and the fix, exit code 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
+from slime.utils.tracking import check_available
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class EvalConfig:
     interval: int | None = None
     prompt_data: str | None = None
     n_samples_per_prompt: int = 1
+    sampling: SamplingConfig | None = None
+    """Eval's sampling: the rollout's, with any `--eval-*` sampling flag applied."""
+    before_train: bool = True
+    """Evaluate once before the first rollout (off with `--skip-eval-before-train`)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-prompt-data", default=None)
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
+    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
+    g.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
+    g.add_argument(
+        "--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len"
+    )
+    g.add_argument(
+        "--skip-eval-before-train", action="store_true", help="no evaluation before the first rollout"
+    )
 
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action="store_true")
@@ -181,6 +196,7 @@ def _check(ns: argparse.Namespace) -> str | None:
         ns, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
         "n_samples_per_prompt", "rollout_batch_size", "num_rollout", "num_epoch", "save_interval", "eval_interval",
         "update_weight_buffer_size", "rollout_max_response_len", "over_sampling_batch_size",
+        "n_samples_per_eval_prompt", "eval_max_response_len",
     )  # fmt: skip
     if problem:
         return problem
@@ -226,6 +242,9 @@ def _check(ns: argparse.Namespace) -> str | None:
         return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
     if ns.train_backend == "megatron":
         return "--train-backend megatron is not available yet in this build; use --train-backend fsdp"
+    missing = check_available(ns.use_wandb, ns.use_tensorboard)
+    if missing:
+        return missing
     for flag in ("prompt_data", "eval_prompt_data"):
         path = getattr(ns, flag)
         if path is not None and not os.path.isfile(path):
@@ -259,12 +278,27 @@ def _configs(ns: argparse.Namespace) -> Config:
         rollout=rollout,
         bridge=BridgeConfig(ns.update_weight_transport, ns.update_weight_buffer_size),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
-        eval=EvalConfig(ns.eval_interval, ns.eval_prompt_data, ns.n_samples_per_eval_prompt),
+        eval=EvalConfig(
+            ns.eval_interval, ns.eval_prompt_data, ns.n_samples_per_eval_prompt, _eval_sampling(ns, sampling),
+            not ns.skip_eval_before_train,
+        ),  # fmt: skip
         logging=LoggingConfig(
             ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
         ),
         train=train_config_from_args(ns),
         args=ns,
+    )
+
+
+def _eval_sampling(ns: argparse.Namespace, rollout: SamplingConfig) -> SamplingConfig:
+    pick = {
+        "temperature": ns.eval_temperature, "top_p": ns.eval_top_p, "top_k": ns.eval_top_k,
+        "max_response_len": ns.eval_max_response_len,
+    }  # fmt: skip
+    return dataclasses.replace(
+        rollout,
+        n_samples_per_prompt=ns.n_samples_per_eval_prompt,
+        **{k: v for k, v in pick.items() if v is not None},
     )
 
 

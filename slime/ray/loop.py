@@ -57,7 +57,10 @@ class Job:
             for j, slot in enumerate(self.placement.engines)
         ]
         self.engine_urls = ray.get([e.url.remote() for e in self.engines])
-        self.manager: Any = ray.remote(RolloutManager).options(num_cpus=0).remote(config, self.engine_urls)
+        # Two threads: the progress bar reads the sample count while a generation runs.
+        self.manager: Any = (
+            ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=2).remote(config, self.engine_urls)
+        )
         first: Any = ray.remote(TrainRank).options(**_in(self.pg, self.placement.train[0], res))
         master_port = _free_port()
         world = c.num_train_ranks
@@ -133,8 +136,78 @@ def check_staleness(batch_versions: list[str | None], current: int, off_policy: 
             )
 
 
+class StepClock:
+    """Wall time per phase of one step, and the idle/orchestration remainder."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def timed(self, phase: str) -> _Phase:
+        return _Phase(self, phase)
+
+    def breakdown(self, generate_on_path: float, inside: dict[str, float]) -> dict[str, float]:
+        """time/* of the step: `generate_on_path` is the generation time the step waited for
+        (all of it when synchronous, what training did not hide when off-policy); `inside`
+        holds the components' own measurements (log-probs and train on rank 0, reward)."""
+        step = time.perf_counter() - self.start
+        work = generate_on_path + sum(self.phases.values()) + inside["time/log_probs"] + inside["time/train"]
+        out = {f"time/{k}": v for k, v in self.phases.items()}
+        out.update(inside)
+        out["time/step"] = step
+        out["time/idle"] = max(0.0, step - work)
+        out["time/idle_ratio"] = out["time/idle"] / step if step > 0 else 0.0
+        return out
+
+
+class _Phase:
+    def __init__(self, clock: StepClock, phase: str):
+        self.clock, self.phase = clock, phase
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.add(self.phase, time.perf_counter() - self.t0)
+
+
+class Progress:
+    """A tqdm bar over the rollouts whose postfix names the running phase (and, while
+    generating, the samples done). Off when stderr is not a terminal: logs get one line per step."""
+
+    def __init__(self, total: int, initial: int, manager: Any):
+        from tqdm import tqdm
+
+        self.manager = manager
+        self.bar = tqdm(total=total, initial=initial, desc="rollouts", unit="step", disable=None, leave=True)
+
+    def wait(self, refs: Any, phase: str) -> Any:
+        """ray.get(refs), showing `phase` on the bar meanwhile."""
+        if self.bar.disable:
+            return ray.get(refs)
+        self.bar.set_postfix_str(phase)
+        pending = refs if isinstance(refs, list) else [refs]
+        while ray.wait(pending, num_returns=len(pending), timeout=0.5)[1]:
+            if phase == "generate":
+                done, total = ray.get(self.manager.progress_counts.remote())
+                self.bar.set_postfix_str(f"generate {done}/{total} samples")
+        return ray.get(refs)
+
+    def step(self, summary: str) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(summary)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def run(config: Config, off_policy: bool, log_dir: str) -> int:
     """Run the whole job; returns the process exit code."""
+    from slime.utils.tracking import Tracker
+
     os.makedirs(log_dir, exist_ok=True)
     address = os.environ.get("RAY_ADDRESS")
     init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
@@ -144,10 +217,11 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         needed = plan_placement(config.cluster).num_bundles
         init["num_cpus"] = max(os.cpu_count() or 1, needed)
     ray.init(address=address, **init)
-    job = None
+    job = tracker = progress = None
     try:
         job = Job(config, log_dir)
         logger.info(job.banner())
+        tracker = Tracker(log_dir, config.logging, describe(config))
         total = num_rollouts(config, ray.get(job.manager.num_prompts.remote()))
         resumed = job.infos[0]["resumed_rollout_id"]
         start = 0 if resumed is None else resumed + 1
@@ -158,53 +232,80 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 ray.get(job.manager.load_state_dict.remote(data_state))
             job.push(version)  # the engines start from --hf-checkpoint: give them the resumed weights
             logger.info("resumed after rollout %d (data position %s)", resumed, data_state)
-        metrics_file = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed below
-        pending: Any = job.manager.generate.remote(start) if start < total else None
+        evaluating = config.eval.interval is not None
+        if evaluating and start == 0 and config.eval.before_train:
+            t0 = time.perf_counter()
+            record = ray.get(job.manager.evaluate.remote(-1))
+            record["time/eval"] = time.perf_counter() - t0
+            tracker.log({"rollout_id": -1, **record}, step=0)
+            logger.info("eval before training: %s", _short(record))
+        progress = Progress(total, start, job.manager)
+        pending: Any = None
         saved, data_state = None, None
         for rollout_id in range(start, total):
+            clock = StepClock()
+            if pending is None:  # synchronous, or the first off-policy step
+                pending = job.manager.generate.remote(rollout_id)
             t0 = time.perf_counter()
-            batch, rollout_metrics, samples, data_state = ray.get(pending)
-            t_gen = time.perf_counter() - t0
+            batch, rollout_metrics, samples, data_state = progress.wait(pending, "generate")
+            waited = time.perf_counter() - t0
             check_staleness([s["weight_version"] for s in samples], version, off_policy)
             pending = (
                 job.manager.generate.remote(rollout_id + 1) if off_policy and rollout_id + 1 < total else None
             )
-            t1 = time.perf_counter()
-            job.before_train(generation_running=pending is not None)
-            outputs = ray.get([t.train.remote(rollout_id, batch) for t in job.train])
-            t_train = time.perf_counter() - t1
-            if off_policy and pending is not None:
-                ray.wait([pending])  # engines must be idle before the push
-            t2 = time.perf_counter()
+            with clock.timed("colocate"):
+                job.before_train(generation_running=pending is not None)
+            train_call = time.perf_counter()
+            outputs = progress.wait([t.train.remote(rollout_id, batch) for t in job.train], "train")
+            train_call = time.perf_counter() - train_call
+            if pending is not None:
+                t0 = time.perf_counter()
+                progress.wait(pending, "generate")  # the engines must be idle before the push
+                waited += time.perf_counter() - t0
             version += 1
-            job.before_push()
-            push_stats = job.push(version)
-            t_push = time.perf_counter() - t2
-            if not off_policy and rollout_id + 1 < total:
-                pending = job.manager.generate.remote(rollout_id + 1)
-            record = {"rollout_id": rollout_id, **rollout_metrics, **outputs[0].rollout}
+            with clock.timed("push"):
+                job.before_push()
+                push_stats = job.push(version)
+            inside = {f"time/{k}": v for k, v in outputs[0].timings.items()}
+            record: dict[str, Any] = {
+                "rollout_id": rollout_id,
+                **{k: v for k, v in rollout_metrics.items() if k != "time/generate"},
+                # The trainer's token means: log_probs, ref_log_probs, rollout_log_probs, kl, and
+                # train_rollout_logprob_abs_diff (trainer vs engine).
+                **{f"rollout/{k}": v for k, v in outputs[0].rollout.items()},
+                "push/bytes": push_stats.get("bytes", 0.0),
+            }
             for k, v in (outputs[0].steps[-1] if outputs[0].steps else {}).items():
                 record[f"train/{k}"] = v
-            record.update({"time/generate": t_gen, "time/train": t_train, "time/push": t_push,
-                           "push/bytes": push_stats.get("bytes", 0.0)})  # fmt: skip
-            if config.eval.interval and (rollout_id + 1) % config.eval.interval == 0:
-                record.update(ray.get(job.manager.evaluate.remote(rollout_id)))
+            if evaluating and (rollout_id + 1) % config.eval.interval == 0:  # type: ignore[operator]
+                with clock.timed("eval"):
+                    record.update(progress.wait(job.manager.evaluate.remote(rollout_id), "eval"))
             if (
                 config.checkpoint.save
                 and config.checkpoint.save_interval
                 and (rollout_id + 1) % config.checkpoint.save_interval == 0
             ):
-                ray.get(
-                    [
-                        t.save.remote(rollout_id, config.checkpoint.save, {"data": data_state})
-                        for t in job.train
-                    ]
-                )
+                with clock.timed("save"):
+                    ray.get(
+                        [t.save.remote(rollout_id, config.checkpoint.save, {"data": data_state}) for t in job.train]
+                    )
                 saved = rollout_id
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            logger.info("rollout %d/%d %s", rollout_id + 1, total, _short(record))
-        metrics_file.close()
+            # Synchronously the step waited for all of the generation; off-policy only for what
+            # training did not hide. The train call's Ray overhead beyond the actor's own
+            # log-prob and train time counts as idle.
+            generate_on_path = rollout_metrics["time/generate"] if not off_policy else waited
+            inside["time/train_call_overhead"] = max(
+                0.0, train_call - inside.get("time/log_probs", 0.0) - inside.get("time/train", 0.0)
+            )
+            inside.setdefault("time/log_probs", 0.0)
+            inside.setdefault("time/train", 0.0)
+            record.update(clock.breakdown(generate_on_path, inside))
+            record["time/generate"] = rollout_metrics["time/generate"]
+            record["time/wait_generate"] = waited
+            tracker.log(record, step=rollout_id + 1)
+            summary = _short(record)
+            progress.step(summary)
+            logger.info("rollout %d/%d %s", rollout_id + 1, total, summary)
         if config.checkpoint.save and start < total and saved != total - 1:
             ray.get(
                 [t.save.remote(total - 1, config.checkpoint.save, {"data": data_state}) for t in job.train]
@@ -213,6 +314,10 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             ray.get([t.save_hf.remote(config.checkpoint.save_hf) for t in job.train])
         return 0
     finally:
+        if progress is not None:
+            progress.close()
+        if tracker is not None:
+            tracker.close()
         if job is not None:
             job.close()
         ray.shutdown()
@@ -224,7 +329,12 @@ def _short(record: dict[str, Any]) -> str:
         "eval/accuracy",
         "train/loss",
         "train/grad_norm",
+        "time/step",
         "time/generate",
         "time/train",
+        "time/push",
     )
-    return " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
+    def label(key: str) -> str:
+        return key.replace("/", "_") if key.startswith("eval/") else key.split("/")[-1]
+
+    return " ".join(f"{label(k)}={record[k]:.4g}" for k in keys if k in record)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from typing import Any
 
 from slime.backends.interface import RolloutBatch
@@ -16,7 +17,7 @@ from slime.config.arguments import Config
 from slime.config.rollout import DataConfig
 from slime.engines.client import EngineClient
 from slime.rollout.data import PromptDataset
-from slime.rollout.manager import RolloutGenerator
+from slime.rollout.manager import Progress, RolloutGenerator
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample, Status, samples_to_batch
 from slime.utils.aio import run_sync
@@ -36,8 +37,8 @@ def rollout_metrics(
     }
     if all(r in (0.0, 1.0) for r in rewards):
         out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
-    if lps:
-        out[f"{prefix}/rollout_log_probs_mean"] = statistics.fmean(lps)
+    if lps and prefix != "rollout":  # a rollout's are reported by the trainer, over its loss mask
+        out[f"{prefix}/rollout_log_probs"] = statistics.fmean(lps)
     return out
 
 
@@ -71,6 +72,7 @@ class RolloutManager:
             if r.dynamic_sampling_filter_path
             else None
         )
+        self.progress = Progress()
         self.eval_dataset = None
         if config.eval.prompt_data:
             eval_cfg = DataConfig(
@@ -85,6 +87,7 @@ class RolloutManager:
         self, rollout_id: int
     ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], dict[str, int]]:
         """The rollout's train batch, metrics, samples (plain dicts) and the data position after it."""
+        start = time.perf_counter()
         samples = run_sync(
             self._generate(
                 self.dataset,
@@ -94,19 +97,21 @@ class RolloutManager:
             )
         )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
+        metrics["time/generate"] = time.perf_counter() - start
+        metrics["time/reward"] = self.progress.reward_seconds
         batch = samples_to_batch(samples, self.config.rollout.reward_key)
         return batch, metrics, [s.to_dict() for s in samples], self.dataset.state_dict()
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        assert self.eval_dataset is not None
-        import dataclasses
-
-        sampling = dataclasses.replace(
-            self.config.rollout.sampling, n_samples_per_prompt=self.config.eval.n_samples_per_prompt
-        )
+        assert self.eval_dataset is not None and self.config.eval.sampling is not None
+        sampling = self.config.eval.sampling
         self.eval_dataset.epoch = self.eval_dataset.offset = 0
         samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
         return rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
+
+    def progress_counts(self) -> tuple[int, int]:
+        """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
+        return self.progress.done, self.progress.total
 
     async def _generate(
         self, dataset: PromptDataset, num_prompts: int, sampling: Any, group_filter: Any
@@ -116,6 +121,7 @@ class RolloutManager:
             gen = RolloutGenerator(
                 dataset, clients, self.reward, sampling, num_prompts,
                 self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
+                self.progress,
             )  # fmt: skip
             return (await gen.generate_rollout()).samples
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,15 @@ from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Samples of kept-or-pending groups finished so far, for a progress bar (read from another thread)."""
+
+    done: int = 0
+    total: int = 0
+    reward_seconds: float = 0.0  # summed over groups; part of the generation's wall time
 
 
 @dataclass
@@ -50,6 +60,7 @@ class RolloutGenerator:
         group_filter: Callable[[Any, list[Sample]], bool] | None = None,
         args: Any = None,
         generate_fn: Callable[..., Any] | None = None,
+        progress: Progress | None = None,
     ):
         if not clients:
             raise ValueError("the rollout needs at least one engine")
@@ -63,6 +74,10 @@ class RolloutGenerator:
         self.args = args
         self.generate_fn = generate_fn
         self._next_client = itertools.cycle(range(len(clients)))
+        self.progress = progress or Progress()
+        self.progress.done = 0
+        self.progress.reward_seconds = 0.0
+        self.progress.total = rollout_batch_size * sampling.n_samples_per_prompt
 
     async def _group(self, prompt: Prompt) -> list[Sample]:
         client = self.clients[next(self._next_client)]
@@ -81,7 +96,9 @@ class RolloutGenerator:
             samples = await asyncio.gather(*(self._custom(s, prompt, params) for s in samples))
         if any(s.status == Status.ABORTED for s in samples):
             return samples
+        start = time.perf_counter()
         await self.reward.score_group(samples)
+        self.progress.reward_seconds += time.perf_counter() - start
         return samples
 
     async def _custom(self, sample: Sample, prompt: Prompt, params: dict[str, Any]) -> Sample:
@@ -116,6 +133,7 @@ class RolloutGenerator:
                         filtered += 1
                         continue
                     kept.append(group)
+                    self.progress.done += len(group)
         finally:
             if running:
                 aborted = len(running)

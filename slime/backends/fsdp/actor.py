@@ -10,6 +10,7 @@ whitening statistics, and the gradient-norm reduction.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -241,16 +242,20 @@ class FSDPTrainActor:
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
         output = TrainOutput()
         old = ref = None
+        start = time.perf_counter()
         if loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None:
             lp_plans = self._log_prob_plans(batch, plans)
             old = self._log_prob_pass(batch, lp_plans)
             if loss_cfg.needs_ref:
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
-            output.rollout.update(self._rollout_metrics(batch, mine, old))
+            output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
         advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
+        logprob_done = time.perf_counter()
         for step in plans:
             output.steps.append(self._train_step(batch, step, old, ref, advantages))
+        output.timings["log_probs"] = logprob_done - start
+        output.timings["train"] = time.perf_counter() - logprob_done
         self.rollout_id = rollout_id
         return output
 
@@ -282,24 +287,44 @@ class FSDPTrainActor:
         return torch.ones(batch.response_lengths[p])
 
     def _rollout_metrics(
-        self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor]
+        self,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor] | None,
     ) -> dict[str, float]:
-        if batch.rollout_log_probs is None:
-            return {}
-        total = torch.zeros(2, dtype=torch.float64)  # sum of |diff|, number of tokens
+        """Token means over the loss mask, over all ranks: the trainer's log-probs, the
+        reference's and the engine's, their KL and the trainer-engine gap."""
+        names = ["log_probs"]
+        if ref is not None:
+            names += ["ref_log_probs", "kl"]
+        if batch.rollout_log_probs is not None:
+            names += ["rollout_log_probs", "train_rollout_logprob_abs_diff"]
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # ..., number of tokens
         worst = torch.zeros(1, dtype=torch.float64)
         for p in mine:
             mask = self._loss_mask(batch, p).bool()
-            diff = (old[p] - torch.tensor(batch.rollout_log_probs[p]))[mask].abs().double()
-            if diff.numel():
-                total += torch.stack([diff.sum(), diff.new_tensor(diff.numel())])
-                worst = torch.maximum(worst, diff.max().reshape(1))
-        dist.all_reduce(total)
+            values = {"log_probs": old[p]}
+            if ref is not None:
+                values["ref_log_probs"] = ref[p]
+                values["kl"] = approx_kl(old[p], ref[p], self.cfg.loss.kl_loss_type)
+            if batch.rollout_log_probs is not None:
+                engine = torch.tensor(batch.rollout_log_probs[p])
+                values["rollout_log_probs"] = engine
+                values["train_rollout_logprob_abs_diff"] = (old[p] - engine).abs()
+            if not mask.any():
+                continue
+            for i, name in enumerate(names):
+                sums[i] += values[name][mask].double().sum()
+            sums[-1] += mask.sum()
+            if batch.rollout_log_probs is not None:
+                worst = torch.maximum(worst, values["train_rollout_logprob_abs_diff"][mask].double().max())
+        dist.all_reduce(sums)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return {
-            "train_rollout_logprob_abs_diff": float(total[0] / total[1].clamp(min=1)),
-            "train_rollout_logprob_abs_diff_max": float(worst[0]),
-        }
+        out = {name: float(sums[i] / sums[-1].clamp(min=1)) for i, name in enumerate(names)}
+        if batch.rollout_log_probs is not None:
+            out["train_rollout_logprob_abs_diff_max"] = float(worst[0])
+        return out
 
     def _train_step(
         self,

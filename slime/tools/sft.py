@@ -1,0 +1,142 @@
+"""Supervised fine-tuning (a warm start before RL) with the FSDP train actor.
+
+    python -m slime.tools.sft --hf-checkpoint DIR --data FILE --save-hf OUT
+        [--input-key prompt] [--response-key response] [--apply-chat-template]
+        [--num-epoch 1] [--global-batch-size 64] [--lr 1e-3] [any train flag of train.py]
+
+Each row gives a prompt and the response to learn; the loss covers the response and the end
+of sequence token (`--loss-type sft_loss`, the same loss `train.py --loss-type sft_loss` uses).
+One rank by default; under `torchrun --nproc-per-node N` the ranks shard the model (FSDP)
+and split every batch. The result is written as a Hugging Face checkpoint to `--save-hf`,
+with the tokenizer, ready for `train.py --hf-checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import socket
+import sys
+import time
+
+from slime.config.train import add_train_arguments, train_config_from_args
+
+logger = logging.getLogger("slime.sft")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m slime.tools.sft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = parser.add_argument_group("sft data")
+    g.add_argument("--data", required=True, help="jsonl or parquet file of prompt/response rows")
+    g.add_argument("--input-key", default="prompt")
+    g.add_argument("--response-key", default="response")
+    g.add_argument("--apply-chat-template", action="store_true", help="wrap the prompt as a user turn")
+    g.add_argument("--num-epoch", type=int, default=1)
+    g.add_argument("--save-hf", required=True, help="output Hugging Face checkpoint directory")
+    add_train_arguments(parser)
+    parser.set_defaults(loss_type="sft_loss", lr=1e-3, global_batch_size=64)
+    return parser
+
+
+def load_examples(
+    path: str, tokenizer, input_key: str, response_key: str, chat: bool
+) -> list[tuple[list[int], int]]:
+    """(tokens, response length) per row; the response ends with the tokenizer's eos token."""
+    from slime.rollout.data import DataError, read_rows
+
+    examples = []
+    for where, row in read_rows(path, "--data"):
+        for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
+            if not isinstance(row.get(key), str):
+                raise DataError(f"{where}: no text field {key!r} ({flag}); the row has {sorted(row)}")
+        prompt = row[input_key]
+        if chat:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(row[response_key], add_special_tokens=False)["input_ids"]
+        response_ids.append(tokenizer.eos_token_id)
+        examples.append((prompt_ids + response_ids, len(response_ids)))
+    return examples
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime.utils.logging_utils import configure_logging
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        cfg = train_config_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if cfg.loss.loss_type != "sft_loss":
+        parser.error("--loss-type must be sft_loss for this tool (it has no rewards)")
+    if ns.num_epoch < 1:
+        parser.error("--num-epoch must be >= 1")
+
+    from transformers import AutoTokenizer
+
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.backends.interface import RolloutBatch
+    from slime.rollout.data import DataError
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    try:
+        examples = load_examples(ns.data, tokenizer, ns.input_key, ns.response_key, ns.apply_chat_template)
+    except DataError as e:
+        parser.error(str(e))
+    batch_size = cfg.batch.global_batch_size or len(examples)
+    if batch_size > len(examples):
+        parser.error(f"--global-batch-size {batch_size} is larger than the {len(examples)} examples in --data")
+
+    torchrun = "MASTER_ADDR" in os.environ
+    actor = FSDPTrainActor(cfg) if torchrun else FSDPTrainActor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+    actor.init()
+    configure_logging(f"sft rank {actor.rank}")
+    rng = random.Random(cfg.seed)
+    step, start = 0, time.perf_counter()
+    try:
+        for epoch in range(ns.num_epoch):
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+            losses = []
+            for lo in range(0, len(order) - batch_size + 1, batch_size):  # drops the last partial batch
+                chosen = [examples[i] for i in order[lo : lo + batch_size]]
+                batch = RolloutBatch(
+                    tokens=[t for t, _ in chosen],
+                    response_lengths=[n for _, n in chosen],
+                    rewards=[0.0] * len(chosen),
+                    group_indices=list(range(len(chosen))),
+                )
+                out = actor.train(step, batch)
+                losses.extend(s["loss"] for s in out.steps)
+                step += 1
+            if actor.rank == 0:
+                logger.info(
+                    "epoch %d/%d: %d steps, loss %.4f (last %.4f), %.1f s",
+                    epoch + 1, ns.num_epoch, len(losses), sum(losses) / len(losses), losses[-1],
+                    time.perf_counter() - start,
+                )  # fmt: skip
+        actor.save_hf(ns.save_hf)  # atomic: written beside it and renamed; with the tokenizer
+        if actor.rank == 0:
+            logger.info("wrote %s after %d steps", ns.save_hf, step)
+    finally:
+        actor.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

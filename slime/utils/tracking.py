@@ -1,0 +1,74 @@
+"""Where the loop's per-step metrics go: metrics.jsonl always, TensorBoard and wandb on request.
+
+`metrics.jsonl` (one JSON object per record, flushed at once) is the source of truth that
+scripts and the demo's plot read. `--use-tensorboard` writes event files to `--tb-dir`
+(default `<log dir>/tensorboard`); `--use-wandb` logs to wandb, offline unless an API key is
+configured or `--wandb-mode online` is given. Both packages are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def check_available(use_wandb: bool, use_tensorboard: bool) -> str | None:
+    """A one-line problem when a requested logging package is not installed, else None."""
+    import importlib.util
+
+    if use_wandb and importlib.util.find_spec("wandb") is None:
+        return "--use-wandb needs the wandb package: pip install wandb (or drop --use-wandb)"
+    if use_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return "--use-tensorboard needs the tensorboard package: pip install tensorboard"
+    return None
+
+
+class Tracker:
+    """Logs one record per step to every configured sink."""
+
+    def __init__(self, log_dir: str, logging_config: Any = None, run_config: dict[str, Any] | None = None):
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, "metrics.jsonl")
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._tb: Any = None
+        self._wandb: Any = None
+        cfg = logging_config
+        if cfg is not None and cfg.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb_dir = cfg.tb_dir or os.path.join(log_dir, "tensorboard")
+            self._tb = SummaryWriter(self.tb_dir)
+        if cfg is not None and cfg.use_wandb:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.wandb_project,
+                group=cfg.wandb_group,
+                mode=cfg.wandb_mode,
+                dir=log_dir,
+                config=run_config or {},
+            )
+            logger.info("wandb run %s (mode %s) in %s", self._wandb.id, cfg.wandb_mode, log_dir)
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        """Write `record` (flat name → number) as of `step` (rollouts trained so far)."""
+        self._file.write(json.dumps({"step": step, **record}) + "\n")
+        self._file.flush()
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for name, value in numbers.items():
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

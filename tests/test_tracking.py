@@ -1,0 +1,60 @@
+"""Metrics sinks: metrics.jsonl, TensorBoard event files, wandb offline runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from slime.config.arguments import LoggingConfig
+from slime.utils.tracking import Tracker, check_available
+
+
+def test_jsonl_record_per_step(tmp_path):
+    tracker = Tracker(str(tmp_path))
+    tracker.log({"rollout_id": -1, "eval/accuracy": 0.25}, step=0)
+    tracker.log({"rollout_id": 0, "rollout/reward_mean": 0.5, "note": "text is kept"}, step=1)
+    tracker.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"step": 0, "rollout_id": -1, "eval/accuracy": 0.25},
+        {"step": 1, "rollout_id": 0, "rollout/reward_mean": 0.5, "note": "text is kept"},
+    ]
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = Tracker(str(tmp_path), LoggingConfig(use_tensorboard=True))
+    for step in range(3):
+        tracker.log({"rollout/reward_mean": 0.1 * step, "time/step": 2.0}, step=step)
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, round(e.value, 6)) for e in events.Scalars("rollout/reward_mean")]
+    assert got == [(0, 0.0), (1, 0.1), (2, 0.2)]
+
+
+def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LoggingConfig(use_wandb=True, wandb_mode="offline", wandb_project="slime-test", wandb_group="g")
+    tracker = Tracker(str(tmp_path), cfg, {"lr": 1e-3})
+    tracker.log({"rollout/reward_mean": 0.5}, step=1)
+    tracker.close()
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    files = os.listdir(tmp_path / "wandb" / runs[0])
+    assert any(f.endswith(".wandb") for f in files)
+
+
+def test_missing_package_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    assert "pip install wandb" in (check_available(True, False) or "")
+    assert check_available(False, False) is None
