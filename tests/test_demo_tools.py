@@ -35,7 +35,9 @@ def test_task_splits_are_disjoint_complete_and_deterministic(tmp_path):
         assert r["label"] == str(int(a) + int(b))
     assert all(r["response"] == str(sum(map(int, r["prompt"][:-1].split("+")))) for r in splits["sft"])
     for name in ("eval", "sft", "train"):
-        assert (tmp_path / "a" / f"{name}.jsonl").read_bytes() == (tmp_path / "b" / f"{name}.jsonl").read_bytes()
+        assert (tmp_path / "a" / f"{name}.jsonl").read_bytes() == (
+            tmp_path / "b" / f"{name}.jsonl"
+        ).read_bytes()
 
 
 def test_task_sizes_that_leave_no_train_problems_exit_2(tmp_path):

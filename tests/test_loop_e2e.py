@@ -44,7 +44,9 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["rollout_id"], r["step"]) for r in records] == [(-1, 0), (0, 1), (1, 2)]
-    assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2] and "eval/accuracy" not in records[1]
+    assert (
+        "eval/accuracy" in records[0] and "eval/accuracy" in records[2] and "eval/accuracy" not in records[1]
+    )
     steps = records[1:]
     assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in steps)
     for r in steps:

@@ -41,12 +41,16 @@ class TensorTransport:
                 await previous  # every engine has copied the bucket this file held
             # Packing runs in a thread (torch's copy releases the GIL), so the event loop keeps
             # serving the other buffer's requests meanwhile.
-            handle, self.buffers[slot] = await asyncio.to_thread(pack_named_tensors, bucket, self.buffers[slot])
+            handle, self.buffers[slot] = await asyncio.to_thread(
+                pack_named_tensors, bucket, self.buffers[slot]
+            )
         except BaseException:
             await self.abort()
             raise
         self.in_flight[slot] = asyncio.ensure_future(
-            asyncio.gather(*(e.update_weights_from_tensor([handle], weight_version=weight_version) for e in engines))
+            asyncio.gather(
+                *(e.update_weights_from_tensor([handle], weight_version=weight_version) for e in engines)
+            )
         )
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:

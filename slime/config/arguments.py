@@ -279,9 +279,12 @@ def _configs(ns: argparse.Namespace) -> Config:
         bridge=BridgeConfig(ns.update_weight_transport, ns.update_weight_buffer_size),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
         eval=EvalConfig(
-            ns.eval_interval, ns.eval_prompt_data, ns.n_samples_per_eval_prompt, _eval_sampling(ns, sampling),
-            not ns.skip_eval_before_train,
-        ),  # fmt: skip
+            interval=ns.eval_interval,
+            prompt_data=ns.eval_prompt_data,
+            n_samples_per_prompt=ns.n_samples_per_eval_prompt,
+            sampling=_eval_sampling(ns, sampling),
+            before_train=not ns.skip_eval_before_train,
+        ),
         logging=LoggingConfig(
             ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
         ),

@@ -7,7 +7,6 @@ so its samples come from weights one version older; that staleness is checked, n
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -235,10 +234,10 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         evaluating = config.eval.interval is not None
         if evaluating and start == 0 and config.eval.before_train:
             t0 = time.perf_counter()
-            record = ray.get(job.manager.evaluate.remote(-1))
-            record["time/eval"] = time.perf_counter() - t0
-            tracker.log({"rollout_id": -1, **record}, step=0)
-            logger.info("eval before training: %s", _short(record))
+            before = ray.get(job.manager.evaluate.remote(-1))
+            before["time/eval"] = time.perf_counter() - t0
+            tracker.log({"rollout_id": -1, **before}, step=0)
+            logger.info("eval before training: %s", _short(before))
         progress = Progress(total, start, job.manager)
         pending: Any = None
         saved, data_state = None, None
@@ -287,7 +286,10 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             ):
                 with clock.timed("save"):
                     ray.get(
-                        [t.save.remote(rollout_id, config.checkpoint.save, {"data": data_state}) for t in job.train]
+                        [
+                            t.save.remote(rollout_id, config.checkpoint.save, {"data": data_state})
+                            for t in job.train
+                        ]
                     )
                 saved = rollout_id
             # Synchronously the step waited for all of the generation; off-policy only for what
@@ -334,6 +336,7 @@ def _short(record: dict[str, Any]) -> str:
         "time/train",
         "time/push",
     )
+
     def label(key: str) -> str:
         return key.replace("/", "_") if key.startswith("eval/") else key.split("/")[-1]
 

@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     batch_size = cfg.batch.global_batch_size or len(examples)
     if batch_size > len(examples):
-        parser.error(f"--global-batch-size {batch_size} is larger than the {len(examples)} examples in --data")
+        parser.error(
+            f"--global-batch-size {batch_size} is larger than the {len(examples)} examples in --data"
+        )
 
     torchrun = "MASTER_ADDR" in os.environ
     actor = FSDPTrainActor(cfg) if torchrun else FSDPTrainActor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for epoch in range(ns.num_epoch):
             order = list(range(len(examples)))
             rng.shuffle(order)
-            losses = []
+            losses: list[float] = []
             for lo in range(0, len(order) - batch_size + 1, batch_size):  # drops the last partial batch
                 chosen = [examples[i] for i in order[lo : lo + batch_size]]
                 batch = RolloutBatch(
