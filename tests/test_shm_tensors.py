@@ -51,3 +51,30 @@ def test_segment_removed_when_mapping_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot map"):
         SharedBuffer.create(4096)
     assert _segments() == before
+
+
+def test_receiver_maps_a_reused_file_once_and_remaps_a_replaced_one(tmp_path):
+    from slime.utils.shm_tensors import MappedFiles
+
+    mapped = MappedFiles(max_files=2)
+    handle, buffer = pack_named_tensors([("w", torch.arange(6.0))])
+    first = mapped.get(buffer.path, buffer.nbytes)
+    handle, buffer = pack_named_tensors([("w", torch.arange(6.0) * 2)], buffer)  # the sender reuses it
+    assert mapped.get(buffer.path, buffer.nbytes) is first  # no new mapping
+    assert torch.equal(open_named_tensors(parse_handle(handle), mapped)[0][1], torch.arange(6.0) * 2)
+
+    # The same path now names another file (another inode): mapped again, new bytes seen.
+    path = buffer.path
+    buffer.close()
+    with open(path, "wb") as f:
+        f.write(torch.full((6,), 7.0).numpy().tobytes())
+    assert torch.equal(mapped.get(path, 24)[:24].view(torch.float32), torch.full((6,), 7.0))
+
+    # Files the sender removed are let go at the next request; at most max_files stay mapped.
+    os.unlink(path)
+    others = [pack_named_tensors([("w", torch.ones(2))])[1] for _ in range(3)]
+    for b in others:
+        mapped.get(b.path, b.nbytes)
+    assert len(mapped._maps) == 2 and path not in mapped._maps
+    for b in others:
+        b.close()

@@ -156,14 +156,50 @@ def parse_handle(serialized: str) -> dict[str, Any]:
     return handle
 
 
-def open_named_tensors(handle: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Map the handle's file and return zero-copy tensor views (valid while the sender keeps it)."""
+class MappedFiles:
+    """The receiver's mappings of the sender's shared-memory files, kept between requests.
+
+    The sender reuses its files for every bucket and push; mapping a file anew each time would
+    fault in every page again (several times slower than copying from touched memory). A
+    mapping is dropped when its file is gone or replaced (another inode), and past `max_files`.
+    """
+
+    def __init__(self, max_files: int = 4):
+        self.max_files = max_files
+        self._maps: dict[str, tuple[int, int, torch.Tensor]] = {}  # path -> (inode, nbytes, data)
+
+    def get(self, path: str, nbytes: int) -> torch.Tensor:
+        for other in [p for p in self._maps if p != path and not os.path.exists(p)]:
+            del self._maps[other]  # the sender closed it: let its memory go
+        inode = os.stat(path).st_ino
+        cached = self._maps.pop(path, None)
+        if cached is not None and cached[0] == inode and cached[1] >= nbytes:
+            self._maps[path] = cached  # most recently used last
+            return cached[2]
+        data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self._maps[path] = (inode, nbytes, data)
+        while len(self._maps) > self.max_files:
+            del self._maps[next(iter(self._maps))]
+        return data
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+def open_named_tensors(
+    handle: dict[str, Any], mapped: MappedFiles | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Map the handle's file (or reuse `mapped`'s mapping of it) and return zero-copy tensor
+    views (valid while the sender keeps the file)."""
     path, nbytes = handle["path"], handle["nbytes"]
     if not os.path.isfile(path):
         raise ValueError(f"shared-memory file {path!r} does not exist (did the sender close it?)")
     if os.path.getsize(path) < nbytes:
         raise ValueError(f"shared-memory file {path!r} is smaller than the handle's nbytes={nbytes}")
-    data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    if mapped is not None:
+        data = mapped.get(path, nbytes)[:nbytes]
+    else:
+        data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     out = []
     for t in handle["tensors"]:
         dtype = dtype_from_str(t["dtype"])

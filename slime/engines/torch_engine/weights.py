@@ -18,7 +18,7 @@ import torch
 
 from slime.engines.protocol import NamedTensorSpec, ProtocolError
 from slime.utils import distributed as sdist
-from slime.utils.shm_tensors import dtype_from_str, open_named_tensors, parse_handle
+from slime.utils.shm_tensors import MappedFiles, dtype_from_str, open_named_tensors, parse_handle
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class WeightStore:
         # Parameters reallocated by resume and not yet written by an update.
         self.stale: set[str] = set()
         self.groups: dict[str, Any] = {}
+        self._mapped = MappedFiles()  # the trainer's shared-memory files, mapped once
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, specs: Iterable[NamedTensorSpec]) -> None:
@@ -119,7 +120,7 @@ class WeightStore:
                 "(this engine has tensor-parallel size 1)"
             )
         try:
-            named = open_named_tensors(parse_handle(serialized[0]))
+            named = open_named_tensors(parse_handle(serialized[0]), self._mapped)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         return self.update_from_named(named)
