@@ -111,3 +111,61 @@ def test_custom_generate_function(engine, tokenizer, tmp_path):
     for s in result.samples:
         assert s.metadata["custom"] and s.response_length == 2 and s.reward in (0.0, 1.0)
         assert s.tokens[:4] == tokenizer.encode("1+1=", add_special_tokens=False)
+
+
+def scripted_rollout(args, rollout_id, data_source, evaluation=False):
+    """A --rollout-function-path function that needs no engine: answers "2" to every prompt;
+    it scores the first sample of each group itself and leaves the rest to --rm-type."""
+    from slime.rollout.sample import Sample
+
+    groups = data_source.get_samples(2)
+    for group in groups:
+        for k, s in enumerate(group):
+            assert isinstance(s, Sample) and s.tokens  # prompt ids, as slime's data source gives
+            s.tokens = [*s.tokens, args.answer_token]
+            s.response, s.response_length = "2", 1
+            s.status = Status.COMPLETED
+            s.rollout_log_probs = [-0.5]
+            s.reward = 0.25 if k == 0 else None
+    return [s for g in groups for s in g] if args.flat else groups
+
+
+def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
+    from slime.config.arguments import parse_args
+    from slime.ray.rollout_manager import RolloutManager
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "2"}) + "\n" for i in range(5)))
+    for flat in (False, True):
+        cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "2",
+                          "--n-samples-per-prompt", "3", "--num-rollout", "2", "--rm-type", "exact",
+                          "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout"])  # fmt: skip
+        cfg.args.answer_token = tokenizer.convert_tokens_to_ids("2")
+        cfg.args.flat = flat
+        manager = RolloutManager(cfg, [])
+        batch, metrics, samples, state = manager.generate(0)
+        assert [s["group_index"] for s in samples] == [0, 0, 0, 1, 1, 1]
+        assert [s["index"] for s in samples] == list(range(6))
+        assert batch.rewards == [0.25, 1.0, 1.0, 0.25, 1.0, 1.0]  # the function's, then exact's
+        assert batch.rollout_log_probs == [[-0.5]] * 6 and batch.response_lengths == [1] * 6
+        assert metrics["rollout/reward_mean"] == 0.75 and state == {"epoch": 0, "offset": 2}
+        _, _, samples, state = manager.generate(1)
+        assert [s["metadata"]["prompt_index"] for s in samples[::3]] == [2, 3] and state["offset"] == 4
+
+
+def wrong_rollout(args, rollout_id, data_source, evaluation=False):
+    return {"not": "a list of groups"}
+
+
+def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
+    import pytest
+
+    from slime.config.arguments import parse_args
+    from slime.ray.rollout_manager import RolloutManager
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "1",
+                      "--num-rollout", "1", "--rollout-function-path", "tests.test_rollout_manager.wrong_rollout"])  # fmt: skip
+    with pytest.raises(TypeError, match="--rollout-function-path"):
+        RolloutManager(cfg, []).generate(0)

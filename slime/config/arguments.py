@@ -200,10 +200,10 @@ def _check(ns: argparse.Namespace) -> str | None:
     )  # fmt: skip
     if problem:
         return problem
-    if ns.rollout_function_path is not None:
+    if ns.rollout_function_path is not None and ns.custom_generate_function_path is not None:
         return (
-            "--rollout-function-path is not supported yet in this build; use "
-            "--custom-generate-function-path (per sample) with --prompt-data"
+            "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
+            "would never run: give one of them"
         )
     if ns.rollout_batch_size is None:
         return "--rollout-batch-size is required (prompts per rollout)"
@@ -211,6 +211,8 @@ def _check(ns: argparse.Namespace) -> str | None:
         return "--prompt-data is required (or a --rollout-function-path that brings its own data)"
     if ns.num_rollout is None and ns.num_epoch is None:
         return "give --num-rollout or --num-epoch (how long to train)"
+    if ns.num_rollout is None and ns.prompt_data is None:
+        return "--num-epoch counts passes over --prompt-data; without it give --num-rollout"
     if ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine:
         return (
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "

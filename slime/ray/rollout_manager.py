@@ -8,6 +8,7 @@ carries the data position for checkpoints.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import statistics
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from slime.config.arguments import Config
 from slime.config.rollout import DataConfig
 from slime.engines.client import EngineClient
 from slime.rollout.data import PromptDataset
-from slime.rollout.manager import Progress, RolloutGenerator
+from slime.rollout.manager import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample, Status, samples_to_batch
 from slime.utils.aio import run_sync
@@ -55,9 +56,18 @@ class RolloutManager:
         self.engine_urls = engine_urls
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
-        assert r.data is not None
-        self.dataset = PromptDataset(r.data, self.tokenizer)
-        self.reward = RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
+        self.dataset = PromptDataset(r.data, self.tokenizer) if r.data is not None else None
+        self.reward = (
+            RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
+            if r.rm_type or r.custom_rm_path
+            else None
+        )
+        # slime's rollout function: f(args, rollout_id, data_source, evaluation=False) -> groups.
+        self.rollout_fn = (
+            load_function(r.rollout_function_path, "--rollout-function-path")
+            if r.rollout_function_path
+            else None
+        )
         self.generate_fn = (
             load_function(r.custom_generate_function_path, "--custom-generate-function-path")
             if r.custom_generate_function_path
@@ -76,48 +86,91 @@ class RolloutManager:
         self.eval_dataset = None
         if config.eval.prompt_data:
             eval_cfg = DataConfig(
-                **{**r.data.__dict__, "prompt_data": config.eval.prompt_data, "shuffle": False}
-            )
+                **{**(r.data or DataConfig(config.eval.prompt_data)).__dict__,
+                   "prompt_data": config.eval.prompt_data, "shuffle": False}
+            )  # fmt: skip
             self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
 
     def num_prompts(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset) if self.dataset is not None else 0
 
     def generate(
         self, rollout_id: int
     ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], dict[str, int]]:
         """The rollout's train batch, metrics, samples (plain dicts) and the data position after it."""
         start = time.perf_counter()
-        samples = run_sync(
-            self._generate(
-                self.dataset,
-                self.config.rollout.rollout_batch_size,
-                self.config.rollout.sampling,
-                self.filter,
+        self.progress.reward_seconds = 0.0
+        if self.rollout_fn is not None:
+            samples = run_sync(self._rollout_fn_samples(rollout_id, self.dataset, evaluation=False))
+        else:
+            assert self.dataset is not None
+            samples = run_sync(
+                self._generate(
+                    self.dataset,
+                    self.config.rollout.rollout_batch_size,
+                    self.config.rollout.sampling,
+                    self.filter,
+                )
             )
-        )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
         batch = samples_to_batch(samples, self.config.rollout.reward_key)
-        return batch, metrics, [s.to_dict() for s in samples], self.dataset.state_dict()
+        return batch, metrics, [s.to_dict() for s in samples], self.state_dict()
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         assert self.eval_dataset is not None and self.config.eval.sampling is not None
         sampling = self.config.eval.sampling
         self.eval_dataset.epoch = self.eval_dataset.offset = 0
-        samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
+        if self.rollout_fn is not None:
+            samples = run_sync(self._rollout_fn_samples(rollout_id, self.eval_dataset, evaluation=True))
+        else:
+            samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
         return rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
 
     def progress_counts(self) -> tuple[int, int]:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
         return self.progress.done, self.progress.total
 
+    async def _rollout_fn_samples(
+        self, rollout_id: int, dataset: PromptDataset | None, evaluation: bool
+    ) -> list[Sample]:
+        """Run the user's rollout function; score the samples it left without a reward."""
+        assert self.rollout_fn is not None
+        flag = "--rollout-function-path"
+        n = (
+            self.config.eval.n_samples_per_prompt
+            if evaluation
+            else self.config.rollout.sampling.n_samples_per_prompt
+        )
+        result = self.rollout_fn(self.config.args, rollout_id, DataSource(dataset, n), evaluation=evaluation)
+        if inspect.isawaitable(result):
+            result = await result
+        samples = number_groups(result, n, flag)
+        groups: dict[int, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.group_index, []).append(s)
+        unscored = [g for g in groups.values() if any(s.reward is None for s in g)]
+        if unscored and self.reward is None:
+            raise ValueError(
+                f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
+            )
+        start = time.perf_counter()
+        for group in unscored:
+            assert self.reward is not None
+            # A group reward scores the whole group; others only the samples left unscored.
+            await self.reward.score_group(
+                group if self.reward.group else [s for s in group if s.reward is None]
+            )
+        self.progress.reward_seconds += time.perf_counter() - start
+        return samples
+
     async def _generate(
         self, dataset: PromptDataset, num_prompts: int, sampling: Any, group_filter: Any
     ) -> list[Sample]:
         clients = [EngineClient(u) for u in self.engine_urls]
         try:
+            assert self.reward is not None
             gen = RolloutGenerator(
                 dataset, clients, self.reward, sampling, num_prompts,
                 self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
@@ -140,7 +193,8 @@ class RolloutManager:
         run_sync(call())
 
     def state_dict(self) -> dict[str, int]:
-        return self.dataset.state_dict()
+        return self.dataset.state_dict() if self.dataset is not None else {}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.dataset.load_state_dict(state)
+        if self.dataset is not None and state:
+            self.dataset.load_state_dict(state)

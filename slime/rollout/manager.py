@@ -154,3 +154,51 @@ class RolloutGenerator:
                 "rollout: %d prompts started, %d groups filtered, %d aborted", started, filtered, aborted
             )
         return RolloutResult(samples, started, filtered, aborted, surplus)
+
+
+class DataSource:
+    """What a `--rollout-function-path` function draws prompts from (slime's `data_source`)."""
+
+    def __init__(self, dataset: PromptDataset | None, n_samples_per_prompt: int):
+        self.dataset = dataset
+        self.n_samples_per_prompt = n_samples_per_prompt
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
+        (prompt ids in `tokens`, `metadata["prompt_index"]` set)."""
+        if self.dataset is None:
+            raise RuntimeError(
+                "this job has no --prompt-data: the rollout function must bring its own prompts"
+            )
+        return [
+            [
+                Sample(
+                    prompt=p.prompt,
+                    tokens=list(p.token_ids),
+                    label=p.label,
+                    metadata=dict(p.metadata, prompt_index=p.index),
+                )
+                for _ in range(self.n_samples_per_prompt)
+            ]
+            for p in self.dataset.next_batch(num_prompts)
+        ]
+
+
+def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sample]:
+    """A rollout function's result (groups, or a flat list in groups of n) as numbered samples."""
+    if not isinstance(result, list | tuple) or not result:
+        raise TypeError(f"{flag} must return a non-empty list of sample groups, got {type(result).__name__}")
+    if all(isinstance(s, Sample) for s in result):
+        if len(result) % n_samples_per_prompt:
+            raise ValueError(
+                f"{flag} returned {len(result)} samples, not groups of --n-samples-per-prompt {n_samples_per_prompt}"
+            )
+        result = [result[i : i + n_samples_per_prompt] for i in range(0, len(result), n_samples_per_prompt)]
+    samples: list[Sample] = []
+    for group_index, group in enumerate(result):
+        if not isinstance(group, list | tuple) or not all(isinstance(s, Sample) for s in group):
+            raise TypeError(f"{flag} must return lists of Sample (group {group_index} is not)")
+        for s in group:
+            s.group_index, s.index = group_index, len(samples)
+            samples.append(s)
+    return samples

@@ -1,0 +1,92 @@
+"""Step-time breakdown of the RL loop, and train_async.py against train.py, on the demo workload.
+
+    python benchmarks/bench_loop.py [--num-rollout 40] [--warmup 5] [--out DIR]
+
+Builds the demo's model and task (scripts/run-tiny-cpu.sh, without the SFT phase: the base model
+is enough to time the loop), then runs train.py and train_async.py with the same flags (one
+engine, one FSDP rank, tensor push; 16 prompts x 16 samples per rollout). On this workload
+generation and training take similar time, the case train_async.py is for.
+
+Prints, per schedule, the mean seconds per step of each phase with its share of the step (the
+idle/orchestration share is what no component measured: Ray calls, scheduling, waiting), the
+steps per minute after --warmup steps, and the ratio async / sync (target >= 1.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ["generate", "wait_generate", "log_probs", "train", "push", "colocate", "eval", "save", "idle"]
+
+
+def run(script: str, out: str, model: str, task: str, num_rollout: int) -> list[dict]:
+    log_dir = os.path.join(out, script.removesuffix(".py"))
+    env = {**os.environ, "SLIME_LOG_DIR": log_dir, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [
+        sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model,
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", os.path.join(task, "train.jsonl"), "--rollout-shuffle", "--rm-type", "exact",
+        "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "16",
+        "--rollout-max-response-len", "4", "--global-batch-size", "64", "--micro-batch-size", "64",
+        "--lr", "5e-4", "--update-weight-transport", "tensor",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{script} failed with exit code {proc.returncode}")
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "time/step" in r]
+
+
+def summarize(records: list[dict], warmup: int) -> dict[str, float]:
+    steady = records[warmup:]
+    out = {p: statistics.fmean(r.get(f"time/{p}", 0.0) for r in steady) for p in PHASES}
+    out["step"] = statistics.fmean(r["time/step"] for r in steady)
+    out["steps_per_min"] = 60.0 * len(steady) / sum(r["time/step"] for r in steady)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-rollout", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the means")
+    parser.add_argument("--out", default=None, help="where models, data and logs go (default: a temp dir)")
+    args = parser.parse_args()
+    if args.num_rollout <= args.warmup:
+        parser.error("--num-rollout must be larger than --warmup")
+    out = args.out or tempfile.mkdtemp(prefix="bench-loop-")
+    model, task = os.path.join(out, "model"), os.path.join(out, "task")
+    py = sys.executable
+    subprocess.run([py, "-m", "slime.tools.make_tiny_model", "--out", model, "--hidden-size", "128",
+                    "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2"],
+                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+    subprocess.run(
+        [py, "-m", "slime.tools.make_demo_task", "--out", task], check=True, capture_output=True, cwd=ROOT
+    )
+    results = {s: summarize(run(s, out, model, task, args.num_rollout), args.warmup)
+               for s in ("train.py", "train_async.py")}  # fmt: skip
+
+    print(f"demo workload, {args.num_rollout} rollouts per schedule, means over steps {args.warmup + 1}+")
+    print(f"{'phase (s/step)':<18}" + "".join(f"{s:>22}" for s in results))
+    for p in [*PHASES, "step"]:
+        cells = "".join(f"{r[p]:>12.3f} ({100 * r[p] / r['step']:>5.1f}%)" for r in results.values())
+        print(f"{p:<18}{cells}")
+    sync, off = results["train.py"]["steps_per_min"], results["train_async.py"]["steps_per_min"]
+    print(f"{'steps/min':<18}{sync:>22.1f}{off:>22.1f}")
+    print(f"idle share: sync {100 * results['train.py']['idle'] / results['train.py']['step']:.1f}%, "
+          f"async {100 * results['train_async.py']['idle'] / results['train_async.py']['step']:.1f}% (target < 10%)")  # fmt: skip
+    print(f"train_async / train = {off / sync:.2f}x steps per minute (target >= 1.4x)")
+    print("(generate runs concurrently with training in train_async.py: its share there is not on the")
+    print(" critical path; wait_generate is the part of it the step waited for)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
