@@ -94,3 +94,40 @@ def test_help_is_grouped(capsys):
     out = capsys.readouterr().out
     for group in ("cluster:", "data:", "rollout:", "weight bridge:", "train: loss:", "train: FSDP:"):
         assert group in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--save-debug-rollout-data", "d/rollout.pt"], "must contain {rollout_id}"),
+        (["--debug-rollout-only", "--debug-train-only"], "exclude each other"),
+        (["--debug-train-only"], "--load-debug-rollout-data TEMPLATE"),
+        (
+            [
+                "--load-debug-rollout-data",
+                "d/{rollout_id}.pt",
+                "--eval-interval",
+                "1",
+                "--eval-prompt-data",
+                "P",
+            ],
+            "--debug-train-only starts none",
+        ),
+        (["--load-debug-rollout-data-subsample", "0.5"], "needs --load-debug-rollout-data"),
+        (
+            ["--load-debug-rollout-data", "d/{rollout_id}.pt", "--load-debug-rollout-data-subsample", "0"],
+            "(0, 1]",
+        ),
+    ],
+)
+def test_debug_mode_flags_exit_2(prompts, capsys, extra, message):
+    extra = [prompts if a == "P" else a for a in extra]
+    with pytest.raises(SystemExit) as e:
+        parse_args(base(prompts, *extra))
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_load_implies_train_only_and_needs_no_rollout_flags(tmp_path):
+    cfg = parse_args(["--hf-checkpoint", "/m", "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"),
+                      "--num-rollout", "2", "--load-debug-rollout-data-subsample", "0.5"])  # fmt: skip
+    assert cfg.debug.train_only and not cfg.debug.rollout_only and cfg.debug.subsample == 0.5

@@ -93,6 +93,26 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """The decoupled debug modes (docs/debugging.md)."""
+
+    rollout_only: bool = False
+    """`--debug-rollout-only`: engines and rollout manager only; no trainer, no weight push."""
+    train_only: bool = False
+    """`--debug-train-only` (implied by `--load-debug-rollout-data`): trainer only; no engine."""
+    save_rollout_data: str | None = None
+    """`--save-debug-rollout-data TEMPLATE` with {rollout_id}."""
+    save_eval_data: str | None = None
+    """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
+    load_rollout_data: str | None = None
+    """`--load-debug-rollout-data TEMPLATE` with {rollout_id}."""
+    subsample: float = 1.0
+    """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
+    allow_tokenizer_mismatch: bool = False
+    """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
+
+
+@dataclass(frozen=True)
 class Config:
     cluster: ClusterConfig
     rollout: RolloutConfig
@@ -101,6 +121,7 @@ class Config:
     eval: EvalConfig
     logging: LoggingConfig
     train: TrainConfig
+    debug: DebugConfig
     args: argparse.Namespace  # for user functions with slime's f(args, ...) signatures only
 
 
@@ -170,6 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-eval-before-train", action="store_true", help="no evaluation before the first rollout"
     )
 
+    g = p.add_argument_group("debug: decoupled modes and dumps (docs/debugging.md)")
+    g.add_argument(
+        "--debug-rollout-only", action="store_true",
+        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
+    )  # fmt: skip
+    g.add_argument(
+        "--debug-train-only", action="store_true",
+        help="start only the trainer; rollouts come from --load-debug-rollout-data or a --rollout-function-path",
+    )  # fmt: skip
+    g.add_argument("--save-debug-rollout-data", default=None, metavar="TEMPLATE",
+                   help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt")  # fmt: skip
+    g.add_argument("--save-debug-eval-data", default=None, metavar="TEMPLATE",
+                   help="write every eval rollout to this template ({rollout_id}; -1 = before training)")  # fmt: skip
+    g.add_argument("--load-debug-rollout-data", default=None, metavar="TEMPLATE",
+                   help="train on saved rollouts instead of generating (implies --debug-train-only)")  # fmt: skip
+    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None, metavar="R",
+                   help="replay a deterministic fraction R of each dump's prompt groups")  # fmt: skip
+    g.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's")  # fmt: skip
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action="store_true")
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
@@ -205,9 +246,13 @@ def _check(ns: argparse.Namespace) -> str | None:
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    if ns.rollout_batch_size is None:
+    problem = _check_debug(ns)
+    if problem:
+        return problem
+    replay = ns.load_debug_rollout_data is not None
+    if ns.rollout_batch_size is None and not replay:
         return "--rollout-batch-size is required (prompts per rollout)"
-    if ns.prompt_data is None and ns.rollout_function_path is None:
+    if ns.prompt_data is None and ns.rollout_function_path is None and not replay:
         return "--prompt-data is required (or a --rollout-function-path that brings its own data)"
     if ns.num_rollout is None and ns.num_epoch is None:
         return "give --num-rollout or --num-epoch (how long to train)"
@@ -226,21 +271,23 @@ def _check(ns: argparse.Namespace) -> str | None:
             f"--colocate puts engines on the trainer's {train_ranks} devices, but --rollout-num-gpus is "
             f"{ns.rollout_num_gpus}; drop --rollout-num-gpus or make them equal"
         )
-    if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < ns.rollout_batch_size:
+    if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < (ns.rollout_batch_size or 0):
         return "--over-sampling-batch-size must be >= --rollout-batch-size"
-    if ns.rm_type is None and ns.custom_rm_path is None and ns.rollout_function_path is None:
+    if ns.rm_type is None and ns.custom_rm_path is None and ns.rollout_function_path is None and not replay:
         return "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
     if ns.save_interval is not None and ns.save is None:
         return "--save-interval needs --save DIR"
     if ns.eval_interval is not None and ns.eval_prompt_data is None:
         return "--eval-interval needs --eval-prompt-data"
-    rollout_samples = ns.rollout_batch_size * ns.n_samples_per_prompt
-    if ns.global_batch_size is not None and rollout_samples % ns.global_batch_size:
+    rollout_samples = (ns.rollout_batch_size or 0) * ns.n_samples_per_prompt
+    if ns.debug_rollout_only or replay:
+        pass  # no trainer, or the dumps decide the rollout size: checked when training starts
+    elif ns.global_batch_size is not None and rollout_samples % ns.global_batch_size:
         return (
             f"--rollout-batch-size × --n-samples-per-prompt = {rollout_samples} samples per rollout, "
             f"not a multiple of --global-batch-size {ns.global_batch_size}"
         )
-    if ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
+    elif ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
         return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
     if ns.train_backend == "megatron":
         return "--train-backend megatron is not available yet in this build; use --train-backend fsdp"
@@ -251,6 +298,47 @@ def _check(ns: argparse.Namespace) -> str | None:
         path = getattr(ns, flag)
         if path is not None and not os.path.isfile(path):
             return f"--{flag.replace('_', '-')} {path!r}: no such file"
+    return None
+
+
+def _check_debug(ns: argparse.Namespace) -> str | None:
+    """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
+    from slime.rollout.dump import template_problem
+
+    for flag in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
+        template = getattr(ns, flag)
+        if template is not None:
+            problem = template_problem(template, "--" + flag.replace("_", "-"))
+            if problem:
+                return problem
+    if ns.load_debug_rollout_data is not None:
+        ns.debug_train_only = True
+    elif ns.load_debug_rollout_data_subsample is not None:
+        return "--load-debug-rollout-data-subsample needs --load-debug-rollout-data"
+    r = ns.load_debug_rollout_data_subsample
+    if r is not None and not 0 < r <= 1:
+        return f"--load-debug-rollout-data-subsample must be in (0, 1], got {r}"
+    if ns.debug_rollout_only and ns.debug_train_only:
+        return (
+            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each "
+            "other: the first runs no trainer, the second no engine"
+        )
+    if not ns.debug_train_only:
+        return None
+    if ns.load_debug_rollout_data is None and ns.rollout_function_path is None:
+        return (
+            "--debug-train-only starts no engine: give --load-debug-rollout-data TEMPLATE, or a "
+            "--rollout-function-path that needs no engine"
+        )
+    if ns.load_debug_rollout_data is not None and ns.num_rollout is None:
+        return "--load-debug-rollout-data replays rollout ids 0 .. --num-rollout - 1: give --num-rollout"
+    if ns.eval_interval is not None and ns.rollout_function_path is None:
+        return (
+            "--eval-interval generates with an engine, and --debug-train-only starts none: drop "
+            "--eval-interval (or evaluate with a --rollout-function-path that needs no engine)"
+        )
+    if ns.save_debug_rollout_data is not None and ns.load_debug_rollout_data is not None:
+        return "--save-debug-rollout-data with --load-debug-rollout-data would copy the dumps: give one"
     return None
 
 
@@ -270,7 +358,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         ns.rollout_max_response_len, tuple(ns.rollout_stop), tuple(ns.rollout_stop_token_ids),
     )  # fmt: skip
     rollout = RolloutConfig(
-        data, sampling, ns.rollout_batch_size, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
+        data, sampling, ns.rollout_batch_size or 0, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
         ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
         ns.rollout_function_path, ns.dynamic_sampling_filter_path,
     )  # fmt: skip
@@ -291,6 +379,15 @@ def _configs(ns: argparse.Namespace) -> Config:
             ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
         ),
         train=train_config_from_args(ns),
+        debug=DebugConfig(
+            rollout_only=ns.debug_rollout_only,
+            train_only=ns.debug_train_only,
+            save_rollout_data=ns.save_debug_rollout_data,
+            save_eval_data=ns.save_debug_eval_data,
+            load_rollout_data=ns.load_debug_rollout_data,
+            subsample=ns.load_debug_rollout_data_subsample or 1.0,
+            allow_tokenizer_mismatch=ns.allow_tokenizer_mismatch,
+        ),
         args=ns,
     )
 

@@ -7,6 +7,7 @@ so its samples come from weights one version older; that staleness is checked, n
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -16,10 +17,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.backends.interface import RolloutBatch
 from slime.config.arguments import Config, describe
 from slime.ray.actors import EngineActor, TrainRank
 from slime.ray.placement import Placement, Slot, plan_placement
 from slime.ray.rollout_manager import RolloutManager
+from slime.rollout.dump import DumpError, check_fingerprint, load_dump, make_meta, save_dump, subsample
+from slime.rollout.sample import Sample, samples_to_batch
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,9 @@ class Job:
     def __init__(self, config: Config, log_dir: str):
         self.config = config
         c = config.cluster
-        self.placement: Placement = plan_placement(c)
+        self.with_trainer = not config.debug.rollout_only
+        self.with_engines = not config.debug.train_only
+        self.placement: Placement = plan_placement(c, self.with_trainer, self.with_engines)
         self.pg = placement_group(self.placement.bundle_specs(), strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -56,33 +62,49 @@ class Job:
             for j, slot in enumerate(self.placement.engines)
         ]
         self.engine_urls = ray.get([e.url.remote() for e in self.engines])
-        # Two threads: the progress bar reads the sample count while a generation runs.
-        self.manager: Any = (
-            ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=2).remote(config, self.engine_urls)
-        )
-        first: Any = ray.remote(TrainRank).options(**_in(self.pg, self.placement.train[0], res))
-        master_port = _free_port()
+        # The rollout manager runs unless rollouts are replayed from dumps (train-only with a
+        # rollout function keeps it, with no engines). Two threads: the progress bar reads the
+        # sample count while a generation runs.
+        self.manager: Any = None
+        if self.with_engines or config.debug.load_rollout_data is None:
+            self.manager = (
+                ray.remote(RolloutManager)
+                .options(num_cpus=0, max_concurrency=2)
+                .remote(config, self.engine_urls)
+            )
         world = c.num_train_ranks
         self.train: list[Any] = []
+        master_port = _free_port()
         for rank, slot in enumerate(self.placement.train):
-            cls = first if rank == 0 else ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
             self.train.append(cls.remote(config.train, rank, world, "127.0.0.1", master_port, 1))
         self.infos = ray.get([t.init.remote() for t in self.train])
-        ray.get([
-            t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device, self.engine_urls)
-            for t in self.train
-        ])  # fmt: skip
+        if self.train and self.engines:
+            ray.get([
+                t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device, self.engine_urls)
+                for t in self.train
+            ])  # fmt: skip
 
     def banner(self) -> str:
-        lines = [f"{k}: {v}" for k, v in describe(self.config).items()] + self.placement.describe()
-        lines.append(f"engines: {', '.join(self.engine_urls)}")
+        d = self.config.debug
+        mode = (
+            "rollout only (no trainer)"
+            if d.rollout_only
+            else "train only (no engine)"
+            if d.train_only
+            else "full"
+        )
+        lines = [f"mode: {mode}"]
+        lines += [f"{k}: {v}" for k, v in describe(self.config).items()] + self.placement.describe()
+        lines.append(f"engines: {', '.join(self.engine_urls) or 'none'}")
+        lines.append(f"rollout manager: {'yes' if self.manager is not None else 'no (replaying dumps)'}")
         return "\n  ".join(["slime job", *lines])
 
     def before_train(self, generation_running: bool) -> None:
         """Colocated: engines give their memory to the trainer while it trains (not while an
         off-policy generation still runs on them); with --offload the trainer takes its back."""
         c = self.config.cluster
-        if c.colocate and not generation_running:
+        if c.colocate and self.engines and not generation_running:
             ray.get(self.manager.engines.remote("release_memory_occupation"))
         if c.offload:
             ray.get([t.wake.remote() for t in self.train])
@@ -92,10 +114,12 @@ class Job:
         c = self.config.cluster
         if c.offload:
             ray.get([t.sleep.remote() for t in self.train])
-        if c.colocate:
+        if c.colocate and self.engines:
             ray.get(self.manager.engines.remote("resume_memory_occupation"))
 
     def push(self, version: int) -> dict[str, float]:
+        if not (self.train and self.engines):
+            return {}
         stats = ray.get(
             [t.push_weights.remote(str(version), self.config.bridge.buffer_size) for t in self.train]
         )
@@ -184,13 +208,15 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, desc="rollouts", unit="step", disable=None, leave=True)
 
     def wait(self, refs: Any, phase: str) -> Any:
-        """ray.get(refs), showing `phase` on the bar meanwhile."""
+        """ray.get(refs), showing `phase` on the bar meanwhile (a plain value is returned as is)."""
+        if not isinstance(refs, list | ray.ObjectRef):
+            return refs
         if self.bar.disable:
             return ray.get(refs)
         self.bar.set_postfix_str(phase)
         pending = refs if isinstance(refs, list) else [refs]
         while ray.wait(pending, num_returns=len(pending), timeout=0.5)[1]:
-            if phase == "generate":
+            if phase == "generate" and self.manager is not None:
                 done, total = ray.get(self.manager.progress_counts.remote())
                 self.bar.set_postfix_str(f"generate {done}/{total} samples")
         return ray.get(refs)
@@ -203,17 +229,103 @@ class Progress:
         self.bar.close()
 
 
+class Replay:
+    """--load-debug-rollout-data: the saved rollouts, read and checked in the driver."""
+
+    def __init__(self, config: Config):
+        d = config.debug
+        assert d.load_rollout_data is not None and config.rollout.num_rollout is not None
+        self.config = config
+        self.tokenizer = _tokenizer(config.train.hf_checkpoint)
+        missing = [
+            d.load_rollout_data.format(rollout_id=i)
+            for i in range(config.rollout.num_rollout)
+            if not os.path.isfile(d.load_rollout_data.format(rollout_id=i))
+        ]
+        if missing:
+            raise DumpError(
+                f"--load-debug-rollout-data: {len(missing)} of the {config.rollout.num_rollout} rollout dumps "
+                f"(--num-rollout) do not exist, first {missing[0]!r}; lower --num-rollout or save them first"
+            )
+        self.load(0)  # format and tokenizer fingerprint, before any process starts
+
+    def load(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], None]:
+        from slime.ray.rollout_manager import rollout_metrics
+
+        d = self.config.debug
+        assert d.load_rollout_data is not None
+        path = d.load_rollout_data.format(rollout_id=rollout_id)
+        dump = load_dump(path)
+        check_fingerprint(dump, path, self.tokenizer, d.allow_tokenizer_mismatch)
+        kept = subsample(dump["samples"], d.subsample)
+        renumber = {g: k for k, g in enumerate(dict.fromkeys(s["group_index"] for s in kept))}
+        samples = [Sample.from_dict({**s, "group_index": renumber[s["group_index"]]}) for s in kept]
+        metrics = rollout_metrics(samples, self.config.rollout.reward_key)
+        metrics["time/generate"] = 0.0
+        return samples_to_batch(samples, self.config.rollout.reward_key), metrics, kept, None
+
+
+def produce(job: Job, replay: Replay | None, rollout_id: int) -> Any:
+    """A rollout: a Ray reference to the manager's generation, or a replayed dump."""
+    if replay is not None:
+        return replay.load(rollout_id)
+    return job.manager.generate.remote(rollout_id)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def dump_meta(config: Config, weight_version: int, evaluation: bool = False) -> dict[str, Any]:
+    meta = make_meta(config.args, _tokenizer(config.train.hf_checkpoint), evaluation=evaluation)
+    return {**meta, "weight_version": weight_version}
+
+
+def evaluate(config: Config, job: Job, rollout_id: int, progress: Progress | None) -> dict[str, float]:
+    """Evaluate on --eval-prompt-data; with --save-debug-eval-data the samples go to that template."""
+    ref = job.manager.evaluate.remote(rollout_id, config.debug.save_eval_data is not None)
+    metrics, samples = progress.wait(ref, "eval") if progress is not None else ray.get(ref)
+    if config.debug.save_eval_data:
+        path = save_dump(
+            config.debug.save_eval_data, rollout_id, samples, dump_meta(config, -1, evaluation=True)
+        )
+        logger.info("eval after rollout %d saved to %s", rollout_id, path)
+    return metrics
+
+
+def rollout_only_step(
+    config: Config, job: Job, tracker: Any, progress: Progress, clock: StepClock,
+    rollout_id: int, total: int, rollout_metrics: dict[str, float],
+) -> None:  # fmt: skip
+    """--debug-rollout-only: log the rollout's metrics (reward, accuracy, lengths) and evaluate."""
+    record: dict[str, Any] = {"rollout_id": rollout_id, **rollout_metrics}
+    if config.eval.interval and (rollout_id + 1) % config.eval.interval == 0:
+        with clock.timed("eval"):
+            record.update(evaluate(config, job, rollout_id, progress))
+    record["time/step"] = time.perf_counter() - clock.start
+    tracker.log(record, step=rollout_id + 1)
+    summary = _short(record)
+    progress.step(summary)
+    logger.info("rollout %d/%d (rollout only) %s", rollout_id + 1, total, summary)
+
+
 def run(config: Config, off_policy: bool, log_dir: str) -> int:
     """Run the whole job; returns the process exit code."""
     from slime.utils.tracking import Tracker
 
     os.makedirs(log_dir, exist_ok=True)
+    replay = Replay(config) if config.debug.load_rollout_data else None  # checks every dump first
     address = os.environ.get("RAY_ADDRESS")
     init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if not address and config.cluster.device == "cpu":
         # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
         # count must cover every bundle even on a 2-core machine.
-        needed = plan_placement(config.cluster).num_bundles
+        needed = plan_placement(
+            config.cluster, not config.debug.rollout_only, not config.debug.train_only
+        ).num_bundles
         init["num_cpus"] = max(os.cpu_count() or 1, needed)
     ray.init(address=address, **init)
     job = tracker = progress = None
@@ -221,20 +333,24 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         job = Job(config, log_dir)
         logger.info(job.banner())
         tracker = Tracker(log_dir, config.logging, describe(config))
-        total = num_rollouts(config, ray.get(job.manager.num_prompts.remote()))
-        resumed = job.infos[0]["resumed_rollout_id"]
+        if job.manager is not None:
+            total = num_rollouts(config, ray.get(job.manager.num_prompts.remote()))
+        else:
+            assert config.rollout.num_rollout is not None
+            total = config.rollout.num_rollout
+        resumed = job.infos[0]["resumed_rollout_id"] if job.infos else None
         start = 0 if resumed is None else resumed + 1
         version = start
         if resumed is not None:
             data_state = job.infos[0]["resumed_extra"].get("data")
-            if data_state is not None:
+            if data_state is not None and job.manager is not None:
                 ray.get(job.manager.load_state_dict.remote(data_state))
             job.push(version)  # the engines start from --hf-checkpoint: give them the resumed weights
             logger.info("resumed after rollout %d (data position %s)", resumed, data_state)
         evaluating = config.eval.interval is not None
         if evaluating and start == 0 and config.eval.before_train:
             t0 = time.perf_counter()
-            before = ray.get(job.manager.evaluate.remote(-1))
+            before = evaluate(config, job, -1, progress=None)
             before["time/eval"] = time.perf_counter() - t0
             tracker.log({"rollout_id": -1, **before}, step=0)
             logger.info("eval before training: %s", _short(before))
@@ -244,20 +360,29 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         for rollout_id in range(start, total):
             clock = StepClock()
             if pending is None:  # synchronous, or the first off-policy step
-                pending = job.manager.generate.remote(rollout_id)
+                pending = produce(job, replay, rollout_id)
             t0 = time.perf_counter()
             batch, rollout_metrics, samples, data_state = progress.wait(pending, "generate")
             waited = time.perf_counter() - t0
-            check_staleness([s["weight_version"] for s in samples], version, off_policy)
-            pending = (
-                job.manager.generate.remote(rollout_id + 1) if off_policy and rollout_id + 1 < total else None
-            )
+            if config.debug.save_rollout_data:
+                with clock.timed("save_debug_data"):
+                    path = save_dump(
+                        config.debug.save_rollout_data, rollout_id, samples, dump_meta(config, version)
+                    )
+                logger.info("rollout %d saved to %s", rollout_id, path)
+            if not job.train:  # --debug-rollout-only: no trainer, the weights stay --hf-checkpoint's
+                pending = None
+                rollout_only_step(config, job, tracker, progress, clock, rollout_id, total, rollout_metrics)
+                continue
+            if replay is None:
+                check_staleness([s["weight_version"] for s in samples], version, off_policy)
+            pending = produce(job, replay, rollout_id + 1) if off_policy and rollout_id + 1 < total else None
             with clock.timed("colocate"):
                 job.before_train(generation_running=pending is not None)
             train_call = time.perf_counter()
             outputs = progress.wait([t.train.remote(rollout_id, batch) for t in job.train], "train")
             train_call = time.perf_counter() - train_call
-            if pending is not None:
+            if pending is not None and replay is None:
                 t0 = time.perf_counter()
                 progress.wait(pending, "generate")  # the engines must be idle before the push
                 waited += time.perf_counter() - t0
@@ -278,7 +403,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 record[f"train/{k}"] = v
             if evaluating and (rollout_id + 1) % config.eval.interval == 0:  # type: ignore[operator]
                 with clock.timed("eval"):
-                    record.update(progress.wait(job.manager.evaluate.remote(rollout_id), "eval"))
+                    record.update(evaluate(config, job, rollout_id, progress))
             if (
                 config.checkpoint.save
                 and config.checkpoint.save_interval
@@ -308,7 +433,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             summary = _short(record)
             progress.step(summary)
             logger.info("rollout %d/%d %s", rollout_id + 1, total, summary)
-        if config.checkpoint.save and start < total and saved != total - 1:
+        if config.checkpoint.save and job.train and start < total and saved != total - 1:
             ray.get(
                 [t.save.remote(total - 1, config.checkpoint.save, {"data": data_state}) for t in job.train]
             )

@@ -17,9 +17,13 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     config = parse_args(argv)  # exits 2 on bad flags
     log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
     from slime.ray.loop import run
+    from slime.rollout.dump import DumpError
 
     try:
         return run(config, off_policy=off_policy, log_dir=log_dir)
+    except DumpError as e:  # a --load-debug-rollout-data file that cannot be replayed
+        logger.error("%s", e)
+        return 2
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130

@@ -118,7 +118,10 @@ class RolloutManager:
         batch = samples_to_batch(samples, self.config.rollout.reward_key)
         return batch, metrics, [s.to_dict() for s in samples], self.state_dict()
 
-    def evaluate(self, rollout_id: int) -> dict[str, float]:
+    def evaluate(
+        self, rollout_id: int, return_samples: bool = False
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Metrics on the eval data, and its samples (plain dicts) when asked."""
         assert self.eval_dataset is not None and self.config.eval.sampling is not None
         sampling = self.config.eval.sampling
         self.eval_dataset.epoch = self.eval_dataset.offset = 0
@@ -126,7 +129,8 @@ class RolloutManager:
             samples = run_sync(self._rollout_fn_samples(rollout_id, self.eval_dataset, evaluation=True))
         else:
             samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
-        return rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
+        metrics = rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
+        return metrics, [s.to_dict() for s in samples] if return_samples else []
 
     def progress_counts(self) -> tuple[int, int]:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""

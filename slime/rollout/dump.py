@@ -1,0 +1,157 @@
+"""Rollout dumps: what `--save-debug-rollout-data` writes and `--load-debug-rollout-data` replays.
+
+A dump is `torch.save` of
+
+    {"format_version": 1, "rollout_id": int, "samples": [Sample.to_dict(), ...], "meta": {...}}
+
+with only numbers, strings, lists, dicts and None inside, so `torch.load(path, weights_only=True)`
+reads it. Samples are saved after reward and before any normalisation, so a replay runs the
+whole train side. `meta` holds what a replay must match: the tokenizer's and the model's
+fingerprints and the flags that shaped the rollout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+import tempfile
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+ROLLOUT_FLAGS = (
+    "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed",
+    "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+    "rollout_max_prompt_len", "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids",
+    "rm_type", "custom_rm_path", "group_rm", "reward_key", "custom_generate_function_path",
+    "rollout_function_path", "over_sampling_batch_size", "dynamic_sampling_filter_path", "hf_checkpoint",
+)  # fmt: skip
+
+
+class DumpError(ValueError):
+    """A dump that cannot be written or replayed (names the file, the field and the fix)."""
+
+
+def template_problem(template: str, flag: str, fields: tuple[str, ...] = ("rollout_id",)) -> str | None:
+    """One line saying why `template` cannot name one file per rollout (and rank), or None."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        return f"{flag} {template!r} is not a valid template ({e})"
+    missing = [f for f in fields if f not in names]
+    if missing:
+        need = " and ".join("{" + f + "}" for f in missing)
+        return f"{flag} {template!r} must contain {need}, or every rollout would overwrite the same file"
+    unknown = sorted(names - set(fields))
+    if unknown:
+        return f"{flag} {template!r} has unknown fields {unknown}; it may use {list(fields)}"
+    return None
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of what decides token ids: the vocabulary, the special tokens, the chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(sorted(str(t) for t in tokenizer.all_special_tokens)).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(hf_checkpoint: str) -> str:
+    """sha256 of the checkpoint's config.json and its weight files' names and sizes (cheap: no
+    weights are read)."""
+    h = hashlib.sha256()
+    config = os.path.join(hf_checkpoint, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            h.update(f.read())
+    for name in sorted(os.listdir(hf_checkpoint)) if os.path.isdir(hf_checkpoint) else []:
+        if name.endswith((".safetensors", ".bin")):
+            h.update(f"{name}:{os.path.getsize(os.path.join(hf_checkpoint, name))}".encode())
+    return h.hexdigest()
+
+
+def make_meta(args: Any, tokenizer: Any, evaluation: bool = False) -> dict[str, Any]:
+    return {
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "model_fingerprint": model_fingerprint(args.hf_checkpoint),
+        "evaluation": evaluation,
+        "flags": {k: _plain(getattr(args, k, None)) for k in ROLLOUT_FLAGS},
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, bool | int | float | str) else str(value)
+
+
+def save_dump(template: str, rollout_id: int, samples: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """Write one rollout's dump atomically (a temporary file renamed into place); returns the path."""
+    path = template.format(rollout_id=rollout_id)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    payload = {"format_version": FORMAT_VERSION, "rollout_id": rollout_id, "samples": samples, "meta": meta}
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-dump-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_dump(path: str, flag: str = "--load-debug-rollout-data") -> dict[str, Any]:
+    """Read and check a dump's structure; DumpError names the file and what is wrong."""
+    if not os.path.isfile(path):
+        raise DumpError(f"{flag}: {path!r} does not exist")
+    try:
+        dump = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise DumpError(
+            f"{flag}: {path!r} is not a rollout dump readable with weights_only=True ({e})"
+        ) from None
+    if not isinstance(dump, dict) or "format_version" not in dump:
+        raise DumpError(f"{flag}: {path!r} is not a rollout dump (no format_version)")
+    if dump["format_version"] != FORMAT_VERSION:
+        raise DumpError(
+            f"{flag}: {path!r} has format_version {dump['format_version']}; this build reads "
+            f"{FORMAT_VERSION} (re-create it with --save-debug-rollout-data)"
+        )
+    for key, kind in (("rollout_id", int), ("samples", list), ("meta", dict)):
+        if not isinstance(dump.get(key), kind):
+            raise DumpError(f"{flag}: {path!r} field {key!r} is missing or not a {kind.__name__}")
+    if not dump["samples"]:
+        raise DumpError(f"{flag}: {path!r} holds no samples")
+    return dump
+
+
+def check_fingerprint(dump: dict[str, Any], path: str, tokenizer: Any, allow_mismatch: bool) -> None:
+    """A dump made with another tokenizer replays other token ids: refuse unless allowed."""
+    saved = dump["meta"].get("tokenizer_fingerprint")
+    current = tokenizer_fingerprint(tokenizer)
+    if saved != current and not allow_mismatch:
+        raise DumpError(
+            f"--load-debug-rollout-data: {path!r} was made with another tokenizer "
+            f"(fingerprint {str(saved)[:12]}…, this --hf-checkpoint's is {current[:12]}…); "
+            "replay with the checkpoint it was made with, or pass --allow-tokenizer-mismatch"
+        )
+
+
+def subsample(samples: list[dict[str, Any]], ratio: float) -> list[dict[str, Any]]:
+    """A deterministic fraction of whole prompt groups: the first ceil(ratio * groups) groups
+    after ordering them by a hash of their group index (same dump, same ratio, same subset)."""
+    if ratio >= 1.0:
+        return samples
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for s in samples:
+        groups.setdefault(int(s["group_index"]), []).append(s)
+    order = sorted(groups, key=lambda g: hashlib.sha256(str(g).encode()).hexdigest())
+    keep = set(order[: max(1, -(-int(ratio * 1e6) * len(order) // 1_000_000))])
+    return [s for s in samples if int(s["group_index"]) in keep]

@@ -1,0 +1,85 @@
+"""The decoupled debug modes, started as users start them: rollout-only with dumps, then
+train-only replaying them on another layout (real Ray, real engines, real gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slime.rollout.dump import tokenizer_fingerprint
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+
+@pytest.fixture(scope="module")
+def dumps(tiny_model, prompts, tmp_path_factory):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("rollout-only")
+    template = str(tmp / "dumps" / "rollout_{rollout_id}.pt")
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp,
+        "--rm-type",
+        "exact",
+        "--debug-rollout-only",
+        "--save-debug-rollout-data",
+        template,
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        prompts,
+        "--save-debug-eval-data",
+        str(tmp / "dumps" / "eval_{rollout_id}.pt"),
+        "--global-batch-size",
+        "3",
+    )  # fmt: skip  (a train-only flag, not validated here)
+    return tmp, template, proc
+
+
+def test_rollout_only_starts_no_trainer_and_saves_every_rollout(dumps, tokenizer):
+    tmp, template, proc = dumps
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mode: rollout only (no trainer)" in proc.stderr
+    assert "TrainRank" not in proc.stderr and "train rank 0" not in proc.stderr
+    assert sorted(p.name for p in (tmp / "dumps").iterdir()) == [
+        "eval_-1.pt", "eval_1.pt", "rollout_0.pt", "rollout_1.pt",
+    ]  # fmt: skip
+    for rollout_id in (0, 1):
+        dump = torch.load(template.format(rollout_id=rollout_id), weights_only=True)
+        assert dump["rollout_id"] == rollout_id and len(dump["samples"]) == 8
+        assert dump["meta"]["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+        assert dump["meta"]["flags"]["n_samples_per_prompt"] == 2 and not dump["meta"]["evaluation"]
+        assert all(s["reward"] in (0.0, 1.0) and s["weight_version"] == "0" for s in dump["samples"])
+    assert torch.load(tmp / "dumps" / "eval_1.pt", weights_only=True)["meta"]["evaluation"]
+    records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["rollout_id"] >= 0]
+    assert [r["rollout_id"] for r in steps] == [0, 1]
+    assert all("rollout/reward_mean" in r and "rollout/accuracy" in r for r in steps)  # logged in this mode
+    assert not any(k.startswith("train/") for r in steps for k in r)
+
+
+def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+    _, template, _ = dumps
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
+                   "--actor-num-gpus-per-node", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mode: train only (no engine)" in proc.stderr and "engines: none" in proc.stderr
+    assert "EngineActor" not in proc.stderr and "RolloutManager" not in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    saved = [torch.load(template.format(rollout_id=i), weights_only=True)["samples"] for i in (0, 1)]
+    for r, samples in zip(records, saved):
+        assert r["train/grad_norm"] >= 0 and r["rollout/num_samples"] == len(samples)
+        assert r["rollout/reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples))
+        assert "rollout/train_rollout_logprob_abs_diff" in r
+
+
+def test_a_missing_dump_exits_2_before_anything_starts(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+    _, template, _ = dumps
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
+                   "--num-rollout", "3")  # fmt: skip
+    assert proc.returncode == 2
+    assert "1 of the 3 rollout dumps (--num-rollout) do not exist" in proc.stderr
+    assert "rollout_2.pt" in proc.stderr and "Traceback" not in proc.stderr
