@@ -17,7 +17,7 @@ def dump_path(tmp_path, tiny_model, tokenizer):
     for g, (prompt, answers) in enumerate([("1+1=", ["2", "3"]), ("2+2=", ["4", "4"])]):
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         for a in answers:
-            resp = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
+            resp = [*tokenizer.encode(a, add_special_tokens=False), tokenizer.eos_token_id]
             samples.append({
                 "index": len(samples), "group_index": g, "prompt": prompt, "tokens": prompt_ids + resp,
                 "response": a, "response_length": len(resp), "label": str(2 * (g + 1)),

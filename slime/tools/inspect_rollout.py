@@ -47,20 +47,22 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+def _short(value: Any) -> Any:
+    return value[:16] + "…" if isinstance(value, str) and len(value) > 16 else value
+
+
 def summarize(dump: dict[str, Any]) -> dict[str, Any]:
     samples = dump["samples"]
     rewards = [r for r in (_scalar(s.get("reward")) for s in samples) if r is not None]
     log_probs = [lp for s in samples for lp in (s.get("rollout_log_probs") or [])]
     distinct = Counter(rewards)
+    counts = {"counts": {str(k): v for k, v in sorted(distinct.items())}} if len(distinct) <= 10 else {}
     return {
         "rollout_id": dump["rollout_id"],
         "format_version": dump["format_version"],
         "samples": len(samples),
         "groups": len({s.get("group_index") for s in samples}),
-        "reward": {
-            **_stats(rewards),
-            **({"counts": {str(k): v for k, v in sorted(distinct.items())}} if len(distinct) <= 10 else {}),
-        },  # fmt: skip
+        "reward": {**_stats(rewards), **counts},
         "dict_rewards": sum(isinstance(s.get("reward"), dict) for s in samples),
         "response_length": _stats([float(s.get("response_length", 0)) for s in samples]),
         "status": dict(Counter(str(s.get("status")) for s in samples)),
@@ -69,12 +71,8 @@ def summarize(dump: dict[str, Any]) -> dict[str, Any]:
             **_stats(log_probs),
             "tokens": len(log_probs),
             "non_finite": sum(not math.isfinite(x) for x in log_probs),
-        },  # fmt: skip
-        "meta": {
-            k: (v[:16] + "…" if isinstance(v, str) and len(v) > 16 else v)
-            for k, v in dump["meta"].items()
-            if k != "flags"
-        },  # fmt: skip
+        },
+        "meta": {k: _short(v) for k, v in dump["meta"].items() if k != "flags"},
         "flags": dump["meta"].get("flags", {}),
     }
 
