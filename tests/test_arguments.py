@@ -100,6 +100,10 @@ def test_help_is_grouped(capsys):
     "extra, message",
     [
         (["--save-debug-rollout-data", "d/rollout.pt"], "must contain {rollout_id}"),
+        (
+            ["--save-debug-train-data", "d/{rollout_id}.pt"],
+            "--save-debug-train-data 'd/{rollout_id}.pt' must contain {rank}",
+        ),
         (["--debug-rollout-only", "--debug-train-only"], "exclude each other"),
         (["--debug-train-only"], "--load-debug-rollout-data TEMPLATE"),
         (

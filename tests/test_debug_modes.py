@@ -62,8 +62,9 @@ def test_rollout_only_starts_no_trainer_and_saves_every_rollout(dumps, tokenizer
 
 def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
     _, template, _ = dumps
+    train_template = str(tmp_path / "train" / "r{rollout_id}_rank{rank}.pt")
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--actor-num-gpus-per-node", "2")  # fmt: skip
+                   "--actor-num-gpus-per-node", "2", "--save-debug-train-data", train_template)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mode: train only (no engine)" in proc.stderr and "engines: none" in proc.stderr
     assert "EngineActor" not in proc.stderr and "RolloutManager" not in proc.stderr
@@ -74,6 +75,20 @@ def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, t
         assert r["train/grad_norm"] >= 0 and r["rollout/num_samples"] == len(samples)
         assert r["rollout/reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples))
         assert "rollout/train_rollout_logprob_abs_diff" in r
+    # What each rank trained on joins the rollout dump sample by sample.
+    for rollout_id, samples in enumerate(saved):
+        ranks = [
+            torch.load(train_template.format(rollout_id=rollout_id, rank=r), weights_only=True)
+            for r in (0, 1)
+        ]
+        rows = [row for part in ranks for row in part["samples"]]
+        assert sorted(row["sample_index"] for row in rows) == list(range(len(samples)))  # each sample once
+        assert all(part["samples"] for part in ranks) and {p["world_size"] for p in ranks} == {2}
+        for row in rows:
+            s = samples[row["sample_index"]]
+            assert row["tokens"] == s["tokens"] and row["reward"] == s["reward"]
+            assert row["rollout_log_probs"] == s["rollout_log_probs"]
+            assert len(row["log_probs"]) == len(row["advantages"]) == s["response_length"]
 
 
 def test_a_missing_dump_exits_2_before_anything_starts(dumps, tiny_model, prompts, tmp_path):  # noqa: F811

@@ -166,6 +166,8 @@ class TrainConfig:
     """`--override-opt-param-scheduler`: on resume, use the flags' LR schedule, not the saved one."""
     distributed_timeout_minutes: float = 10.0
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
+    save_debug_train_data: str | None = None
+    """`--save-debug-train-data TEMPLATE` ({rollout_id}, {rank}): what each rank trained on."""
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -176,6 +178,14 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.rollout_temperature <= 0:
             raise ValueError("--rollout-temperature must be > 0")
+        if self.save_debug_train_data is not None:
+            from slime.rollout.dump import template_problem
+
+            problem = template_problem(
+                self.save_debug_train_data, "--save-debug-train-data", ("rollout_id", "rank")
+            )
+            if problem:
+                raise ValueError(problem)
         if self.fsdp.cpu_offload and self.device != "cuda":
             raise ValueError(
                 "--fsdp-cpu-offload only makes sense with --device cuda (parameters already live on CPU)"
@@ -193,6 +203,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None, help="checkpoint root to resume from")
     g.add_argument("--override-opt-param-scheduler", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument(
+        "--save-debug-train-data", default=None, metavar="TEMPLATE",
+        help="per rank and rollout, what it trained on (tokens, masks, log-probs, advantages, rewards); "
+        "TEMPLATE has {rollout_id} and {rank}",
+    )  # fmt: skip
 
     g = parser.add_argument_group("train: loss")
     g.add_argument("--loss-type", choices=LOSS_TYPES, default="policy_loss")
@@ -264,6 +279,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         load=ns.load,
         override_opt_param_scheduler=ns.override_opt_param_scheduler,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
+        save_debug_train_data=getattr(ns, "save_debug_train_data", None),
         loss=_pick(LossConfig, ns),
         optimizer=_pick(OptimizerConfig, ns),
         batch=_pick(BatchConfig, ns),

@@ -89,12 +89,10 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, bool | int | float | str) else str(value)
 
 
-def save_dump(template: str, rollout_id: int, samples: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """Write one rollout's dump atomically (a temporary file renamed into place); returns the path."""
-    path = template.format(rollout_id=rollout_id)
+def write_atomic(path: str, payload: dict[str, Any]) -> str:
+    """torch.save into a temporary file beside `path`, renamed into place when complete."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    payload = {"format_version": FORMAT_VERSION, "rollout_id": rollout_id, "samples": samples, "meta": meta}
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-dump-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -105,6 +103,12 @@ def save_dump(template: str, rollout_id: int, samples: list[dict[str, Any]], met
             os.unlink(tmp)
         raise
     return path
+
+
+def save_dump(template: str, rollout_id: int, samples: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """Write one rollout's dump atomically; returns the path."""
+    payload = {"format_version": FORMAT_VERSION, "rollout_id": rollout_id, "samples": samples, "meta": meta}
+    return write_atomic(template.format(rollout_id=rollout_id), payload)
 
 
 def load_dump(path: str, flag: str = "--load-debug-rollout-data") -> dict[str, Any]:

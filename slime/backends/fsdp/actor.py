@@ -252,6 +252,8 @@ class FSDPTrainActor:
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
         advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
         logprob_done = time.perf_counter()
+        if self.cfg.save_debug_train_data:
+            self._save_train_data(rollout_id, batch, mine, old, ref, advantages)
         for step in plans:
             output.steps.append(self._train_step(batch, step, old, ref, advantages))
         output.timings["log_probs"] = logprob_done - start
@@ -279,6 +281,46 @@ class FSDPTrainActor:
             dist.all_reduce(stats)
             values = adv.whiten(values, masks, stats)
         return dict(zip(mine, values))
+
+    def _save_train_data(
+        self,
+        rollout_id: int,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        advantages: dict[int, torch.Tensor] | None,
+    ) -> None:
+        """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
+        `sample_index` (the sample's index in the rollout dump), so the two files join."""
+        from slime.rollout.dump import FORMAT_VERSION, write_atomic
+
+        def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
+            return None if d is None else d[p].tolist()
+
+        index = batch.sample_indices or list(range(len(batch)))
+        rows = [
+            {
+                "sample_index": index[p],
+                "tokens": list(batch.tokens[p]),
+                "response_length": batch.response_lengths[p],
+                "loss_mask": self._loss_mask(batch, p).int().tolist(),
+                "reward": float(batch.rewards[p]),
+                "log_probs": values(old, p),
+                "ref_log_probs": values(ref, p),
+                "rollout_log_probs": None
+                if batch.rollout_log_probs is None
+                else list(batch.rollout_log_probs[p]),
+                "advantages": values(advantages, p),
+            }
+            for p in mine
+        ]
+        assert self.cfg.save_debug_train_data is not None
+        payload = {
+            "format_version": FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.rank,
+            "world_size": self.world_size, "samples": rows,
+        }  # fmt: skip
+        write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.rank), payload)
 
     @staticmethod
     def _loss_mask(batch: RolloutBatch, p: int) -> torch.Tensor:
