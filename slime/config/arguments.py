@@ -301,6 +301,16 @@ def _check(ns: argparse.Namespace) -> str | None:
     return None
 
 
+def _train_config(ns: argparse.Namespace) -> TrainConfig:
+    """The trainer's config; --debug-rollout-only runs no trainer, so its flags are not validated."""
+    try:
+        return train_config_from_args(ns)
+    except ValueError:
+        if not ns.debug_rollout_only:
+            raise
+        return TrainConfig(hf_checkpoint=ns.hf_checkpoint, device=ns.device)
+
+
 def _check_debug(ns: argparse.Namespace) -> str | None:
     """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
     from slime.rollout.dump import template_problem
@@ -378,7 +388,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         logging=LoggingConfig(
             ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
         ),
-        train=train_config_from_args(ns),
+        train=_train_config(ns),
         debug=DebugConfig(
             rollout_only=ns.debug_rollout_only,
             train_only=ns.debug_train_only,
