@@ -453,6 +453,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
 def _short(record: dict[str, Any]) -> str:
     keys = (
         "rollout/reward_mean",
+        "rollout/accuracy",
         "eval/accuracy",
         "train/loss",
         "train/grad_norm",
@@ -463,6 +464,10 @@ def _short(record: dict[str, Any]) -> str:
     )
 
     def label(key: str) -> str:
-        return key.replace("/", "_") if key.startswith("eval/") else key.split("/")[-1]
+        return (
+            key.replace("/", "_")
+            if key.startswith("eval/") or key == "rollout/accuracy"
+            else key.split("/")[-1]
+        )
 
     return " ".join(f"{label(k)}={record[k]:.4g}" for k in keys if k in record)
