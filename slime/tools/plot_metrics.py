@@ -11,7 +11,6 @@ The PNG goes next to the metrics file unless `--out` says otherwise. Needs matpl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,18 +19,13 @@ DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy"]
 
 def read_series(path: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
     """(step, value) per key, in file order; records without the key are skipped."""
+    from slime.rollout.data import read_rows
+
     series: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            for k in keys:
-                if k in record and "step" in record:
-                    series[k].append((int(record["step"]), float(record[k])))
+    for _, record in read_rows(path, "metrics file"):
+        for k in keys:
+            if k in record and "step" in record:
+                series[k].append((int(record["step"]), float(record[k])))
     return series
 
 
@@ -73,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.metrics!r}: no such file")
     try:
         series = read_series(args.metrics, args.keys)
-    except ValueError as e:
+    except ValueError as e:  # DataError: the file:line of a bad record
         parser.error(str(e))
     if not any(series.values()):
         parser.error(f"{args.metrics!r} has none of the keys {args.keys}")
