@@ -146,5 +146,13 @@ def test_greedy_rollout_only_saves_the_same_dump_twice(dumps, tiny_model, prompt
     for i in (0, 1):
         first = torch.load(template.format(rollout_id=i), weights_only=True)
         second = torch.load(again.format(rollout_id=i), weights_only=True)
-        assert first["samples"] == second["samples"]
+        # Same prompts, groups, tokens, rewards; the engine's log-probs may differ in the last
+        # bits with the batch composition (continuous batching), hence the tolerance.
+        strip = [
+            [{k: v for k, v in s.items() if k != "rollout_log_probs"} for s in d["samples"]]
+            for d in (first, second)
+        ]
+        assert strip[0] == strip[1]
+        for a, b in zip(first["samples"], second["samples"]):
+            assert a["rollout_log_probs"] == pytest.approx(b["rollout_log_probs"], abs=1e-5)
         assert first["meta"]["tokenizer_fingerprint"] == second["meta"]["tokenizer_fingerprint"]

@@ -114,14 +114,17 @@ class RolloutGenerator:
         return result
 
     async def generate_rollout(self) -> RolloutResult:
-        kept: list[list[Sample]] = []
+        kept: list[tuple[int, list[Sample]]] = []  # (draw order, group)
+        drawn: dict[asyncio.Task, int] = {}
         running: set[asyncio.Task] = set()
         started = filtered = aborted = surplus = 0
         try:
             while len(kept) < self.rollout_batch_size:
                 if len(kept) + len(running) < self.rollout_batch_size or not running:
                     for prompt in self.dataset.next_batch(self.over_sampling_batch_size):
-                        running.add(asyncio.create_task(self._group(prompt)))
+                        task = asyncio.create_task(self._group(prompt))
+                        drawn[task] = started
+                        running.add(task)
                         started += 1
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -132,7 +135,7 @@ class RolloutGenerator:
                     if self.group_filter is not None and not self.group_filter(self.args, group):
                         filtered += 1
                         continue
-                    kept.append(group)
+                    kept.append((drawn[task], group))
                     self.progress.done += len(group)
         finally:
             if running:
@@ -143,8 +146,11 @@ class RolloutGenerator:
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
+        # Groups finish in any order; numbered in the order their prompts were drawn, the same
+        # prompts give the same rollout however the engines interleave them.
+        kept.sort(key=lambda item: item[0])
         samples: list[Sample] = []
-        for group_index, group in enumerate(kept):
+        for group_index, (_, group) in enumerate(kept):
             for s in group:
                 s.group_index = group_index
                 s.index = len(samples)
