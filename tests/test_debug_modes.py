@@ -66,8 +66,13 @@ def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, t
     _, template, _ = dumps
     train_template = str(tmp_path / "train" / "r{rollout_id}_rank{rank}.pt")
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--actor-num-gpus-per-node", "2", "--save-debug-train-data", train_template)  # fmt: skip
+                   "--actor-num-gpus-per-node", "2", "--save-debug-train-data", train_template,
+                   "--check-precision")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The trainer agrees with the engine that made the dump (greedy: log-probs at temperature 1).
+    assert (
+        "--check-precision: passed at rollout 0" in proc.stderr and "|trainer - engine| mean" in proc.stderr
+    )
     assert "mode: train only (no engine)" in proc.stderr and "engines: none" in proc.stderr
     assert "EngineActor" not in proc.stderr and "RolloutManager" not in proc.stderr
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -100,6 +105,23 @@ def test_a_missing_dump_exits_2_before_anything_starts(dumps, tiny_model, prompt
     assert proc.returncode == 2
     assert "1 of the 3 rollout dumps (--num-rollout) do not exist" in proc.stderr
     assert "rollout_2.pt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_precision_names_a_temperature_mismatch_with_the_dump(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+    _, template, _ = dumps
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
+                   "--check-precision", "--rollout-temperature", "0.5")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "--check-precision: 1 of 4 checks FAILED at rollout 0" in proc.stderr
+    assert "  FAIL trainer vs engine log-probs (mean and max |diff|)" in proc.stderr
+    assert (
+        "temperature: the samples' log-probs are at temperature 1, the trainer computes at "
+        "--rollout-temperature 0.5; use the same value" in proc.stderr
+    )
+    assert (
+        not (tmp_path / "logs" / "metrics.jsonl").exists()
+        or not (tmp_path / "logs" / "metrics.jsonl").read_text()
+    )
 
 
 def _train_metrics(tmp_path):

@@ -40,8 +40,17 @@ def run_job(script, model, prompts, tmp_path, *extra):
 def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
                    *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", prompts,
-                   "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard")  # fmt: skip
+                   "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard",
+                   "--check-precision")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The step-0 gates pass on a correct setup, across ranks, transports and schedules.
+    assert "--check-precision: pushed the trainer's weights before the first rollout" in proc.stderr
+    assert (
+        "--check-precision: passed at rollout 0: ppo_kl 0, actor == reference bitwise, kl_loss 0"
+        in proc.stderr
+    )
+    gates = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert len(gates) == 6 and all(g["ok"] for g in gates)
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["rollout_id"], r["step"]) for r in records] == [(-1, 0), (0, 1), (1, 2)]
     assert (

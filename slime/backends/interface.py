@@ -95,6 +95,10 @@ class TrainOutput:
     rollout: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     """Wall seconds on this rank: `log_probs` (old and reference passes), `train` (optimizer steps)."""
+    precision: dict[str, float] = field(default_factory=dict)
+    """With --check-precision, over all ranks: `ref_max_abs_diff` and `ref_tokens_differ` (actor vs
+    reference), `nonfinite` and `max_log_prob` (the actor's log-probs), `first_step_max_abs_diff`
+    (log-prob pass vs the first optimizer step's forward); all over the loss mask."""
 
 
 class TrainActor(Protocol):
@@ -124,6 +128,10 @@ class TrainActor(Protocol):
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """(HF name, full tensor) in buckets of at most `bucket_bytes`; every rank must iterate."""
+        ...
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name → full shape of every tensor export_weights yields (no communication)."""
         ...
 
     def sleep(self) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from slime.bridge.base import Bucket, Transport
+from slime.bridge.faults import PushFault
 from slime.config.rollout import TRANSPORTS
 from slime.engines.client import EngineClient, EngineError
 from slime.utils.aio import run_sync
@@ -107,15 +108,22 @@ class WeightBridge:
 
 
 def push_actor_weights(
-    actor: Any, bridge: WeightBridge | None, weight_version: str, bucket_bytes: int
+    actor: Any,
+    bridge: WeightBridge | None,
+    weight_version: str,
+    bucket_bytes: int,
+    fault: PushFault | None = None,
 ) -> dict[str, float] | None:
     """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
-    bridge) sends them. Returns the push statistics on rank 0, None elsewhere."""
+    bridge) sends them, with `fault` (--debug-push-fault) applied. Returns the push statistics
+    on rank 0, None elsewhere."""
     buckets = actor.export_weights(bucket_bytes)
     if bridge is None:
         for _ in buckets:
             pass
         return None
+    if fault is not None:
+        buckets = fault.apply(buckets, bucket_bytes)
     return run_sync(bridge.push(buckets, weight_version))
 
 

@@ -110,6 +110,16 @@ class DebugConfig:
     """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
     allow_tokenizer_mismatch: bool = False
     """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
+    check_precision: bool = False
+    """`--check-precision`: the step-0 gates (slime.debug.precision)."""
+    precision_dtype: str = "float32"
+    """The lower precision of engines and trainer, which the tolerances below default for."""
+    precision_logprob_tol: float = 1e-4
+    """`--precision-logprob-tol`: largest mean |trainer - engine| log-prob at the first rollout."""
+    precision_logprob_max_tol: float = 1e-3
+    """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
+    push_fault: str | None = None
+    """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-tokenizer-mismatch", action="store_true",
                    help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's")  # fmt: skip
 
+    g = p.add_argument_group("debug: precision checks (docs/debugging.md, Precision)")
+    g.add_argument("--check-precision", action="store_true",
+                   help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
+                   "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane")  # fmt: skip
+    g.add_argument("--precision-logprob-tol", type=float, default=None,
+                   help="mean |trainer - engine| log-prob allowed (default by dtype: 1e-4 float32, 5e-2 bfloat16)")  # fmt: skip
+    g.add_argument("--precision-logprob-max-tol", type=float, default=None,
+                   help="largest single-token |trainer - engine| log-prob allowed (default 1e-3 float32, 2 bfloat16)")  # fmt: skip
+    g.add_argument("--debug-push-fault", default=None, metavar="SPEC",
+                   help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
+                   "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action="store_true")
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
@@ -246,7 +268,7 @@ def _check(ns: argparse.Namespace) -> str | None:
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    problem = _check_debug(ns)
+    problem = _check_debug(ns) or _check_precision_flags(ns)
     if problem:
         return problem
     replay = ns.load_debug_rollout_data is not None
@@ -352,6 +374,39 @@ def _check_debug(ns: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_precision_flags(ns: argparse.Namespace) -> str | None:
+    from slime.bridge.faults import PushFault
+
+    for flag in ("precision_logprob_tol", "precision_logprob_max_tol"):
+        value = getattr(ns, flag)
+        if value is not None and not value > 0:
+            return f"--{flag.replace('_', '-')} must be > 0, got {value}"
+    if ns.check_precision and ns.debug_rollout_only:
+        return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
+    if ns.debug_push_fault is not None:
+        if ns.debug_rollout_only or ns.debug_train_only:
+            return "--debug-push-fault breaks the weight push, which --debug-rollout-only / --debug-train-only never run"
+        try:
+            PushFault.parse(ns.debug_push_fault)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
+    """The dtype the log-prob tolerances are for, and the tolerances (flags win)."""
+    from slime.debug.precision import TOLERANCES, lower_precision
+
+    engine = "float32" if ns.rollout_backend == "torch" else "bfloat16"
+    dtype = lower_precision(engine, ns.fsdp_param_dtype)
+    mean, worst = TOLERANCES[dtype]
+    return (
+        dtype,
+        ns.precision_logprob_tol if ns.precision_logprob_tol is not None else mean,
+        ns.precision_logprob_max_tol if ns.precision_logprob_max_tol is not None else worst,
+    )
+
+
 def _configs(ns: argparse.Namespace) -> Config:
     cluster = ClusterConfig(
         ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
@@ -372,6 +427,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
         ns.rollout_function_path, ns.dynamic_sampling_filter_path,
     )  # fmt: skip
+    dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     return Config(
         cluster=cluster,
@@ -397,6 +453,11 @@ def _configs(ns: argparse.Namespace) -> Config:
             load_rollout_data=ns.load_debug_rollout_data,
             subsample=ns.load_debug_rollout_data_subsample or 1.0,
             allow_tokenizer_mismatch=ns.allow_tokenizer_mismatch,
+            check_precision=ns.check_precision,
+            precision_dtype=dtype,
+            precision_logprob_tol=tol,
+            precision_logprob_max_tol=max_tol,
+            push_fault=ns.debug_push_fault,
         ),
         args=ns,
     )

@@ -168,6 +168,8 @@ class TrainConfig:
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
     save_debug_train_data: str | None = None
     """`--save-debug-train-data TEMPLATE` ({rollout_id}, {rank}): what each rank trained on."""
+    check_precision: bool = False
+    """`--check-precision`: measure what the step-0 gates need (TrainOutput.precision)."""
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -280,6 +282,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         override_opt_param_scheduler=ns.override_opt_param_scheduler,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
         save_debug_train_data=getattr(ns, "save_debug_train_data", None),
+        check_precision=getattr(ns, "check_precision", False),
         loss=_pick(LossConfig, ns),
         optimizer=_pick(OptimizerConfig, ns),
         batch=_pick(BatchConfig, ns),

@@ -43,6 +43,7 @@ class TrainRank:
         self.rank = rank
         self.actor = FSDPTrainActor(cfg, rank, world_size)
         self.bridge: Any = None
+        self.fault: Any = None  # --debug-push-fault
 
     def init(self) -> dict[str, Any]:
         return self.actor.init()
@@ -57,8 +58,19 @@ class TrainRank:
         self.actor.save_hf(path)
 
     def connect_engines(
-        self, transport: str, hf_checkpoint: str, device: str, engine_urls: list[str]
+        self,
+        transport: str,
+        hf_checkpoint: str,
+        device: str,
+        engine_urls: list[str],
+        push_fault: str | None = None,
     ) -> None:
+        if push_fault is not None:
+            from slime.bridge.faults import PushFault
+
+            self.fault = PushFault.parse(push_fault)
+            self.fault.check(self.actor.weight_shapes())  # every rank: none is left in a gather
+            logger.warning("--debug-push-fault %s: every weight push is broken on purpose", push_fault)
         if self.rank == 0:
             from slime.bridge.bridge import WeightBridge, make_transport
 
@@ -67,7 +79,7 @@ class TrainRank:
     def push_weights(self, weight_version: str, bucket_bytes: int) -> dict[str, float] | None:
         from slime.bridge.bridge import push_actor_weights
 
-        return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes)
+        return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes, self.fault)
 
     def sleep(self) -> None:
         self.actor.sleep()

@@ -81,7 +81,8 @@ class Job:
         self.infos = ray.get([t.init.remote() for t in self.train])
         if self.train and self.engines:
             ray.get([
-                t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device, self.engine_urls)
+                t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device,
+                                         self.engine_urls, config.debug.push_fault)
                 for t in self.train
             ])  # fmt: skip
 
@@ -247,9 +248,14 @@ class Replay:
                 f"--load-debug-rollout-data: {len(missing)} of the {config.rollout.num_rollout} rollout dumps "
                 f"(--num-rollout) do not exist, first {missing[0]!r}; lower --num-rollout or save them first"
             )
-        self.load(0)  # format and tokenizer fingerprint, before any process starts
+        first = self.load(0)  # format and tokenizer fingerprint, before any process starts
+        # The temperature the dump's log-probs were computed at (greedy rollouts report T = 1).
+        self.temperature = float(first[4].get("rollout_temperature") or 1.0)
 
-    def load(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], None]:
+    def load(
+        self, rollout_id: int
+    ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], None, dict]:
+        """(batch, rollout metrics, samples, no data position, the flags the dump was made with)."""
         from slime.ray.rollout_manager import rollout_metrics
 
         d = self.config.debug
@@ -262,7 +268,8 @@ class Replay:
         samples = [Sample.from_dict({**s, "group_index": renumber[s["group_index"]]}) for s in kept]
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
         metrics["time/generate"] = 0.0
-        return samples_to_batch(samples, self.config.rollout.reward_key), metrics, kept, None
+        flags = dump["meta"].get("flags", {})
+        return samples_to_batch(samples, self.config.rollout.reward_key), metrics, kept, None, flags
 
 
 def produce(job: Job, replay: Replay | None, rollout_id: int) -> Any:
@@ -347,6 +354,12 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 ray.get(job.manager.load_state_dict.remote(data_state))
             job.push(version)  # the engines start from --hf-checkpoint: give them the resumed weights
             logger.info("resumed after rollout %d (data position %s)", resumed, data_state)
+        elif config.debug.check_precision and job.train and job.engines:
+            # The engines loaded --hf-checkpoint themselves; pushing the trainer's copy over it
+            # makes the first rollout's trainer-vs-engine gate check the bridge as well.
+            stats = job.push(version)
+            logger.info("--check-precision: pushed the trainer's weights before the first rollout (%d bytes)",
+                        int(stats.get("bytes", 0)))  # fmt: skip
         evaluating = config.eval.interval is not None
         if evaluating and start == 0 and config.eval.before_train:
             t0 = time.perf_counter()
@@ -362,7 +375,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             if pending is None:  # synchronous, or the first off-policy step
                 pending = produce(job, replay, rollout_id)
             t0 = time.perf_counter()
-            batch, rollout_metrics, samples, data_state = progress.wait(pending, "generate")
+            batch, rollout_metrics, samples, data_state, *_ = progress.wait(pending, "generate")
             waited = time.perf_counter() - t0
             if config.debug.save_rollout_data:
                 with clock.timed("save_debug_data"):
@@ -390,6 +403,9 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             with clock.timed("push"):
                 job.before_push()
                 push_stats = job.push(version)
+            if config.debug.check_precision:
+                check_precision(config, replay, log_dir, rollout_id, rollout_id == start and resumed is None,
+                                outputs[0])  # fmt: skip
             inside = {f"time/{k}": v for k, v in outputs[0].timings.items()}
             record: dict[str, Any] = {
                 "rollout_id": rollout_id,
@@ -448,6 +464,44 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         if job is not None:
             job.close()
         ray.shutdown()
+
+
+def check_precision(
+    config: Config, replay: Replay | None, log_dir: str, rollout_id: int, first: bool, output: Any
+) -> None:
+    """--check-precision after a train call: raise PrecisionError (the report) on a failed gate;
+    the first rollout's checks also go to <log dir>/precision.json and one log line."""
+    import dataclasses
+    import json
+
+    from slime.debug import precision
+
+    t, d = config.train, config.debug
+    ctx = precision.Context(
+        rollout_id=rollout_id,
+        first=first,
+        mean_tol=d.precision_logprob_tol,
+        max_tol=d.precision_logprob_max_tol,
+        dtype=d.precision_dtype,
+        trainer_temperature=t.rollout_temperature,
+        sample_temperature=replay.temperature if replay is not None else None,
+        ref_load=t.ref_load if t.ref_load and t.ref_load != t.hf_checkpoint else None,
+        separate_log_prob_batches=t.batch.use_dynamic_batch_size
+        and t.batch.log_probs_max_tokens_per_gpu not in (None, t.batch.max_tokens_per_gpu),
+        replay=replay is not None,
+    )
+    checks = precision.gates(ctx, output.rollout, output.precision, output.steps[0] if output.steps else {})
+    if first:
+        path = os.path.join(log_dir, "precision.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(
+                {"rollout_id": rollout_id, "checks": [dataclasses.asdict(c) for c in checks]}, f, indent=1
+            )
+        os.replace(path + ".tmp", path)
+    if precision.failed(checks):
+        raise precision.PrecisionError(precision.report(ctx, checks))
+    if first:
+        logger.info("%s", precision.summary(ctx, checks))
 
 
 def _short(record: dict[str, Any]) -> str:

@@ -250,12 +250,17 @@ class FSDPTrainActor:
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
+            if self.cfg.check_precision:
+                output.precision.update(self._precision_stats(batch, mine, old, ref))
         advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
             self._save_train_data(rollout_id, batch, mine, old, ref, advantages)
-        for step in plans:
-            output.steps.append(self._train_step(batch, step, old, ref, advantages))
+        for k, step in enumerate(plans):
+            compare = old if k == 0 and self.cfg.check_precision else None
+            output.steps.append(
+                self._train_step(batch, step, old, ref, advantages, compare, output.precision)
+            )
         output.timings["log_probs"] = logprob_done - start
         output.timings["train"] = time.perf_counter() - logprob_done
         self.rollout_id = rollout_id
@@ -368,6 +373,36 @@ class FSDPTrainActor:
             out["train_rollout_logprob_abs_diff_max"] = float(worst[0])
         return out
 
+    def _precision_stats(
+        self,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        """What --check-precision's gates need beyond the token means, over all ranks."""
+        counts = torch.zeros(2, dtype=torch.float64)  # non-finite log-probs, tokens where actor != ref
+        highs = torch.full((2,), -float("inf"), dtype=torch.float64)  # max log-prob, max |actor - ref|
+        for p in mine:
+            mask = self._loss_mask(batch, p).bool()
+            values = old[p][mask].double()
+            counts[0] += (~torch.isfinite(values)).sum()
+            if values.numel():
+                highs[0] = torch.maximum(highs[0], values.max())
+            if ref is not None:
+                gap = (values - ref[p][mask].double()).abs()
+                counts[1] += (gap != 0).sum()
+                if gap.numel():
+                    highs[1] = torch.maximum(highs[1], gap.max())
+        dist.all_reduce(counts)
+        dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+        out = {"nonfinite": float(counts[0]), "max_log_prob": float(highs[0])}
+        if ref is not None:
+            worst = float(highs[1])
+            out["ref_max_abs_diff"] = 0.0 if worst == -float("inf") else worst  # NaN stays NaN
+            out["ref_tokens_differ"] = float(counts[1])
+        return out
+
     def _train_step(
         self,
         batch: RolloutBatch,
@@ -375,14 +410,25 @@ class FSDPTrainActor:
         old: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
         advantages: dict[int, torch.Tensor] | None,
+        compare: dict[int, torch.Tensor] | None = None,
+        precision: dict[str, float] | None = None,
     ) -> dict[str, float]:
+        """One optimizer step. With `compare` (the log-prob pass's values, --check-precision),
+        the largest |log-prob pass - this forward| over the loss mask goes to
+        precision["first_step_max_abs_diff"]."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         entropy_grad = cfg.loss.entropy_coef != 0
+        worst = torch.zeros(1, dtype=torch.float64)
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             log_probs, entropy = self._forward_train(mb, entropy_grad)
+            if compare is not None:
+                before = mb.response_tensor([compare[p] for p in mb.positions]).to(log_probs.device)
+                gap = (before - log_probs.detach()).abs()[mb.loss_mask.to(log_probs.device).bool()]
+                if gap.numel():
+                    worst = torch.maximum(worst, gap.double().max().cpu())
             weights = token_weights(
                 mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples, step.num_tokens
             )
@@ -410,6 +456,9 @@ class FSDPTrainActor:
             loss.backward()
             for name, value in metrics.items():
                 sums[name] += value.double().cpu()
+        if compare is not None and precision is not None:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            precision["first_step_max_abs_diff"] = float(worst[0])
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()
@@ -448,6 +497,9 @@ class FSDPTrainActor:
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         return ckpt.export_weight_buckets(self.model, bucket_bytes)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
 
     # ---- colocation -------------------------------------------------------------------------
     def sleep(self) -> None:

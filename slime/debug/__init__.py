@@ -1,0 +1,1 @@
+"""Debugging aids for users: the precision gates (`precision`), and the distributed diagnostics."""

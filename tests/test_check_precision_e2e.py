@@ -1,0 +1,37 @@
+"""--check-precision on setups broken on purpose, started as users start them (real Ray,
+engines and gloo ranks): each fails at the first rollout with its report and exit code 1."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+
+def gates(tmp_path):
+    return {g["name"]: g for g in json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]}
+
+
+def test_a_wrong_weight_push_fails_the_trainer_vs_engine_gate(tiny_model, prompts, tmp_path):  # noqa: F811
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
+                   "--debug-push-fault", "noise:model.layers.0.mlp.down_proj.weight")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "every weight push is broken on purpose" in proc.stderr
+    assert "--check-precision: 1 of 4 checks FAILED at rollout 0" in proc.stderr
+    assert "the engines do not hold the trainer's weights" in proc.stderr
+    failed = [n for n, g in gates(tmp_path).items() if g["ok"] is False]
+    assert failed == ["trainer vs engine log-probs (mean and max |diff|)"]
+    assert "rollout 1/2" not in proc.stderr  # it stopped at the first rollout
+
+
+def test_a_reference_unlike_the_actor_fails_bitwise_and_kl(tiny_model, tiny_model_b, prompts, tmp_path):  # noqa: F811
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
+                   "--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", tiny_model_b)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "2 of 6 checks FAILED at rollout 0" in proc.stderr
+    assert f"--ref-load {tiny_model_b} is another checkpoint than --hf-checkpoint" in proc.stderr
+    result = gates(tmp_path)
+    assert [n for n, g in result.items() if g["ok"] is False] == [
+        "actor log-probs == reference log-probs (bitwise)", "kl_loss == 0 on the first optimizer step",
+    ]  # fmt: skip
+    assert result["trainer vs engine log-probs (mean and max |diff|)"]["ok"]  # the engines are fine
