@@ -26,8 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ["generate", "wait_generate", "log_probs", "train", "push", "colocate", "eval", "save", "idle"]
 
 
-def run(script: str, out: str, model: str, task: str, num_rollout: int) -> list[dict]:
-    log_dir = os.path.join(out, script.removesuffix(".py"))
+def run(
+    script: str, out: str, model: str, task: str, num_rollout: int, extra: tuple[str, ...] = (), tag: str = ""
+) -> list[dict]:
+    log_dir = os.path.join(out, script.removesuffix(".py") + tag)
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [
         sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model,
@@ -35,7 +37,7 @@ def run(script: str, out: str, model: str, task: str, num_rollout: int) -> list[
         "--prompt-data", os.path.join(task, "train.jsonl"), "--rollout-shuffle", "--rm-type", "exact",
         "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "16",
         "--rollout-max-response-len", "4", "--global-batch-size", "64", "--micro-batch-size", "64",
-        "--lr", "5e-4", "--update-weight-transport", "tensor",
+        "--lr", "5e-4", "--update-weight-transport", "tensor", *extra,
     ]  # fmt: skip
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -53,6 +55,19 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
     return out
 
 
+def make_demo(out: str) -> tuple[str, str]:
+    """The demo's base model and task under `out`: (model dir, task dir)."""
+    model, task = os.path.join(out, "model"), os.path.join(out, "task")
+    py = sys.executable
+    subprocess.run([py, "-m", "slime.tools.make_tiny_model", "--out", model, "--hidden-size", "128",
+                    "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2"],
+                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+    subprocess.run(
+        [py, "-m", "slime.tools.make_demo_task", "--out", task], check=True, capture_output=True, cwd=ROOT
+    )
+    return model, task
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-rollout", type=int, default=40)
@@ -62,14 +77,7 @@ def main() -> int:
     if args.num_rollout <= args.warmup:
         parser.error("--num-rollout must be larger than --warmup")
     out = args.out or tempfile.mkdtemp(prefix="bench-loop-")
-    model, task = os.path.join(out, "model"), os.path.join(out, "task")
-    py = sys.executable
-    subprocess.run([py, "-m", "slime.tools.make_tiny_model", "--out", model, "--hidden-size", "128",
-                    "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2"],
-                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
-    subprocess.run(
-        [py, "-m", "slime.tools.make_demo_task", "--out", task], check=True, capture_output=True, cwd=ROOT
-    )
+    model, task = make_demo(out)
     results = {s: summarize(run(s, out, model, task, args.num_rollout), args.warmup)
                for s in ("train.py", "train_async.py")}  # fmt: skip
 

@@ -113,6 +113,15 @@ def test_checks_that_do_not_apply_are_skipped_and_said_so():
     assert [c.ok for c in checks] == [None, None, None, True]
 
 
+def test_a_resumed_run_skips_only_what_needs_actor_equal_to_reference():
+    checks, _ = run(ctx(resumed=True), precision={"ref_max_abs_diff": 0.3}, step={"kl_loss": 0.01})
+    assert not p.failed(checks)
+    skipped = [c for c in checks if c.ok is None]
+    assert len(skipped) == 2 and all("resumed from --load" in c.detail for c in skipped)
+    checks, _ = run(ctx(resumed=True), rollout={"train_rollout_logprob_abs_diff": 0.2})
+    assert [c.name for c in p.failed(checks)] == ["trainer vs engine log-probs (mean and max |diff|)"]
+
+
 def test_later_rollouts_check_only_ppo_kl():
     checks = p.gates(
         ctx(rollout_id=3, first=False), {"log_probs": 1.0}, {"first_step_max_abs_diff": 0.0}, GOOD_STEP

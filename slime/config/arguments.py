@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean |trainer - engine| log-prob allowed (default by dtype: 1e-4 float32, 5e-2 bfloat16)")  # fmt: skip
     g.add_argument("--precision-logprob-max-tol", type=float, default=None,
                    help="largest single-token |trainer - engine| log-prob allowed (default 1e-3 float32, 2 bfloat16)")  # fmt: skip
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="reproducible runs: everything seeded from --seed, torch.use_deterministic_algorithms, "
+                   "a sampling_seed per sample, batch-invariant engines (slower; docs/debugging.md)")  # fmt: skip
     g.add_argument("--debug-push-fault", default=None, metavar="SPEC",
                    help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
                    "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
@@ -330,7 +333,12 @@ def _train_config(ns: argparse.Namespace) -> TrainConfig:
     except ValueError:
         if not ns.debug_rollout_only:
             raise
-        return TrainConfig(hf_checkpoint=ns.hf_checkpoint, device=ns.device)
+        return TrainConfig(
+            hf_checkpoint=ns.hf_checkpoint,
+            device=ns.device,
+            seed=ns.seed,
+            deterministic=ns.deterministic_mode,
+        )
 
 
 def _check_debug(ns: argparse.Namespace) -> str | None:

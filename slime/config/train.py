@@ -168,6 +168,9 @@ class TrainConfig:
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
     save_debug_train_data: str | None = None
     """`--save-debug-train-data TEMPLATE` ({rollout_id}, {rank}): what each rank trained on."""
+    deterministic: bool = False
+    """`--deterministic-mode`: seeded, deterministic kernels (slime.utils.seed); the rollout
+    seeds every sample and the engines run batch-invariant."""
     check_precision: bool = False
     """`--check-precision`: measure what the step-0 gates need (TrainOutput.precision)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -283,6 +286,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
         save_debug_train_data=getattr(ns, "save_debug_train_data", None),
         check_precision=getattr(ns, "check_precision", False),
+        deterministic=getattr(ns, "deterministic_mode", False),
         loss=_pick(LossConfig, ns),
         optimizer=_pick(OptimizerConfig, ns),
         batch=_pick(BatchConfig, ns),

@@ -40,7 +40,7 @@ class Context:
 
     rollout_id: int
     first: bool
-    """The first rollout of a fresh run: actor == reference and engines == trainer hold."""
+    """The first rollout of this run: the engines hold the trainer's weights (loaded or pushed)."""
     mean_tol: float
     max_tol: float
     dtype: str
@@ -53,6 +53,8 @@ class Context:
     separate_log_prob_batches: bool = False
     """--log-probs-max-tokens-per-gpu packs the log-prob pass differently from training."""
     replay: bool = False
+    resumed: bool = False
+    """Resumed from --load: the actor has trained, so it no longer equals the reference."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,12 @@ def gates(
     checks = [_ppo_kl(ctx, precision, first_step)]
     if not ctx.first:
         return checks
-    checks += [_actor_vs_ref(ctx, precision), _kl_loss(ctx, first_step)]
+    if ctx.resumed:
+        why = "resumed from --load: the actor has trained away from the reference"
+        checks += [Check("actor log-probs == reference log-probs (bitwise)", None, "-", detail=why),
+                   Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why)]  # fmt: skip
+    else:
+        checks += [_actor_vs_ref(ctx, precision), _kl_loss(ctx, first_step)]
     if "log_probs" in rollout:
         checks += [_engine_gap(ctx, rollout), _log_probs_valid(precision, rollout)]
     checks.append(_grad_norm(first_step))

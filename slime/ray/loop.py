@@ -55,6 +55,8 @@ class Job:
             )
         res = self.placement.resource
         engine_args = ["--num-threads", "1", "--weight-version", "0", "--device", c.device]
+        if config.train.deterministic:
+            engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
         self.engines: list[Any] = [
             ray.remote(EngineActor)
             .options(**_in(self.pg, slot, res))
@@ -395,6 +397,9 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             train_call = time.perf_counter()
             outputs = progress.wait([t.train.remote(rollout_id, batch) for t in job.train], "train")
             train_call = time.perf_counter() - train_call
+            if config.debug.check_precision:
+                check_precision(config, replay, log_dir, rollout_id, rollout_id == start, resumed is not None,
+                                outputs[0])  # fmt: skip
             if pending is not None and replay is None:
                 t0 = time.perf_counter()
                 progress.wait(pending, "generate")  # the engines must be idle before the push
@@ -403,9 +408,6 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             with clock.timed("push"):
                 job.before_push()
                 push_stats = job.push(version)
-            if config.debug.check_precision:
-                check_precision(config, replay, log_dir, rollout_id, rollout_id == start and resumed is None,
-                                outputs[0])  # fmt: skip
             inside = {f"time/{k}": v for k, v in outputs[0].timings.items()}
             record: dict[str, Any] = {
                 "rollout_id": rollout_id,
@@ -467,7 +469,13 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
 
 
 def check_precision(
-    config: Config, replay: Replay | None, log_dir: str, rollout_id: int, first: bool, output: Any
+    config: Config,
+    replay: Replay | None,
+    log_dir: str,
+    rollout_id: int,
+    first: bool,
+    resumed: bool,
+    output: Any,
 ) -> None:
     """--check-precision after a train call: raise PrecisionError (the report) on a failed gate;
     the first rollout's checks also go to <log dir>/precision.json and one log line."""
@@ -489,6 +497,7 @@ def check_precision(
         separate_log_prob_batches=t.batch.use_dynamic_batch_size
         and t.batch.log_probs_max_tokens_per_gpu not in (None, t.batch.max_tokens_per_gpu),
         replay=replay is not None,
+        resumed=resumed,
     )
     checks = precision.gates(ctx, output.rollout, output.precision, output.steps[0] if output.steps else {})
     if first:

@@ -52,6 +52,10 @@ class RolloutManager:
         from slime.utils.logging_utils import configure_logging
 
         configure_logging("rollout")
+        if config.train.deterministic:  # user reward and rollout functions that draw numbers
+            import random
+
+            random.seed(config.train.seed)
         self.config = config
         self.engine_urls = engine_urls
         r = config.rollout
@@ -110,6 +114,7 @@ class RolloutManager:
                     self.config.rollout.rollout_batch_size,
                     self.config.rollout.sampling,
                     self.filter,
+                    self._seed_keys("rollout", rollout_id),
                 )
             )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
@@ -128,7 +133,15 @@ class RolloutManager:
         if self.rollout_fn is not None:
             samples = run_sync(self._rollout_fn_samples(rollout_id, self.eval_dataset, evaluation=True))
         else:
-            samples = run_sync(self._generate(self.eval_dataset, len(self.eval_dataset), sampling, None))
+            samples = run_sync(
+                self._generate(
+                    self.eval_dataset,
+                    len(self.eval_dataset),
+                    sampling,
+                    None,
+                    self._seed_keys("eval", rollout_id),
+                )
+            )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
         return metrics, [s.to_dict() for s in samples] if return_samples else []
 
@@ -169,8 +182,17 @@ class RolloutManager:
         self.progress.reward_seconds += time.perf_counter() - start
         return samples
 
+    def _seed_keys(self, kind: str, rollout_id: int) -> tuple[int | str, ...] | None:
+        """--deterministic-mode: what every sample's sampling_seed is derived from."""
+        return (self.config.train.seed, kind, rollout_id) if self.config.train.deterministic else None
+
     async def _generate(
-        self, dataset: PromptDataset, num_prompts: int, sampling: Any, group_filter: Any
+        self,
+        dataset: PromptDataset,
+        num_prompts: int,
+        sampling: Any,
+        group_filter: Any,
+        seed_keys: tuple[int | str, ...] | None = None,
     ) -> list[Sample]:
         clients = [EngineClient(u) for u in self.engine_urls]
         try:
@@ -178,7 +200,7 @@ class RolloutManager:
             gen = RolloutGenerator(
                 dataset, clients, self.reward, sampling, num_prompts,
                 self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
-                self.progress,
+                self.progress, seed_keys,
             )  # fmt: skip
             return (await gen.generate_rollout()).samples
         finally:

@@ -61,7 +61,11 @@ class RolloutGenerator:
         args: Any = None,
         generate_fn: Callable[..., Any] | None = None,
         progress: Progress | None = None,
+        seed_keys: tuple[int | str, ...] | None = None,
     ):
+        """`seed_keys` (--deterministic-mode): every sample gets a `sampling_seed` derived from
+        them, its prompt's draw order and its index in the group, and finished groups are taken
+        in draw order, so the rollout does not depend on which group finished first."""
         if not clients:
             raise ValueError("the rollout needs at least one engine")
         self.dataset = dataset
@@ -78,22 +82,29 @@ class RolloutGenerator:
         self.progress.done = 0
         self.progress.reward_seconds = 0.0
         self.progress.total = rollout_batch_size * sampling.n_samples_per_prompt
+        self.seed_keys = seed_keys
 
-    async def _group(self, prompt: Prompt) -> list[Sample]:
+    async def _group(self, prompt: Prompt, draw: int) -> list[Sample]:
         client = self.clients[next(self._next_client)]
-        params = self.sampling.params()
+        n = self.sampling.n_samples_per_prompt
+        params = [self.sampling.params() for _ in range(n)]
+        if self.seed_keys is not None:
+            from slime.utils.seed import sample_seed
+
+            for k, p in enumerate(params):
+                p["sampling_seed"] = sample_seed(*self.seed_keys, draw, k)
         samples = [
             Sample(
                 prompt=prompt.prompt,
                 label=prompt.label,
                 metadata=dict(prompt.metadata, prompt_index=prompt.index),
             )
-            for _ in range(self.sampling.n_samples_per_prompt)
+            for _ in range(n)
         ]
         if self.generate_fn is None:
-            await asyncio.gather(*(generate(client, s, prompt.token_ids, params) for s in samples))
+            await asyncio.gather(*(generate(client, s, prompt.token_ids, p) for s, p in zip(samples, params)))
         else:
-            samples = await asyncio.gather(*(self._custom(s, prompt, params) for s in samples))
+            samples = await asyncio.gather(*(self._custom(s, prompt, p) for s, p in zip(samples, params)))
         if any(s.status == Status.ABORTED for s in samples):
             return samples
         start = time.perf_counter()
@@ -122,11 +133,16 @@ class RolloutGenerator:
             while len(kept) < self.rollout_batch_size:
                 if len(kept) + len(running) < self.rollout_batch_size or not running:
                     for prompt in self.dataset.next_batch(self.over_sampling_batch_size):
-                        task = asyncio.create_task(self._group(prompt))
+                        task = asyncio.create_task(self._group(prompt, started))
                         drawn[task] = started
                         running.add(task)
                         started += 1
-                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                if self.seed_keys is None:
+                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                else:  # deterministic: decide on groups in the order they were drawn
+                    oldest = min(running, key=drawn.__getitem__)
+                    await asyncio.wait({oldest})
+                    done, running = {oldest}, running - {oldest}
                 for task in done:
                     group = task.result()  # a failing generate or reward function ends the rollout
                     if len(kept) >= self.rollout_batch_size:

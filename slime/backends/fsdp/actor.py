@@ -80,6 +80,10 @@ class FSDPTrainActor:
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
         cfg.batch.check_layout(self.world_size)
+        if cfg.deterministic:
+            from slime.utils.seed import enable_deterministic
+
+            enable_deterministic(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = (
             torch.device(cfg.device, torch.cuda.current_device())

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=20,
         help="largest top_logprobs_num (and OpenAI logprobs) a request may ask for",
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
+        "log-probs whatever else the engine runs (slower; SGLang's flag of the same name)",
+    )
     return p
 
 
@@ -106,6 +112,7 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version,
         num_threads=args.num_threads,
         max_top_logprobs_num=args.max_top_logprobs_num,
+        deterministic=args.enable_deterministic_inference,
     )
     engine = TorchEngine(config)
     engine.start()

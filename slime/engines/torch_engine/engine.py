@@ -57,6 +57,9 @@ class EngineConfig:
     """torch intra-op threads; default: torch's choice."""
     max_top_logprobs_num: int = 20
     """Largest `top_logprobs_num` a request may ask for (top-k runs per step for each such row)."""
+    deterministic: bool = False
+    """`--enable-deterministic-inference`: batch-invariant forwards and deterministic kernels, so
+    a request with a `sampling_seed` gets the same tokens and log-probs whatever else runs."""
 
 
 class TorchEngine:
@@ -68,6 +71,10 @@ class TorchEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.deterministic:
+            from slime.utils.seed import enable_deterministic
+
+            enable_deterministic(config.random_seed)
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
@@ -77,7 +84,9 @@ class TorchEngine:
         self.context_length = int(
             config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
-        self.runner = make_runner(self.model, config.max_running_requests, self.context_length)
+        self.runner = make_runner(
+            self.model, config.max_running_requests, self.context_length, config.deterministic
+        )
         self.weights = WeightStore(self.model)
         self.scheduler = Scheduler(
             config.max_running_requests, config.max_prefill_tokens, self._eos_token_ids(), self._detokenize

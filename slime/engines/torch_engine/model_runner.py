@@ -12,6 +12,12 @@ Two runners share one interface (`prefill`, `decode`, `release`, `free_cache`):
 
 Both compute exactly the model's math (same modules, same rotary embedding), so float32
 log-probs match a teacher-forced forward of the whole sequence.
+
+Batch invariance (`--enable-deterministic-inference`): a batched matmul or attention may give
+a row other low bits when the other rows (their number, their padded length) change, so a
+sequence's log-probs would depend on what else the engine was running. In deterministic mode
+the batched runner runs every sequence's prefill and decode as its own batch of one, with
+keys exactly as long as its own context: its result depends on nothing else.
 """
 
 from __future__ import annotations
@@ -53,9 +59,9 @@ def is_llama_like(model: Any) -> bool:
     return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
 
 
-def make_runner(model: Any, max_running: int, context_length: int) -> Runner:
+def make_runner(model: Any, max_running: int, context_length: int, deterministic: bool = False) -> Runner:
     if is_llama_like(model):
-        return BatchedRunner(model, max_running, context_length)
+        return BatchedRunner(model, max_running, context_length, deterministic)
     logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
     return GenericRunner(model)
 
@@ -162,8 +168,9 @@ def _apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tens
 class BatchedRunner(Runner):
     """Continuous-batching runner for Llama-style decoder stacks (see module docstring)."""
 
-    def __init__(self, model: Any, max_running: int, context_length: int):
+    def __init__(self, model: Any, max_running: int, context_length: int, deterministic: bool = False):
         self.model = model
+        self.deterministic = deterministic
         self.inner: Any = model.model
         config = model.config
         self.num_heads = config.num_attention_heads
@@ -234,6 +241,11 @@ class BatchedRunner(Runner):
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        if self.deterministic:
+            return torch.cat([self._prefill([s]) for s in seqs])
+        return self._prefill(seqs)
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         start = len(self.active)
         lengths = [s.num_tokens for s in seqs]
         T = max(lengths)
@@ -263,24 +275,31 @@ class BatchedRunner(Runner):
     @torch.inference_mode()
     def decode(self) -> tuple[list[Sequence], torch.Tensor]:
         seqs = list(self.active)
+        self.cache.ensure(len(seqs), max(s.num_cached for s in seqs) + 1)
+        if self.deterministic:
+            logits = torch.cat([self._decode(seqs[i : i + 1], i) for i in range(len(seqs))])
+        else:
+            logits = self._decode(seqs, 0)
+        for s in seqs:
+            s.num_cached += 1
+        return seqs, logits
+
+    def _decode(self, seqs: list[Sequence], first_row: int) -> torch.Tensor:
+        """One token for `seqs`, the cache rows from `first_row` on."""
         B = len(seqs)
         positions = torch.tensor([s.num_cached for s in seqs], device=self.device)
         key_len = int(positions.max()) + 1
-        self.cache.ensure(B, key_len)
         ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
         mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        logits = self._forward(
+        return self._forward(
             ids,
             positions[:, None],
             mask,
-            slice(0, B),
+            slice(first_row, first_row + B),
             positions,
             key_len,
             torch.zeros(B, dtype=torch.long, device=self.device),
         )
-        for s in seqs:
-            s.num_cached += 1
-        return seqs, logits
 
     @torch.inference_mode()
     def release(self, seq: Sequence) -> None:

@@ -239,6 +239,7 @@ class EngineAPI:
                 "context_length": e.context_length,
                 "max_running_requests": cfg.max_running_requests,
                 "random_seed": cfg.random_seed,
+                "enable_deterministic_inference": cfg.deterministic,
                 "runner": type(e.runner).__name__,
                 "weight_version": e.weight_version,
                 "internal_states": [
