@@ -28,7 +28,8 @@ from slime.utils.aio import run_sync
 logger = logging.getLogger(__name__)
 
 
-def make_transport(name: str, hf_checkpoint: str, device: str = "cpu") -> Transport:
+def make_transport(name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0) -> Transport:
+    """`timeout_s` bounds the trainer's side of the distributed transport's collectives."""
     if name == "tensor":
         from slime.bridge.tensor import TensorTransport
 
@@ -36,7 +37,7 @@ def make_transport(name: str, hf_checkpoint: str, device: str = "cpu") -> Transp
     if name == "distributed":
         from slime.bridge.distributed import DistributedTransport
 
-        return DistributedTransport(backend="nccl" if device == "cuda" else "gloo")
+        return DistributedTransport(backend="nccl" if device == "cuda" else "gloo", timeout_s=timeout_s)
     if name == "disk":
         from slime.bridge.disk import DiskTransport
 

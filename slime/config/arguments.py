@@ -120,6 +120,9 @@ class DebugConfig:
     """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
     push_fault: str | None = None
     """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
+    hang_timeout: float | None = None
+    """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
+    to <log dir>/hang/ and ends the job (slime.debug.hang)."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
                    "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
 
+    g = p.add_argument_group("debug: hangs (docs/debugging.md, Hangs and breakpoints)")
+    g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="when a train step or weight push runs longer, every train rank writes its Python stacks "
+                   "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1")  # fmt: skip
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action="store_true")
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
@@ -338,6 +346,7 @@ def _train_config(ns: argparse.Namespace) -> TrainConfig:
             device=ns.device,
             seed=ns.seed,
             deterministic=ns.deterministic_mode,
+            distributed_timeout_minutes=ns.distributed_timeout_minutes,
         )
 
 
@@ -385,7 +394,7 @@ def _check_debug(ns: argparse.Namespace) -> str | None:
 def _check_precision_flags(ns: argparse.Namespace) -> str | None:
     from slime.bridge.faults import PushFault
 
-    for flag in ("precision_logprob_tol", "precision_logprob_max_tol"):
+    for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout"):
         value = getattr(ns, flag)
         if value is not None and not value > 0:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
@@ -466,6 +475,7 @@ def _configs(ns: argparse.Namespace) -> Config:
             precision_logprob_tol=tol,
             precision_logprob_max_tol=max_tol,
             push_fault=ns.debug_push_fault,
+            hang_timeout=ns.hang_timeout,
         ),
         args=ns,
     )

@@ -183,6 +183,10 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.rollout_temperature <= 0:
             raise ValueError("--rollout-temperature must be > 0")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
         if self.save_debug_train_data is not None:
             from slime.rollout.dump import template_problem
 

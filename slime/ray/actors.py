@@ -31,7 +31,15 @@ class TrainRank:
     """One data-parallel rank of the trainer (a Ray actor)."""
 
     def __init__(
-        self, cfg: TrainConfig, rank: int, world_size: int, master_addr: str, master_port: int, threads: int
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        threads: int,
+        hang_timeout_s: float | None = None,
+        log_dir: str = ".",
     ):
         from slime.utils.logging_utils import configure_logging
 
@@ -44,12 +52,24 @@ class TrainRank:
         self.actor = FSDPTrainActor(cfg, rank, world_size)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
+        self.watchdog: Any = None
+        if hang_timeout_s is not None:
+            from slime.debug.hang import HangWatchdog
+
+            path = os.path.join(log_dir, "hang", f"rank{rank}.txt")
+            self.watchdog = HangWatchdog(hang_timeout_s, path, header=f"train rank {rank} of {world_size}, ")
+
+    def _watch(self, what: str) -> Any:
+        import contextlib
+
+        return self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def init(self) -> dict[str, Any]:
         return self.actor.init()
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
-        return self.actor.train(rollout_id, batch)
+        with self._watch(f"the train step of rollout {rollout_id}"):
+            return self.actor.train(rollout_id, batch)
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
         return self.actor.save(rollout_id, path, extra)
@@ -72,14 +92,23 @@ class TrainRank:
             self.fault.check(self.actor.weight_shapes())  # every rank: none is left in a gather
             logger.warning("--debug-push-fault %s: every weight push is broken on purpose", push_fault)
         if self.rank == 0:
-            from slime.bridge.bridge import WeightBridge, make_transport
+            import functools
 
-            self.bridge = WeightBridge(make_transport(transport, hf_checkpoint, device), engine_urls)
+            from slime.bridge.bridge import WeightBridge, make_transport
+            from slime.engines.client import ClientConfig, EngineClient
+
+            # Every engine call and the push group's collectives: --distributed-timeout-minutes.
+            timeout_s = self.actor.cfg.distributed_timeout_minutes * 60
+            client = functools.partial(EngineClient, config=ClientConfig(timeout_s=timeout_s))
+            self.bridge = WeightBridge(
+                make_transport(transport, hf_checkpoint, device, timeout_s), engine_urls, client
+            )
 
     def push_weights(self, weight_version: str, bucket_bytes: int) -> dict[str, float] | None:
         from slime.bridge.bridge import push_actor_weights
 
-        return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes, self.fault)
+        with self._watch(f"the weight push of version {weight_version}"):
+            return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes, self.fault)
 
     def sleep(self) -> None:
         self.actor.sleep()

@@ -41,6 +41,8 @@ class Job:
 
     def __init__(self, config: Config, log_dir: str):
         self.config = config
+        self.log_dir = log_dir
+        self.hung = False
         c = config.cluster
         self.with_trainer = not config.debug.rollout_only
         self.with_engines = not config.debug.train_only
@@ -79,7 +81,11 @@ class Job:
         master_port = _free_port()
         for rank, slot in enumerate(self.placement.train):
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
-            self.train.append(cls.remote(config.train, rank, world, "127.0.0.1", master_port, 1))
+            self.train.append(
+                cls.remote(
+                    config.train, rank, world, "127.0.0.1", master_port, 1, config.debug.hang_timeout, log_dir
+                )
+            )
         self.infos = ray.get([t.init.remote() for t in self.train])
         if self.train and self.engines:
             ray.get([
@@ -120,15 +126,35 @@ class Job:
         if c.colocate and self.engines:
             ray.get(self.manager.engines.remote("resume_memory_occupation"))
 
-    def push(self, version: int) -> dict[str, float]:
+    def push(self, version: int, progress: Progress | None = None) -> dict[str, float]:
         if not (self.train and self.engines):
             return {}
-        stats = ray.get(
-            [t.push_weights.remote(str(version), self.config.bridge.buffer_size) for t in self.train]
-        )
+        refs = [t.push_weights.remote(str(version), self.config.bridge.buffer_size) for t in self.train]
+        stats = self.wait_train(refs, f"the weight push of version {version}", progress, "push")
         return stats[0] or {}
 
+    def wait_train(self, refs: list[Any], what: str, progress: Progress | None, phase: str) -> Any:
+        """The train ranks' results; with --hang-timeout, HangError once `what` runs longer."""
+        timeout = self.config.debug.hang_timeout
+        try:
+            return progress.wait(refs, phase, timeout) if progress is not None else wait_refs(refs, timeout)
+        except TimeoutError:
+            from slime.debug.hang import HangError, wait_for_dumps
+
+            assert timeout is not None
+            self.hung = True
+            hang_dir = os.path.join(self.log_dir, "hang")
+            found = wait_for_dumps(hang_dir, len(self.train))
+            raise HangError(
+                f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
+                f"{len(found)} of {len(self.train)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+            ) from None
+
     def close(self) -> None:
+        if self.hung:  # a hung rank never answers close(): end the train ranks outright
+            for t in self.train:
+                ray.kill(t, no_restart=True)
+            self.train = []
         for calls in ([t.close.remote() for t in self.train], [e.stop.remote() for e in self.engines]):
             try:
                 ray.get(calls, timeout=60)
@@ -200,6 +226,25 @@ class _Phase:
         self.clock.add(self.phase, time.perf_counter() - self.t0)
 
 
+def wait_refs(refs: Any, timeout_s: float | None = None, poll: Any = None) -> Any:
+    """ray.get(refs) (a plain value is returned as is), but a result that is an error is raised
+    as soon as it arrives, not after the others (a rank that failed may leave its peers waiting
+    for it forever); TimeoutError after `timeout_s`. `poll()` runs every half second."""
+    if not isinstance(refs, list | ray.ObjectRef):
+        return refs
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = refs if isinstance(refs, list) else [refs]
+    while True:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        ray.get(ready)  # raises the first failure among those done
+        if not pending:
+            return ray.get(refs)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+        if poll is not None:
+            poll()
+
+
 class Progress:
     """A tqdm bar over the rollouts whose postfix names the running phase (and, while
     generating, the samples done). Off when stderr is not a terminal: logs get one line per step."""
@@ -210,19 +255,19 @@ class Progress:
         self.manager = manager
         self.bar = tqdm(total=total, initial=initial, desc="rollouts", unit="step", disable=None, leave=True)
 
-    def wait(self, refs: Any, phase: str) -> Any:
-        """ray.get(refs), showing `phase` on the bar meanwhile (a plain value is returned as is)."""
-        if not isinstance(refs, list | ray.ObjectRef):
-            return refs
+    def wait(self, refs: Any, phase: str, timeout_s: float | None = None) -> Any:
+        """wait_refs(refs), showing `phase` on the bar meanwhile (and, while generating, the
+        samples done)."""
         if self.bar.disable:
-            return ray.get(refs)
+            return wait_refs(refs, timeout_s)
         self.bar.set_postfix_str(phase)
-        pending = refs if isinstance(refs, list) else [refs]
-        while ray.wait(pending, num_returns=len(pending), timeout=0.5)[1]:
+
+        def poll() -> None:
             if phase == "generate" and self.manager is not None:
                 done, total = ray.get(self.manager.progress_counts.remote())
                 self.bar.set_postfix_str(f"generate {done}/{total} samples")
-        return ray.get(refs)
+
+        return wait_refs(refs, timeout_s, poll)
 
     def step(self, summary: str) -> None:
         self.bar.update(1)
@@ -395,7 +440,8 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             with clock.timed("colocate"):
                 job.before_train(generation_running=pending is not None)
             train_call = time.perf_counter()
-            outputs = progress.wait([t.train.remote(rollout_id, batch) for t in job.train], "train")
+            outputs = job.wait_train([t.train.remote(rollout_id, batch) for t in job.train],
+                                     f"the train step of rollout {rollout_id}", progress, "train")  # fmt: skip
             train_call = time.perf_counter() - train_call
             if config.debug.check_precision:
                 check_precision(config, replay, log_dir, rollout_id, rollout_id == start, resumed is not None,
@@ -407,7 +453,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             version += 1
             with clock.timed("push"):
                 job.before_push()
-                push_stats = job.push(version)
+                push_stats = job.push(version, progress)
             inside = {f"time/{k}": v for k, v in outputs[0].timings.items()}
             record: dict[str, Any] = {
                 "rollout_id": rollout_id,

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     configure_logging("driver")
     config = parse_args(argv)  # exits 2 on bad flags
     log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
+    from slime.debug.hang import HangError
     from slime.debug.precision import PrecisionError
     from slime.ray.loop import run
     from slime.rollout.dump import DumpError
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     except DumpError as e:  # a --load-debug-rollout-data file that cannot be replayed
         logger.error("%s", e)
         return 2
-    except PrecisionError as e:  # --check-precision: the report says what failed and why
+    except (PrecisionError, HangError) as e:  # the message says what failed and where to look
         logger.error("%s", e)
         return 1
     except KeyboardInterrupt:

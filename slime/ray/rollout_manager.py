@@ -16,7 +16,7 @@ from typing import Any
 from slime.backends.interface import RolloutBatch
 from slime.config.arguments import Config
 from slime.config.rollout import DataConfig
-from slime.engines.client import EngineClient
+from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.data import PromptDataset
 from slime.rollout.manager import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.rewards import RewardModel, load_function
@@ -58,6 +58,8 @@ class RolloutManager:
             random.seed(config.train.seed)
         self.config = config
         self.engine_urls = engine_urls
+        # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
+        self.client_config = ClientConfig(timeout_s=config.train.distributed_timeout_minutes * 60)
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
         self.dataset = PromptDataset(r.data, self.tokenizer) if r.data is not None else None
@@ -194,7 +196,7 @@ class RolloutManager:
         group_filter: Any,
         seed_keys: tuple[int | str, ...] | None = None,
     ) -> list[Sample]:
-        clients = [EngineClient(u) for u in self.engine_urls]
+        clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
         try:
             assert self.reward is not None
             gen = RolloutGenerator(
@@ -210,7 +212,7 @@ class RolloutManager:
         """Call a control method (release/resume memory, ...) on every engine."""
 
         async def call() -> None:
-            clients = [EngineClient(u) for u in self.engine_urls]
+            clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
             try:
                 await asyncio.gather(*(getattr(c, method)() for c in clients))
             finally:
