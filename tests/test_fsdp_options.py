@@ -79,6 +79,16 @@ def run_options(rank, world_size, init_method, model, save_dir):
     )
     out["sft"] = sft.train(0, batch).steps
 
+    unsharded = _actor(
+        dataclasses.replace(base, fsdp=FSDPConfig(disable_sharding=True)), rank, world_size, init_method
+    )
+    out["unsharded_param_types"] = {type(p).__name__ for p in unsharded.model.parameters()}
+    out["sharded_param_types"] = {type(p).__name__ for p in plain.model.parameters()}
+    out["unsharded_lp"] = unsharded.compute_log_probs(batch)
+    out["unsharded"] = unsharded.train(0, batch).steps
+    out["unsharded_export"] = [n for b in unsharded.export_weights(1 << 20) for n, _ in b]
+    out["sharded_export"] = [n for b in plain.export_weights(1 << 20) for n, _ in b]
+
     rpp = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.05, gamma=0.9)
     out["rpp"] = (
         _actor(dataclasses.replace(base, loss=rpp), rank, world_size, init_method).train(0, batch).steps
@@ -121,6 +131,33 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(options):
     assert options["checkpointed_calls"] == 4 * 2 + 4 + 4
     for a, b in zip(options["plain"], options["checkpointed"]):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+def test_disable_sharding_trains_the_plain_module_like_fsdp(options):
+    assert options["unsharded_param_types"] == {"Parameter"}
+    assert options["sharded_param_types"] == {"DTensor"}
+    for k, values in options["fp32_lp"].items():
+        assert values == pytest.approx(options["unsharded_lp"][k], abs=1e-6)
+    for a, b in zip(options["plain"], options["unsharded"]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-8)
+    assert options["unsharded_export"] == options["sharded_export"]
+
+
+def test_disable_sharding_refuses_what_it_cannot_do(tiny_model, tmp_path, capsys):
+    from slime.config.arguments import parse_args
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "exact", "--debug-disable-sharding"]  # fmt: skip
+    assert parse_args(base).train.fsdp.disable_sharding
+    for extra, message in [
+        (["--actor-num-gpus-per-node", "2"], "--debug-disable-sharding runs one unsharded train rank"),
+        (["--fsdp-param-dtype", "bfloat16"], "drop --fsdp-param-dtype"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            parse_args([*base, *extra])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_bf16_compute_is_close_to_fp32(options):

@@ -69,6 +69,7 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     assert steps[0]["rollout/kl"] == 0.0  # the first rollout: actor == reference
     assert os.listdir(tmp_path / "logs" / "tensorboard")
     assert "2 × fsdp rank (CPU process each)" in proc.stderr
+    assert "[rank 0] INFO" in proc.stderr and "[rank 1] INFO" in proc.stderr  # per-rank log prefixes
     assert ("colocated" if "--colocate" in layout else "disaggregated") in proc.stderr
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
 

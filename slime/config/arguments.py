@@ -299,6 +299,11 @@ def _check(ns: argparse.Namespace) -> str | None:
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
         return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    if ns.debug_disable_sharding and train_ranks != 1 and not ns.debug_rollout_only:
+        return (
+            f"--debug-disable-sharding runs one unsharded train rank, but --actor-num-nodes × "
+            f"--actor-num-gpus-per-node is {train_ranks}: set both to 1"
+        )
     if ns.colocate and ns.rollout_num_gpus != train_ranks:
         return (
             f"--colocate puts engines on the trainer's {train_ranks} devices, but --rollout-num-gpus is "

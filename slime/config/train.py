@@ -139,11 +139,23 @@ class FSDPConfig:
     """`--gradient-checkpointing`: recompute decoder-layer activations in backward."""
     attn_implementation: str = "sdpa"
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
+    disable_sharding: bool = False
+    """`--debug-disable-sharding`: one rank, the plain Hugging Face module without fully_shard
+    (plain tensors, no FSDP hooks or collectives in forward/backward) for stepping through."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"--fsdp-{name.replace('_', '-')} must be one of {', '.join(DTYPES)}")
+        if self.disable_sharding and (self.param_dtype != "float32" or self.reduce_dtype != "float32"):
+            raise ValueError(
+                "--debug-disable-sharding runs the plain module in float32: drop --fsdp-param-dtype / "
+                "--fsdp-reduce-dtype (mixed precision is FSDP's)"
+            )
+        if self.disable_sharding and self.cpu_offload:
+            raise ValueError(
+                "--debug-disable-sharding and --fsdp-cpu-offload exclude each other (offload is FSDP's)"
+            )
 
 
 @dataclass(frozen=True)
@@ -263,6 +275,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-cpu-offload", action="store_true")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--debug-disable-sharding", action="store_true",
+                   help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
+                   "to step through the model in a debugger")  # fmt: skip
 
 
 def _pick(cls, ns: argparse.Namespace, prefix: str = "", **renames: str):
@@ -300,5 +315,6 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
             prefix="fsdp_",
             gradient_checkpointing="gradient_checkpointing",
             attn_implementation="attn_implementation",
+            disable_sharding="debug_disable_sharding",
         ),
     )

@@ -44,7 +44,7 @@ class TrainRank:
         from slime.utils.logging_utils import configure_logging
 
         _quiet_threads(threads)
-        configure_logging(f"train{rank}")
+        configure_logging(f"rank {rank}")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from slime.backends.fsdp.actor import FSDPTrainActor
 

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = "MASTER_ADDR" in os.environ
     actor = FSDPTrainActor(cfg) if torchrun else FSDPTrainActor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
     actor.init()
-    configure_logging(f"sft rank {actor.rank}")
+    configure_logging(f"rank {actor.rank}")
     rng = random.Random(cfg.seed)
     step, start = 0, time.perf_counter()
     try:

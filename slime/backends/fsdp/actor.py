@@ -80,6 +80,11 @@ class FSDPTrainActor:
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
         cfg.batch.check_layout(self.world_size)
+        if cfg.fsdp.disable_sharding and self.world_size != 1:
+            raise ValueError(
+                f"--debug-disable-sharding runs one unsharded rank, but the job has {self.world_size} train ranks: "
+                "use --actor-num-nodes 1 --actor-num-gpus-per-node 1"
+            )
         if cfg.deterministic:
             from slime.utils.seed import enable_deterministic
 
@@ -132,7 +137,9 @@ class FSDPTrainActor:
             param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=_DTYPES[fsdp.reduce_dtype]
         )
         offload = CPUOffloadPolicy() if fsdp.cpu_offload else None
-        model = model_init.shard_model(model, mesh, self.device, mp, offload)
+        model = model_init.shard_model(model, mesh, self.device, mp, offload, shard=not fsdp.disable_sharding)
+        if fsdp.disable_sharding:
+            logger.warning("--debug-disable-sharding: training the plain module on one rank (no FSDP)")
         shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size)
         model_init.copy_into_shards(model, shards)
         del shards

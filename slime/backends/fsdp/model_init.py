@@ -115,22 +115,26 @@ def build_meta_model(config: Any, attn_implementation: str) -> Any:
 
 
 def shard_model(
-    model: nn.Module, mesh: Any, device: torch.device, mp_policy: Any, offload_policy: Any
+    model: nn.Module, mesh: Any, device: torch.device, mp_policy: Any, offload_policy: Any, shard: bool = True
 ) -> nn.Module:
-    """fully_shard each decoder layer, then the root; then allocate this rank's shards."""
+    """fully_shard each decoder layer, then the root; then allocate this rank's shards. With
+    `shard=False` (--debug-disable-sharding) only the allocation: a plain module."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh, "mp_policy": mp_policy}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    if shard:
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
     # to_empty also replaces buffers with uninitialised memory: keep the real ones.
     buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
     model.to_empty(device=device)
     for module, name, buf in buffers:
         module._buffers[name] = buf.to(device)
+    if not shard:  # to_empty gave tied parameters separate storage: tie them again
+        model.tie_weights()
     return model
 
 
