@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -134,7 +134,7 @@ def shard_model(
     for module, name, buf in buffers:
         module._buffers[name] = buf.to(device)
     if not shard:  # to_empty gave tied parameters separate storage: tie them again
-        model.tie_weights()
+        cast(Any, model).tie_weights()
     return model
 
 
