@@ -100,6 +100,37 @@ class WeightBridge:
         )  # fmt: skip
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
 
+    async def engine_dtype(self) -> Any:
+        """The parameter dtype of the engines (SGLang's /get_server_info `dtype`)."""
+        import torch
+
+        engine = self.make_client(self.engine_urls[0])
+        try:
+            info = await engine.get_server_info()
+        finally:
+            await engine.close()
+        name = str(info.get("dtype", "float32")).removeprefix("torch.")
+        return getattr(torch, name, None) if name != "auto" else None
+
+    async def verify(
+        self, expected: dict[str, dict[str, Any]], weight_version: str, sent: set[str] | None = None
+    ) -> float:
+        """--check-weight-sync: every engine's fingerprints against the trainer's; raises
+        WeightSyncError naming the tensors; returns the seconds it took."""
+        from slime.bridge import verify
+
+        start = time.perf_counter()
+        engines = [self.make_client(u) for u in self.engine_urls]
+        try:
+            answers = await asyncio.gather(*(e.weights_fingerprint() for e in engines))
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+        for url, answer in zip(self.engine_urls, answers):
+            lines = verify.compare(expected, answer["fingerprints"], sent)
+            if lines:
+                raise verify.WeightSyncError(verify.report(weight_version, url, lines))
+        return time.perf_counter() - start
+
     async def close(self) -> None:
         engines = [self.make_client(u) for u in self.engine_urls]
         try:
@@ -114,18 +145,34 @@ def push_actor_weights(
     weight_version: str,
     bucket_bytes: int,
     fault: PushFault | None = None,
+    verify: bool = False,
 ) -> dict[str, float] | None:
     """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
-    bridge) sends them, with `fault` (--debug-push-fault) applied. Returns the push statistics
-    on rank 0, None elsewhere."""
+    bridge) sends them, with `fault` (--debug-push-fault) applied. With `verify`
+    (--check-weight-sync) the engines are checked against fingerprints of the exported tensors
+    (taken before the fault). Returns the push statistics on rank 0, None elsewhere."""
     buckets = actor.export_weights(bucket_bytes)
     if bridge is None:
         for _ in buckets:
             pass
         return None
+    prints = None
+    if verify:
+        from slime.bridge.verify import Fingerprints
+
+        prints = Fingerprints(run_sync(bridge.engine_dtype()))
+        buckets = prints.record(buckets)
     if fault is not None:
         buckets = fault.apply(buckets, bucket_bytes)
-    return run_sync(bridge.push(buckets, weight_version))
+    if prints is not None:
+        buckets = prints.record_sent(buckets)
+    stats = run_sync(bridge.push(buckets, weight_version))
+    if prints is not None:
+        engine_seconds = run_sync(bridge.verify(prints.entries, weight_version, prints.sent))
+        stats.update(verify_trainer_seconds=prints.seconds, verify_engine_seconds=engine_seconds)
+        logger.info("--check-weight-sync: %d tensors match on every engine (trainer %.4f s, engines %.4f s)",
+                    len(prints.entries), prints.seconds, engine_seconds)  # fmt: skip
+    return stats
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

@@ -62,6 +62,8 @@ class RolloutConfig:
 class BridgeConfig:
     transport: str = "tensor"
     buffer_size: int = 512 << 20
+    verify: bool = False
+    """`--check-weight-sync` (or `--check-precision`): fingerprints compared after every push."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,11 @@ class DebugConfig:
     """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
     push_fault: str | None = None
     """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
+    sync_parameters_path: str | None = None
+    """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
+    parameters before and after the first push, then exit."""
+    check_weight_update_equal: bool = False
+    """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
     hang_timeout: float | None = None
     """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
     to <log dir>/hang/ and ends the job (slime.debug.hang)."""
@@ -238,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug-push-fault", default=None, metavar="SPEC",
                    help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
                    "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
+
+    g = p.add_argument_group("debug: parameter sync (docs/debugging.md, Parameter sync)")
+    g.add_argument("--debug-sync-parameters-path", default=None, metavar="DIR",
+                   help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to DIR/before_sync_parameter/<rank>/, "
+                   "push the trainer's weights once, dump to DIR/after_sync_parameter/<rank>/, exit; compare with "
+                   "python -m slime.tools.check_sync_parameter --root_dir DIR")  # fmt: skip
+    g.add_argument("--check-weight-sync", action="store_true",
+                   help="after every push, compare per-tensor fingerprints of what the trainer exported with what "
+                   "every engine holds; a difference stops the job (on with --check-precision)")  # fmt: skip
+    g.add_argument("--check-weight-update-equal", action="store_true",
+                   help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
+                   "receive the first push, and must equal the snapshot exactly")  # fmt: skip
 
     g = p.add_argument_group("debug: hangs (docs/debugging.md, Hangs and breakpoints)")
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
@@ -405,6 +424,21 @@ def _check_precision_flags(ns: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
     if ns.check_precision and ns.debug_rollout_only:
         return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
+    if ns.debug_sync_parameters_path is None:
+        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
+    checks = {"--debug-sync-parameters-path": ns.debug_sync_parameters_path is not None,
+              "--check-weight-sync": ns.check_weight_sync, "--check-weight-update-equal": ns.check_weight_update_equal}  # fmt: skip
+    for flag, on in checks.items():
+        if on and (ns.debug_rollout_only or ns.debug_train_only):
+            return f"{flag} checks the weight push from the trainer to the engines, which --debug-rollout-only / --debug-train-only never run"
+    root = ns.debug_sync_parameters_path
+    if root is not None:
+        for part in ("before_sync_parameter", "after_sync_parameter"):
+            if os.path.isdir(os.path.join(root, part)) and os.listdir(os.path.join(root, part)):
+                return (
+                    f"--debug-sync-parameters-path {root!r} already holds {part}/ from an earlier run: "
+                    "choose an empty directory or remove it (nothing is overwritten)"
+                )
     if ns.debug_push_fault is not None:
         if ns.debug_rollout_only or ns.debug_train_only:
             return "--debug-push-fault breaks the weight push, which --debug-rollout-only / --debug-train-only never run"
@@ -454,7 +488,11 @@ def _configs(ns: argparse.Namespace) -> Config:
     return Config(
         cluster=cluster,
         rollout=rollout,
-        bridge=BridgeConfig(ns.update_weight_transport, ns.update_weight_buffer_size),
+        bridge=BridgeConfig(
+            ns.update_weight_transport,
+            ns.update_weight_buffer_size,
+            ns.check_weight_sync or ns.check_precision,
+        ),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
         eval=EvalConfig(
             interval=ns.eval_interval,
@@ -481,6 +519,8 @@ def _configs(ns: argparse.Namespace) -> Config:
             precision_logprob_max_tol=max_tol,
             push_fault=ns.debug_push_fault,
             hang_timeout=ns.hang_timeout,
+            sync_parameters_path=ns.debug_sync_parameters_path,
+            check_weight_update_equal=ns.check_weight_update_equal,
         ),
         args=ns,
     )

@@ -277,6 +277,18 @@ class EngineClient:
         """slime extension (torch engine): per-parameter sha256 fingerprints."""
         return await self.request("POST", "/slime/weights_checksum", _drop_none({"names": names}))
 
+    async def weights_checker(self, action: str) -> dict[str, Any]:
+        """SGLang's /weights_checker (snapshot, reset_tensors, compare); EngineError on failure."""
+        return await self.request("POST", "/weights_checker", {"action": action})
+
+    async def weights_fingerprint(self) -> dict[str, Any]:
+        """slime extension (torch engine): dtype, shape and fingerprint of every parameter."""
+        return await self.request("POST", "/slime/weights_fingerprint", {})
+
+    async def dump_parameters(self, path: str) -> dict[str, Any]:
+        """slime extension (torch engine): torch.save every parameter to path/<HF name>."""
+        return await self.request("POST", "/slime/dump_parameters", {"path": path})
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return await self.request("POST", "/release_memory_occupation", _drop_none({"tags": tags}))
 

@@ -104,11 +104,15 @@ class TrainRank:
                 make_transport(transport, hf_checkpoint, device, timeout_s), engine_urls, client
             )
 
-    def push_weights(self, weight_version: str, bucket_bytes: int) -> dict[str, float] | None:
+    def push_weights(
+        self, weight_version: str, bucket_bytes: int, verify: bool = False
+    ) -> dict[str, float] | None:
         from slime.bridge.bridge import push_actor_weights
 
         with self._watch(f"the weight push of version {weight_version}"):
-            return push_actor_weights(self.actor, self.bridge, weight_version, bucket_bytes, self.fault)
+            return push_actor_weights(
+                self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify
+            )
 
     def sleep(self) -> None:
         self.actor.sleep()

@@ -129,7 +129,8 @@ class Job:
     def push(self, version: int, progress: Progress | None = None) -> dict[str, float]:
         if not (self.train and self.engines):
             return {}
-        refs = [t.push_weights.remote(str(version), self.config.bridge.buffer_size) for t in self.train]
+        b = self.config.bridge
+        refs = [t.push_weights.remote(str(version), b.buffer_size, b.verify) for t in self.train]
         stats = self.wait_train(refs, f"the weight push of version {version}", progress, "push")
         return stats[0] or {}
 
@@ -401,7 +402,12 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 ray.get(job.manager.load_state_dict.remote(data_state))
             job.push(version)  # the engines start from --hf-checkpoint: give them the resumed weights
             logger.info("resumed after rollout %d (data position %s)", resumed, data_state)
-        elif config.debug.check_precision and job.train and job.engines:
+        if config.debug.sync_parameters_path:
+            sync_parameters_dump(job, config.debug.sync_parameters_path, version)
+            return 0
+        if config.debug.check_weight_update_equal and job.train and job.engines:
+            check_weight_update_equal(job, version, resumed is not None)
+        elif resumed is None and config.debug.check_precision and job.train and job.engines:
             # The engines loaded --hf-checkpoint themselves; pushing the trainer's copy over it
             # makes the first rollout's trainer-vs-engine gate check the bridge as well.
             stats = job.push(version)
@@ -512,6 +518,51 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         if job is not None:
             job.close()
         ray.shutdown()
+
+
+def sync_parameters_dump(job: Job, root: str, version: int) -> None:
+    """--debug-sync-parameters-path: the engines' parameters before and after one push."""
+    before, after = os.path.join(root, "before_sync_parameter"), os.path.join(root, "after_sync_parameter")
+    counts = ray.get(job.manager.dump_parameters.remote(before))
+    job.push(version)
+    ray.get(job.manager.dump_parameters.remote(after))
+    logger.info(
+        "--debug-sync-parameters-path: %d engine rank(s) dumped %s parameters to %s/ and %s/ (one torch.save file "
+        "per HF parameter name); the trainer loaded the same checkpoint, so they must be equal. Check with:\n"
+        "  python -m slime.tools.check_sync_parameter --root_dir %s",
+        len(counts), "/".join(map(str, counts)), before, after, root,
+    )  # fmt: skip
+
+
+def check_weight_update_equal(job: Job, version: int, resumed: bool) -> None:
+    """--check-weight-update-equal: snapshot the engines' --hf-checkpoint weights, scramble them,
+    push the trainer's, and require the snapshot back bit for bit (SGLang's /weights_checker)."""
+    from slime.bridge.verify import WeightSyncError
+    from slime.engines.client import EngineError
+
+    if resumed:
+        logger.warning(
+            "--check-weight-update-equal: skipped, the resumed trainer's weights are not the checkpoint's"
+        )
+        job.push(version)
+        return
+    ray.get(job.manager.engines.remote("weights_checker", "snapshot"))
+    ray.get(job.manager.engines.remote("weights_checker", "reset_tensors"))
+    job.push(version)
+    try:
+        ray.get(job.manager.engines.remote("weights_checker", "compare"))
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause
+        if not isinstance(cause, EngineError):
+            raise
+        raise WeightSyncError(
+            "--check-weight-update-equal: after the first push an engine's weights differ from the checkpoint "
+            f"it loaded ({cause.url}):\n{cause.message}\nEvery parameter was overwritten with noise before the "
+            'push, so a parameter listed here was sent wrong or never sent. See docs/debugging.md "Parameter sync".'
+        ) from None
+    logger.info(
+        "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint"
+    )
 
 
 def check_precision(

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     configure_logging("driver")
     config = parse_args(argv)  # exits 2 on bad flags
     log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
+    from slime.bridge.verify import WeightSyncError
     from slime.debug.hang import HangError
     from slime.debug.precision import PrecisionError
     from slime.ray.loop import run
@@ -26,14 +27,16 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     except DumpError as e:  # a --load-debug-rollout-data file that cannot be replayed
         logger.error("%s", e)
         return 2
-    except (PrecisionError, HangError) as e:  # the message says what failed and where to look
-        logger.error("%s", e)
+    except (PrecisionError, HangError, WeightSyncError) as e:  # the message says what failed, where to look
+        logger.error("%s", getattr(e, "cause", None) or e)  # from an actor: its message, not its traceback
         return 1
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130
     except Exception as e:  # an actor's error arrives here with its remote traceback
-        logger.error("job failed: %s", e)
+        cause = getattr(e, "cause", None)  # a RayTaskError's original exception
+        headline = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+        logger.error("job failed: %s\n%s", headline, e)
         return 1
 
 

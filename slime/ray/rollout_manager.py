@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import statistics
 import time
 from typing import Any
@@ -208,17 +209,34 @@ class RolloutManager:
         finally:
             await asyncio.gather(*(c.close() for c in clients))
 
-    def engines(self, method: str) -> None:
-        """Call a control method (release/resume memory, ...) on every engine."""
+    def engines(self, method: str, *args: Any) -> list[Any]:
+        """Call a client method (release/resume memory, weights_checker, ...) on every engine;
+        their answers in engine order."""
 
-        async def call() -> None:
+        async def call() -> list[Any]:
             clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
             try:
-                await asyncio.gather(*(getattr(c, method)() for c in clients))
+                return list(await asyncio.gather(*(getattr(c, method)(*args) for c in clients)))
             finally:
                 await asyncio.gather(*(c.close() for c in clients))
 
-        run_sync(call())
+        return run_sync(call())
+
+    def dump_parameters(self, root: str) -> list[int]:
+        """--debug-sync-parameters-path: every engine's parameters to root/<engine rank>/ (the
+        torch engine has tensor-parallel size 1, so engine j is rank j)."""
+
+        async def call() -> list[int]:
+            clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
+            try:
+                answers = await asyncio.gather(
+                    *(c.dump_parameters(os.path.join(root, str(j))) for j, c in enumerate(clients))
+                )
+                return [a["num_parameters"] for a in answers]
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        return run_sync(call())
 
     def state_dict(self) -> dict[str, int]:
         return self.dataset.state_dict() if self.dataset is not None else {}

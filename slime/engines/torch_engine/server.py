@@ -96,6 +96,9 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
     r.add_post("/release_memory_occupation", api.release_memory_occupation)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
     r.add_route("*", "/slime/weights_checksum", api.weights_checksum)
+    r.add_post("/weights_checker", api.weights_checker)
+    r.add_route("*", "/slime/weights_fingerprint", api.weights_fingerprint)
+    r.add_post("/slime/dump_parameters", api.dump_parameters)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
     return app
@@ -266,6 +269,40 @@ class EngineAPI:
             raise ProtocolError("'names' must be a list of parameter names")
         result = await self._on_engine(lambda: self.engine.weights.checksums(names))
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": result})
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's /weights_checker: {"action": "snapshot" | "reset_tensors" | "compare"} ->
+        {"success", "message"}, HTTP 400 when the action fails (compare: the differing tensors)."""
+        body = await read_json(request)
+        action = body.get("action") if isinstance(body, dict) else None
+        store = self.engine.weights
+        actions = {"snapshot": store.snapshot, "reset_tensors": store.reset_tensors, "compare": store.compare}
+        if action not in actions:
+            raise ProtocolError(f"'action' must be one of {', '.join(actions)}, got {action!r}")
+        try:
+            result = await self._on_engine(actions[action])
+        except ProtocolError as e:
+            return web.json_response({"success": False, "message": e.message}, status=400)
+        if action == "compare" and result:
+            message = "check tensor equality failed:\n" + "\n".join(result)
+            return web.json_response({"success": False, "message": message}, status=400)
+        what = "parameters equal the snapshot" if action == "compare" else f"{result} parameters"
+        return web.json_response({"success": True, "message": f"{action}: {what}"})
+
+    async def weights_fingerprint(self, request: web.Request) -> web.Response:
+        """slime extension: {"weight_version", "fingerprints": {name: {dtype, shape, fingerprint}}}
+        for every parameter (slime.utils.checksum.tensor_fingerprint)."""
+        result = await self._on_engine(self.engine.weights.fingerprints)
+        return web.json_response({"weight_version": self.engine.weight_version, "fingerprints": result})
+
+    async def dump_parameters(self, request: web.Request) -> web.Response:
+        """slime extension: {"path": DIR} -> every parameter torch.save'd to DIR/<HF name>."""
+        body = await read_json(request)
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("'path' must be a directory path")
+        count = await self._on_engine(lambda: self.engine.weights.dump(path))
+        return web.json_response({"success": True, "num_parameters": count, "path": path})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -38,6 +38,7 @@ class WeightStore:
         self.stale: set[str] = set()
         self.groups: dict[str, Any] = {}
         self._mapped = MappedFiles()  # the trainer's shared-memory files, mapped once
+        self._snapshot: dict[str, torch.Tensor] | None = None  # weights_checker "snapshot"
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, specs: Iterable[NamedTensorSpec]) -> None:
@@ -232,6 +233,66 @@ class WeightStore:
         if released:
             raise ProtocolError(f"parameters {released[:5]} are released or not reloaded yet")
         return {n: tensor_checksum(self.params[n]) for n in wanted}
+
+    # ---- verification (issue 7: docs/debugging.md "Parameter sync") -------------------------
+    def _canonical_params(self) -> list[tuple[str, torch.Tensor]]:
+        if self._released or self.stale:
+            raise ProtocolError(
+                "parameters are released or not reloaded yet; resume and update them first", 409
+            )
+        return sorted((name, p) for name, p in self.model.named_parameters())
+
+    def fingerprints(self) -> dict[str, dict[str, Any]]:
+        """Every parameter (canonical names): dtype, shape and slime.utils.checksum's fingerprint."""
+        from slime.utils.checksum import tensor_fingerprint
+
+        return {
+            name: {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
+                   "fingerprint": tensor_fingerprint(p)}
+            for name, p in self._canonical_params()
+        }  # fmt: skip
+
+    def dump(self, path: str) -> int:
+        """torch.save every parameter to `path`/<HF name> (written under a temporary name first)."""
+        os.makedirs(path, exist_ok=True)
+        params = self._canonical_params()
+        for name, p in params:
+            target = os.path.join(path, name)
+            torch.save(p.detach().to("cpu", copy=True), target + ".partial")
+            os.replace(target + ".partial", target)
+        return len(params)
+
+    def snapshot(self) -> int:
+        """SGLang's weights_checker "snapshot": a CPU copy of every parameter."""
+        self._snapshot = {name: p.detach().to("cpu", copy=True) for name, p in self._canonical_params()}
+        return len(self._snapshot)
+
+    @torch.no_grad()
+    def reset_tensors(self) -> int:
+        """ "reset_tensors": overwrite every parameter with uniform [0, 1) noise, so that one the
+        next push does not write is seen by "compare"."""
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        params = self._canonical_params()
+        for _, p in params:
+            p.copy_(torch.rand(p.shape, generator=generator, dtype=torch.float32).to(p.dtype))
+        return len(params)
+
+    def compare(self) -> list[str]:
+        """ "compare": one line per parameter that differs from the snapshot (exact comparison)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            raise ProtocolError("weights_checker compare: no snapshot; send action 'snapshot' first")
+        problems = []
+        for name, p in self._canonical_params():
+            expected, actual = snapshot[name], p.detach().to("cpu")
+            if expected.shape != actual.shape or expected.dtype != actual.dtype:
+                problems.append(f"name={name} shape/dtype {tuple(actual.shape)} {actual.dtype} != "
+                                f"{tuple(expected.shape)} {expected.dtype}")  # fmt: skip
+            elif not torch.equal(expected, actual):
+                err = (expected.double() - actual.double()).abs()
+                problems.append(f"name={name} max_abs_err={err.max().item():.6g} mean_abs_err={err.mean().item():.6g} "
+                                f"first_index={int((err != 0).view(-1).nonzero()[0])}")  # fmt: skip
+        return problems
 
     # ---- memory -----------------------------------------------------------------------------
     def release(self) -> None:
