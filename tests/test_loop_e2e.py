@@ -41,10 +41,13 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
                    *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", prompts,
                    "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard",
-                   "--check-precision")  # fmt: skip
+                   "--check-precision", "--check-weight-update-equal")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The step-0 gates pass on a correct setup, across ranks, transports and schedules.
-    assert "--check-precision: pushed the trainer's weights before the first rollout" in proc.stderr
+    # Snapshot, noise, push, compare: the first push restored every engine parameter exactly; then
+    # every push is fingerprinted (--check-precision turns --check-weight-sync on).
+    assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
+    assert proc.stderr.count("--check-weight-sync: 46 tensors match on every engine") == 3
     assert (
         "--check-precision: passed at rollout 0: ppo_kl 0, actor == reference bitwise, kl_loss 0"
         in proc.stderr

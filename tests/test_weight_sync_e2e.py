@@ -1,0 +1,40 @@
+"""The parameter-sync checks in real jobs (Ray, engines, gloo ranks), started as users start them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.test_loop_e2e import ROOT, prompts, run_job  # noqa: F401 - prompts is a fixture
+
+Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+
+
+def test_dump_mode_then_the_checker_find_a_wrong_mapping(tiny_model, prompts, tmp_path, monkeypatch):  # noqa: F811
+    root = tmp_path / "sync"
+    monkeypatch.setenv("DEBUG_SYNC_PARAMETERS_PATH", str(root))
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact",
+                   "--debug-push-fault", f"swap:{Q0},{Q1}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"python -m slime.tools.check_sync_parameter --root_dir {root}" in proc.stderr
+    assert "rollout 1/2" not in proc.stderr  # it exits after the first push
+    for part in ("before_sync_parameter", "after_sync_parameter"):
+        assert len(list((root / part / "0").iterdir())) == 46
+    check = subprocess.run([sys.executable, "-m", "slime.tools.check_sync_parameter", "--root_dir", str(root)],
+                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert check.returncode == 1
+    lines = check.stdout.splitlines()
+    assert sorted(line.split("|")[2] for line in lines if line.startswith("DIFF|")) == [Q0, Q1]
+    assert lines[-1] == "ALL: 46, PASS: 44, DIFF: 2, MISSING: 0"
+    # The dumps are never overwritten: a second run into the same directory is refused.
+    again = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact")
+    assert again.returncode == 2 and "already holds before_sync_parameter/" in again.stderr
+
+
+def test_online_check_stops_the_job_at_a_dropped_tensor(tiny_model, prompts, tmp_path):  # noqa: F811
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-weight-sync",
+                   "--debug-push-fault", "drop:model.norm.weight")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "--check-weight-sync: after the weight push of version 1" in proc.stderr
+    assert "not pushed: model.norm.weight (the engine holds it, the push never sent it)" in proc.stderr
+    assert "rollout 2/2" not in proc.stderr
