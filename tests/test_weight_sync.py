@@ -17,6 +17,7 @@ from slime.bridge.verify import WeightSyncError
 from slime.engines.client import EngineClient, EngineError
 from slime.tools import check_sync_parameter as checker
 from slime.utils.buckets import iter_buckets
+from slime.utils.checksum import tensor_fingerprint
 from tests.conftest import start_engine
 
 Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
@@ -71,6 +72,10 @@ def test_every_check_catches_every_fault(engine, tiny_model, tmp_path, transport
         if fault == "clean":
             stats = push_actor_weights(actor, bridge, f"{transport}-1", 200_000, push_fault, verify=True)
             assert stats is not None and stats["verify_trainer_seconds"] >= 0
+            held = call(engine.url, "weights_fingerprint")["fingerprints"]  # the same numbers on request
+            assert {n: v["fingerprint"] for n, v in held.items()} == {
+                n: tensor_fingerprint(t) for n, t in actor.state.items()
+            }
         else:
             with pytest.raises(WeightSyncError) as e:
                 push_actor_weights(actor, bridge, f"{transport}-1", 200_000, push_fault, verify=True)

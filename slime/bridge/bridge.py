@@ -62,12 +62,24 @@ class WeightBridge:
         self.engine_urls = list(engine_urls)
         self.make_client = make_client
         self._ready = False
+        self._engine_dtype: tuple[Any] | None = None
+        self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
-    async def push(self, buckets: Iterable[Bucket], weight_version: str) -> dict[str, float]:
-        """Run one update; returns {"bytes", "seconds", "buckets"}."""
+    async def push(
+        self, buckets: Iterable[Bucket], weight_version: str, collect: bool = False
+    ) -> dict[str, float]:
+        """Run one update; returns {"bytes", "seconds", "buckets"}. With `collect`, the engines'
+        fingerprints of what they wrote are left in `collected` (url -> (fingerprints, names))."""
         engines = [self.make_client(u) for u in self.engine_urls]
+        for e in engines:
+            e.update_fingerprints = {} if collect else None
         try:
-            return await self._push(engines, buckets, weight_version)
+            stats = await self._push(engines, buckets, weight_version)
+            if collect:
+                self.collected = {
+                    e.base_url: (e.update_fingerprints or {}, e.parameter_names or []) for e in engines
+                }
+            return stats
         finally:
             await asyncio.gather(*(e.close() for e in engines))
 
@@ -101,35 +113,29 @@ class WeightBridge:
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
 
     async def engine_dtype(self) -> Any:
-        """The parameter dtype of the engines (SGLang's /get_server_info `dtype`)."""
+        """The parameter dtype of the engines (SGLang's /get_server_info `dtype`), asked once."""
         import torch
 
+        if self._engine_dtype is not None:
+            return self._engine_dtype[0]
         engine = self.make_client(self.engine_urls[0])
         try:
             info = await engine.get_server_info()
         finally:
             await engine.close()
         name = str(info.get("dtype", "float32")).removeprefix("torch.")
-        return getattr(torch, name, None) if name != "auto" else None
+        self._engine_dtype = (getattr(torch, name, None) if name != "auto" else None,)
+        return self._engine_dtype[0]
 
-    async def verify(
-        self, expected: dict[str, dict[str, Any]], weight_version: str, sent: set[str] | None = None
-    ) -> float:
-        """--check-weight-sync: every engine's fingerprints against the trainer's; raises
-        WeightSyncError naming the tensors; returns the seconds it took."""
+    def verify(self, expected: dict[str, dict[str, Any]], weight_version: str, sent: set[str]) -> None:
+        """--check-weight-sync after a `collect` push: every engine's fingerprints of what it
+        wrote against the trainer's; raises WeightSyncError naming the tensors."""
         from slime.bridge import verify
 
-        start = time.perf_counter()
-        engines = [self.make_client(u) for u in self.engine_urls]
-        try:
-            answers = await asyncio.gather(*(e.weights_fingerprint() for e in engines))
-        finally:
-            await asyncio.gather(*(e.close() for e in engines))
-        for url, answer in zip(self.engine_urls, answers):
-            lines = verify.compare(expected, answer["fingerprints"], sent)
+        for url, (written, held) in self.collected.items():
+            lines = verify.compare(expected, written, held, sent)
             if lines:
                 raise verify.WeightSyncError(verify.report(weight_version, url, lines))
-        return time.perf_counter() - start
 
     async def close(self) -> None:
         engines = [self.make_client(u) for u in self.engine_urls]
@@ -160,18 +166,22 @@ def push_actor_weights(
     if verify:
         from slime.bridge.verify import Fingerprints
 
-        prints = Fingerprints(run_sync(bridge.engine_dtype()))
+        cached = bridge._engine_dtype  # an event loop per push costs more than the check itself
+        prints = Fingerprints(cached[0] if cached is not None else run_sync(bridge.engine_dtype()))
         buckets = prints.record(buckets)
     if fault is not None:
         buckets = fault.apply(buckets, bucket_bytes)
     if prints is not None:
         buckets = prints.record_sent(buckets)
-    stats = run_sync(bridge.push(buckets, weight_version))
+    stats = run_sync(bridge.push(buckets, weight_version, collect=prints is not None))
     if prints is not None:
-        engine_seconds = run_sync(bridge.verify(prints.entries, weight_version, prints.sent))
-        stats.update(verify_trainer_seconds=prints.seconds, verify_engine_seconds=engine_seconds)
-        logger.info("--check-weight-sync: %d tensors match on every engine (trainer %.4f s, engines %.4f s)",
-                    len(prints.entries), prints.seconds, engine_seconds)  # fmt: skip
+        start = time.perf_counter()
+        bridge.verify(prints.wait(), weight_version, prints.sent)
+        stats.update(
+            verify_trainer_seconds=prints.seconds, verify_compare_seconds=time.perf_counter() - start
+        )
+        logger.info("--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
+                    len(prints.entries), prints.seconds)  # fmt: skip
     return stats
 
 

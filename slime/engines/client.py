@@ -56,6 +56,8 @@ class EngineClient:
         self.config = config or ClientConfig()
         self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self.update_fingerprints: dict[str, Any] | None = None  # see _update
+        self.parameter_names: list[str] | None = None
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -193,9 +195,25 @@ class EngineClient:
         return await self.request("POST", "/flush_cache")
 
     # ---- weights and memory -------------------------------------------------------------------
+    async def _update(self, path: str, body: dict[str, Any]) -> Any:
+        """A weight update. With `update_fingerprints` set (--check-weight-sync), the engine is
+        asked for the fingerprints of what it wrote (a slime torch-engine extension), which are
+        gathered there, and the names of all its parameters into `parameter_names`."""
+        if self.update_fingerprints is None:
+            return await self.request("POST", path, body)
+        result = await self.request("POST", path, {**body, "slime_fingerprints": True})
+        if not (isinstance(result, dict) and isinstance(result.get("slime_fingerprints"), dict)):
+            raise EngineError(
+                f"{path} answered without 'slime_fingerprints': --check-weight-sync needs engines that report "
+                "what they wrote (the torch engine does; SGLang does not)",
+                url=self.base_url,
+            )
+        self.update_fingerprints.update(result["slime_fingerprints"])
+        self.parameter_names = list(result.get("slime_parameter_names") or [])
+        return result
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
-        return await self.request(
-            "POST",
+        return await self._update(
             "/update_weights_from_disk",
             _drop_none({"model_path": model_path, "weight_version": weight_version}),
         )
@@ -208,8 +226,7 @@ class EngineClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> Any:
-        return await self.request(
-            "POST",
+        return await self._update(
             "/update_weights_from_tensor",
             _drop_none(
                 {
@@ -258,8 +275,7 @@ class EngineClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> Any:
-        return await self.request(
-            "POST",
+        return await self._update(
             "/update_weights_from_distributed",
             _drop_none(
                 {

@@ -47,4 +47,14 @@ def tensor_fingerprint(tensor: torch.Tensor) -> list[int]:
     if tensor.dim() == 0 or tensor.numel() == 0:
         value = _word_sum(tensor)
         return [value, value, value]
-    return [_word_sum(tensor), _word_sum(tensor[0]), _word_sum(tensor[-1])]
+    t = tensor.detach()
+    row_bytes = t[0].numel() * t.element_size()
+    if t.is_contiguous() and row_bytes % 8 == 0 and t.data_ptr() % 8 == 0:
+        # One pass: the word sums of every row; their (wrapping) sum is the whole tensor's.
+        rows = t.view(torch.uint8).view(-1).view(torch.int64).view(t.shape[0], -1).sum(dim=1)
+        return [_wrap(int(rows.sum())), _wrap(int(rows[0])), _wrap(int(rows[-1]))]
+    return [_word_sum(t), _word_sum(t[0]), _word_sum(t[-1])]
+
+
+def _wrap(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63

@@ -369,16 +369,26 @@ class EngineAPI:
         if version is not None and not isinstance(version, (str, int)):
             raise ProtocolError("'weight_version' must be a string")
 
-        def _run() -> tuple[int, str]:
-            count = apply()
+        # slime extension: fingerprints of the parameters this update wrote, in the answer
+        # (--check-weight-sync without a second request), and every parameter name.
+        fingerprints = bool(body.get("slime_fingerprints"))
+        store = self.engine.weights
+
+        def _run() -> tuple[int, str, dict[str, Any] | None]:
+            store.applied_fingerprints = {} if fingerprints else None
+            try:
+                count = apply()
+                prints = store.applied_fingerprints
+            finally:
+                store.applied_fingerprints = None
             # As SGLang: the version changes only when the update names one.
             if version is not None:
                 self.engine.weight_version = str(version)
-            return count, self.engine.weight_version
+            return count, self.engine.weight_version, prints
 
         start = time.perf_counter()
         try:
-            count, new_version = await self._on_engine(_run)
+            count, new_version, prints = await self._on_engine(_run)
         except ProtocolError as e:
             return web.json_response({"success": False, "message": e.message}, status=e.status)
         logger.info(
@@ -394,6 +404,11 @@ class EngineAPI:
                 "message": f"updated {count} tensors",
                 "weight_version": new_version,
                 "num_paused_requests": 0,
+                **(
+                    {"slime_fingerprints": prints, "slime_parameter_names": store.canonical_names()}
+                    if prints is not None
+                    else {}
+                ),
             }
         )
 

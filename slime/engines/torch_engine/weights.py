@@ -39,6 +39,7 @@ class WeightStore:
         self.groups: dict[str, Any] = {}
         self._mapped = MappedFiles()  # the trainer's shared-memory files, mapped once
         self._snapshot: dict[str, torch.Tensor] | None = None  # weights_checker "snapshot"
+        self.applied_fingerprints: dict[str, dict[str, Any]] | None = None
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, specs: Iterable[NamedTensorSpec]) -> None:
@@ -77,12 +78,27 @@ class WeightStore:
     # ---- apply ------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy every tensor in. With `fingerprint_updates` set (a request's `slime_fingerprints`),
+        each parameter is fingerprinted right after its copy, while it is still in cache, into
+        `applied_fingerprints` (slime.bridge.verify)."""
+        from slime.utils.checksum import tensor_fingerprint
+
         if self._released:
             raise ProtocolError("weights are released; call /resume_memory_occupation before updating", 409)
         for name, tensor in named:
-            self.params[name].copy_(tensor)
-            self.stale.discard(self._canonical[id(self.params[name])])
+            param = self.params[name]
+            param.copy_(tensor)
+            canonical = self._canonical[id(param)]
+            self.stale.discard(canonical)
+            if self.applied_fingerprints is not None:
+                self.applied_fingerprints[canonical] = {
+                    "dtype": str(param.dtype).removeprefix("torch."), "shape": list(param.shape),
+                    "fingerprint": tensor_fingerprint(param),
+                }  # fmt: skip
         return len(named)
+
+    def canonical_names(self) -> list[str]:
+        return sorted(set(self._canonical.values()))
 
     def update_from_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
         self.validate(self.specs_of(named))
