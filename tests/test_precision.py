@@ -157,6 +157,8 @@ def test_flags_choose_tolerances_by_dtype_and_refuse_bad_combinations(tiny_model
         (["--debug-push-fault", "scale:x"], "--debug-push-fault 'scale:x': expected KIND:NAME"),
         (["--debug-push-fault", "swap:a"], "swap:NAME1,NAME2"),
         (["--debug-push-fault", "drop:a", "--debug-rollout-only"], "never run"),
+        (["--check-weight-sync", "--debug-rollout-only"], "--check-weight-sync checks the weight push"),
+        (["--check-weight-update-equal", "--load-debug-rollout-data", "d_{rollout_id}.pt"], "never run"),
     ]:
         with pytest.raises(SystemExit) as e:
             parse_args([*base, *extra])
