@@ -124,6 +124,20 @@ def test_check_precision_names_a_temperature_mismatch_with_the_dump(dumps, tiny_
     )
 
 
+def test_check_precision_fails_a_replay_with_other_weights(dumps, tiny_model_b, prompts, tmp_path):  # noqa: F811
+    """The engine log-probs in the dump are another model's than the trainer's: the gap gate."""
+    _, template, _ = dumps
+    proc = run_job("train.py", tiny_model_b, prompts, tmp_path, "--load-debug-rollout-data", template,
+                   "--check-precision")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "  FAIL trainer vs engine log-probs (mean and max |diff|)" in proc.stderr
+    assert "the replayed dump was generated with other weights than --hf-checkpoint" in proc.stderr
+    gates = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert [g["name"] for g in gates if g["ok"] is False] == [
+        "trainer vs engine log-probs (mean and max |diff|)"
+    ]
+
+
 def _train_metrics(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [(r["train/loss"], r["train/pg_loss"], r["train/grad_norm"]) for r in records]

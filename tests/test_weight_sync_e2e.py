@@ -36,5 +36,5 @@ def test_online_check_stops_the_job_at_a_dropped_tensor(tiny_model, prompts, tmp
                    "--debug-push-fault", "drop:model.norm.weight")  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "--check-weight-sync: after the weight push of version 1" in proc.stderr
-    assert "not pushed: model.norm.weight (the engine holds it, the push never sent it)" in proc.stderr
+    assert "not pushed: model.norm.weight (the engine holds it, the push never wrote it)" in proc.stderr
     assert "rollout 2/2" not in proc.stderr

@@ -167,6 +167,11 @@ def _engine_gap(ctx: Context, rollout: dict[str, float]) -> Check:
         why = "the samples carry no engine log-probs (a rollout function that does not return them)"
         return Check(name, None, "-", detail=why)
     causes = list(_WEIGHTS_CAUSES)
+    if ctx.replay:
+        causes[0] = (
+            "the replayed dump was generated with other weights than --hf-checkpoint (its engine log-probs "
+            "are those of the model that generated it: replay with that checkpoint)"
+        )
     if ctx.sample_temperature is not None and ctx.sample_temperature != ctx.trainer_temperature:
         causes.insert(
             0,
