@@ -31,6 +31,8 @@ class ClusterConfig:
     train_backend: str = "fsdp"
     rollout_backend: str = "torch"
     device: str = "cpu"
+    external_engine_addrs: tuple[str, ...] = ()
+    """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
 
     @property
     def num_train_ranks(self) -> int:
@@ -38,6 +40,8 @@ class ClusterConfig:
 
     @property
     def num_engines(self) -> int:
+        if self.external_engine_addrs:
+            return len(self.external_engine_addrs)
         return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
 
 
@@ -158,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true", help="trainer releases device memory during rollout")
     g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
     g.add_argument("--rollout-backend", choices=["torch", "sglang"], default="torch")
+    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
+                   help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
+                   "any; the trainer's weights are pushed to them before the first rollout")  # fmt: skip
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
@@ -298,7 +305,7 @@ def _check(ns: argparse.Namespace) -> str | None:
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    problem = _check_debug(ns) or _check_precision_flags(ns)
+    problem = _check_debug(ns) or _check_precision_flags(ns) or _check_external(ns)
     if problem:
         return problem
     replay = ns.load_debug_rollout_data is not None
@@ -415,6 +422,28 @@ def _check_debug(ns: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_external(ns: argparse.Namespace) -> str | None:
+    """--rollout-external-engine-addrs: HOST:PORT each; not with what needs launched engines."""
+    addrs = ns.rollout_external_engine_addrs
+    if addrs is None:
+        return None
+    normalized = []
+    for addr in addrs:
+        hostport = addr.removeprefix("http://").rstrip("/")
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"--rollout-external-engine-addrs {addr!r}: expected HOST:PORT (e.g. 10.0.0.5:30000)"
+        normalized.append(f"http://{hostport}")
+    if len(set(normalized)) != len(normalized):
+        return "--rollout-external-engine-addrs names an engine twice"
+    if ns.colocate:
+        return "--colocate places launched engines beside the trainer; external engines run elsewhere: drop --colocate"
+    if ns.debug_train_only:
+        return "--rollout-external-engine-addrs with --debug-train-only: the mode uses no engine; give one of them"
+    ns.rollout_external_engine_addrs = normalized
+    return None
+
+
 def _check_precision_flags(ns: argparse.Namespace) -> str | None:
     from slime.bridge.faults import PushFault
 
@@ -467,6 +496,7 @@ def _configs(ns: argparse.Namespace) -> Config:
     cluster = ClusterConfig(
         ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
         ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
+        tuple(ns.rollout_external_engine_addrs or ()),
     )  # fmt: skip
     data = None
     if ns.prompt_data is not None:
@@ -542,8 +572,20 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """Parse and validate; any problem exits with code 2 and one message naming the flag."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    external = ns.rollout_external_engine_addrs
+    if external is not None and ns.rollout_num_gpus is not None:
+        parser.error(
+            "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs none is "
+            "launched: drop --rollout-num-gpus"
+        )
     if ns.rollout_num_gpus is None:
-        ns.rollout_num_gpus = ns.actor_num_nodes * ns.actor_num_gpus_per_node if ns.colocate else 1
+        ns.rollout_num_gpus = (
+            len(external)
+            if external
+            else ns.actor_num_nodes * ns.actor_num_gpus_per_node
+            if ns.colocate
+            else 1
+        )
     problem = _check(ns)
     if problem is None:
         try:
@@ -560,6 +602,8 @@ def describe(config: Config) -> dict[str, Any]:
     unit = "GPU" if c.device == "cuda" else "CPU process"
     return {
         "train": f"{c.num_train_ranks} × {c.train_backend} rank ({unit} each)",
-        "rollout": f"{c.num_engines} × {c.rollout_backend} engine ({c.rollout_num_gpus_per_engine} {unit} each)",
+        "rollout": f"{c.num_engines} × external engine ({', '.join(c.external_engine_addrs)})"
+        if c.external_engine_addrs
+        else f"{c.num_engines} × {c.rollout_backend} engine ({c.rollout_num_gpus_per_engine} {unit} each)",
         "layout": "colocated" if c.colocate else "disaggregated",
     }

@@ -65,7 +65,10 @@ class Job:
             .remote(config.train.hf_checkpoint, engine_args, os.path.join(log_dir, f"engine{j}.log"))
             for j, slot in enumerate(self.placement.engines)
         ]
-        self.engine_urls = ray.get([e.url.remote() for e in self.engines])
+        self.engine_urls: list[str] = ray.get([e.url.remote() for e in self.engines])
+        if c.external_engine_addrs and self.with_engines:
+            self.engine_urls = list(c.external_engine_addrs)
+            attach_external(self.engine_urls, config.train.distributed_timeout_minutes * 60)
         # The rollout manager runs unless rollouts are replayed from dumps (train-only with a
         # rollout function keeps it, with no engines). Two threads: the progress bar reads the
         # sample count while a generation runs.
@@ -87,7 +90,7 @@ class Job:
                 )
             )
         self.infos = ray.get([t.init.remote() for t in self.train])
-        if self.train and self.engines:
+        if self.train and self.engine_urls:
             ray.get([
                 t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device,
                                          self.engine_urls, config.debug.push_fault)
@@ -127,7 +130,7 @@ class Job:
             ray.get(self.manager.engines.remote("resume_memory_occupation"))
 
     def push(self, version: int, progress: Progress | None = None) -> dict[str, float]:
-        if not (self.train and self.engines):
+        if not (self.train and self.engine_urls):
             return {}
         b = self.config.bridge
         refs = [t.push_weights.remote(str(version), b.buffer_size, b.verify) for t in self.train]
@@ -162,6 +165,37 @@ class Job:
             except Exception as e:  # shutting down after a failure must not hide it
                 logger.warning("shutdown: %s", e)
         remove_placement_group(self.pg)
+
+
+class ExternalEngineError(RuntimeError):
+    """An engine named by --rollout-external-engine-addrs cannot be used (a usage error, exit 2)."""
+
+
+def attach_external(urls: list[str], timeout_s: float) -> None:
+    """Check that every external engine answers /health and /get_server_info; log what it serves."""
+    import asyncio
+
+    from slime.engines.client import ClientConfig, EngineClient, EngineError
+    from slime.utils.aio import run_sync
+
+    async def probe(url: str) -> dict[str, Any]:
+        async with EngineClient(url, ClientConfig(timeout_s=min(timeout_s, 30.0), max_retries=1)) as c:
+            try:
+                if not await c.health():
+                    raise EngineError("GET /health did not answer 200", url=url)
+                return await c.get_server_info()
+            except EngineError as e:
+                raise ExternalEngineError(
+                    f"--rollout-external-engine-addrs: {url} cannot be used ({e.message}); start that engine "
+                    "first or fix the address"
+                ) from None
+
+    async def probe_all() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(probe(u) for u in urls)))
+
+    for url, info in zip(urls, run_sync(probe_all())):
+        logger.info("attached external engine %s: model_path %s, weight_version %s, tp_size %s",
+                    url, info.get("model_path"), info.get("weight_version"), info.get("tp_size"))  # fmt: skip
 
 
 def _free_port() -> int:
@@ -405,14 +439,17 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         if config.debug.sync_parameters_path:
             sync_parameters_dump(job, config.debug.sync_parameters_path, version)
             return 0
-        if config.debug.check_weight_update_equal and job.train and job.engines:
+        external = bool(config.cluster.external_engine_addrs)
+        if config.debug.check_weight_update_equal and job.train and job.engine_urls:
             check_weight_update_equal(job, version, resumed is not None)
-        elif resumed is None and config.debug.check_precision and job.train and job.engines:
-            # The engines loaded --hf-checkpoint themselves; pushing the trainer's copy over it
-            # makes the first rollout's trainer-vs-engine gate check the bridge as well.
+        elif resumed is None and (config.debug.check_precision or external) and job.train and job.engine_urls:
+            # Launched engines loaded --hf-checkpoint themselves; pushing the trainer's copy over it
+            # makes the first rollout's trainer-vs-engine gate check the bridge as well. External
+            # engines may hold anything: they always get the trainer's weights first.
             stats = job.push(version)
-            logger.info("--check-precision: pushed the trainer's weights before the first rollout (%d bytes)",
-                        int(stats.get("bytes", 0)))  # fmt: skip
+            why = "--check-precision" if config.debug.check_precision else "external engines"
+            logger.info("%s: pushed the trainer's weights before the first rollout (%d bytes)",
+                        why, int(stats.get("bytes", 0)))  # fmt: skip
         evaluating = config.eval.interval is not None
         if evaluating and start == 0 and config.eval.before_train:
             t0 = time.perf_counter()

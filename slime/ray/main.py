@@ -19,12 +19,12 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     from slime.bridge.verify import WeightSyncError
     from slime.debug.hang import HangError
     from slime.debug.precision import PrecisionError
-    from slime.ray.loop import run
+    from slime.ray.loop import ExternalEngineError, run
     from slime.rollout.dump import DumpError
 
     try:
         return run(config, off_policy=off_policy, log_dir=log_dir)
-    except DumpError as e:  # a --load-debug-rollout-data file that cannot be replayed
+    except (DumpError, ExternalEngineError) as e:  # a dump that cannot be replayed, an engine not there
         logger.error("%s", e)
         return 2
     except (PrecisionError, HangError, WeightSyncError) as e:  # the message says what failed, where to look

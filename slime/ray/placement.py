@@ -52,7 +52,8 @@ def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engin
     resource = "GPU" if cluster.device == "cuda" else "CPU"
     tp = cluster.rollout_num_gpus_per_engine
     num_train = cluster.num_train_ranks if with_trainer else 0
-    num_engines = cluster.num_engines if with_engines else 0
+    # External engines (--rollout-external-engine-addrs) run elsewhere: no bundle for them.
+    num_engines = cluster.num_engines if with_engines and not cluster.external_engine_addrs else 0
     if cluster.colocate and with_trainer and with_engines:
         train = tuple(Slot((r,), TRAIN_SHARE) for r in range(num_train))
         engines = tuple(Slot(tuple(range(j * tp, (j + 1) * tp)), ENGINE_SHARE) for j in range(num_engines))
