@@ -60,6 +60,10 @@ class RolloutConfig:
     custom_generate_function_path: str | None = None
     rollout_function_path: str | None = None
     dynamic_sampling_filter_path: str | None = None
+    health_check_interval: float | None = None
+    """`--rollout-health-check-interval S`: poll every engine's /health_generate (off when None)."""
+    health_check_timeout: float = 30.0
+    """`--rollout-health-check-timeout S`: an engine that fails for this long is down."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true", help="trainer releases device memory during rollout")
     g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
     g.add_argument("--rollout-backend", choices=["torch", "sglang"], default="torch")
+    g.add_argument("--rollout-health-check-interval", type=float, default=None, metavar="SECONDS",
+                   help="poll every engine's /health_generate; an engine that is down has its groups generated "
+                   "again elsewhere and is restarted before the next weight push (off by default)")  # fmt: skip
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="an engine whose /health_generate fails for this long is down")  # fmt: skip
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
                    help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
                    "any; the trainer's weights are pushed to them before the first rollout")  # fmt: skip
@@ -447,7 +456,8 @@ def _check_external(ns: argparse.Namespace) -> str | None:
 def _check_precision_flags(ns: argparse.Namespace) -> str | None:
     from slime.bridge.faults import PushFault
 
-    for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout"):
+    for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout",
+                 "rollout_health_check_interval", "rollout_health_check_timeout"):  # fmt: skip
         value = getattr(ns, flag)
         if value is not None and not value > 0:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
@@ -511,7 +521,8 @@ def _configs(ns: argparse.Namespace) -> Config:
     rollout = RolloutConfig(
         data, sampling, ns.rollout_batch_size or 0, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
         ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
-        ns.rollout_function_path, ns.dynamic_sampling_filter_path,
+        ns.rollout_function_path, ns.dynamic_sampling_filter_path, ns.rollout_health_check_interval,
+        ns.rollout_health_check_timeout,
     )  # fmt: skip
     dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")

@@ -94,6 +94,12 @@ class TrainRank:
         if self.rank == 0:
             import functools
 
+            if self.bridge is not None:  # engines were replaced: the old transport goes
+                try:
+                    run_sync(self.bridge.close())
+                except Exception as e:  # an engine of the old set is down
+                    logger.warning("closing the previous weight bridge: %s", e)
+
             from slime.bridge.bridge import WeightBridge, make_transport
             from slime.engines.client import ClientConfig, EngineClient
 

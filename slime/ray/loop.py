@@ -43,6 +43,7 @@ class Job:
         self.config = config
         self.log_dir = log_dir
         self.hung = False
+        self.restarts = 0
         c = config.cluster
         self.with_trainer = not config.debug.rollout_only
         self.with_engines = not config.debug.train_only
@@ -59,11 +60,9 @@ class Job:
         engine_args = ["--num-threads", "1", "--weight-version", "0", "--device", c.device]
         if config.train.deterministic:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
+        self.engine_args = engine_args
         self.engines: list[Any] = [
-            ray.remote(EngineActor)
-            .options(**_in(self.pg, slot, res))
-            .remote(config.train.hf_checkpoint, engine_args, os.path.join(log_dir, f"engine{j}.log"))
-            for j, slot in enumerate(self.placement.engines)
+            self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))
         ]
         self.engine_urls: list[str] = ray.get([e.url.remote() for e in self.engines])
         if c.external_engine_addrs and self.with_engines:
@@ -96,6 +95,47 @@ class Job:
                                          self.engine_urls, config.debug.push_fault)
                 for t in self.train
             ])  # fmt: skip
+
+    def _launch_engine(self, j: int, log_name: str) -> Any:
+        slot = self.placement.engines[j]
+        return (
+            ray.remote(EngineActor)
+            .options(**_in(self.pg, slot, self.placement.resource))
+            .remote(self.config.train.hf_checkpoint, self.engine_args, os.path.join(self.log_dir, log_name))
+        )
+
+    def restart_down_engines(self) -> None:
+        """--rollout-health-check-interval: replace every engine found down by a fresh one on
+        the same bundle, before the push that gives it the current weights."""
+        if self.manager is None or self.config.rollout.health_check_interval is None:
+            return
+        down: dict[int, str] = ray.get(self.manager.down_engines.remote())
+        if not down:
+            return
+        if self.config.cluster.external_engine_addrs:
+            raise RuntimeError(
+                f"external engine(s) {[self.engine_urls[j] for j in down]} are down ({list(down.values())}); "
+                "slime did not start them and cannot restart them"
+            )
+        for j, reason in down.items():
+            old, old_url = self.engines[j], self.engine_urls[j]
+            try:
+                ray.get(old.stop.remote(), timeout=30)
+            except Exception as e:  # the actor may be gone with its engine
+                logger.warning("stopping engine %d: %s", j, e)
+            ray.kill(old, no_restart=True)
+            self.restarts += 1
+            self.engines[j] = self._launch_engine(j, f"engine{j}-restart{self.restarts}.log")
+            self.engine_urls[j] = ray.get(self.engines[j].url.remote())
+            ray.get(self.manager.replace_engine.remote(j, self.engine_urls[j]))
+            logger.warning("engine %d at %s was down (%s): restarted at %s; the next push gives it the current weights",
+                           j, old_url, reason, self.engine_urls[j])  # fmt: skip
+        c = self.config
+        ray.get([
+            t.connect_engines.remote(c.bridge.transport, c.train.hf_checkpoint, c.cluster.device, self.engine_urls,
+                                     c.debug.push_fault)
+            for t in self.train
+        ])  # fmt: skip
 
     def banner(self) -> str:
         d = self.config.debug
@@ -495,6 +535,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
                 waited += time.perf_counter() - t0
             version += 1
             with clock.timed("push"):
+                job.restart_down_engines()
                 job.before_push()
                 push_stats = job.push(version, progress)
             inside = {f"time/{k}": v for k, v in outputs[0].timings.items()}

@@ -19,6 +19,7 @@ from slime.config.arguments import Config
 from slime.config.rollout import DataConfig
 from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.data import PromptDataset
+from slime.rollout.health import EngineHealth, HealthMonitor
 from slime.rollout.manager import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample, Status, samples_to_batch
@@ -90,6 +91,15 @@ class RolloutManager:
             else None
         )
         self.progress = Progress()
+        # --rollout-health-check-interval: engines found down (by the monitor or a failed request)
+        # have their groups generated elsewhere and are restarted by the loop before a push.
+        self.health: EngineHealth | None = None
+        self.monitor: HealthMonitor | None = None
+        if r.health_check_interval is not None and engine_urls:
+            self.health = EngineHealth()
+            self.monitor = HealthMonitor(
+                self.engine_urls, self.health, r.health_check_interval, r.health_check_timeout
+            )
         self.eval_dataset = None
         if config.eval.prompt_data:
             eval_cfg = DataConfig(
@@ -203,7 +213,7 @@ class RolloutManager:
             gen = RolloutGenerator(
                 dataset, clients, self.reward, sampling, num_prompts,
                 self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
-                self.progress, seed_keys,
+                self.progress, seed_keys, self.health,
             )  # fmt: skip
             return (await gen.generate_rollout()).samples
         finally:
@@ -221,6 +231,20 @@ class RolloutManager:
                 await asyncio.gather(*(c.close() for c in clients))
 
         return run_sync(call())
+
+    def down_engines(self) -> dict[int, str]:
+        """Engine index -> why it is down (empty without --rollout-health-check-interval)."""
+        if self.health is None:
+            return {}
+        down = self.health.down()
+        return {j: down[u] for j, u in enumerate(self.engine_urls) if u in down}
+
+    def replace_engine(self, index: int, url: str) -> None:
+        """A restarted engine takes the place (and the turn) of the one that went down."""
+        old = self.engine_urls[index]
+        self.engine_urls[index] = url  # the monitor's list is this one
+        if self.health is not None:
+            self.health.clear(old)
 
     def dump_parameters(self, root: str) -> list[int]:
         """--debug-sync-parameters-path: every engine's parameters to root/<engine rank>/ (the

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.config.rollout import SamplingConfig
-from slime.engines.client import EngineClient
+from slime.engines.client import EngineClient, EngineError
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.generate import generate
+from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Sample, Status
 
@@ -62,6 +63,7 @@ class RolloutGenerator:
         generate_fn: Callable[..., Any] | None = None,
         progress: Progress | None = None,
         seed_keys: tuple[int | str, ...] | None = None,
+        health: EngineHealth | None = None,
     ):
         """`seed_keys` (--deterministic-mode): every sample gets a `sampling_seed` derived from
         them, its prompt's draw order and its index in the group, and finished groups are taken
@@ -83,9 +85,35 @@ class RolloutGenerator:
         self.progress.reward_seconds = 0.0
         self.progress.total = rollout_batch_size * sampling.n_samples_per_prompt
         self.seed_keys = seed_keys
+        self.health = health
+
+    def _pick(self) -> EngineClient:
+        """The next engine in turn that is not marked down."""
+        for _ in range(len(self.clients)):
+            client = self.clients[next(self._next_client)]
+            if self.health is None or not self.health.is_down(client.base_url):
+                return client
+        down = self.health.down() if self.health is not None else {}
+        raise RuntimeError(f"every engine is down ({down}); the rollout cannot go on")
 
     async def _group(self, prompt: Prompt, draw: int) -> list[Sample]:
-        client = self.clients[next(self._next_client)]
+        """One prompt's samples. With engine health tracking, a group whose engine goes down is
+        generated again from scratch on another engine (its partial samples are dropped)."""
+        while True:
+            client = self._pick()
+            try:
+                return await self._group_on(client, prompt, draw)
+            except EngineError as e:
+                if self.health is None or not engine_down(e):
+                    raise
+                self.health.mark_down(client.base_url, e.message)
+                logger.warning(
+                    "prompt %d: engine %s went down; its group is generated again",
+                    prompt.index,
+                    client.base_url,
+                )
+
+    async def _group_on(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample]:
         n = self.sampling.n_samples_per_prompt
         params = [self.sampling.params() for _ in range(n)]
         if self.seed_keys is not None:
@@ -102,9 +130,18 @@ class RolloutGenerator:
             for _ in range(n)
         ]
         if self.generate_fn is None:
-            await asyncio.gather(*(generate(client, s, prompt.token_ids, p) for s, p in zip(samples, params)))
+            results = await asyncio.gather(
+                *(generate(client, s, prompt.token_ids, p) for s, p in zip(samples, params)),
+                return_exceptions=True,
+            )
         else:
-            samples = await asyncio.gather(*(self._custom(s, prompt, p) for s, p in zip(samples, params)))
+            results = await asyncio.gather(*(self._custom(s, prompt, p) for s, p in zip(samples, params)),
+                                           return_exceptions=True)  # fmt: skip
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:  # every request of the group has ended: none is left running
+            raise errors[0]
+        if self.generate_fn is not None:
+            samples = [r for r in results if isinstance(r, Sample)]
         if any(s.status == Status.ABORTED for s in samples):
             return samples
         start = time.perf_counter()
