@@ -53,6 +53,7 @@ def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tm
         (["--rollout-external-engine-addrs", "a:1", "http://a:1"], "names an engine twice"),
         (["--rollout-external-engine-addrs", "a:1", "--colocate"], "drop --colocate"),
         (["--rollout-external-engine-addrs", "a:1", "--rollout-num-gpus", "2"], "drop --rollout-num-gpus"),
+        (["--rollout-backend", "sglang"], "cannot launch SGLang servers in this build yet"),
     ],
 )
 def test_external_engine_flags_are_checked(tiny_model, tmp_path, capsys, extra, message):
@@ -68,3 +69,7 @@ def test_external_engine_flags_are_checked(tiny_model, tmp_path, capsys, extra, 
     )
     assert config.cluster.external_engine_addrs == ("http://10.0.0.5:30000", "http://10.0.0.6:30000")
     assert config.cluster.num_engines == 2
+    sglang = parse_args(
+        [*base, "--rollout-backend", "sglang", "--rollout-external-engine-addrs", "10.0.0.5:30000"]
+    )
+    assert sglang.debug.precision_dtype == "bfloat16"  # SGLang serves bf16: the log-prob tolerances follow

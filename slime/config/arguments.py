@@ -331,6 +331,11 @@ def _check(ns: argparse.Namespace) -> str | None:
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
         )
+    if ns.rollout_backend == "sglang" and not ns.rollout_external_engine_addrs and not ns.debug_train_only:
+        return (
+            "--rollout-backend sglang cannot launch SGLang servers in this build yet: start them yourself and "
+            "attach them with --rollout-external-engine-addrs HOST:PORT ..., or use --rollout-backend torch"
+        )
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
         return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
