@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
+from slime.engines.sglang_args import reserved_problem, server_argv
 from slime.utils.tracking import check_available
 
 
@@ -33,6 +35,8 @@ class ClusterConfig:
     device: str = "cpu"
     external_engine_addrs: tuple[str, ...] = ()
     """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
+    sglang_server_args: tuple[str, ...] = ()
+    """SGLang command-line arguments from the `--sglang-*` flags given (slime.engines.sglang_args)."""
 
     @property
     def num_train_ranks(self) -> int:
@@ -511,7 +515,7 @@ def _configs(ns: argparse.Namespace) -> Config:
     cluster = ClusterConfig(
         ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
         ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
-        tuple(ns.rollout_external_engine_addrs or ()),
+        tuple(ns.rollout_external_engine_addrs or ()), tuple(ns.sglang_server_args),
     )  # fmt: skip
     data = None
     if ns.prompt_data is not None:
@@ -584,10 +588,36 @@ def _eval_sampling(ns: argparse.Namespace, rollout: SamplingConfig) -> SamplingC
     )
 
 
+def _sglang_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, tuple[str, str]]:
+    """Add `--sglang-<name>` (slime.engines.sglang_args) when SGLang is asked for, reading its
+    argument list from the installed SGLang; without SGLang a `--sglang-*` flag is refused."""
+    from slime.engines import sglang_args
+
+    given = [a.split("=")[0] for a in argv if a.startswith("--sglang-")]
+    known, _ = parser.parse_known_args(argv)
+    if not given and known.rollout_backend != "sglang":
+        return {}
+    try:
+        add_cli_args = sglang_args.load_server_cli()
+    except Exception as e:  # not installed, or not importable on this machine
+        if given:
+            parser.error(
+                f"{given[0]}: the --sglang-* flags are read from the installed SGLang's own argument list, and "
+                f"SGLang cannot be imported here ({type(e).__name__}: {e}); install sglang (GPU machines)"
+            )
+        return {}  # --rollout-backend sglang with external engines needs no local SGLang
+    return sglang_args.add_sglang_arguments(parser, add_cli_args)
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse and validate; any problem exits with code 2 and one message naming the flag."""
     parser = build_parser()
+    mirrored = _sglang_arguments(parser, sys.argv[1:] if argv is None else list(argv))
     ns = parser.parse_args(argv)
+    problem = reserved_problem(ns, mirrored)
+    if problem:
+        parser.error(problem)
+    ns.sglang_server_args = server_argv(ns, mirrored)
     external = ns.rollout_external_engine_addrs
     if external is not None and ns.rollout_num_gpus is not None:
         parser.error(

@@ -1,0 +1,95 @@
+"""`--sglang-<name>`: every SGLang server argument, passed through to the servers slime starts.
+
+The list is read from the installed SGLang (`ServerArgs.add_cli_args`, the function SGLang's own
+launcher uses), never kept here: each of its options `--foo` becomes `--sglang-foo` with the same
+type, choices, nargs and on/off behaviour, and the values given are turned back into SGLang's
+command line (`server_argv`). Only flags that were given are passed; SGLang's defaults apply to
+the rest. Options that slime sets itself are refused with the flag that controls them.
+
+SGLang is imported only when `--rollout-backend sglang` or a `--sglang-*` flag is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+# SGLang option dest -> what sets it in slime.
+RESERVED = {
+    "model_path": "--hf-checkpoint",
+    "tokenizer_path": "--hf-checkpoint",
+    "host": "slime (the engine's bundle node)",
+    "port": "slime (a free port)",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "base_gpu_id": "slime (the engine's Ray bundle)",
+    "random_seed": "--seed",
+}
+
+AddCliArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def load_server_cli() -> AddCliArgs:
+    """The installed SGLang's argument registration (ImportError when SGLang is not installed)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs.add_cli_args
+
+
+def add_sglang_arguments(
+    parser: argparse.ArgumentParser, add_cli_args: AddCliArgs
+) -> dict[str, tuple[str, str]]:
+    """Mirror SGLang's options as `--sglang-<name>` on `parser`. Returns dest -> (SGLang option,
+    kind) for `server_argv`; kind is "flag" (no value), "const" or "value"."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_cli_args(scratch)
+    group = parser.add_argument_group(
+        "SGLang server arguments (passed through; see `python -m sglang.launch_server --help`)"
+    )
+    mirrored: dict[str, tuple[str, str]] = {}
+    for action in scratch._actions:
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if not long or isinstance(action, argparse._HelpAction):
+            continue
+        option = long[0]
+        dest = "sglang_" + action.dest
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        if isinstance(action, argparse._StoreConstAction | argparse.BooleanOptionalAction):
+            # store_true / store_false / store_const: a switch, passed as the bare option.
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+            kind = "flag"
+        elif action.nargs == 0:
+            continue  # other zero-argument actions (version, count) make no sense for a server
+        else:
+            kwargs.update(
+                type=action.type, choices=action.choices, nargs=action.nargs, metavar=action.metavar
+            )
+            kind = "value"
+        group.add_argument("--sglang-" + option[2:], **kwargs)
+        mirrored[dest] = (option, kind)
+    return mirrored
+
+
+def server_argv(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]]) -> list[str]:
+    """The SGLang command-line arguments for the `--sglang-*` flags given on the command line."""
+    argv: list[str] = []
+    for dest, (option, kind) in mirrored.items():
+        if not hasattr(ns, dest):
+            continue
+        value = getattr(ns, dest)
+        if kind == "flag":
+            argv.append(option)
+        elif isinstance(value, list):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, str(value)]
+    return argv
+
+
+def reserved_problem(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]]) -> str | None:
+    for sglang_dest, controlled_by in RESERVED.items():
+        dest = "sglang_" + sglang_dest
+        if dest in mirrored and hasattr(ns, dest):
+            return f"--sglang-{mirrored[dest][0][2:]} is set by {controlled_by}; drop it"
+    return None

@@ -1,0 +1,74 @@
+"""`--sglang-<name>` pass-through, against a stub of SGLang's argument registration (SGLang
+itself cannot be imported on this CPU machine; its ServerArgs.add_cli_args has this shape)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from slime.config.arguments import parse_args
+from slime.engines import sglang_args
+
+
+def stub_add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """A few options of the kinds SGLang's list has (types, choices, nargs, switches, reserved)."""
+    parser.add_argument("--model-path", "--model", type=str, required=True)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument(
+        "--attention-backend", type=str, choices=["fa3", "flashinfer", "triton"], default=None
+    )
+    parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--disable-radix-cache", action="store_true")
+
+
+@pytest.fixture
+def base(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(sglang_args, "load_server_cli", lambda: stub_add_cli_args)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "exact", "--rollout-backend", "sglang",
+            "--rollout-external-engine-addrs", "10.0.0.5:30000"]  # fmt: skip
+
+
+def test_given_flags_become_sglang_arguments_and_only_those(base):
+    config = parse_args([*base, "--sglang-mem-fraction-static", "0.7", "--sglang-attention-backend", "fa3",
+                         "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-deterministic-inference"])  # fmt: skip
+    assert config.cluster.sglang_server_args == (
+        "--mem-fraction-static", "0.7", "--attention-backend", "fa3", "--cuda-graph-bs", "1", "2", "4",
+        "--enable-deterministic-inference",
+    )  # fmt: skip
+    assert parse_args(base).cluster.sglang_server_args == ()  # SGLang's own defaults otherwise
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sglang-attention-backend", "sdpa"], "invalid choice: 'sdpa'"),
+        (["--sglang-mem-fraction-static", "lots"], "invalid float value: 'lots'"),
+        (["--sglang-tp-size", "2"], "--sglang-tp-size is set by --rollout-num-gpus-per-engine"),
+        (["--sglang-model-path", "x"], "--sglang-model-path is set by --hf-checkpoint"),
+        (["--sglang-no-such-option", "1"], "unrecognized arguments: --sglang-no-such-option"),
+    ],
+)
+def test_bad_sglang_flags_exit_2(base, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        parse_args([*base, *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_sglang_a_sglang_flag_says_what_is_missing(tiny_model, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
+                    "--num-rollout", "1", "--rm-type", "exact", "--sglang-mem-fraction-static", "0.7"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "--sglang-mem-fraction-static: the --sglang-* flags are read from the installed" in err
+    )
+    assert "install sglang" in err
