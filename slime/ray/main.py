@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     from slime.bridge.verify import WeightSyncError
     from slime.debug.hang import HangError
     from slime.debug.precision import PrecisionError
-    from slime.ray.loop import ExternalEngineError, run
+    from slime.ray.checks import ExternalEngineError
+    from slime.ray.loop import run
     from slime.rollout.dump import DumpError
 
     try:
