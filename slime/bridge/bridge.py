@@ -112,6 +112,14 @@ class WeightBridge:
         )  # fmt: skip
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
 
+    def engine_dtype_once(self) -> Any:
+        """engine_dtype() from synchronous code, asked once (an event loop per push would cost
+        more than the check itself)."""
+        if self._engine_dtype is None:
+            run_sync(self.engine_dtype())
+        assert self._engine_dtype is not None
+        return self._engine_dtype[0]
+
     async def engine_dtype(self) -> Any:
         """The parameter dtype of the engines (SGLang's /get_server_info `dtype`), asked once."""
         import torch
@@ -166,8 +174,7 @@ def push_actor_weights(
     if verify:
         from slime.bridge.verify import Fingerprints
 
-        cached = bridge._engine_dtype  # an event loop per push costs more than the check itself
-        prints = Fingerprints(cached[0] if cached is not None else run_sync(bridge.engine_dtype()))
+        prints = Fingerprints(bridge.engine_dtype_once())
         buckets = prints.record(buckets)
     if fault is not None:
         buckets = fault.apply(buckets, bucket_bytes)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slime.bridge.base import Bucket
-from slime.utils.checksum import tensor_fingerprint
+from slime.utils.checksum import fingerprint_entry
 
 
 class WeightSyncError(RuntimeError):
@@ -64,8 +64,7 @@ class Fingerprints:
         for name, tensor in bucket:
             if self.engine_dtype is not None and tensor.dtype != self.engine_dtype:
                 tensor = tensor.to(self.engine_dtype)  # what the engine will hold
-            self.entries[name] = {"dtype": str(tensor.dtype).removeprefix("torch."),
-                                  "shape": list(tensor.shape), "fingerprint": tensor_fingerprint(tensor)}  # fmt: skip
+            self.entries[name] = fingerprint_entry(tensor)
         self.seconds += time.perf_counter() - start
 
     def wait(self) -> dict[str, dict[str, Any]]:

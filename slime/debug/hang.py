@@ -24,6 +24,8 @@ import time
 import traceback
 from collections.abc import Iterator
 
+from slime.utils.files import atomic_write_text
+
 WATCHDOG_THREAD = "slime-hang-watchdog"
 
 
@@ -40,13 +42,6 @@ def format_stacks(first: int | None = None) -> str:
         stack = "".join(traceback.format_stack(frames[ident]))
         parts.append(f'Thread "{names.get(ident, "?")}" (ident {ident}), most recent call last:\n{stack}')
     return "\n".join(parts)
-
-
-def write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 class HangError(RuntimeError):
@@ -115,5 +110,5 @@ class HangWatchdog:
             f"{self.header}pid {os.getpid()}: {what} has run {elapsed:.1f} s "
             f"(--hang-timeout {self.timeout_s:g} s)\n\n{format_stacks(first=ident)}"
         )
-        write_atomic(self.path, text)
+        atomic_write_text(self.path, text)
         self.fired.append(what)

@@ -109,6 +109,7 @@ def check_precision(
     import json
 
     from slime.debug import precision
+    from slime.utils.files import atomic_write_text
 
     t, d = config.train, config.debug
     ctx = precision.Context(
@@ -127,12 +128,8 @@ def check_precision(
     )
     checks = precision.gates(ctx, output.rollout, output.precision, output.steps[0] if output.steps else {})
     if first:
-        path = os.path.join(log_dir, "precision.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(
-                {"rollout_id": rollout_id, "checks": [dataclasses.asdict(c) for c in checks]}, f, indent=1
-            )
-        os.replace(path + ".tmp", path)
+        record = {"rollout_id": rollout_id, "checks": [dataclasses.asdict(c) for c in checks]}
+        atomic_write_text(os.path.join(log_dir, "precision.json"), json.dumps(record, indent=1))
     if precision.failed(checks):
         raise precision.PrecisionError(precision.report(ctx, checks))
     if first:

@@ -58,3 +58,9 @@ def tensor_fingerprint(tensor: torch.Tensor) -> list[int]:
 
 def _wrap(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
+
+
+def fingerprint_entry(tensor: torch.Tensor) -> dict[str, object]:
+    """What --check-weight-sync compares for one tensor: dtype, shape and tensor_fingerprint."""
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "fingerprint": tensor_fingerprint(tensor)}  # fmt: skip

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slime.utils.buckets import iter_buckets
+from slime.utils.files import atomic_write_text
 
 if TYPE_CHECKING:
     from slime.backends.fsdp.actor import FSDPTrainActor
@@ -38,15 +38,6 @@ FORMAT_VERSION = 1
 
 def iteration_dir(root: str, rollout_id: int) -> str:
     return os.path.join(root, f"iter_{rollout_id:07d}")
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _broadcast_error(message: str | None) -> None:
@@ -94,7 +85,7 @@ def save_checkpoint(
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(rollout_id))
+        atomic_write_text(os.path.join(root, TRACKER), str(rollout_id))
         logger.info("saved checkpoint %s (%d ranks)", final, actor.world_size)
     dist.barrier()
     return final

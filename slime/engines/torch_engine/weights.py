@@ -81,7 +81,7 @@ class WeightStore:
         """Copy every tensor in. With `fingerprint_updates` set (a request's `slime_fingerprints`),
         each parameter is fingerprinted right after its copy, while it is still in cache, into
         `applied_fingerprints` (slime.bridge.verify)."""
-        from slime.utils.checksum import tensor_fingerprint
+        from slime.utils.checksum import fingerprint_entry
 
         if self._released:
             raise ProtocolError("weights are released; call /resume_memory_occupation before updating", 409)
@@ -91,10 +91,7 @@ class WeightStore:
             canonical = self._canonical[id(param)]
             self.stale.discard(canonical)
             if self.applied_fingerprints is not None:
-                self.applied_fingerprints[canonical] = {
-                    "dtype": str(param.dtype).removeprefix("torch."), "shape": list(param.shape),
-                    "fingerprint": tensor_fingerprint(param),
-                }  # fmt: skip
+                self.applied_fingerprints[canonical] = fingerprint_entry(param)
         return len(named)
 
     def canonical_names(self) -> list[str]:
@@ -260,13 +257,9 @@ class WeightStore:
 
     def fingerprints(self) -> dict[str, dict[str, Any]]:
         """Every parameter (canonical names): dtype, shape and slime.utils.checksum's fingerprint."""
-        from slime.utils.checksum import tensor_fingerprint
+        from slime.utils.checksum import fingerprint_entry
 
-        return {
-            name: {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
-                   "fingerprint": tensor_fingerprint(p)}
-            for name, p in self._canonical_params()
-        }  # fmt: skip
+        return {name: fingerprint_entry(p) for name, p in self._canonical_params()}
 
     def dump(self, path: str) -> int:
         """torch.save every parameter to `path`/<HF name> (written under a temporary name first)."""
