@@ -21,9 +21,10 @@ def prompts(tmp_path_factory):
     return str(path)
 
 
-def run_job(script, model, prompts, tmp_path, *extra):
+def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
+    """Run `script` as users do; `env` adds variables, `path` folders in front of PYTHONPATH."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
-           "PYTHONPATH": ROOT + os.pathsep + str(tmp_path)}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([*path, ROOT, str(tmp_path)]), **(env or {})}  # fmt: skip
     argv = [sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--prompt-data", prompts,
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
             "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4", *extra]  # fmt: skip

@@ -37,6 +37,9 @@ class ClusterConfig:
     """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
     sglang_server_args: tuple[str, ...] = ()
     """SGLang command-line arguments from the `--sglang-*` flags given (slime.engines.sglang_args)."""
+    router_ip: str | None = None
+    router_port: int | None = None
+    """`--sglang-router-ip/--sglang-router-port`: a running sglang-router to register the engines with."""
 
     @property
     def num_train_ranks(self) -> int:
@@ -178,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
                    help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
                    "any; the trainer's weights are pushed to them before the first rollout")  # fmt: skip
+    g.add_argument("--sglang-router-ip", default=None,
+                   help="a running sglang-router to register the engines with (--rollout-backend sglang starts one "
+                   "otherwise); custom rollout functions post to it")  # fmt: skip
+    g.add_argument("--sglang-router-port", type=int, default=None)
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
@@ -335,11 +342,8 @@ def _check(ns: argparse.Namespace) -> str | None:
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
         )
-    if ns.rollout_backend == "sglang" and not ns.rollout_external_engine_addrs and not ns.debug_train_only:
-        return (
-            "--rollout-backend sglang cannot launch SGLang servers in this build yet: start them yourself and "
-            "attach them with --rollout-external-engine-addrs HOST:PORT ..., or use --rollout-backend torch"
-        )
+    if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
+        return "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
         return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
@@ -515,7 +519,8 @@ def _configs(ns: argparse.Namespace) -> Config:
     cluster = ClusterConfig(
         ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
         ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
-        tuple(ns.rollout_external_engine_addrs or ()), tuple(ns.sglang_server_args),
+        tuple(ns.rollout_external_engine_addrs or ()), tuple(ns.sglang_server_args), ns.sglang_router_ip,
+        ns.sglang_router_port,
     )  # fmt: skip
     data = None
     if ns.prompt_data is not None:
@@ -593,7 +598,11 @@ def _sglang_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> dict[
     argument list from the installed SGLang; without SGLang a `--sglang-*` flag is refused."""
     from slime.engines import sglang_args
 
-    given = [a.split("=")[0] for a in argv if a.startswith("--sglang-")]
+    given = [
+        a.split("=")[0]
+        for a in argv
+        if a.startswith("--sglang-") and a.split("=")[0] not in sglang_args.OWN_FLAGS
+    ]
     known, _ = parser.parse_known_args(argv)
     if not given and known.rollout_backend != "sglang":
         return {}

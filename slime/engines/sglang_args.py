@@ -26,6 +26,9 @@ RESERVED = {
     "random_seed": "--seed",
 }
 
+# slime's own flags in the --sglang- namespace (an SGLang option of the same name is not mirrored).
+OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port"}
+
 AddCliArgs = Callable[[argparse.ArgumentParser], None]
 
 
@@ -52,6 +55,8 @@ def add_sglang_arguments(
         if not long or isinstance(action, argparse._HelpAction):
             continue
         option = long[0]
+        if "--sglang-" + option[2:] in OWN_FLAGS:
+            continue
         dest = "sglang_" + action.dest
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
         if isinstance(action, argparse._StoreConstAction | argparse.BooleanOptionalAction):

@@ -132,17 +132,44 @@ class TrainRank:
         self.actor.close()
 
 
+def engine_host() -> str:
+    """Where an engine binds: loopback on one machine, the node's address on a multi-node
+    cluster (or with SLIME_ENGINE_BIND_NODE_IP=1), so that the rollout manager and the trainer
+    on other nodes reach it."""
+    if os.environ.get("SLIME_ENGINE_BIND_NODE_IP") or len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
 class EngineActor:
     """Owns one torch-engine server process on this actor's node (a Ray actor)."""
 
     def __init__(self, model_path: str, extra_args: list[str], log_path: str | None):
         from slime.engines.torch_engine.launcher import start_torch_engine
 
-        host = ray.util.get_node_ip_address() if os.environ.get("SLIME_ENGINE_BIND_NODE_IP") else "127.0.0.1"
-        self.proc = start_torch_engine(model_path, ["--host", host, *extra_args], log_path=log_path)
+        self.proc = start_torch_engine(model_path, ["--host", engine_host(), *extra_args], log_path=log_path)
 
     def url(self) -> str:
         return self.proc.url
 
     def stop(self) -> int:
         return self.proc.stop()
+
+
+class SGLangEngineActor(EngineActor):
+    """Owns one SGLang server on the GPUs of its engine's bundles (a Ray actor; --rollout-backend
+    sglang). The server is a child process that sees exactly `gpu_ids`."""
+
+    def __init__(self, launch: dict[str, Any], gpu_ids: list[str] | None, log_path: str, timeout_s: float):
+        from slime.engines.sglang_server import SGLangLaunch, free_port, start_sglang_server
+
+        host = engine_host()
+        settings = SGLangLaunch(host=host, port=free_port(host), nccl_port=free_port(host), **launch)
+        logger.info("starting SGLang on GPUs %s: %s", gpu_ids, " ".join(settings.command()))
+        self.proc = start_sglang_server(settings, gpu_ids, log_path, timeout_s)
+
+
+@ray.remote(num_cpus=0)
+def bundle_device() -> tuple[str, list[str]]:
+    """(node address, GPU ids Ray gave this task): run once in each bundle to learn its GPU."""
+    return ray.util.get_node_ip_address(), [str(i) for i in ray.get_gpu_ids()]

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.interface import RolloutBatch
 from slime.config.arguments import Config, describe
-from slime.ray.actors import EngineActor, TrainRank
+from slime.ray.actors import EngineActor, SGLangEngineActor, TrainRank, bundle_device
 from slime.ray.checks import attach_external, check_precision, check_weight_update_equal, sync_parameters_dump
 from slime.ray.placement import Placement, Slot, plan_placement
 from slime.ray.rollout_manager import RolloutManager
@@ -29,6 +29,10 @@ from slime.rollout.sample import Sample, samples_to_batch
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+# SGLang's memory tags (GPU_MEMORY_TYPE_*): colocated engines resume their weights before a push,
+# the KV cache and CUDA graphs after it.
+WEIGHT_TAGS = ("weights",)
+CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
 def _in(pg: Any, slot: Slot, resource: str, **options: Any) -> dict[str, Any]:
@@ -45,6 +49,7 @@ class Job:
         self.log_dir = log_dir
         self.hung = False
         self.restarts = 0
+        self.engine_memory_released = False  # colocated engines between training and the next push
         c = config.cluster
         self.with_trainer = not config.debug.rollout_only
         self.with_engines = not config.debug.train_only
@@ -62,6 +67,7 @@ class Job:
         if config.train.deterministic:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
         self.engine_args = engine_args
+        self.engine_gpus = self._engine_gpus() if c.rollout_backend == "sglang" else {}
         self.engines: list[Any] = [
             self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))
         ]
@@ -77,7 +83,7 @@ class Job:
             self.manager = (
                 ray.remote(RolloutManager)
                 .options(num_cpus=0, max_concurrency=2)
-                .remote(config, self.engine_urls)
+                .remote(config, self.engine_urls, log_dir)
             )
         world = c.num_train_ranks
         self.train: list[Any] = []
@@ -97,13 +103,48 @@ class Job:
                 for t in self.train
             ])  # fmt: skip
 
+    def _engine_gpus(self) -> dict[int, list[str] | None]:
+        """--rollout-backend sglang: engine j -> the GPU ids of its bundles (one node), learned by
+        running a task in each bundle; None for every engine on a CPU cluster."""
+        slots = self.placement.engines
+        if self.placement.resource != "GPU":
+            return {j: None for j in range(len(slots))}
+        bundles = sorted({b for s in slots for b in s.bundles})
+        probes = ray.get([
+            bundle_device.options(num_gpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=b)).remote()
+            for b in bundles
+        ])  # fmt: skip
+        where = dict(zip(bundles, probes, strict=True))
+        gpus: dict[int, list[str] | None] = {}
+        for j, slot in enumerate(slots):
+            nodes = {where[b][0] for b in slot.bundles}
+            if len(nodes) > 1:
+                raise RuntimeError(
+                    f"engine {j} would span nodes {sorted(nodes)}: --rollout-num-gpus-per-engine "
+                    f"{len(slot.bundles)} must fit in one node's GPUs"
+                )
+            gpus[j] = [where[b][1][0] for b in slot.bundles]
+        return gpus
+
     def _launch_engine(self, j: int, log_name: str) -> Any:
         slot = self.placement.engines[j]
-        return (
-            ray.remote(EngineActor)
-            .options(**_in(self.pg, slot, self.placement.resource))
-            .remote(self.config.train.hf_checkpoint, self.engine_args, os.path.join(self.log_dir, log_name))
-        )
+        options = _in(self.pg, slot, self.placement.resource)
+        log_path = os.path.join(self.log_dir, log_name)
+        c, t = self.config.cluster, self.config.train
+        if c.rollout_backend == "sglang":
+            launch = {
+                "model_path": t.hf_checkpoint, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
+                "deterministic": t.deterministic, "memory_saver": c.colocate, "weight_version": "0",
+                "extra_args": tuple(c.sglang_server_args),
+            }  # fmt: skip
+            timeout_s = self.config.train.distributed_timeout_minutes * 60
+            return (
+                ray.remote(SGLangEngineActor)
+                .options(**options)
+                .remote(launch, self.engine_gpus[j], log_path, timeout_s)
+            )
+        return ray.remote(EngineActor).options(**options).remote(t.hf_checkpoint, self.engine_args, log_path)
 
     def restart_down_engines(self) -> None:
         """--rollout-health-check-interval: replace every engine found down by a fresh one on
@@ -158,17 +199,20 @@ class Job:
         off-policy generation still runs on them); with --offload the trainer takes its back."""
         c = self.config.cluster
         if c.colocate and self.engines and not generation_running:
-            ray.get(self.manager.engines.remote("release_memory_occupation"))
+            ray.get(self.manager.engines.remote("release_memory_occupation"))  # every tag
+            self.engine_memory_released = True
         if c.offload:
             ray.get([t.wake.remote() for t in self.train])
 
     def before_push(self) -> None:
-        """Engines take their memory back first; the push then rewrites every parameter."""
+        """The trainer gives its memory back (--offload), then the engines take back the memory of
+        their weights only, which the push rewrites; KV cache and CUDA graphs follow the push
+        (`push`), so the push's buckets never sit beside a full KV cache."""
         c = self.config.cluster
         if c.offload:
             ray.get([t.sleep.remote() for t in self.train])
-        if c.colocate and self.engines:
-            ray.get(self.manager.engines.remote("resume_memory_occupation"))
+        if self.engine_memory_released:
+            ray.get(self.manager.engines.remote("resume_memory_occupation", list(WEIGHT_TAGS)))
 
     def push(self, version: int, progress: Progress | None = None) -> dict[str, float]:
         if not (self.train and self.engine_urls):
@@ -176,6 +220,9 @@ class Job:
         b = self.config.bridge
         refs = [t.push_weights.remote(str(version), b.buffer_size, b.verify) for t in self.train]
         stats = self.wait_train(refs, f"the weight push of version {version}", progress, "push")
+        if self.engine_memory_released:  # colocated: the rest comes back once the weights are in
+            ray.get(self.manager.engines.remote("resume_memory_occupation", list(CACHE_TAGS)))
+            self.engine_memory_released = False
         return stats[0] or {}
 
     def wait_train(self, refs: list[Any], what: str, progress: Progress | None, phase: str) -> Any:
@@ -200,7 +247,12 @@ class Job:
             for t in self.train:
                 ray.kill(t, no_restart=True)
             self.train = []
-        for calls in ([t.close.remote() for t in self.train], [e.stop.remote() for e in self.engines]):
+        managers = [self.manager.close.remote()] if self.manager is not None else []
+        for calls in (
+            [t.close.remote() for t in self.train],
+            managers,
+            [e.stop.remote() for e in self.engines],
+        ):
             try:
                 ray.get(calls, timeout=60)
             except Exception as e:  # shutting down after a failure must not hide it

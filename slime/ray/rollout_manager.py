@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import statistics
 import time
@@ -24,6 +25,8 @@ from slime.rollout.manager import DataSource, Progress, RolloutGenerator, number
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample, Status, samples_to_batch
 from slime.utils.aio import run_sync
+
+logger = logging.getLogger(__name__)
 
 
 def rollout_metrics(
@@ -48,7 +51,7 @@ def rollout_metrics(
 class RolloutManager:
     """Produces rollouts and evaluations from the engines at `engine_urls` (a Ray actor)."""
 
-    def __init__(self, config: Config, engine_urls: list[str]):
+    def __init__(self, config: Config, engine_urls: list[str], log_dir: str = "."):
         from transformers import AutoTokenizer
 
         from slime.utils.logging_utils import configure_logging
@@ -81,8 +84,13 @@ class RolloutManager:
             if r.custom_generate_function_path
             else None
         )
-        if engine_urls:
-            # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}.
+        # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
+        # the router in front of every engine, or (torch engines without a router) engine 0.
+        self.registered: list[str] = []  # engines slime added to the router
+        self.router = self._router(config, engine_urls, log_dir)
+        if self.router is not None:
+            config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
+        elif engine_urls:
             host, _, port = engine_urls[0].removeprefix("http://").rpartition(":")
             config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
         self.filter = (
@@ -107,6 +115,43 @@ class RolloutManager:
                    "prompt_data": config.eval.prompt_data, "shuffle": False}
             )  # fmt: skip
             self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
+
+    def _router(self, config: Config, engine_urls: list[str], log_dir: str) -> Any:
+        """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
+        one named by --sglang-router-ip/port; every engine is registered with it."""
+        from slime.engines.router import Router
+
+        c = config.cluster
+        if not engine_urls or (c.rollout_backend != "sglang" and c.router_ip is None):
+            return None
+        if c.router_ip is not None:
+            assert c.router_port is not None
+            router = Router(c.router_ip, c.router_port)
+        else:
+            from slime.ray.actors import engine_host
+
+            router = Router.start(engine_host(), os.path.join(log_dir, "router.log"))
+        listed = router.workers()
+        for url in engine_urls:
+            if url not in listed:
+                router.add_worker(url)
+                self.registered.append(url)
+        logger.info("router %s in front of engines %s", router.url, ", ".join(engine_urls))
+        return router
+
+    def close(self) -> None:
+        """Stop the router slime started (a router given by --sglang-router-ip keeps running;
+        the engines slime registered there are removed from it)."""
+        if self.router is None:
+            return
+        if self.router.proc is not None:
+            self.router.stop()
+            return
+        for url in self.registered:
+            try:
+                self.router.remove_worker(url)
+            except Exception as e:  # shutting down: the router may be gone
+                logger.warning("removing %s from the router: %s", url, e)
 
     def num_prompts(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0
@@ -243,6 +288,10 @@ class RolloutManager:
         """A restarted engine takes the place (and the turn) of the one that went down."""
         old = self.engine_urls[index]
         self.engine_urls[index] = url  # the monitor's list is this one
+        if self.router is not None:
+            self.router.remove_worker(old)
+            self.router.add_worker(url)
+            self.registered = [u for u in self.registered if u != old] + [url]
         if self.health is not None:
             self.health.clear(old)
 

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = {"/health"}
-_MEMORY_TAGS = ("weights", "kv_cache")
+_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags; no CUDA graphs here
 
 
 def error_response(message: str, status: int) -> web.Response:
@@ -467,6 +467,7 @@ class EngineAPI:
                 self.engine.weights.release()
 
         await self._on_engine(_release)
+        logger.info("memory released %s", list(tags))
         return web.json_response({"success": True, "message": f"released {list(tags)}"})
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
@@ -477,6 +478,7 @@ class EngineAPI:
                 self.engine.weights.resume()
 
         await self._on_engine(_resume)
+        logger.info("memory resumed %s", list(tags))
         return web.json_response({"success": True, "message": f"resumed {list(tags)}"})
 
     # ---- OpenAI ------------------------------------------------------------------------------

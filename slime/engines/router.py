@@ -1,0 +1,150 @@
+"""The sglang-router in front of the engines (`--rollout-backend sglang`).
+
+The rollout manager starts one (`python -m sglang_router.launch_router`, the sglang-router
+package) unless `--sglang-router-ip/--sglang-router-port` name a router that already runs, and
+registers every engine slime uses with it; a restarted engine replaces the old worker. slime's own
+generation talks to each engine directly (it places groups itself and must know which engine a
+group ran on to generate it again when that engine goes down); the router is the one address
+that custom rollout and generate functions post to (`args.sglang_router_ip`, as in slime).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from slime.engines.sglang_server import free_port
+
+logger = logging.getLogger(__name__)
+
+
+class RouterError(RuntimeError):
+    pass
+
+
+class Router:
+    """A router at `url`; `proc` is set when slime started it (and stops it)."""
+
+    def __init__(
+        self, host: str, port: int, proc: subprocess.Popen | None = None, log_path: str | None = None
+    ):
+        self.host, self.port, self.proc, self.log_path = host, port, proc, log_path
+        self.url = f"http://{host}:{port}"
+
+    @classmethod
+    def start(cls, host: str, log_path: str, timeout_s: float = 60.0) -> Router:
+        """Start a router with no workers on a free port of `host` and wait until it answers."""
+        try:
+            import sglang_router  # noqa: F401 - only to fail early with an install hint
+        except ImportError as e:
+            raise RouterError(
+                "--rollout-backend sglang starts an sglang-router, which is not installed "
+                "(pip install sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
+            ) from e
+        port = free_port(host)
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        router = cls(host, port, proc, log_path)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RouterError(f"the sglang-router exited with code {proc.returncode}; see {log_path}")
+            try:
+                router.workers()
+                return router
+            except (OSError, RouterError):
+                if time.monotonic() > deadline:
+                    router.stop()
+                    raise RouterError(
+                        f"the sglang-router did not answer within {timeout_s:.0f} s; see {log_path}"
+                    ) from None
+                time.sleep(0.3)
+
+    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def workers(self) -> dict[str, str | None]:
+        """Registered worker URL -> the router's id for it (None on routers without ids)."""
+        status, answer = self._call("GET", "/workers")
+        if status == 404:  # routers before the /workers API
+            status, answer = self._call("GET", "/list_workers")
+        if status != 200:
+            raise RouterError(f"router {self.url}: listing workers answered {status}: {answer}")
+        return _workers(answer)
+
+    def add_worker(self, worker_url: str, timeout_s: float = 120.0) -> None:
+        """Register `worker_url` and wait until the router lists it (sglang-router >= 0.3 adds
+        workers in the background, after its own /health check of the worker)."""
+        status, answer = self._call("POST", "/workers", {"url": worker_url})
+        if status in (404, 405):  # routers before the /workers API
+            status, answer = self._call("POST", "/add_worker?url=" + urllib.parse.quote(worker_url, safe=""))
+        if status not in (200, 201, 202):
+            raise RouterError(f"router {self.url} refused worker {worker_url} ({status}): {answer}")
+        deadline = time.monotonic() + timeout_s
+        while worker_url not in self.workers():
+            if time.monotonic() > deadline:
+                raise RouterError(
+                    f"router {self.url} accepted worker {worker_url} but did not list it within {timeout_s:.0f} s "
+                    f"(its health check of the worker fails?); see {self.log_path or 'the router log'}"
+                )
+            time.sleep(0.2)
+
+    def remove_worker(self, worker_url: str) -> None:
+        """Unregister `worker_url` (a warning, not an error, when the router refuses)."""
+        listed = self.workers()
+        if worker_url not in listed:
+            return
+        worker_id = listed[worker_url]
+        if worker_id is not None:
+            status, answer = self._call("DELETE", "/workers/" + urllib.parse.quote(worker_id, safe=""))
+        else:
+            status, answer = self._call(
+                "POST", "/remove_worker?url=" + urllib.parse.quote(worker_url, safe="")
+            )
+        if status not in (200, 202, 204):
+            logger.warning(
+                "router %s: removing worker %s answered %s: %s", self.url, worker_url, status, answer
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _workers(answer: Any) -> dict[str, str | None]:
+    """A router's worker listing: `{"workers": [{"id", "url", ...}]}` (sglang-router >= 0.3) or
+    `{"urls": [...]}` (older)."""
+    if isinstance(answer, dict) and isinstance(answer.get("urls"), list):
+        return {str(u): None for u in answer["urls"]}
+    if isinstance(answer, dict) and isinstance(answer.get("workers"), list):
+        return {
+            (w["url"] if isinstance(w, dict) else str(w)): (w.get("id") if isinstance(w, dict) else None)
+            for w in answer["workers"]
+        }
+    raise RouterError(f"unexpected worker listing: {answer!r}")

@@ -1,0 +1,144 @@
+"""Start one SGLang HTTP server (`python -m sglang.launch_server`) and wait until it generates.
+
+Used by the Ray engine actor of `--rollout-backend sglang` (slime.ray.actors.SGLangEngineActor):
+the actor runs on the first Ray bundle of its engine and starts the server as a child process
+that sees exactly the engine's GPUs (`CUDA_VISIBLE_DEVICES`), with `--tp-size` from
+`--rollout-num-gpus-per-engine` and free ports on the actor's node. Readiness is a real
+one-token generation (`GET /health_generate` answers 200), not only an open port; a server
+that exits first, or is not ready within the timeout, is an error that quotes the end of its log.
+
+SGLang itself is never imported here: the server is another process, so `import slime` works
+without SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from slime.engines.torch_engine.launcher import EngineProcess, EngineStartError
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """What one SGLang server is started with (the rest comes from `--sglang-*` flags)."""
+
+    model_path: str
+    tp_size: int
+    host: str
+    port: int
+    nccl_port: int
+    seed: int
+    deterministic: bool = False
+    memory_saver: bool = False  # --colocate: release/resume memory needs SGLang's memory saver
+    weight_version: str = "0"
+    extra_args: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--tp-size", str(self.tp_size),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--nccl-port", str(self.nccl_port),
+            "--random-seed", str(self.seed),
+            "--weight-version", self.weight_version,
+        ]  # fmt: skip
+        if self.deterministic:
+            argv.append("--enable-deterministic-inference")
+        if self.memory_saver:
+            argv.append("--enable-memory-saver")
+        return [*argv, *self.extra_args]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (the server binds it moments later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_sglang_server(
+    launch: SGLangLaunch,
+    gpu_ids: list[str] | None,
+    log_path: str,
+    timeout_s: float = 900.0,
+    env: dict[str, str] | None = None,
+) -> EngineProcess:
+    """Start the server and return once `/health_generate` answers 200.
+
+    Args:
+        launch: the command line's settings.
+        gpu_ids: the devices the server may use (its `CUDA_VISIBLE_DEVICES`); None leaves the
+            variable as it is (CPU test runs).
+        log_path: the server's stdout and stderr go here (appended).
+        timeout_s: how long loading and warm-up may take.
+    """
+    child_env = {**os.environ, **(env or {})}
+    if gpu_ids is not None:
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    argv = launch.command()
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    finally:
+        log.close()
+    server = EngineProcess(launch.url, proc, log_path, argv)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise EngineStartError(
+                f"the SGLang server exited with code {code} before it was ready; the end of {log_path}:\n"
+                f"{_tail(log_path)}\ncommand: {' '.join(argv)}"
+            )
+        last = _probe(launch.url + "/health_generate")
+        if last == "ok":
+            return server
+        if time.monotonic() > deadline:
+            server.stop()
+            raise EngineStartError(
+                f"the SGLang server at {launch.url} did not pass /health_generate within {timeout_s:.0f} s "
+                f"(last: {last}); the end of {log_path}:\n{_tail(log_path)}"
+            )
+        time.sleep(1.0)
+
+
+def _probe(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (OSError, ValueError) as e:  # not listening yet, reset, timeout
+        return f"{type(e).__name__}: {e}"
+
+
+def _tail(path: str, num_bytes: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - num_bytes))
+            return f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(cannot read the log: {e})"
+
+
+def describe(launch: SGLangLaunch) -> str:
+    return json.dumps({"url": launch.url, "tp_size": launch.tp_size, "command": launch.command()})
