@@ -134,8 +134,9 @@ class TrainActor(Protocol):
         """HF name → full shape of every tensor export_weights yields (no communication)."""
         ...
 
-    def sleep(self) -> None:
-        """Release device memory (colocated engines run meanwhile)."""
+    def sleep(self, keep_params: bool = False) -> None:
+        """Release device memory (colocated engines run meanwhile); with `keep_params` only what
+        the weight push does not read (optimizer states)."""
         ...
 
     def wake(self) -> None:

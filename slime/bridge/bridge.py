@@ -27,6 +27,10 @@ from slime.utils.aio import run_sync
 
 logger = logging.getLogger(__name__)
 
+# SGLang >= 0.5.2x accepts tensor and distributed updates only inside a weight-update session
+# (/begin_weight_update ... /end_weight_update); engines without sessions answer 404 and get none.
+SESSION_TRANSPORTS = ("tensor", "distributed")
+
 
 def make_transport(name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0) -> Transport:
     """`timeout_s` bounds the trainer's side of the distributed transport's collectives."""
@@ -92,8 +96,12 @@ class WeightBridge:
         start = time.perf_counter()
         total = count = 0
         await _all(engines, "pause_generation")
+        sessions: list[EngineClient] = []
         try:
             await asyncio.gather(*(_flush(e) for e in engines))
+            if self.transport.name in SESSION_TRANSPORTS:
+                opened = await asyncio.gather(*(e.begin_weight_update() for e in engines))
+                sessions = [e for e, ok in zip(engines, opened, strict=True) if ok]
             try:
                 for bucket in buckets:
                     await self.transport.send(engines, bucket, weight_version)
@@ -104,7 +112,10 @@ class WeightBridge:
                 await self.transport.abort()
                 raise
         finally:
-            await _all(engines, "continue_generation")
+            try:
+                await _all(sessions, "end_weight_update")
+            finally:
+                await _all(engines, "continue_generation")
         seconds = time.perf_counter() - start
         logger.info(
             "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",

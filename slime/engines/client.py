@@ -172,14 +172,43 @@ class EngineClient:
             await asyncio.sleep(interval_s)
         raise EngineError(f"engine not healthy after {timeout_s} s", None, self.base_url)
 
+    async def _get_either(self, path: str, older: str) -> Any:
+        """GET `path`, or `older` from engines without it (SGLang renamed its /get_* routes)."""
+        try:
+            return await self.request("GET", path)
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self.request("GET", older)
+
     async def get_model_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_model_info")
+        return await self._get_either("/model_info", "/get_model_info")
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_server_info")
+        return await self._get_either("/server_info", "/get_server_info")
 
     async def get_weight_version(self) -> str:
-        return (await self.request("GET", "/get_weight_version"))["weight_version"]
+        """The engine's weight version (SGLang >= 0.5.2x has no /get_weight_version: /model_info's)."""
+        try:
+            return str((await self.request("GET", "/get_weight_version"))["weight_version"])
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return str((await self.get_model_info())["weight_version"])
+
+    async def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session (required around tensor and distributed updates
+        since SGLang 0.5.2x); False when the engine has no sessions (404)."""
+        try:
+            await self.request("POST", "/begin_weight_update", {})
+            return True
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return False
+
+    async def end_weight_update(self) -> Any:
+        return await self.request("POST", "/end_weight_update", {})
 
     # ---- control ------------------------------------------------------------------------------
     async def pause_generation(self, mode: str = "in_place") -> Any:
@@ -316,11 +345,21 @@ async def _decode(resp: aiohttp.ClientResponse, url: str) -> Any:
     ctype = resp.headers.get("Content-Type", "")
     body: Any = await resp.json(content_type=None) if "json" in ctype else await resp.text()
     if resp.status >= 400:
-        message = body.get("message", body) if isinstance(body, dict) else body
-        if isinstance(message, dict):  # {"error": {"message": ...}} style
-            message = message.get("message", message)
-        raise EngineError(f"HTTP {resp.status}: {message}", resp.status, url)
+        raise EngineError(f"HTTP {resp.status}: {_error_message(body)}", resp.status, url)
     return body
+
+
+def _error_message(body: Any) -> Any:
+    """The message of an error answer: {"success": false, "message"} (weight updates),
+    {"error": {"message"}} or {"error": "..."} (SGLang's other routes), {"message"} (ours), text."""
+    if not isinstance(body, dict):
+        return body
+    if "message" in body:
+        return body["message"]
+    error = body.get("error")
+    if isinstance(error, dict):
+        return error.get("message", error)
+    return error if error is not None else body
 
 
 # Errors raised before a request could reach the server (ConnectionTimeoutError: aiohttp >= 3.10).

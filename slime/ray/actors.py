@@ -120,8 +120,8 @@ class TrainRank:
                 self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify
             )
 
-    def sleep(self) -> None:
-        self.actor.sleep()
+    def sleep(self, keep_params: bool = False) -> None:
+        self.actor.sleep(keep_params)
 
     def wake(self) -> None:
         self.actor.wake()

@@ -205,12 +205,13 @@ class Job:
             ray.get([t.wake.remote() for t in self.train])
 
     def before_push(self) -> None:
-        """The trainer gives its memory back (--offload), then the engines take back the memory of
+        """The trainer gives back its optimizer states (--offload; its parameters follow after the
+        push, which all-gathers them on the device), then the engines take back the memory of
         their weights only, which the push rewrites; KV cache and CUDA graphs follow the push
         (`push`), so the push's buckets never sit beside a full KV cache."""
         c = self.config.cluster
         if c.offload:
-            ray.get([t.sleep.remote() for t in self.train])
+            ray.get([t.sleep.remote(keep_params=True) for t in self.train])
         if self.engine_memory_released:
             ray.get(self.manager.engines.remote("resume_memory_occupation", list(WEIGHT_TAGS)))
 
@@ -220,6 +221,8 @@ class Job:
         b = self.config.bridge
         refs = [t.push_weights.remote(str(version), b.buffer_size, b.verify) for t in self.train]
         stats = self.wait_train(refs, f"the weight push of version {version}", progress, "push")
+        if self.config.cluster.offload:  # the parameters too, now that they are pushed
+            ray.get([t.sleep.remote() for t in self.train])
         if self.engine_memory_released:  # colocated: the rest comes back once the weights are in
             ray.get(self.manager.engines.remote("resume_memory_occupation", list(CACHE_TAGS)))
             self.engine_memory_released = False

@@ -513,17 +513,20 @@ class FSDPTrainActor:
         return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
 
     # ---- colocation -------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Move parameters and optimizer states to host memory (no-op on --device cpu)."""
-        self._move("cpu")
+    def sleep(self, keep_params: bool = False) -> None:
+        """Move optimizer states, and parameters unless `keep_params`, to host memory (no-op on
+        --device cpu). The loop keeps the parameters through the weight push (exporting them
+        all-gathers on the device) and releases them after it."""
+        self._move("cpu", params=not keep_params)
 
     def wake(self) -> None:
         self._move(self.device)
 
-    def _move(self, device: str | torch.device) -> None:
+    def _move(self, device: str | torch.device, params: bool = True) -> None:
         if self.device.type == "cpu":
             return
-        self.model.to(device)
+        if params:
+            self.model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
