@@ -3,7 +3,8 @@
     python benchmarks/bench_push.py [--hidden-size 1024] [--num-layers 8] [--bucket-mb 128] [--repeats 3]
 
 A Qwen3 checkpoint of the given size is built locally and served by one torch engine; the
-same weights (a second seed) are pushed through each transport with the WeightBridge, and the
+same weights (a second seed) are pushed through each transport with the WeightBridge (and
+`flattened`: the CUDA-IPC push's flattened-bucket path with CPU buffers), and the
 engine's parameters are checked bitwise (sha256) after each push. Baseline, same run: copying
 every tensor into preallocated destination tensors in this process (`dst.copy_(src)`).
 Reported: GB/s per transport (best of --repeats) and the ratio to the copy.
@@ -50,12 +51,18 @@ def copy_rate(state: dict[str, torch.Tensor], repeats: int) -> float:
 
 
 async def push_rate(url: str, transport: str, model: str, state, bucket_bytes: int, repeats: int) -> float:
-    bridge = WeightBridge(make_transport(transport, model), [url])
+    """`flattened`: the CUDA-IPC push's code path (slime.bridge.ipc) with CPU buffers shared by file."""
+    from slime.bridge.ipc import share_buckets
+
+    bridge = WeightBridge(make_transport("ipc" if transport == "flattened" else transport, model), [url])
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     best = float("inf")
     try:
         for r in range(repeats + 1):  # the first push sets up (group, shared-memory file)
-            stats = await bridge.push(buckets_of(state, bucket_bytes), f"{transport}-{r}")
+            buckets = buckets_of(state, bucket_bytes)
+            if transport == "flattened":
+                buckets = share_buckets(buckets, bridge.transport, sglang_reductions=False)  # type: ignore[arg-type]
+            stats = await bridge.push(buckets, f"{transport}-{r}")
             if r:
                 best = min(best, stats["seconds"])
         async with EngineClient(url) as c:
@@ -90,7 +97,7 @@ def main() -> int:
     )
     rates = {}
     try:
-        for transport in ("tensor", "distributed", "disk"):
+        for transport in ("tensor", "flattened", "distributed", "disk"):
             rates[transport] = asyncio.run(
                 push_rate(engine.url, transport, model, state, args.bucket_mb << 20, args.repeats)
             )

@@ -11,7 +11,7 @@ from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
 
-def train_and_push(rank, world_size, init_method, model, url, transport):
+def train_and_push(rank, world_size, init_method, model, url, transport, more_urls=()):
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
     from slime.engines.client import EngineClient
@@ -20,17 +20,19 @@ def train_and_push(rank, world_size, init_method, model, url, transport):
     actor = FSDPTrainActor(base_config(model, micro_batch_size=2), rank, world_size, init_method)
     actor.init()
     actor.train(0, make_batch(0))
-    bridge = WeightBridge(make_transport(transport, model), [url]) if rank == 0 else None
-    stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000)
+    bridge = WeightBridge(make_transport(transport, model), [url, *more_urls]) if rank == 0 else None
+    stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000, ipc=transport == "ipc")
     trainer = {n: tensor_checksum(p.full_tensor()) for n, p in actor.model.named_parameters()}
     engine = None
     if rank == 0:
 
-        async def read():
-            async with EngineClient(url) as c:
+        async def read(u):
+            async with EngineClient(u) as c:
                 return await c.weights_checksum()
 
-        engine = asyncio.run(read())
+        engine = asyncio.run(read(url))
+        for u in more_urls:
+            assert asyncio.run(read(u)) == engine
         asyncio.run(bridge.close())
     actor.close()
     return {"stats": stats, "trainer": trainer, "engine": engine}
@@ -43,6 +45,20 @@ def test_push_after_training_makes_engine_equal_trainer(tiny_model, tmp_path, tr
         rank0, rank1 = run_ranks(2, train_and_push, tiny_model, proc.url, transport)
     finally:
         proc.stop()
+    assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
+    assert rank0["engine"]["weight_version"] == "step-1"
+    assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]
+
+
+def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tmp_path):
+    """The CUDA-IPC push's code path (slime.bridge.ipc) with CPU buffers shared by file: two train
+    ranks, two engines; engine j opens rank j's buffer (the GPU case: engine j on rank j's GPU)."""
+    engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
+    try:
+        rank0, rank1 = run_ranks(2, train_and_push, tiny_model, engines[0].url, "ipc", [engines[1].url])
+    finally:
+        for e in engines:
+            e.stop()
     assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
     assert rank0["engine"]["weight_version"] == "step-1"
     assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]

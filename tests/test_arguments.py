@@ -135,3 +135,27 @@ def test_load_implies_train_only_and_needs_no_rollout_flags(tmp_path):
     cfg = parse_args(["--hf-checkpoint", "/m", "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"),
                       "--num-rollout", "2", "--load-debug-rollout-data-subsample", "0.5"])  # fmt: skip
     assert cfg.debug.train_only and not cfg.debug.rollout_only and cfg.debug.subsample == 0.5
+
+
+def test_the_weight_transport_follows_the_layout(prompts, capsys):
+    """On GPU the tensor transport is CUDA IPC, which only colocated engines can open."""
+    assert parse_args(base(prompts)).bridge.transport == "tensor"  # CPU: shared memory
+    assert parse_args(base(prompts, "--device", "cuda")).bridge.transport == "distributed"
+    assert parse_args(base(prompts, "--device", "cuda", "--colocate")).bridge.transport == "tensor"
+    with pytest.raises(SystemExit) as e:
+        parse_args(base(prompts, "--device", "cuda", "--update-weight-transport", "tensor"))
+    assert (
+        e.value.code == 2
+        and "add --colocate, or use --update-weight-transport distributed" in capsys.readouterr().err
+    )
+
+
+def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
+    sglang = ["--rollout-backend", "sglang", "--rollout-external-engine-addrs", "10.0.0.5:30000"]
+    assert parse_args(base(prompts, *sglang, "--check-precision")).bridge.verify is False
+    assert parse_args(base(prompts, "--check-precision")).bridge.verify is True
+    assert parse_args(base(prompts, *sglang, "--check-weight-update-equal")).debug.check_weight_update_equal
+    for flag in (["--check-weight-sync"], ["--debug-sync-parameters-path", "/tmp/x"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(base(prompts, *sglang, *flag))
+        assert e.value.code == 2 and "use --check-weight-update-equal" in capsys.readouterr().err

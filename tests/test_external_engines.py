@@ -53,7 +53,7 @@ def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tm
         (["--rollout-external-engine-addrs", "a:1", "http://a:1"], "names an engine twice"),
         (["--rollout-external-engine-addrs", "a:1", "--colocate"], "drop --colocate"),
         (["--rollout-external-engine-addrs", "a:1", "--rollout-num-gpus", "2"], "drop --rollout-num-gpus"),
-        (["--rollout-backend", "sglang"], "cannot launch SGLang servers in this build yet"),
+        (["--sglang-router-ip", "10.0.0.9"], "--sglang-router-ip and --sglang-router-port go together"),
     ],
 )
 def test_external_engine_flags_are_checked(tiny_model, tmp_path, capsys, extra, message):

@@ -32,8 +32,16 @@ logger = logging.getLogger(__name__)
 SESSION_TRANSPORTS = ("tensor", "distributed")
 
 
-def make_transport(name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0) -> Transport:
-    """`timeout_s` bounds the trainer's side of the distributed transport's collectives."""
+def make_transport(
+    name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0, tp_size: int = 1
+) -> Transport:
+    """`timeout_s` bounds the trainer's side of the distributed transport's collectives. On
+    CUDA the tensor transport shares each rank's buckets by CUDA-IPC handle (slime.bridge.ipc;
+    engines of tensor-parallel size `tp_size` on the train ranks' GPUs)."""
+    if (name == "tensor" and device == "cuda") or name == "ipc":
+        from slime.bridge.ipc import IpcTransport
+
+        return IpcTransport(tp_size)
     if name == "tensor":
         from slime.bridge.tensor import TensorTransport
 
@@ -171,26 +179,39 @@ def push_actor_weights(
     bucket_bytes: int,
     fault: PushFault | None = None,
     verify: bool = False,
+    ipc: bool = False,
+    sglang_reductions: bool = False,
 ) -> dict[str, float] | None:
     """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
-    bridge) sends them, with `fault` (--debug-push-fault) applied. With `verify`
+    bridge) sends them (with `ipc`, the CUDA-IPC push: every rank shares its own copy and rank 0
+    sends the handles), with `fault` (--debug-push-fault) applied. With `verify`
     (--check-weight-sync) the engines are checked against fingerprints of the exported tensors
     (taken before the fault). Returns the push statistics on rank 0, None elsewhere."""
     buckets = actor.export_weights(bucket_bytes)
-    if bridge is None:
+    if bridge is None and not ipc:
         for _ in buckets:
             pass
         return None
     prints = None
-    if verify:
+    if verify and bridge is not None:
         from slime.bridge.verify import Fingerprints
 
         prints = Fingerprints(bridge.engine_dtype_once())
         buckets = prints.record(buckets)
-    if fault is not None:
+    if fault is not None and (bridge is not None or ipc):  # with ipc every rank sends its own copy
         buckets = fault.apply(buckets, bucket_bytes)
     if prints is not None:
         buckets = prints.record_sent(buckets)
+    if ipc:  # slime.bridge.ipc: every rank shares its buckets, rank 0 sends all ranks' handles
+        from slime.bridge.ipc import IpcTransport, share_buckets
+
+        transport = bridge.transport if bridge is not None else None
+        assert transport is None or isinstance(transport, IpcTransport)
+        buckets = share_buckets(buckets, transport, sglang_reductions)
+    if bridge is None:
+        for _ in buckets:
+            pass
+        return None
     stats = run_sync(bridge.push(buckets, weight_version, collect=prints is not None))
     if prints is not None:
         start = time.perf_counter()

@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-key", default=None, help="key of a dict reward to train on")
 
     g = p.add_argument_group("weight bridge")
-    g.add_argument("--update-weight-transport", choices=TRANSPORTS, default="tensor")
+    g.add_argument("--update-weight-transport", choices=TRANSPORTS, default=None,
+                   help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
+                   "group) or disk; default: distributed for GPU engines on their own GPUs, else tensor")  # fmt: skip
     g.add_argument("--update-weight-buffer-size", type=int, default=512 << 20, help="bytes per bucket")
 
     g = p.add_argument_group("save and load")
@@ -341,6 +343,11 @@ def _check(ns: argparse.Namespace) -> str | None:
         return (
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
+        )
+    if ns.device == "cuda" and ns.update_weight_transport == "tensor" and not ns.colocate:
+        return (
+            "--update-weight-transport tensor on GPU shares CUDA-IPC handles, which only engines on the train "
+            "ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
         )
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
         return "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
@@ -483,6 +490,12 @@ def _check_precision_flags(ns: argparse.Namespace) -> str | None:
     for flag, on in checks.items():
         if on and (ns.debug_rollout_only or ns.debug_train_only):
             return f"{flag} checks the weight push from the trainer to the engines, which --debug-rollout-only / --debug-train-only never run"
+    for flag in ("--debug-sync-parameters-path", "--check-weight-sync"):
+        if checks[flag] and ns.rollout_backend == "sglang":
+            return (
+                f"{flag} needs engines that report what they wrote (the torch engine's slime extensions); SGLang "
+                "does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang engines"
+            )
     root = ns.debug_sync_parameters_path
     if root is not None:
         for part in ("before_sync_parameter", "after_sync_parameter"):
@@ -546,7 +559,8 @@ def _configs(ns: argparse.Namespace) -> Config:
         bridge=BridgeConfig(
             ns.update_weight_transport,
             ns.update_weight_buffer_size,
-            ns.check_weight_sync or ns.check_precision,
+            # --check-precision adds the fingerprint check where the engines can answer it (torch engine).
+            ns.check_weight_sync or (ns.check_precision and ns.rollout_backend == "torch"),
         ),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
         eval=EvalConfig(
@@ -641,6 +655,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
             if ns.colocate
             else 1
         )
+    if ns.update_weight_transport is None:
+        ns.update_weight_transport = "distributed" if ns.device == "cuda" and not ns.colocate else "tensor"
     problem = _check(ns)
     if problem is None:
         try:

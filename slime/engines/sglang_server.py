@@ -13,8 +13,9 @@ without SGLang.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,24 @@ class SGLangLaunch:
         return f"http://{host}:{self.port}"
 
 
+class SGLangProcess(EngineProcess):
+    """A server and every process it started (its process group): SIGTERM, then SIGKILL."""
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # whatever of the group is still there
+        self.proc.wait()
+        return self.proc.returncode
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
 def free_port(host: str) -> int:
     """A port free on `host` now (the server binds it moments later)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -96,10 +115,13 @@ def start_sglang_server(
     try:
         log.write(f"$ {' '.join(argv)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+        # Its own process group: SGLang's scheduler and detokenizer processes go with it on stop.
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
     finally:
         log.close()
-    server = EngineProcess(launch.url, proc, log_path, argv)
+    server = SGLangProcess(launch.url, proc, log_path, argv)
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while True:
@@ -138,7 +160,3 @@ def _tail(path: str, num_bytes: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError as e:
         return f"(cannot read the log: {e})"
-
-
-def describe(launch: SGLangLaunch) -> str:
-    return json.dumps({"url": launch.url, "tp_size": launch.tp_size, "command": launch.command()})

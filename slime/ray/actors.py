@@ -52,6 +52,7 @@ class TrainRank:
         self.actor = FSDPTrainActor(cfg, rank, world_size)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
+        self.ipc = self.sglang_reductions = False
         self.watchdog: Any = None
         if hang_timeout_s is not None:
             from slime.debug.hang import HangWatchdog
@@ -84,7 +85,12 @@ class TrainRank:
         device: str,
         engine_urls: list[str],
         push_fault: str | None = None,
+        tp_size: int = 1,
+        sglang: bool = False,
     ) -> None:
+        # On CUDA the tensor transport is the CUDA-IPC push, in which every rank takes part.
+        self.ipc = transport == "tensor" and device == "cuda"
+        self.sglang_reductions = sglang
         if push_fault is not None:
             from slime.bridge.faults import PushFault
 
@@ -107,7 +113,7 @@ class TrainRank:
             timeout_s = self.actor.cfg.distributed_timeout_minutes * 60
             client = functools.partial(EngineClient, config=ClientConfig(timeout_s=timeout_s))
             self.bridge = WeightBridge(
-                make_transport(transport, hf_checkpoint, device, timeout_s), engine_urls, client
+                make_transport(transport, hf_checkpoint, device, timeout_s, tp_size), engine_urls, client
             )
 
     def push_weights(
@@ -117,8 +123,9 @@ class TrainRank:
 
         with self._watch(f"the weight push of version {weight_version}"):
             return push_actor_weights(
-                self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify
-            )
+                self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.ipc,
+                self.sglang_reductions,
+            )  # fmt: skip
 
     def sleep(self, keep_params: bool = False) -> None:
         self.actor.sleep(keep_params)

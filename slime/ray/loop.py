@@ -99,7 +99,8 @@ class Job:
         if self.train and self.engine_urls:
             ray.get([
                 t.connect_engines.remote(config.bridge.transport, config.train.hf_checkpoint, c.device,
-                                         self.engine_urls, config.debug.push_fault)
+                                         self.engine_urls, config.debug.push_fault, c.rollout_num_gpus_per_engine,
+                                         c.rollout_backend == "sglang")
                 for t in self.train
             ])  # fmt: skip
 
@@ -175,7 +176,8 @@ class Job:
         c = self.config
         ray.get([
             t.connect_engines.remote(c.bridge.transport, c.train.hf_checkpoint, c.cluster.device, self.engine_urls,
-                                     c.debug.push_fault)
+                                     c.debug.push_fault, c.cluster.rollout_num_gpus_per_engine,
+                                     c.cluster.rollout_backend == "sglang")
             for t in self.train
         ])  # fmt: skip
 

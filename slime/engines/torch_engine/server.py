@@ -423,7 +423,9 @@ class EngineAPI:
         return await self._update(
             request,
             body,
-            lambda: self.engine.weights.update_from_tensor(body.get("serialized_named_tensors")),
+            lambda: self.engine.weights.update_from_tensor(
+                body.get("serialized_named_tensors"), body.get("load_format")
+            ),
         )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:

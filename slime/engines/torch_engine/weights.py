@@ -126,15 +126,24 @@ class WeightStore:
         named = [(k, f.get_tensor(k)) for f in handles for k in f.keys()]
         return self._apply(named)
 
-    def update_from_tensor(self, serialized: Any) -> int:
-        """`serialized_named_tensors`: one shared-memory handle (JSON string) per TP rank (TP=1 here)."""
+    def update_from_tensor(self, serialized: Any, load_format: Any = None) -> int:
+        """`serialized_named_tensors`, one entry per TP rank (TP=1 here): a shared-memory handle
+        (JSON string; slime.utils.shm_tensors), or with `load_format` "flattened_bucket" an
+        SGLang-style flattened bucket shared by handle (slime.bridge.ipc)."""
         if not isinstance(serialized, list) or len(serialized) != 1 or not isinstance(serialized[0], str):
             raise ProtocolError(
                 "'serialized_named_tensors' must be a list with one handle string "
                 "(this engine has tensor-parallel size 1)"
             )
+        if load_format not in (None, "flattened_bucket"):
+            raise ProtocolError(f"'load_format' {load_format!r} is not supported: null or 'flattened_bucket'")
         try:
-            named = open_named_tensors(parse_handle(serialized[0]), self._mapped)
+            if load_format == "flattened_bucket":
+                from slime.bridge.ipc import deserialize
+
+                named = deserialize(serialized[0])
+            else:
+                named = open_named_tensors(parse_handle(serialized[0]), self._mapped)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         return self.update_from_named(named)
