@@ -14,9 +14,9 @@ FlattenedTensorBucket layout since 0.5.6, each tensor starting 16-byte aligned; 
 unpickler accepts `types.SimpleNamespace` metadata). For SGLang engines the trainer applies SGLang's own `monkey_patch_torch_reductions`
 (imported lazily) so CUDA handles carry the device UUID, which SGLang maps to its local index.
 
-A rank's buffer is dropped only after every engine answered for the bucket (a barrier that rank
-0 reaches once its requests returned); the next bucket is packed after that, so one bucket per
-rank is shared at a time.
+A rank's buffer is dropped (GPU) or overwritten by the next bucket (CPU: one shared-memory file
+per push) only after every engine answered for the bucket, a barrier that rank 0 reaches once its
+requests returned; so one bucket per rank is shared at a time.
 """
 
 from __future__ import annotations
@@ -153,12 +153,18 @@ def share_buckets(
     from slime.utils.shm_tensors import SharedBuffer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    for bucket in buckets:
-        nbytes = flat_size(bucket)
-        on_cpu = bool(bucket) and bucket[0][1].device.type == "cpu"
-        shared = SharedBuffer.create(max(nbytes, 1)) if on_cpu else None
-        flat = None
-        try:
+    shared: SharedBuffer | None = None  # CPU: one file for the push, reused bucket after bucket
+    try:
+        for bucket in buckets:
+            nbytes = flat_size(bucket)
+            if (
+                bool(bucket)
+                and bucket[0][1].device.type == "cpu"
+                and (shared is None or shared.nbytes < nbytes)
+            ):
+                if shared is not None:
+                    shared.close()
+                shared = SharedBuffer.create(max(nbytes, 1))
             flat, metadata = flatten(bucket, shared.data if shared is not None else None)
             payload = serialize(
                 flat, metadata, sglang_reductions, shared.path if shared is not None else None
@@ -172,13 +178,13 @@ def share_buckets(
                 transport.payloads = [str(p) for p in gathered or []]
             yield bucket  # rank 0: sent and answered by every engine when this resumes
             if world > 1:
-                dist.barrier()
-        finally:
+                dist.barrier()  # now no engine reads this rank's buffer any more
             del flat
-            if shared is not None:
-                shared.close()
-            elif torch.cuda.is_available():
+            if shared is None and torch.cuda.is_available():
                 torch.cuda.ipc_collect()
+    finally:
+        if shared is not None:
+            shared.close()
 
 
 class IpcTransport:
