@@ -1,0 +1,52 @@
+"""Convert a Megatron checkpoint written by slime back to a Hugging Face checkpoint.
+
+    python -m slime.tools.convert_megatron_to_hf --load-dir OUT --hf-checkpoint DIR --save-dir HF_OUT
+
+Config and tokenizer come from --hf-checkpoint, whose config must describe the same model as the
+checkpoint (an error naming the differing fields otherwise, before anything is written). The
+vocabulary padding is removed; TP shards are merged and pipeline stages joined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slime.backends.megatron.convert import ConversionError, megatron_to_hf, unshard
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime.backends.megatron.checkpoint import check_target, load_megatron, save_hf, stored_layout
+    from slime.tools.convert_hf_to_megatron import hf_layout
+
+    p = argparse.ArgumentParser(prog="python -m slime.tools.convert_megatron_to_hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (slime's layout)")
+    p.add_argument(
+        "--hf-checkpoint", required=True, help="HF directory whose config and tokenizer describe the model"
+    )
+    p.add_argument("--save-dir", required=True, help="new directory for the HF checkpoint")
+    ns = p.parse_args(argv)
+    try:
+        check_target(ns.save_dir)
+        parts, args = load_megatron(ns.load_dir)
+        layout = stored_layout(args, ns.load_dir)
+        expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms)
+        differ = [f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
+                  for k, v in layout.__dict__.items() if getattr(expected, k) != v]  # fmt: skip
+        if differ:
+            raise ConversionError(
+                "--hf-checkpoint describes another model than --load-dir: " + "; ".join(differ)
+            )
+        state = megatron_to_hf(unshard(parts, layout), layout)
+    except ConversionError as e:
+        p.error(str(e))
+    save_hf(state, ns.hf_checkpoint, ns.save_dir)
+    tp = 1 + max(r for r, _ in parts)
+    pp = 1 + max(s for _, s in parts)
+    print(f"wrote {ns.save_dir}: {len(state)} tensors from TP {tp} x PP {pp}, vocabulary {layout.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
