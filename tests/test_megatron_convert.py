@@ -83,12 +83,14 @@ def test_tp_1_2_4_1_and_pp_1_2_1_reshard_bit_for_bit(kind):
         and four[3]["embedding.word_embeddings.weight"].shape[0] == layout.padded_vocab_size(4) // 4
     )
     assert same(repad_vocab(merge_tp(four, layout), layout, 1), mc)
-    assert same(merge_pp(split_pp(mc, layout, 2), layout), mc)
-    stages = split_pp(mc, layout, 2)
+    layout4, hf4 = tiny(kind, num_hidden_layers=4)
+    mc4 = hf_to_megatron(hf4, layout4)
+    assert same(merge_pp(split_pp(mc4, layout4, 2), layout4), mc4)
+    stages = split_pp(mc4, layout4, 2)
     assert sorted(k for k in stages[1] if ".layers." in k)[0].startswith("decoder.layers.0.")  # renumbered
     assert "embedding.word_embeddings.weight" in stages[0] and "decoder.final_layernorm.weight" in stages[1]
     assert ("output_layer.weight" in stages[1]) and ("output_layer.weight" not in stages[0])  # tied: a copy
-    for tp, pp in [(1, 1), (2, 1), (4, 1), (2, 2), (4, 3), (1, 5)]:
+    for tp, pp in [(1, 1), (2, 1), (4, 1), (2, 5), (4, 5), (1, 5)]:
         parts = shard(repad_vocab(mc, layout, tp), layout, tp, pp)
         assert len(parts) == tp * pp
         assert same(megatron_to_hf(unshard(parts, layout), layout), hf)
@@ -150,5 +152,5 @@ def test_bad_inputs_are_named():
         hf_to_megatron(broken, layout)
     with pytest.raises(ConversionError, match=r"no tensor 'model\.norm\.weight'"):
         hf_to_megatron({k: v for k, v in hf.items() if k != "model.norm.weight"}, layout)
-    with pytest.raises(ConversionError, match="PP 6 is more pipeline stages"):
-        split_pp(hf_to_megatron(hf, layout), layout, 6)
+    with pytest.raises(ConversionError, match="PP 2 must divide the model's 5 layers"):
+        split_pp(hf_to_megatron(hf, layout), layout, 2)

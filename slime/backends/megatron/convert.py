@@ -100,9 +100,10 @@ class Layout:
             )
         if self.ffn_hidden_size % tp:
             raise ConversionError(f"TP {tp} must divide the MLP size {self.ffn_hidden_size}")
-        if pp > self.num_layers:
+        if self.num_layers % pp:
             raise ConversionError(
-                f"PP {pp} is more pipeline stages than the model's {self.num_layers} layers"
+                f"PP {pp} must divide the model's {self.num_layers} layers (megatron-core gives every pipeline "
+                "stage the same number of layers)"
             )
 
 
@@ -305,14 +306,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """The global layers of each stage (as even as possible, earlier stages take the rest)."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
+    """The global layers of each stage: num_layers / pp consecutive layers each."""
+    per = num_layers // pp
+    return [range(s * per, (s + 1) * per) for s in range(pp)]
 
 
 def split_pp(state: State, layout: Layout, pp: int) -> list[State]:

@@ -163,8 +163,6 @@ class TorchEngine:
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
             self._run_commands()
-            if self._runner_suspect:
-                self._fail_in_flight("engine error: KV state was lost and reset")
             if self.paused or self.weights.released or not self.scheduler.has_work():
                 self._wakeup.wait(timeout=1.0)
                 continue
@@ -244,6 +242,11 @@ class TorchEngine:
                     seq.on_finish(seq)
                 except Exception:
                     logger.exception("the finish callback of request %s failed", seq.rid)
+        if self._runner_suspect:
+            # Reset now, in this turn of the engine thread: a request admitted by the next
+            # _run_commands (e.g. the one a client sends as soon as its answer arrived) must not
+            # be aborted for a failure that happened before it existed.
+            self._fail_in_flight("engine error: KV state was lost and reset")
 
     # ---- requests (called from the HTTP side: event loop or worker threads) ------------------
     def check_available(self) -> None:

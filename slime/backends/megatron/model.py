@@ -1,0 +1,83 @@
+"""A megatron-core GPTModel for an HF config (Qwen2 / Qwen3 / Llama), imported lazily.
+
+`build_gpt_model` needs megatron-core's parallel state initialised (TP / PP / CP / EP groups);
+it builds this rank's part: its TP shard of every layer, and only its pipeline stage's layers,
+with the embedding on the first stage and the output layer on the last. The layer spec is
+megatron-core's local one, or Transformer Engine's when `transformer_impl` asks for it (then the
+input and pre-MLP norms are folded into linear_qkv / linear_fc1, as `Layout.fold_norms` says).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slime.backends.megatron.convert import Layout
+
+
+def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype = torch.float32,
+                       cpu_init: bool = False, **parallel: Any) -> Any:  # fmt: skip
+    """megatron-core's TransformerConfig for the layout (plus TP/PP/CP/EP sizes in `parallel`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=layout.num_layers,
+        hidden_size=layout.hidden_size,
+        ffn_hidden_size=layout.ffn_hidden_size,
+        num_attention_heads=layout.num_heads,
+        num_query_groups=layout.num_query_groups,
+        kv_channels=layout.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=layout.qkv_bias,
+        qk_layernorm=layout.qk_norm,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=cpu_init,
+        # Kernels that need CUDA or Apex: off (the local spec runs plain torch).
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **parallel,
+    )
+
+
+def layer_spec(layout: Layout) -> Any:
+    if layout.fold_norms:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any:
+    """This rank's GPTModel (its pipeline stage from megatron-core's parallel state)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(
+        config,
+        layer_spec(layout),
+        vocab_size=layout.padded_vocab_size(tp),
+        max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=layout.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
+    )
+
+
+def model_state(model: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a GPTModel's state dict (megatron-core's `_extra_state` entries left out)."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
