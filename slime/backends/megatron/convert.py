@@ -190,9 +190,7 @@ def hf_to_megatron(hf: State, layout: Layout, tp: int = 1) -> State:
 
 def megatron_to_hf(mc: State, layout: Layout) -> State:
     """The inverse of hf_to_megatron, padding rows dropped (no token id reaches them)."""
-    L, h, d = layout, layout.hidden_size, layout.head_dim
-    nq, ng = L.num_heads, L.num_query_groups
-    per = nq // ng
+    L, h = layout, layout.hidden_size
     out: State = {}
     emb = _take(mc, "embedding.word_embeddings.weight")
     if emb.shape[0] < L.vocab_size or emb.shape[1] != h:
@@ -201,36 +199,42 @@ def megatron_to_hf(mc: State, layout: Layout) -> State:
         )
     out["model.embed_tokens.weight"] = emb[: L.vocab_size].clone()
     for i in range(L.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = _take(mc, src + "self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h)).reshape(
-            ng, (per + 2) * d, h
-        )
-        out[dst + "self_attn.q_proj.weight"] = qkv[:, : per * d].reshape(nq * d, h).clone()
-        out[dst + "self_attn.k_proj.weight"] = qkv[:, per * d : (per + 1) * d].reshape(ng * d, h).clone()
-        out[dst + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * d :].reshape(ng * d, h).clone()
-        if L.qkv_bias:
-            b = _take(mc, src + "self_attention.linear_qkv.bias", ((nq + 2 * ng) * d,)).reshape(
-                ng, (per + 2) * d
-            )
-            out[dst + "self_attn.q_proj.bias"] = b[:, : per * d].reshape(-1).clone()
-            out[dst + "self_attn.k_proj.bias"] = b[:, per * d : (per + 1) * d].reshape(-1).clone()
-            out[dst + "self_attn.v_proj.bias"] = b[:, (per + 1) * d :].reshape(-1).clone()
-        if L.qk_norm:
-            out[dst + "self_attn.q_norm.weight"] = _take(mc, src + "self_attention.q_layernorm.weight", (d,))
-            out[dst + "self_attn.k_norm.weight"] = _take(mc, src + "self_attention.k_layernorm.weight", (d,))
-        out[dst + "self_attn.o_proj.weight"] = _take(
-            mc, src + "self_attention.linear_proj.weight", (h, nq * d)
-        )
-        fc1 = _take(mc, src + "mlp.linear_fc1.weight", (2 * L.ffn_hidden_size, h))
-        out[dst + "mlp.gate_proj.weight"] = fc1[: L.ffn_hidden_size].clone()
-        out[dst + "mlp.up_proj.weight"] = fc1[L.ffn_hidden_size :].clone()
-        out[dst + "mlp.down_proj.weight"] = _take(mc, src + "mlp.linear_fc2.weight", (h, L.ffn_hidden_size))
-        attn_norm, mlp_norm = _norm_names(L, i)
-        out[dst + "input_layernorm.weight"] = _take(mc, attn_norm, (h,))
-        out[dst + "post_attention_layernorm.weight"] = _take(mc, mlp_norm, (h,))
+        out.update(layer_to_hf(mc, L, i))
     out["model.norm.weight"] = _take(mc, "decoder.final_layernorm.weight", (h,))
     if not L.tied_embeddings:
         out["lm_head.weight"] = _take(mc, "output_layer.weight")[: L.vocab_size].clone()
+    return out
+
+
+def layer_to_hf(mc: State, layout: Layout, i: int) -> State:
+    """Layer i's HF tensors from its megatron-core tensors (`decoder.layers.{i}.*`, unsharded)."""
+    L, h, d = layout, layout.hidden_size, layout.head_dim
+    nq, ng = L.num_heads, L.num_query_groups
+    per = nq // ng
+    src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out: State = {}
+    qkv = _take(mc, src + "self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h)).reshape(
+        ng, (per + 2) * d, h
+    )
+    out[dst + "self_attn.q_proj.weight"] = qkv[:, : per * d].reshape(nq * d, h).clone()
+    out[dst + "self_attn.k_proj.weight"] = qkv[:, per * d : (per + 1) * d].reshape(ng * d, h).clone()
+    out[dst + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * d :].reshape(ng * d, h).clone()
+    if L.qkv_bias:
+        b = _take(mc, src + "self_attention.linear_qkv.bias", ((nq + 2 * ng) * d,)).reshape(ng, (per + 2) * d)
+        out[dst + "self_attn.q_proj.bias"] = b[:, : per * d].reshape(-1).clone()
+        out[dst + "self_attn.k_proj.bias"] = b[:, per * d : (per + 1) * d].reshape(-1).clone()
+        out[dst + "self_attn.v_proj.bias"] = b[:, (per + 1) * d :].reshape(-1).clone()
+    if L.qk_norm:
+        out[dst + "self_attn.q_norm.weight"] = _take(mc, src + "self_attention.q_layernorm.weight", (d,))
+        out[dst + "self_attn.k_norm.weight"] = _take(mc, src + "self_attention.k_layernorm.weight", (d,))
+    out[dst + "self_attn.o_proj.weight"] = _take(mc, src + "self_attention.linear_proj.weight", (h, nq * d))
+    fc1 = _take(mc, src + "mlp.linear_fc1.weight", (2 * L.ffn_hidden_size, h))
+    out[dst + "mlp.gate_proj.weight"] = fc1[: L.ffn_hidden_size].clone()
+    out[dst + "mlp.up_proj.weight"] = fc1[L.ffn_hidden_size :].clone()
+    out[dst + "mlp.down_proj.weight"] = _take(mc, src + "mlp.linear_fc2.weight", (h, L.ffn_hidden_size))
+    attn_norm, mlp_norm = _norm_names(L, i)
+    out[dst + "input_layernorm.weight"] = _take(mc, attn_norm, (h,))
+    out[dst + "post_attention_layernorm.weight"] = _take(mc, mlp_norm, (h,))
     return out
 
 

@@ -1,0 +1,156 @@
+"""Stream a TP/PP-sharded megatron-core model to the weight bridge as HF-named buckets.
+
+Collective over the whole job: every rank iterates `export_hf_buckets` (as every FSDP rank
+iterates its export), in the same order of units (the embedding, layer 0 .. L-1, the final norm
+and output layer). For each unit, the pipeline stage that owns it all-gathers its TP shards in
+its TP group; its TP rank 0 then broadcasts the merged tensors to global rank 0 over the
+pipeline group of TP rank 0 (receivers allocate from shapes known in advance); global rank 0
+converts the unit to HF names (slime.backends.megatron.convert) and yields buckets. One code
+path for every transport: the bridge on rank 0 only sees (HF name, full tensor) buckets, exactly
+as from the FSDP actor. Only data-parallel rank 0's model takes part (replicas are identical).
+Padded vocabulary rows are dropped; a tied output layer is not exported (HF ties it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron.convert import Layout, State, hf_to_megatron, layer_to_hf, merge_tp, stage_layers
+from slime.utils.buckets import iter_buckets
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Where this rank sits, and the groups the export uses (from megatron-core's parallel state)."""
+
+    tp: int
+    pp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: Any
+    pp_group: Any
+
+    @classmethod
+    def from_parallel_state(cls) -> Mesh:
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+        )  # fmt: skip
+
+
+def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every unsharded megatron-core tensor's shape (vocabulary padded for `tp`), computed on meta tensors."""
+    hf = _meta_hf_state(layout)
+    return {k: (v.shape, v.dtype) for k, v in hf_to_megatron(hf, layout, tp).items()}
+
+
+def _meta_hf_state(layout: Layout) -> State:
+    L, h, d = layout, layout.hidden_size, layout.head_dim
+    meta: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (L.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not L.tied_embeddings:
+        meta["lm_head.weight"] = (L.vocab_size, h)
+    for i in range(L.num_layers):
+        p = f"model.layers.{i}."
+        meta.update({
+            p + "self_attn.q_proj.weight": (L.num_heads * d, h), p + "self_attn.k_proj.weight": (L.num_query_groups * d, h),
+            p + "self_attn.v_proj.weight": (L.num_query_groups * d, h), p + "self_attn.o_proj.weight": (h, L.num_heads * d),
+            p + "mlp.gate_proj.weight": (L.ffn_hidden_size, h), p + "mlp.up_proj.weight": (L.ffn_hidden_size, h),
+            p + "mlp.down_proj.weight": (h, L.ffn_hidden_size), p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })  # fmt: skip
+        if L.qkv_bias:
+            meta.update({p + "self_attn.q_proj.bias": (L.num_heads * d,), p + "self_attn.k_proj.bias": (L.num_query_groups * d,),
+                         p + "self_attn.v_proj.bias": (L.num_query_groups * d,)})  # fmt: skip
+        if L.qk_norm:
+            meta.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return {k: torch.empty(shape, device="meta") for k, shape in meta.items()}
+
+
+def _units(layout: Layout, names: list[str], pp: int) -> list[tuple[int, int | None, list[str]]]:
+    """(owner stage, global layer or None, megatron names) in export order."""
+    stages = stage_layers(layout.num_layers, pp)
+    owner = {g: s for s, r in enumerate(stages) for g in r}
+    units: list[tuple[int, int | None, list[str]]] = [(0, None, ["embedding.word_embeddings.weight"])]
+    for i in range(layout.num_layers):
+        prefix = f"decoder.layers.{i}."
+        units.append((owner[i], i, [n for n in names if n.startswith(prefix)]))
+    last = ["decoder.final_layernorm.weight"] + ([] if layout.tied_embeddings else ["output_layer.weight"])
+    units.append((pp - 1, None, last))
+    return units
+
+
+def _local_name(name: str, layer: int | None, pp_rank: int, layout: Layout, pp: int) -> str:
+    if layer is None:
+        return name
+    local = layer - stage_layers(layout.num_layers, pp)[pp_rank].start
+    return name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{local}.", 1)
+
+
+def export_hf_tensors(local: State, layout: Layout, mesh: Mesh) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) on global rank 0; nothing elsewhere. `local` is this rank's shard
+    (its stage's layers numbered from 0, as in its GPTModel's state dict). Collective."""
+    if mesh.dp_rank != 0:
+        return
+    shapes = full_shapes(layout, mesh.tp)
+    first = mesh.pp_rank == 0 and mesh.tp_rank == 0  # global rank 0 among DP rank 0
+    pp_ranks = dist.get_process_group_ranks(mesh.pp_group) if mesh.pp > 1 and mesh.tp_rank == 0 else []
+    for stage, layer, names in _units(layout, list(shapes), mesh.pp):
+        merged: State = {}
+        for name in names:
+            tensor: torch.Tensor | None = None
+            if mesh.pp_rank == stage:
+                shard = local[_local_name(name, layer, mesh.pp_rank, layout, mesh.pp)]
+                tensor = _gather_tp(shard, name, layout, mesh)
+            if mesh.pp > 1 and mesh.tp_rank == 0 and stage != 0:
+                shape, dtype = shapes[name]
+                if tensor is None:
+                    tensor = torch.empty(shape, dtype=local_dtype(local, dtype), device=_device(local))
+                dist.broadcast(tensor, src=pp_ranks[stage], group=mesh.pp_group)
+            if first:
+                assert tensor is not None
+                merged[name] = tensor
+        if not first:
+            continue
+        if layer is not None:
+            yield from layer_to_hf(merged, layout, layer).items()
+        elif "embedding.word_embeddings.weight" in merged:
+            yield "model.embed_tokens.weight", merged["embedding.word_embeddings.weight"][: layout.vocab_size]
+        else:
+            yield "model.norm.weight", merged["decoder.final_layernorm.weight"]
+            if "output_layer.weight" in merged:
+                yield "lm_head.weight", merged["output_layer.weight"][: layout.vocab_size]
+
+
+def export_hf_buckets(
+    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """export_hf_tensors in buckets of at most `bucket_bytes` (every rank must iterate)."""
+    return iter_buckets(export_hf_tensors(local, layout, mesh), bucket_bytes)
+
+
+def _gather_tp(shard: torch.Tensor, name: str, layout: Layout, mesh: Mesh) -> torch.Tensor:
+    if mesh.tp == 1:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(mesh.tp)]
+    dist.all_gather(parts, shard.contiguous(), group=mesh.tp_group)
+    return merge_tp([{name: p} for p in parts], layout)[name]
+
+
+def local_dtype(local: State, default: torch.dtype) -> torch.dtype:
+    return next(iter(local.values())).dtype if local else default
+
+
+def _device(local: State) -> torch.device:
+    return next(iter(local.values())).device if local else torch.device("cpu")
