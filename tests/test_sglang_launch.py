@@ -108,3 +108,21 @@ def test_disaggregated_sglang_engines_behind_the_router(tiny_model, prompts, tmp
     assert registered.group(1) == "http://" + lines[0]
     # SGLang's /weights_checker: snapshot, noise, the first push, compare (what SGLang engines can answer).
     assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
+
+
+def test_engines_register_with_a_running_router_and_leave_it_when_done(tiny_model, prompts, tmp_path):  # noqa: F811
+    from slime.engines.router import Router
+
+    router = Router.start("127.0.0.1", str(tmp_path / "router.log"))
+    try:
+        proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--rollout-num-gpus", "2",
+                       "--sglang-router-ip", router.host, "--sglang-router-port", str(router.port))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(rf"router {re.escape(router.url)} in front of engines \S+, \S+", proc.stderr)
+        assert router.workers() == {}  # slime removed the engines it registered; the router runs on
+    finally:
+        router.stop()
+    (tmp_path / "bad").mkdir()
+    bad = run_job("train.py", tiny_model, prompts, tmp_path / "bad", "--rm-type", "exact",
+                  "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "9")  # fmt: skip
+    assert bad.returncode != 0 and "no sglang-router answers at http://127.0.0.1:9" in bad.stderr

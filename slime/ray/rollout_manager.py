@@ -131,7 +131,13 @@ class RolloutManager:
             from slime.ray.actors import engine_host
 
             router = Router.start(engine_host(), os.path.join(log_dir, "router.log"))
-        listed = router.workers()
+        try:
+            listed = router.workers()
+        except OSError as e:
+            raise RuntimeError(
+                f"--sglang-router-ip/--sglang-router-port: no sglang-router answers at {router.url} ({e}); "
+                "start it first or fix the address"
+            ) from None
         for url in engine_urls:
             if url not in listed:
                 router.add_worker(url)
