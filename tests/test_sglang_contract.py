@@ -114,6 +114,10 @@ def check_against_sglang(calls: list[tuple[str, str, Any]]) -> set[str]:
         assert not unknown, f"{path}: {sorted(unknown)} are not fields of SGLang's request"
         missing = {k for k, required in fields.items() if required} - set(body)
         assert not missing, f"{path}: SGLang requires {sorted(missing)}"
+        if path.startswith("/update_weights_from_"):
+            # SGLang flushes the cache after an update by default and fails it while paused requests
+            # hold KV cache: every update must say flush_cache false.
+            assert body.get("flush_cache") is False, f"{path} must send flush_cache: false"
         if path == "/generate":
             extra = set(body.get("sampling_params", {})) - set(FIELDS["sampling_params"])
             assert not extra, f"sampling_params {sorted(extra)} would be refused with 400 by SGLang"

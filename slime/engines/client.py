@@ -242,9 +242,11 @@ class EngineClient:
         return result
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
+        # flush_cache false, as on every update: SGLang's default (true) fails the update while
+        # paused requests hold KV cache; the bridge flushes before the push where it can.
         return await self._update(
             "/update_weights_from_disk",
-            _drop_none({"model_path": model_path, "weight_version": weight_version}),
+            _drop_none({"model_path": model_path, "weight_version": weight_version, "flush_cache": False}),
         )
 
     async def update_weights_from_tensor(
