@@ -13,7 +13,8 @@ import ray
 from slime.config.arguments import Config
 
 if TYPE_CHECKING:
-    from slime.ray.loop import Job, Replay
+    from slime.ray.job import Job
+    from slime.ray.loop import Replay
 
 logger = logging.getLogger(__name__)
 
