@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from slime.config.checks import check
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
 from slime.engines.sglang_args import reserved_problem, server_argv
-from slime.utils.tracking import check_available
 
 
 @dataclass(frozen=True)
@@ -304,96 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(ns: argparse.Namespace, *names: str) -> str | None:
-    for name in names:
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be >= 1 (got {value})"
-    return None
-
-
-def _check(ns: argparse.Namespace) -> str | None:
-    """The first problem with the flags, as one message, or None."""
-    problem = _positive(
-        ns, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-        "n_samples_per_prompt", "rollout_batch_size", "num_rollout", "num_epoch", "save_interval", "eval_interval",
-        "update_weight_buffer_size", "rollout_max_response_len", "over_sampling_batch_size",
-        "n_samples_per_eval_prompt", "eval_max_response_len",
-    )  # fmt: skip
-    if problem:
-        return problem
-    if ns.rollout_function_path is not None and ns.custom_generate_function_path is not None:
-        return (
-            "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
-            "would never run: give one of them"
-        )
-    problem = _check_debug(ns) or _check_precision_flags(ns) or _check_external(ns)
-    if problem:
-        return problem
-    replay = ns.load_debug_rollout_data is not None
-    if ns.rollout_batch_size is None and not replay:
-        return "--rollout-batch-size is required (prompts per rollout)"
-    if ns.prompt_data is None and ns.rollout_function_path is None and not replay:
-        return "--prompt-data is required (or a --rollout-function-path that brings its own data)"
-    if ns.num_rollout is None and ns.num_epoch is None:
-        return "give --num-rollout or --num-epoch (how long to train)"
-    if ns.num_rollout is None and ns.prompt_data is None:
-        return "--num-epoch counts passes over --prompt-data; without it give --num-rollout"
-    if ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine:
-        return (
-            f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
-            f"{ns.rollout_num_gpus_per_engine}"
-        )
-    if ns.device == "cuda" and ns.update_weight_transport == "tensor" and not ns.colocate:
-        return (
-            "--update-weight-transport tensor on GPU shares CUDA-IPC handles, which only engines on the train "
-            "ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
-        )
-    if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
-        return "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
-    if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
-        return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
-    train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
-    if ns.debug_disable_sharding and train_ranks != 1 and not ns.debug_rollout_only:
-        return (
-            f"--debug-disable-sharding runs one unsharded train rank, but --actor-num-nodes × "
-            f"--actor-num-gpus-per-node is {train_ranks}: set both to 1"
-        )
-    if ns.colocate and ns.rollout_num_gpus != train_ranks:
-        return (
-            f"--colocate puts engines on the trainer's {train_ranks} devices, but --rollout-num-gpus is "
-            f"{ns.rollout_num_gpus}; drop --rollout-num-gpus or make them equal"
-        )
-    if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < (ns.rollout_batch_size or 0):
-        return "--over-sampling-batch-size must be >= --rollout-batch-size"
-    if ns.rm_type is None and ns.custom_rm_path is None and ns.rollout_function_path is None and not replay:
-        return "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
-    if ns.save_interval is not None and ns.save is None:
-        return "--save-interval needs --save DIR"
-    if ns.eval_interval is not None and ns.eval_prompt_data is None:
-        return "--eval-interval needs --eval-prompt-data"
-    rollout_samples = (ns.rollout_batch_size or 0) * ns.n_samples_per_prompt
-    if ns.debug_rollout_only or replay:
-        pass  # no trainer, or the dumps decide the rollout size: checked when training starts
-    elif ns.global_batch_size is not None and rollout_samples % ns.global_batch_size:
-        return (
-            f"--rollout-batch-size × --n-samples-per-prompt = {rollout_samples} samples per rollout, "
-            f"not a multiple of --global-batch-size {ns.global_batch_size}"
-        )
-    elif ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
-        return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
-    if ns.train_backend == "megatron":
-        return "--train-backend megatron is not available yet in this build; use --train-backend fsdp"
-    missing = check_available(ns.use_wandb, ns.use_tensorboard)
-    if missing:
-        return missing
-    for flag in ("prompt_data", "eval_prompt_data"):
-        path = getattr(ns, flag)
-        if path is not None and not os.path.isfile(path):
-            return f"--{flag.replace('_', '-')} {path!r}: no such file"
-    return None
-
-
 def _train_config(ns: argparse.Namespace) -> TrainConfig:
     """The trainer's config; --debug-rollout-only runs no trainer, so its flags are not validated."""
     try:
@@ -408,110 +318,6 @@ def _train_config(ns: argparse.Namespace) -> TrainConfig:
             deterministic=ns.deterministic_mode,
             distributed_timeout_minutes=ns.distributed_timeout_minutes,
         )
-
-
-def _check_debug(ns: argparse.Namespace) -> str | None:
-    """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
-    from slime.rollout.dump import template_problem
-
-    for flag in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
-        template = getattr(ns, flag)
-        if template is not None:
-            problem = template_problem(template, "--" + flag.replace("_", "-"))
-            if problem:
-                return problem
-    if ns.load_debug_rollout_data is not None:
-        ns.debug_train_only = True
-    elif ns.load_debug_rollout_data_subsample is not None:
-        return "--load-debug-rollout-data-subsample needs --load-debug-rollout-data"
-    r = ns.load_debug_rollout_data_subsample
-    if r is not None and not 0 < r <= 1:
-        return f"--load-debug-rollout-data-subsample must be in (0, 1], got {r}"
-    if ns.debug_rollout_only and ns.debug_train_only:
-        return (
-            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each "
-            "other: the first runs no trainer, the second no engine"
-        )
-    if not ns.debug_train_only:
-        return None
-    if ns.load_debug_rollout_data is None and ns.rollout_function_path is None:
-        return (
-            "--debug-train-only starts no engine: give --load-debug-rollout-data TEMPLATE, or a "
-            "--rollout-function-path that needs no engine"
-        )
-    if ns.load_debug_rollout_data is not None and ns.num_rollout is None:
-        return "--load-debug-rollout-data replays rollout ids 0 .. --num-rollout - 1: give --num-rollout"
-    if ns.eval_interval is not None and ns.rollout_function_path is None:
-        return (
-            "--eval-interval generates with an engine, and --debug-train-only starts none: drop "
-            "--eval-interval (or evaluate with a --rollout-function-path that needs no engine)"
-        )
-    if ns.save_debug_rollout_data is not None and ns.load_debug_rollout_data is not None:
-        return "--save-debug-rollout-data with --load-debug-rollout-data would copy the dumps: give one"
-    return None
-
-
-def _check_external(ns: argparse.Namespace) -> str | None:
-    """--rollout-external-engine-addrs: HOST:PORT each; not with what needs launched engines."""
-    addrs = ns.rollout_external_engine_addrs
-    if addrs is None:
-        return None
-    normalized = []
-    for addr in addrs:
-        hostport = addr.removeprefix("http://").rstrip("/")
-        host, _, port = hostport.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            return f"--rollout-external-engine-addrs {addr!r}: expected HOST:PORT (e.g. 10.0.0.5:30000)"
-        normalized.append(f"http://{hostport}")
-    if len(set(normalized)) != len(normalized):
-        return "--rollout-external-engine-addrs names an engine twice"
-    if ns.colocate:
-        return "--colocate places launched engines beside the trainer; external engines run elsewhere: drop --colocate"
-    if ns.debug_train_only:
-        return "--rollout-external-engine-addrs with --debug-train-only: the mode uses no engine; give one of them"
-    ns.rollout_external_engine_addrs = normalized
-    return None
-
-
-def _check_precision_flags(ns: argparse.Namespace) -> str | None:
-    from slime.bridge.faults import PushFault
-
-    for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout",
-                 "rollout_health_check_interval", "rollout_health_check_timeout"):  # fmt: skip
-        value = getattr(ns, flag)
-        if value is not None and not value > 0:
-            return f"--{flag.replace('_', '-')} must be > 0, got {value}"
-    if ns.check_precision and ns.debug_rollout_only:
-        return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
-    if ns.debug_sync_parameters_path is None:
-        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
-    checks = {"--debug-sync-parameters-path": ns.debug_sync_parameters_path is not None,
-              "--check-weight-sync": ns.check_weight_sync, "--check-weight-update-equal": ns.check_weight_update_equal}  # fmt: skip
-    for flag, on in checks.items():
-        if on and (ns.debug_rollout_only or ns.debug_train_only):
-            return f"{flag} checks the weight push from the trainer to the engines, which --debug-rollout-only / --debug-train-only never run"
-    for flag in ("--debug-sync-parameters-path", "--check-weight-sync"):
-        if checks[flag] and ns.rollout_backend == "sglang":
-            return (
-                f"{flag} needs engines that report what they wrote (the torch engine's slime extensions); SGLang "
-                "does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang engines"
-            )
-    root = ns.debug_sync_parameters_path
-    if root is not None:
-        for part in ("before_sync_parameter", "after_sync_parameter"):
-            if os.path.isdir(os.path.join(root, part)) and os.listdir(os.path.join(root, part)):
-                return (
-                    f"--debug-sync-parameters-path {root!r} already holds {part}/ from an earlier run: "
-                    "choose an empty directory or remove it (nothing is overwritten)"
-                )
-    if ns.debug_push_fault is not None:
-        if ns.debug_rollout_only or ns.debug_train_only:
-            return "--debug-push-fault breaks the weight push, which --debug-rollout-only / --debug-train-only never run"
-        try:
-            PushFault.parse(ns.debug_push_fault)
-        except ValueError as e:
-            return str(e)
-    return None
 
 
 def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
@@ -657,7 +463,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     if ns.update_weight_transport is None:
         ns.update_weight_transport = "distributed" if ns.device == "cuda" and not ns.colocate else "tensor"
-    problem = _check(ns)
+    problem = check(ns)
     if problem is None:
         try:
             return _configs(ns)
