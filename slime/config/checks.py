@@ -87,8 +87,10 @@ def check(ns: argparse.Namespace) -> str | None:
         )
     elif ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
         return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
-    if ns.train_backend == "megatron":
-        return "--train-backend megatron is not available yet in this build; use --train-backend fsdp"
+    if ns.train_backend == "megatron" or not _megatron_defaults(ns):
+        problem = check_megatron(ns)
+        if problem:
+            return problem
     missing = check_available(ns.use_wandb, ns.use_tensorboard)
     if missing:
         return missing
@@ -201,3 +203,47 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
         except ValueError as e:
             return str(e)
     return None
+
+
+MEGATRON_FLAGS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                  "expert_model_parallel_size": 1, "sequence_parallel": False, "make_vocab_size_divisible_by": 128,
+                  "transformer_impl": "local"}  # fmt: skip
+
+
+def _megatron_defaults(ns: argparse.Namespace) -> bool:
+    return all(getattr(ns, k) == v for k, v in MEGATRON_FLAGS.items())
+
+
+def check_megatron(ns: argparse.Namespace) -> str | None:
+    """The Megatron layout against the train ranks and the model (heads, layers)."""
+    given = [f"--{k.replace('_', '-')}" for k, v in MEGATRON_FLAGS.items() if getattr(ns, k) != v]
+    if ns.train_backend != "megatron":
+        return f"{', '.join(given)} configure --train-backend megatron; with --train-backend {ns.train_backend} drop them"
+    from slime.config.train import MegatronConfig
+
+    try:
+        MegatronConfig(**{k: getattr(ns, k) for k in MEGATRON_FLAGS})
+    except ValueError as e:
+        return str(e)
+    ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    if ranks % (tp * pp * cp):
+        return (
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} "
+            f"= {tp * pp * cp} does not divide the {ranks} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if ns.hf_checkpoint and os.path.isfile(os.path.join(ns.hf_checkpoint, "config.json")):
+        from transformers import AutoConfig
+
+        from slime.backends.megatron.convert import ConversionError, Layout
+
+        try:
+            Layout.from_hf_config(
+                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
+            ).check_parallel(tp, pp)
+        except (ConversionError, ValueError) as e:
+            return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
+    return (
+        "--train-backend megatron: the flags and the model fit, but the Megatron train actor is not built yet "
+        "(docs/megatron.md); use --train-backend fsdp"
+    )

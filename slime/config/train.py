@@ -159,6 +159,43 @@ class FSDPConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """`--train-backend megatron`'s model parallelism (megatron-core's argument names)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
+    transformer_impl: str = "local"
+    """`local` (megatron-core's layer spec) or `transformer_engine`."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "make_vocab_size_divisible_by"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
+                             "--tensor-model-parallel-size > 1")  # fmt: skip
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(
+                f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
+
+    def is_default(self) -> bool:
+        return self == MegatronConfig()
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything a train actor needs."""
 
@@ -189,6 +226,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -273,6 +311,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-reduce-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-cpu-offload", action="store_true")
+
+    g = parser.add_argument_group("megatron (--train-backend megatron; docs/megatron.md)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")  # fmt: skip
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--debug-disable-sharding", action="store_true",
@@ -317,4 +365,5 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
             attn_implementation="attn_implementation",
             disable_sharding="debug_disable_sharding",
         ),
+        megatron=_pick(MegatronConfig, ns),
     )
