@@ -164,19 +164,62 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size configure --train-backend megatron"),
-        (["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "3"],
-         "= 3 does not divide the 4 train ranks"),
-        (["--train-backend", "megatron", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "8"],
-         "TP 8 must divide the attention heads (4) and the key/value heads (2)"),
-        (["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "4",
-          "--tensor-model-parallel-size", "1"], None),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            "--tensor-model-parallel-size configure --train-backend megatron",
+        ),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "4",
+                "--tensor-model-parallel-size",
+                "3",
+            ],
+            "= 3 does not divide the 4 train ranks",
+        ),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "8",
+                "--tensor-model-parallel-size",
+                "8",
+            ],
+            "TP 8 must divide the attention heads (4) and the key/value heads (2)",
+        ),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "4",
+                "--pipeline-model-parallel-size",
+                "4",
+                "--tensor-model-parallel-size",
+                "1",
+            ],
+            None,
+        ),
         (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel splits activations"),
-        (["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"],
-         "the flags and the model fit, but the Megatron train actor is not built yet"),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            "the flags and the model fit, but the Megatron train actor is not built yet",
+        ),
     ],
 )
-def test_megatron_layout_flags_are_checked_against_ranks_and_model(tiny_model, prompts, capsys, extra, message):
+def test_megatron_layout_flags_are_checked_against_ranks_and_model(
+    tiny_model, prompts, capsys, extra, message
+):
     argv = base(prompts, *extra)
     argv[argv.index("/m")] = tiny_model  # a real config: 4 heads, 2 key/value heads, 4 layers
     with pytest.raises(SystemExit) as e:
