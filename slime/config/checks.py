@@ -4,6 +4,7 @@ naming the flag and the fix (parse_args turns it into exit code 2), or None."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from slime.utils.tracking import check_available
@@ -205,24 +206,27 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
     return None
 
 
-MEGATRON_FLAGS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-                  "expert_model_parallel_size": 1, "sequence_parallel": False, "make_vocab_size_divisible_by": 128,
-                  "transformer_impl": "local"}  # fmt: skip
+def _megatron_flags() -> dict[str, object]:
+    """Each Megatron flag's dest and default (MegatronConfig's fields)."""
+    from slime.config.train import MegatronConfig
+
+    return {f.name: f.default for f in dataclasses.fields(MegatronConfig)}
 
 
 def _megatron_defaults(ns: argparse.Namespace) -> bool:
-    return all(getattr(ns, k) == v for k, v in MEGATRON_FLAGS.items())
+    return all(getattr(ns, k) == v for k, v in _megatron_flags().items())
 
 
 def check_megatron(ns: argparse.Namespace) -> str | None:
     """The Megatron layout against the train ranks and the model (heads, layers)."""
-    given = [f"--{k.replace('_', '-')}" for k, v in MEGATRON_FLAGS.items() if getattr(ns, k) != v]
+    flags = _megatron_flags()
+    given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if getattr(ns, k) != v]
     if ns.train_backend != "megatron":
         return f"{', '.join(given)} configure --train-backend megatron; with --train-backend {ns.train_backend} drop them"
     from slime.config.train import MegatronConfig
 
     try:
-        MegatronConfig(**{k: getattr(ns, k) for k in MEGATRON_FLAGS})
+        MegatronConfig(**{k: getattr(ns, k) for k in flags})
     except ValueError as e:
         return str(e)
     ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node

@@ -185,15 +185,6 @@ class MegatronConfig:
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"
             )
 
-    @property
-    def model_parallel_size(self) -> int:
-        return (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        )
-
-    def is_default(self) -> bool:
-        return self == MegatronConfig()
-
 
 @dataclass(frozen=True)
 class TrainConfig:
