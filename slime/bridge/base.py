@@ -19,6 +19,9 @@ class Transport(Protocol):
     """
 
     name: str
+    session: bool
+    """Whether its updates run inside SGLang's weight-update session (/begin_weight_update ...
+    /end_weight_update; required for tensor and distributed updates since SGLang 0.5.2x)."""
 
     async def setup(self, engines: list[EngineClient]) -> None:
         """Once, before the first push (e.g. join a process group)."""

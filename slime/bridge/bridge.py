@@ -27,10 +27,6 @@ from slime.utils.aio import run_sync
 
 logger = logging.getLogger(__name__)
 
-# SGLang >= 0.5.2x accepts tensor and distributed updates only inside a weight-update session
-# (/begin_weight_update ... /end_weight_update); engines without sessions answer 404 and get none.
-SESSION_TRANSPORTS = ("tensor", "distributed")
-
 
 def make_transport(
     name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0, tp_size: int = 1
@@ -107,7 +103,7 @@ class WeightBridge:
         sessions: list[EngineClient] = []
         try:
             await asyncio.gather(*(_flush(e) for e in engines))
-            if self.transport.name in SESSION_TRANSPORTS:
+            if self.transport.session:  # engines without sessions answer 404 and get none
                 opened = await asyncio.gather(*(e.begin_weight_update() for e in engines))
                 sessions = [e for e, ok in zip(engines, opened, strict=True) if ok]
             try:

@@ -21,6 +21,7 @@ _MODEL_FILES = ("config.json", "generation_config.json")
 
 class DiskTransport:
     name = "disk"
+    session = False
 
     def __init__(self, hf_checkpoint: str, root: str | None = None):
         self.hf_checkpoint = hf_checkpoint

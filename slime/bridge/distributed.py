@@ -29,6 +29,7 @@ def free_port(host: str) -> int:
 
 class DistributedTransport:
     name = "distributed"
+    session = True
 
     def __init__(self, backend: str = "gloo", master_address: str = "127.0.0.1", timeout_s: float = 600.0):
         self.backend = backend

@@ -191,6 +191,7 @@ class IpcTransport:
     """Rank 0's side: sends engine j the payloads of its TP ranks and waits for every answer."""
 
     name = "tensor"
+    session = True
 
     def __init__(self, tp_size: int = 1) -> None:
         self.tp_size = tp_size

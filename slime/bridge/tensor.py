@@ -20,6 +20,7 @@ from slime.utils.shm_tensors import SharedBuffer, pack_named_tensors
 
 class TensorTransport:
     name = "tensor"
+    session = True
 
     def __init__(self, num_buffers: int = 2) -> None:
         if num_buffers < 1:
