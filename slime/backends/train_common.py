@@ -1,0 +1,291 @@
+"""What every train backend does the same way, over its data-parallel ranks.
+
+A backend's rank belongs to one data-parallel replica (`dp_rank` of `dp_size`); the ranks of a
+replica (Megatron's tensor- and pipeline-parallel peers) see the same samples and hold the same
+log-probs, advantages and metrics. This base class plans the optimizer steps and micro-batches,
+runs the log-prob passes, computes advantages, metrics and the --check-precision statistics, and
+writes --save-debug-train-data; a backend supplies the forward passes (`_log_prob_pass`,
+`_train_step`), the reference-weight swap and where its reductions go (`dp_group`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.algo import advantages as adv
+from slime.algo.losses import approx_kl
+from slime.backends import batching
+from slime.backends.interface import RolloutBatch, TrainOutput
+from slime.config.train import TrainConfig
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step: this rank's micro-batches and the global normalisers."""
+
+    micro_batches: list[list[int]]
+    num_samples: int
+    num_tokens: int
+
+
+class TrainActorBase:
+    """The backend-independent half of slime.backends.interface.TrainActor."""
+
+    cfg: TrainConfig
+    hf_config: Any
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    dp_group: Any = None
+    """Process group over which one sample's values are counted once (None: the default group)."""
+    writes_train_data: bool = True
+    """Whether this rank writes its replica's --save-debug-train-data file (one rank per replica)."""
+    rollout_id: int
+
+    # ---- backend hooks ----------------------------------------------------------------------
+    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        """Log-probs of the samples in `plans` (keyed by batch position), on every rank of the replica."""
+        raise NotImplementedError
+
+    def _train_step(
+        self,
+        batch: RolloutBatch,
+        step: StepPlan,
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        advantages: dict[int, torch.Tensor] | None,
+        compare: dict[int, torch.Tensor] | None = None,
+        precision: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step; its metrics summed over the global batch. With `compare` (the
+        log-prob pass's values, --check-precision), the largest |log-prob pass - this forward|
+        over the loss mask goes to precision["first_step_max_abs_diff"]."""
+        raise NotImplementedError
+
+    def _reference_weights(self) -> Any:
+        """Context: the reference weights are in the model, the actor's are restored after."""
+        raise NotImplementedError
+
+    # ---- planning ---------------------------------------------------------------------------
+    # ---- planning ---------------------------------------------------------------------------
+    def plan(self, batch: RolloutBatch, max_tokens: int | None = None) -> list[StepPlan]:
+        """Every rank computes every rank's packing, so micro-batch counts agree without talking."""
+        b = self.cfg.batch
+        lengths = [len(t) for t in batch.tokens]
+        masks = batch.loss_masks
+        global_batch = b.global_batch_for(len(batch))
+        b.check_layout(self.dp_size, global_batch)
+        plans = []
+        for step in batching.split_steps(len(batch), global_batch):
+            shares = batching.balanced_shares(step, lengths, self.dp_size)
+            if b.use_dynamic_batch_size:
+                budget = max_tokens or b.max_tokens_per_gpu
+                assert budget is not None
+                per_rank = [batching.pack_micro_batches(s, lengths, budget) for s in shares]
+            else:
+                per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
+            count = max(len(mbs) for mbs in per_rank)
+            mine = batching.split_to_count(per_rank[self.dp_rank], count)
+            num_tokens = sum(sum(masks[i]) if masks is not None else batch.response_lengths[i] for i in step)
+            plans.append(StepPlan(mine, len(step), int(num_tokens)))
+        return plans
+
+    def _log_prob_plans(self, batch: RolloutBatch, train_plans: list[StepPlan]) -> list[StepPlan]:
+        # The same micro-batches as training (same padding, same kernels) make the first step's
+        # ppo_kl exactly 0; a separate log-prob budget trades that for memory.
+        budget = self.cfg.batch.log_probs_max_tokens_per_gpu
+        if (
+            budget is None
+            or not self.cfg.batch.use_dynamic_batch_size
+            or budget == self.cfg.batch.max_tokens_per_gpu
+        ):
+            return train_plans
+        return self.plan(batch, max_tokens=budget)
+
+    def compute_log_probs(self, batch: RolloutBatch, use_reference: bool = False) -> dict[int, list[float]]:
+        batch.validate(self.hf_config.vocab_size)
+        plans = self._log_prob_plans(batch, self.plan(batch))
+        if use_reference:
+            with self._reference_weights():
+                values = self._log_prob_pass(batch, plans)
+        else:
+            values = self._log_prob_pass(batch, plans)
+        index = batch.sample_indices or list(range(len(batch)))
+        return {index[p]: v.tolist() for p, v in values.items()}
+
+    # ---- training ---------------------------------------------------------------------------
+    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+        loss_cfg = self.cfg.loss
+        batch.validate(self.hf_config.vocab_size, need_rollout_log_probs=loss_cfg.needs_rollout_log_probs)
+        plans = self.plan(batch)
+        mine = [p for step in plans for mb in step.micro_batches for p in mb]
+        output = TrainOutput()
+        old = ref = None
+        start = time.perf_counter()
+        if loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None:
+            lp_plans = self._log_prob_plans(batch, plans)
+            old = self._log_prob_pass(batch, lp_plans)
+            if loss_cfg.needs_ref:
+                with self._reference_weights():
+                    ref = self._log_prob_pass(batch, lp_plans)
+            output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
+            if self.cfg.check_precision:
+                output.precision.update(self._precision_stats(batch, mine, old, ref))
+        advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
+        logprob_done = time.perf_counter()
+        if self.cfg.save_debug_train_data:
+            self._save_train_data(rollout_id, batch, mine, old, ref, advantages)
+        for k, step in enumerate(plans):
+            compare = old if k == 0 and self.cfg.check_precision else None
+            output.steps.append(
+                self._train_step(batch, step, old, ref, advantages, compare, output.precision)
+            )
+        output.timings["log_probs"] = logprob_done - start
+        output.timings["train"] = time.perf_counter() - logprob_done
+        self.rollout_id = rollout_id
+        return output
+
+    def _advantages(
+        self, batch: RolloutBatch, mine: list[int], old: Any, ref: Any
+    ) -> dict[int, torch.Tensor]:
+        cfg = self.cfg.loss
+        scalars = adv.normalize_group_rewards(
+            batch.rewards,
+            batch.group_indices,
+            cfg.advantage_estimator,
+            not cfg.disable_grpo_std_normalization,
+        )
+        masks = [self._loss_mask(batch, p) for p in mine]
+        kl = [approx_kl(old[p], ref[p], cfg.kl_loss_type) for p in mine] if ref is not None else None
+        values = adv.compute_advantages(
+            cfg.advantage_estimator, scalars[mine], masks, kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma
+        )
+        if cfg.normalize_advantages or cfg.advantage_estimator.startswith("reinforce_plus_plus"):
+            stats = adv.whitening_stats(values, masks)
+            dist.all_reduce(stats, group=self.dp_group)
+            values = adv.whiten(values, masks, stats)
+        return dict(zip(mine, values))
+
+    def _save_train_data(
+        self,
+        rollout_id: int,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        advantages: dict[int, torch.Tensor] | None,
+    ) -> None:
+        """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
+        `sample_index` (the sample's index in the rollout dump), so the two files join."""
+        from slime.rollout.dump import FORMAT_VERSION, write_atomic
+
+        def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
+            return None if d is None else d[p].tolist()
+
+        index = batch.sample_indices or list(range(len(batch)))
+        rows = [
+            {
+                "sample_index": index[p],
+                "tokens": list(batch.tokens[p]),
+                "response_length": batch.response_lengths[p],
+                "loss_mask": self._loss_mask(batch, p).int().tolist(),
+                "reward": float(batch.rewards[p]),
+                "log_probs": values(old, p),
+                "ref_log_probs": values(ref, p),
+                "rollout_log_probs": None
+                if batch.rollout_log_probs is None
+                else list(batch.rollout_log_probs[p]),
+                "advantages": values(advantages, p),
+            }
+            for p in mine
+        ]
+        assert self.cfg.save_debug_train_data is not None
+        if not self.writes_train_data:
+            return
+        payload = {
+            "format_version": FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
+            "world_size": self.dp_size, "samples": rows,
+        }  # fmt: skip
+        write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.dp_rank), payload)
+
+    @staticmethod
+    def _loss_mask(batch: RolloutBatch, p: int) -> torch.Tensor:
+        if batch.loss_masks is not None:
+            return torch.tensor(batch.loss_masks[p], dtype=torch.float32)
+        return torch.ones(batch.response_lengths[p])
+
+    def _rollout_metrics(
+        self,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        """Token means over the loss mask, over all ranks: the trainer's log-probs, the
+        reference's and the engine's, their KL and the trainer-engine gap."""
+        names = ["log_probs"]
+        if ref is not None:
+            names += ["ref_log_probs", "kl"]
+        if batch.rollout_log_probs is not None:
+            names += ["rollout_log_probs", "train_rollout_logprob_abs_diff"]
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # ..., number of tokens
+        worst = torch.zeros(1, dtype=torch.float64)
+        for p in mine:
+            mask = self._loss_mask(batch, p).bool()
+            values = {"log_probs": old[p]}
+            if ref is not None:
+                values["ref_log_probs"] = ref[p]
+                values["kl"] = approx_kl(old[p], ref[p], self.cfg.loss.kl_loss_type)
+            if batch.rollout_log_probs is not None:
+                engine = torch.tensor(batch.rollout_log_probs[p])
+                values["rollout_log_probs"] = engine
+                values["train_rollout_logprob_abs_diff"] = (old[p] - engine).abs()
+            if not mask.any():
+                continue
+            for i, name in enumerate(names):
+                sums[i] += values[name][mask].double().sum()
+            sums[-1] += mask.sum()
+            if batch.rollout_log_probs is not None:
+                worst = torch.maximum(worst, values["train_rollout_logprob_abs_diff"][mask].double().max())
+        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
+        out = {name: float(sums[i] / sums[-1].clamp(min=1)) for i, name in enumerate(names)}
+        if batch.rollout_log_probs is not None:
+            out["train_rollout_logprob_abs_diff_max"] = float(worst[0])
+        return out
+
+    def _precision_stats(
+        self,
+        batch: RolloutBatch,
+        mine: list[int],
+        old: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        """What --check-precision's gates need beyond the token means, over all ranks."""
+        counts = torch.zeros(2, dtype=torch.float64)  # non-finite log-probs, tokens where actor != ref
+        highs = torch.full((2,), -float("inf"), dtype=torch.float64)  # max log-prob, max |actor - ref|
+        for p in mine:
+            mask = self._loss_mask(batch, p).bool()
+            values = old[p][mask].double()
+            counts[0] += (~torch.isfinite(values)).sum()
+            if values.numel():
+                highs[0] = torch.maximum(highs[0], values.max())
+            if ref is not None:
+                gap = (values - ref[p][mask].double()).abs()
+                counts[1] += (gap != 0).sum()
+                if gap.numel():
+                    highs[1] = torch.maximum(highs[1], gap.max())
+        dist.all_reduce(counts, group=self.dp_group)
+        dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=self.dp_group)
+        out = {"nonfinite": float(counts[0]), "max_log_prob": float(highs[0])}
+        if ref is not None:
+            worst = float(highs[1])
+            out["ref_max_abs_diff"] = 0.0 if worst == -float("inf") else worst  # NaN stays NaN
+            out["ref_tokens_differ"] = float(counts[1])
+        return out
