@@ -167,3 +167,127 @@ def save_hf(state: State, config_dir: str, save_dir: str, shard_bytes: int = 2 <
         if os.path.isfile(os.path.join(config_dir, name)):
             shutil.copy2(os.path.join(config_dir, name), os.path.join(partial, name))
     _publish(partial, final)
+
+
+# ---- the train actor's checkpoints ---------------------------------------------------------
+TRAIN_FORMAT_VERSION = 1
+
+
+def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[str, Any] | None = None) -> str:
+    """`--save` for the Megatron actor, in Megatron-LM's layout:
+
+        ROOT/latest_checkpointed_iteration.txt        the rollout id of the newest complete one
+        ROOT/iter_0000007/mp_rank_TT[_PPP]/model_optim_rng.pt
+
+    Each file (written by the replica of data-parallel rank 0) holds its rank's model shard
+    ("model", megatron-core names), "optimizer" (AdamW's state for exactly these tensors),
+    "opt_param_scheduler", "rng_state", "iteration", "args" (megatron_args) and "slime" (format,
+    extra, hf_checkpoint). The directory is written as iter_XXXXXXX.partial and renamed by rank 0
+    after every rank finished; the tracker is replaced after that. convert_checkpoint reads it
+    (model only) to change the layout.
+    """
+    import torch.distributed as dist
+
+    from slime.backends.fsdp.checkpoint import _broadcast_error, _rng_state, iteration_dir
+    from slime.utils.files import atomic_write_text
+
+    final = iteration_dir(root, rollout_id)
+    partial = final + ".partial"
+    error = None
+    if actor.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as e:
+            error = f"--save {root!r}: cannot create {partial!r} ({e})"
+    _broadcast_error(error)
+    if actor.dp_rank == 0:
+        folder = os.path.join(partial, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp))
+        os.makedirs(folder, exist_ok=True)
+        blob = {
+            "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
+            "optimizer": actor.optimizer.state_dict(),
+            "opt_param_scheduler": actor.schedule.state_dict(),
+            "rng_state": _rng_state(),
+            "iteration": rollout_id,
+            "checkpoint_version": 3.0,
+            "args": megatron_args(actor.layout, actor.tp, actor.pp),
+            "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
+                      "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
+        }  # fmt: skip
+        torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
+    dist.barrier()
+    if actor.rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        atomic_write_text(os.path.join(root, TRACKER), str(rollout_id))
+    dist.barrier()
+    return final
+
+
+def load_train_checkpoint(actor: Any, root: str) -> int | None:
+    """Resume from the newest checkpoint under `root` (None when there is none yet).
+
+    A checkpoint written by the actor resumes everything; a converted one (`release`, from
+    convert_hf_to_megatron / convert_checkpoint) loads the model only and starts a fresh run from
+    it. The TP/PP layout must be the one the job runs (convert_checkpoint changes it)."""
+    from slime.backends.fsdp.checkpoint import _set_rng_state, iteration_dir
+
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        tag = f.read().strip()
+    folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
+    path = os.path.join(
+        folder, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp), "model_optim_rng.pt"
+    )
+    if not os.path.isfile(path):
+        stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        raise ConversionError(
+            f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
+            f"{', '.join(stored) or 'nothing'}); convert it with python -m slime.tools.convert_checkpoint "
+            f"--target-tensor-parallel-size {actor.tp} --target-pipeline-parallel-size {actor.pp}"
+        )
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    args = blob.get("args") or {}
+    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
+    if saved != (actor.tp, actor.pp) or stored_layout(args, root) != actor.layout:
+        raise ConversionError(
+            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
+            f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
+            "python -m slime.tools.convert_checkpoint"
+        )
+    actor._copy_in(blob["model"])
+    if tag == "release" or "optimizer" not in blob:
+        return None
+    actor.optimizer.load_state_dict(blob["optimizer"])
+    actor.schedule.load_state_dict(
+        blob["opt_param_scheduler"], override=actor.cfg.override_opt_param_scheduler
+    )
+    from slime.backends.fsdp.checkpoint import _apply_optimizer_flags
+
+    _apply_optimizer_flags(actor)
+    _set_rng_state(blob["rng_state"])
+    actor.resumed_extra = blob.get("slime", {}).get("extra", {})
+    return int(blob["iteration"])
+
+
+def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30) -> None:
+    """The actor's weights as a Hugging Face directory (rank 0 writes; every rank takes part)."""
+    import torch.distributed as dist
+
+    from slime.backends.fsdp.checkpoint import checkpoint_dtype
+
+    state: State = {}
+    for bucket in actor.export_weights(shard_bytes):
+        state.update({n: t.detach().cpu() for n, t in bucket})
+    if actor.rank == 0:
+        dtype = checkpoint_dtype(actor.hf_config)
+        final = os.path.abspath(path)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        save_hf({n: t.to(dtype) for n, t in state.items()}, actor.cfg.hf_checkpoint, final, shard_bytes)
+    dist.barrier()

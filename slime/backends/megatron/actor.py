@@ -1,0 +1,548 @@
+"""The Megatron-core train actor: one rank of a TP x PP x DP layout.
+
+megatron-core supplies the parallel state (tensor-, pipeline- and data-parallel groups), the
+GPTModel (this rank's TP shard of its pipeline stage's layers) and the pipeline schedules
+(`get_forward_backward_func`: 1F1B over the pipeline, plain forward/backward without one). slime
+supplies what the FSDP actor also does (slime.backends.train_common: planning over the data-
+parallel replicas, advantages, metrics), the loss (slime.algo), the optimizer (slime's AdamW and
+LR schedule, so both backends step identically), and the gradient reduction:
+
+- data-parallel: gradients are summed over the DP group (the loss is already a share of the
+  global batch, slime.algo.losses.token_weights), as the FSDP actor sums over its ranks;
+- tensor-parallel: megatron-core's layers reduce their own activations; the QK-norm weights
+  see only a rank's heads, so their gradients are summed over the TP group (as megatron-core's
+  finalize_model_grads does);
+- pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
+  are one HF tensor; their gradients are summed over megatron-core's embedding group.
+
+The gradient norm counts every tensor once (TP-duplicated tensors on TP rank 0 only, the last
+stage's copy of a tied embedding not at all), over the model-parallel group, and clips as
+torch.nn.utils.clip_grad_norm_ does. Log-probs are computed on the last stage from the
+vocabulary-parallel logits (slime.backends.megatron.logprobs: padded vocabulary rows excluded)
+and broadcast to the other stages, so every rank of a replica holds them.
+
+On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim (its CUDA device
+placement redirected to the CPU); on CUDA nothing is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.algo.losses import token_weights
+from slime.algo.objective import MicroBatchTerms, micro_batch_loss
+from slime.backends.fsdp import model_init
+from slime.backends.fsdp.forward import MicroBatch, make_micro_batch
+from slime.backends.interface import RolloutBatch
+from slime.backends.megatron import checkpoint as mckpt
+from slime.backends.megatron.convert import Layout, State, hf_to_megatron, shard
+from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
+from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.optim import LRSchedule, make_adamw
+from slime.backends.train_common import StepPlan, TrainActorBase
+from slime.config.train import TrainConfig
+from slime.utils.distributed import init_train_group
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronTrainActor(TrainActorBase):
+    """Implements slime.backends.interface.TrainActor with megatron-core."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+    ):
+        self.cfg = cfg
+        self._dist_args = (rank, world_size, init_method)
+        self.rank, self.world_size = 0, 1
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer
+        self.schedule: LRSchedule
+        self.ref_state: State | None = None
+        self.rollout_id = -1
+        self.resumed_extra: dict[str, Any] = {}
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def init(self) -> dict[str, Any]:
+        cfg, m = self.cfg, self.cfg.megatron
+        self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
+        if cfg.ref_load and cfg.loss.needs_ref:
+            model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+        unsupported = check_supported(m)
+        if unsupported:
+            raise ValueError(unsupported)
+        self.layout = Layout.from_hf_config(
+            self.hf_config,
+            m.make_vocab_size_divisible_by,
+            fold_norms=m.transformer_impl == "transformer_engine",
+        )
+        self.tp, self.pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        self.layout.check_parallel(self.tp, self.pp)
+        self.rank, self.world_size = init_train_group(
+            cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
+        )
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+        self.mesh = Mesh.from_parallel_state()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        # One rank per replica writes the replica's files and counts its step metrics.
+        self.writes_train_data = self.last_stage and self.mesh.tp_rank == 0
+        cfg.batch.check_layout(self.dp_size)
+        if cfg.deterministic:
+            from slime.utils.seed import enable_deterministic
+
+            enable_deterministic(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        )
+        self.model, self.config = self._build_model()
+        self._forward_backward = self._schedule()
+        self._load_hf(cfg.hf_checkpoint)
+        self.optimizer = make_adamw(self.model.parameters(), cfg.optimizer)
+        self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
+        if cfg.loss.needs_ref:
+            ref_dir = cfg.ref_load or cfg.hf_checkpoint
+            self.ref_state = (
+                self._snapshot() if ref_dir == cfg.hf_checkpoint else self._read_hf_shard(ref_dir)
+            )
+        resumed = self.load(cfg.load) if cfg.load else None
+        info = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp_size,
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "local_state_bytes": self.local_state_bytes(),
+            "resumed_rollout_id": resumed,
+            "resumed_extra": self.resumed_extra,
+        }
+        logger.info("rank %d/%d: Megatron actor ready %s", self.rank, self.world_size, info)
+        return info
+
+    def _build_model(self) -> tuple[Any, Any]:
+        from megatron.core import tensor_parallel
+
+        from slime.backends.megatron.model import build_gpt_model, transformer_config
+
+        m = self.cfg.megatron
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu:
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
+        config = transformer_config(
+            self.layout, self.hf_config, torch.float32, cpu_init=on_cpu,
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            sequence_parallel=m.sequence_parallel,
+            # Micro-batches differ in length and size: the pipeline exchanges shapes first.
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",  # megatron-core refuses its default with variable lengths
+            # The loss function returns each micro-batch's share of the global loss already.
+            calculate_per_token_loss=True,
+        )  # fmt: skip
+        if on_cpu:
+            from slime.backends.megatron import cpu_shim
+
+            _import_for_shim()
+            cpu_shim.enable()
+        model = build_gpt_model(self.layout, self.hf_config, config, self.tp)
+        if not on_cpu:
+            model.cuda(torch.cuda.current_device())
+        model.train()
+        return model, config
+
+    def _schedule(self) -> Any:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+
+    def _read_hf_shard(self, hf_dir: str) -> State:
+        """This rank's megatron-core shard of an HF checkpoint (every rank reads the checkpoint)."""
+        full = hf_to_megatron(mckpt.load_hf_state(hf_dir), self.layout, self.tp)
+        return shard(full, self.layout, self.tp, self.pp)[(self.mesh.tp_rank, self.mesh.pp_rank)]
+
+    def _load_hf(self, hf_dir: str) -> None:
+        self._copy_in(self._read_hf_shard(hf_dir))
+
+    @torch.no_grad()
+    def _copy_in(self, state: State) -> None:
+        params = dict(self.model.named_parameters())
+        for name, param in params.items():
+            if name not in state:
+                raise mckpt.ConversionError(f"parameter {name}: not in the converted checkpoint")
+            if tuple(state[name].shape) != tuple(param.shape):
+                raise mckpt.ConversionError(
+                    f"parameter {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(param.shape)}"
+                )
+            param.copy_(state[name])
+        extra = sorted(set(state) - set(params))
+        if extra:
+            raise mckpt.ConversionError(f"the converted checkpoint has tensors the model lacks: {extra[:5]}")
+
+    @torch.no_grad()
+    def _snapshot(self) -> State:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def local_state_bytes(self) -> int:
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
+        mb = make_micro_batch(positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device)
+        if self.cfg.megatron.sequence_parallel and mb.input_ids.shape[1] % self.tp:
+            # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP
+            # (causal attention: the padding after a sample changes none of its logits).
+            extra = self.tp - mb.input_ids.shape[1] % self.tp
+            mb.input_ids = torch.nn.functional.pad(mb.input_ids, (0, extra))
+            mb.attention_mask = torch.nn.functional.pad(mb.attention_mask, (0, extra))
+        return mb
+
+    def _response_log_probs(
+        self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns."""
+        max_resp = mb.response_mask.shape[1]
+        idx = torch.arange(max_resp)
+        cols = torch.stack([
+            torch.where(idx < r, p - 1 + idx, torch.full_like(idx, p - 1))
+            for p, r in zip(mb.prompt_lengths, mb.response_lengths)
+        ]).to(logits.device)  # fmt: skip
+        rows = torch.arange(len(mb.positions), device=logits.device).unsqueeze(1).expand_as(cols)
+        resp_logits = logits[rows, cols].float() / self.cfg.rollout_temperature
+        targets = mb.input_ids.gather(1, cols + 1)
+        log_probs, entropy = vocab_parallel_log_probs(
+            resp_logits, targets, self.layout.vocab_size, self.mesh.tp_rank, self.tp,
+            self.mesh.tp_group, with_entropy,
+        )  # fmt: skip
+        mask = mb.response_mask.to(log_probs.device)
+        return log_probs * mask, None if entropy is None else entropy * mask
+
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool) -> None:
+        """megatron-core's schedule over the micro-batches; `loss_fn(mb, logits)` runs on the
+        last stage and returns the micro-batch's loss (a share of the global loss)."""
+        if not micro_batches:
+            return
+        model = self.model
+
+        def forward_step(data: Iterator[MicroBatch], _model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            ids = mb.input_ids
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = model(ids, positions, None)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                return loss_fn(mb, logits), torch.tensor(1, dtype=torch.int), {}
+
+            return output, loss_func
+
+        longest = max(mb.input_ids.shape[1] for mb in micro_batches)
+        self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=longest,
+            micro_batch_size=max(mb.num_samples for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    # ---- log-probs --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        mbs = [self._micro_batch(batch, pos) for step in plans for pos in step.micro_batches if pos]
+        out: dict[int, torch.Tensor] = {}
+
+        def collect(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            log_probs, _ = self._response_log_probs(logits, mb, False)
+            log_probs = log_probs.cpu()
+            for row, p in enumerate(mb.positions):
+                out[p] = log_probs[row, : mb.response_lengths[row]].clone()
+            return torch.zeros((), device=logits.device)
+
+        self.model.eval()
+        try:
+            self._run(mbs, collect, forward_only=True)
+        finally:
+            self.model.train()
+        return self._from_last_stage(batch, [p for mb in mbs for p in mb.positions], out)
+
+    def _from_last_stage(
+        self, batch: RolloutBatch, positions: list[int], values: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """The last stage's per-sample values on every stage of this pipeline."""
+        if self.pp == 1:
+            return values
+        sizes = [batch.response_lengths[p] for p in positions]
+        flat = (torch.cat([values[p] for p in positions]) if self.last_stage else torch.empty(sum(sizes))).to(
+            self._comm_device
+        )
+        from megatron.core import parallel_state as ps
+
+        dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
+        return dict(zip(positions, flat.cpu().split(sizes)))
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    class _Swap:
+        def __init__(self, actor: MegatronTrainActor):
+            self.actor = actor
+
+        def __enter__(self) -> None:
+            self.saved = self.actor._snapshot()
+            assert self.actor.ref_state is not None
+            self.actor._copy_in(self.actor.ref_state)
+
+        def __exit__(self, *exc: object) -> None:
+            self.actor._copy_in(self.saved)
+
+    def _reference_weights(self) -> MegatronTrainActor._Swap:
+        if self.ref_state is None:
+            raise RuntimeError(
+                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
+            )
+        return MegatronTrainActor._Swap(self)
+
+    # ---- training ---------------------------------------------------------------------------
+    def _train_step(
+        self,
+        batch: RolloutBatch,
+        step: StepPlan,
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        advantages: dict[int, torch.Tensor] | None,
+        compare: dict[int, torch.Tensor] | None = None,
+        precision: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        entropy_grad = cfg.loss.entropy_coef != 0
+        worst = torch.zeros(1, dtype=torch.float64)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            nonlocal worst
+            log_probs, entropy = self._response_log_probs(logits, mb, True)
+            assert entropy is not None
+            dev = log_probs.device
+            if compare is not None:
+                before = mb.response_tensor([compare[p] for p in mb.positions]).to(dev)
+                gap = (before - log_probs.detach()).abs()[mb.loss_mask.to(dev).bool()]
+                if gap.numel():
+                    worst = torch.maximum(worst, gap.double().max().cpu())
+
+            def lay_out(values: Any) -> torch.Tensor | None:
+                return (
+                    None if values is None else mb.response_tensor([values[p] for p in mb.positions]).to(dev)
+                )
+
+            weights = token_weights(
+                mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples, step.num_tokens
+            )
+            terms = MicroBatchTerms(
+                log_probs=log_probs,
+                mask=mb.loss_mask.to(dev),
+                weights=weights.to(dev),
+                old_log_probs=lay_out(old),
+                advantages=lay_out(advantages),
+                ref_log_probs=lay_out(ref),
+                rollout_log_probs=lay_out(batch.rollout_log_probs),
+                entropy=entropy if entropy_grad else entropy.detach(),
+            )
+            loss, metrics = micro_batch_loss(cfg.loss, terms)
+            for name, value in metrics.items():
+                sums[name] += value.double().cpu()
+            return loss
+
+        mbs = [self._micro_batch(batch, pos) for pos in step.micro_batches if pos]
+        self._run(mbs, loss_fn, forward_only=False)
+        if compare is not None and precision is not None:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            precision["first_step_max_abs_diff"] = float(worst[0])
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        lr = self.schedule.lr
+        self.optimizer.step()
+        self.schedule.step()
+        return self._step_metrics(sums, grad_norm, lr)
+
+    def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
+        """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
+        contributes. Every rank computes the same metric names (the loss config decides them)."""
+        names = self._metric_names()
+        mine = self.last_stage and self.mesh.tp_rank == 0
+        if mine and sorted(sums) != names:
+            raise RuntimeError(f"loss metrics {sorted(sums)} differ from the expected {names}")
+        reduced = torch.stack(
+            [sums[n] if mine and n in sums else torch.zeros((), dtype=torch.float64) for n in names]
+        ) if names else torch.zeros(0, dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(reduced)
+        result = {n: float(v) for n, v in zip(names, reduced)}
+        result.update(grad_norm=grad_norm, lr=lr)
+        return result
+
+    def _metric_names(self) -> list[str]:
+        """The metric names micro_batch_loss reports for this loss config (ranks without the
+        loss, the first pipeline stages, need them to join the reduction)."""
+        if not hasattr(self, "_names"):
+            one = torch.zeros(1, 1)
+            terms = MicroBatchTerms(log_probs=one, mask=one + 1, weights=one + 1, old_log_probs=one,
+                                    advantages=one, ref_log_probs=one, rollout_log_probs=one, entropy=one)  # fmt: skip
+            self._names = sorted(micro_batch_loss(self.cfg.loss, terms)[1])
+        return self._names
+
+    def _reduce_gradients(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp_size > 1:
+            _all_reduce_coalesced([p.grad for p in params], self.dp_group, self._comm_device)
+        if self.tp > 1 and self.layout.qk_norm:
+            norms = [p.grad for n, p in self.model.named_parameters()
+                     if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]  # fmt: skip
+            _all_reduce_coalesced(norms, self.mesh.tp_group, self._comm_device)
+        if self.pp > 1 and self.layout.tied_embeddings and (self.first_stage or self.last_stage):
+            weight = self.model.shared_embedding_or_output_weight()
+            if weight.grad is not None:
+                _all_reduce_coalesced([weight.grad], ps.get_embedding_group(), self._comm_device)
+
+    def _counted_once(self) -> list[torch.Tensor]:
+        """Gradients that enter the norm: each tensor of the full model exactly once."""
+        grads = []
+        for p in self.model.parameters():
+            # megatron-core marks the last stage's copy of a tied embedding `shared`.
+            if p.grad is None or getattr(p, "shared", False):
+                continue
+            if getattr(p, "tensor_model_parallel", False) or self.mesh.tp_rank == 0:
+                grads.append(p.grad)
+        return grads
+
+    def _clip_gradients(self) -> float:
+        from megatron.core import parallel_state as ps
+
+        square = torch.zeros(1, dtype=torch.float64, device=self._comm_device)
+        for g in self._counted_once():
+            square += g.detach().double().pow(2).sum().to(square.device)
+        if self.tp * self.pp > 1:
+            dist.all_reduce(square, group=ps.get_model_parallel_group())
+        norm = math.sqrt(float(square[0]))
+        max_norm = self.cfg.optimizer.clip_grad or float("inf")
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    # ---- checkpoints and weights ------------------------------------------------------------
+    def model_state(self) -> State:
+        from slime.backends.megatron.model import model_state
+
+        return model_state(self.model)
+
+    def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
+        return mckpt.save_train_checkpoint(self, rollout_id, path, extra)
+
+    def load(self, path: str) -> int | None:
+        rollout_id = mckpt.load_train_checkpoint(self, path)
+        if rollout_id is not None:
+            self.rollout_id = rollout_id
+        return rollout_id
+
+    def save_hf(self, path: str) -> None:
+        mckpt.save_hf_from_actor(self, path)
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        local = {k: v.detach() for k, v in self.model_state().items()}
+        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in _meta_hf_state(self.layout).items()}
+
+    # ---- colocation -------------------------------------------------------------------------
+    def sleep(self, keep_params: bool = False) -> None:
+        self._move("cpu", params=not keep_params)
+
+    def wake(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str | torch.device, params: bool = True) -> None:
+        if self.device.type == "cpu":
+            return
+        if params:
+            self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        if torch.device(device).type == "cpu":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                with contextlib.suppress(Exception):
+                    from megatron.core import parallel_state as ps
+
+                    ps.destroy_model_parallel()
+                dist.destroy_process_group()
+
+
+def check_supported(m: Any) -> str | None:
+    """What this actor does not build yet (refused at start-up, exit 2)."""
+    if m.context_parallel_size > 1:
+        return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
+                "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
+    if m.expert_model_parallel_size > 1:
+        return ("--expert-model-parallel-size > 1 needs a mixture-of-experts model; slime's Megatron conversion "
+                "covers dense Qwen2/Qwen3/Llama models so far: use --expert-model-parallel-size 1")  # fmt: skip
+    if m.sequence_parallel and m.transformer_impl == "local":
+        return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
+                "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
+    return None
+
+
+def _import_for_shim() -> None:
+    """Import every megatron-core module the forward and backward use, so the shim sees them."""
+    import megatron.core.models.gpt.gpt_model
+    import megatron.core.pipeline_parallel.p2p_communication
+    import megatron.core.pipeline_parallel.schedules
+    import megatron.core.transformer.dot_product_attention  # noqa: F401
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group: Any, device: torch.device) -> None:
+    """Sum `tensors` over `group` through one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_dtype[t.dtype].append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same]).to(device)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,119 @@
+"""Run megatron-core's model and pipeline schedules on CPU (gloo), for `--device cpu`.
+
+megatron-core (0.16) is written for CUDA: its modules allocate with
+`device=torch.cuda.current_device()` or `device="cuda"` (the rotary table, the default causal
+mask, the attention's scratch buffer, the pipeline's shape exchange, the schedules' token count),
+call `torch.cuda.synchronize()`, fork dropout's random state on the CUDA generator, and move a
+tied embedding's pipeline copy with `Tensor.cuda()`. None of it
+is a GPU kernel: every operation has a CPU equivalent. `enable()` therefore gives each loaded
+`megatron.core` module a view of torch in which those allocations land on the CPU and the CUDA
+calls are no-ops, replaces the CUDA random-state tracker with one that forks the CPU
+generator, and makes `Tensor.cuda()` the identity while the model ties its embeddings. Nothing outside `megatron.core` changes, nothing changes on a machine with CUDA (the
+actor calls this only for `--device cpu`), and the numerics are megatron-core's own.
+
+What this cannot give: anything that really needs a GPU (Transformer Engine, fused kernels,
+megatron-core's own optimizer and DDP buffers, which check tensor types by their CUDA names).
+The Megatron actor uses slime's AdamW and its own data-parallel reduction on every device, so
+the code that runs here is the code that runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn")
+
+
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    device = kwargs.get("device")
+    if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+class _CudaOnCpu:
+    """torch.cuda as megatron-core sees it: the current device is the CPU, syncs are no-ops."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+class _TorchOnCpu(types.ModuleType):
+    """torch as megatron-core sees it: tensor factories put "cuda" tensors on the CPU."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _torch_view() -> types.ModuleType:
+    view = _TorchOnCpu("torch")
+    for name in _FACTORIES:
+        factory = getattr(torch, name)
+        setattr(view, name, lambda *a, _f=factory, **k: _f(*a, **_on_cpu(k)))
+    return view
+
+
+def enable() -> int:
+    """Point every loaded megatron.core module at the CPU view of torch; returns how many.
+
+    Call after importing the megatron-core modules the actor uses (their `torch` global is
+    replaced; modules imported later keep the real torch)."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    view = _torch_view()
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = view  # type: ignore[attr-defined]
+            count += 1
+
+    class CpuRngTracker(mc_random.CudaRNGStatesTracker):
+        """Dropout regions fork the CPU generator (the actor sets dropout to 0 anyway)."""
+
+        def fork(self, name: str = "model-parallel-rng") -> Any:  # type: ignore[override]
+            return torch.random.fork_rng(devices=[])
+
+    mc_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _keep_tied_embedding_on_cpu()
+    return count
+
+
+def _keep_tied_embedding_on_cpu() -> None:
+    """With tied embeddings and PP > 1 the model's constructor moves the last stage's copy of the
+    embedding to the GPU (`weight.data.cuda()`) to all-reduce it with the first stage's: run it
+    with Tensor.cuda as the identity for the duration of that one call."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_slime_cpu", False):
+        return
+
+    def setup(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    setup._slime_cpu = True  # type: ignore[attr-defined]
+    LanguageModule.setup_embeddings_and_output_layer = setup  # type: ignore[method-assign]
