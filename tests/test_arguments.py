@@ -64,7 +64,6 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
         (["--over-sampling-batch-size", "2"], "--over-sampling-batch-size must be >="),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
         (["--lr-decay-style", "cosine"], "--lr-decay-iters"),
-        (["--train-backend", "megatron"], "megatron"),
         (["--eval-prompt-data", "/nope.jsonl"], "--eval-prompt-data '/nope.jsonl': no such file"),
     ],
 )
@@ -190,33 +189,26 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             ],
             "TP 8 must divide the attention heads (4) and the key/value heads (2)",
         ),
-        (
-            [
-                "--train-backend",
-                "megatron",
-                "--actor-num-gpus-per-node",
-                "4",
-                "--pipeline-model-parallel-size",
-                "4",
-                "--tensor-model-parallel-size",
-                "1",
-            ],
-            None,
-        ),
         (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel splits activations"),
         (
-            [
-                "--train-backend",
-                "megatron",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-            ],
-            "the flags and the model fit, but the Megatron train actor is not built yet",
+            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel"],
+            "--sequence-parallel needs --transformer-impl transformer_engine",
+        ),
+        (
+            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
+            "--context-parallel-size > 1 is not supported",
+        ),
+        (
+            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size > 1 needs a mixture-of-experts model",
+        ),
+        (
+            ["--train-backend", "megatron", "--gradient-checkpointing"],
+            "--gradient-checkpointing configure the FSDP backend",
         ),
     ],
-)
+)  # fmt: skip
 def test_megatron_layout_flags_are_checked_against_ranks_and_model(
     tiny_model, prompts, capsys, extra, message
 ):
@@ -225,4 +217,21 @@ def test_megatron_layout_flags_are_checked_against_ranks_and_model(
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and (message or "not built yet") in err, err
+    assert e.value.code == 2 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "4"],
+        ["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        ["--actor-num-gpus-per-node", "2"],
+    ],
+)  # fmt: skip
+def test_megatron_layouts_that_fit_the_model_parse(tiny_model, prompts, extra):
+    argv = base(prompts, "--train-backend", "megatron", *extra)
+    argv[argv.index("/m")] = tiny_model
+    cfg = parse_args(argv)
+    assert cfg.train.backend == "megatron"
+    layout = cfg.train.megatron
+    assert layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size <= 4

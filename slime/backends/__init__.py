@@ -1,1 +1,17 @@
-"""slime.backends package."""
+"""Train backends: FSDP2 (slime.backends.fsdp) and megatron-core (slime.backends.megatron)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def make_train_actor(cfg: Any, rank: int | None = None, world_size: int | None = None,
+                     init_method: str | None = None) -> Any:  # fmt: skip
+    """The train actor of `cfg.backend` (imported lazily: megatron-core is optional)."""
+    if cfg.backend == "megatron":
+        from slime.backends.megatron.actor import MegatronTrainActor
+
+        return MegatronTrainActor(cfg, rank, world_size, init_method)
+    from slime.backends.fsdp.actor import FSDPTrainActor
+
+    return FSDPTrainActor(cfg, rank, world_size, init_method)

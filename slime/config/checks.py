@@ -226,7 +226,7 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     from slime.config.train import MegatronConfig
 
     try:
-        MegatronConfig(**{k: getattr(ns, k) for k in flags})
+        megatron = MegatronConfig(**{k: getattr(ns, k) for k in flags})
     except ValueError as e:
         return str(e)
     ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
@@ -247,7 +247,19 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             ).check_parallel(tp, pp)
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
-    return (
-        "--train-backend megatron: the flags and the model fit, but the Megatron train actor is not built yet "
-        "(docs/megatron.md); use --train-backend fsdp"
-    )
+    from slime.backends.megatron.actor import check_supported
+
+    problem = check_supported(megatron)
+    if problem:
+        return problem
+    if ns.device == "cuda" and ns.colocate and ns.update_weight_transport == "tensor":
+        return ("--train-backend megatron with --colocate on GPU: the CUDA-IPC push needs every train rank to hold "
+                "full tensors, which the Megatron export gives to rank 0 only (not built yet); use "
+                "--update-weight-transport disk")  # fmt: skip
+    fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload", "gradient_checkpointing")
+                 if getattr(ns, d, False)]  # fmt: skip
+    fsdp_only += [f"--{d.replace('_', '-')}" for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")
+                  if getattr(ns, d, "float32") != "float32"]  # fmt: skip
+    if fsdp_only:
+        return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
+    return None

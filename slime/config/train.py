@@ -192,6 +192,8 @@ class TrainConfig:
 
     hf_checkpoint: str
     """`--hf-checkpoint`: Hugging Face model directory (config, weights, tokenizer)."""
+    backend: str = "fsdp"
+    """`--train-backend`: fsdp (slime.backends.fsdp) or megatron (slime.backends.megatron)."""
     ref_load: str | None = None
     """`--ref-load`: reference-model weights (HF directory; default: --hf-checkpoint)."""
     device: str = "cpu"
@@ -222,6 +224,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.backend not in ("fsdp", "megatron"):
+            raise ValueError(f"--train-backend must be fsdp or megatron, got {self.backend!r}")
         if self.rollout_temperature <= 0:
             raise ValueError("--rollout-temperature must be > 0")
         if not self.distributed_timeout_minutes > 0:
@@ -335,6 +339,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         raise ValueError("--hf-checkpoint is required: the Hugging Face model directory to train")
     return TrainConfig(
         hf_checkpoint=ns.hf_checkpoint,
+        backend=getattr(ns, "train_backend", "fsdp"),
         ref_load=ns.ref_load,
         device=ns.device,
         seed=ns.seed,

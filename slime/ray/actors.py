@@ -46,10 +46,10 @@ class TrainRank:
         _quiet_threads(threads)
         configure_logging(f"rank {rank}")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        from slime.backends.fsdp.actor import FSDPTrainActor
+        from slime.backends import make_train_actor
 
         self.rank = rank
-        self.actor = FSDPTrainActor(cfg, rank, world_size)
+        self.actor = make_train_actor(cfg, rank, world_size)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
         self.ipc = self.sglang_reductions = False

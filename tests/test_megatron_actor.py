@@ -1,0 +1,177 @@
+"""The Megatron train actor on real gloo process groups, megatron-core's own model and pipeline
+schedules (on CPU through slime.backends.megatron.cpu_shim), against the FSDP actor on one rank.
+
+The tiny Qwen3 checkpoint (QK norm, grouped-query attention, tied embeddings) trains two
+rollouts of two optimizer steps with the FSDP test's loss (KL, entropy, TIS, asymmetric clip).
+Every layout must train like one FSDP rank: TP 2, PP 2 (the tied embedding split over the first
+and last stage), DP 2 and TP 2 x PP 2: same log-probs, step metrics and weights, within float32
+rounding. The TP 2 run also checkpoints after rollout 0; a run resumed from it ends with the
+same weights bit for bit, and the checkpoint converted to PP 2 by convert_checkpoint loads into
+a PP 2 actor that computes the same log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+from slime.config.train import MegatronConfig
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import base_config, make_batch
+
+ROLLOUTS = 2
+PROBE = 7  # a batch no run trains on: log-probs of the weights after rollout 0
+
+
+def config(model: str, tp: int = 1, pp: int = 1, **over):
+    cfg = base_config(model, micro_batch_size=2)
+    if over.get("backend", "megatron") == "megatron":
+        cfg = dataclasses.replace(
+            cfg,
+            backend="megatron",
+            megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        )
+    return dataclasses.replace(cfg, **over)
+
+
+def exported(actor) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for bucket in actor.export_weights(1 << 30):
+        weights.update({n: t.detach().clone() for n, t in bucket})
+    return weights
+
+
+def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None):
+    from slime.backends import make_train_actor
+
+    actor = make_train_actor(config(model, tp, pp, backend=backend), rank, world_size, init_method)
+    info = actor.init()
+    batch = make_batch(0)
+    result = {
+        "info": info,
+        "lp": actor.compute_log_probs(batch),
+        "ref_lp": actor.compute_log_probs(batch, use_reference=True),
+        "outputs": [],
+    }
+    for r in range(ROLLOUTS):
+        result["outputs"].append(actor.train(r, make_batch(r)))
+        if r == 0:
+            result["probe"] = actor.compute_log_probs(make_batch(PROBE))
+            if save_dir:
+                actor.save(r, save_dir, extra={"next_prompt": 3})
+    result["weights"] = exported(actor)
+    actor.close()
+    return result
+
+
+def resumed_run(rank, world_size, init_method, model, tp, pp, load):
+    from slime.backends import make_train_actor
+
+    actor = make_train_actor(config(model, tp, pp, load=load), rank, world_size, init_method)
+    info = actor.init()
+    result = {"info": info, "probe": actor.compute_log_probs(make_batch(PROBE))}
+    if info["resumed_rollout_id"] is not None:
+        result["outputs"] = [
+            actor.train(r, make_batch(r)) for r in range(info["resumed_rollout_id"] + 1, ROLLOUTS)
+        ]
+    result["weights"] = exported(actor)
+    actor.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def fsdp(tiny_model):
+    return run_ranks(1, train_run, tiny_model, 1, 1, "fsdp")[0]
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_model, tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("megatron") / "ckpt")
+    return save_dir, run_ranks(2, train_run, tiny_model, 2, 1, "megatron", save_dir)
+
+
+def steps(result) -> list[dict[str, float]]:
+    return [s for out in result["outputs"] for s in out.steps]
+
+
+def assert_trains_like(fsdp, ranks):
+    """Every rank's metrics and log-probs match the FSDP run's; rank 0 exports its weights."""
+    expected_steps = steps(fsdp)
+    assert len(expected_steps) == 2 * ROLLOUTS
+    for result in ranks:
+        for k, (a, b) in enumerate(zip(expected_steps, steps(result))):
+            assert a.keys() == b.keys()
+            # ppo_kl / kl_loss are differences of log-probs near -4.6: absolute float32 floor.
+            bad = {m: (a[m], b[m]) for m in a if not math.isclose(a[m], b[m], rel_tol=2e-5, abs_tol=2e-6)}
+            assert not bad, f"step {k}: {bad}"
+        for out_a, out_b in zip(fsdp["outputs"], result["outputs"]):
+            for key, value in out_a.rollout.items():
+                assert math.isclose(value, out_b.rollout[key], rel_tol=1e-5, abs_tol=1e-6), key
+        for name in ("lp", "probe"):  # each rank: its data-parallel share, keyed by sample index
+            assert result[name], name
+            for index, values in result[name].items():
+                torch.testing.assert_close(
+                    torch.tensor(values), torch.tensor(fsdp[name][index]), rtol=0, atol=2e-6
+                )
+    weights = ranks[0]["weights"]
+    assert weights.keys() == fsdp["weights"].keys()
+    for name, value in fsdp["weights"].items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=2e-5, msg=name)
+    assert all(not r["weights"] for r in ranks[1:])  # the stream leaves from rank 0 only
+
+
+def test_tp2_trains_like_one_fsdp_rank(fsdp, tp2):
+    assert_trains_like(fsdp, tp2[1])
+
+
+@pytest.mark.parametrize("tp, pp, world", [(1, 2, 2), (1, 1, 2), (2, 2, 4)], ids=["pp2", "dp2", "tp2xpp2"])
+def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world):
+    ranks = run_ranks(world, train_run, tiny_model, tp, pp)
+    assert [r["info"]["dp"] for r in ranks] == [world // (tp * pp)] * world
+    assert_trains_like(fsdp, ranks)
+
+
+def test_step0_reference_equals_actor_bitwise(tp2):
+    for result in tp2[1]:
+        assert result["lp"] == result["ref_lp"]
+        first = result["outputs"][0].steps[0]
+        assert first["ppo_kl"] == 0.0 and first["kl_loss"] == 0.0
+        assert result["outputs"][0].steps[1]["kl_loss"] != 0.0
+
+
+def test_vocabulary_is_padded_and_padding_stays_zero(tp2):
+    """TP 2 pads the 101-token vocabulary to 256 rows (128 x 2); the export drops them."""
+    assert tp2[1][0]["weights"]["model.embed_tokens.weight"].shape[0] == 101
+
+
+def test_resume_from_tp2_checkpoint_is_bitwise(tiny_model, tp2):
+    save_dir, ranks = tp2
+    resumed = run_ranks(2, resumed_run, tiny_model, 2, 1, save_dir)
+    assert resumed[0]["info"]["resumed_rollout_id"] == 0
+    assert resumed[0]["info"]["resumed_extra"] == {"next_prompt": 3}
+    assert resumed[0]["probe"] == ranks[0]["probe"]
+    continued = [s for out in ranks[0]["outputs"][1:] for s in out.steps]
+    assert [s for out in resumed[0]["outputs"] for s in out.steps] == continued
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(resumed[0]["weights"][name], value), name
+
+
+def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp_path):
+    from slime.tools.convert_checkpoint import main as convert
+
+    save_dir, ranks = tp2
+    target = str(tmp_path / "pp2")
+    args = ["--load-dir", save_dir, "--save-dir", target, "--target-tensor-parallel-size", "1",
+            "--target-pipeline-parallel-size", "2"]  # fmt: skip
+    assert convert(args) == 0
+    loaded = run_ranks(2, resumed_run, tiny_model, 1, 2, target)
+    assert loaded[0]["info"]["resumed_rollout_id"] is None  # a converted checkpoint: weights only
+    for index, values in ranks[0]["probe"].items():
+        torch.testing.assert_close(
+            torch.tensor(loaded[0]["probe"][index]), torch.tensor(values), rtol=0, atol=2e-6
+        )
