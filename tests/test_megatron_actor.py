@@ -13,6 +13,7 @@ a PP 2 actor that computes the same log-probs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -23,6 +24,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from slime.config.train import MegatronConfig
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
 
 ROLLOUTS = 2
 PROBE = 7  # a batch no run trains on: log-probs of the weights after rollout 0
@@ -175,3 +177,27 @@ def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp
         torch.testing.assert_close(
             torch.tensor(loaded[0]["probe"][index]), torch.tensor(values), rtol=0, atol=2e-6
         )
+
+
+def test_grpo_job_with_the_megatron_backend(tiny_model, prompts, tmp_path):  # noqa: F811
+    """train.py as users start it: two GRPO rollouts at TP 2 on real Ray with a colocated torch
+    engine, the step-0 precision gates and the weight checks on, a checkpoint at the end (the
+    CPU counterpart of tests/test_megatron_gpu.py's GRPO run)."""
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--train-backend", "megatron",
+                   "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--colocate",
+                   "--use-kl-loss", "--kl-loss-coef", "0.01", "--check-precision", "--check-weight-update-equal",
+                   "--save", str(tmp_path / "ckpt"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
+    assert proc.stderr.count("--check-weight-sync: 46 tensors match on every engine") == 3
+    assert (
+        "--check-precision: passed at rollout 0: ppo_kl 0, actor == reference bitwise, kl_loss 0"
+        in proc.stderr
+    )
+    gates = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert len(gates) == 6 and all(g["ok"] for g in gates)
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in records] == [0, 1] and all(r["train/grad_norm"] > 0 for r in records)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    ranks = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000001").iterdir())
+    assert ranks == ["mp_rank_00", "mp_rank_01"]
