@@ -34,7 +34,7 @@ class Exporter:
     def __init__(self, model_dir: str):
         self.state = load_file(os.path.join(model_dir, "model.safetensors"))
 
-    def export_weights(self, bucket_bytes: int):
+    def export_weights(self, bucket_bytes: int, every_rank: bool = False):
         return iter_buckets(self.state.items(), bucket_bytes)
 
 

@@ -11,18 +11,25 @@ from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
 
-def train_and_push(rank, world_size, init_method, model, url, transport, more_urls=()):
-    from slime.backends.fsdp.actor import FSDPTrainActor
+def train_and_push(rank, world_size, init_method, model, url, transport, more_urls=(), megatron_tp=0):
+    from slime.backends import make_train_actor
     from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
     from slime.engines.client import EngineClient
     from slime.utils.checksum import tensor_checksum
 
-    actor = FSDPTrainActor(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    if megatron_tp:
+        from tests.test_megatron_actor import config
+
+        cfg = config(model, tp=megatron_tp)
+    else:
+        cfg = base_config(model, micro_batch_size=2)
+    actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     actor.train(0, make_batch(0))
     bridge = WeightBridge(make_transport(transport, model), [url, *more_urls]) if rank == 0 else None
     stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000, ipc=transport == "ipc")
-    trainer = {n: tensor_checksum(p.full_tensor()) for n, p in actor.model.named_parameters()}
+    # What this rank holds in HF names (Megatron: assembled on every rank, as the IPC push does).
+    trainer = {n: tensor_checksum(t) for b in actor.export_weights(1 << 30, every_rank=True) for n, t in b}
     engine = None
     if rank == 0:
 
@@ -50,12 +57,18 @@ def test_push_after_training_makes_engine_equal_trainer(tiny_model, tmp_path, tr
     assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]
 
 
-def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tmp_path):
+@pytest.mark.parametrize("megatron_tp", [0, 2], ids=["fsdp", "megatron-tp2"])
+def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tmp_path, megatron_tp):
     """The CUDA-IPC push's code path (slime.bridge.ipc) with CPU buffers shared by file: two train
-    ranks, two engines; engine j opens rank j's buffer (the GPU case: engine j on rank j's GPU)."""
+    ranks, two engines; engine j opens rank j's buffer (the GPU case: engine j on rank j's GPU).
+    With the Megatron actor at TP 2 each rank holds half of each matrix: the push assembles the
+    full tensors on both ranks."""
+    if megatron_tp:
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
     try:
-        rank0, rank1 = run_ranks(2, train_and_push, tiny_model, engines[0].url, "ipc", [engines[1].url])
+        rank0, rank1 = run_ranks(2, train_and_push, tiny_model, engines[0].url, "ipc", [engines[1].url],
+                                 megatron_tp)  # fmt: skip
     finally:
         for e in engines:
             e.stop()

@@ -38,7 +38,7 @@ class CheckpointActor:
     def __init__(self, model_dir: str):
         self.state = load_file(f"{model_dir}/model.safetensors")
 
-    def export_weights(self, bucket_bytes: int):
+    def export_weights(self, bucket_bytes: int, every_rank: bool = False):
         return iter_buckets(self.state.items(), bucket_bytes)
 
 

@@ -126,8 +126,11 @@ class TrainActor(Protocol):
         """Export a plain Hugging Face checkpoint that AutoModelForCausalLM loads."""
         ...
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """(HF name, full tensor) in buckets of at most `bucket_bytes`; every rank must iterate."""
+    def export_weights(
+        self, bucket_bytes: int, every_rank: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """(HF name, full tensor) in buckets of at most `bucket_bytes`; every rank must iterate.
+        Rank 0 receives the tensors; with `every_rank` (the CUDA-IPC push) every rank does."""
         ...
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

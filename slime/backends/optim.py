@@ -72,7 +72,7 @@ def _config_dict(cfg: OptimizerConfig) -> dict:
     return {k: getattr(cfg, k) for k in keys}
 
 
-def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+def make_adamw(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         list(params),
         lr=cfg.lr,

@@ -183,7 +183,7 @@ def push_actor_weights(
     sends the handles), with `fault` (--debug-push-fault) applied. With `verify`
     (--check-weight-sync) the engines are checked against fingerprints of the exported tensors
     (taken before the fault). Returns the push statistics on rank 0, None elsewhere."""
-    buckets = actor.export_weights(bucket_bytes)
+    buckets = actor.export_weights(bucket_bytes, every_rank=ipc)
     if bridge is None and not ipc:
         for _ in buckets:
             pass

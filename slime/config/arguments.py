@@ -325,7 +325,8 @@ def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
     from slime.debug.precision import TOLERANCES, lower_precision
 
     engine = "float32" if ns.rollout_backend == "torch" else "bfloat16"
-    dtype = lower_precision(engine, ns.fsdp_param_dtype)
+    trainer = "bfloat16" if ns.train_backend == "megatron" and ns.bf16 else ns.fsdp_param_dtype
+    dtype = lower_precision(engine, trainer)
     mean, worst = TOLERANCES[dtype]
     return (
         dtype,

@@ -252,10 +252,6 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     problem = check_supported(megatron)
     if problem:
         return problem
-    if ns.device == "cuda" and ns.colocate and ns.update_weight_transport == "tensor":
-        return ("--train-backend megatron with --colocate on GPU: the CUDA-IPC push needs every train rank to hold "
-                "full tensors, which the Megatron export gives to rank 0 only (not built yet); use "
-                "--update-weight-transport disk")  # fmt: skip
     fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload", "gradient_checkpointing")
                  if getattr(ns, d, False)]  # fmt: skip
     fsdp_only += [f"--{d.replace('_', '-')}" for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")

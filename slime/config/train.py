@@ -171,6 +171,9 @@ class MegatronConfig:
     """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
     transformer_impl: str = "local"
     """`local` (megatron-core's layer spec) or `transformer_engine`."""
+    bf16: bool = False
+    """`--bf16`: bfloat16 parameters and activations; float32 master weights, gradient reductions
+    and optimizer states (megatron-core's mixed precision, done by the actor)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -306,6 +309,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-reduce-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-cpu-offload", action="store_true")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--debug-disable-sharding", action="store_true",
+                   help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
+                   "to step through the model in a debugger")  # fmt: skip
 
     g = parser.add_argument_group("megatron (--train-backend megatron; docs/megatron.md)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -316,11 +324,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")  # fmt: skip
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
-    g.add_argument("--gradient-checkpointing", action="store_true")
-    g.add_argument("--attn-implementation", default="sdpa")
-    g.add_argument("--debug-disable-sharding", action="store_true",
-                   help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
-                   "to step through the model in a debugger")  # fmt: skip
+    g.add_argument("--bf16", action="store_true",
+                   help="bfloat16 parameters and activations, float32 master weights, gradient reductions and "
+                   "optimizer states (megatron's mixed precision)")  # fmt: skip
 
 
 def _pick(cls, ns: argparse.Namespace, prefix: str = "", **renames: str):

@@ -280,8 +280,10 @@ class FSDPTrainActor(TrainActorBase):
     def save_hf(self, path: str) -> None:
         ckpt.save_hf_checkpoint(self, path)
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        return ckpt.export_weight_buckets(self.model, bucket_bytes)
+    def export_weights(
+        self, bucket_bytes: int, every_rank: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return ckpt.export_weight_buckets(self.model, bucket_bytes)  # full tensors on every rank anyway
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.model.named_parameters()}

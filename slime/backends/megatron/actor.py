@@ -5,19 +5,8 @@ GPTModel (this rank's TP shard of its pipeline stage's layers) and the pipeline 
 (`get_forward_backward_func`: 1F1B over the pipeline, plain forward/backward without one). slime
 supplies what the FSDP actor also does (slime.backends.train_common: planning over the data-
 parallel replicas, advantages, metrics), the loss (slime.algo), the optimizer (slime's AdamW and
-LR schedule, so both backends step identically), and the gradient reduction:
-
-- data-parallel: gradients are summed over the DP group (the loss is already a share of the
-  global batch, slime.algo.losses.token_weights), as the FSDP actor sums over its ranks;
-- tensor-parallel: megatron-core's layers reduce their own activations; the QK-norm weights
-  see only a rank's heads, so their gradients are summed over the TP group (as megatron-core's
-  finalize_model_grads does);
-- pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
-  are one HF tensor; their gradients are summed over megatron-core's embedding group.
-
-The gradient norm counts every tensor once (TP-duplicated tensors on TP rank 0 only, the last
-stage's copy of a tied embedding not at all), over the model-parallel group, and clips as
-torch.nn.utils.clip_grad_norm_ does. Log-probs are computed on the last stage from the
+LR schedule, so both backends step identically), and the gradient reduction and clipping
+(slime.backends.megatron.grads). Log-probs are computed on the last stage from the
 vocabulary-parallel logits (slime.backends.megatron.logprobs: padded vocabulary rows excluded)
 and broadcast to the other stages, so every rank of a replica holds them.
 
@@ -29,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +31,7 @@ from slime.backends.fsdp import model_init
 from slime.backends.fsdp.forward import MicroBatch, make_micro_batch
 from slime.backends.interface import RolloutBatch
 from slime.backends.megatron import checkpoint as mckpt
+from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron, shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
@@ -71,6 +60,7 @@ class MegatronTrainActor(TrainActorBase):
         self.optimizer: torch.optim.Optimizer
         self.schedule: LRSchedule
         self.ref_state: State | None = None
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}  # --bf16: parameter -> float32 master weight
         self.rollout_id = -1
         self.resumed_extra: dict[str, Any] = {}
 
@@ -113,8 +103,10 @@ class MegatronTrainActor(TrainActorBase):
         )
         self.model, self.config = self._build_model()
         self._forward_backward = self._schedule()
+        if m.bf16:
+            self.masters = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.model.parameters()}
         self._load_hf(cfg.hf_checkpoint)
-        self.optimizer = make_adamw(self.model.parameters(), cfg.optimizer)
+        self.optimizer = make_adamw(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
@@ -146,7 +138,7 @@ class MegatronTrainActor(TrainActorBase):
         if not on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
         config = transformer_config(
-            self.layout, self.hf_config, torch.float32, cpu_init=on_cpu,
+            self.layout, self.hf_config, torch.bfloat16 if m.bf16 else torch.float32, cpu_init=on_cpu, bf16=m.bf16,
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             sequence_parallel=m.sequence_parallel,
             # Micro-batches differ in length and size: the pipeline exchanges shapes first.
@@ -161,6 +153,8 @@ class MegatronTrainActor(TrainActorBase):
             _import_for_shim()
             cpu_shim.enable()
         model = build_gpt_model(self.layout, self.hf_config, config, self.tp)
+        if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
+            model.bfloat16()
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
         model.train()
@@ -177,10 +171,12 @@ class MegatronTrainActor(TrainActorBase):
         return shard(full, self.layout, self.tp, self.pp)[(self.mesh.tp_rank, self.mesh.pp_rank)]
 
     def _load_hf(self, hf_dir: str) -> None:
-        self._copy_in(self._read_hf_shard(hf_dir))
+        self._copy_in(self._read_hf_shard(hf_dir), masters=True)
 
     @torch.no_grad()
-    def _copy_in(self, state: State) -> None:
+    def _copy_in(self, state: State, masters: bool = False) -> None:
+        """Write `state` into the model's parameters (and, with `masters`, into the float32
+        master weights of --bf16, from the state's own precision)."""
         params = dict(self.model.named_parameters())
         for name, param in params.items():
             if name not in state:
@@ -190,6 +186,8 @@ class MegatronTrainActor(TrainActorBase):
                     f"parameter {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(param.shape)}"
                 )
             param.copy_(state[name])
+            if masters and param in self.masters:
+                self.masters[param].copy_(state[name])
         extra = sorted(set(state) - set(params))
         if extra:
             raise mckpt.ConversionError(f"the converted checkpoint has tensors the model lacks: {extra[:5]}")
@@ -199,7 +197,7 @@ class MegatronTrainActor(TrainActorBase):
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
     def local_state_bytes(self) -> int:
-        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        total = sum(p.numel() * p.element_size() for p in [*self.model.parameters(), *self.masters.values()])
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -337,6 +335,7 @@ class MegatronTrainActor(TrainActorBase):
     ) -> dict[str, float]:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         entropy_grad = cfg.loss.entropy_coef != 0
         worst = torch.zeros(1, dtype=torch.float64)
@@ -380,12 +379,29 @@ class MegatronTrainActor(TrainActorBase):
         if compare is not None and precision is not None:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             precision["first_step_max_abs_diff"] = float(worst[0])
+        self._to_masters()
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()
         self.schedule.step()
+        self._from_masters()
         return self._step_metrics(sums, grad_norm, lr)
+
+    def _to_masters(self) -> None:
+        """--bf16: the bfloat16 gradients become the masters' float32 ones (reduced in float32)."""
+        for p, master in self.masters.items():
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def _from_masters(self) -> None:
+        for p, master in self.masters.items():
+            p.copy_(master)  # rounds to bfloat16
+            master.grad = None
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        return self.masters[p].grad if self.masters else p.grad
 
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
@@ -413,47 +429,14 @@ class MegatronTrainActor(TrainActorBase):
         return self._names
 
     def _reduce_gradients(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.dp_size > 1:
-            _all_reduce_coalesced([p.grad for p in params], self.dp_group, self._comm_device)
-        if self.tp > 1 and self.layout.qk_norm:
-            norms = [p.grad for n, p in self.model.named_parameters()
-                     if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]  # fmt: skip
-            _all_reduce_coalesced(norms, self.mesh.tp_group, self._comm_device)
-        if self.pp > 1 and self.layout.tied_embeddings and (self.first_stage or self.last_stage):
-            weight = self.model.shared_embedding_or_output_weight()
-            if weight.grad is not None:
-                _all_reduce_coalesced([weight.grad], ps.get_embedding_group(), self._comm_device)
-
-    def _counted_once(self) -> list[torch.Tensor]:
-        """Gradients that enter the norm: each tensor of the full model exactly once."""
-        grads = []
-        for p in self.model.parameters():
-            # megatron-core marks the last stage's copy of a tied embedding `shared`.
-            if p.grad is None or getattr(p, "shared", False):
-                continue
-            if getattr(p, "tensor_model_parallel", False) or self.mesh.tp_rank == 0:
-                grads.append(p.grad)
-        return grads
+        grads.reduce_gradients(self.model, self.mesh, self.dp_group if self.dp_size > 1 else None,
+                               self.layout.qk_norm, self.layout.tied_embeddings, self._comm_device,
+                               self._grad_of)  # fmt: skip
 
     def _clip_gradients(self) -> float:
-        from megatron.core import parallel_state as ps
-
-        square = torch.zeros(1, dtype=torch.float64, device=self._comm_device)
-        for g in self._counted_once():
-            square += g.detach().double().pow(2).sum().to(square.device)
-        if self.tp * self.pp > 1:
-            dist.all_reduce(square, group=ps.get_model_parallel_group())
-        norm = math.sqrt(float(square[0]))
-        max_norm = self.cfg.optimizer.clip_grad or float("inf")
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        return grads.clip_gradients(
+            self.model, self.mesh, self.cfg.optimizer.clip_grad, self._comm_device, self._grad_of
+        )
 
     # ---- checkpoints and weights ------------------------------------------------------------
     def model_state(self) -> State:
@@ -473,9 +456,11 @@ class MegatronTrainActor(TrainActorBase):
     def save_hf(self, path: str) -> None:
         mckpt.save_hf_from_actor(self, path)
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(
+        self, bucket_bytes: int, every_rank: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         local = {k: v.detach() for k, v in self.model_state().items()}
-        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes)
+        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in _meta_hf_state(self.layout).items()}
@@ -492,6 +477,8 @@ class MegatronTrainActor(TrainActorBase):
             return
         if params:
             self.model.to(device)
+            for master in self.masters.values():  # the optimizer holds these very tensors
+                master.data = master.data.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -532,17 +519,3 @@ def _import_for_shim() -> None:
     import megatron.core.pipeline_parallel.p2p_communication
     import megatron.core.pipeline_parallel.schedules
     import megatron.core.transformer.dot_product_attention  # noqa: F401
-
-
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group: Any, device: torch.device) -> None:
-    """Sum `tensors` over `group` through one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_dtype[t.dtype].append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same]).to(device)
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -180,7 +180,8 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
         ROOT/iter_0000007/mp_rank_TT[_PPP]/model_optim_rng.pt
 
     Each file (written by the replica of data-parallel rank 0) holds its rank's model shard
-    ("model", megatron-core names), "optimizer" (AdamW's state for exactly these tensors),
+    ("model", megatron-core names; with --bf16 also "main_params", the float32 master weights),
+    "optimizer" (AdamW's state for exactly these tensors),
     "opt_param_scheduler", "rng_state", "iteration", "args" (megatron_args) and "slime" (format,
     extra, hf_checkpoint). The directory is written as iter_XXXXXXX.partial and renamed by rank 0
     after every rank finished; the tracker is replaced after that. convert_checkpoint reads it
@@ -207,6 +208,9 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
         os.makedirs(folder, exist_ok=True)
         blob = {
             "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
+            # --bf16: the float32 master weights the optimizer steps (the model holds them rounded).
+            "main_params": {n: actor.masters[p].detach().cpu() for n, p in actor.model.named_parameters()
+                            if p in actor.masters} or None,
             "optimizer": actor.optimizer.state_dict(),
             "opt_param_scheduler": actor.schedule.state_dict(),
             "rng_state": _rng_state(),
@@ -260,7 +264,7 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
             f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
             "python -m slime.tools.convert_checkpoint"
         )
-    actor._copy_in(blob["model"])
+    actor._copy_in(blob.get("main_params") or blob["model"], masters=True)
     if tag == "release" or "optimizer" not in blob:
         return None
     actor.optimizer.load_state_dict(blob["optimizer"])

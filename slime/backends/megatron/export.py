@@ -8,6 +8,7 @@ pipeline group of TP rank 0 (receivers allocate from shapes known in advance); g
 converts the unit to HF names (slime.backends.megatron.convert) and yields buckets. One code
 path for every transport: the bridge on rank 0 only sees (HF name, full tensor) buckets, exactly
 as from the FSDP actor. Only data-parallel rank 0's model takes part (replicas are identical).
+For the CUDA-IPC push (`every_rank`), every rank assembles and yields the full tensors instead.
 Padded vocabulary rows are dropped; a tied output layer is not exported (HF ties it).
 """
 
@@ -98,14 +99,20 @@ def _local_name(name: str, layer: int | None, pp_rank: int, layout: Layout, pp: 
     return name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{local}.", 1)
 
 
-def export_hf_tensors(local: State, layout: Layout, mesh: Mesh) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) on global rank 0; nothing elsewhere. `local` is this rank's shard
-    (its stage's layers numbered from 0, as in its GPTModel's state dict). Collective."""
-    if mesh.dp_rank != 0:
+def export_hf_tensors(
+    local: State, layout: Layout, mesh: Mesh, every_rank: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) on global rank 0, nothing elsewhere; with `every_rank`, on every
+    rank (the CUDA-IPC push shares each rank's own copy with the engine on its GPU): then every
+    replica assembles its own, and the owning stage broadcasts to every stage of each TP rank's
+    pipeline. `local` is this rank's shard (its stage's layers numbered from 0, as in its
+    GPTModel's state dict). Collective."""
+    if mesh.dp_rank != 0 and not every_rank:
         return
     shapes = full_shapes(layout, mesh.tp)
-    first = mesh.pp_rank == 0 and mesh.tp_rank == 0  # global rank 0 among DP rank 0
-    pp_ranks = dist.get_process_group_ranks(mesh.pp_group) if mesh.pp > 1 and mesh.tp_rank == 0 else []
+    receives = every_rank or mesh.tp_rank == 0  # who takes part in the pipeline broadcast
+    yields = every_rank or (mesh.pp_rank == 0 and mesh.tp_rank == 0)  # global rank 0 of DP rank 0
+    pp_ranks = dist.get_process_group_ranks(mesh.pp_group) if mesh.pp > 1 and receives else []
     for stage, layer, names in _units(layout, list(shapes), mesh.pp):
         merged: State = {}
         for name in names:
@@ -113,15 +120,16 @@ def export_hf_tensors(local: State, layout: Layout, mesh: Mesh) -> Iterator[tupl
             if mesh.pp_rank == stage:
                 shard = local[_local_name(name, layer, mesh.pp_rank, layout, mesh.pp)]
                 tensor = _gather_tp(shard, name, layout, mesh)
-            if mesh.pp > 1 and mesh.tp_rank == 0 and stage != 0:
+            # Without every_rank only stage 0 (where rank 0 is) needs another stage's tensors.
+            if mesh.pp > 1 and receives and (every_rank or stage != 0):
                 shape, dtype = shapes[name]
                 if tensor is None:
                     tensor = torch.empty(shape, dtype=local_dtype(local, dtype), device=_device(local))
                 dist.broadcast(tensor, src=pp_ranks[stage], group=mesh.pp_group)
-            if first:
+            if yields:
                 assert tensor is not None
                 merged[name] = tensor
-        if not first:
+        if not yields:
             continue
         if layer is not None:
             yield from layer_to_hf(merged, layout, layer).items()
@@ -134,10 +142,10 @@ def export_hf_tensors(local: State, layout: Layout, mesh: Mesh) -> Iterator[tupl
 
 
 def export_hf_buckets(
-    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int
+    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int, every_rank: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """export_hf_tensors in buckets of at most `bucket_bytes` (every rank must iterate)."""
-    return iter_buckets(export_hf_tensors(local, layout, mesh), bucket_bytes)
+    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank), bucket_bytes)
 
 
 def _gather_tp(shard: torch.Tensor, name: str, layout: Layout, mesh: Mesh) -> torch.Tensor:

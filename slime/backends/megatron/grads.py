@@ -1,0 +1,98 @@
+"""Gradient reduction and clipping for the Megatron actor (its own, not megatron-core's DDP).
+
+- data-parallel: gradients are summed over the DP group (each rank's loss is already its share
+  of the global batch, slime.algo.losses.token_weights), as the FSDP actor sums over its ranks;
+- tensor-parallel: megatron-core's layers reduce their own activations; the QK-norm weights see
+  only a rank's heads, so their gradients are summed over the TP group (as megatron-core's
+  finalize_model_grads does);
+- pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
+  are one HF tensor; their gradients are summed over megatron-core's embedding group.
+
+The norm counts every tensor of the full model once (TP-duplicated tensors on TP rank 0 only,
+the last stage's copy of a tied embedding not at all), over the model-parallel group, and clips
+as torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), applied below 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron.export import Mesh
+
+GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    return p.grad
+
+
+def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied: bool, device: torch.device,
+                     grad_of: GradOf = _grad) -> None:  # fmt: skip
+    """Sum what must be summed (see the module's text); `dp_group` None: one replica. `grad_of`
+    maps a parameter to the gradient to reduce (--bf16: its float32 master's)."""
+    from megatron.core import parallel_state as ps
+
+    named = [(n, g) for n, p in model.named_parameters() if (g := grad_of(p)) is not None]
+    if dp_group is not None:
+        all_reduce_coalesced([g for _, g in named], dp_group, device)
+    if mesh.tp > 1 and qk_norm:
+        norms = [g for n, g in named if "q_layernorm" in n or "k_layernorm" in n]
+        all_reduce_coalesced(norms, mesh.tp_group, device)
+    if mesh.pp > 1 and tied and (mesh.pp_rank in (0, mesh.pp - 1)):
+        grad = grad_of(model.shared_embedding_or_output_weight())
+        if grad is not None:
+            all_reduce_coalesced([grad], ps.get_embedding_group(), device)
+
+
+def counted_once(model: Any, tp_rank: int, grad_of: GradOf = _grad) -> list[torch.Tensor]:
+    """Gradients that enter the norm: each tensor of the full model exactly once."""
+    grads = []
+    for p in model.parameters():
+        grad = grad_of(p)
+        # megatron-core marks the last stage's copy of a tied embedding `shared`.
+        if grad is None or getattr(p, "shared", False):
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            grads.append(grad)
+    return grads
+
+
+def clip_gradients(
+    model: Any, mesh: Mesh, clip_grad: float, device: torch.device, grad_of: GradOf = _grad
+) -> float:
+    """The global gradient norm (before clipping); clips to `clip_grad` (0: no clipping)."""
+    from megatron.core import parallel_state as ps
+
+    square = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in counted_once(model, mesh.tp_rank, grad_of):
+        square += g.detach().double().pow(2).sum().to(device)
+    if mesh.tp * mesh.pp > 1:
+        dist.all_reduce(square, group=ps.get_model_parallel_group())
+    norm = math.sqrt(float(square[0]))
+    coef = (clip_grad or float("inf")) / (norm + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            grad = grad_of(p)
+            if grad is not None:
+                grad.mul_(coef)
+    return norm
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any, device: torch.device) -> None:
+    """Sum `tensors` over `group` through one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_dtype[t.dtype].append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same]).to(device)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
