@@ -64,8 +64,12 @@ def _loss_on(model_dir, examples):
     return total / len(examples)
 
 
-def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_model, tmp_path, backend):
     from transformers import AutoTokenizer
+
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
     from slime.tools.sft import load_examples
 
@@ -75,7 +79,7 @@ def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_mode
     proc = subprocess.run(
         [sys.executable, "-m", "slime.tools.sft", "--hf-checkpoint", tiny_model, "--data", str(data),
          "--input-key", "q", "--response-key", "a", "--save-hf", str(out), "--num-epoch", "6",
-         "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "3e-3"],
+         "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "3e-3", "--train-backend", backend],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,6 +91,18 @@ def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_mode
     assert examples[0][0][-1] == tok.eos_token_id
     before, after = _loss_on(tiny_model, examples), _loss_on(str(out), examples)
     assert after < 0.5 * before, (before, after)
+
+
+def test_sft_megatron_layout_that_does_not_fit_exits_2(tiny_model, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime.tools.sft", "--hf-checkpoint", tiny_model, "--data", str(data),
+         "--save-hf", str(tmp_path / "out"), "--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "= 2 does not divide the 1 ranks" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_sft_missing_response_key_exits_2_naming_row_and_flag(tiny_model, tmp_path):

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--apply-chat-template", action="store_true", help="wrap the prompt as a user turn")
     g.add_argument("--num-epoch", type=int, default=1)
     g.add_argument("--save-hf", required=True, help="output Hugging Face checkpoint directory")
+    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
+                   help="megatron: the Megatron actor; its layout flags below (TP x PP must divide the ranks)")  # fmt: skip
     add_train_arguments(parser)
     parser.set_defaults(loss_type="sft_loss", lr=1e-3, global_batch_size=64)
     return parser
@@ -67,6 +69,29 @@ def load_examples(
     return examples
 
 
+def _megatron_problem(cfg, world_size: int) -> str | None:
+    """The Megatron layout against the ranks and the model, before any process group exists."""
+    if cfg.backend != "megatron":
+        return None
+    from transformers import AutoConfig
+
+    from slime.backends.megatron.actor import check_supported
+    from slime.backends.megatron.convert import ConversionError, Layout
+
+    m = cfg.megatron
+    if world_size % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size):
+        return (f"--tensor-model-parallel-size x --pipeline-model-parallel-size = "
+                f"{m.tensor_model_parallel_size * m.pipeline_model_parallel_size} does not divide the {world_size} ranks")  # fmt: skip
+    try:
+        layout = Layout.from_hf_config(
+            AutoConfig.from_pretrained(cfg.hf_checkpoint), m.make_vocab_size_divisible_by
+        )
+        layout.check_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
+    except (ConversionError, OSError, ValueError) as e:
+        return f"--hf-checkpoint {cfg.hf_checkpoint}: {e}"
+    return check_supported(m)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--loss-type must be sft_loss for this tool (it has no rewards)")
     if ns.num_epoch < 1:
         parser.error("--num-epoch must be >= 1")
+    problem = _megatron_problem(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    if problem:
+        parser.error(problem)
 
     from transformers import AutoTokenizer
 
-    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.backends import make_train_actor
     from slime.backends.interface import RolloutBatch
     from slime.rollout.data import DataError
 
@@ -105,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     torchrun = "MASTER_ADDR" in os.environ
-    actor = FSDPTrainActor(cfg) if torchrun else FSDPTrainActor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+    actor = (
+        make_train_actor(cfg) if torchrun else make_train_actor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+    )
     actor.init()
     configure_logging(f"rank {actor.rank}")
     rng = random.Random(cfg.seed)
