@@ -204,6 +204,10 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             "--expert-model-parallel-size > 1 needs a mixture-of-experts model",
         ),
         (
+            ["--train-backend", "megatron", "--transformer-impl", "transformer_engine"],
+            "Transformer Engine is not installed",
+        ),
+        (
             ["--train-backend", "megatron", "--gradient-checkpointing"],
             "--gradient-checkpointing configure the FSDP backend",
         ),

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from slime.config.train import MegatronConfig
+from slime.config.train import BatchConfig, MegatronConfig
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
@@ -48,10 +48,14 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return weights
 
 
-def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None):
+def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None, dynamic=False):
     from slime.backends import make_train_actor
 
-    actor = make_train_actor(config(model, tp, pp, backend=backend), rank, world_size, init_method)
+    cfg = config(model, tp, pp, backend=backend)
+    if dynamic:  # token-budget micro-batches (different counts and shapes) instead of fixed pairs
+        cfg = dataclasses.replace(cfg, batch=BatchConfig(global_batch_size=4, use_dynamic_batch_size=True,
+                                                         max_tokens_per_gpu=32))  # fmt: skip
+    actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     batch = make_batch(0)
     result = {
@@ -131,9 +135,13 @@ def test_tp2_trains_like_one_fsdp_rank(fsdp, tp2):
     assert_trains_like(fsdp, tp2[1])
 
 
-@pytest.mark.parametrize("tp, pp, world", [(1, 2, 2), (1, 1, 2), (2, 2, 4)], ids=["pp2", "dp2", "tp2xpp2"])
-def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world):
-    ranks = run_ranks(world, train_run, tiny_model, tp, pp)
+@pytest.mark.parametrize(
+    "tp, pp, world, dynamic",
+    [(1, 2, 2, False), (1, 1, 2, False), (2, 2, 4, False), (1, 2, 2, True)],
+    ids=["pp2", "dp2", "tp2xpp2", "pp2-dynamic-batches"],
+)
+def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world, dynamic):
+    ranks = run_ranks(world, train_run, tiny_model, tp, pp, "megatron", None, dynamic)
     assert [r["info"]["dp"] for r in ranks] == [world // (tp * pp)] * world
     assert_trains_like(fsdp, ranks)
 

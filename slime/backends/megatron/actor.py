@@ -507,6 +507,12 @@ def check_supported(m: Any) -> str | None:
     if m.expert_model_parallel_size > 1:
         return ("--expert-model-parallel-size > 1 needs a mixture-of-experts model; slime's Megatron conversion "
                 "covers dense Qwen2/Qwen3/Llama models so far: use --expert-model-parallel-size 1")  # fmt: skip
+    if m.transformer_impl == "transformer_engine":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            return ("--transformer-impl transformer_engine: Transformer Engine is not installed "
+                    "(pip install transformer-engine[pytorch], GPU only); use --transformer-impl local")  # fmt: skip
     if m.sequence_parallel and m.transformer_impl == "local":
         return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
                 "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
