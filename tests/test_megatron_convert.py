@@ -154,3 +154,15 @@ def test_bad_inputs_are_named():
         hf_to_megatron({k: v for k, v in hf.items() if k != "model.norm.weight"}, layout)
     with pytest.raises(ConversionError, match="PP 2 must divide the model's 5 layers"):
         split_pp(hf_to_megatron(hf, layout), layout, 2)
+
+
+def test_rope_base_is_read_and_scaled_rope_refused():
+    """transformers 5 keeps the rotary base in rope_parameters (there is no config.rope_theta): a
+    Qwen3 with base 1e6 must not be built with megatron-core's default 10000."""
+    from slime.backends.megatron.convert import rope_theta
+
+    assert rope_theta(Qwen3Config(**COMMON, head_dim=16, rope_theta=1e6)) == 1e6
+    assert rope_theta(Qwen2Config(**COMMON)) == 10000.0
+    scaled = LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ConversionError, match="rope_type 'linear'"):
+        Layout.from_hf_config(scaled)

@@ -47,6 +47,7 @@ def build_and_load(rank, world_size, init_method, kind, tp, pp, over):
         "missing": [k for k in result.missing_keys if not k.endswith("._extra_state")],
         "unexpected": list(result.unexpected_keys),
         "same": same,
+        "inv_freq": model.rotary_pos_emb.inv_freq.clone() if hasattr(model, "rotary_pos_emb") else None,
     }
 
 
@@ -73,3 +74,13 @@ def test_converted_shards_load_into_megatron_core_exactly(kind, tp, pp):
     for r in results:
         assert r["built"] == r["converted"], (sorted(set(r["built"]) ^ set(r["converted"])), r)
         assert r["missing"] == [] and r["unexpected"] == [] and r["same"]
+
+
+def test_the_rotary_base_comes_from_the_hf_config():
+    """A Qwen3 with rope base 1e6 (as real Qwen3 checkpoints have) gets megatron-core's rotary
+    table for 1e6, not its default 10000."""
+    import torch
+
+    result = run_ranks(1, build_and_load, "qwen3", 1, 1, {"num_hidden_layers": 4, "rope_theta": 1e6})[0]
+    expected = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    torch.testing.assert_close(result["inv_freq"].float().cpu(), expected)

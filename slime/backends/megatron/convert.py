@@ -68,6 +68,7 @@ class Layout:
             raise ConversionError(
                 f"model_type {model_type!r} is not supported by the Megatron conversion; supported: {', '.join(SUPPORTED)}"
             )
+        rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
         heads = config.num_attention_heads
@@ -105,6 +106,24 @@ class Layout:
                 f"PP {pp} must divide the model's {self.num_layers} layers (megatron-core gives every pipeline "
                 "stage the same number of layers)"
             )
+
+
+def rope_theta(config: Any) -> float:
+    """The rotary base of an HF config (`rope_parameters` in transformers 5, `rope_theta` and
+    `rope_scaling` before). Only plain RoPE is supported: scaled variants (llama3, yarn, ...)
+    would give megatron-core other positions than the engine, so they are refused."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        kind, theta = params.get("rope_type", "default"), params.get("rope_theta")
+    else:
+        scaling = getattr(config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        theta = getattr(config, "rope_theta", None)
+    if kind != "default":
+        raise ConversionError(
+            f"rope_type {kind!r}: the Megatron backend builds plain RoPE only (the config's rope scaling is not converted)"
+        )
+    return float(theta) if theta is not None else 10000.0
 
 
 SUPPORTED = {

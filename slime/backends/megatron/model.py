@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.megatron.convert import Layout
+from slime.backends.megatron.convert import Layout, rope_theta
 
 
 def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype = torch.float32,
@@ -74,7 +74,7 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
+        rotary_base=rope_theta(hf_config),
     )
 
 
