@@ -12,6 +12,7 @@ from slime.backends.megatron.convert import (
     ConversionError,
     Layout,
     hf_to_megatron,
+    hf_to_megatron_shard,
     megatron_to_hf,
     merge_pp,
     merge_tp,
@@ -166,3 +167,30 @@ def test_rope_base_is_read_and_scaled_rope_refused():
     scaled = LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ConversionError, match="rope_type 'linear'"):
         Layout.from_hf_config(scaled)
+
+
+class Reads(dict):
+    """A state dict that records which tensors were read."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 5), (4, 5)])
+def test_one_ranks_shard_equals_the_full_conversion_and_reads_only_its_stage(kind, tp, pp):
+    """What a train rank loads (hf_to_megatron_shard) is bitwise its part of the full conversion,
+    and it reads no tensor of another stage's layers."""
+    layout, hf = tiny(kind)
+    parts = shard(hf_to_megatron(hf, layout, tp), layout, tp, pp)
+    for (r, s), expected in parts.items():
+        source = Reads(hf)
+        assert same(hf_to_megatron_shard(source, layout, tp, pp, r, s), expected), (r, s)
+        layers = {int(n.split(".")[2]) for n in source.read if n.startswith("model.layers.")}
+        assert layers == set(range(s * layout.num_layers // pp, (s + 1) * layout.num_layers // pp))
+        assert ("model.norm.weight" in source.read) == (s == pp - 1)

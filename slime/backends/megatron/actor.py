@@ -32,7 +32,7 @@ from slime.backends.fsdp.forward import MicroBatch, make_micro_batch
 from slime.backends.interface import RolloutBatch
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads
-from slime.backends.megatron.convert import Layout, State, hf_to_megatron, shard
+from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
 from slime.backends.optim import LRSchedule, make_adamw
@@ -166,9 +166,11 @@ class MegatronTrainActor(TrainActorBase):
         return get_forward_backward_func()
 
     def _read_hf_shard(self, hf_dir: str) -> State:
-        """This rank's megatron-core shard of an HF checkpoint (every rank reads the checkpoint)."""
-        full = hf_to_megatron(mckpt.load_hf_state(hf_dir), self.layout, self.tp)
-        return shard(full, self.layout, self.tp, self.pp)[(self.mesh.tp_rank, self.mesh.pp_rank)]
+        """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
+        one layer at a time."""
+        return hf_to_megatron_shard(
+            mckpt.LazyHFState(hf_dir), self.layout, self.tp, self.pp, self.mesh.tp_rank, self.mesh.pp_rank
+        )
 
     def _load_hf(self, hf_dir: str) -> None:
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)

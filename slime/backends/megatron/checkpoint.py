@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -119,6 +120,29 @@ def stored_layout(args: dict[str, Any], load_dir: str) -> Layout:
             f"--load-dir {load_dir!r}: the checkpoint's args carry no slime_layout (not written by slime)"
         )
     return Layout(**args["slime_layout"])
+
+
+class LazyHFState(Mapping):
+    """An HF checkpoint's tensors by name, each read from its safetensors file when asked for
+    (a train rank converts only its own shard: hf_to_megatron_shard)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        if not files:
+            raise ConversionError(f"--hf-checkpoint {hf_dir!r} holds no *.safetensors weights")
+        self._handles = [safe_open(path, framework="pt") for path in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def load_hf_state(hf_dir: str) -> State:

@@ -28,6 +28,7 @@ of the embedding, as megatron-core does when PP > 1).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _take(state: State, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def _take(state: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     if name not in state:
         raise ConversionError(f"the checkpoint has no tensor {name!r}")
     t = state[name]
@@ -168,42 +169,82 @@ def _take(state: State, name: str, shape: tuple[int, ...] | None = None) -> torc
     return t
 
 
-def hf_to_megatron(hf: State, layout: Layout, tp: int = 1) -> State:
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int = 1) -> State:
     """An HF state dict as one unsharded megatron-core state dict (vocabulary padded for `tp`)."""
+    out = _embedding(hf, layout, tp)
+    for i in range(layout.num_layers):
+        out.update(_layer_to_megatron(hf, layout, i))
+    out.update(_final(hf, layout, tp))
+    return out
+
+
+def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, pp: int, tp_rank: int,
+                         pp_rank: int) -> State:  # fmt: skip
+    """One rank's shard, equal to `shard(hf_to_megatron(hf, layout, tp), layout, tp, pp)[(tp_rank,
+    pp_rank)]`, but reading only the HF tensors of its stage and converting one layer at a time
+    (with a lazy `hf` mapping, slime.backends.megatron.checkpoint.LazyHFState, a rank of a large
+    model never holds more than one full layer beside its own shard)."""
+    layout.check_parallel(tp, pp)
+    layers = stage_layers(layout.num_layers, pp)[pp_rank]
+    out: State = {}
+
+    def keep(part: State, offset: int = 0) -> None:
+        mine = split_tp(part, layout, tp)[tp_rank]
+        for name, t in mine.items():
+            m = _LAYER.match(name)
+            out[f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name] = t
+
+    if pp_rank == 0:
+        keep(_embedding(hf, layout, tp))
+    for i in layers:
+        keep(_layer_to_megatron(hf, layout, i), layers.start)
+    if pp_rank == pp - 1:
+        final = _final(hf, layout, tp)
+        if layout.tied_embeddings and pp > 1:  # the last stage's copy of the embedding (split_pp)
+            final["output_layer.weight"] = _embedding(hf, layout, tp)["embedding.word_embeddings.weight"]
+        keep(final)
+    return out
+
+
+def _embedding(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int) -> State:
+    emb = _take(hf, "model.embed_tokens.weight", (layout.vocab_size, layout.hidden_size))
+    return {"embedding.word_embeddings.weight": _pad_rows(emb, layout.padded_vocab_size(tp))}
+
+
+def _final(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int) -> State:
+    out = {"decoder.final_layernorm.weight": _take(hf, "model.norm.weight", (layout.hidden_size,))}
+    if not layout.tied_embeddings:
+        head = _take(hf, "lm_head.weight", (layout.vocab_size, layout.hidden_size))
+        out["output_layer.weight"] = _pad_rows(head, layout.padded_vocab_size(tp))
+    return out
+
+
+def _layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int) -> State:
     L, h, d = layout, layout.hidden_size, layout.head_dim
     nq, ng = L.num_heads, L.num_query_groups
     per = nq // ng
-    vocab = L.padded_vocab_size(tp)
     out: State = {}
-    emb = _take(hf, "model.embed_tokens.weight", (L.vocab_size, h))
-    out["embedding.word_embeddings.weight"] = _pad_rows(emb, vocab)
-    for i in range(L.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q = _take(hf, src + "self_attn.q_proj.weight", (nq * d, h)).reshape(ng, per * d, h)
-        k = _take(hf, src + "self_attn.k_proj.weight", (ng * d, h)).reshape(ng, d, h)
-        v = _take(hf, src + "self_attn.v_proj.weight", (ng * d, h)).reshape(ng, d, h)
-        out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
-        if L.qkv_bias:
-            qb = _take(hf, src + "self_attn.q_proj.bias", (nq * d,)).reshape(ng, per * d)
-            kb = _take(hf, src + "self_attn.k_proj.bias", (ng * d,)).reshape(ng, d)
-            vb = _take(hf, src + "self_attn.v_proj.bias", (ng * d,)).reshape(ng, d)
-            out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-        if L.qk_norm:
-            out[dst + "self_attention.q_layernorm.weight"] = _take(hf, src + "self_attn.q_norm.weight", (d,))
-            out[dst + "self_attention.k_layernorm.weight"] = _take(hf, src + "self_attn.k_norm.weight", (d,))
-        out[dst + "self_attention.linear_proj.weight"] = _take(
-            hf, src + "self_attn.o_proj.weight", (h, nq * d)
-        )
-        gate = _take(hf, src + "mlp.gate_proj.weight", (L.ffn_hidden_size, h))
-        up = _take(hf, src + "mlp.up_proj.weight", (L.ffn_hidden_size, h))
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[dst + "mlp.linear_fc2.weight"] = _take(hf, src + "mlp.down_proj.weight", (h, L.ffn_hidden_size))
-        attn_norm, mlp_norm = _norm_names(L, i)
-        out[attn_norm] = _take(hf, src + "input_layernorm.weight", (h,))
-        out[mlp_norm] = _take(hf, src + "post_attention_layernorm.weight", (h,))
-    out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight", (h,))
-    if not L.tied_embeddings:
-        out["output_layer.weight"] = _pad_rows(_take(hf, "lm_head.weight", (L.vocab_size, h)), vocab)
+    src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+    q = _take(hf, src + "self_attn.q_proj.weight", (nq * d, h)).reshape(ng, per * d, h)
+    k = _take(hf, src + "self_attn.k_proj.weight", (ng * d, h)).reshape(ng, d, h)
+    v = _take(hf, src + "self_attn.v_proj.weight", (ng * d, h)).reshape(ng, d, h)
+    out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
+    if L.qkv_bias:
+        qb = _take(hf, src + "self_attn.q_proj.bias", (nq * d,)).reshape(ng, per * d)
+        kb = _take(hf, src + "self_attn.k_proj.bias", (ng * d,)).reshape(ng, d)
+        vb = _take(hf, src + "self_attn.v_proj.bias", (ng * d,)).reshape(ng, d)
+        out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+    if L.qk_norm:
+        out[dst + "self_attention.q_layernorm.weight"] = _take(hf, src + "self_attn.q_norm.weight", (d,))
+        out[dst + "self_attention.k_layernorm.weight"] = _take(hf, src + "self_attn.k_norm.weight", (d,))
+    out[dst + "self_attention.linear_proj.weight"] = _take(hf, src + "self_attn.o_proj.weight", (h, nq * d))
+    gate = _take(hf, src + "mlp.gate_proj.weight", (L.ffn_hidden_size, h))
+    up = _take(hf, src + "mlp.up_proj.weight", (L.ffn_hidden_size, h))
+    out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    out[dst + "mlp.linear_fc2.weight"] = _take(hf, src + "mlp.down_proj.weight", (h, L.ffn_hidden_size))
+    attn_norm, mlp_norm = _norm_names(L, i)
+    out[attn_norm] = _take(hf, src + "input_layernorm.weight", (h,))
+    out[mlp_norm] = _take(hf, src + "post_attention_layernorm.weight", (h,))
     return out
 
 
