@@ -105,9 +105,10 @@ def cuda_run(rank, world_size, init_method, model):
     "layout",
     [
         ["--colocate", "--update-weight-transport", "disk"],
+        ["--colocate", "--update-weight-transport", "tensor", "--bf16"],
         ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
     ],
-    ids=["colocated", "disaggregated"],
+    ids=["colocated-disk", "colocated-cuda-ipc-bf16", "disaggregated"],
 )
 def test_two_grpo_steps_with_the_megatron_backend(tiny_model, prompts, tmp_path, layout):  # noqa: F811
     """Issue 9's GPU run: two GRPO steps, Megatron backend, torch engine, step-0 gates on."""
