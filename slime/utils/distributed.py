@@ -65,7 +65,8 @@ def init_train_group(
     init_method: str | None = None,
     timeout_minutes: float = 10.0,
 ) -> tuple[int, int]:
-    """Join the trainer's default process group: gloo on CPU, NCCL on CUDA.
+    """Join the trainer's default process group: gloo on CPU; on CUDA, NCCL for CUDA tensors and
+    gloo for CPU tensors.
 
     Rank, world size and rendezvous come from the arguments or, when omitted, from the
     environment that torchrun and the Ray layer set (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -85,7 +86,9 @@ def init_train_group(
         )
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
+            # On CUDA, NCCL for CUDA tensors and gloo for CPU ones: metrics, whitening statistics
+            # and object collectives are CPU tensors, which an NCCL-only group refuses.
+            backend="cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
             init_method=init_method or "env://",
             rank=rank,
             world_size=world_size,

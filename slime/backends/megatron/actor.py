@@ -294,16 +294,12 @@ class MegatronTrainActor(TrainActorBase):
             return values
         sizes = [batch.response_lengths[p] for p in positions]
         flat = (torch.cat([values[p] for p in positions]) if self.last_stage else torch.empty(sum(sizes))).to(
-            self._comm_device
+            self.device
         )
         from megatron.core import parallel_state as ps
 
         dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
         return dict(zip(positions, flat.cpu().split(sizes)))
-
-    @property
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     class _Swap:
         def __init__(self, actor: MegatronTrainActor):
@@ -432,12 +428,12 @@ class MegatronTrainActor(TrainActorBase):
 
     def _reduce_gradients(self) -> None:
         grads.reduce_gradients(self.model, self.mesh, self.dp_group if self.dp_size > 1 else None,
-                               self.layout.qk_norm, self.layout.tied_embeddings, self._comm_device,
+                               self.layout.qk_norm, self.layout.tied_embeddings, self.device,
                                self._grad_of)  # fmt: skip
 
     def _clip_gradients(self) -> float:
         return grads.clip_gradients(
-            self.model, self.mesh, self.cfg.optimizer.clip_grad, self._comm_device, self._grad_of
+            self.model, self.mesh, self.cfg.optimizer.clip_grad, self.device, self._grad_of
         )
 
     # ---- checkpoints and weights ------------------------------------------------------------
