@@ -274,3 +274,51 @@ def test_bf16_trains_bfloat16_weights_from_float32_masters(tiny_model, tmp_path)
     for a, b in zip(steps(fsdp_bf16), steps(ranks[0])):
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=0.01), (a, b)
         assert math.isclose(a["entropy"], b["entropy"], rel_tol=1e-3), (a, b)
+
+
+def broken_save_and_load(rank, world_size, init_method, model, root):
+    """A save where rank 1 cannot write its shard, then a load of a checkpoint missing rank 1's
+    shard: each must fail on every rank (none may wait in a collective for the other)."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from slime.backends import make_train_actor
+
+    actor = make_train_actor(config(model, 2), rank, world_size, init_method)
+    actor.init()
+    errors = []
+    original = os.makedirs
+
+    def refuse_rank_1(path, *a, **k):  # a real OSError on one rank, the other writes normally
+        if rank == 1 and str(path).endswith("mp_rank_01"):
+            raise PermissionError(13, "Permission denied", path)
+        return original(path, *a, **k)
+
+    os.makedirs = refuse_rank_1
+    try:
+        actor.save(0, os.path.join(root, "failed"))
+    except Exception as e:
+        errors.append(str(e))
+    finally:
+        os.makedirs = original
+    published = os.path.exists(os.path.join(root, "failed", "latest_checkpointed_iteration.txt"))
+    actor.save(0, os.path.join(root, "ok"))
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "ok", "iter_0000000", "mp_rank_01"))
+    dist.barrier()
+    try:
+        actor.load(os.path.join(root, "ok"))
+    except Exception as e:
+        errors.append(str(e))
+    actor.close()
+    return {"errors": errors, "published": published}
+
+
+def test_a_shard_that_cannot_be_written_or_read_fails_every_rank(tiny_model, tmp_path):
+    results = run_ranks(2, broken_save_and_load, tiny_model, str(tmp_path))
+    for r in results:
+        assert len(r["errors"]) == 2 and not r["published"], r
+        assert "rank 1 cannot write its shard" in r["errors"][0] and "Permission denied" in r["errors"][0]
+        assert "no iter_0000000/mp_rank_01/model_optim_rng.pt for TP 2 x PP 1" in r["errors"][1]

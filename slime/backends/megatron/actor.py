@@ -105,6 +105,8 @@ class MegatronTrainActor(TrainActorBase):
         self._forward_backward = self._schedule()
         if m.bf16:
             self.masters = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.model.parameters()}
+            for p in self.masters:
+                p.register_post_accumulate_grad_hook(self._accumulate_in_master)
         self._load_hf(cfg.hf_checkpoint)
         self.optimizer = make_adamw(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
@@ -377,7 +379,6 @@ class MegatronTrainActor(TrainActorBase):
         if compare is not None and precision is not None:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             precision["first_step_max_abs_diff"] = float(worst[0])
-        self._to_masters()
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
@@ -386,11 +387,17 @@ class MegatronTrainActor(TrainActorBase):
         self._from_masters()
         return self._step_metrics(sums, grad_norm, lr)
 
-    def _to_masters(self) -> None:
-        """--bf16: the bfloat16 gradients become the masters' float32 ones (reduced in float32)."""
-        for p, master in self.masters.items():
-            master.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+    def _accumulate_in_master(self, p: torch.Tensor) -> None:
+        """--bf16: each micro-batch's bfloat16 gradient is added to the float32 master's as soon
+        as autograd produced it (accumulation and reductions in float32, as Megatron-LM's
+        accumulate_allreduce_grads_in_fp32); the parameter keeps none."""
+        assert p.grad is not None
+        master = self.masters[p]
+        if master.grad is None:
+            master.grad = p.grad.float()
+        else:
+            master.grad.add_(p.grad)
+        p.grad = None
 
     @torch.no_grad()
     def _from_masters(self) -> None:
@@ -475,14 +482,17 @@ class MegatronTrainActor(TrainActorBase):
             return
         if params:
             self.model.to(device)
-            for master in self.masters.values():  # the optimizer holds these very tensors
-                master.data = master.data.to(device)
+        for master in self.masters.values():  # optimizer side; the optimizer holds these very tensors
+            master.data = master.data.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[key] = value.to(device, non_blocking=True)
         torch.cuda.synchronize()
         if torch.device(device).type == "cpu":
+            from megatron.core import parallel_state as ps
+
+            ps.get_global_memory_buffer().buffer.clear()  # the attention's scratch, allocated again on use
             torch.cuda.empty_cache()
 
     def close(self) -> None:

@@ -138,6 +138,9 @@ class LazyHFState(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -229,7 +232,6 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     _broadcast_error(error)
     if actor.dp_rank == 0:
         folder = os.path.join(partial, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp))
-        os.makedirs(folder, exist_ok=True)
         blob = {
             "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
             # --bf16: the float32 master weights the optimizer steps (the model holds them rounded).
@@ -244,8 +246,19 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
             "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
                       "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
         }  # fmt: skip
-        torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
-    dist.barrier()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+            error = f"--save {root!r}: rank {actor.rank} cannot write its shard ({e})"
+    _agree(error)  # every rank raises a writer's error; none waits for one that failed
+    if actor.rank == 0:
+        expected = [rank_dir(t, s, actor.pp) for t in range(actor.tp) for s in range(actor.pp)]
+        missing = [d for d in expected if not os.path.isfile(os.path.join(partial, d, "model_optim_rng.pt"))]
+        if missing:
+            error = (f"--save {root!r}: shards {missing} are not in {partial} (is --save on a filesystem every "
+                     "node shares?); the checkpoint is not published")  # fmt: skip
+    _broadcast_error(error)
     if actor.rank == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -272,22 +285,26 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     path = os.path.join(
         folder, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp), "model_optim_rng.pt"
     )
+    blob: dict[str, Any] = {}
+    error = None
     if not os.path.isfile(path):
         stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        raise ConversionError(
+        error = (
             f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
             f"{', '.join(stored) or 'nothing'}); convert it with python -m slime.tools.convert_checkpoint "
             f"--target-tensor-parallel-size {actor.tp} --target-pipeline-parallel-size {actor.pp}"
         )
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    args = blob.get("args") or {}
-    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
-    if saved != (actor.tp, actor.pp) or stored_layout(args, root) != actor.layout:
-        raise ConversionError(
-            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
-            f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
-            "python -m slime.tools.convert_checkpoint"
-        )
+    else:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        args = blob.get("args") or {}
+        saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
+        if saved != (actor.tp, actor.pp) or args.get("slime_layout") != dict(actor.layout.__dict__):
+            error = (
+                f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
+                f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
+                "python -m slime.tools.convert_checkpoint"
+            )
+    _agree(error)  # the same error on every rank: none goes on to wait for the others
     actor._copy_in(blob.get("main_params") or blob["model"], masters=True)
     if tag == "release" or "optimizer" not in blob:
         return None
@@ -301,6 +318,17 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     _set_rng_state(blob["rng_state"])
     actor.resumed_extra = blob.get("slime", {}).get("extra", {})
     return int(blob["iteration"])
+
+
+def _agree(error: str | None) -> None:
+    """Raise on every rank the first error any rank found (collective)."""
+    import torch.distributed as dist
+
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ConversionError(first)
 
 
 def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30) -> None:

@@ -3,8 +3,9 @@
 - data-parallel: gradients are summed over the DP group (each rank's loss is already its share
   of the global batch, slime.algo.losses.token_weights), as the FSDP actor sums over its ranks;
 - tensor-parallel: megatron-core's layers reduce their own activations; the QK-norm weights see
-  only a rank's heads, so their gradients are summed over the TP group (as megatron-core's
-  finalize_model_grads does);
+  only a rank's heads, and with sequence parallelism the norms (marked `sequence_parallel` by
+  megatron-core) see only a rank's part of the sequence, so their gradients are summed over the
+  TP group (as megatron-core's finalize_model_grads does);
 - pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
   are one HF tensor; their gradients are summed over megatron-core's embedding group.
 
@@ -41,9 +42,12 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
     named = [(n, g) for n, p in model.named_parameters() if (g := grad_of(p)) is not None]
     if dp_group is not None:
         all_reduce_coalesced([g for _, g in named], dp_group, device)
-    if mesh.tp > 1 and qk_norm:
-        norms = [g for n, g in named if "q_layernorm" in n or "k_layernorm" in n]
-        all_reduce_coalesced(norms, mesh.tp_group, device)
+    if mesh.tp > 1:
+        params = dict(model.named_parameters())
+        partial = [g for n, g in named
+                   if (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
+                   or getattr(params[n], "sequence_parallel", False)]  # fmt: skip
+        all_reduce_coalesced(partial, mesh.tp_group, device)
     if mesh.pp > 1 and tied and (mesh.pp_rank in (0, mesh.pp - 1)):
         grad = grad_of(model.shared_embedding_or_output_weight())
         if grad is not None:
