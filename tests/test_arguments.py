@@ -208,8 +208,8 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             "Transformer Engine is not installed",
         ),
         (
-            ["--train-backend", "megatron", "--gradient-checkpointing"],
-            "--gradient-checkpointing configure the FSDP backend",
+            ["--train-backend", "megatron", "--fsdp-cpu-offload", "--device", "cuda"],
+            "--fsdp-cpu-offload configure the FSDP backend",
         ),
     ],
 )  # fmt: skip

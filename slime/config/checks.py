@@ -252,7 +252,7 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     problem = check_supported(megatron)
     if problem:
         return problem
-    fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload", "gradient_checkpointing")
+    fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload")
                  if getattr(ns, d, False)]  # fmt: skip
     fsdp_only += [f"--{d.replace('_', '-')}" for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")
                   if getattr(ns, d, "float32") != "float32"]  # fmt: skip

@@ -136,7 +136,8 @@ class FSDPConfig:
     """`--fsdp-cpu-offload`: keep sharded parameters, gradients and optimizer states in CPU
     memory (GPU only)."""
     gradient_checkpointing: bool = False
-    """`--gradient-checkpointing`: recompute decoder-layer activations in backward."""
+    """`--gradient-checkpointing`: recompute decoder-layer activations in backward (read by the
+    Megatron actor too: megatron-core's full recompute)."""
     attn_implementation: str = "sdpa"
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
     disable_sharding: bool = False
@@ -254,6 +255,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("train: model and devices")
     g.add_argument("--hf-checkpoint", help="Hugging Face model directory")
     g.add_argument("--ref-load", default=None, help="reference weights (default: --hf-checkpoint)")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
+                   "checkpointing; Megatron: megatron-core's full recompute)")  # fmt: skip
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--rollout-temperature", type=float, default=1.0)
@@ -309,7 +313,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-reduce-dtype", choices=DTYPES, default="float32")
     g.add_argument("--fsdp-cpu-offload", action="store_true")
-    g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--debug-disable-sharding", action="store_true",
                    help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "

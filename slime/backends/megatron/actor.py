@@ -148,6 +148,9 @@ class MegatronTrainActor(TrainActorBase):
             moe_token_dispatcher_type="alltoall",  # megatron-core refuses its default with variable lengths
             # The loss function returns each micro-batch's share of the global loss already.
             calculate_per_token_loss=True,
+            # --gradient-checkpointing: megatron-core's full recompute of every layer in backward.
+            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+               if self.cfg.fsdp.gradient_checkpointing else {}),
         )  # fmt: skip
         if on_cpu:
             from slime.backends.megatron import cpu_shim

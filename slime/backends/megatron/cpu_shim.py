@@ -8,7 +8,8 @@ tied embedding's pipeline copy with `Tensor.cuda()`. None of it
 is a GPU kernel: every operation has a CPU equivalent. `enable()` therefore gives each loaded
 `megatron.core` module a view of torch in which those allocations land on the CPU and the CUDA
 calls are no-ops, replaces the CUDA random-state tracker with one that forks the CPU
-generator, and makes `Tensor.cuda()` the identity while the model ties its embeddings. Nothing outside `megatron.core` changes, nothing changes on a machine with CUDA (the
+generator (activation recompute saves and restores the CPU generator only), and makes
+`Tensor.cuda()` the identity while the model ties its embeddings. Nothing outside `megatron.core` changes, nothing changes on a machine with CUDA (the
 actor calls this only for `--device cpu`), and the numerics are megatron-core's own.
 
 What this cannot give: anything that really needs a GPU (Transformer Engine, fused kernels,
@@ -93,6 +94,9 @@ def enable() -> int:
 
     mc_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute saves and restores the CUDA generator's state beside the CPU one.
+    mc_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mc_random._set_cuda_rng_state = lambda *a, **k: None
     _keep_tied_embedding_on_cpu()
     return count
 
