@@ -280,8 +280,8 @@ def test_bf16_trains_bfloat16_weights_from_float32_masters(tiny_model, tmp_path)
 
 
 def broken_save_and_load(rank, world_size, init_method, model, root):
-    """A save where rank 1 cannot write its shard, then a load of a checkpoint missing rank 1's
-    shard: each must fail on every rank (none may wait in a collective for the other)."""
+    """A save where rank 1 cannot write its shard, then loads of a checkpoint whose rank 1 shard
+    is truncated, then missing: each must fail on every rank (none may wait in a collective)."""
     import os
     import shutil
 
@@ -308,13 +308,19 @@ def broken_save_and_load(rank, world_size, init_method, model, root):
         os.makedirs = original
     published = os.path.exists(os.path.join(root, "failed", "latest_checkpointed_iteration.txt"))
     actor.save(0, os.path.join(root, "ok"))
-    if rank == 0:
-        shutil.rmtree(os.path.join(root, "ok", "iter_0000000", "mp_rank_01"))
-    dist.barrier()
-    try:
-        actor.load(os.path.join(root, "ok"))
-    except Exception as e:
-        errors.append(str(e))
+    shard_1 = os.path.join(root, "ok", "iter_0000000", "mp_rank_01")
+    for damage in ("truncate", "remove"):
+        if rank == 0:
+            if damage == "truncate":
+                with open(os.path.join(shard_1, "model_optim_rng.pt"), "r+b") as f:
+                    f.truncate(1000)
+            else:
+                shutil.rmtree(shard_1)
+        dist.barrier()
+        try:
+            actor.load(os.path.join(root, "ok"))
+        except Exception as e:
+            errors.append(str(e))
     actor.close()
     return {"errors": errors, "published": published}
 
@@ -322,6 +328,7 @@ def broken_save_and_load(rank, world_size, init_method, model, root):
 def test_a_shard_that_cannot_be_written_or_read_fails_every_rank(tiny_model, tmp_path):
     results = run_ranks(2, broken_save_and_load, tiny_model, str(tmp_path))
     for r in results:
-        assert len(r["errors"]) == 2 and not r["published"], r
+        assert len(r["errors"]) == 3 and not r["published"], r
         assert "rank 1 cannot write its shard" in r["errors"][0] and "Permission denied" in r["errors"][0]
-        assert "no iter_0000000/mp_rank_01/model_optim_rng.pt for TP 2 x PP 1" in r["errors"][1]
+        assert "rank 1 cannot read its shard" in r["errors"][1]
+        assert "no iter_0000000/mp_rank_01/model_optim_rng.pt for TP 2 x PP 1" in r["errors"][2]

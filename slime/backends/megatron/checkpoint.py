@@ -216,7 +216,7 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     """
     import torch.distributed as dist
 
-    from slime.backends.fsdp.checkpoint import _broadcast_error, _rng_state, iteration_dir
+    from slime.backends.fsdp.checkpoint import _broadcast_error, iteration_dir
     from slime.utils.files import atomic_write_text
 
     final = iteration_dir(root, rollout_id)
@@ -232,25 +232,10 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     _broadcast_error(error)
     if actor.dp_rank == 0:
         folder = os.path.join(partial, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp))
-        blob = {
-            "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
-            # --bf16: the float32 master weights the optimizer steps (the model holds them rounded).
-            "main_params": {n: actor.masters[p].detach().cpu() for n, p in actor.model.named_parameters()
-                            if p in actor.masters} or None,
-            "optimizer": actor.optimizer.state_dict(),
-            "opt_param_scheduler": actor.schedule.state_dict(),
-            "rng_state": _rng_state(),
-            "iteration": rollout_id,
-            "checkpoint_version": 3.0,
-            "args": megatron_args(actor.layout, actor.tp, actor.pp),
-            "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
-                      "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
-        }  # fmt: skip
         try:
-            os.makedirs(folder, exist_ok=True)
-            torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
-            error = f"--save {root!r}: rank {actor.rank} cannot write its shard ({e})"
+            _write_shard(actor, folder, rollout_id, extra)
+        except Exception as e:  # a full disk, an unpicklable `extra`, host memory: every rank must hear of it
+            error = f"--save {root!r}: rank {actor.rank} cannot write its shard ({type(e).__name__}: {e})"
     _agree(error)  # every rank raises a writer's error; none waits for one that failed
     if actor.rank == 0:
         expected = [rank_dir(t, s, actor.pp) for t in range(actor.tp) for s in range(actor.pp)]
@@ -268,42 +253,50 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     return final
 
 
+def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any] | None) -> None:
+    from slime.backends.fsdp.checkpoint import _rng_state
+
+    blob = {
+        "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
+        # --bf16: the float32 master weights the optimizer steps (the model holds them rounded).
+        "main_params": {n: actor.masters[p].detach().cpu() for n, p in actor.model.named_parameters()
+                        if p in actor.masters} or None,
+        "optimizer": actor.optimizer.state_dict(),
+        "opt_param_scheduler": actor.schedule.state_dict(),
+        "rng_state": _rng_state(),
+        "iteration": rollout_id,
+        "checkpoint_version": 3.0,
+        "args": megatron_args(actor.layout, actor.tp, actor.pp),
+        "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
+                  "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
+    }  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
+
+
 def load_train_checkpoint(actor: Any, root: str) -> int | None:
     """Resume from the newest checkpoint under `root` (None when there is none yet).
 
     A checkpoint written by the actor resumes everything; a converted one (`release`, from
     convert_hf_to_megatron / convert_checkpoint) loads the model only and starts a fresh run from
     it. The TP/PP layout must be the one the job runs (convert_checkpoint changes it)."""
-    from slime.backends.fsdp.checkpoint import _set_rng_state, iteration_dir
+    from slime.backends.fsdp.checkpoint import _set_rng_state
 
     tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
+    seen = _gather(os.path.isfile(tracker))
+    if any(seen) and not all(seen):
+        raise ConversionError(f"--load {root!r}: ranks {[r for r, s in enumerate(seen) if not s]} do not see "
+                              f"{TRACKER} (is --load on a filesystem every node shares?)")  # fmt: skip
+    if not seen[0]:
         return None
     with open(tracker) as f:
         tag = f.read().strip()
-    folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
-    path = os.path.join(
-        folder, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp), "model_optim_rng.pt"
-    )
     blob: dict[str, Any] = {}
     error = None
-    if not os.path.isfile(path):
-        stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        error = (
-            f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
-            f"{', '.join(stored) or 'nothing'}); convert it with python -m slime.tools.convert_checkpoint "
-            f"--target-tensor-parallel-size {actor.tp} --target-pipeline-parallel-size {actor.pp}"
-        )
-    else:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
-        args = blob.get("args") or {}
-        saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
-        if saved != (actor.tp, actor.pp) or args.get("slime_layout") != dict(actor.layout.__dict__):
-            error = (
-                f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
-                f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
-                "python -m slime.tools.convert_checkpoint"
-            )
+    try:
+        blob, error = _read_shard(actor, root, tag)
+    except Exception as e:  # a truncated or corrupt file: every rank must hear of it
+        error = f"--load {root!r}: rank {actor.rank} cannot read its shard ({type(e).__name__}: {e})"
     _agree(error)  # the same error on every rank: none goes on to wait for the others
     actor._copy_in(blob.get("main_params") or blob["model"], masters=True)
     if tag == "release" or "optimizer" not in blob:
@@ -320,13 +313,49 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     return int(blob["iteration"])
 
 
-def _agree(error: str | None) -> None:
-    """Raise on every rank the first error any rank found (collective)."""
+def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | None]:
+    """This rank's file of the tracked iteration, or the reason it cannot be used."""
+    from slime.backends.fsdp.checkpoint import iteration_dir
+
+    folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
+    path = os.path.join(
+        folder, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp), "model_optim_rng.pt"
+    )
+    if not os.path.isfile(path):
+        stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        return {}, (
+            f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
+            f"{', '.join(stored) or 'nothing'}); convert it with python -m slime.tools.convert_checkpoint "
+            f"--target-tensor-parallel-size {actor.tp} --target-pipeline-parallel-size {actor.pp}"
+        )
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    args = blob.get("args") or {}
+    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
+    try:
+        same_model = stored_layout(args, root) == actor.layout
+    except (ConversionError, TypeError) as e:
+        return {}, f"--load {root!r}: {e}"
+    if saved != (actor.tp, actor.pp) or not same_model:
+        return {}, (
+            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
+            f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
+            "python -m slime.tools.convert_checkpoint"
+        )
+    return blob, None
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's `value`, on every rank (collective)."""
     import torch.distributed as dist
 
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _agree(error: str | None) -> None:
+    """Raise on every rank the first error any rank found (collective)."""
+    first = next((e for e in _gather(error) if e), None)
     if first:
         raise ConversionError(first)
 
