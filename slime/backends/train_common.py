@@ -10,6 +10,7 @@ writes --save-debug-train-data; a backend supplies the forward passes (`_log_pro
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +19,17 @@ import torch
 import torch.distributed as dist
 
 from slime.algo import advantages as adv
-from slime.algo.losses import approx_kl
+from slime.algo.losses import approx_kl, token_weights
+from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.backends import batching
+from slime.backends.fsdp.forward import MicroBatch
 from slime.backends.interface import RolloutBatch, TrainOutput
 from slime.config.train import TrainConfig
+
+
+def nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN (a NaN log-prob gap must reach --check-precision's gate)."""
+    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
 
 
 @dataclass
@@ -72,7 +80,60 @@ class TrainActorBase:
         """Context: the reference weights are in the model, the actor's are restored after."""
         raise NotImplementedError
 
-    # ---- planning ---------------------------------------------------------------------------
+    def _micro_batch_loss(
+        self,
+        batch: RolloutBatch,
+        step: StepPlan,
+        mb: MicroBatch,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor,
+        values: tuple[dict[int, torch.Tensor] | None, ...],
+        sums: dict[str, torch.Tensor],
+        compare: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, float]:
+        """One micro-batch's share of the step's loss, from this forward's `log_probs` and
+        `entropy` and the rollout's `values` = (old, ref, advantages); adds its metrics to `sums`.
+        Also returns the largest |compare - log_probs| over the loss mask (0 without `compare`)."""
+        cfg = self.cfg.loss
+        dev = log_probs.device
+        mask = mb.loss_mask.to(dev)
+        gap = 0.0
+        if compare is not None:
+            before = mb.response_tensor([compare[p] for p in mb.positions]).to(dev)
+            diffs = (before - log_probs.detach()).abs()[mask.bool()]
+            gap = float(diffs.double().max()) if diffs.numel() else 0.0
+
+        def lay_out(per_sample: Any) -> torch.Tensor | None:
+            return (
+                None
+                if per_sample is None
+                else mb.response_tensor([per_sample[p] for p in mb.positions]).to(dev)
+            )
+
+        old, ref, advantages = values
+        terms = MicroBatchTerms(
+            log_probs=log_probs,
+            mask=mask,
+            weights=token_weights(
+                mb.loss_mask, cfg.calculate_per_token_loss, step.num_samples, step.num_tokens
+            ).to(dev),
+            old_log_probs=lay_out(old),
+            advantages=lay_out(advantages),
+            ref_log_probs=lay_out(ref),
+            rollout_log_probs=lay_out(batch.rollout_log_probs),
+            entropy=entropy if cfg.entropy_coef != 0 else entropy.detach(),
+        )
+        loss, metrics = micro_batch_loss(cfg, terms)
+        for name, value in metrics.items():
+            sums[name] += value.double().cpu()
+        return loss, gap
+
+    @staticmethod
+    def _max_over_ranks(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, batch: RolloutBatch, max_tokens: int | None = None) -> list[StepPlan]:
         """Every rank computes every rank's packing, so micro-batch counts agree without talking."""

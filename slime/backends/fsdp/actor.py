@@ -17,14 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.algo.losses import token_weights
-from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.forward import MicroBatch, make_micro_batch, response_log_probs
 from slime.backends.interface import RolloutBatch
 from slime.backends.optim import LRSchedule, make_adamw
-from slime.backends.train_common import StepPlan, TrainActorBase
+from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils.distributed import init_train_group
 
@@ -204,46 +202,17 @@ class FSDPTrainActor(TrainActorBase):
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        entropy_grad = cfg.loss.entropy_coef != 0
-        worst = torch.zeros(1, dtype=torch.float64)
+        worst = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
-            log_probs, entropy = self._forward_train(mb, entropy_grad)
-            if compare is not None:
-                before = mb.response_tensor([compare[p] for p in mb.positions]).to(log_probs.device)
-                gap = (before - log_probs.detach()).abs()[mb.loss_mask.to(log_probs.device).bool()]
-                if gap.numel():
-                    worst = torch.maximum(worst, gap.double().max().cpu())
-            weights = token_weights(
-                mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples, step.num_tokens
-            )
-
-            dev = log_probs.device
-
-            def lay_out(values: Any, _mb: MicroBatch = mb, _dev: torch.device = dev) -> torch.Tensor | None:
-                return (
-                    None
-                    if values is None
-                    else _mb.response_tensor([values[p] for p in _mb.positions]).to(_dev)
-                )
-
-            terms = MicroBatchTerms(
-                log_probs=log_probs,
-                mask=mb.loss_mask.to(dev),
-                weights=weights.to(dev),
-                old_log_probs=lay_out(old),
-                advantages=lay_out(advantages),
-                ref_log_probs=lay_out(ref),
-                rollout_log_probs=lay_out(batch.rollout_log_probs),
-                entropy=entropy,
-            )
-            loss, metrics = micro_batch_loss(cfg.loss, terms)
+            log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, True)
+            assert entropy is not None
+            loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages), sums,
+                                               compare)  # fmt: skip
+            worst = nan_max(worst, gap)
             loss.backward()
-            for name, value in metrics.items():
-                sums[name] += value.double().cpu()
         if compare is not None and precision is not None:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            precision["first_step_max_abs_diff"] = float(worst[0])
+            precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()
@@ -254,11 +223,6 @@ class FSDPTrainActor(TrainActorBase):
         result = {n: float(v) for n, v in zip(names, reduced)}
         result.update(grad_norm=grad_norm, lr=lr)
         return result
-
-    def _forward_train(self, mb: MicroBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        log_probs, entropy = response_log_probs(self.model, mb, self.cfg.rollout_temperature, True)
-        assert entropy is not None
-        return log_probs, entropy if entropy_grad else entropy.detach()
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

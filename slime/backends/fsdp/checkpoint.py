@@ -48,6 +48,23 @@ def _broadcast_error(message: str | None) -> None:
         raise RuntimeError(box[0])
 
 
+def start_save(root: str, rollout_id: int, rank: int) -> tuple[str, str]:
+    """(iteration dir, its `.partial` twin), the twin created empty by rank 0; an error there
+    raises on every rank (collective)."""
+    final = iteration_dir(root, rollout_id)
+    partial = final + ".partial"
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as e:
+            error = f"--save {root!r}: cannot create {partial!r} ({e})"
+    _broadcast_error(error)
+    return final, partial
+
+
 def save_checkpoint(
     actor: FSDPTrainActor, rollout_id: int, root: str, extra: dict[str, Any] | None = None
 ) -> str:
@@ -56,17 +73,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = iteration_dir(root, rollout_id)
-    partial = final + ".partial"
-    error = None
-    if actor.rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        except OSError as e:
-            error = f"--save {root!r}: cannot create {partial!r} ({e})"
-    _broadcast_error(error)
+    final, partial = start_save(root, rollout_id, actor.rank)
     model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(partial, "model_optim"))
     rng = [None] * actor.world_size

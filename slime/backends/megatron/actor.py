@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.algo.losses import token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.forward import MicroBatch, make_micro_batch
@@ -36,7 +35,7 @@ from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
 from slime.backends.optim import LRSchedule, make_adamw
-from slime.backends.train_common import StepPlan, TrainActorBase
+from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils.distributed import init_train_group
 
@@ -155,7 +154,6 @@ class MegatronTrainActor(TrainActorBase):
         if on_cpu:
             from slime.backends.megatron import cpu_shim
 
-            _import_for_shim()
             cpu_shim.enable()
         model = build_gpt_model(self.layout, self.hf_config, config, self.tp)
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
@@ -336,52 +334,24 @@ class MegatronTrainActor(TrainActorBase):
         compare: dict[int, torch.Tensor] | None = None,
         precision: dict[str, float] | None = None,
     ) -> dict[str, float]:
-        cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        entropy_grad = cfg.loss.entropy_coef != 0
-        worst = torch.zeros(1, dtype=torch.float64)
+        worst = 0.0
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             nonlocal worst
             log_probs, entropy = self._response_log_probs(logits, mb, True)
             assert entropy is not None
-            dev = log_probs.device
-            if compare is not None:
-                before = mb.response_tensor([compare[p] for p in mb.positions]).to(dev)
-                gap = (before - log_probs.detach()).abs()[mb.loss_mask.to(dev).bool()]
-                if gap.numel():
-                    worst = torch.maximum(worst, gap.double().max().cpu())
-
-            def lay_out(values: Any) -> torch.Tensor | None:
-                return (
-                    None if values is None else mb.response_tensor([values[p] for p in mb.positions]).to(dev)
-                )
-
-            weights = token_weights(
-                mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples, step.num_tokens
-            )
-            terms = MicroBatchTerms(
-                log_probs=log_probs,
-                mask=mb.loss_mask.to(dev),
-                weights=weights.to(dev),
-                old_log_probs=lay_out(old),
-                advantages=lay_out(advantages),
-                ref_log_probs=lay_out(ref),
-                rollout_log_probs=lay_out(batch.rollout_log_probs),
-                entropy=entropy if entropy_grad else entropy.detach(),
-            )
-            loss, metrics = micro_batch_loss(cfg.loss, terms)
-            for name, value in metrics.items():
-                sums[name] += value.double().cpu()
+            loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages), sums,
+                                               compare)  # fmt: skip
+            worst = nan_max(worst, gap)
             return loss
 
         mbs = [self._micro_batch(batch, pos) for pos in step.micro_batches if pos]
         self._run(mbs, loss_fn, forward_only=False)
         if compare is not None and precision is not None:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            precision["first_step_max_abs_diff"] = float(worst[0])
+            precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
@@ -528,11 +498,3 @@ def check_supported(m: Any) -> str | None:
         return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
                 "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
     return None
-
-
-def _import_for_shim() -> None:
-    """Import every megatron-core module the forward and backward use, so the shim sees them."""
-    import megatron.core.models.gpt.gpt_model
-    import megatron.core.pipeline_parallel.p2p_communication
-    import megatron.core.pipeline_parallel.schedules
-    import megatron.core.transformer.dot_product_attention  # noqa: F401

@@ -216,20 +216,11 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     """
     import torch.distributed as dist
 
-    from slime.backends.fsdp.checkpoint import _broadcast_error, iteration_dir
+    from slime.backends.fsdp.checkpoint import _broadcast_error, start_save
     from slime.utils.files import atomic_write_text
 
-    final = iteration_dir(root, rollout_id)
-    partial = final + ".partial"
+    final, partial = start_save(root, rollout_id, actor.rank)
     error = None
-    if actor.rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        except OSError as e:
-            error = f"--save {root!r}: cannot create {partial!r} ({e})"
-    _broadcast_error(error)
     if actor.dp_rank == 0:
         folder = os.path.join(partial, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp))
         try:

@@ -75,8 +75,12 @@ def _torch_view() -> types.ModuleType:
 def enable() -> int:
     """Point every loaded megatron.core module at the CPU view of torch; returns how many.
 
-    Call after importing the megatron-core modules the actor uses (their `torch` global is
-    replaced; modules imported later keep the real torch)."""
+    Imports the megatron-core modules the model's forward and backward use first (their `torch`
+    global is replaced; modules imported later keep the real torch)."""
+    import megatron.core.models.gpt.gpt_model
+    import megatron.core.pipeline_parallel.p2p_communication
+    import megatron.core.pipeline_parallel.schedules
+    import megatron.core.transformer.dot_product_attention  # noqa: F401
     from megatron.core.tensor_parallel import random as mc_random
 
     view = _torch_view()
