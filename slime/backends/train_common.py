@@ -10,8 +10,10 @@ writes --save-debug-train-data; a backend supplies the forward passes (`_log_pro
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,9 @@ class TrainActorBase:
     writes_train_data: bool = True
     """Whether this rank writes its replica's --save-debug-train-data file (one rank per replica)."""
     rollout_id: int
+    model: Any
+    optimizer: torch.optim.Optimizer
+    device: torch.device
 
     # ---- backend hooks ----------------------------------------------------------------------
     def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
@@ -76,9 +81,30 @@ class TrainActorBase:
         over the loss mask goes to precision["first_step_max_abs_diff"]."""
         raise NotImplementedError
 
-    def _reference_weights(self) -> Any:
-        """Context: the reference weights are in the model, the actor's are restored after."""
+    ref_state: dict[str, torch.Tensor] | None = None
+    """This rank's part of the reference weights (None: the loss uses no reference)."""
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of this rank's part of the weights."""
         raise NotImplementedError
+
+    def _copy_in(self, state: dict[str, torch.Tensor]) -> None:
+        """Write a `_snapshot`-shaped state into this rank's weights."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Context: the reference weights are in the model, the actor's are restored after."""
+        if self.ref_state is None:
+            raise RuntimeError(
+                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
+            )
+        saved = self._snapshot()
+        self._copy_in(self.ref_state)
+        try:
+            yield
+        finally:
+            self._copy_in(saved)
 
     def _micro_batch_loss(
         self,
@@ -133,6 +159,29 @@ class TrainActorBase:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
+
+    # ---- colocation -------------------------------------------------------------------------
+    def sleep(self, keep_params: bool = False) -> None:
+        """Move optimizer states, and parameters unless `keep_params`, to host memory (no-op on
+        --device cpu). The loop keeps the parameters through the weight push (exporting them
+        all-gathers on the device) and releases them after it."""
+        self._move("cpu", params=not keep_params)
+
+    def wake(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str | torch.device, params: bool = True) -> None:
+        if self.device.type == "cpu":
+            return
+        if params:
+            self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        if torch.device(device).type == "cpu":
+            torch.cuda.empty_cache()
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, batch: RolloutBatch, max_tokens: int | None = None) -> list[StepPlan]:

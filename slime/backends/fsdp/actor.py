@@ -49,7 +49,6 @@ class FSDPTrainActor(TrainActorBase):
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer
         self.schedule: LRSchedule
-        self.ref_shards: dict[str, torch.Tensor] | None = None
         self.hf_config: Any = None
         self.rollout_id = -1  # last rollout trained (or resumed)
         self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
@@ -87,11 +86,11 @@ class FSDPTrainActor(TrainActorBase):
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             if cfg.ref_load and cfg.ref_load != cfg.hf_checkpoint:
-                self.ref_shards = model_init.read_local_shards(
+                self.ref_state = model_init.read_local_shards(
                     self.model, cfg.ref_load, self.rank, self.world_size
                 )
             else:
-                self.ref_shards = model_init.snapshot_shards(self.model)
+                self.ref_state = self._snapshot()
         resumed = None
         if cfg.load:
             resumed = self.load(cfg.load)
@@ -166,25 +165,11 @@ class FSDPTrainActor(TrainActorBase):
         model_init.reshard(self.model)
         return out
 
-    class _Swap:
-        def __init__(self, actor: FSDPTrainActor):
-            self.actor = actor
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return model_init.snapshot_shards(self.model)
 
-        def __enter__(self) -> None:
-            self.saved = model_init.snapshot_shards(self.actor.model)
-            assert self.actor.ref_shards is not None
-            model_init.copy_into_shards(self.actor.model, self.actor.ref_shards)
-
-        def __exit__(self, *exc: object) -> None:
-            model_init.copy_into_shards(self.actor.model, self.saved)
-
-    def _reference_weights(self) -> FSDPTrainActor._Swap:
-        """Context: the reference weights are in the model, the actor's are restored after."""
-        if self.ref_shards is None:
-            raise RuntimeError(
-                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
-            )
-        return FSDPTrainActor._Swap(self)
+    def _copy_in(self, state: dict[str, torch.Tensor]) -> None:
+        model_init.copy_into_shards(self.model, state)
 
     def _train_step(
         self,
@@ -251,29 +236,6 @@ class FSDPTrainActor(TrainActorBase):
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-
-    # ---- colocation -------------------------------------------------------------------------
-    def sleep(self, keep_params: bool = False) -> None:
-        """Move optimizer states, and parameters unless `keep_params`, to host memory (no-op on
-        --device cpu). The loop keeps the parameters through the weight push (exporting them
-        all-gathers on the device) and releases them after it."""
-        self._move("cpu", params=not keep_params)
-
-    def wake(self) -> None:
-        self._move(self.device)
-
-    def _move(self, device: str | torch.device, params: bool = True) -> None:
-        if self.device.type == "cpu":
-            return
-        if params:
-            self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        if torch.device(device).type == "cpu":
-            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Leave the process group together: a rank tearing gloo down while a peer still talks

@@ -58,7 +58,6 @@ class MegatronTrainActor(TrainActorBase):
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer
         self.schedule: LRSchedule
-        self.ref_state: State | None = None
         self.masters: dict[torch.Tensor, torch.Tensor] = {}  # --bf16: parameter -> float32 master weight
         self.rollout_id = -1
         self.resumed_extra: dict[str, Any] = {}
@@ -304,25 +303,6 @@ class MegatronTrainActor(TrainActorBase):
         dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
         return dict(zip(positions, flat.cpu().split(sizes)))
 
-    class _Swap:
-        def __init__(self, actor: MegatronTrainActor):
-            self.actor = actor
-
-        def __enter__(self) -> None:
-            self.saved = self.actor._snapshot()
-            assert self.actor.ref_state is not None
-            self.actor._copy_in(self.actor.ref_state)
-
-        def __exit__(self, *exc: object) -> None:
-            self.actor._copy_in(self.saved)
-
-    def _reference_weights(self) -> MegatronTrainActor._Swap:
-        if self.ref_state is None:
-            raise RuntimeError(
-                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
-            )
-        return MegatronTrainActor._Swap(self)
-
     # ---- training ---------------------------------------------------------------------------
     def _train_step(
         self,
@@ -444,29 +424,18 @@ class MegatronTrainActor(TrainActorBase):
         return {name: tuple(t.shape) for name, t in _meta_hf_state(self.layout).items()}
 
     # ---- colocation -------------------------------------------------------------------------
-    def sleep(self, keep_params: bool = False) -> None:
-        self._move("cpu", params=not keep_params)
-
-    def wake(self) -> None:
-        self._move(self.device)
-
     def _move(self, device: str | torch.device, params: bool = True) -> None:
-        if self.device.type == "cpu":
-            return
-        if params:
-            self.model.to(device)
-        for master in self.masters.values():  # optimizer side; the optimizer holds these very tensors
-            master.data = master.data.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        if torch.device(device).type == "cpu":
-            from megatron.core import parallel_state as ps
+        """TrainActorBase's move, plus the --bf16 masters (optimizer side: they move whatever
+        `params` says; the optimizer holds these very tensors) and megatron-core's attention
+        scratch buffer (freed on sleep, allocated again on use)."""
+        if self.device.type != "cpu":
+            for master in self.masters.values():
+                master.data = master.data.to(device)
+            if torch.device(device).type == "cpu":
+                from megatron.core import parallel_state as ps
 
-            ps.get_global_memory_buffer().buffer.clear()  # the attention's scratch, allocated again on use
-            torch.cuda.empty_cache()
+                ps.get_global_memory_buffer().buffer.clear()
+        super()._move(device, params)
 
     def close(self) -> None:
         if dist.is_initialized():
