@@ -3,7 +3,9 @@
 Three runs share one tiny model and one sequence of rollouts:
 - one rank, fixed micro-batches of 2, five rollouts of two optimizer steps each;
 - two ranks, dynamic micro-batches under a small token budget (so ranks get different
-  numbers of real micro-batches and pad with dummy ones), a checkpoint after rollout 2;
+  numbers of real micro-batches and pad with dummy ones), a checkpoint after rollout 2; odd
+  rollouts reach each rank as its part (`split_rollout`, as the rollout manager sends them),
+  even ones whole;
 - one rank resumed from the two-rank checkpoint, training rollouts 3 and 4.
 """
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from slime.algo.objective import LossConfig
-from slime.backends.interface import RolloutBatch
+from slime.backends.interface import RolloutBatch, split_rollout
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
 from tests.dist_helpers import run_ranks
 
@@ -92,7 +94,9 @@ def run_sharded(rank, world_size, init_method, model, save_dir, hf_dir):
     plans = [actor.plan(make_batch(r)) for r in range(NUM_ROLLOUTS)]
     outputs = []
     for r in range(NUM_ROLLOUTS):
-        outputs.append(actor.train(r, make_batch(r)))
+        batch = make_batch(r)
+        data = split_rollout(batch, actor.cfg.batch, world_size)[rank] if r % 2 else batch
+        outputs.append(actor.train(r, data))
         if r == SAVE_AFTER:
             actor.save(r, save_dir)
     actor.save_hf(hf_dir)

@@ -94,3 +94,10 @@ def split_to_count(batches: list[list[int]], count: int) -> list[list[int]]:
         half = len(b) // 2
         out[largest:largest] = [b[:half], b[half:]]
     return out
+
+
+def step_shares(lengths: Sequence[int], global_batch: int, dp_size: int) -> list[list[list[int]]]:
+    """For each optimizer step, every data-parallel rank's sample positions (`balanced_shares` of
+    the step). The rollout manager splits a rollout with it and every rank plans with it, so the
+    part a rank receives is the part it would have picked from the whole rollout."""
+    return [balanced_shares(step, lengths, dp_size) for step in split_steps(len(lengths), global_batch)]

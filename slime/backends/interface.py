@@ -1,9 +1,11 @@
 """The contract between the loop (or a test) and a train backend.
 
-A train actor is one data-parallel rank. Every rank receives the *whole* rollout as a
-`RolloutBatch`; the actor cuts its own share, so the loop never needs to know the layout and a
-replay of a saved rollout splits over the current layout. The `TrainActor` protocol is what the
-Ray layer calls; tests call it directly, one process per rank.
+A train actor is one data-parallel rank. It trains on a `RolloutPart`: its replica's samples and
+the few per-sample numbers of the whole rollout that every replica's plan needs (lengths, loss
+token counts, rewards, groups). The rollout manager splits a rollout into parts with
+`split_rollout`, by the same rule the actor plans with, and each rank fetches only its own part;
+an actor given the whole `RolloutBatch` (tests, tools) cuts its share itself. The `TrainActor`
+protocol is what the Ray layer calls; tests call it directly, one process per rank.
 """
 
 from __future__ import annotations
@@ -88,6 +90,69 @@ class RolloutBatch:
 
 
 @dataclass
+class RolloutPart:
+    """One data-parallel replica's samples of a rollout, and what every replica must agree on.
+
+    `batch` holds the replica's samples (whole rows, rollout order) at rollout `positions`; the
+    other fields have one entry per sample of the *whole* rollout: the plan (optimizer steps,
+    every replica's micro-batch count, the per-step normalisers) and group-normalised rewards
+    need them, and they are a few numbers per sample.
+    """
+
+    batch: RolloutBatch
+    positions: list[int]
+    lengths: list[int]
+    """Tokens (prompt + response) of every sample."""
+    loss_tokens: list[int]
+    """Loss-mask tokens of every sample."""
+    rewards: list[float]
+    group_indices: list[int]
+    dp_size: int | None = None
+    """The number of replicas the rollout was split for; None: the whole rollout."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def whole(cls, batch: RolloutBatch) -> RolloutPart:
+        """The whole rollout as one part (a rank given it cuts its share itself)."""
+        masks = batch.loss_masks
+        return cls(
+            batch=batch,
+            positions=list(range(len(batch))),
+            lengths=[len(t) for t in batch.tokens],
+            loss_tokens=[
+                int(sum(masks[i])) if masks is not None else batch.response_lengths[i]
+                for i in range(len(batch))
+            ],
+            rewards=list(batch.rewards),
+            group_indices=list(batch.group_indices),
+        )
+
+
+def split_rollout(batch: RolloutBatch, batch_cfg: Any, dp_size: int) -> list[RolloutPart]:
+    """The rollout cut into one part per data-parallel replica, by `batching.step_shares` (the
+    rule every rank plans with). `batch_cfg` is the train config's BatchConfig."""
+    from slime.backends.batching import step_shares
+
+    whole = RolloutPart.whole(batch)
+    global_batch = batch_cfg.global_batch_for(len(batch))
+    batch_cfg.check_layout(dp_size, global_batch)
+    shares = step_shares(whole.lengths, global_batch, dp_size)
+    parts = []
+    for d in range(dp_size):
+        positions = sorted(p for step in shares for p in step[d])
+        parts.append(
+            RolloutPart(
+                batch.subset(positions), positions, whole.lengths, whole.loss_tokens, whole.rewards,
+                whole.group_indices, dp_size,
+            )
+        )  # fmt: skip
+    return parts
+
+
+@dataclass
 class TrainOutput:
     """What one `train` call reports: per-optimizer-step metrics and rollout-level metrics."""
 
@@ -113,8 +178,9 @@ class TrainActor(Protocol):
         """Log-probs of this rank's share of the response tokens, keyed by sample index."""
         ...
 
-    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
-        """Log-prob pass, advantages, then the rollout's optimizer steps."""
+    def train(self, rollout_id: int, batch: RolloutBatch | RolloutPart) -> TrainOutput:
+        """Log-prob pass, advantages, then the rollout's optimizer steps, on this rank's part
+        (or its share of a whole rollout)."""
         ...
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:

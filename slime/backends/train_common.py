@@ -25,13 +25,17 @@ from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.backends import batching
 from slime.backends.fsdp.forward import MicroBatch
-from slime.backends.interface import RolloutBatch, TrainOutput
+from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.config.train import TrainConfig
 
 
 def nan_max(a: float, b: float) -> float:
     """max that keeps a NaN (a NaN log-prob gap must reach --check-precision's gate)."""
     return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
+
+
+def as_part(data: RolloutBatch | RolloutPart) -> RolloutPart:
+    return data if isinstance(data, RolloutPart) else RolloutPart.whole(data)
 
 
 @dataclass
@@ -184,16 +188,26 @@ class TrainActorBase:
             torch.cuda.empty_cache()
 
     # ---- planning ---------------------------------------------------------------------------
-    def plan(self, batch: RolloutBatch, max_tokens: int | None = None) -> list[StepPlan]:
-        """Every rank computes every rank's packing, so micro-batch counts agree without talking."""
+    def plan(self, data: RolloutBatch | RolloutPart, max_tokens: int | None = None) -> list[StepPlan]:
+        """This rank's micro-batches per optimizer step, as positions in the part's batch. Every
+        rank packs every rank's share of the whole rollout, so micro-batch counts agree without
+        talking."""
+        part = as_part(data)
         b = self.cfg.batch
-        lengths = [len(t) for t in batch.tokens]
-        masks = batch.loss_masks
-        global_batch = b.global_batch_for(len(batch))
+        lengths = part.lengths
+        global_batch = b.global_batch_for(part.num_samples)
         b.check_layout(self.dp_size, global_batch)
+        if part.dp_size is not None and part.dp_size != self.dp_size:
+            raise BatchError(
+                f"the rollout was split for {part.dp_size} data-parallel replicas, but this job trains on "
+                f"{self.dp_size}; the rollout manager and the train ranks disagree on the layout"
+            )
+        local = {g: k for k, g in enumerate(part.positions)}
         plans = []
-        for step in batching.split_steps(len(batch), global_batch):
-            shares = batching.balanced_shares(step, lengths, self.dp_size)
+        for step, shares in zip(
+            batching.split_steps(part.num_samples, global_batch),
+            batching.step_shares(lengths, global_batch, self.dp_size),
+        ):
             if b.use_dynamic_batch_size:
                 budget = max_tokens or b.max_tokens_per_gpu
                 assert budget is not None
@@ -202,11 +216,19 @@ class TrainActorBase:
                 per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
             count = max(len(mbs) for mbs in per_rank)
             mine = batching.split_to_count(per_rank[self.dp_rank], count)
-            num_tokens = sum(sum(masks[i]) if masks is not None else batch.response_lengths[i] for i in step)
-            plans.append(StepPlan(mine, len(step), int(num_tokens)))
+            missing = [g for mb in mine for g in mb if g not in local]
+            if missing:
+                raise BatchError(
+                    f"data-parallel rank {self.dp_rank} was given a part without sample(s) {missing[:5]} of "
+                    "its share: the rollout was split by another rule or for another layout"
+                )
+            num_tokens = sum(part.loss_tokens[g] for g in step)
+            plans.append(StepPlan([[local[g] for g in mb] for mb in mine], len(step), int(num_tokens)))
         return plans
 
-    def _log_prob_plans(self, batch: RolloutBatch, train_plans: list[StepPlan]) -> list[StepPlan]:
+    def _log_prob_plans(
+        self, data: RolloutBatch | RolloutPart, train_plans: list[StepPlan]
+    ) -> list[StepPlan]:
         # The same micro-batches as training (same padding, same kernels) make the first step's
         # ppo_kl exactly 0; a separate log-prob budget trades that for memory.
         budget = self.cfg.batch.log_probs_max_tokens_per_gpu
@@ -216,30 +238,36 @@ class TrainActorBase:
             or budget == self.cfg.batch.max_tokens_per_gpu
         ):
             return train_plans
-        return self.plan(batch, max_tokens=budget)
+        return self.plan(data, max_tokens=budget)
 
-    def compute_log_probs(self, batch: RolloutBatch, use_reference: bool = False) -> dict[int, list[float]]:
+    def compute_log_probs(
+        self, data: RolloutBatch | RolloutPart, use_reference: bool = False
+    ) -> dict[int, list[float]]:
+        part = as_part(data)
+        batch = part.batch
         batch.validate(self.hf_config.vocab_size)
-        plans = self._log_prob_plans(batch, self.plan(batch))
+        plans = self._log_prob_plans(part, self.plan(part))
         if use_reference:
             with self._reference_weights():
                 values = self._log_prob_pass(batch, plans)
         else:
             values = self._log_prob_pass(batch, plans)
-        index = batch.sample_indices or list(range(len(batch)))
+        index = batch.sample_indices or part.positions
         return {index[p]: v.tolist() for p, v in values.items()}
 
     # ---- training ---------------------------------------------------------------------------
-    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+    def train(self, rollout_id: int, data: RolloutBatch | RolloutPart) -> TrainOutput:
         loss_cfg = self.cfg.loss
+        part = as_part(data)
+        batch = part.batch
         batch.validate(self.hf_config.vocab_size, need_rollout_log_probs=loss_cfg.needs_rollout_log_probs)
-        plans = self.plan(batch)
+        plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
         output = TrainOutput()
         old = ref = None
         start = time.perf_counter()
         if loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None:
-            lp_plans = self._log_prob_plans(batch, plans)
+            lp_plans = self._log_prob_plans(part, plans)
             old = self._log_prob_pass(batch, lp_plans)
             if loss_cfg.needs_ref:
                 with self._reference_weights():
@@ -247,10 +275,10 @@ class TrainActorBase:
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
-        advantages = self._advantages(batch, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
+        advantages = self._advantages(part, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
-            self._save_train_data(rollout_id, batch, mine, old, ref, advantages)
+            self._save_train_data(rollout_id, part, mine, old, ref, advantages)
         for k, step in enumerate(plans):
             compare = old if k == 0 and self.cfg.check_precision else None
             output.steps.append(
@@ -261,20 +289,24 @@ class TrainActorBase:
         self.rollout_id = rollout_id
         return output
 
-    def _advantages(
-        self, batch: RolloutBatch, mine: list[int], old: Any, ref: Any
-    ) -> dict[int, torch.Tensor]:
+    def _advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any) -> dict[int, torch.Tensor]:
         cfg = self.cfg.loss
+        # Groups are normalised over the whole rollout: a group's samples may sit on other replicas.
         scalars = adv.normalize_group_rewards(
-            batch.rewards,
-            batch.group_indices,
+            part.rewards,
+            part.group_indices,
             cfg.advantage_estimator,
             not cfg.disable_grpo_std_normalization,
         )
-        masks = [self._loss_mask(batch, p) for p in mine]
+        masks = [self._loss_mask(part.batch, p) for p in mine]
         kl = [approx_kl(old[p], ref[p], cfg.kl_loss_type) for p in mine] if ref is not None else None
         values = adv.compute_advantages(
-            cfg.advantage_estimator, scalars[mine], masks, kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma
+            cfg.advantage_estimator,
+            scalars[[part.positions[p] for p in mine]],
+            masks,
+            kl=kl,
+            kl_coef=cfg.kl_coef,
+            gamma=cfg.gamma,
         )
         if cfg.normalize_advantages or cfg.advantage_estimator.startswith("reinforce_plus_plus"):
             stats = adv.whitening_stats(values, masks)
@@ -285,7 +317,7 @@ class TrainActorBase:
     def _save_train_data(
         self,
         rollout_id: int,
-        batch: RolloutBatch,
+        part: RolloutPart,
         mine: list[int],
         old: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
@@ -298,7 +330,8 @@ class TrainActorBase:
         def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
             return None if d is None else d[p].tolist()
 
-        index = batch.sample_indices or list(range(len(batch)))
+        batch = part.batch
+        index = batch.sample_indices or part.positions
         rows = [
             {
                 "sample_index": index[p],

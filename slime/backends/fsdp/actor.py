@@ -97,6 +97,8 @@ class FSDPTrainActor(TrainActorBase):
         info = {
             "rank": self.rank,
             "world_size": self.world_size,
+            "dp_rank": self.dp_rank,
+            "dp": self.dp_size,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "local_state_bytes": self.local_state_bytes(),
             "resumed_rollout_id": resumed,

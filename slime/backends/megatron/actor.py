@@ -117,6 +117,7 @@ class MegatronTrainActor(TrainActorBase):
         info = {
             "rank": self.rank,
             "world_size": self.world_size,
+            "dp_rank": self.dp_rank,
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp_size,
