@@ -13,7 +13,8 @@ from tests.test_fsdp_actor import base_config, make_batch
 
 def train_and_push(rank, world_size, init_method, model, url, transport, more_urls=(), megatron_tp=0):
     from slime.backends import make_train_actor
-    from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
+    from slime.bridge.bridge import WeightBridge, push_actor_weights
+    from slime.bridge.topology import build_topology
     from slime.engines.client import EngineClient
     from slime.utils.checksum import tensor_checksum
 
@@ -26,8 +27,10 @@ def train_and_push(rank, world_size, init_method, model, url, transport, more_ur
     actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     actor.train(0, make_batch(0))
-    bridge = WeightBridge(make_transport(transport, model), [url, *more_urls]) if rank == 0 else None
-    stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000, ipc=transport == "ipc")
+    # Every rank on this machine; with `ipc`, engine j is fed by train rank j.
+    topology = build_topology(transport, "cpu", [url, *more_urls], train_nodes=["127.0.0.1"] * world_size)
+    bridge = WeightBridge.for_topology(topology, model) if rank == 0 else None
+    stats = push_actor_weights(actor, bridge, "step-1", bucket_bytes=250_000, topology=topology)
     # What this rank holds in HF names (Megatron: assembled on every rank, as the IPC push does).
     trainer = {n: tensor_checksum(t) for b in actor.export_weights(1 << 30, every_rank=True) for n, t in b}
     engine = None
@@ -53,6 +56,10 @@ def test_push_after_training_makes_engine_equal_trainer(tiny_model, tmp_path, tr
     finally:
         proc.stop()
     assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
+    assert (
+        rank0["stats"]["transport"]
+        == {"tensor": "shared_memory", "distributed": "distributed_gloo"}[transport]
+    )
     assert rank0["engine"]["weight_version"] == "step-1"
     assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]
 
@@ -73,5 +80,6 @@ def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tmp_
         for e in engines:
             e.stop()
     assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
+    assert rank0["stats"]["transport"] == "cpu_ipc"
     assert rank0["engine"]["weight_version"] == "step-1"
     assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.bridge.bridge import WeightBridge, make_transport
+from slime.bridge.bridge import WeightBridge
+from slime.bridge.topology import build_topology
 from slime.engines.client import EngineClient
 from slime.utils.buckets import iter_buckets
 from slime.utils.checksum import tensor_checksum
@@ -40,10 +41,14 @@ class RecordingClient(EngineClient):
 
 async def push_and_check(url: str, transport_name: str, state, version: str, model_dir: str) -> list[str]:
     log: list[str] = []
-    bridge = WeightBridge(make_transport(transport_name, model_dir), [url], lambda u: RecordingClient(u, log))
+    topology = build_topology(transport_name, "cpu", [url])
+    bridge = WeightBridge.for_topology(topology, model_dir, make_client=lambda u: RecordingClient(u, log))
     try:
         stats = await bridge.push(buckets_of(state, 200_000), version)
         assert stats["buckets"] > 3
+        assert stats["transport"] == {"tensor": "shared_memory", "distributed": "distributed_gloo"}.get(
+            transport_name, transport_name
+        )
         async with EngineClient(url) as client:
             result = await client.weights_checksum()
     finally:
@@ -75,8 +80,10 @@ def test_refused_push_still_continues_generation(engine_a, tiny_model):
     log: list[str] = []
 
     async def go():
-        bridge = WeightBridge(
-            make_transport("tensor", tiny_model), [engine_a.url], lambda u: RecordingClient(u, log)
+        bridge = WeightBridge.for_topology(
+            build_topology("tensor", "cpu", [engine_a.url]),
+            tiny_model,
+            make_client=lambda u: RecordingClient(u, log),
         )
         try:
             await bridge.push(buckets_of(bad, 1 << 20), "bad")
@@ -101,7 +108,7 @@ def test_request_in_flight_during_a_push_finishes_with_the_new_version(engine_a,
                 )
             )
             await asyncio.sleep(0.3)  # the request is running
-            bridge = WeightBridge(make_transport("tensor", tiny_model), [engine_a.url])
+            bridge = WeightBridge.for_topology(build_topology("tensor", "cpu", [engine_a.url]), tiny_model)
             await bridge.push(buckets_of(target, 1 << 20), "mid-flight")
             out = await long
             await bridge.push(buckets_of(original, 1 << 20), "restored")

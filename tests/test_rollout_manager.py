@@ -8,7 +8,7 @@ import json
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.engines.client import EngineClient
 from slime.rollout.data import PromptDataset
-from slime.rollout.manager import RolloutGenerator
+from slime.rollout.generator import RolloutGenerator
 from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Status
 
@@ -136,21 +136,31 @@ def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "2"}) + "\n" for i in range(5)))
+    from slime.rollout.dump import load_dump
+
     for flat in (False, True):
+        dump = str(tmp_path / f"flat{flat}" / "rollout_{rollout_id}.pt")
         cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "2",
                           "--n-samples-per-prompt", "3", "--num-rollout", "2", "--rm-type", "exact",
-                          "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout"])  # fmt: skip
+                          "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout",
+                          "--save-debug-rollout-data", dump])  # fmt: skip
         cfg.args.answer_token = tokenizer.convert_tokens_to_ids("2")
         cfg.args.flat = flat
         manager = RolloutManager(cfg, [])
-        batch, metrics, samples, state = manager.generate(0)
+        rollout = manager.generate(0, weight_version=3)
+        # The driver gets a summary; the samples are in the dump the manager wrote.
+        assert rollout.dump_path == dump.format(rollout_id=0) and rollout.num_samples == 6
+        assert rollout.metrics["rollout/reward_mean"] == 0.75 and rollout.data_state == {"epoch": 0, "offset": 2}
+        saved = load_dump(rollout.dump_path)
+        samples = saved["samples"]
+        assert saved["meta"]["weight_version"] == 3
         assert [s["group_index"] for s in samples] == [0, 0, 0, 1, 1, 1]
         assert [s["index"] for s in samples] == list(range(6))
-        assert batch.rewards == [0.25, 1.0, 1.0, 0.25, 1.0, 1.0]  # the function's, then exact's
-        assert batch.rollout_log_probs == [[-0.5]] * 6 and batch.response_lengths == [1] * 6
-        assert metrics["rollout/reward_mean"] == 0.75 and state == {"epoch": 0, "offset": 2}
-        _, _, samples, state = manager.generate(1)
-        assert [s["metadata"]["prompt_index"] for s in samples[::3]] == [2, 3] and state["offset"] == 4
+        assert [s["reward"] for s in samples] == [0.25, 1.0, 1.0, 0.25, 1.0, 1.0]  # the function's, then exact's
+        assert all(s["rollout_log_probs"] == [-0.5] and s["response_length"] == 1 for s in samples)
+        rollout = manager.generate(1)
+        samples = load_dump(rollout.dump_path)["samples"]
+        assert [s["metadata"]["prompt_index"] for s in samples[::3]] == [2, 3] and rollout.data_state["offset"] == 4
 
 
 def wrong_rollout(args, rollout_id, data_source, evaluation=False):

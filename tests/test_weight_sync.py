@@ -11,14 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
+from slime.bridge.bridge import WeightBridge, push_actor_weights
 from slime.bridge.faults import PushFault
+from slime.bridge.topology import build_topology
 from slime.bridge.verify import WeightSyncError
 from slime.engines.client import EngineClient, EngineError
+from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools import check_sync_parameter as checker
 from slime.utils.buckets import iter_buckets
 from slime.utils.checksum import tensor_fingerprint
-from tests.conftest import start_engine
+from tests.conftest import ENGINE_ARGS
 
 Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
 O1, NORM = "model.layers.1.self_attn.o_proj.weight", "model.norm.weight"
@@ -44,7 +46,10 @@ class CheckpointActor:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
-    proc = start_engine(tiny_model, tmp_path_factory.mktemp("sync-logs"))
+    log = str(tmp_path_factory.mktemp("sync-logs") / "engine.log")
+    # Parameter dumps may go anywhere under pytest's base directory (each test's tmp_path).
+    dumps = str(tmp_path_factory.getbasetemp())
+    proc = start_torch_engine(tiny_model, ENGINE_ARGS, log_path=log, debug_dump_dir=dumps)
     yield proc
     proc.stop()
 
@@ -61,7 +66,7 @@ def call(url, method, *args):
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_every_check_catches_every_fault(engine, tiny_model, tmp_path, transport, fault, capsys):
     actor = CheckpointActor(tiny_model)
-    bridge = WeightBridge(make_transport(transport, tiny_model), [engine.url])
+    bridge = WeightBridge.for_topology(build_topology(transport, "cpu", [engine.url]), tiny_model)
     spec = FAULTS[fault]
     push_fault = PushFault.parse(spec) if spec else None
     try:

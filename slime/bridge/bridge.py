@@ -21,36 +21,39 @@ from typing import Any
 
 from slime.bridge.base import Bucket, Transport
 from slime.bridge.faults import PushFault
-from slime.config.rollout import TRANSPORTS
+from slime.bridge.topology import PushTopology
 from slime.engines.client import EngineClient, EngineError
 from slime.utils.aio import run_sync
 
 logger = logging.getLogger(__name__)
 
+PushStats = dict[str, float | str]
+"""A push's statistics: numbers, and the transport's label under "transport"."""
 
-def make_transport(
-    name: str, hf_checkpoint: str, device: str = "cpu", timeout_s: float = 600.0, tp_size: int = 1
-) -> Transport:
-    """`timeout_s` bounds the trainer's side of the distributed transport's collectives. On
-    CUDA the tensor transport shares each rank's buckets by CUDA-IPC handle (slime.bridge.ipc;
-    engines of tensor-parallel size `tp_size` on the train ranks' GPUs)."""
-    if (name == "tensor" and device == "cuda") or name == "ipc":
+
+def make_transport(topology: PushTopology, hf_checkpoint: str, timeout_s: float = 600.0) -> Transport:
+    """The transport `topology.kind` names. `hf_checkpoint` gives the disk transport's directories
+    their config and tokenizer files; `timeout_s` bounds the trainer's side of the distributed
+    transport's collectives."""
+    kind = topology.kind
+    if kind == "ipc":
         from slime.bridge.ipc import IpcTransport
 
-        return IpcTransport(tp_size)
-    if name == "tensor":
+        return IpcTransport(topology.tp_sizes)
+    if kind == "shared_memory":
         from slime.bridge.tensor import TensorTransport
 
         return TensorTransport()
-    if name == "distributed":
+    if kind == "distributed":
         from slime.bridge.distributed import DistributedTransport
 
-        return DistributedTransport(backend="nccl" if device == "cuda" else "gloo", timeout_s=timeout_s)
-    if name == "disk":
+        assert topology.backend is not None
+        return DistributedTransport(topology.backend, topology.master_address, timeout_s, topology.tp_sizes)
+    if kind == "disk":
         from slime.bridge.disk import DiskTransport
 
         return DiskTransport(hf_checkpoint)
-    raise ValueError(f"--update-weight-transport {name!r} is not one of {', '.join(TRANSPORTS)}")
+    raise ValueError(f"unknown transport kind {kind!r}")
 
 
 class WeightBridge:
@@ -65,19 +68,33 @@ class WeightBridge:
         transport: Transport,
         engine_urls: list[str],
         make_client: Callable[[str], EngineClient] = EngineClient,
+        label: str | None = None,
     ):
         self.transport = transport
         self.engine_urls = list(engine_urls)
         self.make_client = make_client
+        self.label = label or transport.name
+        """The transport that runs (PushTopology.label), in every push's statistics."""
         self._ready = False
         self._engine_dtype: tuple[Any] | None = None
         self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
-    async def push(
-        self, buckets: Iterable[Bucket], weight_version: str, collect: bool = False
-    ) -> dict[str, float]:
-        """Run one update; returns {"bytes", "seconds", "buckets"}. With `collect`, the engines'
-        fingerprints of what they wrote are left in `collected` (url -> (fingerprints, names))."""
+    @classmethod
+    def for_topology(
+        cls,
+        topology: PushTopology,
+        hf_checkpoint: str,
+        timeout_s: float = 600.0,
+        make_client: Callable[[str], EngineClient] = EngineClient,
+    ) -> WeightBridge:
+        """The bridge into the topology's engines through its transport (make_transport)."""
+        transport = make_transport(topology, hf_checkpoint, timeout_s)
+        return cls(transport, topology.urls, make_client, topology.label)
+
+    async def push(self, buckets: Iterable[Bucket], weight_version: str, collect: bool = False) -> PushStats:
+        """Run one update; returns {"bytes", "seconds", "buckets"} (floats) and "transport" (the
+        label of the transport that ran, a string). With `collect`, the engines' fingerprints of
+        what they wrote are left in `collected` (url -> (fingerprints, names))."""
         engines = [self.make_client(u) for u in self.engine_urls]
         for e in engines:
             e.update_fingerprints = {} if collect else None
@@ -93,7 +110,7 @@ class WeightBridge:
 
     async def _push(
         self, engines: list[EngineClient], buckets: Iterable[Bucket], weight_version: str
-    ) -> dict[str, float]:
+    ) -> PushStats:
         if not self._ready:
             await self.transport.setup(engines)
             self._ready = True
@@ -123,9 +140,9 @@ class WeightBridge:
         seconds = time.perf_counter() - start
         logger.info(
             "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",
-            count, total / 1e6, weight_version, self.transport.name, seconds,
+            count, total / 1e6, weight_version, self.label, seconds,
         )  # fmt: skip
-        return {"bytes": float(total), "seconds": seconds, "buckets": float(count)}
+        return {"bytes": float(total), "seconds": seconds, "buckets": float(count), "transport": self.label}
 
     def engine_dtype_once(self) -> Any:
         """engine_dtype() from synchronous code, asked once (an event loop per push would cost
@@ -175,14 +192,24 @@ def push_actor_weights(
     bucket_bytes: int,
     fault: PushFault | None = None,
     verify: bool = False,
-    ipc: bool = False,
-    sglang_reductions: bool = False,
-) -> dict[str, float] | None:
+    topology: PushTopology | None = None,
+) -> PushStats | None:
     """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
-    bridge) sends them (with `ipc`, the CUDA-IPC push: every rank shares its own copy and rank 0
-    sends the handles), with `fault` (--debug-push-fault) applied. With `verify`
-    (--check-weight-sync) the engines are checked against fingerprints of the exported tensors
-    (taken before the fault). Returns the push statistics on rank 0, None elsewhere."""
+    bridge) sends them, with `fault` (--debug-push-fault) applied. When `topology` says every rank
+    shares (the CUDA-IPC push), every rank shares its own copy and rank 0 sends the handles; the
+    ranks of one push must be given the same topology. With `verify` (--check-weight-sync) the
+    engines are checked against fingerprints of the exported tensors (taken before the fault).
+    Returns the push statistics on rank 0, None elsewhere."""
+    ipc = topology is not None and topology.every_rank_shares
+    if bridge is not None:
+        from slime.bridge.ipc import IpcTransport
+
+        if isinstance(bridge.transport, IpcTransport) != ipc:
+            said = topology.label if topology is not None else "nothing"
+            raise ValueError(
+                f"the bridge's transport is {bridge.label} but the push topology says {said}: give "
+                "every rank the topology the bridge was built from"
+            )
     buckets = actor.export_weights(bucket_bytes, every_rank=ipc)
     if bridge is None and not ipc:
         for _ in buckets:
@@ -201,9 +228,10 @@ def push_actor_weights(
     if ipc:  # slime.bridge.ipc: every rank shares its buckets, rank 0 sends all ranks' handles
         from slime.bridge.ipc import IpcTransport, share_buckets
 
+        assert topology is not None
         transport = bridge.transport if bridge is not None else None
         assert transport is None or isinstance(transport, IpcTransport)
-        buckets = share_buckets(buckets, transport, sglang_reductions)
+        buckets = share_buckets(buckets, transport, topology.sglang)
     if bridge is None:
         for _ in buckets:
             pass

@@ -1,20 +1,28 @@
 """`distributed` transport: broadcasts from trainer rank 0 over a process group with the engines.
 
-Set-up joins trainer rank 0 (group rank 0, hosting the TCPStore on a port the OS picks) and
-every engine (ranks 1..N) in one gloo (CPU) or NCCL (GPU) group through
-/init_weights_update_group. Each bucket is announced to every engine with
-/update_weights_from_distributed (names, dtypes, shapes) while rank 0 broadcasts the tensors in
-that order; the bucket is done when every engine answered.
+Set-up joins trainer rank 0 (group rank 0, hosting the TCPStore on its node's address and a port
+the OS picks) and every engine GPU in one gloo (CPU) or NCCL (GPU) group through
+/init_weights_update_group: an engine of tensor-parallel size tp joins tp members, its TP worker k
+as rank `rank_offset + k` (SGLang's rule), so the offsets are cumulative TP sizes and the group has
+1 + the sum of the TP sizes members (slime.bridge.topology.group_layout). Before joining, each
+engine's reported `tp_size` (/server_info) is checked against the topology: a group of the wrong
+size would otherwise hang in its rendezvous until the timeout.
+
+Each bucket is announced to every engine with /update_weights_from_distributed (names, dtypes,
+shapes) while rank 0 broadcasts the tensors in that order (every TP worker receives every tensor
+whole); the bucket is done when every engine answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from slime.bridge.base import Bucket
-from slime.engines.client import EngineClient
+from slime.bridge.topology import LOOPBACK, TopologyError, group_layout
+from slime.engines.client import EngineClient, EngineError
 from slime.utils import distributed as sdist
 from slime.utils.shm_tensors import dtype_to_str
 
@@ -31,23 +39,46 @@ class DistributedTransport:
     name = "distributed"
     session = True
 
-    def __init__(self, backend: str = "gloo", master_address: str = "127.0.0.1", timeout_s: float = 600.0):
+    def __init__(
+        self,
+        backend: str = "gloo",
+        master_address: str = LOOPBACK,
+        timeout_s: float = 600.0,
+        tp_sizes: Sequence[int] | None = None,
+    ):
+        """Args:
+        backend: gloo or nccl.
+        master_address: train rank 0's node address (PushTopology.master_address).
+        timeout_s: the trainer's rendezvous and broadcast timeout.
+        tp_sizes: each engine's tensor-parallel size, in the bridge's engine order (None: 1 each).
+        """
         self.backend = backend
         self.master_address = master_address
         self.timeout_s = timeout_s
+        self.tp_sizes = None if tp_sizes is None else tuple(tp_sizes)
         self.group: Any = None
 
     async def setup(self, engines: list[EngineClient]) -> None:
-        port = free_port(self.master_address)
-        world_size = 1 + len(engines)
+        sizes = self.tp_sizes if self.tp_sizes is not None else (1,) * len(engines)
+        if len(sizes) != len(engines):
+            raise TopologyError(f"{len(sizes)} tensor-parallel sizes for {len(engines)} engines")
+        await asyncio.gather(*(_check_tp_size(e, tp) for e, tp in zip(engines, sizes, strict=True)))
+        world_size, offsets = group_layout(sizes)
+        try:
+            port = free_port(self.master_address)
+        except OSError as e:
+            raise TopologyError(
+                f"train rank 0 cannot listen on {self.master_address} ({e}): the push topology's master "
+                "address must be the address of train rank 0's node"
+            ) from None
         joins = [
             asyncio.create_task(
                 e.init_weights_update_group(
-                    self.master_address, port, rank_offset=1 + i, world_size=world_size,
+                    self.master_address, port, rank_offset=offset, world_size=world_size,
                     group_name=GROUP_NAME, backend=self.backend,
                 )
             )
-            for i, e in enumerate(engines)
+            for e, offset in zip(engines, offsets, strict=True)
         ]  # fmt: skip
         try:
             self.group = await asyncio.to_thread(
@@ -93,3 +124,21 @@ class DistributedTransport:
             *(e.destroy_weights_update_group(GROUP_NAME) for e in engines), return_exceptions=True
         )
         self.group = None
+
+
+async def _check_tp_size(engine: EngineClient, expected: int) -> None:
+    """Refuse an engine whose reported tensor-parallel size is not the topology's (an engine that
+    reports none, or has no /server_info, is taken at the topology's word)."""
+    try:
+        info = await engine.get_server_info()
+    except EngineError as e:
+        if e.status != 404:
+            raise
+        return
+    reported = info.get("tp_size") if isinstance(info, dict) else None
+    if reported is not None and int(reported) != expected:
+        raise TopologyError(
+            f"engine {engine.base_url} reports tensor-parallel size {reported}, but the push topology gives it "
+            f"{expected}: its TP workers would join a weight-update group sized for {expected}; set "
+            f"--rollout-num-gpus-per-engine {reported} (or launch the engine with tensor-parallel size {expected})"
+        )

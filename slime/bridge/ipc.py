@@ -2,11 +2,12 @@
 shared with the engines as SGLang's `load_format="flattened_bucket"` payload.
 
 On GPU (colocated) this is the CUDA-IPC push: engine j's tensor-parallel rank k sits on the GPU of
-train rank j·tp + k, so every train rank shares its own copy of the bucket (all-gathered already)
-and rank 0 sends engine j the payloads of ranks j·tp .. j·tp+tp-1, one per TP rank, in TP order,
-as SGLang expects (`serialized_named_tensors[tp_rank]`). On CPU the same code shares the buffer
-through a shared-memory file (torch's `file_system` strategy), which lets the torch engine and the
-tests run this path for real; only the CUDA handle itself needs a GPU.
+train rank o_j + k, where o_j = tp_0 + ... + tp_(j-1) sums the TP sizes of the engines before it
+(slime.bridge.topology checks the nodes), so every train rank shares its own copy of the bucket
+(all-gathered already) and rank 0 sends engine j the payloads of ranks o_j .. o_j+tp_j-1, one per
+TP rank, in TP order, as SGLang expects (`serialized_named_tensors[tp_rank]`). On CPU the same
+code shares the buffer through a shared-memory file (torch's `file_system` strategy), which lets
+the torch engine and the tests run this path for real; only the CUDA handle itself needs a GPU.
 
 Payload: base64 of a `ForkingPickler` dump of `{"flattened_tensor": uint8 tensor, "metadata":
 [SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)]}` with byte offsets (SGLang's
@@ -24,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import pickle
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -193,25 +195,29 @@ class IpcTransport:
     name = "tensor"
     session = True
 
-    def __init__(self, tp_size: int = 1) -> None:
-        self.tp_size = tp_size
+    def __init__(self, tp_sizes: Sequence[int] | None = None) -> None:
+        """`tp_sizes`: each engine's tensor-parallel size, in the bridge's engine order (None: 1 each)."""
+        self.tp_sizes = None if tp_sizes is None else tuple(tp_sizes)
         self.payloads: list[str] = []
 
     async def setup(self, engines: list[EngineClient]) -> None:
         return None
 
     async def send(self, engines: list[EngineClient], bucket: Bucket, weight_version: str) -> None:
-        tp = self.tp_size
-        if len(self.payloads) < len(engines) * tp:
+        sizes = self.tp_sizes if self.tp_sizes is not None else (1,) * len(engines)
+        if len(sizes) != len(engines):
+            raise RuntimeError(f"{len(sizes)} tensor-parallel sizes for {len(engines)} engines")
+        if len(self.payloads) < sum(sizes):
             raise RuntimeError(
                 f"{len(self.payloads)} train ranks shared the bucket, but {len(engines)} engines of "
-                f"tensor-parallel size {tp} need one per engine GPU (the CUDA-IPC push is for --colocate)"
+                f"tensor-parallel sizes {list(sizes)} need one per engine GPU (the CUDA-IPC push is for --colocate)"
             )
         payloads, self.payloads = self.payloads, []
+        starts = itertools.accumulate(sizes, initial=0)
         await asyncio.gather(*(
-            e.update_weights_from_tensor(payloads[j * tp : (j + 1) * tp], load_format=LOAD_FORMAT,
+            e.update_weights_from_tensor(payloads[o : o + tp], load_format=LOAD_FORMAT,
                                          weight_version=weight_version)
-            for j, e in enumerate(engines)
+            for e, o, tp in zip(engines, starts, sizes)
         ))  # fmt: skip
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:

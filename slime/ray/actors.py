@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -17,7 +17,34 @@ from slime.backends.interface import RolloutBatch, TrainOutput
 from slime.config.train import TrainConfig
 from slime.utils.aio import run_sync
 
+if TYPE_CHECKING:
+    from slime.bridge.topology import PushTopology
+
 logger = logging.getLogger(__name__)
+
+
+def with_init_errors(cls: type) -> type:
+    """`cls` as a Ray actor class whose constructor keeps a UsageError for `ready()` to raise.
+
+    Ray reports an error raised in an actor's constructor as ActorDiedError, carrying the
+    original exception only as text; raised from a method it stays an exception of its own type
+    (RayTaskError subclasses it), which the driver turns into one line and exit code 2."""
+    from slime.utils.errors import UsageError
+
+    class Actor(cls):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any):
+            self._init_error: UsageError | None = None
+            try:
+                super().__init__(*args, **kwargs)
+            except UsageError as e:
+                self._init_error = e
+
+        def ready(self) -> None:
+            if self._init_error is not None:
+                raise self._init_error
+
+    Actor.__name__ = Actor.__qualname__ = cls.__name__
+    return Actor
 
 
 def _quiet_threads(num_threads: int) -> None:
@@ -35,8 +62,6 @@ class TrainRank:
         cfg: TrainConfig,
         rank: int,
         world_size: int,
-        master_addr: str,
-        master_port: int,
         threads: int,
         hang_timeout_s: float | None = None,
         log_dir: str = ".",
@@ -45,14 +70,13 @@ class TrainRank:
 
         _quiet_threads(threads)
         configure_logging(f"rank {rank}")
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from slime.backends import make_train_actor
 
         self.rank = rank
         self.actor = make_train_actor(cfg, rank, world_size)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
-        self.ipc = self.sglang_reductions = False
+        self.topology: Any = None  # slime.bridge.topology.PushTopology, from connect_engines
         self.watchdog: Any = None
         if hang_timeout_s is not None:
             from slime.debug.hang import HangWatchdog
@@ -65,8 +89,20 @@ class TrainRank:
 
         return self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
 
-    def init(self) -> dict[str, Any]:
-        return self.actor.init()
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP address as Ray knows it, a free port on it): where rank 0 hosts the
+        train process group's rendezvous, reachable from every node."""
+        import socket
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def init(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the train process group at master_addr:master_port, then build the model."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        return {**self.actor.init(), "node_ip": ray.util.get_node_ip_address()}
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
         with self._watch(f"the train step of rollout {rollout_id}"):
@@ -78,19 +114,10 @@ class TrainRank:
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
 
-    def connect_engines(
-        self,
-        transport: str,
-        hf_checkpoint: str,
-        device: str,
-        engine_urls: list[str],
-        push_fault: str | None = None,
-        tp_size: int = 1,
-        sglang: bool = False,
-    ) -> None:
-        # On CUDA the tensor transport is the CUDA-IPC push, in which every rank takes part.
-        self.ipc = transport == "tensor" and device == "cuda"
-        self.sglang_reductions = sglang
+    def connect_engines(self, topology: PushTopology, push_fault: str | None = None) -> None:
+        """Every rank: the engines to push to, and how (`topology`, built once by the job); rank 0
+        builds the bridge. Called again with the new topology when engines are replaced."""
+        self.topology = topology
         if push_fault is not None:
             from slime.bridge.faults import PushFault
 
@@ -106,26 +133,27 @@ class TrainRank:
                 except Exception as e:  # an engine of the old set is down
                     logger.warning("closing the previous weight bridge: %s", e)
 
-            from slime.bridge.bridge import WeightBridge, make_transport
+            from slime.bridge.bridge import WeightBridge
             from slime.engines.client import ClientConfig, EngineClient
 
             # Every engine call and the push group's collectives: --distributed-timeout-minutes.
             timeout_s = self.actor.cfg.distributed_timeout_minutes * 60
             client = functools.partial(EngineClient, config=ClientConfig(timeout_s=timeout_s))
-            self.bridge = WeightBridge(
-                make_transport(transport, hf_checkpoint, device, timeout_s, tp_size), engine_urls, client
-            )
+            self.bridge = WeightBridge.for_topology(topology, self.actor.cfg.hf_checkpoint, timeout_s, client)
+            logger.info("weight push: %s to %d engines (tensor-parallel sizes %s)",
+                        topology.label, len(topology.engines), list(topology.tp_sizes))  # fmt: skip
 
     def push_weights(
         self, weight_version: str, bucket_bytes: int, verify: bool = False
-    ) -> dict[str, float] | None:
+    ) -> dict[str, float | str] | None:
+        """One push (every rank): the statistics on rank 0, with the transport's label under
+        "transport"; None elsewhere."""
         from slime.bridge.bridge import push_actor_weights
 
         with self._watch(f"the weight push of version {weight_version}"):
             return push_actor_weights(
-                self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.ipc,
-                self.sglang_reductions,
-            )  # fmt: skip
+                self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.topology
+            )
 
     def sleep(self, keep_params: bool = False) -> None:
         self.actor.sleep(keep_params)
@@ -158,6 +186,9 @@ class EngineActor:
 
     def url(self) -> str:
         return self.proc.url
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
 
     def stop(self) -> int:
         return self.proc.stop()

@@ -19,14 +19,13 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     from slime.bridge.verify import WeightSyncError
     from slime.debug.hang import HangError
     from slime.debug.precision import PrecisionError
-    from slime.ray.checks import ExternalEngineError
-    from slime.ray.loop import run
-    from slime.rollout.dump import DumpError
+    from slime.ray.driver import run
+    from slime.utils.errors import UsageError
 
     try:
         return run(config, off_policy=off_policy, log_dir=log_dir)
-    except (DumpError, ExternalEngineError) as e:  # a dump that cannot be replayed, an engine not there
-        logger.error("%s", e)
+    except UsageError as e:  # a bad input, found in the driver or inside an actor: its message only
+        logger.error("%s", getattr(e, "cause", None) or e)
         return 2
     except (PrecisionError, HangError, WeightSyncError) as e:  # the message says what failed, where to look
         logger.error("%s", getattr(e, "cause", None) or e)  # from an actor: its message, not its traceback

@@ -1,8 +1,9 @@
 """The RolloutManager actor: data source, engines' HTTP side, rewards, rollout metrics.
 
-It owns no model. It turns a rollout id into a `RolloutBatch` for the trainer plus the
-rollout-side metrics, runs evaluation, releases/resumes engine memory for colocation, and
-carries the data position for checkpoints.
+It owns no model. It turns a rollout id into one train part per data-parallel replica, put in
+Ray's object store for the train ranks to fetch, and a typed summary for the driver (metrics,
+counts, weight versions, the data position, the dump path); it writes --save-debug-rollout-data
+and --save-debug-eval-data dumps, runs evaluation, and carries the data position for checkpoints.
 """
 
 from __future__ import annotations
@@ -11,47 +12,31 @@ import asyncio
 import inspect
 import logging
 import os
-import statistics
 import time
 from typing import Any
 
-from slime.backends.interface import RolloutBatch
 from slime.config.arguments import Config
-from slime.config.rollout import DataConfig
 from slime.engines.client import ClientConfig, EngineClient
-from slime.rollout.data import PromptDataset
+from slime.loop.parts import Evaluation, Rollout
+from slime.rollout.data import PromptDataset, eval_data_config
+from slime.rollout.dump import make_meta, save_dump
+from slime.rollout.generator import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.health import EngineHealth, HealthMonitor
-from slime.rollout.manager import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.rewards import RewardModel, load_function
-from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.rollout.sample import Sample
+from slime.rollout.summary import package_rollout, rollout_metrics
 from slime.utils.aio import run_sync
 
 logger = logging.getLogger(__name__)
 
 
-def rollout_metrics(
-    samples: list[Sample], reward_key: str | None, prefix: str = "rollout"
-) -> dict[str, float]:
-    rewards = [s.scalar_reward(reward_key) for s in samples]
-    lengths = [s.response_length for s in samples]
-    lps = [lp for s in samples for lp in (s.rollout_log_probs or [])]
-    out = {
-        f"{prefix}/reward_mean": statistics.fmean(rewards),
-        f"{prefix}/response_length_mean": statistics.fmean(lengths),
-        f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        f"{prefix}/num_samples": float(len(samples)),
-    }
-    if all(r in (0.0, 1.0) for r in rewards):
-        out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
-    if lps and prefix != "rollout":  # a rollout's are reported by the trainer, over its loss mask
-        out[f"{prefix}/rollout_log_probs"] = statistics.fmean(lps)
-    return out
-
-
 class RolloutManager:
     """Produces rollouts and evaluations from the engines at `engine_urls` (a Ray actor)."""
 
-    def __init__(self, config: Config, engine_urls: list[str], log_dir: str = "."):
+    def __init__(
+        self, config: Config, engine_urls: list[str], log_dir: str = ".", dp_size: int | None = None
+    ):
+        """`dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains)."""
         from transformers import AutoTokenizer
 
         from slime.utils.logging_utils import configure_logging
@@ -63,6 +48,7 @@ class RolloutManager:
             random.seed(config.train.seed)
         self.config = config
         self.engine_urls = engine_urls
+        self.dp_size = dp_size
         # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
         self.client_config = ClientConfig(timeout_s=config.train.distributed_timeout_minutes * 60)
         r = config.rollout
@@ -110,10 +96,7 @@ class RolloutManager:
             )
         self.eval_dataset = None
         if config.eval.prompt_data:
-            eval_cfg = DataConfig(
-                **{**(r.data or DataConfig(config.eval.prompt_data)).__dict__,
-                   "prompt_data": config.eval.prompt_data, "shuffle": False}
-            )  # fmt: skip
+            eval_cfg = eval_data_config(r.data, config.eval.prompt_data)
             self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
 
     def _router(self, config: Config, engine_urls: list[str], log_dir: str) -> Any:
@@ -162,10 +145,11 @@ class RolloutManager:
     def num_prompts(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0
 
-    def generate(
-        self, rollout_id: int
-    ) -> tuple[RolloutBatch, dict[str, float], list[dict[str, Any]], dict[str, int]]:
-        """The rollout's train batch, metrics, samples (plain dicts) and the data position after it."""
+    def generate(self, rollout_id: int, weight_version: int = 0) -> Rollout:
+        """Generate and score rollout `rollout_id` (the trainer is at `weight_version`); its parts
+        go to the object store, its dump to --save-debug-rollout-data; the summary comes back."""
+        import ray
+
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
         if self.rollout_fn is not None:
@@ -184,13 +168,20 @@ class RolloutManager:
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
-        batch = samples_to_batch(samples, self.config.rollout.reward_key)
-        return batch, metrics, [s.to_dict() for s in samples], self.state_dict()
+        dump_path = None
+        if self.config.debug.save_rollout_data:
+            dump_path = save_dump(
+                self.config.debug.save_rollout_data, rollout_id, [s.to_dict() for s in samples],
+                {**self._meta(False), "weight_version": weight_version},
+            )  # fmt: skip
+        split = (self.config.train.batch, self.dp_size) if self.dp_size else None
+        return package_rollout(
+            rollout_id, samples, self.config.rollout.reward_key, split, ray.put, metrics,
+            data_state=self.state_dict(), dump_path=dump_path,
+        )  # fmt: skip
 
-    def evaluate(
-        self, rollout_id: int, return_samples: bool = False
-    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Metrics on the eval data, and its samples (plain dicts) when asked."""
+    def evaluate(self, rollout_id: int) -> Evaluation:
+        """Metrics on the eval data; its samples to --save-debug-eval-data when set."""
         assert self.eval_dataset is not None and self.config.eval.sampling is not None
         sampling = self.config.eval.sampling
         self.eval_dataset.epoch = self.eval_dataset.offset = 0
@@ -207,7 +198,17 @@ class RolloutManager:
                 )
             )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
-        return metrics, [s.to_dict() for s in samples] if return_samples else []
+        dump_path = None
+        if self.config.debug.save_eval_data:
+            dump_path = save_dump(
+                self.config.debug.save_eval_data, rollout_id, [s.to_dict() for s in samples],
+                {**self._meta(True), "weight_version": -1},
+            )  # fmt: skip
+        return Evaluation(metrics, dump_path)
+
+    def _meta(self, evaluation: bool) -> dict[str, Any]:
+        """What a dump records for its replay (tokenizer and model fingerprints, rollout flags)."""
+        return make_meta(self.config.args, self.tokenizer, evaluation=evaluation)
 
     def progress_counts(self) -> tuple[int, int]:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
@@ -270,19 +271,6 @@ class RolloutManager:
         finally:
             await asyncio.gather(*(c.close() for c in clients))
 
-    def engines(self, method: str, *args: Any) -> list[Any]:
-        """Call a client method (release/resume memory, weights_checker, ...) on every engine;
-        their answers in engine order."""
-
-        async def call() -> list[Any]:
-            clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
-            try:
-                return list(await asyncio.gather(*(getattr(c, method)(*args) for c in clients)))
-            finally:
-                await asyncio.gather(*(c.close() for c in clients))
-
-        return run_sync(call())
-
     def down_engines(self) -> dict[int, str]:
         """Engine index -> why it is down (empty without --rollout-health-check-interval)."""
         if self.health is None:
@@ -300,22 +288,6 @@ class RolloutManager:
             self.registered = [u for u in self.registered if u != old] + [url]
         if self.health is not None:
             self.health.clear(old)
-
-    def dump_parameters(self, root: str) -> list[int]:
-        """--debug-sync-parameters-path: every engine's parameters to root/<engine rank>/ (the
-        torch engine has tensor-parallel size 1, so engine j is rank j)."""
-
-        async def call() -> list[int]:
-            clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
-            try:
-                answers = await asyncio.gather(
-                    *(c.dump_parameters(os.path.join(root, str(j))) for j, c in enumerate(clients))
-                )
-                return [a["num_parameters"] for a in answers]
-            finally:
-                await asyncio.gather(*(c.close() for c in clients))
-
-        return run_sync(call())
 
     def state_dict(self) -> dict[str, int]:
         return self.dataset.state_dict() if self.dataset is not None else {}

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.config.rollout import DataConfig
+from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad prompt data: names the file (and line) and the flag to fix."""
 
 
@@ -64,6 +65,37 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[st
     return rows
 
 
+def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[Any]:
+    """The row's prompt as chat messages; DataError names the row and the flag to fix."""
+    if cfg.input_key not in row:
+        raise DataError(f"{where}: no field {cfg.input_key!r} (--input-key); fields are {sorted(row)}")
+    raw = row[cfg.input_key]
+    if cfg.label_key is not None and cfg.label_key not in row:
+        raise DataError(f"{where}: no field {cfg.label_key!r} (--label-key); fields are {sorted(row)}")
+    if isinstance(raw, list):
+        if not cfg.apply_chat_template:
+            raise DataError(f"{where}: the prompt is a list of chat messages; add --apply-chat-template")
+        return raw
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    raise DataError(f"{where}: field {cfg.input_key!r} must be a string or a list of messages")
+
+
+def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data") -> int:
+    """Read every row of the file and check its fields, without tokenizing (the driver does
+    this before any process starts); returns the number of rows."""
+    rows = read_rows(cfg.prompt_data, flag)
+    for where, row in rows:
+        prompt_messages(cfg, where, row)
+    return len(rows)
+
+
+def eval_data_config(train_data: DataConfig | None, eval_prompt_data: str) -> DataConfig:
+    """--eval-prompt-data read like --prompt-data (same keys and template), in file order."""
+    base = train_data or DataConfig(eval_prompt_data)
+    return DataConfig(**{**base.__dict__, "prompt_data": eval_prompt_data, "shuffle": False})
+
+
 class PromptDataset:
     """Prompts in epoch order; `next_batch(n)` crosses epoch boundaries."""
 
@@ -96,19 +128,8 @@ class PromptDataset:
 
     def _make_prompt(self, position: int, where: str, row: dict[str, Any], tokenizer: Any) -> Prompt:
         cfg = self.cfg
-        if cfg.input_key not in row:
-            raise DataError(f"{where}: no field {cfg.input_key!r} (--input-key); fields are {sorted(row)}")
+        messages = prompt_messages(cfg, where, row)
         raw = row[cfg.input_key]
-        if cfg.label_key is not None and cfg.label_key not in row:
-            raise DataError(f"{where}: no field {cfg.label_key!r} (--label-key); fields are {sorted(row)}")
-        if isinstance(raw, list):
-            if not cfg.apply_chat_template:
-                raise DataError(f"{where}: the prompt is a list of chat messages; add --apply-chat-template")
-            messages = raw
-        elif isinstance(raw, str):
-            messages = [{"role": "user", "content": raw}]
-        else:
-            raise DataError(f"{where}: field {cfg.input_key!r} must be a string or a list of messages")
         if cfg.apply_chat_template:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from slime.utils.errors import UsageError
+
 FORMAT_VERSION = 1
 ROLLOUT_FLAGS = (
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed",
@@ -31,7 +33,7 @@ ROLLOUT_FLAGS = (
 )  # fmt: skip
 
 
-class DumpError(ValueError):
+class DumpError(UsageError):
     """A dump that cannot be written or replayed (names the file, the field and the fix)."""
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slime.rollout.sample import Sample
+from slime.utils.errors import UsageError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
@@ -24,14 +25,14 @@ def load_function(dotted: str, flag: str) -> Callable[..., Any]:
     """Import `package.module.function`; a clear error names the flag when it cannot."""
     module_name, _, attr = dotted.rpartition(".")
     if not module_name:
-        raise ValueError(f"{flag} {dotted!r} must be a dotted path: package.module.function")
+        raise UsageError(f"{flag} {dotted!r} must be a dotted path: package.module.function")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{flag} {dotted!r}: cannot import module {module_name!r} ({e})") from e
+        raise UsageError(f"{flag} {dotted!r}: cannot import module {module_name!r} ({e})") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{flag} {dotted!r}: module {module_name!r} has no function {attr!r}")
+        raise UsageError(f"{flag} {dotted!r}: module {module_name!r} has no function {attr!r}")
     return fn
 
 

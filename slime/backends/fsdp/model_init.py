@@ -22,10 +22,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from slime.utils.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """An --hf-checkpoint/--ref-load directory the trainer cannot use."""
 
 

@@ -1,0 +1,279 @@
+"""The push topology: which engines a weight push reaches, through which transport, from where.
+
+Built once at start-up from plain values (the flags, and the nodes placement put each process on)
+and handed to every piece of the push: `make_transport` picks the transport from `kind`, the
+`distributed` transport sizes its group from the engines' tensor-parallel sizes, and every train
+rank learns from `every_rank_shares` whether it shares its own copy of each bucket (the CUDA-IPC
+push). The rule "`tensor` on CUDA is CUDA IPC" lives here and nowhere else (`resolve_kind`).
+
+A weight-update group (`distributed`) has one member per engine GPU: SGLang's model runner joins
+each TP worker as rank `rank_offset + tp_rank`, and every worker receives every broadcast tensor.
+So engine j, of TP size tp_j, gets `rank_offset = 1 + tp_0 + ... + tp_(j-1)`, the group has
+`1 + sum(tp_j)` members, and rank 0 is train rank 0, whose node address is the group's master
+address (the engines on other nodes connect to it).
+
+No heavy imports: the config layer may use `resolve_kind`, `default_transport` and `flag_problem`
+at parse time.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from slime.config.rollout import TRANSPORTS
+
+LOOPBACK = "127.0.0.1"
+
+KINDS = ("shared_memory", "ipc", "distributed", "disk")
+"""How a push runs: `shared_memory` (tensor on CPU: one shared-memory file per bucket, read by every
+engine), `ipc` (tensor on CUDA: every train rank shares its copy by CUDA-IPC handle, the engine GPU
+on that rank's GPU opens it; on CPU the same code shares files, which the tests use), `distributed`
+(broadcasts from train rank 0 over a gloo or NCCL group), `disk` (a safetensors directory)."""
+
+
+class TopologyError(ValueError):
+    """A push that cannot work as described; the message names the flag and the fix."""
+
+
+def resolve_kind(transport: str, device: str) -> str:
+    """The transport as it runs. `tensor` is shared memory on CPU and the CUDA-IPC push on CUDA;
+    `ipc` (not a command-line choice) asks for the IPC push's code path on either device."""
+    if transport == "tensor":
+        return "ipc" if device == "cuda" else "shared_memory"
+    if transport in ("ipc", "distributed", "disk"):
+        return transport
+    raise TopologyError(f"--update-weight-transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+
+
+def default_transport(device: str, colocate: bool) -> str:
+    """--update-weight-transport's default: a NCCL group for GPU engines on GPUs of their own, else
+    `tensor` (CUDA IPC for colocated GPU engines, shared memory on CPU)."""
+    return "distributed" if device == "cuda" and not colocate else "tensor"
+
+
+def flag_problem(transport: str, device: str, colocate: bool) -> str | None:
+    """What the flags alone rule out, before anything is placed: one message, or None."""
+    try:
+        kind = resolve_kind(transport, device)
+    except TopologyError as e:
+        return str(e)
+    if kind == "ipc" and device == "cuda" and not colocate:
+        return (
+            f"--update-weight-transport {transport} on GPU shares CUDA-IPC handles, which only engines on the "
+            "train ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
+        )
+    if kind == "distributed" and device == "cuda" and colocate:
+        return (
+            "--update-weight-transport distributed with --colocate puts train rank 0 and engine 0's first "
+            "TP worker, both on one GPU, into one NCCL group, which NCCL refuses (duplicate GPU): use "
+            "--update-weight-transport tensor (CUDA IPC) or disk"
+        )
+    return None
+
+
+def group_layout(tp_sizes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """(world size, each engine's rank offset) of a weight-update group: train rank 0 is rank 0,
+    engine j's TP worker k is rank `1 + tp_0 + ... + tp_(j-1) + k`."""
+    offsets = tuple(1 + s for s in itertools.accumulate(tp_sizes, initial=0))
+    return 1 + sum(tp_sizes), offsets[:-1]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_node(a: str, b: str) -> bool:
+    return a == b or (is_loopback(a) and is_loopback(b))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    url: str
+    tp_size: int = 1
+    """Tensor-parallel size: the engine's GPUs, each one member of a weight-update group."""
+    node: str = LOOPBACK
+    """IP address of the node the engine runs on."""
+
+
+@dataclass(frozen=True)
+class PushTopology:
+    """Engines, train ranks and transport of the weight push; validated when built."""
+
+    transport: str
+    """`--update-weight-transport` as given: tensor, distributed or disk (or ipc, see KINDS)."""
+    device: str
+    """cpu or cuda: the train ranks' and engines' device (gloo or NCCL for `distributed`)."""
+    engines: tuple[EngineSpec, ...]
+    """In the order the rollout manager and the bridge list them."""
+    train_nodes: tuple[str, ...]
+    """IP address of each train rank's node, by rank. train_nodes[0] is the master address."""
+    sglang: bool = False
+    """The engines are SGLang servers (the CUDA-IPC push then uses SGLang's torch reductions)."""
+    colocated: bool = False
+    """The engines run on the train ranks' GPUs (--colocate): engine GPU i is train rank i's."""
+    kind: str = field(init=False)
+    """The transport as it runs (KINDS), resolved from `transport` and `device`."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", resolve_kind(self.transport, self.device))
+        problem = self._problem()
+        if problem is not None:
+            raise TopologyError(problem)
+
+    @property
+    def master_address(self) -> str:
+        """Where the weight-update group's store listens: train rank 0's node."""
+        return self.train_nodes[0]
+
+    @property
+    def backend(self) -> str | None:
+        """The `distributed` group's backend; None for the other transports."""
+        if self.kind != "distributed":
+            return None
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def label(self) -> str:
+        """The transport that ran, for logs and metrics: shared_memory, cuda_ipc, cpu_ipc,
+        distributed_gloo, distributed_nccl or disk."""
+        if self.kind == "ipc":
+            return "cuda_ipc" if self.device == "cuda" else "cpu_ipc"
+        if self.kind == "distributed":
+            return f"distributed_{self.backend}"
+        return self.kind
+
+    @property
+    def every_rank_shares(self) -> bool:
+        """Every train rank takes part in each push (shares its own copy of every bucket)."""
+        return self.kind == "ipc"
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tuple(e.tp_size for e in self.engines)
+
+    @property
+    def world_size(self) -> int:
+        """Members of the `distributed` transport's group: train rank 0 and every engine GPU."""
+        return group_layout(self.tp_sizes)[0]
+
+    @property
+    def rank_offsets(self) -> tuple[int, ...]:
+        """Each engine's `rank_offset` in the `distributed` transport's group."""
+        return group_layout(self.tp_sizes)[1]
+
+    def _problem(self) -> str | None:
+        if self.device not in ("cpu", "cuda"):
+            return f"--device must be cpu or cuda, got {self.device!r}"
+        if not self.engines:
+            return "a weight push needs at least one engine"
+        if not self.train_nodes:
+            return "a weight push needs at least one train rank"
+        for j, e in enumerate(self.engines):
+            if not isinstance(e.tp_size, int) or e.tp_size < 1:
+                return (
+                    f"engine {j} ({e.url}) has tensor-parallel size {e.tp_size!r}: "
+                    "--rollout-num-gpus-per-engine must be >= 1"
+                )
+        seen = [u for u in self.urls if self.urls.count(u) > 1]
+        if seen:
+            return f"engine {seen[0]} is listed twice: every engine gets each push once"
+        flags = flag_problem(self.transport, self.device, self.colocated)
+        if flags is not None:
+            return flags
+        if self.kind == "ipc":
+            return self._ipc_problem()
+        master = self.master_address
+        away = [(j, e) for j, e in enumerate(self.engines) if not same_node(e.node, master)]
+        if not away:
+            return None
+        j, e = away[0]
+        where = f"engine {j} ({e.url}) runs on node {e.node}, not on train rank 0's node {master}"
+        if self.kind == "shared_memory":
+            return (
+                f"--update-weight-transport tensor on CPU passes shared-memory files, which only engines on "
+                f"train rank 0's node can open: {where}; use --update-weight-transport distributed"
+            )
+        if self.kind == "disk":
+            return (
+                f"--update-weight-transport disk writes the weights to a temporary directory on train rank 0's "
+                f"node: {where}; use --update-weight-transport distributed"
+            )
+        if is_loopback(master):
+            return (
+                f"--update-weight-transport distributed: the group's master address {master} is loopback, which "
+                f"{where} cannot reach; give train rank 0's node IP address as its node"
+            )
+        return None
+
+    def _ipc_problem(self) -> str | None:
+        """Engine j's TP worker k opens the buffer of the train rank on its GPU, rank offset_j + k."""
+        num_gpus = sum(self.tp_sizes)
+        if len(self.train_nodes) < num_gpus:
+            return (
+                f"--update-weight-transport {self.transport} ({self.label}) feeds every engine GPU from the train "
+                f"rank on that GPU: the engines have {num_gpus} GPUs (tensor-parallel sizes {list(self.tp_sizes)}) "
+                f"but there are {len(self.train_nodes)} train ranks; with --colocate give the engines as many GPUs "
+                "as train ranks, or use --update-weight-transport distributed"
+            )
+        for j, (e, offset) in enumerate(zip(self.engines, group_layout(self.tp_sizes)[1], strict=True)):
+            for rank in range(offset - 1, offset - 1 + e.tp_size):
+                if not same_node(self.train_nodes[rank], e.node):
+                    return (
+                        f"--update-weight-transport {self.transport} ({self.label}) needs each engine on the node "
+                        f"of the train ranks that feed it: engine {j} ({e.url}) runs on node {e.node}, but train "
+                        f"rank {rank} runs on node {self.train_nodes[rank]}; use --update-weight-transport distributed"
+                    )
+        return None
+
+
+def build_topology(
+    transport: str,
+    device: str,
+    engine_urls: Sequence[str],
+    tp_sizes: int | Sequence[int] = 1,
+    engine_nodes: Sequence[str] | None = None,
+    train_nodes: Sequence[str] = (LOOPBACK,),
+    sglang: bool = False,
+    colocated: bool = False,
+) -> PushTopology:
+    """The push topology from plain values; TopologyError when it cannot work.
+
+    Args:
+        transport: --update-weight-transport (tensor, distributed, disk; or ipc).
+        device: cpu or cuda.
+        engine_urls: every engine, in the rollout manager's order.
+        tp_sizes: each engine's tensor-parallel size, or one size for all.
+        engine_nodes: each engine's node IP address; by default the host of its URL, a loopback
+            host meaning train rank 0's node.
+        train_nodes: each train rank's node IP address, by rank (train_nodes[0]: the master).
+        sglang: the engines are SGLang servers.
+        colocated: the engines run on the train ranks' GPUs (--colocate).
+    """
+    urls = list(engine_urls)
+    sizes = [tp_sizes] * len(urls) if isinstance(tp_sizes, int) else list(tp_sizes)
+    train = tuple(train_nodes)
+    if len(sizes) != len(urls):
+        raise TopologyError(f"{len(sizes)} tensor-parallel sizes for {len(urls)} engines")
+    if engine_nodes is None:
+        master = train[0] if train else LOOPBACK
+        hosts = [urlsplit(u).hostname or LOOPBACK for u in urls]
+        nodes = [master if is_loopback(h) else h for h in hosts]
+    else:
+        nodes = list(engine_nodes)
+        if len(nodes) != len(urls):
+            raise TopologyError(f"{len(nodes)} engine nodes for {len(urls)} engines")
+    engines = tuple(EngineSpec(u, s, n) for u, s, n in zip(urls, sizes, nodes, strict=True))
+    return PushTopology(transport, device, engines, train, sglang, colocated)

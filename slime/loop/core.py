@@ -1,0 +1,144 @@
+"""The RL loop: for each rollout, get it, train on it, push the weights, run the hooks.
+
+It drives three typed parts (slime.loop.parts): where rollouts come from, the train ranks and the
+engines, any of which a debug mode leaves out (rollout only: no train group; train only: no
+engine group). A schedule says how far generation runs ahead of training; hooks add the checks,
+evaluation, checkpoints and metrics around the steps. Nothing here knows about Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS, EngineGroup, Rollout, RolloutSource, Step, TrainGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the next rollout starts: `lookahead` rollouts before the one being trained is done
+    (0: synchronous, train.py; 1: one step off-policy, train_async.py). A sample may be as many
+    weight versions old as the lookahead; the push waits until generation is idle."""
+
+    name: str
+    lookahead: int
+
+    def check_staleness(self, rollout: Rollout, version: int) -> None:
+        for v in rollout.weight_versions:
+            if v is None or version - int(v) > self.lookahead:
+                raise RuntimeError(
+                    f"a sample of rollout {rollout.rollout_id} was generated with weight_version {v} while "
+                    f"the trainer is at {version}: more than {self.lookahead} version(s) stale"
+                )
+
+
+SYNC = Schedule("synchronous", 0)
+ONE_STEP_OFF = Schedule("one step off-policy", 1)
+
+
+class Hook:
+    """Work around the steps; every method is optional."""
+
+    def before_loop(self, loop: Loop) -> bool:
+        """Before the first rollout. True: a check mode that ends the job here."""
+        return False
+
+    def after_train(self, loop: Loop, step: Step) -> None: ...
+
+    def after_step(self, loop: Loop, step: Step) -> None:
+        """After the push (rollout only: after the rollout); may add to `step.record`."""
+
+    def after_loop(self, loop: Loop) -> None: ...
+
+
+class Loop:
+    def __init__(
+        self,
+        source: RolloutSource,
+        train: TrainGroup | None,
+        engines: EngineGroup | None,
+        schedule: Schedule,
+        hooks: list[Hook],
+        total: int,
+    ):
+        self.source, self.train, self.engines = source, train, engines
+        self.schedule, self.hooks, self.total = schedule, hooks, total
+        resumed = train.resumed_rollout_id if train is not None else None
+        self.resumed = resumed is not None
+        self.start = 0 if resumed is None else resumed + 1
+        self.version = self.start
+        """The trainer's weight version: the number of rollouts trained."""
+
+    def run(self) -> None:
+        if self.train is not None and self.resumed:
+            self.source.restore(self.train.resumed_data_state)
+            self.push()  # the engines loaded --hf-checkpoint: give them the resumed weights
+            logger.info(
+                "resumed after rollout %d (data position %s)", self.start - 1, self.train.resumed_data_state
+            )
+        if any(hook.before_loop(self) for hook in self.hooks):
+            return
+        started = None
+        for rollout_id in range(self.start, self.total):
+            step = Step(rollout_id)
+            if started != rollout_id:
+                self.source.start(rollout_id, self.version)
+            step.rollout = self._wait(step, rollout_id)
+            started = self._start_ahead(rollout_id)
+            if self.train is not None:
+                self._train(step, ahead=started is not None)
+            for hook in self.hooks:
+                hook.after_step(self, step)
+        for hook in self.hooks:
+            hook.after_loop(self)
+
+    def _start_ahead(self, rollout_id: int) -> int | None:
+        """Start the next rollout now, while this one trains, if the schedule says so."""
+        nxt = rollout_id + 1
+        if self.train is None or not self.schedule.lookahead or nxt >= self.total:
+            return None
+        self.source.start(nxt, self.version)
+        return nxt
+
+    def _train(self, step: Step, ahead: bool) -> None:
+        assert self.train is not None and step.rollout is not None
+        if not step.rollout.replayed:
+            self.schedule.check_staleness(step.rollout, self.version)
+        with step.timed("colocate"):
+            if self.engines is not None and not ahead:  # never while a generation runs on them
+                self.engines.release_memory()
+            self.train.wake()
+        t0 = time.perf_counter()
+        step.output = self.train.train(step.rollout)
+        step.train_call = time.perf_counter() - t0
+        for hook in self.hooks:
+            hook.after_train(self, step)
+        if ahead:
+            self._wait(step, step.rollout_id + 1)  # the engines must be idle before the push
+        self.version += 1
+        with step.timed("push"):
+            step.push_stats = self.push()
+
+    def push(self) -> dict[str, Any]:
+        """The weights of `version` into the engines; colocated engines take their memory back
+        in two halves (weights before, KV cache after), with --offload the trainer gives its up."""
+        if self.train is None or self.engines is None:
+            return {}
+        if self.engines.restart_down():
+            self.train.connect(self.engines)
+        self.train.sleep(keep_params=True)
+        self.engines.resume_memory(WEIGHT_TAGS)
+        stats = self.train.push_weights(self.version)
+        self.train.sleep()
+        self.engines.resume_memory(CACHE_TAGS)
+        return stats
+
+    def _wait(self, step: Step, rollout_id: int) -> Rollout:
+        t0 = time.perf_counter()
+        rollout = self.source.wait(rollout_id)
+        step.waited += time.perf_counter() - t0
+        return rollout

@@ -1,0 +1,110 @@
+"""The job as train.py and train_async.py run it: Ray, the processes, the loop's parts and hooks,
+then slime.loop.core.Loop; everything is shut down on the way out, failed or not."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from slime.config.arguments import Config, describe
+from slime.loop import hooks
+from slime.loop.core import ONE_STEP_OFF, SYNC, Hook, Loop
+from slime.loop.metrics import Metrics
+from slime.ray.inputs import check_inputs
+from slime.ray.job import Job, data_parallel_size
+from slime.ray.placement import plan_placement
+from slime.ray.rollout_source import GeneratedRollouts, ReplayedRollouts
+from slime.ray.waiting import Progress
+
+logger = logging.getLogger(__name__)
+
+
+def num_rollouts(config: Config, num_prompts: int) -> int:
+    if config.rollout.num_rollout is not None:
+        return config.rollout.num_rollout
+    assert config.rollout.num_epoch is not None
+    return max(1, config.rollout.num_epoch * num_prompts // config.rollout.rollout_batch_size)
+
+
+def start_ray(config: Config) -> None:
+    """Attach to the cluster at RAY_ADDRESS, or start a local one sized for the layout."""
+    address = os.environ.get("RAY_ADDRESS")
+    init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
+    if not address and config.cluster.device == "cpu":
+        # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
+        # count must cover every bundle even on a 2-core machine.
+        needed = plan_placement(
+            config.cluster, not config.debug.rollout_only, not config.debug.train_only
+        ).num_bundles
+        init["num_cpus"] = max(os.cpu_count() or 1, needed)
+    ray.init(address=address, **init)
+
+
+def make_hooks(
+    config: Config, log_dir: str, loop_parts: dict[str, Any], evaluator: Any, tracker: Any, progress: Progress
+) -> list[Hook]:
+    """The hooks the flags ask for, in the order they run (metrics last: it logs the record the
+    others filled)."""
+    d, train, engines = config.debug, loop_parts["train"], loop_parts["engines"]
+    out: list[Hook] = []
+    if d.sync_parameters_path:
+        out.append(hooks.SyncParametersDump(d.sync_parameters_path))
+    if train is not None and engines is not None:
+        if d.check_weight_update_equal:
+            out.append(hooks.WeightUpdateEqualCheck())
+        elif d.check_precision or config.cluster.external_engine_addrs:
+            out.append(hooks.FirstPush("--check-precision" if d.check_precision else "external engines"))
+    if d.check_precision and train is not None:
+        replay = loop_parts["source"]
+        temperature = replay.temperature if isinstance(replay, ReplayedRollouts) else None
+        out.append(hooks.PrecisionGates(config, log_dir, temperature))
+    if config.eval.interval is not None and evaluator is not None:
+        out.append(hooks.Evaluate(evaluator, config.eval.interval, config.eval.before_train, tracker.log))
+    if train is not None and (config.checkpoint.save or config.checkpoint.save_hf):
+        c = config.checkpoint
+        out.append(hooks.Save(c.save_interval, bool(c.save), bool(c.save_hf)))
+    out.append(Metrics(tracker, progress))
+    return out
+
+
+def run(config: Config, off_policy: bool, log_dir: str) -> int:
+    """Run the whole job; returns the process exit code."""
+    from slime.utils.tracking import Tracker
+
+    os.makedirs(log_dir, exist_ok=True)
+    check_inputs(config)
+    replay = None
+    if config.debug.load_rollout_data:  # every dump is checked before any process starts
+        replay = ReplayedRollouts(config, None if config.debug.rollout_only else data_parallel_size(config))
+    start_ray(config)
+    job = tracker = progress = None
+    try:
+        job = Job(config, log_dir)
+        logger.info(job.banner())
+        tracker = Tracker(log_dir, config.logging, describe(config))
+        if job.manager is not None:
+            total = num_rollouts(config, ray.get(job.manager.num_prompts.remote()))
+        else:
+            assert config.rollout.num_rollout is not None
+            total = config.rollout.num_rollout
+        resumed = job.infos[0]["resumed_rollout_id"] if job.infos else None
+        progress = Progress(total, 0 if resumed is None else resumed + 1, job.manager)
+        train, engines = job.groups(progress)
+        generated = GeneratedRollouts(job.manager, progress) if job.manager is not None else None
+        source = replay if replay is not None else generated
+        assert source is not None
+        parts = {"source": source, "train": train, "engines": engines}
+        loop_hooks = make_hooks(config, log_dir, parts, generated, tracker, progress)
+        Loop(source, train, engines, ONE_STEP_OFF if off_policy else SYNC, loop_hooks, total).run()
+        return 0
+    finally:
+        if progress is not None:
+            progress.close()
+        if tracker is not None:
+            tracker.close()
+        if job is not None:
+            job.close()
+        ray.shutdown()

@@ -1,0 +1,86 @@
+"""The train ranks (TrainRank actors) as one TrainGroup (slime.loop.parts)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from slime.backends.interface import TrainOutput
+from slime.config.arguments import Config
+from slime.loop.parts import EngineGroup, Rollout
+from slime.ray.waiting import Progress, wait_refs
+
+logger = logging.getLogger(__name__)
+
+
+class RayTrainGroup:
+    """Every call reaches every rank; each rank is handed its data-parallel replica's part of a
+    rollout by reference (Ray resolves it in the rank's process, never in the driver)."""
+
+    def __init__(
+        self, ranks: list[Any], infos: list[dict[str, Any]], config: Config, log_dir: str, progress: Progress
+    ):
+        self.ranks, self.config, self.log_dir, self.progress = ranks, config, log_dir, progress
+        self.offload = config.cluster.offload
+        self.hung = False
+        self.transport: str | None = None  # the push's transport as it runs, once connected
+        self.dp_ranks = [int(info.get("dp_rank", r)) for r, info in enumerate(infos)]
+        self.resumed_rollout_id: int | None = infos[0]["resumed_rollout_id"]
+        self.resumed_data_state: dict[str, int] | None = (infos[0]["resumed_extra"] or {}).get("data")
+
+    def train(self, rollout: Rollout) -> TrainOutput:
+        if len(rollout.parts) != max(self.dp_ranks) + 1:
+            raise RuntimeError(
+                f"rollout {rollout.rollout_id} came in {len(rollout.parts)} parts for "
+                f"{max(self.dp_ranks) + 1} data-parallel replicas"
+            )
+        refs = [
+            rank.train.remote(rollout.rollout_id, rollout.parts[d])
+            for rank, d in zip(self.ranks, self.dp_ranks)
+        ]
+        return self._wait(refs, f"the train step of rollout {rollout.rollout_id}", "train")[0]
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        b = self.config.bridge
+        refs = [rank.push_weights.remote(str(version), b.buffer_size, b.verify) for rank in self.ranks]
+        return self._wait(refs, f"the weight push of version {version}", "push")[0] or {}
+
+    def connect(self, engines: EngineGroup) -> None:
+        topology = engines.topology  # type: ignore[attr-defined]  # RayEngineGroup's
+        ray.get([rank.connect_engines.remote(topology, self.config.debug.push_fault) for rank in self.ranks])
+        self.transport = topology.label
+
+    def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
+        path = self.config.checkpoint.save
+        ray.get([rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks])
+
+    def save_hf(self) -> None:
+        ray.get([rank.save_hf.remote(self.config.checkpoint.save_hf) for rank in self.ranks])
+
+    def wake(self) -> None:
+        if self.offload:
+            ray.get([rank.wake.remote() for rank in self.ranks])
+
+    def sleep(self, keep_params: bool = False) -> None:
+        if self.offload:
+            ray.get([rank.sleep.remote(keep_params=keep_params) for rank in self.ranks])
+
+    def _wait(self, refs: list[Any], what: str, phase: str) -> Any:
+        """The ranks' results; with --hang-timeout, HangError once `what` runs longer."""
+        timeout = self.config.debug.hang_timeout
+        try:
+            return self.progress.wait(refs, phase, timeout) if self.progress else wait_refs(refs, timeout)
+        except TimeoutError:
+            from slime.debug.hang import HangError, wait_for_dumps
+
+            assert timeout is not None
+            self.hung = True
+            hang_dir = os.path.join(self.log_dir, "hang")
+            found = wait_for_dumps(hang_dir, len(self.ranks))
+            raise HangError(
+                f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
+                f"{len(found)} of {len(self.ranks)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+            ) from None

@@ -1,0 +1,58 @@
+"""A rollout's samples turned into what leaves the process that made them: the metrics and the
+typed summary the driver sees (slime.loop.parts.Rollout), and one train part per data-parallel
+replica, put where the train ranks fetch it."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from slime.backends.interface import split_rollout
+from slime.loop.parts import Rollout
+from slime.rollout.sample import Sample, Status, samples_to_batch
+
+
+def rollout_metrics(
+    samples: list[Sample], reward_key: str | None, prefix: str = "rollout"
+) -> dict[str, float]:
+    rewards = [s.scalar_reward(reward_key) for s in samples]
+    lengths = [s.response_length for s in samples]
+    lps = [lp for s in samples for lp in (s.rollout_log_probs or [])]
+    out = {
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/response_length_mean": statistics.fmean(lengths),
+        f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}/num_samples": float(len(samples)),
+    }
+    if all(r in (0.0, 1.0) for r in rewards):
+        out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
+    if lps and prefix != "rollout":  # a rollout's are reported by the trainer, over its loss mask
+        out[f"{prefix}/rollout_log_probs"] = statistics.fmean(lps)
+    return out
+
+
+def package_rollout(
+    rollout_id: int,
+    samples: list[Sample],
+    reward_key: str | None,
+    split: tuple[Any, int] | None,
+    put: Callable[[Any], Any],
+    metrics: dict[str, float],
+    **summary: Any,
+) -> Rollout:
+    """The summary of a rollout whose parts went through `put` (ray.put in a job).
+
+    Args:
+        split: (the train config's BatchConfig, data-parallel size), or None when nothing trains.
+        metrics: rollout_metrics and the producer's timings.
+        summary: the remaining Rollout fields (data_state, dump_path, replayed).
+    """
+    parts: tuple[Any, ...] = ()
+    if split is not None:
+        batch_cfg, dp_size = split
+        parts = tuple(
+            put(p) for p in split_rollout(samples_to_batch(samples, reward_key), batch_cfg, dp_size)
+        )
+    versions = tuple(dict.fromkeys(s.weight_version for s in samples))
+    return Rollout(rollout_id, metrics, len(samples), versions, parts=parts, **summary)
