@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from slime.engines.client import ClientConfig, EngineClient, EngineError
-from tests.conftest import start_engine
+from slime.engines.torch_engine.launcher import start_torch_engine
+from tests.conftest import ENGINE_ARGS
 
 
 def run(coro):
@@ -184,7 +185,8 @@ def test_concurrency_limit():
 
 
 def test_api_key_enforced(tiny_model, tmp_path):
-    with start_engine(tiny_model, tmp_path, "--api-key", "s3cret") as eng:
+    log = str(tmp_path / "engine.log")
+    with start_torch_engine(tiny_model, ENGINE_ARGS, log_path=log, api_key="s3cret") as eng:
 
         async def scenario():
             async with EngineClient(eng.url) as anonymous:
@@ -195,8 +197,9 @@ def test_api_key_enforced(tiny_model, tmp_path):
                 with pytest.raises(EngineError):
                     await anonymous.generate([1, 2])
             async with EngineClient(eng.url, ClientConfig(api_key="wrong")) as wrong:
-                with pytest.raises(EngineError):
+                with pytest.raises(EngineError) as info:
                     await wrong.get_model_info()
+                assert info.value.status == 401
             async with EngineClient(eng.url, ClientConfig(api_key="s3cret")) as good:
                 res = await good.generate([1, 2], sampling_params={"max_new_tokens": 2})
                 return res["meta_info"]["prompt_tokens"]

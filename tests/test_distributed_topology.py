@@ -353,3 +353,11 @@ def test_master_address_not_on_train_rank_0s_node_is_refused():
     transport = DistributedTransport("gloo", "192.0.2.1")  # TEST-NET-1: no interface of this machine
     with pytest.raises(TopologyError, match=r"cannot listen on 192\.0\.2\.1"):
         asyncio.run(transport.setup([]))
+
+
+def test_distinct_loopback_nodes_are_distinct_nodes():
+    # A loopback test cluster: nodes on 127.0.0.3 and 127.0.0.2 are two Ray nodes; 127.0.0.1 is
+    # "this machine" (no node known), the same as any loopback node.
+    with pytest.raises(TopologyError, match="shared-memory files"):
+        build_topology("tensor", "cpu", ["http://127.0.0.2:1"], 1, ["127.0.0.2"], ["127.0.0.3"])
+    assert build_topology("tensor", "cpu", ["http://127.0.0.2:1"], 1, ["127.0.0.2"], ["127.0.0.1"]).label

@@ -150,17 +150,29 @@ def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
         rollout = manager.generate(0, weight_version=3)
         # The driver gets a summary; the samples are in the dump the manager wrote.
         assert rollout.dump_path == dump.format(rollout_id=0) and rollout.num_samples == 6
-        assert rollout.metrics["rollout/reward_mean"] == 0.75 and rollout.data_state == {"epoch": 0, "offset": 2}
+        assert rollout.metrics["rollout/reward_mean"] == 0.75 and rollout.data_state == {
+            "epoch": 0,
+            "offset": 2,
+        }
         saved = load_dump(rollout.dump_path)
         samples = saved["samples"]
         assert saved["meta"]["weight_version"] == 3
         assert [s["group_index"] for s in samples] == [0, 0, 0, 1, 1, 1]
         assert [s["index"] for s in samples] == list(range(6))
-        assert [s["reward"] for s in samples] == [0.25, 1.0, 1.0, 0.25, 1.0, 1.0]  # the function's, then exact's
+        assert [s["reward"] for s in samples] == [
+            0.25,
+            1.0,
+            1.0,
+            0.25,
+            1.0,
+            1.0,
+        ]  # the function's, then exact's
         assert all(s["rollout_log_probs"] == [-0.5] and s["response_length"] == 1 for s in samples)
         rollout = manager.generate(1)
         samples = load_dump(rollout.dump_path)["samples"]
-        assert [s["metadata"]["prompt_index"] for s in samples[::3]] == [2, 3] and rollout.data_state["offset"] == 4
+        assert [s["metadata"]["prompt_index"] for s in samples[::3]] == [2, 3] and rollout.data_state[
+            "offset"
+        ] == 4
 
 
 def wrong_rollout(args, rollout_id, data_source, evaluation=False):

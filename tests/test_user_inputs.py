@@ -11,10 +11,17 @@ import pytest
 from slime.ray.main import main
 
 
+@pytest.fixture(autouse=True)
+def log_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_LOG_DIR", str(tmp_path / "logs"))
+
+
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(4)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(4))
+    )
     return path
 
 
@@ -45,9 +52,18 @@ def test_a_malformed_prompt_line_is_named_before_ray_starts(capfd, tiny_model, d
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--eval-interval", "1", "--eval-prompt-data", "{eval}"], "{eval}:1: no field 'prompt' (--input-key)"),
-        (["--custom-rm-path", "no_such_module.reward"], "--custom-rm-path 'no_such_module.reward': cannot import"),
-        (["--dynamic-sampling-filter-path", "json.no_such_filter"], "module 'json' has no function 'no_such_filter'"),
+        (
+            ["--eval-interval", "1", "--eval-prompt-data", "{eval}"],
+            "{eval}:1: no field 'prompt' (--input-key)",
+        ),
+        (
+            ["--custom-rm-path", "no_such_module.reward"],
+            "--custom-rm-path 'no_such_module.reward': cannot import",
+        ),
+        (
+            ["--dynamic-sampling-filter-path", "json.no_such_filter"],
+            "module 'json' has no function 'no_such_filter'",
+        ),
         (["--use-kl-loss", "--ref-load", "{tmp}"], "--ref-load '{tmp}' has no config.json"),
     ],
 )
@@ -68,7 +84,9 @@ def test_a_checkpoint_that_is_not_hugging_face_is_refused(capfd, data, tmp_path)
 @pytest.mark.e2e
 def test_a_usage_error_inside_an_actor_is_one_line_and_exit_2(capfd, tiny_model, data):
     # Only the rollout manager tokenizes the prompts: that every prompt is too long is found there.
-    code, lines, err = run_main(capfd, tiny_model, data, "--rollout-max-prompt-len", "1", "--debug-rollout-only")
+    code, lines, err = run_main(
+        capfd, tiny_model, data, "--rollout-max-prompt-len", "1", "--debug-rollout-only"
+    )
     assert code == 2, err[-3000:]
     assert len(lines) == 1 and "every prompt is longer than --rollout-max-prompt-len 1" in lines[0]
     assert "Traceback" not in lines[0]

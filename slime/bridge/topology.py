@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from slime.config.rollout import TRANSPORTS
+from slime.utils.errors import UsageError
 
 LOOPBACK = "127.0.0.1"
 
@@ -35,7 +36,7 @@ on that rank's GPU opens it; on CPU the same code shares files, which the tests 
 (broadcasts from train rank 0 over a gloo or NCCL group), `disk` (a safetensors directory)."""
 
 
-class TopologyError(ValueError):
+class TopologyError(UsageError):
     """A push that cannot work as described; the message names the flag and the fix."""
 
 
@@ -92,7 +93,12 @@ def is_loopback(host: str) -> bool:
 
 
 def same_node(a: str, b: str) -> bool:
-    return a == b or (is_loopback(a) and is_loopback(b))
+    """Two node addresses name one node when equal, or when one is 127.0.0.1/localhost ("this
+    machine", the default where no node is known) and the other is loopback too. Two other
+    loopback addresses are distinct Ray nodes (Ray rewrites a node address of 127.0.0.1 to the
+    machine's, so test clusters put their nodes on 127.0.0.2, 127.0.0.3, ...)."""
+    local = (LOOPBACK, "localhost")
+    return a == b or (a in local and is_loopback(b)) or (b in local and is_loopback(a))
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,7 @@ class PushTopology:
                 f"--update-weight-transport disk writes the weights to a temporary directory on train rank 0's "
                 f"node: {where}; use --update-weight-transport distributed"
             )
-        if is_loopback(master):
+        if master in (LOOPBACK, "localhost"):  # "this machine": no node address was given
             return (
                 f"--update-weight-transport distributed: the group's master address {master} is loopback, which "
                 f"{where} cannot reach; give train rank 0's node IP address as its node"

@@ -5,17 +5,21 @@ nothing else is. A GET is retried on any connection error; any other method only
 connection was never established (engine not up yet, refused): a POST that reached the engine
 may be running, and a /generate or weight update must not run twice. A semaphore bounds the
 requests in flight. Non-2xx answers raise `EngineError` carrying the status and the engine's
-message.
+message. With `ClientConfig.api_key` every request carries `Authorization: Bearer <key>` (the
+torch engine's and SGLang's `--api-key`); the key is kept out of the config's repr and out of
+every message and log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from slime.engines.protocol import check_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +48,12 @@ class ClientConfig:
     """First backoff; doubles each retry."""
     max_concurrency: int = 256
     """Most requests in flight from this client."""
-    api_key: str | None = None
-    """Sent as 'Authorization: Bearer KEY' when set."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as 'Authorization: Bearer KEY' on every request when set (not shown by repr)."""
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key)
 
 
 class EngineClient:

@@ -9,6 +9,7 @@ message names the offending field and the accepted values.
 from __future__ import annotations
 
 import math
+import secrets
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,26 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+
+API_KEY_ENV = "SLIME_ENGINE_API_KEY"
+"""The environment variable a torch engine reads its API key from: unlike a command-line flag
+(/proc/<pid>/cmdline is world-readable), a process's environment is readable only by its user."""
+
+
+def new_api_key() -> str:
+    """A fresh random key for the engines of one job (256 bits, URL-safe characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_api_key(key: str) -> None:
+    """Raise ValueError unless `key` can travel in an `Authorization: Bearer` header (visible
+    ASCII, no spaces). The message never contains the key: it may end up in a log."""
+    if not key or not all("!" <= c <= "~" for c in key):
+        raise ValueError(
+            f"the API key must be a non-empty string of visible ASCII characters without spaces "
+            f"(the given one has {len(key)} characters; it is not shown)"
+        )
 
 
 def _expect(cond: bool, message: str, status: int = 400) -> None:

@@ -6,12 +6,20 @@ registers every engine slime uses with it; a restarted engine replaces the old w
 generation talks to each engine directly (it places groups itself and must know which engine a
 group ran on to generate it again when that engine goes down); the router is the one address
 that custom rollout and generate functions post to (`args.sglang_router_ip`, as in slime).
+
+With the engines' API key (`api_key`), the router requires `Authorization: Bearer <key>` on its
+own routes but /health (sglang-router's `--api-key`, which reaches the router in its environment,
+not on its command line) and forwards each client's header to the engine it picks, so one key
+opens both. Workers are registered without a key of their own: sglang-router 0.3 would add that
+key to every request it forwards, turning the router into an open door to the engines for
+anyone who can reach it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +28,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from slime.engines.protocol import API_KEY_ENV, check_api_key
 from slime.engines.sglang_server import free_port
 
 logger = logging.getLogger(__name__)
@@ -29,18 +38,41 @@ class RouterError(RuntimeError):
     pass
 
 
+# sglang-router's own launcher, with the API key taken from the environment instead of argv.
+_LAUNCH_WITH_KEY = (
+    "import os, sys\n"
+    "from sglang_router.launch_router import launch_router, parse_router_args\n"
+    "args = parse_router_args(sys.argv[1:])\n"
+    f"args.api_key = os.environ.pop({API_KEY_ENV!r})\n"
+    "launch_router(args)\n"
+)
+
+
 class Router:
-    """A router at `url`; `proc` is set when slime started it (and stops it)."""
+    """A router at `url`; `proc` is set when slime started it (and stops it). `api_key`: the
+    key its requests carry (the engines' key)."""
 
     def __init__(
-        self, host: str, port: int, proc: subprocess.Popen | None = None, log_path: str | None = None
+        self,
+        host: str,
+        port: int,
+        proc: subprocess.Popen | None = None,
+        log_path: str | None = None,
+        api_key: str | None = None,
     ):
         self.host, self.port, self.proc, self.log_path = host, port, proc, log_path
         self.url = f"http://{host}:{port}"
+        if api_key is not None:
+            check_api_key(api_key)
+        self._api_key = api_key
+
+    def __repr__(self) -> str:
+        return f"Router({self.url!r}, started={self.proc is not None}, api_key={'set' if self._api_key else None})"
 
     @classmethod
-    def start(cls, host: str, log_path: str, timeout_s: float = 60.0) -> Router:
-        """Start a router with no workers on a free port of `host` and wait until it answers."""
+    def start(cls, host: str, log_path: str, timeout_s: float = 60.0, api_key: str | None = None) -> Router:
+        """Start a router with no workers on a free port of `host` and wait until it answers;
+        with `api_key`, it requires that key (see the module docstring)."""
         try:
             import sglang_router  # noqa: F401 - only to fail early with an install hint
         except ImportError as e:
@@ -49,10 +81,17 @@ class Router:
                 "(pip install sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
             ) from e
         port = free_port(host)
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+        options = ["--host", host, "--port", str(port)]
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        if api_key is None:
+            argv = [sys.executable, "-m", "sglang_router.launch_router", *options]
+        else:
+            check_api_key(api_key)
+            argv = [sys.executable, "-c", _LAUNCH_WITH_KEY, *options]
+            env[API_KEY_ENV] = api_key
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        router = cls(host, port, proc, log_path)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        router = cls(host, port, proc, log_path, api_key)
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
@@ -71,6 +110,8 @@ class Router:
     def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
+        if self._api_key:
+            req.add_header("Authorization", f"Bearer {self._api_key}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:

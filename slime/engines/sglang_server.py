@@ -7,6 +7,13 @@ that sees exactly the engine's GPUs (`CUDA_VISIBLE_DEVICES`), with `--tp-size` f
 one-token generation (`GET /health_generate` answers 200), not only an open port; a server
 that exits first, or is not ready within the timeout, is an error that quotes the end of its log.
 
+With an API key (`SGLangLaunch.api_key`) the server requires `Authorization: Bearer <key>` on
+every route but /health* (SGLang's `--api-key`). SGLang reads its options from no environment
+variable, so the key goes in a YAML file given as `--config` (SGLang's own flag; the file is
+private to this user and removed once the server is ready), not on the command line, which every
+user of the machine can read. SGLang logs its whole configuration at start-up, key included, so
+with a key its output reaches the log through this process, which replaces the key by ***.
+
 SGLang itself is never imported here: the server is another process, so `import slime` works
 without SGLang.
 """
@@ -14,17 +21,21 @@ without SGLang.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from slime.engines.torch_engine.launcher import EngineProcess, EngineStartError
+from slime.engines.protocol import check_api_key
+from slime.engines.torch_engine.launcher import EngineProcess, EngineStartError, OutputSink, forward_output
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,20 @@ class SGLangLaunch:
     memory_saver: bool = False  # --colocate: release/resume memory needs SGLang's memory saver
     weight_version: str = "0"
     extra_args: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+    """Required on every route but /health*; passed in a --config file, never on the command line."""
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+            if any(
+                a in ("--config", "--api-key") or a.startswith(("--config=", "--api-key="))
+                for a in self.extra_args
+            ):
+                raise ValueError(
+                    "slime passes the API key to SGLang in its own --config file: drop --sglang-config / "
+                    "--sglang-api-key (one config file per server; the key never goes on a command line)"
+                )
 
     def command(self) -> list[str]:
         argv = [
@@ -75,6 +100,8 @@ class SGLangProcess(EngineProcess):
                 self.proc.wait(timeout=timeout_s)
         _signal_group(self.proc.pid, signal.SIGKILL)  # whatever of the group is still there
         self.proc.wait()
+        if self.stdout_reader is not None:
+            self.stdout_reader.join(timeout=5)
         return self.proc.returncode
 
 
@@ -111,29 +138,61 @@ def start_sglang_server(
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     argv = launch.command()
-    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    config_path = _write_key_config(launch.api_key) if launch.api_key else None
+    if config_path is not None:
+        argv += ["--config", config_path]
     try:
+        server = _spawn(launch, argv, child_env, log_path)
+        _wait_ready(server, launch, timeout_s)
+        return server
+    finally:
+        if config_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config_path)
+
+
+def _write_key_config(api_key: str) -> str:
+    """A YAML file only this user can read (mkstemp: mode 0600) holding SGLang's api-key option."""
+    fd, path = tempfile.mkstemp(prefix="slime-sglang-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
+    return path
+
+
+def _spawn(launch: SGLangLaunch, argv: list[str], env: dict[str, str], log_path: str) -> SGLangProcess:
+    """Start the server in its own process group (SGLang's scheduler and detokenizer processes go
+    with it on stop); its output goes to `log_path`, through a key-scrubbing thread with a key."""
+    with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(argv)}\n".encode())
         log.flush()
-        # Its own process group: SGLang's scheduler and detokenizer processes go with it on stop.
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        out = subprocess.PIPE if launch.api_key else log
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    reader = None
+    if launch.api_key:
+        sink = OutputSink(log_path, proc.pid, launch.api_key)
+        reader = threading.Thread(
+            target=forward_output, args=(proc, b"", sink), name=f"sglang-{proc.pid}-output", daemon=True
         )
-    finally:
-        log.close()
-    server = SGLangProcess(launch.url, proc, log_path, argv)
+        reader.start()
+    return SGLangProcess(launch.url, proc, log_path, argv, reader, launch.api_key)
+
+
+def _wait_ready(server: SGLangProcess, launch: SGLangLaunch, timeout_s: float) -> None:
+    proc, log_path, argv = server.proc, server.log_path or "", server.args
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while True:
         code = proc.poll()
         if code is not None:
+            if server.stdout_reader is not None:
+                server.stdout_reader.join(timeout=5)  # the end of its output, for the message
             raise EngineStartError(
                 f"the SGLang server exited with code {code} before it was ready; the end of {log_path}:\n"
                 f"{_tail(log_path)}\ncommand: {' '.join(argv)}"
             )
-        last = _probe(launch.url + "/health_generate")
+        last = _probe(launch.url + "/health_generate", launch.api_key)
         if last == "ok":
-            return server
+            return
         if time.monotonic() > deadline:
             server.stop()
             raise EngineStartError(
@@ -143,9 +202,11 @@ def start_sglang_server(
         time.sleep(1.0)
 
 
-def _probe(url: str) -> str:
+def _probe(url: str, api_key: str | None = None) -> str:
+    # SGLang leaves /health* open; the key is sent anyway, for servers that do not.
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as resp:
             return "ok" if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}"

@@ -47,6 +47,18 @@ def with_init_errors(cls: type) -> type:
     return Actor
 
 
+def node_ip() -> str:
+    """The address of this process's node as the Ray cluster knows it (its raylet's address).
+
+    Not ray.util.get_node_ip_address(), which guesses from this machine's interfaces: where
+    several nodes share one machine (loopback test clusters) the guess names another node."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return str(node["NodeManagerAddress"])
+    raise RuntimeError(f"Ray lists no node {node_id} for this process")
+
+
 def _quiet_threads(num_threads: int) -> None:
     import torch
 
@@ -94,7 +106,7 @@ class TrainRank:
         train process group's rendezvous, reachable from every node."""
         import socket
 
-        host = ray.util.get_node_ip_address()
+        host = node_ip()
         with socket.socket() as s:
             s.bind((host, 0))
             return host, s.getsockname()[1]
@@ -102,7 +114,7 @@ class TrainRank:
     def init(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the train process group at master_addr:master_port, then build the model."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        return {**self.actor.init(), "node_ip": ray.util.get_node_ip_address()}
+        return {**self.actor.init(), "node_ip": node_ip()}
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
         with self._watch(f"the train step of rollout {rollout_id}"):
@@ -114,7 +126,9 @@ class TrainRank:
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
 
-    def connect_engines(self, topology: PushTopology, push_fault: str | None = None) -> None:
+    def connect_engines(
+        self, topology: PushTopology, push_fault: str | None = None, api_key: str | None = None
+    ) -> None:
         """Every rank: the engines to push to, and how (`topology`, built once by the job); rank 0
         builds the bridge. Called again with the new topology when engines are replaced."""
         self.topology = topology
@@ -138,10 +152,17 @@ class TrainRank:
 
             # Every engine call and the push group's collectives: --distributed-timeout-minutes.
             timeout_s = self.actor.cfg.distributed_timeout_minutes * 60
-            client = functools.partial(EngineClient, config=ClientConfig(timeout_s=timeout_s))
+            client = functools.partial(
+                EngineClient, config=ClientConfig(timeout_s=timeout_s, api_key=api_key)
+            )
             self.bridge = WeightBridge.for_topology(topology, self.actor.cfg.hf_checkpoint, timeout_s, client)
-            logger.info("weight push: %s to %d engines (tensor-parallel sizes %s)",
-                        topology.label, len(topology.engines), list(topology.tp_sizes))  # fmt: skip
+            group = (
+                f", a group of {topology.world_size} with its master on {topology.master_address}"
+                if topology.kind == "distributed"
+                else ""
+            )
+            logger.info("weight push: %s to %d engines on nodes %s (tensor-parallel sizes %s)%s", topology.label,
+                        len(topology.engines), [e.node for e in topology.engines], list(topology.tp_sizes), group)  # fmt: skip
 
     def push_weights(
         self, weight_version: str, bucket_bytes: int, verify: bool = False
@@ -167,28 +188,45 @@ class TrainRank:
         self.actor.close()
 
 
+def engines_leave_loopback() -> bool:
+    """Engines bind their node's address (reachable by anyone on that network) on a multi-node
+    cluster or with SLIME_ENGINE_BIND_NODE_IP=1; on one machine they bind loopback."""
+    return (
+        bool(os.environ.get("SLIME_ENGINE_BIND_NODE_IP"))
+        or len([n for n in ray.nodes() if n.get("Alive")]) > 1
+    )
+
+
 def engine_host() -> str:
-    """Where an engine binds: loopback on one machine, the node's address on a multi-node
-    cluster (or with SLIME_ENGINE_BIND_NODE_IP=1), so that the rollout manager and the trainer
-    on other nodes reach it."""
-    if os.environ.get("SLIME_ENGINE_BIND_NODE_IP") or len([n for n in ray.nodes() if n.get("Alive")]) > 1:
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
+    """Where an engine binds, so that the rollout manager and the trainer on other nodes reach it."""
+    return node_ip() if engines_leave_loopback() else "127.0.0.1"
 
 
 class EngineActor:
     """Owns one torch-engine server process on this actor's node (a Ray actor)."""
 
-    def __init__(self, model_path: str, extra_args: list[str], log_path: str | None):
+    def __init__(
+        self,
+        model_path: str,
+        extra_args: list[str],
+        log_path: str | None,
+        api_key: str | None = None,
+        debug_dump_dir: str | None = None,
+    ):
+        """`api_key`: what every request must carry (None: an engine on loopback needs none);
+        `debug_dump_dir`: where /slime/dump_parameters may write (None: nowhere)."""
         from slime.engines.torch_engine.launcher import start_torch_engine
 
-        self.proc = start_torch_engine(model_path, ["--host", engine_host(), *extra_args], log_path=log_path)
+        self.proc = start_torch_engine(
+            model_path, ["--host", engine_host(), *extra_args], log_path=log_path, api_key=api_key,
+            debug_dump_dir=debug_dump_dir,
+        )  # fmt: skip
 
     def url(self) -> str:
         return self.proc.url
 
     def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
+        return node_ip()
 
     def stop(self) -> int:
         return self.proc.stop()
@@ -210,4 +248,4 @@ class SGLangEngineActor(EngineActor):
 @ray.remote(num_cpus=0)
 def bundle_device() -> tuple[str, list[str]]:
     """(node address, GPU ids Ray gave this task): run once in each bundle to learn its GPU."""
-    return ray.util.get_node_ip_address(), [str(i) for i in ray.get_gpu_ids()]
+    return node_ip(), [str(i) for i in ray.get_gpu_ids()]

@@ -51,7 +51,7 @@ def make_hooks(
     d, train, engines = config.debug, loop_parts["train"], loop_parts["engines"]
     out: list[Hook] = []
     if d.sync_parameters_path:
-        out.append(hooks.SyncParametersDump(d.sync_parameters_path))
+        out.append(hooks.SyncParametersDump(os.path.abspath(d.sync_parameters_path)))  # the engines' dump dir
     if train is not None and engines is not None:
         if d.check_weight_update_equal:
             out.append(hooks.WeightUpdateEqualCheck())

@@ -15,7 +15,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.bridge.topology import PushTopology, build_topology
 from slime.config.arguments import Config, describe
 from slime.engines.client import ClientConfig
-from slime.ray.actors import EngineActor, SGLangEngineActor, TrainRank, bundle_device, with_init_errors
+from slime.engines.protocol import new_api_key
+from slime.ray.actors import (
+    EngineActor,
+    SGLangEngineActor,
+    TrainRank,
+    bundle_device,
+    engines_leave_loopback,
+    with_init_errors,
+)
 from slime.ray.engine_group import RayEngineGroup, attach_external
 from slime.ray.placement import Placement, Slot, plan_placement
 from slime.ray.rollout_manager import RolloutManager
@@ -66,6 +74,12 @@ class Job:
         if config.train.deterministic:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
         self.engine_args = engine_args
+        # Engines slime launches on a node address get a key of their own (never logged); on
+        # loopback they need none, and users' plugins keep posting to them as they always did.
+        self.api_key = new_api_key() if engines_leave_loopback() and not c.external_engine_addrs else None
+        self.dump_dir = (
+            os.path.abspath(config.debug.sync_parameters_path) if config.debug.sync_parameters_path else None
+        )
         self.engine_gpus = self._engine_gpus() if c.rollout_backend == "sglang" else {}
         self.engines: list[Any] = [
             self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))
@@ -87,7 +101,7 @@ class Job:
             self.manager = (
                 ray.remote(with_init_errors(RolloutManager))
                 .options(num_cpus=0, max_concurrency=2)
-                .remote(config, self.engine_urls, log_dir, self.dp_size)
+                .remote(config, self.engine_urls, log_dir, self.dp_size, self.api_key)
             )
             ray.get(self.manager.ready.remote())
         world = c.num_train_ranks
@@ -126,7 +140,8 @@ class Job:
         if self.engine_urls:
             engines = RayEngineGroup(
                 self.engine_urls, self.engines, self._launch_engine, self.manager,
-                ClientConfig(timeout_s=c.train.distributed_timeout_minutes * 60), c.cluster.colocate,
+                ClientConfig(timeout_s=c.train.distributed_timeout_minutes * 60, api_key=self.api_key),
+                c.cluster.colocate,
                 c.rollout.health_check_interval is not None, self.topology,
             )  # fmt: skip
         if train is not None and engines is not None:
@@ -167,7 +182,7 @@ class Job:
             launch = {
                 "model_path": t.hf_checkpoint, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
                 "deterministic": t.deterministic, "memory_saver": c.colocate, "weight_version": "0",
-                "extra_args": tuple(c.sglang_server_args),
+                "extra_args": tuple(c.sglang_server_args), "api_key": self.api_key,
             }  # fmt: skip
             timeout_s = self.config.train.distributed_timeout_minutes * 60
             return (
@@ -178,7 +193,7 @@ class Job:
         return (
             ray.remote(with_init_errors(EngineActor))
             .options(**options)
-            .remote(t.hf_checkpoint, self.engine_args, log_path)
+            .remote(t.hf_checkpoint, self.engine_args, log_path, self.api_key, self.dump_dir)
         )
 
     def banner(self) -> str:

@@ -34,9 +34,15 @@ class RolloutManager:
     """Produces rollouts and evaluations from the engines at `engine_urls` (a Ray actor)."""
 
     def __init__(
-        self, config: Config, engine_urls: list[str], log_dir: str = ".", dp_size: int | None = None
+        self,
+        config: Config,
+        engine_urls: list[str],
+        log_dir: str = ".",
+        dp_size: int | None = None,
+        api_key: str | None = None,
     ):
-        """`dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains)."""
+        """`dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains);
+        `api_key`: the key the engines (and a router slime starts) require."""
         from transformers import AutoTokenizer
 
         from slime.utils.logging_utils import configure_logging
@@ -50,7 +56,10 @@ class RolloutManager:
         self.engine_urls = engine_urls
         self.dp_size = dp_size
         # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
-        self.client_config = ClientConfig(timeout_s=config.train.distributed_timeout_minutes * 60)
+        self.api_key = api_key
+        self.client_config = ClientConfig(
+            timeout_s=config.train.distributed_timeout_minutes * 60, api_key=api_key
+        )
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
         self.dataset = PromptDataset(r.data, self.tokenizer) if r.data is not None else None
@@ -109,11 +118,11 @@ class RolloutManager:
             return None
         if c.router_ip is not None:
             assert c.router_port is not None
-            router = Router(c.router_ip, c.router_port)
+            router = Router(c.router_ip, c.router_port, api_key=self.api_key)
         else:
             from slime.ray.actors import engine_host
 
-            router = Router.start(engine_host(), os.path.join(log_dir, "router.log"))
+            router = Router.start(engine_host(), os.path.join(log_dir, "router.log"), api_key=self.api_key)
         try:
             listed = router.workers()
         except OSError as e:

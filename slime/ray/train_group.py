@@ -50,7 +50,9 @@ class RayTrainGroup:
 
     def connect(self, engines: EngineGroup) -> None:
         topology = engines.topology  # type: ignore[attr-defined]  # RayEngineGroup's
-        ray.get([rank.connect_engines.remote(topology, self.config.debug.push_fault) for rank in self.ranks])
+        key = engines.client_config.api_key  # type: ignore[attr-defined]
+        push_fault = self.config.debug.push_fault
+        ray.get([rank.connect_engines.remote(topology, push_fault, key) for rank in self.ranks])
         self.transport = topology.label
 
     def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:

@@ -2,10 +2,14 @@
 
     python -m slime.engines.torch_engine --model-path DIR [--host 127.0.0.1] [--port 0]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--max-running-requests N]
-        [--api-key KEY] [--random-seed S]
+        [--api-key KEY] [--debug-dump-dir DIR] [--random-seed S]
 
 When the server accepts connections it prints one JSON line on stdout,
 `{"event": "ready", "url": "http://HOST:PORT", "pid": N}`; logs go to stderr.
+
+The API key is read from the environment variable SLIME_ENGINE_API_KEY when --api-key is not
+given: a command line is readable by every user of the machine (/proc/<pid>/cmdline), an
+environment only by the process's own. The key is never logged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 
 from aiohttp import web
 
+from slime.engines.protocol import API_KEY_ENV, check_api_key
 from slime.utils.logging_utils import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=64, help="most sequences decoding at once")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded token budget of one prefill")
     p.add_argument("--context-length", type=int, default=None, help="default: model max_position_embeddings")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health* (as SGLang's flag); "
+        f"prefer the {API_KEY_ENV} environment variable, which other users cannot read",
+    )
+    p.add_argument(
+        "--debug-dump-dir",
+        default=None,
+        help="the directory /slime/dump_parameters may write under (paths outside it are refused "
+        "with 403); without it the route is refused",
+    )
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="default", help="weight_version reported before any update")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -85,6 +101,13 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error("--device cuda but torch sees no CUDA device; use --device cpu")
     elif args.device != "cpu":
         parser.error(f"--device {args.device!r}: use cpu or cuda[:N]")
+    if args.api_key is not None:
+        try:
+            check_api_key(args.api_key)
+        except ValueError as e:
+            parser.error(f"--api-key / {API_KEY_ENV}: {e}")
+    if args.debug_dump_dir is not None and not args.debug_dump_dir:
+        parser.error("--debug-dump-dir must name a directory")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -117,14 +140,22 @@ async def serve(args: argparse.Namespace) -> None:
     engine = TorchEngine(config)
     engine.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
-    runner = web.AppRunner(make_app(engine, args.api_key), access_log=None, handler_cancellation=True)
+    app = make_app(engine, args.api_key, args.debug_dump_dir)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     sock = bind_socket(args.host, args.port)
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
-    logger.info("torch engine %s ready at %s (%s)", args.model_path, url, type(engine.runner).__name__)
+    logger.info(
+        "torch engine %s ready at %s (%s, API key %s, parameter dumps %s)",
+        args.model_path,
+        url,
+        type(engine.runner).__name__,
+        "required" if args.api_key else "off",
+        f"under {os.path.realpath(args.debug_dump_dir)}" if args.debug_dump_dir else "off",
+    )
     sys.stdout.write(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}) + "\n")
     sys.stdout.flush()
     stop = asyncio.Event()
@@ -140,6 +171,10 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Taken out of the environment, so that no process this one starts inherits it.
+    env_key = os.environ.pop(API_KEY_ENV, None)
+    if args.api_key is None and env_key:
+        args.api_key = env_key
     validate(args, parser)
     configure_logging(f"engine pid={os.getpid()}")
     asyncio.run(serve(args))

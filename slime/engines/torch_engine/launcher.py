@@ -3,6 +3,9 @@
 After the ready line a daemon thread keeps reading the child's stdout into the log (the
 `log_path` file, else this process's logging): a child whose pipe is never read blocks in its
 next write once the pipe buffer (64 KiB on Linux) is full, and stops serving.
+
+An API key reaches the child in its environment (SLIME_ENGINE_API_KEY), never on its command
+line, which every user of the machine can read; the forwarded output is scrubbed of it too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from slime.engines.protocol import API_KEY_ENV, check_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,8 @@ class EngineProcess:
     log_path: str | None = None
     args: list[str] = field(default_factory=list)
     stdout_reader: threading.Thread | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """The key clients must send (slime.engines.client.ClientConfig.api_key); None: no key."""
 
     def stop(self, timeout_s: float = 15.0) -> int:
         if self.proc.poll() is None:
@@ -59,15 +66,38 @@ def start_torch_engine(
     log_path: str | None = None,
     timeout_s: float = 180.0,
     env: dict[str, str] | None = None,
+    *,
+    api_key: str | None = None,
+    debug_dump_dir: str | None = None,
 ) -> EngineProcess:
-    """Launch `python -m slime.engines.torch_engine` on a free loopback port.
+    """Launch `python -m slime.engines.torch_engine` on a free port (loopback unless
+    `extra_args` has `--host`).
 
     Args:
         model_path: HF checkpoint directory.
-        extra_args: more server flags (e.g. ["--num-threads", "1"]).
+        extra_args: more server flags (e.g. ["--num-threads", "1"]); not `--api-key`.
         log_path: file for the server's stderr (default: inherit ours).
         timeout_s: how long to wait for the ready line.
+        env: more environment variables for the child.
+        api_key: the key every route but /health* will require, passed in the child's
+            environment; None: no key (an SLIME_ENGINE_API_KEY of ours is not inherited).
+        debug_dump_dir: `--debug-dump-dir`, the one directory /slime/dump_parameters may write
+            under (made absolute here, against our working directory); None: dumps refused.
     """
+    extra = list(extra_args or [])
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise ValueError(
+            "pass the API key as start_torch_engine(api_key=...), not as --api-key in extra_args: "
+            "a command line is readable by every user of the machine"
+        )
+    if api_key is not None:
+        check_api_key(api_key)
+    if debug_dump_dir is not None:
+        extra += ["--debug-dump-dir", os.path.abspath(debug_dump_dir)]
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        child_env[API_KEY_ENV] = api_key
     args = [
         sys.executable,
         "-m",
@@ -76,14 +106,14 @@ def start_torch_engine(
         model_path,
         "--port",
         "0",
-        *(extra_args or []),
+        *extra,
     ]
     stderr = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, env=child_env)
     if stderr is not None:
         stderr.close()
     assert proc.stdout is not None
-    sink = _OutputSink(log_path, proc.pid)
+    sink = OutputSink(log_path, proc.pid, api_key)
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -107,27 +137,46 @@ def start_torch_engine(
             if isinstance(event, dict) and event.get("event") == "ready":
                 sel.close()
                 reader = threading.Thread(
-                    target=_forward_stdout,
+                    target=forward_output,
                     args=(proc, buffer, sink),
                     name=f"engine-{proc.pid}-stdout",
                     daemon=True,
                 )
                 reader.start()
-                return EngineProcess(event["url"], proc, log_path, args, reader)
+                return EngineProcess(event["url"], proc, log_path, args, reader, api_key)
             sink.write(line + b"\n")
     proc.kill()
     proc.wait()
     raise EngineStartError(f"torch engine not ready after {timeout_s} s; command: {' '.join(args)}")
 
 
-class _OutputSink:
-    """Where the child's stdout goes: appended to `log_path`, else logged line by line."""
+class OutputSink:
+    """Where a child's output goes: appended to `log_path`, else logged line by line; every
+    occurrence of `secret` is replaced by *** first (also one split across two writes)."""
 
-    def __init__(self, log_path: str | None, pid: int):
+    def __init__(self, log_path: str | None, pid: int, secret: str | None = None):
         self.log_path, self.pid = log_path, pid
         self._partial = b""
+        self._secret = secret.encode() if secret else b""
+        self._held = b""  # a tail that may be the start of the secret
 
     def write(self, data: bytes) -> None:
+        if self._secret:
+            data = (self._held + data).replace(self._secret, b"***")
+            keep = next(
+                (
+                    k
+                    for k in range(min(len(self._secret) - 1, len(data)), 0, -1)
+                    if data.endswith(self._secret[:k])
+                ),
+                0,
+            )
+            data, self._held = data[: len(data) - keep], data[len(data) - keep :]
+        self._emit(data)
+
+    def _emit(self, data: bytes) -> None:
+        if not data:
+            return
         if self.log_path:
             # O_APPEND: safe next to the child's own stderr writes to the same file.
             with open(self.log_path, "ab") as f:
@@ -139,11 +188,13 @@ class _OutputSink:
             logger.info("engine pid=%d stdout: %s", self.pid, line.decode(errors="replace"))
 
     def close(self) -> None:
+        held, self._held = self._held, b""
+        self._emit(held)
         if self._partial:
-            self.write(b"\n")
+            self._emit(b"\n")
 
 
-def _forward_stdout(proc: subprocess.Popen, pending: bytes, sink: _OutputSink) -> None:
+def forward_output(proc: subprocess.Popen, pending: bytes, sink: OutputSink) -> None:
     """Read the child's stdout until EOF, so its writes never block on a full pipe."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()

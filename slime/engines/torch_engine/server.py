@@ -2,14 +2,16 @@
 
 Handlers parse and validate on the event loop, hand work to the engine thread and await it.
 Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "code": N}` with a
-4xx code for client mistakes; nothing a client sends can stop the server.
+4xx code for client mistakes (malformed JSON, wrong types, out-of-range values); nothing a client
+sends can stop the server. With an API key every route but /health* needs
+`Authorization: Bearer <key>` (401 otherwise), as in SGLang. The weight-debugging routes are in
+debug_api.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -27,38 +29,39 @@ from slime.engines.protocol import (
     parse_generate,
     parse_tensor_specs,
 )
+from slime.engines.torch_engine.debug_api import WeightsDebugAPI
 from slime.engines.torch_engine.engine import TorchEngine
+from slime.engines.torch_engine.http_util import (
+    bearer_matches,
+    error_response,
+    is_open_path,
+    json_object,
+    optional_str,
+    read_json,
+)
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_OPEN_PATHS = {"/health"}
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags; no CUDA graphs here
 
 
-def error_response(message: str, status: int) -> web.Response:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        405: "MethodNotAllowed",
-        409: "ConflictError",
-        503: "ServiceUnavailableError",
-    }.get(status, "InternalServerError")
-    return web.json_response(
-        {"object": "error", "message": message, "type": kind, "code": status}, status=status
-    )
+def make_app(
+    engine: TorchEngine, api_key: str | None = None, debug_dump_dir: str | None = None
+) -> web.Application:
+    """Build the aiohttp application serving `engine`.
 
-
-def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application:
-    """Build the aiohttp application serving `engine`."""
+    Args:
+        api_key: required on every route but /health* (None or empty: no key).
+        debug_dump_dir: the directory /slime/dump_parameters may write under (None: refused).
+    """
 
     @web.middleware
     async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        authorized = request.headers.get("Authorization", "") == f"Bearer {api_key}"
-        if api_key and request.path not in _OPEN_PATHS and not authorized:
+        open_path = is_open_path(request.path)
+        if api_key and not open_path and not bearer_matches(request.headers.get("Authorization"), api_key):
             return error_response("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
         try:
             return await handler(request)
@@ -75,6 +78,7 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
     app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
     app.on_startup.append(api.on_startup)
+    WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
@@ -95,25 +99,9 @@ def make_app(engine: TorchEngine, api_key: str | None = None) -> web.Application
     r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
     r.add_post("/release_memory_occupation", api.release_memory_occupation)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
-    r.add_route("*", "/slime/weights_checksum", api.weights_checksum)
-    r.add_post("/weights_checker", api.weights_checker)
-    r.add_route("*", "/slime/weights_fingerprint", api.weights_fingerprint)
-    r.add_post("/slime/dump_parameters", api.dump_parameters)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
     return app
-
-
-async def read_json(request: web.Request, required: bool = True) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if required:
-            raise ProtocolError("request body is empty; send a JSON object")
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"malformed JSON body: {e}") from None
 
 
 class EngineAPI:
@@ -261,49 +249,6 @@ class EngineAPI:
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
-    async def weights_checksum(self, request: web.Request) -> web.Response:
-        """slime extension: {"names": [...]?} -> {"weight_version", "checksums": {name: sha256}}."""
-        body = await request.json() if request.method == "POST" and request.can_read_body else {}
-        names = body.get("names") if isinstance(body, dict) else None
-        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-            raise ProtocolError("'names' must be a list of parameter names")
-        result = await self._on_engine(lambda: self.engine.weights.checksums(names))
-        return web.json_response({"weight_version": self.engine.weight_version, "checksums": result})
-
-    async def weights_checker(self, request: web.Request) -> web.Response:
-        """SGLang's /weights_checker: {"action": "snapshot" | "reset_tensors" | "compare"} ->
-        {"success", "message"}, HTTP 400 when the action fails (compare: the differing tensors)."""
-        body = await read_json(request)
-        action = body.get("action") if isinstance(body, dict) else None
-        store = self.engine.weights
-        actions = {"snapshot": store.snapshot, "reset_tensors": store.reset_tensors, "compare": store.compare}
-        if action not in actions:
-            raise ProtocolError(f"'action' must be one of {', '.join(actions)}, got {action!r}")
-        try:
-            result = await self._on_engine(actions[action])
-        except ProtocolError as e:
-            return web.json_response({"success": False, "message": e.message}, status=400)
-        if action == "compare" and result:
-            message = "check tensor equality failed:\n" + "\n".join(result)
-            return web.json_response({"success": False, "message": message}, status=400)
-        what = "parameters equal the snapshot" if action == "compare" else f"{result} parameters"
-        return web.json_response({"success": True, "message": f"{action}: {what}"})
-
-    async def weights_fingerprint(self, request: web.Request) -> web.Response:
-        """slime extension: {"weight_version", "fingerprints": {name: {dtype, shape, fingerprint}}}
-        for every parameter (slime.utils.checksum.tensor_fingerprint)."""
-        result = await self._on_engine(self.engine.weights.fingerprints)
-        return web.json_response({"weight_version": self.engine.weight_version, "fingerprints": result})
-
-    async def dump_parameters(self, request: web.Request) -> web.Response:
-        """slime extension: {"path": DIR} -> every parameter torch.save'd to DIR/<HF name>."""
-        body = await read_json(request)
-        path = body.get("path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            raise ProtocolError("'path' must be a directory path")
-        count = await self._on_engine(lambda: self.engine.weights.dump(path))
-        return web.json_response({"success": True, "num_parameters": count, "path": path})
-
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -338,10 +283,11 @@ class EngineAPI:
         return web.json_response({"success": True, "message": "generation continued"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise ProtocolError("request body must be a JSON object")
-        abort_all = bool(body.get("abort_all", False))
+        body = json_object(await read_json(request))
+        abort_all = body.get("abort_all")
+        abort_all = False if abort_all is None else abort_all
+        if not isinstance(abort_all, bool):
+            raise ProtocolError("'abort_all' must be true or false")
         rid = body.get("rid")
         if not abort_all and not (isinstance(rid, str) and rid):
             raise ProtocolError("give 'rid' (a request id) or 'abort_all': true")
@@ -366,7 +312,7 @@ class EngineAPI:
         self, request: web.Request, body: dict[str, Any], apply: Callable[[], int]
     ) -> web.Response:
         version = body.get("weight_version")
-        if version is not None and not isinstance(version, (str, int)):
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
             raise ProtocolError("'weight_version' must be a string")
 
         # slime extension: fingerprints of the parameters this update wrote, in the answer
@@ -413,13 +359,13 @@ class EngineAPI:
         )
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = _object(await read_json(request))
+        body = json_object(await read_json(request))
         return await self._update(
             request, body, lambda: self.engine.weights.update_from_disk(body.get("model_path", ""))
         )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = _object(await read_json(request))
+        body = json_object(await read_json(request))
         return await self._update(
             request,
             body,
@@ -429,9 +375,9 @@ class EngineAPI:
         )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = _object(await read_json(request))
+        body = json_object(await read_json(request))
         specs = parse_tensor_specs(body)
-        group = body.get("group_name") or "weight_update_group"
+        group = optional_str(body, "group_name", "weight_update_group")
         return await self._update(
             request,
             body,
@@ -439,7 +385,7 @@ class EngineAPI:
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = _object(await read_json(request))
+        body = json_object(await read_json(request))
         # Rendezvous blocks until the trainer joins: keep it off both the event loop and the engine thread.
         try:
             await asyncio.to_thread(self.engine.weights.init_group, body, self.engine.device)
@@ -448,13 +394,13 @@ class EngineAPI:
         return web.json_response({"success": True, "message": "weight-update group initialised"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = _object(await read_json(request, required=False))
-        name = body.get("group_name") or "weight_update_group"
+        body = json_object(await read_json(request, required=False))
+        name = optional_str(body, "group_name", "weight_update_group")
         await self._on_engine(lambda: self.engine.weights.destroy_group(name))
         return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags(_object(await read_json(request, required=False)))
+        tags = _tags(json_object(await read_json(request, required=False)))
 
         def _release() -> None:
             if self.engine.scheduler.has_work():
@@ -473,7 +419,7 @@ class EngineAPI:
         return web.json_response({"success": True, "message": f"released {list(tags)}"})
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags(_object(await read_json(request, required=False)))
+        tags = _tags(json_object(await read_json(request, required=False)))
 
         def _resume() -> None:
             if "weights" in tags:
@@ -506,12 +452,6 @@ def _resolve(fut: asyncio.Future, result: Any) -> None:
 def _fail(fut: asyncio.Future, error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ProtocolError("request body must be a JSON object")
-    return body
 
 
 def _tags(body: dict[str, Any]) -> tuple[str, ...]:

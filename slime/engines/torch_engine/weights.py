@@ -144,29 +144,14 @@ class WeightStore:
                 named = deserialize(serialized[0])
             else:
                 named = open_named_tensors(parse_handle(serialized[0]), self._mapped)
-        except ValueError as e:
-            raise ProtocolError(str(e)) from None
+        except (ValueError, TypeError, OverflowError, RuntimeError, OSError) as e:
+            # Everything here comes from the client's handle (path, sizes, shapes, offsets).
+            raise ProtocolError(f"cannot open 'serialized_named_tensors': {e}") from None
         return self.update_from_named(named)
 
     # ---- distributed ------------------------------------------------------------------------
     def init_group(self, body: dict[str, Any], device: torch.device) -> None:
-        try:
-            address, port = body["master_address"], int(body["master_port"])
-            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
-            group_name = body.get("group_name") or "weight_update_group"
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(
-                f"init_weights_update_group needs master_address, master_port, rank_offset, "
-                f"world_size (and optional group_name, backend): {e}"
-            ) from None
-        backend = body.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise ProtocolError(f"'backend' must be 'gloo' or 'nccl', got {backend!r}")
-        if not 0 < rank_offset < world_size:
-            raise ProtocolError(
-                f"'rank_offset' {rank_offset} must be in [1, world_size) (rank 0 is the trainer)"
-            )
-        timeout = float(body.get("timeout_s") or 300)
+        address, port, rank_offset, world_size, group_name, backend, timeout = _group_settings(body, device)
         logger.info(
             "joining weight-update group %r at %s:%d as rank %d/%d (%s)",
             group_name,
@@ -270,14 +255,17 @@ class WeightStore:
 
         return {name: fingerprint_entry(p) for name, p in self._canonical_params()}
 
-    def dump(self, path: str) -> int:
-        """torch.save every parameter to `path`/<HF name> (written under a temporary name first)."""
-        os.makedirs(path, exist_ok=True)
+    def dump(self, dir_fd: int) -> int:
+        """torch.save every parameter to <HF name> in the open directory `dir_fd`, written under a
+        temporary name first. O_NOFOLLOW: a symlink at that name fails the write instead of
+        redirecting it, and the rename replaces a symlink at the final name, never its target."""
         params = self._canonical_params()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         for name, p in params:
-            target = os.path.join(path, name)
-            torch.save(p.detach().to("cpu", copy=True), target + ".partial")
-            os.replace(target + ".partial", target)
+            fd = os.open(name + ".partial", flags, 0o644, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(p.detach().to("cpu", copy=True), f)
+            os.replace(name + ".partial", name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         return len(params)
 
     def snapshot(self) -> int:
@@ -351,3 +339,37 @@ def _safetensors_dtype(code: str) -> str:
         "BOOL": "bool",
     }
     return table.get(code, code.lower())
+
+
+def _group_settings(body: dict[str, Any], device: torch.device) -> tuple[str, int, int, int, str, str, float]:
+    """The fields of /init_weights_update_group, each checked for type and range before any
+    rendezvous is attempted (a hostile value must not make the engine dial out or wait)."""
+
+    def integer(name: str, low: int, high: int) -> int:
+        value = body.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ProtocolError(
+                f"init_weights_update_group: '{name}' must be an integer in [{low}, {high}], got {value!r}"[
+                    :300
+                ]
+            )
+        return value
+
+    address = body.get("master_address")
+    if not isinstance(address, str) or not address or len(address) > 255:
+        raise ProtocolError("init_weights_update_group: 'master_address' must be a host name or address")
+    port = integer("master_port", 1, 65535)
+    world_size = integer("world_size", 2, 1 << 20)
+    rank_offset = integer("rank_offset", 1, world_size - 1)  # rank 0 is the trainer
+    group_name = body.get("group_name") or "weight_update_group"
+    if not isinstance(group_name, str):
+        raise ProtocolError("init_weights_update_group: 'group_name' must be a string")
+    backend = body.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ProtocolError(f"'backend' must be 'gloo' or 'nccl', got {backend!r}"[:300])
+    timeout = body.get("timeout_s") or 300
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 86400:
+        raise ProtocolError(
+            "init_weights_update_group: 'timeout_s' must be a number of seconds in (0, 86400]"
+        )
+    return address, port, rank_offset, world_size, group_name, backend, float(timeout)

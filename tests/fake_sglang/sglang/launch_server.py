@@ -11,10 +11,26 @@ import sys
 from sglang.srt.server_args import ServerArgs
 
 
+def merge_config(argv: list[str]) -> list[str]:
+    """As SGLang's prepare_server_args: the options of the YAML file after `--config` come
+    first, so that the command line wins."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    import yaml
+
+    with open(argv[i + 1]) as f:
+        config = yaml.safe_load(f) or {}
+    from_file = [item for key, value in config.items() for item in (f"--{key}", str(value))]
+    return from_file + argv[:i] + argv[i + 2 :]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
     ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_config(argv))
+    # SGLang logs its whole configuration, API key included: so does the stand-in.
+    print(f"server_args={vars(args)}", file=sys.stderr, flush=True)
     record = os.environ.get("FAKE_SGLANG_RECORD")
     if record:
         with open(record, "a") as f:
@@ -33,7 +49,11 @@ def main(argv: list[str]) -> int:
             f"the stand-in serves tensor-parallel size 1 only, not --tp-size {args.tp_size}", file=sys.stderr
         )
         return 1
+    from slime.engines.protocol import API_KEY_ENV
     from slime.engines.torch_engine.cli import main as torch_engine
+
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
 
     engine_argv = [
         "--model-path",

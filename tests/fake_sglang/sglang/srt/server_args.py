@@ -25,3 +25,5 @@ class ServerArgs:
         )
         parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
         parser.add_argument("--disable-radix-cache", action="store_true")
+        parser.add_argument("--api-key", type=str, default=None)
+        parser.add_argument("--config", type=str, default=None)

@@ -1,0 +1,90 @@
+"""Ray clusters started the way users start them (`ray start`), for jobs that attach with RAY_ADDRESS.
+
+Each cluster has its own --temp-dir and is stopped by the pids of the processes started under
+it (not `ray stop`, which would stop every cluster on the machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+# Ray rewrites a node address of 127.0.0.1 (or localhost) to the machine's network address; any
+# other loopback address it keeps, so the head takes 127.0.0.3.
+HEAD_IP = "127.0.0.3"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RayCluster:
+    """A head node on HEAD_IP and, optionally, more nodes on other loopback addresses."""
+
+    def __init__(self, head_cpus: int, nodes: dict[str, int] | None = None):
+        # A short path: Ray's socket paths must fit in 107 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        port = _free_port(HEAD_IP)
+        self.address = f"{HEAD_IP}:{port}"
+        try:
+            self._start("--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--num-cpus", str(head_cpus),
+                        "--include-dashboard", "false")  # fmt: skip
+            for ip, cpus in (nodes or {}).items():
+                self._start("--address", self.address, "--node-ip-address", ip, "--num-cpus", str(cpus))
+            self._wait_for(1 + len(nodes or {}))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, *args: str) -> None:
+        subprocess.run([RAY, "start", *args, "--temp-dir", self.temp_dir, "--disable-usage-stats"],
+                       env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
+
+    def _wait_for(self, num_nodes: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        probe = "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"
+        while True:
+            out = subprocess.run([sys.executable, "-c", probe], env={**self.env, "RAY_ADDRESS": self.address},
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            if out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(num_nodes):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the Ray cluster did not reach {num_nodes} nodes: {out.stdout} {out.stderr}"
+                )
+            time.sleep(1)
+
+    def pids(self) -> list[int]:
+        """Every process started under this cluster's temp dir."""
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if self.temp_dir.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

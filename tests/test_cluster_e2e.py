@@ -1,0 +1,66 @@
+"""train.py on a real two-node Ray cluster on this machine (nodes on loopback addresses), attached
+with RAY_ADDRESS: the train ranks sit on both nodes and rendezvous on rank 0's node, engines
+bind their node's address, and every push of each transport is checked by fingerprints."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.ray_cluster import HEAD_IP, RayCluster
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # One CPU per node and colocated layouts: each node holds one bundle (train rank and engine).
+    c = RayCluster(head_cpus=1, nodes={"127.0.0.2": 1})
+    yield c
+    c.stop()
+
+
+def _job(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
+    return run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--colocate",
+                   "--actor-num-gpus-per-node", "2", "--update-weight-transport", transport, "--check-weight-sync",
+                   env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+
+
+def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, prompts, tmp_path):  # noqa: F811
+    proc = _job(cluster, tiny_model, prompts, tmp_path, "distributed")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    err = proc.stderr
+    address, _, nodes = re.search(
+        r"train ranks rendezvous at ([\d.]+):(\d+) \(rank nodes: ([^)]*)\)", err
+    ).groups()
+    rank_nodes = nodes.split(", ")
+    assert sorted(rank_nodes) == sorted([HEAD_IP, "127.0.0.2"])  # one rank on each node
+    assert address == rank_nodes[0]  # rank 0's node as Ray knows it, not loopback's default
+    engine_nodes = re.search(r"engine nodes: (.*)", err).group(1).split(", ")
+    assert engine_nodes == rank_nodes  # colocated: engine j on train rank j's node
+    for url, node in zip(re.search(r"engines: (.*)", err).group(1).split(", "), engine_nodes, strict=True):
+        assert url.startswith(f"http://{node}:")  # an engine on a cluster binds its node's address
+    for j in range(2):  # engines on node addresses take requests that carry the job's key only
+        assert "API key required" in (tmp_path / "logs" / f"engine{j}.log").read_text()
+    # 1 + the engines' TP sizes; the store on train rank 0's node, which the far engine reaches.
+    assert f"a group of 3 with its master on {address}" in err
+    assert err.count("--check-weight-sync: 46 tensors match on every engine") == 2  # after each push
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["push/transport"] for r in records] == ["distributed_gloo", "distributed_gloo"]
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_node_local_transports_refuse_an_engine_on_another_node(
+    cluster, tiny_model, prompts, tmp_path, transport
+):  # noqa: F811
+    # Engine 1 sits with train rank 1 on the other node: shared-memory files and the temporary
+    # directory of train rank 0's node do not reach it. One line, exit 2, naming the fix.
+    proc = _job(cluster, tiny_model, prompts, tmp_path, transport)
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert (
+        "not on train rank 0's node" in errors[0] and "use --update-weight-transport distributed" in errors[0]
+    )
