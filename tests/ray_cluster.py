@@ -5,6 +5,7 @@ it (not `ray stop`, which would stop every cluster on the machine)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -80,10 +81,8 @@ class RayCluster:
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in self.pids():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
             deadline = time.monotonic() + 10
             while self.pids() and time.monotonic() < deadline:
                 time.sleep(0.2)

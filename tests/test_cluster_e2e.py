@@ -53,9 +53,7 @@ def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, 
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_node_local_transports_refuse_an_engine_on_another_node(
-    cluster, tiny_model, prompts, tmp_path, transport
-):  # noqa: F811
+def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
     # Engine 1 sits with train rank 1 on the other node: shared-memory files and the temporary
     # directory of train rank 0's node do not reach it. One line, exit 2, naming the fix.
     proc = _job(cluster, tiny_model, prompts, tmp_path, transport)
