@@ -463,7 +463,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
             else 1
         )
     if ns.update_weight_transport is None:
-        ns.update_weight_transport = "distributed" if ns.device == "cuda" and not ns.colocate else "tensor"
+        from slime.bridge.topology import default_transport
+
+        ns.update_weight_transport = default_transport(ns.device, ns.colocate)
     problem = check(ns)
     if problem is None:
         try:

@@ -50,11 +50,11 @@ def check(ns: argparse.Namespace) -> str | None:
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
         )
-    if ns.device == "cuda" and ns.update_weight_transport == "tensor" and not ns.colocate:
-        return (
-            "--update-weight-transport tensor on GPU shares CUDA-IPC handles, which only engines on the train "
-            "ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
-        )
+    from slime.bridge.topology import flag_problem
+
+    transport_problem = flag_problem(ns.update_weight_transport, ns.device, ns.colocate)
+    if transport_problem is not None:
+        return transport_problem
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
         return "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
