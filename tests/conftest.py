@@ -69,6 +69,12 @@ def engine(tiny_model, tmp_path_factory):
     assert proc.stop() in (0, -15), "engine did not exit cleanly"
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from tests.ray_cluster import stop_shared
+
+    stop_shared()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

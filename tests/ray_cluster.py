@@ -87,3 +87,23 @@ class RayCluster:
             while self.pids() and time.monotonic() < deadline:
                 time.sleep(0.2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+_shared: RayCluster | None = None
+
+
+def shared_address() -> str:
+    """The address of one single-node cluster that the end-to-end jobs of a test session share
+    (started at the first call, stopped by conftest at the end of the session): each job attaches
+    instead of starting and stopping a Ray of its own."""
+    global _shared
+    if _shared is None:
+        _shared = RayCluster(head_cpus=8)
+    return _shared.address
+
+
+def stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.stop()
+        _shared = None

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+pytestmark = pytest.mark.e2e
 
 
 def gates(tmp_path):

@@ -11,6 +11,8 @@ import torch
 from slime.rollout.dump import tokenizer_fingerprint
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def dumps(tiny_model, prompts, tmp_path_factory):  # noqa: F811

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 
+import pytest
 import torch
 
 from slime.engines.client import EngineClient
@@ -70,6 +71,7 @@ def test_enable_deterministic_seeds_and_turns_on_deterministic_kernels():
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.e2e
 def test_two_deterministic_runs_are_identical(tiny_model, prompts, tmp_path):  # noqa: F811
     """train_async.py on two engines with over-sampling, sampled at temperature 1: the rollouts,
     rewards, losses and grad norms of two runs are the same bits."""

@@ -4,6 +4,7 @@ restarted before the next weight push (real Ray, real engines, a real kill)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
@@ -25,6 +26,8 @@ def reward(args, sample):
         print(f"KILLED ENGINE pid {engines[0].pid}", flush=True)
     return float(sample.response.strip() == sample.label)
 """
+
+pytestmark = pytest.mark.e2e
 
 
 def test_a_killed_engine_loses_no_sample_and_is_restarted(tiny_model, prompts, tmp_path):  # noqa: F811

@@ -13,6 +13,7 @@ from tests.conftest import start_engine
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
 
 
+@pytest.mark.e2e
 def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_model, prompts, tmp_path):  # noqa: F811
     engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
     try:
@@ -38,6 +39,7 @@ def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_mod
             e.stop()
 
 
+@pytest.mark.e2e
 def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tmp_path):  # noqa: F811
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact",
                    "--rollout-external-engine-addrs", "127.0.0.1:9")  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from slime.debug.hang import HangWatchdog, format_stacks
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
 
@@ -59,6 +61,7 @@ if os.environ.get("HANG_RANK") and "default_worker.py" in " ".join(sys.argv):
 """
 
 
+@pytest.mark.e2e
 def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(tiny_model, prompts, tmp_path, monkeypatch):  # noqa: F811
     """Rank 1 stops in Python at rollout 1; rank 0 waits for it inside an FSDP collective. Both
     stacks are written and the job exits 1 long before the hang would end (subprocess timeout)."""

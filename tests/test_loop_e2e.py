@@ -12,6 +12,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+pytestmark = pytest.mark.e2e
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
@@ -22,9 +25,14 @@ def prompts(tmp_path_factory):
 
 
 def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
-    """Run `script` as users do; `env` adds variables, `path` folders in front of PYTHONPATH."""
+    """Run `script` as users do; `env` adds variables, `path` folders in front of PYTHONPATH. The
+    job attaches to the session's shared Ray cluster (RAY_ADDRESS) unless `env` names another
+    (an empty RAY_ADDRESS: a local Ray of its own)."""
+    from tests.ray_cluster import shared_address
+
+    address = env["RAY_ADDRESS"] if env and "RAY_ADDRESS" in env else shared_address()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
-           "PYTHONPATH": os.pathsep.join([*path, ROOT, str(tmp_path)]), **(env or {})}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([*path, ROOT, str(tmp_path)]), **(env or {}), "RAY_ADDRESS": address}  # fmt: skip
     argv = [sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--prompt-data", prompts,
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
             "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4", *extra]  # fmt: skip

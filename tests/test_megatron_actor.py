@@ -190,6 +190,7 @@ def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp
         )
 
 
+@pytest.mark.e2e
 def test_grpo_job_with_the_megatron_backend(tiny_model, prompts, tmp_path):  # noqa: F811
     """train.py as users start it: two GRPO rollouts at TP 2 on real Ray with a colocated torch
     engine, the step-0 precision gates and the weight checks on, a checkpoint at the end (the

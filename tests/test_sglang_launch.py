@@ -38,6 +38,8 @@ def generate(args, sample, sampling_params):
     return apply_response(sample, sample.tokens, output)
 """
 
+pytestmark = pytest.mark.e2e
+
 
 def sglang_job(model, prompts, tmp_path, *extra, env=None):  # noqa: F811
     record = tmp_path / "launches.jsonl"

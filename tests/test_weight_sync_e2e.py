@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_loop_e2e import ROOT, prompts, run_job  # noqa: F401 - prompts is a fixture
 
 Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+
+pytestmark = pytest.mark.e2e
 
 
 def test_dump_mode_then_the_checker_find_a_wrong_mapping(tiny_model, prompts, tmp_path, monkeypatch):  # noqa: F811
