@@ -25,14 +25,19 @@ def prompts(tmp_path_factory):
 
 
 def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
-    """Run `script` as users do; `env` adds variables, `path` folders in front of PYTHONPATH. The
-    job attaches to the session's shared Ray cluster (RAY_ADDRESS) unless `env` names another
-    (an empty RAY_ADDRESS: a local Ray of its own)."""
+    """Run `script` as users do; `env` adds variables, `path` folders in front of PYTHONPATH.
+
+    The job attaches to the session's shared Ray cluster (RAY_ADDRESS), or to the one `env`
+    names. Actors of an attached job inherit the cluster's environment, not the driver's: a job
+    given its own `env` or `path` (read by its actors) starts a Ray of its own."""
     from tests.ray_cluster import shared_address
 
-    address = env["RAY_ADDRESS"] if env and "RAY_ADDRESS" in env else shared_address()
+    own = {k: v for k, v in (env or {}).items() if k != "RAY_ADDRESS"}
+    address = env["RAY_ADDRESS"] if env and "RAY_ADDRESS" in env else "" if own or path else shared_address()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
-           "PYTHONPATH": os.pathsep.join([*path, ROOT, str(tmp_path)]), **(env or {}), "RAY_ADDRESS": address}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([*path, ROOT, str(tmp_path)]), **own, "RAY_ADDRESS": address}  # fmt: skip
+    if not address:
+        del env["RAY_ADDRESS"]
     argv = [sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--prompt-data", prompts,
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
             "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4", *extra]  # fmt: skip
@@ -117,11 +122,7 @@ def test_resume_after_a_crash_continues_from_the_saved_rollout(tiny_model, promp
     ckpt = str(tmp_path / "ckpt")
     common = ["--custom-rm-path", "flaky_rm.reward", "--num-rollout", "5", "--save", ckpt, "--save-interval", "1",
               "--load", ckpt, "--rollout-shuffle"]  # fmt: skip
-    os.environ["CRASH"] = "1"
-    try:
-        crashed = run_job("train.py", tiny_model, prompts, tmp_path, *common)
-    finally:
-        del os.environ["CRASH"]
+    crashed = run_job("train.py", tiny_model, prompts, tmp_path, *common, env={"CRASH": "1"})
     assert crashed.returncode == 1 and "simulated crash" in crashed.stderr
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
     resumed = run_job("train.py", tiny_model, prompts, tmp_path, *common)

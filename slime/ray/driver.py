@@ -31,7 +31,7 @@ def num_rollouts(config: Config, num_prompts: int) -> int:
 
 def start_ray(config: Config) -> None:
     """Attach to the cluster at RAY_ADDRESS, or start a local one sized for the layout."""
-    address = os.environ.get("RAY_ADDRESS")
+    address = os.environ.get("RAY_ADDRESS") or None
     init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if not address and config.cluster.device == "cpu":
         # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
