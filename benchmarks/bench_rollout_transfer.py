@@ -68,7 +68,12 @@ def measure(mode: str, num_samples: int, response_len: int, ranks: int) -> dict:
             from slime.rollout.summary import rollout_metrics
 
             batch = samples_to_batch(self.samples)
-            return batch, rollout_metrics(self.samples, None), [s.to_dict() for s in self.samples], {"offset": 1}
+            return (
+                batch,
+                rollout_metrics(self.samples, None),
+                [s.to_dict() for s in self.samples],
+                {"offset": 1},
+            )
 
         def by_reference(self):
             from slime.rollout.summary import package_rollout, rollout_metrics
