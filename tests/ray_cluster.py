@@ -9,22 +9,17 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from slime.utils.net import free_port
+
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 # Ray rewrites a node address of 127.0.0.1 (or localhost) to the machine's network address; any
 # other loopback address it keeps, so the head takes 127.0.0.3.
 HEAD_IP = "127.0.0.3"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayCluster:
@@ -34,7 +29,7 @@ class RayCluster:
         # A short path: Ray's socket paths must fit in 107 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-        port = _free_port(HEAD_IP)
+        port = free_port(HEAD_IP)
         self.address = f"{HEAD_IP}:{port}"
         try:
             self._start("--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--num-cpus", str(head_cpus),

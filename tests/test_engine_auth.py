@@ -14,8 +14,9 @@ import pytest
 
 from slime.engines.client import ClientConfig, EngineClient, EngineError
 from slime.engines.protocol import new_api_key
-from slime.engines.sglang_server import SGLangLaunch, free_port, start_sglang_server
+from slime.engines.sglang_server import SGLangLaunch, start_sglang_server
 from slime.engines.torch_engine.launcher import OutputSink, start_torch_engine
+from slime.utils.net import free_port
 from tests.conftest import ENGINE_ARGS
 from tests.test_engine_fuzz import registered_routes
 

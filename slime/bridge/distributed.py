@@ -16,7 +16,6 @@ whole); the bucket is done when every engine answered.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,15 +23,10 @@ from slime.bridge.base import Bucket
 from slime.bridge.topology import LOOPBACK, TopologyError, group_layout
 from slime.engines.client import EngineClient, EngineError
 from slime.utils import distributed as sdist
+from slime.utils.net import free_port
 from slime.utils.shm_tensors import dtype_to_str
 
 GROUP_NAME = "slime_weight_update"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class DistributedTransport:

@@ -29,7 +29,7 @@ import urllib.request
 from typing import Any
 
 from slime.engines.protocol import API_KEY_ENV, check_api_key
-from slime.engines.sglang_server import free_port
+from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 

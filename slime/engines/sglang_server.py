@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,14 +107,6 @@ class SGLangProcess(EngineProcess):
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now (the server binds it moments later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_sglang_server(

@@ -104,12 +104,10 @@ class TrainRank:
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP address as Ray knows it, a free port on it): where rank 0 hosts the
         train process group's rendezvous, reachable from every node."""
-        import socket
+        from slime.utils.net import free_port
 
         host = node_ip()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        return host, free_port(host)
 
     def init(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the train process group at master_addr:master_port, then build the model."""
@@ -237,7 +235,8 @@ class SGLangEngineActor(EngineActor):
     sglang). The server is a child process that sees exactly `gpu_ids`."""
 
     def __init__(self, launch: dict[str, Any], gpu_ids: list[str] | None, log_path: str, timeout_s: float):
-        from slime.engines.sglang_server import SGLangLaunch, free_port, start_sglang_server
+        from slime.engines.sglang_server import SGLangLaunch, start_sglang_server
+        from slime.utils.net import free_port
 
         host = engine_host()
         settings = SGLangLaunch(host=host, port=free_port(host), nccl_port=free_port(host), **launch)

@@ -44,26 +44,31 @@ def start_ray(config: Config) -> None:
 
 
 def make_hooks(
-    config: Config, log_dir: str, loop_parts: dict[str, Any], evaluator: Any, tracker: Any, progress: Progress
+    config: Config,
+    log_dir: str,
+    train: bool,
+    engines: bool,
+    replay: ReplayedRollouts | None,
+    evaluator: Any,
+    tracker: Any,
+    progress: Progress,
 ) -> list[Hook]:
     """The hooks the flags ask for, in the order they run (metrics last: it logs the record the
-    others filled)."""
-    d, train, engines = config.debug, loop_parts["train"], loop_parts["engines"]
+    others filled). `train`/`engines`: whether the job has a train group / an engine group."""
+    d = config.debug
     out: list[Hook] = []
     if d.sync_parameters_path:
         out.append(hooks.SyncParametersDump(os.path.abspath(d.sync_parameters_path)))  # the engines' dump dir
-    if train is not None and engines is not None:
+    if train and engines:
         if d.check_weight_update_equal:
             out.append(hooks.WeightUpdateEqualCheck())
         elif d.check_precision or config.cluster.external_engine_addrs:
             out.append(hooks.FirstPush("--check-precision" if d.check_precision else "external engines"))
-    if d.check_precision and train is not None:
-        replay = loop_parts["source"]
-        temperature = replay.temperature if isinstance(replay, ReplayedRollouts) else None
-        out.append(hooks.PrecisionGates(config, log_dir, temperature))
+    if d.check_precision and train:
+        out.append(hooks.PrecisionGates(config, log_dir, replay.temperature if replay is not None else None))
     if config.eval.interval is not None and evaluator is not None:
         out.append(hooks.Evaluate(evaluator, config.eval.interval, config.eval.before_train, tracker.log))
-    if train is not None and (config.checkpoint.save or config.checkpoint.save_hf):
+    if train and (config.checkpoint.save or config.checkpoint.save_hf):
         c = config.checkpoint
         out.append(hooks.Save(c.save_interval, bool(c.save), bool(c.save_hf)))
     out.append(Metrics(tracker, progress))
@@ -96,8 +101,9 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         generated = GeneratedRollouts(job.manager, progress) if job.manager is not None else None
         source = replay if replay is not None else generated
         assert source is not None
-        parts = {"source": source, "train": train, "engines": engines}
-        loop_hooks = make_hooks(config, log_dir, parts, generated, tracker, progress)
+        loop_hooks = make_hooks(
+            config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
+        )
         Loop(source, train, engines, ONE_STEP_OFF if off_policy else SYNC, loop_hooks, total).run()
         return 0
     finally:

@@ -3,7 +3,6 @@ rollout manager actor, or replayed from --load-debug-rollout-data dumps read in 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -32,10 +31,13 @@ class GeneratedRollouts:
         self.pending[rollout_id] = self.manager.generate.remote(rollout_id, weight_version)
 
     def wait(self, rollout_id: int) -> Rollout:
-        rollout: Rollout = self.progress.wait(self.pending[rollout_id], "generate")
-        if rollout.dump_path is not None and rollout_id in self.pending:
+        pending = self.pending[rollout_id]
+        if isinstance(pending, Rollout):  # waited for before (one step off: before the push)
+            return pending
+        rollout: Rollout = self.progress.wait(pending, "generate")
+        if rollout.dump_path is not None:
             logger.info("rollout %d saved to %s", rollout_id, rollout.dump_path)
-        self.pending[rollout_id] = rollout  # waiting again returns it at once, logged once
+        self.pending[rollout_id] = rollout
         return rollout
 
     def restore(self, data_state: dict[str, int] | None) -> None:
@@ -46,13 +48,6 @@ class GeneratedRollouts:
         return self.progress.wait(self.manager.evaluate.remote(rollout_id), "eval")
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class ReplayedRollouts:
     """--load-debug-rollout-data: the saved rollouts, read and checked in the driver (every dump
     is found before any process starts) and put in the object store one part per replica."""
@@ -61,7 +56,9 @@ class ReplayedRollouts:
         d = config.debug
         assert d.load_rollout_data is not None and config.rollout.num_rollout is not None
         self.config, self.dp_size = config, dp_size
-        self.tokenizer = _tokenizer(config.train.hf_checkpoint)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
         self.loaded: dict[int, Rollout] = {}
         missing = [
             d.load_rollout_data.format(rollout_id=i)
@@ -73,7 +70,10 @@ class ReplayedRollouts:
                 f"--load-debug-rollout-data: {len(missing)} of the {config.rollout.num_rollout} rollout dumps "
                 f"(--num-rollout) do not exist, first {missing[0]!r}; lower --num-rollout or save them first"
             )
-        first = self._read(0)  # format and tokenizer fingerprint, before any process starts
+        # Dump 0's format and tokenizer fingerprint, checked before any process starts (kept for
+        # its replay).
+        self.first: dict[str, Any] | None = self._read(0)
+        first = self.first
         # The temperature the dump's log-probs were computed at (greedy rollouts report T = 1).
         self.temperature = float(first["meta"].get("flags", {}).get("rollout_temperature") or 1.0)
 
@@ -86,7 +86,8 @@ class ReplayedRollouts:
         return dump
 
     def start(self, rollout_id: int, weight_version: int) -> None:
-        dump = self._read(rollout_id)
+        dump = self.first if rollout_id == 0 and self.first is not None else self._read(rollout_id)
+        self.first = None
         kept = subsample(dump["samples"], self.config.debug.subsample)
         renumber = {g: k for k, g in enumerate(dict.fromkeys(s["group_index"] for s in kept))}
         samples = [Sample.from_dict({**s, "group_index": renumber[s["group_index"]]}) for s in kept]
