@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
+from slime.config.loss import ESTIMATORS
+
 GROUP_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+from slime.config.loss import KL_TYPES
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:

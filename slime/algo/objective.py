@@ -15,85 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from slime.algo import losses
-from slime.algo.advantages import ESTIMATORS
+from slime.config.loss import LOSS_TYPES, LossConfig
 
-LOSS_TYPES = ("policy_loss", "sft_loss")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """What the train step optimises (slime's flag names in parentheses)."""
-
-    loss_type: str = "policy_loss"
-    """`--loss-type`: policy_loss (PPO-style RL) or sft_loss (negative log-likelihood)."""
-    advantage_estimator: str = "grpo"
-    """`--advantage-estimator`: grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo."""
-    disable_grpo_std_normalization: bool = False
-    """`--disable-grpo-std-normalization`: GRPO/GSPO subtract the group mean only."""
-    normalize_advantages: bool = False
-    """`--normalize-advantages`: whiten advantages over every response token of the rollout."""
-    eps_clip: float = 0.2
-    """`--eps-clip`: lower clip range, ratio >= 1 - eps_clip."""
-    eps_clip_high: float | None = None
-    """`--eps-clip-high`: upper clip range (default: eps_clip)."""
-    eps_clip_c: float | None = None
-    """`--eps-clip-c`: dual-clip bound (> 1) for negative advantages; off when None."""
-    use_kl_loss: bool = False
-    """`--use-kl-loss`: add kl_loss_coef * KL(actor || reference) to the loss."""
-    kl_loss_coef: float = 0.0
-    """`--kl-loss-coef`."""
-    kl_loss_type: str = "k1"
-    """`--kl-loss-type`: k1, k2, k3, low_var_kl."""
-    kl_coef: float = 0.0
-    """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
-    gamma: float = 1.0
-    """`--gamma`: discount of REINFORCE++ returns."""
-    entropy_coef: float = 0.0
-    """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
-    use_tis: bool = False
-    """`--use-tis`: truncated importance sampling against the engine's log-probs."""
-    tis_clip: float = 2.0
-    """`--tis-clip`: upper bound of the TIS weight."""
-    tis_clip_low: float = 0.0
-    """`--tis-clip-low`: lower bound of the TIS weight."""
-    calculate_per_token_loss: bool = False
-    """`--calculate-per-token-loss`: average over tokens of the batch instead of per sample."""
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"--loss-type {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
-        if self.advantage_estimator not in ESTIMATORS:
-            raise ValueError(
-                f"--advantage-estimator {self.advantage_estimator!r} is not one of {', '.join(ESTIMATORS)}"
-            )
-        if self.kl_loss_type not in losses.KL_TYPES:
-            raise ValueError(
-                f"--kl-loss-type {self.kl_loss_type!r} is not one of {', '.join(losses.KL_TYPES)}"
-            )
-        if not 0 < self.eps_clip < 1:
-            raise ValueError(f"--eps-clip must be in (0, 1), got {self.eps_clip}")
-        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-            raise ValueError(f"--eps-clip-high must be > 0, got {self.eps_clip_high}")
-        if self.eps_clip_c is not None and self.eps_clip_c <= 1:
-            raise ValueError(f"--eps-clip-c must be > 1, got {self.eps_clip_c}")
-        if self.use_tis and not 0 <= self.tis_clip_low < self.tis_clip:
-            raise ValueError(
-                f"--tis-clip-low ({self.tis_clip_low}) must be >= 0 and below --tis-clip ({self.tis_clip})"
-            )
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
-
-    @property
-    def needs_ref(self) -> bool:
-        """Whether reference log-probs must be computed."""
-        uses_kl_reward = self.advantage_estimator.startswith("reinforce_plus_plus") and self.kl_coef != 0
-        return self.loss_type == "policy_loss" and (self.use_kl_loss or uses_kl_reward)
-
-    @property
-    def needs_rollout_log_probs(self) -> bool:
-        return self.loss_type == "policy_loss" and self.use_tis
+__all__ = ["LOSS_TYPES", "LossConfig", "MicroBatchTerms", "micro_batch_loss"]
 
 
 @dataclass

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # the driver imports this module, and never needs torch itself
+    import torch
 
 
 class BatchError(ValueError):

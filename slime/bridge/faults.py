@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from slime.utils.buckets import iter_buckets
 
+if TYPE_CHECKING:  # the flag check parses a fault spec in the driver, which does not load torch
+    import torch
+
 KINDS = ("perturb", "noise", "transpose", "drop", "swap")
 
-Bucket = list[tuple[str, torch.Tensor]]
+Bucket = list[tuple[str, "torch.Tensor"]]
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class PushFault:
         if self.kind == "perturb":
             flat[0] += 1.0
         else:  # noise
+            import torch
+
             generator = torch.Generator().manual_seed(0)
             std = float(tensor.float().std()) if tensor.numel() > 1 else 1.0
             noise = torch.randn(flat.shape, generator=generator) * (std or 1.0)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from slime.algo.advantages import ESTIMATORS
-from slime.algo.losses import KL_TYPES
-from slime.algo.objective import LOSS_TYPES, LossConfig
+from slime.config.loss import ESTIMATORS, KL_TYPES, LOSS_TYPES, LossConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -16,9 +16,6 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     configure_logging("driver")
     config = parse_args(argv)  # exits 2 on bad flags
     log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
-    from slime.bridge.verify import WeightSyncError
-    from slime.debug.hang import HangError
-    from slime.debug.precision import PrecisionError
     from slime.ray.driver import run
     from slime.utils.errors import UsageError
 
@@ -27,13 +24,21 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     except UsageError as e:  # a bad input, found in the driver or inside an actor: its message only
         logger.error("%s", getattr(e, "cause", None) or e)
         return 2
-    except (PrecisionError, HangError, WeightSyncError) as e:  # the message says what failed, where to look
-        logger.error("%s", getattr(e, "cause", None) or e)  # from an actor: its message, not its traceback
-        return 1
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130
     except Exception as e:  # an actor's error arrives here with its remote traceback
+        # Imported on failure only: the weight check's module loads torch, which the driver
+        # otherwise never needs.
+        from slime.bridge.verify import WeightSyncError
+        from slime.debug.hang import HangError
+        from slime.debug.precision import PrecisionError
+
+        if isinstance(e, PrecisionError | HangError | WeightSyncError):  # the message says what failed
+            logger.error(
+                "%s", getattr(e, "cause", None) or e
+            )  # from an actor: its message, not its traceback
+            return 1
         cause = getattr(e, "cause", None)  # a RayTaskError's original exception
         headline = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
         logger.error("job failed: %s\n%s", headline, e)

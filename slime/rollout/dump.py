@@ -19,8 +19,6 @@ import string
 import tempfile
 from typing import Any
 
-import torch
-
 from slime.utils.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -93,6 +91,8 @@ def _plain(value: Any) -> Any:
 
 def write_atomic(path: str, payload: dict[str, Any]) -> str:
     """torch.save into a temporary file beside `path`, renamed into place when complete."""
+    import torch  # here, not at the top: the driver checks dump paths without loading torch
+
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-dump-")
@@ -117,6 +117,8 @@ def load_dump(path: str, flag: str = "--load-debug-rollout-data") -> dict[str, A
     """Read and check a dump's structure; DumpError names the file and what is wrong."""
     if not os.path.isfile(path):
         raise DumpError(f"{flag}: {path!r} does not exist")
+    import torch
+
     try:
         dump = torch.load(path, weights_only=True)
     except Exception as e:
