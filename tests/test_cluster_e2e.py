@@ -55,10 +55,12 @@ def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
     # Engine 1 sits with train rank 1 on the other node: shared-memory files and the temporary
-    # directory of train rank 0's node do not reach it. One line, exit 2, naming the fix.
+    # directory of train rank 0's node do not reach it. One line, exit 2, naming the fix, before
+    # any engine or train rank starts (the placement group's nodes tell).
     proc = _job(cluster, tiny_model, prompts, tmp_path, transport)
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert (
         "not on train rank 0's node" in errors[0] and "use --update-weight-transport distributed" in errors[0]
     )
+    assert "slime job" not in proc.stderr and not list((tmp_path / "logs").glob("engine*.log"))

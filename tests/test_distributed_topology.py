@@ -285,6 +285,16 @@ def test_cuda_ipc_feeds_each_engine_gpu_from_the_train_rank_on_it():
                        engine_nodes=["10.0.0.1"] * 2, colocated=True)  # fmt: skip
 
 
+def test_planned_engines_without_urls_are_checked_by_node():
+    # The job checks the push from the placement group's nodes before any engine has a URL.
+    planned = build_topology("distributed", "cpu", ["", ""], [1, 1], ["10.0.0.2", "10.0.0.2"], ["10.0.0.1"])
+    assert planned.world_size == 3  # two planned engines are not "listed twice"
+    with pytest.raises(
+        TopologyError, match=r"engine 1 runs on node 10.0.0.2, not on train rank 0's node 10.0.0.1"
+    ):
+        build_topology("tensor", "cpu", ["", ""], [1, 1], ["10.0.0.1", "10.0.0.2"], ["10.0.0.1", "10.0.0.2"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

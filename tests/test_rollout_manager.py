@@ -146,7 +146,7 @@ def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
                           "--save-debug-rollout-data", dump])  # fmt: skip
         cfg.args.answer_token = tokenizer.convert_tokens_to_ids("2")
         cfg.args.flat = flat
-        manager = RolloutManager(cfg, [])
+        manager = RolloutManager(cfg)
         rollout = manager.generate(0, weight_version=3)
         # The driver gets a summary; the samples are in the dump the manager wrote.
         assert rollout.dump_path == dump.format(rollout_id=0) and rollout.num_samples == 6
@@ -190,4 +190,4 @@ def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
     cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "1",
                       "--num-rollout", "1", "--rollout-function-path", "tests.test_rollout_manager.wrong_rollout"])  # fmt: skip
     with pytest.raises(TypeError, match="--rollout-function-path"):
-        RolloutManager(cfg, []).generate(0)
+        RolloutManager(cfg).generate(0)

@@ -104,10 +104,15 @@ def same_node(a: str, b: str) -> bool:
 @dataclass(frozen=True)
 class EngineSpec:
     url: str
+    """Empty while the engine is only planned (the placement check before anything starts)."""
     tp_size: int = 1
     """Tensor-parallel size: the engine's GPUs, each one member of a weight-update group."""
     node: str = LOOPBACK
     """IP address of the node the engine runs on."""
+
+    def name(self, j: int) -> str:
+        """How messages name engine `j`."""
+        return f"engine {j} ({self.url})" if self.url else f"engine {j}"
 
 
 @dataclass(frozen=True)
@@ -190,10 +195,10 @@ class PushTopology:
         for j, e in enumerate(self.engines):
             if not isinstance(e.tp_size, int) or e.tp_size < 1:
                 return (
-                    f"engine {j} ({e.url}) has tensor-parallel size {e.tp_size!r}: "
+                    f"{e.name(j)} has tensor-parallel size {e.tp_size!r}: "
                     "--rollout-num-gpus-per-engine must be >= 1"
                 )
-        seen = [u for u in self.urls if self.urls.count(u) > 1]
+        seen = [u for u in self.urls if u and self.urls.count(u) > 1]
         if seen:
             return f"engine {seen[0]} is listed twice: every engine gets each push once"
         flags = flag_problem(self.transport, self.device, self.colocated)
@@ -206,7 +211,7 @@ class PushTopology:
         if not away:
             return None
         j, e = away[0]
-        where = f"engine {j} ({e.url}) runs on node {e.node}, not on train rank 0's node {master}"
+        where = f"{e.name(j)} runs on node {e.node}, not on train rank 0's node {master}"
         if self.kind == "shared_memory":
             return (
                 f"--update-weight-transport tensor on CPU passes shared-memory files, which only engines on "
@@ -239,7 +244,7 @@ class PushTopology:
                 if not same_node(self.train_nodes[rank], e.node):
                     return (
                         f"--update-weight-transport {self.transport} ({self.label}) needs each engine on the node "
-                        f"of the train ranks that feed it: engine {j} ({e.url}) runs on node {e.node}, but train "
+                        f"of the train ranks that feed it: {e.name(j)} runs on node {e.node}, but train "
                         f"rank {rank} runs on node {self.train_nodes[rank]}; use --update-weight-transport distributed"
                     )
         return None
@@ -260,7 +265,7 @@ def build_topology(
     Args:
         transport: --update-weight-transport (tensor, distributed, disk; or ipc).
         device: cpu or cuda.
-        engine_urls: every engine, in the rollout manager's order.
+        engine_urls: every engine, in the rollout manager's order ("" for an engine not started yet).
         tp_sizes: each engine's tensor-parallel size, or one size for all.
         engine_nodes: each engine's node IP address; by default the host of its URL, a loopback
             host meaning train rank 0's node.

@@ -109,8 +109,9 @@ class TrainRank:
         host = node_ip()
         return host, free_port(host)
 
-    def init(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the train process group at master_addr:master_port, then build the model."""
+    def init(self, rendezvous: tuple[str, int]) -> dict[str, Any]:
+        """Join the train process group at `rendezvous` (address, port), then build the model."""
+        master_addr, master_port = rendezvous
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         return {**self.actor.init(), "node_ip": node_ip()}
 

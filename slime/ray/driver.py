@@ -30,7 +30,10 @@ def num_rollouts(config: Config, num_prompts: int) -> int:
 
 
 def start_ray(config: Config) -> None:
-    """Attach to the cluster at RAY_ADDRESS, or start a local one sized for the layout."""
+    """Attach to the cluster at RAY_ADDRESS (`auto`: the one `ray start` last started on this
+    machine), or start a local one sized for the layout. Without RAY_ADDRESS the job starts its
+    own Ray even where `ray start` ran (plain `ray.init()` would attach to that one, and fail on
+    the CPU count only a new Ray may be given)."""
     address = os.environ.get("RAY_ADDRESS") or None
     init: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if not address and config.cluster.device == "cpu":
@@ -40,7 +43,7 @@ def start_ray(config: Config) -> None:
             config.cluster, not config.debug.rollout_only, not config.debug.train_only
         ).num_bundles
         init["num_cpus"] = max(os.cpu_count() or 1, needed)
-    ray.init(address=address, **init)
+    ray.init(address=address or "local", **init)
 
 
 def make_hooks(

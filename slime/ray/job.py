@@ -1,5 +1,5 @@
-"""The processes of one run: the placement group, the engines, the rollout manager and the train
-ranks, started in that order and shut down together. The loop reaches them through the typed
+"""The processes of one run: the placement group, then the engines, the rollout manager and the
+train ranks, started together and shut down together. The loop reaches them through the typed
 groups built here (RayTrainGroup, RayEngineGroup, a rollout source)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from slime.ray.engine_group import RayEngineGroup, attach_external
 from slime.ray.placement import Placement, Slot, plan_placement
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import RayTrainGroup
-from slime.ray.waiting import Progress
+from slime.ray.waiting import Progress, wait_refs
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ def data_parallel_size(config: Config) -> int:
     return max(1, c.num_train_ranks // model_parallel)
 
 
+def bundle_nodes(pg: Any) -> list[str]:
+    """The address (as Ray knows it) of the node each bundle of a ready placement group is on."""
+    from ray.util import placement_group_table
+
+    address = {n["NodeID"]: str(n["NodeManagerAddress"]) for n in ray.nodes()}
+    by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+    return [address[by_bundle[i]] for i in range(len(by_bundle))]
+
+
 class Job:
     """The processes of one run."""
 
@@ -69,7 +78,6 @@ class Job:
                 f"{self.placement.bundle_specs()[0]} within {PLACEMENT_TIMEOUT_S:.0f} s "
                 f"(cluster resources: {ray.cluster_resources()}); lower the device counts or add nodes"
             )
-        res = self.placement.resource
         engine_args = ["--num-threads", "1", "--weight-version", "0", "--device", c.device]
         if config.train.deterministic:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
@@ -80,56 +88,100 @@ class Job:
         self.dump_dir = (
             os.path.abspath(config.debug.sync_parameters_path) if config.debug.sync_parameters_path else None
         )
-        self.engine_gpus = self._engine_gpus() if c.rollout_backend == "sglang" else {}
-        self.engines: list[Any] = [
-            self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))
-        ]
-        ray.get([e.ready.remote() for e in self.engines])
-        self.engine_urls: list[str] = ray.get([e.url.remote() for e in self.engines])
-        self.engine_tp_sizes: list[int] = [c.rollout_num_gpus_per_engine] * len(self.engine_urls)
-        if c.external_engine_addrs and self.with_engines:
-            self.engine_urls = list(c.external_engine_addrs)
+        self.engine_tp_sizes: list[int] = []
+        if c.external_engine_addrs and self.with_engines:  # checked before anything starts
             self.engine_tp_sizes = attach_external(
-                self.engine_urls, config.train.distributed_timeout_minutes * 60
+                list(c.external_engine_addrs), config.train.distributed_timeout_minutes * 60
             )
-        # The rollout manager runs unless rollouts are replayed from dumps (train-only with a
-        # rollout function keeps it, with no engines). Two threads: the progress bar reads the
-        # sample count while a generation runs.
         self.dp_size = data_parallel_size(config) if self.with_trainer else None
         self.manager: Any = None
-        if self.with_engines or config.debug.load_rollout_data is None:
-            self.manager = (
-                ray.remote(with_init_errors(RolloutManager))
-                .options(num_cpus=0, max_concurrency=2)
-                .remote(config, self.engine_urls, log_dir, self.dp_size, self.api_key)
-            )
-            ray.get(self.manager.ready.remote())
-        world = c.num_train_ranks
+        self.engines: list[Any] = []
         self.train: list[Any] = []
-        for rank, slot in enumerate(self.placement.train):
-            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
-            self.train.append(cls.remote(config.train, rank, world, 1, config.debug.hang_timeout, log_dir))
-        # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
-        # node that is.
         self.rendezvous: tuple[str, int] | None = None
-        if self.train:
-            self.rendezvous = ray.get(self.train[0].rendezvous_address.remote())
-        self.infos = ray.get([t.init.remote(*self.rendezvous) for t in self.train]) if self.rendezvous else []
+        self.infos: list[dict[str, Any]] = []
+        self.engine_urls: list[str] = []
+        self.engine_nodes: list[str] | None = None
+        self._check_planned_push()
+        self._start()
         dp = {int(info.get("dp", 1)) for info in self.infos}
         if self.infos and dp != {self.dp_size}:
             raise RuntimeError(
                 f"the train ranks report {sorted(dp)} data-parallel replicas, the job planned {self.dp_size}"
             )
-        self.engine_nodes = ray.get([e.node_ip.remote() for e in self.engines]) if self.engines else None
+
+    def _start(self) -> None:
+        """Start the engines, the rollout manager and the train ranks all at once (each spends
+        seconds importing and loading: started one after the other, a job waited for the sum),
+        wait for every one (the first failure ends the wait), then connect the manager to the
+        engines. Engines that share GPUs with the train ranks (--colocate) start first."""
+        c, res = self.config.cluster, self.placement.resource
+        self.engine_gpus = self._engine_gpus() if c.rollout_backend == "sglang" else {}
+        self.engines = [self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))]
+        # The rollout manager runs unless rollouts are replayed from dumps (train-only with a
+        # rollout function keeps it, with no engines). Two threads: the progress bar reads the
+        # sample count while a generation runs.
+        if self.with_engines or self.config.debug.load_rollout_data is None:
+            self.manager = (
+                ray.remote(with_init_errors(RolloutManager))
+                .options(num_cpus=0, max_concurrency=2)
+                .remote(self.config, self.log_dir, self.dp_size, self.api_key)
+            )
+        readies = [e.ready.remote() for e in self.engines]
+        if c.colocate and res == "GPU":  # engines size their memory from what is free: before the trainer
+            wait_refs(readies)
+        world = c.num_train_ranks
+        for rank, slot in enumerate(self.placement.train):
+            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            self.train.append(
+                cls.remote(self.config.train, rank, world, 1, self.config.debug.hang_timeout, self.log_dir)
+            )
+        # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
+        # node that is; each rank gets the address by reference, without a round trip here.
+        rendezvous = self.train[0].rendezvous_address.remote() if self.train else None
+        inits = [t.init.remote(rendezvous) for t in self.train]
+        readies += [self.manager.ready.remote()] if self.manager is not None else []
+        wait_refs([*readies, *inits])
+        self.infos = ray.get(inits)
+        self.rendezvous = ray.get(rendezvous) if rendezvous is not None else None
+        if self.engines:
+            self.engine_urls = ray.get([e.url.remote() for e in self.engines])
+            self.engine_tp_sizes = [c.rollout_num_gpus_per_engine] * len(self.engine_urls)
+            self.engine_nodes = ray.get([e.node_ip.remote() for e in self.engines])
+        elif c.external_engine_addrs and self.with_engines:
+            self.engine_urls = list(c.external_engine_addrs)
+        if self.manager is not None:
+            ray.get(self.manager.connect.remote(self.engine_urls))
 
     def topology(self, urls: list[str]) -> PushTopology:
         """The weight push's topology (slime.bridge.topology) for the engines now at `urls`."""
+        return self._topology(
+            urls, self.engine_tp_sizes, self.engine_nodes, [i["node_ip"] for i in self.infos]
+        )
+
+    def _topology(
+        self, urls: list[str], tp_sizes: list[int], engine_nodes: list[str] | None, train_nodes: list[str]
+    ) -> PushTopology:
         c = self.config
         return build_topology(
-            c.bridge.transport, c.cluster.device, urls, self.engine_tp_sizes, self.engine_nodes,
-            [info["node_ip"] for info in self.infos], sglang=c.cluster.rollout_backend == "sglang",
-            colocated=c.cluster.colocate,
+            c.bridge.transport, c.cluster.device, urls, tp_sizes, engine_nodes, train_nodes,
+            sglang=c.cluster.rollout_backend == "sglang", colocated=c.cluster.colocate,
         )  # fmt: skip
+
+    def _check_planned_push(self) -> None:
+        """Refuse a weight push that cannot reach an engine from where the placement group put the
+        processes (a TopologyError, exit 2), before any of them starts: the nodes of its bundles
+        are known once it is ready. The topology is built again from the running processes."""
+        if not (self.with_trainer and self.with_engines):
+            return
+        c = self.config.cluster
+        nodes = bundle_nodes(self.pg)
+        train_nodes = [nodes[slot.bundles[0]] for slot in self.placement.train]
+        if c.external_engine_addrs:
+            self._topology(list(c.external_engine_addrs), self.engine_tp_sizes, None, train_nodes)
+            return
+        engines = self.placement.engines
+        sizes = [c.rollout_num_gpus_per_engine] * len(engines)
+        self._topology([""] * len(engines), sizes, [nodes[slot.bundles[0]] for slot in engines], train_nodes)
 
     def groups(self, progress: Progress) -> tuple[RayTrainGroup | None, RayEngineGroup | None]:
         """The train ranks and the engines as the loop drives them (None: left out by a debug mode);

@@ -31,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    """Produces rollouts and evaluations from the engines at `engine_urls` (a Ray actor)."""
+    """Produces rollouts and evaluations from the engines it is connected to (a Ray actor).
+
+    Built without the engines (the tokenizer, the data and the user's functions load while the
+    engines start), then `connect(engine_urls)` once they answer."""
 
     def __init__(
         self,
         config: Config,
-        engine_urls: list[str],
         log_dir: str = ".",
         dp_size: int | None = None,
         api_key: str | None = None,
@@ -53,7 +55,8 @@ class RolloutManager:
 
             random.seed(config.train.seed)
         self.config = config
-        self.engine_urls = engine_urls
+        self.log_dir = log_dir
+        self.engine_urls: list[str] = []
         self.dp_size = dp_size
         # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
         self.api_key = api_key
@@ -79,34 +82,41 @@ class RolloutManager:
             if r.custom_generate_function_path
             else None
         )
-        # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
-        # the router in front of every engine, or (torch engines without a router) engine 0.
         self.registered: list[str] = []  # engines slime added to the router
-        self.router = self._router(config, engine_urls, log_dir)
-        if self.router is not None:
-            config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
-        elif engine_urls:
-            host, _, port = engine_urls[0].removeprefix("http://").rpartition(":")
-            config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
+        self.router: Any = None
         self.filter = (
             load_function(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
             if r.dynamic_sampling_filter_path
             else None
         )
         self.progress = Progress()
-        # --rollout-health-check-interval: engines found down (by the monitor or a failed request)
-        # have their groups generated elsewhere and are restarted by the loop before a push.
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
-        if r.health_check_interval is not None and engine_urls:
-            self.health = EngineHealth()
-            self.monitor = HealthMonitor(
-                self.engine_urls, self.health, r.health_check_interval, r.health_check_timeout
-            )
         self.eval_dataset = None
         if config.eval.prompt_data:
             eval_cfg = eval_data_config(r.data, config.eval.prompt_data)
             self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
+
+    def connect(self, engine_urls: list[str]) -> None:
+        """Generate with the engines at `engine_urls` (once, before the first rollout)."""
+        assert not self.engine_urls, "connect() runs once"
+        config, r = self.config, self.config.rollout
+        self.engine_urls = list(engine_urls)
+        # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
+        # the router in front of every engine, or (torch engines without a router) engine 0.
+        self.router = self._router(config, self.engine_urls, self.log_dir)
+        if self.router is not None:
+            config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
+        elif self.engine_urls:
+            host, _, port = self.engine_urls[0].removeprefix("http://").rpartition(":")
+            config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
+        # --rollout-health-check-interval: engines found down (by the monitor or a failed request)
+        # have their groups generated elsewhere and are restarted by the loop before a push.
+        if r.health_check_interval is not None and self.engine_urls:
+            self.health = EngineHealth()
+            self.monitor = HealthMonitor(
+                self.engine_urls, self.health, r.health_check_interval, r.health_check_timeout
+            )
 
     def _router(self, config: Config, engine_urls: list[str], log_dir: str) -> Any:
         """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
