@@ -67,7 +67,7 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(tiny_model, prompts, t
     stacks are written and the job exits 1 long before the hang would end (subprocess timeout)."""
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     start = time.monotonic()
-    # The workers read HANG_RANK and sitecustomize.py at start-up: a Ray of the job's own (run_job).
+    # The workers read HANG_RANK and sitecustomize.py at start-up (run_job's runtime environment).
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
                    "--hang-timeout", "10", env={"HANG_RANK": "1"})  # fmt: skip
     elapsed = time.monotonic() - start

@@ -127,4 +127,7 @@ def test_engines_register_with_a_running_router_and_leave_it_when_done(tiny_mode
     (tmp_path / "bad").mkdir()
     bad = run_job("train.py", tiny_model, prompts, tmp_path / "bad", "--rm-type", "exact",
                   "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "9")  # fmt: skip
-    assert bad.returncode != 0 and "no sglang-router answers at http://127.0.0.1:9" in bad.stderr
+    # A router that does not answer: one line, exit 2, before any process starts.
+    errors = [line for line in bad.stderr.splitlines() if " ERROR " in line]
+    assert bad.returncode == 2 and len(errors) == 1, bad.stderr[-3000:]
+    assert "no sglang-router answers at http://127.0.0.1:9" in errors[0] and "slime job" not in bad.stderr

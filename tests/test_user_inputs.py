@@ -82,7 +82,10 @@ def test_a_checkpoint_that_is_not_hugging_face_is_refused(capfd, data, tmp_path)
 
 
 @pytest.mark.e2e
-def test_a_usage_error_inside_an_actor_is_one_line_and_exit_2(capfd, tiny_model, data):
+def test_a_usage_error_inside_an_actor_is_one_line_and_exit_2(capfd, monkeypatch, tiny_model, data):
+    from tests.ray_cluster import shared_address
+
+    monkeypatch.setenv("RAY_ADDRESS", shared_address())  # this process attaches, as train.py would
     # Only the rollout manager tokenizes the prompts: that every prompt is too long is found there.
     code, lines, err = run_main(
         capfd, tiny_model, data, "--rollout-max-prompt-len", "1", "--debug-rollout-only"

@@ -29,6 +29,7 @@ import urllib.request
 from typing import Any
 
 from slime.engines.protocol import API_KEY_ENV, check_api_key
+from slime.utils.errors import UsageError
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 class RouterError(RuntimeError):
     pass
+
+
+class RouterUnreachable(UsageError):
+    """--sglang-router-ip/--sglang-router-port name an address where no router answers."""
 
 
 # sglang-router's own launcher, with the API key taken from the environment instead of argv.
@@ -124,6 +129,21 @@ class Router:
             return status, json.loads(raw) if raw else None
         except json.JSONDecodeError:
             return status, raw.decode(errors="replace")
+
+    @classmethod
+    def running(
+        cls, host: str, port: int, api_key: str | None = None
+    ) -> tuple[Router, dict[str, str | None]]:
+        """The router the user started at --sglang-router-ip/--sglang-router-port and its workers;
+        RouterUnreachable (a usage error) when nothing answers there."""
+        router = cls(host, port, api_key=api_key)
+        try:
+            return router, router.workers()
+        except OSError as e:
+            raise RouterUnreachable(
+                f"--sglang-router-ip/--sglang-router-port: no sglang-router answers at {router.url} ({e}); "
+                "start it first or fix the address"
+            ) from None
 
     def workers(self) -> dict[str, str | None]:
         """Registered worker URL -> the router's id for it (None on routers without ids)."""

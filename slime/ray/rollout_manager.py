@@ -128,18 +128,12 @@ class RolloutManager:
             return None
         if c.router_ip is not None:
             assert c.router_port is not None
-            router = Router(c.router_ip, c.router_port, api_key=self.api_key)
+            router, listed = Router.running(c.router_ip, c.router_port, api_key=self.api_key)
         else:
             from slime.ray.actors import engine_host
 
             router = Router.start(engine_host(), os.path.join(log_dir, "router.log"), api_key=self.api_key)
-        try:
             listed = router.workers()
-        except OSError as e:
-            raise RuntimeError(
-                f"--sglang-router-ip/--sglang-router-port: no sglang-router answers at {router.url} ({e}); "
-                "start it first or fix the address"
-            ) from None
         for url in engine_urls:
             if url not in listed:
                 router.add_worker(url)
