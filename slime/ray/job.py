@@ -275,14 +275,16 @@ class Job:
             for t in self.train:
                 ray.kill(t, no_restart=True)
             self.train = []
-        managers = [self.manager.close.remote()] if self.manager is not None else []
-        for calls in (
-            [t.close.remote() for t in self.train],
-            managers,
-            [e.stop.remote() for e in self.engines],
-        ):
+        # Every process is told at once (one after the other, a job's exit waited for the sum);
+        # each failure is logged, and none stops the others from being waited for.
+        calls = [t.close.remote() for t in self.train]
+        calls += [self.manager.close.remote()] if self.manager is not None else []
+        calls += [e.stop.remote() for e in self.engines]
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=60)
+        for call in calls:
             try:
-                ray.get(calls, timeout=60)
+                ray.get(call, timeout=0)
             except Exception as e:  # shutting down after a failure must not hide it
                 logger.warning("shutdown: %s", e)
         remove_placement_group(self.pg)

@@ -92,6 +92,10 @@ def _default_intermediate(hidden_size: int) -> int:
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer_size: int) -> None:
+    """Exit 2 naming the flag (torch is imported only after these checks pass)."""
+    for flag in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     if args.hidden_size % args.num_heads:
         parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-heads {args.num_heads}")
     if args.num_heads % args.num_kv_heads:
@@ -101,17 +105,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
             f"--vocab {args.vocab} is smaller than the tokenizer ({tokenizer_size} tokens); "
             f"use --vocab {tokenizer_size} or more"
         )
-    for flag in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag.replace('_', '-')} must be positive")
 
 
 def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
+    tokenizer = build_tokenizer()
+    validate(args, parser, len(tokenizer))
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = build_tokenizer()
-    validate(args, parser, len(tokenizer))
     vocab_size = args.vocab if args.vocab is not None else len(tokenizer)
     config = build_config(args, vocab_size, tokenizer)
 
