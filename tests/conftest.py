@@ -76,6 +76,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
+    # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the end-to-end jobs run
+    # one after another on one worker, beside the in-process tests on the other: each job
+    # already keeps several processes busy, and they share one Ray cluster.
+    for item in items:
+        if "e2e" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("e2e"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")

@@ -47,6 +47,8 @@ def test_generate_through_router(two_engines, tmp_path):
             "127.0.0.1",
             "--port",
             str(port),
+            "--prometheus-port",  # not the default 29000, which another test's router may hold
+            str(_free_port()),
             "--policy",
             "round_robin",
             "--worker-urls",
@@ -95,3 +97,17 @@ def test_generate_through_router(two_engines, tmp_path):
         assert len(res["meta_info"]["output_token_logprobs"]) == 4
     # round robin: both engines served requests
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_routers_slime_starts_run_side_by_side(tmp_path):
+    """Two jobs on one machine each start a router: each gets its own metrics port, on its own
+    host (sglang-router's default, 0.0.0.0:29000, let only the first one live)."""
+    from slime.engines.router import Router
+
+    routers = [Router.start("127.0.0.1", str(tmp_path / f"router{i}.log")) for i in range(2)]
+    try:
+        assert [r.workers() for r in routers] == [{}, {}]
+        assert all(r.proc is not None and r.proc.poll() is None for r in routers)
+    finally:
+        for r in routers:
+            r.stop()

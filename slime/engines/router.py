@@ -86,7 +86,10 @@ class Router:
                 "(pip install sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
             ) from e
         port = free_port(host)
-        options = ["--host", host, "--port", str(port)]
+        # Its Prometheus exporter would bind 0.0.0.0:29000: every interface, and one router per
+        # machine (a second job's router died on the port). Beside the router, on a free port.
+        options = ["--host", host, "--port", str(port), "--prometheus-host", host,
+                   "--prometheus-port", str(free_port(host))]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         if api_key is None:
             argv = [sys.executable, "-m", "sglang_router.launch_router", *options]
