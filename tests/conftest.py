@@ -75,6 +75,7 @@ def pytest_sessionfinish(session, exitstatus):
     stop_shared()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group marks into node ids
 def pytest_collection_modifyitems(config, items):
     # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the end-to-end jobs run
     # one after another on one worker, beside the in-process tests on the other: each job

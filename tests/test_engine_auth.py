@@ -48,6 +48,16 @@ async def status_of(url: str, method: str, path: str, headers: dict[str, str], b
         return resp.status
 
 
+def test_generated_keys_pass_as_a_command_line_value():
+    """SGLang gets the key as `--api-key KEY` (from its --config file): a key that starts with
+    "-" would be taken for a flag. 2,000 keys (one in 32 started so, before)."""
+    from slime.engines.torch_engine.cli import build_parser
+
+    keys = {new_api_key() for _ in range(2000)}
+    assert len(keys) == 2000 and not any(k.startswith("-") for k in keys)
+    assert build_parser().parse_args(["--model-path", "m", "--api-key", min(keys)]).api_key == min(keys)
+
+
 def test_every_route_but_health_needs_the_key(keyed_engine):
     url = keyed_engine.url
     wrong = [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {KEY}"},

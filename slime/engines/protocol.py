@@ -30,8 +30,10 @@ API_KEY_ENV = "SLIME_ENGINE_API_KEY"
 
 
 def new_api_key() -> str:
-    """A fresh random key for the engines of one job (256 bits, URL-safe characters)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random key for the engines of one job (256 bits as 64 hex digits). Not
+    token_urlsafe: one key in 32 would start with "-", which SGLang's argument parser (the
+    key reaches it through a --config file turned into arguments) takes for a flag."""
+    return secrets.token_hex(32)
 
 
 def check_api_key(key: str) -> None:
