@@ -64,3 +64,21 @@ def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts,
         "not on train rank 0's node" in errors[0] and "use --update-weight-transport distributed" in errors[0]
     )
     assert "slime job" not in proc.stderr and not list((tmp_path / "logs").glob("engine*.log"))
+
+
+# disk: the same placement and checks as tensor, in -m slow (12 s; the default suite keeps 10 min).
+@pytest.mark.parametrize("transport", ["tensor", pytest.param("disk", marks=pytest.mark.slow)])
+def test_node_local_transports_work_on_one_node(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
+    # One train rank and its colocated engine share one bundle, so one node (either): shared
+    # memory and the temporary directory reach the engine, at its node address, with the key.
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--colocate",
+                   "--update-weight-transport", transport, "--check-weight-sync",
+                   env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    node = re.search(r"rank nodes: ([\d.]+)\)", proc.stderr).group(1)
+    assert node in (HEAD_IP, "127.0.0.2") and re.search(r"engine nodes: (.*)", proc.stderr).group(1) == node
+    assert re.search(r"engines: (.*)", proc.stderr).group(1).startswith(f"http://{node}:")
+    assert proc.stderr.count("--check-weight-sync: 46 tensors match on every engine") == 2
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    label = {"tensor": "shared_memory", "disk": "disk"}[transport]
+    assert [r["push/transport"] for r in records] == [label, label]
