@@ -174,8 +174,10 @@ class Router:
                 )
             time.sleep(0.2)
 
-    def remove_worker(self, worker_url: str) -> None:
-        """Unregister `worker_url` (a warning, not an error, when the router refuses)."""
+    def remove_worker(self, worker_url: str, timeout_s: float = 30.0) -> None:
+        """Unregister `worker_url` and wait until the router no longer lists it (sglang-router
+        >= 0.3 answers 202 and removes it in the background); a warning, not an error, when the
+        router refuses or keeps listing it."""
         listed = self.workers()
         if worker_url not in listed:
             return
@@ -190,6 +192,18 @@ class Router:
             logger.warning(
                 "router %s: removing worker %s answered %s: %s", self.url, worker_url, status, answer
             )
+            return
+        deadline = time.monotonic() + timeout_s
+        while worker_url in self.workers():
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "router %s still lists worker %s %.0f s after removing it",
+                    self.url,
+                    worker_url,
+                    timeout_s,
+                )
+                return
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
