@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import pytest
 
 from slime.engines.client import EngineClient
+from slime.utils.net import free_port
 from tests.conftest import start_engine
 
 router_mod = pytest.importorskip(
@@ -18,12 +18,6 @@ router_mod = pytest.importorskip(
     reason="sglang-router is not installed on this machine "
     "(pip install sglang-router); the router test cannot run",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def two_engines(tiny_model, tmp_path_factory):
 
 
 def test_generate_through_router(two_engines, tmp_path):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     log = open(tmp_path / "router.log", "wb")
     proc = subprocess.Popen(
         [
@@ -48,7 +42,7 @@ def test_generate_through_router(two_engines, tmp_path):
             "--port",
             str(port),
             "--prometheus-port",  # not the default 29000, which another test's router may hold
-            str(_free_port()),
+            str(free_port("127.0.0.1")),
             "--policy",
             "round_robin",
             "--worker-urls",

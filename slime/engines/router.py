@@ -165,14 +165,21 @@ class Router:
             status, answer = self._call("POST", "/add_worker?url=" + urllib.parse.quote(worker_url, safe=""))
         if status not in (200, 201, 202):
             raise RouterError(f"router {self.url} refused worker {worker_url} ({status}): {answer}")
+        if not self._wait_listed(worker_url, True, timeout_s):
+            raise RouterError(
+                f"router {self.url} accepted worker {worker_url} but did not list it within {timeout_s:.0f} s "
+                f"(its health check of the worker fails?); see {self.log_path or 'the router log'}"
+            )
+
+    def _wait_listed(self, worker_url: str, listed: bool, timeout_s: float) -> bool:
+        """Poll until the router lists `worker_url` (listed=True) or no longer does; False on timeout.
+        sglang-router >= 0.3 adds and removes workers in the background."""
         deadline = time.monotonic() + timeout_s
-        while worker_url not in self.workers():
+        while (worker_url in self.workers()) != listed:
             if time.monotonic() > deadline:
-                raise RouterError(
-                    f"router {self.url} accepted worker {worker_url} but did not list it within {timeout_s:.0f} s "
-                    f"(its health check of the worker fails?); see {self.log_path or 'the router log'}"
-                )
+                return False
             time.sleep(0.2)
+        return True
 
     def remove_worker(self, worker_url: str, timeout_s: float = 30.0) -> None:
         """Unregister `worker_url` and wait until the router no longer lists it (sglang-router
@@ -193,17 +200,10 @@ class Router:
                 "router %s: removing worker %s answered %s: %s", self.url, worker_url, status, answer
             )
             return
-        deadline = time.monotonic() + timeout_s
-        while worker_url in self.workers():
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "router %s still lists worker %s %.0f s after removing it",
-                    self.url,
-                    worker_url,
-                    timeout_s,
-                )
-                return
-            time.sleep(0.2)
+        if not self._wait_listed(worker_url, False, timeout_s):
+            logger.warning(
+                "router %s still lists worker %s %.0f s after removing it", self.url, worker_url, timeout_s
+            )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

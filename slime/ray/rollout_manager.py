@@ -104,7 +104,7 @@ class RolloutManager:
         self.engine_urls = list(engine_urls)
         # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
         # the router in front of every engine, or (torch engines without a router) engine 0.
-        self.router = self._router(config, self.engine_urls, self.log_dir)
+        self.router = self._router()
         if self.router is not None:
             config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
         elif self.engine_urls:
@@ -118,12 +118,12 @@ class RolloutManager:
                 self.engine_urls, self.health, r.health_check_interval, r.health_check_timeout
             )
 
-    def _router(self, config: Config, engine_urls: list[str], log_dir: str) -> Any:
+    def _router(self) -> Any:
         """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
         one named by --sglang-router-ip/port; every engine is registered with it."""
         from slime.engines.router import Router
 
-        c = config.cluster
+        c, engine_urls = self.config.cluster, self.engine_urls
         if not engine_urls or (c.rollout_backend != "sglang" and c.router_ip is None):
             return None
         if c.router_ip is not None:
@@ -132,7 +132,9 @@ class RolloutManager:
         else:
             from slime.ray.actors import engine_host
 
-            router = Router.start(engine_host(), os.path.join(log_dir, "router.log"), api_key=self.api_key)
+            router = Router.start(
+                engine_host(), os.path.join(self.log_dir, "router.log"), api_key=self.api_key
+            )
             listed = router.workers()
         for url in engine_urls:
             if url not in listed:
