@@ -41,10 +41,12 @@ class FakeSource:
 
 
 class FakeTrain:
-    def __init__(self, log: list, resumed: int | None = None):
+    def __init__(self, log: list, resumed: int | None = None, failing_pushes: int = 0):
         self.log = log
         self.resumed_rollout_id = resumed
         self.resumed_data_state = None if resumed is None else {"offset": resumed + 1}
+        self.failing_pushes = failing_pushes  # the next pushes that fail (an engine died in them)
+        self.connected: tuple = ("http://e0",)
 
     def train(self, rollout):
         self.log.append(("train", rollout.rollout_id))
@@ -54,10 +56,18 @@ class FakeTrain:
 
     def push_weights(self, version):
         self.log.append(("push", version))
+        if self.failing_pushes:
+            self.failing_pushes -= 1
+            raise RuntimeError("connection lost during POST /update_weights_from_tensor")
         return {"bytes": 64.0}
 
-    def connect(self, engines):
-        self.log.append(("connect", tuple(engines.urls)))
+    def connect(self, engines, only=None):
+        self.connected = tuple(engines.urls[j] for j in (only if only is not None else engines.targets()))
+        self.log.append(("connect", self.connected))
+
+    def ensure_connected(self, engines):
+        if tuple(engines.urls[j] for j in engines.targets()) != self.connected:
+            self.connect(engines)
 
     def save(self, rollout_id, data_state):
         self.log.append(("save", rollout_id, data_state))
@@ -73,8 +83,13 @@ class FakeTrain:
 
 
 class FakeEngines:
-    def __init__(self, log: list, down_at_push: set[int] = frozenset()):
+    """One engine, "http://e0". `down_at_push`: the pushes (counted from 1) before which it was
+    found down and restarted; `down_after_failed_push`: probe() finds it down after a failed push."""
+
+    def __init__(self, log: list, down_at_push: set[int] = frozenset(), down_after_failed_push: bool = False):
         self.log, self.urls, self.down_at_push, self.pushes = log, ["http://e0"], down_at_push, 0
+        self.down_after_failed_push = down_after_failed_push
+        self.joining: dict[int, str] = {}
 
     def release_memory(self):
         self.log.append(("release",))
@@ -82,13 +97,33 @@ class FakeEngines:
     def resume_memory(self, tags):
         self.log.append(("resume", tags))
 
-    def restart_down(self):
-        self.pushes += 1
-        if self.pushes in self.down_at_push:
-            self.urls = [f"http://e0-restart{self.pushes}"]
-            self.log.append(("restart",))
-            return True
-        return False
+    def up_urls(self):
+        return [u for j, u in enumerate(self.urls) if j not in self.joining]
+
+    def targets(self):
+        return [0]
+
+    def heal(self, wait=False):
+        if wait:
+            self.pushes += 1
+            if self.pushes in self.down_at_push:
+                self.urls = [f"http://e0-restart{self.pushes}"]
+                self.joining = {0: self.urls[0]}
+                self.log.append(("restart",))
+        return sorted(self.joining)
+
+    def probe(self):
+        if not self.down_after_failed_push:
+            return {}
+        self.log.append(("probe",))
+        self.down_after_failed_push = False
+        self.urls = ["http://e0-restarted"]
+        self.joining = {0: self.urls[0]}
+        return {0: "does not answer /health"}
+
+    def admit(self, indices):
+        for j in indices:
+            self.log.append(("admit", self.joining.pop(j)))
 
     def snapshot_weights(self):
         self.log.append(("snapshot",))
@@ -257,8 +292,43 @@ def test_a_restarted_engine_reconnects_the_trainer_before_the_push():
     log: list = []
     make(log, engines=FakeEngines(log, down_at_push={2})).run()
     i = log.index(("restart",))
-    assert log[i : i + 3] == [("restart",), ("connect", ("http://e0-restart2",)), ("sleep", True)]
-    assert log[i + 4] == ("push", 2)
+    # It gets the weights with the push and takes requests only after it.
+    assert log[i - 1 : i + 7] == [
+        ("sleep", True), ("restart",), ("connect", ("http://e0-restart2",)), ("resume", ("weights",)), ("push", 2),
+        ("sleep", False), ("resume", ("kv_cache", "cuda_graph")), ("admit", "http://e0-restart2"),
+    ]  # fmt: skip
+
+
+def test_a_push_that_fails_on_a_dead_engine_is_done_again_after_the_probe():
+    log: list = []
+    loop = make(log, total=1, engines=FakeEngines(log, down_after_failed_push=True))
+    assert isinstance(loop.train, FakeTrain)
+    loop.train.failing_pushes = 1
+    loop.run()
+    i = log.index(("probe",))
+    assert log[i - 1 : i + 7] == [
+        ("push", 1), ("probe",), ("connect", ("http://e0-restarted",)), ("resume", ("weights",)), ("push", 1),
+        ("sleep", False), ("resume", ("kv_cache", "cuda_graph")), ("admit", "http://e0-restarted"),
+    ]  # fmt: skip
+
+
+def test_a_push_that_fails_with_every_engine_up_fails_the_job():
+    log: list = []
+    loop = make(log, total=1)
+    assert isinstance(loop.train, FakeTrain)
+    loop.train.failing_pushes = 1
+    with pytest.raises(RuntimeError, match="connection lost"):
+        loop.run()
+    assert ("push", 1) in log and ("probe",) not in log
+
+
+def test_engines_restarted_during_a_generation_get_the_weights_before_requests():
+    log: list = []
+    engines = FakeEngines(log)
+    loop = make(log, total=1, engines=engines)
+    engines.urls, engines.joining = ["http://e0-new"], {0: "http://e0-new"}
+    loop.heal()
+    assert log == [("connect", ("http://e0-new",)), ("push", 0), ("admit", "http://e0-new")]
 
 
 def test_a_failing_hook_after_training_stops_the_step_before_the_push():

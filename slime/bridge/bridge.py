@@ -22,6 +22,7 @@ from typing import Any
 from slime.bridge.base import Bucket, Transport
 from slime.bridge.faults import PushFault
 from slime.bridge.topology import PushTopology
+from slime.debug.phases import no_hook
 from slime.engines.client import EngineClient, EngineError
 from slime.utils.aio import run_sync
 
@@ -76,6 +77,8 @@ class WeightBridge:
         self.label = label or transport.name
         """The transport that runs (PushTopology.label), in every push's statistics."""
         self._ready = False
+        self.phase: Callable[..., None] = no_hook
+        """--debug-phase-hook: called with "push_bucket" after every bucket sent."""
         self._engine_dtype: tuple[Any] | None = None
         self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
@@ -128,9 +131,12 @@ class WeightBridge:
                     await self.transport.send(engines, bucket, weight_version)
                     total += sum(t.numel() * t.element_size() for _, t in bucket)
                     count += 1
+                    self.phase("push_bucket", version=weight_version, bucket=count - 1,
+                               engines=list(self.engine_urls), transport=self.label)  # fmt: skip
                 await self.transport.finish(engines, weight_version)
             except BaseException:
                 await self.transport.abort()
+                self._ready = False  # a transport that failed half way is set up again
                 raise
         finally:
             try:
@@ -236,7 +242,15 @@ def push_actor_weights(
         for _ in buckets:
             pass
         return None
-    stats = run_sync(bridge.push(buckets, weight_version, collect=prints is not None))
+    try:
+        stats = run_sync(bridge.push(buckets, weight_version, collect=prints is not None))
+    except BaseException:
+        # The other ranks are still gathering the buckets with this one: take the rest of them,
+        # so that they finish the push (and hear of the failure from the driver) instead of
+        # waiting in a collective until the timeout.
+        for _ in buckets:
+            pass
+        raise
     if prints is not None:
         start = time.perf_counter()
         bridge.verify(prints.wait(), weight_version, prints.sent)

@@ -102,14 +102,22 @@ class DistributedTransport:
 
         try:
             await asyncio.to_thread(broadcast_all)
-        finally:
-            await asyncio.gather(*posts)
+        except BaseException:
+            # An engine left the group half way (it died): shut the trainer's side down, so the
+            # engines still receiving fail at once instead of waiting for the rest until the timeout.
+            await self.abort()
+            await asyncio.gather(*posts, return_exceptions=True)
+            raise
+        await asyncio.gather(*posts)
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
         return None
 
     async def abort(self) -> None:
-        return None  # every send completed before it returned
+        """After a failure: the group cannot be trusted any more (setup() builds a new one)."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            await asyncio.to_thread(sdist.destroy_group, group, True)
 
     async def close(self, engines: list[EngineClient]) -> None:
         if self.group is None:

@@ -67,10 +67,14 @@ class RolloutConfig:
     custom_generate_function_path: str | None = None
     rollout_function_path: str | None = None
     dynamic_sampling_filter_path: str | None = None
-    health_check_interval: float | None = None
-    """`--rollout-health-check-interval S`: poll every engine's /health_generate (off when None)."""
+    fault_tolerance: bool = False
+    """`--use-fault-tolerance`: engines found down are replaced, their groups generated elsewhere."""
+    health_check_interval: float = 30.0
+    """`--rollout-health-check-interval S`: seconds between two rounds of /health_generate checks."""
     health_check_timeout: float = 30.0
-    """`--rollout-health-check-timeout S`: an engine that fails for this long is down."""
+    """`--rollout-health-check-timeout S`: an engine that does not answer within this is down."""
+    health_check_first_wait: float = 0.0
+    """`--rollout-health-check-first-wait S`: the grace before the first round (and after a resume)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class DebugConfig:
     """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
     push_fault: str | None = None
     """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
+    phase_hook: str | None = None
+    """`--debug-phase-hook PATH`: f(phase, info) at the named phases of a step (slime.debug.phases)."""
     sync_parameters_path: str | None = None
     """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
     parameters before and after the first push, then exit."""
@@ -173,11 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true", help="trainer releases device memory during rollout")
     g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
     g.add_argument("--rollout-backend", choices=["torch", "sglang"], default="torch")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="check the engines' health: an engine that is down (health check, failed request or control "
+                   "call) has its groups generated again elsewhere, is restarted on its bundle and given the current "
+                   "weights before it takes requests again (docs/engine.md)")  # fmt: skip
     g.add_argument("--rollout-health-check-interval", type=float, default=None, metavar="SECONDS",
-                   help="poll every engine's /health_generate; an engine that is down has its groups generated "
-                   "again elsewhere and is restarted before the next weight push (off by default)")  # fmt: skip
-    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="an engine whose /health_generate fails for this long is down")  # fmt: skip
+                   help="with --use-fault-tolerance: seconds between two rounds of /health_generate checks (30)")  # fmt: skip
+    g.add_argument("--rollout-health-check-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --use-fault-tolerance: an engine whose /health_generate does not answer within this "
+                   "is down (30)")  # fmt: skip
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=None, metavar="SECONDS",
+                   help="with --use-fault-tolerance: the wait before the first round of checks, and after colocated "
+                   "engines take their memory back (0)")  # fmt: skip
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
                    help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
                    "any; the trainer's weights are pushed to them before the first rollout")  # fmt: skip
@@ -274,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug-push-fault", default=None, metavar="SPEC",
                    help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
                    "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
+    g.add_argument("--debug-phase-hook", default=None, metavar="MODULE.FUNCTION",
+                   help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
+                   "them (driver, rollout manager, train rank 0): a deterministic moment for fault-injection tests "
+                   "(docs/debugging.md, Fault tolerance)")  # fmt: skip
 
     g = p.add_argument_group("debug: parameter sync (docs/debugging.md, Parameter sync)")
     g.add_argument("--debug-sync-parameters-path", default=None, metavar="DIR",
@@ -320,6 +337,10 @@ def _train_config(ns: argparse.Namespace) -> TrainConfig:
         )
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
     """The dtype the log-prob tolerances are for, and the tolerances (flags win)."""
     from slime.debug.precision import TOLERANCES, lower_precision
@@ -355,8 +376,9 @@ def _configs(ns: argparse.Namespace) -> Config:
     rollout = RolloutConfig(
         data, sampling, ns.rollout_batch_size or 0, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
         ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
-        ns.rollout_function_path, ns.dynamic_sampling_filter_path, ns.rollout_health_check_interval,
-        ns.rollout_health_check_timeout,
+        ns.rollout_function_path, ns.dynamic_sampling_filter_path, ns.use_fault_tolerance,
+        _or(ns.rollout_health_check_interval, 30.0), _or(ns.rollout_health_check_timeout, 30.0),
+        _or(ns.rollout_health_check_first_wait, 0.0),
     )  # fmt: skip
     dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
@@ -394,6 +416,7 @@ def _configs(ns: argparse.Namespace) -> Config:
             precision_logprob_tol=tol,
             precision_logprob_max_tol=max_tol,
             push_fault=ns.debug_push_fault,
+            phase_hook=ns.debug_phase_hook,
             hang_timeout=ns.hang_timeout,
             sync_parameters_path=ns.debug_sync_parameters_path,
             check_weight_update_equal=ns.check_weight_update_equal,

@@ -173,6 +173,16 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
         value = getattr(ns, flag)
         if value is not None and not value > 0:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
+    if ns.rollout_health_check_first_wait is not None and ns.rollout_health_check_first_wait < 0:
+        return f"--rollout-health-check-first-wait must be >= 0, got {ns.rollout_health_check_first_wait}"
+    given = [
+        f
+        for f in ("interval", "timeout", "first_wait")
+        if getattr(ns, f"rollout_health_check_{f}") is not None
+    ]
+    if given and not ns.use_fault_tolerance:
+        flag = "--rollout-health-check-" + given[0].replace("_", "-")
+        return f"{flag} sets the engine health checks, which run only with --use-fault-tolerance: add it (or drop {flag})"
     if ns.check_precision and ns.debug_rollout_only:
         return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
     if ns.debug_sync_parameters_path is None:

@@ -75,9 +75,16 @@ class Router:
         return f"Router({self.url!r}, started={self.proc is not None}, api_key={'set' if self._api_key else None})"
 
     @classmethod
-    def start(cls, host: str, log_path: str, timeout_s: float = 60.0, api_key: str | None = None) -> Router:
-        """Start a router with no workers on a free port of `host` and wait until it answers;
-        with `api_key`, it requires that key (see the module docstring)."""
+    def start(
+        cls,
+        host: str,
+        log_path: str,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+        port: int | None = None,
+    ) -> Router:
+        """Start a router with no workers on `port` (None: a free port) of `host` and wait until
+        it answers; with `api_key`, it requires that key (see the module docstring)."""
         try:
             import sglang_router  # noqa: F401 - only to fail early with an install hint
         except ImportError as e:
@@ -85,7 +92,7 @@ class Router:
                 "--rollout-backend sglang starts an sglang-router, which is not installed "
                 "(pip install sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
             ) from e
-        port = free_port(host)
+        port = port or free_port(host)
         # Its Prometheus exporter would bind 0.0.0.0:29000: every interface, and one router per
         # machine (a second job's router died on the port). Beside the router, on a free port.
         options = ["--host", host, "--port", str(port), "--prometheus-host", host,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +65,12 @@ class Loop:
         schedule: Schedule,
         hooks: list[Hook],
         total: int,
+        phase: Callable[..., None] | None = None,
     ):
+        """`phase`: --debug-phase-hook (slime.debug.phases), called at the driver's phases."""
         self.source, self.train, self.engines = source, train, engines
         self.schedule, self.hooks, self.total = schedule, hooks, total
+        self.phase = phase or (lambda phase, **info: None)
         resumed = train.resumed_rollout_id if train is not None else None
         self.resumed = resumed is not None
         self.start = 0 if resumed is None else resumed + 1
@@ -125,20 +129,59 @@ class Loop:
 
     def push(self) -> dict[str, Any]:
         """The weights of `version` into the engines; colocated engines take their memory back
-        in two halves (weights before, KV cache after), with --offload the trainer gives its up."""
+        in two halves (weights before, KV cache after), with --offload the trainer gives its up.
+
+        Engines restarted after a fault (--use-fault-tolerance) are pushed to with the others and
+        admitted after it; an engine that fails during the push is marked down, and the push is
+        done again on the engines left (with none left, it waits for a restart)."""
         if self.train is None or self.engines is None:
             return {}
-        if self.engines.restart_down():
-            self.train.connect(self.engines)
+        self.phase("push", version=self.version, engines=self.engines.up_urls())
         self.train.sleep(keep_params=True)
-        self.engines.resume_memory(WEIGHT_TAGS)
-        stats = self.train.push_weights(self.version)
+        for attempt in range(len(self.engines.urls) + 1):
+            joining = self.engines.heal(wait=True)
+            self.train.ensure_connected(self.engines)
+            self.engines.resume_memory(WEIGHT_TAGS)
+            try:
+                stats = self.train.push_weights(self.version)
+                break
+            except Exception as e:
+                down = self.engines.probe()
+                if not down or attempt == len(self.engines.urls):
+                    raise
+                cause = getattr(e, "cause", None) or e  # a Ray task error's original exception
+                logger.warning("the push of version %d failed (%s): engines %s are down; pushing again to the others",
+                               self.version, cause, sorted(down))  # fmt: skip
         self.train.sleep()
         self.engines.resume_memory(CACHE_TAGS)
+        self.engines.admit(joining)
         return stats
+
+    def heal(self) -> None:
+        """While waiting for a generation (the trainer is idle): engines restarted after a fault get
+        the current weights and take requests again (--use-fault-tolerance)."""
+        if self.engines is None:
+            return
+        joining = self.engines.heal()
+        if not joining:
+            return
+        if self.train is not None:
+            self.train.connect(self.engines, only=joining)
+            try:
+                self.train.push_weights(self.version)
+            except Exception as e:
+                if not self.engines.probe():
+                    raise
+                logger.warning(
+                    "pushing to restarted engines %s failed (%s); they are restarted again", joining, e
+                )
+                return
+        self.engines.admit(joining)
 
     def _wait(self, step: Step, rollout_id: int) -> Rollout:
         t0 = time.perf_counter()
         rollout = self.source.wait(rollout_id)
         step.waited += time.perf_counter() - t0
+        if self.engines is not None:
+            self.phase("rollout_done", rollout_id=rollout_id, engines=self.engines.up_urls())
         return rollout

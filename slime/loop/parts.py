@@ -85,8 +85,12 @@ class TrainGroup(Protocol):
         """Send the weights to the engines; they then report `version`. Returns the push stats."""
         ...
 
-    def connect(self, engines: EngineGroup) -> None:
-        """(Re)build the weight bridge to the engines' current addresses."""
+    def connect(self, engines: EngineGroup, only: list[int] | None = None) -> None:
+        """(Re)build the weight bridge to the engines up or joining (`only`: those engines alone)."""
+        ...
+
+    def ensure_connected(self, engines: EngineGroup) -> None:
+        """connect(engines) if the engines a push must reach are not the ones connected."""
         ...
 
     def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None: ...
@@ -116,8 +120,21 @@ class EngineGroup(Protocol):
         """Colocated: take back the memory of `tags` (no-op unless released)."""
         ...
 
-    def restart_down(self) -> bool:
-        """Restart engines found down on their bundles; True when any was restarted."""
+    def up_urls(self) -> list[str]:
+        """The addresses of the engines taking requests now."""
+        ...
+
+    def heal(self, wait: bool = False) -> list[int]:
+        """--use-fault-tolerance: restart engines found down; returns those restarted and waiting
+        for the weights. With `wait`, first wait until some engine is up or restarted."""
+        ...
+
+    def probe(self) -> dict[int, str]:
+        """After a failure: mark down the engines that do not answer; returns them (index -> why)."""
+        ...
+
+    def admit(self, indices: list[int]) -> None:
+        """Restarted engines that were given the current weights take requests again."""
         ...
 
     def snapshot_weights(self) -> None: ...

@@ -77,7 +77,10 @@ class TrainRank:
         threads: int,
         hang_timeout_s: float | None = None,
         log_dir: str = ".",
+        phase_hook: str | None = None,
     ):
+        """`phase_hook`: --debug-phase-hook (slime.debug.phases)."""
+        from slime.debug.phases import load_phase_hook
         from slime.utils.logging_utils import configure_logging
 
         _quiet_threads(threads)
@@ -85,6 +88,7 @@ class TrainRank:
         from slime.backends import make_train_actor
 
         self.rank = rank
+        self.phase = load_phase_hook(phase_hook)
         self.actor = make_train_actor(cfg, rank, world_size)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
@@ -116,10 +120,12 @@ class TrainRank:
         return {**self.actor.init(), "node_ip": node_ip()}
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+        self.phase("train", rank=self.rank, rollout_id=rollout_id)
         with self._watch(f"the train step of rollout {rollout_id}"):
             return self.actor.train(rollout_id, batch)
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
+        self.phase("save", rank=self.rank, rollout_id=rollout_id)
         return self.actor.save(rollout_id, path, extra)
 
     def save_hf(self, path: str) -> None:
@@ -155,6 +161,7 @@ class TrainRank:
                 EngineClient, config=ClientConfig(timeout_s=timeout_s, api_key=api_key)
             )
             self.bridge = WeightBridge.for_topology(topology, self.actor.cfg.hf_checkpoint, timeout_s, client)
+            self.bridge.phase = self.phase
             group = (
                 f", a group of {topology.world_size} with its master on {topology.master_address}"
                 if topology.kind == "distributed"

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from slime.config.arguments import Config, describe
+from slime.debug.phases import load_phase_hook
 from slime.loop import hooks
 from slime.loop.core import ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
@@ -100,14 +101,18 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             total = config.rollout.num_rollout
         resumed = job.infos[0]["resumed_rollout_id"] if job.infos else None
         progress = Progress(total, 0 if resumed is None else resumed + 1, job.manager)
-        train, engines = job.groups(progress)
+        phase = load_phase_hook(config.debug.phase_hook)
+        train, engines = job.groups(progress, phase)
         generated = GeneratedRollouts(job.manager, progress) if job.manager is not None else None
         source = replay if replay is not None else generated
         assert source is not None
         loop_hooks = make_hooks(
             config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
         )
-        Loop(source, train, engines, ONE_STEP_OFF if off_policy else SYNC, loop_hooks, total).run()
+        loop = Loop(source, train, engines, ONE_STEP_OFF if off_policy else SYNC, loop_hooks, total, phase)
+        if generated is not None and config.rollout.fault_tolerance:
+            generated.idle = loop.heal
+        loop.run()
         return 0
     finally:
         if progress is not None:

@@ -22,6 +22,8 @@ def check_inputs(config: Config) -> None:
 
     t, r = config.train, config.rollout
     check_hf_checkpoint(t.hf_checkpoint)
+    if config.debug.phase_hook:
+        load_function(config.debug.phase_hook, "--debug-phase-hook")
     if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
         check_hf_checkpoint(t.ref_load, "--ref-load")
     c = config.cluster

@@ -132,8 +132,9 @@ class Job:
         world = c.num_train_ranks
         for rank, slot in enumerate(self.placement.train):
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            d = self.config.debug
             self.train.append(
-                cls.remote(self.config.train, rank, world, 1, self.config.debug.hang_timeout, self.log_dir)
+                cls.remote(self.config.train, rank, world, 1, d.hang_timeout, self.log_dir, d.phase_hook)
             )
         # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
         # node that is; each rank gets the address by reference, without a round trip here.
@@ -152,11 +153,11 @@ class Job:
         if self.manager is not None:
             ray.get(self.manager.connect.remote(self.engine_urls))
 
-    def topology(self, urls: list[str]) -> PushTopology:
-        """The weight push's topology (slime.bridge.topology) for the engines now at `urls`."""
-        return self._topology(
-            urls, self.engine_tp_sizes, self.engine_nodes, [i["node_ip"] for i in self.infos]
-        )
+    def topology(self, urls: list[str], indices: list[int]) -> PushTopology:
+        """The weight push's topology (slime.bridge.topology) for engines `indices`, now at `urls`."""
+        nodes = [self.engine_nodes[j] for j in indices] if self.engine_nodes is not None else None
+        sizes = [self.engine_tp_sizes[j] for j in indices]
+        return self._topology(urls, sizes, nodes, [i["node_ip"] for i in self.infos])
 
     def _topology(
         self, urls: list[str], tp_sizes: list[int], engine_nodes: list[str] | None, train_nodes: list[str]
@@ -183,9 +184,12 @@ class Job:
         sizes = [c.rollout_num_gpus_per_engine] * len(engines)
         self._topology([""] * len(engines), sizes, [nodes[slot.bundles[0]] for slot in engines], train_nodes)
 
-    def groups(self, progress: Progress) -> tuple[RayTrainGroup | None, RayEngineGroup | None]:
+    def groups(
+        self, progress: Progress, phase: Any = None
+    ) -> tuple[RayTrainGroup | None, RayEngineGroup | None]:
         """The train ranks and the engines as the loop drives them (None: left out by a debug mode);
-        the train ranks are connected to the engines for the weight push."""
+        the train ranks are connected to the engines for the weight push. `phase`: the
+        --debug-phase-hook (slime.debug.phases)."""
         c = self.config
         train = RayTrainGroup(self.train, self.infos, c, self.log_dir, progress) if self.train else None
         engines = None
@@ -193,8 +197,7 @@ class Job:
             engines = RayEngineGroup(
                 self.engine_urls, self.engines, self._launch_engine, self.manager,
                 ClientConfig(timeout_s=c.train.distributed_timeout_minutes * 60, api_key=self.api_key),
-                c.cluster.colocate,
-                c.rollout.health_check_interval is not None, self.topology,
+                c.cluster.colocate, c.rollout.fault_tolerance, self.topology, phase,
             )  # fmt: skip
         if train is not None and engines is not None:
             train.connect(engines)

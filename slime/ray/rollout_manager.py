@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from slime.config.arguments import Config
+from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.loop.parts import Evaluation, Rollout
 from slime.rollout.data import PromptDataset, eval_data_config
@@ -90,6 +91,7 @@ class RolloutManager:
             else None
         )
         self.progress = Progress()
+        self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
         self.eval_dataset = None
@@ -110,13 +112,15 @@ class RolloutManager:
         elif self.engine_urls:
             host, _, port = self.engine_urls[0].removeprefix("http://").rpartition(":")
             config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
-        # --rollout-health-check-interval: engines found down (by the monitor or a failed request)
-        # have their groups generated elsewhere and are restarted by the loop before a push.
-        if r.health_check_interval is not None and self.engine_urls:
-            self.health = EngineHealth()
+        # --use-fault-tolerance: engines found down (by the monitor, a failed request or a failed
+        # control call of the driver's) have their groups generated elsewhere; the driver restarts
+        # them and gives them the weights before they are replaced here.
+        if r.fault_tolerance and self.engine_urls:
+            self.health = EngineHealth(self.engine_urls)
             self.monitor = HealthMonitor(
-                self.engine_urls, self.health, r.health_check_interval, r.health_check_timeout
-            )
+                self.health, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait,
+                also=self._check_router,
+            )  # fmt: skip
 
     def _router(self) -> Any:
         """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
@@ -130,11 +134,7 @@ class RolloutManager:
             assert c.router_port is not None
             router, listed = Router.running(c.router_ip, c.router_port, api_key=self.api_key)
         else:
-            from slime.ray.actors import engine_host
-
-            router = Router.start(
-                engine_host(), os.path.join(self.log_dir, "router.log"), api_key=self.api_key
-            )
+            router = self._start_router()
             listed = router.workers()
         for url in engine_urls:
             if url not in listed:
@@ -143,9 +143,42 @@ class RolloutManager:
         logger.info("router %s in front of engines %s", router.url, ", ".join(engine_urls))
         return router
 
+    def _start_router(self, port: int | None = None) -> Any:
+        from slime.engines.router import Router
+        from slime.ray.actors import engine_host
+
+        log = os.path.join(self.log_dir, "router.log")
+        return Router.start(engine_host(), log, api_key=self.api_key, port=port)
+
+    def _check_router(self) -> None:
+        """--use-fault-tolerance: a router slime started that died is started again, on the same
+        port when it is free, with the live engines registered (the health monitor's thread)."""
+        router = self.router
+        if router is None or router.proc is None or router.proc.poll() is None:
+            return
+        logger.error(
+            "the sglang-router at %s exited with code %s; starting it again",
+            router.url,
+            router.proc.returncode,
+        )
+        try:
+            new = self._start_router(router.port)
+        except Exception as e:  # the port was taken meanwhile
+            logger.warning("restarting the router on port %d: %s; taking a free port", router.port, e)
+            new = self._start_router()
+        assert self.health is not None
+        for url in self.health.live():
+            new.add_worker(url)
+        self.registered = self.health.live()
+        self.router = new
+        self.config.args.sglang_router_ip, self.config.args.sglang_router_port = new.host, new.port
+        logger.warning("router restarted at %s with engines %s", new.url, ", ".join(self.registered))
+
     def close(self) -> None:
-        """Stop the router slime started (a router given by --sglang-router-ip keeps running;
-        the engines slime registered there are removed from it)."""
+        """Stop the health monitor and the router slime started (a router given by
+        --sglang-router-ip keeps running; the engines slime registered there are removed from it)."""
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.router is None:
             return
         if self.router.proc is not None:
@@ -168,16 +201,18 @@ class RolloutManager:
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
         if self.rollout_fn is not None:
-            samples = run_sync(self._rollout_fn_samples(rollout_id, self.dataset, evaluation=False))
+            samples = run_sync(_rollout_fn_samples(self, rollout_id, self.dataset, evaluation=False))
         else:
             assert self.dataset is not None
             samples = run_sync(
-                self._generate(
+                _generate(
+                    self,
                     self.dataset,
                     self.config.rollout.rollout_batch_size,
                     self.config.rollout.sampling,
                     self.filter,
                     self._seed_keys("rollout", rollout_id),
+                    (rollout_id, False),
                 )
             )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
@@ -201,15 +236,17 @@ class RolloutManager:
         sampling = self.config.eval.sampling
         self.eval_dataset.epoch = self.eval_dataset.offset = 0
         if self.rollout_fn is not None:
-            samples = run_sync(self._rollout_fn_samples(rollout_id, self.eval_dataset, evaluation=True))
+            samples = run_sync(_rollout_fn_samples(self, rollout_id, self.eval_dataset, evaluation=True))
         else:
             samples = run_sync(
-                self._generate(
+                _generate(
+                    self,
                     self.eval_dataset,
                     len(self.eval_dataset),
                     sampling,
                     None,
                     self._seed_keys("eval", rollout_id),
+                    (rollout_id, True),
                 )
             )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
@@ -229,80 +266,43 @@ class RolloutManager:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
         return self.progress.done, self.progress.total
 
-    async def _rollout_fn_samples(
-        self, rollout_id: int, dataset: PromptDataset | None, evaluation: bool
-    ) -> list[Sample]:
-        """Run the user's rollout function; score the samples it left without a reward."""
-        assert self.rollout_fn is not None
-        flag = "--rollout-function-path"
-        n = (
-            self.config.eval.n_samples_per_prompt
-            if evaluation
-            else self.config.rollout.sampling.n_samples_per_prompt
-        )
-        result = self.rollout_fn(self.config.args, rollout_id, DataSource(dataset, n), evaluation=evaluation)
-        if inspect.isawaitable(result):
-            result = await result
-        samples = number_groups(result, n, flag)
-        groups: dict[int, list[Sample]] = {}
-        for s in samples:
-            groups.setdefault(s.group_index, []).append(s)
-        unscored = [g for g in groups.values() if any(s.reward is None for s in g)]
-        if unscored and self.reward is None:
-            raise ValueError(
-                f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
-            )
-        start = time.perf_counter()
-        for group in unscored:
-            assert self.reward is not None
-            # A group reward scores the whole group; others only the samples left unscored.
-            await self.reward.score_group(
-                group if self.reward.group else [s for s in group if s.reward is None]
-            )
-        self.progress.reward_seconds += time.perf_counter() - start
-        return samples
-
     def _seed_keys(self, kind: str, rollout_id: int) -> tuple[int | str, ...] | None:
         """--deterministic-mode: what every sample's sampling_seed is derived from."""
         return (self.config.train.seed, kind, rollout_id) if self.config.train.deterministic else None
 
-    async def _generate(
-        self,
-        dataset: PromptDataset,
-        num_prompts: int,
-        sampling: Any,
-        group_filter: Any,
-        seed_keys: tuple[int | str, ...] | None = None,
-    ) -> list[Sample]:
-        clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
-        try:
-            assert self.reward is not None
-            gen = RolloutGenerator(
-                dataset, clients, self.reward, sampling, num_prompts,
-                self.config.rollout.over_sampling_batch_size, group_filter, self.config.args, self.generate_fn,
-                self.progress, seed_keys, self.health,
-            )  # fmt: skip
-            return (await gen.generate_rollout()).samples
-        finally:
-            await asyncio.gather(*(c.close() for c in clients))
-
     def down_engines(self) -> dict[int, str]:
-        """Engine index -> why it is down (empty without --rollout-health-check-interval)."""
-        if self.health is None:
-            return {}
-        down = self.health.down()
-        return {j: down[u] for j, u in enumerate(self.engine_urls) if u in down}
+        """Engine index -> why it is down (empty without --use-fault-tolerance)."""
+        return self.health.down() if self.health is not None else {}
+
+    def mark_down(self, index: int, reason: str) -> None:
+        """The driver found engine `index` down (a failed control call or push): no request goes
+        there, and its groups in flight are generated again elsewhere."""
+        if self.health is not None:
+            self.health.mark_down(self.health.urls()[index], reason)
 
     def replace_engine(self, index: int, url: str) -> None:
-        """A restarted engine takes the place (and the turn) of the one that went down."""
+        """A restarted engine, given the current weights, takes the place (and the turn) of the
+        one that went down."""
         old = self.engine_urls[index]
-        self.engine_urls[index] = url  # the monitor's list is this one
-        if self.router is not None:
-            self.router.remove_worker(old)
-            self.router.add_worker(url)
-            self.registered = [u for u in self.registered if u != old] + [url]
+        self.engine_urls[index] = url
         if self.health is not None:
-            self.health.clear(old)
+            self.health.replace(index, url)
+        if self.router is not None:
+            for call, worker in ((self.router.remove_worker, old), (self.router.add_worker, url)):
+                try:
+                    call(worker)
+                except Exception as e:  # a dead router: the monitor starts it again with the live engines
+                    logger.warning("router %s: %s %s: %s", self.router.url, call.__name__, worker, e)
+            self.registered = [u for u in self.registered if u != old] + [url]
+
+    def pause_health(self) -> None:
+        """Colocated engines give their memory up (no /health_generate until they resume)."""
+        if self.monitor is not None:
+            self.monitor.pause()
+
+    def resume_health(self) -> None:
+        if self.monitor is not None:
+            self.monitor.resume()
 
     def state_dict(self) -> dict[str, int]:
         return self.dataset.state_dict() if self.dataset is not None else {}
@@ -310,3 +310,75 @@ class RolloutManager:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if self.dataset is not None and state:
             self.dataset.load_state_dict(state)
+
+
+# The rollout manager's coroutines live outside the class: an actor class with a coroutine method is
+# an async actor to Ray, whose methods all share one event loop, so a running generate() would block
+# every other call (the driver's down_engines(), progress_counts()).
+async def _rollout_fn_samples(
+    manager: RolloutManager, rollout_id: int, dataset: PromptDataset | None, evaluation: bool
+) -> list[Sample]:
+    """Run the user's rollout function; score the samples it left without a reward."""
+    assert manager.rollout_fn is not None
+    flag = "--rollout-function-path"
+    n = (
+        manager.config.eval.n_samples_per_prompt
+        if evaluation
+        else manager.config.rollout.sampling.n_samples_per_prompt
+    )
+    result = manager.rollout_fn(
+        manager.config.args, rollout_id, DataSource(dataset, n), evaluation=evaluation
+    )
+    if inspect.isawaitable(result):
+        result = await result
+    samples = number_groups(result, n, flag)
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    unscored = [g for g in groups.values() if any(s.reward is None for s in g)]
+    if unscored and manager.reward is None:
+        raise ValueError(
+            f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
+        )
+    start = time.perf_counter()
+    for group in unscored:
+        assert manager.reward is not None
+        # A group reward scores the whole group; others only the samples left unscored.
+        await manager.reward.score_group(
+            group if manager.reward.group else [s for s in group if s.reward is None]
+        )
+    manager.progress.reward_seconds += time.perf_counter() - start
+    return samples
+
+
+async def _generate(
+    manager: RolloutManager,
+    dataset: PromptDataset,
+    num_prompts: int,
+    sampling: Any,
+    group_filter: Any,
+    seed_keys: tuple[int | str, ...] | None,
+    which: tuple[int, bool],
+) -> list[Sample]:
+    """`which`: (rollout id, evaluation), for --debug-phase-hook."""
+    groups = 0
+
+    def on_group(engine: str) -> None:
+        nonlocal groups
+        groups += 1
+        live = manager.health.live() if manager.health is not None else list(manager.engine_urls)
+        manager.phase("group_generated", rollout_id=which[0], evaluation=which[1], groups=groups,
+               engine=engine, engines=live)  # fmt: skip
+
+    urls = manager.health.urls() if manager.health is not None else manager.engine_urls
+    clients = [EngineClient(u, manager.client_config) for u in urls]
+    try:
+        assert manager.reward is not None
+        gen = RolloutGenerator(
+            dataset, clients, manager.reward, sampling, num_prompts,
+            manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, manager.generate_fn,
+            manager.progress, seed_keys, manager.health, on_group,
+        )  # fmt: skip
+        return (await gen.generate_rollout()).samples
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))

@@ -25,6 +25,8 @@ class GeneratedRollouts:
     def __init__(self, manager: Any, progress: Progress):
         self.manager, self.progress = manager, progress
         self.pending: dict[int, Any] = {}
+        self.idle: Any = None
+        """Run every half second while waiting (the loop's heal: restarted engines get the weights)."""
 
     def start(self, rollout_id: int, weight_version: int) -> None:
         self.pending = {k: v for k, v in self.pending.items() if k >= rollout_id - 1}
@@ -34,7 +36,7 @@ class GeneratedRollouts:
         pending = self.pending[rollout_id]
         if isinstance(pending, Rollout):  # waited for before (one step off: before the push)
             return pending
-        rollout: Rollout = self.progress.wait(pending, "generate")
+        rollout: Rollout = self.progress.wait(pending, "generate", idle=self.idle)
         if rollout.dump_path is not None:
             logger.info("rollout %d saved to %s", rollout_id, rollout.dump_path)
         self.pending[rollout_id] = rollout
@@ -45,7 +47,7 @@ class GeneratedRollouts:
             ray.get(self.manager.load_state_dict.remote(data_state))
 
     def evaluate(self, rollout_id: int) -> Evaluation:
-        return self.progress.wait(self.manager.evaluate.remote(rollout_id), "eval")
+        return self.progress.wait(self.manager.evaluate.remote(rollout_id), "eval", idle=self.idle)
 
 
 class ReplayedRollouts:

@@ -16,6 +16,22 @@ from slime.ray.waiting import Progress, wait_refs
 logger = logging.getLogger(__name__)
 
 
+class TrainRankDied(RuntimeError):
+    """A train rank's process is gone (killed, out of memory, a crash in native code)."""
+
+
+def _died(ref: Any) -> bool:
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
 class RayTrainGroup:
     """Every call reaches every rank; each rank is handed its data-parallel replica's part of a
     rollout by reference (Ray resolves it in the rank's process, never in the driver)."""
@@ -25,8 +41,9 @@ class RayTrainGroup:
     ):
         self.ranks, self.config, self.log_dir, self.progress = ranks, config, log_dir, progress
         self.offload = config.cluster.offload
-        self.hung = False
+        self.hung = False  # a rank is stuck or dead: close() kills the ranks instead of asking them
         self.transport: str | None = None  # the push's transport as it runs, once connected
+        self.connected: tuple[str, ...] = ()  # the engines the bridge pushes to
         self.dp_ranks = [int(info.get("dp_rank", r)) for r, info in enumerate(infos)]
         self.resumed_rollout_id: int | None = infos[0]["resumed_rollout_id"]
         self.resumed_data_state: dict[str, int] | None = (infos[0]["resumed_extra"] or {}).get("data")
@@ -48,33 +65,52 @@ class RayTrainGroup:
         refs = [rank.push_weights.remote(str(version), b.buffer_size, b.verify) for rank in self.ranks]
         return self._wait(refs, f"the weight push of version {version}", "push")[0] or {}
 
-    def connect(self, engines: EngineGroup) -> None:
-        topology = engines.topology  # type: ignore[attr-defined]  # RayEngineGroup's
+    def connect(self, engines: EngineGroup, only: list[int] | None = None) -> None:
+        """Push to the engines up or joining (`only`: to those engines alone)."""
+        topology = engines.topology if only is None else engines.topology_of(only)  # type: ignore[attr-defined]
         key = engines.client_config.api_key  # type: ignore[attr-defined]
         push_fault = self.config.debug.push_fault
-        ray.get([rank.connect_engines.remote(topology, push_fault, key) for rank in self.ranks])
+        refs = [rank.connect_engines.remote(topology, push_fault, key) for rank in self.ranks]
+        self._wait(refs, "connecting the weight push", "connect")
         self.transport = topology.label
+        self.connected = tuple(topology.urls)
+
+    def ensure_connected(self, engines: EngineGroup) -> None:
+        """connect() when the engines a push must reach changed (a restart, an engine down)."""
+        if tuple(engines.topology.urls) != self.connected:  # type: ignore[attr-defined]
+            self.connect(engines)
 
     def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
         path = self.config.checkpoint.save
-        ray.get([rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks])
+        refs = [rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks]
+        self._wait(refs, f"the checkpoint save of rollout {rollout_id}", "save")
 
     def save_hf(self) -> None:
-        ray.get([rank.save_hf.remote(self.config.checkpoint.save_hf) for rank in self.ranks])
+        refs = [rank.save_hf.remote(self.config.checkpoint.save_hf) for rank in self.ranks]
+        self._wait(refs, "the Hugging Face export (--save-hf)", "save_hf")
 
     def wake(self) -> None:
         if self.offload:
-            ray.get([rank.wake.remote() for rank in self.ranks])
+            self._wait([rank.wake.remote() for rank in self.ranks], "waking up (--offload)", "wake")
 
     def sleep(self, keep_params: bool = False) -> None:
         if self.offload:
-            ray.get([rank.sleep.remote(keep_params=keep_params) for rank in self.ranks])
+            refs = [rank.sleep.remote(keep_params=keep_params) for rank in self.ranks]
+            self._wait(refs, "offloading (--offload)", "sleep")
 
     def _wait(self, refs: list[Any], what: str, phase: str) -> Any:
-        """The ranks' results; with --hang-timeout, HangError once `what` runs longer."""
+        """The ranks' results; with --hang-timeout, HangError once `what` runs longer; a rank
+        that died ends the wait at once with TrainRankDied."""
         timeout = self.config.debug.hang_timeout
         try:
             return self.progress.wait(refs, phase, timeout) if self.progress else wait_refs(refs, timeout)
+        except ray.exceptions.RayActorError as e:
+            self.hung = True  # its peers may be stuck in a collective with it
+            dead = [r for r, ref in enumerate(refs) if _died(ref)]
+            raise TrainRankDied(
+                f"train rank {', '.join(map(str, dead)) or '?'} of {len(self.ranks)} died during {what}: "
+                f"{str(e).strip().splitlines()[0]}\n{self._resume_hint()}"
+            ) from None
         except TimeoutError:
             from slime.debug.hang import HangError, wait_for_dumps
 
@@ -86,3 +122,17 @@ class RayTrainGroup:
                 f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
                 f"{len(found)} of {len(self.ranks)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
             ) from None
+
+    def _resume_hint(self) -> str:
+        """Where the job can resume from (--load), read from the checkpoint tracker."""
+        root = self.config.checkpoint.save
+        if not root:
+            return "No checkpoint is saved (--save not given): a new run starts from the beginning."
+        tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+        try:
+            with open(tracker) as f:
+                last = f.read().strip()
+        except OSError:
+            return f"No checkpoint was completed in {root} yet: a new run starts from the beginning."
+        return (f"The last complete checkpoint in {root} is of rollout {last}; continue with "
+                f"--load {root} (a save cut short is left as *.partial and never loaded).")  # fmt: skip

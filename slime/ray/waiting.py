@@ -37,16 +37,18 @@ class Progress:
         self.manager = manager
         self.bar = tqdm(total=total, initial=initial, desc="rollouts", unit="step", disable=None, leave=True)
 
-    def wait(self, refs: Any, phase: str, timeout_s: float | None = None) -> Any:
-        """wait_refs(refs), showing `phase` on the bar meanwhile."""
+    def wait(self, refs: Any, phase: str, timeout_s: float | None = None, idle: Any = None) -> Any:
+        """wait_refs(refs), showing `phase` on the bar meanwhile; `idle()` runs every half second."""
         if self.bar.disable:
-            return wait_refs(refs, timeout_s)
+            return wait_refs(refs, timeout_s, idle)
         self.bar.set_postfix_str(phase)
 
         def poll() -> None:
             if phase == "generate" and self.manager is not None:
                 done, total = ray.get(self.manager.progress_counts.remote())
                 self.bar.set_postfix_str(f"generate {done}/{total} samples")
+            if idle is not None:
+                idle()
 
         return wait_refs(refs, timeout_s, poll)
 

@@ -64,6 +64,7 @@ class RolloutGenerator:
         progress: Progress | None = None,
         seed_keys: tuple[int | str, ...] | None = None,
         health: EngineHealth | None = None,
+        on_group: Callable[[str], None] | None = None,
     ):
         """`seed_keys` (--deterministic-mode): every sample gets a `sampling_seed` derived from
         them, its prompt's draw order and its index in the group, and finished groups are taken
@@ -86,32 +87,78 @@ class RolloutGenerator:
         self.progress.total = rollout_batch_size * sampling.n_samples_per_prompt
         self.seed_keys = seed_keys
         self.health = health
+        self.on_group = on_group  # called with the engine's address when a group is generated
+        self._turn = -1
+        self._by_url = {c.base_url: c for c in clients}
+        self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
 
-    def _pick(self) -> EngineClient:
-        """The next engine in turn that is not marked down."""
-        for _ in range(len(self.clients)):
-            client = self.clients[next(self._next_client)]
-            if self.health is None or not self.health.is_down(client.base_url):
-                return client
-        down = self.health.down() if self.health is not None else {}
-        raise RuntimeError(f"every engine is down ({down}); the rollout cannot go on")
+    async def _pick(self) -> EngineClient:
+        """The next engine in turn that is up. With engine health tracking and every engine
+        down, wait (up to the client's timeout) for one to be restarted and given the weights."""
+        if self.health is None:
+            return self.clients[next(self._next_client)]
+        deadline = None
+        while True:
+            live = self.health.live()
+            if live:
+                self._turn += 1
+                return self._client(live[self._turn % len(live)])
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.clients[0].config.timeout_s
+                logger.warning("every engine is down (%s); waiting up to %.0f s for a restart",
+                               self.health.down(), self.clients[0].config.timeout_s)  # fmt: skip
+            elif loop.time() > deadline:
+                raise RuntimeError(f"every engine has been down for {self.clients[0].config.timeout_s:.0f} s "
+                                   f"({self.health.down()}); the rollout cannot go on")  # fmt: skip
+            await asyncio.sleep(0.2)
+
+    def _client(self, url: str) -> EngineClient:
+        """The client of the engine at `url` (a restarted engine gets one the first time)."""
+        client = self._by_url.get(url)
+        if client is None:
+            client = self._by_url[url] = EngineClient(url, self.clients[0].config)
+            self._opened.append(client)
+        return client
 
     async def _group(self, prompt: Prompt, draw: int) -> list[Sample]:
-        """One prompt's samples. With engine health tracking, a group whose engine goes down is
-        generated again from scratch on another engine (its partial samples are dropped)."""
+        """One prompt's samples. With engine health tracking, a group whose engine goes down
+        (its request failed, or the engine was marked down meanwhile) is generated again from
+        scratch on a live engine: its partial samples are dropped."""
         while True:
-            client = self._pick()
+            client = await self._pick()
             try:
-                return await self._group_on(client, prompt, draw)
+                group = await self._attempt(client, prompt, draw)
             except EngineError as e:
                 if self.health is None or not engine_down(e):
                     raise
                 self.health.mark_down(client.base_url, e.message)
-                logger.warning(
-                    "prompt %d: engine %s went down; its group is generated again",
-                    prompt.index,
-                    client.base_url,
-                )
+                group = None
+            if group is not None:
+                if self.on_group is not None:
+                    self.on_group(client.base_url)
+                return group
+            logger.warning("prompt %d: engine %s went down; its group is generated again",
+                           prompt.index, client.base_url)  # fmt: skip
+
+    async def _attempt(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample] | None:
+        """The group on `client`; None when the engine was marked down before it finished."""
+        if self.health is None:
+            return await self._group_on(client, prompt, draw)
+        task = asyncio.create_task(self._group_on(client, prompt, draw))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.2)
+                if done:
+                    return task.result()
+                if self.health.is_down(client.base_url):
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return None
+        except BaseException:  # the rollout is cancelling this group
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
 
     async def _group_on(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample]:
         n = self.sampling.n_samples_per_prompt
@@ -161,6 +208,11 @@ class RolloutGenerator:
             raise TypeError(f"--custom-generate-function-path returned {type(result).__name__}, not a Sample")
         return result
 
+    def _live_clients(self) -> list[EngineClient]:
+        if self.health is None:
+            return self.clients
+        return [self._client(u) for u in self.health.live()]
+
     async def generate_rollout(self) -> RolloutResult:
         kept: list[tuple[int, list[Sample]]] = []  # (draw order, group)
         drawn: dict[asyncio.Task, int] = {}
@@ -194,11 +246,12 @@ class RolloutGenerator:
             if running:
                 aborted = len(running)
                 await asyncio.gather(
-                    *(c.abort_request(abort_all=True) for c in self.clients), return_exceptions=True
+                    *(c.abort_request(abort_all=True) for c in self._live_clients()), return_exceptions=True
                 )
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in self._opened))
         # Groups finish in any order; numbered in the order their prompts were drawn, the same
         # prompts give the same rollout however the engines interleave them.
         kept.sort(key=lambda item: item[0])
