@@ -65,6 +65,12 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
         (["--lr-decay-style", "cosine"], "--lr-decay-iters"),
         (["--eval-prompt-data", "/nope.jsonl"], "--eval-prompt-data '/nope.jsonl': no such file"),
+        (["--rollout-health-check-interval", "5"], "run only with --use-fault-tolerance: add it"),
+        (
+            ["--use-fault-tolerance", "--rollout-health-check-timeout", "0"],
+            "--rollout-health-check-timeout must be > 0",
+        ),
+        (["--use-fault-tolerance", "--rollout-health-check-first-wait", "-1"], "first-wait must be >= 0"),
     ],
 )
 def test_bad_flags_exit_2_with_one_message(prompts, capsys, extra, message):
@@ -73,6 +79,18 @@ def test_bad_flags_exit_2_with_one_message(prompts, capsys, extra, message):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_fault_tolerance_takes_slimes_flags_and_defaults(prompts):
+    r = parse_args(base(prompts)).rollout
+    assert not r.fault_tolerance
+    r = parse_args(base(prompts, "--use-fault-tolerance")).rollout
+    assert (r.fault_tolerance, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait) == (
+        True, 30.0, 30.0, 0.0,
+    )  # fmt: skip
+    r = parse_args(base(prompts, "--use-fault-tolerance", "--rollout-health-check-interval", "10",
+                        "--rollout-health-check-timeout", "5", "--rollout-health-check-first-wait", "600")).rollout  # fmt: skip
+    assert (r.health_check_interval, r.health_check_timeout, r.health_check_first_wait) == (10.0, 5.0, 600.0)
 
 
 def test_required_flags(prompts, capsys):

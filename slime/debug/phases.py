@@ -4,11 +4,12 @@ the router) at exactly that moment instead of after a sleep. Off unless the flag
 
 | phase | process | info |
 |---|---|---|
-| `group_generated` | rollout manager | rollout_id, evaluation, groups (kept so far), engine, engines |
+| `group_generated` | rollout manager | rollout_id, evaluation, groups (generated so far), engine, engines, router (its address, or None) |
 | `rollout_done` | driver | rollout_id, engines |
 | `release` / `resume` | driver | version, engines, tags (resume) |
 | `push` | driver | version, engines |
 | `push_bucket` | train rank 0 | version, bucket (index), engines, transport |
+| `admitted` | driver | engine (address), index: a restarted engine has the weights and takes requests |
 | `train` / `save` | every train rank | rank, rollout_id |
 
 `engines` are the addresses of the engines up at that moment. What the function raises fails

@@ -119,11 +119,11 @@ class Loop:
         t0 = time.perf_counter()
         step.output = self.train.train(step.rollout)
         step.train_call = time.perf_counter() - t0
+        self.version += 1  # the trainer's weights now (a restarted engine given them while waiting gets this)
         for hook in self.hooks:
             hook.after_train(self, step)
         if ahead:
             self._wait(step, step.rollout_id + 1)  # the engines must be idle before the push
-        self.version += 1
         with step.timed("push"):
             step.push_stats = self.push()
 

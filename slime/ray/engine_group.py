@@ -185,6 +185,7 @@ class RayEngineGroup:
             if self.manager is not None:
                 ray.get(self.manager.replace_engine.remote(j, url))
             logger.warning("engine %d at %s has the current weights and takes requests again", j, url)
+            self.phase("admitted", engine=url, index=j)
 
     # ---- control calls -------------------------------------------------------------------------------
     def _each(self, call: Callable[[int, EngineClient], Coroutine[Any, Any, Any]]) -> list[Any]:

@@ -367,8 +367,9 @@ async def _generate(
         nonlocal groups
         groups += 1
         live = manager.health.live() if manager.health is not None else list(manager.engine_urls)
+        router = manager.router.url if manager.router is not None else None
         manager.phase("group_generated", rollout_id=which[0], evaluation=which[1], groups=groups,
-               engine=engine, engines=live)  # fmt: skip
+                      engine=engine, engines=live, router=router)  # fmt: skip
 
     urls = manager.health.urls() if manager.health is not None else manager.engine_urls
     clients = [EngineClient(u, manager.client_config) for u in urls]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
@@ -20,16 +20,25 @@ class TrainRankDied(RuntimeError):
     """A train rank's process is gone (killed, out of memory, a crash in native code)."""
 
 
-def _died(ref: Any) -> bool:
-    if not ray.wait([ref], timeout=0)[0]:
-        return False
-    try:
-        ray.get(ref)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:
-        return False
-    return False
+def _dead_ranks(refs: list[Any], grace_s: float = 10.0) -> list[int]:
+    """The ranks whose call ended because their process died (given `grace_s` to be reported)."""
+    ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    dead = []
+    for r, ref in enumerate(refs):
+        if not ray.wait([ref], timeout=0)[0]:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            dead.append(r)
+        except Exception:
+            pass
+    return dead
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(e).__name__
 
 
 class RayTrainGroup:
@@ -104,24 +113,32 @@ class RayTrainGroup:
         timeout = self.config.debug.hang_timeout
         try:
             return self.progress.wait(refs, phase, timeout) if self.progress else wait_refs(refs, timeout)
-        except ray.exceptions.RayActorError as e:
-            self.hung = True  # its peers may be stuck in a collective with it
-            dead = [r for r, ref in enumerate(refs) if _died(ref)]
-            raise TrainRankDied(
-                f"train rank {', '.join(map(str, dead)) or '?'} of {len(self.ranks)} died during {what}: "
-                f"{str(e).strip().splitlines()[0]}\n{self._resume_hint()}"
-            ) from None
-        except TimeoutError:
-            from slime.debug.hang import HangError, wait_for_dumps
-
-            assert timeout is not None
+        except Exception as e:
+            if isinstance(e, TimeoutError) and not isinstance(e, ray.exceptions.RayError):
+                self._hung(what)  # --hang-timeout (a rank's own TimeoutError is a RayError too)
+            # A rank that died leaves its peers failing in (or stuck on) a collective with it: its
+            # death, not their errors, is the news. Their processes are killed at close().
             self.hung = True
-            hang_dir = os.path.join(self.log_dir, "hang")
-            found = wait_for_dumps(hang_dir, len(self.ranks))
-            raise HangError(
-                f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
-                f"{len(found)} of {len(self.ranks)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+            dead = _dead_ranks(refs)
+            if not dead:
+                raise
+            raise TrainRankDied(
+                f"train rank {', '.join(map(str, dead))} of {len(self.ranks)} died during {what}: "
+                f"{_first_line(e)}\n{self._resume_hint()}"
             ) from None
+
+    def _hung(self, what: str) -> NoReturn:
+        from slime.debug.hang import HangError, wait_for_dumps
+
+        timeout = self.config.debug.hang_timeout
+        assert timeout is not None
+        self.hung = True
+        hang_dir = os.path.join(self.log_dir, "hang")
+        found = wait_for_dumps(hang_dir, len(self.ranks))
+        raise HangError(
+            f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
+            f"{len(found)} of {len(self.ranks)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+        ) from None
 
     def _resume_hint(self) -> str:
         """Where the job can resume from (--load), read from the checkpoint tracker."""
