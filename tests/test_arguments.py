@@ -71,6 +71,10 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
             "--rollout-health-check-timeout must be > 0",
         ),
         (["--use-fault-tolerance", "--rollout-health-check-first-wait", "-1"], "first-wait must be >= 0"),
+        (
+            ["--use-fault-tolerance", "--colocate", "--device", "cuda"],
+            "with --colocate on GPUs is not built yet",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_message(prompts, capsys, extra, message):

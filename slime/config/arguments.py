@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
     g.add_argument("--debug-phase-hook", default=None, metavar="MODULE.FUNCTION",
                    help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
-                   "them (driver, rollout manager, train rank 0): a deterministic moment for fault-injection tests "
+                   "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
                    "(docs/debugging.md, Fault tolerance)")  # fmt: skip
 
     g = p.add_argument_group("debug: parameter sync (docs/debugging.md, Parameter sync)")

@@ -175,6 +175,11 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
     if ns.rollout_health_check_first_wait is not None and ns.rollout_health_check_first_wait < 0:
         return f"--rollout-health-check-first-wait must be >= 0, got {ns.rollout_health_check_first_wait}"
+    if ns.use_fault_tolerance and ns.colocate and ns.device != "cpu":
+        return (
+            "--use-fault-tolerance with --colocate on GPUs is not built yet: a restarted engine would take its GPU "
+            "memory while the trainer holds it, and the CUDA-IPC push reaches every engine or none; drop one of them"
+        )
     given = [
         f
         for f in ("interval", "timeout", "first_wait")

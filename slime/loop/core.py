@@ -14,7 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS, EngineGroup, Rollout, RolloutSource, Step, TrainGroup
+from slime.loop.parts import (
+    CACHE_TAGS,
+    WEIGHT_TAGS,
+    EngineGroup,
+    Rollout,
+    RolloutSource,
+    Step,
+    TrainGroup,
+    TrainRankDied,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,24 +147,38 @@ class Loop:
             return {}
         self.phase("push", version=self.version, engines=self.engines.up_urls())
         self.train.sleep(keep_params=True)
-        for attempt in range(len(self.engines.urls) + 1):
-            joining = self.engines.heal(wait=True)
-            self.train.ensure_connected(self.engines)
-            self.engines.resume_memory(WEIGHT_TAGS)
-            try:
-                stats = self.train.push_weights(self.version)
-                break
-            except Exception as e:
-                down = self.engines.probe()
-                if not down or attempt == len(self.engines.urls):
-                    raise
-                cause = getattr(e, "cause", None) or e  # a Ray task error's original exception
-                logger.warning("the push of version %d failed (%s): engines %s are down; pushing again to the others",
-                               self.version, cause, sorted(down))  # fmt: skip
+        self.engines.pause_checks()  # a paused engine's /health_generate may time out
+        try:
+            for attempt in range(len(self.engines.urls) + 1):
+                joining = self.engines.heal(wait=True)
+                self.engines.resume_memory(WEIGHT_TAGS)  # may find an engine down: connect after it
+                self.train.ensure_connected(self.engines)
+                try:
+                    stats = self.train.push_weights(self.version)
+                    break
+                except Exception as e:
+                    if not self._engine_fault(e) or attempt == len(self.engines.urls):
+                        raise
+        finally:
+            self.engines.resume_checks()
         self.train.sleep()
         self.engines.resume_memory(CACHE_TAGS)
         self.engines.admit(joining)
         return stats
+
+    def _engine_fault(self, e: Exception) -> bool:
+        """After a failed push: True when an engine died (the push can go again without it)."""
+        assert self.train is not None and self.engines is not None
+        if isinstance(e, TrainRankDied):
+            return False
+        down = self.engines.probe()
+        moved = not self.train.connected_to(self.engines)  # an engine left since the bridge was built
+        if not down and not moved:
+            return False
+        cause = getattr(e, "cause", None) or e  # a Ray task error's original exception
+        logger.warning("the push of version %d failed (%s): engines %s are down; pushing again to the others",
+                       self.version, cause, sorted(down) or "found down before it")  # fmt: skip
+        return True
 
     def heal(self) -> None:
         """While waiting for a generation (the trainer is idle): engines restarted after a fault get
@@ -166,16 +189,19 @@ class Loop:
         if not joining:
             return
         if self.train is not None:
-            self.train.connect(self.engines, only=joining)
+            self.train.sleep(keep_params=True)  # --offload: the parameters back on the device
             try:
+                self.train.connect(self.engines, only=joining)
                 self.train.push_weights(self.version)
             except Exception as e:
-                if not self.engines.probe():
+                if isinstance(e, TrainRankDied) or not self.engines.probe():
                     raise
                 logger.warning(
-                    "pushing to restarted engines %s failed (%s); they are restarted again", joining, e
+                    "pushing to restarted engines %s failed (%s); the ones down start again", joining, e
                 )
                 return
+            finally:
+                self.train.sleep()
         self.engines.admit(joining)
 
     def _wait(self, step: Step, rollout_id: int) -> Rollout:

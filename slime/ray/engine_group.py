@@ -61,7 +61,9 @@ class RayEngineGroup:
         self.restarts = 0
         self.restarting: dict[int, tuple[Any, Any, float]] = {}  # j -> (actor, url ref, started)
         self.joining: dict[int, str] = {}  # j -> address: restarted, not yet given the weights
-        self.failed_starts: dict[int, int] = {}
+        self.failed_starts: dict[int, int] = {}  # j -> restarts that died before admission
+        self.changes = 0
+        """Counts engines marked down, restarted and admitted (a push bridge older than that is stale)."""
 
     # ---- which engines ---------------------------------------------------------------------------
     def up(self) -> list[int]:
@@ -91,6 +93,7 @@ class RayEngineGroup:
         """Engine j failed a call of the driver's or a push: the manager stops using it; the next
         heal() restarts it."""
         logger.error("engine %d at %s is down: %s", j, self.urls[j], reason)
+        self.changes += 1
         if self.manager is not None:
             ray.get(self.manager.mark_down.remote(j, reason))
         if not self.fault_tolerance:
@@ -114,8 +117,9 @@ class RayEngineGroup:
 
         down = {j: "does not answer /health" for j, ok in zip(targets, run_sync(check_all())) if not ok}
         for j, reason in down.items():
-            if j in self.joining:  # died before it was admitted: start it again
+            if j in self.joining:  # died before it was admitted: start it again (a few times)
                 del self.joining[j]
+                self._count_failed_start(j, reason)
                 self._restart(j, reason)
             else:
                 self.mark_down(j, reason)
@@ -136,10 +140,18 @@ class RayEngineGroup:
             logger.warning("stopping engine %d: %s", j, e)
         ray.kill(old, no_restart=True)
         self.restarts += 1
+        self.changes += 1
         actor = self.launch(j, f"engine{j}-restart{self.restarts}.log")
         self.actors[j] = actor
         self.restarting[j] = (actor, actor.url.remote(), time.monotonic())
         logger.warning("engine %d at %s is down (%s): restarting it on its bundle", j, self.urls[j], reason)
+
+    def _count_failed_start(self, j: int, reason: str) -> None:
+        self.failed_starts[j] = self.failed_starts.get(j, 0) + 1
+        if self.failed_starts[j] >= 3:
+            raise RuntimeError(
+                f"engine {j} failed 3 restarts in a row (it died before it took requests); the last: {reason}"
+            )
 
     def heal(self, wait: bool = False) -> list[int]:
         """--use-fault-tolerance: restart every engine the manager found down; returns the engines
@@ -159,9 +171,7 @@ class RayEngineGroup:
                 try:
                     url = ray.get(ref)
                 except Exception as e:
-                    self.failed_starts[j] = self.failed_starts.get(j, 0) + 1
-                    if self.failed_starts[j] >= 3:
-                        raise RuntimeError(f"engine {j} failed to start 3 times; the last: {e}") from None
+                    self._count_failed_start(j, str(e))
                     logger.error("engine %d did not start (%s); trying again", j, e)
                     self._restart(j, f"its restart failed: {e}")
                     continue
@@ -181,6 +191,7 @@ class RayEngineGroup:
         for j in indices:
             url = self.joining.pop(j)
             self.urls[j] = url
+            self.changes += 1
             self.failed_starts.pop(j, None)
             if self.manager is not None:
                 ray.get(self.manager.replace_engine.remote(j, url))
@@ -188,10 +199,12 @@ class RayEngineGroup:
             self.phase("admitted", engine=url, index=j)
 
     # ---- control calls -------------------------------------------------------------------------------
-    def _each(self, call: Callable[[int, EngineClient], Coroutine[Any, Any, Any]]) -> list[Any]:
+    def _each(
+        self, call: Callable[[int, EngineClient], Coroutine[Any, Any, Any]], strict: bool = False
+    ) -> list[Any]:
         """`call(j, client)` on every engine up, at once; the answers in engine order. With
         --use-fault-tolerance an engine that fails as an engine (unreachable, 5xx) is marked down
-        and left out of the answers."""
+        and left out of the answers, unless `strict` (the weight checks: every engine must answer)."""
         indices = self.up()
 
         async def run() -> list[Any]:
@@ -207,7 +220,12 @@ class RayEngineGroup:
 
         answers = []
         for j, answer in zip(indices, run_sync(run())):
-            if isinstance(answer, EngineError) and self.fault_tolerance and engine_down(answer):
+            if (
+                isinstance(answer, EngineError)
+                and self.fault_tolerance
+                and engine_down(answer)
+                and not strict
+            ):
                 self.mark_down(j, answer.message)
             elif isinstance(answer, BaseException):
                 raise answer
@@ -215,10 +233,17 @@ class RayEngineGroup:
                 answers.append(answer)
         return answers
 
+    def pause_checks(self) -> None:
+        if self.fault_tolerance and self.manager is not None:
+            ray.get(self.manager.pause_health.remote())
+
+    def resume_checks(self) -> None:
+        if self.fault_tolerance and self.manager is not None and not self.released:
+            ray.get(self.manager.resume_health.remote())
+
     def release_memory(self) -> None:
         if self.colocate and self.urls:
-            if self.fault_tolerance:  # released engines cannot answer /health_generate
-                ray.get(self.manager.pause_health.remote())
+            self.pause_checks()  # released engines cannot answer /health_generate
             self.phase("release", engines=self.up_urls())
             self._each(lambda j, c: c.release_memory_occupation())  # every tag
             self.released = {*WEIGHT_TAGS, *CACHE_TAGS}
@@ -228,20 +253,20 @@ class RayEngineGroup:
             self.phase("resume", engines=self.up_urls(), tags=list(tags))
             self._each(lambda j, c: c.resume_memory_occupation(list(tags)))
             self.released.difference_update(tags)
-            if self.fault_tolerance and not self.released:
-                ray.get(self.manager.resume_health.remote())
+            if not self.released:
+                self.resume_checks()
 
     def snapshot_weights(self) -> None:
-        self._each(lambda j, c: c.weights_checker("snapshot"))
+        self._each(lambda j, c: c.weights_checker("snapshot"), strict=True)
 
     def scramble_weights(self) -> None:
-        self._each(lambda j, c: c.weights_checker("reset_tensors"))
+        self._each(lambda j, c: c.weights_checker("reset_tensors"), strict=True)
 
     def compare_weights(self) -> None:
         from slime.bridge.verify import WeightSyncError
 
         try:
-            self._each(lambda j, c: c.weights_checker("compare"))
+            self._each(lambda j, c: c.weights_checker("compare"), strict=True)
         except EngineError as e:
             raise WeightSyncError(
                 "--check-weight-update-equal: after the first push an engine's weights differ from the checkpoint "
@@ -251,7 +276,7 @@ class RayEngineGroup:
 
     def dump_parameters(self, root: str) -> list[int]:
         """Engine j (tensor-parallel size 1 on the torch engine) dumps to root/<j>/."""
-        answers = self._each(lambda j, c: c.dump_parameters(os.path.join(root, str(j))))
+        answers = self._each(lambda j, c: c.dump_parameters(os.path.join(root, str(j))), strict=True)
         return [a["num_parameters"] for a in answers]
 
 

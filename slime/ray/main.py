@@ -13,6 +13,9 @@ logger = logging.getLogger("slime")
 
 
 def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack
     configure_logging("driver")
     config = parse_args(argv)  # exits 2 on bad flags
     log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
@@ -33,8 +36,11 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
         from slime.bridge.verify import WeightSyncError
         from slime.debug.hang import HangError
         from slime.debug.precision import PrecisionError
+        from slime.loop.parts import TrainRankDied
 
-        if isinstance(e, PrecisionError | HangError | WeightSyncError):  # the message says what failed
+        if isinstance(
+            e, PrecisionError | HangError | WeightSyncError | TrainRankDied
+        ):  # the message says what failed
             logger.error(
                 "%s", getattr(e, "cause", None) or e
             )  # from an actor: its message, not its traceback

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -85,6 +86,7 @@ class RolloutManager:
         )
         self.registered: list[str] = []  # engines slime added to the router
         self.router: Any = None
+        self._router_lock = threading.Lock()  # the monitor restarts it while the driver replaces engines
         self.filter = (
             load_function(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
             if r.dynamic_sampling_filter_path
@@ -153,6 +155,10 @@ class RolloutManager:
     def _check_router(self) -> None:
         """--use-fault-tolerance: a router slime started that died is started again, on the same
         port when it is free, with the live engines registered (the health monitor's thread)."""
+        with self._router_lock:
+            self._restart_router()
+
+    def _restart_router(self) -> None:
         router = self.router
         if router is None or router.proc is None or router.proc.poll() is None:
             return
@@ -287,6 +293,10 @@ class RolloutManager:
         self.engine_urls[index] = url
         if self.health is not None:
             self.health.replace(index, url)
+        with self._router_lock:
+            self._swap_worker(old, url)
+
+    def _swap_worker(self, old: str, url: str) -> None:
         if self.router is not None:
             for call, worker in ((self.router.remove_worker, old), (self.router.add_worker, url)):
                 try:

@@ -10,22 +10,20 @@ import ray
 
 from slime.backends.interface import TrainOutput
 from slime.config.arguments import Config
-from slime.loop.parts import EngineGroup, Rollout
+from slime.loop.parts import EngineGroup, Rollout, TrainRankDied
 from slime.ray.waiting import Progress, wait_refs
 
 logger = logging.getLogger(__name__)
 
 
-class TrainRankDied(RuntimeError):
-    """A train rank's process is gone (killed, out of memory, a crash in native code)."""
-
-
-def _dead_ranks(refs: list[Any], grace_s: float = 10.0) -> list[int]:
-    """The ranks whose call ended because their process died (given `grace_s` to be reported)."""
+def _dead_ranks(refs: list[Any], grace_s: float = 10.0) -> tuple[list[int], bool]:
+    """The ranks whose call ended because their process died (given `grace_s` to be reported,
+    while any call runs), and whether any call still runs after that."""
     ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-    dead = []
+    dead, stuck = [], False
     for r, ref in enumerate(refs):
         if not ray.wait([ref], timeout=0)[0]:
+            stuck = True
             continue
         try:
             ray.get(ref)
@@ -33,7 +31,7 @@ def _dead_ranks(refs: list[Any], grace_s: float = 10.0) -> list[int]:
             dead.append(r)
         except Exception:
             pass
-    return dead
+    return dead, stuck
 
 
 def _first_line(e: BaseException) -> str:
@@ -52,7 +50,7 @@ class RayTrainGroup:
         self.offload = config.cluster.offload
         self.hung = False  # a rank is stuck or dead: close() kills the ranks instead of asking them
         self.transport: str | None = None  # the push's transport as it runs, once connected
-        self.connected: tuple[str, ...] = ()  # the engines the bridge pushes to
+        self.connected: tuple[tuple[str, ...], int] = ((), -1)  # (engine addresses, the engines' changes)
         self.dp_ranks = [int(info.get("dp_rank", r)) for r, info in enumerate(infos)]
         self.resumed_rollout_id: int | None = infos[0]["resumed_rollout_id"]
         self.resumed_data_state: dict[str, int] | None = (infos[0]["resumed_extra"] or {}).get("data")
@@ -80,46 +78,55 @@ class RayTrainGroup:
         key = engines.client_config.api_key  # type: ignore[attr-defined]
         push_fault = self.config.debug.push_fault
         refs = [rank.connect_engines.remote(topology, push_fault, key) for rank in self.ranks]
-        self._wait(refs, "connecting the weight push", "connect")
+        self._wait(refs, "connecting the weight push", "connect", hang=False)
         self.transport = topology.label
-        self.connected = tuple(topology.urls)
+        self.connected = (tuple(topology.urls), engines.changes)  # type: ignore[attr-defined]
+
+    def connected_to(self, engines: EngineGroup) -> bool:
+        """The bridge reaches the engines a push must reach now: same addresses, and no engine
+        restarted or marked down since (a restarted engine may come back on the same port)."""
+        urls = tuple(engines.url(j) for j in engines.targets())  # type: ignore[attr-defined]
+        return self.connected == (urls, engines.changes)  # type: ignore[attr-defined]
 
     def ensure_connected(self, engines: EngineGroup) -> None:
         """connect() when the engines a push must reach changed (a restart, an engine down)."""
-        if tuple(engines.topology.urls) != self.connected:  # type: ignore[attr-defined]
+        if not self.connected_to(engines):
             self.connect(engines)
 
     def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
         path = self.config.checkpoint.save
         refs = [rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks]
-        self._wait(refs, f"the checkpoint save of rollout {rollout_id}", "save")
+        self._wait(refs, f"the checkpoint save of rollout {rollout_id}", "save", hang=False)
 
     def save_hf(self) -> None:
         refs = [rank.save_hf.remote(self.config.checkpoint.save_hf) for rank in self.ranks]
-        self._wait(refs, "the Hugging Face export (--save-hf)", "save_hf")
+        self._wait(refs, "the Hugging Face export (--save-hf)", "save_hf", hang=False)
 
     def wake(self) -> None:
         if self.offload:
-            self._wait([rank.wake.remote() for rank in self.ranks], "waking up (--offload)", "wake")
+            self._wait(
+                [rank.wake.remote() for rank in self.ranks], "waking up (--offload)", "wake", hang=False
+            )
 
     def sleep(self, keep_params: bool = False) -> None:
         if self.offload:
             refs = [rank.sleep.remote(keep_params=keep_params) for rank in self.ranks]
-            self._wait(refs, "offloading (--offload)", "sleep")
+            self._wait(refs, "offloading (--offload)", "sleep", hang=False)
 
-    def _wait(self, refs: list[Any], what: str, phase: str) -> Any:
-        """The ranks' results; with --hang-timeout, HangError once `what` runs longer; a rank
-        that died ends the wait at once with TrainRankDied."""
-        timeout = self.config.debug.hang_timeout
+    def _wait(self, refs: list[Any], what: str, phase: str, hang: bool = True) -> Any:
+        """The ranks' results; with --hang-timeout (`hang`: the train step and the push, which the
+        ranks' watchdog covers), HangError once `what` runs longer; a rank that died ends the wait
+        at once with TrainRankDied."""
+        timeout = self.config.debug.hang_timeout if hang else None
         try:
             return self.progress.wait(refs, phase, timeout) if self.progress else wait_refs(refs, timeout)
         except Exception as e:
             if isinstance(e, TimeoutError) and not isinstance(e, ray.exceptions.RayError):
                 self._hung(what)  # --hang-timeout (a rank's own TimeoutError is a RayError too)
             # A rank that died leaves its peers failing in (or stuck on) a collective with it: its
-            # death, not their errors, is the news. Their processes are killed at close().
-            self.hung = True
-            dead = _dead_ranks(refs)
+            # death, not their errors, is the news. Ranks dead or still stuck are killed at close().
+            dead, stuck = _dead_ranks(refs)
+            self.hung = self.hung or bool(dead or stuck)
             if not dead:
                 raise
             raise TrainRankDied(

@@ -125,12 +125,15 @@ class RolloutGenerator:
         """One prompt's samples. With engine health tracking, a group whose engine goes down
         (its request failed, or the engine was marked down meanwhile) is generated again from
         scratch on a live engine: its partial samples are dropped."""
-        while True:
+        # A group that fails on engine after engine is the request's fault, not the engines':
+        # after a few engines, its last error ends the rollout (rather than restarting them all).
+        attempts = 2 * len(self.clients) + 1
+        for attempt in range(1, attempts + 1):
             client = await self._pick()
             try:
                 group = await self._attempt(client, prompt, draw)
             except EngineError as e:
-                if self.health is None or not engine_down(e):
+                if self.health is None or not engine_down(e) or attempt == attempts:
                     raise
                 self.health.mark_down(client.base_url, e.message)
                 group = None
@@ -140,6 +143,7 @@ class RolloutGenerator:
                 return group
             logger.warning("prompt %d: engine %s went down; its group is generated again",
                            prompt.index, client.base_url)  # fmt: skip
+        raise AssertionError("unreachable")
 
     async def _attempt(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample] | None:
         """The group on `client`; None when the engine was marked down before it finished."""
