@@ -26,7 +26,8 @@ FAKE_SGLANG = os.path.join(ROOT, "tests", "fake_sglang")
 #   phase[:key=value...]->target ; ...
 # A kill fires once (a marker file per kill, since the hook runs in several processes), when the
 # phase's info matches every key=value. target: `engine` (the engine the info names: `engine`,
-# else the first of `engines`), `engines` (every engine up), `router` (the one the info names),
+# else the first of `engines`), `engine-stop` (the same with SIGSTOP: an engine that hangs without
+# dying), `engines` (every engine up), `router` (the one the info names),
 # `self` (this process), or
 # `await:admitted` (hold this phase until a restarted engine was admitted: the run then goes on
 # long enough for a push to reach it, however long its restart took).
@@ -40,9 +41,9 @@ def _pid_listening(url):
             return c.pid
     raise RuntimeError(f"nothing listens at {url}")
 
-def _kill(pid, what):
-    print(f"CHAOS: killing {what} (pid {pid})", flush=True)
-    os.kill(pid, signal.SIGKILL)
+def _kill(pid, what, sig=signal.SIGKILL):
+    print(f"CHAOS: killing {what} (pid {pid}, {signal.Signals(sig).name})", flush=True)
+    os.kill(pid, sig)
 
 def hook(phase, info):
     if phase == "admitted":
@@ -58,9 +59,9 @@ def hook(phase, info):
         except FileExistsError:
             continue
         print(f"CHAOS: {spec.strip()} at {phase} {info}", flush=True)
-        if target == "engine":
+        if target in ("engine", "engine-stop"):  # engine-stop: SIGSTOP, an engine that hangs
             url = info.get("engine") or info["engines"][0]
-            _kill(_pid_listening(url), f"engine {url}")
+            _kill(_pid_listening(url), f"engine {url}", signal.SIGSTOP if target == "engine-stop" else signal.SIGKILL)
         elif target == "engines":
             for url in info["engines"]:
                 _kill(_pid_listening(url), f"engine {url}")
@@ -134,6 +135,7 @@ def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompt
 
 CELLS = {
     "generation": ("group_generated:rollout_id=0:evaluation=False:groups=1->engine", []),
+    "generation_hang": ("group_generated:rollout_id=0:evaluation=False:groups=1->engine-stop", []),
     "after_generation": ("rollout_done:rollout_id=0->engine", []),
     "push_tensor": ("push_bucket:version=1:bucket=0->engine", ["--update-weight-transport", "tensor"]),
     "push_distributed": ("push_bucket:version=1:bucket=0->engine", ["--update-weight-transport", "distributed"]),
