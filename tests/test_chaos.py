@@ -143,6 +143,7 @@ CELLS = {
     "eval": ("group_generated:rollout_id=0:evaluation=True:groups=1->engine",
              ["--eval-interval", "1", "--eval-prompt-data", "PROMPTS", "--eval-temperature", "0"]),
     "colocate_release": ("release->engine", ["--colocate", "--actor-num-gpus-per-node", "2"]),
+    "colocate_resume": ("resume:tags=['weights']->engine", ["--colocate", "--actor-num-gpus-per-node", "2"]),
     "both_engines": ("group_generated:rollout_id=1:evaluation=False:groups=1->engines", []),
     "router": ("group_generated:rollout_id=0:evaluation=False:groups=1->router", ["--rollout-backend", "sglang"]),
 }  # fmt: skip

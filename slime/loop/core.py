@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from slime.debug.phases import no_hook
 from slime.loop.parts import (
     CACHE_TAGS,
     WEIGHT_TAGS,
@@ -79,7 +80,7 @@ class Loop:
         """`phase`: --debug-phase-hook (slime.debug.phases), called at the driver's phases."""
         self.source, self.train, self.engines = source, train, engines
         self.schedule, self.hooks, self.total = schedule, hooks, total
-        self.phase = phase or (lambda phase, **info: None)
+        self.phase = phase or no_hook
         resumed = train.resumed_rollout_id if train is not None else None
         self.resumed = resumed is not None
         self.start = 0 if resumed is None else resumed + 1

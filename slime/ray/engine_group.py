@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from slime.bridge.topology import PushTopology
+from slime.debug.phases import no_hook
 from slime.engines.client import ClientConfig, EngineClient, EngineError
 from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS
 from slime.rollout.health import engine_down
@@ -56,7 +57,7 @@ class RayEngineGroup:
         self.urls, self.actors, self.launch, self.manager = list(urls), actors, launch, manager
         self.client_config, self.colocate, self.fault_tolerance = client_config, colocate, fault_tolerance
         self.make_topology = make_topology
-        self.phase = phase or (lambda phase, **info: None)
+        self.phase = phase or no_hook
         self.released: set[str] = set()  # memory tags colocated engines gave up for training
         self.restarts = 0
         self.restarting: dict[int, tuple[Any, Any, float]] = {}  # j -> (actor, url ref, started)
