@@ -17,7 +17,7 @@ from typing import Any
 from slime.config.checks import check
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
-from slime.engines.sglang_args import reserved_problem, server_argv
+from slime.engines.sglang_args import mirror_sglang_flags, reserved_problem, server_argv
 
 
 @dataclass(frozen=True)
@@ -437,35 +437,10 @@ def _eval_sampling(ns: argparse.Namespace, rollout: SamplingConfig) -> SamplingC
     )
 
 
-def _sglang_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, tuple[str, str]]:
-    """Add `--sglang-<name>` (slime.engines.sglang_args) when SGLang is asked for, reading its
-    argument list from the installed SGLang; without SGLang a `--sglang-*` flag is refused."""
-    from slime.engines import sglang_args
-
-    given = [
-        a.split("=")[0]
-        for a in argv
-        if a.startswith("--sglang-") and a.split("=")[0] not in sglang_args.OWN_FLAGS
-    ]
-    known, _ = parser.parse_known_args(argv)
-    if not given and known.rollout_backend != "sglang":
-        return {}
-    try:
-        add_cli_args = sglang_args.load_server_cli()
-    except Exception as e:  # not installed, or not importable on this machine
-        if given:
-            parser.error(
-                f"{given[0]}: the --sglang-* flags are read from the installed SGLang's own argument list, and "
-                f"SGLang cannot be imported here ({type(e).__name__}: {e}); install sglang (GPU machines)"
-            )
-        return {}  # --rollout-backend sglang with external engines needs no local SGLang
-    return sglang_args.add_sglang_arguments(parser, add_cli_args)
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse and validate; any problem exits with code 2 and one message naming the flag."""
     parser = build_parser()
-    mirrored = _sglang_arguments(parser, sys.argv[1:] if argv is None else list(argv))
+    mirrored = mirror_sglang_flags(parser, sys.argv[1:] if argv is None else list(argv))
     ns = parser.parse_args(argv)
     problem = reserved_problem(ns, mirrored)
     if problem:

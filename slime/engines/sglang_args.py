@@ -98,3 +98,23 @@ def reserved_problem(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]
         if dest in mirrored and hasattr(ns, dest):
             return f"--sglang-{mirrored[dest][0][2:]} is set by {controlled_by}; drop it"
     return None
+
+
+def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, tuple[str, str]]:
+    """Add `--sglang-<name>` to `parser` when SGLang is asked for (a `--sglang-*` flag in `argv`,
+    or --rollout-backend sglang), reading its argument list from the installed SGLang; without
+    SGLang a `--sglang-*` flag is refused. Returns what add_sglang_arguments returns."""
+    given = [a.split("=")[0] for a in argv if a.startswith("--sglang-") and a.split("=")[0] not in OWN_FLAGS]
+    known, _ = parser.parse_known_args(argv)
+    if not given and known.rollout_backend != "sglang":
+        return {}
+    try:
+        add_cli_args = load_server_cli()
+    except Exception as e:  # not installed, or not importable on this machine
+        if given:
+            parser.error(
+                f"{given[0]}: the --sglang-* flags are read from the installed SGLang's own argument list, and "
+                f"SGLang cannot be imported here ({type(e).__name__}: {e}); install sglang (GPU machines)"
+            )
+        return {}  # --rollout-backend sglang with external engines needs no local SGLang
+    return add_sglang_arguments(parser, add_cli_args)

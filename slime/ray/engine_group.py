@@ -91,14 +91,12 @@ class RayEngineGroup:
 
     # ---- health ------------------------------------------------------------------------------------
     def mark_down(self, j: int, reason: str) -> None:
-        """Engine j failed a call of the driver's or a push: the manager stops using it; the next
-        heal() restarts it."""
+        """--use-fault-tolerance: engine j failed a call of the driver's or a push; the manager
+        stops using it and it is restarted in the background."""
         logger.error("engine %d at %s is down: %s", j, self.urls[j], reason)
         self.changes += 1
         if self.manager is not None:
             ray.get(self.manager.mark_down.remote(j, reason))
-        if not self.fault_tolerance:
-            return
         self._restart(j, reason)
 
     def probe(self) -> dict[int, str]:

@@ -381,8 +381,7 @@ async def _generate(
         manager.phase("group_generated", rollout_id=which[0], evaluation=which[1], groups=groups,
                       engine=engine, engines=live, router=router)  # fmt: skip
 
-    urls = manager.health.urls() if manager.health is not None else manager.engine_urls
-    clients = [EngineClient(u, manager.client_config) for u in urls]
+    clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]  # health's slots too
     try:
         assert manager.reward is not None
         gen = RolloutGenerator(
