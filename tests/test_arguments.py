@@ -63,7 +63,7 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
         (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
         (["--over-sampling-batch-size", "2"], "--over-sampling-batch-size must be >="),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
-        (["--lr-decay-style", "cosine"], "--lr-decay-iters"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "both set the warm-up"),
         (["--eval-prompt-data", "/nope.jsonl"], "--eval-prompt-data '/nope.jsonl': no such file"),
         (["--rollout-health-check-interval", "5"], "run only with --use-fault-tolerance: add it"),
         (

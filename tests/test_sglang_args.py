@@ -60,15 +60,27 @@ def test_bad_sglang_flags_exit_2(base, capsys, extra, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_without_sglang_a_sglang_flag_says_what_is_missing(tiny_model, tmp_path, capsys):
+def test_without_sglang_the_flags_pass_through_as_written(tiny_model, tmp_path, capsys, caplog):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "exact"]  # fmt: skip
+    given = ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention", "--sglang-cuda-graph-bs", "1",
+             "2", "4", "--sglang-dp-size=2", "--sglang-watchdog-timeout", "-1"]  # fmt: skip
+    config = parse_args([*base, "--rollout-backend", "sglang", *given])
+    assert list(config.cluster.sglang_server_args) == [
+        "--mem-fraction-static", "0.7", "--enable-dp-attention", "--cuda-graph-bs", "1", "2", "4",
+        "--dp-size", "2", "--watchdog-timeout", "-1",
+    ]  # fmt: skip
+    assert "passed through unchecked" in caplog.text
+    # Reserved options stay refused, and the torch engine refuses SGLang's flags.
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-                    "--num-rollout", "1", "--rm-type", "exact", "--sglang-mem-fraction-static", "0.7"])  # fmt: skip
-    err = capsys.readouterr().err
+        parse_args([*base, "--rollout-backend", "sglang", "--sglang-tp-size", "2"])
     assert (
         e.value.code == 2
-        and "--sglang-mem-fraction-static: the --sglang-* flags are read from the installed" in err
+        and "--sglang-tp-size is set by --rollout-num-gpus-per-engine" in capsys.readouterr().err
     )
-    assert "install sglang" in err
+    with pytest.raises(SystemExit) as e:
+        parse_args([*base, "--rollout-backend", "torch", "--sglang-mem-fraction-static", "0.7"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--sglang-mem-fraction-static configures SGLang engines" in err

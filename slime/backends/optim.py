@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule shared by the train backends."""
+"""The optimizer (AdamW or SGD) and the learning-rate schedule shared by the train backends."""
 
 from __future__ import annotations
 
@@ -68,11 +68,25 @@ class LRSchedule:
 
 
 def _config_dict(cfg: OptimizerConfig) -> dict:
-    keys = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay")
+    keys = (
+        "lr",
+        "min_lr",
+        "lr_decay_style",
+        "lr_warmup_iters",
+        "lr_decay_iters",
+        "weight_decay",
+        "optimizer",
+    )
     return {k: getattr(cfg, k) for k in keys}
 
 
-def make_adamw(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
+def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """--optimizer adam: AdamW (Megatron-LM's adam decouples the weight decay too); sgd: SGD with
+    --sgd-momentum."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            list(params), lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay
+        )
     return torch.optim.AdamW(
         list(params),
         lr=cfg.lr,

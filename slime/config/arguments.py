@@ -14,8 +14,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from slime.config.checks import check
+from slime.config import megatron_lm, slime_flags
+from slime.config.checks import problems as flag_problems
+from slime.config.resolve import Resolution, package_problems, resolve
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
+from slime.config.surface import add_specs, no_effect_given, refused_problems
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
 from slime.engines.sglang_args import mirror_sglang_flags, reserved_problem, server_argv
 
@@ -177,8 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
     g.add_argument("--colocate", action="store_true", help="trainer and engines share devices")
     g.add_argument("--offload", action="store_true", help="trainer releases device memory during rollout")
-    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
-    g.add_argument("--rollout-backend", choices=["torch", "sglang"], default="torch")
+    g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
+                   help="auto: megatron on GPUs (as in slime), fsdp on CPU (slime.config.resolve)")  # fmt: skip
+    g.add_argument("--rollout-backend", choices=["auto", "torch", "sglang"], default="auto",
+                   help="auto: sglang on GPUs (as in slime), the built-in torch engine on CPU")  # fmt: skip
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, the HF config, the inputs and the layout, print the resolved configuration "
+                   "and the placement plan, and exit (0, or 2 listing every problem); starts nothing, loads no "
+                   "weights. Without a GPU here it plans for GPUs unless --device cpu is given")  # fmt: skip
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="check the engines' health: an engine that is down (health check, failed request or control "
                    "call) has its groups generated again elsewhere, is restarted on its bundle and given the current "
@@ -198,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a running sglang-router to register the engines with (--rollout-backend sglang starts one "
                    "otherwise); custom rollout functions post to it")  # fmt: skip
     g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-server-concurrency", type=int, default=256,
+                   help="requests in flight per engine (slime's default: 512)")  # fmt: skip
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
@@ -216,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-max-prompt-len", type=int, default=None)
+    g.add_argument("--rollout-max-context-len", type=int, default=None,
+                   help="prompt + response budget: --rollout-max-prompt-len defaults to this - 1 (slime's rule)")  # fmt: skip
     g.add_argument("--rollout-max-response-len", type=int, default=1024)
     g.add_argument("--rollout-stop", nargs="*", default=[])
     g.add_argument("--rollout-stop-token-ids", nargs="*", type=int, default=[])
@@ -229,9 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-key", default=None, help="key of a dict reward to train on")
 
     g = p.add_argument_group("weight bridge")
-    g.add_argument("--update-weight-transport", choices=TRANSPORTS, default=None,
+    g.add_argument("--update-weight-transport", choices=(*TRANSPORTS, "nccl"), default=None,
                    help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
-                   "group) or disk; default: distributed for GPU engines on their own GPUs, else tensor")  # fmt: skip
+                   "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else "
+                   "tensor")  # fmt: skip
     g.add_argument("--update-weight-buffer-size", type=int, default=512 << 20, help="bytes per bucket")
 
     g = p.add_argument_group("save and load")
@@ -318,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tb-dir", default=None)
 
     add_train_arguments(p)
+    add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
+    add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
     return p
+
+
+SPECS = megatron_lm.SPECS + slime_flags.SPECS
 
 
 def _train_config(ns: argparse.Namespace) -> TrainConfig:
@@ -438,17 +457,77 @@ def _eval_sampling(ns: argparse.Namespace, rollout: SamplingConfig) -> SamplingC
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse and validate; any problem exits with code 2 and one message naming the flag."""
+    """Parse and validate; any problem exits with code 2 and one message naming the flag.
+    With --dry-run, every problem is listed, or the plan printed, and the process exits."""
     parser = build_parser()
-    mirrored = mirror_sglang_flags(parser, sys.argv[1:] if argv is None else list(argv))
-    ns = parser.parse_args(argv)
-    problem = reserved_problem(ns, mirrored)
-    if problem:
-        parser.error(problem)
+    args = sys.argv[1:] if argv is None else list(argv)
+    mirrored = mirror_sglang_flags(parser, args)
+    if "--dry-run" in args:
+        ns, unknown = parser.parse_known_args(args)
+    else:
+        ns, unknown = parser.parse_args(args), []
+    resolution = resolve(ns)
+    found = [f"unrecognized argument: {u}" for u in unknown if u.startswith("-")] + problems(
+        ns, mirrored, resolution
+    )
+    config = None
+    if not found:
+        try:
+            config = _configs(ns)
+        except ValueError as e:
+            found.append(str(e))
+    if ns.dry_run:
+        from slime.config.dry_run import dry_run
+
+        sys.exit(dry_run(ns, config, found, resolution))
+    if found:
+        parser.error(found[0])
+    assert config is not None
+    config.args.resolution = resolution.lines + _no_effect_lines(ns)
+    return config
+
+
+def _no_effect_lines(ns: argparse.Namespace) -> list[str]:
+    flags = no_effect_given(ns, SPECS, ns.train_backend)
+    return [f"no effect in this backend ({ns.train_backend}): {', '.join(flags)}"] if flags else []
+
+
+def problems(
+    ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]], resolution: Resolution
+) -> list[str]:
+    """Every problem with the flags (and, where it can be read, the HF config), in order; the
+    first is what a normal start reports. Defaults that depend on other flags are filled in."""
+    out = refused_problems(ns, SPECS, ns.train_backend)
+    sizes = next(iter(flag_problems(ns, sizes_only=True)), None)
+    if sizes:  # the rules below divide by them
+        return [*out, sizes]
+    reserved = reserved_problem(ns, mirrored)
+    if reserved:
+        out.append(reserved)
     ns.sglang_server_args = server_argv(ns, mirrored)
+    if ns.sglang_server_args and ns.rollout_backend == "torch":
+        out.append(
+            f"{ns.sglang_server_args[0].replace('--', '--sglang-', 1)} configures SGLang engines, and "
+            "--rollout-backend is torch: drop the --sglang-* flags (or use --rollout-backend sglang)"
+        )
+    out += _fill_defaults(ns)
+    packages = package_problems(ns)
+    if resolution.planning_elsewhere:
+        resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
+    else:
+        out += packages
+    ns.planning_elsewhere = resolution.planning_elsewhere
+    out += list(flag_problems(ns))
+    out += _architecture(ns)
+    return out
+
+
+def _fill_defaults(ns: argparse.Namespace) -> list[str]:
+    """Flags whose default depends on others, and slime's spellings of ours."""
+    out = []
     external = ns.rollout_external_engine_addrs
     if external is not None and ns.rollout_num_gpus is not None:
-        parser.error(
+        out.append(
             "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs none is "
             "launched: drop --rollout-num-gpus"
         )
@@ -460,18 +539,82 @@ def parse_args(argv: list[str] | None = None) -> Config:
             if ns.colocate
             else 1
         )
-    if ns.update_weight_transport is None:
+    if ns.update_weight_transport in (None, "nccl"):  # slime's nccl: its default, whatever the layout
         from slime.bridge.topology import default_transport
 
         ns.update_weight_transport = default_transport(ns.device, ns.colocate)
-    problem = check(ns)
-    if problem is None:
-        try:
-            return _configs(ns)
-        except ValueError as e:
-            problem = str(e)
-    parser.error(problem)
-    raise AssertionError("unreachable")  # parser.error exits
+    if ns.offload_train and ns.no_offload_train:
+        out.append("--offload-train and --no-offload-train contradict each other: give one")
+    ns.offload = (ns.offload or ns.offload_train) and not ns.no_offload_train
+    if ns.offload and ns.no_offload_train:
+        out.append("--offload and --no-offload-train contradict each other: give one")
+    out += _schedule_defaults(ns)
+    if ns.recompute_granularity == "full" and ns.train_backend == "fsdp":
+        ns.gradient_checkpointing = True  # every decoder layer, as FSDP's checkpointing does
+    if ns.accumulate_allreduce_grads_in_fp32 and ns.fsdp_reduce_dtype != "float32":
+        out.append(
+            f"--accumulate-allreduce-grads-in-fp32 asks for float32 gradient reductions, and --fsdp-reduce-dtype is "
+            f"{ns.fsdp_reduce_dtype}: drop one of them"
+        )
+    ctx = ns.rollout_max_context_len
+    if ctx is not None:
+        if ctx < 2:
+            out.append(f"--rollout-max-context-len must be >= 2, got {ctx}")
+        elif ns.rollout_max_prompt_len is None:
+            ns.rollout_max_prompt_len = ctx - 1  # slime's rule: the prompt leaves room for one token
+        elif ns.rollout_max_prompt_len > ctx - 1:
+            out.append(
+                f"--rollout-max-prompt-len {ns.rollout_max_prompt_len} leaves no room for a response within "
+                f"--rollout-max-context-len {ctx}: make it at most {ctx - 1}"
+            )
+    return out
+
+
+def train_iters(ns: argparse.Namespace) -> int | None:
+    """The run's optimizer steps (Megatron-LM's train_iters, as slime computes it), when the flags
+    fix it: --num-rollout x the steps per rollout."""
+    if ns.num_rollout is None or ns.rollout_batch_size is None:
+        return None
+    samples = ns.rollout_batch_size * ns.n_samples_per_prompt
+    if ns.num_steps_per_rollout:
+        return ns.num_rollout * ns.num_steps_per_rollout
+    return ns.num_rollout * max(1, samples // (ns.global_batch_size or samples))
+
+
+def _schedule_defaults(ns: argparse.Namespace) -> list[str]:
+    """Megatron-LM's rules: --lr-decay-iters defaults to the run's optimizer steps, and
+    --lr-warmup-fraction is that fraction of the decay steps."""
+    total = train_iters(ns)
+    if ns.lr_decay_iters is None and total is not None and ns.lr_decay_style != "constant":
+        ns.lr_decay_iters = total
+    fraction = ns.lr_warmup_fraction
+    if fraction is None:
+        return []
+    if ns.lr_warmup_iters:
+        return ["--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one"]
+    if not 0.0 <= fraction <= 1.0:
+        return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
+    decay = ns.lr_decay_iters or total
+    if decay is None:
+        return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
+                "--num-rollout): give one of them"]  # fmt: skip
+    ns.lr_warmup_iters = round(fraction * decay)
+    return []
+
+
+def _architecture(ns: argparse.Namespace) -> list[str]:
+    """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
+    a missing checkpoint is reported by the input checks)."""
+    path = ns.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return []
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception:  # reported by the input checks, with the reason
+        return []
+    return megatron_lm.architecture_problems(ns, config, f"--hf-checkpoint {path}")
 
 
 def describe(config: Config) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Iterator
 
 from slime.utils.tracking import check_available
 
@@ -18,35 +19,38 @@ def positive(ns: argparse.Namespace, *names: str) -> str | None:
     return None
 
 
-def check(ns: argparse.Namespace) -> str | None:
-    """The first problem with the flags, as one message, or None."""
+def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
+    """The problems with the flags, one message each. A problem with the sizes ends the list (the
+    rules after it divide by them); `sizes_only`: only those."""
     problem = positive(
         ns, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
         "n_samples_per_prompt", "rollout_batch_size", "num_rollout", "num_epoch", "save_interval", "eval_interval",
         "update_weight_buffer_size", "rollout_max_response_len", "over_sampling_batch_size",
         "n_samples_per_eval_prompt", "eval_max_response_len",
     )  # fmt: skip
-    if problem:
-        return problem
+    if problem or sizes_only:
+        yield from [problem] if problem else []
+        return
     if ns.rollout_function_path is not None and ns.custom_generate_function_path is not None:
-        return (
+        yield (
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    problem = check_debug(ns) or check_precision_flags(ns) or check_external(ns)
-    if problem:
-        return problem
+    for group in (check_debug, check_precision_flags, check_external):
+        problem = group(ns)
+        if problem:
+            yield problem
     replay = ns.load_debug_rollout_data is not None
     if ns.rollout_batch_size is None and not replay:
-        return "--rollout-batch-size is required (prompts per rollout)"
+        yield "--rollout-batch-size is required (prompts per rollout)"
     if ns.prompt_data is None and ns.rollout_function_path is None and not replay:
-        return "--prompt-data is required (or a --rollout-function-path that brings its own data)"
+        yield "--prompt-data is required (or a --rollout-function-path that brings its own data)"
     if ns.num_rollout is None and ns.num_epoch is None:
-        return "give --num-rollout or --num-epoch (how long to train)"
-    if ns.num_rollout is None and ns.prompt_data is None:
-        return "--num-epoch counts passes over --prompt-data; without it give --num-rollout"
+        yield "give --num-rollout or --num-epoch (how long to train)"
+    elif ns.num_rollout is None and ns.prompt_data is None:
+        yield "--num-epoch counts passes over --prompt-data; without it give --num-rollout"
     if ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine:
-        return (
+        yield (
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
         )
@@ -54,52 +58,56 @@ def check(ns: argparse.Namespace) -> str | None:
 
     transport_problem = flag_problem(ns.update_weight_transport, ns.device, ns.colocate)
     if transport_problem is not None:
-        return transport_problem
+        yield transport_problem
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
-        return "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
+        yield "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
-        return "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
+        yield "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
     if ns.debug_disable_sharding and train_ranks != 1 and not ns.debug_rollout_only:
-        return (
+        yield (
             f"--debug-disable-sharding runs one unsharded train rank, but --actor-num-nodes × "
             f"--actor-num-gpus-per-node is {train_ranks}: set both to 1"
         )
     if ns.colocate and ns.rollout_num_gpus != train_ranks:
-        return (
+        yield (
             f"--colocate puts engines on the trainer's {train_ranks} devices, but --rollout-num-gpus is "
             f"{ns.rollout_num_gpus}; drop --rollout-num-gpus or make them equal"
         )
     if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < (ns.rollout_batch_size or 0):
-        return "--over-sampling-batch-size must be >= --rollout-batch-size"
+        yield "--over-sampling-batch-size must be >= --rollout-batch-size"
     if ns.rm_type is None and ns.custom_rm_path is None and ns.rollout_function_path is None and not replay:
-        return "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
+        yield "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
     if ns.save_interval is not None and ns.save is None:
-        return "--save-interval needs --save DIR"
+        yield "--save-interval needs --save DIR"
     if ns.eval_interval is not None and ns.eval_prompt_data is None:
-        return "--eval-interval needs --eval-prompt-data"
+        yield "--eval-interval needs --eval-prompt-data"
     rollout_samples = (ns.rollout_batch_size or 0) * ns.n_samples_per_prompt
     if ns.debug_rollout_only or replay:
         pass  # no trainer, or the dumps decide the rollout size: checked when training starts
     elif ns.global_batch_size is not None and rollout_samples % ns.global_batch_size:
-        return (
+        yield (
             f"--rollout-batch-size × --n-samples-per-prompt = {rollout_samples} samples per rollout, "
             f"not a multiple of --global-batch-size {ns.global_batch_size}"
         )
     elif ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
-        return f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
+        yield f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
     if ns.train_backend == "megatron" or not _megatron_defaults(ns):
         problem = check_megatron(ns)
         if problem:
-            return problem
+            yield problem
     missing = check_available(ns.use_wandb, ns.use_tensorboard)
     if missing:
-        return missing
+        yield missing
     for flag in ("prompt_data", "eval_prompt_data"):
         path = getattr(ns, flag)
         if path is not None and not os.path.isfile(path):
-            return f"--{flag.replace('_', '-')} {path!r}: no such file"
-    return None
+            yield f"--{flag.replace('_', '-')} {path!r}: no such file"
+
+
+def check(ns: argparse.Namespace) -> str | None:
+    """The first problem with the flags, or None."""
+    return next(iter(problems(ns)), None)
 
 
 def check_debug(ns: argparse.Namespace) -> str | None:
@@ -264,7 +272,7 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
     from slime.backends.megatron.actor import check_supported
 
-    problem = check_supported(megatron)
+    problem = check_supported(megatron, installed=not getattr(ns, "planning_elsewhere", False))
     if problem:
         return problem
     fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload")

@@ -37,6 +37,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """`--clip-grad`: max global gradient norm; 0 disables clipping."""
+    optimizer: str = "adam"
+    """`--optimizer`: adam (AdamW, as Megatron-LM's adam) or sgd."""
+    sgd_momentum: float = 0.9
+    """`--sgd-momentum`: momentum of --optimizer sgd."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
@@ -51,6 +55,8 @@ class OptimizerConfig:
             raise ValueError("--lr-warmup-iters must be >= 0")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,35 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """Megatron-LM's training flags that both backends read (slime.config.megatron_lm)."""
+
+    attention_dropout: float = 0.0
+    """`--attention-dropout`: on attention probabilities in training steps (never in log-prob passes)."""
+    hidden_dropout: float = 0.0
+    """`--hidden-dropout`: after attention and MLP in training steps (Megatron only)."""
+    attention_softmax_in_fp32: bool = False
+    """`--attention-softmax-in-fp32` (Megatron under --bf16)."""
+    recompute_granularity: str | None = None
+    """`--recompute-granularity`: full or selective (megatron-core); FSDP: full = gradient checkpointing."""
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError(
+                "--recompute-method applies to --recompute-granularity full: add it, or drop the method"
+            )
+        if self.recompute_num_layers is not None and self.recompute_method is None:
+            raise ValueError("--recompute-num-layers needs --recompute-method uniform or block")
+        if self.recompute_method is not None and self.recompute_num_layers is None:
+            raise ValueError(f"--recompute-method {self.recompute_method} needs --recompute-num-layers")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything a train actor needs."""
 
@@ -222,6 +257,7 @@ class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    model: ModelOptions = field(default_factory=ModelOptions)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -256,7 +292,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
                    "checkpointing; Megatron: megatron-core's full recompute)")  # fmt: skip
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when a GPU is visible, else cpu (every \"GPU\" is then one CPU process)")  # fmt: skip
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--load", default=None, help="checkpoint root to resume from")
@@ -324,7 +361,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")  # fmt: skip
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch "
+                   "layers) on CPU")  # fmt: skip
     g.add_argument("--bf16", action="store_true",
                    help="bfloat16 parameters and activations, float32 master weights, gradient reductions and "
                    "optimizer states (megatron's mixed precision)")  # fmt: skip
@@ -344,6 +383,10 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """The validated TrainConfig of parsed flags (ValueError names the flag on bad input)."""
     if not ns.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required: the Hugging Face model directory to train")
+    from slime.config.resolve import resolve, resolved
+
+    if not resolved(ns):  # a parser of the train flags alone (tools, tests): `auto` decided here
+        resolve(ns)
     return TrainConfig(
         hf_checkpoint=ns.hf_checkpoint,
         backend=getattr(ns, "train_backend", "fsdp"),
@@ -369,4 +412,5 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
             disable_sharding="debug_disable_sharding",
         ),
         megatron=_pick(MegatronConfig, ns),
+        model=_pick(ModelOptions, ns),
     )

@@ -6,14 +6,19 @@ type, choices, nargs and on/off behaviour, and the values given are turned back 
 command line (`server_argv`). Only flags that were given are passed; SGLang's defaults apply to
 the rest. Options that slime sets itself are refused with the flag that controls them.
 
-SGLang is imported only when `--rollout-backend sglang` or a `--sglang-*` flag is used.
+SGLang is imported only when `--rollout-backend sglang` or a `--sglang-*` flag is used. Where it
+cannot be imported (a CPU machine checking a cluster script), the `--sglang-*` flags given are
+passed through as written, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # SGLang option dest -> what sets it in slime.
 RESERVED = {
@@ -27,7 +32,8 @@ RESERVED = {
 }
 
 # slime's own flags in the --sglang- namespace (an SGLang option of the same name is not mirrored).
-OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port"}
+OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config",
+             "--sglang-router-request-timeout-secs"}  # fmt: skip
 
 AddCliArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -83,7 +89,7 @@ def server_argv(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]]) ->
         if not hasattr(ns, dest):
             continue
         value = getattr(ns, dest)
-        if kind == "flag":
+        if kind == "flag" or (kind == "words" and not value):
             argv.append(option)
         elif isinstance(value, list):
             argv += [option, *map(str, value)]
@@ -102,8 +108,9 @@ def reserved_problem(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]
 
 def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, tuple[str, str]]:
     """Add `--sglang-<name>` to `parser` when SGLang is asked for (a `--sglang-*` flag in `argv`,
-    or --rollout-backend sglang), reading its argument list from the installed SGLang; without
-    SGLang a `--sglang-*` flag is refused. Returns what add_sglang_arguments returns."""
+    or --rollout-backend sglang), reading its argument list from the installed SGLang. Without
+    SGLang, the flags given are passed through unchecked (`pass_through`). Returns what
+    add_sglang_arguments returns."""
     given = [a.split("=")[0] for a in argv if a.startswith("--sglang-") and a.split("=")[0] not in OWN_FLAGS]
     known, _ = parser.parse_known_args(argv)
     if not given and known.rollout_backend != "sglang":
@@ -112,9 +119,24 @@ def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dic
         add_cli_args = load_server_cli()
     except Exception as e:  # not installed, or not importable on this machine
         if given:
-            parser.error(
-                f"{given[0]}: the --sglang-* flags are read from the installed SGLang's own argument list, and "
-                f"SGLang cannot be imported here ({type(e).__name__}: {e}); install sglang (GPU machines)"
-            )
+            logger.warning(
+                "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through unchecked; SGLang "
+                "checks them when the engines start", type(e).__name__, e, len(set(given)),
+            )  # fmt: skip
+            return pass_through(parser, given)
         return {}  # --rollout-backend sglang with external engines needs no local SGLang
     return add_sglang_arguments(parser, add_cli_args)
+
+
+def pass_through(parser: argparse.ArgumentParser, given: list[str]) -> dict[str, tuple[str, str]]:
+    """Each `--sglang-<name>` given, as an option taking the words up to the next option: none is
+    a switch (`--enable-x`), one or more are its values. SGLang's own parser reads them at launch."""
+    group = parser.add_argument_group(
+        "SGLang server arguments (passed through unchecked: SGLang is not importable)"
+    )
+    mirrored: dict[str, tuple[str, str]] = {}
+    for flag in dict.fromkeys(given):
+        dest = "sglang_" + flag[len("--sglang-") :].replace("-", "_")
+        group.add_argument(flag, dest=dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        mirrored[dest] = ("--" + flag[len("--sglang-") :], "words")
+    return mirrored

@@ -15,8 +15,8 @@ from slime.loop import hooks
 from slime.loop.core import ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
 from slime.ray.inputs import check_inputs
-from slime.ray.job import Job, data_parallel_size
-from slime.ray.placement import plan_placement
+from slime.ray.job import Job
+from slime.ray.placement import data_parallel_size, plan_placement
 from slime.ray.rollout_source import GeneratedRollouts, ReplayedRollouts
 from slime.ray.waiting import Progress
 

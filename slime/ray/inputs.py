@@ -3,7 +3,11 @@ and exit code 2 (slime.utils.errors.UsageError), not a traceback from inside an 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+
 from slime.config.arguments import Config
+from slime.utils.errors import UsageError
 
 FUNCTION_FLAGS = {
     "custom_rm_path": "--custom-rm-path",
@@ -15,34 +19,66 @@ FUNCTION_FLAGS = {
 
 def check_inputs(config: Config) -> None:
     """The checkpoints the job loads, the prompt and eval data, the functions it imports, the
-    sglang-router it is told to use."""
+    sglang-router it is told to use: the first problem is raised."""
+    for check in _checks(config, weights=True, reach=True):
+        try:
+            check()
+        except UsageError:
+            raise
+        except ValueError as e:  # a reward the flags cannot build
+            raise UsageError(str(e)) from e
+
+
+def input_problems(config: Config, weights: bool = True, reach: bool = True) -> list[str]:
+    """Every problem with the inputs, one message each (--dry-run: `weights=False` does not ask for
+    the weight files, `reach=False` contacts no router)."""
+    out = []
+    for check in _checks(config, weights, reach):
+        try:
+            check()
+        except (UsageError, ValueError) as e:
+            out.append(str(e))
+    return out
+
+
+def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[], object]]:
     from slime.backends.fsdp.model_init import check_hf_checkpoint
     from slime.rollout.data import check_prompt_file, eval_data_config
-    from slime.rollout.rewards import load_function
+    from slime.rollout.rewards import RewardModel, load_function
 
     t, r = config.train, config.rollout
-    check_hf_checkpoint(t.hf_checkpoint)
-    if config.debug.phase_hook:
-        load_function(config.debug.phase_hook, "--debug-phase-hook")
-    if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
-        check_hf_checkpoint(t.ref_load, "--ref-load")
-    c = config.cluster
-    if c.router_ip is not None and c.router_port is not None and not config.debug.train_only:
-        import contextlib
-
-        from slime.engines.router import Router, RouterError
-
-        # Nothing answers: a usage error naming the address. A RouterError means it answers
-        # (perhaps not to a request without the job's key): the rollout manager's concern.
-        with contextlib.suppress(RouterError):
-            Router.running(c.router_ip, c.router_port)
+    yield lambda: check_hf_checkpoint(t.hf_checkpoint, weights=weights)
+    hook = config.debug.phase_hook
+    if hook:
+        yield lambda: load_function(hook, "--debug-phase-hook")
+    ref = t.ref_load
+    if ref and t.loss.needs_ref and not config.debug.rollout_only:
+        yield lambda: check_hf_checkpoint(ref, "--ref-load", weights=weights)
+    ip, port = config.cluster.router_ip, config.cluster.router_port
+    if reach and ip is not None and port is not None and not config.debug.train_only:
+        yield lambda: _router_answers(ip, port)
     if config.debug.load_rollout_data is not None and config.debug.train_only:
         return  # replayed: the dumps are checked by the replay source; nothing generates
     if r.data is not None:
-        check_prompt_file(r.data)
+        data = r.data
+        yield lambda: check_prompt_file(data)
     if config.eval.prompt_data:
-        check_prompt_file(eval_data_config(r.data, config.eval.prompt_data), "--eval-prompt-data")
+        eval_path = config.eval.prompt_data
+        yield lambda: check_prompt_file(eval_data_config(r.data, eval_path), "--eval-prompt-data")
     for field, flag in FUNCTION_FLAGS.items():
         path = getattr(r, field)
         if path:
-            load_function(path, flag)
+            yield functools.partial(load_function, path, flag)
+    if r.rm_type and not r.custom_rm_path:
+        yield lambda: RewardModel(r.rm_type, None, r.group_rm, config.args)
+
+
+def _router_answers(ip: str, port: int) -> None:
+    import contextlib
+
+    from slime.engines.router import Router, RouterError
+
+    # Nothing answers: a usage error naming the address. A RouterError means it answers
+    # (perhaps not to a request without the job's key): the rollout manager's concern.
+    with contextlib.suppress(RouterError):
+        Router.running(ip, port)

@@ -25,7 +25,7 @@ from slime.ray.actors import (
     with_init_errors,
 )
 from slime.ray.engine_group import RayEngineGroup, attach_external
-from slime.ray.placement import Placement, Slot, plan_placement
+from slime.ray.placement import Placement, Slot, data_parallel_size, plan_placement
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import RayTrainGroup
 from slime.ray.waiting import Progress, wait_refs
@@ -39,15 +39,6 @@ def _in(pg: Any, slot: Slot, resource: str, **options: Any) -> dict[str, Any]:
     amount = {"num_gpus": slot.share, "num_cpus": 0} if resource == "GPU" else {"num_cpus": slot.share}
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundles[0])
     return {**amount, "scheduling_strategy": strategy, **options}
-
-
-def data_parallel_size(config: Config) -> int:
-    """The data-parallel replicas of the train ranks (Megatron: ranks / (TP x PP))."""
-    c, t = config.cluster, config.train
-    model_parallel = 1
-    if t.backend == "megatron":
-        model_parallel = t.megatron.tensor_model_parallel_size * t.megatron.pipeline_model_parallel_size
-    return max(1, c.num_train_ranks // model_parallel)
 
 
 def bundle_nodes(pg: Any) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slime.config.arguments import ClusterConfig
+from slime.config.arguments import ClusterConfig, Config
 
 # Shares of a colocated bundle; they only need to fit together in one bundle.
 TRAIN_SHARE = 0.5
@@ -63,3 +63,12 @@ def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engin
         Slot(tuple(range(num_train + j * tp, num_train + (j + 1) * tp)), 1.0) for j in range(num_engines)
     )
     return Placement(resource, num_train + num_engines * tp, train, engines)
+
+
+def data_parallel_size(config: Config) -> int:
+    """The data-parallel replicas of the train ranks (Megatron: ranks / (TP x PP))."""
+    c, t = config.cluster, config.train
+    model_parallel = 1
+    if t.backend == "megatron":
+        model_parallel = t.megatron.tensor_model_parallel_size * t.megatron.pipeline_model_parallel_size
+    return max(1, c.num_train_ranks // model_parallel)

@@ -63,7 +63,9 @@ class RolloutManager:
         # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
         self.api_key = api_key
         self.client_config = ClientConfig(
-            timeout_s=config.train.distributed_timeout_minutes * 60, api_key=api_key
+            timeout_s=config.train.distributed_timeout_minutes * 60,
+            max_concurrency=config.args.sglang_server_concurrency,
+            api_key=api_key,
         )
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)

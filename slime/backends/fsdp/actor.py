@@ -21,7 +21,7 @@ from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.forward import MicroBatch, make_micro_batch, response_log_probs
 from slime.backends.interface import RolloutBatch
-from slime.backends.optim import LRSchedule, make_adamw
+from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils.distributed import init_train_group
@@ -82,7 +82,7 @@ class FSDPTrainActor(TrainActorBase):
             else torch.device("cpu")
         )
         self.model = self._build_model()
-        self.optimizer = make_adamw(self.model.parameters(), cfg.optimizer)
+        self.optimizer = make_optimizer(self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             if cfg.ref_load and cfg.ref_load != cfg.hf_checkpoint:
@@ -113,6 +113,8 @@ class FSDPTrainActor(TrainActorBase):
 
         fsdp = self.cfg.fsdp
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if self.cfg.model.attention_dropout:  # --attention-dropout: HF attention drops in train() mode only
+            self.hf_config.attention_dropout = self.cfg.model.attention_dropout
         model = model_init.build_meta_model(self.hf_config, fsdp.attn_implementation)
         if fsdp.gradient_checkpointing:
             # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
@@ -157,13 +159,17 @@ class FSDPTrainActor(TrainActorBase):
     @torch.no_grad()
     def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
-        for step in plans:
-            for positions in step.micro_batches:
-                mb = self._micro_batch(batch, positions)
-                log_probs, _ = response_log_probs(self.model, mb, self.cfg.rollout_temperature, False)
-                log_probs = log_probs.cpu()
-                for row, p in enumerate(mb.positions):
-                    out[p] = log_probs[row, : mb.response_lengths[row]].clone()
+        self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
+        try:
+            for step in plans:
+                for positions in step.micro_batches:
+                    mb = self._micro_batch(batch, positions)
+                    log_probs, _ = response_log_probs(self.model, mb, self.cfg.rollout_temperature, False)
+                    log_probs = log_probs.cpu()
+                    for row, p in enumerate(mb.positions):
+                        out[p] = log_probs[row, : mb.response_lengths[row]].clone()
+        finally:
+            self.model.train()
         model_init.reshard(self.model)
         return out
 

@@ -31,7 +31,7 @@ class CheckpointError(UsageError):
     """An --hf-checkpoint/--ref-load directory the trainer cannot use."""
 
 
-def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint") -> Any:
+def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool = True) -> Any:
     """Load and sanity-check a checkpoint's config; returns it.
 
     Refuses a missing directory, one without config.json or weights, a config that is not a
@@ -53,7 +53,7 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint") -> Any:
             f"{flag} {path!r}: model_type {config.model_type!r} is not a causal language model "
             "(AutoModelForCausalLM cannot build it)"
         )
-    if not weight_files(path):
+    if weights and not weight_files(path):
         raise CheckpointError(f"{flag} {path!r} has no *.safetensors or pytorch_model*.bin weights")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):

@@ -34,7 +34,7 @@ from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
-from slime.backends.optim import LRSchedule, make_adamw
+from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils.distributed import init_train_group
@@ -106,7 +106,7 @@ class MegatronTrainActor(TrainActorBase):
             for p in self.masters:
                 p.register_post_accumulate_grad_hook(self._accumulate_in_master)
         self._load_hf(cfg.hf_checkpoint)
-        self.optimizer = make_adamw(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
+        self.optimizer = make_optimizer(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
@@ -147,9 +147,10 @@ class MegatronTrainActor(TrainActorBase):
             moe_token_dispatcher_type="alltoall",  # megatron-core refuses its default with variable lengths
             # The loss function returns each micro-batch's share of the global loss already.
             calculate_per_token_loss=True,
-            # --gradient-checkpointing: megatron-core's full recompute of every layer in backward.
-            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-               if self.cfg.fsdp.gradient_checkpointing else {}),
+            **recompute_settings(self.cfg),
+            attention_dropout=self.cfg.model.attention_dropout,
+            hidden_dropout=self.cfg.model.hidden_dropout,
+            attention_softmax_in_fp32=self.cfg.model.attention_softmax_in_fp32,
         )  # fmt: skip
         if on_cpu:
             from slime.backends.megatron import cpu_shim
@@ -450,15 +451,30 @@ class MegatronTrainActor(TrainActorBase):
                 dist.destroy_process_group()
 
 
-def check_supported(m: Any) -> str | None:
-    """What this actor does not build yet (refused at start-up, exit 2)."""
+def recompute_settings(cfg: Any) -> dict[str, Any]:
+    """megatron-core's recompute: Megatron-LM's --recompute-* flags, or --gradient-checkpointing
+    (full recompute of every layer in backward)."""
+    model = cfg.model
+    if model.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    if model.recompute_granularity == "full":
+        return {"recompute_granularity": "full", "recompute_method": model.recompute_method or "uniform",
+                "recompute_num_layers": model.recompute_num_layers or 1}  # fmt: skip
+    if cfg.fsdp.gradient_checkpointing:
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
+def check_supported(m: Any, installed: bool = True) -> str | None:
+    """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
+    the packages the settings need on this machine (off when planning for another one)."""
     if m.context_parallel_size > 1:
         return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
                 "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
     if m.expert_model_parallel_size > 1:
         return ("--expert-model-parallel-size > 1 needs a mixture-of-experts model; slime's Megatron conversion "
                 "covers dense Qwen2/Qwen3/Llama models so far: use --expert-model-parallel-size 1")  # fmt: skip
-    if m.transformer_impl == "transformer_engine":
+    if m.transformer_impl == "transformer_engine" and installed:
         import importlib.util
 
         if importlib.util.find_spec("transformer_engine") is None:

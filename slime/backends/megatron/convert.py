@@ -110,21 +110,16 @@ class Layout:
 
 
 def rope_theta(config: Any) -> float:
-    """The rotary base of an HF config (`rope_parameters` in transformers 5, `rope_theta` and
-    `rope_scaling` before). Only plain RoPE is supported: scaled variants (llama3, yarn, ...)
-    would give megatron-core other positions than the engine, so they are refused."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict):
-        kind, theta = params.get("rope_type", "default"), params.get("rope_theta")
-    else:
-        scaling = getattr(config, "rope_scaling", None) or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        theta = getattr(config, "rope_theta", None)
+    """The rotary base of an HF config. Only plain RoPE is supported: scaled variants (llama3,
+    yarn, ...) would give megatron-core other positions than the engine, so they are refused."""
+    from slime.config.megatron_lm import rope_scaling
+
+    kind, _, theta = rope_scaling(config)
     if kind != "default":
         raise ConversionError(
             f"rope_type {kind!r}: the Megatron backend builds plain RoPE only (the config's rope scaling is not converted)"
         )
-    return float(theta) if theta is not None else 10000.0
+    return theta
 
 
 SUPPORTED = {

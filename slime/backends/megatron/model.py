@@ -44,9 +44,7 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
         persist_layer_norm=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **parallel,
+        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **parallel},
     )
 
 

@@ -1,0 +1,202 @@
+"""`--dry-run`: everything a start checks without starting a process, then the plan.
+
+No Ray, no engine, no weights: the flags and their rules, the architecture flags against the HF
+config, the inputs (checkpoint configs and tokenizers, prompt and eval files, function paths,
+rewards), the batch arithmetic and the placement. Exit 0 with the resolved configuration and the
+plan on stdout, or exit 2 listing every problem found.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from slime.config.resolve import Resolution
+
+if TYPE_CHECKING:
+    from slime.config.arguments import Config
+
+
+def dry_run(ns: argparse.Namespace, config: Config | None, found: list[str], resolution: Resolution) -> int:
+    warnings: list[str] = []
+    if config is not None:
+        from slime.ray.inputs import input_problems
+
+        found = found + input_problems(config, weights=False, reach=False)
+        warnings += _weight_warnings(config)
+        if not found:
+            found += _batch_problems(config)
+    print("slime --dry-run: nothing is started")
+    print("resolved:")
+    for line in resolution.lines + _no_effect(ns):
+        print(f"  {line}")
+    if found:
+        print(f"{len(found)} problem{'s' if len(found) > 1 else ''}:")
+        for problem in found:
+            print(f"  - {problem}")
+        return 2
+    assert config is not None
+    for line in plan(config, ns):
+        print(line)
+    for w in warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+def _no_effect(ns: argparse.Namespace) -> list[str]:
+    from slime.config.arguments import _no_effect_lines
+
+    return _no_effect_lines(ns)
+
+
+def _weight_warnings(config: Config) -> list[str]:
+    from slime.backends.fsdp.model_init import weight_files
+
+    out = []
+    for flag, path in (
+        ("--hf-checkpoint", config.train.hf_checkpoint),
+        ("--ref-load", config.train.ref_load),
+    ):
+        if path and not weight_files(path):
+            out.append(f"{flag} {path} has no weight files here (read at launch, not by --dry-run)")
+    return out
+
+
+def _dp_size(config: Config) -> int:
+    from slime.ray.placement import data_parallel_size
+
+    return data_parallel_size(config)
+
+
+def _batch_problems(config: Config) -> list[str]:
+    r, b = config.rollout, config.train.batch
+    if config.debug.rollout_only or config.debug.load_rollout_data:
+        return []
+    samples = r.rollout_batch_size * r.sampling.n_samples_per_prompt
+    try:
+        b.check_layout(_dp_size(config), b.global_batch_for(samples))
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def plan(config: Config, ns: argparse.Namespace) -> list[str]:
+    r = config.rollout
+    out = ["plan:"]
+    out += [f"  {line}" for line in _model_lines(config, ns)]
+    if not config.debug.load_rollout_data:
+        samples = r.rollout_batch_size * r.sampling.n_samples_per_prompt
+        total = (
+            f"{r.num_rollout} rollouts"
+            if r.num_rollout is not None
+            else f"{r.num_epoch} epochs of --prompt-data"
+        )
+        out.append(
+            f"  rollout: {r.rollout_batch_size} prompts x {r.sampling.n_samples_per_prompt} samples = {samples} "
+            f"samples per rollout; {total}"
+        )
+        if not config.debug.rollout_only:
+            out += [f"  {line}" for line in _train_lines(config, samples)]
+    if config.eval.prompt_data:
+        out.append(
+            f"  eval: {config.eval.prompt_data}, every {config.eval.interval} rollouts, "
+            f"{config.eval.n_samples_per_prompt} samples per prompt"
+        )
+    out.append(f"  weight push: --update-weight-transport {config.bridge.transport}")
+    out.append("placement:")
+    out += [f"  {line}" for line in placement_lines(config, ns)]
+    return out
+
+
+def _model_lines(config: Config, ns: argparse.Namespace) -> list[str]:
+    from transformers import AutoConfig
+
+    from slime.config import megatron_lm
+
+    t = config.train
+    hf = AutoConfig.from_pretrained(t.hf_checkpoint)
+    arch = megatron_lm.hf_architecture(hf).values
+    described = len(megatron_lm.megatron_architecture(ns))
+    lines = [
+        f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "
+        f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}); "
+        + (
+            f"{described} architecture settings from the flags agree with it"
+            if described
+            else "no architecture flags"
+        )
+    ]
+    if t.backend == "megatron":
+        precision = (
+            "bfloat16 (--bf16)" if t.megatron.bf16 else "float32 (slime trains Megatron in bf16: add --bf16)"
+        )
+    else:
+        precision = f"parameters {t.fsdp.param_dtype}, reductions {t.fsdp.reduce_dtype}"
+    lines.append(f"precision: {precision}")
+    return lines
+
+
+def _train_lines(config: Config, samples: int) -> list[str]:
+    t, b = config.train, config.train.batch
+    dp = _dp_size(config)
+    gbs = b.global_batch_for(samples)
+    steps = samples // gbs
+    per_rank = gbs // dp
+    if t.backend == "megatron":
+        m = t.megatron
+        layout = (
+            f"{config.cluster.num_train_ranks} ranks = TP {m.tensor_model_parallel_size} x PP "
+            f"{m.pipeline_model_parallel_size} x DP {dp}"
+        )
+    else:
+        layout = f"{config.cluster.num_train_ranks} ranks = DP {dp} (FSDP shards over all)"
+    micro = (
+        f"micro-batches packed under --max-tokens-per-gpu {b.max_tokens_per_gpu} tokens"
+        if b.use_dynamic_batch_size
+        else f"{per_rank // b.micro_batch_size} micro-batches of {b.micro_batch_size}"
+    )
+    total = f", {steps * config.rollout.num_rollout} in all" if config.rollout.num_rollout is not None else ""
+    o = t.optimizer
+    lines = [
+        f"train: {t.backend}, {layout}",
+        f"  global batch {gbs} samples -> {steps} optimizer step(s) per rollout{total}; each data-parallel rank "
+        f"takes {per_rank} samples per step in {micro}",
+        f"  optimizer: {o.optimizer}, lr {o.lr:g} ({o.lr_decay_style}; warm-up {o.lr_warmup_iters} steps"
+        + (f", decay over {o.lr_decay_iters}" if o.lr_decay_iters else "")
+        + ")",
+        f"  loss: {t.loss.loss_type}, advantages {t.loss.advantage_estimator}"
+        + (f", KL loss {t.loss.kl_loss_type} x {t.loss.kl_loss_coef:g}" if t.loss.use_kl_loss else ""),
+    ]
+    return lines
+
+
+def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
+    """Which node and device holds which train rank and engine (Ray packs the bundles in order onto
+    nodes of --num-gpus-per-node devices, default --actor-num-gpus-per-node)."""
+    from slime.ray.placement import plan_placement
+
+    c, d = config.cluster, config.debug
+    placement = plan_placement(c, not d.rollout_only, not d.train_only)
+    per_node = ns.num_gpus_per_node or c.actor_num_gpus_per_node
+    unit = "GPU" if c.device == "cuda" else "CPU process"
+    nodes: dict[int, list[str]] = {}
+    for rank, slot in enumerate(placement.train):
+        b = slot.bundles[0]
+        nodes.setdefault(b // per_node, []).append(f"train rank {rank}: {unit} {b % per_node}")
+    for j, slot in enumerate(placement.engines):
+        where = ",".join(str(b % per_node) for b in slot.bundles)
+        spans = {b // per_node for b in slot.bundles}
+        text = f"engine {j}: {unit} {where}" + (" (SPANS NODES)" if len(spans) > 1 else "")
+        nodes.setdefault(min(spans), []).append(text)
+    out = [f"{placement.num_bundles} {unit}s in bundles of one, {per_node} per node; "
+           f"{'colocated' if c.colocate else 'disaggregated'}"]  # fmt: skip
+    for node in sorted(nodes):
+        out.append(f"node {node}: " + "; ".join(nodes[node]))
+    if c.external_engine_addrs:
+        out.append(f"external engines: {', '.join(c.external_engine_addrs)}")
+    if c.colocate:
+        out.append(
+            "order: engines start first (they size their memory from what is free), then the train ranks; every "
+            "step: engines release memory -> train -> push -> engines take their memory back"
+        )
+    return out

@@ -1,0 +1,156 @@
+"""slime's own flags for features this project does not have, or has under another flag, each
+with an explicit effect (slime.config.surface). Flags with a full implementation here live in
+slime.config.arguments / slime.config.train beside the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime.config.surface import APPLIED, NO_EFFECT, REFUSED, Spec, store_true
+
+OPD = "on-policy distillation is not built yet (issue 24)"
+CRITIC = "a critic (PPO value model) is not built yet (issue 24)"
+MULTIMODAL = "multimodal (vision / audio) prompts are not supported: text models only"
+NOT_YET = "not built yet"
+
+
+def _refused(flag: str, kwargs: dict[str, Any], why: str, neutral: Any = None) -> Spec:
+    return Spec(flag, kwargs, REFUSED, REFUSED, why, neutral, group="slime")
+
+
+def _same(flag: str, kwargs: dict[str, Any], effect: str, note: str) -> Spec:
+    return Spec(flag, kwargs, effect, effect, note, group="slime")
+
+
+SPECS: tuple[Spec, ...] = (
+    _same(
+        "--num-gpus-per-node",
+        {"type": int, "default": None},
+        NO_EFFECT,
+        "GPUs per node of the cluster: Ray places the processes; --dry-run uses it to draw the plan "
+        "(default: --actor-num-gpus-per-node)",
+    ),
+    _same(
+        "--balance-data",
+        store_true(),
+        APPLIED,
+        "always on here: each step's samples go to the data-parallel ranks in equal counts with balanced tokens "
+        "(the loss is normalised over the whole step, so the split does not change results)",
+    ),
+    _same(
+        "--sglang-router-request-timeout-secs",
+        {"type": int, "default": None},
+        NO_EFFECT,
+        "every engine request is bounded by --distributed-timeout-minutes here",
+    ),
+    _same(
+        "--log-probs-chunk-size",
+        {"type": int, "default": -1},
+        NO_EFFECT,
+        "splits the log-prob computation along tokens to save memory; results are the same without it",
+    ),
+    _same(
+        "--data-pad-size-multiplier",
+        {"type": int, "default": None},
+        NO_EFFECT,
+        "padding of packed sequences (micro-batches are padded to their longest sample here)",
+    ),
+    _same(
+        "--model-name",
+        {"default": None},
+        NO_EFFECT,
+        "picks slime's Megatron -> HF conversion; here the conversion follows config.json's model_type",
+    ),
+    _same("--offload-train", {"action": "store_true", "default": False}, APPLIED, "same as --offload"),
+    _same(
+        "--no-offload-train",
+        store_true(),
+        APPLIED,
+        "the trainer keeps its memory (the default without --offload)",
+    ),
+    _same(
+        "--offload-rollout",
+        store_true(),
+        APPLIED,
+        "colocated engines give their memory back while the trainer trains (always, here)",
+    ),
+    _refused(
+        "--no-offload-rollout",
+        store_true(),
+        "colocated engines always give their memory back here while the trainer trains",
+    ),
+    _refused("--use-opd", store_true(), OPD),
+    _refused("--opd-type", {"default": None}, OPD),
+    _refused("--opd-kl-coef", {"type": float, "default": None}, OPD),
+    _refused("--opd-teacher-load", {"default": None}, OPD),
+    _refused("--opd-teacher-ckpt-step", {"type": int, "default": None}, OPD),
+    _refused("--use-critic", store_true(), CRITIC),
+    _refused("--num-critic-only-steps", {"type": int, "default": None}, CRITIC, neutral=0),
+    _refused(
+        "--megatron-config-path",
+        {"default": None},
+        "per-role Megatron overrides (actor / critic YAML) are not supported",
+    ),
+    _refused("--multimodal-keys", {"default": None}, MULTIMODAL),
+    _refused(
+        "--prefill-num-servers",
+        {"type": int, "default": None},
+        "prefill/decode disaggregated engines are not supported",
+    ),
+    _refused(
+        "--sglang-config",
+        {"default": None},
+        "slime's multi-model engine YAML is not supported: one model, --rollout-num-gpus engines",
+    ),
+    _refused(
+        "--update-weight-mode",
+        {"choices": ["full", "delta"], "default": None},
+        "delta weight updates are not built: every push sends the full weights",
+        neutral="full",
+    ),
+    _refused("--update-weight-delta-encoding", {"default": None}, "delta weight updates are not built"),
+    _refused("--update-weight-delta-checksum", {"default": None}, "delta weight updates are not built"),
+    _refused(
+        "--update-weight-local-checkpoint-dir",
+        {"default": None},
+        "host-local checkpoints for weight pulls are not built",
+    ),
+    _refused(
+        "--update-weight-disk-dir",
+        {"default": None},
+        "the disk transport writes into a directory of its own on the train node; a shared directory "
+        "(engines on other nodes) is not built",
+    ),
+    _refused(
+        "--update-weight-disk-keep-files", store_true(), "the disk transport removes each version once read"
+    ),
+    _refused(
+        "--allgather-cp", store_true(), "context parallelism is not built yet (--context-parallel-size 1)"
+    ),
+    _refused(
+        "--loss-mask-type",
+        {"default": None},
+        "slime's SFT rollout (multi-turn loss masks) is not built yet (issue 20)",
+        neutral="qwen",
+    ),
+    _refused(
+        "--use-routing-replay",
+        store_true(),
+        "MoE routing replay: " + "mixture-of-experts is not supported yet",
+    ),
+    _refused(
+        "--use-rollout-routing-replay",
+        store_true(),
+        "MoE routing replay: mixture-of-experts is not supported yet",
+    ),
+    _refused("--enable-experimental", store_true(), "slime's experimental code paths do not exist here"),
+    _refused("--custom-tis-function-path", {"default": None}, f"{NOT_YET} (a custom TIS function)"),
+    _refused(
+        "--custom-pg-loss-reducer-function-path", {"default": None}, f"{NOT_YET} (a custom loss reducer)"
+    ),
+    _refused(
+        "--custom-reward-post-process-path", {"default": None}, f"{NOT_YET} (a custom reward post-process)"
+    ),
+)
+
+GROUPS = {"slime": "slime features (not built here, or under another flag)"}
