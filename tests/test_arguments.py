@@ -42,7 +42,9 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
     cfg = parse_args(base(prompts, "--rollout-temperature", "0.7", "--rollout-top-k", "5",
                           "--eval-interval", "2", "--eval-prompt-data", prompts, "--eval-temperature", "0",
                           "--n-samples-per-eval-prompt", "3"))  # fmt: skip
-    s = cfg.eval.sampling
+    (only,) = cfg.eval.datasets
+    s = only.sampling
+    assert only.name is None and only.prefix == "eval" and only.data.prompt_data == prompts
     assert (s.temperature, s.top_k, s.n_samples_per_prompt) == (0.0, 5, 3)
     assert s.max_response_len == cfg.rollout.sampling.max_response_len
     assert cfg.rollout.sampling.temperature == 0.7 and cfg.eval.before_train

@@ -53,8 +53,11 @@ def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
     ],
 )
 def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
+    # One unnamed evaluation set (metrics eval/...), or two named ones (eval/<name>...).
+    named = script == "train_async.py"
+    sets = ["held", prompts, "again", prompts] if named else [prompts]
     proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
-                   *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", prompts,
+                   *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", *sets,
                    "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard",
                    "--check-precision", "--check-weight-update-equal")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,8 +74,13 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     assert len(gates) == 6 and all(g["ok"] for g in gates)
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["rollout_id"], r["step"]) for r in records] == [(-1, 0), (0, 1), (1, 2)]
+    keys = ["eval/held", "eval/held/accuracy", "eval/again-truncated_ratio"] if named else ["eval/accuracy"]
+    for key in keys:
+        assert key in records[0] and key in records[2] and key not in records[1], key
+    if named:  # greedy on the same prompts with the same weights: the two sets agree
+        assert records[0]["eval/held"] == records[0]["eval/again"] and "eval/accuracy" not in records[0]
     assert (
-        "eval/accuracy" in records[0] and "eval/accuracy" in records[2] and "eval/accuracy" not in records[1]
+        "device: cpu (auto: no GPU is visible)" in proc.stderr and "train backend: fsdp (auto" in proc.stderr
     )
     steps = records[1:]
     assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in steps)

@@ -8,7 +8,6 @@ line naming the flag and the fix, exit code 2, no traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 from slime.config import megatron_lm, slime_flags
 from slime.config.checks import problems as flag_problems
+from slime.config.eval_sets import EvalDataset, eval_datasets
 from slime.config.resolve import Resolution, package_problems, resolve
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.surface import add_specs, no_effect_given, refused_problems
@@ -98,10 +98,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     interval: int | None = None
-    prompt_data: str | None = None
-    n_samples_per_prompt: int = 1
-    sampling: SamplingConfig | None = None
-    """Eval's sampling: the rollout's, with any `--eval-*` sampling flag applied."""
+    datasets: tuple[EvalDataset, ...] = ()
+    """`--eval-prompt-data [NAME] PATH ...` or `--eval-config` (slime.config.eval_sets)."""
     before_train: bool = True
     """Evaluate once before the first rollout (off with `--skip-eval-before-train`)."""
 
@@ -255,7 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("eval")
     g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-prompt-data", default=None)
+    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="[NAME] PATH",
+                   help="one PATH, or NAME PATH pairs: each set's metrics are logged as eval/NAME/...")  # fmt: skip
+    g.add_argument("--eval-config", default=None, metavar="YAML",
+                   help="evaluation sets with slime's schema (defaults + datasets, each with name, path, keys, "
+                   "rm_type and sampling); wins over --eval-prompt-data")  # fmt: skip
+    g.add_argument("--eval-input-key", default=None, help="default: --input-key")
+    g.add_argument("--eval-label-key", default=None, help="default: --label-key")
+    g.add_argument("--eval-max-prompt-len", type=int, default=None, help="drop longer eval prompts (tokens)")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
     g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
@@ -413,9 +418,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
         eval=EvalConfig(
             interval=ns.eval_interval,
-            prompt_data=ns.eval_prompt_data,
-            n_samples_per_prompt=ns.n_samples_per_eval_prompt,
-            sampling=_eval_sampling(ns, sampling),
+            datasets=eval_datasets(ns),
             before_train=not ns.skip_eval_before_train,
         ),
         logging=LoggingConfig(
@@ -441,18 +444,6 @@ def _configs(ns: argparse.Namespace) -> Config:
             check_weight_update_equal=ns.check_weight_update_equal,
         ),
         args=ns,
-    )
-
-
-def _eval_sampling(ns: argparse.Namespace, rollout: SamplingConfig) -> SamplingConfig:
-    pick = {
-        "temperature": ns.eval_temperature, "top_p": ns.eval_top_p, "top_k": ns.eval_top_k,
-        "max_response_len": ns.eval_max_response_len,
-    }  # fmt: skip
-    return dataclasses.replace(
-        rollout,
-        n_samples_per_prompt=ns.n_samples_per_eval_prompt,
-        **{k: v for k, v in pick.items() if v is not None},
     )
 
 

@@ -80,8 +80,8 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         yield "choose a reward: --rm-type math|exact or --custom-rm-path package.module.function"
     if ns.save_interval is not None and ns.save is None:
         yield "--save-interval needs --save DIR"
-    if ns.eval_interval is not None and ns.eval_prompt_data is None:
-        yield "--eval-interval needs --eval-prompt-data"
+    if ns.eval_interval is not None and ns.eval_prompt_data is None and ns.eval_config is None:
+        yield "--eval-interval needs --eval-prompt-data (or --eval-config)"
     rollout_samples = (ns.rollout_batch_size or 0) * ns.n_samples_per_prompt
     if ns.debug_rollout_only or replay:
         pass  # no trainer, or the dumps decide the rollout size: checked when training starts
@@ -99,10 +99,12 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
     missing = check_available(ns.use_wandb, ns.use_tensorboard)
     if missing:
         yield missing
-    for flag in ("prompt_data", "eval_prompt_data"):
-        path = getattr(ns, flag)
-        if path is not None and not os.path.isfile(path):
-            yield f"--{flag.replace('_', '-')} {path!r}: no such file"
+    if ns.prompt_data is not None and not os.path.isfile(ns.prompt_data):
+        yield f"--prompt-data {ns.prompt_data!r}: no such file"
+    values = ns.eval_prompt_data or []
+    for path in values if len(values) == 1 else values[1::2]:
+        if not os.path.isfile(path):
+            yield f"--eval-prompt-data {path!r}: no such file"
 
 
 def check(ns: argparse.Namespace) -> str | None:

@@ -97,11 +97,10 @@ def plan(config: Config, ns: argparse.Namespace) -> list[str]:
         )
         if not config.debug.rollout_only:
             out += [f"  {line}" for line in _train_lines(config, samples)]
-    if config.eval.prompt_data:
-        out.append(
-            f"  eval: {config.eval.prompt_data}, every {config.eval.interval} rollouts, "
-            f"{config.eval.n_samples_per_prompt} samples per prompt"
-        )
+    if config.eval.datasets:
+        from slime.config.eval_sets import describe
+
+        out.append(f"  eval every {config.eval.interval} rollouts: {describe(config.eval.datasets)}")
     out.append(f"  weight push: --update-weight-transport {config.bridge.transport}")
     out.append("placement:")
     out += [f"  {line}" for line in placement_lines(config, ns)]

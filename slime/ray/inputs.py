@@ -43,7 +43,8 @@ def input_problems(config: Config, weights: bool = True, reach: bool = True) -> 
 
 def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[], object]]:
     from slime.backends.fsdp.model_init import check_hf_checkpoint
-    from slime.rollout.data import check_prompt_file, eval_data_config
+    from slime.config.eval_sets import eval_flag
+    from slime.rollout.data import check_prompt_file
     from slime.rollout.rewards import RewardModel, load_function
 
     t, r = config.train, config.rollout
@@ -62,9 +63,10 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     if r.data is not None:
         data = r.data
         yield lambda: check_prompt_file(data)
-    if config.eval.prompt_data:
-        eval_path = config.eval.prompt_data
-        yield lambda: check_prompt_file(eval_data_config(r.data, eval_path), "--eval-prompt-data")
+    for ds in config.eval.datasets:
+        yield functools.partial(check_prompt_file, ds.data, eval_flag(ds))
+        if ds.rm_type:
+            yield functools.partial(RewardModel, ds.rm_type, None, False, config.args)
     for field, flag in FUNCTION_FLAGS.items():
         path = getattr(r, field)
         if path:

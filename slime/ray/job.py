@@ -251,7 +251,7 @@ class Job:
             if d.train_only
             else "full"
         )
-        lines = [f"mode: {mode}"]
+        lines = [f"mode: {mode}", *getattr(self.config.args, "resolution", [])]
         lines += [f"{k}: {v}" for k, v in describe(self.config).items()] + self.placement.describe()
         lines.append(f"engines: {', '.join(self.engine_urls) or 'none'}")
         if self.rendezvous is not None:

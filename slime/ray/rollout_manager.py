@@ -17,10 +17,11 @@ import time
 from typing import Any
 
 from slime.config.arguments import Config
+from slime.config.eval_sets import EvalDataset, eval_flag
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.loop.parts import Evaluation, Rollout
-from slime.rollout.data import PromptDataset, eval_data_config
+from slime.rollout.data import PromptDataset
 from slime.rollout.dump import make_meta, save_dump
 from slime.rollout.generator import DataSource, Progress, RolloutGenerator, number_groups
 from slime.rollout.health import EngineHealth, HealthMonitor
@@ -98,10 +99,12 @@ class RolloutManager:
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
-        self.eval_dataset = None
-        if config.eval.prompt_data:
-            eval_cfg = eval_data_config(r.data, config.eval.prompt_data)
-            self.eval_dataset = PromptDataset(eval_cfg, self.tokenizer, "--eval-prompt-data")
+        # One (set, prompts, reward) per evaluation set; a set's own rm_type replaces --rm-type.
+        self.eval_sets = [
+            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)),
+             RewardModel(ds.rm_type, None, False, config.args) if ds.rm_type else self.reward)
+            for ds in config.eval.datasets
+        ]  # fmt: skip
 
     def connect(self, engine_urls: list[str]) -> None:
         """Generate with the engines at `engine_urls` (once, before the first rollout)."""
@@ -209,7 +212,8 @@ class RolloutManager:
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
         if self.rollout_fn is not None:
-            samples = run_sync(_rollout_fn_samples(self, rollout_id, self.dataset, evaluation=False))
+            n = self.config.rollout.sampling.n_samples_per_prompt
+            samples = run_sync(_rollout_fn_samples(self, rollout_id, self.dataset, False, n, self.reward))
         else:
             assert self.dataset is not None
             samples = run_sync(
@@ -221,6 +225,7 @@ class RolloutManager:
                     self.filter,
                     self._seed_keys("rollout", rollout_id),
                     (rollout_id, False),
+                    self.reward,
                 )
             )
         metrics = rollout_metrics(samples, self.config.rollout.reward_key)
@@ -239,30 +244,35 @@ class RolloutManager:
         )  # fmt: skip
 
     def evaluate(self, rollout_id: int) -> Evaluation:
-        """Metrics on the eval data; its samples to --save-debug-eval-data when set."""
-        assert self.eval_dataset is not None and self.config.eval.sampling is not None
-        sampling = self.config.eval.sampling
-        self.eval_dataset.epoch = self.eval_dataset.offset = 0
-        if self.rollout_fn is not None:
-            samples = run_sync(_rollout_fn_samples(self, rollout_id, self.eval_dataset, evaluation=True))
-        else:
-            samples = run_sync(
-                _generate(
-                    self,
-                    self.eval_dataset,
-                    len(self.eval_dataset),
-                    sampling,
-                    None,
-                    self._seed_keys("eval", rollout_id),
-                    (rollout_id, True),
+        """Metrics of every evaluation set; their samples to --save-debug-eval-data when set."""
+        assert self.eval_sets
+        metrics: dict[str, float] = {}
+        every: list[Sample] = []
+        counts: list[list[Any]] = []  # [name, samples] per set, in the dump's order
+        for ds, dataset, reward in self.eval_sets:
+            dataset.epoch = dataset.offset = 0
+            if self.rollout_fn is not None:
+                samples = run_sync(
+                    _rollout_fn_samples(
+                        self, rollout_id, dataset, True, ds.sampling.n_samples_per_prompt, reward
+                    )
                 )
-            )
-        metrics = rollout_metrics(samples, self.config.rollout.reward_key, prefix="eval")
+            else:
+                key = ("eval", rollout_id) if ds.name is None else ("eval", ds.name, rollout_id)
+                samples = run_sync(
+                    _generate(
+                        self, dataset, len(dataset), ds.sampling, None, self._seed_keys(*key), (rollout_id, True),
+                        reward,
+                    )
+                )  # fmt: skip
+            metrics.update(eval_metrics(ds, samples, self.config.rollout.reward_key))
+            every += samples
+            counts.append([ds.name, len(samples)])
         dump_path = None
         if self.config.debug.save_eval_data:
             dump_path = save_dump(
-                self.config.debug.save_eval_data, rollout_id, [s.to_dict() for s in samples],
-                {**self._meta(True), "weight_version": -1},
+                self.config.debug.save_eval_data, rollout_id, [s.to_dict() for s in every],
+                {**self._meta(True), "weight_version": -1, "eval_sets": counts},
             )  # fmt: skip
         return Evaluation(metrics, dump_path)
 
@@ -274,9 +284,9 @@ class RolloutManager:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
         return self.progress.done, self.progress.total
 
-    def _seed_keys(self, kind: str, rollout_id: int) -> tuple[int | str, ...] | None:
+    def _seed_keys(self, *key: int | str) -> tuple[int | str, ...] | None:
         """--deterministic-mode: what every sample's sampling_seed is derived from."""
-        return (self.config.train.seed, kind, rollout_id) if self.config.train.deterministic else None
+        return (self.config.train.seed, *key) if self.config.train.deterministic else None
 
     def down_engines(self) -> dict[int, str]:
         """Engine index -> why it is down (empty without --use-fault-tolerance)."""
@@ -328,16 +338,17 @@ class RolloutManager:
 # an async actor to Ray, whose methods all share one event loop, so a running generate() would block
 # every other call (the driver's down_engines(), progress_counts()).
 async def _rollout_fn_samples(
-    manager: RolloutManager, rollout_id: int, dataset: PromptDataset | None, evaluation: bool
+    manager: RolloutManager,
+    rollout_id: int,
+    dataset: PromptDataset | None,
+    evaluation: bool,
+    n: int,
+    reward: RewardModel | None,
 ) -> list[Sample]:
-    """Run the user's rollout function; score the samples it left without a reward."""
+    """Run the user's rollout function (`n` samples per prompt); score the samples it left
+    without a reward."""
     assert manager.rollout_fn is not None
     flag = "--rollout-function-path"
-    n = (
-        manager.config.eval.n_samples_per_prompt
-        if evaluation
-        else manager.config.rollout.sampling.n_samples_per_prompt
-    )
     result = manager.rollout_fn(
         manager.config.args, rollout_id, DataSource(dataset, n), evaluation=evaluation
     )
@@ -348,17 +359,15 @@ async def _rollout_fn_samples(
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
     unscored = [g for g in groups.values() if any(s.reward is None for s in g)]
-    if unscored and manager.reward is None:
+    if unscored and reward is None:
         raise ValueError(
             f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
         )
     start = time.perf_counter()
     for group in unscored:
-        assert manager.reward is not None
+        assert reward is not None
         # A group reward scores the whole group; others only the samples left unscored.
-        await manager.reward.score_group(
-            group if manager.reward.group else [s for s in group if s.reward is None]
-        )
+        await reward.score_group(group if reward.group else [s for s in group if s.reward is None])
     manager.progress.reward_seconds += time.perf_counter() - start
     return samples
 
@@ -371,6 +380,7 @@ async def _generate(
     group_filter: Any,
     seed_keys: tuple[int | str, ...] | None,
     which: tuple[int, bool],
+    reward: RewardModel | None,
 ) -> list[Sample]:
     """`which`: (rollout id, evaluation), for --debug-phase-hook."""
     groups = 0
@@ -385,12 +395,22 @@ async def _generate(
 
     clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]  # health's slots too
     try:
-        assert manager.reward is not None
+        assert reward is not None
         gen = RolloutGenerator(
-            dataset, clients, manager.reward, sampling, num_prompts,
+            dataset, clients, reward, sampling, num_prompts,
             manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, manager.generate_fn,
             manager.progress, seed_keys, manager.health, on_group,
         )  # fmt: skip
         return (await gen.generate_rollout()).samples
     finally:
         await asyncio.gather(*(c.close() for c in clients))
+
+
+def eval_metrics(ds: EvalDataset, samples: list[Sample], reward_key: str | None) -> dict[str, float]:
+    """eval/<metric> for the unnamed set; a named set's as slime logs them: eval/<name> (mean reward),
+    eval/<name>-truncated_ratio, and the rest under eval/<name>/."""
+    metrics = rollout_metrics(samples, reward_key, prefix=ds.prefix)
+    if ds.name is not None:
+        metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
+        metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
+    return metrics

@@ -90,12 +90,6 @@ def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data") -> int:
     return len(rows)
 
 
-def eval_data_config(train_data: DataConfig | None, eval_prompt_data: str) -> DataConfig:
-    """--eval-prompt-data read like --prompt-data (same keys and template), in file order."""
-    base = train_data or DataConfig(eval_prompt_data)
-    return DataConfig(**{**base.__dict__, "prompt_data": eval_prompt_data, "shuffle": False})
-
-
 class PromptDataset:
     """Prompts in epoch order; `next_batch(n)` crosses epoch boundaries."""
 

@@ -1,0 +1,126 @@
+"""Named evaluation sets: --eval-prompt-data NAME PATH pairs and --eval-config with slime's schema,
+precedence (dataset entry > defaults > --eval-* flag > rollout flag) and metric names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime.config.arguments import parse_args
+from slime.config.eval_sets import EvalDataset
+from slime.config.rollout import DataConfig, SamplingConfig
+from slime.ray.rollout_manager import eval_metrics
+from slime.rollout.sample import Sample, Status
+
+
+@pytest.fixture
+def files(tmp_path):
+    out = {}
+    for name in ("train", "aime", "gsm"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps({"prompt": "1+1=", "label": "2", "q": "2+2=", "a": "4"}) + "\n")
+        out[name] = str(path)
+    return out
+
+
+def base(files, *extra):
+    return ["--hf-checkpoint", "/m", "--prompt-data", files["train"], "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "math", "--rollout-temperature", "0.8", "--eval-interval", "5",
+            *extra]  # fmt: skip
+
+
+def test_name_path_pairs_make_named_sets(files):
+    cfg = parse_args(base(files, "--eval-prompt-data", "aime", files["aime"], "gsm", files["gsm"],
+                          "--n-samples-per-eval-prompt", "4", "--eval-top-p", "0.9"))  # fmt: skip
+    aime, gsm = cfg.eval.datasets
+    assert (aime.name, aime.data.prompt_data, gsm.name, gsm.data.prompt_data) == (
+        "aime", files["aime"], "gsm", files["gsm"])  # fmt: skip
+    for ds in (aime, gsm):
+        # --eval-* flags first, then the rollout's
+        assert (ds.sampling.n_samples_per_prompt, ds.sampling.top_p, ds.sampling.temperature) == (4, 0.9, 0.8)
+        assert ds.data.shuffle is False and ds.prefix == f"eval/{ds.name}"
+
+
+def test_eval_config_precedence_entry_then_defaults_then_flags(files, tmp_path):
+    yaml_path = tmp_path / "eval.yaml"
+    yaml_path.write_text(
+        f"""
+eval:
+  defaults:
+    temperature: 0.6
+    n_samples_per_eval_prompt: 2
+  datasets:
+    - name: aime
+      path: {files["aime"]}
+      n_samples_per_eval_prompt: 16
+      max_response_len: 64
+      rm_type: exact
+    - name: gsm
+      path: {files["gsm"]}
+      input_key: q
+      label_key: a
+"""
+    )
+    cfg = parse_args(base(files, "--eval-config", str(yaml_path), "--eval-prompt-data", files["gsm"],
+                          "--eval-max-response-len", "32", "--eval-top-k", "7"))  # fmt: skip
+    aime, gsm = cfg.eval.datasets  # --eval-config wins over --eval-prompt-data
+    assert (aime.sampling.n_samples_per_prompt, aime.sampling.max_response_len, aime.rm_type) == (
+        16,
+        64,
+        "exact",
+    )
+    assert (gsm.sampling.n_samples_per_prompt, gsm.sampling.max_response_len, gsm.rm_type) == (2, 32, None)
+    assert aime.sampling.temperature == gsm.sampling.temperature == 0.6  # defaults over --rollout-temperature
+    assert aime.sampling.top_k == gsm.sampling.top_k == 7
+    assert (gsm.data.input_key, gsm.data.label_key, aime.data.input_key) == ("q", "a", "prompt")
+    # The mapping form of `datasets`, without the `eval:` root.
+    yaml_path.write_text(f"datasets:\n  aime:\n    path: {files['aime']}\n")
+    (only,) = parse_args(base(files, "--eval-config", str(yaml_path))).eval.datasets
+    assert only.name == "aime" and only.sampling.temperature == 0.8
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("datasets: []", "`datasets` must be a non-empty list"),
+        ("datasets:\n  - name: a\n", "datasets[0] needs a `name` and a `path`"),
+        ("datasets:\n  - {name: a, path: P, tempreature: 1}\n", "unknown key `tempreature`"),
+        (
+            "datasets:\n  - {name: a, path: P, tool_key: tools}\n",
+            "`tool_key` is slime's, for a feature not built",
+        ),
+        ("datasets:\n  - {name: a, path: P}\n  - {name: a, path: P}\n", "repeat a name"),
+        ("[1, 2", "not valid YAML"),
+    ],
+)
+def test_bad_eval_configs_exit_2_naming_the_file_and_key(files, tmp_path, capsys, text, message):
+    yaml_path = tmp_path / "eval.yaml"
+    yaml_path.write_text(text.replace("P", files["aime"]))
+    with pytest.raises(SystemExit) as e:
+        parse_args(base(files, "--eval-config", str(yaml_path)))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+
+
+def test_an_odd_number_of_values_is_refused(files, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(base(files, "--eval-prompt-data", "aime", files["aime"], "gsm"))
+    assert e.value.code == 2 and "one PATH or NAME PATH pairs; got 3 values" in capsys.readouterr().err
+
+
+def _sample(reward: float, status: Status = Status.COMPLETED) -> Sample:
+    s = Sample(prompt="p", label="2", index=0, group_index=0)
+    s.reward, s.status, s.response_length = reward, status, 3
+    return s
+
+
+def test_named_sets_log_slimes_metric_names_and_the_unnamed_set_keeps_ours():
+    samples = [_sample(1.0), _sample(0.0, Status.TRUNCATED), _sample(1.0), _sample(1.0)]
+    data, sampling = DataConfig("x.jsonl"), SamplingConfig()
+    named = eval_metrics(EvalDataset("aime", data, sampling), samples, None)
+    assert named["eval/aime"] == named["eval/aime/reward_mean"] == 0.75
+    assert named["eval/aime-truncated_ratio"] == named["eval/aime/truncated_ratio"] == 0.25
+    assert named["eval/aime/accuracy"] == 0.75
+    unnamed = eval_metrics(EvalDataset(None, data, sampling), samples, None)
+    assert unnamed["eval/accuracy"] == 0.75 and not any(k.startswith("eval/aime") for k in unnamed)
