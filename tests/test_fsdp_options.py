@@ -14,7 +14,7 @@ from slime.algo.objective import LossConfig
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.fsdp.model_init import CheckpointError
 from slime.backends.interface import BatchError, RolloutBatch
-from slime.config.train import BatchConfig, FSDPConfig, OptimizerConfig, TrainConfig
+from slime.config.train import BatchConfig, FSDPConfig, ModelOptions, OptimizerConfig, TrainConfig
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import make_batch
 
@@ -88,6 +88,32 @@ def run_options(rank, world_size, init_method, model, save_dir):
     out["unsharded"] = unsharded.train(0, batch).steps
     out["unsharded_export"] = [n for b in unsharded.export_weights(1 << 20) for n, _ in b]
     out["sharded_export"] = [n for b in plain.export_weights(1 << 20) for n, _ in b]
+
+    plain_again = _actor(base, rank, world_size, init_method).train(0, batch)
+    out["plain_rollout"], out["plain_step"] = plain_again.rollout, plain_again.steps[0]
+    engine_old = _actor(
+        dataclasses.replace(base, loss=LossConfig(use_kl_loss=True, kl_loss_coef=0.1, use_rollout_logprobs=True)),
+        rank, world_size, init_method,
+    ).train(0, batch)  # fmt: skip
+    out["engine_old_rollout"], out["engine_old_step"] = engine_old.rollout, engine_old.steps[0]
+    sft_only = dataclasses.replace(
+        base, loss=LossConfig(loss_type="sft_loss", compute_advantages_and_returns=False)
+    )
+    no_adv = _actor(sft_only, rank, world_size, init_method).train(0, batch)
+    out["sft_no_adv_rollout"], out["sft_no_adv"] = no_adv.rollout, no_adv.steps
+    sgd = _actor(
+        dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-2, optimizer="sgd", sgd_momentum=0.5)),
+        rank, world_size, init_method,
+    )  # fmt: skip
+    before = {k: v.clone() for k, v in sgd._snapshot().items()}
+    sgd.train(0, batch)
+    out["sgd_type"] = type(sgd.optimizer).__name__
+    out["sgd_changed"] = any(not torch.equal(before[k], v) for k, v in sgd._snapshot().items())
+    drop = _actor(
+        dataclasses.replace(base, model=ModelOptions(attention_dropout=0.5)), rank, world_size, init_method
+    )
+    out["dropout_lp"] = drop.compute_log_probs(batch)  # no dropout in log-prob passes
+    out["dropout_step"] = drop.train(0, batch).steps[0]  # dropout in the training step
 
     rpp = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.05, gamma=0.9)
     out["rpp"] = (
@@ -195,6 +221,30 @@ def test_reinforce_plus_plus_trains_with_kl_rewards(options):
     steps = options["rpp"]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
     assert steps[0]["grad_norm"] > 0
+
+
+def test_rollout_logprobs_are_the_old_policy_with_the_flag(options):
+    plain, engine = options["plain_rollout"], options["engine_old_rollout"]
+    assert plain["train_rollout_logprob_abs_diff"] > 1e-3  # make_batch perturbs the engine's log-probs
+    assert engine["log_probs"] == engine["rollout_log_probs"] == plain["rollout_log_probs"]
+    assert engine["train_rollout_logprob_abs_diff"] == 0.0
+    # The ratio is now current / engine, not current / recomputed (1 at the first step).
+    assert options["plain_step"]["ppo_kl"] == 0.0 and options["engine_old_step"]["ppo_kl"] != 0.0
+
+
+def test_sft_without_log_prob_passes_trains_the_same_objective(options):
+    assert options["sft_no_adv_rollout"] == {}  # no log-prob pass: no rollout log-prob metrics
+    assert [s["loss"] for s in options["sft_no_adv"]] == [s["loss"] for s in options["sft"]]
+
+
+def test_sgd_optimizer_steps(options):
+    assert options["sgd_type"] == "SGD" and options["sgd_changed"]
+
+
+def test_attention_dropout_acts_in_training_steps_only(options):
+    for p, values in options["fp32_lp"].items():
+        assert values == options["dropout_lp"][p]
+    assert options["dropout_step"]["loss"] != options["plain_step"]["loss"]
 
 
 def test_bad_train_input_names_flags(options):

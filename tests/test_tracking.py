@@ -41,14 +41,35 @@ def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = LoggingConfig(use_wandb=True, wandb_mode="offline", wandb_project="slime-test", wandb_group="g")
-    tracker = Tracker(str(tmp_path), cfg, {"lr": 1e-3})
+    cfg = LoggingConfig(use_wandb=True, wandb_mode="offline", wandb_project="slime-test", wandb_group="g",
+                        wandb_team="team", wandb_dir=str(tmp_path / "runs"))  # fmt: skip
+    tracker = Tracker(str(tmp_path / "logs"), cfg, {"lr": 1e-3})
     tracker.log({"rollout/reward_mean": 0.5}, step=1)
+    assert tracker._wandb.entity == "team" and tracker._wandb.group == "g"
     tracker.close()
-    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    runs = [d for d in os.listdir(tmp_path / "runs" / "wandb") if d.startswith("offline-run-")]  # --wandb-dir
     assert len(runs) == 1
-    files = os.listdir(tmp_path / "wandb" / runs[0])
+    files = os.listdir(tmp_path / "runs" / "wandb" / runs[0])
     assert any(f.endswith(".wandb") for f in files)
+
+
+def test_a_wandb_key_means_online_unless_a_mode_is_given(tmp_path, monkeypatch):
+    from slime.config.arguments import parse_args
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", "/m", "--prompt-data", str(prompts), "--rollout-batch-size", "1", "--num-rollout",
+            "1", "--rm-type", "exact", "--wandb-team", "t", "--wandb-host", "https://w.example"]  # fmt: skip
+    assert parse_args(base).logging.wandb_mode == "offline"
+    cfg = parse_args([*base, "--wandb-key", "k"]).logging
+    assert (cfg.wandb_mode, cfg.wandb_key, cfg.wandb_host, cfg.wandb_team) == (
+        "online",
+        "k",
+        "https://w.example",
+        "t",
+    )
+    assert parse_args([*base, "--wandb-key", "k", "--wandb-mode", "offline"]).logging.wandb_mode == "offline"
 
 
 def test_missing_package_is_named(monkeypatch):

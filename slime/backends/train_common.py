@@ -266,16 +266,25 @@ class TrainActorBase:
         output = TrainOutput()
         old = ref = None
         start = time.perf_counter()
-        if loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None:
+        compute = loss_cfg.compute_advantages_and_returns
+        if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
             lp_plans = self._log_prob_plans(part, plans)
-            old = self._log_prob_pass(batch, lp_plans)
+            if loss_cfg.use_rollout_logprobs:  # the engine's log-probs are the old policy
+                assert batch.rollout_log_probs is not None  # validate() checked
+                old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
+            else:
+                old = self._log_prob_pass(batch, lp_plans)
             if loss_cfg.needs_ref:
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
-        advantages = self._advantages(part, mine, old, ref) if loss_cfg.loss_type == "policy_loss" else None
+        advantages = (
+            self._advantages(part, mine, old, ref)
+            if compute and loss_cfg.loss_type == "policy_loss"
+            else None
+        )
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
             self._save_train_data(rollout_id, part, mine, old, ref, advantages)

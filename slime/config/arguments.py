@@ -111,6 +111,13 @@ class LoggingConfig:
     wandb_project: str = "slime"
     wandb_group: str | None = None
     use_tensorboard: bool = False
+    wandb_team: str | None = None
+    """`--wandb-team`: the wandb entity."""
+    wandb_key: str | None = None
+    """`--wandb-key`: logged in with it (and `--wandb-host`) in online mode."""
+    wandb_host: str | None = None
+    wandb_dir: str | None = None
+    """`--wandb-dir`: where the run's files go (default: the log directory)."""
     tb_dir: str | None = None
 
 
@@ -333,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
     g.add_argument("--wandb-project", default="slime")
     g.add_argument("--wandb-group", default=None)
+    g.add_argument("--wandb-team", default=None, help="the wandb entity")
+    g.add_argument(
+        "--wandb-key", default=None, help="API key: wandb.login in online mode (the default with a key)"
+    )
+    g.add_argument("--wandb-host", default=None, help="the wandb server for --wandb-key")
+    g.add_argument("--wandb-dir", default=None, help="the run's local files (default: the log directory)")
     g.add_argument("--use-tensorboard", action="store_true")
     g.add_argument("--tb-dir", default=None)
 
@@ -405,7 +418,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         _or(ns.rollout_health_check_first_wait, 0.0),
     )  # fmt: skip
     dtype, tol, max_tol = _precision_defaults(ns)
-    wandb_mode = ns.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    wandb_mode = ns.wandb_mode or ("online" if ns.wandb_key or os.environ.get("WANDB_API_KEY") else "offline")
     return Config(
         cluster=cluster,
         rollout=rollout,
@@ -422,8 +435,17 @@ def _configs(ns: argparse.Namespace) -> Config:
             before_train=not ns.skip_eval_before_train,
         ),
         logging=LoggingConfig(
-            ns.use_wandb, wandb_mode, ns.wandb_project, ns.wandb_group, ns.use_tensorboard, ns.tb_dir
-        ),
+            use_wandb=ns.use_wandb,
+            wandb_mode=wandb_mode,
+            wandb_project=ns.wandb_project,
+            wandb_group=ns.wandb_group,
+            use_tensorboard=ns.use_tensorboard,
+            tb_dir=ns.tb_dir,
+            wandb_team=ns.wandb_team,
+            wandb_key=ns.wandb_key,
+            wandb_host=ns.wandb_host,
+            wandb_dir=ns.wandb_dir,
+        ),  # fmt: skip
         train=_train_config(ns),
         debug=DebugConfig(
             rollout_only=ns.debug_rollout_only,

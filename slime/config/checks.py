@@ -198,6 +198,11 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
     if given and not ns.use_fault_tolerance:
         flag = "--rollout-health-check-" + given[0].replace("_", "-")
         return f"{flag} sets the engine health checks, which run only with --use-fault-tolerance: add it (or drop {flag})"
+    if ns.check_precision and ns.use_rollout_logprobs:
+        return (
+            "--check-precision gates the first step on ppo_kl == 0, and --use-rollout-logprobs measures the ratio "
+            "against the engine's log-probs (ppo_kl is the trainer-engine gap): give one of them"
+        )
     if ns.check_precision and ns.debug_rollout_only:
         return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
     if ns.debug_sync_parameters_path is None:

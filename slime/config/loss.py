@@ -48,6 +48,11 @@ class LossConfig:
     """`--tis-clip-low`: lower bound of the TIS weight."""
     calculate_per_token_loss: bool = False
     """`--calculate-per-token-loss`: average over tokens of the batch instead of per sample."""
+    use_rollout_logprobs: bool = False
+    """`--use-rollout-logprobs`: the engine's log-probs are the old policy (no recompute pass)."""
+    compute_advantages_and_returns: bool = True
+    """Off with `--disable-compute-advantages-and-returns`: no log-prob passes and no advantages
+    (for --loss-type sft_loss)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -64,6 +69,16 @@ class LossConfig:
             raise ValueError(f"--eps-clip-high must be > 0, got {self.eps_clip_high}")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1:
             raise ValueError(f"--eps-clip-c must be > 1, got {self.eps_clip_c}")
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError(
+                "--use-rollout-logprobs makes the engine's log-probs the old policy, so --use-tis (which weights by "
+                "old / engine) would be 1 everywhere: give one of them"
+            )
+        if not self.compute_advantages_and_returns and self.loss_type == "policy_loss":
+            raise ValueError(
+                "--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it with "
+                "--loss-type sft_loss"
+            )
         if self.use_tis and not 0 <= self.tis_clip_low < self.tis_clip:
             raise ValueError(
                 f"--tis-clip-low ({self.tis_clip_low}) must be >= 0 and below --tis-clip ({self.tis_clip})"
@@ -81,4 +96,4 @@ class LossConfig:
 
     @property
     def needs_rollout_log_probs(self) -> bool:
-        return self.loss_type == "policy_loss" and self.use_tis
+        return self.loss_type == "policy_loss" and (self.use_tis or self.use_rollout_logprobs)

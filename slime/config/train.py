@@ -323,6 +323,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
     g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--use-rollout-logprobs", action="store_true",
+                   help="the engine's log-probs are the old policy of the PPO ratio (no recompute pass)")  # fmt: skip
+    g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
+                   action="store_false",
+                   help="no log-prob passes and no advantages (with --loss-type sft_loss)")  # fmt: skip
 
     g = parser.add_argument_group("train: optimizer")
     g.add_argument("--lr", type=float, default=1e-6)

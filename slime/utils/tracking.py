@@ -45,11 +45,16 @@ class Tracker:
         if cfg is not None and cfg.use_wandb:
             import wandb
 
+            if cfg.wandb_key and cfg.wandb_mode == "online":  # slime's --wandb-key / --wandb-host
+                wandb.login(key=cfg.wandb_key, host=cfg.wandb_host)
+            run_dir = cfg.wandb_dir or log_dir
+            os.makedirs(run_dir, exist_ok=True)
             self._wandb = wandb.init(
                 project=cfg.wandb_project,
+                entity=cfg.wandb_team,
                 group=cfg.wandb_group,
                 mode=cfg.wandb_mode,
-                dir=log_dir,
+                dir=run_dir,
                 config=run_config or {},
             )
             logger.info("wandb run %s (mode %s) in %s", self._wandb.id, cfg.wandb_mode, log_dir)
