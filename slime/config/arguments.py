@@ -445,7 +445,7 @@ def _configs(ns: argparse.Namespace) -> Config:
             wandb_key=ns.wandb_key,
             wandb_host=ns.wandb_host,
             wandb_dir=ns.wandb_dir,
-        ),  # fmt: skip
+        ),
         train=_train_config(ns),
         debug=DebugConfig(
             rollout_only=ns.debug_rollout_only,
