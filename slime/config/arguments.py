@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.config import megatron_lm, slime_flags
-from slime.config.checks import problems as flag_problems
+from slime.config.derived import custom_config, no_effect_lines, problems
 from slime.config.eval_sets import EvalDataset, eval_datasets
-from slime.config.resolve import Resolution, package_problems, resolve
+from slime.config.resolve import resolve
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
-from slime.config.surface import add_specs, no_effect_given, refused_problems
+from slime.config.surface import add_specs
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
-from slime.engines.sglang_args import mirror_sglang_flags, reserved_problem, server_argv
+from slime.engines.sglang_args import mirror_sglang_flags
 
 
 @dataclass(frozen=True)
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--custom-rm-path", default=None, help="package.module.function")
     g.add_argument("--group-rm", action="store_true")
     g.add_argument("--reward-key", default=None, help="key of a dict reward to train on")
+    g.add_argument("--custom-config-path", default=None, metavar="YAML",
+                   help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
+                   "functions to read from args: KEY: VALUE with the flag's name in underscores")  # fmt: skip
 
     g = p.add_argument_group("weight bridge")
     g.add_argument("--update-weight-transport", choices=(*TRANSPORTS, "nccl"), default=None,
@@ -353,9 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
     add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
     return p
-
-
-SPECS = megatron_lm.SPECS + slime_flags.SPECS
 
 
 def _train_config(ns: argparse.Namespace) -> TrainConfig:
@@ -479,16 +479,22 @@ def parse_args(argv: list[str] | None = None) -> Config:
         ns, unknown = parser.parse_known_args(args)
     else:
         ns, unknown = parser.parse_args(args), []
+    custom = custom_config(ns)
     resolution = resolve(ns)
-    found = [f"unrecognized argument: {u}" for u in unknown if u.startswith("-")] + problems(
-        ns, mirrored, resolution
+    found = (
+        custom
+        + [f"unrecognized argument: {u}" for u in unknown if u.startswith("-")]
+        + problems(ns, mirrored, resolution)
     )
     config = None
-    if not found:
+    if not found or ns.dry_run:  # a dry run goes on to the inputs when the configs can be built
         try:
             config = _configs(ns)
         except ValueError as e:
             found.append(str(e))
+        except Exception:  # settings already found wrong cannot always make a config: they are listed
+            if not found:
+                raise
     if ns.dry_run:
         from slime.config.dry_run import dry_run
 
@@ -496,138 +502,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if found:
         parser.error(found[0])
     assert config is not None
-    config.args.resolution = resolution.lines + _no_effect_lines(ns)
+    config.args.resolution = resolution.lines + no_effect_lines(ns)
     return config
-
-
-def _no_effect_lines(ns: argparse.Namespace) -> list[str]:
-    flags = no_effect_given(ns, SPECS, ns.train_backend)
-    return [f"no effect in this backend ({ns.train_backend}): {', '.join(flags)}"] if flags else []
-
-
-def problems(
-    ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]], resolution: Resolution
-) -> list[str]:
-    """Every problem with the flags (and, where it can be read, the HF config), in order; the
-    first is what a normal start reports. Defaults that depend on other flags are filled in."""
-    out = refused_problems(ns, SPECS, ns.train_backend)
-    sizes = next(iter(flag_problems(ns, sizes_only=True)), None)
-    if sizes:  # the rules below divide by them
-        return [*out, sizes]
-    reserved = reserved_problem(ns, mirrored)
-    if reserved:
-        out.append(reserved)
-    ns.sglang_server_args = server_argv(ns, mirrored)
-    if ns.sglang_server_args and ns.rollout_backend == "torch":
-        out.append(
-            f"{ns.sglang_server_args[0].replace('--', '--sglang-', 1)} configures SGLang engines, and "
-            "--rollout-backend is torch: drop the --sglang-* flags (or use --rollout-backend sglang)"
-        )
-    out += _fill_defaults(ns)
-    packages = package_problems(ns)
-    if resolution.planning_elsewhere:
-        resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
-    else:
-        out += packages
-    ns.planning_elsewhere = resolution.planning_elsewhere
-    out += list(flag_problems(ns))
-    out += _architecture(ns)
-    return out
-
-
-def _fill_defaults(ns: argparse.Namespace) -> list[str]:
-    """Flags whose default depends on others, and slime's spellings of ours."""
-    out = []
-    external = ns.rollout_external_engine_addrs
-    if external is not None and ns.rollout_num_gpus is not None:
-        out.append(
-            "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs none is "
-            "launched: drop --rollout-num-gpus"
-        )
-    if ns.rollout_num_gpus is None:
-        ns.rollout_num_gpus = (
-            len(external)
-            if external
-            else ns.actor_num_nodes * ns.actor_num_gpus_per_node
-            if ns.colocate
-            else 1
-        )
-    if ns.update_weight_transport in (None, "nccl"):  # slime's nccl: its default, whatever the layout
-        from slime.bridge.topology import default_transport
-
-        ns.update_weight_transport = default_transport(ns.device, ns.colocate)
-    if ns.offload_train and ns.no_offload_train:
-        out.append("--offload-train and --no-offload-train contradict each other: give one")
-    ns.offload = (ns.offload or ns.offload_train) and not ns.no_offload_train
-    if ns.offload and ns.no_offload_train:
-        out.append("--offload and --no-offload-train contradict each other: give one")
-    out += _schedule_defaults(ns)
-    if ns.recompute_granularity == "full" and ns.train_backend == "fsdp":
-        ns.gradient_checkpointing = True  # every decoder layer, as FSDP's checkpointing does
-    if ns.accumulate_allreduce_grads_in_fp32 and ns.fsdp_reduce_dtype != "float32":
-        out.append(
-            f"--accumulate-allreduce-grads-in-fp32 asks for float32 gradient reductions, and --fsdp-reduce-dtype is "
-            f"{ns.fsdp_reduce_dtype}: drop one of them"
-        )
-    ctx = ns.rollout_max_context_len
-    if ctx is not None:
-        if ctx < 2:
-            out.append(f"--rollout-max-context-len must be >= 2, got {ctx}")
-        elif ns.rollout_max_prompt_len is None:
-            ns.rollout_max_prompt_len = ctx - 1  # slime's rule: the prompt leaves room for one token
-        elif ns.rollout_max_prompt_len > ctx - 1:
-            out.append(
-                f"--rollout-max-prompt-len {ns.rollout_max_prompt_len} leaves no room for a response within "
-                f"--rollout-max-context-len {ctx}: make it at most {ctx - 1}"
-            )
-    return out
-
-
-def train_iters(ns: argparse.Namespace) -> int | None:
-    """The run's optimizer steps (Megatron-LM's train_iters, as slime computes it), when the flags
-    fix it: --num-rollout x the steps per rollout."""
-    if ns.num_rollout is None or ns.rollout_batch_size is None:
-        return None
-    samples = ns.rollout_batch_size * ns.n_samples_per_prompt
-    if ns.num_steps_per_rollout:
-        return ns.num_rollout * ns.num_steps_per_rollout
-    return ns.num_rollout * max(1, samples // (ns.global_batch_size or samples))
-
-
-def _schedule_defaults(ns: argparse.Namespace) -> list[str]:
-    """Megatron-LM's rules: --lr-decay-iters defaults to the run's optimizer steps, and
-    --lr-warmup-fraction is that fraction of the decay steps."""
-    total = train_iters(ns)
-    if ns.lr_decay_iters is None and total is not None and ns.lr_decay_style != "constant":
-        ns.lr_decay_iters = total
-    fraction = ns.lr_warmup_fraction
-    if fraction is None:
-        return []
-    if ns.lr_warmup_iters:
-        return ["--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one"]
-    if not 0.0 <= fraction <= 1.0:
-        return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
-    decay = ns.lr_decay_iters or total
-    if decay is None:
-        return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
-                "--num-rollout): give one of them"]  # fmt: skip
-    ns.lr_warmup_iters = round(fraction * decay)
-    return []
-
-
-def _architecture(ns: argparse.Namespace) -> list[str]:
-    """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
-    a missing checkpoint is reported by the input checks)."""
-    path = ns.hf_checkpoint
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return []
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception:  # reported by the input checks, with the reason
-        return []
-    return megatron_lm.architecture_problems(ns, config, f"--hf-checkpoint {path}")
 
 
 def describe(config: Config) -> dict[str, Any]:

@@ -44,9 +44,9 @@ def dry_run(ns: argparse.Namespace, config: Config | None, found: list[str], res
 
 
 def _no_effect(ns: argparse.Namespace) -> list[str]:
-    from slime.config.arguments import _no_effect_lines
+    from slime.config.derived import no_effect_lines
 
-    return _no_effect_lines(ns)
+    return no_effect_lines(ns)
 
 
 def _weight_warnings(config: Config) -> list[str]:

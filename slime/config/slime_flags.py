@@ -144,6 +144,11 @@ SPECS: tuple[Spec, ...] = (
         "MoE routing replay: mixture-of-experts is not supported yet",
     ),
     _refused("--enable-experimental", store_true(), "slime's experimental code paths do not exist here"),
+    _refused(
+        "--rm-url",
+        {"default": None},
+        "the remote_rm reward (an HTTP reward server) is not built yet (issue 20)",
+    ),
     _refused("--custom-tis-function-path", {"default": None}, f"{NOT_YET} (a custom TIS function)"),
     _refused(
         "--custom-pg-loss-reducer-function-path", {"default": None}, f"{NOT_YET} (a custom loss reducer)"

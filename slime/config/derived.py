@@ -1,0 +1,171 @@
+"""What parse_args does between argparse and the configs: the settings whose default depends on
+other flags, slime's spellings of ours, --custom-config-path, and the architecture flags against
+the HF config. Each function fills `ns` in place and returns the problems it found."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from slime.config import megatron_lm, slime_flags
+from slime.config.checks import problems as flag_problems
+from slime.config.resolve import Resolution, package_problems
+from slime.config.surface import no_effect_given, refused_problems
+from slime.engines.sglang_args import reserved_problem, server_argv
+
+logger = logging.getLogger(__name__)
+
+SPECS = megatron_lm.SPECS + slime_flags.SPECS
+
+
+def custom_config(ns: argparse.Namespace) -> list[str]:
+    """--custom-config-path: every key of the YAML mapping set on `ns` (slime's rule: the file wins
+    over the command line); keys that are no flag's are kept for custom functions."""
+    path = ns.custom_config_path
+    if path is None:
+        return []
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        return [f"--custom-config-path {path}: cannot be read ({e})"]
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        return [f"--custom-config-path {path}: the top level must be a mapping of names to values"]
+    for key, value in values.items():
+        if getattr(ns, key, value) != value:
+            logger.info("--custom-config-path %s sets %s = %r (was %r)", path, key, value, getattr(ns, key))
+        setattr(ns, key, value)
+    return []
+
+
+def fill_defaults(ns: argparse.Namespace) -> list[str]:
+    """Flags whose default depends on others, and slime's spellings of ours."""
+    out = []
+    external = ns.rollout_external_engine_addrs
+    if external is not None and ns.rollout_num_gpus is not None:
+        out.append(
+            "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs none is "
+            "launched: drop --rollout-num-gpus"
+        )
+    if ns.rollout_num_gpus is None:
+        ns.rollout_num_gpus = (
+            len(external)
+            if external
+            else ns.actor_num_nodes * ns.actor_num_gpus_per_node
+            if ns.colocate
+            else 1
+        )
+    if ns.update_weight_transport in (None, "nccl"):  # slime's nccl: its default, whatever the layout
+        from slime.bridge.topology import default_transport
+
+        ns.update_weight_transport = default_transport(ns.device, ns.colocate)
+    if ns.offload_train and ns.no_offload_train:
+        out.append("--offload-train and --no-offload-train contradict each other: give one")
+    ns.offload = (ns.offload or ns.offload_train) and not ns.no_offload_train
+    if ns.offload and ns.no_offload_train:
+        out.append("--offload and --no-offload-train contradict each other: give one")
+    out += schedule_defaults(ns)
+    if ns.recompute_granularity == "full" and ns.train_backend == "fsdp":
+        ns.gradient_checkpointing = True  # every decoder layer, as FSDP's checkpointing does
+    if ns.accumulate_allreduce_grads_in_fp32 and ns.fsdp_reduce_dtype != "float32":
+        out.append(
+            f"--accumulate-allreduce-grads-in-fp32 asks for float32 gradient reductions, and --fsdp-reduce-dtype is "
+            f"{ns.fsdp_reduce_dtype}: drop one of them"
+        )
+    ctx = ns.rollout_max_context_len
+    if ctx is not None:
+        if ctx < 2:
+            out.append(f"--rollout-max-context-len must be >= 2, got {ctx}")
+        elif ns.rollout_max_prompt_len is None:
+            ns.rollout_max_prompt_len = ctx - 1  # slime's rule: the prompt leaves room for one token
+        elif ns.rollout_max_prompt_len > ctx - 1:
+            out.append(
+                f"--rollout-max-prompt-len {ns.rollout_max_prompt_len} leaves no room for a response within "
+                f"--rollout-max-context-len {ctx}: make it at most {ctx - 1}"
+            )
+    return out
+
+
+def train_iters(ns: argparse.Namespace) -> int | None:
+    """The run's optimizer steps (Megatron-LM's train_iters, as slime computes it), when the flags
+    fix it: --num-rollout x the steps per rollout."""
+    if ns.num_rollout is None or ns.rollout_batch_size is None:
+        return None
+    samples = ns.rollout_batch_size * ns.n_samples_per_prompt
+    if ns.num_steps_per_rollout:
+        return ns.num_rollout * ns.num_steps_per_rollout
+    return ns.num_rollout * max(1, samples // (ns.global_batch_size or samples))
+
+
+def schedule_defaults(ns: argparse.Namespace) -> list[str]:
+    """Megatron-LM's rules: --lr-decay-iters defaults to the run's optimizer steps, and
+    --lr-warmup-fraction is that fraction of the decay steps."""
+    total = train_iters(ns)
+    if ns.lr_decay_iters is None and total is not None and ns.lr_decay_style != "constant":
+        ns.lr_decay_iters = total
+    fraction = ns.lr_warmup_fraction
+    if fraction is None:
+        return []
+    if ns.lr_warmup_iters:
+        return ["--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one"]
+    if not 0.0 <= fraction <= 1.0:
+        return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
+    decay = ns.lr_decay_iters or total
+    if decay is None:
+        return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
+                "--num-rollout): give one of them"]  # fmt: skip
+    ns.lr_warmup_iters = round(fraction * decay)
+    return []
+
+
+def architecture_problems(ns: argparse.Namespace) -> list[str]:
+    """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
+    a missing checkpoint is reported by the input checks)."""
+    path = ns.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return []
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception:  # reported by the input checks, with the reason
+        return []
+    return megatron_lm.architecture_problems(ns, config, f"--hf-checkpoint {path}")
+
+
+def no_effect_lines(ns: argparse.Namespace) -> list[str]:
+    flags = no_effect_given(ns, SPECS, ns.train_backend)
+    return [f"no effect in this backend ({ns.train_backend}): {', '.join(flags)}"] if flags else []
+
+
+def problems(
+    ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]], resolution: Resolution
+) -> list[str]:
+    """Every problem with the flags (and, where it can be read, the HF config), in order; the
+    first is what a normal start reports. Defaults that depend on other flags are filled in."""
+    out = refused_problems(ns, SPECS, ns.train_backend)
+    sizes = next(iter(flag_problems(ns, sizes_only=True)), None)
+    if sizes:  # the rules below divide by them
+        return [*out, sizes]
+    reserved = reserved_problem(ns, mirrored)
+    if reserved:
+        out.append(reserved)
+    ns.sglang_server_args = server_argv(ns, mirrored)
+    if ns.sglang_server_args and ns.rollout_backend == "torch":
+        out.append(
+            f"{ns.sglang_server_args[0].replace('--', '--sglang-', 1)} configures SGLang engines, and "
+            "--rollout-backend is torch: drop the --sglang-* flags (or use --rollout-backend sglang)"
+        )
+    out += fill_defaults(ns)
+    packages = package_problems(ns)
+    if resolution.planning_elsewhere:
+        resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
+    else:
+        out += packages
+    ns.planning_elsewhere = resolution.planning_elsewhere
+    out += list(flag_problems(ns))
+    out += architecture_problems(ns)
+    return out
