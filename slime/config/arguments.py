@@ -481,11 +481,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         ns, unknown = parser.parse_args(args), []
     custom = custom_config(ns)
     resolution = resolve(ns)
-    found = (
-        custom
-        + [f"unrecognized argument: {u}" for u in unknown if u.startswith("-")]
-        + problems(ns, mirrored, resolution)
-    )
+    found = custom + [f"unrecognized argument: {u}" for u in unknown] + problems(ns, mirrored, resolution)
     config = None
     if not found or ns.dry_run:  # a dry run goes on to the inputs when the configs can be built
         try:

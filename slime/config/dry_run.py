@@ -100,7 +100,10 @@ def plan(config: Config, ns: argparse.Namespace) -> list[str]:
     if config.eval.datasets:
         from slime.config.eval_sets import describe
 
-        out.append(f"  eval every {config.eval.interval} rollouts: {describe(config.eval.datasets)}")
+        when = (
+            f"every {config.eval.interval} rollouts" if config.eval.interval else "never (no --eval-interval)"
+        )
+        out.append(f"  eval {when}: {describe(config.eval.datasets)}")
     out.append(f"  weight push: --update-weight-transport {config.bridge.transport}")
     out.append("placement:")
     out += [f"  {line}" for line in placement_lines(config, ns)]
@@ -115,15 +118,11 @@ def _model_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     t = config.train
     hf = AutoConfig.from_pretrained(t.hf_checkpoint)
     arch = megatron_lm.hf_architecture(hf).values
-    described = len(megatron_lm.megatron_architecture(ns))
+    given = sum(megatron_lm.given_architecture_flags(ns))
     lines = [
         f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "
         f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}); "
-        + (
-            f"{described} architecture settings from the flags agree with it"
-            if described
-            else "no architecture flags"
-        )
+        + (f"its {given} architecture flags agree with it" if given else "no architecture flags")
     ]
     if t.backend == "megatron":
         precision = (
@@ -187,7 +186,8 @@ def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
         spans = {b // per_node for b in slot.bundles}
         text = f"engine {j}: {unit} {where}" + (" (SPANS NODES)" if len(spans) > 1 else "")
         nodes.setdefault(min(spans), []).append(text)
-    out = [f"{placement.num_bundles} {unit}s in bundles of one, {per_node} per node; "
+    units = "GPUs" if c.device == "cuda" else "CPU processes"
+    out = [f"{placement.num_bundles} {units} in bundles of one, {per_node} per node; "
            f"{'colocated' if c.colocate else 'disaggregated'}"]  # fmt: skip
     for node in sorted(nodes):
         out.append(f"node {node}: " + "; ".join(nodes[node]))

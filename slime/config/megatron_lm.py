@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.config.surface import APPLIED, CHECKED, NO_EFFECT, REFUSED, Spec, store_true
+from slime.config.surface import APPLIED, CHECKED, NO_EFFECT, REFUSED, Spec, given, store_true
 
 
 def _arch(flag: str, kwargs: dict[str, Any], note: str, neutral: Any = None) -> Spec:
@@ -324,6 +324,11 @@ GROUPS = {
 }
 
 
+def given_architecture_flags(ns: argparse.Namespace) -> list[bool]:
+    """One True per architecture flag given (for the plan's count)."""
+    return [given(ns, s) for s in SPECS if s.group == "architecture" and s.fsdp == CHECKED]
+
+
 def model_described(ns: argparse.Namespace) -> bool:
     return any(getattr(ns, d) is not None for d in ("num_layers", "hidden_size", "num_attention_heads"))
 
@@ -392,7 +397,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "normalization": "rms_norm_eps", "norm_epsilon": "rms_norm_eps", "add_bias_linear": "attention_bias/mlp_bias",
         "add_qkv_bias": "model_type/attention_bias", "qk_layernorm": "model_type",
         "untie_embeddings_and_output_weights": "tie_word_embeddings", "rotary_base": "rope_theta",
-        "rotary_percent": "partial_rotary_factor", "use_rope_scaling": "rope_scaling",
+        "rotary_percent": "partial_rotary_factor", "use_rope_scaling": "rope_scaling.rope_type",
         "rope_scaling_factor": "rope_scaling.factor",
     }  # fmt: skip
     return HFArchitecture(values, keys)
@@ -484,8 +489,10 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
             shown = getattr(config, "hidden_act", None)
         elif dest == "untie_embeddings_and_output_weights":
             shown = getattr(config, "tie_word_embeddings", False)
-        elif dest in ("use_rope_scaling", "rope_scaling_factor"):
-            shown = getattr(config, "rope_scaling", None)
+        elif dest == "use_rope_scaling":
+            shown = rope_scaling(config)[0]
+        elif dest == "rope_scaling_factor":
+            shown = rope_scaling(config)[1]
         elif dest in ("qk_layernorm", "add_qkv_bias"):
             shown = f"{getattr(config, 'model_type', '?')} (attention_bias={getattr(config, 'attention_bias', None)})"
         out.append(f"{_flag_text(dest, value, ns)} disagrees with {where}: config.json {key} = {shown}")
