@@ -213,7 +213,6 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             ],
             "TP 8 must divide the attention heads (4) and the key/value heads (2)",
         ),
-        (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel splits activations"),
         (
             ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
              "--sequence-parallel"],

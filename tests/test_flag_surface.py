@@ -140,6 +140,22 @@ def test_training_flags_reach_the_config(tiny_model, prompts, tmp_path):
     )  # slime's nccl: our default
 
 
+def test_epoch_runs_size_the_schedule_from_the_prompts_and_tp1_sequence_parallel_is_off(tiny_model, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(10)))
+    argv = base(tiny_model, str(rows), "--lr-warmup-fraction", "0.5", "--lr-decay-style", "linear",
+                "--sequence-parallel", "--train-backend", "megatron")  # fmt: skip
+    argv[argv.index("--num-rollout") : argv.index("--num-rollout") + 2] = ["--num-epoch", "2"]
+    cfg = parse_args(argv)
+    # 2 epochs x 10 prompts / 4 per rollout = 5 rollouts of one step: decay over 5, warm up for 2 (round 2.5).
+    assert (cfg.train.optimizer.lr_decay_iters, cfg.train.optimizer.lr_warmup_iters) == (5, 2)
+    assert not cfg.train.megatron.sequence_parallel
+    assert (
+        "--sequence-parallel: off with --tensor-model-parallel-size 1 (as in Megatron-LM)"
+        in cfg.args.resolution
+    )
+
+
 def test_auto_means_sglang_and_megatron_where_a_gpu_is_visible(tiny_model, prompts, monkeypatch):
     import importlib.util
 

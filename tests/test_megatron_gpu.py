@@ -117,7 +117,7 @@ def test_two_grpo_steps_with_the_megatron_backend(tiny_model, prompts, tmp_path,
     from tests.test_loop_e2e import run_job
 
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--device", "cuda",
-                   "--train-backend", "megatron", "--advantage-estimator", "grpo", "--use-kl-loss",
+                   "--train-backend", "megatron", "--rollout-backend", "torch", "--transformer-impl", "local", "--advantage-estimator", "grpo", "--use-kl-loss",
                    "--kl-loss-coef", "0.01", "--check-precision", "--check-weight-update-equal", *layout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "--check-precision: passed at rollout 0" in proc.stderr

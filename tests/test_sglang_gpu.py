@@ -39,7 +39,7 @@ def test_two_grpo_steps_with_sglang_engines(model, prompts, tmp_path, layout):  
     if torch.cuda.device_count() < (1 if "--colocate" in layout else 2):
         pytest.skip("not enough GPUs for this layout")
     proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--device", "cuda",
-                   "--rollout-backend", "sglang", "--advantage-estimator", "grpo", "--check-precision",
+                   "--rollout-backend", "sglang", "--train-backend", "fsdp", "--advantage-estimator", "grpo", "--check-precision",
                    "--check-weight-update-equal", "--sglang-mem-fraction-static", "0.3", *layout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "--check-precision: passed at rollout 0" in proc.stderr

@@ -491,6 +491,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
         except Exception:  # settings already found wrong cannot always make a config: they are listed
             if not found:
                 raise
+    found = list(dict.fromkeys(found))  # a rule met twice (flags, then configs) is one problem
+    note = getattr(ns, "sequence_parallel_note", None)
+    if note:
+        resolution.lines.append(note)
     if ns.dry_run:
         from slime.config.dry_run import dry_run
 

@@ -67,6 +67,12 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
     ns.offload = (ns.offload or ns.offload_train) and not ns.no_offload_train
     if ns.offload and ns.no_offload_train:
         out.append("--offload and --no-offload-train contradict each other: give one")
+    if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
+        # Megatron-LM turns it off at TP 1 too: there is nothing to split, so nothing changes.
+        ns.sequence_parallel = False
+        ns.sequence_parallel_note = (
+            "--sequence-parallel: off with --tensor-model-parallel-size 1 (as in Megatron-LM)"
+        )
     out += schedule_defaults(ns)
     if ns.recompute_granularity == "full" and ns.train_backend == "fsdp":
         ns.gradient_checkpointing = True  # every decoder layer, as FSDP's checkpointing does
@@ -92,12 +98,25 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
 def train_iters(ns: argparse.Namespace) -> int | None:
     """The run's optimizer steps (Megatron-LM's train_iters, as slime computes it), when the flags
     fix it: --num-rollout x the steps per rollout."""
-    if ns.num_rollout is None or ns.rollout_batch_size is None:
+    if ns.rollout_batch_size is None:
+        return None
+    rollouts = ns.num_rollout
+    if rollouts is None and ns.num_epoch is not None and ns.prompt_data and os.path.isfile(ns.prompt_data):
+        # slime's count: epochs x the prompts' rollouts (the driver counts after the length filter)
+        from slime.rollout.data import DataError, read_rows
+
+        try:
+            rollouts = max(
+                1, ns.num_epoch * len(read_rows(ns.prompt_data, "--prompt-data")) // ns.rollout_batch_size
+            )
+        except DataError:
+            return None  # reported by the input checks
+    if rollouts is None:
         return None
     samples = ns.rollout_batch_size * ns.n_samples_per_prompt
     if ns.num_steps_per_rollout:
-        return ns.num_rollout * ns.num_steps_per_rollout
-    return ns.num_rollout * max(1, samples // (ns.global_batch_size or samples))
+        return rollouts * ns.num_steps_per_rollout
+    return rollouts * max(1, samples // (ns.global_batch_size or samples))
 
 
 def schedule_defaults(ns: argparse.Namespace) -> list[str]:
@@ -116,7 +135,7 @@ def schedule_defaults(ns: argparse.Namespace) -> list[str]:
     decay = ns.lr_decay_iters or total
     if decay is None:
         return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
-                "--num-rollout): give one of them"]  # fmt: skip
+                "--num-rollout or --num-epoch): give one of them"]  # fmt: skip
     ns.lr_warmup_iters = round(fraction * decay)
     return []
 

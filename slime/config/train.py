@@ -185,9 +185,6 @@ class MegatronConfig:
                      "expert_model_parallel_size", "make_vocab_size_divisible_by"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
-                             "--tensor-model-parallel-size > 1")  # fmt: skip
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"
