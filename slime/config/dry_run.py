@@ -9,6 +9,7 @@ plan on stdout, or exit 2 listing every problem found.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING
 
 from slime.config.resolve import Resolution
@@ -22,7 +23,11 @@ def dry_run(ns: argparse.Namespace, config: Config | None, found: list[str], res
     if config is not None:
         from slime.ray.inputs import input_problems
 
-        found = found + input_problems(config, weights=False, reach=False)
+        # A file the flag checks found missing is not reported again by the input checks.
+        missing = {m.group(1) for p in found if (m := re.search(r"'([^']+)': no such file", p))}
+        found = found + [
+            p for p in input_problems(config, weights=False, reach=False) if not any(m in p for m in missing)
+        ]
         warnings += _weight_warnings(config)
         if not found:
             found += _batch_problems(config)
