@@ -41,7 +41,7 @@ OMP_NUM_THREADS=2 "$PYTHON" -m slime.tools.sft --hf-checkpoint "$OUT/base" --dat
 # from rollout k, so the two cores work at once. 16 samples per prompt keep exploring after the
 # policy sharpens; the learning rate decays (cosine) over the 4 optimizer steps of each rollout.
 "$PYTHON" train_async.py \
-    --hf-checkpoint "$OUT/sft" \
+    --hf-checkpoint "$OUT/sft" --device cpu \
     --actor-num-gpus-per-node 1 --rollout-num-gpus 1 \
     --prompt-data "$OUT/task/train.jsonl" --input-key prompt --label-key label --rollout-shuffle \
     --rm-type exact \

@@ -145,6 +145,7 @@ def _train_metrics(tmp_path):
     return [(r["train/loss"], r["train/pg_loss"], r["train/grad_norm"]) for r in records]
 
 
+@pytest.mark.slow  # ~75 s; two ranks training like one is checked in-process (test_fsdp_actor)
 def test_replay_is_deterministic_and_layout_independent(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
     """The same dump replayed twice: bit-identical losses and grad norms; on 1 and on 2 FSDP
     ranks: equal within relative 1e-5 (rewards varied within groups so the gradients are not 0)."""

@@ -129,7 +129,7 @@ def test_training_flags_reach_the_config(tiny_model, prompts, tmp_path):
     assert (o.optimizer, o.sgd_momentum, o.lr_decay_iters, o.lr_warmup_iters) == ("sgd", 0.5, 6, 2)
     assert cfg.train.model.attention_dropout == 0.1 and cfg.train.fsdp.gradient_checkpointing
     custom = tmp_path / "custom.yaml"
-    custom.write_text("lr: 0.5\nmy_plugin_setting: [1, 2]\n")
+    custom.write_text("lr: 5e-1\nmy_plugin_setting: [1, 2]\n")  # YAML reads 5e-1 as a string
     cfg = parse_args(base(tiny_model, prompts, "--lr", "0.1", "--custom-config-path", str(custom)))
     assert cfg.train.optimizer.lr == 0.5 and cfg.args.my_plugin_setting == [1, 2]
     cfg = parse_args(

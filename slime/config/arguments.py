@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-max-prompt-len", type=int, default=None)
     g.add_argument("--rollout-max-context-len", type=int, default=None,
-                   help="prompt + response budget: --rollout-max-prompt-len defaults to this - 1 (slime's rule)")  # fmt: skip
+                   help="slime's context budget: --rollout-max-prompt-len defaults to this - 1; responses stay "
+                   "within --rollout-max-response-len")  # fmt: skip
     g.add_argument("--rollout-max-response-len", type=int, default=1024)
     g.add_argument("--rollout-stop", nargs="*", default=[])
     g.add_argument("--rollout-stop-token-ids", nargs="*", type=int, default=[])
@@ -479,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         ns, unknown = parser.parse_known_args(args)
     else:
         ns, unknown = parser.parse_args(args), []
-    custom = custom_config(ns)
+    custom = custom_config(ns, {a.dest: a.type for a in parser._actions if a.type is not None})
     resolution = resolve(ns)
     found = custom + [f"unrecognized argument: {u}" for u in unknown] + problems(ns, mirrored, resolution)
     config = None
@@ -488,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
             config = _configs(ns)
         except ValueError as e:
             found.append(str(e))
+        except TypeError as e:  # a --custom-config-path value of the wrong type
+            found.append(f"a setting has the wrong type ({e}); check --custom-config-path's values")
         except Exception:  # settings already found wrong cannot always make a config: they are listed
             if not found:
                 raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 from slime.config import megatron_lm, slime_flags
 from slime.config.checks import problems as flag_problems
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 SPECS = megatron_lm.SPECS + slime_flags.SPECS
 
 
-def custom_config(ns: argparse.Namespace) -> list[str]:
+def custom_config(ns: argparse.Namespace, types: dict[str, Any]) -> list[str]:
     """--custom-config-path: every key of the YAML mapping set on `ns` (slime's rule: the file wins
     over the command line); keys that are no flag's are kept for custom functions."""
     path = ns.custom_config_path
@@ -35,6 +36,14 @@ def custom_config(ns: argparse.Namespace) -> list[str]:
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         return [f"--custom-config-path {path}: the top level must be a mapping of names to values"]
     for key, value in values.items():
+        kind = types.get(key)
+        if kind is not None and isinstance(value, str):  # YAML reads 1e-5 as a string
+            try:
+                value = kind(value)
+            except (TypeError, ValueError):
+                return [
+                    f"--custom-config-path {path}: {key}: {value!r} is not a valid {getattr(kind, '__name__', kind)}"
+                ]
         if getattr(ns, key, value) != value:
             logger.info("--custom-config-path %s sets %s = %r (was %r)", path, key, value, getattr(ns, key))
         setattr(ns, key, value)

@@ -113,8 +113,8 @@ class FSDPTrainActor(TrainActorBase):
 
         fsdp = self.cfg.fsdp
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        if self.cfg.model.attention_dropout:  # --attention-dropout: HF attention drops in train() mode only
-            self.hf_config.attention_dropout = self.cfg.model.attention_dropout
+        # --attention-dropout (0 unless given) replaces the checkpoint's; HF drops in train() mode only.
+        self.hf_config.attention_dropout = self.cfg.model.attention_dropout
         model = model_init.build_meta_model(self.hf_config, fsdp.attn_implementation)
         if fsdp.gradient_checkpointing:
             # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
