@@ -101,15 +101,11 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         yield missing
     if ns.prompt_data is not None and not os.path.isfile(ns.prompt_data):
         yield f"--prompt-data {ns.prompt_data!r}: no such file"
-    values = ns.eval_prompt_data or []
-    for path in values if len(values) == 1 else values[1::2]:
+    from slime.config.eval_sets import name_path_pairs
+
+    for _, path in name_path_pairs(ns.eval_prompt_data or []):
         if not os.path.isfile(path):
             yield f"--eval-prompt-data {path!r}: no such file"
-
-
-def check(ns: argparse.Namespace) -> str | None:
-    """The first problem with the flags, or None."""
-    return next(iter(problems(ns)), None)
 
 
 def check_debug(ns: argparse.Namespace) -> str | None:
@@ -279,7 +275,7 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
     from slime.backends.megatron.actor import check_supported
 
-    problem = check_supported(megatron, installed=not getattr(ns, "planning_elsewhere", False))
+    problem = check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems
     if problem:
         return problem
     fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload")

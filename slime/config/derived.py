@@ -131,17 +131,18 @@ def train_iters(ns: argparse.Namespace) -> int | None:
 def schedule_defaults(ns: argparse.Namespace) -> list[str]:
     """Megatron-LM's rules: --lr-decay-iters defaults to the run's optimizer steps, and
     --lr-warmup-fraction is that fraction of the decay steps."""
-    total = train_iters(ns)
-    if ns.lr_decay_iters is None and total is not None and ns.lr_decay_style != "constant":
-        ns.lr_decay_iters = total
     fraction = ns.lr_warmup_fraction
+    decay = ns.lr_decay_iters or None
+    if decay is None and (ns.lr_decay_style != "constant" or fraction is not None):
+        decay = train_iters(ns)  # counted only when needed: with --num-epoch it reads the prompt file
+        if ns.lr_decay_iters is None and ns.lr_decay_style != "constant":
+            ns.lr_decay_iters = decay
     if fraction is None:
         return []
     if ns.lr_warmup_iters:
         return ["--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one"]
     if not 0.0 <= fraction <= 1.0:
         return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
-    decay = ns.lr_decay_iters or total
     if decay is None:
         return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
                 "--num-rollout or --num-epoch): give one of them"]  # fmt: skip
@@ -153,8 +154,12 @@ def architecture_problems(ns: argparse.Namespace) -> list[str]:
     """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
     a missing checkpoint is reported by the input checks)."""
     path = ns.hf_checkpoint
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return []
+    if (
+        not megatron_lm.megatron_architecture(ns)
+        or not path
+        or not os.path.isfile(os.path.join(path, "config.json"))
+    ):
+        return []  # no architecture flag given: nothing to compare, nothing to read
     from transformers import AutoConfig
 
     try:
@@ -193,7 +198,6 @@ def problems(
         resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
     else:
         out += packages
-    ns.planning_elsewhere = resolution.planning_elsewhere
     out += list(flag_problems(ns))
     out += architecture_problems(ns)
     return out

@@ -123,7 +123,7 @@ def _model_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     t = config.train
     hf = AutoConfig.from_pretrained(t.hf_checkpoint)
     arch = megatron_lm.hf_architecture(hf).values
-    given = sum(megatron_lm.given_architecture_flags(ns))
+    given = megatron_lm.count_architecture_flags(ns)
     lines = [
         f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "
         f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}); "

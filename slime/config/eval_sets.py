@@ -38,7 +38,6 @@ SAMPLING_KEYS = {
     "stop": ("rollout_stop",),
     "stop_token_ids": ("rollout_stop_token_ids",),
 }
-OTHER_KEYS = ("name", "path", "rm_type")
 # slime's keys for what is not built here: refused by name rather than ignored.
 NOT_HERE = (
     "tool_key", "multimodal_keys", "apply_chat_template_kwargs", "min_new_tokens", "repetition_penalty",
@@ -117,23 +116,24 @@ def _check_keys(mapping: dict[str, Any], where: str, allow_identity: bool) -> No
             raise ValueError(f"{where}: unknown key `{key}`; known: {', '.join(sorted(known))}")
 
 
+def name_path_pairs(values: list[str]) -> list[tuple[str | None, str]]:
+    """--eval-prompt-data's values: one PATH (an unnamed set), or NAME PATH pairs."""
+    if len(values) == 1:
+        return [(None, values[0])]
+    return list(zip(values[::2], values[1::2], strict=False))  # an odd count is refused by eval_datasets
+
+
 def eval_datasets(ns: argparse.Namespace) -> tuple[EvalDataset, ...]:
     """The evaluation sets the flags describe (ValueError names the flag and the fix)."""
     if ns.eval_config is not None:
         defaults, entries = _read_config(ns.eval_config)
     elif ns.eval_prompt_data:
         values = list(ns.eval_prompt_data)
-        if len(values) == 1:
-            defaults, entries = {}, [{"name": None, "path": values[0]}]
-        elif len(values) % 2:
+        if len(values) > 1 and len(values) % 2:
             raise ValueError(
                 f"--eval-prompt-data takes one PATH or NAME PATH pairs; got {len(values)} values: {' '.join(values)}"
             )
-        else:
-            defaults, entries = (
-                {},
-                [{"name": n, "path": p} for n, p in zip(values[::2], values[1::2], strict=True)],
-            )
+        defaults, entries = {}, [{"name": n, "path": p} for n, p in name_path_pairs(values)]
     else:
         return ()
     names = [e["name"] for e in entries]

@@ -9,7 +9,7 @@ docs/migrating-from-slime.md (generated from `SPECS`):
 - `checked`: an architecture flag. The model comes from `--hf-checkpoint`'s config.json; the flag
   must describe the same model (`architecture_problems`), so a script for another model, or a
   typo in one, stops the job before anything starts.
-- `applied`: the backend does what the flag says (`TrainConfig.megatron_lm`).
+- `applied`: the backend does what the flag says (`TrainConfig.model`, `.optimizer`).
 - `no effect`: a speed or memory knob this backend has no counterpart for; it cannot change
   results. The banner lists the ones given.
 - `refused`: it describes something not built here (MoE, MLA, FP8, ...); giving it (with any
@@ -324,9 +324,9 @@ GROUPS = {
 }
 
 
-def given_architecture_flags(ns: argparse.Namespace) -> list[bool]:
-    """One True per architecture flag given (for the plan's count)."""
-    return [given(ns, s) for s in SPECS if s.group == "architecture" and s.fsdp == CHECKED]
+def count_architecture_flags(ns: argparse.Namespace) -> int:
+    """How many architecture flags were given (for the plan)."""
+    return sum(given(ns, s) for s in SPECS if s.group == "architecture" and s.fsdp == CHECKED)
 
 
 def model_described(ns: argparse.Namespace) -> bool:
@@ -491,8 +491,6 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
             shown = getattr(config, "tie_word_embeddings", False)
         elif dest == "use_rope_scaling":
             shown = rope_scaling(config)[0]
-        elif dest == "rope_scaling_factor":
-            shown = rope_scaling(config)[1]
         elif dest in ("qk_layernorm", "add_qkv_bias"):
             shown = f"{getattr(config, 'model_type', '?')} (attention_bias={getattr(config, 'attention_bias', None)})"
         out.append(f"{_flag_text(dest, value, ns)} disagrees with {where}: config.json {key} = {shown}")

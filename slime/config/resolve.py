@@ -45,9 +45,10 @@ def resolved(ns: argparse.Namespace) -> bool:
 def resolve(ns: argparse.Namespace) -> Resolution:
     """Replace every `auto` in `ns` by its value; returns how each was decided."""
     out = Resolution()
-    given = "given"
+    visible = _cuda_visible()
+    why = "given"
     if ns.device == "auto":
-        if _cuda_visible():
+        if visible:
             ns.device, why = "cuda", "auto: a GPU is visible"
         elif getattr(ns, "dry_run", False):
             ns.device, why = (
@@ -56,10 +57,8 @@ def resolve(ns: argparse.Namespace) -> Resolution:
             )
         else:
             ns.device, why = "cpu", "auto: no GPU is visible"
-    else:
-        why = given
     # Planning for GPUs from a machine without one: what is installed here does not matter.
-    out.planning_elsewhere = ns.device == "cuda" and not _cuda_visible()
+    out.planning_elsewhere = ns.device == "cuda" and not visible
     out.lines.append(f"device: {ns.device} ({why})")
     if getattr(ns, "rollout_backend", None) == "auto":
         ns.rollout_backend = "sglang" if ns.device == "cuda" else "torch"
@@ -67,11 +66,10 @@ def resolve(ns: argparse.Namespace) -> Resolution:
         out.lines.append(f"rollout backend: {ns.rollout_backend} ({why})")
     elif hasattr(ns, "rollout_backend"):
         out.lines.append(f"rollout backend: {ns.rollout_backend} (given)")
+    why = "given"
     if getattr(ns, "train_backend", "fsdp") == "auto":
         ns.train_backend = "megatron" if ns.device == "cuda" else "fsdp"
         why = f"auto: {'Megatron on GPUs, as in slime' if ns.device == 'cuda' else 'FSDP on CPU'}"
-    else:
-        why = given
     backend = getattr(ns, "train_backend", "fsdp")
     out.lines.append(f"train backend: {backend} ({why})")
     if ns.transformer_impl == "auto":
@@ -87,6 +85,16 @@ def resolve(ns: argparse.Namespace) -> Resolution:
     return out
 
 
+def transformer_engine_problem(impl: str) -> str | None:
+    """--transformer-impl transformer_engine without Transformer Engine installed here."""
+    if impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        return (
+            "--transformer-impl transformer_engine: Transformer Engine is not installed "
+            "(pip install transformer-engine[pytorch], GPU only); use --transformer-impl local"
+        )
+    return None
+
+
 def package_problems(ns: argparse.Namespace) -> list[str]:
     """What the resolved backends need installed on this machine."""
     out = []
@@ -94,9 +102,5 @@ def package_problems(ns: argparse.Namespace) -> list[str]:
         out.append(
             "--train-backend megatron needs megatron-core: pip install megatron-core (or --train-backend fsdp)"
         )
-    if ns.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        out.append(
-            "--transformer-impl transformer_engine: Transformer Engine is not installed "
-            "(pip install transformer-engine[pytorch], GPU only); use --transformer-impl local"
-        )
-    return out
+    te = transformer_engine_problem(ns.transformer_impl)
+    return out + ([te] if te else [])

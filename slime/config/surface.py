@@ -8,7 +8,7 @@ slime_flags: slime's features not built here).
     refused    it asks for something not built here: exit 2 naming the feature
 
 The effects are written into `--help`, the start-up banner lists the no-effect flags given, and
-docs/migrating-from-slime.md's flag table is `flag_table()` (a test keeps the two equal).
+docs/migrating-from-slime.md's flag table is slime.tools.flag_table's (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -87,16 +87,3 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
 def no_effect_given(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: str) -> list[str]:
     """The no-effect flags given, for the banner."""
     return [s.flag for s in specs if s.effect(backend) == NO_EFFECT and given(ns, s)]
-
-
-def flag_table(specs: tuple[Spec, ...], groups: dict[str, str]) -> str:
-    """Markdown: one table per group, a row per flag (docs/migrating-from-slime.md)."""
-    out = []
-    for key, title in groups.items():
-        rows = [s for s in specs if s.group == key]
-        if not rows:
-            continue
-        out += [f"#### {title}", "", "| flag | fsdp | megatron | here |", "|---|---|---|---|"]
-        out += [f"| `{s.flag}` | {s.fsdp} | {s.megatron} | {s.note.replace('|', '/')} |" for s in rows]
-        out.append("")
-    return "\n".join(out)

@@ -48,21 +48,18 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     from slime.rollout.rewards import RewardModel, load_function
 
     t, r = config.train, config.rollout
-    yield lambda: check_hf_checkpoint(t.hf_checkpoint, weights=weights)
-    hook = config.debug.phase_hook
-    if hook:
-        yield lambda: load_function(hook, "--debug-phase-hook")
-    ref = t.ref_load
-    if ref and t.loss.needs_ref and not config.debug.rollout_only:
-        yield lambda: check_hf_checkpoint(ref, "--ref-load", weights=weights)
+    yield functools.partial(check_hf_checkpoint, t.hf_checkpoint, weights=weights)
+    if config.debug.phase_hook:
+        yield functools.partial(load_function, config.debug.phase_hook, "--debug-phase-hook")
+    if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
+        yield functools.partial(check_hf_checkpoint, t.ref_load, "--ref-load", weights=weights)
     ip, port = config.cluster.router_ip, config.cluster.router_port
     if reach and ip is not None and port is not None and not config.debug.train_only:
-        yield lambda: _router_answers(ip, port)
+        yield functools.partial(_router_answers, ip, port)
     if config.debug.load_rollout_data is not None and config.debug.train_only:
         return  # replayed: the dumps are checked by the replay source; nothing generates
     if r.data is not None:
-        data = r.data
-        yield lambda: check_prompt_file(data)
+        yield functools.partial(check_prompt_file, r.data)
     for ds in config.eval.datasets:
         yield functools.partial(check_prompt_file, ds.data, eval_flag(ds))
         if ds.rm_type:
@@ -72,7 +69,7 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
         if path:
             yield functools.partial(load_function, path, flag)
     if r.rm_type and not r.custom_rm_path:
-        yield lambda: RewardModel(r.rm_type, None, r.group_rm, config.args)
+        yield functools.partial(RewardModel, r.rm_type, None, r.group_rm, config.args)
 
 
 def _router_answers(ip: str, port: int) -> None:

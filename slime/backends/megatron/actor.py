@@ -467,19 +467,20 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
 
 def check_supported(m: Any, installed: bool = True) -> str | None:
     """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
-    the packages the settings need on this machine (off when planning for another one)."""
+    that Transformer Engine is here when the settings need it (parse_args checks the packages
+    itself: slime.config.resolve.package_problems)."""
     if m.context_parallel_size > 1:
         return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
                 "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
     if m.expert_model_parallel_size > 1:
         return ("--expert-model-parallel-size > 1 needs a mixture-of-experts model; slime's Megatron conversion "
                 "covers dense Qwen2/Qwen3/Llama models so far: use --expert-model-parallel-size 1")  # fmt: skip
-    if m.transformer_impl == "transformer_engine" and installed:
-        import importlib.util
+    if installed:
+        from slime.config.resolve import transformer_engine_problem
 
-        if importlib.util.find_spec("transformer_engine") is None:
-            return ("--transformer-impl transformer_engine: Transformer Engine is not installed "
-                    "(pip install transformer-engine[pytorch], GPU only); use --transformer-impl local")  # fmt: skip
+        problem = transformer_engine_problem(m.transformer_impl)
+        if problem:
+            return problem
     if m.sequence_parallel and m.transformer_impl == "local":
         return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
                 "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
