@@ -117,6 +117,9 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
         capsys, base(tiny_model, prompts, "--hidden-dropout", "0.1")
     )
     parse_args(base(tiny_model, prompts, "--hidden-dropout", "0.0", "--update-weight-mode", "full"))
+    err = error(capsys, base(tiny_model, prompts, "--offload", "--no-offload-train"))
+    assert "--offload and --no-offload-train contradict each other" in err
+    assert parse_args(base(tiny_model, prompts, "--offload-train")).cluster.offload
 
 
 def test_training_flags_reach_the_config(tiny_model, prompts, tmp_path):

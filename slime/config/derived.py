@@ -71,11 +71,10 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
         from slime.bridge.topology import default_transport
 
         ns.update_weight_transport = default_transport(ns.device, ns.colocate)
-    if ns.offload_train and ns.no_offload_train:
-        out.append("--offload-train and --no-offload-train contradict each other: give one")
+    if ns.no_offload_train and (ns.offload or ns.offload_train):
+        asked = "--offload" if ns.offload else "--offload-train"
+        out.append(f"{asked} and --no-offload-train contradict each other: give one")
     ns.offload = (ns.offload or ns.offload_train) and not ns.no_offload_train
-    if ns.offload and ns.no_offload_train:
-        out.append("--offload and --no-offload-train contradict each other: give one")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         # Megatron-LM turns it off at TP 1 too: there is nothing to split, so nothing changes.
         ns.sequence_parallel = False
