@@ -55,7 +55,7 @@ def test_rollout_only_starts_no_trainer_and_saves_every_rollout(dumps, tokenizer
         assert dump["rollout_id"] == rollout_id and len(dump["samples"]) == 8
         assert dump["meta"]["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
         assert dump["meta"]["flags"]["n_samples_per_prompt"] == 2 and not dump["meta"]["evaluation"]
-        assert all(s["reward"] in (0.0, 1.0) and s["weight_version"] == "0" for s in dump["samples"])
+        assert all(s["reward"] in (0.0, 1.0) and s["weight_versions"] == ["0"] for s in dump["samples"])
     assert torch.load(tmp / "dumps" / "eval_1.pt", weights_only=True)["meta"]["evaluation"]
     records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["rollout_id"] >= 0]

@@ -100,7 +100,7 @@ def test_parquet(tmp_path, tokenizer):
 def test_sample_round_trips_plain_dicts(tmp_path):
     s = Sample(index=3, group_index=1, prompt="1+1=", tokens=[5, 6, 7], response="2", response_length=1,
                label="2", reward=1.0, loss_mask=[1], rollout_log_probs=[-0.5], status=Status.COMPLETED,
-               weight_version="4", metadata={"k": [1, 2]})  # fmt: skip
+               weight_versions=["4"], metadata={"k": [1, 2]})  # fmt: skip
     path = tmp_path / "s.pt"
     torch.save([s.to_dict()], path)
     loaded = torch.load(path, weights_only=True)

@@ -43,7 +43,7 @@ def test_rollout_groups_rewards_and_versions(engine, tokenizer, tmp_path):
         assert (
             len(s.rollout_log_probs) == s.response_length == len(s.tokens) - len(tokenizer.encode(s.prompt))
         )
-        assert s.weight_version is not None
+        assert s.weight_versions and None not in s.weight_versions
     assert {s.metadata["prompt_index"] for s in samples} == {0, 1, 2, 3}
     assert ds.offset == 4
 

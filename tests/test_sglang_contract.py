@@ -234,7 +234,7 @@ def test_sglang_generate_answers_become_samples(case, status, tokens, log_probs)
     sample = apply_response(Sample(prompt="p"), [1, 2, 3, 4], RESPONSES["/generate"][case]["body"])
     assert sample.status == status and sample.tokens == tokens and sample.rollout_log_probs == log_probs
     assert sample.response_length == len(log_probs) and sample.loss_mask == [1] * len(log_probs)
-    assert sample.weight_version == "7"
+    assert sample.weight_versions == ["7"]
 
 
 def test_sglang_answers_are_read_as_slime_expects():

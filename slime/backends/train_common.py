@@ -365,7 +365,7 @@ class TrainActorBase:
     ) -> None:
         """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
         `sample_index` (the sample's index in the rollout dump), so the two files join."""
-        from slime.rollout.dump import FORMAT_VERSION, write_atomic
+        from slime.rollout.dump import TRAIN_FORMAT_VERSION, write_atomic
 
         def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
             return None if d is None else d[p].tolist()
@@ -392,7 +392,7 @@ class TrainActorBase:
         if not self.writes_train_data:
             return
         payload = {
-            "format_version": FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
+            "format_version": TRAIN_FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
             "world_size": self.dp_size, "samples": rows,
         }  # fmt: skip
         write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.dp_rank), payload)

@@ -12,7 +12,15 @@ import ray
 from slime.config.arguments import Config
 from slime.loop.parts import Evaluation, Rollout
 from slime.ray.waiting import Progress
-from slime.rollout.dump import DumpError, check_fingerprint, load_dump, make_meta, save_dump, subsample
+from slime.rollout.dump import (
+    DumpError,
+    check_fingerprint,
+    is_slime_dump,
+    load_dump,
+    make_meta,
+    save_dump,
+    subsample,
+)
 from slime.rollout.sample import Sample
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
 
@@ -77,8 +85,11 @@ class ReplayedRollouts:
         # its replay).
         self.first: dict[str, Any] | None = self._read(0)
         first = self.first
-        # The temperature the dump's log-probs were computed at (greedy rollouts report T = 1).
-        self.temperature = float(first["meta"].get("flags", {}).get("rollout_temperature") or 1.0)
+        # The temperature the dump's log-probs were computed at (greedy rollouts report T = 1);
+        # a dump slime wrote does not record it: --rollout-temperature says.
+        flags = first["meta"].get("flags") if not is_slime_dump(first) else None
+        saved = (flags or {}).get("rollout_temperature", config.rollout.sampling.temperature)
+        self.temperature = float(saved or 1.0)
 
     def _read(self, rollout_id: int) -> dict[str, Any]:
         d = self.config.debug

@@ -2,18 +2,24 @@
 
 A dump is `torch.save` of
 
-    {"format_version": 1, "rollout_id": int, "samples": [Sample.to_dict(), ...], "meta": {...}}
+    {"format_version": 2, "rollout_id": int, "samples": [Sample.to_dict(), ...], "meta": {...}}
 
-with only numbers, strings, lists, dicts and None inside, so `torch.load(path, weights_only=True)`
-reads it. Samples are saved after reward and before any normalisation, so a replay runs the
-whole train side. `meta` holds what a replay must match: the tokenizer's and the model's
-fingerprints and the flags that shaped the rollout.
+with only numbers, strings, lists, dicts, tensors and None inside, so `torch.load(path,
+weights_only=True)` reads it. Samples are saved after reward and before any normalisation, so a
+replay runs the whole train side. `meta` holds what a replay must match: the tokenizer's and the
+model's fingerprints and the flags that shaped the rollout.
+
+slime's `--save-debug-rollout-data` writes `{"rollout_id", "samples"}` only; slime's loader reads
+the "samples" of ours (their keys are slime's field names). Ours reads slime's as format
+`SLIME_FORMAT`, with `meta` {"written_by": "slime"} and a warning: nothing in it says which tokenizer made its
+token ids. Version 1 dumps (one `weight_version` per sample) still load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import string
 import tempfile
@@ -21,7 +27,12 @@ from typing import Any
 
 from slime.utils.errors import UsageError
 
-FORMAT_VERSION = 1
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SLIME_FORMAT = "slime"  # the format_version given to a dump slime wrote
+TRAIN_FORMAT_VERSION = 1  # --save-debug-train-data
 ROLLOUT_FLAGS = (
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed",
     "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
@@ -125,23 +136,52 @@ def load_dump(path: str, flag: str = "--load-debug-rollout-data") -> dict[str, A
         raise DumpError(
             f"{flag}: {path!r} is not a rollout dump readable with weights_only=True ({e})"
         ) from None
+    if isinstance(dump, dict) and "format_version" not in dump and isinstance(dump.get("samples"), list):
+        dump = _from_slime(dump, path, flag)
     if not isinstance(dump, dict) or "format_version" not in dump:
-        raise DumpError(f"{flag}: {path!r} is not a rollout dump (no format_version)")
-    if dump["format_version"] != FORMAT_VERSION:
+        raise DumpError(f"{flag}: {path!r} is not a rollout dump (no format_version, no samples list)")
+    if dump["format_version"] not in (*READABLE_VERSIONS, SLIME_FORMAT):
         raise DumpError(
             f"{flag}: {path!r} has format_version {dump['format_version']}; this build reads "
-            f"{FORMAT_VERSION} (re-create it with --save-debug-rollout-data)"
+            f"{list(READABLE_VERSIONS)} and slime's (re-create it with --save-debug-rollout-data)"
         )
     for key, kind in (("rollout_id", int), ("samples", list), ("meta", dict)):
         if not isinstance(dump.get(key), kind):
             raise DumpError(f"{flag}: {path!r} field {key!r} is missing or not a {kind.__name__}")
     if not dump["samples"]:
         raise DumpError(f"{flag}: {path!r} holds no samples")
+    for i, sample in enumerate(dump["samples"]):
+        missing = [k for k in SAMPLE_KEYS if not isinstance(sample, dict) or k not in sample]
+        if missing:
+            raise DumpError(
+                f"{flag}: {path!r} sample {i} has no {missing} (a dump holds Sample.to_dict() values)"
+            )
     return dump
+
+
+SAMPLE_KEYS = ("group_index", "tokens", "response_length", "reward")  # what a replay cannot do without
+
+
+def is_slime_dump(dump: dict[str, Any]) -> bool:
+    return dump.get("format_version") == SLIME_FORMAT
+
+
+def _from_slime(dump: dict[str, Any], path: str, flag: str) -> dict[str, Any]:
+    """A dump slime's --save-debug-rollout-data wrote: every field is kept; `meta` says who wrote it."""
+    if not isinstance(dump.get("rollout_id"), int):
+        raise DumpError(f"{flag}: {path!r} has samples but no integer rollout_id: it is not a rollout dump")
+    logger.warning(
+        "%s: %s was written by slime: it has no format_version and no tokenizer fingerprint, so "
+        "nothing checks that --hf-checkpoint's tokenizer made its token ids; its log-probs are taken "
+        "at --rollout-temperature", flag, path,
+    )  # fmt: skip
+    return {**dump, "format_version": SLIME_FORMAT, "meta": {"written_by": "slime"}}
 
 
 def check_fingerprint(dump: dict[str, Any], path: str, tokenizer: Any, allow_mismatch: bool) -> None:
     """A dump made with another tokenizer replays other token ids: refuse unless allowed."""
+    if is_slime_dump(dump):
+        return  # nothing to check against (load_dump warned)
     saved = dump["meta"].get("tokenizer_fingerprint")
     current = tokenizer_fingerprint(tokenizer)
     if saved != current and not allow_mismatch:

@@ -9,21 +9,23 @@ from slime.rollout.sample import Sample, Status
 
 
 def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any]) -> Sample:
-    """Fill a sample from one /generate answer (output ids include the stop token)."""
+    """Fill a fresh sample from one /generate answer (output ids include the stop token): the
+    response tokens are exactly the ids the engine generated."""
     meta = output.get("meta_info", {})
     output_ids = list(output.get("output_ids", []))
-    sample.tokens = list(prompt_ids) + output_ids
-    sample.response = output.get("text", "")
-    sample.response_length = len(output_ids)
-    sample.loss_mask = [1] * len(output_ids)
     logprobs = meta.get("output_token_logprobs")
-    sample.rollout_log_probs = [float(item[0]) for item in logprobs] if logprobs is not None else None
-    sample.weight_version = (
-        str(meta.get("weight_version")) if meta.get("weight_version") is not None else None
+    sample.tokens = list(prompt_ids)
+    sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, [], []
+    sample.append_response_tokens(
+        tokens=output_ids,
+        log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else [0.0] * len(output_ids),
+        meta_info=meta,
+        text=output.get("text", ""),
     )
-    finish = str((meta.get("finish_reason") or {}).get("type"))
-    statuses = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
-    sample.status = statuses.get(finish, Status.FAILED)
+    if logprobs is None:
+        sample.rollout_log_probs = None
+    if str((meta.get("finish_reason") or {}).get("type")) not in ("stop", "length", "abort"):
+        sample.status = Status.FAILED
     return sample
 
 

@@ -91,5 +91,6 @@ def package_rollout(
             metrics["rollout/post_processed_reward_mean"] = statistics.fmean(rewards)
         batch = samples_to_batch(samples, reward_key, rewards)
         parts = tuple(put(p) for p in split_rollout(batch, batch_cfg, dp_size))
-    versions = tuple(dict.fromkeys(s.weight_version for s in samples))
+    # Every version that produced a token (None: a sample the engine gave no version for).
+    versions = tuple(dict.fromkeys(v for s in samples for v in (s.weight_versions or (None,))))
     return Rollout(rollout_id, metrics, len(samples), versions, parts=parts, **summary)

@@ -26,7 +26,7 @@ from typing import Any
 from slime.rollout.dump import DumpError, load_dump
 
 DIFF_FIELDS = ("prompt", "tokens", "response_length", "response", "label", "reward", "loss_mask",
-               "rollout_log_probs", "status", "weight_version", "group_index")  # fmt: skip
+               "rollout_log_probs", "status", "weight_versions", "group_index")  # fmt: skip
 
 
 def _scalar(reward: Any) -> float | None:
@@ -45,6 +45,13 @@ def _stats(values: list[float]) -> dict[str, float]:
         "p50": ordered[len(ordered) // 2],
         "max": ordered[-1],
     }
+
+
+def _versions(sample: dict[str, Any]) -> list[Any]:
+    """The weight versions of a sample (version 1 dumps hold one `weight_version`)."""
+    if "weight_versions" in sample:
+        return list(sample["weight_versions"] or [None])
+    return [sample.get("weight_version")]
 
 
 def _short(value: Any) -> Any:
@@ -66,7 +73,7 @@ def summarize(dump: dict[str, Any]) -> dict[str, Any]:
         "dict_rewards": sum(isinstance(s.get("reward"), dict) for s in samples),
         "response_length": _stats([float(s.get("response_length", 0)) for s in samples]),
         "status": dict(Counter(str(s.get("status")) for s in samples)),
-        "weight_versions": dict(Counter(str(s.get("weight_version")) for s in samples)),
+        "weight_versions": dict(Counter(str(v) for s in samples for v in _versions(s))),
         "rollout_log_probs": {
             **_stats(log_probs),
             "tokens": len(log_probs),
@@ -99,11 +106,12 @@ def sample_view(dump: dict[str, Any], n: int, tokenizer: Any) -> dict[str, Any]:
         "label",
         "reward",
         "status",
-        "weight_version",
+        "weight_versions",
         "metadata",
     )
     return {
         **{k: s.get(k) for k in keys},
+        "weight_versions": _versions(s),
         "prompt_tokens": len(s.get("tokens", [])) - length,
         "response_tokens": tokens,
     }
@@ -176,7 +184,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 def _print_sample(v: dict[str, Any]) -> None:
     print(
-        f"sample {v['index']} (group {v['group_index']}), status {v['status']}, weight_version {v['weight_version']}"
+        f"sample {v['index']} (group {v['group_index']}), status {v['status']}, weight_versions {v['weight_versions']}"
     )
     print(f"prompt ({v['prompt_tokens']} tokens): {v['prompt']!r}")
     print(f"response: {v['response']!r}")
