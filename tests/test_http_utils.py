@@ -51,3 +51,32 @@ def test_post_retries_then_returns_json_or_text(monkeypatch):
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_the_engines_key_goes_to_registered_addresses_only(monkeypatch):
+    monkeypatch.setattr(http_utils, "_credentials", {})
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response({"auth": request.headers.get("Authorization")})
+
+    async def main():
+        apps = []
+        for _ in range(2):
+            app = web.Application()
+            app.router.add_post("/generate", echo)
+            app.router.add_get("/workers", echo)
+            apps.append(await serve(app))
+        (r1, engine), (r2, other) = apps
+        try:
+            http_utils.register_credentials([engine + "/"], "k1")
+            http_utils.register_credentials([other], None)  # no key: nothing registered
+            assert await http_utils.post(f"{engine}/generate", {}) == {"auth": "Bearer k1"}
+            assert await http_utils.get(f"{engine}/workers") == {"auth": "Bearer k1"}
+            assert await http_utils.post(f"{other}/generate", {}) == {"auth": None}
+            mine = {"Authorization": "Bearer mine"}  # a caller's own header wins
+            assert await http_utils.post(f"{engine}/generate", {}, headers=mine) == {"auth": "Bearer mine"}
+        finally:
+            await r1.cleanup()
+            await r2.cleanup()
+
+    asyncio.run(main())

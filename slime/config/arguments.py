@@ -272,6 +272,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         data = DataConfig(
             ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
             ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed,
+            messages_as_is=ns.rollout_function_path is not None and not ns.apply_chat_template,
         )  # fmt: skip
     sampling = SamplingConfig(
         ns.n_samples_per_prompt, ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,

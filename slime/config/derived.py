@@ -53,6 +53,8 @@ def custom_config(ns: argparse.Namespace, types: dict[str, Any]) -> list[str]:
 def fill_defaults(ns: argparse.Namespace) -> list[str]:
     """Flags whose default depends on others, and slime's spellings of ours."""
     out = []
+    if ns.rollout_function_path == "slime.rollout.sglang_rollout.generate_rollout":
+        ns.rollout_function_path = None  # slime's default, named: the built-in rollout (the same function)
     external = ns.rollout_external_engine_addrs
     if external is not None and ns.rollout_num_gpus is not None:
         out.append(

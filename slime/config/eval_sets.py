@@ -39,10 +39,11 @@ SAMPLING_KEYS = {
     "stop": ("rollout_stop",),
     "stop_token_ids": ("rollout_stop_token_ids",),
 }
+PLUGIN_KEYS = ("rm_type", "custom_rm_path", "custom_generate_function_path")
 # slime's keys for what is not built here: refused by name rather than ignored.
 NOT_HERE = (
     "tool_key", "multimodal_keys", "apply_chat_template_kwargs", "min_new_tokens", "repetition_penalty",
-    "skip_special_tokens", "no_stop_trim", "custom_generate_function_path", "custom_rm_path", "metadata_overrides",
+    "skip_special_tokens", "no_stop_trim", "metadata_overrides",
     "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
     "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment",
 )  # fmt: skip
@@ -58,6 +59,10 @@ class EvalDataset:
     sampling: SamplingConfig
     rm_type: str | None = None
     """The set's own `rm_type` (else --rm-type / --custom-rm-path)."""
+    custom_rm_path: str | None = None
+    """The set's own reward function (slime's key; wins over `rm_type`)."""
+    custom_generate_function_path: str | None = None
+    """The set's own generate function (slime's key; else --custom-generate-function-path)."""
 
     @property
     def prefix(self) -> str:
@@ -108,7 +113,10 @@ def _read_config(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def _check_keys(mapping: dict[str, Any], where: str, allow_identity: bool) -> None:
     known = (
-        set(DATA_KEYS) | set(SAMPLING_KEYS) | {"rm_type"} | ({"name", "path"} if allow_identity else set())
+        set(DATA_KEYS)
+        | set(SAMPLING_KEYS)
+        | set(PLUGIN_KEYS)
+        | ({"name", "path"} if allow_identity else set())
     )
     for key in mapping:
         if key in NOT_HERE:
@@ -176,7 +184,9 @@ def _dataset(ns: argparse.Namespace, defaults: dict[str, Any], entry: dict[str, 
         stop_token_ids=tuple(values["stop_token_ids"] or ()),
     )
     name = entry.get("name")
-    return EvalDataset(None if name is None else str(name), data, sampling, pick("rm_type", ()))
+    return EvalDataset(
+        None if name is None else str(name), data, sampling, *(pick(k, ()) for k in PLUGIN_KEYS)
+    )
 
 
 def eval_flag(ds: EvalDataset) -> str:

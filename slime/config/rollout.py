@@ -28,6 +28,9 @@ class DataConfig:
     """`--rollout-shuffle`: reshuffle the prompts at every epoch."""
     seed: int = 42
     """`--rollout-seed`."""
+    messages_as_is: bool = False
+    """List prompts without `--apply-chat-template` are kept as messages, untokenized (set when a
+    `--rollout-function-path` tokenizes them itself, as slime's SFT rollout does)."""
 
 
 @dataclass(frozen=True)

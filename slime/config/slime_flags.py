@@ -132,11 +132,18 @@ SPECS: tuple[Spec, ...] = (
     _refused(
         "--allgather-cp", store_true(), "context parallelism is not built yet (--context-parallel-size 1)"
     ),
-    _refused(
-        "--loss-mask-type",
+    _same(
+        "--rollout-sample-filter-path",
         {"default": None},
-        "slime's SFT rollout (multi-turn loss masks) is not built yet (issue 20)",
-        neutral="qwen",
+        APPLIED,
+        "f(args, groups) after each built-in rollout; it sets Sample.remove_sample (no loss, still in the "
+        "advantage normalisation)",
+    ),
+    _same(
+        "--loss-mask-type",
+        {"default": "qwen", "choices": ("qwen", "qwen3")},
+        APPLIED,
+        "multi-turn loss masks of slime.rollout.sft_rollout (slime.utils.mask_utils): qwen, qwen3",
     ),
     _refused(
         "--use-routing-replay",
@@ -162,7 +169,6 @@ SPECS: tuple[Spec, ...] = (
             ("--custom-loss-function-path", "custom loss (--loss-type custom_loss)", "issue 20"),
             ("--custom-advantage-function-path", "advantage", "issue 20"),
             ("--custom-convert-samples-to-train-data-path", "samples-to-train-data", "issue 20"),
-            ("--rollout-sample-filter-path", "sample filter (remove_sample)", "issue 20"),
             ("--rollout-all-samples-process-path", "all-samples process", "issue 20"),
             ("--rollout-data-postprocess-path", "rollout-data post-process", "issue 20"),
             ("--buffer-filter-path", "buffer filter", "issue 21"),

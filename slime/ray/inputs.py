@@ -71,12 +71,18 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
         yield functools.partial(check_prompt_file, r.data)
     for ds in config.eval.datasets:
         yield functools.partial(check_prompt_file, ds.data, eval_flag(ds))
-        if ds.rm_type:
-            yield functools.partial(RewardModel, ds.rm_type, None, False, config.args)
+        if ds.rm_type or ds.custom_rm_path:
+            yield functools.partial(RewardModel, ds.rm_type, ds.custom_rm_path, False, config.args)
+        if ds.custom_generate_function_path:
+            where = f"{eval_flag(ds)} custom_generate_function_path"
+            yield functools.partial(load_function, ds.custom_generate_function_path, where)
     for field, flag in FUNCTION_FLAGS.items():
         path = getattr(r, field)
         if path:
             yield functools.partial(load_function, path, flag)
+    sample_filter = getattr(config.args, "rollout_sample_filter_path", None)
+    if sample_filter:
+        yield functools.partial(load_function, sample_filter, "--rollout-sample-filter-path")
     if r.rm_type and not r.custom_rm_path:
         yield functools.partial(RewardModel, r.rm_type, None, r.group_rm, config.args)
 

@@ -9,11 +9,13 @@ and --save-debug-eval-data dumps, runs evaluation, and carries the data position
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slime.config.arguments import Config
@@ -24,12 +26,19 @@ from slime.loop.parts import Evaluation, Rollout
 from slime.rollout.base_types import unwrap
 from slime.rollout.data import PromptDataset
 from slime.rollout.dump import make_meta, save_dump
-from slime.rollout.generator import DataSource, Progress, RolloutGenerator, number_groups, score_unscored
+from slime.rollout.generator import (
+    BuiltInRollout,
+    DataSource,
+    Progress,
+    RolloutGenerator,
+    number_groups,
+    score_unscored,
+)
 from slime.rollout.health import EngineHealth, HealthMonitor
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +106,29 @@ class RolloutManager:
             if r.dynamic_sampling_filter_path
             else None
         )
+        path = getattr(config.args, "rollout_sample_filter_path", None)
+        self.sample_filter = load_function(path, "--rollout-sample-filter-path") if path else None
         self.progress = Progress()
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
         # One (set, prompts, reward) per evaluation set; a set's own rm_type replaces --rm-type.
         self.eval_sets = [
-            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)),
-             RewardModel(ds.rm_type, None, False, config.args) if ds.rm_type else self.reward)
+            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)), self._set_reward(ds), self._set_generate(ds))
             for ds in config.eval.datasets
         ]  # fmt: skip
+
+    def _set_reward(self, ds: EvalDataset) -> RewardModel | None:
+        """An evaluation set's reward: its custom_rm_path, else its rm_type, else the rollout's."""
+        if ds.custom_rm_path or ds.rm_type:
+            return RewardModel(ds.rm_type, ds.custom_rm_path, False, self.config.args)
+        return self.reward
+
+    def _set_generate(self, ds: EvalDataset) -> Callable[..., Any] | None:
+        path = ds.custom_generate_function_path
+        if path is None:
+            return self.generate_fn
+        return load_function(path, f"{eval_flag(ds)} custom_generate_function_path")
 
     def connect(self, engine_urls: list[str]) -> None:
         """Generate with the engines at `engine_urls` (once, before the first rollout)."""
@@ -116,6 +138,7 @@ class RolloutManager:
         # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
         # the router in front of every engine, or (torch engines without a router) engine 0.
         self.router = self._router()
+        self._register_credentials()
         if self.router is not None:
             config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
         elif self.engine_urls:
@@ -130,6 +153,14 @@ class RolloutManager:
                 self.health, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait,
                 also=self._check_router,
             )  # fmt: skip
+
+    def _register_credentials(self) -> None:
+        """slime.utils.http_utils.post/get, as plugins call them, carry the engines' key to the
+        router and the engines (to those addresses only)."""
+        from slime.utils.http_utils import register_credentials
+
+        urls = list(self.engine_urls) + ([self.router.url] if self.router is not None else [])
+        register_credentials(urls, self.api_key)
 
     def _router(self) -> Any:
         """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
@@ -184,6 +215,7 @@ class RolloutManager:
             new.add_worker(url)
         self.registered = self.health.live()
         self.router = new
+        self._register_credentials()
         self.config.args.sglang_router_ip, self.config.args.sglang_router_port = new.host, new.port
         logger.warning("router restarted at %s with engines %s", new.url, ", ".join(self.registered))
 
@@ -213,25 +245,32 @@ class RolloutManager:
 
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
+
+        def built_in() -> tuple[list[Sample], dict[str, float]]:
+            if self.dataset is None:
+                raise RuntimeError("the built-in rollout needs --prompt-data")
+            samples, metrics = run(
+                _generate(
+                    self, self.dataset, self.config.rollout.rollout_batch_size, self.config.rollout.sampling,
+                    self.filter, self._seed_keys("rollout", rollout_id), (rollout_id, False), self.reward,
+                    self.generate_fn,
+                )
+            )  # fmt: skip
+            if self.sample_filter is not None:  # slime's --rollout-sample-filter-path: sets remove_sample
+                groups: dict[int, list[Sample]] = {}
+                for s in samples:
+                    groups.setdefault(s.group_index, []).append(s)
+                self.sample_filter(self.config.args, list(groups.values()))
+                metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
+            return samples, metrics
+
         if self.rollout_fn is not None:
             n = self.config.rollout.sampling.n_samples_per_prompt
-            samples, extra = run_sync(
-                _rollout_fn_samples(self, rollout_id, self.dataset, False, n, self.reward)
+            samples, extra = _rollout_fn_samples(
+                self, rollout_id, self.dataset, False, n, self.reward, built_in
             )
         else:
-            assert self.dataset is not None
-            samples, extra = run_sync(
-                _generate(
-                    self,
-                    self.dataset,
-                    self.config.rollout.rollout_batch_size,
-                    self.config.rollout.sampling,
-                    self.filter,
-                    self._seed_keys("rollout", rollout_id),
-                    (rollout_id, False),
-                    self.reward,
-                )
-            )
+            samples, extra = built_in()
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
@@ -253,23 +292,23 @@ class RolloutManager:
         metrics: dict[str, float] = {}
         every: list[Sample] = []
         counts: list[list[Any]] = []  # [name, samples] per set, in the dump's order
-        for ds, dataset, reward in self.eval_sets:
+        for ds, dataset, reward, generate_fn in self.eval_sets:
             dataset.epoch = dataset.offset = 0
+            built_in = functools.partial(self._evaluate_set, rollout_id, ds, dataset, reward, generate_fn)
             if self.rollout_fn is not None:
-                samples, extra = run_sync(
-                    _rollout_fn_samples(
-                        self, rollout_id, dataset, True, ds.sampling.n_samples_per_prompt, reward, ds.name
-                    )
+                samples, extra = _rollout_fn_samples(
+                    self,
+                    rollout_id,
+                    dataset,
+                    True,
+                    ds.sampling.n_samples_per_prompt,
+                    reward,
+                    built_in,
+                    ds.name,
                 )
                 metrics.update(extra)
             else:
-                key = ("eval", rollout_id) if ds.name is None else ("eval", ds.name, rollout_id)
-                samples, _ = run_sync(
-                    _generate(
-                        self, dataset, len(dataset), ds.sampling, None, self._seed_keys(*key), (rollout_id, True),
-                        reward,
-                    )
-                )  # fmt: skip
+                samples, _ = built_in()
             metrics.update(eval_metrics(ds, samples, self.config.rollout.reward_key))
             every += samples
             counts.append([ds.name, len(samples)])
@@ -280,6 +319,24 @@ class RolloutManager:
                 {**self._meta(True), "weight_version": -1, "eval_sets": counts},
             )  # fmt: skip
         return Evaluation(metrics, dump_path)
+
+    def _evaluate_set(
+        self,
+        rollout_id: int,
+        ds: EvalDataset,
+        dataset: PromptDataset,
+        reward: RewardModel | None,
+        generate_fn: Callable[..., Any] | None,
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """One evaluation set through the built-in rollout (every prompt, no filter)."""
+        key = ("eval", rollout_id) if ds.name is None else ("eval", ds.name, rollout_id)
+        samples, _ = run(
+            _generate(
+                self, dataset, len(dataset), ds.sampling, None, self._seed_keys(*key), (rollout_id, True), reward,
+                generate_fn,
+            )
+        )  # fmt: skip
+        return samples, {}
 
     def _meta(self, evaluation: bool) -> dict[str, Any]:
         """What a dump records for its replay (tokenizer and model fingerprints, rollout flags)."""
@@ -312,6 +369,7 @@ class RolloutManager:
             self.health.replace(index, url)
         with self._router_lock:
             self._swap_worker(old, url)
+            self._register_credentials()
 
     def _swap_worker(self, old: str, url: str) -> None:
         if self.router is not None:
@@ -341,36 +399,52 @@ class RolloutManager:
 
 # The rollout manager's coroutines live outside the class: an actor class with a coroutine method is
 # an async actor to Ray, whose methods all share one event loop, so a running generate() would block
-# every other call (the driver's down_engines(), progress_counts()).
-async def _rollout_fn_samples(
+# every other call (the driver's down_engines(), progress_counts()). They run on the process's one
+# background loop (slime.utils.async_utils, as in slime): what a plugin keeps between rollouts (a
+# GenerateState semaphore, an aiohttp session) stays bound to a loop that is still running.
+def _rollout_fn_samples(
     manager: RolloutManager,
     rollout_id: int,
     dataset: PromptDataset | None,
     evaluation: bool,
     n: int,
     reward: RewardModel | None,
+    built_in: Callable[[], tuple[list[Sample], dict[str, float]]],
     eval_set: str | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Run the user's rollout function (`n` samples per prompt); score the samples it left
-    without a reward. Returns them and the function's own metrics (RolloutFnTrainOutput's)."""
+    without a reward. Returns them and the function's own metrics (RolloutFnTrainOutput's).
+    `built_in`: this rollout (or evaluation set) as the built-in rollout makes it, for a function
+    that calls slime.rollout.sglang_rollout.generate_rollout.
+
+    The function is called from this (synchronous) thread, as slime calls it: slime's own
+    rollout functions call `slime.utils.async_utils.run` themselves."""
     assert manager.rollout_fn is not None
     flag = "--rollout-function-path"
-    result = manager.rollout_fn(
-        manager.config.args, rollout_id, DataSource(dataset, n), evaluation=evaluation
-    )
+    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in))
+    result = manager.rollout_fn(manager.config.args, rollout_id, source, evaluation=evaluation)
     if inspect.isawaitable(result):
-        result = await result
+        result = run(_awaited(result))
     groups_out, fn_metrics = unwrap(result, evaluation, eval_set)
     samples = number_groups(groups_out, n, flag)
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
     start = time.perf_counter()
-    for group in groups.values():
-        if any(s.reward is None for s in group):
-            await score_unscored(reward, group, flag)
+    todo = [g for g in groups.values() if any(s.reward is None for s in g)]
+    if todo:
+        run(_score_groups(reward, todo, flag))
     manager.progress.reward_seconds += time.perf_counter() - start
     return samples, fn_metrics
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:
+    for group in groups:
+        await score_unscored(reward, group, flag)
 
 
 async def _generate(
@@ -382,6 +456,7 @@ async def _generate(
     seed_keys: tuple[int | str, ...] | None,
     which: tuple[int, bool],
     reward: RewardModel | None,
+    generate_fn: Callable[..., Any] | None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """The samples, and the dynamic filter's metrics. `which`: (rollout id, evaluation), for
     --debug-phase-hook."""
@@ -399,8 +474,8 @@ async def _generate(
     try:
         gen = RolloutGenerator(
             dataset, clients, reward, sampling, num_prompts,
-            manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, manager.generate_fn,
-            manager.progress, seed_keys, manager.health, on_group,
+            manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, generate_fn,
+            manager.progress, seed_keys, manager.health, on_group, route_to_engine=manager.router is None,
         )  # fmt: skip
         result = await gen.generate_rollout()
         return result.samples, result.filter_metrics()

@@ -73,7 +73,7 @@ def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[An
     if cfg.label_key is not None and cfg.label_key not in row:
         raise DataError(f"{where}: no field {cfg.label_key!r} (--label-key); fields are {sorted(row)}")
     if isinstance(raw, list):
-        if not cfg.apply_chat_template:
+        if not cfg.apply_chat_template and not cfg.messages_as_is:
             raise DataError(f"{where}: the prompt is a list of chat messages; add --apply-chat-template")
         return raw
     if isinstance(raw, str):
@@ -126,14 +126,17 @@ class PromptDataset:
         raw = row[cfg.input_key]
         if cfg.apply_chat_template:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
+        elif isinstance(raw, str):
             text = raw
+        else:  # messages kept as they are (cfg.messages_as_is): the rollout function tokenizes them
+            text = ""
+        ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
         return Prompt(
             index=position,
             prompt=raw,
             text=text,
-            token_ids=list(tokenizer.encode(text, add_special_tokens=False)),
+            token_ids=ids,
             label=row.get(cfg.label_key) if cfg.label_key else None,
             metadata=dict(metadata) if isinstance(metadata, dict) else {},
         )

@@ -11,6 +11,7 @@ with.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -72,6 +73,7 @@ class RolloutGenerator:
         seed_keys: tuple[int | str, ...] | None = None,
         health: EngineHealth | None = None,
         on_group: Callable[[str], None] | None = None,
+        route_to_engine: bool = False,
     ):
         """`seed_keys` (--deterministic-mode): every sample gets a `sampling_seed` derived from
         them, its prompt's draw order and its index in the group, and finished groups are taken
@@ -95,6 +97,7 @@ class RolloutGenerator:
         self.seed_keys = seed_keys
         self.health = health
         self.on_group = on_group  # called with the engine's address when a group is generated
+        self.route_to_engine = route_to_engine  # no router: custom functions post to the group's engine
         self._turn = -1
         self._by_url = {c.base_url: c for c in clients}
         self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
@@ -193,7 +196,7 @@ class RolloutGenerator:
                 return_exceptions=True,
             )
         else:
-            results = await asyncio.gather(*(self._custom(s, prompt, p) for s, p in zip(samples, params)),
+            results = await asyncio.gather(*(self._custom(s, prompt, p, client) for s, p in zip(samples, params)),
                                            return_exceptions=True)  # fmt: skip
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every request of the group has ended: none is left running
@@ -207,12 +210,21 @@ class RolloutGenerator:
         self.progress.reward_seconds += time.perf_counter() - start
         return samples
 
-    async def _custom(self, sample: Sample, prompt: Prompt, params: dict[str, Any]) -> Sample:
+    async def _custom(
+        self, sample: Sample, prompt: Prompt, params: dict[str, Any], client: EngineClient
+    ) -> Sample:
         """slime's custom generate signature: f(args, sample, sampling_params) -> Sample; the
-        sample arrives with the prompt ids in `tokens` and the engine address in args."""
+        sample arrives with the prompt ids in `tokens`. It posts to
+        `args.sglang_router_ip/port`: the router, or where there is none (torch engines), the
+        engine this group was given (in a copy of args), so the groups spread over the engines."""
         assert self.generate_fn is not None
         sample.tokens = list(prompt.token_ids)
-        result = self.generate_fn(self.args, sample, dict(params))
+        args = self.args
+        if self.route_to_engine and args is not None:
+            args = copy.copy(args)
+            host, _, port = client.base_url.removeprefix("http://").rpartition(":")
+            args.sglang_router_ip, args.sglang_router_port = host, int(port)
+        result = self.generate_fn(args, sample, dict(params))
         if asyncio.iscoroutine(result):
             result = await result
         if not isinstance(result, Sample):
@@ -284,12 +296,51 @@ class RolloutGenerator:
         return RolloutResult(samples, started, filtered, aborted, surplus, reasons)
 
 
+@dataclass
+class BuiltInRollout:
+    """The rollout (or evaluation set) a rollout function was called for, as the built-in
+    rollout makes it: what slime.rollout.sglang_rollout.generate_rollout returns when a user's
+    rollout function calls it."""
+
+    rollout_id: int
+    evaluation: bool
+    eval_set: str | None
+    run: Callable[[], tuple[list[Sample], dict[str, float]]]
+
+    def __call__(self, rollout_id: int, evaluation: bool) -> Any:
+        from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+
+        if (rollout_id, evaluation) != (self.rollout_id, self.evaluation):
+            raise ValueError(
+                f"generate_rollout was called for rollout {rollout_id} (evaluation={evaluation}) with the "
+                f"data_source of rollout {self.rollout_id} (evaluation={self.evaluation})"
+            )
+        samples, metrics = self.run()
+        if evaluation:
+            name = self.eval_set or "eval"
+            return RolloutFnEvalOutput(
+                data={name: {"rewards": [s.reward for s in samples],
+                             "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}},
+                metrics=metrics,
+            )  # fmt: skip
+        groups: dict[int, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.group_index, []).append(s)
+        return RolloutFnTrainOutput(samples=list(groups.values()), metrics=metrics)
+
+
 class DataSource:
     """What a `--rollout-function-path` function draws prompts from (slime's `data_source`)."""
 
-    def __init__(self, dataset: PromptDataset | None, n_samples_per_prompt: int):
+    def __init__(
+        self,
+        dataset: PromptDataset | None,
+        n_samples_per_prompt: int,
+        default_rollout: BuiltInRollout | None = None,
+    ):
         self.dataset = dataset
         self.n_samples_per_prompt = n_samples_per_prompt
+        self.default_rollout = default_rollout
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples

@@ -78,7 +78,17 @@ class RewardModel:
             self.remote = RemoteRMConfig(url=self.rm_url or "")
 
     async def score_group(self, samples: list[Sample]) -> None:
-        """Set `reward` on every sample of one prompt group."""
+        """Set `reward` on every sample of one prompt group. A sample with its own
+        `custom_rm_path` (slime's per-sample field) is scored by that function."""
+        own = [s for s in samples if s.custom_rm_path] if not self.group else []
+        if own:
+            fns = [load_function(str(s.custom_rm_path), f"sample {s.index} custom_rm_path") for s in own]
+            results = await asyncio.gather(*(call_maybe_async(f, self.args, s) for f, s in zip(fns, own)))
+            for s, r in zip(own, results):
+                s.reward = r
+            samples = [s for s in samples if not s.custom_rm_path]
+            if not samples:
+                return
         if self.fn is None:
             rewards = await score_samples(samples, self.rm_type, self.remote, rm_url=self.rm_url)
             for s, r in zip(samples, rewards):

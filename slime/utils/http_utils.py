@@ -3,12 +3,15 @@ async JSON requests to the engines, the router or any HTTP service.
 
 `post(url, payload, max_retries=60, headers=None)` retries a failed request (no answer, a
 timeout, an error status) once a second, and after the last attempt raises the last error, as
-slime's does. A reply that is not JSON comes back as text. On a cluster, slime's engines and the
-router it starts require the job's key (docs/cluster.md): a plugin that posts to them passes
-`headers={"Authorization": "Bearer <key>"}`; this module adds no credentials itself.
+slime's does. A reply that is not JSON comes back as text.
 
-Each call opens its own aiohttp session: the framework runs each rollout on a fresh event loop
-(slime.utils.aio.run_sync), and a session kept across calls would be bound to a closed loop.
+On a cluster, slime's engines and the router it starts require the job's key (docs/cluster.md).
+The rollout manager registers their addresses here (`register_credentials`), and a request to
+one of those addresses carries the key, so slime's plugins post to
+`http://{args.sglang_router_ip}:{args.sglang_router_port}/generate` unchanged. A request to any
+other address carries only the headers the caller gives: the key never leaves for a third party.
+
+Each call opens its own aiohttp session, so a call works from any event loop.
 """
 
 from __future__ import annotations
@@ -18,12 +21,38 @@ import json
 import logging
 from typing import Any
 
-__all__ = ["get", "post"]
+__all__ = ["get", "post", "register_credentials"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 1.0
 TIMEOUT_S = 3600.0  # one request (a long generation may take minutes); the retries are on top
+
+
+_credentials: dict[str, dict[str, str]] = {}  # "host:port" -> headers
+
+
+def register_credentials(urls: list[str], api_key: str | None) -> None:
+    """Requests to `urls` (the engines, the router) carry `Authorization: Bearer <api_key>`; a
+    None key registers nothing."""
+    if api_key is None:
+        return
+    for url in urls:
+        _credentials[_address(url)] = {"Authorization": f"Bearer {api_key}"}
+
+
+def _address(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "//" in url else f"http://{url}")
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def _headers(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
+    known = _credentials.get(_address(url))
+    if known is None or (headers and any(k.lower() == "authorization" for k in headers)):
+        return headers
+    return {**known, **(headers or {})}
 
 
 def _decode(body: bytes) -> Any:
@@ -40,6 +69,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
     if max_retries < 1:
         raise ValueError(f"max_retries must be >= 1, got {max_retries}")
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    headers = _headers(url, headers)
     for attempt in range(1, max_retries + 1):
         try:
             async with (
@@ -68,7 +98,7 @@ async def get(url: str, headers: dict[str, str] | None = None) -> Any:
 
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as session,
-        session.get(url, headers=headers) as response,
+        session.get(url, headers=_headers(url, headers)) as response,
     ):
         response.raise_for_status()
         return _decode(await response.read())

@@ -205,13 +205,15 @@ async def remote_rm(
 async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
     """The reward of one sample, as slime computes it.
 
-    `args.custom_rm_path` (a function `f(args, sample, **kwargs)`, sync or async) wins; else the
-    type is `sample.metadata["rm_type"]`, else `args.rm_type` (`args.rm_url` for remote_rm).
+    The sample's own `custom_rm_path`, else `args.custom_rm_path` (a function `f(args, sample,
+    **kwargs)`, sync or async) wins; else the type is `sample.metadata["rm_type"]`, else
+    `args.rm_type` (`args.rm_url` for remote_rm).
     """
-    if args.custom_rm_path is not None:
+    path = getattr(sample, "custom_rm_path", None) or args.custom_rm_path
+    if path is not None:
         from slime.rollout.rewards import call_maybe_async, load_function
 
-        fn = load_function(args.custom_rm_path, "--custom-rm-path")
+        fn = load_function(path, "--custom-rm-path")
         return await call_maybe_async(fn, args, sample, **kwargs)
     return (await score_samples([sample], args.rm_type, rm_url=_rm_url(args)))[0]
 

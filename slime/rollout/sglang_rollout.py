@@ -1,0 +1,274 @@
+"""`slime.rollout.sglang_rollout`: the default rollout's pieces, under the names slime's plugins
+import.
+
+- `GenerateState(args)`: one per process (slime.utils.misc.SingletonMeta). It holds the
+  tokenizer of `--hf-checkpoint`, the default sampling parameters, a semaphore bounding the
+  requests in flight (`--sglang-server-concurrency` per engine), and the bookkeeping slime's
+  asynchronous rollout functions use (`pendings`, `remaining_batch_size`, `aborted`, `reset`).
+- `generate(args, sample, sampling_params)`: the default generate function. One /generate call
+  through the router with the sample's token ids; the response tokens are exactly the engine's
+  (`Sample.append_response_tokens`). A custom generate function may call it for each turn.
+- `generate_and_rm`, `generate_and_rm_group`: a sample (a group) generated, with the custom
+  generate function where one is set, and scored as the default rollout scores it.
+- `abort(args, rollout_id)`: aborts every request on the engines, waits for the pending groups,
+  and returns them when `--partial-rollout` is set.
+- `generate_rollout(args, rollout_id, data_source, evaluation=False)`: slime's default rollout
+  function. Named by `--rollout-function-path` it is the built-in rollout itself; called from a
+  user's rollout function (with the `data_source` the rollout manager passed in) it runs the
+  built-in rollout (over-sampling, the dynamic filter, deterministic seeds, fault tolerance) and
+  returns `RolloutFnTrainOutput` / `RolloutFnEvalOutput`.
+
+Not here: multimodal inputs (`GenerateState.processor` is None) and SGLang's data-parallel
+attention routing (`dp_rank_context` only counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.sample import Sample
+from slime.utils.misc import SingletonMeta, load_function
+
+__all__ = [
+    "DEFAULT_ROLLOUT_FUNCTION",
+    "GenerateState",
+    "abort",
+    "generate",
+    "generate_and_rm",
+    "generate_and_rm_group",
+    "generate_rollout",
+    "get_model_url",
+]
+
+DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+
+
+def get_model_url(args: Any, model_name: str = "", endpoint: str = "/generate") -> str:
+    """The router's address for `endpoint` (one model per job here: `model_name` is not used)."""
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}{endpoint}"
+
+
+def default_sampling_params(args: Any) -> dict[str, Any]:
+    """The sampling parameters of a rollout request, from the rollout flags (slime's keys)."""
+    return {
+        "temperature": args.rollout_temperature,
+        "top_p": args.rollout_top_p,
+        "top_k": args.rollout_top_k,
+        "max_new_tokens": args.rollout_max_response_len,
+        "stop": list(args.rollout_stop or []),
+        "stop_token_ids": list(args.rollout_stop_token_ids or []),
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+
+
+def _num_engines(args: Any) -> int:
+    return max(
+        1, int(getattr(args, "rollout_num_gpus", None) or 1) // int(args.rollout_num_gpus_per_engine or 1)
+    )
+
+
+class GenerateState(metaclass=SingletonMeta):
+    """What the default rollout shares between its requests (one per process)."""
+
+    def __init__(self, args: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.processor = None  # multimodal inputs are not built here
+        self.semaphore = asyncio.Semaphore(int(args.sglang_server_concurrency) * _num_engines(args))
+        self.sampling_params = default_sampling_params(args)
+        if getattr(args, "sglang_enable_deterministic_inference", False):
+            self.group_sampling_seeds = [args.rollout_seed + i for i in range(args.n_samples_per_prompt)]
+        self.dp_counts = [0] * max(1, int(getattr(args, "sglang_dp_size", None) or 1))
+        self.dp_rank = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last rollout's requests (called when a rollout ends)."""
+        self.remaining_batch_size = 0
+        self.pendings: set[asyncio.Task[Any]] = set()
+        self.aborted = False
+
+    @contextlib.contextmanager
+    def dp_rank_context(self) -> Iterator[int]:
+        """The least-loaded data-parallel rank for one request (counted; not sent anywhere)."""
+        rank = min(range(len(self.dp_counts)), key=self.dp_counts.__getitem__)
+        self.dp_counts[rank] += 1
+        self.dp_rank = rank
+        try:
+            yield rank
+        finally:
+            self.dp_counts[rank] -= 1
+
+    def submit_generate_tasks(self, groups: list[list[Sample]]) -> None:
+        """Start one task per group (generate and score); they join `pendings`."""
+        for group in groups:
+            task = asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(self.sampling_params)))
+            self.pendings.add(task)
+        self.remaining_batch_size += len(groups)
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """One /generate call for `sample` through the router; continues a sample that already has
+    response tokens (an aborted one) within the same max_new_tokens budget."""
+    from slime.utils.http_utils import post
+
+    state = GenerateState(args)
+    if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
+        raise ValueError(f"generate: sample {sample.index} is {sample.status.value}; only pending or aborted "
+                         "samples are generated")  # fmt: skip
+    if not sample.tokens:
+        sample.tokens = state.tokenizer.encode(sample.prompt, add_special_tokens=False)
+    params = dict(sampling_params)
+    params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
+    if params["max_new_tokens"] < 0:
+        raise ValueError(
+            f"generate: sample {sample.index} already has {sample.response_length} response tokens, more than "
+            f"max_new_tokens {sampling_params['max_new_tokens']}"
+        )
+    if params["max_new_tokens"] == 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+    payload: dict[str, Any] = {
+        "input_ids": list(sample.tokens),
+        "sampling_params": params,
+        "return_logprob": True,
+    }
+    if getattr(args, "use_rollout_routing_replay", False):
+        payload["return_routed_experts"] = True
+    output = await post(get_model_url(args), payload)
+    meta = output["meta_info"]
+    pairs = meta.get("output_token_logprobs") or []
+    sample.append_response_tokens(
+        args,
+        tokens=[item[1] for item in pairs],
+        log_probs=[item[0] for item in pairs],
+        meta_info=meta,
+        text=output.get("text", ""),
+    )
+    return sample
+
+
+async def _custom_or_default(args: Any, sample: Sample, params: dict[str, Any], evaluation: bool) -> Any:
+    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    if path is None:
+        return await generate(args, sample, params)
+    fn = load_function(path)
+    kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(fn).parameters else {}
+    result = fn(args, sample, params, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def generate_and_rm(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> Sample | list[Sample]:
+    """Generate `sample` (unless it is already finished) and score it, unless `--group-rm`
+    scores whole groups or the generate function already set a reward."""
+    from slime.rollout.rm_hub import async_rm, batched_async_rm
+
+    partial = getattr(args, "partial_rollout", False) and getattr(
+        args, "mask_offpolicy_in_partial_rollout", False
+    )
+    if partial and sample.response_length:  # tokens of older weights count in no loss
+        sample.loss_mask = [0] * sample.response_length
+    if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
+        return sample
+    state = GenerateState(args)
+    async with state.semaphore:
+        if state.aborted:
+            sample.status = Sample.Status.ABORTED
+            return sample
+        with state.dp_rank_context():
+            result = await _custom_or_default(args, sample, sampling_params, evaluation)
+    if getattr(args, "group_rm", False):
+        return result
+    if isinstance(result, list):
+        todo = [s for s in result if s.reward is None]
+        if todo and not any(s.status == Sample.Status.ABORTED for s in result):
+            for s, reward in zip(todo, await batched_async_rm(args, todo)):
+                s.reward = reward
+        return result
+    if result.status != Sample.Status.ABORTED and result.reward is None:
+        result.reward = await async_rm(args, result)
+    return result
+
+
+async def generate_and_rm_group(
+    args: Any, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Any]:
+    """A prompt group: each sample gets a session id, is generated and scored; with
+    `--group-rm` the group is scored together."""
+    from slime.rollout.rm_hub import batched_async_rm
+
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+    for sample in group:
+        if sample.session_id is None:
+            sample.session_id = str(uuid.uuid4())
+    params = []
+    for k in range(len(group)):
+        p = dict(sampling_params)
+        if hasattr(state, "group_sampling_seeds"):
+            p["sampling_seed"] = state.group_sampling_seeds[k % len(state.group_sampling_seeds)]
+        params.append(p)
+    out = list(
+        await asyncio.gather(*(generate_and_rm(args, s, p, evaluation) for s, p in zip(group, params)))
+    )
+    if getattr(args, "group_rm", False) and not state.aborted:
+        for s, reward in zip(out, await batched_async_rm(args, out)):
+            cast(Sample, s).reward = reward
+    return out
+
+
+async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:
+    """Abort every request on the engines and wait for the pending groups. With
+    `--partial-rollout` they are returned (each sample with a response is marked with the
+    rollout it started in, `metadata["start_rollout_id"]`), to be continued later."""
+    from slime.utils.http_utils import get, post
+
+    state = GenerateState(args)
+    state.aborted = True
+    workers = await get(get_model_url(args, endpoint="/workers"))
+    urls = [
+        w["url"] if isinstance(w, dict) else w for w in (workers.get("workers") or workers.get("urls") or [])
+    ]
+    if not urls:  # an engine without a router in front of it
+        urls = [get_model_url(args, endpoint="")]
+    await asyncio.gather(*(post(f"{u}/abort_request", {"abort_all": True}) for u in urls))
+    kept: list[list[Sample]] = []
+    while state.pendings:
+        done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+        if not getattr(args, "partial_rollout", False):
+            continue
+        for task in done:
+            group = task.result()
+            for s in group:
+                if s.response and "start_rollout_id" not in s.metadata:
+                    s.metadata["start_rollout_id"] = rollout_id
+            kept.append(group)
+    return kept
+
+
+def generate_rollout(
+    args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """slime's default rollout function: the built-in rollout for `rollout_id` (training) or the
+    evaluation sets. `data_source` must be the one the rollout manager passed to the calling
+    rollout function: it knows how to run the built-in rollout."""
+    default: Callable[[int, bool], Any] | None = getattr(data_source, "default_rollout", None)
+    if default is None:
+        raise TypeError(
+            "slime.rollout.sglang_rollout.generate_rollout runs the built-in rollout: call it with the "
+            "data_source your --rollout-function-path function was given"
+        )
+    return default(rollout_id, evaluation)
