@@ -29,8 +29,9 @@ class DataConfig:
     seed: int = 42
     """`--rollout-seed`."""
     messages_as_is: bool = False
-    """List prompts without `--apply-chat-template` are kept as messages, untokenized (set when a
-    `--rollout-function-path` tokenizes them itself, as slime's SFT rollout does)."""
+    """List prompts without `--apply-chat-template` are kept as messages, untokenized, and a row
+    may have no label (set when a `--rollout-function-path` handles the rows itself, as slime's
+    SFT rollout does)."""
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[An
     if cfg.input_key not in row:
         raise DataError(f"{where}: no field {cfg.input_key!r} (--input-key); fields are {sorted(row)}")
     raw = row[cfg.input_key]
-    if cfg.label_key is not None and cfg.label_key not in row:
+    if cfg.label_key is not None and cfg.label_key not in row and not cfg.messages_as_is:
         raise DataError(f"{where}: no field {cfg.label_key!r} (--label-key); fields are {sorted(row)}")
     if isinstance(raw, list):
         if not cfg.apply_chat_template and not cfg.messages_as_is:

@@ -238,12 +238,14 @@ async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:
 
     state = GenerateState(args)
     state.aborted = True
-    workers = await get(get_model_url(args, endpoint="/workers"))
-    urls = [
-        w["url"] if isinstance(w, dict) else w for w in (workers.get("workers") or workers.get("urls") or [])
+    try:
+        workers = await get(get_model_url(args, endpoint="/workers"))
+    except Exception:  # an engine without a router in front of it (torch engines) has no /workers
+        workers = {}
+    listed = workers.get("workers") if isinstance(workers, dict) else None
+    urls = [w["url"] if isinstance(w, dict) else str(w) for w in listed or []] or [
+        get_model_url(args, endpoint="")
     ]
-    if not urls:  # an engine without a router in front of it
-        urls = [get_model_url(args, endpoint="")]
     await asyncio.gather(*(post(f"{u}/abort_request", {"abort_all": True}) for u in urls))
     kept: list[list[Sample]] = []
     while state.pendings:
