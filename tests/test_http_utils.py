@@ -68,13 +68,15 @@ def test_the_engines_key_goes_to_registered_addresses_only(monkeypatch):
             apps.append(await serve(app))
         (r1, engine), (r2, other) = apps
         try:
-            http_utils.register_credentials([engine + "/"], "k1")
-            http_utils.register_credentials([other], None)  # no key: nothing registered
+            http_utils.register_credentials([other], "old")
+            http_utils.register_credentials([engine + "/"], "k1")  # replaces: `other` is forgotten
             assert await http_utils.post(f"{engine}/generate", {}) == {"auth": "Bearer k1"}
             assert await http_utils.get(f"{engine}/workers") == {"auth": "Bearer k1"}
             assert await http_utils.post(f"{other}/generate", {}) == {"auth": None}
             mine = {"Authorization": "Bearer mine"}  # a caller's own header wins
             assert await http_utils.post(f"{engine}/generate", {}, headers=mine) == {"auth": "Bearer mine"}
+            http_utils.register_credentials([engine], None)  # no key: nothing registered
+            assert await http_utils.post(f"{engine}/generate", {}) == {"auth": None}
         finally:
             await r1.cleanup()
             await r2.cleanup()

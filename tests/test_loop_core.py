@@ -351,3 +351,15 @@ def test_a_failing_hook_after_training_stops_the_step_before_the_push():
     with pytest.raises(RuntimeError, match="gate failed"):
         make(log, extra_hooks=[Gate()]).run()
     assert log[-1] == ("train", 0) and not any(c[0] == "push" for c in log)
+
+
+def test_samples_without_a_weight_version_are_not_checked_for_staleness(caplog):
+    from slime.loop.core import SYNC
+    from slime.loop.parts import Rollout
+
+    rollout = Rollout(4, {}, 2, (None, "3"))  # an SFT sample (no engine) beside a generated one
+    with caplog.at_level("WARNING"):
+        SYNC.check_staleness(rollout, 3)
+    assert "rollout 4 has samples without a weight version" in caplog.text
+    with pytest.raises(RuntimeError, match="weight_version 2 while the trainer is at 3"):
+        SYNC.check_staleness(Rollout(4, {}, 2, (None, "2")), 3)

@@ -183,3 +183,77 @@ def test_a_sample_with_its_own_reward_function(tmp_path):
 
 def minus_one(args, sample):
     return -1.0
+
+
+@pytest.fixture(autouse=True)
+def fresh_generate_state():
+    """GenerateState is one per process: each test starts without the last one's."""
+    from slime.rollout.sglang_rollout import GenerateState
+
+    GenerateState.clear_instances()
+    yield
+    GenerateState.clear_instances()
+
+
+def remove_first(args, groups):
+    """A --rollout-sample-filter-path: the first sample of every group counts in no loss."""
+    for group in groups:
+        group[0].remove_sample = True
+
+
+def test_the_sample_filter_marks_samples_out_of_the_loss(tiny_model, engine, tmp_path):
+    from slime.rollout.sample import samples_to_batch
+
+    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact",
+                "--rollout-sample-filter-path", "tests.test_plugin_examples.remove_first")  # fmt: skip
+    rollout = m.generate(0)
+    assert rollout.metrics["rollout/removed_samples"] == 2.0
+    from slime.rollout.dump import load_dump
+
+    samples = [Sample.from_dict(d) for d in load_dump(rollout.dump_path)["samples"]]
+    assert [s.remove_sample for s in samples] == [True, False, True, False]
+    masks = samples_to_batch(samples).loss_masks
+    assert [any(m) for m in masks] == [False, True, False, True]
+
+
+def answer_eval(args, rollout_id, data_source, evaluation=False):
+    """A rollout function that answers evaluation prompts itself and leaves the reward to the set."""
+    from slime.rollout.base_types import RolloutFnEvalOutput
+
+    assert evaluation
+    samples = [s for g in data_source.get_samples(2) for s in g]
+    for s in samples:
+        assert s.custom_rm_path == "tests.test_plugin_examples.minus_one"  # the set's, as slime sets it
+        s.response, s.status = "x", Status.COMPLETED
+        s.tokens, s.response_length = [*s.tokens, 5], 1
+    return RolloutFnEvalOutput(data={"hard": {"samples": samples}})
+
+
+def test_an_evaluation_sets_own_reward_reaches_a_rollout_function(tiny_model, engine, tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"datasets:\n  - name: hard\n    path: {prompts(tmp_path, 2, 'e.jsonl')}\n"
+        "    custom_rm_path: tests.test_plugin_examples.minus_one\n"
+    )
+    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-config", str(config),
+                "--rollout-function-path", "tests.test_plugin_examples.answer_eval")  # fmt: skip
+    assert m.evaluate(0).metrics["eval/hard"] == -1.0
+
+
+def test_an_evaluation_sets_own_generate_function_and_reward_in_the_built_in_rollout(
+    tiny_model, engine, tmp_path
+):
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"datasets:\n  - name: calc\n    path: {prompts(tmp_path, 2, 'e.jsonl')}\n"
+        "    custom_rm_path: tests.test_plugin_examples.minus_one\n"
+        "    custom_generate_function_path: slime_plugins.examples.calculator_tool.generate\n"
+    )
+    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-config", str(config),
+                "--save-debug-eval-data", str(tmp_path / "eval_{rollout_id}.pt"))  # fmt: skip
+    evaluation = m.evaluate(0)
+    assert evaluation.metrics["eval/calc"] == -1.0
+    from slime.rollout.dump import load_dump
+
+    samples = load_dump(evaluation.dump_path)["samples"]
+    assert any(0 in s["loss_mask"] for s in samples)  # the calculator's tool tokens: its function ran

@@ -358,3 +358,23 @@ def test_remote_rm_without_url_names_the_flag():
         asyncio.run(rm_hub.async_rm(make_args("math"), sample))
     with pytest.raises(UsageError, match="--rm-url"):
         asyncio.run(RewardModel("math", None, False, args=None).score_group([sample]))
+
+
+def test_the_helper_names_slimes_plugins_import():
+    from slime.rollout import rm_hub
+    from slime.rollout.rm_hub.dapo import dapo_reward
+    from slime.rollout.rm_hub.math_dapo_utils import compute_score
+    from slime.rollout.rm_hub.math_utils import extract_answer, grade_answer_mathd, grade_answer_verl
+
+    assert rm_hub.compute_score_dapo is compute_score and rm_hub.grade_answer_verl is grade_answer_verl
+    for response, label in (("Answer: 42", "42"), ("x\nAnswer: 41", "42"), ("no answer", "3")):
+        assert compute_score(response, label) == dapo_reward(response, label)
+    strict = compute_score(r"so \boxed{4{2}} and \boxed 5", "4{2}", strict_box_verify=True)
+    assert strict == {"score": 1.0, "acc": True, "pred": "4{2}"}
+    assert compute_score("x" * 200 + r"\boxed{1}" + "y" * 100, "1", strict_box_verify=True)["score"] == -1.0
+    assert extract_answer(r"a \boxed{\frac{1}{2}} b") == r"\frac{1}{2}" and extract_answer("none") is None
+    assert grade_answer_verl(r"\boxed{\frac{1}{2}}", "0.5") and not grade_answer_verl("0.5", "0.5")
+    assert (
+        grade_answer_mathd("10\\%", "10")
+        and rm_hub.get_deepscaler_rule_based_reward("</think>\\boxed{2}", "2") == 1
+    )

@@ -155,3 +155,22 @@ def test_a_sample_without_what_a_replay_needs_is_named(tmp_path):
     torch.save({"samples": [], "rollout_id": "x"}, tmp_path / "c.pt")
     with pytest.raises(DumpError, match="no integer rollout_id"):
         load_dump(str(tmp_path / "c.pt"))
+
+
+def test_a_replay_of_a_slime_dump_saves_a_dump_that_still_says_so():
+    resaved = {
+        "format_version": FORMAT_VERSION,
+        "meta": {"written_by": "slime", "tokenizer_fingerprint": None},
+    }
+    check_fingerprint(resaved, "again.pt", tokenizer=None, allow_mismatch=False)  # never checked: not refused
+    ours = {"format_version": FORMAT_VERSION, "meta": {"tokenizer_fingerprint": None}}
+    with pytest.raises(DumpError, match="another tokenizer"):
+        check_fingerprint(ours, "ours.pt", tokenizer=_NoVocab(), allow_mismatch=False)
+
+
+class _NoVocab:
+    all_special_tokens = ()
+    chat_template = None
+
+    def get_vocab(self):
+        return {}

@@ -94,3 +94,16 @@ def test_list_prompts_without_a_chat_template_still_need_one_for_the_built_in_ro
                       "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "exact"])  # fmt: skip
     with pytest.raises(DataError, match="add --apply-chat-template"):
         PromptDataset(cfg.rollout.data, None)
+
+
+def test_an_unsupported_loss_mask_type_is_named_at_parse_time(tiny_model, tmp_path, capsys):
+    from slime.config.arguments import parse_args
+
+    data = tmp_path / "m.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--input-key", "messages",
+                    "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-mask-type",
+                    "qwen3_5", "--rollout-batch-size", "1", "--num-rollout", "1", "--loss-type", "sft_loss"])  # fmt: skip
+    assert e.value.code == 2
+    assert "--loss-mask-type qwen3_5 is not supported here" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    for group in (check_debug, check_precision_flags, check_external):
+    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type):
         problem = group(ns)
         if problem:
             yield problem
@@ -110,6 +110,17 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
     for _, path in name_path_pairs(ns.eval_prompt_data or []):
         if not os.path.isfile(path):
             yield f"--eval-prompt-data {path!r}: no such file"
+
+
+def check_loss_mask_type(ns: argparse.Namespace) -> str | None:
+    from slime.utils.mask_utils import SUPPORTED
+
+    if ns.loss_mask_type not in SUPPORTED:
+        return (
+            f"--loss-mask-type {ns.loss_mask_type} is not supported here: its chat templates rewrite earlier turns, "
+            f"which the mask generator does not follow; use one of {', '.join(SUPPORTED)}"
+        )
+    return None
 
 
 def check_debug(ns: argparse.Namespace) -> str | None:

@@ -141,7 +141,7 @@ SPECS: tuple[Spec, ...] = (
     ),
     _same(
         "--loss-mask-type",
-        {"default": "qwen", "choices": ("qwen", "qwen3")},
+        {"default": "qwen"},
         APPLIED,
         "multi-turn loss masks of slime.rollout.sft_rollout (slime.utils.mask_utils): qwen, qwen3",
     ),

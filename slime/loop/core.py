@@ -39,8 +39,13 @@ class Schedule:
     lookahead: int
 
     def check_staleness(self, rollout: Rollout, version: int) -> None:
+        """Versions None are samples no engine reported a version for (an SFT rollout, a custom
+        function that did not record it): nothing to check, said once per rollout."""
+        if None in rollout.weight_versions:
+            logger.warning("rollout %d has samples without a weight version: their staleness is not checked",
+                           rollout.rollout_id)  # fmt: skip
         for v in rollout.weight_versions:
-            if v is None or version - int(v) > self.lookahead:
+            if v is not None and version - int(v) > self.lookahead:
                 raise RuntimeError(
                     f"a sample of rollout {rollout.rollout_id} was generated with weight_version {v} while "
                     f"the trainer is at {version}: more than {self.lookahead} version(s) stale"

@@ -421,7 +421,14 @@ def _rollout_fn_samples(
     rollout functions call `slime.utils.async_utils.run` themselves."""
     assert manager.rollout_fn is not None
     flag = "--rollout-function-path"
-    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in))
+    fields: dict[str, Any] = {}
+    for ds, _, _, _ in manager.eval_sets if evaluation else ():
+        if ds.name == eval_set:  # slime sets a set's own functions on its samples
+            fields = {
+                "custom_rm_path": ds.custom_rm_path,
+                "generate_function_path": ds.custom_generate_function_path,
+            }
+    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields)
     result = manager.rollout_fn(manager.config.args, rollout_id, source, evaluation=evaluation)
     if inspect.isawaitable(result):
         result = run(_awaited(result))

@@ -110,6 +110,8 @@ class ReplayedRollouts:
         dump_path = None
         if self.config.debug.save_rollout_data:
             meta = {**make_meta(self.config.args, self.tokenizer), "weight_version": weight_version}
+            if is_slime_dump(dump):  # its token ids were never checked against a tokenizer
+                meta = {**meta, "tokenizer_fingerprint": None, "written_by": "slime"}
             dump_path = save_dump(self.config.debug.save_rollout_data, rollout_id, kept, meta)
             logger.info("rollout %d saved to %s", rollout_id, dump_path)
         split = (self.config.train.batch, self.dp_size) if self.dp_size else None

@@ -163,7 +163,11 @@ SAMPLE_KEYS = ("group_index", "tokens", "response_length", "reward")  # what a r
 
 
 def is_slime_dump(dump: dict[str, Any]) -> bool:
-    return dump.get("format_version") == SLIME_FORMAT
+    """Written by slime (or re-saved by a replay of such a dump): no tokenizer fingerprint."""
+    meta = dump.get("meta")
+    return dump.get("format_version") == SLIME_FORMAT or (
+        isinstance(meta, dict) and meta.get("written_by") == "slime"
+    )
 
 
 def _from_slime(dump: dict[str, Any], path: str, flag: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,6 +176,11 @@ class RolloutGenerator:
             raise
 
     async def _group_on(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample]:
+        if not prompt.token_ids:
+            raise ValueError(
+                f"prompt {prompt.index} has no token ids: a list of chat messages reaches the built-in rollout "
+                "only with --apply-chat-template"
+            )
         n = self.sampling.n_samples_per_prompt
         params = [self.sampling.params() for _ in range(n)]
         if self.seed_keys is not None:
@@ -309,7 +315,13 @@ class BuiltInRollout:
 
     def __call__(self, rollout_id: int, evaluation: bool) -> Any:
         from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+        from slime.utils.async_utils import get_async_loop
 
+        if threading.current_thread() is get_async_loop().thread:
+            raise RuntimeError(
+                "slime.rollout.sglang_rollout.generate_rollout is synchronous: call it from a plain (not async) "
+                "--rollout-function-path function"
+            )
         if (rollout_id, evaluation) != (self.rollout_id, self.evaluation):
             raise ValueError(
                 f"generate_rollout was called for rollout {rollout_id} (evaluation={evaluation}) with the "
@@ -337,10 +349,14 @@ class DataSource:
         dataset: PromptDataset | None,
         n_samples_per_prompt: int,
         default_rollout: BuiltInRollout | None = None,
+        sample_fields: dict[str, Any] | None = None,
     ):
+        """`sample_fields`: set on every sample drawn (an evaluation set's own `custom_rm_path`
+        and `generate_function_path`, as slime sets them)."""
         self.dataset = dataset
         self.n_samples_per_prompt = n_samples_per_prompt
         self.default_rollout = default_rollout
+        self.sample_fields = {k: v for k, v in (sample_fields or {}).items() if v is not None}
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
@@ -356,6 +372,7 @@ class DataSource:
                     tokens=list(p.token_ids),
                     label=p.label,
                     metadata=dict(p.metadata, prompt_index=p.index),
+                    **self.sample_fields,
                 )
                 for _ in range(self.n_samples_per_prompt)
             ]

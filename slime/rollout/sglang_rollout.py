@@ -127,6 +127,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         raise ValueError(f"generate: sample {sample.index} is {sample.status.value}; only pending or aborted "
                          "samples are generated")  # fmt: skip
     if not sample.tokens:
+        if not isinstance(sample.prompt, str):
+            raise ValueError(
+                f"generate: sample {sample.index} has no token ids and its prompt is a list of chat messages "
+                "(add --apply-chat-template, or set sample.tokens)"
+            )
         sample.tokens = state.tokenizer.encode(sample.prompt, add_special_tokens=False)
     params = dict(sampling_params)
     params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
@@ -246,7 +251,7 @@ async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:
     urls = [w["url"] if isinstance(w, dict) else str(w) for w in listed or []] or [
         get_model_url(args, endpoint="")
     ]
-    await asyncio.gather(*(post(f"{u}/abort_request", {"abort_all": True}) for u in urls))
+    await asyncio.gather(*(post(f"{u}/abort_request", {"abort_all": True}, max_retries=3) for u in urls))
     kept: list[list[Sample]] = []
     while state.pendings:
         done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)

@@ -33,8 +33,10 @@ _credentials: dict[str, dict[str, str]] = {}  # "host:port" -> headers
 
 
 def register_credentials(urls: list[str], api_key: str | None) -> None:
-    """Requests to `urls` (the engines, the router) carry `Authorization: Bearer <api_key>`; a
-    None key registers nothing."""
+    """Requests to `urls` (the engines, the router) carry `Authorization: Bearer <api_key>`, and
+    to no other address: the addresses registered before are forgotten (an engine replaced, a
+    router restarted on another port). A None key registers nothing."""
+    _credentials.clear()
     if api_key is None:
         return
     for url in urls:

@@ -19,11 +19,18 @@ from typing import Any
 from slime.rollout.rm_hub.boxed import last_boxed
 from slime.rollout.rm_hub.dapo import dapo_reward
 from slime.rollout.rm_hub.deps import require
+
+# The names slime's rm_hub exports, which plugins import from it.
+from slime.rollout.rm_hub.math_dapo_utils import compute_score as compute_score_dapo
 from slime.rollout.rm_hub.math_rules import deepscaler_reward, math_reward
+from slime.rollout.rm_hub.math_utils import extract_boxed_answer, grade_answer_verl
 from slime.rollout.rm_hub.multiple_choice import gpqa_reward
 from slime.rollout.rm_hub.remote import RemoteRewardClient, RemoteRewardError, RemoteRMConfig
 from slime.rollout.rm_hub.token_f1 import f1_reward
 from slime.utils.errors import UsageError
+
+get_deepscaler_rule_based_reward = deepscaler_reward
+compute_gpqa_reward = gpqa_reward
 
 __all__ = [
     "RM_TYPES",
@@ -34,6 +41,11 @@ __all__ = [
     "async_rm",
     "batched_async_rm",
     "check_rm_type",
+    "compute_gpqa_reward",
+    "compute_score_dapo",
+    "extract_boxed_answer",
+    "get_deepscaler_rule_based_reward",
+    "grade_answer_verl",
     "is_remote",
     "remote_rm",
     "sample_rm_type",
@@ -220,7 +232,10 @@ async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
 
 async def batched_async_rm(args: Any, samples: list[Any], **kwargs: Any) -> list[Any]:
     """The rewards of several samples: `args.custom_rm_path` scores the whole list at once (a
-    group reward function); otherwise each sample is scored as `async_rm` would."""
+    group reward function); otherwise each sample is scored as `async_rm` would. Samples with
+    their own `custom_rm_path` are scored one by one, as `async_rm` does."""
+    if any(getattr(s, "custom_rm_path", None) for s in samples):
+        return list(await asyncio.gather(*(async_rm(args, s, **kwargs) for s in samples)))
     if args.custom_rm_path is not None:
         from slime.rollout.rewards import call_maybe_async, load_function
 
