@@ -166,35 +166,55 @@ SPECS: tuple[Spec, ...] = (
     *(
         _refused(flag, {"default": None}, f"slime's {what} hook is not built yet ({where})")
         for flag, what, where in (
-            ("--custom-loss-function-path", "custom loss (--loss-type custom_loss)", "issue 20"),
-            ("--custom-advantage-function-path", "advantage", "issue 20"),
-            ("--custom-convert-samples-to-train-data-path", "samples-to-train-data", "issue 20"),
-            ("--rollout-all-samples-process-path", "all-samples process", "issue 20"),
-            ("--rollout-data-postprocess-path", "rollout-data post-process", "issue 20"),
+            (
+                "--custom-loss-function-path",
+                "custom loss (--loss-type custom_loss)",
+                "open an issue if you need it",
+            ),
+            ("--custom-advantage-function-path", "advantage", "open an issue if you need it"),
+            (
+                "--custom-convert-samples-to-train-data-path",
+                "samples-to-train-data",
+                "open an issue if you need it",
+            ),
+            ("--rollout-all-samples-process-path", "all-samples process", "open an issue if you need it"),
+            ("--rollout-data-postprocess-path", "rollout-data post-process", "open an issue if you need it"),
             ("--buffer-filter-path", "buffer filter", "issue 21"),
-            ("--custom-rollout-log-function-path", "rollout log", "issue 20"),
-            ("--custom-eval-rollout-log-function-path", "eval rollout log", "issue 20"),
-            ("--eval-function-path", "eval generation", "issue 20"),
+            ("--custom-rollout-log-function-path", "rollout log", "open an issue if you need it"),
+            ("--custom-eval-rollout-log-function-path", "eval rollout log", "open an issue if you need it"),
+            ("--eval-function-path", "eval generation", "open an issue if you need it"),
             (
                 "--custom-model-provider-path",
                 "Megatron model provider",
                 "the model comes from --hf-checkpoint",
             ),
-            ("--custom-megatron-init-path", "Megatron init", "issue 20"),
-            ("--custom-megatron-before-log-prob-hook-path", "Megatron before-log-prob", "issue 20"),
-            ("--custom-megatron-before-train-step-hook-path", "Megatron before-train-step", "issue 20"),
-            ("--custom-update-weight-post-write-path", "disk weight-sync post-write", "issue 20"),
+            ("--custom-megatron-init-path", "Megatron init", "open an issue if you need it"),
+            (
+                "--custom-megatron-before-log-prob-hook-path",
+                "Megatron before-log-prob",
+                "open an issue if you need it",
+            ),
+            (
+                "--custom-megatron-before-train-step-hook-path",
+                "Megatron before-train-step",
+                "open an issue if you need it",
+            ),
+            (
+                "--custom-update-weight-post-write-path",
+                "disk weight-sync post-write",
+                "open an issue if you need it",
+            ),
         )
     ),
     _refused(
         "--rollout-sample-hook-path",
         {"action": "append", "default": []},
-        "slime's per-sample rollout hook is not built yet (issue 20)",
+        "slime's per-sample rollout hook is not built",
     ),
     _refused(
         "--data-source-path",
         {"default": None},
-        "slime's data source classes are not built: prompts come from --prompt-data (issue 20)",
+        "slime's data source classes are not built: prompts come from --prompt-data",
         neutral="slime.rollout.data_source.RolloutDataSourceWithBuffer",
     ),
 )
