@@ -209,7 +209,7 @@ SPECS: tuple[Spec, ...] = (
     _refused(
         "--rollout-sample-hook-path",
         {"action": "append", "default": []},
-        "slime's per-sample rollout hook is not built",
+        "slime's per-sample rollout hook is not built yet",
     ),
     _refused(
         "--data-source-path",
