@@ -260,13 +260,26 @@ def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
     )
 
 
-def _configs(ns: argparse.Namespace) -> Config:
-    cluster = ClusterConfig(
+def cluster_config(ns: argparse.Namespace) -> ClusterConfig:
+    """The cluster record of parsed flags (`Config.args` included)."""
+    return ClusterConfig(
         ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
         ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
         tuple(ns.rollout_external_engine_addrs or ()), tuple(ns.sglang_server_args), ns.sglang_router_ip,
         ns.sglang_router_port, ns.offload_rollout,
     )  # fmt: skip
+
+
+def sampling_config(ns: argparse.Namespace) -> SamplingConfig:
+    """How rollout responses are sampled, from parsed flags."""
+    return SamplingConfig(
+        ns.n_samples_per_prompt, ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
+        ns.rollout_max_response_len, tuple(ns.rollout_stop), tuple(ns.rollout_stop_token_ids),
+    )  # fmt: skip
+
+
+def _configs(ns: argparse.Namespace) -> Config:
+    cluster = cluster_config(ns)
     data = None
     if ns.prompt_data is not None:
         data = DataConfig(
@@ -274,10 +287,7 @@ def _configs(ns: argparse.Namespace) -> Config:
             ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed,
             messages_as_is=ns.rollout_function_path is not None and not ns.apply_chat_template,
         )  # fmt: skip
-    sampling = SamplingConfig(
-        ns.n_samples_per_prompt, ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
-        ns.rollout_max_response_len, tuple(ns.rollout_stop), tuple(ns.rollout_stop_token_ids),
-    )  # fmt: skip
+    sampling = sampling_config(ns)
     rollout = RolloutConfig(
         data, sampling, ns.rollout_batch_size or 0, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
         ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,

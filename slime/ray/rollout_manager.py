@@ -36,9 +36,10 @@ from slime.rollout.generator import (
 )
 from slime.rollout.health import EngineHealth, HealthMonitor
 from slime.rollout.rewards import RewardModel, load_function
-from slime.rollout.sample import Sample
+from slime.rollout.sample import Sample, group_samples
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
 from slime.utils.async_utils import run
+from slime.utils.net import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class RolloutManager:
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
-        # One (set, prompts, reward) per evaluation set; a set's own rm_type replaces --rm-type.
+        # Per evaluation set: (set, prompts, reward, generate function); its own ones replace the rollout's.
         self.eval_sets = [
             (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)), self._set_reward(ds), self._set_generate(ds))
             for ds in config.eval.datasets
@@ -142,8 +143,7 @@ class RolloutManager:
         if self.router is not None:
             config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
         elif self.engine_urls:
-            host, _, port = self.engine_urls[0].removeprefix("http://").rpartition(":")
-            config.args.sglang_router_ip, config.args.sglang_router_port = host, int(port)
+            config.args.sglang_router_ip, config.args.sglang_router_port = host_port(self.engine_urls[0])
         # --use-fault-tolerance: engines found down (by the monitor, a failed request or a failed
         # control call of the driver's) have their groups generated elsewhere; the driver restarts
         # them and gives them the weights before they are replaced here.
@@ -257,18 +257,12 @@ class RolloutManager:
                 )
             )  # fmt: skip
             if self.sample_filter is not None:  # slime's --rollout-sample-filter-path: sets remove_sample
-                groups: dict[int, list[Sample]] = {}
-                for s in samples:
-                    groups.setdefault(s.group_index, []).append(s)
-                self.sample_filter(self.config.args, list(groups.values()))
+                self.sample_filter(self.config.args, group_samples(samples))
                 metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
             return samples, metrics
 
         if self.rollout_fn is not None:
-            n = self.config.rollout.sampling.n_samples_per_prompt
-            samples, extra = _rollout_fn_samples(
-                self, rollout_id, self.dataset, False, n, self.reward, built_in
-            )
+            samples, extra = _rollout_fn_samples(self, rollout_id, self.dataset, self.reward, built_in)
         else:
             samples, extra = built_in()
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
@@ -296,16 +290,7 @@ class RolloutManager:
             dataset.epoch = dataset.offset = 0
             built_in = functools.partial(self._evaluate_set, rollout_id, ds, dataset, reward, generate_fn)
             if self.rollout_fn is not None:
-                samples, extra = _rollout_fn_samples(
-                    self,
-                    rollout_id,
-                    dataset,
-                    True,
-                    ds.sampling.n_samples_per_prompt,
-                    reward,
-                    built_in,
-                    ds.name,
-                )
+                samples, extra = _rollout_fn_samples(self, rollout_id, dataset, reward, built_in, ds)
                 metrics.update(extra)
             else:
                 samples, _ = built_in()
@@ -406,47 +391,41 @@ def _rollout_fn_samples(
     manager: RolloutManager,
     rollout_id: int,
     dataset: PromptDataset | None,
-    evaluation: bool,
-    n: int,
     reward: RewardModel | None,
     built_in: Callable[[], tuple[list[Sample], dict[str, float]]],
-    eval_set: str | None = None,
+    eval_ds: EvalDataset | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
-    """Run the user's rollout function (`n` samples per prompt); score the samples it left
-    without a reward. Returns them and the function's own metrics (RolloutFnTrainOutput's).
-    `built_in`: this rollout (or evaluation set) as the built-in rollout makes it, for a function
-    that calls slime.rollout.sglang_rollout.generate_rollout.
+    """Run the user's rollout function for a training rollout, or for the evaluation set
+    `eval_ds`; score the samples it left without a reward. Returns them and the function's own
+    metrics (RolloutFnTrainOutput's). `built_in`: this rollout (or evaluation set) as the
+    built-in rollout makes it, for a function that calls
+    slime.rollout.sglang_rollout.generate_rollout.
 
     The function is called from this (synchronous) thread, as slime calls it: slime's own
     rollout functions call `slime.utils.async_utils.run` themselves."""
     assert manager.rollout_fn is not None
     flag = "--rollout-function-path"
-    fields: dict[str, Any] = {}
-    for ds, _, _, _ in manager.eval_sets if evaluation else ():
-        if ds.name == eval_set:  # slime sets a set's own functions on its samples
-            fields = {
-                "custom_rm_path": ds.custom_rm_path,
-                "generate_function_path": ds.custom_generate_function_path,
-            }
+    evaluation = eval_ds is not None
+    eval_set = eval_ds.name if eval_ds is not None else None
+    n = (eval_ds or manager.config.rollout).sampling.n_samples_per_prompt
+    fields = {}  # slime sets an evaluation set's own functions on its samples
+    if eval_ds is not None:
+        fields = {
+            "custom_rm_path": eval_ds.custom_rm_path,
+            "generate_function_path": eval_ds.custom_generate_function_path,
+        }
     source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields)
     result = manager.rollout_fn(manager.config.args, rollout_id, source, evaluation=evaluation)
     if inspect.isawaitable(result):
-        result = run(_awaited(result))
+        result = run(result)
     groups_out, fn_metrics = unwrap(result, evaluation, eval_set)
     samples = number_groups(groups_out, n, flag)
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_index, []).append(s)
     start = time.perf_counter()
-    todo = [g for g in groups.values() if any(s.reward is None for s in g)]
+    todo = [g for g in group_samples(samples) if any(s.reward is None for s in g)]
     if todo:
         run(_score_groups(reward, todo, flag))
     manager.progress.reward_seconds += time.perf_counter() - start
     return samples, fn_metrics
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:

@@ -27,7 +27,8 @@ from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
-from slime.rollout.sample import Sample, Status
+from slime.rollout.sample import Sample, Status, group_samples
+from slime.utils.net import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +229,7 @@ class RolloutGenerator:
         args = self.args
         if self.route_to_engine and args is not None:
             args = copy.copy(args)
-            host, _, port = client.base_url.removeprefix("http://").rpartition(":")
-            args.sglang_router_ip, args.sglang_router_port = host, int(port)
+            args.sglang_router_ip, args.sglang_router_port = host_port(client.base_url)
         result = self.generate_fn(args, sample, dict(params))
         if asyncio.iscoroutine(result):
             result = await result
@@ -335,10 +335,7 @@ class BuiltInRollout:
                              "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}},
                 metrics=metrics,
             )  # fmt: skip
-        groups: dict[int, list[Sample]] = {}
-        for s in samples:
-            groups.setdefault(s.group_index, []).append(s)
-        return RolloutFnTrainOutput(samples=list(groups.values()), metrics=metrics)
+        return RolloutFnTrainOutput(samples=group_samples(samples), metrics=metrics)
 
 
 class DataSource:

@@ -18,7 +18,7 @@ import copy
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from slime.backends.interface import RolloutBatch
 
@@ -60,6 +60,25 @@ def _floats(values: Any) -> list[float] | None:
     return [float(v) for v in values]
 
 
+class _Counts:
+    """Integer counters summed over a sample's /generate calls: `_META` maps the engine's
+    meta_info keys to the fields; to_dict/from_dict as slime's SpecInfo and PrefixCacheInfo."""
+
+    _META: ClassVar[dict[str, str]] = {}
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        for key, name in self._META.items():
+            setattr(self, name, getattr(self, name) + int(meta_info.get(key, 0)))
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Any:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: int(v) for k, v in (data or {}).items() if k in names})
+
+
 _FINISH = {"length": "truncated", "abort": "aborted", "stop": "completed"}
 
 
@@ -85,13 +104,17 @@ class Sample:
         FAILED = "failed"  # the engine, a tool or the generate function failed for this sample
 
     @dataclass
-    class SpecInfo:
+    class SpecInfo(_Counts):
         """Speculative decoding counts summed over the sample's /generate calls."""
 
         spec_accept_token_num: int = 0
         spec_draft_token_num: int = 0
         spec_verify_ct: int = 0
         completion_token_num: int = 0
+        _META: ClassVar[dict[str, str]] = {
+            "spec_accept_token_num": "spec_accept_token_num", "spec_draft_token_num": "spec_draft_token_num",
+            "spec_verify_ct": "spec_verify_ct", "completion_tokens": "completion_token_num",
+        }  # fmt: skip
 
         @property
         def spec_accept_rate(self) -> float:
@@ -103,42 +126,20 @@ class Sample:
         def spec_accept_length(self) -> float:
             return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
-        def add(self, meta_info: dict[str, Any]) -> None:
-            self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num", 0))
-            self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num", 0))
-            self.spec_verify_ct += int(meta_info.get("spec_verify_ct", 0))
-            self.completion_token_num += int(meta_info.get("completion_tokens", 0))
-
-        def to_dict(self) -> dict[str, int]:
-            return {f.name: getattr(self, f.name) for f in fields(self)}
-
-        @staticmethod
-        def from_dict(data: dict[str, Any] | None) -> Sample.SpecInfo:
-            names = {f.name for f in fields(Sample.SpecInfo)}
-            return Sample.SpecInfo(**{k: int(v) for k, v in (data or {}).items() if k in names})
-
     @dataclass
-    class PrefixCacheInfo:
+    class PrefixCacheInfo(_Counts):
         """Prompt tokens the engine found in its prefix cache, summed over /generate calls."""
 
         cached_tokens: int = 0
         total_prompt_tokens: int = 0
+        _META: ClassVar[dict[str, str]] = {
+            "cached_tokens": "cached_tokens",
+            "prompt_tokens": "total_prompt_tokens",
+        }
 
         @property
         def prefix_cache_hit_rate(self) -> float:
             return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
-
-        def add(self, meta_info: dict[str, Any]) -> None:
-            self.cached_tokens += int(meta_info.get("cached_tokens", 0))
-            self.total_prompt_tokens += int(meta_info.get("prompt_tokens", 0))
-
-        def to_dict(self) -> dict[str, int]:
-            return {f.name: getattr(self, f.name) for f in fields(self)}
-
-        @staticmethod
-        def from_dict(data: dict[str, Any] | None) -> Sample.PrefixCacheInfo:
-            names = {f.name for f in fields(Sample.PrefixCacheInfo)}
-            return Sample.PrefixCacheInfo(**{k: int(v) for k, v in (data or {}).items() if k in names})
 
     group_index: int = 0
     index: int = 0
@@ -358,6 +359,14 @@ class Sample:
 
 
 Status = Sample.Status
+
+
+def group_samples(samples: list[Sample]) -> list[list[Sample]]:
+    """The samples as their prompt groups (by `group_index`, in order of first appearance)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
 
 
 def _loss_mask(sample: Sample) -> list[int]:

@@ -55,24 +55,16 @@ def get_model_url(args: Any, model_name: str = "", endpoint: str = "/generate") 
 
 
 def default_sampling_params(args: Any) -> dict[str, Any]:
-    """The sampling parameters of a rollout request, from the rollout flags (slime's keys)."""
+    """The sampling parameters of a rollout request: the built-in rollout's, with the keys slime's
+    requests add."""
+    from slime.config.arguments import sampling_config
+
     return {
-        "temperature": args.rollout_temperature,
-        "top_p": args.rollout_top_p,
-        "top_k": args.rollout_top_k,
-        "max_new_tokens": args.rollout_max_response_len,
-        "stop": list(args.rollout_stop or []),
-        "stop_token_ids": list(args.rollout_stop_token_ids or []),
+        **sampling_config(args).params(),
         "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }
-
-
-def _num_engines(args: Any) -> int:
-    return max(
-        1, int(getattr(args, "rollout_num_gpus", None) or 1) // int(args.rollout_num_gpus_per_engine or 1)
-    )
 
 
 class GenerateState(metaclass=SingletonMeta):
@@ -81,10 +73,14 @@ class GenerateState(metaclass=SingletonMeta):
     def __init__(self, args: Any) -> None:
         from transformers import AutoTokenizer
 
+        from slime.config.arguments import cluster_config
+
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.processor = None  # multimodal inputs are not built here
-        self.semaphore = asyncio.Semaphore(int(args.sglang_server_concurrency) * _num_engines(args))
+        self.semaphore = asyncio.Semaphore(
+            int(args.sglang_server_concurrency) * max(1, cluster_config(args).num_engines)
+        )
         self.sampling_params = default_sampling_params(args)
         if getattr(args, "sglang_enable_deterministic_inference", False):
             self.group_sampling_seeds = [args.rollout_seed + i for i in range(args.n_samples_per_prompt)]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 __all__ = ["get_async_loop", "run"]
 
@@ -21,12 +21,17 @@ class _LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="slime-async-utils", daemon=True)
         self.thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, aw: Awaitable[T]) -> T:
         if threading.current_thread() is self.thread:
             raise RuntimeError(
                 "slime.utils.async_utils.run was called from a coroutine on its own loop: await it"
             )
+        coro = aw if asyncio.iscoroutine(aw) else _await(aw)
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+async def _await(aw: Awaitable[T]) -> T:
+    return await aw
 
 
 _loop: _LoopThread | None = None
@@ -42,6 +47,6 @@ def get_async_loop() -> _LoopThread:
         return _loop
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on the background loop and wait for its result (its exception is raised here)."""
+def run(coro: Awaitable[T]) -> T:
+    """Run `coro` (any awaitable) on the background loop and wait for its result (its exception is raised here)."""
     return get_async_loop().run(coro)

@@ -44,10 +44,10 @@ def register_credentials(urls: list[str], api_key: str | None) -> None:
 
 
 def _address(url: str) -> str:
-    from urllib.parse import urlsplit
+    from slime.utils.net import host_port
 
-    parts = urlsplit(url if "//" in url else f"http://{url}")
-    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    host, port = host_port(url)
+    return f"{host}:{port}"
 
 
 def _headers(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
