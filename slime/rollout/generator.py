@@ -289,12 +289,9 @@ class RolloutGenerator:
         # Groups finish in any order; numbered in the order their prompts were drawn, the same
         # prompts give the same rollout however the engines interleave them.
         kept.sort(key=lambda item: item[0])
-        samples: list[Sample] = []
-        for group_index, (_, group) in enumerate(kept):
-            for s in group:
-                s.group_index = group_index
-                s.index = len(samples)
-                samples.append(s)
+        samples = number_groups(
+            [group for _, group in kept], self.sampling.n_samples_per_prompt, "the rollout"
+        )
         if filtered or aborted:
             logger.info(
                 "rollout: %d prompts started, %d groups filtered, %d aborted", started, filtered, aborted
