@@ -70,8 +70,13 @@ class WeightBridge:
         engine_urls: list[str],
         make_client: Callable[[str], EngineClient] = EngineClient,
         label: str | None = None,
+        pause_mode: str = "in_place",
     ):
+        """`pause_mode`: how the push pauses requests in flight (SGLang's modes: in_place keeps
+        them and their KV cache, retract recomputes their KV cache with the new weights, abort
+        ends them with what they generated so far)."""
         self.transport = transport
+        self.pause_mode = pause_mode
         self.engine_urls = list(engine_urls)
         self.make_client = make_client
         self.label = label or transport.name
@@ -92,7 +97,7 @@ class WeightBridge:
     ) -> WeightBridge:
         """The bridge into the topology's engines through its transport (make_transport)."""
         transport = make_transport(topology, hf_checkpoint, timeout_s)
-        return cls(transport, topology.urls, make_client, topology.label)
+        return cls(transport, topology.urls, make_client, topology.label, topology.pause_mode)
 
     async def push(self, buckets: Iterable[Bucket], weight_version: str, collect: bool = False) -> PushStats:
         """Run one update; returns {"bytes", "seconds", "buckets"} (floats) and "transport" (the
@@ -119,7 +124,7 @@ class WeightBridge:
             self._ready = True
         start = time.perf_counter()
         total = count = 0
-        await _all(engines, "pause_generation")
+        await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
         sessions: list[EngineClient] = []
         try:
             await asyncio.gather(*(_flush(e) for e in engines))

@@ -131,6 +131,9 @@ class PushTopology:
     """The engines are SGLang servers (the CUDA-IPC push then uses SGLang's torch reductions)."""
     colocated: bool = False
     """The engines run on the train ranks' GPUs (--colocate): engine GPU i is train rank i's."""
+    pause_mode: str = "in_place"
+    """How a push pauses the requests in flight (SGLang's /pause_generation modes): only the
+    continuous schedule pushes with requests in flight (--pause-generation-mode)."""
     kind: str = field(init=False)
     """The transport as it runs (KINDS), resolved from `transport` and `device`."""
 
@@ -259,6 +262,7 @@ def build_topology(
     train_nodes: Sequence[str] = (LOOPBACK,),
     sglang: bool = False,
     colocated: bool = False,
+    pause_mode: str = "in_place",
 ) -> PushTopology:
     """The push topology from plain values; TopologyError when it cannot work.
 
@@ -287,4 +291,4 @@ def build_topology(
         if len(nodes) != len(urls):
             raise TopologyError(f"{len(nodes)} engine nodes for {len(urls)} engines")
     engines = tuple(EngineSpec(u, s, n) for u, s, n in zip(urls, sizes, nodes, strict=True))
-    return PushTopology(transport, device, engines, train, sglang, colocated)
+    return PushTopology(transport, device, engines, train, sglang, colocated, pause_mode)

@@ -17,6 +17,9 @@ from slime.config import megatron_lm, slime_flags
 from slime.config.derived import custom_config, no_effect_lines, problems
 from slime.config.eval_sets import eval_datasets
 from slime.config.records import (
+    PAUSE_MODES,
+    STALE_ACTIONS,
+    AsyncConfig,
     BridgeConfig,
     CheckpointConfig,
     ClusterConfig,
@@ -115,6 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--custom-config-path", default=None, metavar="YAML",
                    help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
                    "functions to read from args: KEY: VALUE with the flag's name in underscores")  # fmt: skip
+
+    g = p.add_argument_group("asynchronous rollouts (docs/async.md)")
+    g.add_argument("--fully-async", action="store_true",
+                   help="the continuous schedule: generation never stops at a rollout boundary; each step trains on "
+                   "the next --rollout-batch-size groups that finished, pushes happen while requests are in flight "
+                   "(slime's --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async "
+                   "is the same)")  # fmt: skip
+    g.add_argument("--max-policy-version-lag", type=int, default=None, metavar="N",
+                   help="--fully-async: a group whose oldest trained token is more than N weight versions behind the "
+                   "trainer is not trained on (see --stale-group-action); admission keeps most groups within it; "
+                   "0 is the synchronous loop. Default: no bound (the lag is still logged)")  # fmt: skip
+    g.add_argument("--stale-group-action", choices=STALE_ACTIONS, default=None,
+                   help="what happens to a group beyond --max-policy-version-lag: requeue its prompt (default; it is "
+                   "generated again with the current weights) or drop it")  # fmt: skip
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="a request interrupted by a push (--pause-generation-mode abort) or by the end of a rollout "
+                   "(over-sampling) keeps its tokens and log-probs and is continued with the new weights")  # fmt: skip
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="with --partial-rollout: the tokens made before the continuation (by older weights) are "
+                   "masked out of the loss")  # fmt: skip
+    g.add_argument("--pause-generation-mode", choices=PAUSE_MODES, default=None,
+                   help="--fully-async: how a push treats requests in flight (SGLang's modes): retract (default: "
+                   "they continue with the new weights, their KV cache recomputed), in_place (their KV cache kept), "
+                   "abort (they end; with --partial-rollout continued as new requests, else generated again; the "
+                   "default with --partial-rollout)")  # fmt: skip
 
     g = p.add_argument_group("weight bridge")
     g.add_argument("--update-weight-transport", choices=(*TRANSPORTS, "nccl"), default=None,
@@ -270,6 +298,17 @@ def cluster_config(ns: argparse.Namespace) -> ClusterConfig:
     )  # fmt: skip
 
 
+def async_config(ns: argparse.Namespace) -> AsyncConfig:
+    """The asynchronous-rollout record of parsed flags."""
+    partial = ns.partial_rollout
+    # Rollout only: no push ever comes, every token is of the first weights (lag 0).
+    lag = None if ns.debug_rollout_only else ns.max_policy_version_lag
+    return AsyncConfig(
+        ns.fully_async, lag, ns.stale_group_action or "requeue", partial,
+        ns.mask_offpolicy_in_partial_rollout, ns.pause_generation_mode or ("abort" if partial else "retract"),
+    )  # fmt: skip
+
+
 def sampling_config(ns: argparse.Namespace) -> SamplingConfig:
     """How rollout responses are sampled, from parsed flags."""
     return SamplingConfig(
@@ -294,6 +333,7 @@ def _configs(ns: argparse.Namespace) -> Config:
         ns.rollout_function_path, ns.dynamic_sampling_filter_path, ns.use_fault_tolerance,
         _or(ns.rollout_health_check_interval, 30.0), _or(ns.rollout_health_check_timeout, 30.0),
         _or(ns.rollout_health_check_first_wait, 0.0), ns.custom_reward_post_process_path,
+        async_config(ns),
     )  # fmt: skip
     dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if ns.wandb_key or os.environ.get("WANDB_API_KEY") else "offline")

@@ -37,7 +37,7 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type):
+    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type, check_async):
         problem = group(ns)
         if problem:
             yield problem
@@ -110,6 +110,36 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
     for _, path in name_path_pairs(ns.eval_prompt_data or []):
         if not os.path.isfile(path):
             yield f"--eval-prompt-data {path!r}: no such file"
+
+
+def check_async(ns: argparse.Namespace) -> str | None:
+    """The asynchronous-rollout flags (docs/async.md)."""
+    lag = ns.max_policy_version_lag
+    if not ns.fully_async:
+        for given, flag in ((lag is not None, "--max-policy-version-lag"), (ns.stale_group_action, "--stale-group-action"),
+                            (ns.pause_generation_mode, "--pause-generation-mode")):  # fmt: skip
+            if given:
+                return (
+                    f"{flag} applies to the continuous schedule only (train.py is synchronous, train_async.py one "
+                    f"step off: their lag is 0 and 1): add --fully-async or drop {flag}"
+                )
+    if lag is not None and lag < 0:
+        return f"--max-policy-version-lag must be >= 0 (got {lag})"
+    if ns.stale_group_action and lag is None:
+        return "--stale-group-action says what happens beyond --max-policy-version-lag: give the bound too"
+    if ns.mask_offpolicy_in_partial_rollout and not ns.partial_rollout:
+        return "--mask-offpolicy-in-partial-rollout masks the tokens of continued requests: add --partial-rollout"
+    if ns.fully_async and ns.colocate:
+        return (
+            "--fully-async generates while the trainer trains, so the engines need GPUs of their own: drop "
+            "--colocate (or use train_async.py without --fully-async, or train.py)"
+        )
+    if ns.fully_async and ns.rollout_function_path is not None:
+        return (
+            "--fully-async runs the built-in rollout continuously; --rollout-function-path replaces it: give one of "
+            "them (a per-sample --custom-generate-function-path works with --fully-async)"
+        )
+    return None
 
 
 def check_loss_mask_type(ns: argparse.Namespace) -> str | None:

@@ -18,6 +18,7 @@ from slime.engines.sglang_args import reserved_problem, server_argv
 logger = logging.getLogger(__name__)
 
 SPECS = megatron_lm.SPECS + slime_flags.SPECS
+FULLY_ASYNC_PATH = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
 def custom_config(ns: argparse.Namespace, types: dict[str, Any]) -> list[str]:
@@ -55,6 +56,9 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
     out = []
     if ns.rollout_function_path == "slime.rollout.sglang_rollout.generate_rollout":
         ns.rollout_function_path = None  # slime's default, named: the built-in rollout (the same function)
+    if ns.rollout_function_path == FULLY_ASYNC_PATH:
+        ns.rollout_function_path = None  # slime's fully asynchronous rollout: our continuous schedule
+        ns.fully_async = True
     external = ns.rollout_external_engine_addrs
     if external is not None and ns.rollout_num_gpus is not None:
         out.append(

@@ -46,6 +46,28 @@ class ClusterConfig:
         return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
 
 
+STALE_ACTIONS = ("requeue", "drop")
+PAUSE_MODES = ("retract", "in_place", "abort")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """Asynchronous rollouts (docs/async.md)."""
+
+    fully_async: bool = False
+    """`--fully-async`: the continuous schedule (slime.rollout.continuous)."""
+    max_lag: int | None = None
+    """`--max-policy-version-lag`: the most weight versions a trained token may be behind (None: no bound)."""
+    stale_action: str = "requeue"
+    """`--stale-group-action`: a group beyond the bound is requeued (its prompt generated again) or dropped."""
+    partial: bool = False
+    """`--partial-rollout`: interrupted requests are continued, not generated again."""
+    mask_offpolicy: bool = False
+    """`--mask-offpolicy-in-partial-rollout`: tokens before a continuation leave the loss."""
+    pause_mode: str = "retract"
+    """`--pause-generation-mode`: how a push treats requests in flight (fully async only)."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     data: DataConfig | None
@@ -72,6 +94,7 @@ class RolloutConfig:
     reward_post_process_path: str | None = None
     """`--custom-reward-post-process-path`: slime's f(args, samples) -> (raw_rewards, rewards), whose
     rewards the advantages start from instead of the group-normalised ones."""
+    asynchrony: AsyncConfig = AsyncConfig()
 
 
 @dataclass(frozen=True)

@@ -32,28 +32,35 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Schedule:
     """When the next rollout starts: `lookahead` rollouts before the one being trained is done
-    (0: synchronous, train.py; 1: one step off-policy, train_async.py). A sample may be as many
-    weight versions old as the lookahead; the push waits until generation is idle."""
+    (0: synchronous, train.py; 1: one step off-policy, train_async.py), and the most weight
+    versions a sample may be behind the trainer (`max_lag`; None: the source bounds it itself,
+    as the continuous source does per trained token). With a lookahead the push waits until
+    generation is idle; the continuous source (--fully-async) has lookahead 0: it generates
+    across rollouts and pushes on its own, and pushes pause its requests in flight."""
 
     name: str
     lookahead: int
+    max_lag: int | None
 
     def check_staleness(self, rollout: Rollout, version: int) -> None:
         """Versions None are samples no engine reported a version for (an SFT rollout, a custom
         function that did not record it): nothing to check, said once per rollout."""
+        if self.max_lag is None:
+            return
         if None in rollout.weight_versions:
             logger.warning("rollout %d has samples without a weight version: their staleness is not checked",
                            rollout.rollout_id)  # fmt: skip
         for v in rollout.weight_versions:
-            if v is not None and version - int(v) > self.lookahead:
+            if v is not None and version - int(v) > self.max_lag:
                 raise RuntimeError(
                     f"a sample of rollout {rollout.rollout_id} was generated with weight_version {v} while "
-                    f"the trainer is at {version}: more than {self.lookahead} version(s) stale"
+                    f"the trainer is at {version}: more than {self.max_lag} version(s) stale"
                 )
 
 
-SYNC = Schedule("synchronous", 0)
-ONE_STEP_OFF = Schedule("one step off-policy", 1)
+SYNC = Schedule("synchronous", 0, 0)
+ONE_STEP_OFF = Schedule("one step off-policy", 1, 1)
+CONTINUOUS = Schedule("continuous", 0, None)
 
 
 class Hook:

@@ -12,12 +12,12 @@ import ray
 from slime.config.arguments import Config, describe
 from slime.debug.phases import load_phase_hook
 from slime.loop import hooks
-from slime.loop.core import ONE_STEP_OFF, SYNC, Hook, Loop
+from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
 from slime.ray.inputs import check_inputs
 from slime.ray.job import Job
 from slime.ray.placement import data_parallel_size, plan_placement
-from slime.ray.rollout_source import GeneratedRollouts, ReplayedRollouts
+from slime.ray.rollout_source import ContinuousRollouts, GeneratedRollouts, ReplayedRollouts
 from slime.ray.waiting import Progress
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,26 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         progress = Progress(total, 0 if resumed is None else resumed + 1, job.manager)
         phase = load_phase_hook(config.debug.phase_hook)
         train, engines = job.groups(progress, phase)
-        generated = GeneratedRollouts(job.manager, progress) if job.manager is not None else None
+        schedule = ONE_STEP_OFF if off_policy else SYNC
+        fully_async = config.rollout.asynchrony.fully_async
+        generated = None
+        if job.manager is not None:
+            generated = (ContinuousRollouts if fully_async and replay is None else GeneratedRollouts)(
+                job.manager, progress
+            )
+        if fully_async and replay is None:
+            schedule = CONTINUOUS
+        elif fully_async:
+            logger.info(
+                "--fully-async: the saved rollouts are replayed in order; the schedule does not apply"
+            )
         source = replay if replay is not None else generated
         assert source is not None
         loop_hooks = make_hooks(
             config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
         )
-        loop = Loop(source, train, engines, ONE_STEP_OFF if off_policy else SYNC, loop_hooks, total, phase)
+        logger.info("schedule: %s", schedule.name)
+        loop = Loop(source, train, engines, schedule, loop_hooks, total, phase)
         if generated is not None and config.rollout.fault_tolerance:
             generated.idle = loop.heal
         loop.run()

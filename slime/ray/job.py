@@ -157,6 +157,7 @@ class Job:
         return build_topology(
             c.bridge.transport, c.cluster.device, urls, tp_sizes, engine_nodes, train_nodes,
             sglang=c.cluster.rollout_backend == "sglang", colocated=c.cluster.colocate,
+            pause_mode=c.rollout.asynchrony.pause_mode if c.rollout.asynchrony.fully_async else "in_place",
         )  # fmt: skip
 
     def _check_planned_push(self) -> None:

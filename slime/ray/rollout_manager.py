@@ -24,6 +24,7 @@ from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.loop.parts import Evaluation, Rollout
 from slime.rollout.base_types import unwrap
+from slime.rollout.continuous import BusyMeter, ContinuousPool
 from slime.rollout.data import PromptDataset
 from slime.rollout.dump import make_meta, save_dump
 from slime.rollout.generator import (
@@ -110,6 +111,9 @@ class RolloutManager:
         path = getattr(config.args, "rollout_sample_filter_path", None)
         self.sample_filter = load_function(path, "--rollout-sample-filter-path") if path else None
         self.progress = Progress()
+        self.pool: ContinuousPool | None = None
+        """--fully-async: the groups in flight across rollouts (started by the first take)."""
+        self.busy = BusyMeter()
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
@@ -220,8 +224,12 @@ class RolloutManager:
         logger.warning("router restarted at %s with engines %s", new.url, ", ".join(self.registered))
 
     def close(self) -> None:
-        """Stop the health monitor and the router slime started (a router given by
-        --sglang-router-ip keeps running; the engines slime registered there are removed from it)."""
+        """Stop the continuous pool, the health monitor and the router slime started (a router
+        given by --sglang-router-ip keeps running; the engines slime registered there are removed
+        from it)."""
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            run(pool.close())
         if self.monitor is not None:
             self.monitor.stop()
         if self.router is None:
@@ -241,8 +249,6 @@ class RolloutManager:
     def generate(self, rollout_id: int, weight_version: int = 0) -> Rollout:
         """Generate and score rollout `rollout_id` (the trainer is at `weight_version`); its parts
         go to the object store, its dump to --save-debug-rollout-data; the summary comes back."""
-        import ray
-
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
 
@@ -265,6 +271,66 @@ class RolloutManager:
             samples, extra = _rollout_fn_samples(self, rollout_id, self.dataset, self.reward, built_in)
         else:
             samples, extra = built_in()
+        return self._package(rollout_id, weight_version, samples, extra, start)
+
+    def take(self, rollout_id: int, weight_version: int) -> Rollout:
+        """--fully-async: rollout `rollout_id` from the continuous pool, for training at
+        `weight_version` (the engines have it: the pool may admit the groups it allows)."""
+        start = time.perf_counter()
+        self.progress.reward_seconds = 0.0
+        if self.pool is None:
+            self.pool = run(self._start_pool(weight_version))
+        else:
+            run(_call(self.pool.set_version, weight_version))
+        n = self.config.rollout.sampling.n_samples_per_prompt
+        self.progress.done, self.progress.total = 0, self.config.rollout.rollout_batch_size * n
+        taken = run(self.pool.take(weight_version))
+        busy = run(self.busy.read(self.pool.gen.live_clients()))
+        self.progress.done = self.progress.total
+        samples: list[Sample] = []
+        for group_index, group in enumerate(taken.groups):
+            for s in group:
+                s.group_index, s.index = group_index, len(samples)
+                samples.append(s)
+        extra = dict(taken.metrics)
+        if busy is not None:
+            extra["rollout/engine_busy_share"] = busy
+        return self._package(rollout_id, weight_version, samples, extra, start)
+
+    async def _start_pool(self, version: int) -> ContinuousPool:
+        if self.dataset is None:
+            raise RuntimeError("--fully-async needs --prompt-data")
+        r = self.config.rollout
+        clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
+        gen = RolloutGenerator(
+            self.dataset, clients, self.reward, r.sampling, r.rollout_batch_size, None, None, self.config.args,
+            self.generate_fn, Progress(), self._seed_keys("continuous"), self.health, None,
+            route_to_engine=self.router is None,
+        )  # fmt: skip
+        gen.mask_offpolicy = r.asynchrony.mask_offpolicy
+        concurrency = self.config.args.sglang_server_concurrency * max(1, len(clients))
+        cap = -(-concurrency // r.sampling.n_samples_per_prompt)
+        pool = ContinuousPool(
+            gen, self.dataset, r.asynchrony, r.rollout_batch_size, cap, version, self.filter,
+            exact_versions=self.config.cluster.rollout_backend == "torch",
+        )  # fmt: skip
+        await self.busy.read(clients)
+        pool.top_up()
+        logger.info(
+            "continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag
+        )
+        return pool
+
+    def _package(
+        self,
+        rollout_id: int,
+        weight_version: int,
+        samples: list[Sample],
+        extra: dict[str, float],
+        start: float,
+    ) -> Rollout:
+        import ray
+
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
@@ -374,10 +440,14 @@ class RolloutManager:
         if self.monitor is not None:
             self.monitor.resume()
 
-    def state_dict(self) -> dict[str, int]:
-        return self.dataset.state_dict() if self.dataset is not None else {}
+    def state_dict(self) -> dict[str, Any]:
+        """The data position; with --fully-async the prompts drawn and not yet trained on are
+        in it, drawn first by a resumed run."""
+        if self.dataset is None:
+            return {}
+        return self.dataset.state_dict(self.pool.pending_prompts() if self.pool is not None else None)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.dataset is not None and state:
             self.dataset.load_state_dict(state)
 
@@ -426,6 +496,11 @@ def _rollout_fn_samples(
         run(_score_groups(reward, todo, flag))
     manager.progress.reward_seconds += time.perf_counter() - start
     return samples, fn_metrics
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the background loop (the pool's state is touched from that thread only)."""
+    return fn(*args)
 
 
 async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:

@@ -58,6 +58,29 @@ class GeneratedRollouts:
         return self.progress.wait(self.manager.evaluate.remote(rollout_id), "eval", idle=self.idle)
 
 
+class ContinuousRollouts(GeneratedRollouts):
+    """--fully-async: each rollout is the next groups the rollout manager's continuous pool
+    finished (slime.rollout.continuous); generation goes on between them and across pushes."""
+
+    def __init__(self, manager: Any, progress: Progress):
+        super().__init__(manager, progress)
+        self.version = 0
+
+    def start(self, rollout_id: int, weight_version: int) -> None:
+        self.version = weight_version  # the engines have it: the take lets the pool admit by it
+
+    def wait(self, rollout_id: int) -> Rollout:
+        pending = self.pending.get(rollout_id)
+        if isinstance(pending, Rollout):
+            return pending
+        ref = self.manager.take.remote(rollout_id, self.version)
+        rollout: Rollout = self.progress.wait(ref, "generate", idle=self.idle)
+        if rollout.dump_path is not None:
+            logger.info("rollout %d saved to %s", rollout_id, rollout.dump_path)
+        self.pending = {rollout_id: rollout}
+        return rollout
+
+
 class ReplayedRollouts:
     """--load-debug-rollout-data: the saved rollouts, read and checked in the driver (every dump
     is found before any process starts) and put in the object store one part per replica."""

@@ -118,6 +118,8 @@ class PromptDataset:
             )
         self.epoch = 0
         self.offset = 0
+        self.returned: list[int] = []
+        """Positions in `prompts` drawn before the epoch's next ones (give_back)."""
         self._order = self._epoch_order(0)
 
     def _make_prompt(self, position: int, where: str, row: dict[str, Any], tokenizer: Any) -> Prompt:
@@ -150,8 +152,15 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def give_back(self, prompts: list[Prompt]) -> None:
+        """Prompts drawn but not trained on (in flight when a checkpoint was taken, or requeued):
+        the next draws return them first, in order, before the epoch goes on."""
+        self.returned.extend(p.index for p in prompts)
+
     def next_batch(self, num_prompts: int) -> list[Prompt]:
         out: list[Prompt] = []
+        while self.returned and len(out) < num_prompts:
+            out.append(self.prompts[self.returned.pop(0)])
         while len(out) < num_prompts:
             if self.offset == len(self._order):
                 self.epoch += 1
@@ -162,9 +171,16 @@ class PromptDataset:
             self.offset += take
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
+    def state_dict(self, pending: list[Prompt] | None = None) -> dict[str, Any]:
+        """The position, and the prompts to draw again first (returned ones, then `pending`:
+        drawn but not yet trained on)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "offset": self.offset}
+        returned = self.returned + [p.index for p in pending or []]
+        if returned:
+            state["returned"] = returned
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self.returned = [int(i) for i in state.get("returned", [])]
         self._order = self._epoch_order(self.epoch)

@@ -16,6 +16,7 @@ def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any]
     logprobs = meta.get("output_token_logprobs")
     sample.tokens = list(prompt_ids)
     sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, [], []
+    sample.weight_version_spans = []
     sample.append_response_tokens(
         tokens=output_ids,
         log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else [0.0] * len(output_ids),
@@ -35,3 +36,28 @@ async def generate(
     """Generate one response for `sample` with the engine's log-probs."""
     output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True)
     return apply_response(sample, prompt_ids, output)
+
+
+async def continue_sample(client: EngineClient, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Go on with an aborted sample (--partial-rollout): its prompt and response so far are the
+    input, the rest of its max_new_tokens the budget; the new tokens are appended with their
+    log-probs and weight versions."""
+    params = dict(sampling_params)
+    params["max_new_tokens"] = int(params["max_new_tokens"]) - sample.response_length
+    sample.status = Status.PENDING
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True)
+    meta = output.get("meta_info", {})
+    ids = list(output.get("output_ids", []))
+    logprobs = meta.get("output_token_logprobs")
+    if logprobs is None and sample.rollout_log_probs is not None:
+        raise ValueError(f"the engine at {client.base_url} returned no log-probs for a continued sample")
+    sample.append_response_tokens(
+        tokens=ids, log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
+        meta_info=meta, text=output.get("text", ""),
+    )  # fmt: skip
+    if str((meta.get("finish_reason") or {}).get("type")) not in ("stop", "length", "abort"):
+        sample.status = Status.FAILED
+    return sample

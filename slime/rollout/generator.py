@@ -24,7 +24,7 @@ from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
-from slime.rollout.generate import generate
+from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
 from slime.rollout.sample import Sample, Status, group_samples
@@ -103,6 +103,8 @@ class RolloutGenerator:
         self._turn = -1
         self._by_url = {c.base_url: c for c in clients}
         self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
+        self.mask_offpolicy = False
+        """--mask-offpolicy-in-partial-rollout: a continued sample's earlier tokens leave the loss."""
 
     async def _pick(self) -> EngineClient:
         """The next engine in turn that is up. With engine health tracking and every engine
@@ -133,17 +135,18 @@ class RolloutGenerator:
             self._opened.append(client)
         return client
 
-    async def _group(self, prompt: Prompt, draw: int) -> list[Sample]:
-        """One prompt's samples. With engine health tracking, a group whose engine goes down
-        (its request failed, or the engine was marked down meanwhile) is generated again from
-        scratch on a live engine: its partial samples are dropped."""
+    async def group(self, prompt: Prompt, draw: int, partial: list[Sample] | None = None) -> list[Sample]:
+        """One prompt's samples; `partial`: the group's samples so far, its aborted ones continued
+        (--partial-rollout). With engine health tracking, a group whose engine goes down (its
+        request failed, or the engine was marked down meanwhile) is generated again on a live
+        engine: from scratch, or from `partial` (a failed continuation leaves a sample as it was)."""
         # A group that fails on engine after engine is the request's fault, not the engines':
         # after a few engines, its last error ends the rollout (rather than restarting them all).
         attempts = 2 * len(self.clients) + 1
         for attempt in range(1, attempts + 1):
             client = await self._pick()
             try:
-                group = await self._attempt(client, prompt, draw)
+                group = await self._attempt(client, prompt, draw, partial)
             except EngineError as e:
                 if self.health is None or not engine_down(e) or attempt == attempts:
                     raise
@@ -157,11 +160,13 @@ class RolloutGenerator:
                            prompt.index, client.base_url)  # fmt: skip
         raise AssertionError("unreachable")
 
-    async def _attempt(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample] | None:
+    async def _attempt(
+        self, client: EngineClient, prompt: Prompt, draw: int, partial: list[Sample] | None
+    ) -> list[Sample] | None:
         """The group on `client`; None when the engine was marked down before it finished."""
         if self.health is None:
-            return await self._group_on(client, prompt, draw)
-        task = asyncio.create_task(self._group_on(client, prompt, draw))
+            return await self._group_on(client, prompt, draw, partial)
+        task = asyncio.create_task(self._group_on(client, prompt, draw, partial))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.2)
@@ -176,7 +181,9 @@ class RolloutGenerator:
             await asyncio.gather(task, return_exceptions=True)
             raise
 
-    async def _group_on(self, client: EngineClient, prompt: Prompt, draw: int) -> list[Sample]:
+    async def _group_on(
+        self, client: EngineClient, prompt: Prompt, draw: int, partial: list[Sample] | None = None
+    ) -> list[Sample]:
         if not prompt.token_ids:
             raise ValueError(
                 f"prompt {prompt.index} has no token ids: a list of chat messages reaches the built-in rollout "
@@ -189,22 +196,25 @@ class RolloutGenerator:
 
             for k, p in enumerate(params):
                 p["sampling_seed"] = sample_seed(*self.seed_keys, draw, k)
-        samples = [
-            Sample(
-                prompt=prompt.prompt,
-                label=prompt.label,
-                metadata=dict(prompt.metadata, prompt_index=prompt.index),
-            )
-            for _ in range(n)
-        ]
-        if self.generate_fn is None:
-            results = await asyncio.gather(
-                *(generate(client, s, prompt.token_ids, p) for s, p in zip(samples, params)),
-                return_exceptions=True,
-            )
+        if partial is None:
+            samples = [
+                Sample(
+                    prompt=prompt.prompt,
+                    label=prompt.label,
+                    metadata=dict(prompt.metadata, prompt_index=prompt.index),
+                )
+                for _ in range(n)
+            ]
+            calls = [
+                generate(client, s, prompt.token_ids, p)
+                if self.generate_fn is None
+                else self._custom(s, prompt, p, client)
+                for s, p in zip(samples, params)
+            ]
         else:
-            results = await asyncio.gather(*(self._custom(s, prompt, p, client) for s, p in zip(samples, params)),
-                                           return_exceptions=True)  # fmt: skip
+            samples = partial
+            calls = [self._continue(s, p, client) for s, p in zip(samples, params)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every request of the group has ended: none is left running
             raise errors[0]
@@ -217,15 +227,29 @@ class RolloutGenerator:
         self.progress.reward_seconds += time.perf_counter() - start
         return samples
 
+    async def _continue(self, sample: Sample, params: dict[str, Any], client: EngineClient) -> Sample:
+        """--partial-rollout: an aborted sample goes on from its tokens (a finished one is kept).
+        With --mask-offpolicy-in-partial-rollout its tokens so far leave the loss first."""
+        if sample.status != Status.ABORTED:
+            return sample
+        if self.mask_offpolicy and sample.response_length:
+            sample.loss_mask = [0] * sample.response_length
+        if self.generate_fn is None:
+            return await continue_sample(client, sample, params)
+        return await self._custom(
+            sample, None, params, client
+        )  # slime's: the function sees the partial sample
+
     async def _custom(
-        self, sample: Sample, prompt: Prompt, params: dict[str, Any], client: EngineClient
+        self, sample: Sample, prompt: Prompt | None, params: dict[str, Any], client: EngineClient
     ) -> Sample:
         """slime's custom generate signature: f(args, sample, sampling_params) -> Sample; the
         sample arrives with the prompt ids in `tokens`. It posts to
         `args.sglang_router_ip/port`: the router, or where there is none (torch engines), the
         engine this group was given (in a copy of args), so the groups spread over the engines."""
         assert self.generate_fn is not None
-        sample.tokens = list(prompt.token_ids)
+        if prompt is not None:
+            sample.tokens = list(prompt.token_ids)
         args = self.args
         if self.route_to_engine and args is not None:
             args = copy.copy(args)
@@ -237,7 +261,7 @@ class RolloutGenerator:
             raise TypeError(f"--custom-generate-function-path returned {type(result).__name__}, not a Sample")
         return result
 
-    def _live_clients(self) -> list[EngineClient]:
+    def live_clients(self) -> list[EngineClient]:
         if self.health is None:
             return self.clients
         return [self._client(u) for u in self.health.live()]
@@ -252,7 +276,7 @@ class RolloutGenerator:
             while len(kept) < self.rollout_batch_size:
                 if len(kept) + len(running) < self.rollout_batch_size or not running:
                     for prompt in self.dataset.next_batch(self.over_sampling_batch_size):
-                        task = asyncio.create_task(self._group(prompt, started))
+                        task = asyncio.create_task(self.group(prompt, started))
                         drawn[task] = started
                         running.add(task)
                         started += 1
@@ -280,7 +304,7 @@ class RolloutGenerator:
             if running:
                 aborted = len(running)
                 await asyncio.gather(
-                    *(c.abort_request(abort_all=True) for c in self._live_clients()), return_exceptions=True
+                    *(c.abort_request(abort_all=True) for c in self.live_clients()), return_exceptions=True
                 )
                 for task in running:
                     task.cancel()

@@ -94,6 +94,8 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.random_seed)
         self.weight_version = config.weight_version
         self.paused = False
+        self.busy_seconds = 0.0
+        """Wall seconds spent in forward steps since start (an engine busy share is its rate)."""
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
@@ -214,6 +216,13 @@ class TorchEngine:
         plan = self.scheduler.plan()
         if plan is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._run_plan(plan)
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+
+    def _run_plan(self, plan: Any) -> None:
         if plan.kind == "prefill":
             seqs, logits = plan.seqs, self.runner.prefill(plan.seqs)
         else:
@@ -222,6 +231,8 @@ class TorchEngine:
         top_n = [s.top_logprobs_num for s in seqs]
         out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
+        for s in seqs:
+            s.record_versions(self.weight_version)
         self.num_steps += 1
         self.num_generated_tokens += len(seqs)
         self._finish(finished)
@@ -351,6 +362,19 @@ class TorchEngine:
         self._finish(victims)
         return len(victims)
 
+    def retract_all(self) -> int:
+        """Engine thread only (SGLang's `retract` pause): every running sequence gives its KV
+        state up and waits again, ahead of the others; its next prefill feeds the prompt and the
+        tokens generated so far with the weights current then, and samples its next token from
+        that prefill's last position. Returns how many were retracted."""
+        retracted = list(self.scheduler.running)
+        for seq in retracted:
+            if seq in self.runner.active:
+                self.runner.release(seq)
+            seq.num_cached = 0
+        self.scheduler.retract(retracted)
+        return len(retracted)
+
     # ---- helpers ----------------------------------------------------------------------------
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -390,6 +414,8 @@ class TorchEngine:
             "completion_tokens": len(seq.output_ids),
             "cached_tokens": 0,
             "weight_version": seq.weight_version,
+            # Ours (SGLang reports only the version at the end): the weights of every token.
+            "weight_version_spans": [list(span) for span in seq.version_spans],
             "e2e_latency": time.perf_counter() - started,
         }
         if seq.return_logprob:

@@ -88,6 +88,13 @@ class Scheduler:
             return StepPlan("decode", list(self.running))
         return None
 
+    def retract(self, seqs: list[Sequence]) -> None:
+        """Running sequences (their KV state already released) wait again, first in line, in order."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
     # ---- after a step ----------------------------------------------------------------------
     def append_tokens(
         self,

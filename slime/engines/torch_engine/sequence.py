@@ -42,6 +42,21 @@ class Sequence:
     # Per-backend state (e.g. the generic runner's per-sequence HF cache, a torch.Generator).
     runner_state: dict[str, Any] = field(default_factory=dict)
     weight_version: str = ""
+    """The engine's weight version when the sequence finished (SGLang's meta_info field)."""
+    version_spans: list[list[Any]] = field(default_factory=list)
+    """[weight version, tokens] runs covering `output_ids` in order: which weights produced each
+    token (a request that spans a weight update has several runs)."""
+
+    def record_versions(self, version: str) -> None:
+        """Attribute the output tokens not yet covered by a run to `version`."""
+        covered = sum(n for _, n in self.version_spans)
+        new = len(self.output_ids) - covered
+        if new <= 0:
+            return
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][1] += new
+        else:
+            self.version_spans.append([version, new])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -241,6 +241,7 @@ class EngineAPI:
                         "memory_released": e.weights.released,
                         "num_steps": e.num_steps,
                         "num_generated_tokens": e.num_generated_tokens,
+                        "busy_seconds": e.busy_seconds,
                     }
                 ],
             }
@@ -260,7 +261,7 @@ class EngineAPI:
     # ---- control ------------------------------------------------------------------------------
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await read_json(request, required=False)
-        mode = body.get("mode", "in_place") if isinstance(body, dict) else None
+        mode = body.get("mode", "abort") if isinstance(body, dict) else None  # SGLang's default
         if mode not in ("abort", "in_place", "retract"):
             raise ProtocolError("'mode' must be 'abort', 'in_place' or 'retract'")
 
@@ -268,6 +269,8 @@ class EngineAPI:
             self.engine.paused = True
             if mode == "abort":
                 return self.engine.abort_now(None, "aborted by pause_generation")
+            if mode == "retract":
+                self.engine.retract_all()
             return 0
 
         aborted = await self._on_engine(_pause)
@@ -296,7 +299,7 @@ class EngineAPI:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         def _flush() -> bool:
-            if self.engine.scheduler.has_work():
+            if self.engine.scheduler.running:  # waiting (and retracted) sequences hold no KV state
                 return False
             self.engine.runner.free_cache()
             return True

@@ -1,0 +1,44 @@
+"""train_async.py with the continuous schedule, started as users start it (real Ray, a torch engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401  (the module's prompt file fixture)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_model, prompts, tmp_path):  # noqa: F811
+    dumps = tmp_path / "dumps" / "rollout_{rollout_id}.pt"
+    proc = run_job(
+        "train_async.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--num-rollout", "4",
+        "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "--max-policy-version-lag", "1", "--rollout-max-response-len", "8", "--save-debug-rollout-data", str(dumps),
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "schedule: continuous" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["rollout_id"] >= 0]
+    assert len(steps) == 4
+    for r in steps:
+        assert r["rollout/policy_lag_max"] <= 1 and "rollout/in_flight_groups" in r
+        assert 0 <= r["rollout/engine_busy_share"] <= 1
+    # The property again from the dumps: every trained token's weights are at most 1 version behind
+    # the trainer (which trains rollout k at version k: the first push is version 0).
+    for k in range(4):
+        dump = torch.load(str(dumps).format(rollout_id=k), weights_only=True)
+        for s in dump["samples"]:
+            versions = [int(v) for v, n in s["weight_version_spans"] for _ in range(n)]
+            assert len(versions) == s["response_length"]
+            assert all(k - v <= 1 for v, m in zip(versions, s["loss_mask"]) if m), (k, s["weight_version_spans"])
+            assert s["metadata"]["admitted_weight_version"] <= k
+    # A checkpoint records the prompts drawn and not trained on (in flight, or finished and waiting):
+    # with the ones trained, they are exactly the prompts drawn (10 per epoch, 4 per rollout).
+    state = torch.load(tmp_path / "ckpt" / "iter_0000001" / "trainer_state.pt", weights_only=False)
+    data = state["extra"]["data"]
+    assert data["epoch"] * 10 + data["offset"] == 2 * 4 + len(data.get("returned", []))
