@@ -226,3 +226,145 @@ def test_objective_tis_and_sft():
 def test_loss_config_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         LossConfig(**kwargs)
+
+
+# ---- off-policy corrections -----------------------------------------------------------------
+def test_opsm_keep_masks_negative_tokens_of_drifted_samples():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    old = torch.zeros(4, 3)
+    # mean old - new over the loss tokens: 0.5 (the excluded token's -9 does not count), 1e-4 (not
+    # above delta), 0.3, 0.5
+    new = torch.tensor([[-0.5, -0.5, 9.0], [-1e-4, -1e-4, -1e-4], [-0.3, -0.3, -0.3], [-0.5, -0.5, 0.0]])
+    adv = torch.tensor([[-1.0, 2.0, -1.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
+    keep = losses.opsm_keep(new, old, adv, mask, delta=1e-4)
+    # row 0: only the negative-advantage tokens; row 1: kl == delta keeps all; row 2: A > 0 keeps all
+    expected = torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0]])
+    torch.testing.assert_close(keep, expected)
+
+
+def _two_samples(**kw):
+    """Sample 0 (2 loss tokens) drifted: new = old - 0.2, so kl_0 = 0.2 and ratio e^-0.2 = 0.819
+    (inside the clip); sample 1 (3 loss tokens) on-policy. Both have advantage -1."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    old = torch.full((2, 3), -1.0)
+    base = dict(
+        log_probs=torch.tensor([[-1.2, -1.2, -1.0], [-1.0, -1.0, -1.0]]).requires_grad_(),
+        mask=mask,
+        weights=losses.token_weights(mask, False, 2, 5),
+        old_log_probs=old,
+        advantages=torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, -1.0]]),
+    )
+    base.update(kw)
+    return MicroBatchTerms(**base)
+
+
+def test_objective_opsm_by_hand():
+    rho = math.exp(-0.2)
+    _, m = micro_batch_loss(LossConfig(), _two_samples())
+    assert m["pg_loss"].item() == pytest.approx(rho / 2 + 1 / 2)  # L = -rho A = rho, and 1
+    t = _two_samples()
+    loss, m = micro_batch_loss(LossConfig(use_opsm=True), t)
+    # sample 0's tokens (A < 0, kl 0.2 > 1e-4) leave the loss; its normaliser stays (mean of 0, 0)
+    assert m["pg_loss"].item() == pytest.approx(0 / 2 + 1 / 2)
+    assert m["opsm_clipfrac"].item() == pytest.approx(
+        (2 / 2 + 0 / 3) / 2
+    )  # slime's: mean of per-sample shares
+    (grad,) = torch.autograd.grad(loss, t.log_probs)
+    assert grad[0].abs().sum() == 0 and grad[1, :3].abs().min() > 0
+    # --calculate-per-token-loss: the masked share of the step's loss tokens (slime: 1 sample / 5 tokens)
+    _, m = micro_batch_loss(
+        LossConfig(use_opsm=True, calculate_per_token_loss=True),
+        _two_samples(weights=losses.token_weights(torch.tensor([[1, 1, 0], [1, 1, 1]]), True, 2, 5)),
+    )
+    assert m["opsm_clipfrac"].item() == pytest.approx(2 / 5)
+    # the threshold: a delta above the drift masks nothing
+    _, m = micro_batch_loss(LossConfig(use_opsm=True, opsm_delta=0.25), _two_samples())
+    assert m["opsm_clipfrac"].item() == 0.0 and m["pg_loss"].item() == pytest.approx(rho / 2 + 1 / 2)
+
+
+def test_objective_opsm_then_tis():
+    # TIS weights (engine 0.5 below the trainer everywhere): clamp(e^0.5 = 1.65, 0, 2) = e^0.5
+    rollout = torch.full((2, 3), -1.5)
+    _, m = micro_batch_loss(LossConfig(use_opsm=True, use_tis=True), _two_samples(rollout_log_probs=rollout))
+    assert m["pg_loss"].item() == pytest.approx((0 + math.exp(0.5)) / 2)
+    assert m["opsm_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_behaviour_weights_mask_above_the_cap():
+    proximal = t(0.0, 0.0, 0.0, 0.0)
+    engine = t(-2.0, 0.0, 1.0, -0.5)  # w = e^2 = 7.39, 1, e^-1 = 0.37, e^0.5 = 1.65
+    w, masked = losses.behaviour_weights(proximal, engine, cap=2.0)
+    torch.testing.assert_close(w, t(0.0, 1.0, math.exp(-1), math.exp(0.5)))  # masked, not clamped to 2
+    torch.testing.assert_close(masked, t(1.0, 0.0, 0.0, 0.0))
+    w, masked = losses.behaviour_weights(proximal, engine, cap=None)
+    torch.testing.assert_close(w, t(math.exp(2), 1.0, math.exp(-1), math.exp(0.5)))
+    assert masked.sum() == 0
+
+
+def test_objective_decoupled_loss_by_hand():
+    # The ratio is against the proximal (old) policy: new - old = 0.1, 0 -> rho = e^0.1 (inside the
+    # clip), 1; A = 1 -> L = -e^0.1, -1. Behaviour weights exp(old - engine) = e^2, e^0.5.
+    lp = torch.tensor([[-0.9, -2.0, -5.0]], requires_grad=True)
+    rollout = torch.tensor([[-3.0, -2.5, 0.0]])
+    cfg = LossConfig(use_decoupled_loss=True, behav_imp_weight_cap=10.0)
+    assert cfg.needs_rollout_log_probs
+    loss, m = micro_batch_loss(cfg, _terms(log_probs=lp, rollout_log_probs=rollout))
+    assert m["pg_loss"].item() == pytest.approx((-math.exp(0.1) * math.exp(2) - math.exp(0.5)) / 2)
+    assert m["behav_imp_weight"].item() == pytest.approx((math.exp(2) + math.exp(0.5)) / 2)
+    assert m["behav_mask_frac"].item() == 0.0
+    (grad,) = torch.autograd.grad(loss, lp)  # d(-rho A w)/d log p = -rho A w (w carries no gradient)
+    torch.testing.assert_close(grad, torch.tensor([[-math.exp(2.1) / 2, -math.exp(0.5) / 2, 0.0]]))
+    # cap 2: the first token (w = e^2) is masked: weight 0, its sample's normaliser kept
+    cfg = LossConfig(use_decoupled_loss=True, behav_imp_weight_cap=2.0)
+    loss, m = micro_batch_loss(cfg, _terms(log_probs=lp, rollout_log_probs=rollout))
+    assert m["pg_loss"].item() == pytest.approx(-math.exp(0.5) / 2)
+    assert m["behav_imp_weight"].item() == pytest.approx(math.exp(0.5) / 2)
+    assert m["behav_mask_frac"].item() == pytest.approx(0.5)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert grad[0, 0] == 0
+
+
+def test_off_policy_metrics_add_up_over_micro_batches():
+    # Global weights make every metric a sum: the two halves of a batch add up to the whole.
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    mask[2, 0] = 0
+    old = -2 + 0.3 * torch.randn(4, 5, generator=g)
+    whole = MicroBatchTerms(
+        log_probs=old + 0.2 * torch.randn(4, 5, generator=g),
+        mask=mask,
+        weights=losses.token_weights(mask, False, 4, int(mask.sum())),
+        old_log_probs=old,
+        advantages=torch.tensor([[-1.0], [1.0], [-0.5], [-2.0]]).expand(4, 5).clone(),
+        rollout_log_probs=old + 0.5 * torch.randn(4, 5, generator=g),
+    )
+    cfg = LossConfig(use_opsm=True, opsm_delta=0.0, use_decoupled_loss=True, behav_imp_weight_cap=1.5)
+    _, full = micro_batch_loss(cfg, whole)
+    halves = [
+        micro_batch_loss(
+            cfg, MicroBatchTerms(**{k: v[rows] for k, v in vars(whole).items() if torch.is_tensor(v)})
+        )[1]
+        for rows in (slice(0, 2), slice(2, 4))
+    ]
+    assert 0 < full["opsm_clipfrac"] < 1 and 0 < full["behav_mask_frac"] < 1
+    for name in ("opsm_clipfrac", "behav_imp_weight", "behav_mask_frac", "pg_loss"):
+        torch.testing.assert_close(halves[0][name] + halves[1][name], full[name])
+
+
+@pytest.mark.parametrize(
+    "kwargs, flags",
+    [
+        (dict(use_decoupled_loss=True, use_rollout_logprobs=True), ("--use-decoupled-loss", "--use-rollout-logprobs")),
+        (dict(use_decoupled_loss=True, use_tis=True), ("--use-decoupled-loss", "--use-tis")),
+        (dict(use_decoupled_loss=True, loss_type="sft_loss", compute_advantages_and_returns=False),
+         ("--use-decoupled-loss", "--loss-type sft_loss")),
+        (dict(use_decoupled_loss=True, behav_imp_weight_cap=1.0), ("--behav-imp-weight-cap", "--use-decoupled-loss")),
+        (dict(behav_imp_weight_cap=5.0), ("--behav-imp-weight-cap", "--use-decoupled-loss")),
+        (dict(use_opsm=True, loss_type="sft_loss"), ("--use-opsm", "--loss-type sft_loss")),
+    ],
+)  # fmt: skip
+def test_off_policy_corrections_refuse_combinations_naming_both_flags(kwargs, flags):
+    with pytest.raises(ValueError) as e:
+        LossConfig(**kwargs)
+    assert all(f in str(e.value) for f in flags), str(e.value)

@@ -5,6 +5,7 @@ continuous pool (lag bound, requeue, every prompt once per epoch, resume state).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -41,10 +42,8 @@ async def _push_during(client: EngineClient, model: str, version: str, mode: str
     )
     await _wait_tokens(client, before + 10)
     await client.pause_generation(mode)
-    try:
+    with contextlib.suppress(Exception):  # in_place keeps the request's KV cache: the flush is refused
         await client.flush_cache()
-    except Exception:  # in_place keeps the request's KV cache: the engine refuses the flush
-        pass
     await client.update_weights_from_disk(model, weight_version=version)
     await client.continue_generation()
     return await request
@@ -149,9 +148,9 @@ class FakeGen:
     indices whose first generation lasts until `gate` opens (a long-tail response)."""
 
     args = None
-    clients: list = []
 
     def __init__(self, pool_version, slow_once=()):
+        self.clients: list = []
         self.version = pool_version
         self.slow = set(slow_once)
         self.gate = asyncio.Event()

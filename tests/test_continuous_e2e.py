@@ -35,7 +35,10 @@ def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_mod
         for s in dump["samples"]:
             versions = [int(v) for v, n in s["weight_version_spans"] for _ in range(n)]
             assert len(versions) == s["response_length"]
-            assert all(k - v <= 1 for v, m in zip(versions, s["loss_mask"]) if m), (k, s["weight_version_spans"])
+            assert all(k - v <= 1 for v, m in zip(versions, s["loss_mask"]) if m), (
+                k,
+                s["weight_version_spans"],
+            )
             assert s["metadata"]["admitted_weight_version"] <= k
     # A checkpoint records the prompts drawn and not trained on (in flight, or finished and waiting):
     # with the ones trained, they are exactly the prompts drawn (10 per epoch, 4 per rollout).

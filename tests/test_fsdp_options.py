@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 
@@ -150,6 +151,17 @@ def run_options(rank, world_size, init_method, model, save_dir):
         tis.train(0, dataclasses.replace(batch, rollout_log_probs=None))
     except BatchError as e:
         out["tis_error"] = str(e)
+    corrections = LossConfig(
+        use_opsm=True, opsm_delta=0.0, use_decoupled_loss=True, behav_imp_weight_cap=1.02
+    )
+    corrected = _actor(dataclasses.replace(base, loss=corrections), rank, world_size, init_method)
+    out["corrected"] = corrected.train(0, batch).steps
+    every_negative = dataclasses.replace(base, loss=dataclasses.replace(corrections, opsm_delta=-1.0))
+    out["opsm_every_negative"] = _actor(every_negative, rank, world_size, init_method).train(0, batch).steps
+    try:
+        corrected.train(1, dataclasses.replace(batch, rollout_log_probs=None))
+    except BatchError as e:
+        out["decoupled_error"] = str(e)
 
     changed_lr = dataclasses.replace(base, optimizer=OptimizerConfig(lr=5e-4), load=save_dir)
     try:
@@ -270,6 +282,20 @@ def test_loss_and_reward_hooks_train_as_the_builtins_they_restate(options):
     for name in ("post_processed", "unnormalised"):
         assert options[name] == options["mean_only"], name
     assert options["mean_only"][0]["loss"] != options["plain"][0]["loss"]  # the std division matters here
+
+
+def test_off_policy_corrections_train_through_the_actor(options):
+    first, second = options["corrected"]
+    # At the first step the policy is the recomputed one exactly (mean log-ratio 0, not above delta 0);
+    # delta -1 masks every sample with a negative advantage: 1 of the first step's 4 (rewards 1, 0, 1, 1).
+    assert first["opsm_clipfrac"] == 0.0
+    assert options["opsm_every_negative"][0]["opsm_clipfrac"] == pytest.approx(0.25)
+    assert options["opsm_every_negative"][0]["pg_loss"] != first["pg_loss"]
+    for step in (first, second):
+        assert 0 < step["behav_mask_frac"] < 1 and 0 < step["behav_imp_weight"] < 1.02
+        assert math.isfinite(step["loss"])
+    assert first["grad_norm"] > 0
+    assert "--use-decoupled-loss" in options["decoupled_error"]
 
 
 def test_sgd_optimizer_steps(options):

@@ -5,6 +5,9 @@ micro-batch in this process and through the flags."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,11 +26,13 @@ PROMPTS = [2, 6, 3]
 NUM_SAMPLES = 6  # the step's samples (this micro-batch holds 3 of them)
 
 
-def _terms(per_token: bool = False) -> MicroBatchTerms:
+def _terms(
+    per_token: bool = False, lengths: list[int] = LENGTHS, num_samples: int = NUM_SAMPLES
+) -> MicroBatchTerms:
     g = torch.Generator().manual_seed(0)
-    shape = (len(LENGTHS), max(LENGTHS))
+    shape = (len(lengths), max(lengths))
     mask = torch.zeros(shape)
-    for i, n in enumerate(LENGTHS):
+    for i, n in enumerate(lengths):
         mask[i, :n] = 1
     mask[0, 2] = 0  # a token excluded from the loss
     old = -2 + 0.3 * torch.randn(shape, generator=g)
@@ -35,12 +40,12 @@ def _terms(per_token: bool = False) -> MicroBatchTerms:
     return MicroBatchTerms(
         log_probs=(old + 0.1 * torch.randn(shape, generator=g)).requires_grad_(),
         mask=mask,
-        weights=losses.token_weights(mask, per_token, NUM_SAMPLES, tokens),
+        weights=losses.token_weights(mask, per_token, num_samples, tokens),
         old_log_probs=old,
-        advantages=torch.randn(len(LENGTHS), 1, generator=g).expand(shape).clone(),
+        advantages=torch.randn(len(lengths), 1, generator=g).expand(shape).clone(),
         rollout_log_probs=old + 0.4 * torch.randn(shape, generator=g),
-        ragged=Ragged(LENGTHS, [p + r for p, r in zip(PROMPTS, LENGTHS)]),
-        normaliser=float(tokens if per_token else NUM_SAMPLES),
+        ragged=Ragged(list(lengths), [p + r for p, r in zip(PROMPTS, lengths)]),
+        normaliser=float(tokens if per_token else num_samples),
     )
 
 
@@ -79,6 +84,99 @@ def test_a_tis_hook_shaped_like_slimes_example_runs_here():
     builtin = _loss(cfg, t)
     hooked = _loss(cfg, t, _hooks("cp_gathering_tis", tis_clip=1.5))
     torch.testing.assert_close(hooked[0], builtin[0])
+
+
+SLIME_LOSS = "slime.backends.megatron_utils.loss"
+
+
+def _hooks_from_flags(*argv: str) -> tuple[LossConfig, LossHooks]:
+    """The loss config and hooks a train rank builds from these train flags."""
+    from slime.config.train import add_train_arguments, train_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = train_config_from_args(parser.parse_args(["--hf-checkpoint", "/m", *argv]))
+    hooks = LossHooks.load(cfg.loss.custom_tis_function_path, None, cfg.plugin_args)
+    assert hooks is not None
+    return cfg.loss, hooks
+
+
+def test_icepop_at_slimes_path_by_hand():
+    cfg, hooks = _hooks_from_flags(
+        "--use-tis", "--custom-tis-function-path", f"{SLIME_LOSS}.icepop_function",
+        "--tis-clip-low", "0.5", "--tis-clip", "2.0",
+    )  # fmt: skip
+    # Sample 0 (A = 1): r = exp(old - engine) = e (outside [0.5, 2]: 0), 1. Sample 1 (A = -1):
+    # e^-1 (outside: 0), e^0.5, and e^-3 on a token outside the loss. The ratio new / old is 1, so
+    # the clipped loss is -A per token; each sample's mean is over its 2 loss tokens, of 2 samples.
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    old = torch.zeros(2, 3)
+    t = MicroBatchTerms(
+        log_probs=old.clone().requires_grad_(),
+        mask=mask,
+        weights=losses.token_weights(mask, False, 2, 4),
+        old_log_probs=old,
+        advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]),
+        rollout_log_probs=torch.tensor([[-1.0, 0.0, 0.0], [1.0, -0.5, 3.0]]),
+        ragged=Ragged([2, 3], [5, 7]),
+        normaliser=2.0,
+    )
+    loss, metrics, grad = _loss(cfg, t, hooks)
+    e = torch.e
+    torch.testing.assert_close(loss, torch.tensor(((0 - 1) + (0 + e**0.5)) / 4))
+    torch.testing.assert_close(metrics["tis"], torch.tensor((e + 1 + e**-1 + e**0.5) / 4))
+    torch.testing.assert_close(metrics["tis_abs"], torch.tensor((e - 1 + 0 + 1 - e**-1 + e**0.5 - 1) / 4))
+    torch.testing.assert_close(metrics["tis_clipfrac"], torch.tensor(0.5))
+    torch.testing.assert_close(metrics["ois"], torch.tensor(1.0))
+    # the dropped tokens carry no gradient; the kept ones -A * w / 4
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.25, 0.0], [0.0, e**0.5 / 4, 0.0]]))
+
+
+def test_vanilla_tis_at_slimes_path_is_the_builtin_exactly():
+    cfg, hooks = _hooks_from_flags(
+        "--use-tis", "--custom-tis-function-path", f"{SLIME_LOSS}.vanilla_tis_function",
+        "--tis-clip-low", "0.5", "--tis-clip", "1.5",
+    )  # fmt: skip
+    # Layouts where rescaling the weights by each sample's normaliser would round differently
+    # (11 loss tokens of 7 samples): a hook that rejects nothing leaves the weights as they are.
+    for per_token, lengths, num_samples in ((False, LENGTHS, NUM_SAMPLES), (True, LENGTHS, NUM_SAMPLES),
+                                            (False, [12, 9, 13], 7), (True, [12, 9, 13], 7)):  # fmt: skip
+        t = _terms(per_token, lengths, num_samples)
+        builtin_cfg = LossConfig(
+            use_tis=True, tis_clip=1.5, tis_clip_low=0.5, calculate_per_token_loss=per_token
+        )
+        builtin = _loss(builtin_cfg, t)
+        hooked = _loss(dataclasses.replace(cfg, calculate_per_token_loss=per_token), t, hooks)
+        assert torch.equal(hooked[0], builtin[0]) and torch.equal(hooked[2], builtin[2])
+        assert hooked[1].keys() == builtin[1].keys()
+        for name, value in builtin[1].items():
+            assert torch.equal(hooked[1][name], value), name
+        assert builtin[1]["tis_clipfrac"] > 0  # the clamp acted on some tokens
+
+
+def test_slimes_loss_module_imports_without_megatron():
+    code = (
+        "import sys; import slime.backends.megatron_utils.loss as m; "
+        "assert callable(m.icepop_function) and callable(m.vanilla_tis_function); "
+        "assert not [n for n in sys.modules if n.split('.')[0] in ('megatron', 'transformer_engine')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_opsm_masks_the_loss_the_tis_hook_is_given():
+    # As slime: the OPSM mask, then TIS; the hook multiplies the policy loss it is handed.
+    t = _terms()
+    t.log_probs = (t.old_log_probs - 0.5).requires_grad_()  # every sample drifted by 0.5 > delta
+    cfg = LossConfig(use_tis=True, use_opsm=True)
+    hooks = _hooks("clamp_tis", tis_clip=1e9, tis_clip_low=0.0)
+    _, metrics, _ = _loss(cfg, t, hooks)
+    _, builtin, _ = _loss(dataclasses.replace(cfg, tis_clip=1e9), t)
+    _, unmasked, _ = _loss(dataclasses.replace(cfg, use_opsm=False), t, hooks)
+    torch.testing.assert_close(metrics["pg_loss"], builtin["pg_loss"])
+    assert not torch.allclose(metrics["pg_loss"], unmasked["pg_loss"])
+    negative = (t.advantages[:, 0] < 0).float()  # the samples masked whole
+    assert 0 < negative.sum() < len(LENGTHS)
+    torch.testing.assert_close(metrics["opsm_clipfrac"], negative.sum() / NUM_SAMPLES)
 
 
 def test_rejected_tokens_leave_the_loss_but_keep_their_samples_normaliser():

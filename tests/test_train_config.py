@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
@@ -122,3 +123,35 @@ def test_resume_refuses_another_optimizer_and_an_older_schedule_rule():
     LRSchedule(opt, OptimizerConfig()).load_state_dict(old, override=True)
     with pytest.raises(ValueError, match=r"--lr-warmup-init \(0\.5\) must be in \[0, --lr \(0\.1\)\]"):
         OptimizerConfig(lr=0.1, lr_warmup_init=0.5)
+
+
+def test_off_policy_correction_flags():
+    loss = parse("--hf-checkpoint", "/m", "--use-opsm", "--opsm-delta", "0.01").loss
+    assert loss.use_opsm and loss.opsm_delta == 0.01 and not loss.needs_rollout_log_probs
+    assert parse("--hf-checkpoint", "/m").loss.opsm_delta == 1e-4  # slime's default
+    loss = parse("--hf-checkpoint", "/m", "--use-decoupled-loss", "--behav-imp-weight-cap", "5").loss
+    assert loss.use_decoupled_loss and loss.behav_imp_weight_cap == 5.0
+    assert loss.needs_rollout_log_probs  # the batch must carry the engine's log-probs
+
+
+@pytest.mark.parametrize(
+    "extra, flags",
+    [
+        (["--use-decoupled-loss", "--use-rollout-logprobs"], ["--use-decoupled-loss", "--use-rollout-logprobs"]),
+        (["--use-decoupled-loss", "--use-tis"], ["--use-decoupled-loss", "--use-tis"]),
+        (["--use-decoupled-loss", "--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"],
+         ["--use-decoupled-loss", "--loss-type sft_loss"]),
+        (["--use-decoupled-loss", "--behav-imp-weight-cap", "0.9"], ["--behav-imp-weight-cap", "--use-decoupled-loss"]),
+        (["--behav-imp-weight-cap", "5"], ["--behav-imp-weight-cap", "--use-decoupled-loss"]),
+    ],
+)  # fmt: skip
+def test_off_policy_corrections_refused_at_parse_time(tmp_path, capsys, extra, flags):
+    from slime.config.arguments import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-checkpoint", "/m", "--prompt-data", str(prompts), "--rollout-batch-size", "4",
+                    "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "exact", *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(f in err for f in flags), err

@@ -92,6 +92,70 @@ def tis_weights(
     return weights.detach(), (weights != raw).float()
 
 
+def icepop_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip_high: float, clip_low: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IcePop-style token masking between the trainer's and the engine's policies.
+
+    With r = exp(log p_trainer_old - log p_engine): w = r where clip_low <= r <= clip_high, else 0.
+    Unlike `tis_weights`, a token outside the band is dropped from the policy loss instead of
+    clamped to the band's edge (no gradient flows through w).
+
+    Returns:
+        (weights, dropped): dropped is 1 where w differs from r (the token left the loss).
+    """
+    raw = torch.exp(old_log_probs.float() - rollout_log_probs.float())
+    weights = torch.where((raw >= clip_low) & (raw <= clip_high), raw, torch.zeros_like(raw))
+    return weights.detach(), (weights != raw).float()
+
+
+def opsm_keep(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (OPSM): which tokens keep their policy loss.
+
+    Per sample i, the mean log-ratio over its loss tokens
+
+        kl_i = sum_t m_it (log p_old,it - log p_it) / max(sum_t m_it, 1)
+
+    and keep_it = 0 where A_it < 0 and kl_i > delta, else 1: a sample whose policy has moved more
+    than delta away from p_old (the ratio's old policy) stops pushing its negative-advantage
+    tokens down. The policy loss is multiplied by keep (no gradient flows through it).
+
+    Returns:
+        keep, laid out like `log_probs` ([batch, response_len], one sample per row).
+    """
+    mask_f = mask.float()
+    diff = old_log_probs.float() - log_probs.detach().float()
+    seq_kl = (diff * mask_f).sum(-1, keepdim=True) / mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    dropped = (advantages < 0) & (seq_kl > delta)
+    return (~dropped).float()
+
+
+def behaviour_weights(
+    proximal_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled objective's behaviour importance weight (AReaL's decoupled PPO).
+
+    w = exp(log p_proximal - log p_behaviour), with the proximal policy the trainer's log-probs
+    recomputed before the rollout's first optimizer step and the behaviour policy the engine's
+    (per token, possibly from several weight versions). Tokens with w > cap are masked (w = 0), not clamped
+    to cap as `tis_weights` does; without a cap nothing is masked. No gradient flows through w.
+
+    Returns:
+        (weights, masked): masked is 1 where w > cap.
+    """
+    raw = torch.exp(proximal_log_probs.float() - rollout_log_probs.float())
+    if cap is None:
+        return raw.detach(), torch.zeros_like(raw)
+    masked = raw > cap
+    return torch.where(masked, torch.zeros_like(raw), raw).detach(), masked.float()
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = -sum_v p_v log p_v over the last dimension (logits already divided by temperature)."""
     log_p = torch.log_softmax(logits.float(), dim=-1)

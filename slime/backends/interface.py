@@ -56,8 +56,8 @@ class RolloutBatch:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
         if need_rollout_log_probs and self.rollout_log_probs is None:
             raise BatchError(
-                "--use-tis / --use-rollout-logprobs need the engine's log-probs, but the batch has no "
-                "'rollout_log_probs' (generate with return_logprob, or drop the flag)"
+                "--use-tis / --use-rollout-logprobs / --use-decoupled-loss need the engine's log-probs, but the "
+                "batch has no 'rollout_log_probs' (generate with return_logprob, or drop the flag)"
             )
         for i in range(n):
             length, r_len = len(self.tokens[i]), self.response_lengths[i]

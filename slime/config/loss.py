@@ -46,6 +46,19 @@ class LossConfig:
     """`--tis-clip`: upper bound of the TIS weight."""
     tis_clip_low: float = 0.0
     """`--tis-clip-low`: lower bound of the TIS weight."""
+    use_opsm: bool = False
+    """`--use-opsm`: off-policy sequence masking, as in slime: in a sample whose mean log-ratio
+    old - new over its loss tokens exceeds --opsm-delta, the tokens with a negative advantage
+    leave the policy loss (slime.algo.losses.opsm_keep)."""
+    opsm_delta: float = 1e-4
+    """`--opsm-delta`: the sample's mean log-ratio above which --use-opsm masks."""
+    use_decoupled_loss: bool = False
+    """`--use-decoupled-loss` (AReaL's): the PPO ratio against the trainer's recomputed log-probs
+    (the proximal policy), each token's loss weighted by exp(proximal - engine), the behaviour
+    importance weight (slime.algo.losses.behaviour_weights)."""
+    behav_imp_weight_cap: float | None = None
+    """`--behav-imp-weight-cap` (AReaL's): tokens whose behaviour importance weight exceeds it
+    leave the loss (masked, not clamped); no masking when None."""
     calculate_per_token_loss: bool = False
     """`--calculate-per-token-loss`: average over tokens of the batch instead of per sample."""
     use_rollout_logprobs: bool = False
@@ -99,6 +112,43 @@ class LossConfig:
             raise ValueError(
                 f"--tis-clip-low ({self.tis_clip_low}) must be >= 0 and below --tis-clip ({self.tis_clip})"
             )
+        self._check_off_policy_corrections()
+
+    def _check_off_policy_corrections(self) -> None:
+        """--use-opsm, --use-decoupled-loss and --behav-imp-weight-cap against the rest."""
+        if self.use_opsm and self.loss_type != "policy_loss":
+            raise ValueError(
+                "--use-opsm masks tokens of the policy loss, which --loss-type sft_loss does not compute: "
+                "drop --use-opsm, or use --loss-type policy_loss"
+            )
+        if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
+            raise ValueError(
+                "--behav-imp-weight-cap masks tokens of the decoupled loss: add --use-decoupled-loss, or drop "
+                "--behav-imp-weight-cap"
+            )
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+            raise ValueError(
+                f"--behav-imp-weight-cap must be > 1 (got {self.behav_imp_weight_cap}): a token whose engine "
+                "and trainer agree has weight 1 and must stay in the loss; give --use-decoupled-loss a cap "
+                "above 1, or none"
+            )
+        if not self.use_decoupled_loss:
+            return
+        if self.loss_type != "policy_loss":
+            raise ValueError(
+                "--use-decoupled-loss weights the policy loss, which --loss-type sft_loss does not compute: "
+                "drop --use-decoupled-loss, or use --loss-type policy_loss"
+            )
+        if self.use_rollout_logprobs:
+            raise ValueError(
+                "--use-decoupled-loss takes the PPO ratio against the trainer's recomputed log-probs (the "
+                "proximal policy), which --use-rollout-logprobs skips: drop --use-rollout-logprobs"
+            )
+        if self.use_tis:
+            raise ValueError(
+                "--use-decoupled-loss already weights each token by exp(trainer - engine) (masking above "
+                "--behav-imp-weight-cap); --use-tis would weight it a second time: give one of them"
+            )
 
     @property
     def clip_high(self) -> float:
@@ -112,4 +162,6 @@ class LossConfig:
 
     @property
     def needs_rollout_log_probs(self) -> bool:
-        return self.loss_type == "policy_loss" and (self.use_tis or self.use_rollout_logprobs)
+        return self.loss_type == "policy_loss" and (
+            self.use_tis or self.use_rollout_logprobs or self.use_decoupled_loss
+        )

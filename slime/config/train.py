@@ -331,6 +331,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-tis", action="store_true")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--use-opsm", action="store_true",
+                   help="off-policy sequence masking (as slime): in a sample whose mean log-ratio old - new over its "
+                   "loss tokens exceeds --opsm-delta, the negative-advantage tokens leave the policy loss")  # fmt: skip
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="the threshold of --use-opsm")
+    g.add_argument("--use-decoupled-loss", action="store_true",
+                   help="AReaL's decoupled PPO: the ratio against the recomputed log-probs (proximal policy), each "
+                   "token's loss times exp(proximal - engine log-prob), the behaviour importance weight")  # fmt: skip
+    g.add_argument("--behav-imp-weight-cap", type=float, default=None,
+                   help="with --use-decoupled-loss: tokens whose behaviour importance weight exceeds it (> 1) "
+                   "leave the loss (masked, not clamped as --tis-clip does)")  # fmt: skip
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--use-rollout-logprobs", action="store_true",
                    help="the engine's log-probs are the old policy of the PPO ratio (no recompute pass)")  # fmt: skip
