@@ -121,7 +121,8 @@ def test_a_dump_slime_wrote_loads_with_a_warning_and_keeps_every_field(tmp_path,
     assert s.an_attribute_a_plugin_set == [1]  # kept as an attribute, as slime's from_dict does
     again = s.to_dict()
     original = slime_written()["samples"][1]
-    assert set(again) == set(original)
+    # our one extra field (per-token versions, docs/async.md); slime's from_dict keeps unknown keys
+    assert set(again) == set(original) | {"weight_version_spans"} and again["weight_version_spans"] == []
     assert all(again[k] == original[k] for k in original if k != "rollout_routed_experts")
 
 

@@ -247,3 +247,22 @@ def test_a_filter_returning_something_else_is_refused(engine, tokenizer, tmp_pat
         run_rollout(
             engine.url, tokenizer, str(path), rollout_batch_size=1, group_filter=lambda a, g: {"keep": 0}
         )
+
+
+def test_the_actor_classes_have_no_coroutine_methods():
+    """Ray runs a class with any coroutine method (private ones too) as an async actor: its sync
+    methods then share one event loop and wait for each other, so the driver's health calls
+    (down_engines) would wait behind a running rollout and a lost engine would never be
+    restarted. The check Ray makes, on each class the job turns into an actor."""
+    import inspect
+
+    from slime.ray.actors import EngineActor, SGLangEngineActor, TrainRank
+    from slime.ray.rollout_manager import RolloutManager
+
+    for cls in (RolloutManager, EngineActor, SGLangEngineActor, TrainRank):
+        coroutines = [
+            name
+            for name, f in inspect.getmembers(cls, inspect.isfunction)
+            if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+        ]
+        assert not coroutines, (cls.__name__, coroutines)

@@ -279,7 +279,7 @@ class RolloutManager:
         start = time.perf_counter()
         self.progress.reward_seconds = 0.0
         if self.pool is None:
-            self.pool = run(self._start_pool(weight_version))
+            self.pool = run(_start_pool(self, weight_version))
         else:
             run(_call(self.pool.set_version, weight_version))
         n = self.config.rollout.sampling.n_samples_per_prompt
@@ -287,39 +287,11 @@ class RolloutManager:
         taken = run(self.pool.take(weight_version))
         busy = run(self.busy.read(self.pool.gen.live_clients()))
         self.progress.done = self.progress.total
-        samples: list[Sample] = []
-        for group_index, group in enumerate(taken.groups):
-            for s in group:
-                s.group_index, s.index = group_index, len(samples)
-                samples.append(s)
+        samples = number_groups(taken.groups, n, "the continuous pool")
         extra = dict(taken.metrics)
         if busy is not None:
             extra["rollout/engine_busy_share"] = busy
         return self._package(rollout_id, weight_version, samples, extra, start)
-
-    async def _start_pool(self, version: int) -> ContinuousPool:
-        if self.dataset is None:
-            raise RuntimeError("--fully-async needs --prompt-data")
-        r = self.config.rollout
-        clients = [EngineClient(u, self.client_config) for u in self.engine_urls]
-        gen = RolloutGenerator(
-            self.dataset, clients, self.reward, r.sampling, r.rollout_batch_size, None, None, self.config.args,
-            self.generate_fn, Progress(), self._seed_keys("continuous"), self.health, None,
-            route_to_engine=self.router is None,
-        )  # fmt: skip
-        gen.mask_offpolicy = r.asynchrony.mask_offpolicy
-        concurrency = self.config.args.sglang_server_concurrency * max(1, len(clients))
-        cap = -(-concurrency // r.sampling.n_samples_per_prompt)
-        pool = ContinuousPool(
-            gen, self.dataset, r.asynchrony, r.rollout_batch_size, cap, version, self.filter,
-            exact_versions=self.config.cluster.rollout_backend == "torch",
-        )  # fmt: skip
-        await self.busy.read(clients)
-        pool.top_up()
-        logger.info(
-            "continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag
-        )
-        return pool
 
     def _package(
         self,
@@ -496,6 +468,34 @@ def _rollout_fn_samples(
         run(_score_groups(reward, todo, flag))
     manager.progress.reward_seconds += time.perf_counter() - start
     return samples, fn_metrics
+
+
+async def _start_pool(manager: RolloutManager, version: int) -> ContinuousPool:
+    """The continuous pool of `manager`, started on the background loop. A module function, not a
+    method: one coroutine method makes Ray run the actor as an async actor, whose sync methods
+    then block each other (the driver's health calls would wait behind a rollout)."""
+    if manager.dataset is None:
+        raise RuntimeError("--fully-async needs --prompt-data")
+    r = manager.config.rollout
+    clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]
+    gen = RolloutGenerator(
+        manager.dataset, clients, manager.reward, r.sampling, r.rollout_batch_size, None, None, manager.config.args,
+        manager.generate_fn, Progress(), manager._seed_keys("continuous"), manager.health, None,
+        route_to_engine=manager.router is None,
+    )  # fmt: skip
+    gen.mask_offpolicy = r.asynchrony.mask_offpolicy
+    concurrency = manager.config.args.sglang_server_concurrency * max(1, len(clients))
+    cap = -(-concurrency // r.sampling.n_samples_per_prompt)
+    pool = ContinuousPool(
+        gen, manager.dataset, r.asynchrony, r.rollout_batch_size, cap, version, manager.filter,
+        exact_versions=manager.config.cluster.rollout_backend == "torch",
+    )  # fmt: skip
+    await manager.busy.read(clients)
+    pool.top_up()
+    logger.info(
+        "continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag
+    )
+    return pool
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
