@@ -492,9 +492,7 @@ async def _start_pool(manager: RolloutManager, version: int) -> ContinuousPool:
     )  # fmt: skip
     await manager.busy.read(clients)
     pool.top_up()
-    logger.info(
-        "continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag
-    )
+    logger.info("continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag)
     return pool
 
 
