@@ -110,14 +110,14 @@ def _prompts(tmp_path, n):
     return str(path)
 
 
-def _manager(tiny_model, url, tmp_path, *extra):
+def _manager(tiny_model, url, tmp_path, *extra, schedule=("--fully-async",)):
     from slime.config.arguments import parse_args
     from slime.ray.rollout_manager import RolloutManager
 
     cfg = parse_args([
         "--hf-checkpoint", tiny_model, "--prompt-data", _prompts(tmp_path, 12), "--input-key", "prompt",
         "--label-key", "label", "--rm-type", "exact", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "6", "--num-rollout", "6", "--global-batch-size", "4", "--fully-async",
+        "--rollout-max-response-len", "6", "--num-rollout", "6", "--global-batch-size", "4", *schedule,
         "--rollout-backend", "torch", "--train-backend", "fsdp", *extra,
     ])  # fmt: skip
     m = RolloutManager(cfg)
@@ -259,3 +259,61 @@ def test_a_checkpoint_returns_the_prompts_in_flight_to_the_data(tiny_model, toke
     resumed = PromptDataset(DataConfig(_prompts(tmp_path, 12)), tokenizer)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [p.index for p in resumed.next_batch(3)] == [drawn[3].index, drawn[4].index, 5]
+
+
+def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, tiny_model, tmp_path):
+    """--partial-rollout in the synchronous and one-step-off schedules: the groups a rollout's
+    over-sampling cuts off keep their tokens and log-probs and are continued first by the next
+    rollout; with --mask-offpolicy-in-partial-rollout their earlier tokens leave the loss; a
+    checkpoint in between returns their prompts to the data."""
+    import torch
+
+    dumps = str(tmp_path / "r_{rollout_id}.pt")
+    m = _manager(tiny_model, own_engine.url, tmp_path, "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+                 "--over-sampling-batch-size", "6", "--rollout-max-response-len", "40",
+                 "--save-debug-rollout-data", dumps, schedule=())  # fmt: skip
+    try:
+        r0 = m.generate(0, 0)
+        cut = {
+            p.index: [(list(s.tokens), list(s.rollout_log_probs or []), s.status) for s in g]
+            for p, g in m.carried
+        }
+        assert r0.metrics["rollout/partial_groups_carried"] == len(cut) == 4  # 6 started, 2 kept
+        assert any(status == Status.ABORTED and len(lp) > 0 for g in cut.values() for _, lp, status in g)
+        # A checkpoint now: the cut-off prompts are drawn again first by a resumed run.
+        assert r0.data_state == {"epoch": 0, "offset": 6, "returned": list(cut)}
+        r1 = m.generate(1, 1)
+        assert r1.metrics["rollout/partial_groups_continued"] == 4
+        assert r1.data_state["offset"] == 6  # the 4 continued groups were enough: nothing new drawn
+        samples = torch.load(dumps.format(rollout_id=1), weights_only=True)["samples"]
+        assert len(samples) == 4 and {s["metadata"]["prompt_index"] for s in samples} <= set(cut)
+        assert all(s["status"] in ("completed", "truncated") for s in samples)
+        # The 2 groups rollout 1 kept, and the 2 it cut off again: all 4 went on from rollout 0's tokens.
+        assert r1.metrics["rollout/partial_groups_carried"] == len(m.carried) == 2
+        again = [dict(s.to_dict(), index=k) for _, g in m.carried for k, s in enumerate(g)]
+        continued = 0
+        for s in samples + again:
+            tokens, log_probs, status = cut[s["metadata"]["prompt_index"]][s["index"] % 2]
+            n = len(log_probs)
+            assert s["tokens"][: len(tokens)] == tokens and s["rollout_log_probs"][:n] == log_probs
+            assert len(s["rollout_log_probs"]) == s["response_length"] == len(s["loss_mask"])
+            if status == Status.ABORTED and n:
+                continued += 1
+                assert s["loss_mask"][:n] == [0] * n and s["metadata"]["start_rollout_id"] == 0
+                assert s["loss_mask"][n:] == [1] * (s["response_length"] - n)
+            else:  # no earlier tokens, or finished before the cut (then kept as it was)
+                assert s["loss_mask"] == [1] * s["response_length"]
+                assert status == Status.ABORTED or s["tokens"] == tokens
+        assert continued > 0
+    finally:
+        m.close()
+
+
+def test_partial_rollout_is_refused_with_deterministic_mode(tmp_path, capsys):
+    from slime.config.arguments import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-checkpoint", "/m", "--prompt-data", _prompts(tmp_path, 2), "--rollout-batch-size", "2",
+                    "--num-rollout", "1", "--rm-type", "exact", "--partial-rollout", "--deterministic-mode"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--partial-rollout" in err and "--deterministic-mode" in err, err

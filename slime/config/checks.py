@@ -127,6 +127,11 @@ def check_async(ns: argparse.Namespace) -> str | None:
         return f"--max-policy-version-lag must be >= 0 (got {lag})"
     if ns.stale_group_action and lag is None:
         return "--stale-group-action says what happens beyond --max-policy-version-lag: give the bound too"
+    if ns.partial_rollout and getattr(ns, "deterministic_mode", False):
+        return (
+            "--partial-rollout continues requests from wherever a push or the over-sampling cut them off, which "
+            "depends on timing, so two runs would differ: drop --partial-rollout or --deterministic-mode"
+        )
     if ns.mask_offpolicy_in_partial_rollout and not ns.partial_rollout:
         return "--mask-offpolicy-in-partial-rollout masks the tokens of continued requests: add --partial-rollout"
     if ns.fully_async and ns.colocate:

@@ -25,7 +25,7 @@ from slime.engines.client import ClientConfig, EngineClient
 from slime.loop.parts import Evaluation, Rollout
 from slime.rollout.base_types import unwrap
 from slime.rollout.continuous import BusyMeter, ContinuousPool
-from slime.rollout.data import PromptDataset
+from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.dump import make_meta, save_dump
 from slime.rollout.generator import (
     BuiltInRollout,
@@ -114,6 +114,9 @@ class RolloutManager:
         self.pool: ContinuousPool | None = None
         """--fully-async: the groups in flight across rollouts (started by the first take)."""
         self.busy = BusyMeter()
+        self.carried: list[tuple[Prompt, list[Sample]]] = []
+        """--partial-rollout (synchronous and one-step-off): the groups a rollout's over-sampling cut
+        off, with their tokens, continued first by the next rollout."""
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
         self.monitor: HealthMonitor | None = None
@@ -417,7 +420,9 @@ class RolloutManager:
         in it, drawn first by a resumed run."""
         if self.dataset is None:
             return {}
-        return self.dataset.state_dict(self.pool.pending_prompts() if self.pool is not None else None)
+        if self.pool is not None:
+            return self.dataset.state_dict(self.pool.pending_prompts())
+        return self.dataset.state_dict([p for p, _ in self.carried] or None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.dataset is not None and state:
@@ -536,8 +541,20 @@ async def _generate(
             manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, generate_fn,
             manager.progress, seed_keys, manager.health, on_group, route_to_engine=manager.router is None,
         )  # fmt: skip
+        asynchrony = manager.config.rollout.asynchrony
+        if asynchrony.partial and not which[1]:
+            gen.carry, gen.mask_offpolicy = manager.carried, asynchrony.mask_offpolicy
         result = await gen.generate_rollout()
-        return result.samples, result.filter_metrics()
+        metrics = result.filter_metrics()
+        if not which[1] and manager.config.cluster.rollout_backend == "torch":
+            busy = await manager.busy.read(gen.live_clients())  # over the whole step: generation and not
+            if busy is not None:
+                metrics["rollout/engine_busy_share"] = busy
+        for _, group in manager.carried:  # slime's mark: the rollout a partial sample started in
+            for s in group:
+                if s.response_length:
+                    s.metadata.setdefault("start_rollout_id", which[0])
+        return result.samples, metrics
     finally:
         await asyncio.gather(*(c.close() for c in clients))
 

@@ -51,10 +51,19 @@ class RolloutResult:
     num_groups_surplus: int  # finished after enough groups were kept (discarded)
     drop_reasons: dict[str, int] = field(default_factory=dict)
     """Groups the dynamic-sampling filter dropped, by the reason it gave."""
+    num_groups_continued: int = 0
+    """--partial-rollout: groups the previous rollout cut off, continued in this one."""
+    num_groups_carried: int = 0
+    """--partial-rollout: groups this rollout cut off, kept with their tokens for the next one."""
 
     def filter_metrics(self) -> dict[str, float]:
-        """slime's names: rollout/dynamic_filter/drop_<reason>."""
-        return {f"rollout/dynamic_filter/drop_{r}": float(n) for r, n in sorted(self.drop_reasons.items())}
+        """slime's names: rollout/dynamic_filter/drop_<reason>; with --partial-rollout, the groups
+        continued from the previous rollout and carried into the next."""
+        m = {f"rollout/dynamic_filter/drop_{r}": float(n) for r, n in sorted(self.drop_reasons.items())}
+        if self.num_groups_continued or self.num_groups_carried:
+            m["rollout/partial_groups_continued"] = float(self.num_groups_continued)
+            m["rollout/partial_groups_carried"] = float(self.num_groups_carried)
+        return m
 
 
 class RolloutGenerator:
@@ -105,6 +114,10 @@ class RolloutGenerator:
         self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
         self.mask_offpolicy = False
         """--mask-offpolicy-in-partial-rollout: a continued sample's earlier tokens leave the loss."""
+        self.carry: list[tuple[Prompt, list[Sample]]] | None = None
+        """--partial-rollout outside the continuous schedule: the groups over-sampling cut off, with
+        what they generated. generate_rollout continues these first and leaves the groups it
+        cuts off in it (the rollout manager keeps the list from one rollout to the next)."""
 
     async def _pick(self) -> EngineClient:
         """The next engine in turn that is up. With engine health tracking and every engine
@@ -269,17 +282,30 @@ class RolloutGenerator:
     async def generate_rollout(self) -> RolloutResult:
         kept: list[tuple[int, list[Sample]]] = []  # (draw order, group)
         drawn: dict[asyncio.Task, int] = {}
+        prompts: dict[asyncio.Task, Prompt] = {}
         running: set[asyncio.Task] = set()
         started = filtered = aborted = surplus = 0
         reasons: dict[str, int] = {}
+
+        def start(prompt: Prompt, partial: list[Sample] | None = None) -> None:
+            nonlocal started
+            task = asyncio.create_task(self.group(prompt, started, partial))
+            drawn[task], prompts[task] = started, prompt
+            running.add(task)
+            started += 1
+
+        carried = self.carry[:] if self.carry else []
+        if self.carry:
+            self.carry.clear()
+        for prompt, partial in carried:  # cut off last time: continued first
+            start(prompt, partial)
+        finished_late: set[asyncio.Task] = set()
+        failed = False
         try:
             while len(kept) < self.rollout_batch_size:
                 if len(kept) + len(running) < self.rollout_batch_size or not running:
                     for prompt in self.dataset.next_batch(self.over_sampling_batch_size):
-                        task = asyncio.create_task(self.group(prompt, started))
-                        drawn[task] = started
-                        running.add(task)
-                        started += 1
+                        start(prompt)
                 if self.seed_keys is None:
                     done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 else:  # deterministic: decide on groups in the order they were drawn
@@ -290,6 +316,8 @@ class RolloutGenerator:
                     group = task.result()  # a failing generate or reward function ends the rollout
                     if len(kept) >= self.rollout_batch_size:
                         surplus += 1
+                        if self.carry is not None:  # finished after enough were kept: the next rollout's
+                            finished_late.add(task)
                         continue
                     if self.group_filter is not None:
                         verdict = as_filter_output(self.group_filter(self.args, group))
@@ -300,12 +328,18 @@ class RolloutGenerator:
                             continue
                     kept.append((drawn[task], group))
                     self.progress.done += len(group)
+        except BaseException:
+            failed = True
+            raise
         finally:
             if running:
                 aborted = len(running)
                 await asyncio.gather(
                     *(c.abort_request(abort_all=True) for c in self.live_clients()), return_exceptions=True
                 )
+            if self.carry is not None and not failed and (running or finished_late):
+                await self._keep_cut_off(running | finished_late, drawn, prompts)
+            if running:
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
@@ -320,7 +354,23 @@ class RolloutGenerator:
             logger.info(
                 "rollout: %d prompts started, %d groups filtered, %d aborted", started, filtered, aborted
             )
-        return RolloutResult(samples, started, filtered, aborted, surplus, reasons)
+        return RolloutResult(
+            samples, started, filtered, aborted, surplus, reasons, len(carried), len(self.carry or ())
+        )
+
+    async def _keep_cut_off(
+        self, tasks: set[asyncio.Task], drawn: dict[asyncio.Task, int], prompts: dict[asyncio.Task, Prompt]
+    ) -> None:
+        """--partial-rollout: the groups over-sampling cut off (their requests were just aborted,
+        or they finished after enough groups were kept) go to `carry` with what they generated,
+        in draw order. A group that does not end within the client timeout (its engine is being
+        restarted) is given up, as without the flag."""
+        assert self.carry is not None
+        timeout = max((c.config.timeout_s for c in self.clients), default=60.0)
+        done, _ = await asyncio.wait(tasks, timeout=timeout)
+        for task in sorted(done, key=drawn.__getitem__):
+            if not task.cancelled() and task.exception() is None:
+                self.carry.append((prompts[task], task.result()))
 
 
 @dataclass
