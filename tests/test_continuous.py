@@ -317,3 +317,69 @@ def test_partial_rollout_is_refused_with_deterministic_mode(tmp_path, capsys):
                     "--num-rollout", "1", "--rm-type", "exact", "--partial-rollout", "--deterministic-mode"])  # fmt: skip
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--partial-rollout" in err and "--deterministic-mode" in err, err
+
+
+def _group(index, version, n=2):
+    return [
+        Sample(response_length=3, loss_mask=[1, 1, 1], weight_version_spans=[[str(version), 3]], reward=1.0,
+               metadata={"prompt_index": index})
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def test_the_oldest_finished_group_is_taken_first():
+    """A long response finishes after groups admitted later: it is trained first, before it goes
+    stale behind them (taken in finish order, it would wait a step and exceed the bound)."""
+    from slime.config.records import AsyncConfig
+    from slime.rollout.continuous import ContinuousPool, Flight
+
+    async def go():
+        ds = CountingDataset(12)
+        pool = ContinuousPool(FakeGen(lambda: 0), ds, AsyncConfig(True, 1, "requeue"), 1, 16, 0)
+        pool.done = [
+            (Flight(p, k, v), _group(p.index, v)) for k, (p, v) in enumerate(zip(ds.prompts, [1, 0, 1]))
+        ]
+        pool.set_version(1)
+        order = [(await pool.take(1)).groups[0][0].metadata["prompt_index"] for _ in range(2)]
+        await pool.close()
+        return order
+
+    assert asyncio.run(go()) == [1, 0]  # lag 1 first, then the first finished of the lag-0 ones
+
+
+def test_a_prompt_that_goes_stale_every_time_is_dropped_after_three_requeues(caplog):
+    """Requeued forever, prompts whose responses always take longer than the bound would fill the
+    admission slots and stop training. Each is requeued 3 times, then dropped with a warning
+    naming the flag; the other prompts train every step."""
+    from slime.config.records import AsyncConfig
+    from slime.rollout.continuous import ContinuousPool
+
+    class AlwaysLate(FakeGen):
+        async def group(self, prompt, draw, partial=None):
+            await asyncio.sleep(0.001)
+            return _group(prompt.index, self.version() - (5 if prompt.index == 0 else 0))
+
+    async def go():
+        ds = CountingDataset(4)
+        holder = {}
+        pool = ContinuousPool(
+            AlwaysLate(lambda: holder["pool"].version), ds, AsyncConfig(True, 1, "requeue"), 2, 16, 0
+        )
+        holder["pool"] = pool
+        steps = []
+        for k in range(8):
+            pool.set_version(k)
+            steps.append(await asyncio.wait_for(pool.take(k), 30))
+        await pool.close()
+        return steps, ds.drawn
+
+    with caplog.at_level("WARNING"):
+        steps, drawn = asyncio.run(go())
+    trained = [g[0].metadata["prompt_index"] for t in steps for g in t.groups]
+    assert len(trained) == 16 and 0 not in trained
+    given_up = steps[-1].metrics["rollout/stale_prompts_given_up"]
+    requeued = sum(t.metrics["rollout/stale_groups_requeued"] for t in steps)
+    dropped = sum(t.metrics["rollout/stale_groups_dropped"] for t in steps)
+    assert given_up == dropped >= 1 and requeued >= 3 * dropped
+    assert drawn.count(0) >= given_up  # each draw of prompt 0 is requeued 3 times at most
+    assert "prompt 0 went stale 4 times in a row" in caplog.text and "--max-policy-version-lag" in caplog.text

@@ -41,6 +41,8 @@ from slime.rollout.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUEUES = 3
+"""--stale-group-action requeue: a prompt stale this many times more is dropped (and reported)."""
 LAG_HISTOGRAM = 8
 """Lags 0..7 get their own histogram bin (rollout/policy_lag_hist_<k>); larger ones share _8+."""
 
@@ -88,6 +90,10 @@ class ContinuousPool:
         self.exact_versions = exact_versions
         self.taken = 0
         self.requeued: list[Prompt] = []
+        self.requeues: Counter[int] = Counter()
+        """Times each prompt (by index) went stale and was requeued (see `_stale`)."""
+        self.given_up = 0
+        """Prompts dropped after MAX_REQUEUES requeues."""
         self.flights: dict[asyncio.Task[list[Sample]], Flight] = {}
         self.done: list[tuple[Flight, list[Sample]]] = []
         self.draws = 0
@@ -191,8 +197,8 @@ class ContinuousPool:
         return 0 if oldest is None else trainer_version - oldest
 
     async def take(self, trainer_version: int) -> Taken:
-        """The next `batch_size` finished groups within the lag bound (first finished, first
-        taken), for training at `trainer_version`."""
+        """The next `batch_size` finished groups within the lag bound, the oldest first, for
+        training at `trainer_version`."""
         if self._changed is None:
             self._changed = asyncio.Event()
         self.top_up()
@@ -212,21 +218,44 @@ class ContinuousPool:
                         )
                 self._changed.clear()
                 await self._changed.wait()
-            flight, group = self.done.pop(0)
-            lag = self.lag(flight, group, trainer_version)
+            # The oldest first (the largest lag; among equals, the first finished): a group near
+            # the bound is trained before it goes stale, while fresher ones can still wait. Taken
+            # first finished, first taken, a long response finishes behind groups admitted after
+            # it and goes stale in the queue.
+            lags_now = [self.lag(f, g, trainer_version) for f, g in self.done]
+            pick = max(range(len(self.done)), key=lambda k: (lags_now[k], -k))
+            flight, group = self.done.pop(pick)
+            lag = lags_now[pick]
             if self.cfg.max_lag is not None and lag > self.cfg.max_lag:
-                self.counts[
-                    f"stale_groups_{'requeued' if self.cfg.stale_action == 'requeue' else 'dropped'}"
-                ] += 1
-                if self.cfg.stale_action == "requeue":
-                    self.requeued.append(flight.prompt)
+                self._stale(flight.prompt, lag)
                 self.top_up()
                 continue
             out.append(group)
             lags.append(lag)
+            self.requeues.pop(flight.prompt.index, None)
             self.taken += 1  # at once: a group landing meanwhile must not take its admission slot
         self.top_up()
         return Taken(out, self._metrics(lags, in_flight))
+
+    def _stale(self, prompt: Prompt, lag: int) -> None:
+        """A group beyond the bound: its prompt is requeued (generated again), at most
+        MAX_REQUEUES times, or dropped. A prompt whose responses always take longer than the bound
+        to generate would otherwise be requeued forever, and a few of them could fill every
+        admission slot and stop training."""
+        if self.cfg.stale_action == "requeue" and self.requeues[prompt.index] < MAX_REQUEUES:
+            self.requeues[prompt.index] += 1
+            self.requeued.append(prompt)
+            self.counts["stale_groups_requeued"] += 1
+            return
+        self.counts["stale_groups_dropped"] += 1
+        if self.requeues.pop(prompt.index, None) is not None:
+            self.given_up += 1
+            logger.warning(
+                "prompt %d went stale %d times in a row (lag %d > --max-policy-version-lag %d): dropped. Its "
+                "responses take longer to generate than the bound allows, so long responses are "
+                "under-represented in training; raise --max-policy-version-lag to keep them",
+                prompt.index, MAX_REQUEUES + 1, lag, self.cfg.max_lag,
+            )  # fmt: skip
 
     def _metrics(self, lags: list[int], in_flight: int) -> dict[str, float]:
         m: dict[str, float] = {
@@ -234,6 +263,7 @@ class ContinuousPool:
             "rollout/policy_lag_max": float(max(lags)),
             "rollout/in_flight_groups": float(in_flight),
             "rollout/finished_groups_waiting": float(len(self.done)),
+            "rollout/stale_prompts_given_up": float(self.given_up),
         }
         hist = Counter(min(lag, LAG_HISTOGRAM) for lag in lags)
         for k in range(LAG_HISTOGRAM + 1):
