@@ -261,6 +261,15 @@ def test_a_checkpoint_returns_the_prompts_in_flight_to_the_data(tiny_model, toke
     assert [p.index for p in resumed.next_batch(3)] == [drawn[3].index, drawn[4].index, 5]
 
 
+async def short_even_prompts(args, sample, sampling_params):
+    """A generate function (slime's signature): even prompts answer in 12 tokens, odd ones in 160,
+    so the odd groups are still generating when a rollout has kept 2 even ones."""
+    from slime.rollout.sglang_rollout import generate
+
+    budget = 12 if sample.metadata["prompt_index"] % 2 == 0 else 160
+    return await generate(args, sample, dict(sampling_params, max_new_tokens=budget, ignore_eos=True))
+
+
 def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, tiny_model, tmp_path):
     """--partial-rollout in the synchronous and one-step-off schedules: the groups a rollout's
     over-sampling cuts off keep their tokens and log-probs and are continued first by the next
@@ -270,7 +279,8 @@ def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, 
 
     dumps = str(tmp_path / "r_{rollout_id}.pt")
     m = _manager(tiny_model, own_engine.url, tmp_path, "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                 "--over-sampling-batch-size", "6", "--rollout-max-response-len", "40",
+                 "--over-sampling-batch-size", "6", "--rollout-max-response-len", "160",
+                 "--custom-generate-function-path", "tests.test_continuous.short_even_prompts",
                  "--save-debug-rollout-data", dumps, schedule=())  # fmt: skip
     try:
         r0 = m.generate(0, 0)
@@ -279,7 +289,9 @@ def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, 
             for p, g in m.carried
         }
         assert r0.metrics["rollout/partial_groups_carried"] == len(cut) == 4  # 6 started, 2 kept
-        assert any(status == Status.ABORTED and len(lp) > 0 for g in cut.values() for _, lp, status in g)
+        # The odd groups were cut off with tokens; the third even one had finished, or nearly.
+        assert sorted(cut) == [1, 3, 4, 5]
+        assert all(status == Status.ABORTED and lp for i in (1, 3, 5) for _, lp, status in cut[i])
         # A checkpoint now: the cut-off prompts are drawn again first by a resumed run.
         assert r0.data_state == {"epoch": 0, "offset": 6, "returned": list(cut)}
         r1 = m.generate(1, 1)

@@ -547,7 +547,9 @@ async def _generate(
         result = await gen.generate_rollout()
         metrics = result.filter_metrics()
         if not which[1] and manager.config.cluster.rollout_backend == "torch":
-            busy = await manager.busy.read(gen.live_clients())  # over the whole step: generation and not
+            live = set(manager.health.live()) if manager.health is not None else None
+            # Over the whole step (generation and not); the clients of restarted engines are closed by now.
+            busy = await manager.busy.read([c for c in clients if live is None or c.base_url in live])
             if busy is not None:
                 metrics["rollout/engine_busy_share"] = busy
         for _, group in manager.carried:  # slime's mark: the rollout a partial sample started in

@@ -55,6 +55,9 @@ class Flight:
     draw: int
     admitted: int
     restarts: int = 0
+    measured: bool = False
+    oldest: int | None = None
+    """The oldest weight version among its finished group's trained tokens, once `measured`."""
 
 
 @dataclass
@@ -167,6 +170,7 @@ class ContinuousPool:
             candidates = self.taken + len(self.done) + len(self.flights) + 1
             wanted = self.taken + self.batch_size
             if drops(verdict, candidates, wanted):
+                self.requeues.pop(flight.prompt.index, None)  # no longer stale: filtered
                 self.counts["filtered"] += 1
                 if verdict.reason:
                     self.counts[f"drop_{verdict.reason}"] += 1
@@ -182,7 +186,13 @@ class ContinuousPool:
 
     # ---- taking ---------------------------------------------------------------------------
     def lag(self, flight: Flight, group: list[Sample], trainer_version: int) -> int:
-        """The trainer's version minus the oldest version among the group's trained tokens."""
+        """The trainer's version minus the oldest version among the group's trained tokens
+        (measured once per finished group: `take` asks for every waiting group at every pick)."""
+        if not flight.measured:
+            flight.oldest, flight.measured = self._oldest(flight, group), True
+        return 0 if flight.oldest is None else trainer_version - flight.oldest
+
+    def _oldest(self, flight: Flight, group: list[Sample]) -> int | None:
         oldest = None
         for s in group:
             versions = s.token_weight_versions() if self.exact_versions else None
@@ -194,7 +204,7 @@ class ContinuousPool:
                 seen = [v for v in trained if v is not None]
             if seen:
                 oldest = min(seen) if oldest is None else min(oldest, *seen)
-        return 0 if oldest is None else trainer_version - oldest
+        return oldest
 
     async def take(self, trainer_version: int) -> Taken:
         """The next `batch_size` finished groups within the lag bound, the oldest first, for

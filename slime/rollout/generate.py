@@ -44,11 +44,12 @@ async def continue_sample(client: EngineClient, sample: Sample, sampling_params:
     log-probs and weight versions."""
     params = dict(sampling_params)
     params["max_new_tokens"] = int(params["max_new_tokens"]) - sample.response_length
-    sample.status = Status.PENDING
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
+    # Still ABORTED if the request fails: a retry on another engine continues it again.
     output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True)
+    sample.status = Status.PENDING
     meta = output.get("meta_info", {})
     ids = list(output.get("output_ids", []))
     logprobs = meta.get("output_token_logprobs")

@@ -48,19 +48,21 @@ class RolloutResult:
     num_prompts_started: int
     num_groups_filtered: int
     num_groups_aborted: int
-    num_groups_surplus: int  # finished after enough groups were kept (discarded)
+    num_groups_surplus: (
+        int  # finished after enough groups were kept (discarded, or carried: --partial-rollout)
+    )
     drop_reasons: dict[str, int] = field(default_factory=dict)
     """Groups the dynamic-sampling filter dropped, by the reason it gave."""
-    num_groups_continued: int = 0
-    """--partial-rollout: groups the previous rollout cut off, continued in this one."""
-    num_groups_carried: int = 0
+    num_groups_continued: int | None = None
+    """--partial-rollout: groups the previous rollout cut off, continued in this one (None: off)."""
+    num_groups_carried: int | None = None
     """--partial-rollout: groups this rollout cut off, kept with their tokens for the next one."""
 
     def filter_metrics(self) -> dict[str, float]:
         """slime's names: rollout/dynamic_filter/drop_<reason>; with --partial-rollout, the groups
         continued from the previous rollout and carried into the next."""
         m = {f"rollout/dynamic_filter/drop_{r}": float(n) for r, n in sorted(self.drop_reasons.items())}
-        if self.num_groups_continued or self.num_groups_carried:
+        if self.num_groups_continued is not None and self.num_groups_carried is not None:
             m["rollout/partial_groups_continued"] = float(self.num_groups_continued)
             m["rollout/partial_groups_carried"] = float(self.num_groups_carried)
         return m
@@ -332,18 +334,17 @@ class RolloutGenerator:
             failed = True
             raise
         finally:
-            if running:
-                aborted = len(running)
-                await asyncio.gather(
-                    *(c.abort_request(abort_all=True) for c in self.live_clients()), return_exceptions=True
-                )
-            if self.carry is not None and not failed and (running or finished_late):
-                await self._keep_cut_off(running | finished_late, drawn, prompts)
-            if running:
+            try:
+                if running:
+                    aborted = len(running)
+                    await self._abort_all()
+                if self.carry is not None and not failed and (running or finished_late):
+                    await self._keep_cut_off(running | finished_late, drawn, prompts)
+            finally:
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
-            await asyncio.gather(*(c.close() for c in self._opened))
+                await asyncio.gather(*(c.close() for c in self._opened))
         # Groups finish in any order; numbered in the order their prompts were drawn, the same
         # prompts give the same rollout however the engines interleave them.
         kept.sort(key=lambda item: item[0])
@@ -354,8 +355,15 @@ class RolloutGenerator:
             logger.info(
                 "rollout: %d prompts started, %d groups filtered, %d aborted", started, filtered, aborted
             )
+        carrying = self.carry is not None
         return RolloutResult(
-            samples, started, filtered, aborted, surplus, reasons, len(carried), len(self.carry or ())
+            samples, started, filtered, aborted, surplus, reasons,
+            len(carried) if carrying else None, len(self.carry or ()) if carrying else None,
+        )  # fmt: skip
+
+    async def _abort_all(self) -> None:
+        await asyncio.gather(
+            *(c.abort_request(abort_all=True) for c in self.live_clients()), return_exceptions=True
         )
 
     async def _keep_cut_off(
@@ -366,8 +374,13 @@ class RolloutGenerator:
         in draw order. A group that does not end within the client timeout (its engine is being
         restarted) is given up, as without the flag."""
         assert self.carry is not None
-        timeout = max((c.config.timeout_s for c in self.clients), default=60.0)
-        done, _ = await asyncio.wait(tasks, timeout=timeout)
+        deadline = time.monotonic() + max((c.config.timeout_s for c in self.clients), default=60.0)
+        pending = set(tasks)
+        while pending and time.monotonic() < deadline:
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+            if pending:  # requests the client was still queueing reach the engine after an abort
+                await self._abort_all()
+        done = set(tasks) - pending
         for task in sorted(done, key=drawn.__getitem__):
             if not task.cancelled() and task.exception() is None:
                 self.carry.append((prompts[task], task.result()))
