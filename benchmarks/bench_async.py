@@ -119,7 +119,7 @@ def summarize(records: list[dict], warmup: int, n: int) -> dict[str, float]:
         "step": step,
         "steps_per_min": 60.0 * len(steady) / sum(r["time/step"] for r in steady),
         "trainer_idle": mean("time/wait_generate") / step,
-        "engine_idle": 1.0 - mean("rollout/engine_busy_share"),
+        "engine_idle": 1.0 - mean("time/engine_busy_share"),
         "lag_mean": mean("rollout/policy_lag_mean"),
         "lag_max": max((r.get("rollout/policy_lag_max", 0.0) for r in steady), default=0.0),
         "stale": sum(

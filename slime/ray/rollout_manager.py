@@ -293,7 +293,7 @@ class RolloutManager:
         samples = number_groups(taken.groups, n, "the continuous pool")
         extra = dict(taken.metrics)
         if busy is not None:
-            extra["rollout/engine_busy_share"] = busy
+            extra["time/engine_busy_share"] = busy
         return self._package(rollout_id, weight_version, samples, extra, start)
 
     def _package(
@@ -551,7 +551,7 @@ async def _generate(
             # Over the whole step (generation and not); the clients of restarted engines are closed by now.
             busy = await manager.busy.read([c for c in clients if live is None or c.base_url in live])
             if busy is not None:
-                metrics["rollout/engine_busy_share"] = busy
+                metrics["time/engine_busy_share"] = busy
         for _, group in manager.carried:  # slime's mark: the rollout a partial sample started in
             for s in group:
                 if s.response_length:
