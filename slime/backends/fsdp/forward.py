@@ -1,9 +1,16 @@
-"""Forward passes over right-padded micro-batches: response log-probs and entropy.
+"""Forward passes over micro-batches: response log-probs and entropy.
 
-A micro-batch is a list of samples padded on the right to its longest sample. Logits are
-only kept from the first response position on (`logits_to_keep`), so the vocabulary-sized
-activations cover the response part, not the prompt. Log-probs use logits / temperature,
-the distribution the engine sampled from.
+A micro-batch is a list of samples, laid out one of two ways:
+
+- padded: one row per sample, padded on the right to the longest sample;
+- packed: one row holding every sample back to back, no padding, positions restarting at 0 for
+  each sample. With no attention mask and no KV cache, Hugging Face's attention (sdpa, eager,
+  flex, flash-attn varlen) derives each sample's boundaries from the restarting positions, so
+  a token attends only to the tokens of its own sample.
+
+Logits are only computed where a response token is predicted (`logits_to_keep`), so the
+vocabulary-sized activations cover the responses, not the prompts. Log-probs use
+logits / temperature, the distribution the engine sampled from.
 """
 
 from __future__ import annotations
@@ -26,12 +33,20 @@ class MicroBatch:
     """
 
     positions: list[int]  # positions in the rollout batch
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    input_ids: torch.Tensor  # [batch, longest] padded; [1, total tokens] packed
+    attention_mask: torch.Tensor | None  # None when packed
     prompt_lengths: list[int]
     response_lengths: list[int]
     response_mask: torch.Tensor
     loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    """Packed: [1, total tokens], restarting at 0 for each sample (None when padded)."""
+    offsets: list[int] | None = None
+    """Packed: where each sample starts in the row."""
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
     @property
     def num_samples(self) -> int:
@@ -52,30 +67,41 @@ def make_micro_batch(
     response_lengths: list[int],
     loss_masks: list[list[int]] | None,
     device: torch.device,
+    packed: bool = False,
 ) -> MicroBatch:
-    """Right-pad the samples at `positions` into one micro-batch."""
-    max_len = max(len(tokens[p]) for p in positions)
+    """The samples at `positions` as one micro-batch, right-padded or packed (module docstring)."""
     max_resp = max(response_lengths[p] for p in positions)
-    ids = torch.full((len(positions), max_len), PAD_ID, dtype=torch.long)
-    attn = torch.zeros_like(ids)
     resp_mask = torch.zeros((len(positions), max_resp))
     loss_mask = torch.zeros_like(resp_mask)
     for row, p in enumerate(positions):
-        seq = tokens[p]
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[row, : len(seq)] = 1
         r = response_lengths[p]
         resp_mask[row, :r] = 1
         loss_mask[row, :r] = torch.tensor(loss_masks[p], dtype=torch.float32) if loss_masks is not None else 1
-    return MicroBatch(
+    mb = MicroBatch(
         positions=list(positions),
-        input_ids=ids.to(device),
-        attention_mask=attn.to(device),
+        input_ids=torch.empty(0, dtype=torch.long),
+        attention_mask=None,
         prompt_lengths=[len(tokens[p]) - response_lengths[p] for p in positions],
         response_lengths=[response_lengths[p] for p in positions],
         response_mask=resp_mask,
         loss_mask=loss_mask,
     )
+    if packed:
+        lengths = [len(tokens[p]) for p in positions]
+        mb.offsets = [sum(lengths[:k]) for k in range(len(lengths))]
+        mb.input_ids = torch.tensor([t for p in positions for t in tokens[p]], dtype=torch.long)[None].to(
+            device
+        )
+        mb.position_ids = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        return mb
+    ids = torch.full((len(positions), max(len(tokens[p]) for p in positions)), PAD_ID, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for row, p in enumerate(positions):
+        seq = tokens[p]
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[row, : len(seq)] = 1
+    mb.input_ids, mb.attention_mask = ids.to(device), attn.to(device)
+    return mb
 
 
 def response_log_probs(
@@ -87,6 +113,8 @@ def response_log_probs(
     Token t of the sequence is predicted by the logits at t - 1, so the response of a sample
     with prompt length P and response length R reads logits at P - 1 .. P + R - 2.
     """
+    if mb.packed:
+        return _packed_log_probs(model, mb, temperature, with_entropy)
     seq_len = mb.input_ids.shape[1]
     first = min(mb.prompt_lengths) - 1
     keep = seq_len - first
@@ -110,4 +138,30 @@ def response_log_probs(
     mask = mb.response_mask.to(log_probs.device)
     log_probs = log_probs * mask
     entropy = entropy_from_logits(resp_logits) * mask if with_entropy else None
+    return log_probs, entropy
+
+
+def _packed_log_probs(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` of a packed micro-batch, in the same [batch, max_response_len] layout."""
+    assert mb.offsets is not None
+    predictors, targets = [], []
+    for o, p, r in zip(mb.offsets, mb.prompt_lengths, mb.response_lengths):
+        predictors.append(torch.arange(o + p - 1, o + p + r - 1))  # logits at t - 1 predict token t
+        targets.append(torch.arange(o + p, o + p + r))
+    device = mb.input_ids.device
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=torch.cat(predictors).to(device),
+                use_cache=False)  # fmt: skip
+    logits = out.logits[0].float() / temperature  # [response tokens, V]
+    ids = mb.input_ids[0, torch.cat(targets).to(device)]
+    flat = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    rows = torch.cat([torch.full((r,), row) for row, r in enumerate(mb.response_lengths)]).to(flat.device)
+    cols = torch.cat([torch.arange(r) for r in mb.response_lengths]).to(flat.device)
+    log_probs = torch.zeros(mb.response_mask.shape, dtype=flat.dtype, device=flat.device).index_put(
+        (rows, cols), flat
+    )
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(log_probs).index_put((rows, cols), entropy_from_logits(logits))
     return log_probs, entropy
