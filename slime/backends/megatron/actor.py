@@ -219,6 +219,7 @@ class MegatronTrainActor(TrainActorBase):
             # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP
             # (causal attention: the padding after a sample changes none of its logits).
             extra = self.tp - mb.input_ids.shape[1] % self.tp
+            assert mb.attention_mask is not None  # padded micro-batches here (packing: issue 22)
             mb.input_ids = torch.nn.functional.pad(mb.input_ids, (0, extra))
             mb.attention_mask = torch.nn.functional.pad(mb.attention_mask, (0, extra))
         return mb
