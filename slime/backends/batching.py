@@ -62,17 +62,24 @@ def padded_tokens(batch: Sequence[int], lengths: Sequence[int]) -> int:
     return max((lengths[i] for i in batch), default=0) * len(batch)
 
 
-def pack_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Pack samples into micro-batches whose padded size stays within `max_tokens`.
+def pack_micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int, packed: bool = False
+) -> list[list[int]]:
+    """Pack samples into micro-batches whose size stays within `max_tokens`: padded size, or
+    with `packed` (samples back to back in one row) the sum of their lengths.
 
     Samples are taken longest first, so each micro-batch holds samples of similar length and
     padding is small. A sample longer than the budget gets a micro-batch of its own (it cannot
     be split; the caller may warn).
     """
+
+    def size(batch: list[int]) -> int:
+        return sum(lengths[i] for i in batch) if packed else padded_tokens(batch, lengths)
+
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
-        if batches and padded_tokens([*batches[-1], i], lengths) <= max_tokens:
+        if batches and size([*batches[-1], i]) <= max_tokens:
             batches[-1].append(i)
         else:
             batches.append([i])

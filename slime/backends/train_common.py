@@ -61,6 +61,8 @@ class TrainActorBase:
     dp_group: Any = None
     """Process group over which one sample's values are counted once (None: the default group)."""
     writes_train_data: bool = True
+    packs_sequences: bool = False
+    """Whether micro-batches are packed (one row, no padding; token budgets count real tokens)."""
     """Whether this rank writes its replica's --save-debug-train-data file (one rank per replica)."""
     rollout_id: int
     model: Any
@@ -239,7 +241,9 @@ class TrainActorBase:
             if b.use_dynamic_batch_size:
                 budget = max_tokens or b.max_tokens_per_gpu
                 assert budget is not None
-                per_rank = [batching.pack_micro_batches(s, lengths, budget) for s in shares]
+                per_rank = [
+                    batching.pack_micro_batches(s, lengths, budget, self.packs_sequences) for s in shares
+                ]
             else:
                 per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
             count = max(len(mbs) for mbs in per_rank)

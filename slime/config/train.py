@@ -87,6 +87,9 @@ class BatchConfig:
     """`--max-tokens-per-gpu`: token budget (padded) of one training micro-batch."""
     log_probs_max_tokens_per_gpu: int | None = None
     """`--log-probs-max-tokens-per-gpu`: token budget of the log-prob pass (default: the train one)."""
+    padded_micro_batches: bool = False
+    """`--padded-micro-batches` (ours): one right-padded row per sample instead of packed
+    micro-batches, where the backend packs (FSDP; docs/train.md), for comparison."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -378,6 +381,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-dynamic-batch-size", action="store_true")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--padded-micro-batches", action="store_true",
+                   help="right-pad each micro-batch to its longest sample instead of packing its samples into one "
+                   "row (FSDP packs by default; for comparison)")  # fmt: skip
 
     g = parser.add_argument_group("train: FSDP")
     g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")

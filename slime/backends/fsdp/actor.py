@@ -150,9 +150,18 @@ class FSDPTrainActor(TrainActorBase):
                     total += model_init.local_tensor(value).numel() * value.element_size()
         return total
 
+    @property
+    def packs_sequences(self) -> bool:  # type: ignore[override]
+        return not self.cfg.batch.padded_micro_batches
+
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
         return make_micro_batch(
-            positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device
+            positions,
+            batch.tokens,
+            batch.response_lengths,
+            batch.loss_masks,
+            self.device,
+            self.packs_sequences,
         )
 
     # ---- log-probs --------------------------------------------------------------------------
