@@ -12,12 +12,18 @@ import torch
 from slime.backends.fsdp.forward import make_micro_batch, response_log_probs
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
+@pytest.fixture(scope="module", params=["sdpa", "eager", "slime_segments"])
+def model(tiny_model, request):
+    """The model under each attention implementation: Hugging Face's sdpa and eager (they find the
+    samples' boundaries from the restarting positions) and ours (slime.backends.fsdp.packed_attention)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    from slime.backends.fsdp.packed_attention import register
+
+    register()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation=request.param
+    ).eval()
 
 
 def _samples(n=6, seed=0):

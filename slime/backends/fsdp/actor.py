@@ -115,7 +115,7 @@ class FSDPTrainActor(TrainActorBase):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # --attention-dropout (0 unless given) replaces the checkpoint's; HF drops in train() mode only.
         self.hf_config.attention_dropout = self.cfg.model.attention_dropout
-        model = model_init.build_meta_model(self.hf_config, fsdp.attn_implementation)
+        model = model_init.build_meta_model(self.hf_config, self._attention())
         if fsdp.gradient_checkpointing:
             # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -149,6 +149,17 @@ class FSDPTrainActor(TrainActorBase):
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total += model_init.local_tensor(value).numel() * value.element_size()
         return total
+
+    def _attention(self) -> str:
+        """--attn-implementation, except that packed micro-batches with the default (sdpa) run
+        slime.backends.fsdp.packed_attention: sdpa would mask the whole packed row (docs/train.md)."""
+        name = self.cfg.fsdp.attn_implementation
+        if self.packs_sequences and name == "sdpa":
+            from slime.backends.fsdp.packed_attention import register
+
+            name = register()
+        logger.info("attention: %s (%s micro-batches)", name, "packed" if self.packs_sequences else "padded")
+        return name
 
     @property
     def packs_sequences(self) -> bool:  # type: ignore[override]

@@ -151,8 +151,11 @@ def _packed_log_probs(
         predictors.append(torch.arange(o + p - 1, o + p + r - 1))  # logits at t - 1 predict token t
         targets.append(torch.arange(o + p, o + p + r))
     device = mb.input_ids.device
+    lengths = torch.tensor(_lengths(mb))
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+    longest = int(lengths.max())
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=torch.cat(predictors).to(device),
-                use_cache=False)  # fmt: skip
+                use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
     logits = out.logits[0].float() / temperature  # [response tokens, V]
     ids = mb.input_ids[0, torch.cat(targets).to(device)]
     flat = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -165,3 +168,7 @@ def _packed_log_probs(
     if with_entropy:
         entropy = torch.zeros_like(log_probs).index_put((rows, cols), entropy_from_logits(logits))
     return log_probs, entropy
+
+
+def _lengths(mb: MicroBatch) -> list[int]:
+    return [p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)]
