@@ -296,8 +296,8 @@ class RolloutGenerator:
             running.add(task)
             started += 1
 
-        carried = self.carry[:] if self.carry else []
-        if self.carry:
+        carried = list(self.carry or ())
+        if self.carry is not None:
             self.carry.clear()
         for prompt, partial in carried:  # cut off last time: continued first
             start(prompt, partial)

@@ -15,6 +15,7 @@ logits / temperature, the distribution the engine sampled from.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,7 @@ def make_micro_batch(
     )
     if packed:
         lengths = [len(tokens[p]) for p in positions]
-        mb.offsets = [sum(lengths[:k]) for k in range(len(lengths))]
+        mb.offsets = list(itertools.accumulate(lengths[:-1], initial=0))
         mb.input_ids = torch.tensor([t for p in positions for t in tokens[p]], dtype=torch.long)[None].to(
             device
         )
@@ -151,9 +152,8 @@ def _packed_log_probs(
         predictors.append(torch.arange(o + p - 1, o + p + r - 1))  # logits at t - 1 predict token t
         targets.append(torch.arange(o + p, o + p + r))
     device = mb.input_ids.device
-    lengths = torch.tensor(_lengths(mb))
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
-    longest = int(lengths.max())
+    cu = torch.tensor([*mb.offsets, mb.input_ids.shape[1]], dtype=torch.int32, device=device)
+    longest = max(p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths))
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=torch.cat(predictors).to(device),
                 use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
     logits = out.logits[0].float() / temperature  # [response tokens, V]
@@ -168,7 +168,3 @@ def _packed_log_probs(
     if with_entropy:
         entropy = torch.zeros_like(log_probs).index_put((rows, cols), entropy_from_logits(logits))
     return log_probs, entropy
-
-
-def _lengths(mb: MicroBatch) -> list[int]:
-    return [p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)]
