@@ -26,8 +26,9 @@ from slime.algo import advantages as adv
 from slime.algo.losses import token_weights
 from slime.algo.objective import LossConfig, MicroBatchTerms, micro_batch_loss
 from slime.backends import batching
-from slime.backends.fsdp.forward import make_micro_batch, response_log_probs
+from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import RolloutBatch
+from slime.backends.micro_batch import make_micro_batch
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
 from slime.tools.make_tiny_model import main as make_tiny_model
 

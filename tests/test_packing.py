@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from slime.backends.fsdp.forward import make_micro_batch, response_log_probs
+from slime.backends.fsdp.forward import response_log_probs
+from slime.backends.micro_batch import make_micro_batch
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager", "slime_segments"])
@@ -78,3 +79,80 @@ def test_packed_gradients_equal_padded(model):
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for name, g in grads[False].items():
         torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_log_probs_in_chunks_equal_the_whole_computation(model, packed):
+    """--log-probs-chunk-size: the log-softmax over the vocabulary a few tokens at a time (each
+    chunk recomputed in backward) gives the same values and gradients as all tokens at once."""
+    tokens, response_lengths = _samples(seed=2)
+    mb = make_micro_batch(
+        list(range(len(tokens))), tokens, response_lengths, None, torch.device("cpu"), packed=packed
+    )
+    results = {}
+    for chunk in (-1, 7):
+        model.zero_grad(set_to_none=True)
+        log_probs, entropy = response_log_probs(model, mb, 0.7, True, chunk)
+        ((log_probs * mb.response_mask).sum() + 0.1 * entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[chunk] = (log_probs.detach(), entropy.detach(), grads)
+    assert sum(response_lengths) > 7  # more than one chunk
+    whole, chunked = results[-1], results[7]
+    torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=1e-6)
+    for name, g in whole[2].items():
+        torch.testing.assert_close(chunked[2][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _megatron_log_probs(rank, world_size, init_method, model_dir, tp, pp, variants, batch):
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from slime.config.train import BatchConfig, MegatronConfig
+    from tests.test_fsdp_actor import base_config
+
+    cfg = dataclasses.replace(
+        base_config(model_dir),
+        backend="megatron",
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        rollout_temperature=0.7,
+    )
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    results = {}
+    for name, batch_over in variants.items():  # the same weights, micro-batches laid out each way
+        actor.cfg = dataclasses.replace(
+            cfg, batch=BatchConfig(global_batch_size=6, micro_batch_size=3, **batch_over)
+        )
+        results[name] = actor.compute_log_probs(batch)
+    actor.close()
+    return results
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_megatron_packed_log_probs_equal_per_sample_forwards(tiny_model, tp, pp):
+    """The Megatron actor's packed micro-batches (megatron-core's THD layout; on CPU the local
+    attention of slime.backends.megatron.attention) give each sample the log-probs of a Hugging
+    Face forward of that sample alone, like the padded layout, with and without chunks."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.interface import RolloutBatch
+    from tests.dist_helpers import run_ranks
+
+    tokens, response_lengths = _samples(n=6, seed=3)
+    batch = RolloutBatch(tokens, response_lengths, [0.0] * 6, list(range(6)))
+    variants = {
+        "packed": {},
+        "padded": {"padded_micro_batches": True},
+        "chunked": {"log_probs_chunk_size": 5},
+    }
+    ranks = run_ranks(tp * pp, _megatron_log_probs, tiny_model, tp, pp, variants, batch)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = _per_sample(hf, tokens, response_lengths, 0.7)
+    for result in ranks:
+        for name, values in result.items():
+            assert sorted(values) == list(range(6)), name
+            for i, ref in enumerate(reference):
+                torch.testing.assert_close(torch.tensor(values[i]), ref, rtol=0, atol=1e-5, msg=f"{name} {i}")

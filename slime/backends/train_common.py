@@ -26,8 +26,8 @@ from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends import batching
-from slime.backends.fsdp.forward import MicroBatch
 from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
+from slime.backends.micro_batch import MicroBatch
 from slime.config.train import TrainConfig
 
 
@@ -61,8 +61,6 @@ class TrainActorBase:
     dp_group: Any = None
     """Process group over which one sample's values are counted once (None: the default group)."""
     writes_train_data: bool = True
-    packs_sequences: bool = False
-    """Whether micro-batches are packed (one row, no padding; token budgets count real tokens)."""
     """Whether this rank writes its replica's --save-debug-train-data file (one rank per replica)."""
     rollout_id: int
     model: Any
@@ -99,6 +97,12 @@ class TrainActorBase:
     def _copy_in(self, state: dict[str, torch.Tensor]) -> None:
         """Write a `_snapshot`-shaped state into this rank's weights."""
         raise NotImplementedError
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether micro-batches are packed (one row, no padding; token budgets count real
+        tokens): both backends pack unless --padded-micro-batches asks for the padded layout."""
+        return not self.cfg.batch.padded_micro_batches
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:

@@ -43,16 +43,11 @@ SPECS: tuple[Spec, ...] = (
         "every engine request is bounded by --distributed-timeout-minutes here",
     ),
     _same(
-        "--log-probs-chunk-size",
-        {"type": int, "default": -1},
-        NO_EFFECT,
-        "splits the log-prob computation along tokens to save memory; results are the same without it",
-    ),
-    _same(
         "--data-pad-size-multiplier",
         {"type": int, "default": None},
         NO_EFFECT,
-        "padding of packed sequences (micro-batches are padded to their longest sample here)",
+        "padding of a packed micro-batch for slime's kernels; here a packed micro-batch is padded only where "
+        "sequence parallelism needs it (to a multiple of the TP size), which changes no result",
     ),
     _same(
         "--model-name",

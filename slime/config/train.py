@@ -84,12 +84,16 @@ class BatchConfig:
     use_dynamic_batch_size: bool = False
     """`--use-dynamic-batch-size`: pack micro-batches under --max-tokens-per-gpu instead."""
     max_tokens_per_gpu: int | None = None
-    """`--max-tokens-per-gpu`: token budget (padded) of one training micro-batch."""
+    """`--max-tokens-per-gpu`: token budget of one training micro-batch (its real tokens when
+    packed, its padded size with --padded-micro-batches)."""
     log_probs_max_tokens_per_gpu: int | None = None
     """`--log-probs-max-tokens-per-gpu`: token budget of the log-prob pass (default: the train one)."""
     padded_micro_batches: bool = False
     """`--padded-micro-batches` (ours): one right-padded row per sample instead of packed
-    micro-batches, where the backend packs (FSDP; docs/train.md), for comparison."""
+    micro-batches, for comparison (docs/train.md)."""
+    log_probs_chunk_size: int = -1
+    """`--log-probs-chunk-size`: compute the log-softmax over the vocabulary for this many
+    response tokens at a time (-1: all at once); memory only, the values are the same."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -104,6 +108,11 @@ class BatchConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
+            raise ValueError(
+                f"--log-probs-chunk-size must be a positive number of tokens or -1 (no chunks), "
+                f"got {self.log_probs_chunk_size}"
+            )
 
     def global_batch_for(self, num_samples: int) -> int:
         """Samples per optimizer step for a rollout of `num_samples` samples."""
@@ -383,7 +392,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--padded-micro-batches", action="store_true",
                    help="right-pad each micro-batch to its longest sample instead of packing its samples into one "
-                   "row (FSDP packs by default; for comparison)")  # fmt: skip
+                   "row (both backends pack by default; for comparison)")  # fmt: skip
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="response tokens per chunk of the log-softmax over the vocabulary, so no [tokens x vocab] "
+                   "float32 tensor is held at once (-1: no chunks); the values are the same")  # fmt: skip
 
     g = parser.add_argument_group("train: FSDP")
     g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import model_init
-from slime.backends.fsdp.forward import MicroBatch, make_micro_batch, response_log_probs
+from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import RolloutBatch
+from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
@@ -161,10 +162,6 @@ class FSDPTrainActor(TrainActorBase):
         logger.info("attention: %s (%s micro-batches)", name, "packed" if self.packs_sequences else "padded")
         return name
 
-    @property
-    def packs_sequences(self) -> bool:  # type: ignore[override]
-        return not self.cfg.batch.padded_micro_batches
-
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
         return make_micro_batch(
             positions,
@@ -184,7 +181,13 @@ class FSDPTrainActor(TrainActorBase):
             for step in plans:
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
-                    log_probs, _ = response_log_probs(self.model, mb, self.cfg.rollout_temperature, False)
+                    log_probs, _ = response_log_probs(
+                        self.model,
+                        mb,
+                        self.cfg.rollout_temperature,
+                        False,
+                        self.cfg.batch.log_probs_chunk_size,
+                    )
                     log_probs = log_probs.cpu()
                     for row, p in enumerate(mb.positions):
                         out[p] = log_probs[row, : mb.response_lengths[row]].clone()
@@ -218,7 +221,9 @@ class FSDPTrainActor(TrainActorBase):
         worst = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
-            log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, True)
+            log_probs, entropy = response_log_probs(
+                self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
+            )
             assert entropy is not None
             loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages), sums,
                                                compare)  # fmt: skip

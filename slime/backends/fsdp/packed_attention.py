@@ -21,6 +21,40 @@ NAME = "slime_segments"
 _registered = False
 
 
+def causal_per_segment(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int] | None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each segment [bounds[i], bounds[i+1]) of the token axis (all of it
+    when `bounds` is None). query [batch, heads, tokens, dim], key/value [batch, kv heads, tokens,
+    dim] (grouped-query heads are repeated) -> [batch, heads, tokens, dim]."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if bounds is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
+        )
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, a:b],
+                value[:, :, a:b],
+                is_causal=True,
+                scale=scale,
+                dropout_p=dropout_p,
+            )
+            for a, b in itertools.pairwise(bounds)
+        ],
+        dim=2,
+    )
+
+
 def segment_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -31,31 +65,11 @@ def segment_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """query [batch, heads, tokens, dim], key/value [batch, kv heads, tokens, dim] ->
-    [batch, tokens, heads, dim]."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    p = dropout if module.training else 0.0
+    """Hugging Face's attention-function signature: query [batch, heads, tokens, dim] ->
+    [batch, tokens, heads, dim], the segments from `cu_seq_lens_q`."""
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, dropout_p=p)
-    else:
-        bounds = cu.tolist()
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    query[:, :, a:b],
-                    key[:, :, a:b],
-                    value[:, :, a:b],
-                    is_causal=True,
-                    scale=scaling,
-                    dropout_p=p,
-                )
-                for a, b in itertools.pairwise(bounds)
-            ],
-            dim=2,
-        )
+    out = causal_per_segment(query, key, value, None if cu is None else cu.tolist(), scaling,
+                             dropout if module.training else 0.0)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

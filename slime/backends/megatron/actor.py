@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp import model_init
-from slime.backends.fsdp.forward import MicroBatch, make_micro_batch
 from slime.backends.interface import RolloutBatch
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
@@ -214,35 +214,32 @@ class MegatronTrainActor(TrainActorBase):
 
     # ---- forward ----------------------------------------------------------------------------
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
-        mb = make_micro_batch(positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device)
-        if self.cfg.megatron.sequence_parallel and mb.input_ids.shape[1] % self.tp:
-            # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP
-            # (causal attention: the padding after a sample changes none of its logits).
-            extra = self.tp - mb.input_ids.shape[1] % self.tp
-            assert mb.attention_mask is not None  # padded micro-batches here (packing: issue 22)
-            mb.input_ids = torch.nn.functional.pad(mb.input_ids, (0, extra))
-            mb.attention_mask = torch.nn.functional.pad(mb.attention_mask, (0, extra))
-        return mb
+        # Sequence parallelism splits the sequence over TP ranks: its length must divide by TP
+        # (packed: the padding is a segment of its own; padded: causal attention keeps the
+        # padding after a sample out of its logits).
+        multiple = self.tp if self.cfg.megatron.sequence_parallel else 1
+        return make_micro_batch(positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device,
+                                self.packs_sequences, multiple)  # fmt: skip
 
     def _response_log_probs(
         self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns."""
-        max_resp = mb.response_mask.shape[1]
-        idx = torch.arange(max_resp)
-        cols = torch.stack([
-            torch.where(idx < r, p - 1 + idx, torch.full_like(idx, p - 1))
-            for p, r in zip(mb.prompt_lengths, mb.response_lengths)
-        ]).to(logits.device)  # fmt: skip
-        rows = torch.arange(len(mb.positions), device=logits.device).unsqueeze(1).expand_as(cols)
-        resp_logits = logits[rows, cols].float() / self.cfg.rollout_temperature
-        targets = mb.input_ids.gather(1, cols + 1)
-        log_probs, entropy = vocab_parallel_log_probs(
-            resp_logits, targets, self.layout.vocab_size, self.mesh.tp_rank, self.tp,
-            self.mesh.tp_group, with_entropy,
+        """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns of the
+        [rows, tokens, padded vocabulary / TP] logits."""
+        rows, cols, targets = mb.predictions()
+        width = logits.shape[1]
+
+        def stats(
+            rows_logits: torch.Tensor, rows_targets: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return vocab_parallel_log_probs(rows_logits, rows_targets, self.layout.vocab_size, self.mesh.tp_rank,
+                                            self.tp, self.mesh.tp_group, with_entropy)  # fmt: skip
+
+        log_probs, entropy = response_token_stats(
+            logits.flatten(0, 1), rows * width + cols, targets, self.cfg.rollout_temperature, stats,
+            self.cfg.batch.log_probs_chunk_size,
         )  # fmt: skip
-        mask = mb.response_mask.to(log_probs.device)
-        return log_probs * mask, None if entropy is None else entropy * mask
+        return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
 
     def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool) -> None:
         """megatron-core's schedule over the micro-batches; `loss_fn(mb, logits)` runs on the
@@ -254,8 +251,16 @@ class MegatronTrainActor(TrainActorBase):
         def forward_step(data: Iterator[MicroBatch], _model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data)
             ids = mb.input_ids
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-            output = model(ids, positions, None)
+            if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
+                from megatron.core.packed_seq_params import PackedSeqParams
+
+                cu, longest = mb.cu_seq_lens(), mb.longest_segment()
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+                output = model(ids, mb.position_ids, None, packed_seq_params=packed)
+            else:
+                positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+                output = model(ids, positions, None)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 return loss_fn(mb, logits), torch.tensor(1, dtype=torch.int), {}
@@ -269,7 +274,7 @@ class MegatronTrainActor(TrainActorBase):
             model=[model],
             num_microbatches=len(micro_batches),
             seq_length=longest,
-            micro_batch_size=max(mb.num_samples for mb in micro_batches),
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
             forward_only=forward_only,
         )
 

@@ -55,7 +55,12 @@ def layer_spec(layout: Layout) -> Any:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    from slime.backends.megatron.attention import SegmentDotProductAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    # megatron-core's local attention, plus packed sequences (slime.backends.megatron.attention)
+    spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
+    return spec
 
 
 def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any:

@@ -1,0 +1,63 @@
+"""Core attention for packed micro-batches with megatron-core's local layer spec.
+
+megatron-core's own local attention (DotProductAttention) refuses packed sequences (THD,
+`packed_seq_params`): only Transformer Engine's attention takes them, and Transformer Engine
+needs a GPU. Everything else in megatron-core's attention already handles THD on any device (the
+squeezed [tokens, heads, dim] layout, rotary embeddings restarting at each sequence of
+`cu_seqlens`), so this subclass adds the one missing piece: causal attention within each packed
+sequence (slime.backends.fsdp.packed_attention.causal_per_segment, torch's
+scaled_dot_product_attention per sequence). Padded micro-batches go to megatron-core's code
+unchanged. Imported only where megatron-core is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from slime.backends.fsdp.packed_attention import causal_per_segment
+
+
+class SegmentDotProductAttention(DotProductAttention):
+    """DotProductAttention that also takes packed sequences (`packed_seq_params` in THD format)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if (
+            packed_seq_params.qkv_format != "thd"
+            or attention_bias is not None
+            or self.softmax_offset is not None
+        ):
+            raise NotImplementedError(
+                "packed sequences with megatron-core's local attention: THD format, no attention bias and "
+                "vanilla softmax only (use --padded-micro-batches)"
+            )
+        if self.config.window_size is not None:
+            raise NotImplementedError(
+                "packed sequences with sliding-window attention: use --padded-micro-batches"
+            )
+        # [tokens, heads, dim] -> [1, heads, tokens, dim]
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+        # DotProductAttention divides its scale by the layer number under
+        # apply_query_key_layer_scaling and multiplies it back in the softmax.
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            out = causal_per_segment(q, k, v, bounds, scale, dropout)
+        # [1, heads, tokens, dim] -> [tokens, heads * dim]; megatron-core adds the batch axis back.
+        return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)

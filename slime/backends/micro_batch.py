@@ -1,0 +1,192 @@
+"""Micro-batches as both train backends lay them out, and the per-token statistics of their responses.
+
+A micro-batch is a list of samples, laid out one of two ways:
+
+- padded: one row per sample, padded on the right to the longest sample;
+- packed: one row holding every sample back to back, no padding, positions restarting at 0 for
+  each sample, the samples' boundaries in `cu_seq_lens` (the cumulative lengths flash-attn's
+  varlen kernels, Transformer Engine's THD format and slime.backends.fsdp.packed_attention take).
+  A backend that needs the row's length to be a multiple of some number (sequence parallelism
+  splits it over TP ranks) gets a tail of padding as one more segment of its own.
+
+The response statistics (log-probs, entropy) are computed only at the positions that predict a
+response token, in sample order, optionally in chunks of `--log-probs-chunk-size` tokens so that
+no [tokens x vocabulary] float32 tensor exists at once (`response_token_stats`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+PAD_ID = 0
+
+Stats = tuple[torch.Tensor, torch.Tensor | None]
+"""Per-token log-probs and, when asked, entropies: each [tokens]."""
+
+
+@dataclass
+class MicroBatch:
+    """Inputs of one micro-batch and where each sample's response lies.
+
+    Response tensors are [batch, max_response_len]; `response_mask` marks real response tokens
+    (padding 0), `loss_mask` additionally zeroes tokens excluded from the loss.
+    """
+
+    positions: list[int]  # positions in the rollout batch
+    input_ids: torch.Tensor  # [batch, longest] padded; [1, total tokens] packed
+    attention_mask: torch.Tensor | None  # None when packed
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    response_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    """Packed: [1, total tokens], restarting at 0 for each sample (None when padded)."""
+    offsets: list[int] | None = None
+    """Packed: where each sample starts in the row."""
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.positions)
+
+    def cu_seq_lens(self) -> torch.Tensor:
+        """Packed: the segment boundaries [0, end of sample 0, ..., row length] (int32, on the
+        inputs' device); a tail of padding is a segment of its own."""
+        assert self.offsets is not None, "cu_seq_lens of a padded micro-batch"
+        end = self.offsets[-1] + self.prompt_lengths[-1] + self.response_lengths[-1]
+        bounds = [*self.offsets, end]
+        if self.input_ids.shape[1] > end:
+            bounds.append(self.input_ids.shape[1])
+        return torch.tensor(bounds, dtype=torch.int32, device=self.input_ids.device)
+
+    def longest_segment(self) -> int:
+        return int(self.cu_seq_lens().diff().max())
+
+    def predictions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the response tokens are predicted, one entry per response token in sample order:
+        the row of `input_ids` (always 0 when packed), the position whose logits predict the token
+        (token t is predicted at t - 1) and the token's id."""
+        rows, cols = [], []
+        starts = self.offsets or [0] * self.num_samples
+        for row, (o, p, r) in enumerate(zip(starts, self.prompt_lengths, self.response_lengths)):
+            rows.append(torch.full((r,), 0 if self.packed else row, dtype=torch.long))
+            cols.append(torch.arange(o + p - 1, o + p + r - 1))
+        row_t, col_t = torch.cat(rows).to(self.input_ids.device), torch.cat(cols).to(self.input_ids.device)
+        return row_t, col_t, self.input_ids[row_t, col_t + 1]
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-token values in `predictions` order -> [batch, max_response_len] (0 past each response)."""
+        rows = torch.cat([torch.full((r,), row) for row, r in enumerate(self.response_lengths)]).to(
+            flat.device
+        )
+        cols = torch.cat([torch.arange(r) for r in self.response_lengths]).to(flat.device)
+        out = torch.zeros(self.response_mask.shape, dtype=flat.dtype, device=flat.device)
+        return out.index_put((rows, cols), flat)
+
+    def response_tensor(self, per_sample: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
+        """Lay per-sample response values out as [batch, max_response_len] (0-padded)."""
+        out = torch.zeros(self.response_mask.shape, dtype=torch.float32)
+        for row, values in enumerate(per_sample):
+            values_t = torch.as_tensor(values, dtype=torch.float32)
+            out[row, : values_t.numel()] = values_t
+        return out
+
+
+def make_micro_batch(
+    positions: list[int],
+    tokens: list[list[int]],
+    response_lengths: list[int],
+    loss_masks: list[list[int]] | None,
+    device: torch.device,
+    packed: bool = False,
+    multiple_of: int = 1,
+) -> MicroBatch:
+    """The samples at `positions` as one micro-batch, right-padded or packed (module docstring),
+    its sequence length padded to a multiple of `multiple_of`."""
+    max_resp = max(response_lengths[p] for p in positions)
+    resp_mask = torch.zeros((len(positions), max_resp))
+    loss_mask = torch.zeros_like(resp_mask)
+    for row, p in enumerate(positions):
+        r = response_lengths[p]
+        resp_mask[row, :r] = 1
+        loss_mask[row, :r] = torch.tensor(loss_masks[p], dtype=torch.float32) if loss_masks is not None else 1
+    mb = MicroBatch(
+        positions=list(positions),
+        input_ids=torch.empty(0, dtype=torch.long),
+        attention_mask=None,
+        prompt_lengths=[len(tokens[p]) - response_lengths[p] for p in positions],
+        response_lengths=[response_lengths[p] for p in positions],
+        response_mask=resp_mask,
+        loss_mask=loss_mask,
+    )
+    if packed:
+        lengths = [len(tokens[p]) for p in positions]
+        tail = -sum(lengths) % multiple_of
+        mb.offsets = list(itertools.accumulate(lengths[:-1], initial=0))
+        row = [t for p in positions for t in tokens[p]] + [PAD_ID] * tail
+        mb.input_ids = torch.tensor(row, dtype=torch.long)[None].to(device)
+        mb.position_ids = torch.cat([torch.arange(n) for n in [*lengths, tail] if n])[None].to(device)
+        return mb
+    longest = max(len(tokens[p]) for p in positions)
+    ids = torch.full((len(positions), longest - longest % -multiple_of), PAD_ID, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for row, p in enumerate(positions):
+        seq = tokens[p]
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[row, : len(seq)] = 1
+    mb.input_ids, mb.attention_mask = ids.to(device), attn.to(device)
+    return mb
+
+
+def softmax_stats(with_entropy: bool) -> Callable[[torch.Tensor, torch.Tensor], Stats]:
+    """Log-probs of the targets (and entropy) from rows of full-vocabulary logits."""
+
+    def stats(logits: torch.Tensor, targets: torch.Tensor) -> Stats:
+        log_p = torch.log_softmax(logits, dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
+        return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+    return stats
+
+
+def response_token_stats(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    stats: Callable[[torch.Tensor, torch.Tensor], Stats],
+    chunk_size: int = -1,
+) -> Stats:
+    """`stats` of the rows `logits[index]` (divided by the temperature, in float32) against `targets`.
+
+    With `chunk_size` > 0 (`--log-probs-chunk-size`) the rows go through `stats` that many at a
+    time, so its float32 copies, softmax and entropy terms exist for one chunk at once instead of
+    for every token. When gradients are needed each chunk is recomputed in the backward pass
+    (torch.utils.checkpoint) rather than kept, so the saving holds in training too; the values
+    and gradients are those of the unchunked computation.
+    """
+
+    def piece(idx: torch.Tensor, tgt: torch.Tensor) -> Stats:
+        return stats(logits[idx].float() / temperature, tgt)
+
+    if chunk_size <= 0 or index.numel() <= chunk_size:
+        return piece(index, targets)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for idx, tgt in zip(index.split(chunk_size), targets.split(chunk_size)):
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(piece, idx, tgt, use_reentrant=False))
+        else:
+            parts.append(piece(idx, tgt))
+    log_probs = torch.cat([lp for lp, _ in parts])
+    entropies = [e for _, e in parts if e is not None]
+    return log_probs, torch.cat(entropies) if entropies else None
