@@ -130,8 +130,8 @@ def make_micro_batch(
         lengths = [len(tokens[p]) for p in positions]
         tail = -sum(lengths) % multiple_of
         mb.offsets = list(itertools.accumulate(lengths[:-1], initial=0))
-        row = [t for p in positions for t in tokens[p]] + [PAD_ID] * tail
-        mb.input_ids = torch.tensor(row, dtype=torch.long)[None].to(device)
+        flat = [t for p in positions for t in tokens[p]] + [PAD_ID] * tail
+        mb.input_ids = torch.tensor(flat, dtype=torch.long)[None].to(device)
         mb.position_ids = torch.cat([torch.arange(n) for n in [*lengths, tail] if n])[None].to(device)
         return mb
     longest = max(len(tokens[p]) for p in positions)
