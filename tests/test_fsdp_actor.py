@@ -64,10 +64,11 @@ def full_params(actor) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
 
 
-def run_single(rank, world_size, init_method, model):
+def run_single(rank, world_size, init_method, model, padded=False):
     from slime.backends.fsdp.actor import FSDPTrainActor
 
-    actor = FSDPTrainActor(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    cfg = base_config(model, micro_batch_size=2, padded_micro_batches=padded)
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
     initial = full_params(actor)
     step0 = make_batch(0)
@@ -130,7 +131,8 @@ def runs(tiny_model, tmp_path_factory):
     single = run_ranks(1, run_single, tiny_model)[0]
     sharded = run_ranks(2, run_sharded, tiny_model, save_dir, hf_dir)
     resumed = run_ranks(1, run_resumed, tiny_model, save_dir)[0]
-    return dict(single=single, sharded=sharded, resumed=resumed, save_dir=save_dir, hf_dir=hf_dir)
+    padded = run_ranks(1, run_single, tiny_model, True)[0]
+    return dict(single=single, sharded=sharded, resumed=resumed, padded=padded, save_dir=save_dir, hf_dir=hf_dir)
 
 
 # ppo_kl and kl_loss are differences of two log-probs of about -4.6: float32 rounding of the
@@ -174,6 +176,19 @@ def test_two_ranks_train_like_one(runs):
         assert (value - single["initial"][name]).abs().max() > 0, f"{name} never changed"
         torch.testing.assert_close(rank0["final"][name], value, rtol=0, atol=1e-5)
         assert torch.equal(rank0["final"][name], rank1["final"][name])
+
+
+def test_padded_micro_batches_train_like_packed(runs):
+    """One rank with --padded-micro-batches (one padded row per sample) trains like one rank and
+    two ranks with packed micro-batches (the default): same metrics at every step, same weights."""
+    single, padded = runs["single"], runs["padded"]
+    steps_padded = [s for out in padded["outputs"] for s in out.steps]
+    for run in (single, runs["sharded"][0]):
+        assert_steps_match([s for out in run["outputs"] for s in out.steps], steps_padded)
+    for name, value in single["final"].items():
+        torch.testing.assert_close(padded["final"][name], value, rtol=0, atol=1e-5)
+    assert padded["actor_lp"] == padded["ref_lp"]
+    assert padded["outputs"][0].steps[0]["kl_loss"] == 0.0
 
 
 def test_dynamic_batches_pack_and_keep_ranks_in_step(runs):
