@@ -132,7 +132,9 @@ def runs(tiny_model, tmp_path_factory):
     sharded = run_ranks(2, run_sharded, tiny_model, save_dir, hf_dir)
     resumed = run_ranks(1, run_resumed, tiny_model, save_dir)[0]
     padded = run_ranks(1, run_single, tiny_model, True)[0]
-    return dict(single=single, sharded=sharded, resumed=resumed, padded=padded, save_dir=save_dir, hf_dir=hf_dir)
+    return dict(
+        single=single, sharded=sharded, resumed=resumed, padded=padded, save_dir=save_dir, hf_dir=hf_dir
+    )
 
 
 # ppo_kl and kl_loss are differences of two log-probs of about -4.6: float32 rounding of the

@@ -156,3 +156,25 @@ def test_megatron_packed_log_probs_equal_per_sample_forwards(tiny_model, tp, pp)
             assert sorted(values) == list(range(6)), name
             for i, ref in enumerate(reference):
                 torch.testing.assert_close(torch.tensor(values[i]), ref, rtol=0, atol=1e-5, msg=f"{name} {i}")
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 5, 7, 3, 5], [4, 4, 4, 4, 4, 4, 4]], ids=["mixed", "all-equal"])
+def test_segments_of_equal_length_attend_like_separate_calls(lengths):
+    """slime_segments batches samples of equal length into one attention call: each still sees
+    only itself, causally (grouped-query heads)."""
+    import torch.nn.functional as F
+
+    from slime.backends.fsdp.packed_attention import causal_per_segment
+
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 4, sum(lengths), 8, generator=g),
+        torch.randn(1, 2, sum(lengths), 8, generator=g),
+        torch.randn(1, 2, sum(lengths), 8, generator=g),
+    )
+    got = causal_per_segment(q, k, v, bounds)
+    for a, b in zip(bounds, bounds[1:]):
+        want = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1),
+                                              v[:, :, a:b].repeat_interleave(2, 1), is_causal=True)  # fmt: skip
+        torch.testing.assert_close(got[:, :, a:b], want, rtol=0, atol=1e-6)

@@ -158,35 +158,39 @@ def softmax_stats(with_entropy: bool) -> Callable[[torch.Tensor, torch.Tensor], 
 
 def response_token_stats(
     logits: torch.Tensor,
-    index: torch.Tensor,
+    index: torch.Tensor | None,
     targets: torch.Tensor,
     temperature: float,
     stats: Callable[[torch.Tensor, torch.Tensor], Stats],
     chunk_size: int = -1,
 ) -> Stats:
-    """`stats` of the rows `logits[index]` (divided by the temperature, in float32) against `targets`.
+    """`stats` of the rows `logits[index]` (all rows, in order, when `index` is None), divided by
+    the temperature in float32, against `targets`.
 
     With `chunk_size` > 0 (`--log-probs-chunk-size`) the rows go through `stats` that many at a
     time, so its float32 copies, softmax and entropy terms exist for one chunk at once instead of
     for every token. When gradients are needed each chunk is recomputed in the backward pass
     (torch.utils.checkpoint) rather than kept, so the saving holds in training too; the values
-    and gradients are those of the unchunked computation.
+    and gradients are those of the unchunked computation. The chunks are views of one tensor
+    (`split`), whose backward assembles one gradient; indexing per chunk would allocate a
+    gradient of the full logits for every chunk.
     """
 
-    def piece(idx: torch.Tensor, tgt: torch.Tensor) -> Stats:
-        return stats(logits[idx].float() / temperature, tgt)
+    def piece(rows_: torch.Tensor, targets_: torch.Tensor) -> Stats:
+        return stats(rows_.float() / temperature, targets_)
 
-    if chunk_size <= 0 or index.numel() <= chunk_size:
-        return piece(index, targets)
-    recompute = torch.is_grad_enabled() and logits.requires_grad
+    rows = logits if index is None else logits[index]
+    if chunk_size <= 0 or rows.shape[0] <= chunk_size:
+        return piece(rows, targets)
+    recompute = torch.is_grad_enabled() and rows.requires_grad
     parts = []
-    for idx, tgt in zip(index.split(chunk_size), targets.split(chunk_size)):
+    for chunk, chunk_targets in zip(rows.split(chunk_size), targets.split(chunk_size)):
         if recompute:
             from torch.utils.checkpoint import checkpoint
 
-            parts.append(checkpoint(piece, idx, tgt, use_reentrant=False))
+            parts.append(checkpoint(piece, chunk, chunk_targets, use_reentrant=False))
         else:
-            parts.append(piece(idx, tgt))
+            parts.append(piece(chunk, chunk_targets))
     log_probs = torch.cat([lp for lp, _ in parts])
     entropies = [e for _, e in parts if e is not None]
     return log_probs, torch.cat(entropies) if entropies else None

@@ -30,7 +30,7 @@ def response_log_probs(
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=cols, use_cache=False,
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
         logits = out.logits[0]  # [response tokens, V], in `predictions` order
-        index = torch.arange(logits.shape[0], device=logits.device)
+        index = None
     else:
         first = min(mb.prompt_lengths) - 1  # no response token is predicted before this position
         keep = mb.input_ids.shape[1] - first

@@ -5,8 +5,10 @@ row (tokens x tokens), which on CPU made a packed micro-batch slower than the pa
 micro-batches hold samples of similar length (docs/performance.md). This implementation instead
 runs torch's scaled_dot_product_attention causally on each sample's slice of the row, given the
 samples' boundaries (`cu_seq_lens_q`, the keyword flash-attn's varlen path takes too): exact, no
-mask, and the linear layers still see the whole packed row. Without boundaries (one sample per
-row, right-padded) it is plain causal attention: right padding never reaches a real token.
+mask, and the linear layers still see the whole packed row. On CUDA in half precision the same
+attention is one call of torch's flash-attention varlen kernel instead of a loop over samples.
+Without boundaries (one sample per row, right-padded) it is plain causal attention: right padding
+never reaches a real token.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def causal_per_segment(
     """Causal attention within each segment [bounds[i], bounds[i+1]) of the token axis (all of it
     when `bounds` is None). query [batch, heads, tokens, dim], key/value [batch, kv heads, tokens,
     dim] (grouped-query heads are repeated) -> [batch, heads, tokens, dim]."""
+    if bounds is not None and _varlen_applies(query, dropout_p):
+        return _varlen(query, key, value, bounds, scale)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -39,20 +43,55 @@ def causal_per_segment(
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
         )
-    return torch.cat(
-        [
-            F.scaled_dot_product_attention(
-                query[:, :, a:b],
-                key[:, :, a:b],
-                value[:, :, a:b],
-                is_causal=True,
-                scale=scale,
-                dropout_p=dropout_p,
-            )
-            for a, b in itertools.pairwise(bounds)
-        ],
-        dim=2,
-    )
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    batch, heads, _, dim = query.shape
+    if len(set(lengths)) == 1 and batch == 1:  # equal lengths: the samples are a batch, no copies
+        n, length = len(lengths), lengths[0]
+        q, k, v = (t[0].unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
+        return o.transpose(0, 1).flatten(1, 2).unsqueeze(0)
+    # Otherwise samples of equal length attend in one batched call, the others one call each.
+    # `split` views have a single backward node (slicing each sample would allocate a gradient
+    # of the whole row per sample).
+    parts = [t.split(lengths, dim=2) for t in (query, key, value)]
+    members_by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        members_by_length.setdefault(n, []).append(i)
+    out: list[torch.Tensor] = [query] * len(lengths)
+    for members in members_by_length.values():
+        q, k, v = (p[members[0]] if len(members) == 1 else torch.cat([p[i] for i in members]) for p in parts)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
+        for i, piece in zip(members, o.split(batch)):
+            out[i] = piece
+    return torch.cat(out, dim=2)
+
+
+def _varlen_applies(query: torch.Tensor, dropout_p: float) -> bool:
+    """torch's flash-attention varlen kernel (torch.nn.attention.varlen, torch >= 2.10): CUDA,
+    half precision, no dropout. Elsewhere the per-segment loop runs."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout_p:
+        return False
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float | None
+) -> torch.Tensor:
+    """`causal_per_segment` in one kernel call (batch 1: the packed row)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    assert query.shape[0] == 1, "a packed micro-batch is one row"
+    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                      enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def segment_attention(
