@@ -55,7 +55,7 @@ def plain_loop(model, optimizer, batch: RolloutBatch, loss_cfg: LossConfig) -> N
         for step_mbs in mbs:
             for positions in step_mbs[0]:
                 mb = make_micro_batch(
-                    positions, batch.tokens, batch.response_lengths, None, torch.device("cpu")
+                    positions, batch.tokens, batch.response_lengths, None, torch.device("cpu"), packed=True
                 )
                 lp, _ = response_log_probs(model, mb, 1.0, False)
                 for row, p in enumerate(positions):
@@ -65,7 +65,9 @@ def plain_loop(model, optimizer, batch: RolloutBatch, loss_cfg: LossConfig) -> N
         optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(batch.response_lengths[i] for i in step)
         for positions in step_mbs[0]:
-            mb = make_micro_batch(positions, batch.tokens, batch.response_lengths, None, torch.device("cpu"))
+            mb = make_micro_batch(
+                positions, batch.tokens, batch.response_lengths, None, torch.device("cpu"), packed=True
+            )
             lp, ent = response_log_probs(model, mb, 1.0, True)
             terms = MicroBatchTerms(
                 log_probs=lp,
@@ -117,7 +119,12 @@ def main() -> int:
 
     loss_cfg = LossConfig()
     opt_cfg = OptimizerConfig(lr=1e-5)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    from slime.backends.fsdp.packed_attention import register
+
+    # The actor's layout: packed micro-batches, slime's per-sample attention (docs/train.md).
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=register()
+    )
     model.train()
     vocab = model.config.vocab_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr)

@@ -49,13 +49,15 @@ def exported(actor) -> dict[str, torch.Tensor]:
 
 
 def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None, dynamic=False,
-              recompute=False, padded=False):  # fmt: skip
+              recompute=False, padded=False, chunk=-1):  # fmt: skip
     from slime.backends import make_train_actor
     from slime.config.train import FSDPConfig
 
     cfg = config(model, tp, pp, backend=backend, fsdp=FSDPConfig(gradient_checkpointing=recompute))
-    if padded:  # one right-padded row per sample instead of packed micro-batches
-        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=True))
+    # padded: one right-padded row per sample instead of packed micro-batches; chunk: the
+    # log-softmax a few tokens at a time, recomputed in backward (TP collectives inside)
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=padded,
+                                                             log_probs_chunk_size=chunk))  # fmt: skip
     if dynamic:  # token-budget micro-batches (different counts and shapes) instead of fixed pairs
         cfg = dataclasses.replace(cfg, batch=BatchConfig(global_batch_size=4, use_dynamic_batch_size=True,
                                                          max_tokens_per_gpu=32))  # fmt: skip
@@ -140,14 +142,16 @@ def test_tp2_trains_like_one_fsdp_rank(fsdp, tp2):
 
 
 @pytest.mark.parametrize(
-    "tp, pp, world, dynamic, recompute, padded",
-    [(1, 2, 2, False, False, False), (1, 1, 2, False, False, False), (2, 2, 4, False, False, False),
-     (1, 2, 2, True, False, False), (2, 1, 2, False, True, False), (1, 2, 2, True, False, True)],
-    ids=["pp2", "dp2", "tp2xpp2", "pp2-dynamic-batches", "tp2-gradient-checkpointing", "pp2-dynamic-padded"],
+    "tp, pp, world, dynamic, recompute, padded, chunk",
+    [(1, 2, 2, False, False, False, -1), (1, 1, 2, False, False, False, -1), (2, 2, 4, False, False, False, -1),
+     (1, 2, 2, True, False, False, -1), (2, 1, 2, False, True, False, 3), (1, 2, 2, True, False, True, -1)],
+    ids=["pp2", "dp2", "tp2xpp2", "pp2-dynamic-batches", "tp2-recompute-log-probs-chunks", "pp2-dynamic-padded"],
 )  # fmt: skip
-def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world, dynamic, recompute, padded):
+def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world, dynamic, recompute, padded, chunk):
     """Packed micro-batches (the default) and --padded-micro-batches alike."""
-    ranks = run_ranks(world, train_run, tiny_model, tp, pp, "megatron", None, dynamic, recompute, padded)
+    ranks = run_ranks(
+        world, train_run, tiny_model, tp, pp, "megatron", None, dynamic, recompute, padded, chunk
+    )
     assert [r["info"]["dp"] for r in ranks] == [world // (tp * pp)] * world
     assert_trains_like(fsdp, ranks)
 

@@ -4,6 +4,7 @@ micro-batch's and a per-sample Hugging Face forward's, for mixed lengths."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -174,7 +175,7 @@ def test_segments_of_equal_length_attend_like_separate_calls(lengths):
         torch.randn(1, 2, sum(lengths), 8, generator=g),
     )
     got = causal_per_segment(q, k, v, bounds)
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         want = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1),
                                               v[:, :, a:b].repeat_interleave(2, 1), is_causal=True)  # fmt: skip
         torch.testing.assert_close(got[:, :, a:b], want, rtol=0, atol=1e-6)

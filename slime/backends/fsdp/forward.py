@@ -29,7 +29,9 @@ def response_log_probs(
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=cols, use_cache=False,
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
-        logits = out.logits[0]  # [response tokens, V], in `predictions` order
+        logits = out.logits.flatten(
+            0, 1
+        )  # [response tokens, V] in `predictions` order (a view: no copy in backward)
         index = None
     else:
         first = min(mb.prompt_lengths) - 1  # no response token is predicted before this position

@@ -3,8 +3,10 @@
 `build_gpt_model` needs megatron-core's parallel state initialised (TP / PP / CP / EP groups);
 it builds this rank's part: its TP shard of every layer, and only its pipeline stage's layers,
 with the embedding on the first stage and the output layer on the last. The layer spec is
-megatron-core's local one, or Transformer Engine's when `transformer_impl` asks for it (then the
-input and pre-MLP norms are folded into linear_qkv / linear_fc1, as `Layout.fold_norms` says).
+megatron-core's local one (its core attention extended to packed sequences:
+slime.backends.megatron.attention), or Transformer Engine's when `transformer_impl` asks for it
+(then the input and pre-MLP norms are folded into linear_qkv / linear_fc1, as `Layout.fold_norms`
+says).
 """
 
 from __future__ import annotations
