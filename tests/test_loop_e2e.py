@@ -49,7 +49,13 @@ def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
     "script, layout",
     [
         ("train.py", ["--colocate", "--update-weight-transport", "distributed"]),
-        ("train_async.py", ["--rollout-num-gpus", "2", "--update-weight-transport", "tensor"]),
+        # ~35 s; train_async.py runs end to end in tests/test_continuous_e2e.py, the tensor push
+        # with two ranks in tests/test_actor_push.py
+        pytest.param(
+            "train_async.py",
+            ["--rollout-num-gpus", "2", "--update-weight-transport", "tensor"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
