@@ -1,14 +1,15 @@
-"""Causal attention over packed micro-batches, one sample at a time (`attn_implementation="slime_segments"`).
+"""Causal attention over packed micro-batches, each sample attending only to itself
+(`attn_implementation="slime_segments"`).
 
 Hugging Face's own sdpa and eager paths isolate packed samples by building a mask over the whole
 row (tokens x tokens), which on CPU made a packed micro-batch slower than the padded one when
-micro-batches hold samples of similar length (docs/performance.md). This implementation instead
-runs torch's scaled_dot_product_attention causally on each sample's slice of the row, given the
+micro-batches hold samples of similar length (docs/train.md). This implementation instead runs
+torch's scaled_dot_product_attention causally on each sample's slice of the row, given the
 samples' boundaries (`cu_seq_lens_q`, the keyword flash-attn's varlen path takes too): exact, no
-mask, and the linear layers still see the whole packed row. On CUDA in half precision the same
-attention is one call of torch's flash-attention varlen kernel instead of a loop over samples.
-Without boundaries (one sample per row, right-padded) it is plain causal attention: right padding
-never reaches a real token.
+mask, and the linear layers still see the whole packed row. Samples of equal length attend in one
+batched call. On CUDA in half precision the whole row is one call of torch's flash-attention
+varlen kernel instead. Without boundaries (one sample per row, right-padded) it is plain causal
+attention: right padding never reaches a real token.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def causal_per_segment(
             query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
         )
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    batch, heads, _, dim = query.shape
+    batch = query.shape[0]
     if len(set(lengths)) == 1 and batch == 1:  # equal lengths: the samples are a batch, no copies
         n, length = len(lengths), lengths[0]
         q, k, v = (t[0].unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
@@ -87,7 +88,7 @@ def _varlen(
     assert query.shape[0] == 1, "a packed micro-batch is one row"
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     longest = max(b - a for a, b in itertools.pairwise(bounds))
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, dim]
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
                       enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
