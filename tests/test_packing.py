@@ -174,8 +174,49 @@ def test_segments_of_equal_length_attend_like_separate_calls(lengths):
         torch.randn(1, 2, sum(lengths), 8, generator=g),
         torch.randn(1, 2, sum(lengths), 8, generator=g),
     )
-    got = causal_per_segment(q, k, v, bounds)
+    got = causal_per_segment(q, k, v, torch.tensor(bounds))
     for a, b in itertools.pairwise(bounds):
         want = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1),
                                               v[:, :, a:b].repeat_interleave(2, 1), is_causal=True)  # fmt: skip
         torch.testing.assert_close(got[:, :, a:b], want, rtol=0, atol=1e-6)
+
+
+def test_a_row_padded_to_a_multiple_keeps_its_tail_apart():
+    """Sequence parallelism pads a packed row to a multiple of TP: the tail is a segment of its own
+    (positions restarting, its own bound), and the predictions of the samples do not move."""
+    tokens, response_lengths = [[5, 6, 7, 8], [9, 10, 11]], [2, 1]
+    plain = make_micro_batch([0, 1], tokens, response_lengths, None, torch.device("cpu"), packed=True)
+    padded = make_micro_batch([0, 1], tokens, response_lengths, None, torch.device("cpu"), packed=True,
+                              multiple_of=4)  # fmt: skip
+    assert padded.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 0]]
+    assert padded.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
+    assert plain.cu_seq_lens().tolist() == [0, 4, 7] and padded.cu_seq_lens().tolist() == [0, 4, 7, 8]
+    assert padded.longest_segment() == 4
+    rows, cols, targets = padded.predictions()
+    assert rows.tolist() == [0, 0, 0]  # one packed row
+    assert cols.tolist() == [1, 2, 5] and targets.tolist() == [7, 8, 11]
+    assert all(torch.equal(a, b) for a, b in zip(plain.predictions(), padded.predictions()))
+    assert padded.scatter(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 2.0], [3.0, 0.0]]
+    right = make_micro_batch([0, 1], tokens, response_lengths, None, torch.device("cpu"), multiple_of=3)
+    assert right.input_ids.shape == (2, 6) and right.attention_mask.sum().item() == 7
+
+
+def test_packed_forward_with_a_tail_equals_without(model):
+    tokens, response_lengths = _samples(seed=4)
+    positions = list(range(len(tokens)))
+    with torch.no_grad():
+        values = [
+            response_log_probs(model, make_micro_batch(positions, tokens, response_lengths, None,
+                                                       torch.device("cpu"), packed=True, multiple_of=m), 1.0, True)
+            for m in (1, 16)
+        ]  # fmt: skip
+    torch.testing.assert_close(values[1][0], values[0][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(values[1][1], values[0][1], rtol=0, atol=1e-5)
+
+
+def test_slime_segments_refuses_what_it_cannot_do():
+    from slime.backends.fsdp.packed_attention import segment_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=r"sliding_window.*--padded-micro-batches"):
+        segment_attention(torch.nn.Module(), q, q, q, None, sliding_window=4)

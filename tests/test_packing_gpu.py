@@ -22,11 +22,12 @@ def test_varlen_kernel_equals_the_per_sample_loop(dtype):
     k, v = torch.randn(1, 2, 74, 64, generator=g), torch.randn(1, 2, 74, 64, generator=g)  # grouped-query
     inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
     assert packed_attention._varlen_applies(inputs[0], 0.0)
-    fast = packed_attention.causal_per_segment(*inputs, bounds, scale=0.125)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    fast = packed_attention.causal_per_segment(*inputs, cu, 40, scale=0.125)
     fast.float().square().sum().backward()
     fast_grads = [t.grad.float() for t in inputs]
     ref_inputs = [t.detach().float().requires_grad_() for t in inputs]  # float32: the loop runs
-    ref = packed_attention.causal_per_segment(*ref_inputs, bounds, scale=0.125)
+    ref = packed_attention.causal_per_segment(*ref_inputs, cu, scale=0.125)
     ref.square().sum().backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(fast.float(), ref, rtol=tol, atol=tol)

@@ -158,7 +158,11 @@ def behaviour_weights(
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = -sum_v p_v log p_v over the last dimension (logits already divided by temperature)."""
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return entropy_from_log_probs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v from log-probabilities over the last dimension."""
     return -(log_p.exp() * log_p).sum(-1)
 
 

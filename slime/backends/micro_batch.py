@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.algo.losses import entropy_from_log_probs
+
 PAD_ID = 0
 
 Stats = tuple[torch.Tensor, torch.Tensor | None]
@@ -67,7 +69,9 @@ class MicroBatch:
         return torch.tensor(bounds, dtype=torch.int32, device=self.input_ids.device)
 
     def longest_segment(self) -> int:
-        return int(self.cu_seq_lens().diff().max())
+        """Packed: the longest segment of the row (a sample, or the tail of padding)."""
+        lengths = [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+        return max([*lengths, self.input_ids.shape[1] - sum(lengths)])
 
     def predictions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the response tokens are predicted, one entry per response token in sample order:
@@ -150,7 +154,7 @@ def softmax_stats(with_entropy: bool) -> Callable[[torch.Tensor, torch.Tensor], 
 
     def stats(logits: torch.Tensor, targets: torch.Tensor) -> Stats:
         log_p = torch.log_softmax(logits, dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
+        entropy = entropy_from_log_probs(log_p) if with_entropy else None
         return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
     return stats
@@ -182,12 +186,12 @@ def response_token_stats(
     rows = logits if index is None else logits[index]
     if chunk_size <= 0 or rows.shape[0] <= chunk_size:
         return piece(rows, targets)
+    from torch.utils.checkpoint import checkpoint
+
     recompute = torch.is_grad_enabled() and rows.requires_grad
     parts = []
     for chunk, chunk_targets in zip(rows.split(chunk_size), targets.split(chunk_size)):
         if recompute:
-            from torch.utils.checkpoint import checkpoint
-
             parts.append(checkpoint(piece, chunk, chunk_targets, use_reentrant=False))
         else:
             parts.append(piece(chunk, chunk_targets))

@@ -150,18 +150,16 @@ def _train_lines(config: Config, samples: int) -> list[str]:
         )
     else:
         layout = f"{config.cluster.num_train_ranks} ranks = DP {dp} (FSDP shards over all)"
-    if b.padded_micro_batches:
-        micro = (
-            f"micro-batches of at most {b.max_tokens_per_gpu} tokens padded size (--max-tokens-per-gpu)"
-            if b.use_dynamic_batch_size
-            else f"{per_rank // b.micro_batch_size} micro-batches of {b.micro_batch_size}"
-        ) + ", one right-padded row per sample (--padded-micro-batches)"
+    if b.use_dynamic_batch_size:
+        unit = "tokens (padded size)" if b.padded_micro_batches else "real tokens"
+        micro = f"micro-batches of at most {b.max_tokens_per_gpu} {unit} (--max-tokens-per-gpu)"
     else:
-        micro = (
-            f"micro-batches of at most {b.max_tokens_per_gpu} real tokens (--max-tokens-per-gpu)"
-            if b.use_dynamic_batch_size
-            else f"{per_rank // b.micro_batch_size} micro-batches of {b.micro_batch_size}"
-        ) + ", each packed into one row without padding"
+        micro = f"{per_rank // b.micro_batch_size} micro-batches of {b.micro_batch_size}"
+    micro += (
+        ", one right-padded row per sample (--padded-micro-batches)"
+        if b.padded_micro_batches
+        else ", each packed into one row without padding"
+    )
     if b.log_probs_chunk_size > 0:
         micro += f"; log-softmax over the vocabulary {b.log_probs_chunk_size} tokens at a time"
     total = f", {steps * config.rollout.num_rollout} in all" if config.rollout.num_rollout is not None else ""

@@ -29,9 +29,8 @@ def response_log_probs(
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=cols, use_cache=False,
                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
-        logits = out.logits.flatten(
-            0, 1
-        )  # [response tokens, V] in `predictions` order (a view: no copy in backward)
+        # [response tokens, V] in `predictions` order (a view: no copy in backward)
+        logits = out.logits.flatten(0, 1)
         index = None
     else:
         first = min(mb.prompt_lengths) - 1  # no response token is predicted before this position
@@ -39,9 +38,8 @@ def response_log_probs(
         out = model(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, use_cache=False
         )
-        logits = out.logits.flatten(
-            0, 1
-        )  # [batch * keep, V]: position j of row b is sequence position first + j
+        # [batch * keep, V]: position j of row b is sequence position first + j
+        logits = out.logits.flatten(0, 1)
         index = rows * keep + cols - first
     log_probs, entropy = response_token_stats(
         logits, index, targets, temperature, softmax_stats(with_entropy), chunk_size

@@ -14,7 +14,9 @@ attention: right padding never reaches a real token.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,23 +30,25 @@ def causal_per_segment(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bounds: list[int] | None,
+    cu_seq_lens: torch.Tensor | None,
+    longest: int | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention within each segment [bounds[i], bounds[i+1]) of the token axis (all of it
-    when `bounds` is None). query [batch, heads, tokens, dim], key/value [batch, kv heads, tokens,
-    dim] (grouped-query heads are repeated) -> [batch, heads, tokens, dim]."""
-    if bounds is not None and _varlen_applies(query, dropout_p):
-        return _varlen(query, key, value, bounds, scale)
+    """Causal attention within each segment [cu[i], cu[i+1]) of the token axis (all of it when
+    `cu_seq_lens` is None; `longest`: the longest segment, if the caller knows it). query [batch,
+    heads, tokens, dim], key/value [batch, kv heads, tokens, dim] (grouped-query heads are
+    repeated) -> [batch, heads, tokens, dim]."""
+    if cu_seq_lens is not None and _varlen_applies(query, dropout_p):
+        return _varlen(query, key, value, cu_seq_lens, longest, scale)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if bounds is None:
+    if cu_seq_lens is None:
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
         )
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    lengths = [b - a for a, b in itertools.pairwise(cu_seq_lens.tolist())]
     batch = query.shape[0]
     if len(set(lengths)) == 1 and batch == 1:  # equal lengths: the samples are a batch, no copies
         n, length = len(lengths), lengths[0]
@@ -67,30 +71,47 @@ def causal_per_segment(
     return torch.cat(out, dim=2)
 
 
-def _varlen_applies(query: torch.Tensor, dropout_p: float) -> bool:
-    """torch's flash-attention varlen kernel (torch.nn.attention.varlen, torch >= 2.10): CUDA,
-    half precision, no dropout. Elsewhere the per-segment loop runs."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout_p:
-        return False
+@functools.cache
+def _varlen_kernel() -> Callable[..., Any] | None:
+    """torch's flash-attention varlen kernel (torch.nn.attention.varlen, torch >= 2.10)."""
     try:
-        from torch.nn.attention import varlen  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return True
+        return None
+    return varlen_attn
+
+
+def _varlen_applies(query: torch.Tensor, dropout_p: float) -> bool:
+    """Where the varlen kernel runs: CUDA, Ampere or newer, half precision, head dimension up to
+    256 (flash attention's limits), no dropout. Elsewhere the per-segment loop runs."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and not dropout_p
+        and query.shape[-1] <= 256
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+        and _varlen_kernel() is not None
+    )
 
 
 def _varlen(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    longest: int | None,
+    scale: float | None,
 ) -> torch.Tensor:
-    """`causal_per_segment` in one kernel call (batch 1: the packed row)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    assert query.shape[0] == 1, "a packed micro-batch is one row"
-    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
-    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    """`causal_per_segment` in one kernel call (batch 1: the packed row). The bounds stay on the
+    device: no host round trip per layer when the caller passes `longest`."""
+    kernel = _varlen_kernel()
+    assert kernel is not None and query.shape[0] == 1, "a packed micro-batch is one row"
+    cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)
+    if longest is None:
+        longest = int(cu.diff().max())
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, dim]
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                      enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                 enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
     return out.transpose(0, 1).unsqueeze(0)
 
@@ -106,9 +127,14 @@ def segment_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face's attention-function signature: query [batch, heads, tokens, dim] ->
-    [batch, tokens, heads, dim], the segments from `cu_seq_lens_q`."""
-    cu = kwargs.get("cu_seq_lens_q")
-    out = causal_per_segment(query, key, value, None if cu is None else cu.tolist(), scaling,
+    [batch, tokens, heads, dim], the segments from `cu_seq_lens_q` (`max_length_q` the longest)."""
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported:
+        raise NotImplementedError(
+            f"packed micro-batches with slime_segments attention do not support {', '.join(unsupported)} (this "
+            "model uses it): use --padded-micro-batches, or --attn-implementation eager/flash_attention_2"
+        )
+    out = causal_per_segment(query, key, value, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"), scaling,
                              dropout if module.training else 0.0)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 

@@ -56,8 +56,8 @@ class SegmentDotProductAttention(DotProductAttention):
         # apply_query_key_layer_scaling and multiplies it back in the softmax.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         dropout = self.attention_dropout.p if self.training else 0.0
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = causal_per_segment(q, k, v, bounds, scale, dropout)
+            out = causal_per_segment(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
+                                     scale, dropout)  # fmt: skip
         # [1, heads, tokens, dim] -> [tokens, heads * dim]; megatron-core adds the batch axis back.
         return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)
