@@ -116,6 +116,7 @@ def assert_nothing_lost(proc, template, num_rollout, kills, pushes):
     assert "takes requests again" in out
 
 
+@pytest.mark.slow  # ~60 s, the longest default test; the default run keeps the killed-train-rank job below
 def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompts, tmp_path):  # noqa: F811
     """One job, one fault per rollout: both engines at once during generation (rollout 0), one
     during generation (rollout 1; with 48-token responses of varied length its other groups are

@@ -76,9 +76,36 @@ def test_qwen2_and_custom_sizes(tmp_path):
         assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 128)
 
 
+def test_qwen3_moe_checkpoint(tmp_path):
+    """A tiny Qwen3-MoE: routed experts in every layer, per-expert tensors on disk (the hub's
+    layout), loadable and deterministic."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    args = ("--arch", "qwen3_moe", "--hidden-size", "64", "--num-layers", "2", "--num-experts", "4")
+    out = make_model(str(tmp_path / "moe"), 0, *args)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    config = model.config
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok) == ("qwen3_moe", 4, 2)
+    assert config.moe_intermediate_size == 32 and config.norm_topk_prob and config.head_dim == 16
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    for layer in range(2):
+        assert f"model.layers.{layer}.mlp.gate.weight" in keys
+        for e in range(4):
+            assert f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight" in keys
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, config.vocab_size)
+    again = make_model(str(tmp_path / "again"), 0, *args)
+    assert filecmp.cmp(os.path.join(out, "model.safetensors"), os.path.join(again, "model.safetensors"),
+                       shallow=False)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
+        (["--num-experts", "4"], "--arch qwen3_moe"),
+        (["--arch", "qwen3_moe", "--num-experts-per-tok", "5"], "--num-experts-per-tok"),
         (["--num-heads", "3"], "--hidden-size"),
         (["--vocab", "10"], "--vocab"),
         (["--num-kv-heads", "3"], "--num-kv-heads"),

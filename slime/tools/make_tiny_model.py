@@ -1,7 +1,13 @@
 """Write a small Hugging Face causal-LM checkpoint, built locally with no network.
 
-    python -m slime.tools.make_tiny_model --out DIR [--arch qwen3|qwen2] [--hidden-size 256]
+    python -m slime.tools.make_tiny_model --out DIR [--arch qwen3|qwen2|qwen3_moe] [--hidden-size 256]
         [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--vocab N] [--seed 0]
+        [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (qwen3_moe)
+
+`qwen3_moe` is Hugging Face's Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): every layer's
+MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their
+weights renormalised (norm_topk_prob, as Qwen3-MoE's checkpoints set it); the checkpoint stores
+one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...), the hub's layout.
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files
 that `AutoTokenizer.from_pretrained(DIR)` loads offline. The tokenizer is character level over
@@ -64,7 +70,7 @@ def build_tokenizer():
 
 
 def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -83,6 +89,20 @@ def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
     )
     if args.arch == "qwen3":
         return Qwen3Config(head_dim=args.hidden_size // args.num_heads, **common)
+    if args.arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+        # Not a declared field of transformers' Qwen3MoeConfig, but Qwen3-MoE checkpoints carry it
+        # (config.json) and the model reads it.
+        config.head_dim = args.hidden_size // args.num_heads
+        return config
     return Qwen2Config(**common)
 
 
@@ -100,6 +120,21 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
         parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-heads {args.num_heads}")
     if args.num_heads % args.num_kv_heads:
         parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
+    moe = {"num_experts": args.num_experts, "num_experts_per_tok": args.num_experts_per_tok,
+           "moe_intermediate_size": args.moe_intermediate_size}  # fmt: skip
+    if args.arch != "qwen3_moe":
+        given = [name for name, value in moe.items() if value is not None]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} applies to --arch qwen3_moe only")
+    else:
+        args.num_experts = args.num_experts or 4
+        args.num_experts_per_tok = args.num_experts_per_tok or 2
+        if args.num_experts < 2:
+            parser.error("--num-experts must be at least 2")
+        if not 1 <= args.num_experts_per_tok <= args.num_experts:
+            parser.error(f"--num-experts-per-tok must be between 1 and --num-experts ({args.num_experts})")
+        if args.moe_intermediate_size is not None and args.moe_intermediate_size <= 0:
+            parser.error("--moe-intermediate-size must be positive")
     if args.vocab is not None and args.vocab < tokenizer_size:
         parser.error(
             f"--vocab {args.vocab} is smaller than the tokenizer ({tokenizer_size} tokens); "
@@ -150,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
-    parser.add_argument("--arch", choices=["qwen3", "qwen2"], default="qwen3")
+    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe"], default="qwen3")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -163,6 +198,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         help="embedding rows; default: the tokenizer size. Larger values pad the vocabulary",
     )
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument(
+        "--num-experts", type=int, default=None, help="qwen3_moe: experts per layer (default 4)"
+    )
+    parser.add_argument("--num-experts-per-tok", type=int, default=None,
+                        help="qwen3_moe: experts each token is routed to (default 2)")  # fmt: skip
+    parser.add_argument("--moe-intermediate-size", type=int, default=None,
+                        help="qwen3_moe: each expert's MLP width (default: half the hidden size)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     return args, parser
