@@ -2,8 +2,8 @@
 
 Two runners share one interface (`prefill`, `decode`, `release`, `free_cache`):
 
-* `BatchedRunner`, for Llama-style decoders (Llama, Qwen2, Qwen3, Mistral without sliding
-  window): drives the Hugging Face modules layer by layer with a slot KV cache. Running
+* `BatchedRunner`, for Llama-style decoders (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral without
+  sliding window): drives the Hugging Face modules layer by layer with a slot KV cache. Running
   sequences occupy rows [0, B) of the cache; a finished sequence's row is refilled by the last
   row, so decode attends over a view of the cache with no gather. Prefill pads new prompts to
   the longest and writes their keys/values straight into fresh rows.
@@ -32,7 +32,9 @@ from slime.engines.torch_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral"}
+# qwen3_moe: Qwen3's attention; its MLP is a router over experts that works token by token, so a
+# padded batch routes each real token as it would alone (HF's experts have no capacity limit).
+_LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
