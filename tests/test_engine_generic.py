@@ -40,8 +40,13 @@ def gpt2_model(tiny_model, tmp_path_factory):
 
 def test_generic_runner_greedy_and_logprobs(gpt2_model, tmp_path):
     path, model = gpt2_model
-    prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40]]
-    with start_engine(path, tmp_path) as eng:
+    assert_serves_like_hf(path, model, [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40]], tmp_path, "GenericRunner")
+
+
+def assert_serves_like_hf(path, model, prompts, log_dir, runner, sampled_tokens=10):
+    """An engine on `path` batches `prompts` with `runner`: greedy tokens equal Hugging Face's
+    `generate` (10 tokens), sampled log-probs equal a teacher-forced forward within 1e-5."""
+    with start_engine(path, log_dir) as eng:
 
         async def scenario():
             async with EngineClient(eng.url) as c:
@@ -51,13 +56,17 @@ def test_generic_runner_greedy_and_logprobs(gpt2_model, tmp_path):
                 )
                 sampled = await c.generate(
                     prompts,
-                    sampling_params={"max_new_tokens": 10, "temperature": 0.8, "ignore_eos": True},
+                    sampling_params={
+                        "max_new_tokens": sampled_tokens,
+                        "temperature": 0.8,
+                        "ignore_eos": True,
+                    },
                     return_logprob=True,
                 )
                 return info, greedy, sampled
 
         info, greedy, sampled = asyncio.run(scenario())
-    assert info["runner"] == "GenericRunner"
+    assert info["runner"] == runner
     for prompt, res in zip(prompts, greedy, strict=True):
         with torch.no_grad():
             out = model.generate(
