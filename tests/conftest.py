@@ -39,6 +39,13 @@ def tiny_model_b(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE checkpoint (4 experts, top-2, 2 layers of width 64; seed 0)."""
+    path = str(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
+    return make_model(path, 0, "--arch", "qwen3_moe", "--hidden-size", "64", "--num-layers", "2")
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model):
     from transformers import AutoModelForCausalLM
 

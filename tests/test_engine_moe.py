@@ -7,21 +7,70 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_model
 from tests.test_engine_generic import assert_serves_like_hf
 
 
 @pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
+def moe_model(tiny_moe):
     from transformers import AutoModelForCausalLM
 
-    path = make_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"), 0, "--arch", "qwen3_moe",
-                      "--hidden-size", "64", "--num-layers", "2")  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return path, model
+    return tiny_moe, AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
 
 
 def test_batched_runner_serves_qwen3_moe(moe_model, tmp_path):
     path, model = moe_model
     prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40], [22, 23, 24, 25]]
     assert_serves_like_hf(path, model, prompts, tmp_path, "BatchedRunner", sampled_tokens=12)
+
+
+def test_weight_store_speaks_per_expert_checkpoint_names(moe_model, tmp_path):
+    """Updates, fingerprints and dumps of a fused-expert model use the checkpoint's per-expert
+    names; the fused module names are accepted too; resume tracks every expert separately."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.protocol import ProtocolError
+    from slime.engines.torch_engine.weights import WeightStore
+    from tests.conftest import make_model
+    from tests.test_fsdp_moe import checkpoint_tensors
+
+    path, _ = moe_model
+    other = make_model(
+        str(tmp_path / "moe-b"), 1, "--arch", "qwen3_moe", "--hidden-size", "64", "--num-layers", "2"
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    store = WeightStore(model)
+    target = checkpoint_tensors(other)
+    assert store.canonical_names() == sorted(target)
+
+    store.update_from_disk(other)
+    expected = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    for name, value in expected.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name], value), name
+    snapshot_count = store.snapshot()
+    assert snapshot_count == len(target) and store.compare() == []
+
+    fused = "model.layers.1.mlp.experts.down_proj"
+    store.update_from_named([(fused, torch.zeros(4, 64, 32))])
+    problems = store.compare()
+    assert sorted(p.split()[0] for p in problems) == [
+        f"name=model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)
+    ]
+
+    with pytest.raises(ProtocolError, match=r"experts\.4\.up_proj.*unknown|unknown.*experts\.4\.up_proj"):
+        store.update_from_named([("model.layers.0.mlp.experts.4.up_proj.weight", torch.zeros(32, 64))])
+    with pytest.raises(
+        ProtocolError, match=r"experts\.0\.up_proj\.weight': shape \[64, 32\] != expected \[32, 64\]"
+    ):
+        store.update_from_named([("model.layers.0.mlp.experts.0.up_proj.weight", torch.zeros(64, 32))])
+
+    store.release()
+    store.resume()
+    experts = [n for n in target if ".mlp.experts." in n]
+    store.update_from_named([(n, t) for n, t in target.items() if n not in experts[:3]])
+    assert store.stale == set(experts[:3])
+    store.update_from_named([(n, target[n]) for n in experts[:3]])
+    assert not store.stale
+    for name, value in expected.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name], value), name
+    sums = store.checksums([experts[0]])
+    assert list(sums) == [experts[0]]

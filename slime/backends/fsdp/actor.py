@@ -25,6 +25,7 @@ from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
+from slime.utils import hf_experts
 from slime.utils.distributed import init_train_group
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,8 @@ class FSDPTrainActor(TrainActorBase):
         return ckpt.export_weight_buckets(self.model, bucket_bytes)  # full tensors on every rank anyway
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        return hf_experts.checkpoint_shapes(self.hf_config.model_type, shapes)
 
     def close(self) -> None:
         """Leave the process group together: a rank tearing gloo down while a peer still talks

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from slime.utils import hf_experts
 from slime.utils.buckets import iter_buckets
 from slime.utils.files import atomic_write_text
 
@@ -189,11 +190,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def export_weight_buckets(
     model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield [(HF name, full tensor)] buckets of at most `bucket_bytes` (a larger tensor alone).
+    """Yield [(HF checkpoint name, full tensor)] buckets of at most `bucket_bytes` (a larger
+    tensor alone).
 
     Every rank must iterate: each tensor is all-gathered when its bucket is built, so at most
     one bucket of full tensors exists at a time. Tied parameters are yielded once, under the
-    name `named_parameters()` gives (the one a Hugging Face save keeps).
+    name `named_parameters()` gives (the one a Hugging Face save keeps). Fused expert
+    parameters go out one tensor per expert, under the checkpoint's names (slime.utils.hf_experts).
     """
     if bucket_bytes < 1:
         raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {bucket_bytes}")
@@ -203,7 +206,8 @@ def export_weight_buckets(
             full = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
             yield name, full.to(dtype) if dtype else full
 
-    return iter_buckets(gathered(), bucket_bytes)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return iter_buckets(hf_experts.checkpoint_tensors(model_type, gathered()), bucket_bytes)
 
 
 def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30) -> None:

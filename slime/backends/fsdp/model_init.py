@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from slime.utils import hf_experts
 from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,11 @@ class _CheckpointReader:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    def whole(self, key: str) -> torch.Tensor:
+        if self._bin:
+            return self._bin[key]
+        return self._open[self._where[key]].get_tensor(key)
+
     def rows(self, key: str, start: int, end: int) -> torch.Tensor:
         if self._bin:
             t = self._bin[key]
@@ -194,7 +200,12 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -
     """
     reader = _CheckpointReader(path)
     params = dict(model.named_parameters())
-    missing = [n for n in params if n not in reader.keys()]
+    # Fused expert parameters (MoE) are stored one tensor per expert: read this rank's experts.
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    shapes = {n: tuple(p.shape) for n, p in params.items() if n not in reader.keys()}
+    per_expert = hf_experts.by_fused(hf_experts.checkpoint_slices(model_type, shapes))
+    per_expert = {n: parts for n, parts in per_expert.items() if all(k in reader.keys() for k, _ in parts)}
+    missing = [n for n in params if n not in reader.keys() and n not in per_expert]
     if missing:
         logger.warning(
             "checkpoint %s names %d parameters differently (e.g. %s); loading it whole with from_pretrained",
@@ -206,8 +217,33 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -
     shards = {}
     for name, param in params.items():
         start, end = shard_rows(param.shape[0], rank, world_size) if param.dim() else (0, 0)
-        shards[name] = reader.rows(name, start, end).to(torch.float32)
+        if name in per_expert:
+            shards[name] = _read_experts(reader, per_expert[name], param.shape, start, end)
+        else:
+            shards[name] = reader.rows(name, start, end).to(torch.float32)
     return shards
+
+
+def _read_experts(
+    reader: _CheckpointReader,
+    parts: list[tuple[str, hf_experts.ExpertSlice]],
+    shape: Any,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Experts [start, end) of a fused parameter, assembled from their per-expert tensors."""
+    out = torch.empty((end - start, *shape[1:]), dtype=torch.float32)
+    for key, where in parts:
+        if start <= where.expert < end:
+            piece = reader.whole(key)
+            expected = (where.rows.stop - where.rows.start, *shape[2:])
+            if tuple(piece.shape) != expected:
+                raise CheckpointError(
+                    f"checkpoint tensor {key} has shape {tuple(piece.shape)}, but the model's "
+                    f"{where.fused} {tuple(shape)} needs {expected} (does the checkpoint match config.json?)"
+                )
+            out[where.expert - start, where.rows] = piece.to(torch.float32)
+    return out
 
 
 def _shards_via_from_pretrained(path: str, params: dict[str, Any], rank: int, world_size: int):

@@ -3,8 +3,10 @@
 Every update is all-or-nothing: the names, dtypes and shapes of the whole request are checked
 against the model before the first parameter is written, and the new values are fully received
 before any copy starts. A refused update leaves every parameter as it was and names the first
-offending tensors. Names are Hugging Face parameter names; for tied embeddings both
-`model.embed_tokens.weight` and `lm_head.weight` are accepted.
+offending tensors. Names are Hugging Face checkpoint names; for tied embeddings both
+`model.embed_tokens.weight` and `lm_head.weight` are accepted. Mixture-of-experts models whose
+module fuses its experts (slime.utils.hf_experts) are written and reported one expert tensor at
+a time, under the checkpoint's per-expert names; the fused module names are accepted too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from slime.engines.protocol import NamedTensorSpec, ProtocolError
 from slime.utils import distributed as sdist
+from slime.utils import hf_experts
 from slime.utils.shm_tensors import MappedFiles, dtype_from_str, open_named_tensors, parse_handle
 
 logger = logging.getLogger(__name__)
@@ -33,8 +36,23 @@ class WeightStore:
         self._canonical: dict[int, str] = {}
         for name, p in model.named_parameters():
             self._canonical[id(p)] = name
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.slices = hf_experts.checkpoint_slices(model_type, shapes)
+        # The tensors this store reports (fingerprints, dumps, checks): checkpoint name ->
+        # (canonical parameter, slice of it or None).
+        self._entries: dict[str, tuple[str, hf_experts.ExpertSlice | None]] = {}
+        fused = hf_experts.by_fused(self.slices)
+        for name in shapes:
+            for part, where in fused.get(name, [(name, None)]):
+                self._entries[part] = (name, where)
+        # Every name an update may write -> the entries it writes.
+        self._covers: dict[str, list[str]] = {n: [n] for n in self.slices}
+        for name, p in self.params.items():
+            canonical = self._canonical[id(p)]
+            self._covers[name] = [part for part, _ in fused.get(canonical, [(canonical, None)])]
         self._released: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
-        # Parameters reallocated by resume and not yet written by an update.
+        # Entries reallocated by resume and not yet written by an update.
         self.stale: set[str] = set()
         self.groups: dict[str, Any] = {}
         self._mapped = MappedFiles()  # the trainer's shared-memory files, mapped once
@@ -46,8 +64,7 @@ class WeightStore:
         """Raise ProtocolError naming every unknown name, non-float dtype or wrong shape."""
         problems = []
         for spec in specs:
-            param = self.params.get(spec.name)
-            if param is None:
+            if spec.name not in self._covers:
                 problems.append(f"unknown parameter name '{spec.name}'")
                 continue
             try:
@@ -66,11 +83,21 @@ class WeightStore:
                 "weight update refused, no parameter changed: " + "; ".join(problems[:5]) + more
             )
 
-    def _shape_of(self, name: str) -> torch.Size:
-        canonical = self._canonical[id(self.params[name])]
-        if canonical in self._released:
-            return self._released[canonical][0]
-        return self.params[name].shape
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        where = self.slices.get(name)
+        canonical = where.fused if where else self._canonical[id(self.params[name])]
+        shape = self._released[canonical][0] if canonical in self._released else self.params[canonical].shape
+        return (where.rows.stop - where.rows.start, *shape[2:]) if where else tuple(shape)
+
+    def _tensor(self, entry: str) -> torch.Tensor:
+        """The tensor an entry names: a parameter, or a view of one expert of a fused one."""
+        canonical, where = self._entries[entry]
+        param = self.params[canonical]
+        return where.view(param) if where else param
+
+    def _target(self, name: str) -> torch.Tensor:
+        where = self.slices.get(name)
+        return where.view(self.params[where.fused]) if where else self.params[name]
 
     def specs_of(self, named: list[tuple[str, torch.Tensor]]) -> list[NamedTensorSpec]:
         return [NamedTensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
@@ -86,16 +113,15 @@ class WeightStore:
         if self._released:
             raise ProtocolError("weights are released; call /resume_memory_occupation before updating", 409)
         for name, tensor in named:
-            param = self.params[name]
-            param.copy_(tensor)
-            canonical = self._canonical[id(param)]
-            self.stale.discard(canonical)
-            if self.applied_fingerprints is not None:
-                self.applied_fingerprints[canonical] = fingerprint_entry(param)
+            self._target(name).copy_(tensor)
+            for entry in self._covers[name]:
+                self.stale.discard(entry)
+                if self.applied_fingerprints is not None:
+                    self.applied_fingerprints[entry] = fingerprint_entry(self._tensor(entry))
         return len(named)
 
     def canonical_names(self) -> list[str]:
-        return sorted(set(self._canonical.values()))
+        return sorted(self._entries)
 
     def update_from_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
         self.validate(self.specs_of(named))
@@ -232,14 +258,14 @@ class WeightStore:
         """Fingerprints (slime.utils.checksum) of the named parameters (all canonical ones by default)."""
         from slime.utils.checksum import tensor_checksum
 
-        wanted = names if names is not None else sorted(set(self._canonical.values()))
-        unknown = [n for n in wanted if n not in self.params]
+        wanted = names if names is not None else self.canonical_names()
+        unknown = [n for n in wanted if n not in self._entries]
         if unknown:
             raise ProtocolError(f"unknown parameter names {unknown[:5]}")
-        released = [n for n in wanted if n in self._released or n in self.stale]
+        released = [n for n in wanted if self._entries[n][0] in self._released or n in self.stale]
         if released:
             raise ProtocolError(f"parameters {released[:5]} are released or not reloaded yet")
-        return {n: tensor_checksum(self.params[n]) for n in wanted}
+        return {n: tensor_checksum(self._tensor(n)) for n in wanted}
 
     # ---- verification (issue 7: docs/debugging.md "Parameter sync") -------------------------
     def _canonical_params(self) -> list[tuple[str, torch.Tensor]]:
@@ -247,7 +273,7 @@ class WeightStore:
             raise ProtocolError(
                 "parameters are released or not reloaded yet; resume and update them first", 409
             )
-        return sorted((name, p) for name, p in self.model.named_parameters())
+        return [(name, self._tensor(name)) for name in sorted(self._entries)]
 
     def fingerprints(self) -> dict[str, dict[str, Any]]:
         """Every parameter (canonical names): dtype, shape and slime.utils.checksum's fingerprint."""
@@ -313,7 +339,7 @@ class WeightStore:
         params = dict(self.model.named_parameters())
         for name, (shape, dtype, device) in self._released.items():
             params[name].data = torch.empty(shape, dtype=dtype, device=device)
-            self.stale.add(name)
+            self.stale.update(self._covers[name])
         self._released.clear()
 
     @property
