@@ -74,3 +74,54 @@ def test_weight_store_speaks_per_expert_checkpoint_names(moe_model, tmp_path):
         assert torch.equal(dict(model.named_parameters())[name], value), name
     sums = store.checksums([experts[0]])
     assert list(sums) == [experts[0]]
+
+
+def hf_routing(model, tokens: list[int]) -> torch.Tensor:
+    """The experts Hugging Face's forward routes each token of `tokens` to: [tokens, layers, top-k]."""
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
+        for li, layer in enumerate(model.model.layers)
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([chosen[li] for li in range(len(model.model.layers))], dim=1).to(torch.int32)
+
+
+def test_routed_experts_are_the_experts_hf_routes_to(moe_model, tmp_path):
+    """SGLang's `return_routed_experts`: meta_info "routed_experts" is base64 int32
+    [prompt + response - 1 tokens, layers, top-k], here with four requests batched, in prefill and
+    decode, and it equals the routing of a teacher-forced forward of the whole sequence."""
+    import asyncio
+    import base64
+
+    from slime.engines.client import EngineClient, EngineError
+    from tests.conftest import start_engine
+
+    path, model = moe_model
+    prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40], [22, 23, 24, 25]]
+    params = {"max_new_tokens": 7, "temperature": 0.8, "ignore_eos": True}
+
+    async def ask(url, **kw):
+        async with EngineClient(url) as c:
+            return await c.generate(prompts, sampling_params=params, return_logprob=True, **kw)
+
+    with start_engine(path, tmp_path, "--enable-return-routed-experts") as eng:
+        outputs = asyncio.run(ask(eng.url, return_routed_experts=True))
+        plain = asyncio.run(ask(eng.url))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens = prompt + out["output_ids"]
+        raw = base64.b64decode(out["meta_info"]["routed_experts"])
+        routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(len(tokens) - 1, 2, 2)
+        assert torch.equal(routed, hf_routing(model, tokens[:-1]))
+    assert all("routed_experts" not in out["meta_info"] for out in plain)
+
+    with (
+        start_engine(path, tmp_path) as eng,
+        pytest.raises(EngineError, match="--enable-return-routed-experts"),
+    ):
+        asyncio.run(ask(eng.url, return_routed_experts=True))

@@ -135,6 +135,7 @@ class EngineClient:
         rid: str | list[str] | None = None,
         top_logprobs_num: int | None = None,
         timeout_s: float | None = None,
+        return_routed_experts: bool = False,
     ) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if input_ids is not None:
@@ -145,6 +146,8 @@ class EngineClient:
             payload["rid"] = rid
         if top_logprobs_num:
             payload["top_logprobs_num"] = top_logprobs_num
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         return await self.request("POST", "/generate", payload, timeout_s)
 
     async def completions(self, **body: Any) -> Any:

@@ -201,6 +201,8 @@ class GenerateRequest:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    """SGLang's field: report the experts each token was routed to (meta_info "routed_experts")."""
 
 
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
@@ -237,11 +239,13 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     rids = _per_prompt(body.get("rid"), n, "rid")
     return_logprob = _per_prompt(body.get("return_logprob", False), n, "return_logprob")
     top_n = _per_prompt(body.get("top_logprobs_num", 0), n, "top_logprobs_num")
+    routed = _per_prompt(body.get("return_routed_experts", False), n, "return_routed_experts")
     requests = []
     for i, prompt in enumerate(prompts):
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
         _expect(isinstance(rid, str) and rid != "", "'rid' must be a non-empty string")
         _expect(isinstance(return_logprob[i], bool), "'return_logprob' must be true or false")
+        _expect(isinstance(routed[i], bool), "'return_routed_experts' must be true or false")
         top = _as_int(top_n[i] or 0, "top_logprobs_num")
         _expect(top >= 0, f"'top_logprobs_num' must be >= 0, got {top}")
         requests.append(
@@ -252,6 +256,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
                 sampling_params=SamplingParams.from_json(sampling[i]),
                 return_logprob=return_logprob[i],
                 top_logprobs_num=top,
+                return_routed_experts=routed[i],
             )
         )
     _expect(len({r.rid for r in requests}) == n, "'rid' values in one batch must be distinct")

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest top_logprobs_num (and OpenAI logprobs) a request may ask for",
     )
     p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="let requests ask for the experts each token was routed to ('return_routed_experts'; "
+        "mixture-of-experts models; SGLang's flag of the same name)",
+    )
+    p.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
@@ -136,6 +142,7 @@ async def serve(args: argparse.Namespace) -> None:
         num_threads=args.num_threads,
         max_top_logprobs_num=args.max_top_logprobs_num,
         deterministic=args.enable_deterministic_inference,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     engine = TorchEngine(config)
     engine.start()

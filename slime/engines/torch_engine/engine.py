@@ -12,6 +12,7 @@ so no caller waits forever on a thread that is gone.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import logging
 import queue
@@ -57,6 +58,9 @@ class EngineConfig:
     """torch intra-op threads; default: torch's choice."""
     max_top_logprobs_num: int = 20
     """Largest `top_logprobs_num` a request may ask for (top-k runs per step for each such row)."""
+    enable_return_routed_experts: bool = False
+    """`--enable-return-routed-experts` (SGLang's flag): requests may ask for the experts each of
+    their tokens was routed to (`return_routed_experts`)."""
     deterministic: bool = False
     """`--enable-deterministic-inference`: batch-invariant forwards and deterministic kernels, so
     a request with a `sampling_seed` gets the same tokens and log-probs whatever else runs."""
@@ -309,6 +313,16 @@ class TorchEngine:
                 f"'top_logprobs_num' {req.top_logprobs_num} exceeds this server's limit of {limit} "
                 "(--max-top-logprobs-num)"
             )
+        if req.return_routed_experts:
+            if not self.config.enable_return_routed_experts:
+                raise ProtocolError(
+                    "'return_routed_experts' needs an engine started with --enable-return-routed-experts"
+                )
+            if not getattr(self.runner, "routers", None):
+                raise ProtocolError(
+                    f"'return_routed_experts': model_type {self.model.config.model_type!r} has no routed experts "
+                    "this engine can record"
+                )
         seq = Sequence(
             rid=req.rid,
             prompt_ids=ids,
@@ -316,6 +330,7 @@ class TorchEngine:
             return_logprob=req.return_logprob,
             # Top log-probs are only reported with return_logprob: don't compute them otherwise.
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+            return_routed_experts=req.return_routed_experts,
             on_finish=on_finish,
         )
         if params.sampling_seed is not None and not params.greedy:
@@ -426,4 +441,12 @@ class TorchEngine:
                 meta["output_top_logprobs"] = [
                     [[lp, t, None] for lp, t in top] for top in seq.output_top_logprobs
                 ]
+        if seq.return_routed_experts:
+            # SGLang's encoding: int32 [tokens fed to the model (all but the last), layers, top-k],
+            # flattened and base64-encoded.
+            routed = (
+                torch.cat(seq.routed_experts)[: seq.num_tokens - 1] if seq.routed_experts else torch.zeros(0)
+            )
+            routed = routed.to(torch.int32).contiguous()
+            meta["routed_experts"] = base64.b64encode(routed.numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}

@@ -153,6 +153,12 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+def _is_router(layer: Any) -> bool:
+    """A decoder layer whose MLP is a routed mixture of experts (HF's `gate` router with top-k)."""
+    mlp = getattr(layer, "mlp", None)
+    return hasattr(mlp, "experts") and hasattr(getattr(mlp, "gate", None), "top_k")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
@@ -192,6 +198,28 @@ class BatchedRunner(Runner):
             context_length,
         )
         self.active: list[Sequence] = []
+        # Mixture-of-experts layers: their routers, and what they chose in the current forward
+        # when a sequence asked for its routed experts.
+        self.routers = {li: layer.mlp.gate for li, layer in enumerate(self.inner.layers) if _is_router(layer)}
+        self.top_k = next((r.top_k for r in self.routers.values()), 0)
+        self._routed: dict[int, torch.Tensor] | None = None
+        for li, router in self.routers.items():
+            router.register_forward_hook(self._record_routing(li))
+
+    def _record_routing(self, li: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if self._routed is not None:
+                self._routed[li] = output[2]  # the top-k expert indices, [tokens, k]
+
+        return hook
+
+    def _routed_rows(self, B: int, T: int) -> torch.Tensor:
+        """What the routers chose in the last forward: [B, T, layers, top-k] int32 (dense layers 0)."""
+        assert self._routed is not None
+        out = torch.zeros((B, T, len(self.inner.layers), self.top_k), dtype=torch.int32)
+        for li, indices in self._routed.items():
+            out[:, :, li] = indices.view(B, T, -1).to("cpu", torch.int32)
+        return out
 
     def _attention_inputs(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         B, T, _ = x.shape
@@ -257,6 +285,8 @@ class BatchedRunner(Runner):
             ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
         ids = ids.to(self.device)
         lens = torch.tensor(lengths, device=self.device)
+        record = any(s.return_routed_experts for s in seqs)
+        self._routed = {} if record else None
         pos = torch.arange(T, device=self.device)
         # Causal within each prompt and blind to padding keys: (n, 1, T, T).
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
@@ -269,6 +299,11 @@ class BatchedRunner(Runner):
             T,
             lens - 1,
         )
+        if record:
+            routed = self._routed_rows(len(seqs), T)
+            for s, row, n in zip(seqs, routed, lengths):
+                s.routed_experts = [row[:n]] if s.return_routed_experts else []
+            self._routed = None
         for s, n in zip(seqs, lengths):
             s.num_cached = n
         self.active.extend(seqs)
@@ -293,7 +328,9 @@ class BatchedRunner(Runner):
         key_len = int(positions.max()) + 1
         ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
         mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        return self._forward(
+        record = any(s.return_routed_experts for s in seqs)
+        self._routed = {} if record else None
+        logits = self._forward(
             ids,
             positions[:, None],
             mask,
@@ -302,6 +339,12 @@ class BatchedRunner(Runner):
             key_len,
             torch.zeros(B, dtype=torch.long, device=self.device),
         )
+        if record:
+            for s, row in zip(seqs, self._routed_rows(B, 1)):
+                if s.return_routed_experts:
+                    s.routed_experts.append(row)
+            self._routed = None
+        return logits
 
     @torch.inference_mode()
     def release(self, seq: Sequence) -> None:

@@ -34,6 +34,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    return_routed_experts: bool = False
+    routed_experts: list[Any] = field(default_factory=list)
+    """With `return_routed_experts`: [tokens, layers, top-k] int32 tensors, in order, covering
+    every token fed to the model so far (the runner writes them; see BatchedRunner)."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached: int = 0

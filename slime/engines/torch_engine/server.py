@@ -231,6 +231,7 @@ class EngineAPI:
                 "max_running_requests": cfg.max_running_requests,
                 "random_seed": cfg.random_seed,
                 "enable_deterministic_inference": cfg.deterministic,
+                "enable_return_routed_experts": cfg.enable_return_routed_experts,
                 "runner": type(e.runner).__name__,
                 "weight_version": e.weight_version,
                 "internal_states": [
