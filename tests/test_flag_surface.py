@@ -107,7 +107,11 @@ def test_each_disagreeing_architecture_flag_names_the_config_key(tiny_model, pro
 
 def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prompts, capsys):
     err = error(capsys, base(tiny_model, prompts, "--num-experts", "64"))
-    assert "--num-experts 64: mixture-of-experts models are not supported yet" in err
+    assert f"--num-experts 64 disagrees with --hf-checkpoint {tiny_model}: config.json num_experts = 0" in err
+    err = error(capsys, base(tiny_model, prompts, "--num-experts", "64", "--train-backend", "megatron"))
+    assert "--num-experts 64: mixture-of-experts models in the Megatron backend are not built yet" in err
+    err = error(capsys, base(tiny_model, prompts, "--use-rollout-routing-replay"))
+    assert "--use-rollout-routing-replay needs a mixture-of-experts model" in err
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention"))
     assert "--multi-latent-attention: multi-latent attention" in err
     err = error(capsys, base(tiny_model, prompts, "--use-opd", "--opd-type", "sglang"))

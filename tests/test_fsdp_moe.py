@@ -112,3 +112,163 @@ def test_export_and_save_hf_use_per_expert_names(runs, tiny_moe):
     )
     for name, value in rank0["final"].items():
         assert torch.equal(loaded[name].detach(), value), name
+
+
+def forced_log_probs(model, tokens: list[int], response_length: int, experts: torch.Tensor | None):
+    """Hugging Face's forward of one sample with each token's experts forced to `experts`
+    ([tokens, layers, k]; None: the model's own routing), weights renormalised over them."""
+    hooks = []
+    if experts is not None:
+        for li, layer in enumerate(model.model.layers):
+
+            def hook(module, args, out, li=li):
+                probs = torch.softmax(out[0], dim=-1, dtype=torch.float32)
+                chosen = experts[:, li].long()
+                top = probs.gather(1, chosen)
+                return out[0], (top / top.sum(-1, keepdim=True)).to(out[1].dtype), chosen
+
+            hooks.append(layer.mlp.gate.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return lp[-response_length:]
+
+
+def replay_rank(rank, world_size, init_method, model):
+    import dataclasses
+
+    from slime.backends.fsdp import moe
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.config.train import MoEOptions
+    from tests.test_engine_moe import hf_routing
+    from tests.test_fsdp_actor import base_config, make_batch
+
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    batch = make_batch(0)
+    own = [hf_routing(hf, t[:-1]) for t in batch.tokens]
+    rotated = [(r + 1) % 4 for r in own]  # another routing: every expert id shifted by one
+    out = {}
+
+    def actor_with(**flags):
+        cfg = base_config(model, micro_batch_size=2)
+        cfg = dataclasses.replace(cfg, moe=MoEOptions(**flags))
+        actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+        actor.init()
+        return actor
+
+    actor = actor_with()
+    out["plain"] = actor.compute_log_probs(batch)
+    actor.close()
+    actor = actor_with(use_rollout_routing_replay=True)
+    out["r3_own"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=own))
+    out["r3_rotated"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=rotated))
+    try:
+        actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=[r[:-1] for r in own]))
+    except Exception as e:
+        out["short_table"] = str(e)
+    actor.close()
+
+    # R2: the training steps replay what the log-prob pass recorded (spied on the hooks).
+    seen = []
+    original = moe.Routing.micro_batch
+
+    def spy(self, replay=None, record=False, aux=False):
+        seen.append((None if replay is None else replay.clone(), record, aux))
+        return original(self, replay, record, aux)
+
+    moe.Routing.micro_batch = spy
+    actor = actor_with(use_routing_replay=True, moe_aux_loss_coeff=0.01)
+    plans = actor.plan(batch)
+    result = actor.train(0, batch)
+    moe.Routing.micro_batch = original
+    out["r2_seen"] = seen
+    out["r2_plans"] = [[list(mb) for mb in step.micro_batches] for step in plans]
+    out["r2_steps"] = result.steps
+    out["own"] = own
+    out["rotated"] = rotated
+    actor.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_moe):
+    return run_ranks(1, replay_rank, tiny_moe)[0]
+
+
+def test_rollout_routing_replay_routes_as_told(replay, hf_moe):
+    """R3: replaying the routing the model would choose changes nothing (bitwise); replaying
+    another one gives exactly the log-probs of a forward forced to those experts."""
+    from tests.test_fsdp_actor import make_batch
+
+    batch = make_batch(0)
+    assert replay["r3_own"] == replay["plain"]
+    for i, (tokens, r) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        table = torch.cat(
+            [replay["rotated"][i], replay["own"][i][-1:]]
+        )  # last token: any (not predicted from)
+        expected = forced_log_probs(hf_moe, tokens, r, table)
+        assert torch.allclose(torch.tensor(replay["r3_rotated"][i]), expected, atol=1e-5, rtol=0), i
+        assert max(abs(a - b) for a, b in zip(replay["r3_rotated"][i], replay["plain"][i])) > 1e-3
+    assert "'rollout_routed_experts': shape" in replay["short_table"]
+
+
+def test_routing_replay_r2_and_the_aux_loss(replay, hf_moe):
+    """R2: the log-prob pass records each token's experts (those Hugging Face routes to) and every
+    training micro-batch replays them; --moe-aux-loss-coeff adds megatron-core's aux_loss,
+    checked against a hand computation from Hugging Face's router probabilities."""
+    from tests.test_fsdp_actor import make_batch
+
+    batch = make_batch(0)
+    seen, plans = replay["r2_seen"], replay["r2_plans"]
+    micro_batches = [mb for step in plans for mb in step]
+    n = len(micro_batches)
+    log_prob_pass, ref_pass, train_steps = seen[:n], seen[n : 2 * n], seen[2 * n :]
+    assert all(record and replay_t is None and not aux for replay_t, record, aux in log_prob_pass)
+    assert len(train_steps) == n
+    # The reference pass (--use-kl-loss) replays too, so step-0 KL stays exactly 0.
+    for (table, record, _), positions in [*zip(ref_pass, micro_batches), *zip(train_steps, micro_batches)]:
+        assert not record and table is not None
+        start = 0
+        for p in positions:  # packed: the samples back to back
+            length = len(batch.tokens[p])
+            assert torch.equal(table[start : start + length - 1].int(), replay["own"][p]), p
+            start += length
+    assert all(aux for _, _, aux in train_steps) and not any(aux for _, _, aux in ref_pass)
+    assert replay["r2_steps"][0]["kl_loss"] == 0.0
+    # aux_loss of the first step, by hand: per micro-batch and MoE layer, E/(k T^2) sum_e P_e n_e.
+    expected = 0.0
+    step_samples = sum(len(mb) for mb in plans[0])
+    for positions in plans[0]:
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        hooks = [
+            layer.mlp.gate.register_forward_hook(
+                lambda m, a, out, li=li, got=per_layer: got.setdefault(li, []).append(
+                    out[0].float().softmax(-1)
+                )
+            )
+            for li, layer in enumerate(hf_moe.model.layers)
+        ]
+        with torch.no_grad():
+            for p in positions:
+                hf_moe(torch.tensor([batch.tokens[p]]))
+        for h in hooks:
+            h.remove()
+        for probs in per_layer.values():
+            probs = torch.cat(probs)
+            counts = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=4).float()
+            tokens = probs.shape[0]
+            expected += (
+                float((probs.sum(0) * counts).sum())
+                * 4
+                / (2 * tokens * tokens)
+                * len(positions)
+                / step_samples
+            )
+    assert abs(replay["r2_steps"][0]["moe_aux_loss"] - expected) < 1e-5

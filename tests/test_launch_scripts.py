@@ -113,18 +113,25 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
     assert not missing, f"{name}.sh lacks {missing}"
     family = hf["model_type"]
     assert ("--add-qkv-bias" in args) == (family == "qwen2")
-    assert ("--qk-layernorm" in args) == (family == "qwen3")
+    assert ("--qk-layernorm" in args) == (family in ("qwen3", "qwen3_moe"))
     assert ("--untie-embeddings-and-output-weights" in args) == (not hf["tie_word_embeddings"])
     assert ("--use-rope-scaling" in args) == (family == "llama")
 
     hf_dir = write_config(name, tmp_path / name)
-    # Llama 3.x's llama3 RoPE scaling is not in the Megatron conversion: FSDP trains it.
-    backend = ["--train-backend", "fsdp"] if family == "llama" else []
+    # Llama 3.x's llama3 RoPE scaling and mixture-of-experts models are not in the Megatron
+    # conversion: FSDP trains them.
+    backend = ["--train-backend", "fsdp"] if family in ("llama", "qwen3_moe") else []
     code, out = dry_run(capsys, [*args, *base_flags(hf_dir, prompt_file), *backend])
     assert code == 0, out
     assert "plan:" in out
-    given = sum(1 for a in args if a.startswith("--"))
+    from slime.config.megatron_lm import SPECS
+
+    architecture = {s.flag for s in SPECS if s.group == "architecture"}
+    given = sum(1 for a in args if a in architecture)
+    assert given >= len(REQUIRED)
     assert f"its {given} architecture flags agree with it" in out
+    if hf.get("num_experts"):
+        assert f"{hf['num_experts']} experts, {hf['num_experts_per_tok']} per token" in out
     assert f"train backend: {'fsdp' if backend else 'megatron'}" in out
 
 

@@ -38,6 +38,9 @@ class RolloutBatch:
     loss_masks: list[list[int]] | None = None
     rollout_log_probs: list[list[float]] | None = None
     sample_indices: list[int] | None = None
+    rollout_routed_experts: list[Any] | None = None
+    """Mixture-of-experts models: per sample, the experts the engine routed each token to,
+    [tokens - 1, layers, top-k] (slime's field; --use-rollout-routing-replay trains with them)."""
     rewards_normalized: bool = False
     """`rewards` came from --custom-reward-post-process-path: the advantages start from them as
     they are (no group baseline on the train side)."""
@@ -50,7 +53,8 @@ class RolloutBatch:
         n = len(self.tokens)
         if n == 0:
             raise BatchError("rollout batch is empty")
-        for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs"):
+        for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs",
+                     "rollout_routed_experts"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
@@ -89,6 +93,7 @@ class RolloutBatch:
             group_indices=[self.group_indices[i] for i in indices],
             loss_masks=pick(self.loss_masks),
             rollout_log_probs=pick(self.rollout_log_probs),
+            rollout_routed_experts=pick(self.rollout_routed_experts),
             sample_indices=[base[i] for i in indices],
             rewards_normalized=self.rewards_normalized,
         )

@@ -73,6 +73,19 @@ class MicroBatch:
         lengths = [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
         return max([*lengths, self.input_ids.shape[1] - sum(lengths)])
 
+    def token_starts(self) -> list[int]:
+        """Where each sample's first token sits in `input_ids` flattened (row-major)."""
+        if self.offsets is not None:
+            return list(self.offsets)
+        return [row * self.input_ids.shape[1] for row in range(self.num_samples)]
+
+    def real_tokens(self) -> torch.Tensor:
+        """[rows * length] bool over `input_ids` flattened: true at the samples' tokens (not padding)."""
+        real = torch.zeros(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
+        for start, p, r in zip(self.token_starts(), self.prompt_lengths, self.response_lengths):
+            real[start : start + p + r] = True
+        return real
+
     def predictions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the response tokens are predicted, one entry per response token in sample order:
         the row of `input_ids` (always 0 when packed), the position whose logits predict the token

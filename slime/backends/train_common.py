@@ -29,6 +29,7 @@ from slime.backends import batching
 from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.micro_batch import MicroBatch
 from slime.config.train import TrainConfig
+from slime.utils.errors import UsageError
 
 
 def nan_max(a: float, b: float) -> float:
@@ -89,6 +90,17 @@ class TrainActorBase:
 
     ref_state: dict[str, torch.Tensor] | None = None
     """This rank's part of the reference weights (None: the loss uses no reference)."""
+
+    routing_tables: dict[int, torch.Tensor] | None = None
+    """Routing replay during one `train` or `compute_log_probs` call: per batch position, the
+    experts each token is routed to, [tokens, layers, top-k] (-1: the router's own choice).
+    R3 sets them from the engine's; R2 from what the log-prob pass recorded."""
+    recorded_routing: dict[int, torch.Tensor] | None = None
+    """R2: a dict the next log-prob pass fills with the experts it routed each token to."""
+
+    def _rollout_routing(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
+        """R3: the engine's routing of the samples at `positions` as routing tables (checked)."""
+        raise UsageError("--use-rollout-routing-replay: this train backend has no routing replay")
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's part of the weights."""
@@ -283,22 +295,44 @@ class TrainActorBase:
         batch = part.batch
         batch.validate(self.hf_config.vocab_size)
         plans = self._log_prob_plans(part, self.plan(part))
-        if use_reference:
-            with self._reference_weights():
+        mine = [p for step in plans for mb in step.micro_batches for p in mb]
+        with self._routing_replay(batch, mine):
+            if use_reference:
+                with self._reference_weights():
+                    values = self._log_prob_pass(batch, plans)
+            else:
                 values = self._log_prob_pass(batch, plans)
-        else:
-            values = self._log_prob_pass(batch, plans)
         index = batch.sample_indices or part.positions
         return {index[p]: v.tolist() for p, v in values.items()}
 
+    @contextlib.contextmanager
+    def _routing_replay(self, batch: RolloutBatch, mine: list[int]) -> Iterator[None]:
+        """Context of one call: R3's tables from the batch, or R2's recording armed."""
+        moe = self.cfg.moe
+        self.routing_tables = self._rollout_routing(batch, mine) if moe.use_rollout_routing_replay else None
+        self.recorded_routing = {} if moe.use_routing_replay else None
+        try:
+            yield
+        finally:
+            self.routing_tables = self.recorded_routing = None
+
     # ---- training ---------------------------------------------------------------------------
     def train(self, rollout_id: int, data: RolloutBatch | RolloutPart) -> TrainOutput:
-        loss_cfg = self.cfg.loss
         part = as_part(data)
         batch = part.batch
-        batch.validate(self.hf_config.vocab_size, need_rollout_log_probs=loss_cfg.needs_rollout_log_probs)
+        batch.validate(
+            self.hf_config.vocab_size, need_rollout_log_probs=self.cfg.loss.needs_rollout_log_probs
+        )
         plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
+        with self._routing_replay(batch, mine):
+            return self._train(rollout_id, part, plans, mine)
+
+    def _train(
+        self, rollout_id: int, part: RolloutPart, plans: list[StepPlan], mine: list[int]
+    ) -> TrainOutput:
+        loss_cfg = self.cfg.loss
+        batch = part.batch
         output = TrainOutput()
         old = ref = None
         start = time.perf_counter()
@@ -310,6 +344,8 @@ class TrainActorBase:
                 old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
             else:
                 old = self._log_prob_pass(batch, lp_plans)
+                if self.recorded_routing is not None:  # R2: the passes below replay this routing
+                    self.routing_tables, self.recorded_routing = self.recorded_routing, None
             if loss_cfg.needs_ref:
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)

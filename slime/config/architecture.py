@@ -72,13 +72,14 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "norm_epsilon": getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None),
         "add_bias_linear": attention_bias or bool(getattr(config, "mlp_bias", False)),
         "add_qkv_bias": model_type == "qwen2" or attention_bias,
-        "qk_layernorm": model_type in ("qwen3",),
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
         "position_embedding_type": "rope",
         "rotary_base": theta,
         "rotary_percent": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
         "use_rope_scaling": scaling_kind == "llama3",
         "rope_scaling_factor": factor,
+        **_hf_moe(config),
     }
     keys = {
         "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
@@ -89,15 +90,77 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "add_qkv_bias": "model_type/attention_bias", "qk_layernorm": "model_type",
         "untie_embeddings_and_output_weights": "tie_word_embeddings", "rotary_base": "rope_theta",
         "rotary_percent": "partial_rotary_factor", "use_rope_scaling": "rope_scaling.rope_type",
-        "rope_scaling_factor": "rope_scaling.factor",
+        "rope_scaling_factor": "rope_scaling.factor", "num_experts": "num_experts",
+        "moe_layer_freq": "decoder_sparse_step/mlp_only_layers", "moe_ffn_hidden_size": "moe_intermediate_size",
+        "moe_router_topk": "num_experts_per_tok", "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+        "moe_router_score_function": "model_type", "moe_router_pre_softmax": "norm_topk_prob",
+        "moe_router_topk_scaling_factor": "routed_scaling_factor",
     }  # fmt: skip
     return HFArchitecture(values, keys)
+
+
+def _hf_moe(config: Any) -> dict[str, Any]:
+    """An HF config's mixture of experts in Megatron-LM's terms (num_experts 0: dense)."""
+    experts = getattr(config, "num_experts", None) or 0
+    if not experts:
+        return {"num_experts": 0}
+    layers = config.num_hidden_layers
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return {
+        "num_experts": experts,
+        "moe_layer_freq": [int(i not in dense and (i + 1) % step == 0) for i in range(layers)],
+        "moe_ffn_hidden_size": getattr(config, "moe_intermediate_size", None),
+        "moe_router_topk": getattr(config, "num_experts_per_tok", None),
+        "moe_shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None) or 0,
+        "moe_router_score_function": "softmax",  # the Qwen MoE families (slime.utils.hf_experts)
+        "moe_router_pre_softmax": not getattr(config, "norm_topk_prob", False),
+        "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
+    }
+
+
+def moe_layer_freq(value: Any, num_layers: int) -> list[int] | None:
+    """Megatron-LM's --moe-layer-freq as one 0/1 per layer: an int k (every k-th layer, from the
+    first) or a list expression such as "[0]*3+[1]*45"; None when it cannot be read."""
+    if value is None:
+        return [1] * num_layers
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        k = int(value)
+        return [int(i % k == 0) for i in range(num_layers)] if k > 0 else None
+    import ast
+
+    try:  # Megatron-LM evaluates the string; only literals and list arithmetic are taken here
+        tree = ast.parse(str(value), mode="eval")
+        if not all(isinstance(n, (ast.Expression, ast.List, ast.Constant, ast.BinOp, ast.Add, ast.Mult,
+                                  ast.Load)) for n in ast.walk(tree)):  # fmt: skip
+            return None
+        freq = eval(compile(tree, "<--moe-layer-freq>", "eval"), {"__builtins__": {}})
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    return [int(x) for x in freq] if isinstance(freq, list) else None
+
+
+def _megatron_moe(ns: argparse.Namespace) -> dict[str, Any]:
+    if not ns.num_experts:
+        return {"num_experts": 0} if model_described(ns) else {}
+    out: dict[str, Any] = {"num_experts": ns.num_experts}
+    out["moe_router_topk"] = 2 if ns.moe_router_topk is None else ns.moe_router_topk
+    out["moe_router_pre_softmax"] = bool(ns.moe_router_pre_softmax)
+    out["moe_shared_expert_intermediate_size"] = ns.moe_shared_expert_intermediate_size or 0
+    out["moe_router_score_function"] = ns.moe_router_score_function or "softmax"
+    out["moe_router_topk_scaling_factor"] = ns.moe_router_topk_scaling_factor or 1.0
+    ffn = ns.moe_ffn_hidden_size if ns.moe_ffn_hidden_size is not None else ns.ffn_hidden_size
+    if ffn is not None:
+        out["moe_ffn_hidden_size"] = ffn
+    if ns.num_layers is not None:
+        out["moe_layer_freq"] = moe_layer_freq(ns.moe_layer_freq, ns.num_layers) or ns.moe_layer_freq
+    return out
 
 
 def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
     """The model the flags describe, in Megatron-LM's meaning (its defaults for what is absent).
     Only keys with a definite value are returned: a size not given is not compared."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = _megatron_moe(ns)
     for dest in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
                  "max_position_embeddings", "kv_channels"):  # fmt: skip
         if getattr(ns, dest) is not None:

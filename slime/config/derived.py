@@ -211,4 +211,35 @@ def problems(
         out += packages
     out += list(flag_problems(ns))
     out += architecture_problems(ns)
+    out += routing_replay_problems(ns)
     return out
+
+
+def routing_replay_problems(ns: argparse.Namespace) -> list[str]:
+    """--use-rollout-routing-replay: SGLang engines are asked to report routed experts, and the
+    rollout learns the shape of what they report ([tokens - 1, layers, top-k]) as slime's
+    rollout does, from args.num_layers and args.moe_router_topk (filled from config.json when
+    the script gives no model flags). A dense model is refused here by name."""
+    if not getattr(ns, "use_rollout_routing_replay", False):
+        return []
+    if ns.rollout_backend != "torch" and "--enable-return-routed-experts" not in ns.sglang_server_args:
+        ns.sglang_server_args = [*ns.sglang_server_args, "--enable-return-routed-experts"]
+    path = ns.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return []  # reported by the input checks
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception:  # reported by the input checks, with the reason
+        return []
+    if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
+        return [
+            f"--use-rollout-routing-replay needs a mixture-of-experts model; --hf-checkpoint {path} "
+            f"({config.model_type}) has no routed experts"
+        ]
+    if ns.num_layers is None:
+        ns.num_layers = config.num_hidden_layers
+    if ns.moe_router_topk is None:
+        ns.moe_router_topk = config.num_experts_per_tok
+    return []

@@ -123,7 +123,13 @@ def _model_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     given = architecture.count_architecture_flags(ns)
     lines = [
         f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "
-        f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}); "
+        f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}"
+        + (
+            f", {arch['num_experts']} experts, {arch['moe_router_topk']} per token"
+            if arch["num_experts"]
+            else ""
+        )
+        + "); "
         + (f"its {given} architecture flags agree with it" if given else "no architecture flags")
     ]
     if t.backend == "megatron":

@@ -37,11 +37,23 @@ def _refused(
     return Spec(flag, kwargs, REFUSED, REFUSED, feature, neutral, group=group)
 
 
+def _moe_arch(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
+    """A mixture-of-experts architecture flag: checked with FSDP, refused by Megatron (not built)."""
+    return Spec(flag, kwargs, CHECKED, REFUSED, note, group="architecture", refused_note=MOE)
+
+
+def _moe(flag: str, kwargs: dict[str, Any], fsdp: str, note: str, neutral: Any = None) -> Spec:
+    """A mixture-of-experts training flag: `fsdp` with FSDP, refused by Megatron (not built)."""
+    return Spec(flag, kwargs, fsdp, REFUSED, note, neutral, group="training", refused_note=MOE)
+
+
 def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MOE = "mixture-of-experts models are not supported yet (dense Qwen2/Qwen3/Llama only)"
+MOE = "mixture-of-experts models in the Megatron backend are not built yet (use --train-backend fsdp)"
+MOE_GROUPS = "group-limited routing (DeepSeek-V3's node groups) is not supported"
+MOE_BIAS = "aux-loss-free balancing with a router expert bias (DeepSeek-V3) is not supported"
 MLA = "multi-latent attention (DeepSeek/Kimi) is not supported (dense Qwen2/Qwen3/Llama only)"
 MTP = "multi-token prediction layers are not supported"
 FP8 = "FP8 training is not supported (float32 or bfloat16)"
@@ -131,44 +143,86 @@ SPECS: tuple[Spec, ...] = (
         for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
     ),
     *(_refused(f, {"type": float, "default": None}, MLA) for f in ("--mscale", "--mscale-all-dim")),
-    _refused("--num-experts", {"type": int, "default": None}, MOE),
-    _refused("--moe-layer-freq", {"default": None}, MOE),
+    # ---- mixture of experts: checked (FSDP, HF modeling); the Megatron backend has no MoE yet ----
+    _moe_arch("--num-experts", {"type": int, "default": None}, "num_experts (none: a dense model)"),
+    _moe_arch(
+        "--moe-layer-freq",
+        {"default": None},
+        "which layers are MoE (an int k: every k-th; or a list like [0,1,1]): decoder_sparse_step, "
+        "mlp_only_layers",
+    ),
+    _moe_arch("--moe-ffn-hidden-size", {"type": int, "default": None}, "moe_intermediate_size"),
+    _moe_arch(
+        "--moe-router-topk", {"type": int, "default": None}, "num_experts_per_tok (Megatron-LM's default 2)"
+    ),
+    _moe_arch(
+        "--moe-shared-expert-intermediate-size",
+        {"type": int, "default": None},
+        "shared_expert_intermediate_size (none: no shared expert)",
+    ),
+    _moe_arch("--moe-router-score-function", {"default": None}, "softmax for the Qwen MoE families"),
+    _moe_arch(
+        "--moe-router-pre-softmax",
+        store_true(),
+        "softmax before top-k without renormalising: norm_topk_prob false",
+    ),
+    _moe_arch(
+        "--moe-router-topk-scaling-factor",
+        {"type": float, "default": None},
+        "routed_scaling_factor (none for the Qwen MoE families)",
+    ),
     *(
-        _refused(f, {"type": int, "default": None}, MOE)
-        for f in (
-            "--moe-ffn-hidden-size",
-            "--moe-router-topk",
-            "--moe-shared-expert-intermediate-size",
-            "--moe-router-num-groups",
-            "--moe-router-group-topk",
+        _refused(f, {"type": int, "default": None}, MOE_GROUPS)
+        for f in ("--moe-router-num-groups", "--moe-router-group-topk")
+    ),
+    _refused("--moe-router-enable-expert-bias", store_true(), MOE_BIAS),
+    _refused("--moe-router-bias-update-rate", {"type": float, "default": None}, MOE_BIAS),
+    _refused(
+        "--moe-shared-expert-gate", store_true(), "a gated shared expert (Qwen2-MoE) is not supported yet"
+    ),
+    _moe(
+        "--moe-aux-loss-coeff",
+        {"type": float, "default": 0.0},
+        APPLIED,
+        "the load-balancing loss, megatron-core's aux_loss per MoE layer and micro-batch, added to the "
+        "loss times this (0: off, as in slime's RL scripts)",
+        neutral=0.0,
+    ),
+    _moe(
+        "--moe-router-load-balancing-type",
+        {"choices": ["aux_loss", "none"], "default": None},
+        APPLIED,
+        "aux_loss (megatron-core's) or none (no load-balancing loss whatever --moe-aux-loss-coeff says)",
+    ),
+    _moe(
+        "--moe-router-dtype",
+        {"choices": ["fp32", "fp64"], "default": None},
+        APPLIED,
+        "the router's logits, softmax and top-k in this precision (default: the parameters' dtype for the "
+        "logits, float32 for the softmax, as Hugging Face does)",
+    ),
+    *(
+        _moe(f, kwargs, NO_EFFECT, "a speed knob of megatron-core's MoE layer (results are the same)")
+        for f, kwargs in (
+            ("--moe-token-dispatcher-type", {"default": None}),
+            ("--moe-grouped-gemm", store_true()),
+            ("--moe-permute-fusion", store_true()),
+            ("--moe-enable-deepep", store_true()),
         )
     ),
-    *(
-        _refused(f, {"type": float, "default": None}, MOE)
-        for f in ("--moe-aux-loss-coeff", "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate")
+    _moe(
+        "--moe-token-drop-policy",
+        {"default": None},
+        NO_EFFECT,
+        "dropless routing here (no --moe-expert-capacity-factor), so no token is dropped",
     ),
-    *(
-        _refused(f, {"default": None}, MOE)
-        for f in (
-            "--moe-router-score-function",
-            "--moe-router-dtype",
-            "--moe-router-load-balancing-type",
-            "--moe-token-dispatcher-type",
-            "--moe-token-drop-policy",
-        )
+    _moe(
+        "--expert-tensor-parallel-size",
+        {"type": int, "default": 1},
+        NO_EFFECT,
+        "FSDP shards each MoE layer's experts over the ranks instead",
+        neutral=1,
     ),
-    *(
-        _refused(f, store_true(), MOE)
-        for f in (
-            "--moe-grouped-gemm",
-            "--moe-router-enable-expert-bias",
-            "--moe-router-pre-softmax",
-            "--moe-shared-expert-gate",
-            "--moe-enable-deepep",
-            "--moe-permute-fusion",
-        )
-    ),
-    _refused("--expert-tensor-parallel-size", {"type": int, "default": 1}, MOE, neutral=1, group="training"),
     _refused("--mtp-num-layers", {"type": int, "default": None}, MTP, neutral=0),
     _refused("--mtp-loss-scaling-factor", {"type": float, "default": None}, MTP),
     _refused("--enable-mtp-training", store_true(), MTP),

@@ -21,6 +21,10 @@ def _same(flag: str, kwargs: dict[str, Any], effect: str, note: str) -> Spec:
     return Spec(flag, kwargs, effect, effect, note, group="slime")
 
 
+MOE_MEGATRON = (
+    "mixture-of-experts models in the Megatron backend are not built yet (use --train-backend fsdp)"
+)
+
 SPECS: tuple[Spec, ...] = (
     _same(
         "--num-gpus-per-node",
@@ -140,15 +144,25 @@ SPECS: tuple[Spec, ...] = (
         APPLIED,
         "multi-turn loss masks of slime.rollout.sft_rollout (slime.utils.mask_utils): qwen, qwen3",
     ),
-    _refused(
+    Spec(
         "--use-routing-replay",
         store_true(),
-        "MoE routing replay: " + "mixture-of-experts is not supported yet",
+        APPLIED,
+        REFUSED,
+        "R2: the training steps route each token to the experts the rollout's log-prob pass chose "
+        "(mixture-of-experts models)",
+        group="slime",
+        refused_note=MOE_MEGATRON,
     ),
-    _refused(
+    Spec(
         "--use-rollout-routing-replay",
         store_true(),
-        "MoE routing replay: mixture-of-experts is not supported yet",
+        APPLIED,
+        REFUSED,
+        "R3: the log-prob and training passes route each token to the experts the engine chose "
+        "(engines report them: return_routed_experts; mixture-of-experts models)",
+        group="slime",
+        refused_note=MOE_MEGATRON,
     ),
     _refused("--enable-experimental", store_true(), "slime's experimental code paths do not exist here"),
     _same(

@@ -33,6 +33,9 @@ class Spec:
     """A value that asks for nothing, accepted even where the flag is refused
     (`--expert-tensor-parallel-size 1` in a dense model's script)."""
     group: str = "training"
+    refused_note: str | None = None
+    """Why the flag is refused, where only one backend refuses it (the note says what it does in
+    the other)."""
 
     @property
     def dest(self) -> str:
@@ -46,7 +49,8 @@ class Spec:
             head = "no effect in this backend" if self.fsdp == NO_EFFECT else self.fsdp
         else:
             head = f"fsdp: {self.fsdp}, megatron: {self.megatron}"
-        return f"{head}: {self.note}".replace("%", "%%")
+        refused = f" ({self.refused_note})" if self.refused_note else ""
+        return f"{head}: {self.note}{refused}".replace("%", "%%")
 
 
 def store_true(**kw: Any) -> dict[str, Any]:
@@ -80,7 +84,7 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
         value = getattr(ns, spec.dest)
         if spec.neutral is not None and value == spec.neutral:
             continue
-        out.append(f"{spec.flag}{_shown(value)}: {spec.note}")
+        out.append(f"{spec.flag}{_shown(value)}: {spec.refused_note or spec.note}")
     return out
 
 

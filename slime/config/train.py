@@ -214,6 +214,47 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class MoEOptions:
+    """Mixture-of-experts training flags (FSDP: slime.backends.fsdp.moe)."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """`--moe-aux-loss-coeff`: megatron-core's load-balancing loss (aux_loss) times this."""
+    moe_router_load_balancing_type: str | None = None
+    """`--moe-router-load-balancing-type`: aux_loss (the default) or none."""
+    moe_router_dtype: str | None = None
+    """`--moe-router-dtype`: fp32 or fp64 routing (None: as the model computes it)."""
+    use_routing_replay: bool = False
+    """`--use-routing-replay` (R2): training steps use the log-prob pass's experts."""
+    use_rollout_routing_replay: bool = False
+    """`--use-rollout-routing-replay` (R3): log-prob and training passes use the engine's experts."""
+
+    def __post_init__(self) -> None:
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.use_routing_replay and self.use_rollout_routing_replay:
+            raise ValueError(
+                "--use-routing-replay (R2) and --use-rollout-routing-replay (R3) replay different routings: give one"
+            )
+
+    @property
+    def aux_loss_coeff(self) -> float:
+        return 0.0 if self.moe_router_load_balancing_type == "none" else self.moe_aux_loss_coeff
+
+    @property
+    def needs_moe(self) -> str | None:
+        """The first flag given that only a mixture-of-experts model can honour (None: none)."""
+        for flag, on in (
+            ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0),
+            ("--moe-router-dtype", self.moe_router_dtype is not None),
+            ("--use-routing-replay", self.use_routing_replay),
+            ("--use-rollout-routing-replay", self.use_rollout_routing_replay),
+        ):
+            if on:
+                return flag
+        return None
+
+
+@dataclass(frozen=True)
 class ModelOptions:
     """Megatron-LM's training flags that both backends read (slime.config.megatron_lm)."""
 
@@ -277,10 +318,19 @@ class TrainConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
+    moe: MoEOptions = field(default_factory=MoEOptions)
     plugin_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
     """The parsed command line, for slime's loss hooks (`fn(args, ...)`); only with a hook given."""
 
     def __post_init__(self) -> None:
+        if self.moe.use_routing_replay and (
+            self.loss.use_rollout_logprobs or self.loss.loss_type != "policy_loss"
+        ):
+            raise ValueError(
+                "--use-routing-replay (R2) replays the routing of the trainer's log-prob pass, which "
+                f"{'--use-rollout-logprobs' if self.loss.use_rollout_logprobs else '--loss-type ' + self.loss.loss_type} "
+                "skips: drop one of them (or use --use-rollout-routing-replay)"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.backend not in ("fsdp", "megatron"):
@@ -466,6 +516,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         ),
         megatron=_pick(MegatronConfig, ns),
         model=_pick(ModelOptions, ns),
+        moe=_pick(MoEOptions, ns),
         plugin_args=_plugin_args(ns),
     )
 

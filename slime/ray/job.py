@@ -72,6 +72,8 @@ class Job:
         engine_args = ["--num-threads", "1", "--weight-version", "0", "--device", c.device]
         if config.train.deterministic:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
+        if config.train.moe.use_rollout_routing_replay:  # R3: engines report each token's experts
+            engine_args.append("--enable-return-routed-experts")
         self.engine_args = engine_args
         # Engines slime launches on a node address get a key of their own (never logged); on
         # loopback they need none, and users' plugins keep posting to them as they always did.

@@ -8,9 +8,10 @@ from slime.engines.client import EngineClient
 from slime.rollout.sample import Sample, Status
 
 
-def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any]) -> Sample:
+def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any], args: Any = None) -> Sample:
     """Fill a fresh sample from one /generate answer (output ids include the stop token): the
-    response tokens are exactly the ids the engine generated."""
+    response tokens are exactly the ids the engine generated. `args`: the job's flags (the
+    shape of routed experts, when the engine reports them)."""
     meta = output.get("meta_info", {})
     output_ids = list(output.get("output_ids", []))
     logprobs = meta.get("output_token_logprobs")
@@ -18,6 +19,7 @@ def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any]
     sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, [], []
     sample.weight_version_spans = []
     sample.append_response_tokens(
+        args,
         tokens=output_ids,
         log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else [0.0] * len(output_ids),
         meta_info=meta,
@@ -30,15 +32,27 @@ def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any]
     return sample
 
 
+def _routed(args: Any) -> bool:
+    """--use-rollout-routing-replay: ask the engine for each token's experts (SGLang's field)."""
+    return bool(getattr(args, "use_rollout_routing_replay", False))
+
+
 async def generate(
-    client: EngineClient, sample: Sample, prompt_ids: list[int], sampling_params: dict[str, Any]
+    client: EngineClient,
+    sample: Sample,
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
+    args: Any = None,
 ) -> Sample:
     """Generate one response for `sample` with the engine's log-probs."""
-    output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True)
-    return apply_response(sample, prompt_ids, output)
+    output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True,
+                                   return_routed_experts=_routed(args))  # fmt: skip
+    return apply_response(sample, prompt_ids, output, args)
 
 
-async def continue_sample(client: EngineClient, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+async def continue_sample(
+    client: EngineClient, sample: Sample, sampling_params: dict[str, Any], args: Any = None
+) -> Sample:
     """Go on with an aborted sample (--partial-rollout): its prompt and response so far are the
     input, the rest of its max_new_tokens the budget; the new tokens are appended with their
     log-probs and weight versions."""
@@ -48,7 +62,8 @@ async def continue_sample(client: EngineClient, sample: Sample, sampling_params:
         sample.status = Status.TRUNCATED
         return sample
     # Still ABORTED if the request fails: a retry on another engine continues it again.
-    output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True)
+    output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True,
+                                   return_routed_experts=_routed(args))  # fmt: skip
     sample.status = Status.PENDING
     meta = output.get("meta_info", {})
     ids = list(output.get("output_ids", []))
@@ -56,6 +71,7 @@ async def continue_sample(client: EngineClient, sample: Sample, sampling_params:
     if logprobs is None and sample.rollout_log_probs is not None:
         raise ValueError(f"the engine at {client.base_url} returned no log-probs for a continued sample")
     sample.append_response_tokens(
+        args,
         tokens=ids, log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
         meta_info=meta, text=output.get("text", ""),
     )  # fmt: skip

@@ -221,7 +221,7 @@ class RolloutGenerator:
                 for _ in range(n)
             ]
             calls = [
-                generate(client, s, prompt.token_ids, p)
+                generate(client, s, prompt.token_ids, p, self.args)
                 if self.generate_fn is None
                 else self._custom(s, prompt, p, client)
                 for s, p in zip(samples, params)
@@ -250,7 +250,7 @@ class RolloutGenerator:
         if self.mask_offpolicy and sample.response_length:
             sample.loss_mask = [0] * sample.response_length
         if self.generate_fn is None:
-            return await continue_sample(client, sample, params)
+            return await continue_sample(client, sample, params, self.args)
         return await self._custom(
             sample, None, params, client
         )  # slime's: the function sees the partial sample

@@ -159,7 +159,7 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     rollout_top_p_token_ids: Any = None  # ragged: response token i kept ids[offsets[i]:offsets[i+1]]
     rollout_top_p_token_offsets: Any = None
-    rollout_routed_experts: Any = None  # [response-side tokens, layers, top-k] expert ids
+    rollout_routed_experts: Any = None  # [tokens - 1, layers, top-k]: the engine's experts per token
     remove_sample: bool = False  # kept in the batch with its loss masked out
     teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
@@ -439,6 +439,7 @@ def samples_to_batch(
     """The train side's view of a rollout (engine log-probs only if every sample has them).
     `post_processed`: the rewards of --custom-reward-post-process-path, trained on as they are."""
     have_lp = all(s.rollout_log_probs is not None for s in samples)
+    have_routing = all(s.rollout_routed_experts is not None for s in samples)
     return RolloutBatch(
         tokens=[list(s.tokens) for s in samples],
         response_lengths=[s.response_length for s in samples],
@@ -449,5 +450,6 @@ def samples_to_batch(
         group_indices=[s.group_index for s in samples],
         loss_masks=[_loss_mask(s) for s in samples],
         rollout_log_probs=[list(s.rollout_log_probs or []) for s in samples] if have_lp else None,
+        rollout_routed_experts=[s.rollout_routed_experts for s in samples] if have_routing else None,
         sample_indices=[s.index for s in samples],
     )

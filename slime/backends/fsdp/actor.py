@@ -9,6 +9,7 @@ whitening statistics, and the gradient-norm reduction.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp import checkpoint as ckpt
-from slime.backends.fsdp import model_init
+from slime.backends.fsdp import model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import RolloutBatch
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
@@ -84,6 +85,7 @@ class FSDPTrainActor(TrainActorBase):
             else torch.device("cpu")
         )
         self.model = self._build_model()
+        self.routing = self._install_routing()
         self.optimizer = make_optimizer(self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
@@ -143,6 +145,54 @@ class FSDPTrainActor(TrainActorBase):
         model.train()
         return model
 
+    def _install_routing(self) -> moe.Routing | None:
+        """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag
+        with a dense model is refused by name."""
+        layers = model_init.decoder_layers(self.model)
+        if not moe.find_routers(layers):
+            flag = self.cfg.moe.needs_moe
+            if flag:
+                raise model_init.CheckpointError(
+                    f"{flag} needs a mixture-of-experts model; --hf-checkpoint {self.cfg.hf_checkpoint} "
+                    f"({self.hf_config.model_type}) has no routed experts"
+                )
+            return None
+        opts = self.cfg.moe
+        return moe.Routing(
+            layers, opts.moe_router_dtype, bool(getattr(self.hf_config, "norm_topk_prob", False))
+        )
+
+    def _rollout_routing(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
+        assert self.routing is not None  # _install_routing refused the flag otherwise
+        if batch.rollout_routed_experts is None:
+            raise model_init.CheckpointError(
+                "--use-rollout-routing-replay: the rollout has no 'rollout_routed_experts' (the engines must "
+                "report them: SGLang or the torch engine with --enable-return-routed-experts, which slime "
+                "passes with this flag)"
+            )
+        tables = {}
+        for p in positions:
+            rows = len(batch.tokens[p]) - 1
+            what = f"sample {p}: 'rollout_routed_experts'"
+            table = self.routing.check_table(batch.rollout_routed_experts[p], rows, what)
+            last = torch.full((1, *table.shape[1:]), -1, dtype=torch.long)  # never fed to the engine
+            tables[p] = torch.cat([table, last])
+        return tables
+
+    def _routing_state(self, mb: MicroBatch, record: bool = False, aux: bool = False) -> Any:
+        """The router hooks' state for micro-batch `mb` (a null context for a dense model)."""
+        if self.routing is None:
+            return contextlib.nullcontext(None)
+        replay = None
+        if self.routing_tables is not None:
+            replay = torch.full((mb.input_ids.numel(), self.routing.num_layers, self.routing.top_k), -1,
+                                dtype=torch.long)  # fmt: skip
+            for start, p in zip(mb.token_starts(), mb.positions):
+                table = self.routing_tables[p]
+                replay[start : start + len(table)] = table
+            replay = replay.to(self.device)
+        return self.routing.micro_batch(replay, record=record, aux=aux)
+
     def local_state_bytes(self) -> int:
         """Bytes of this rank's parameter shards plus optimizer states."""
         total = sum(model_init.local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
@@ -179,16 +229,22 @@ class FSDPTrainActor(TrainActorBase):
         out: dict[int, torch.Tensor] = {}
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
+            record = self.recorded_routing is not None
             for step in plans:
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
-                    log_probs, _ = response_log_probs(
-                        self.model,
-                        mb,
-                        self.cfg.rollout_temperature,
-                        False,
-                        self.cfg.batch.log_probs_chunk_size,
-                    )
+                    with self._routing_state(mb, record=record) as state:
+                        log_probs, _ = response_log_probs(
+                            self.model,
+                            mb,
+                            self.cfg.rollout_temperature,
+                            False,
+                            self.cfg.batch.log_probs_chunk_size,
+                        )
+                    if record and self.recorded_routing is not None and self.routing is not None:
+                        routed = self.routing.recorded(state, mb.input_ids.numel(), self.device).cpu()
+                        for start, p in zip(mb.token_starts(), mb.positions):
+                            self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
                     log_probs = log_probs.cpu()
                     for row, p in enumerate(mb.positions):
                         out[p] = log_probs[row, : mb.response_lengths[row]].clone()
@@ -220,16 +276,25 @@ class FSDPTrainActor(TrainActorBase):
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         worst = 0.0
+        aux_coeff = cfg.moe.aux_loss_coeff if self.routing is not None else 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
-            log_probs, entropy = response_log_probs(
-                self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
-            )
-            assert entropy is not None
-            loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages), sums,
-                                               compare)  # fmt: skip
-            worst = nan_max(worst, gap)
-            loss.backward()
+            with self._routing_state(mb, aux=aux_coeff > 0) as state:
+                log_probs, entropy = response_log_probs(
+                    self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
+                )
+                assert entropy is not None
+                loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages),
+                                                   sums, compare)  # fmt: skip
+                if aux_coeff > 0 and self.routing is not None:
+                    # megatron-core's aux_loss of this micro-batch, weighted by its share of the
+                    # step's samples (so micro-batches of one sample give the same loss however
+                    # the step is split over ranks).
+                    aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
+                    sums["moe_aux_loss"] += aux.detach().double().cpu()
+                    loss = loss + aux_coeff * aux
+                worst = nan_max(worst, gap)
+                loss.backward()
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         grad_norm = self._clip_gradients()

@@ -1,0 +1,148 @@
+"""Mixture-of-experts routing in the FSDP actor: the router's precision, routing replay (R2, R3)
+and megatron-core's load-balancing loss, on Hugging Face's MoE modeling.
+
+A Hugging Face MoE block asks its router (`mlp.gate`) for (logits, top-k weights, top-k experts)
+and runs the experts it names. A forward hook on every router replaces that answer when slime
+needs another one, and leaves it untouched otherwise (no flag: bit-identical to Hugging Face):
+
+- `--moe-router-dtype fp32|fp64`: logits, softmax and top-k in that precision;
+- replay: the experts come from a table, one row per token (the engine's choice for R3, the
+  log-prob pass's for R2; -1 keeps the router's own choice, e.g. for the last token, which the
+  engine never fed); the weights are the router's own probabilities of those experts,
+  renormalised as the model does, so the router still gets a gradient;
+- recording: the experts chosen, one row per token (R2);
+- `--moe-aux-loss-coeff`: the router probabilities and chosen experts of every MoE layer, for
+  megatron-core's `aux_loss` (switch-transformer load balancing) per layer, summed over layers.
+
+The hooks fire again when gradient checkpointing recomputes a layer in backward, so a micro-batch's
+state stays set until its backward is done (`Routing.micro_batch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slime.utils.errors import UsageError
+
+_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def find_routers(layers: list[torch.nn.Module]) -> dict[int, Any]:
+    """Decoder layer index -> its router, for the layers whose MLP is a routed mixture of experts."""
+    out = {}
+    for li, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if hasattr(mlp, "experts") and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
+            out[li] = gate
+    return out
+
+
+@dataclass
+class _State:
+    """What the hooks do during one micro-batch (forward and backward)."""
+
+    replay: torch.Tensor | None = None  # [tokens, layers, k] long, -1: the router's own choice
+    record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
+    aux: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (probs [tokens, E], experts [tokens, k])
+    aux_done: set[int] = field(default_factory=set)  # layers already captured (recompute: not again)
+
+
+class Routing:
+    """The hooks on one model's routers (module docstring)."""
+
+    def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool):
+        self.routers = find_routers(layers)
+        if not self.routers:
+            raise UsageError("the model has no mixture-of-experts layers")
+        first: Any = next(iter(self.routers.values()))
+        self.num_layers = len(layers)
+        self.top_k: int = int(first.top_k)
+        self.num_experts: int = int(first.num_experts)
+        self.norm_topk_prob = norm_topk_prob
+        self.dtype = _DTYPES[router_dtype] if router_dtype else None
+        self.state: _State | None = None
+        for li, router in self.routers.items():
+            router.register_forward_hook(self._hook(li))
+
+    def _hook(self, li: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            state = self.state
+            if self.dtype is None and (state is None or (state.replay is None and state.record is None
+                                                         and state.aux is None)):  # fmt: skip
+                return None
+            return self._route(li, module, args[0], output, state or _State())
+
+        return hook
+
+    def _route(self, li: int, module: Any, hidden: torch.Tensor, output: Any, state: _State) -> Any:
+        logits, weights, _ = output
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if self.dtype is not None:
+            logits = F.linear(hidden.to(self.dtype), module.weight.to(self.dtype))
+        probs = torch.softmax(logits, dim=-1, dtype=self.dtype or torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if state.replay is not None:
+            replayed = state.replay[:, li]
+            experts = torch.where(replayed >= 0, replayed, experts)
+            top = probs.gather(1, experts)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if state.record is not None:
+            state.record[li] = experts.detach()
+        if state.aux is not None and li not in state.aux_done:
+            state.aux.append((probs, experts.detach()))
+            state.aux_done.add(li)
+        return output[0], top.to(weights.dtype), experts
+
+    @contextlib.contextmanager
+    def micro_batch(
+        self, replay: torch.Tensor | None = None, record: bool = False, aux: bool = False
+    ) -> Iterator[_State]:
+        """Set the hooks' state for one micro-batch; keep it until the block ends (after backward)."""
+        self.state = _State(replay=replay, record={} if record else None, aux=[] if aux else None)
+        try:
+            yield self.state
+        finally:
+            self.state = None
+
+    def recorded(self, state: _State, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """The experts recorded in a forward: [tokens, layers, k] (-1 in dense layers)."""
+        assert state.record is not None
+        out = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.long, device=device)
+        for li, experts in state.record.items():
+            out[:, li] = experts
+        return out
+
+    def aux_loss(self, state: _State, real: torch.Tensor) -> torch.Tensor:
+        """megatron-core's `aux_loss` summed over the MoE layers, over the tokens where `real` is
+        true: per layer E / (k T^2) * sum_e (sum_t p_te) * (tokens routed to e)."""
+        assert state.aux is not None
+        total = torch.zeros((), dtype=torch.float32, device=real.device)
+        tokens = int(real.sum())
+        if tokens == 0:
+            return total
+        for probs, experts in state.aux:
+            probs_e = probs[real].float().sum(dim=0)
+            counts = torch.bincount(experts[real].flatten(), minlength=self.num_experts).to(probs_e.dtype)
+            total = total + (probs_e * counts).sum() * self.num_experts / (self.top_k * tokens * tokens)
+        return total
+
+    def check_table(self, table: Any, rows: int, what: str) -> torch.Tensor:
+        """A per-sample routing table as [rows, layers, k] long, or UsageError naming `what`."""
+        t = torch.as_tensor(table)
+        if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_layers, self.top_k) or t.shape[0] != rows:
+            raise UsageError(
+                f"{what}: shape {tuple(t.shape)}, expected ({rows}, {self.num_layers}, {self.top_k}) "
+                "(tokens - 1, the model's layers, its num_experts_per_tok)"
+            )
+        moe = list(self.routers)
+        if t.numel() and (int(t[:, moe].min()) < 0 or int(t[:, moe].max()) >= self.num_experts):
+            raise UsageError(f"{what}: expert ids outside [0, {self.num_experts}) in the MoE layers {moe}")
+        return t.long()
