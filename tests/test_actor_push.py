@@ -48,7 +48,10 @@ def train_and_push(rank, world_size, init_method, model, url, transport, more_ur
     return {"stats": stats, "trainer": trainer, "engine": engine}
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed", "moe-distributed"])
+# The MoE push is also fingerprinted end to end in tests/test_moe_e2e.py (--check-precision).
+@pytest.mark.parametrize(
+    "transport", ["tensor", "distributed", pytest.param("moe-distributed", marks=pytest.mark.slow)]
+)
 def test_push_after_training_makes_engine_equal_trainer(tiny_model, tiny_moe, tmp_path, transport):
     """With the Qwen3-MoE model the fused experts travel as per-expert checkpoint tensors and
     the engine writes each into its own fused parameter."""
