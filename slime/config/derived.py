@@ -164,20 +164,24 @@ def schedule_defaults(ns: argparse.Namespace) -> list[str]:
 def architecture_problems(ns: argparse.Namespace) -> list[str]:
     """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
     a missing checkpoint is reported by the input checks)."""
-    path = ns.hf_checkpoint
-    if (
-        not architecture.megatron_architecture(ns)
-        or not path
-        or not os.path.isfile(os.path.join(path, "config.json"))
-    ):
+    if not architecture.megatron_architecture(ns):
         return []  # no architecture flag given: nothing to compare, nothing to read
+    config = _hf_config(ns.hf_checkpoint)
+    if config is None:
+        return []
+    return architecture.architecture_problems(ns, config, f"--hf-checkpoint {ns.hf_checkpoint}")
+
+
+def _hf_config(path: str | None) -> Any:
+    """--hf-checkpoint's config, or None where it cannot be read here: a missing or bad checkpoint is reported by the input checks, with the reason."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception:  # reported by the input checks, with the reason
-        return []
-    return architecture.architecture_problems(ns, config, f"--hf-checkpoint {path}")
+        return AutoConfig.from_pretrained(path)
+    except Exception:  # transformers raises many types for bad configs
+        return None
 
 
 def no_effect_lines(ns: argparse.Namespace) -> list[str]:
@@ -225,13 +229,8 @@ def routing_replay_problems(ns: argparse.Namespace) -> list[str]:
     if ns.rollout_backend != "torch" and "--enable-return-routed-experts" not in ns.sglang_server_args:
         ns.sglang_server_args = [*ns.sglang_server_args, "--enable-return-routed-experts"]
     path = ns.hf_checkpoint
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return []  # reported by the input checks
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception:  # reported by the input checks, with the reason
+    config = _hf_config(path)
+    if config is None:
         return []
     if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
         return [

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,22 @@ class ExpertSlice:
 
     def view(self, fused: torch.Tensor) -> torch.Tensor:
         return fused[self.expert, self.rows]
+
+    def shape(self, fused_shape: Sequence[int]) -> tuple[int, ...]:
+        """The checkpoint tensor's shape, given the fused parameter's."""
+        return (self.rows.stop - self.rows.start, *fused_shape[2:])
+
+
+def find_routers(layers: Sequence[Any]) -> dict[int, Any]:
+    """Decoder layer index -> its router (`mlp.gate`), for the layers whose MLP is a routed
+    mixture of experts in Hugging Face's modeling (a router with `top_k` and `num_experts`)."""
+    out = {}
+    for li, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if hasattr(mlp, "experts") and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
+            out[li] = gate
+    return out
 
 
 def _parts(name: str, shape: Sequence[int]) -> list[tuple[str, ExpertSlice]] | None:
@@ -103,8 +120,8 @@ def checkpoint_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """Module parameter shapes -> checkpoint tensor shapes (names as checkpoint_tensors gives)."""
     slices = checkpoint_slices(model_type, shapes)
-    out = {n: tuple(s) for n, s in shapes.items() if n not in {w.fused for w in slices.values()}}
+    fused = {w.fused for w in slices.values()}
+    out = {n: tuple(s) for n, s in shapes.items() if n not in fused}
     for name, where in slices.items():
-        shape = shapes[where.fused]
-        out[name] = (where.rows.stop - where.rows.start, *shape[2:])
+        out[name] = where.shape(shapes[where.fused])
     return out

@@ -28,6 +28,7 @@ from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts
 from slime.utils.distributed import init_train_group
+from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class FSDPTrainActor(TrainActorBase):
         """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag
         with a dense model is refused by name."""
         layers = model_init.decoder_layers(self.model)
-        if not moe.find_routers(layers):
+        if not hf_experts.find_routers(layers):
             flag = self.cfg.moe.needs_moe
             if flag:
                 raise model_init.CheckpointError(
@@ -165,7 +166,7 @@ class FSDPTrainActor(TrainActorBase):
     def _rollout_routing(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
         assert self.routing is not None  # _install_routing refused the flag otherwise
         if batch.rollout_routed_experts is None:
-            raise model_init.CheckpointError(
+            raise UsageError(
                 "--use-rollout-routing-replay: the rollout has no 'rollout_routed_experts' (the engines must "
                 "report them: SGLang or the torch engine with --enable-return-routed-experts, which slime "
                 "passes with this flag)"
@@ -229,7 +230,7 @@ class FSDPTrainActor(TrainActorBase):
         out: dict[int, torch.Tensor] = {}
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
-            record = self.recorded_routing is not None
+            record = self.recorded_routing is not None and self.routing is not None
             for step in plans:
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
@@ -241,7 +242,8 @@ class FSDPTrainActor(TrainActorBase):
                             False,
                             self.cfg.batch.log_probs_chunk_size,
                         )
-                    if record and self.recorded_routing is not None and self.routing is not None:
+                    if record:
+                        assert self.recorded_routing is not None and self.routing is not None
                         routed = self.routing.recorded(state, mb.input_ids.numel(), self.device).cpu()
                         for start, p in zip(mb.token_starts(), mb.positions):
                             self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()

@@ -199,13 +199,14 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -
     whose loading renames or fuses tensors); that path holds one full copy per rank.
     """
     reader = _CheckpointReader(path)
+    keys = reader.keys()
     params = dict(model.named_parameters())
     # Fused expert parameters (MoE) are stored one tensor per expert: read this rank's experts.
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    shapes = {n: tuple(p.shape) for n, p in params.items() if n not in reader.keys()}
+    shapes = {n: tuple(p.shape) for n, p in params.items() if n not in keys}
     per_expert = hf_experts.by_fused(hf_experts.checkpoint_slices(model_type, shapes))
-    per_expert = {n: parts for n, parts in per_expert.items() if all(k in reader.keys() for k, _ in parts)}
-    missing = [n for n in params if n not in reader.keys() and n not in per_expert]
+    per_expert = {n: parts for n, parts in per_expert.items() if all(k in keys for k, _ in parts)}
+    missing = [n for n in params if n not in keys and n not in per_expert]
     if missing:
         logger.warning(
             "checkpoint %s names %d parameters differently (e.g. %s); loading it whole with from_pretrained",
@@ -236,7 +237,7 @@ def _read_experts(
     for key, where in parts:
         if start <= where.expert < end:
             piece = reader.whole(key)
-            expected = (where.rows.stop - where.rows.start, *shape[2:])
+            expected = where.shape(shape)
             if tuple(piece.shape) != expected:
                 raise CheckpointError(
                     f"checkpoint tensor {key} has shape {tuple(piece.shape)}, but the model's "

@@ -29,19 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from slime.utils.errors import UsageError
+from slime.utils.hf_experts import find_routers
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def find_routers(layers: list[torch.nn.Module]) -> dict[int, Any]:
-    """Decoder layer index -> its router, for the layers whose MLP is a routed mixture of experts."""
-    out = {}
-    for li, layer in enumerate(layers):
-        mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate", None)
-        if hasattr(mlp, "experts") and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
-            out[li] = gate
-    return out
 
 
 @dataclass
@@ -53,12 +43,16 @@ class _State:
     aux: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (probs [tokens, E], experts [tokens, k])
     aux_done: set[int] = field(default_factory=set)  # layers already captured (recompute: not again)
 
+    @property
+    def active(self) -> bool:
+        return self.replay is not None or self.record is not None or self.aux is not None
+
 
 class Routing:
     """The hooks on one model's routers (module docstring)."""
 
     def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool):
-        self.routers = find_routers(layers)
+        self.routers = find_routers(layers)  # slime.utils.hf_experts
         if not self.routers:
             raise UsageError("the model has no mixture-of-experts layers")
         first: Any = next(iter(self.routers.values()))
@@ -73,11 +67,10 @@ class Routing:
 
     def _hook(self, li: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            state = self.state
-            if self.dtype is None and (state is None or (state.replay is None and state.record is None
-                                                         and state.aux is None)):  # fmt: skip
+            state = self.state or _State()
+            if self.dtype is None and not state.active:
                 return None
-            return self._route(li, module, args[0], output, state or _State())
+            return self._route(li, module, args[0], output, state)
 
         return hook
 

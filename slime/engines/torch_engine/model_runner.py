@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from slime.engines.torch_engine.sequence import Sequence
+from slime.utils import hf_experts
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +154,6 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-def _is_router(layer: Any) -> bool:
-    """A decoder layer whose MLP is a routed mixture of experts (HF's `gate` router with top-k)."""
-    mlp = getattr(layer, "mlp", None)
-    return hasattr(mlp, "experts") and hasattr(getattr(mlp, "gate", None), "top_k")
-
-
 def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
@@ -200,7 +195,7 @@ class BatchedRunner(Runner):
         self.active: list[Sequence] = []
         # Mixture-of-experts layers: their routers, and what they chose in the current forward
         # when a sequence asked for its routed experts.
-        self.routers = {li: layer.mlp.gate for li, layer in enumerate(self.inner.layers) if _is_router(layer)}
+        self.routers = hf_experts.find_routers(self.inner.layers)
         self.top_k = next((r.top_k for r in self.routers.values()), 0)
         self._routed: dict[int, torch.Tensor] | None = None
         for li, router in self.routers.items():

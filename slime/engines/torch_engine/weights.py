@@ -87,7 +87,7 @@ class WeightStore:
         where = self.slices.get(name)
         canonical = where.fused if where else self._canonical[id(self.params[name])]
         shape = self._released[canonical][0] if canonical in self._released else self.params[canonical].shape
-        return (where.rows.stop - where.rows.start, *shape[2:]) if where else tuple(shape)
+        return where.shape(shape) if where else tuple(shape)
 
     def _tensor(self, entry: str) -> torch.Tensor:
         """The tensor an entry names: a parameter, or a view of one expert of a fused one."""
