@@ -67,10 +67,10 @@ class Routing:
 
     def _hook(self, li: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            state = self.state or _State()
-            if self.dtype is None and not state.active:
-                return None
-            return self._route(li, module, args[0], output, state)
+            state = self.state
+            if self.dtype is None and (state is None or not state.active):
+                return None  # the model's own routing, untouched (every forward without a flag)
+            return self._route(li, module, args[0], output, state or _State())
 
         return hook
 
