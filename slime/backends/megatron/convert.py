@@ -16,6 +16,20 @@ Megatron-side names are megatron-core's GPTModel names:
     decoder.final_layernorm.weight
     output_layer.weight                                    [padded vocab / TP, hidden] (untied only)
 
+A mixture-of-experts layer (Qwen3-MoE) has, instead of `mlp.linear_fc1/fc2`:
+
+    decoder.layers.{i}.pre_mlp_layernorm.weight            (both specs: the MoE layer has its own norm)
+    decoder.layers.{i}.mlp.router.weight                   [experts, hidden]               replicated
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight   [gate; up] of expert e
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight   [hidden, moe ffn]
+      (megatron-core's SequentialMLP; its TEGroupedMLP names them mlp.experts.linear_fc1.weight{e}
+      and mlp.experts.linear_fc2.weight{e}, `Layout.grouped_experts`)
+
+Experts are split over expert-parallel (EP) ranks, E / EP consecutive experts each, numbered
+from 0 on every rank, and each expert over expert-tensor-parallel (ETP) ranks as a dense MLP over
+TP ranks ([gate_r; up_r] rows of fc1, columns of fc2). The TP split leaves experts whole
+(`split_tp`); `split_experts` / `merge_experts` do EP and ETP.
+
 Fused QKV layout (megatron-core's): for each of the `num_query_groups` (= HF num_key_value_heads)
 groups, its `heads / groups` query heads, then its key head, then its value head, each head_dim
 rows. The vocabulary is padded to a multiple of `make_vocab_size_divisible_by x TP` with zero rows
@@ -58,6 +72,19 @@ class Layout:
     make_vocab_size_divisible_by: int = 128
     fold_norms: bool = False
     """Transformer Engine's layer spec: the input / pre-MLP norms live in linear_qkv / linear_fc1."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    """1 for each mixture-of-experts layer, 0 for a dense one (empty: a dense model)."""
+    grouped_experts: bool = False
+    """megatron-core's TEGroupedMLP names (mlp.experts.linear_fc1.weight{e}) instead of SequentialMLP's."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))  # a stored list too
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.num_experts) and bool(self.moe_layers[layer])
 
     @classmethod
     def from_hf_config(
@@ -74,6 +101,7 @@ class Layout:
             raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        moe = _moe_shape(config)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -87,14 +115,26 @@ class Layout:
             qk_norm=SUPPORTED[model_type]["qk_norm"],
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             fold_norms=fold_norms,
+            **moe,
         )
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
-    def check_parallel(self, tp: int, pp: int) -> None:
+    def check_parallel(self, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
         if tp < 1 or pp < 1:
             raise ConversionError(f"tensor and pipeline parallel sizes must be >= 1, got TP {tp}, PP {pp}")
+        if ep < 1 or etp < 1:
+            raise ConversionError(f"expert parallel sizes must be >= 1, got EP {ep}, ETP {etp}")
+        if (ep > 1 or etp > 1) and not self.num_experts:
+            raise ConversionError(
+                f"EP {ep} x ETP {etp}: expert parallelism needs a mixture-of-experts model, and this one is dense: "
+                "use --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"
+            )
+        if self.num_experts and self.num_experts % ep:
+            raise ConversionError(f"EP {ep} must divide the {self.num_experts} experts of each MoE layer")
+        if self.num_experts and self.moe_ffn_hidden_size % etp:
+            raise ConversionError(f"ETP {etp} must divide the experts' MLP size {self.moe_ffn_hidden_size}")
         if self.num_query_groups % tp or self.num_heads % tp:
             raise ConversionError(
                 f"TP {tp} must divide the attention heads ({self.num_heads}) and the key/value heads "
@@ -126,7 +166,29 @@ SUPPORTED = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
 }
+
+
+def _moe_shape(config: Any) -> dict[str, Any]:
+    """The MoE fields of a Layout (none for a dense config). Shared experts (Qwen2-MoE, GLM,
+    DeepSeek) are not converted yet: refused rather than dropped."""
+    from slime.config.architecture import _hf_moe
+
+    moe = _hf_moe(config)
+    if not moe["num_experts"]:
+        return {}
+    if moe["moe_shared_expert_intermediate_size"]:
+        raise ConversionError(
+            f"model_type {config.model_type!r} has shared experts, which the Megatron conversion does not cover yet"
+        )
+    if moe["moe_router_topk_scaling_factor"] != 1.0:
+        raise ConversionError("a routed scaling factor other than 1 is not converted yet")
+    return {
+        "num_experts": moe["num_experts"],
+        "moe_ffn_hidden_size": moe["moe_ffn_hidden_size"],
+        "moe_layers": tuple(moe["moe_layer_freq"]),
+    }
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -143,8 +205,39 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def _norm_names(layout: Layout, i: int) -> tuple[str, str]:
     p = f"decoder.layers.{i}."
     if layout.fold_norms:
-        return p + "self_attention.linear_qkv.layer_norm_weight", p + "mlp.linear_fc1.layer_norm_weight"
+        # A MoE layer keeps a norm of its own before the router (no fused linear to fold it into).
+        mlp = p + ("pre_mlp_layernorm.weight" if layout.is_moe(i) else "mlp.linear_fc1.layer_norm_weight")
+        return p + "self_attention.linear_qkv.layer_norm_weight", mlp
     return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
+
+
+def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
+    """(fc1, fc2) names of an expert of a MoE layer (`expert` numbered as the state dict does:
+    globally when unsharded, from 0 on each EP rank when sharded)."""
+    p = f"decoder.layers.{layer}.mlp.experts."
+    if layout.grouped_experts:
+        return p + f"linear_fc1.weight{expert}", p + f"linear_fc2.weight{expert}"
+    return p + f"local_experts.{expert}.linear_fc1.weight", p + f"local_experts.{expert}.linear_fc2.weight"
+
+
+_EXPERT = re.compile(
+    r"^(?P<prefix>decoder\.layers\.\d+\.mlp\.experts\.)"
+    r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
+)
+
+
+def parse_expert(name: str) -> tuple[str, int, str] | None:
+    """(layer prefix, expert, "linear_fc1" | "linear_fc2") of an expert tensor's name, else None."""
+    m = _EXPERT.match(name)
+    if not m:
+        return None
+    if m.group("e") is not None:
+        return m.group("prefix"), int(m.group("e")), m.group("fc")
+    return m.group("prefix"), int(m.group("ge")), m.group("gfc")
+
+
+def is_expert(name: str) -> bool:
+    return _EXPERT.match(name) is not None
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -174,17 +267,21 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int = 1) 
 
 
 def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, pp: int, tp_rank: int,
-                         pp_rank: int) -> State:  # fmt: skip
-    """One rank's shard, equal to `shard(hf_to_megatron(hf, layout, tp), layout, tp, pp)[(tp_rank,
-    pp_rank)]`, but reading only the HF tensors of its stage and converting one layer at a time
-    (with a lazy `hf` mapping, slime.backends.megatron.checkpoint.LazyHFState, a rank of a large
-    model never holds more than one full layer beside its own shard)."""
-    layout.check_parallel(tp, pp)
+                         pp_rank: int, ep: int = 1, etp: int = 1, ep_rank: int = 0,
+                         etp_rank: int = 0) -> State:  # fmt: skip
+    """One rank's shard, equal to `rank_shard(shard(hf_to_megatron(hf, layout, tp), layout, tp,
+    pp)[(tp_rank, pp_rank)], ...)` with its EP / ETP part of the experts, but reading only the HF
+    tensors of its stage (and only its own experts) and converting one layer at a time (with a
+    lazy `hf` mapping, slime.backends.megatron.checkpoint.LazyHFState, a rank of a large model
+    never holds more than one full layer beside its own shard)."""
+    layout.check_parallel(tp, pp, ep, etp)
     layers = stage_layers(layout.num_layers, pp)[pp_rank]
+    per = layout.num_experts // ep if layout.num_experts else 0
+    mine_experts = range(ep_rank * per, (ep_rank + 1) * per)
     out: State = {}
 
     def keep(part: State, offset: int = 0) -> None:
-        mine = split_tp(part, layout, tp)[tp_rank]
+        mine = rank_shard(part, layout, tp, tp_rank, ep, etp, ep_rank, etp_rank)
         for name, t in mine.items():
             m = _LAYER.match(name)
             out[f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name] = t
@@ -192,7 +289,7 @@ def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int
     if pp_rank == 0:
         keep(_embedding(hf, layout, tp))
     for i in layers:
-        keep(_layer_to_megatron(hf, layout, i), layers.start)
+        keep(_layer_to_megatron(hf, layout, i, mine_experts), layers.start)
     if pp_rank == pp - 1:
         final = _final(hf, layout, tp)
         if layout.tied_embeddings and pp > 1:  # the last stage's copy of the embedding (split_pp)
@@ -214,7 +311,9 @@ def _final(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int) -> State:
     return out
 
 
-def _layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int) -> State:
+def _layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int,
+                       experts: range | None = None) -> State:  # fmt: skip
+    """Layer i, unsharded; of a MoE layer only `experts` (global ids; None: all)."""
     L, h, d = layout, layout.hidden_size, layout.head_dim
     nq, ng = L.num_heads, L.num_query_groups
     per = nq // ng
@@ -233,13 +332,31 @@ def _layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int) -
         out[dst + "self_attention.q_layernorm.weight"] = _take(hf, src + "self_attn.q_norm.weight", (d,))
         out[dst + "self_attention.k_layernorm.weight"] = _take(hf, src + "self_attn.k_norm.weight", (d,))
     out[dst + "self_attention.linear_proj.weight"] = _take(hf, src + "self_attn.o_proj.weight", (h, nq * d))
-    gate = _take(hf, src + "mlp.gate_proj.weight", (L.ffn_hidden_size, h))
-    up = _take(hf, src + "mlp.up_proj.weight", (L.ffn_hidden_size, h))
-    out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-    out[dst + "mlp.linear_fc2.weight"] = _take(hf, src + "mlp.down_proj.weight", (h, L.ffn_hidden_size))
+    if L.is_moe(i):
+        out.update(_experts_to_megatron(hf, L, i, range(L.num_experts) if experts is None else experts))
+    else:
+        gate = _take(hf, src + "mlp.gate_proj.weight", (L.ffn_hidden_size, h))
+        up = _take(hf, src + "mlp.up_proj.weight", (L.ffn_hidden_size, h))
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[dst + "mlp.linear_fc2.weight"] = _take(hf, src + "mlp.down_proj.weight", (h, L.ffn_hidden_size))
     attn_norm, mlp_norm = _norm_names(L, i)
     out[attn_norm] = _take(hf, src + "input_layernorm.weight", (h,))
     out[mlp_norm] = _take(hf, src + "post_attention_layernorm.weight", (h,))
+    return out
+
+
+def _experts_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int, experts: range) -> State:
+    """The router and `experts` of MoE layer i (Hugging Face's per-expert checkpoint names,
+    slime.utils.hf_experts), with global expert ids."""
+    h, f = layout.hidden_size, layout.moe_ffn_hidden_size
+    src = f"model.layers.{i}.mlp."
+    out = {f"decoder.layers.{i}.mlp.router.weight": _take(hf, src + "gate.weight", (layout.num_experts, h))}
+    for e in experts:
+        fc1, fc2 = expert_names(layout, i, e)
+        gate = _take(hf, src + f"experts.{e}.gate_proj.weight", (f, h))
+        up = _take(hf, src + f"experts.{e}.up_proj.weight", (f, h))
+        out[fc1] = torch.cat([gate, up], dim=0)
+        out[fc2] = _take(hf, src + f"experts.{e}.down_proj.weight", (h, f))
     return out
 
 
@@ -283,10 +400,20 @@ def layer_to_hf(mc: State, layout: Layout, i: int) -> State:
         out[dst + "self_attn.q_norm.weight"] = _take(mc, src + "self_attention.q_layernorm.weight", (d,))
         out[dst + "self_attn.k_norm.weight"] = _take(mc, src + "self_attention.k_layernorm.weight", (d,))
     out[dst + "self_attn.o_proj.weight"] = _take(mc, src + "self_attention.linear_proj.weight", (h, nq * d))
-    fc1 = _take(mc, src + "mlp.linear_fc1.weight", (2 * L.ffn_hidden_size, h))
-    out[dst + "mlp.gate_proj.weight"] = fc1[: L.ffn_hidden_size].clone()
-    out[dst + "mlp.up_proj.weight"] = fc1[L.ffn_hidden_size :].clone()
-    out[dst + "mlp.down_proj.weight"] = _take(mc, src + "mlp.linear_fc2.weight", (h, L.ffn_hidden_size))
+    if L.is_moe(i):
+        f = L.moe_ffn_hidden_size
+        out[dst + "mlp.gate.weight"] = _take(mc, src + "mlp.router.weight", (L.num_experts, h))
+        for e in range(L.num_experts):
+            fc1_name, fc2_name = expert_names(L, i, e)
+            fc1 = _take(mc, fc1_name, (2 * f, h))
+            out[dst + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:f].clone()
+            out[dst + f"mlp.experts.{e}.up_proj.weight"] = fc1[f:].clone()
+            out[dst + f"mlp.experts.{e}.down_proj.weight"] = _take(mc, fc2_name, (h, f))
+    else:
+        fc1 = _take(mc, src + "mlp.linear_fc1.weight", (2 * L.ffn_hidden_size, h))
+        out[dst + "mlp.gate_proj.weight"] = fc1[: L.ffn_hidden_size].clone()
+        out[dst + "mlp.up_proj.weight"] = fc1[L.ffn_hidden_size :].clone()
+        out[dst + "mlp.down_proj.weight"] = _take(mc, src + "mlp.linear_fc2.weight", (h, L.ffn_hidden_size))
     attn_norm, mlp_norm = _norm_names(L, i)
     out[dst + "input_layernorm.weight"] = _take(mc, attn_norm, (h,))
     out[dst + "post_attention_layernorm.weight"] = _take(mc, mlp_norm, (h,))
@@ -305,6 +432,10 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
     layout.check_parallel(tp, 1)
     shards: list[State] = [{} for _ in range(tp)]
     for name, t in state.items():
+        if is_expert(name):  # split over EP x ETP ranks, not TP ones (split_experts)
+            for part in shards:
+                part[name] = t
+            continue
         if ("word_embeddings" in name or name == "output_layer.weight") and t.shape[
             0
         ] != layout.padded_vocab_size(tp):
@@ -320,8 +451,7 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
         elif _SPLIT_COLS.search(name):
             parts = t.chunk(tp, dim=1)
         elif _FC1.search(name):
-            gate, up = t.chunk(2, dim=0)
-            parts = tuple(torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True))
+            parts = _split_fc1(t, tp)
         else:
             parts = (t,) * tp
         for shard, part in zip(shards, parts, strict=True):
@@ -334,18 +464,86 @@ def merge_tp(shards: list[State], layout: Layout) -> State:
     out: State = {}
     for name in shards[0]:
         parts = [s[name] for s in shards]
-        if _SPLIT_ROWS.search(name):
+        if is_expert(name):  # whole in every TP shard (merge_experts joins EP x ETP parts)
+            out[name] = parts[0]
+        elif _SPLIT_ROWS.search(name):
             out[name] = torch.cat(parts, dim=0)
         elif _SPLIT_COLS.search(name):
             out[name] = torch.cat(parts, dim=1)
         elif _FC1.search(name):
-            halves = [p.chunk(2, dim=0) for p in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            out[name] = _merge_fc1(parts)
         else:
             for r, p in enumerate(parts[1:], start=1):
                 if not torch.equal(p, parts[0]):
                     raise ConversionError(f"{name} is replicated but TP rank {r} differs from rank 0")
             out[name] = parts[0]
+    return out
+
+
+# ---- expert parallel ------------------------------------------------------------------------
+
+
+def _split_fc1(t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    gate, up = t.chunk(2, dim=0)
+    return tuple(torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(n), up.chunk(n), strict=True))
+
+
+def _merge_fc1(parts: list[torch.Tensor]) -> torch.Tensor:
+    halves = [p.chunk(2, dim=0) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def split_experts(state: State, layout: Layout, ep: int, etp: int) -> dict[tuple[int, int], State]:
+    """The expert tensors of `state` (global ids, whole) as (EP rank, ETP rank) -> that rank's
+    experts, numbered from 0, each split over ETP as a dense MLP over TP. Other tensors are left
+    out (they follow TP: split_tp)."""
+    layout.check_parallel(1, 1, ep, etp)
+    per = layout.num_experts // ep if layout.num_experts else 1
+    out: dict[tuple[int, int], State] = {(r, t): {} for r in range(ep) for t in range(etp)}
+    for name, tensor in state.items():
+        parsed = parse_expert(name)
+        if parsed is None:
+            continue
+        _, e, fc = parsed
+        layer = int(name.split(".")[2])
+        local = expert_names(layout, layer, e % per)[0 if fc == "linear_fc1" else 1]
+        parts = _split_fc1(tensor, etp) if fc == "linear_fc1" else tensor.chunk(etp, dim=1)
+        for t, part in enumerate(parts):
+            out[(e // per, t)][local] = part.clone()
+    return out
+
+
+def merge_experts(parts: Mapping[tuple[int, int], State], layout: Layout) -> State:
+    """The inverse of split_experts: every (EP rank, ETP rank) part -> whole experts, global ids."""
+    ep = 1 + max(r for r, _ in parts)
+    etp = 1 + max(t for _, t in parts)
+    missing = [(r, t) for r in range(ep) for t in range(etp) if (r, t) not in parts]
+    if missing:
+        raise ConversionError(f"expert shards missing for (EP rank, ETP rank) {missing}")
+    per = layout.num_experts // ep
+    out: State = {}
+    for name in parts[(0, 0)]:
+        parsed = parse_expert(name)
+        if parsed is None:
+            continue
+        _, e, fc = parsed
+        layer = int(name.split(".")[2])
+        for r in range(ep):
+            pieces = [parts[(r, t)][name] for t in range(etp)]
+            whole = _merge_fc1(pieces) if fc == "linear_fc1" else torch.cat(pieces, dim=1)
+            out[expert_names(layout, layer, r * per + e)[0 if fc == "linear_fc1" else 1]] = whole
+    return out
+
+
+def rank_shard(stage: State, layout: Layout, tp: int, tp_rank: int, ep: int = 1, etp: int = 1, ep_rank: int = 0,
+               etp_rank: int = 0) -> State:  # fmt: skip
+    """One rank's tensors of an unsharded pipeline stage: its TP part of the dense tensors and its
+    EP x ETP part of the experts (`stage` may hold only some experts, with global ids)."""
+    dense = {k: v for k, v in stage.items() if not is_expert(k)}
+    out = split_tp(dense, layout, tp)[tp_rank] if dense else {}
+    experts = {k: v for k, v in stage.items() if is_expert(k)}
+    if experts:
+        out.update(split_experts(experts, layout, ep, etp)[(ep_rank, etp_rank)])
     return out
 
 

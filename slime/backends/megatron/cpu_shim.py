@@ -39,6 +39,22 @@ def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+class _NoStream:
+    """A CUDA stream (and event) on the CPU: waiting and synchronising are no-ops."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, *args: Any) -> _NoStream:
+        return self  # an event with the one method callers use on it: synchronize()
+
+
+_THE_STREAM = _NoStream()
+
+
 class _CudaOnCpu:
     """torch.cuda as megatron-core sees it: the current device is the CPU, syncs are no-ops."""
 
@@ -56,6 +72,18 @@ class _CudaOnCpu:
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    # The MoE all-to-all dispatcher copies token counts to the host on a side stream: on the CPU
+    # there is one stream, and every copy is already synchronous.
+    Stream = _NoStream
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _NoStream:
+        return _THE_STREAM
+
+    @staticmethod
+    def stream(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class _TorchOnCpu(types.ModuleType):
@@ -83,7 +111,11 @@ def enable() -> int:
     import megatron.core.models.gpt.gpt_model
     import megatron.core.pipeline_parallel.p2p_communication
     import megatron.core.pipeline_parallel.schedules
-    import megatron.core.transformer.dot_product_attention  # noqa: F401
+    import megatron.core.transformer.dot_product_attention
+    import megatron.core.transformer.moe.experts
+    import megatron.core.transformer.moe.moe_layer
+    import megatron.core.transformer.moe.router
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
     from megatron.core.tensor_parallel import random as mc_random
 
     view = _torch_view()
@@ -99,7 +131,28 @@ def enable() -> int:
     mc_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     mc_random._set_cuda_rng_state = lambda *a, **k: None
     _keep_tied_embedding_on_cpu()
+    _host_copies_as_on_gpu()
     return count
+
+
+def _host_copies_as_on_gpu() -> None:
+    """The MoE all-to-all dispatcher copies its split sizes to the host as numpy arrays
+    (`maybe_move_tensor_to_cpu(..., as_numpy=True)`), which torch.distributed takes as lists of
+    ints. That helper copies CUDA tensors only, so on the CPU the sizes would stay tensors, which
+    all_to_all_single refuses: give the dispatcher a helper that converts CPU tensors too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_slime_cpu", False):
+        return
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._slime_cpu = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _cpu_rng_tracker(mc_random: Any) -> type:

@@ -83,6 +83,17 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
     )
 
 
+def moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's router reads the module global `te_general_gemm`, which its
+    moe_utils defines only when Transformer Engine imports: without TE every MoE forward stops
+    with a NameError. Its own fallback (a torch matmul in the router's dtype) is taken when the
+    name is None, so define it as None where TE is absent (on any device)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def model_state(model: Any) -> dict[str, torch.Tensor]:
     """The tensors of a GPTModel's state dict (megatron-core's `_extra_state` entries left out)."""
     return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
