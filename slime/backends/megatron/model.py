@@ -18,8 +18,33 @@ import torch
 from slime.backends.megatron.convert import Layout, rope_theta
 
 
+def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None) -> dict[str, Any]:
+    """megatron-core's MoE settings for a mixture-of-experts layout (none for a dense one). The
+    load-balancing loss is slime's (slime.backends.megatron.moe), so megatron-core's is off; the
+    all-to-all dispatcher is the one megatron-core runs with variable-length micro-batches."""
+    if not layout.num_experts:
+        return {}
+    from slime.config.architecture import _hf_moe
+
+    moe = _hf_moe(hf_config)
+    return {
+        "num_moe_experts": layout.num_experts,
+        "moe_ffn_hidden_size": layout.moe_ffn_hidden_size,
+        "moe_layer_freq": list(layout.moe_layers),
+        "moe_router_topk": moe["moe_router_topk"],
+        "moe_router_pre_softmax": moe["moe_router_pre_softmax"],
+        "moe_router_score_function": moe["moe_router_score_function"],
+        "moe_router_dtype": router_dtype,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": layout.grouped_experts,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_permute_fusion": False,
+    }
+
+
 def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype = torch.float32,
-                       cpu_init: bool = False, **parallel: Any) -> Any:  # fmt: skip
+                       cpu_init: bool = False, router_dtype: str | None = None, **parallel: Any) -> Any:  # fmt: skip
     """megatron-core's TransformerConfig for the layout (plus TP/PP/CP/EP sizes in `parallel`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -46,23 +71,41 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
         persist_layer_norm=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **parallel},
+        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **moe_settings(layout, hf_config, router_dtype), **parallel},
     )
 
 
-def layer_spec(layout: Layout) -> Any:
+def layer_spec(layout: Layout, moe: bool = False) -> Any:
+    """One layer's spec: dense, or (`moe`) with megatron-core's MoE layer (SequentialMLP, or
+    TEGroupedMLP with `layout.grouped_experts`)."""
+    experts = {"num_experts": layout.num_experts, "moe_grouped_gemm": layout.grouped_experts} if moe else {}
     if layout.fold_norms:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm, **experts)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from slime.backends.megatron.attention import SegmentDotProductAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm", **experts)
     # megatron-core's local attention, plus packed sequences (slime.backends.megatron.attention)
     spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
     return spec
+
+
+def block_spec(layout: Layout, pp: int, pp_rank: int) -> Any:
+    """A dense model's layer spec, or for a MoE model the stage's layers one by one (MoE layers
+    where `layout.moe_layers` says, dense ones elsewhere)."""
+    if not layout.num_experts:
+        return layer_spec(layout)
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    from slime.backends.megatron.convert import stage_layers
+
+    dense, moe = layer_spec(layout), layer_spec(layout, moe=True)
+    layers = stage_layers(layout.num_layers, pp)[pp_rank]
+    return TransformerBlockSubmodules(layer_specs=[moe if layout.is_moe(i) else dense for i in layers],
+                                      layer_norm=LayerNormImpl)  # fmt: skip
 
 
 def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any:
@@ -70,9 +113,11 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    moe_without_transformer_engine()
     return GPTModel(
         config,
-        layer_spec(layout),
+        block_spec(layout, parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_rank()),  # fmt: skip
         vocab_size=layout.padded_vocab_size(tp),
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(),
