@@ -283,10 +283,11 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
 
 
 def _megatron_flags() -> dict[str, object]:
-    """Each Megatron flag's dest and default (MegatronConfig's fields)."""
+    """Each Megatron flag's dest and default (MegatronConfig's fields). --expert-tensor-parallel-size
+    is not among them: slime's scripts pass it with FSDP too, where it has no effect (its Spec)."""
     from slime.config.train import MegatronConfig
 
-    return {f.name: f.default for f in dataclasses.fields(MegatronConfig)}
+    return {f.name: f.default for f in dataclasses.fields(MegatronConfig) if f.name != "expert_tensor_parallel_size"}
 
 
 def _megatron_defaults(ns: argparse.Namespace) -> bool:
@@ -302,7 +303,8 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     from slime.config.train import MegatronConfig
 
     try:
-        megatron = MegatronConfig(**{k: getattr(ns, k) for k in flags})
+        megatron = MegatronConfig(**{k: getattr(ns, k) for k in flags},
+                                  expert_tensor_parallel_size=getattr(ns, "expert_tensor_parallel_size", None))  # fmt: skip
     except ValueError as e:
         return str(e)
     ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
@@ -312,17 +314,27 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} "
             f"= {tp * pp * cp} does not divide the {ranks} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    ep, etp = megatron.expert_model_parallel_size, megatron.etp
+    if ranks % (ep * etp * pp):
+        return (
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
+            f"{pp} = {ep * etp * pp} does not divide the {ranks} train ranks (megatron-core's expert layout)"
+        )
     if ns.hf_checkpoint and os.path.isfile(os.path.join(ns.hf_checkpoint, "config.json")):
         from transformers import AutoConfig
 
         from slime.backends.megatron.convert import ConversionError, Layout
 
         try:
-            Layout.from_hf_config(
-                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
-            ).check_parallel(tp, pp)
+            layout = Layout.from_hf_config(AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by)
+            layout.check_parallel(tp, pp, ep, etp)
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
+        from slime.backends.megatron.actor import check_moe
+
+        problem = check_moe(megatron, layout)
+        if problem:
+            return problem
     from slime.backends.megatron.actor import check_supported
 
     problem = check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems

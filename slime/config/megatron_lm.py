@@ -216,12 +216,15 @@ SPECS: tuple[Spec, ...] = (
         NO_EFFECT,
         "dropless routing here (no --moe-expert-capacity-factor), so no token is dropped",
     ),
-    _moe(
+    Spec(
         "--expert-tensor-parallel-size",
-        {"type": int, "default": 1},
+        {"type": int, "default": None},
         NO_EFFECT,
+        APPLIED,
+        "megatron: each expert split over this many ranks (default: the tensor-parallel size, as Megatron-LM); "
         "FSDP shards each MoE layer's experts over the ranks instead",
         neutral=1,
+        group="training",
     ),
     _refused("--mtp-num-layers", {"type": int, "default": None}, MTP, neutral=0),
     _refused("--mtp-loss-scaling-factor", {"type": float, "default": None}, MTP),

@@ -193,6 +193,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    """Megatron-LM's default: None, the tensor-parallel size."""
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
@@ -202,11 +204,17 @@ class MegatronConfig:
     """`--bf16`: bfloat16 parameters and activations; float32 master weights, gradient reductions
     and optimizer states (megatron-core's mixed precision, done by the actor)."""
 
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size", "make_vocab_size_divisible_by"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
+            raise ValueError(f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"

@@ -76,13 +76,18 @@ class MegatronTrainActor(TrainActorBase):
             fold_norms=m.transformer_impl == "transformer_engine",
         )
         self.tp, self.pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-        self.layout.check_parallel(self.tp, self.pp)
+        self.ep, self.etp = m.expert_model_parallel_size, m.etp
+        self.layout.check_parallel(self.tp, self.pp, self.ep, self.etp)
+        unsupported = check_moe(m, self.layout)
+        if unsupported:
+            raise ValueError(unsupported)
         self.rank, self.world_size = init_train_group(
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
         from megatron.core import parallel_state as ps
 
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                                     expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)  # fmt: skip
         self.mesh = Mesh.from_parallel_state()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
@@ -140,6 +145,8 @@ class MegatronTrainActor(TrainActorBase):
         config = transformer_config(
             self.layout, self.hf_config, torch.bfloat16 if m.bf16 else torch.float32, cpu_init=on_cpu, bf16=m.bf16,
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+            router_dtype=self.cfg.moe.moe_router_dtype,
             sequence_parallel=m.sequence_parallel,
             # Micro-batches differ in length and size: the pipeline exchanges shapes first.
             variable_seq_lengths=True,
@@ -157,7 +164,8 @@ class MegatronTrainActor(TrainActorBase):
             from slime.backends.megatron import cpu_shim
 
             cpu_shim.enable()
-            cpu_shim.seed(self.cfg.seed, parallel_state.get_tensor_model_parallel_rank())
+            cpu_shim.seed(self.cfg.seed, parallel_state.get_tensor_model_parallel_rank(),
+                          self.mesh.ep_rank, self.mesh.etp_rank)  # fmt: skip
         model = build_gpt_model(self.layout, self.hf_config, config, self.tp)
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
             model.bfloat16()
@@ -174,9 +182,9 @@ class MegatronTrainActor(TrainActorBase):
     def _read_hf_shard(self, hf_dir: str) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
         one layer at a time."""
-        return hf_to_megatron_shard(
-            mckpt.LazyHFState(hf_dir), self.layout, self.tp, self.pp, self.mesh.tp_rank, self.mesh.pp_rank
-        )
+        mesh = self.mesh
+        return hf_to_megatron_shard(mckpt.LazyHFState(hf_dir), self.layout, self.tp, self.pp, mesh.tp_rank,
+                                    mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank)  # fmt: skip
 
     def _load_hf(self, hf_dir: str) -> None:
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)
@@ -455,6 +463,14 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
     return {}
 
 
+def check_moe(m: Any, layout: Layout) -> str | None:
+    """What megatron-core's MoE layer does not train (refused at start-up, exit 2)."""
+    if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
+        return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
+                "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
+    return None
+
+
 def check_supported(m: Any, installed: bool = True) -> str | None:
     """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
     that Transformer Engine is here when the settings need it (parse_args checks the packages
@@ -462,9 +478,6 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
     if m.context_parallel_size > 1:
         return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
                 "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
-    if m.expert_model_parallel_size > 1:
-        return ("--expert-model-parallel-size > 1 needs a mixture-of-experts model; slime's Megatron conversion "
-                "covers dense Qwen2/Qwen3/Llama models so far: use --expert-model-parallel-size 1")  # fmt: skip
     if installed:
         from slime.config.resolve import transformer_engine_problem
 

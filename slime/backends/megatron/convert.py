@@ -451,7 +451,7 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
         elif _SPLIT_COLS.search(name):
             parts = t.chunk(tp, dim=1)
         elif _FC1.search(name):
-            parts = _split_fc1(t, tp)
+            parts = split_fc1(t, tp)
         else:
             parts = (t,) * tp
         for shard, part in zip(shards, parts, strict=True):
@@ -471,7 +471,7 @@ def merge_tp(shards: list[State], layout: Layout) -> State:
         elif _SPLIT_COLS.search(name):
             out[name] = torch.cat(parts, dim=1)
         elif _FC1.search(name):
-            out[name] = _merge_fc1(parts)
+            out[name] = merge_fc1(parts)
         else:
             for r, p in enumerate(parts[1:], start=1):
                 if not torch.equal(p, parts[0]):
@@ -483,12 +483,12 @@ def merge_tp(shards: list[State], layout: Layout) -> State:
 # ---- expert parallel ------------------------------------------------------------------------
 
 
-def _split_fc1(t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+def split_fc1(t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     gate, up = t.chunk(2, dim=0)
     return tuple(torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(n), up.chunk(n), strict=True))
 
 
-def _merge_fc1(parts: list[torch.Tensor]) -> torch.Tensor:
+def merge_fc1(parts: list[torch.Tensor]) -> torch.Tensor:
     halves = [p.chunk(2, dim=0) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
@@ -507,7 +507,7 @@ def split_experts(state: State, layout: Layout, ep: int, etp: int) -> dict[tuple
         _, e, fc = parsed
         layer = int(name.split(".")[2])
         local = expert_names(layout, layer, e % per)[0 if fc == "linear_fc1" else 1]
-        parts = _split_fc1(tensor, etp) if fc == "linear_fc1" else tensor.chunk(etp, dim=1)
+        parts = split_fc1(tensor, etp) if fc == "linear_fc1" else tensor.chunk(etp, dim=1)
         for t, part in enumerate(parts):
             out[(e // per, t)][local] = part.clone()
     return out
@@ -530,7 +530,7 @@ def merge_experts(parts: Mapping[tuple[int, int], State], layout: Layout) -> Sta
         layer = int(name.split(".")[2])
         for r in range(ep):
             pieces = [parts[(r, t)][name] for t in range(etp)]
-            whole = _merge_fc1(pieces) if fc == "linear_fc1" else torch.cat(pieces, dim=1)
+            whole = merge_fc1(pieces) if fc == "linear_fc1" else torch.cat(pieces, dim=1)
             out[expert_names(layout, layer, r * per + e)[0 if fc == "linear_fc1" else 1]] = whole
     return out
 

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron.convert import Layout, State, hf_to_megatron, layer_to_hf, merge_tp, stage_layers
+from slime.backends.megatron.convert import (
+    Layout,
+    State,
+    merge_fc1,
+    expert_names,
+    hf_to_megatron,
+    is_expert,
+    layer_to_hf,
+    merge_tp,
+    stage_layers,
+)
 from slime.utils.buckets import iter_buckets
 
 
@@ -36,6 +46,18 @@ class Mesh:
     dp_rank: int
     tp_group: Any
     pp_group: Any
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp_rank: int = 0
+    expert_dp_size: int = 1
+    ep_group: Any = None
+    etp_group: Any = None
+    expert_dp_group: Any = None
+    """Experts are replicated over this group (megatron-core's expert data-parallel group)."""
+    expert_mp_group: Any = None
+    """ETP x EP x PP: every expert tensor of the model once (megatron-core's expert-tensor-model-pipeline group)."""
 
     @classmethod
     def from_parallel_state(cls) -> Mesh:
@@ -45,6 +67,11 @@ class Mesh:
             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
             ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size(),
+            ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_data_parallel_group(), ps.get_expert_tensor_model_pipeline_parallel_group(),
         )  # fmt: skip
 
 
@@ -67,10 +94,17 @@ def _meta_hf_state(layout: Layout) -> State:
         meta.update({
             p + "self_attn.q_proj.weight": (L.num_heads * d, h), p + "self_attn.k_proj.weight": (L.num_query_groups * d, h),
             p + "self_attn.v_proj.weight": (L.num_query_groups * d, h), p + "self_attn.o_proj.weight": (h, L.num_heads * d),
-            p + "mlp.gate_proj.weight": (L.ffn_hidden_size, h), p + "mlp.up_proj.weight": (L.ffn_hidden_size, h),
-            p + "mlp.down_proj.weight": (h, L.ffn_hidden_size), p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         })  # fmt: skip
+        if L.is_moe(i):
+            f = L.moe_ffn_hidden_size
+            meta[p + "mlp.gate.weight"] = (L.num_experts, h)
+            for e in range(L.num_experts):
+                q = p + f"mlp.experts.{e}."
+                meta.update({q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h), q + "down_proj.weight": (h, f)})
+        else:
+            meta.update({p + "mlp.gate_proj.weight": (L.ffn_hidden_size, h), p + "mlp.up_proj.weight": (L.ffn_hidden_size, h),
+                         p + "mlp.down_proj.weight": (h, L.ffn_hidden_size)})  # fmt: skip
         if L.qkv_bias:
             meta.update({p + "self_attn.q_proj.bias": (L.num_heads * d,), p + "self_attn.k_proj.bias": (L.num_query_groups * d,),
                          p + "self_attn.v_proj.bias": (L.num_query_groups * d,)})  # fmt: skip
@@ -107,19 +141,31 @@ def export_hf_tensors(
     replica assembles its own, and the owning stage broadcasts to every stage of each TP rank's
     pipeline. `local` is this rank's shard (its stage's layers numbered from 0, as in its
     GPTModel's state dict). Collective."""
-    if mesh.dp_rank != 0 and not every_rank:
+    # Data-parallel ranks other than 0 hold experts no other rank has (expert parallelism is
+    # carved out of data parallelism), so they take part in the expert gathers and nothing else.
+    experts_only = mesh.dp_rank != 0 and not every_rank
+    if experts_only and mesh.ep * mesh.etp == 1:
         return
     shapes = full_shapes(layout, mesh.tp)
     receives = every_rank or mesh.tp_rank == 0  # who takes part in the pipeline broadcast
     yields = every_rank or (mesh.pp_rank == 0 and mesh.tp_rank == 0)  # global rank 0 of DP rank 0
     pp_ranks = dist.get_process_group_ranks(mesh.pp_group) if mesh.pp > 1 and receives else []
     for stage, layer, names in _units(layout, list(shapes), mesh.pp):
+        gathered: State = {}
+        if mesh.pp_rank == stage and layer is not None and layout.is_moe(layer):
+            gathered = _gather_experts(local, layout, mesh, layer, _local_name(f"decoder.layers.{layer}.", layer,
+                                                                                 mesh.pp_rank, layout, mesh.pp))
+        if experts_only:
+            continue
         merged: State = {}
         for name in names:
             tensor: torch.Tensor | None = None
             if mesh.pp_rank == stage:
-                shard = local[_local_name(name, layer, mesh.pp_rank, layout, mesh.pp)]
-                tensor = _gather_tp(shard, name, layout, mesh)
+                if is_expert(name):
+                    tensor = gathered[name]
+                else:
+                    shard = local[_local_name(name, layer, mesh.pp_rank, layout, mesh.pp)]
+                    tensor = _gather_tp(shard, name, layout, mesh)
             # Without every_rank only stage 0 (where rank 0 is) needs another stage's tensors.
             if mesh.pp > 1 and receives and (every_rank or stage != 0):
                 shape, dtype = shapes[name]
@@ -146,6 +192,31 @@ def export_hf_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """export_hf_tensors in buckets of at most `bucket_bytes` (every rank must iterate)."""
     return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank), bucket_bytes)
+
+
+def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix: str) -> State:
+    """Every expert of a MoE layer, whole, with global ids (HF order), on every rank of the stage:
+    this rank's experts stacked, all-gathered over the ETP group (joined as split_experts split
+    them), then over the EP group. `prefix`: the layer's name in this rank's state dict."""
+    per = layout.num_experts // mesh.ep
+    out: State = {}
+    for which in (0, 1):  # fc1, fc2
+        names = [expert_names(layout, layer, e)[which] for e in range(per)]
+        local_names = [n.replace(f"decoder.layers.{layer}.", prefix, 1) for n in names]
+        stacked = torch.stack([local[n] for n in local_names])
+        if mesh.etp > 1:
+            parts = [torch.empty_like(stacked) for _ in range(mesh.etp)]
+            dist.all_gather(parts, stacked.contiguous(), group=mesh.etp_group)
+            stacked = torch.stack([merge_fc1([p[j] for p in parts]) if which == 0
+                                   else torch.cat([p[j] for p in parts], dim=1) for j in range(per)])  # fmt: skip
+        ranks = [stacked]
+        if mesh.ep > 1:
+            ranks = [torch.empty_like(stacked) for _ in range(mesh.ep)]
+            dist.all_gather(ranks, stacked.contiguous(), group=mesh.ep_group)
+        for r, block in enumerate(ranks):
+            for j in range(per):
+                out[expert_names(layout, layer, r * per + j)[which]] = block[j]
+    return out
 
 
 def _gather_tp(shard: torch.Tensor, name: str, layout: Layout, mesh: Mesh) -> torch.Tensor:

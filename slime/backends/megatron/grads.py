@@ -7,11 +7,17 @@
   megatron-core) see only a rank's part of the sequence, so their gradients are summed over the
   TP group (as megatron-core's finalize_model_grads does);
 - pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
-  are one HF tensor; their gradients are summed over megatron-core's embedding group.
+  are one HF tensor; their gradients are summed over megatron-core's embedding group;
+- experts (mixture-of-experts layers): each rank holds its EP rank's experts (its ETP part of
+  them), which see only the tokens dispatched to them from the ranks of its expert-parallel group;
+  the ranks that hold the same experts form megatron-core's expert data-parallel group, and the
+  experts' gradients are summed over it instead of the DP group (as megatron-core's DDP does).
 
 The norm counts every tensor of the full model once (TP-duplicated tensors on TP rank 0 only,
-the last stage's copy of a tied embedding not at all), over the model-parallel group, and clips
-as torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), applied below 1).
+the last stage's copy of a tied embedding not at all), over the model-parallel group, plus every
+expert tensor once (ETP-duplicated ones on ETP rank 0) over the expert tensor x model x pipeline
+group, and clips as torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6),
+applied below 1).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron.convert import is_expert
 from slime.backends.megatron.export import Mesh
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
@@ -41,7 +48,9 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
 
     named = [(n, g) for n, p in model.named_parameters() if (g := grad_of(p)) is not None]
     if dp_group is not None:
-        all_reduce_coalesced([g for _, g in named], dp_group, device)
+        all_reduce_coalesced([g for n, g in named if not is_expert(n)], dp_group, device)
+    if mesh.expert_dp_size > 1:
+        all_reduce_coalesced([g for n, g in named if is_expert(n)], mesh.expert_dp_group, device)
     if mesh.tp > 1:
         params = dict(model.named_parameters())
         partial = [g for n, g in named
@@ -54,15 +63,17 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
             all_reduce_coalesced([grad], ps.get_embedding_group(), device)
 
 
-def counted_once(model: Any, tp_rank: int, grad_of: GradOf = _grad) -> list[torch.Tensor]:
-    """Gradients that enter the norm: each tensor of the full model exactly once."""
+def counted_once(model: Any, tp_rank: int, grad_of: GradOf = _grad, experts: bool = False,
+                 etp_rank: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """Gradients that enter the norm: each dense tensor of the full model exactly once (or with
+    `experts`, each expert tensor)."""
     grads = []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         grad = grad_of(p)
         # megatron-core marks the last stage's copy of a tied embedding `shared`.
-        if grad is None or getattr(p, "shared", False):
+        if grad is None or getattr(p, "shared", False) or is_expert(name) != experts:
             continue
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+        if getattr(p, "tensor_model_parallel", False) or (etp_rank if experts else tp_rank) == 0:
             grads.append(grad)
     return grads
 
@@ -73,11 +84,20 @@ def clip_gradients(
     """The global gradient norm (before clipping); clips to `clip_grad` (0: no clipping)."""
     from megatron.core import parallel_state as ps
 
-    square = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in counted_once(model, mesh.tp_rank, grad_of):
-        square += g.detach().double().pow(2).sum().to(device)
+    def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        square = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            square += g.detach().double().pow(2).sum().to(device)
+        return square
+
+    square = sum_of_squares(counted_once(model, mesh.tp_rank, grad_of))
     if mesh.tp * mesh.pp > 1:
         dist.all_reduce(square, group=ps.get_model_parallel_group())
+    if mesh.expert_mp_group is not None:
+        experts = sum_of_squares(counted_once(model, mesh.tp_rank, grad_of, experts=True, etp_rank=mesh.etp_rank))
+        if mesh.ep * mesh.etp * mesh.pp > 1:
+            dist.all_reduce(experts, group=mesh.expert_mp_group)
+        square += experts
     norm = math.sqrt(float(square[0]))
     coef = (clip_grad or float("inf")) / (norm + 1e-6)
     if coef < 1.0:

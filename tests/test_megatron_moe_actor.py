@@ -1,0 +1,56 @@
+"""The Megatron actor trains Qwen3-MoE (megatron-core's MoE layer and all-to-all dispatcher, on
+CPU over gloo) like one FSDP rank trains the Hugging Face model: the experts on one rank, split
+over two expert-parallel ranks, and PP 2 x EP 2. Same log-probs, step metrics and exported weights
+within the dense tests' bounds (tests/test_megatron_actor.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+from slime.config.train import MegatronConfig
+from tests.dist_helpers import run_ranks
+from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, exported
+from tests.test_fsdp_actor import base_config, make_batch
+
+
+def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None):
+    from slime.backends import make_train_actor
+
+    cfg = base_config(model, micro_batch_size=mbs)
+    if backend == "megatron":
+        cfg = dataclasses.replace(cfg, backend="megatron", megatron=MegatronConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep))  # fmt: skip
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    info = actor.init()
+    batch = make_batch(0)
+    result = {"info": info, "lp": actor.compute_log_probs(batch), "outputs": []}
+    for r in range(ROLLOUTS):
+        result["outputs"].append(actor.train(r, make_batch(r)))
+        if r == 0:
+            result["probe"] = actor.compute_log_probs(make_batch(7))
+            if save_dir:
+                actor.save(r, save_dir)
+    result["weights"] = exported(actor)
+    actor.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def fsdp_moe(tiny_moe):
+    return run_ranks(1, moe_run, tiny_moe, "fsdp")[0]
+
+
+@pytest.mark.parametrize(
+    "pp, ep, world, mbs",
+    [(1, 2, 2, 2), (1, 1, 1, 2), (2, 2, 4, 2), (1, 2, 4, 1)],
+    # ep2-dp4: four data-parallel ranks, each expert on two of them (expert data parallelism 2)
+    ids=["ep2", "ep1", "pp2xep2", "ep2-dp4"],
+)
+def test_megatron_moe_trains_like_one_fsdp_rank(fsdp_moe, tiny_moe, pp, ep, world, mbs):
+    ranks = run_ranks(world, moe_run, tiny_moe, "megatron", 1, pp, ep, mbs)
+    assert [r["info"]["dp"] for r in ranks] == [world // pp] * world
+    assert_trains_like(fsdp_moe, ranks)
