@@ -89,5 +89,6 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
 
 
 def no_effect_given(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: str) -> list[str]:
-    """The no-effect flags given, for the banner."""
-    return [s.flag for s in specs if s.effect(backend) == NO_EFFECT and given(ns, s)]
+    """The no-effect flags given with a value that asks for something, for the banner."""
+    return [s.flag for s in specs if s.effect(backend) == NO_EFFECT and given(ns, s)
+            and (s.neutral is None or getattr(ns, s.dest) != s.neutral)]  # fmt: skip

@@ -32,10 +32,13 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
 
 
-def megatron_args(layout: Layout, tp: int, pp: int) -> dict[str, Any]:
+def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict[str, Any]:
     return {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp or tp,
+        "num_experts": layout.num_experts or None,
         "num_layers": layout.num_layers,
         "hidden_size": layout.hidden_size,
         "ffn_hidden_size": layout.ffn_hidden_size,
@@ -54,8 +57,16 @@ def megatron_args(layout: Layout, tp: int, pp: int) -> dict[str, Any]:
     }
 
 
-def rank_dir(tp_rank: int, pp_stage: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_stage:03d}"
+def rank_dir(tp_rank: int, pp_stage: int, pp: int, ep_rank: int | None = None) -> str:
+    """Megatron-LM's names: mp_rank_TT, mp_rank_TT_PPP with PP > 1, and an _EEE suffix for the
+    expert-parallel rank with EP > 1 (`ep_rank` given)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_stage:03d}"
+    return name if ep_rank is None else f"{name}_{ep_rank:03d}"
+
+
+def _own_dir(actor: Any) -> str:
+    mesh = actor.mesh
+    return rank_dir(mesh.tp_rank, mesh.pp_rank, actor.pp, mesh.ep_rank if actor.ep > 1 else None)
 
 
 def check_target(save_dir: str, flag: str = "--save-dir") -> None:
@@ -104,6 +115,12 @@ def load_megatron(load_dir: str) -> tuple[dict[tuple[int, int], State], dict[str
     parts: dict[tuple[int, int], State] = {}
     args: dict[str, Any] = {}
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))):
+        blob_args = torch.load(path, map_location="cpu", weights_only=True).get("args") or {}
+        if (blob_args.get("expert_model_parallel_size") or 1) > 1:
+            raise ConversionError(
+                f"--load-dir {load_dir!r} was saved with expert parallelism (EP "
+                f"{blob_args['expert_model_parallel_size']}); the conversion tools read EP 1 checkpoints only so far"
+            )
         m = re.search(r"mp_rank_(\d+)(?:_(\d+))?$", os.path.dirname(path))
         assert m is not None
         blob = torch.load(path, map_location="cpu", weights_only=True)
@@ -221,15 +238,30 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
 
     final, partial = start_save(root, rollout_id, actor.rank)
     error = None
-    if actor.dp_rank == 0:
-        folder = os.path.join(partial, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp))
+    # With expert parallelism the experts differ across data-parallel ranks: one rank per
+    # expert data-parallel group writes (its file holds its dense shard and its experts).
+    mesh = actor.mesh
+    writes = mesh.expert_dp_rank == 0 if actor.layout.num_experts else actor.dp_rank == 0
+    coords = (mesh.tp_rank, mesh.pp_rank, mesh.ep_rank, mesh.etp_rank)
+    everyone = _gather((coords, writes))
+    written = {c for c, w in everyone if w}
+    lacking = sorted({c for c, _ in everyone} - written)
+    if len({c[:3] for c in written}) < len(written):
+        lacking = lacking or sorted(written)  # two writers of one directory (same TP, PP, EP rank)
+    if lacking:  # a layout whose files cannot hold every rank's (TP, PP, EP, ETP) part
+        raise ConversionError(
+            f"--save {root!r}: no rank writes the part (tp, pp, ep, etp) {lacking[0]} with TP {actor.tp}, EP "
+            f"{actor.ep}, ETP {actor.etp}: use --expert-tensor-parallel-size 1 or the tensor-parallel size"
+        )
+    if writes:
+        folder = os.path.join(partial, _own_dir(actor))
         try:
             _write_shard(actor, folder, rollout_id, extra)
         except Exception as e:  # a full disk, an unpicklable `extra`, host memory: every rank must hear of it
             error = f"--save {root!r}: rank {actor.rank} cannot write its shard ({type(e).__name__}: {e})"
     _agree(error)  # every rank raises a writer's error; none waits for one that failed
     if actor.rank == 0:
-        expected = [rank_dir(t, s, actor.pp) for t in range(actor.tp) for s in range(actor.pp)]
+        expected = sorted({rank_dir(t, s, actor.pp, e if actor.ep > 1 else None) for t, s, e, _ in written})
         missing = [d for d in expected if not os.path.isfile(os.path.join(partial, d, "model_optim_rng.pt"))]
         if missing:
             error = (f"--save {root!r}: shards {missing} are not in {partial} (is --save on a filesystem every "
@@ -257,7 +289,7 @@ def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any]
         "rng_state": _rng_state(),
         "iteration": rollout_id,
         "checkpoint_version": 3.0,
-        "args": megatron_args(actor.layout, actor.tp, actor.pp),
+        "args": megatron_args(actor.layout, actor.tp, actor.pp, actor.ep, actor.etp),
         "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
                   "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
     }  # fmt: skip
@@ -310,9 +342,7 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
     from slime.backends.fsdp.checkpoint import iteration_dir
 
     folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
-    path = os.path.join(
-        folder, rank_dir(actor.mesh.tp_rank, actor.mesh.pp_rank, actor.pp), "model_optim_rng.pt"
-    )
+    path = os.path.join(folder, _own_dir(actor), "model_optim_rng.pt")
     if not os.path.isfile(path):
         stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         return {}, (
@@ -322,16 +352,17 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
         )
     blob = torch.load(path, map_location="cpu", weights_only=False)
     args = blob.get("args") or {}
-    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
+    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"),
+             args.get("expert_model_parallel_size", 1), args.get("expert_tensor_parallel_size") or args.get("tensor_model_parallel_size"))  # fmt: skip
     try:
         same_model = stored_layout(args, root) == actor.layout
     except (ConversionError, TypeError) as e:
         return {}, f"--load {root!r}: {e}"
-    if saved != (actor.tp, actor.pp) or not same_model:
+    if saved != (actor.tp, actor.pp, actor.ep, actor.etp) or not same_model:
         return {}, (
-            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} for another model layout than "
-            f"--hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp}: convert it with "
-            "python -m slime.tools.convert_checkpoint"
+            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} x EP {saved[2]} x ETP {saved[3]} or for "
+            f"another model layout than --hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp} "
+            f"x EP {actor.ep} x ETP {actor.etp}: convert it with python -m slime.tools.convert_checkpoint"
         )
     return blob, None
 

@@ -126,10 +126,10 @@ class Layout:
             raise ConversionError(f"tensor and pipeline parallel sizes must be >= 1, got TP {tp}, PP {pp}")
         if ep < 1 or etp < 1:
             raise ConversionError(f"expert parallel sizes must be >= 1, got EP {ep}, ETP {etp}")
-        if (ep > 1 or etp > 1) and not self.num_experts:
+        if ep > 1 and not self.num_experts:  # (ETP: no experts to split, as in Megatron-LM)
             raise ConversionError(
-                f"EP {ep} x ETP {etp}: expert parallelism needs a mixture-of-experts model, and this one is dense: "
-                "use --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"
+                f"EP {ep}: expert parallelism needs a mixture-of-experts model, and this one is dense: "
+                "use --expert-model-parallel-size 1"
             )
         if self.num_experts and self.num_experts % ep:
             raise ConversionError(f"EP {ep} must divide the {self.num_experts} experts of each MoE layer")
