@@ -29,6 +29,7 @@ RUN_SCRIPTS = {
     "run-qwen3-4B.sh": ("qwen3-4B", "megatron"),
     "run-qwen2.5-7B.sh": ("qwen2.5-7B", "megatron"),
     "run-llama3.1-8B.sh": ("llama3.1-8B", "fsdp"),
+    "run-qwen3-30B-A3B.sh": ("qwen3-30B-A3B", "megatron"),
 }
 # Launch scripts that run a whole job rather than describing a cluster run (not dry-run here).
 NOT_CLUSTER_SCRIPTS = {"run-tiny-cpu.sh"}
@@ -118,9 +119,8 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
     assert ("--use-rope-scaling" in args) == (family == "llama")
 
     hf_dir = write_config(name, tmp_path / name)
-    # Llama 3.x's llama3 RoPE scaling and mixture-of-experts models are not in the Megatron
-    # conversion: FSDP trains them.
-    backend = ["--train-backend", "fsdp"] if family in ("llama", "qwen3_moe") else []
+    # Llama 3.x's llama3 RoPE scaling is not in the Megatron conversion: FSDP trains it.
+    backend = ["--train-backend", "fsdp"] if family == "llama" else []
     code, out = dry_run(capsys, [*args, *base_flags(hf_dir, prompt_file), *backend])
     assert code == 0, out
     assert "plan:" in out

@@ -14,8 +14,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from slime.config.train import MegatronConfig
 from tests.dist_helpers import run_ranks
-from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, exported
 from tests.test_fsdp_actor import base_config, make_batch
+from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, exported
 
 
 def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None):
@@ -80,6 +80,31 @@ def test_ep2_checkpoint_resumes_bit_for_bit(tiny_moe, tmp_path):
     assert sorted(os.listdir(os.path.join(save_dir, "iter_0000000"))) == ["mp_rank_00_000", "mp_rank_00_001"]
     again = run_ranks(2, resumed, tiny_moe, 2, save_dir)
     assert again[0]["info"]["resumed_rollout_id"] == 0
-    assert [s for o in again[0]["outputs"] for s in o.steps] == [s for o in ranks[0]["outputs"][1:] for s in o.steps]
+    assert [s for o in again[0]["outputs"] for s in o.steps] == [
+        s for o in ranks[0]["outputs"][1:] for s in o.steps
+    ]
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(again[0]["weights"][name], value), name
+
+
+def test_moe_options_the_megatron_actor_does_not_build_are_refused_by_name(tiny_moe, tiny_model):
+    from transformers import AutoConfig
+
+    from slime.backends.megatron.actor import check_moe
+    from slime.backends.megatron.convert import Layout
+    from slime.config.train import MoEOptions
+
+    moe_layout = Layout.from_hf_config(AutoConfig.from_pretrained(tiny_moe))
+    dense_layout = Layout.from_hf_config(AutoConfig.from_pretrained(tiny_model))
+    m = MegatronConfig()
+    assert (
+        check_moe(m, moe_layout, MoEOptions(moe_router_dtype="fp64")) is None
+    )  # megatron-core's moe_router_dtype
+    assert "--moe-aux-loss-coeff" in check_moe(m, moe_layout, MoEOptions(moe_aux_loss_coeff=0.01))
+    assert "--use-rollout-routing-replay" in check_moe(
+        m, moe_layout, MoEOptions(use_rollout_routing_replay=True)
+    )
+    assert "--moe-router-dtype needs a mixture-of-experts model" in check_moe(
+        m, dense_layout, MoEOptions(moe_router_dtype="fp32")
+    )
+    assert "--sequence-parallel" in check_moe(MegatronConfig(tensor_model_parallel_size=2), moe_layout)

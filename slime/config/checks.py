@@ -287,7 +287,11 @@ def _megatron_flags() -> dict[str, object]:
     is not among them: slime's scripts pass it with FSDP too, where it has no effect (its Spec)."""
     from slime.config.train import MegatronConfig
 
-    return {f.name: f.default for f in dataclasses.fields(MegatronConfig) if f.name != "expert_tensor_parallel_size"}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(MegatronConfig)
+        if f.name != "expert_tensor_parallel_size"
+    }
 
 
 def _megatron_defaults(ns: argparse.Namespace) -> bool:
@@ -326,7 +330,9 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
         from slime.backends.megatron.convert import ConversionError, Layout
 
         try:
-            layout = Layout.from_hf_config(AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by)
+            layout = Layout.from_hf_config(
+                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
+            )
             layout.check_parallel(tp, pp, ep, etp)
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"

@@ -38,20 +38,21 @@ def _refused(
 
 
 def _moe_arch(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
-    """A mixture-of-experts architecture flag: checked with FSDP, refused by Megatron (not built)."""
-    return Spec(flag, kwargs, CHECKED, REFUSED, note, group="architecture", refused_note=MOE)
+    """A mixture-of-experts architecture flag: checked against config.json with either backend."""
+    return Spec(flag, kwargs, CHECKED, CHECKED, note, group="architecture")
 
 
-def _moe(flag: str, kwargs: dict[str, Any], fsdp: str, note: str, neutral: Any = None) -> Spec:
-    """A mixture-of-experts training flag: `fsdp` with FSDP, refused by Megatron (not built)."""
-    return Spec(flag, kwargs, fsdp, REFUSED, note, neutral, group="training", refused_note=MOE)
+def _moe(flag: str, kwargs: dict[str, Any], fsdp: str, megatron: str, note: str, neutral: Any = None,
+         refused_note: str | None = None) -> Spec:  # fmt: skip
+    """A mixture-of-experts training flag."""
+    return Spec(flag, kwargs, fsdp, megatron, note, neutral, group="training", refused_note=refused_note)
 
 
 def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MOE = "mixture-of-experts models in the Megatron backend are not built yet (use --train-backend fsdp)"
+MOE_AUX = "the load-balancing loss is not built in the Megatron backend yet (use --train-backend fsdp)"
 MOE_GROUPS = "group-limited routing (DeepSeek-V3's node groups) is not supported"
 MOE_BIAS = "aux-loss-free balancing with a router expert bias (DeepSeek-V3) is not supported"
 MLA = "multi-latent attention (DeepSeek/Kimi) is not supported (dense Qwen2/Qwen3/Llama only)"
@@ -184,13 +185,16 @@ SPECS: tuple[Spec, ...] = (
         "--moe-aux-loss-coeff",
         {"type": float, "default": 0.0},
         APPLIED,
+        REFUSED,
         "the load-balancing loss, megatron-core's aux_loss per MoE layer and micro-batch, added to the "
         "loss times this (0: off, as in slime's RL scripts)",
         neutral=0.0,
+        refused_note=MOE_AUX,
     ),
     _moe(
         "--moe-router-load-balancing-type",
         {"choices": ["aux_loss", "none"], "default": None},
+        APPLIED,
         APPLIED,
         "aux_loss (megatron-core's) or none (no load-balancing loss whatever --moe-aux-loss-coeff says)",
     ),
@@ -198,13 +202,22 @@ SPECS: tuple[Spec, ...] = (
         "--moe-router-dtype",
         {"choices": ["fp32", "fp64"], "default": None},
         APPLIED,
+        APPLIED,
         "the router's logits, softmax and top-k in this precision (default: the parameters' dtype for the "
-        "logits, float32 for the softmax, as Hugging Face does)",
+        "logits, float32 for the softmax, as Hugging Face does; megatron: megatron-core's moe_router_dtype)",
     ),
     *(
-        _moe(f, kwargs, NO_EFFECT, "a speed knob of megatron-core's MoE layer (results are the same)")
+        _moe(
+            f,
+            kwargs,
+            NO_EFFECT,
+            NO_EFFECT,
+            "a speed knob of megatron-core's MoE layer (results are the same)",
+        )
         for f, kwargs in (
+            # megatron: always alltoall (megatron-core's only dispatcher for variable-length micro-batches)
             ("--moe-token-dispatcher-type", {"default": None}),
+            # megatron: SequentialMLP; Transformer Engine's grouped GEMM is not wired in yet (docs/moe.md)
             ("--moe-grouped-gemm", store_true()),
             ("--moe-permute-fusion", store_true()),
             ("--moe-enable-deepep", store_true()),
@@ -213,6 +226,7 @@ SPECS: tuple[Spec, ...] = (
     _moe(
         "--moe-token-drop-policy",
         {"default": None},
+        NO_EFFECT,
         NO_EFFECT,
         "dropless routing here (no --moe-expert-capacity-factor), so no token is dropped",
     ),

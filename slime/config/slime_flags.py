@@ -21,9 +21,7 @@ def _same(flag: str, kwargs: dict[str, Any], effect: str, note: str) -> Spec:
     return Spec(flag, kwargs, effect, effect, note, group="slime")
 
 
-MOE_MEGATRON = (
-    "mixture-of-experts models in the Megatron backend are not built yet (use --train-backend fsdp)"
-)
+MOE_MEGATRON = "routing replay is not built in the Megatron backend yet (use --train-backend fsdp)"
 
 SPECS: tuple[Spec, ...] = (
     _same(

@@ -214,7 +214,9 @@ class MegatronConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
-            raise ValueError(f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}")
+            raise ValueError(
+                f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}"
+            )
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"

@@ -78,7 +78,7 @@ class MegatronTrainActor(TrainActorBase):
         self.tp, self.pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         self.ep, self.etp = m.expert_model_parallel_size, m.etp
         self.layout.check_parallel(self.tp, self.pp, self.ep, self.etp)
-        unsupported = check_moe(m, self.layout)
+        unsupported = check_moe(m, self.layout, cfg.moe)
         if unsupported:
             raise ValueError(unsupported)
         self.rank, self.world_size = init_train_group(
@@ -463,8 +463,17 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
     return {}
 
 
-def check_moe(m: Any, layout: Layout) -> str | None:
-    """What megatron-core's MoE layer does not train (refused at start-up, exit 2)."""
+def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
+    """What megatron-core's MoE layer does not train, and the MoE options this actor does not
+    build yet (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
+    if moe is not None and not layout.num_experts and moe.needs_moe:
+        return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
+    if moe is not None:
+        asked = [flag for flag, on in (("--moe-aux-loss-coeff", moe.aux_loss_coeff > 0),
+                                       ("--use-routing-replay", moe.use_routing_replay),
+                                       ("--use-rollout-routing-replay", moe.use_rollout_routing_replay)) if on]  # fmt: skip
+        if asked:
+            return f"{', '.join(asked)}: not built in the Megatron backend yet (use --train-backend fsdp)"
     if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
         return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
                 "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip

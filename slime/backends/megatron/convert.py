@@ -433,8 +433,8 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
     shards: list[State] = [{} for _ in range(tp)]
     for name, t in state.items():
         if is_expert(name):  # split over EP x ETP ranks, not TP ones (split_experts)
-            for part in shards:
-                part[name] = t
+            for whole in shards:
+                whole[name] = t
             continue
         if ("word_embeddings" in name or name == "output_layer.weight") and t.shape[
             0

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from slime.backends.megatron.convert import (
     Layout,
     State,
-    merge_fc1,
     expert_names,
     hf_to_megatron,
     is_expert,
     layer_to_hf,
+    merge_fc1,
     merge_tp,
     stage_layers,
 )
@@ -101,7 +101,13 @@ def _meta_hf_state(layout: Layout) -> State:
             meta[p + "mlp.gate.weight"] = (L.num_experts, h)
             for e in range(L.num_experts):
                 q = p + f"mlp.experts.{e}."
-                meta.update({q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h), q + "down_proj.weight": (h, f)})
+                meta.update(
+                    {
+                        q + "gate_proj.weight": (f, h),
+                        q + "up_proj.weight": (f, h),
+                        q + "down_proj.weight": (h, f),
+                    }
+                )
         else:
             meta.update({p + "mlp.gate_proj.weight": (L.ffn_hidden_size, h), p + "mlp.up_proj.weight": (L.ffn_hidden_size, h),
                          p + "mlp.down_proj.weight": (h, L.ffn_hidden_size)})  # fmt: skip
@@ -153,8 +159,13 @@ def export_hf_tensors(
     for stage, layer, names in _units(layout, list(shapes), mesh.pp):
         gathered: State = {}
         if mesh.pp_rank == stage and layer is not None and layout.is_moe(layer):
-            gathered = _gather_experts(local, layout, mesh, layer, _local_name(f"decoder.layers.{layer}.", layer,
-                                                                                 mesh.pp_rank, layout, mesh.pp))
+            gathered = _gather_experts(
+                local,
+                layout,
+                mesh,
+                layer,
+                _local_name(f"decoder.layers.{layer}.", layer, mesh.pp_rank, layout, mesh.pp),
+            )
         if experts_only:
             continue
         merged: State = {}

@@ -94,7 +94,9 @@ def clip_gradients(
     if mesh.tp * mesh.pp > 1:
         dist.all_reduce(square, group=ps.get_model_parallel_group())
     if mesh.expert_mp_group is not None:
-        experts = sum_of_squares(counted_once(model, mesh.tp_rank, grad_of, experts=True, etp_rank=mesh.etp_rank))
+        experts = sum_of_squares(
+            counted_once(model, mesh.tp_rank, grad_of, experts=True, etp_rank=mesh.etp_rank)
+        )
         if mesh.ep * mesh.etp * mesh.pp > 1:
             dist.all_reduce(experts, group=mesh.expert_mp_group)
         square += experts

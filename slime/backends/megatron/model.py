@@ -71,7 +71,12 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
         persist_layer_norm=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **moe_settings(layout, hf_config, router_dtype), **parallel},
+        **{
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            **moe_settings(layout, hf_config, router_dtype),
+            **parallel,
+        },
     )
 
 
@@ -114,10 +119,13 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     moe_without_transformer_engine()
+    pp, pp_rank = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     return GPTModel(
         config,
-        block_spec(layout, parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_rank()),  # fmt: skip
+        block_spec(layout, pp, pp_rank),
         vocab_size=layout.padded_vocab_size(tp),
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(),
