@@ -224,7 +224,7 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
         ),
         (
             ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"],
-            "--expert-model-parallel-size > 1 needs a mixture-of-experts model",
+            "EP 2: expert parallelism needs a mixture-of-experts model",
         ),
         (
             ["--train-backend", "megatron", "--transformer-impl", "transformer_engine"],

@@ -109,7 +109,9 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
     err = error(capsys, base(tiny_model, prompts, "--num-experts", "64"))
     assert f"--num-experts 64 disagrees with --hf-checkpoint {tiny_model}: config.json num_experts = 0" in err
     err = error(capsys, base(tiny_model, prompts, "--num-experts", "64", "--train-backend", "megatron"))
-    assert "--num-experts 64: mixture-of-experts models in the Megatron backend are not built yet" in err
+    assert f"--num-experts 64 disagrees with --hf-checkpoint {tiny_model}: config.json num_experts = 0" in err
+    err = error(capsys, base(tiny_model, prompts, "--moe-aux-loss-coeff", "0.01", "--train-backend", "megatron"))
+    assert "--moe-aux-loss-coeff 0.01: the load-balancing loss is not built in the Megatron backend yet" in err
     err = error(capsys, base(tiny_model, prompts, "--use-rollout-routing-replay"))
     assert "--use-rollout-routing-replay needs a mixture-of-experts model" in err
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention"))
@@ -264,7 +266,7 @@ def test_dry_run_lists_unknown_flags_with_the_rest(tiny_model, prompts, capsys):
         )
     out = capsys.readouterr().out
     assert e.value.code == 2
-    assert "unrecognized argument: --no-such-flag" in out and "--num-experts 8: mixture-of-experts" in out
+    assert "unrecognized argument: --no-such-flag" in out and "--num-experts 8 disagrees" in out
     assert "--rm-type 'nonesuch' is not a reward type" in out
 
 
