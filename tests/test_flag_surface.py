@@ -110,8 +110,12 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
     assert f"--num-experts 64 disagrees with --hf-checkpoint {tiny_model}: config.json num_experts = 0" in err
     err = error(capsys, base(tiny_model, prompts, "--num-experts", "64", "--train-backend", "megatron"))
     assert f"--num-experts 64 disagrees with --hf-checkpoint {tiny_model}: config.json num_experts = 0" in err
-    err = error(capsys, base(tiny_model, prompts, "--moe-aux-loss-coeff", "0.01", "--train-backend", "megatron"))
-    assert "--moe-aux-loss-coeff 0.01: the load-balancing loss is not built in the Megatron backend yet" in err
+    err = error(
+        capsys, base(tiny_model, prompts, "--moe-aux-loss-coeff", "0.01", "--train-backend", "megatron")
+    )
+    assert (
+        "--moe-aux-loss-coeff 0.01: the load-balancing loss is not built in the Megatron backend yet" in err
+    )
     err = error(capsys, base(tiny_model, prompts, "--use-rollout-routing-replay"))
     assert "--use-rollout-routing-replay needs a mixture-of-experts model" in err
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention"))
