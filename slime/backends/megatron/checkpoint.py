@@ -115,17 +115,16 @@ def load_megatron(load_dir: str) -> tuple[dict[tuple[int, int], State], dict[str
     parts: dict[tuple[int, int], State] = {}
     args: dict[str, Any] = {}
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))):
-        blob_args = torch.load(path, map_location="cpu", weights_only=True).get("args") or {}
-        if (blob_args.get("expert_model_parallel_size") or 1) > 1:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        args = blob.get("args") or {}
+        if (args.get("expert_model_parallel_size") or 1) > 1:
             raise ConversionError(
                 f"--load-dir {load_dir!r} was saved with expert parallelism (EP "
-                f"{blob_args['expert_model_parallel_size']}); the conversion tools read EP 1 checkpoints only so far"
+                f"{args['expert_model_parallel_size']}); the conversion tools read EP 1 checkpoints only so far"
             )
         m = re.search(r"mp_rank_(\d+)(?:_(\d+))?$", os.path.dirname(path))
         assert m is not None
-        blob = torch.load(path, map_location="cpu", weights_only=True)
         parts[(int(m.group(1)), int(m.group(2) or 0))] = blob["model"]
-        args = blob.get("args") or {}
     if not parts:
         raise ConversionError(f"--load-dir {load_dir!r}: no mp_rank_*/model_optim_rng.pt under {folder}")
     return parts, args

@@ -221,19 +221,19 @@ def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
 
 
 _EXPERT = re.compile(
-    r"^(?P<prefix>decoder\.layers\.\d+\.mlp\.experts\.)"
+    r"^decoder\.layers\.(?P<layer>\d+)\.mlp\.experts\."
     r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
 )
 
 
-def parse_expert(name: str) -> tuple[str, int, str] | None:
-    """(layer prefix, expert, "linear_fc1" | "linear_fc2") of an expert tensor's name, else None."""
+def parse_expert(name: str) -> tuple[int, int, int] | None:
+    """(layer, expert, 0 for linear_fc1 or 1 for linear_fc2) of an expert tensor's name, else None."""
     m = _EXPERT.match(name)
     if not m:
         return None
-    if m.group("e") is not None:
-        return m.group("prefix"), int(m.group("e")), m.group("fc")
-    return m.group("prefix"), int(m.group("ge")), m.group("gfc")
+    fc = m.group("fc") or m.group("gfc")
+    expert = m.group("e") if m.group("e") is not None else m.group("ge")
+    return int(m.group("layer")), int(expert), 0 if fc == "linear_fc1" else 1
 
 
 def is_expert(name: str) -> bool:
@@ -504,10 +504,9 @@ def split_experts(state: State, layout: Layout, ep: int, etp: int) -> dict[tuple
         parsed = parse_expert(name)
         if parsed is None:
             continue
-        _, e, fc = parsed
-        layer = int(name.split(".")[2])
-        local = expert_names(layout, layer, e % per)[0 if fc == "linear_fc1" else 1]
-        parts = split_fc1(tensor, etp) if fc == "linear_fc1" else tensor.chunk(etp, dim=1)
+        layer, e, which = parsed
+        local = expert_names(layout, layer, e % per)[which]
+        parts = split_fc1(tensor, etp) if which == 0 else tensor.chunk(etp, dim=1)
         for t, part in enumerate(parts):
             out[(e // per, t)][local] = part.clone()
     return out
@@ -515,23 +514,18 @@ def split_experts(state: State, layout: Layout, ep: int, etp: int) -> dict[tuple
 
 def merge_experts(parts: Mapping[tuple[int, int], State], layout: Layout) -> State:
     """The inverse of split_experts: every (EP rank, ETP rank) part -> whole experts, global ids."""
-    ep = 1 + max(r for r, _ in parts)
-    etp = 1 + max(t for _, t in parts)
-    missing = [(r, t) for r in range(ep) for t in range(etp) if (r, t) not in parts]
-    if missing:
-        raise ConversionError(f"expert shards missing for (EP rank, ETP rank) {missing}")
+    ep, etp = _grid(parts, "expert shards", "(EP rank, ETP rank)")
     per = layout.num_experts // ep
     out: State = {}
     for name in parts[(0, 0)]:
         parsed = parse_expert(name)
         if parsed is None:
             continue
-        _, e, fc = parsed
-        layer = int(name.split(".")[2])
+        layer, e, which = parsed
         for r in range(ep):
             pieces = [parts[(r, t)][name] for t in range(etp)]
-            whole = merge_fc1(pieces) if fc == "linear_fc1" else torch.cat(pieces, dim=1)
-            out[expert_names(layout, layer, r * per + e)[0 if fc == "linear_fc1" else 1]] = whole
+            whole = merge_fc1(pieces) if which == 0 else torch.cat(pieces, dim=1)
+            out[expert_names(layout, layer, r * per + e)[which]] = whole
     return out
 
 
@@ -617,10 +611,15 @@ def shard(state: State, layout: Layout, tp: int, pp: int) -> dict[tuple[int, int
             for r, part in enumerate(split_tp(stage, layout, tp))}  # fmt: skip
 
 
-def unshard(parts: dict[tuple[int, int], State], layout: Layout) -> State:
-    tp = 1 + max(r for r, _ in parts)
-    pp = 1 + max(s for _, s in parts)
-    missing = [(r, s) for r in range(tp) for s in range(pp) if (r, s) not in parts]
+def _grid(parts: Mapping[tuple[int, int], Any], what: str, keys: str) -> tuple[int, int]:
+    """The sizes of a two-dimensional grid of shards, refusing a hole in it."""
+    rows, cols = 1 + max(a for a, _ in parts), 1 + max(b for _, b in parts)
+    missing = [(a, b) for a in range(rows) for b in range(cols) if (a, b) not in parts]
     if missing:
-        raise ConversionError(f"checkpoint shards missing for (tp rank, pp stage) {missing}")
+        raise ConversionError(f"{what} missing for {keys} {missing}")
+    return rows, cols
+
+
+def unshard(parts: dict[tuple[int, int], State], layout: Layout) -> State:
+    tp, pp = _grid(parts, "checkpoint shards", "(tp rank, pp stage)")
     return merge_pp([merge_tp([parts[(r, s)] for r in range(tp)], layout) for s in range(pp)], layout)
