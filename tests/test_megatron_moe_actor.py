@@ -18,21 +18,39 @@ from tests.test_fsdp_actor import base_config, make_batch
 from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, exported
 
 
-def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None):
+def routed_batch(seed: int, r3: bool = False):
+    """make_batch(seed); with `r3`, engine routing tables too: for each token, two distinct
+    experts of the tiny MoE's four in each of its two layers, drawn at random (not the routing
+    the model would choose, so replaying them changes the log-probs)."""
+    batch = make_batch(seed)
+    if not r3:
+        return batch
+    g = torch.Generator().manual_seed(100 + seed)
+    tables = [torch.rand(len(t) - 1, 2, 4, generator=g).argsort(-1)[..., :2].int() for t in batch.tokens]
+    return dataclasses.replace(batch, rollout_routed_experts=tables)
+
+
+def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None, moe=None,
+            recompute=False):  # fmt: skip
     from slime.backends import make_train_actor
+    from slime.config.train import ModelOptions, MoEOptions
 
     cfg = base_config(model, micro_batch_size=mbs)
+    if moe:
+        cfg = dataclasses.replace(cfg, moe=MoEOptions(**moe))
+    if recompute:  # megatron-core's full recompute: every layer runs again in backward
+        cfg = dataclasses.replace(cfg, model=ModelOptions(recompute_granularity="full"))
     if backend == "megatron":
         cfg = dataclasses.replace(cfg, backend="megatron", megatron=MegatronConfig(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep))  # fmt: skip
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
-    batch = make_batch(0)
-    result = {"info": info, "lp": actor.compute_log_probs(batch), "outputs": []}
+    r3 = bool(moe and moe.get("use_rollout_routing_replay"))
+    result = {"info": info, "lp": actor.compute_log_probs(routed_batch(0, r3)), "outputs": []}
     for r in range(ROLLOUTS):
-        result["outputs"].append(actor.train(r, make_batch(r)))
+        result["outputs"].append(actor.train(r, routed_batch(r, r3)))
         if r == 0:
-            result["probe"] = actor.compute_log_probs(make_batch(7))
+            result["probe"] = actor.compute_log_probs(routed_batch(7, r3))
             if save_dir:
                 actor.save(r, save_dir)
     result["weights"] = exported(actor)
@@ -87,7 +105,59 @@ def test_ep2_checkpoint_resumes_bit_for_bit(tiny_moe, tmp_path):
         assert torch.equal(again[0]["weights"][name], value), name
 
 
-def test_moe_options_the_megatron_actor_does_not_build_are_refused_by_name(tiny_moe, tiny_model):
+R2_AUX = {"use_routing_replay": True, "moe_aux_loss_coeff": 0.01}
+R3 = {"use_rollout_routing_replay": True}
+
+
+@pytest.fixture(scope="module")
+def fsdp_moe_routing(tiny_moe):
+    """One FSDP rank with R2 + the aux loss, and with R3 (tests/test_fsdp_moe.py checks both
+    against hand computations on Hugging Face's model). The aux loss is not additive over samples
+    (it balances each micro-batch as a whole): with one sample per micro-batch every layout of the
+    step's samples has the same micro-batches."""
+    return {
+        "r2_aux": run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R2_AUX)[0],
+        "r3": run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R3)[0],
+    }
+
+
+@pytest.mark.parametrize(
+    "options, pp, ep, world, recompute",
+    [("r2_aux", 1, 2, 2, False), ("r2_aux", 2, 2, 4, True), ("r3", 2, 2, 4, True)],
+    ids=["r2-aux-ep2", "r2-aux-pp2xep2-recompute", "r3-pp2xep2-recompute"],
+)
+def test_megatron_routing_replay_and_aux_loss_train_like_fsdp(
+    fsdp_moe_routing, tiny_moe, options, pp, ep, world, recompute
+):
+    """Routing replay (R2: the log-prob pass's routing; R3: the engine's, here tables that differ
+    from the model's own choice) and --moe-aux-loss-coeff give the FSDP rank's log-probs, step
+    metrics (moe_aux_loss among them) and weights, also with PP 2 and full recompute, where each
+    checkpointed layer routes again in backward after other micro-batches' forwards."""
+    moe = R2_AUX if options == "r2_aux" else R3
+    # One sample per micro-batch: two micro-batches per replica and step, so under PP the second's
+    # forward comes before the first's backward (and its recompute).
+    ranks = run_ranks(world, moe_run, tiny_moe, "megatron", 1, pp, ep, 1, None, moe, recompute)
+    expected = fsdp_moe_routing[options]
+    assert_trains_like(expected, ranks)
+    if options == "r2_aux":
+        assert all(s["moe_aux_loss"] > 0 for o in ranks[0]["outputs"] for s in o.steps)
+
+
+def test_fsdp_two_ranks_with_r2_and_the_aux_loss_train_like_one(fsdp_moe_routing, tiny_moe):
+    """The FSDP reference above holds for N ranks too: two FSDP ranks with R2 and the aux loss
+    (one sample per micro-batch) give one rank's log-probs, metrics and weights."""
+    ranks = run_ranks(2, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R2_AUX)
+    assert_trains_like(fsdp_moe_routing["r2_aux"], ranks, only_rank0_exports=False)
+
+
+def test_replayed_routing_changes_what_the_megatron_actor_computes(fsdp_moe, fsdp_moe_routing):
+    """The R3 tables are not the model's own routing: the log-probs differ from plain ones (so
+    the test above could fail when replay did nothing)."""
+    plain, r3 = fsdp_moe["lp"], fsdp_moe_routing["r3"]["lp"]
+    assert max(abs(a - b) for i in plain for a, b in zip(plain[i], r3[i])) > 1e-3
+
+
+def test_moe_options_checked_at_start_up(tiny_moe, tiny_model):
     from transformers import AutoConfig
 
     from slime.backends.megatron.actor import check_moe
@@ -100,10 +170,8 @@ def test_moe_options_the_megatron_actor_does_not_build_are_refused_by_name(tiny_
     assert (
         check_moe(m, moe_layout, MoEOptions(moe_router_dtype="fp64")) is None
     )  # megatron-core's moe_router_dtype
-    assert "--moe-aux-loss-coeff" in check_moe(m, moe_layout, MoEOptions(moe_aux_loss_coeff=0.01))
-    assert "--use-rollout-routing-replay" in check_moe(
-        m, moe_layout, MoEOptions(use_rollout_routing_replay=True)
-    )
+    for options in (R2_AUX, R3):
+        assert check_moe(m, moe_layout, MoEOptions(**options)) is None
     assert "--moe-router-dtype needs a mixture-of-experts model" in check_moe(
         m, dense_layout, MoEOptions(moe_router_dtype="fp32")
     )

@@ -28,6 +28,7 @@ from slime.algo.plugins import LossHooks, Ragged
 from slime.backends import batching
 from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.micro_batch import MicroBatch
+from slime.backends.routing import RouterHooks
 from slime.config.train import TrainConfig
 from slime.utils.errors import UsageError
 
@@ -98,9 +99,14 @@ class TrainActorBase:
     recorded_routing: dict[int, torch.Tensor] | None = None
     """R2: a dict the next log-prob pass fills with the experts it routed each token to."""
 
+    routing: RouterHooks | None = None
+    """The router hooks of a mixture-of-experts model (None: a dense model)."""
+
     def _rollout_routing(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
         """R3: the engine's routing of the samples at `positions` as routing tables (checked)."""
-        raise UsageError("--use-rollout-routing-replay: this train backend has no routing replay")
+        if self.routing is None:  # the actors refuse the flag with a dense model at start-up
+            raise UsageError("--use-rollout-routing-replay needs a mixture-of-experts model")
+        return self.routing.rollout_tables(batch, positions)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's part of the weights."""

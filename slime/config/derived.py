@@ -220,13 +220,23 @@ def problems(
 
 
 def routing_replay_problems(ns: argparse.Namespace) -> list[str]:
-    """--use-rollout-routing-replay: SGLang engines are asked to report routed experts, and the
+    """A flag only a mixture-of-experts model honours (MoEOptions.needs_moe), given with a dense
+    --hf-checkpoint, is refused here by name with either backend.
+
+    --use-rollout-routing-replay: SGLang engines are asked to report routed experts, and the
     rollout learns the shape of what they report ([tokens - 1, layers, top-k]) as slime's
     rollout does, from args.num_layers and args.moe_router_topk (filled from config.json when
-    the script gives no model flags). A dense model is refused here by name."""
-    if not getattr(ns, "use_rollout_routing_replay", False):
+    the script gives no model flags)."""
+    from slime.config.train import MoEOptions, _pick
+
+    try:
+        flag = _pick(MoEOptions, ns).needs_moe
+    except ValueError:  # a bad MoE flag: train_config_from_args names it
         return []
-    if ns.rollout_backend != "torch" and "--enable-return-routed-experts" not in ns.sglang_server_args:
+    if flag is None:
+        return []
+    r3 = bool(getattr(ns, "use_rollout_routing_replay", False))
+    if r3 and ns.rollout_backend != "torch" and "--enable-return-routed-experts" not in ns.sglang_server_args:
         ns.sglang_server_args = [*ns.sglang_server_args, "--enable-return-routed-experts"]
     path = ns.hf_checkpoint
     config = _hf_config(path)
@@ -234,9 +244,10 @@ def routing_replay_problems(ns: argparse.Namespace) -> list[str]:
         return []
     if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
         return [
-            f"--use-rollout-routing-replay needs a mixture-of-experts model; --hf-checkpoint {path} "
-            f"({config.model_type}) has no routed experts"
+            f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"
         ]
+    if not r3:
+        return []
     if ns.num_layers is None:
         ns.num_layers = config.num_hidden_layers
     if ns.moe_router_topk is None:

@@ -52,7 +52,6 @@ def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MOE_AUX = "the load-balancing loss is not built in the Megatron backend yet (use --train-backend fsdp)"
 MOE_GROUPS = "group-limited routing (DeepSeek-V3's node groups) is not supported"
 MOE_BIAS = "aux-loss-free balancing with a router expert bias (DeepSeek-V3) is not supported"
 MLA = "multi-latent attention (DeepSeek/Kimi) is not supported (dense Qwen2/Qwen3/Llama only)"
@@ -185,11 +184,10 @@ SPECS: tuple[Spec, ...] = (
         "--moe-aux-loss-coeff",
         {"type": float, "default": 0.0},
         APPLIED,
-        REFUSED,
+        APPLIED,
         "the load-balancing loss, megatron-core's aux_loss per MoE layer and micro-batch, added to the "
         "loss times this (0: off, as in slime's RL scripts)",
         neutral=0.0,
-        refused_note=MOE_AUX,
     ),
     _moe(
         "--moe-router-load-balancing-type",

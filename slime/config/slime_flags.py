@@ -21,8 +21,6 @@ def _same(flag: str, kwargs: dict[str, Any], effect: str, note: str) -> Spec:
     return Spec(flag, kwargs, effect, effect, note, group="slime")
 
 
-MOE_MEGATRON = "routing replay is not built in the Megatron backend yet (use --train-backend fsdp)"
-
 SPECS: tuple[Spec, ...] = (
     _same(
         "--num-gpus-per-node",
@@ -146,21 +144,19 @@ SPECS: tuple[Spec, ...] = (
         "--use-routing-replay",
         store_true(),
         APPLIED,
-        REFUSED,
+        APPLIED,
         "R2: the training steps route each token to the experts the rollout's log-prob pass chose "
         "(mixture-of-experts models)",
         group="slime",
-        refused_note=MOE_MEGATRON,
     ),
     Spec(
         "--use-rollout-routing-replay",
         store_true(),
         APPLIED,
-        REFUSED,
+        APPLIED,
         "R3: the log-prob and training passes route each token to the experts the engine chose "
         "(engines report them: return_routed_experts; mixture-of-experts models)",
         group="slime",
-        refused_note=MOE_MEGATRON,
     ),
     _refused("--enable-experimental", store_true(), "slime's experimental code paths do not exist here"),
     _same(

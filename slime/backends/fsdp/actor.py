@@ -28,7 +28,6 @@ from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts
 from slime.utils.distributed import init_train_group
-from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +36,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class FSDPTrainActor(TrainActorBase):
     """Implements slime.backends.interface.TrainActor with torch FSDP2 (fully_shard)."""
+
+    routing: moe.Routing | None
 
     def __init__(
         self,
@@ -163,35 +164,14 @@ class FSDPTrainActor(TrainActorBase):
             layers, opts.moe_router_dtype, bool(getattr(self.hf_config, "norm_topk_prob", False))
         )
 
-    def _rollout_routing(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
-        assert self.routing is not None  # _install_routing refused the flag otherwise
-        if batch.rollout_routed_experts is None:
-            raise UsageError(
-                "--use-rollout-routing-replay: the rollout has no 'rollout_routed_experts' (the engines must "
-                "report them: SGLang or the torch engine with --enable-return-routed-experts, which slime "
-                "passes with this flag)"
-            )
-        tables = {}
-        for p in positions:
-            rows = len(batch.tokens[p]) - 1
-            what = f"sample {p}: 'rollout_routed_experts'"
-            table = self.routing.check_table(batch.rollout_routed_experts[p], rows, what)
-            last = torch.full((1, *table.shape[1:]), -1, dtype=torch.long)  # never fed to the engine
-            tables[p] = torch.cat([table, last])
-        return tables
-
     def _routing_state(self, mb: MicroBatch, record: bool = False, aux: bool = False) -> Any:
         """The router hooks' state for micro-batch `mb` (a null context for a dense model)."""
         if self.routing is None:
             return contextlib.nullcontext(None)
         replay = None
         if self.routing_tables is not None:
-            replay = torch.full((mb.input_ids.numel(), self.routing.num_layers, self.routing.top_k), -1,
-                                dtype=torch.long)  # fmt: skip
-            for start, p in zip(mb.token_starts(), mb.positions):
-                table = self.routing_tables[p]
-                replay[start : start + len(table)] = table
-            replay = replay.to(self.device)
+            replay = self.routing.replay_rows(self.routing_tables, mb.positions, mb.token_starts(),
+                                              mb.input_ids.numel()).to(self.device)  # fmt: skip
         return self.routing.micro_batch(replay, record=record, aux=aux)
 
     def local_state_bytes(self) -> int:

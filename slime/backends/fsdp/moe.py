@@ -28,10 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime.backends.routing import DTYPES, RouterHooks, choose, load_balancing_loss
 from slime.utils.errors import UsageError
 from slime.utils.hf_experts import find_routers
-
-_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
@@ -48,7 +47,7 @@ class _State:
         return self.replay is not None or self.record is not None or self.aux is not None
 
 
-class Routing:
+class Routing(RouterHooks):
     """The hooks on one model's routers (module docstring)."""
 
     def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool):
@@ -59,8 +58,9 @@ class Routing:
         self.num_layers = len(layers)
         self.top_k: int = int(first.top_k)
         self.num_experts: int = int(first.num_experts)
+        self.moe_layers = list(self.routers)
         self.norm_topk_prob = norm_topk_prob
-        self.dtype = _DTYPES[router_dtype] if router_dtype else None
+        self.dtype = DTYPES[router_dtype] if router_dtype else None
         self.state: _State | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._hook(li))
@@ -80,13 +80,8 @@ class Routing:
         if self.dtype is not None:
             logits = F.linear(hidden.to(self.dtype), module.weight.to(self.dtype))
         probs = torch.softmax(logits, dim=-1, dtype=self.dtype or torch.float32)
-        top, experts = torch.topk(probs, self.top_k, dim=-1)
-        if state.replay is not None:
-            replayed = state.replay[:, li]
-            experts = torch.where(replayed >= 0, replayed, experts)
-            top = probs.gather(1, experts)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
+        replay = None if state.replay is None else state.replay[:, li]
+        top, experts = choose(probs, self.top_k, replay, self.norm_topk_prob)
         if state.record is not None:
             state.record[li] = experts.detach()
         if state.aux is not None and li not in state.aux_done:
@@ -115,27 +110,10 @@ class Routing:
 
     def aux_loss(self, state: _State, real: torch.Tensor) -> torch.Tensor:
         """megatron-core's `aux_loss` summed over the MoE layers, over the tokens where `real` is
-        true: per layer E / (k T^2) * sum_e (sum_t p_te) * (tokens routed to e)."""
+        true (slime.backends.routing.load_balancing_loss)."""
         assert state.aux is not None
         total = torch.zeros((), dtype=torch.float32, device=real.device)
-        tokens = int(real.sum())
-        if tokens == 0:
-            return total
         for probs, experts in state.aux:
-            probs_e = probs[real].float().sum(dim=0)
-            counts = torch.bincount(experts[real].flatten(), minlength=self.num_experts).to(probs_e.dtype)
-            total = total + (probs_e * counts).sum() * self.num_experts / (self.top_k * tokens * tokens)
+            routed = torch.zeros_like(probs, dtype=torch.float32).scatter_(1, experts, 1.0)
+            total = total + load_balancing_loss(probs[real], routed[real], self.top_k)
         return total
-
-    def check_table(self, table: Any, rows: int, what: str) -> torch.Tensor:
-        """A per-sample routing table as [rows, layers, k] long, or UsageError naming `what`."""
-        t = torch.as_tensor(table)
-        if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_layers, self.top_k) or t.shape[0] != rows:
-            raise UsageError(
-                f"{what}: shape {tuple(t.shape)}, expected ({rows}, {self.num_layers}, {self.top_k}) "
-                "(tokens - 1, the model's layers, its num_experts_per_tok)"
-            )
-        moe = list(self.routers)
-        if t.numel() and (int(t[:, moe].min()) < 0 or int(t[:, moe].max()) >= self.num_experts):
-            raise UsageError(f"{what}: expert ids outside [0, {self.num_experts}) in the MoE layers {moe}")
-        return t.long()

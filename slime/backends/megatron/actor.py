@@ -32,6 +32,7 @@ from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 class MegatronTrainActor(TrainActorBase):
     """Implements slime.backends.interface.TrainActor with megatron-core."""
+
+    routing: MegatronRouting | None
 
     def __init__(
         self,
@@ -104,6 +107,7 @@ class MegatronTrainActor(TrainActorBase):
             torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         )
         self.model, self.config = self._build_model()
+        self.routing = self._install_routing()
         self._forward_backward = self._schedule()
         if m.bf16:
             self.masters = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.model.parameters()}
@@ -173,6 +177,44 @@ class MegatronTrainActor(TrainActorBase):
             model.cuda(torch.cuda.current_device())
         model.train()
         return model, config
+
+    def _install_routing(self) -> MegatronRouting | None:
+        """The router hooks of a mixture-of-experts model (slime.backends.megatron.moe)."""
+        if not self.layout.num_experts:
+            return None
+        from slime.config.architecture import _hf_moe
+
+        moe = _hf_moe(self.hf_config)
+        sp = self.tp if self.cfg.megatron.sequence_parallel else 1
+        return MegatronRouting(
+            self.model, self.layout.num_layers, moe["moe_router_topk"], self.layout.num_experts,
+            renormalize=not moe["moe_router_pre_softmax"], recompute=recompute_settings(self.cfg),
+            sp_group=self.mesh.tp_group, sp_rank=self.mesh.tp_rank if sp > 1 else 0, sp_size=sp,
+        )  # fmt: skip
+
+    def _routing_states(
+        self, mbs: list[MicroBatch], record: bool = False, step: StepPlan | None = None
+    ) -> list[MicroBatchRouting | None]:
+        """The router hooks' state for each micro-batch (None for a dense model or when nothing
+        is asked): replay (R2/R3 tables), recording (R2's log-prob pass), the aux loss (`step`:
+        a training step's micro-batches)."""
+        routing = self.routing
+        aux = self.cfg.moe.aux_loss_coeff if step is not None else 0.0
+        if routing is None or (self.routing_tables is None and not record and aux == 0):
+            return [None] * len(mbs)
+        states: list[MicroBatchRouting | None] = []
+        for mb in mbs:
+            rows, tokens = mb.input_ids.shape[0], mb.input_ids.numel()
+            state = MicroBatchRouting(record={} if record else None)
+            if self.routing_tables is not None:
+                replay = routing.replay_rows(self.routing_tables, mb.positions, mb.token_starts(), tokens)
+                state.replay = routing.router_order(replay, rows)
+            if aux > 0:
+                assert step is not None
+                state.real = routing.router_order(mb.real_tokens().cpu(), rows)
+                state.aux_coeff, state.aux_share = aux, mb.num_samples / step.num_samples
+            states.append(state)
+        return states
 
     def _schedule(self) -> Any:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -249,15 +291,20 @@ class MegatronTrainActor(TrainActorBase):
         )  # fmt: skip
         return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool) -> None:
+    def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool,
+             routing: list[MicroBatchRouting | None] | None = None) -> None:  # fmt: skip
         """megatron-core's schedule over the micro-batches; `loss_fn(mb, logits)` runs on the
-        last stage and returns the micro-batch's loss (a share of the global loss)."""
+        last stage and returns the micro-batch's loss (a share of the global loss). `routing`:
+        the router hooks' state of each micro-batch."""
         if not micro_batches:
             return
         model = self.model
+        states = routing or [None] * len(micro_batches)
 
-        def forward_step(data: Iterator[MicroBatch], _model: Any) -> tuple[torch.Tensor, Any]:
-            mb = next(data)
+        def forward_step(data: Iterator[tuple[MicroBatch, Any]], _model: Any) -> tuple[torch.Tensor, Any]:
+            mb, state = next(data)
+            if self.routing is not None:
+                self.routing.begin(state)
             ids = mb.input_ids
             if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
                 from megatron.core.packed_seq_params import PackedSeqParams
@@ -276,15 +323,19 @@ class MegatronTrainActor(TrainActorBase):
             return output, loss_func
 
         longest = max(mb.input_ids.shape[1] for mb in micro_batches)
-        self._forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=longest,
-            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
-            forward_only=forward_only,
-        )
+        try:
+            self._forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(zip(micro_batches, states)),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=longest,
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.end_pass()
 
     # ---- log-probs --------------------------------------------------------------------------
     @torch.no_grad()
@@ -299,11 +350,20 @@ class MegatronTrainActor(TrainActorBase):
                 out[p] = log_probs[row, : mb.response_lengths[row]].clone()
             return torch.zeros((), device=logits.device)
 
+        record = self.recorded_routing is not None
+        states = self._routing_states(mbs, record=record)
         self.model.eval()
         try:
-            self._run(mbs, collect, forward_only=True)
+            self._run(mbs, collect, forward_only=True, routing=states)
         finally:
             self.model.train()
+        if record and self.routing is not None:  # R2: each stage keeps its own layers' routing
+            assert self.recorded_routing is not None
+            for mb, state in zip(mbs, states):
+                assert state is not None
+                routed = self.routing.recorded(state, mb.input_ids.numel(), mb.input_ids.shape[0])
+                for start, p in zip(mb.token_starts(), mb.positions):
+                    self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
         return self._from_last_stage(batch, [p for mb in mbs for p in mb.positions], out)
 
     def _from_last_stage(
@@ -347,7 +407,8 @@ class MegatronTrainActor(TrainActorBase):
             return loss
 
         mbs = [self._micro_batch(batch, pos) for pos in step.micro_batches if pos]
-        self._run(mbs, loss_fn, forward_only=False)
+        states = self._routing_states(mbs, step=step)
+        self._run(mbs, loss_fn, forward_only=False, routing=states)
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         self._reduce_gradients()
@@ -356,7 +417,12 @@ class MegatronTrainActor(TrainActorBase):
         self.optimizer.step()
         self.schedule.step()
         self._from_masters()
-        return self._step_metrics(sums, grad_norm, lr)
+        metrics = self._step_metrics(sums, grad_norm, lr)
+        if self.cfg.moe.aux_loss_coeff > 0 and self.routing is not None:
+            # Every stage has its own MoE layers: one rank of each stage's TP group counts them.
+            aux = torch.tensor(sum(s.aux_sum for s in states if s is not None), dtype=torch.float64)
+            metrics.update(self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0))
+        return metrics
 
     def _accumulate_in_master(self, p: torch.Tensor) -> None:
         """--bf16: each micro-batch's bfloat16 gradient is added to the float32 master's as soon
@@ -468,12 +534,6 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     build yet (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
     if moe is not None and not layout.num_experts and moe.needs_moe:
         return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
-    if moe is not None:
-        asked = [flag for flag, on in (("--moe-aux-loss-coeff", moe.aux_loss_coeff > 0),
-                                       ("--use-routing-replay", moe.use_routing_replay),
-                                       ("--use-rollout-routing-replay", moe.use_rollout_routing_replay)) if on]  # fmt: skip
-        if asked:
-            return f"{', '.join(asked)}: not built in the Megatron backend yet (use --train-backend fsdp)"
     if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
         return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
                 "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip

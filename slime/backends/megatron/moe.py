@@ -1,0 +1,177 @@
+"""Mixture-of-experts routing in the Megatron actor: routing replay (R2, R3) and the load-balancing
+loss, on megatron-core's TopKRouter.
+
+megatron-core's MoE layer asks its router for (probs [tokens, E], routing_map [tokens, E]) and
+dispatches the tokens where the map says. A forward hook on every router replaces that answer when
+slime needs another one and leaves it untouched otherwise (no flag: megatron-core's own routing):
+
+- replay: the experts come from a table (slime.backends.routing), the weights are the router's own
+  probabilities of them, renormalised as the model does, so the router still gets a gradient;
+- recording (R2): the experts each token went to;
+- `--moe-aux-loss-coeff`: megatron-core's `aux_loss` of the layer over the micro-batch's real
+  tokens, times the coefficient and the micro-batch's share of the step's samples (the FSDP
+  actor's definition, so both backends train alike), attached to the router's output with
+  megatron-core's MoEAuxLossAutoScaler: its gradient joins the backward pass (the schedule scales
+  it by 1 under `calculate_per_token_loss`). megatron-core's own aux loss stays off: it weights
+  micro-batches by tokens, not by samples.
+
+Tokens reach the router as [sequence, rows] flattened (sequence-major), and with sequence
+parallelism only this TP rank's slice of the sequence; the per-token state is laid out that way.
+
+With full recompute (`--recompute-granularity full`) a checkpointed layer runs twice: once without
+autograd in the forward pass, again in the backward pass. Under the pipeline schedule the second
+run may come after later micro-batches' forwards, so each checkpointed layer keeps its micro-batch
+states in a queue: micro-batches go backward in the order they went forward (1F1B).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime.backends.routing import RouterHooks, choose, load_balancing_loss
+
+
+def router_order(x: torch.Tensor, rows: int, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """A per-token tensor over [rows, length] flattened (row-major) in the router's order:
+    sequence-major, rank `sp_rank`'s slice of the sequence under sequence parallelism."""
+    length = x.shape[0] // rows
+    x = x.reshape(rows, length, *x.shape[1:]).transpose(0, 1).reshape(length * rows, *x.shape[1:])
+    part = x.shape[0] // sp_size
+    return x[sp_rank * part : (sp_rank + 1) * part]
+
+
+def from_router_order(x: torch.Tensor, rows: int, sp_group: Any = None, sp_size: int = 1) -> torch.Tensor:
+    """`router_order`'s inverse: the slices all-gathered over the sequence-parallel group, back
+    to [rows, length] flattened."""
+    if sp_size > 1:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(sp_size)]
+        dist.all_gather(parts, x.contiguous(), group=sp_group)
+        x = torch.cat(parts)
+    length = x.shape[0] // rows
+    return x.reshape(length, rows, *x.shape[1:]).transpose(0, 1).reshape(length * rows, *x.shape[1:])
+
+
+@dataclass
+class MicroBatchRouting:
+    """What the hooks do during one micro-batch, per token in the router's order."""
+
+    replay: torch.Tensor | None = None  # [tokens, layers, k] long, -1: the router's own choice
+    record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
+    real: torch.Tensor | None = None  # [tokens] bool: not padding (for the aux loss)
+    aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
+    aux_share: float = 0.0  # the micro-batch's share of the step's samples
+    aux_sum: float = 0.0  # the aux losses attached, times their share (the step's metric)
+
+    @property
+    def active(self) -> bool:
+        return self.replay is not None or self.record is not None or self.aux_coeff > 0
+
+
+class MegatronRouting(RouterHooks):
+    """The hooks on one pipeline stage's routers (module docstring)."""
+
+    def __init__(self, model: Any, num_layers: int, top_k: int, num_experts: int, renormalize: bool,
+                 recompute: dict[str, Any], sp_group: Any = None, sp_rank: int = 0, sp_size: int = 1):  # fmt: skip
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.renormalize = renormalize
+        self.sp_group, self.sp_rank, self.sp_size = sp_group, sp_rank, sp_size
+        self.current: MicroBatchRouting | None = None
+        self.queues: dict[int, deque[MicroBatchRouting | None]] = {}
+        self.routers: dict[int, Any] = {}
+        for local, layer in enumerate(model.decoder.layers):
+            router = getattr(layer.mlp, "router", None)
+            if not isinstance(router, TopKRouter):
+                continue
+            if router.score_function != "softmax":
+                raise ValueError(
+                    f"routing replay and the aux loss need softmax routers, not {router.score_function}"
+                )
+            li = layer.layer_number - 1  # the whole model's layer (megatron-core counts from 1)
+            self.routers[li] = router
+            checkpointed = recompute.get("recompute_granularity") == "full" and (
+                recompute.get("recompute_method") == "uniform"
+                or local < recompute.get("recompute_num_layers", 0)
+            )
+            if checkpointed:
+                self.queues[li] = deque()
+            router.register_forward_hook(self._hook(li, checkpointed))
+        self.moe_layers = sorted(self.routers)
+
+    # ---- per micro-batch --------------------------------------------------------------------
+    def router_order(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return router_order(x, rows, self.sp_rank, self.sp_size)
+
+    def from_router_order(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return from_router_order(x, rows, self.sp_group, self.sp_size)
+
+    def begin(self, state: MicroBatchRouting | None) -> None:
+        """The next forward is of the micro-batch `state` describes (None: nothing to do)."""
+        self.current = state
+
+    def end_pass(self) -> None:
+        self.current = None
+        leftover = {li: len(q) for li, q in self.queues.items() if q}
+        for q in self.queues.values():
+            q.clear()
+        assert not leftover, f"recomputed layers left micro-batches behind: {leftover}"
+
+    def recorded(self, state: MicroBatchRouting, num_tokens: int, rows: int) -> torch.Tensor:
+        """The experts recorded in a forward, [num_tokens, layers, k] over the micro-batch's
+        [rows, length] flattened (row-major); -1 in dense layers and in other stages' layers."""
+        assert state.record is not None
+        out = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.long)
+        for li, experts in state.record.items():
+            out[:, li] = self.from_router_order(experts, rows).cpu()
+        return out
+
+    # ---- the hook ---------------------------------------------------------------------------
+    def _hook(self, li: int, checkpointed: bool) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            state = self.current
+            if checkpointed and module.training:
+                if torch.is_grad_enabled():  # the backward pass recomputes the layer
+                    state = self.queues[li].popleft()
+                else:  # the checkpointed forward (no autograd): backward will come for it
+                    self.queues[li].append(state)
+            if state is None or not state.active:
+                return None
+            return self._route(li, module, args[0], output, state)
+
+        return hook
+
+    def _route(
+        self, li: int, module: Any, hidden: torch.Tensor, output: Any, state: MicroBatchRouting
+    ) -> Any:
+        probs, routing_map = output
+        aux = state.aux_coeff > 0 and module.training and torch.is_grad_enabled()
+        if state.replay is not None or aux:
+            logits = module.gating(hidden).reshape(-1, self.num_experts)  # megatron-core's router dtype
+            wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            scores = torch.softmax(logits, dim=-1, dtype=wide)
+            if state.replay is not None:
+                replay = state.replay[:, li].to(scores.device)
+                weights, experts = choose(scores, self.top_k, replay, self.renormalize)
+                probs = torch.zeros_like(probs).scatter(1, experts, weights.to(probs.dtype))
+                routing_map = torch.zeros_like(routing_map).scatter(1, experts, True)
+            if aux:
+                assert state.real is not None
+                real = state.real.to(scores.device)
+                group = self.sp_group if self.sp_size > 1 else None
+                loss = (
+                    load_balancing_loss(scores[real], routing_map[real], self.top_k, group) * state.aux_share
+                )
+                state.aux_sum += float(loss.detach())
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                probs = MoEAuxLossAutoScaler.apply(probs, loss * state.aux_coeff)
+        if state.record is not None:
+            state.record[li] = routing_map.nonzero()[:, 1].reshape(-1, self.top_k).detach()
+        return probs, routing_map

@@ -1,0 +1,118 @@
+"""Mixture-of-experts routing shared by both train backends: which experts a token goes to under
+routing replay, megatron-core's load-balancing loss, and the routing tables of R2/R3.
+
+A routing table holds one row per token of a sample, `[tokens, layers, top-k]` expert ids: the
+engine's choice for R3 (`rollout_routed_experts`, tokens - 1 rows: the last token is never fed to
+the engine), what the log-prob pass chose for R2. -1 keeps the router's own choice (dense layers,
+the last token, padding).
+
+The backends hook their routers differently (slime.backends.fsdp.moe on Hugging Face's router,
+slime.backends.megatron.moe on megatron-core's TopKRouter); what the hooks compute is here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.interface import RolloutBatch
+from slime.utils.errors import UsageError
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+"""--moe-router-dtype: the precision of the router's logits, softmax and top-k."""
+
+
+def choose(
+    probs: torch.Tensor, top_k: int, replay: torch.Tensor | None, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each [tokens, k], from the router's probabilities [tokens, E]: its own
+    top-k, or the `replay` rows' experts where they are >= 0. The weights are the router's own
+    probabilities of those experts (so the router still gets a gradient), renormalised over the k
+    when the model does (Qwen3-MoE's norm_topk_prob; megatron-core's moe_router_pre_softmax off)."""
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    if replay is not None:
+        experts = torch.where(replay >= 0, replay.to(experts.device), experts)
+        top = probs.gather(1, experts)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, experts
+
+
+def load_balancing_loss(
+    probs: torch.Tensor, routed: torch.Tensor, top_k: int, group: Any = None
+) -> torch.Tensor:
+    """megatron-core's `aux_loss` (the switch-transformer load-balancing loss) of one layer over
+    the tokens given: E / (k T^2) * sum_e (sum_t p_te) * (tokens routed to e), from the router's
+    probabilities [T, E] and the routing [T, E] (1 where a token goes to an expert).
+
+    `group`: the tokens are split over these ranks (megatron-core's sequence parallelism); the sums
+    run over all of them, and each rank's gradient reaches its own tokens' probabilities only (the
+    value is the same on every rank of the group)."""
+    num_experts = probs.shape[-1]
+    per_expert = probs.float().sum(dim=0)
+    counts = routed.float().sum(dim=0).detach()
+    tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
+    if group is not None and dist.get_world_size(group) > 1:
+        others = per_expert.detach().clone()
+        dist.all_reduce(others, group=group)
+        per_expert = per_expert + (others - per_expert.detach())  # the group's sum, the gradient of ours
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(tokens, group=group)
+    total = float(tokens[0])
+    if total == 0:
+        return per_expert.sum() * 0.0
+    return (per_expert * counts).sum() * num_experts / (top_k * total * total)
+
+
+class RouterHooks:
+    """What both backends' router hooks share: the model's routing shape and its tables."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: list[int]  # the layers with routed experts (0-based, the whole model's)
+
+    def check_table(self, table: Any, rows: int, what: str) -> torch.Tensor:
+        """A per-sample routing table as [rows, layers, k] long, or UsageError naming `what`."""
+        t = torch.as_tensor(table)
+        if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_layers, self.top_k) or t.shape[0] != rows:
+            raise UsageError(
+                f"{what}: shape {tuple(t.shape)}, expected ({rows}, {self.num_layers}, {self.top_k}) "
+                "(tokens - 1, the model's layers, its num_experts_per_tok)"
+            )
+        moe = self.moe_layers
+        if t.numel() and (int(t[:, moe].min()) < 0 or int(t[:, moe].max()) >= self.num_experts):
+            raise UsageError(f"{what}: expert ids outside [0, {self.num_experts}) in the MoE layers {moe}")
+        return t.long()
+
+    def rollout_tables(self, batch: RolloutBatch, positions: list[int]) -> dict[int, torch.Tensor]:
+        """R3: the engine's routing of the samples at `positions`, checked, one row per token
+        (the last token, which the engine never fed, keeps the router's choice)."""
+        if batch.rollout_routed_experts is None:
+            raise UsageError(
+                "--use-rollout-routing-replay: the rollout has no 'rollout_routed_experts' (the engines must "
+                "report them: SGLang or the torch engine with --enable-return-routed-experts, which slime "
+                "passes with this flag)"
+            )
+        tables = {}
+        for p in positions:
+            rows = len(batch.tokens[p]) - 1
+            table = self.check_table(
+                batch.rollout_routed_experts[p], rows, f"sample {p}: 'rollout_routed_experts'"
+            )
+            last = torch.full((1, *table.shape[1:]), -1, dtype=torch.long)
+            tables[p] = torch.cat([table, last])
+        return tables
+
+    def replay_rows(
+        self, tables: dict[int, torch.Tensor], positions: list[int], starts: list[int], num_tokens: int
+    ) -> torch.Tensor:
+        """One micro-batch's replay table [tokens, layers, k] over its flattened input ids (the
+        samples at `starts`; -1 elsewhere)."""
+        replay = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.long)
+        for start, p in zip(starts, positions):
+            table = tables[p]
+            replay[start : start + len(table)] = table
+        return replay
