@@ -11,17 +11,24 @@ from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
 
-def train_and_push(rank, world_size, init_method, model, url, transport, more_urls=(), megatron_tp=0):
+def train_and_push(
+    rank, world_size, init_method, model, url, transport, more_urls=(), megatron_tp=0, megatron_ep=0
+):
     from slime.backends import make_train_actor
     from slime.bridge.bridge import WeightBridge, push_actor_weights
     from slime.bridge.topology import build_topology
     from slime.engines.client import EngineClient
     from slime.utils.checksum import tensor_checksum
 
-    if megatron_tp:
+    if megatron_tp or megatron_ep:
+        import dataclasses
+
+        from slime.config.train import MegatronConfig
         from tests.test_megatron_actor import config
 
-        cfg = config(model, tp=megatron_tp)
+        cfg = config(model, tp=megatron_tp or 1)
+        if megatron_ep:
+            cfg = dataclasses.replace(cfg, megatron=MegatronConfig(expert_model_parallel_size=megatron_ep))
     else:
         cfg = base_config(model, micro_batch_size=2)
     actor = make_train_actor(cfg, rank, world_size, init_method)
@@ -73,22 +80,25 @@ def test_push_after_training_makes_engine_equal_trainer(tiny_model, tiny_moe, tm
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in rank0["trainer"]
 
 
-@pytest.mark.parametrize("megatron_tp", [0, 2], ids=["fsdp", "megatron-tp2"])
-def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tmp_path, megatron_tp):
+@pytest.mark.parametrize("megatron", ["", "tp2", "moe-ep2"], ids=["fsdp", "megatron-tp2", "megatron-moe-ep2"])
+def test_flattened_bucket_push_shares_each_ranks_copy_by_handle(tiny_model, tiny_moe, tmp_path, megatron):
     """The CUDA-IPC push's code path (slime.bridge.ipc) with CPU buffers shared by file: two train
     ranks, two engines; engine j opens rank j's buffer (the GPU case: engine j on rank j's GPU).
-    With the Megatron actor at TP 2 each rank holds half of each matrix: the push assembles the
-    full tensors on both ranks."""
-    if megatron_tp:
+    With the Megatron actor at TP 2 each rank holds half of each matrix, and with the Qwen3-MoE
+    model at EP 2 half of each layer's experts: the push assembles the full tensors on both ranks."""
+    if megatron:
         pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
+    model = tiny_moe if megatron == "moe-ep2" else tiny_model
+    tp, ep = (2, 0) if megatron == "tp2" else (0, 2) if megatron == "moe-ep2" else (0, 0)
+    engines = [start_engine(model, tmp_path) for _ in range(2)]
     try:
-        rank0, rank1 = run_ranks(2, train_and_push, tiny_model, engines[0].url, "ipc", [engines[1].url],
-                                 megatron_tp)  # fmt: skip
+        rank0, rank1 = run_ranks(2, train_and_push, model, engines[0].url, "ipc", [engines[1].url], tp, ep)
     finally:
         for e in engines:
             e.stop()
-    assert rank1["stats"] is None and rank0["stats"]["buckets"] > 3
+    assert rank1["stats"] is None and rank0["stats"]["buckets"] > (1 if model == tiny_moe else 3)
     assert rank0["stats"]["transport"] == "cpu_ipc"
     assert rank0["engine"]["weight_version"] == "step-1"
     assert rank0["engine"]["checksums"] == rank0["trainer"] == rank1["trainer"]
+    if model == tiny_moe:
+        assert "model.layers.1.mlp.experts.3.up_proj.weight" in rank0["trainer"]

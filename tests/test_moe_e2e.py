@@ -14,10 +14,32 @@ from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fi
 pytestmark = pytest.mark.e2e
 
 
-def test_rollout_routing_replay_job_passes_the_step_0_gates(tiny_moe, prompts, tmp_path):  # noqa: F811
+@pytest.mark.parametrize(
+    "backend",
+    [
+        [],
+        # ~25 s: the Megatron actor at EP 2 with the weight checks; its parts are tested in process
+        # (tests/test_megatron_moe_actor.py, the EP 2 push in tests/test_actor_push.py)
+        pytest.param(
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--expert-model-parallel-size",
+                "2",
+                "--check-weight-sync",
+                "--check-weight-update-equal",
+            ],
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["fsdp", "megatron-ep2"],
+)
+def test_rollout_routing_replay_job_passes_the_step_0_gates(tiny_moe, prompts, tmp_path, backend):  # noqa: F811
     proc = run_job("train.py", tiny_moe, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
                    "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-rollout-routing-replay",
-                   "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"))  # fmt: skip
+                   "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"), *backend)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
     assert checks and all(c["ok"] is not False for c in checks), checks
