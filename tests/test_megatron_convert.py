@@ -18,11 +18,10 @@ from slime.backends.megatron.convert import (
     merge_tp,
     padded_vocab_size,
     repad_vocab,
-    shard,
     split_pp,
     split_tp,
-    unshard,
 )
+from slime.backends.megatron.rank_files import shard, unshard
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=101, max_position_embeddings=64)  # fmt: skip

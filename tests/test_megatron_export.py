@@ -17,8 +17,9 @@ def export_on_ranks(rank, world_size, init_method, kind, tp, pp, bucket_bytes):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from slime.backends.megatron.convert import hf_to_megatron, shard
+    from slime.backends.megatron.convert import hf_to_megatron
     from slime.backends.megatron.export import Mesh, export_hf_buckets
+    from slime.backends.megatron.rank_files import shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

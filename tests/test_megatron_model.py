@@ -18,8 +18,9 @@ def build_and_load(rank, world_size, init_method, kind, tp, pp, over):
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from slime.backends.megatron.convert import hf_to_megatron, shard
+    from slime.backends.megatron.convert import hf_to_megatron
     from slime.backends.megatron.model import build_gpt_model, model_state, transformer_config
+    from slime.backends.megatron.rank_files import shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -53,6 +53,7 @@ def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs
             result["probe"] = actor.compute_log_probs(routed_batch(7, r3))
             if save_dir:
                 actor.save(r, save_dir)
+                result["saved"] = exported(actor)
     result["weights"] = exported(actor)
     actor.close()
     return result
@@ -103,6 +104,26 @@ def test_ep2_checkpoint_resumes_bit_for_bit(tiny_moe, tmp_path):
     ]
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(again[0]["weights"][name], value), name
+    # The conversion tool gathers the experts from both EP files: the weights the actor had.
+    from safetensors.torch import load_file
+
+    from tests.test_megatron_tools import tool
+
+    hf_dir = tmp_path / "hf"
+    r = tool(
+        "convert_megatron_to_hf",
+        "--load-dir",
+        save_dir,
+        "--hf-checkpoint",
+        tiny_moe,
+        "--save-dir",
+        str(hf_dir),
+    )
+    assert r.returncode == 0, r.stderr
+    converted = load_file(hf_dir / "model.safetensors")
+    assert converted.keys() == ranks[0]["saved"].keys()
+    for name, value in ranks[0]["saved"].items():
+        assert torch.equal(converted[name], value), name
 
 
 R2_AUX = {"use_routing_replay": True, "moe_aux_loss_coeff": 0.01}

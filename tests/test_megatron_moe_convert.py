@@ -17,11 +17,10 @@ from slime.backends.megatron.convert import (
     megatron_to_hf,
     merge_experts,
     rank_shard,
-    shard,
     split_experts,
     split_pp,
-    unshard,
 )
+from slime.backends.megatron.rank_files import shard, unshard
 from slime.utils.hf_experts import checkpoint_tensors
 
 MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -164,3 +163,41 @@ def test_shared_experts_are_refused_not_dropped():
     variant.shared_expert_intermediate_size = 32  # a Qwen3-MoE-shaped config that also has a shared expert
     with pytest.raises(ConversionError, match="shared experts"):
         Layout.from_hf_config(variant)
+
+
+@pytest.mark.parametrize(
+    "tp, pp, ep, etp", [(2, 1, 2, 2), (2, 2, 2, 1), (1, 1, 4, 1), (2, 1, 1, 2), (1, 2, 2, 1)]
+)
+def test_checkpoint_files_hold_each_ranks_shard_and_join_back(tp, pp, ep, etp):
+    """One file per (TP rank, stage, EP rank): each holds what that rank's actor loads (its ETP
+    rank is its TP rank modulo ETP), and the files join back to the whole model bit for bit."""
+    from slime.backends.megatron.rank_files import Parallel, merge_ranks, split_ranks
+
+    layout, hf = tiny_moe()
+    mc = hf_to_megatron(hf, layout, tp)
+    par = Parallel(tp, pp, ep, etp)
+    parts = split_ranks(mc, layout, par)
+    assert sorted(parts) == sorted((t, s, e) for t in range(tp) for s in range(pp) for e in range(ep))
+    for (t, s, e), part in parts.items():
+        assert same(part, hf_to_megatron_shard(hf, layout, tp, pp, t, s, ep, etp, e, t % etp)), (t, s, e)
+    assert same(merge_ranks(parts, layout, par), mc)
+
+
+def test_a_runs_files_join_back_and_a_missing_expert_shard_is_named():
+    """A run writes only its ranks' files (EP carved out of data parallelism: TP 2 x EP 2 on two
+    ranks has (TP, EP) ranks (0, 0) and (1, 1)): with ETP 1 they hold every expert once; with ETP 2
+    the experts of (EP 0, ETP 1) are in no file, and the error says so."""
+    from slime.backends.megatron.rank_files import Parallel, merge_ranks, split_ranks
+
+    layout, hf = tiny_moe()
+    mc = hf_to_megatron(hf, layout, 2)
+    run = [(0, 0, 0), (1, 0, 1)]
+    etp1 = Parallel(2, 1, 2, 1)
+    parts = split_ranks(mc, layout, etp1)
+    assert same(merge_ranks({k: parts[k] for k in run}, layout, etp1), mc)
+    etp2 = Parallel(2, 1, 2, 2)
+    parts = split_ranks(mc, layout, etp2)
+    with pytest.raises(ConversionError, match="no shard of EP rank 0, ETP rank 1, pipeline stage 0"):
+        merge_ranks({k: parts[k] for k in run}, layout, etp2)
+    with pytest.raises(ConversionError, match="ETP 2 with TP 1"):
+        split_ranks(hf_to_megatron(hf, layout, 1), layout, Parallel(1, 1, 2, 2))

@@ -112,3 +112,44 @@ def test_megatron_to_hf_refuses_another_models_config_and_an_existing_target(hf,
     r = tool("convert_checkpoint", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "y"),
              "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1")  # fmt: skip
     assert r.returncode == 2 and "not a Megatron checkpoint directory" in r.stderr
+
+
+def test_moe_checkpoints_move_between_expert_layouts_and_back_bitwise(tiny_moe, tmp_path):
+    """Qwen3-MoE: HF -> EP 2 -> TP 2 (ETP 2 by default) -> PP 2 x EP 4 (ETP 1) -> HF, bit for bit,
+    with Megatron-LM's file names at each step."""
+    ep2 = tmp_path / "ep2"
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", tiny_moe, "--save-dir", str(ep2),
+             "--expert-model-parallel-size", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "TP 1 x PP 1 x EP 2 (ETP 1)" in r.stdout
+    assert sorted(os.listdir(ep2 / "release")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    one = torch.load(ep2 / "release" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=True)
+    assert one["args"]["expert_model_parallel_size"] == 2
+    experts = {k for k in one["model"] if ".mlp.experts." in k}
+    assert experts == {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{f}.weight"
+                       for i in range(2) for e in range(2) for f in (1, 2)}  # fmt: skip
+    tp2 = tmp_path / "tp2"
+    r = tool("convert_checkpoint", "--load-dir", str(ep2), "--save-dir", str(tp2), "--target-tensor-parallel-size",
+             "2", "--target-pipeline-parallel-size", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "TP 1 x PP 1 x EP 2 (ETP 1) -> TP 2 x PP 1 x EP 1 (ETP 2)" in r.stdout
+    pp2 = tmp_path / "pp2ep4"
+    r = tool("convert_checkpoint", "--load-dir", str(tp2), "--save-dir", str(pp2), "--target-tensor-parallel-size",
+             "1", "--target-pipeline-parallel-size", "2", "--target-expert-model-parallel-size", "4",
+             "--target-expert-tensor-parallel-size", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(pp2 / "release")) == [
+        f"mp_rank_00_{s:03d}_{e:03d}" for s in range(2) for e in range(4)
+    ]
+    back = tmp_path / "hf_back"
+    r = tool(
+        "convert_megatron_to_hf", "--load-dir", str(pp2), "--hf-checkpoint", tiny_moe, "--save-dir", str(back)
+    )
+    assert r.returncode == 0, r.stderr
+    original, converted = (
+        load_file(os.path.join(tiny_moe, "model.safetensors")),
+        load_file(back / "model.safetensors"),
+    )
+    assert original.keys() == converted.keys()
+    for name, value in original.items():
+        assert torch.equal(converted[name], value), name

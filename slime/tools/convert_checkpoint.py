@@ -1,8 +1,11 @@
-"""Convert a Megatron checkpoint written by slime to another tensor/pipeline-parallel layout.
+"""Convert a Megatron checkpoint written by slime to another tensor/pipeline/expert-parallel layout.
 
     python -m slime.tools.convert_checkpoint --load-dir A --save-dir B \\
-        --target-tensor-parallel-size N --target-pipeline-parallel-size M [--make-vocab-size-divisible-by K]
+        --target-tensor-parallel-size N --target-pipeline-parallel-size M [--make-vocab-size-divisible-by K] \\
+        [--target-expert-model-parallel-size E --target-expert-tensor-parallel-size X]
 
+A mixture-of-experts checkpoint is read with the EP and ETP it was written with and split for
+E and X (default: 1 and N; slime.backends.megatron.rank_files).
 The vocabulary is re-padded for the target TP (K defaults to the checkpoint's), so loading the
 result with N-way TP never meets a VocabParallelEmbedding size mismatch.
 """
@@ -13,11 +16,19 @@ import argparse
 import dataclasses
 import sys
 
-from slime.backends.megatron.convert import ConversionError, repad_vocab, shard, unshard
+from slime.backends.megatron.convert import ConversionError, repad_vocab
+from slime.backends.megatron.rank_files import Parallel, merge_ranks, split_ranks
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime.backends.megatron.checkpoint import check_target, load_megatron, save_megatron, stored_layout
+    from slime.backends.megatron.checkpoint import (
+        check_target,
+        load_megatron,
+        save_megatron,
+        stored_layout,
+        stored_parallel,
+    )
+    from slime.tools.convert_hf_to_megatron import describe
 
     p = argparse.ArgumentParser(prog="python -m slime.tools.convert_checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -25,23 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, required=True)
     p.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    p.add_argument(
+        "--target-expert-model-parallel-size", type=int, default=1, help="mixture-of-experts models"
+    )
+    p.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture-of-experts models (default: the target tensor-parallel size)")  # fmt: skip
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="default: the checkpoint's")
     ns = p.parse_args(argv)
     tp, pp = ns.target_tensor_parallel_size, ns.target_pipeline_parallel_size
+    target = Parallel(tp, pp, ns.target_expert_model_parallel_size, ns.target_expert_tensor_parallel_size)
     try:
         check_target(ns.save_dir)
         parts, args = load_megatron(ns.load_dir)
         layout = stored_layout(args, ns.load_dir)
         if ns.make_vocab_size_divisible_by is not None:
             layout = dataclasses.replace(layout, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by)
-        layout.check_parallel(tp, pp)
-        out = shard(repad_vocab(unshard(parts, layout), layout, tp), layout, tp, pp)
+        target.check(layout)
+        source = stored_parallel(args)
+        out = split_ranks(repad_vocab(merge_ranks(parts, layout, source), layout, tp), layout, target)
     except ConversionError as e:
         p.error(str(e))
-    save_megatron(out, layout, ns.save_dir)
-    src_tp = 1 + max(r for r, _ in parts)
-    src_pp = 1 + max(s for _, s in parts)
-    print(f"wrote {ns.save_dir}: TP {src_tp} x PP {src_pp} -> TP {tp} x PP {pp}, vocabulary padded to "
+    save_megatron(out, layout, ns.save_dir, target)
+    print(f"wrote {ns.save_dir}: {describe(source, layout)} -> {describe(target, layout)}, vocabulary padded to "
           f"{layout.padded_vocab_size(tp)} ({layout.padded_vocab_size(tp) // tp} rows per TP rank)")  # fmt: skip
     return 0
 

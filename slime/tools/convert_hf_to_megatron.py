@@ -1,9 +1,12 @@
 """Convert a Hugging Face checkpoint to a Megatron (megatron-core GPTModel) checkpoint.
 
     python -m slime.tools.convert_hf_to_megatron --hf-checkpoint DIR --save-dir OUT \\
-        --tensor-model-parallel-size N --pipeline-model-parallel-size M [--make-vocab-size-divisible-by K]
+        --tensor-model-parallel-size N --pipeline-model-parallel-size M [--make-vocab-size-divisible-by K] \\
+        [--expert-model-parallel-size E --expert-tensor-parallel-size X]
 
-Qwen2, Qwen3 and Llama families. The vocabulary is padded with zero rows to a multiple of
+Qwen2, Qwen3, Llama and Qwen3-MoE families. A mixture-of-experts model's experts are split over
+E expert-parallel ranks and each expert over X (default: N) ranks, with one file per (TP rank,
+stage, EP rank) (slime.backends.megatron.rank_files). The vocabulary is padded with zero rows to a multiple of
 K x N (Megatron's rule). Model arguments given (--num-layers, --hidden-size, ...) must agree with
 the HF config: a mismatch is an error before any weights are written. Layout on disk:
 slime.backends.megatron.checkpoint.
@@ -14,7 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slime.backends.megatron.convert import ConversionError, Layout, hf_to_megatron, shard
+from slime.backends.megatron.convert import ConversionError, Layout, hf_to_megatron
+from slime.backends.megatron.rank_files import Parallel, split_ranks
 
 MODEL_ARGS = {  # Megatron argument -> Layout field
     "num_layers": "num_layers",
@@ -35,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", required=True, help="new directory for the Megatron checkpoint")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="mixture-of-experts models")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture-of-experts models (default: the tensor-parallel size, as in Megatron-LM)")  # fmt: skip
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / linear_fc1)")  # fmt: skip
@@ -66,24 +73,30 @@ def check_model_args(ns: argparse.Namespace, layout: Layout) -> None:
         raise ConversionError("the model arguments disagree with the HF config: " + "; ".join(wrong))
 
 
+def describe(par: Parallel, layout: Layout) -> str:
+    experts = f" x EP {par.ep} (ETP {par.expert_tp})" if layout.num_experts else ""
+    return f"TP {par.tp} x PP {par.pp}{experts}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from slime.backends.megatron.checkpoint import check_target, load_hf_state, save_megatron
 
     parser = build_parser()
     ns = parser.parse_args(argv)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    par = Parallel(tp, pp, ns.expert_model_parallel_size, ns.expert_tensor_parallel_size)
     try:
         layout = hf_layout(
             ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine"
         )
         check_model_args(ns, layout)
-        layout.check_parallel(tp, pp)
+        par.check(layout)
         check_target(ns.save_dir)
-        parts = shard(hf_to_megatron(load_hf_state(ns.hf_checkpoint), layout, tp), layout, tp, pp)
+        parts = split_ranks(hf_to_megatron(load_hf_state(ns.hf_checkpoint), layout, tp), layout, par)
     except ConversionError as e:
         parser.error(str(e))
-    save_megatron(parts, layout, ns.save_dir)
-    print(f"wrote {ns.save_dir}: TP {tp} x PP {pp}, vocabulary {layout.vocab_size} padded to "
+    save_megatron(parts, layout, ns.save_dir, par)
+    print(f"wrote {ns.save_dir}: {describe(par, layout)}, vocabulary {layout.vocab_size} padded to "
           f"{layout.padded_vocab_size(tp)} ({layout.padded_vocab_size(tp) // tp} rows per TP rank)")  # fmt: skip
     return 0
 

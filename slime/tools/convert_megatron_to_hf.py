@@ -4,7 +4,8 @@
 
 Config and tokenizer come from --hf-checkpoint, whose config must describe the same model as the
 checkpoint (an error naming the differing fields otherwise, before anything is written). The
-vocabulary padding is removed; TP shards are merged and pipeline stages joined.
+vocabulary padding is removed; TP shards are merged, pipeline stages joined and a
+mixture-of-experts model's experts gathered from their EP and ETP ranks.
 """
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slime.backends.megatron.convert import ConversionError, megatron_to_hf, unshard
+from slime.backends.megatron.convert import ConversionError, megatron_to_hf
+from slime.backends.megatron.rank_files import merge_ranks
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime.backends.megatron.checkpoint import check_target, load_megatron, save_hf, stored_layout
-    from slime.tools.convert_hf_to_megatron import hf_layout
+    from slime.backends.megatron.checkpoint import (
+        check_target,
+        load_megatron,
+        save_hf,
+        stored_layout,
+        stored_parallel,
+    )
+    from slime.tools.convert_hf_to_megatron import describe, hf_layout
 
     p = argparse.ArgumentParser(prog="python -m slime.tools.convert_megatron_to_hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -38,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(
                 "--hf-checkpoint describes another model than --load-dir: " + "; ".join(differ)
             )
-        state = megatron_to_hf(unshard(parts, layout), layout)
+        source = stored_parallel(args)
+        state = megatron_to_hf(merge_ranks(parts, layout, source), layout)
     except ConversionError as e:
         p.error(str(e))
     save_hf(state, ns.hf_checkpoint, ns.save_dir)
-    tp = 1 + max(r for r, _ in parts)
-    pp = 1 + max(s for _, s in parts)
-    print(f"wrote {ns.save_dir}: {len(state)} tensors from TP {tp} x PP {pp}, vocabulary {layout.vocab_size}")
+    print(
+        f"wrote {ns.save_dir}: {len(state)} tensors from {describe(source, layout)}, vocabulary {layout.vocab_size}"
+    )
     return 0
 
 

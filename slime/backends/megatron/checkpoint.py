@@ -3,6 +3,7 @@
     DIR/latest_checkpointed_iteration.txt          "release" (converted) or the iteration number
     DIR/release/mp_rank_{tp:02d}/model_optim_rng.pt            PP = 1
     DIR/release/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   PP > 1
+    DIR/release/mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}/...       EP > 1 (slime.backends.megatron.rank_files)
         {"model": state dict, "checkpoint_version": 3.0, "iteration": int, "args": {...}}
 
 `args` is a plain dict (loadable with `torch.load(weights_only=True)`) with Megatron's argument
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from slime.backends.megatron.convert import ConversionError, Layout, State
+from slime.backends.megatron.rank_files import Key, Parallel
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -81,18 +83,16 @@ def _publish(partial: str, final: str) -> None:
     os.replace(partial, final)
 
 
-def save_megatron(
-    parts: dict[tuple[int, int], State], layout: Layout, save_dir: str, iteration: str = "release"
-) -> None:
-    tp = 1 + max(r for r, _ in parts)
-    pp = 1 + max(s for _, s in parts)
+def save_megatron(parts: Mapping[Key, State], layout: Layout, save_dir: str, par: Parallel,
+                  iteration: str = "release") -> None:  # fmt: skip
+    """Write every (TP rank, stage, EP rank) shard of `par` (rank_files.split_ranks) as one file."""
     check_target(save_dir)
     final = os.path.abspath(save_dir)
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    args = megatron_args(layout, tp, pp)
-    for (r, s), state in sorted(parts.items()):
-        folder = os.path.join(partial, iteration, rank_dir(r, s, pp))
+    args = megatron_args(layout, par.tp, par.pp, par.ep, par.expert_tp)
+    for (t, s, e), state in sorted(parts.items()):
+        folder = os.path.join(partial, iteration, rank_dir(t, s, par.pp, e if par.ep > 1 else None))
         os.makedirs(folder)
         torch.save({"model": {k: v.contiguous() for k, v in state.items()}, "checkpoint_version": 3.0,
                     "iteration": 0 if iteration == "release" else int(iteration), "args": args},
@@ -102,8 +102,8 @@ def save_megatron(
     _publish(partial, final)
 
 
-def load_megatron(load_dir: str) -> tuple[dict[tuple[int, int], State], dict[str, Any]]:
-    """Every (tp rank, pp stage) state dict of the tracked iteration, and the stored args."""
+def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
+    """Every (TP rank, stage, EP rank) state dict of the tracked iteration, and the stored args."""
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(tracker):
         raise ConversionError(
@@ -112,22 +112,27 @@ def load_megatron(load_dir: str) -> tuple[dict[tuple[int, int], State], dict[str
     with open(tracker) as f:
         iteration = f.read().strip()
     folder = os.path.join(load_dir, iteration if iteration == "release" else f"iter_{int(iteration):07d}")
-    parts: dict[tuple[int, int], State] = {}
+    parts: dict[Key, State] = {}
     args: dict[str, Any] = {}
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         args = blob.get("args") or {}
-        if (args.get("expert_model_parallel_size") or 1) > 1:
-            raise ConversionError(
-                f"--load-dir {load_dir!r} was saved with expert parallelism (EP "
-                f"{args['expert_model_parallel_size']}); the conversion tools read EP 1 checkpoints only so far"
-            )
-        m = re.search(r"mp_rank_(\d+)(?:_(\d+))?$", os.path.dirname(path))
-        assert m is not None
-        parts[(int(m.group(1)), int(m.group(2) or 0))] = blob["model"]
+        name = os.path.basename(os.path.dirname(path))
+        ranks = [int(x) for x in re.findall(r"_(\d+)", name)]
+        pp, ep = args.get("pipeline_model_parallel_size") or 1, args.get("expert_model_parallel_size") or 1
+        if len(ranks) != 1 + (pp > 1) + (ep > 1):
+            raise ConversionError(f"{path}: the name does not fit PP {pp} x EP {ep} (mp_rank_TT[_PPP][_EEE])")
+        parts[(ranks[0], ranks[1] if pp > 1 else 0, ranks[-1] if ep > 1 else 0)] = blob["model"]
     if not parts:
         raise ConversionError(f"--load-dir {load_dir!r}: no mp_rank_*/model_optim_rng.pt under {folder}")
     return parts, args
+
+
+def stored_parallel(args: dict[str, Any]) -> Parallel:
+    """The layout a checkpoint was written with (Megatron-LM's argument names)."""
+    tp = args.get("tensor_model_parallel_size") or 1
+    return Parallel(tp, args.get("pipeline_model_parallel_size") or 1, args.get("expert_model_parallel_size") or 1,
+                    args.get("expert_tensor_parallel_size") or tp)  # fmt: skip
 
 
 def stored_layout(args: dict[str, Any], load_dir: str) -> Layout:

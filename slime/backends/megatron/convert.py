@@ -28,7 +28,8 @@ A mixture-of-experts layer (Qwen3-MoE) has, instead of `mlp.linear_fc1/fc2`:
 Experts are split over expert-parallel (EP) ranks, E / EP consecutive experts each, numbered
 from 0 on every rank, and each expert over expert-tensor-parallel (ETP) ranks as a dense MLP over
 TP ranks ([gate_r; up_r] rows of fc1, columns of fc2). The TP split leaves experts whole
-(`split_tp`); `split_experts` / `merge_experts` do EP and ETP.
+(`split_tp`); `split_experts` / `merge_experts` do EP and ETP. The shards of whole checkpoints
+(one per file) are slime.backends.megatron.rank_files'.
 
 Fused QKV layout (megatron-core's): for each of the `num_query_groups` (= HF num_key_value_heads)
 groups, its `heads / groups` query heads, then its key head, then its value head, each head_dim
@@ -605,12 +606,6 @@ def merge_pp(stages: list[State], layout: Layout) -> State:
     return out
 
 
-def shard(state: State, layout: Layout, tp: int, pp: int) -> dict[tuple[int, int], State]:
-    """(tp rank, pp stage) -> its state dict, from an unsharded one padded for `tp`."""
-    return {(r, s): part for s, stage in enumerate(split_pp(state, layout, pp))
-            for r, part in enumerate(split_tp(stage, layout, tp))}  # fmt: skip
-
-
 def _grid(parts: Mapping[tuple[int, int], Any], what: str, keys: str) -> tuple[int, int]:
     """The sizes of a two-dimensional grid of shards, refusing a hole in it."""
     rows, cols = 1 + max(a for a, _ in parts), 1 + max(b for _, b in parts)
@@ -618,8 +613,3 @@ def _grid(parts: Mapping[tuple[int, int], Any], what: str, keys: str) -> tuple[i
     if missing:
         raise ConversionError(f"{what} missing for {keys} {missing}")
     return rows, cols
-
-
-def unshard(parts: dict[tuple[int, int], State], layout: Layout) -> State:
-    tp, pp = _grid(parts, "checkpoint shards", "(tp rank, pp stage)")
-    return merge_pp([merge_tp([parts[(r, s)] for r in range(tp)], layout) for s in range(pp)], layout)
