@@ -336,12 +336,12 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             layout.check_parallel(tp, pp, ep, etp)
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
-        from slime.backends.megatron.actor import check_moe
+        from slime.backends.megatron.settings import check_moe
 
         problem = check_moe(megatron, layout)
         if problem:
             return problem
-    from slime.backends.megatron.actor import check_supported
+    from slime.backends.megatron.settings import check_supported
 
     problem = check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems
     if problem:

@@ -75,8 +75,8 @@ def _megatron_problem(cfg, world_size: int) -> str | None:
         return None
     from transformers import AutoConfig
 
-    from slime.backends.megatron.actor import check_supported
     from slime.backends.megatron.convert import ConversionError, Layout
+    from slime.backends.megatron.settings import check_supported
 
     m = cfg.megatron
     if world_size % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size):

@@ -33,6 +33,7 @@ from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
+from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
@@ -107,7 +108,8 @@ class MegatronTrainActor(TrainActorBase):
             torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         )
         self.model, self.config = self._build_model()
-        self.routing = self._install_routing()
+        self.routing = MegatronRouting.install(self.model, self.layout, self.hf_config, recompute_settings(cfg),
+                                               self.mesh, m.sequence_parallel)  # fmt: skip
         self._forward_backward = self._schedule()
         if m.bf16:
             self.masters = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.model.parameters()}
@@ -178,43 +180,14 @@ class MegatronTrainActor(TrainActorBase):
         model.train()
         return model, config
 
-    def _install_routing(self) -> MegatronRouting | None:
-        """The router hooks of a mixture-of-experts model (slime.backends.megatron.moe)."""
-        if not self.layout.num_experts:
-            return None
-        from slime.config.architecture import _hf_moe
-
-        moe = _hf_moe(self.hf_config)
-        sp = self.tp if self.cfg.megatron.sequence_parallel else 1
-        return MegatronRouting(
-            self.model, self.layout.num_layers, moe["moe_router_topk"], self.layout.num_experts,
-            renormalize=not moe["moe_router_pre_softmax"], recompute=recompute_settings(self.cfg),
-            sp_group=self.mesh.tp_group, sp_rank=self.mesh.tp_rank if sp > 1 else 0, sp_size=sp,
-        )  # fmt: skip
-
-    def _routing_states(
-        self, mbs: list[MicroBatch], record: bool = False, step: StepPlan | None = None
-    ) -> list[MicroBatchRouting | None]:
-        """The router hooks' state for each micro-batch (None for a dense model or when nothing
-        is asked): replay (R2/R3 tables), recording (R2's log-prob pass), the aux loss (`step`:
-        a training step's micro-batches)."""
-        routing = self.routing
-        aux = self.cfg.moe.aux_loss_coeff if step is not None else 0.0
-        if routing is None or (self.routing_tables is None and not record and aux == 0):
+    def _routing_states(self, mbs: list[MicroBatch], record: bool = False,
+                        step: StepPlan | None = None) -> list[MicroBatchRouting | None]:  # fmt: skip
+        """The router hooks' state for each micro-batch (`step`: a training step's, with the aux loss)."""
+        if self.routing is None:
             return [None] * len(mbs)
-        states: list[MicroBatchRouting | None] = []
-        for mb in mbs:
-            rows, tokens = mb.input_ids.shape[0], mb.input_ids.numel()
-            state = MicroBatchRouting(record={} if record else None)
-            if self.routing_tables is not None:
-                replay = routing.replay_rows(self.routing_tables, mb.positions, mb.token_starts(), tokens)
-                state.replay = routing.router_order(replay, rows)
-            if aux > 0:
-                assert step is not None
-                state.real = routing.router_order(mb.real_tokens().cpu(), rows)
-                state.aux_coeff, state.aux_share = aux, mb.num_samples / step.num_samples
-            states.append(state)
-        return states
+        aux = self.cfg.moe.aux_loss_coeff if step is not None else 0.0
+        samples = step.num_samples if step is not None else 0
+        return self.routing.states(mbs, self.routing_tables, record, aux, samples)
 
     def _schedule(self) -> Any:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -333,9 +306,12 @@ class MegatronTrainActor(TrainActorBase):
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
                 forward_only=forward_only,
             )
-        finally:
+        except BaseException:
             if self.routing is not None:
-                self.routing.end_pass()
+                self.routing.end_pass(completed=False)
+            raise
+        if self.routing is not None:
+            self.routing.end_pass()
 
     # ---- log-probs --------------------------------------------------------------------------
     @torch.no_grad()
@@ -420,7 +396,7 @@ class MegatronTrainActor(TrainActorBase):
         metrics = self._step_metrics(sums, grad_norm, lr)
         if self.cfg.moe.aux_loss_coeff > 0 and self.routing is not None:
             # Every stage has its own MoE layers: one rank of each stage's TP group counts them.
-            aux = torch.tensor(sum(s.aux_sum for s in states if s is not None), dtype=torch.float64)
+            aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
             metrics.update(self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0))
         return metrics
 
@@ -513,47 +489,3 @@ class MegatronTrainActor(TrainActorBase):
 
                     ps.destroy_model_parallel()
                 dist.destroy_process_group()
-
-
-def recompute_settings(cfg: Any) -> dict[str, Any]:
-    """megatron-core's recompute: Megatron-LM's --recompute-* flags, or --gradient-checkpointing
-    (full recompute of every layer in backward)."""
-    model = cfg.model
-    if model.recompute_granularity == "selective":
-        return {"recompute_granularity": "selective"}
-    if model.recompute_granularity == "full":
-        return {"recompute_granularity": "full", "recompute_method": model.recompute_method or "uniform",
-                "recompute_num_layers": model.recompute_num_layers or 1}  # fmt: skip
-    if cfg.fsdp.gradient_checkpointing:
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    return {}
-
-
-def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
-    """What megatron-core's MoE layer does not train, and the MoE options this actor does not
-    build yet (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
-    if moe is not None and not layout.num_experts and moe.needs_moe:
-        return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
-    if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
-        return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
-                "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
-    return None
-
-
-def check_supported(m: Any, installed: bool = True) -> str | None:
-    """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
-    that Transformer Engine is here when the settings need it (parse_args checks the packages
-    itself: slime.config.resolve.package_problems)."""
-    if m.context_parallel_size > 1:
-        return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
-                "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
-    if installed:
-        from slime.config.resolve import transformer_engine_problem
-
-        problem = transformer_engine_problem(m.transformer_impl)
-        if problem:
-            return problem
-    if m.sequence_parallel and m.transformer_impl == "local":
-        return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
-                "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
-    return None

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from slime.backends.micro_batch import MicroBatch
 from slime.backends.routing import RouterHooks, choose, load_balancing_loss
 
 
@@ -66,7 +67,8 @@ class MicroBatchRouting:
     real: torch.Tensor | None = None  # [tokens] bool: not padding (for the aux loss)
     aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
     aux_share: float = 0.0  # the micro-batch's share of the step's samples
-    aux_sum: float = 0.0  # the aux losses attached, times their share (the step's metric)
+    aux_sum: Any = 0.0  # the aux losses attached, times their share (the step's metric; a tensor
+    # once one is attached: summed on the device, read once after the step, no sync per layer)
 
     @property
     def active(self) -> bool:
@@ -105,6 +107,20 @@ class MegatronRouting(RouterHooks):
             router.register_forward_hook(self._hook(li, checkpointed))
         self.moe_layers = sorted(self.routers)
 
+    @classmethod
+    def install(cls, model: Any, layout: Any, hf_config: Any, recompute: dict[str, Any], mesh: Any,
+                sequence_parallel: bool) -> MegatronRouting | None:  # fmt: skip
+        """The hooks on a mixture-of-experts model's routers (None for a dense model)."""
+        if not layout.num_experts:
+            return None
+        from slime.config.architecture import _hf_moe
+
+        moe = _hf_moe(hf_config)
+        sp = mesh.tp if sequence_parallel else 1
+        return cls(model, layout.num_layers, moe["moe_router_topk"], layout.num_experts,
+                   renormalize=not moe["moe_router_pre_softmax"], recompute=recompute, sp_group=mesh.tp_group,
+                   sp_rank=mesh.tp_rank if sp > 1 else 0, sp_size=sp)  # fmt: skip
+
     # ---- per micro-batch --------------------------------------------------------------------
     def router_order(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         return router_order(x, rows, self.sp_rank, self.sp_size)
@@ -116,12 +132,35 @@ class MegatronRouting(RouterHooks):
         """The next forward is of the micro-batch `state` describes (None: nothing to do)."""
         self.current = state
 
-    def end_pass(self) -> None:
+    def states(self, mbs: list[MicroBatch], tables: dict[int, torch.Tensor] | None, record: bool = False,
+               aux_coeff: float = 0.0, step_samples: int = 0) -> list[MicroBatchRouting | None]:  # fmt: skip
+        """The hooks' state for each micro-batch (None when nothing is asked): replay of `tables`
+        (R2/R3), recording (R2's log-prob pass), the aux loss (a training step of `step_samples`)."""
+        if tables is None and not record and aux_coeff == 0:
+            return [None] * len(mbs)
+        states: list[MicroBatchRouting | None] = []
+        for mb in mbs:
+            rows, tokens = mb.input_ids.shape[0], mb.input_ids.numel()
+            state = MicroBatchRouting(record={} if record else None)
+            if tables is not None:
+                state.replay = self.router_order(
+                    self.replay_rows(tables, mb.positions, mb.token_starts(), tokens), rows
+                )
+            if aux_coeff > 0:
+                state.real = self.router_order(mb.real_tokens().cpu(), rows)
+                state.aux_coeff, state.aux_share = aux_coeff, mb.num_samples / step_samples
+            states.append(state)
+        return states
+
+    def end_pass(self, completed: bool = True) -> None:
+        """After a pass over the micro-batches: every recomputed layer has used its states
+        (checked when the pass `completed`; after an error they are dropped)."""
         self.current = None
         leftover = {li: len(q) for li, q in self.queues.items() if q}
         for q in self.queues.values():
             q.clear()
-        assert not leftover, f"recomputed layers left micro-batches behind: {leftover}"
+        if completed and leftover:
+            raise RuntimeError(f"recomputed MoE layers left micro-batches' routing behind: {leftover}")
 
     def recorded(self, state: MicroBatchRouting, num_tokens: int, rows: int) -> torch.Tensor:
         """The experts recorded in a forward, [num_tokens, layers, k] over the micro-batch's
@@ -168,10 +207,11 @@ class MegatronRouting(RouterHooks):
                 loss = (
                     load_balancing_loss(scores[real], routing_map[real], self.top_k, group) * state.aux_share
                 )
-                state.aux_sum += float(loss.detach())
+                state.aux_sum = state.aux_sum + loss.detach()
                 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * state.aux_coeff)
-        if state.record is not None:
-            state.record[li] = routing_map.nonzero()[:, 1].reshape(-1, self.top_k).detach()
+        if state.record is not None:  # the k experts of each row, ascending (topk: no host sync)
+            chosen = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
+            state.record[li] = chosen.sort(dim=-1).values
         return probs, routing_map

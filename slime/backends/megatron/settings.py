@@ -1,0 +1,53 @@
+"""What the Megatron actor builds and refuses: megatron-core's recompute settings from the flags,
+and the layouts and options refused at start-up (exit 2; parse_args checks them too, before any
+process starts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime.backends.megatron.convert import Layout
+
+
+def recompute_settings(cfg: Any) -> dict[str, Any]:
+    """megatron-core's recompute: Megatron-LM's --recompute-* flags, or --gradient-checkpointing
+    (full recompute of every layer in backward)."""
+    model = cfg.model
+    if model.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    if model.recompute_granularity == "full":
+        return {"recompute_granularity": "full", "recompute_method": model.recompute_method or "uniform",
+                "recompute_num_layers": model.recompute_num_layers or 1}  # fmt: skip
+    if cfg.fsdp.gradient_checkpointing:
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
+def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
+    """What megatron-core's MoE layer does not train, and a MoE option given with a dense model
+    (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
+    if moe is not None and not layout.num_experts and moe.needs_moe:
+        return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
+    if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
+        return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
+                "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
+    return None
+
+
+def check_supported(m: Any, installed: bool = True) -> str | None:
+    """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
+    that Transformer Engine is here when the settings need it (parse_args checks the packages
+    itself: slime.config.resolve.package_problems)."""
+    if m.context_parallel_size > 1:
+        return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
+                "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
+    if installed:
+        from slime.config.resolve import transformer_engine_problem
+
+        problem = transformer_engine_problem(m.transformer_impl)
+        if problem:
+            return problem
+    if m.sequence_parallel and m.transformer_impl == "local":
+        return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
+                "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
+    return None
