@@ -86,11 +86,11 @@ def plain_loop(model, optimizer, batch: RolloutBatch, loss_cfg: LossConfig) -> N
 
 
 def measure(run, rollouts: int, vocab: int) -> tuple[float, list[float]]:
-    tokens = sum(len(t) for t in make_rollout(0, vocab).tokens)
     run(make_rollout(100, vocab))  # warm-up
     rates = []
     for r in range(rollouts):
         batch = make_rollout(r, vocab)
+        tokens = sum(len(t) for t in batch.tokens)  # each rollout's own (lengths are drawn per seed)
         start = time.perf_counter()
         run(batch)
         rates.append(tokens / (time.perf_counter() - start))
