@@ -368,3 +368,79 @@ def test_off_policy_corrections_refuse_combinations_naming_both_flags(kwargs, fl
     with pytest.raises(ValueError) as e:
         LossConfig(**kwargs)
     assert all(f in str(e.value) for f in flags), str(e.value)
+
+
+# ---- PPO with a critic, on-policy distillation (issue 24) --------------------------------------
+
+
+def test_gae_by_hand():
+    from slime.algo.advantages import gae
+
+    rewards, values = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.2, 0.4])
+    adv, ret = gae(rewards, values, gamma=0.9, lambd=0.8)
+    # t=2: 1 - 0.4 = 0.6; t=1: 0.9*0.4 - 0.2 + 0.72*0.6 = 0.592; t=0: 0.9*0.2 - 0.5 + 0.72*0.592
+    assert torch.allclose(adv, torch.tensor([0.10624, 0.592, 0.6]))
+    assert torch.allclose(ret, torch.tensor([0.60624, 0.792, 1.0]))
+    # gamma = lambda = 1: the return of every token is the reward to come (Monte Carlo).
+    adv, ret = gae(rewards, values, gamma=1.0, lambd=1.0)
+    assert torch.allclose(ret, torch.ones(3)) and torch.allclose(adv, 1.0 - values)
+    with pytest.raises(ValueError, match="3 token rewards but 2 values"):
+        gae(rewards, values[:2], 1.0, 1.0)
+
+
+def test_ppo_token_rewards_put_the_reward_on_the_last_token_and_the_kl_on_all():
+    from slime.algo.advantages import ppo_token_rewards
+
+    kl = torch.tensor([0.1, -0.2, 0.3])
+    assert torch.allclose(ppo_token_rewards(2.0, 3, kl, 0.5), torch.tensor([-0.05, 0.1, 1.85]))
+    assert torch.equal(ppo_token_rewards(1.0, 2, None, 0.5), torch.tensor([0.0, 1.0]))
+
+
+def test_opd_penalty_subtracts_the_reverse_kl_per_token():
+    from slime.algo.advantages import opd_penalty
+
+    out = opd_penalty(
+        [torch.tensor([1.0, 1.0])], [torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, -1.0])], 0.5
+    )
+    assert torch.allclose(out[0], torch.tensor([0.75, 1.5]))
+    with pytest.raises(ValueError, match="sample 0: 2 advantages, 2 student and 1 teacher"):
+        opd_penalty([torch.ones(2)], [torch.ones(2)], [torch.ones(1)], 1.0)
+
+
+def test_value_loss_clips_around_the_old_values():
+    from slime.algo.losses import value_loss
+
+    values, old, returns = (
+        torch.tensor([1.0, 0.0, 0.6]),
+        torch.tensor([0.5, 0.5, 0.5]),
+        torch.tensor([2.0, 0.0, 0.0]),
+    )
+    loss, clipfrac = value_loss(values, old, returns, clip=0.2)
+    # token 0: clipped 0.7 -> max(1, 1.69); token 1: clipped 0.3 -> max(0, 0.09); token 2: inside the clip
+    assert torch.allclose(loss, torch.tensor([1.69, 0.09, 0.36]))
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_explained_variance():
+    from slime.algo.advantages import explained_variance, explained_variance_of
+
+    returns, mask = (
+        [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 100.0])],
+        [torch.ones(3), torch.tensor([1, 0])],
+    )
+    perfect = explained_variance([r.clone() for r in returns], returns, mask)
+    assert explained_variance_of(perfect) == pytest.approx(1.0)
+    assert explained_variance_of(
+        explained_variance([torch.zeros(3), torch.zeros(2)], returns, mask)
+    ) == pytest.approx(0.0)
+    # V = R - noise: 1 - Var(noise) / Var(R) over the masked tokens (the 100 is masked out)
+    noise = [torch.tensor([0.5, -0.5, 0.5]), torch.tensor([-0.5, 7.0])]
+    stats = explained_variance([r - e for r, e in zip(returns, noise)], returns, mask)
+    var_r = torch.tensor([1.0, 2.0, 3.0, 4.0]).var(unbiased=False)
+    var_e = torch.tensor([0.5, -0.5, 0.5, -0.5]).var(unbiased=False)
+    assert explained_variance_of(stats) == pytest.approx(float(1 - var_e / var_r))
+    # Sums add over ranks: two halves give the whole.
+    halves = explained_variance([returns[0] - noise[0]], returns[:1], mask[:1]) + explained_variance(
+        [returns[1] - noise[1]], returns[1:], mask[1:]
+    )
+    assert torch.allclose(halves, stats)

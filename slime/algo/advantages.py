@@ -165,3 +165,83 @@ def whiten(
     var = max(total_sq / count - mean * mean, 0.0)
     scale = 1.0 / (var + WHITEN_EPS) ** 0.5
     return [((v - mean) * scale) * m.to(v.dtype) for v, m in zip(values, masks)]
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over one response (Schulman et al. 2016), as slime's PPO:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t        (V after the last token: 0, the episode ends)
+        A_t     = delta_t + gamma * lambd * A_{t+1}
+        R_t     = A_t + V_t                           (the critic's target)
+
+    Every response token takes part, loss-masked ones too (tool output inside a multi-turn
+    response still passes the reward back); the masks act in the losses only.
+
+    Returns:
+        (advantages, returns), float32, each [response_length].
+    """
+    r, v = token_rewards.to(torch.float32), values.to(torch.float32)
+    if r.shape != v.shape:
+        raise ValueError(f"{r.numel()} token rewards but {v.numel()} values")
+    advantages = torch.zeros_like(r)
+    running = r.new_zeros(())
+    for t in range(r.numel() - 1, -1, -1):
+        following = v[t + 1] if t + 1 < v.numel() else r.new_zeros(())
+        running = r[t] + gamma * following - v[t] + gamma * lambd * running
+        advantages[t] = running
+    return advantages, advantages + v
+
+
+def ppo_token_rewards(
+    reward: float | torch.Tensor, length: int, kl: torch.Tensor | None, kl_coef: float
+) -> torch.Tensor:
+    """PPO's per-token rewards of one response: -kl_coef * KL(actor || reference) on every token,
+    and the sample's reward added on its last token (as slime places it)."""
+    out = torch.zeros(length, dtype=torch.float32)
+    if kl is not None and kl_coef != 0.0:
+        out = out - kl_coef * kl.to(torch.float32)
+    out[-1] += float(reward)
+    return out
+
+
+def opd_penalty(
+    advantages: Sequence[torch.Tensor],
+    student_log_probs: Sequence[torch.Tensor],
+    teacher_log_probs: Sequence[torch.Tensor],
+    coef: float,
+) -> list[torch.Tensor]:
+    """On-policy distillation (slime's --use-opd): each token's advantage minus `coef` times the
+    per-token reverse KL estimate log p_student - log p_teacher of the sampled token, after any
+    estimator and before whitening. Masked-out tokens (advantage 0 there) stay as they are."""
+    out = []
+    for i, (a, s, t) in enumerate(zip(advantages, student_log_probs, teacher_log_probs, strict=True)):
+        if not a.shape == s.shape == t.shape:
+            raise ValueError(
+                f"sample {i}: {a.numel()} advantages, {s.numel()} student and {t.numel()} teacher log-probs"
+            )
+        out.append(a - coef * (s.to(torch.float32) - t.to(torch.float32)))
+    return out
+
+
+def explained_variance(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor],
+                       masks: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """Local sums for 1 - Var(R - V) / Var(R) over the masked tokens of a rollout: [n, sum R,
+    sum R^2, sum (R - V), sum (R - V)^2], float64, to all-reduce before `explained_variance_of`."""
+    stats = torch.zeros(5, dtype=torch.float64)
+    for v, r, m in zip(values, returns, masks, strict=True):
+        keep = m.bool()
+        rr, d = r[keep].double(), (r - v)[keep].double()
+        stats += torch.stack([rr.new_tensor(rr.numel()), rr.sum(), (rr * rr).sum(), d.sum(), (d * d).sum()])
+    return stats
+
+
+def explained_variance_of(stats: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) from all-reduced `explained_variance` sums (nan when Var(R) is 0)."""
+    n, sr, srr, sd, sdd = (float(x) for x in stats)
+    if n == 0:
+        return float("nan")
+    var_r = srr / n - (sr / n) ** 2
+    var_d = sdd / n - (sd / n) ** 2
+    return float("nan") if var_r <= 0 else 1.0 - var_d / var_r

@@ -191,3 +191,20 @@ def token_weights(
 def weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum(values * weights): the reduction every loss and metric goes through."""
     return (values.float() * weights).sum()
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's clipped value loss per token, as slime's (no 1/2 factor):
+
+        V_clip = V_old + clamp(V - V_old, -clip, clip)
+        L      = max((V - R)^2, (V_clip - R)^2)
+
+    Returns:
+        (loss per token, clipfrac per token): clipfrac is 1 where |V - V_old| > clip.
+    """
+    v, old, r = values.float(), old_values.float(), returns.float()
+    clipped = old + (v - old).clamp(-clip, clip)
+    loss = torch.maximum((v - r) ** 2, (clipped - r) ** 2)
+    return loss, ((v - old).abs() > clip).float()
