@@ -37,7 +37,11 @@ class LossConfig:
     kl_coef: float = 0.0
     """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
     gamma: float = 1.0
-    """`--gamma`: discount of REINFORCE++ returns."""
+    """`--gamma`: discount of REINFORCE++ returns and of PPO's GAE."""
+    lambd: float = 1.0
+    """`--lambd`: GAE's lambda (PPO)."""
+    value_clip: float = 0.2
+    """`--value-clip`: the critic's value loss clips V - V_old to [-value_clip, value_clip]."""
     entropy_coef: float = 0.0
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
     use_tis: bool = False

@@ -38,6 +38,8 @@ class FSDPTrainActor(TrainActorBase):
     """Implements slime.backends.interface.TrainActor with torch FSDP2 (fully_shard)."""
 
     routing: moe.Routing | None
+    value_head = False
+    """A value model (slime.backends.fsdp.critic) instead of the causal LM."""
 
     def __init__(
         self,
@@ -121,7 +123,7 @@ class FSDPTrainActor(TrainActorBase):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # --attention-dropout (0 unless given) replaces the checkpoint's; HF drops in train() mode only.
         self.hf_config.attention_dropout = self.cfg.model.attention_dropout
-        model = model_init.build_meta_model(self.hf_config, self._attention())
+        model = model_init.build_meta_model(self.hf_config, self._attention(), self.value_head)
         if fsdp.gradient_checkpointing:
             # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -136,7 +138,8 @@ class FSDPTrainActor(TrainActorBase):
         model = model_init.shard_model(model, mesh, self.device, mp, offload, shard=not fsdp.disable_sharding)
         if fsdp.disable_sharding:
             logger.warning("--debug-disable-sharding: training the plain module on one rank (no FSDP)")
-        shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size)
+        shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size,
+                                              self._fresh_parameters())  # fmt: skip
         model_init.copy_into_shards(model, shards)
         del shards
         # Each rank's loss is its share of the global mean: gradients must be summed, not
@@ -146,6 +149,10 @@ class FSDPTrainActor(TrainActorBase):
             module.set_force_sum_reduction_for_comms(True)
         model.train()
         return model
+
+    def _fresh_parameters(self) -> dict[str, torch.Tensor] | None:
+        """Whole tensors for parameters the checkpoint may lack (a critic's new value head)."""
+        return None
 
     def _install_routing(self) -> moe.Routing | None:
         """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag

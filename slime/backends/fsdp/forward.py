@@ -45,3 +45,18 @@ def response_log_probs(
         logits, index, targets, temperature, softmax_stats(with_entropy), chunk_size
     )
     return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
+
+
+def response_values(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """A value model's value of every response token, [batch, max_response_len] like
+    `response_log_probs`: token t's value is read at position t - 1 (the prefix before it, where
+    its log-prob is predicted), as slime's critic does. `model` returns one output per position
+    (Hugging Face's *ForTokenClassification with num_labels 1)."""
+    rows, cols, _ = mb.predictions()
+    if mb.packed:
+        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+    else:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    return mb.scatter(out.logits[rows, cols, 0].float())

@@ -14,6 +14,7 @@ cast once, land in the same places.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Iterator
@@ -107,13 +108,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(largest.children())
 
 
-def build_meta_model(config: Any, attn_implementation: str) -> Any:
-    from transformers import AutoModelForCausalLM
+def build_meta_model(config: Any, attn_implementation: str, value_head: bool = False) -> Any:
+    """The model on the meta device: the causal LM, or (`value_head`) a value model, Hugging
+    Face's *ForTokenClassification with one output (its `score` head) on the same transformer."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    if value_head:
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        # Hugging Face puts a dropout of 0.1 before the head unless told; a value head has none
+        # (slime's is a plain linear), and train-mode dropout would make values random.
+        config.classifier_dropout = 0.0
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     return model
 
 
@@ -191,8 +199,10 @@ class _CheckpointReader:
         return tensor_slice[start:end]
 
 
-def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """This rank's rows of every parameter of `model`, read from checkpoint dir `path`.
+def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
+                      fresh: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """This rank's rows of every parameter of `model`, read from checkpoint dir `path`; those in
+    `fresh` (whole tensors: a new value head) come from there when the checkpoint lacks them.
 
     Tied parameters appear once (under the name named_parameters() gives). Falls back to a
     full `from_pretrained` on CPU when the checkpoint's names differ from the module's (models
@@ -200,7 +210,18 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int) -
     """
     reader = _CheckpointReader(path)
     keys = reader.keys()
-    params = dict(model.named_parameters())
+    new = {n: t for n, t in (fresh or {}).items() if n not in keys}
+    params = {n: p for n, p in model.named_parameters() if n not in new}
+    shards = _read_shards(reader, model, params, path, rank, world_size)
+    for name, whole in new.items():
+        start, end = shard_rows(whole.shape[0], rank, world_size) if whole.dim() else (0, 0)
+        shards[name] = (whole[start:end] if whole.dim() else whole).to(torch.float32).clone()
+    return shards
+
+
+def _read_shards(reader: _CheckpointReader, model: nn.Module, params: dict[str, Any], path: str, rank: int,
+                 world_size: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    keys = reader.keys()
     # Fused expert parameters (MoE) are stored one tensor per expert: read this rank's experts.
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     shapes = {n: tuple(p.shape) for n, p in params.items() if n not in keys}

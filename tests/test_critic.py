@@ -1,0 +1,99 @@
+"""The FSDP critic (slime.backends.fsdp.critic): a value model on the actor's transformer with a
+fresh value head; its values against Hugging Face's forward, N ranks against one, and the value
+loss going down when it fits returns."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import base_config, make_batch
+
+
+def fake_returns(batch, seed: int) -> dict[int, list[float]]:
+    """Returns to fit: the reward plus a smooth per-token drift (what GAE makes of them is
+    tested in tests/test_algo.py)."""
+    g = torch.Generator().manual_seed(seed)
+    return {i: (r + 0.1 * torch.randn(n, generator=g).cumsum(0)).tolist()
+            for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))}  # fmt: skip
+
+
+def critic_run(rank, world_size, init_method, model, rollouts=2, steps_per_batch=1):
+    from slime.backends.fsdp.critic import FSDPCritic
+
+    critic = FSDPCritic(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    critic.init()
+    result = {"values": critic.compute_values(make_batch(0)), "outputs": []}
+    for r in range(rollouts):
+        batch = make_batch(r)
+        returns = fake_returns(batch, r)
+        for _ in range(steps_per_batch):
+            old = critic.compute_values(batch)
+            everyone = [None] * world_size
+            torch.distributed.all_gather_object(everyone, old)  # every rank's samples, as the job hands them
+            old = {k: v for part in everyone for k, v in part.items()}
+            result["outputs"].append(critic.train_values(r, batch, old, returns))
+    result["after"] = critic.compute_values(make_batch(0))
+    try:
+        critic.train_values(9, make_batch(0), {}, fake_returns(make_batch(0), 0))
+    except Exception as e:
+        result["missing"] = str(e)
+    critic.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model):
+    return run_ranks(1, critic_run, tiny_model)[0]
+
+
+def test_fresh_values_are_hugging_faces_value_model(one_rank, tiny_model):
+    """A token classifier with one output on the checkpoint, its head drawn as slime's value head
+    (N(0, initializer_range), zero bias, from --seed): the value of response token t is its
+    output at position t - 1."""
+    from transformers import AutoModelForTokenClassification
+
+    hf = AutoModelForTokenClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(base_config(tiny_model).seed)
+    with torch.no_grad():
+        hf.score.weight.copy_(
+            torch.randn(1, hf.config.hidden_size, generator=g) * hf.config.initializer_range
+        )
+        hf.score.bias.zero_()
+    batch = make_batch(0)
+    for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        with torch.no_grad():
+            out = hf(torch.tensor([tokens])).logits[0, :, 0]
+        expected = out[len(tokens) - n - 1 : len(tokens) - 1]
+        torch.testing.assert_close(torch.tensor(one_rank["values"][i]), expected, rtol=0, atol=1e-5)
+    assert max(abs(v) for vs in one_rank["values"].values() for v in vs) > 1e-3  # the head is not zero
+
+
+def test_two_critic_ranks_train_like_one(one_rank, tiny_model):
+    ranks = run_ranks(2, critic_run, tiny_model)
+    for result in ranks:
+        for a, b in zip(one_rank["outputs"], result["outputs"]):
+            for sa, sb in zip(a.steps, b.steps, strict=True):
+                assert sa.keys() == sb.keys() == {"value_loss", "value_clipfrac", "grad_norm", "lr"}
+                for key in sa:
+                    assert sa[key] == pytest.approx(sb[key], rel=2e-5, abs=1e-6), key
+            for key, value in a.rollout.items():
+                assert value == pytest.approx(b.rollout[key], rel=1e-5, abs=1e-6), key
+        for index, values in result["after"].items():  # each rank: its share of the samples
+            torch.testing.assert_close(
+                torch.tensor(values), torch.tensor(one_rank["after"][index]), rtol=0, atol=2e-5
+            )
+    assert re.fullmatch(r"sample \d+: none values for its \d+ response tokens", ranks[0]["missing"])
+
+
+def test_the_value_loss_falls_as_the_critic_fits_the_returns(tiny_model):
+    result = run_ranks(1, critic_run, tiny_model, 1, 6)[0]
+    losses = [o.steps[0]["value_loss"] for o in result["outputs"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+    first = result["outputs"][0].rollout
+    assert set(first) == {"values", "returns", "explained_variance"}
+    last_ev = result["outputs"][-1].rollout["explained_variance"]
+    assert last_ev > first["explained_variance"], (first, last_ev)
