@@ -46,7 +46,7 @@ def normalize_group_rewards(
       std normalization (`--disable-grpo-std-normalization`) only r_i - mean_G.
     - rloo:         r_i - mean_{j in G, j != i} r_j  =  n / (n - 1) * (r_i - mean_G).
     - reinforce_plus_plus_baseline: r_i - mean_G.
-    - reinforce_plus_plus: r_i unchanged (no baseline).
+    - reinforce_plus_plus, ppo: r_i unchanged (no group baseline; PPO's is the critic).
 
     A group of one sample has no baseline to compare with: its scalar is 0 for every estimator
     that uses a group baseline.
@@ -59,7 +59,7 @@ def normalize_group_rewards(
     if len(rewards) != len(group_indices):
         raise ValueError(f"{len(rewards)} rewards but {len(group_indices)} group indices")
     r = torch.tensor(list(rewards), dtype=torch.float32)
-    if estimator == "reinforce_plus_plus":
+    if estimator in ("reinforce_plus_plus", "ppo"):  # PPO's baseline is the critic
         return r
     out = torch.zeros_like(r)
     for members in _groups(group_indices).values():
@@ -134,6 +134,8 @@ def compute_advantages(
             advantages.append((scalar - kl_coef * kl_i) * mask_f)
         elif estimator in ("grpo", "gspo", "rloo"):
             advantages.append(scalar * mask_f)
+        elif estimator == "ppo":
+            raise ValueError("ppo's advantages need the critic's values: ppo_advantages")
         else:
             raise ValueError(f"unknown advantage estimator {estimator!r}")
     return advantages
@@ -204,6 +206,29 @@ def ppo_token_rewards(
         out = out - kl_coef * kl.to(torch.float32)
     out[-1] += float(reward)
     return out
+
+
+def ppo_advantages(
+    sample_rewards: torch.Tensor,
+    values: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    kl: Sequence[torch.Tensor] | None,
+    kl_coef: float,
+    gamma: float,
+    lambd: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO's per-token (advantages, returns), one tensor each per sample: GAE (`gae`) over the
+    critic's values of the token rewards (`ppo_token_rewards`). Advantages are 0 on masked-out
+    tokens, like every estimator's; returns are kept on every token (the critic's loss masks)."""
+    if kl_coef != 0.0 and kl is None:
+        raise ValueError(f"--advantage-estimator ppo with --kl-coef {kl_coef} needs reference log-probs")
+    advantages, returns = [], []
+    for i, (v, mask) in enumerate(zip(values, loss_masks, strict=True)):
+        rewards = ppo_token_rewards(sample_rewards[i], mask.numel(), None if kl is None else kl[i], kl_coef)
+        a, r = gae(rewards, v, gamma, lambd)
+        advantages.append(a * mask.to(torch.float32))
+        returns.append(r)
+    return advantages, returns
 
 
 def opd_penalty(

@@ -175,6 +175,9 @@ class TrainOutput:
     rollout: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     """Wall seconds on this rank: `log_probs` (old and reference passes), `train` (optimizer steps)."""
+    returns: Any = None
+    """PPO: the returns of this rank's samples, keyed by sample index (the critic's targets); a
+    Ray job sends them on by reference."""
     precision: dict[str, float] = field(default_factory=dict)
     """With --check-precision, over all ranks: `ref_max_abs_diff` and `ref_tokens_differ` (actor vs
     reference), `nonfinite` and `max_log_prob` (the actor's log-probs), `first_step_max_abs_diff`
@@ -193,9 +196,16 @@ class TrainActor(Protocol):
         """Log-probs of this rank's share of the response tokens, keyed by sample index."""
         ...
 
-    def train(self, rollout_id: int, batch: RolloutBatch | RolloutPart) -> TrainOutput:
+    def train(
+        self,
+        rollout_id: int,
+        batch: RolloutBatch | RolloutPart,
+        values: dict[int, list[float]] | None = None,
+        update: bool = True,
+    ) -> TrainOutput:
         """Log-prob pass, advantages, then the rollout's optimizer steps, on this rank's part
-        (or its share of a whole rollout)."""
+        (or its share of a whole rollout). PPO: `values` are the critic's (the output carries the
+        returns); without `update` no optimizer step is taken (--num-critic-only-steps)."""
         ...
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:

@@ -197,6 +197,18 @@ class TrainActorBase:
         return loss, gap
 
     @staticmethod
+    def _raise_agreed(problem: str | None) -> None:
+        """BatchError on every rank with the first rank's `problem` (collective: a problem only one
+        rank sees must not leave the others waiting in the next collective)."""
+        everyone: list[Any] = [problem]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, problem)
+        first = next((e for e in everyone if e), None)
+        if first:
+            raise BatchError(first)
+
+    @staticmethod
     def _sum_over_ranks(sums: dict[str, torch.Tensor], contribute: bool = True) -> dict[str, float]:
         """A step's metric sums over every rank (one that does not `contribute` adds zeros). The
         names are gathered first: a TIS hook may report metrics the loss config does not name,
@@ -323,20 +335,44 @@ class TrainActorBase:
             self.routing_tables = self.recorded_routing = None
 
     # ---- training ---------------------------------------------------------------------------
-    def train(self, rollout_id: int, data: RolloutBatch | RolloutPart) -> TrainOutput:
+    def train(
+        self,
+        rollout_id: int,
+        data: RolloutBatch | RolloutPart,
+        values: dict[int, list[float]] | None = None,
+        update: bool = True,
+    ) -> TrainOutput:
+        """One rollout's optimizer steps. `values`: PPO's critic values of every response token,
+        keyed by sample index (the output then carries the returns of this rank's samples, the
+        critic's targets). Without `update` (--num-critic-only-steps) no step is taken: the
+        advantages and returns are computed, the weights stay."""
         part = as_part(data)
         batch = part.batch
         batch.validate(
             self.hf_config.vocab_size, need_rollout_log_probs=self.cfg.loss.needs_rollout_log_probs
         )
+        if (values is None) != (self.cfg.loss.advantage_estimator != "ppo"):
+            raise BatchError(
+                "--advantage-estimator ppo trains with the critic's values"
+                if values is None
+                else f"critic values given with --advantage-estimator {self.cfg.loss.advantage_estimator}"
+            )
         plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
+        if values is not None:  # every rank raises the first rank's error: none waits in a collective
+            index = batch.sample_indices or part.positions
+            wrong = next(
+                (p for p in mine if len(values.get(index[p], ())) != batch.response_lengths[p]), None
+            )
+            problem = None if wrong is None else (
+                f"sample {index[wrong]}: the critic's values do not cover its {batch.response_lengths[wrong]} response "
+                f"tokens ({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)")  # fmt: skip
+            self._raise_agreed(problem)
         with self._routing_replay(batch, mine):
-            return self._train(rollout_id, part, plans, mine)
+            return self._train(rollout_id, part, plans, mine, values, update)
 
-    def _train(
-        self, rollout_id: int, part: RolloutPart, plans: list[StepPlan], mine: list[int]
-    ) -> TrainOutput:
+    def _train(self, rollout_id: int, part: RolloutPart, plans: list[StepPlan], mine: list[int],
+               critic_values: dict[int, list[float]] | None = None, update: bool = True) -> TrainOutput:  # fmt: skip
         loss_cfg = self.cfg.loss
         batch = part.batch
         output = TrainOutput()
@@ -358,15 +394,18 @@ class TrainActorBase:
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
-        advantages = (
-            self._advantages(part, mine, old, ref)
-            if compute and loss_cfg.loss_type == "policy_loss"
-            else None
-        )
+        advantages = None
+        if compute and loss_cfg.loss_type == "policy_loss":
+            if critic_values is not None:
+                advantages, returns = self._ppo_advantages(part, mine, old, ref, critic_values)
+                index = batch.sample_indices or part.positions
+                output.returns = {index[p]: returns[p].tolist() for p in mine}
+            else:
+                advantages = self._advantages(part, mine, old, ref)
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
             self._save_train_data(rollout_id, part, mine, old, ref, advantages)
-        for k, step in enumerate(plans):
+        for k, step in enumerate(plans if update else []):
             compare = old if k == 0 and self.cfg.check_precision else None
             output.steps.append(
                 self._train_step(batch, step, old, ref, advantages, compare, output.precision)
@@ -375,6 +414,26 @@ class TrainActorBase:
         output.timings["train"] = time.perf_counter() - logprob_done
         self.rollout_id = rollout_id
         return output
+
+    def _ppo_advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any,
+                        critic_values: dict[int, list[float]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
+        """PPO: GAE over the critic's values (slime.algo.advantages.ppo_advantages), whitened
+        with --normalize-advantages; and the returns (the critic's targets)."""
+        cfg = self.cfg.loss
+        batch = part.batch
+        index = batch.sample_indices or part.positions
+        values = [torch.tensor(critic_values[index[p]], dtype=torch.float32) for p in mine]  # train() checked
+        masks = [self._loss_mask(batch, p) for p in mine]
+        kl = [approx_kl(old[p], ref[p], cfg.kl_loss_type) for p in mine] if ref is not None else None
+        rewards = torch.tensor([part.rewards[part.positions[p]] for p in mine], dtype=torch.float32)
+        advantages, returns = adv.ppo_advantages(
+            rewards, values, masks, kl, cfg.kl_coef, cfg.gamma, cfg.lambd
+        )
+        if cfg.normalize_advantages:
+            stats = adv.whitening_stats(advantages, masks)
+            dist.all_reduce(stats, group=self.dp_group)
+            advantages = adv.whiten(advantages, masks, stats)
+        return dict(zip(mine, advantages)), dict(zip(mine, returns))
 
     def _advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any) -> dict[int, torch.Tensor]:
         cfg = self.cfg.loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_TYPES = ("policy_loss", "sft_loss")
 
@@ -17,7 +17,8 @@ class LossConfig:
     loss_type: str = "policy_loss"
     """`--loss-type`: policy_loss (PPO-style RL) or sft_loss (negative log-likelihood)."""
     advantage_estimator: str = "grpo"
-    """`--advantage-estimator`: grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo."""
+    """`--advantage-estimator`: grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo,
+    ppo (GAE over a critic's values: slime.backends.fsdp.critic)."""
     disable_grpo_std_normalization: bool = False
     """`--disable-grpo-std-normalization`: GRPO/GSPO subtract the group mean only."""
     normalize_advantages: bool = False
@@ -161,8 +162,16 @@ class LossConfig:
     @property
     def needs_ref(self) -> bool:
         """Whether reference log-probs must be computed."""
-        uses_kl_reward = self.advantage_estimator.startswith("reinforce_plus_plus") and self.kl_coef != 0
+        uses_kl_reward = self.uses_kl_reward
         return self.loss_type == "policy_loss" and (self.use_kl_loss or uses_kl_reward)
+
+    @property
+    def uses_kl_reward(self) -> bool:
+        """--kl-coef shapes the token rewards (the REINFORCE++ family and PPO)."""
+        family = (
+            self.advantage_estimator.startswith("reinforce_plus_plus") or self.advantage_estimator == "ppo"
+        )
+        return family and self.kl_coef != 0
 
     @property
     def needs_rollout_log_probs(self) -> bool:

@@ -29,7 +29,7 @@ from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.fsdp.forward import response_values
-from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
+from slime.backends.interface import RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.train_common import StepPlan, as_part
 
 PerSample = dict[int, list[float]]
@@ -84,8 +84,10 @@ class FSDPCritic(FSDPTrainActor):
         index = batch.sample_indices or part.positions
         plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
-        old = self._per_position(batch, mine, index, old_values, "values")
-        ret = self._per_position(batch, mine, index, returns, "returns")
+        self._raise_agreed(self._missing(batch, mine, index, old_values, "values")
+                           or self._missing(batch, mine, index, returns, "returns"))  # fmt: skip
+        old = {p: torch.tensor(old_values[index[p]], dtype=torch.float32) for p in mine}
+        ret = {p: torch.tensor(returns[index[p]], dtype=torch.float32) for p in mine}
         output = TrainOutput()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
         for step in plans:
@@ -94,18 +96,14 @@ class FSDPCritic(FSDPTrainActor):
         return output
 
     @staticmethod
-    def _per_position(batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample,
-                      what: str) -> dict[int, torch.Tensor]:  # fmt: skip
-        out = {}
+    def _missing(batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample,
+                 what: str) -> str | None:  # fmt: skip
         for p in mine:
             values = per_sample.get(index[p])
             if values is None or len(values) != batch.response_lengths[p]:
                 got = "none" if values is None else f"{len(values)}"
-                raise BatchError(
-                    f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
-                )
-            out[p] = torch.tensor(values, dtype=torch.float32)
-        return out
+                return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
+        return None
 
     def _value_metrics(self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor],
                        ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip
@@ -122,12 +120,6 @@ class FSDPCritic(FSDPTrainActor):
         count = float(reduced[7]) or 1.0
         return {"values": float(reduced[5]) / count, "returns": float(reduced[6]) / count,
                 "explained_variance": adv.explained_variance_of(reduced[:5])}  # fmt: skip
-
-    @staticmethod
-    def _loss_mask(batch: RolloutBatch, p: int) -> torch.Tensor:
-        if batch.loss_masks is None:
-            return torch.ones(batch.response_lengths[p])
-        return torch.tensor(batch.loss_masks[p], dtype=torch.float32)
 
     def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
                     ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip
@@ -156,7 +148,9 @@ class FSDPCritic(FSDPTrainActor):
         return result
 
     # ---- what a critic does not do ----------------------------------------------------------
-    def train(self, rollout_id: int, data: RolloutBatch | RolloutPart) -> Any:
+    def train(
+        self, rollout_id: int, data: RolloutBatch | RolloutPart, values: Any = None, update: bool = True
+    ) -> Any:
         raise NotImplementedError("a critic trains with train_values(rollout_id, data, old_values, returns)")
 
     def export_weights(self, bucket_bytes: int, every_rank: bool = False) -> Any:

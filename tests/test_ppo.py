@@ -1,0 +1,93 @@
+"""PPO on the actor's side (--advantage-estimator ppo): GAE over given critic values, the returns
+handed back for the critic, N ranks like one, and the critic-only steps that leave the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import base_config, full_params, make_batch
+
+GAMMA, LAMBD = 0.9, 0.8
+
+
+def critic_values(batch) -> dict[int, list[float]]:
+    """Values a critic might give: a different ramp per sample."""
+    return {i: (0.05 * i + 0.01 * torch.arange(n, dtype=torch.float32)).tolist()
+            for i, n in enumerate(batch.response_lengths)}  # fmt: skip
+
+
+def ppo_run(rank, world_size, init_method, model, update=True, estimator="ppo"):
+    from slime.algo.objective import LossConfig
+    from slime.backends.fsdp.actor import FSDPTrainActor
+
+    cfg = base_config(model, micro_batch_size=2)
+    cfg = dataclasses.replace(cfg, loss=dataclasses.replace(
+        cfg.loss, advantage_estimator=estimator, gamma=GAMMA, lambd=LAMBD, kl_coef=0.05, use_kl_loss=False))  # fmt: skip
+    assert isinstance(cfg.loss, LossConfig)
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    actor.init()
+    before = full_params(actor)
+    batch = make_batch(0)
+    result = {"output": actor.train(0, batch, values=critic_values(batch), update=update)}
+    result["moved"] = max(float((p - before[n]).abs().max()) for n, p in full_params(actor).items())
+    errors = []
+    for values in (None, {**critic_values(batch), 3: [0.0]}):
+        try:
+            actor.train(1, batch, values=values)
+        except Exception as e:
+            errors.append(str(e))
+    result["errors"] = errors
+    actor.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model):
+    return run_ranks(1, ppo_run, tiny_model)[0]
+
+
+def test_returns_are_gae_over_the_critics_values(one_rank):
+    """At step 0 the actor is its reference, so --kl-coef's shaping is exactly 0 and each return
+    is GAE of the reward on the last token over the given values."""
+    from slime.algo.advantages import gae
+
+    batch = make_batch(0)
+    values = critic_values(batch)
+    returns = one_rank["output"].returns
+    assert sorted(returns) == list(range(len(batch)))
+    for i, reward in enumerate(batch.rewards):
+        rewards = torch.zeros(batch.response_lengths[i])
+        rewards[-1] = reward
+        _, expected = gae(rewards, torch.tensor(values[i]), GAMMA, LAMBD)
+        torch.testing.assert_close(torch.tensor(returns[i]), expected, rtol=0, atol=1e-6)
+    assert one_rank["moved"] > 0 and len(one_rank["output"].steps) == 2
+
+
+def test_two_ranks_train_ppo_like_one(one_rank, tiny_model):
+    ranks = run_ranks(2, ppo_run, tiny_model)
+    assert {**ranks[0]["output"].returns, **ranks[1]["output"].returns}.keys() == one_rank[
+        "output"
+    ].returns.keys()
+    for result in ranks:
+        for index, values in result["output"].returns.items():
+            assert values == pytest.approx(one_rank["output"].returns[index], abs=1e-6)
+        for a, b in zip(one_rank["output"].steps, result["output"].steps, strict=True):
+            bad = {k: (a[k], b[k]) for k in a if a[k] != pytest.approx(b[k], rel=2e-5, abs=2e-6)}
+            assert not bad
+
+
+def test_critic_only_steps_leave_the_weights_and_still_give_returns(one_rank, tiny_model):
+    result = run_ranks(1, ppo_run, tiny_model, False)[0]
+    assert result["moved"] == 0.0 and result["output"].steps == []
+    assert result["output"].returns == one_rank["output"].returns
+
+
+def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model):
+    assert one_rank["errors"][0] == "--advantage-estimator ppo trains with the critic's values"
+    assert one_rank["errors"][1].startswith("sample 3: the critic's values do not cover its")
+    with pytest.raises(Exception, match="critic values given with --advantage-estimator grpo"):
+        run_ranks(1, ppo_run, tiny_model, True, "grpo")
