@@ -91,3 +91,17 @@ def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model
     assert one_rank["errors"][1].startswith("sample 3: the critic's values do not cover its")
     with pytest.raises(Exception, match="critic values given with --advantage-estimator grpo"):
         run_ranks(1, ppo_run, tiny_model, True, "grpo")
+
+
+def test_the_command_line_refuses_ppo_until_the_job_places_a_critic(tiny_model, tmp_path, capsys):
+    from slime.config.arguments import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
+                    "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo"])  # fmt: skip
+    assert e.value.code == 2
+    assert (
+        "--advantage-estimator ppo: the critic is built" in capsys.readouterr().err + capsys.readouterr().out
+    )
