@@ -97,3 +97,46 @@ def test_the_value_loss_falls_as_the_critic_fits_the_returns(tiny_model):
     assert set(first) == {"values", "returns", "explained_variance"}
     last_ev = result["outputs"][-1].rollout["explained_variance"]
     assert last_ev > first["explained_variance"], (first, last_ev)
+
+
+def saved_critic(rank, world_size, init_method, model, save_dir, hf_dir, load=None):
+    import dataclasses
+
+    from slime.backends.fsdp.critic import FSDPCritic
+
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), load=load)
+    critic = FSDPCritic(cfg, rank, world_size, init_method)
+    info = critic.init()
+    out = {"resumed": info["resumed_rollout_id"], "outputs": []}
+    for r in range(info["resumed_rollout_id"] + 1 if load else 0, 2):
+        batch = make_batch(r)
+        old = critic.compute_values(batch)
+        out["outputs"].append(critic.train_values(r, batch, old, fake_returns(batch, r)))
+        if r == 0 and not load:
+            critic.save(r, save_dir)
+    out["after"] = critic.compute_values(make_batch(0))
+    if not load:
+        critic.save_hf(hf_dir)
+    critic.close()
+    return out
+
+
+def test_a_critic_checkpoint_resumes_bit_for_bit_and_exports_a_token_classifier(tiny_model, tmp_path):
+    """--save / --load of the critic (model, optimizer, schedule), and its Hugging Face export:
+    AutoModelForTokenClassification loads it and gives the critic's values."""
+    from transformers import AutoModelForTokenClassification
+
+    save_dir, hf_dir = str(tmp_path / "critic"), str(tmp_path / "critic_hf")
+    first = run_ranks(2, saved_critic, tiny_model, save_dir, hf_dir)[0]
+    again = run_ranks(2, saved_critic, tiny_model, save_dir, hf_dir, save_dir)[0]
+    assert again["resumed"] == 0
+    assert again["outputs"][0].steps == first["outputs"][1].steps
+    assert again["after"] == first["after"]
+    hf = AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert hf.config.num_labels == 1 and hf.config.architectures == ["Qwen3ForTokenClassification"]
+    batch = make_batch(0)
+    for i, values in first["after"].items():
+        tokens, n = batch.tokens[i], batch.response_lengths[i]
+        with torch.no_grad():
+            out = hf(torch.tensor([tokens])).logits[0, len(tokens) - n - 1 : len(tokens) - 1, 0]
+        torch.testing.assert_close(torch.tensor(values), out, rtol=0, atol=1e-5)

@@ -147,6 +147,23 @@ class FSDPCritic(FSDPTrainActor):
         result.update(grad_norm=grad_norm, lr=lr)
         return result
 
+    def save_hf(self, path: str) -> None:
+        """A Hugging Face directory AutoModelForTokenClassification loads (config with one label and
+        the token-classification architecture): `--critic-load` takes it back."""
+        import copy
+
+        actor_config = self.hf_config
+        config = copy.deepcopy(actor_config)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        config.architectures = [
+            a.replace("ForCausalLM", "ForTokenClassification") for a in config.architectures or []
+        ]
+        self.hf_config = config
+        try:
+            super().save_hf(path)
+        finally:
+            self.hf_config = actor_config
+
     # ---- what a critic does not do ----------------------------------------------------------
     def train(
         self, rollout_id: int, data: RolloutBatch | RolloutPart, values: Any = None, update: bool = True
