@@ -31,3 +31,24 @@ def test_debug_layouts_leave_a_side_out():
     assert plan_placement(cluster, with_trainer=False).train == ()
     only_train = plan_placement(cluster, with_engines=False)
     assert only_train.engines == () and only_train.num_bundles == 2 and only_train.train[0].share == 1.0
+
+
+def test_a_ppo_critic_shares_the_train_bundles_when_colocated_and_follows_the_engines_when_not():
+    import pytest
+
+    colocated = plan_placement(
+        ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True), num_critic=2
+    )
+    assert colocated.num_bundles == 2 and [s.bundles for s in colocated.critic] == [(0,), (1,)]
+    shares = colocated.train[0].share + colocated.critic[0].share + colocated.engines[0].share
+    assert shares <= 1.0 and colocated.critic[0].share > 0
+    apart = plan_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=3), num_critic=2)
+    assert apart.num_bundles == 7 and [s.bundles for s in apart.critic] == [(5,), (6,)]
+    assert [s.bundles for s in apart.engines] == [(2,), (3,), (4,)]  # the engines keep their bundles
+    assert "critic rank 1: bundle 6 (1 CPU)" in apart.describe()
+    with pytest.raises(ValueError, match="3 critic ranks for 2 train ranks"):
+        plan_placement(
+            ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True), num_critic=3
+        )
+    rollout_only = plan_placement(ClusterConfig(actor_num_gpus_per_node=2), with_trainer=False, num_critic=2)
+    assert rollout_only.critic == ()

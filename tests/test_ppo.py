@@ -93,15 +93,58 @@ def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model
         run_ranks(1, ppo_run, tiny_model, True, "grpo")
 
 
-def test_the_command_line_refuses_ppo_until_the_job_places_a_critic(tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--advantage-estimator", "ppo", "--train-backend", "megatron"],
+            "the critic is built for the FSDP backend only so far",
+        ),
+        (["--critic-lr", "1e-5"], "--critic-lr sets the critic, which only --advantage-estimator ppo has"),
+        (
+            [
+                "--advantage-estimator",
+                "ppo",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--critic-num-gpus-per-node",
+                "1",
+            ],
+            "so it needs as many ranks as the actor (2)",
+        ),
+    ],
+    ids=["megatron", "critic-flag-without-ppo", "critic-ranks"],
+)
+def test_critic_settings_that_cannot_run_are_refused_at_start_up(
+    tiny_model, tmp_path, capsys, flags, message
+):
     from slime.config.arguments import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     with pytest.raises(SystemExit) as e:
         parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-                    "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo"])  # fmt: skip
+                    "--num-rollout", "1", "--rm-type", "math", *flags])  # fmt: skip
     assert e.value.code == 2
-    assert (
-        "--advantage-estimator ppo: the critic is built" in capsys.readouterr().err + capsys.readouterr().out
-    )
+    captured = capsys.readouterr()
+    assert message in captured.err + captured.out
+
+
+def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
+    from slime.config.arguments import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    config = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
+                         "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo", "--lr", "1e-5",
+                         "--critic-lr", "3e-5", "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-coef", "0.05",
+                         "--save", str(tmp_path / "s"), "--load", str(tmp_path / "s"), "--value-clip", "0.3",
+                         "--lambd", "0.95"])  # fmt: skip
+    critic = config.critic
+    assert critic is not None and critic.num_ranks == 1 and critic.save == str(tmp_path / "s" / "critic")
+    assert critic.train.optimizer.lr == 3e-5 and config.train.optimizer.lr == 1e-5
+    assert critic.train.load == str(tmp_path / "s" / "critic") and critic.train.hf_checkpoint == tiny_model
+    assert not critic.train.loss.needs_ref and config.train.loss.needs_ref
+    assert (config.train.loss.value_clip, config.train.loss.lambd) == (0.3, 0.95)
+    assert parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
+                       "--num-rollout", "1", "--rm-type", "math"]).critic is None  # fmt: skip

@@ -6,8 +6,13 @@ from typing import Any
 
 
 def make_train_actor(cfg: Any, rank: int | None = None, world_size: int | None = None,
-                     init_method: str | None = None) -> Any:  # fmt: skip
-    """The train actor of `cfg.backend` (imported lazily: megatron-core is optional)."""
+                     init_method: str | None = None, critic: bool = False) -> Any:  # fmt: skip
+    """The train actor of `cfg.backend` (imported lazily: megatron-core is optional); with
+    `critic`, PPO's value model (FSDP: slime.backends.fsdp.critic)."""
+    if critic:
+        from slime.backends.fsdp.critic import FSDPCritic
+
+        return FSDPCritic(cfg, rank, world_size, init_method)
     if cfg.backend == "megatron":
         from slime.backends.megatron.actor import MegatronTrainActor
 

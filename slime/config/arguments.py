@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from slime.config import megatron_lm, slime_flags
+from slime.config.critic import add_critic_arguments, critic_config
 from slime.config.derived import custom_config, no_effect_lines, problems
 from slime.config.eval_sets import eval_datasets
 from slime.config.records import (
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tb-dir", default=None)
 
     add_train_arguments(p)
+    add_critic_arguments(p)
     add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
     add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
     return p
@@ -364,7 +366,8 @@ def _configs(ns: argparse.Namespace) -> Config:
             wandb_host=ns.wandb_host,
             wandb_dir=ns.wandb_dir,
         ),
-        train=_train_config(ns),
+        train=(train := _train_config(ns)),
+        critic=None if ns.debug_rollout_only else critic_config(ns, train),
         debug=DebugConfig(
             rollout_only=ns.debug_rollout_only,
             train_only=ns.debug_train_only,

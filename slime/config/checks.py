@@ -82,11 +82,6 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         yield "choose a reward: --rm-type TYPE (math, deepscaler, dapo, ...) or --custom-rm-path package.module.function"
     if needs_reward_key(ns.rm_type) and not ns.custom_rm_path and ns.reward_key is None:
         yield f"--rm-type {ns.rm_type} returns a dict {{score, acc, pred}}: add --reward-key score (as slime's scripts do)"
-    if getattr(ns, "advantage_estimator", None) == "ppo":
-        yield (
-            "--advantage-estimator ppo: the critic is built (slime.backends.fsdp.critic) but not yet placed in the "
-            "job (issue 24); use grpo, gspo, rloo or the reinforce_plus_plus family"
-        )
     if ns.save_interval is not None and ns.save is None:
         yield "--save-interval needs --save DIR"
     if ns.eval_interval is not None and ns.eval_prompt_data is None and ns.eval_config is None:

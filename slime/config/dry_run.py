@@ -189,7 +189,9 @@ def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     from slime.ray.placement import plan_placement
 
     c, d = config.cluster, config.debug
-    placement = plan_placement(c, not d.rollout_only, not d.train_only)
+    placement = plan_placement(
+        c, not d.rollout_only, not d.train_only, config.critic.num_ranks if config.critic else 0
+    )
     per_node = ns.num_gpus_per_node or c.actor_num_gpus_per_node
     unit = "GPU" if c.device == "cuda" else "CPU process"
     nodes: dict[int, list[str]] = {}
@@ -201,6 +203,9 @@ def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
         spans = {b // per_node for b in slot.bundles}
         text = f"engine {j}: {unit} {where}" + (" (SPANS NODES)" if len(spans) > 1 else "")
         nodes.setdefault(min(spans), []).append(text)
+    for rank, slot in enumerate(placement.critic):
+        b = slot.bundles[0]
+        nodes.setdefault(b // per_node, []).append(f"critic rank {rank}: {unit} {b % per_node}")
     units = "GPUs" if c.device == "cuda" else "CPU processes"
     out = [f"{placement.num_bundles} {units} in bundles of one, {per_node} per node; "
            f"{'colocated' if c.colocate else 'disaggregated'}"]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from slime.config.critic import CriticConfig
 from slime.config.eval_sets import EvalDataset
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.train import TrainConfig
@@ -189,3 +190,5 @@ class Config:
     train: TrainConfig
     debug: DebugConfig
     args: argparse.Namespace  # for user functions with slime's f(args, ...) signatures only
+    critic: CriticConfig | None = None
+    """PPO's critic (--advantage-estimator ppo; slime.config.critic)."""

@@ -9,7 +9,7 @@ from typing import Any
 from slime.config.surface import APPLIED, NO_EFFECT, REFUSED, Spec, store_true
 
 OPD = "on-policy distillation is not built yet (issue 24)"
-CRITIC = "a critic (PPO value model) is not built yet (issue 24)"
+CRITIC = "slime has no such flag either (its docs name it): the critic is on with --advantage-estimator ppo"
 MULTIMODAL = "multimodal (vision / audio) prompts are not supported: text models only"
 
 
@@ -85,7 +85,6 @@ SPECS: tuple[Spec, ...] = (
     _refused("--opd-teacher-load", {"default": None}, OPD),
     _refused("--opd-teacher-ckpt-step", {"type": int, "default": None}, OPD),
     _refused("--use-critic", store_true(), CRITIC),
-    _refused("--num-critic-only-steps", {"type": int, "default": None}, CRITIC, neutral=0),
     _refused(
         "--megatron-config-path",
         {"default": None},

@@ -397,8 +397,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-kl-loss", action="store_true")
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in REINFORCE++ rewards")
-    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument(
+        "--kl-coef", type=float, default=0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)"
+    )
+    g.add_argument("--gamma", type=float, default=1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE's lambda (PPO)")
+    g.add_argument(
+        "--value-clip", type=float, default=0.2, help="the critic's value loss clips V - V_old (PPO)"
+    )
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--use-tis", action="store_true")
     g.add_argument("--tis-clip", type=float, default=2.0)

@@ -78,8 +78,9 @@ class TrainRank:
         hang_timeout_s: float | None = None,
         log_dir: str = ".",
         phase_hook: str | None = None,
+        critic: bool = False,
     ):
-        """`phase_hook`: --debug-phase-hook (slime.debug.phases)."""
+        """`phase_hook`: --debug-phase-hook (slime.debug.phases); `critic`: PPO's value model."""
         from slime.debug.phases import load_phase_hook
         from slime.utils.logging_utils import configure_logging
 
@@ -89,7 +90,7 @@ class TrainRank:
 
         self.rank = rank
         self.phase = load_phase_hook(phase_hook)
-        self.actor = make_train_actor(cfg, rank, world_size)
+        self.actor = make_train_actor(cfg, rank, world_size, critic=critic)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
         self.topology: Any = None  # slime.bridge.topology.PushTopology, from connect_engines
@@ -97,8 +98,9 @@ class TrainRank:
         if hang_timeout_s is not None:
             from slime.debug.hang import HangWatchdog
 
-            path = os.path.join(log_dir, "hang", f"rank{rank}.txt")
-            self.watchdog = HangWatchdog(hang_timeout_s, path, header=f"train rank {rank} of {world_size}, ")
+            name = f"{'critic' if critic else 'train'} rank {rank}"
+            path = os.path.join(log_dir, "hang", f"{'critic' if critic else ''}rank{rank}.txt")
+            self.watchdog = HangWatchdog(hang_timeout_s, path, header=f"{name} of {world_size}, ")
 
     def _watch(self, what: str) -> Any:
         import contextlib
@@ -119,10 +121,31 @@ class TrainRank:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         return {**self.actor.init(), "node_ip": node_ip()}
 
-    def train(self, rollout_id: int, batch: RolloutBatch) -> TrainOutput:
+    def train(
+        self, rollout_id: int, batch: RolloutBatch, values: list[Any] | None = None, update: bool = True
+    ) -> TrainOutput:
+        """One rollout's steps. PPO: `values` are the critic ranks' `values` answers (object
+        references, fetched here, never in the driver); the returns go back by reference too."""
         self.phase("train", rank=self.rank, rollout_id=rollout_id)
         with self._watch(f"the train step of rollout {rollout_id}"):
-            return self.actor.train(rollout_id, batch)
+            merged = _merged(values) if values is not None else None
+            output = self.actor.train(rollout_id, batch, values=merged, update=update)
+        if output.returns is not None:
+            output.returns = ray.put(output.returns)
+        return output
+
+    def values(self, rollout_id: int, batch: RolloutBatch) -> Any:
+        """The critic: the values of this rank's samples, by reference (an ObjectRef of
+        {sample index: values})."""
+        with self._watch(f"the critic's values of rollout {rollout_id}"):
+            return ray.put(self.actor.compute_values(batch))
+
+    def train_values(
+        self, rollout_id: int, batch: RolloutBatch, values: list[Any], returns: list[Any]
+    ) -> TrainOutput:
+        """The critic's steps on the returns the actor ranks computed (references, fetched here)."""
+        with self._watch(f"the critic's train step of rollout {rollout_id}"):
+            return self.actor.train_values(rollout_id, batch, _merged(values), _merged(returns))
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
         self.phase("save", rank=self.rank, rollout_id=rollout_id)
@@ -192,6 +215,13 @@ class TrainRank:
         if self.bridge is not None:
             run_sync(self.bridge.close())
         self.actor.close()
+
+
+def _merged(refs: list[Any]) -> dict[int, list[float]]:
+    """Per-sample values from every rank's answer (object references, or the dicts themselves)."""
+    parts = ray.get([r for r in refs if isinstance(r, ray.ObjectRef)])
+    parts += [r for r in refs if not isinstance(r, ray.ObjectRef)]
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def engines_leave_loopback() -> bool:

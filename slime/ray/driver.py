@@ -40,8 +40,9 @@ def start_ray(config: Config) -> None:
     if not address and config.cluster.device == "cpu":
         # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
         # count must cover every bundle even on a 2-core machine.
+        critic = config.critic.num_ranks if config.critic else 0
         needed = plan_placement(
-            config.cluster, not config.debug.rollout_only, not config.debug.train_only
+            config.cluster, not config.debug.rollout_only, not config.debug.train_only, critic
         ).num_bundles
         init["num_cpus"] = max(os.cpu_count() or 1, needed)
     ray.init(address=address or "local", **init)

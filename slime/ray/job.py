@@ -56,11 +56,12 @@ class Job:
     def __init__(self, config: Config, log_dir: str):
         self.config = config
         self.log_dir = log_dir
-        self.train_group: RayTrainGroup | None = None
+        self.train_group: Any = None  # RayTrainGroup, or slime.loop.critic.ActorCritic of two
         c = config.cluster
         self.with_trainer = not config.debug.rollout_only
         self.with_engines = not config.debug.train_only
-        self.placement: Placement = plan_placement(c, self.with_trainer, self.with_engines)
+        critic = config.critic.num_ranks if config.critic else 0
+        self.placement: Placement = plan_placement(c, self.with_trainer, self.with_engines, critic)
         self.pg = placement_group(self.placement.bundle_specs(), strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -90,6 +91,8 @@ class Job:
         self.manager: Any = None
         self.engines: list[Any] = []
         self.train: list[Any] = []
+        self.critic: list[Any] = []  # PPO's critic ranks (slime.backends.fsdp.critic)
+        self.critic_infos: list[dict[str, Any]] = []
         self.rendezvous: tuple[str, int] | None = None
         self.infos: list[dict[str, Any]] = []
         self.engine_urls: list[str] = []
@@ -129,13 +132,24 @@ class Job:
             self.train.append(
                 cls.remote(self.config.train, rank, world, 1, d.hang_timeout, self.log_dir, d.phase_hook)
             )
+        critic = self.config.critic
+        for rank, slot in enumerate(self.placement.critic):
+            assert critic is not None
+            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            d = self.config.debug
+            self.critic.append(cls.remote(critic.train, rank, critic.num_ranks, 1, d.hang_timeout, self.log_dir,
+                                          d.phase_hook, critic=True))  # fmt: skip
         # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
-        # node that is; each rank gets the address by reference, without a round trip here.
+        # node that is; each rank gets the address by reference, without a round trip here. The
+        # critic's ranks form a process group of their own.
         rendezvous = self.train[0].rendezvous_address.remote() if self.train else None
         inits = [t.init.remote(rendezvous) for t in self.train]
+        critic_rendezvous = self.critic[0].rendezvous_address.remote() if self.critic else None
+        critic_inits = [t.init.remote(critic_rendezvous) for t in self.critic]
         readies += [self.manager.ready.remote()] if self.manager is not None else []
-        wait_refs([*readies, *inits])
+        wait_refs([*readies, *inits, *critic_inits])
         self.infos = ray.get(inits)
+        self.critic_infos = ray.get(critic_inits)
         self.rendezvous = ray.get(rendezvous) if rendezvous is not None else None
         if self.engines:
             self.engine_urls = ray.get([e.url.remote() for e in self.engines])
@@ -185,7 +199,14 @@ class Job:
         the train ranks are connected to the engines for the weight push. `phase`: the
         --debug-phase-hook (slime.debug.phases)."""
         c = self.config
-        train = RayTrainGroup(self.train, self.infos, c, self.log_dir, progress) if self.train else None
+        train: Any = RayTrainGroup(self.train, self.infos, c, self.log_dir, progress) if self.train else None
+        if train is not None and self.critic:
+            from slime.loop.critic import ActorCritic
+
+            assert c.critic is not None
+            critic_group = RayTrainGroup(self.critic, self.critic_infos, c, self.log_dir, progress)
+            self.critic_group = critic_group
+            train = ActorCritic(train, critic_group, c.critic.num_critic_only_steps, c.critic.save)
         engines = None
         if self.engine_urls:
             engines = RayEngineGroup(
@@ -269,12 +290,12 @@ class Job:
 
     def close(self) -> None:
         if self.train_group is not None and self.train_group.hung:  # a hung rank never answers close()
-            for t in self.train:
+            for t in [*self.train, *self.critic]:
                 ray.kill(t, no_restart=True)
-            self.train = []
+            self.train, self.critic = [], []
         # Every process is told at once (one after the other, a job's exit waited for the sum);
         # each failure is logged, and none stops the others from being waited for.
-        calls = [t.close.remote() for t in self.train]
+        calls = [t.close.remote() for t in [*self.train, *self.critic]]
         calls += [self.manager.close.remote()] if self.manager is not None else []
         calls += [e.stop.remote() for e in self.engines]
         if calls:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from slime.config.arguments import ClusterConfig, Config
 
-# Shares of a colocated bundle; they only need to fit together in one bundle.
+# Shares of a colocated bundle; they only need to fit together in one bundle. With a critic
+# (PPO) its ranks join the train ranks' bundles too, and the three share each.
 TRAIN_SHARE = 0.5
 ENGINE_SHARE = 0.5
+CRITIC_SHARES = (0.4, 0.2, 0.4)  # train, critic, engine
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Placement:
     num_bundles: int
     train: tuple[Slot, ...]
     engines: tuple[Slot, ...]
+    critic: tuple[Slot, ...] = ()
 
     def bundle_specs(self) -> list[dict[str, float]]:
         if self.resource == "GPU":
@@ -44,25 +47,42 @@ class Placement:
         for j, slot in enumerate(self.engines):
             where = ", ".join(map(str, slot.bundles))
             lines.append(f"engine {j}: bundle(s) {where} ({slot.share:g} {self.resource} each)")
+        for rank, slot in enumerate(self.critic):
+            lines.append(f"critic rank {rank}: bundle {slot.bundles[0]} ({slot.share:g} {self.resource})")
         return lines
 
 
-def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engines: bool = True) -> Placement:
-    """The bundles and slots for a layout (either side can be left out, as the debug modes do)."""
+def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engines: bool = True,
+                   num_critic: int = 0) -> Placement:  # fmt: skip
+    """The bundles and slots for a layout (either side can be left out, as the debug modes do).
+    `num_critic`: PPO's critic ranks: with --colocate in the train ranks' bundles (critic rank r
+    with train rank r), else in bundles of their own after the engines'."""
     resource = "GPU" if cluster.device == "cuda" else "CPU"
     tp = cluster.rollout_num_gpus_per_engine
     num_train = cluster.num_train_ranks if with_trainer else 0
+    num_critic = num_critic if with_trainer else 0
     # External engines (--rollout-external-engine-addrs) run elsewhere: no bundle for them.
     num_engines = cluster.num_engines if with_engines and not cluster.external_engine_addrs else 0
     if cluster.colocate and with_trainer and with_engines:
-        train = tuple(Slot((r,), TRAIN_SHARE) for r in range(num_train))
-        engines = tuple(Slot(tuple(range(j * tp, (j + 1) * tp)), ENGINE_SHARE) for j in range(num_engines))
-        return Placement(resource, num_train, train, engines)
+        if num_critic > num_train:
+            raise ValueError(
+                f"--colocate puts each critic rank with a train rank: {num_critic} critic ranks for {num_train} "
+                "train ranks (give --critic-num-nodes / --critic-num-gpus-per-node at most the actor's)"
+            )
+        train_share, critic_share, engine_share = (
+            CRITIC_SHARES if num_critic else (TRAIN_SHARE, 0.0, ENGINE_SHARE)
+        )
+        train = tuple(Slot((r,), train_share) for r in range(num_train))
+        engines = tuple(Slot(tuple(range(j * tp, (j + 1) * tp)), engine_share) for j in range(num_engines))
+        critic = tuple(Slot((r,), critic_share) for r in range(num_critic))
+        return Placement(resource, num_train, train, engines, critic)
     train = tuple(Slot((r,), 1.0) for r in range(num_train))
     engines = tuple(
         Slot(tuple(range(num_train + j * tp, num_train + (j + 1) * tp)), 1.0) for j in range(num_engines)
     )
-    return Placement(resource, num_train + num_engines * tp, train, engines)
+    first = num_train + num_engines * tp
+    critic = tuple(Slot((first + r,), 1.0) for r in range(num_critic))
+    return Placement(resource, first + num_critic, train, engines, critic)
 
 
 def data_parallel_size(config: Config) -> int:

@@ -55,17 +55,41 @@ class RayTrainGroup:
         self.resumed_rollout_id: int | None = infos[0]["resumed_rollout_id"]
         self.resumed_data_state: dict[str, int] | None = (infos[0]["resumed_extra"] or {}).get("data")
 
-    def train(self, rollout: Rollout) -> TrainOutput:
+    def train(self, rollout: Rollout, values: list[Any] | None = None, update: bool = True) -> TrainOutput:
+        """Rank 0's output. PPO: `values` are the critic's answers (references); the output's
+        `returns` are then every rank's (references), for the critic."""
+        self._check_parts(rollout)
+        refs = [
+            rank.train.remote(rollout.rollout_id, rollout.parts[d], values, update)
+            for rank, d in zip(self.ranks, self.dp_ranks)
+        ]
+        outputs = self._wait(refs, f"the train step of rollout {rollout.rollout_id}", "train")
+        output = outputs[0]
+        if values is not None:
+            output.returns = [o.returns for o in outputs]
+        return output
+
+    def values(self, rollout: Rollout) -> list[Any]:
+        """The critic: every rank's values of its samples, as references."""
+        self._check_parts(rollout)
+        refs = [
+            rank.values.remote(rollout.rollout_id, rollout.parts[d])
+            for rank, d in zip(self.ranks, self.dp_ranks)
+        ]
+        return list(self._wait(refs, f"the critic's values of rollout {rollout.rollout_id}", "values"))
+
+    def train_values(self, rollout: Rollout, values: list[Any], returns: list[Any]) -> TrainOutput:
+        """The critic's steps (rank 0's output)."""
+        refs = [rank.train_values.remote(rollout.rollout_id, rollout.parts[d], values, returns)
+                for rank, d in zip(self.ranks, self.dp_ranks)]  # fmt: skip
+        return self._wait(refs, f"the critic's train step of rollout {rollout.rollout_id}", "train_values")[0]
+
+    def _check_parts(self, rollout: Rollout) -> None:
         if len(rollout.parts) != max(self.dp_ranks) + 1:
             raise RuntimeError(
                 f"rollout {rollout.rollout_id} came in {len(rollout.parts)} parts for "
                 f"{max(self.dp_ranks) + 1} data-parallel replicas"
             )
-        refs = [
-            rank.train.remote(rollout.rollout_id, rollout.parts[d])
-            for rank, d in zip(self.ranks, self.dp_ranks)
-        ]
-        return self._wait(refs, f"the train step of rollout {rollout.rollout_id}", "train")[0]
 
     def push_weights(self, version: int) -> dict[str, Any]:
         b = self.config.bridge
@@ -93,8 +117,9 @@ class RayTrainGroup:
         if not self.connected_to(engines):
             self.connect(engines)
 
-    def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
-        path = self.config.checkpoint.save
+    def save(self, rollout_id: int, data_state: dict[str, int] | None, path: str | None = None) -> None:
+        """A checkpoint under --save (`path`: elsewhere, the critic's)."""
+        path = path or self.config.checkpoint.save
         refs = [rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks]
         self._wait(refs, f"the checkpoint save of rollout {rollout_id}", "save", hang=False)
 

@@ -19,6 +19,8 @@ Per rollout the critic does two things, on the data-parallel layout of the actor
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -89,9 +91,11 @@ class FSDPCritic(FSDPTrainActor):
         old = {p: torch.tensor(old_values[index[p]], dtype=torch.float32) for p in mine}
         ret = {p: torch.tensor(returns[index[p]], dtype=torch.float32) for p in mine}
         output = TrainOutput()
+        start = time.perf_counter()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
         for step in plans:
             output.steps.append(self._value_step(batch, step, old, ret))
+        output.timings["train"] = time.perf_counter() - start
         self.rollout_id = rollout_id
         return output
 
@@ -118,8 +122,11 @@ class FSDPCritic(FSDPTrainActor):
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(reduced)
         count = float(reduced[7]) or 1.0
-        return {"values": float(reduced[5]) / count, "returns": float(reduced[6]) / count,
-                "explained_variance": adv.explained_variance_of(reduced[:5])}  # fmt: skip
+        out = {"values": float(reduced[5]) / count, "returns": float(reduced[6]) / count}
+        explained = adv.explained_variance_of(reduced[:5])
+        if not math.isnan(explained):  # undefined when every return is the same (no reward yet)
+            out["explained_variance"] = explained
+        return out
 
     def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
                     ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip

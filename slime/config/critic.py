@@ -1,0 +1,101 @@
+"""The critic's settings (`--advantage-estimator ppo` turns it on, as in slime): its own train
+ranks, where it starts from and saves to, its learning rate, and the critic-only warm-up.
+
+slime sets a critic's load, save and learning rate in a `--megatron-config-path` YAML (role
+`critic`); here they are flags (`--critic-load`, `--critic-save`, `--critic-lr`,
+`--critic-num-nodes`, `--critic-num-gpus-per-node`). Everything else is the actor's: the critic
+trains with the actor's batch layout, optimizer settings, backend and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from slime.config.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    train: TrainConfig
+    """The critic ranks' config: the actor's, with the critic's model, learning rate and checkpoints."""
+    num_nodes: int
+    num_gpus_per_node: int
+    num_critic_only_steps: int = 0
+    """`--num-critic-only-steps`: the first N rollouts train the critic only (the actor's weights stay)."""
+    save: str | None = None
+    """Where the critic's checkpoints go: `--critic-save`, else <--save>/critic."""
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+
+def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("train: critic (PPO: --advantage-estimator ppo; the FSDP backend)")
+    g.add_argument("--num-critic-only-steps", type=int, default=0,
+                   help="the first N rollouts train the critic only; the actor's weights stay (slime's)")  # fmt: skip
+    g.add_argument("--critic-load", default=None,
+                   help="Hugging Face directory the critic starts from (default: --hf-checkpoint with a fresh value "
+                   "head; a critic's --save-hf export keeps its head)")  # fmt: skip
+    g.add_argument("--critic-save", default=None, help="the critic's checkpoints (default: <--save>/critic)")
+    g.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate (default: --lr)")
+    g.add_argument("--critic-num-nodes", type=int, default=None, help="default: --actor-num-nodes")
+    g.add_argument(
+        "--critic-num-gpus-per-node", type=int, default=None, help="default: --actor-num-gpus-per-node"
+    )
+
+
+def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | None:
+    """The critic of a PPO run (None for the other estimators; its flags are then refused)."""
+    given = [f for f, v in (("--critic-load", ns.critic_load), ("--critic-save", ns.critic_save),
+                            ("--critic-lr", ns.critic_lr), ("--critic-num-nodes", ns.critic_num_nodes),
+                            ("--critic-num-gpus-per-node", ns.critic_num_gpus_per_node),
+                            ("--num-critic-only-steps", ns.num_critic_only_steps or None)) if v is not None]  # fmt: skip
+    if actor.loss.advantage_estimator != "ppo":
+        if given:
+            raise ValueError(f"{given[0]} sets the critic, which only --advantage-estimator ppo has")
+        return None
+    if ns.num_critic_only_steps < 0:
+        raise ValueError(f"--num-critic-only-steps must be >= 0, got {ns.num_critic_only_steps}")
+    if actor.backend != "fsdp":
+        raise ValueError(
+            f"--advantage-estimator ppo with --train-backend {actor.backend}: the critic is built for the FSDP backend "
+            "only so far (use --train-backend fsdp)"
+        )
+    nodes = ns.critic_num_nodes or ns.actor_num_nodes
+    per_node = ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node
+    if nodes * per_node != ns.actor_num_nodes * ns.actor_num_gpus_per_node:
+        raise ValueError(
+            f"--critic-num-nodes x --critic-num-gpus-per-node = {nodes * per_node} critic ranks: the critic trains "
+            f"the actor's data-parallel parts of each rollout, so it needs as many ranks as the actor "
+            f"({ns.actor_num_nodes * ns.actor_num_gpus_per_node})"
+        )
+    save = ns.critic_save or (os.path.join(ns.save, "critic") if ns.save else None)
+    # A resumed run (--load) resumes its critic from where the critic saved: <--load>/critic unless
+    # --critic-save names the place.
+    load = (ns.critic_save or os.path.join(ns.load, "critic")) if ns.load else None
+    optimizer = (
+        actor.optimizer if ns.critic_lr is None else dataclasses.replace(actor.optimizer, lr=ns.critic_lr)
+    )
+    train = dataclasses.replace(
+        actor,
+        hf_checkpoint=ns.critic_load or actor.hf_checkpoint,
+        load=load,
+        ref_load=None,
+        optimizer=optimizer,
+        # The critic computes no log-probs: no reference, no routing replay, no train-data dumps.
+        loss=dataclasses.replace(actor.loss, use_kl_loss=False, kl_coef=0.0),
+        moe=dataclasses.replace(actor.moe, use_routing_replay=False, use_rollout_routing_replay=False),
+        check_precision=False,
+        save_debug_train_data=None,
+    )
+    return CriticConfig(
+        train=train,
+        num_nodes=nodes,
+        num_gpus_per_node=per_node,
+        num_critic_only_steps=ns.num_critic_only_steps,
+        save=save,
+    )

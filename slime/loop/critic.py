@@ -1,0 +1,129 @@
+"""PPO's actor and critic as one train group (slime.loop.parts.TrainGroup): the loop drives it like
+any trainer, and the critic is a part of it, not a branch of the loop.
+
+Per rollout:
+
+1. the critic computes the value of every response token (before its update: V_old);
+2. the actor trains with them: its log-prob and reference passes, GAE of the rewards (with
+   --kl-coef's shaping by the real KL) over those values, its optimizer steps; its output
+   carries the returns;
+3. the critic trains on those returns (the clipped value loss around V_old).
+
+slime's critic computes its own returns, without the KL, before the actor runs; taking the
+actor's keeps the critic's targets and the actor's advantages one computation
+(docs/ppo.md). With --num-critic-only-steps N the actor takes no step in the first N rollouts
+(it still computes the returns; its unchanged weights are pushed as usual).
+
+Values and returns travel between the ranks by reference (object references in a Ray job): the
+driver holds none of them. With --offload (colocated on GPUs) one side is awake at a time: the
+critic for its values, the actor for its steps, the critic for its own, then the actor again for
+the weight push.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from slime.backends.interface import TrainOutput
+from slime.loop.parts import EngineGroup, Rollout
+
+
+class PPOTrainGroup(Protocol):
+    """The calls the composite needs beyond TrainGroup's (slime.ray.train_group.RayTrainGroup)."""
+
+    resumed_rollout_id: int | None
+    resumed_data_state: dict[str, int] | None
+
+    def train(
+        self, rollout: Rollout, values: list[Any] | None = None, update: bool = True
+    ) -> TrainOutput: ...
+    def values(self, rollout: Rollout) -> list[Any]: ...
+    def train_values(self, rollout: Rollout, values: list[Any], returns: list[Any]) -> TrainOutput: ...
+    def save(self, rollout_id: int, data_state: dict[str, int] | None, path: str | None = None) -> None: ...
+    def wake(self) -> None: ...
+    def sleep(self, keep_params: bool = False) -> None: ...
+
+
+class ActorCritic:
+    """A TrainGroup of an actor group and a critic group (module docstring)."""
+
+    def __init__(
+        self, actor: Any, critic: Any, num_critic_only_steps: int = 0, critic_save: str | None = None
+    ):
+        self.actor, self.critic = actor, critic
+        self.num_critic_only_steps, self.critic_save = num_critic_only_steps, critic_save
+        self.resumed_rollout_id = actor.resumed_rollout_id
+        self.resumed_data_state = actor.resumed_data_state
+        if critic.resumed_rollout_id != actor.resumed_rollout_id:
+            raise RuntimeError(
+                f"the actor resumes after rollout {actor.resumed_rollout_id} but the critic's checkpoint is of rollout "
+                f"{critic.resumed_rollout_id}: resume both from one save (--load, and --critic-save if it was given)"
+            )
+
+    # ---- the step ---------------------------------------------------------------------------
+    def train(self, rollout: Rollout) -> TrainOutput:
+        self.actor.sleep()
+        self.critic.wake()
+        values = self.critic.values(rollout)
+        self.critic.sleep()
+        self.actor.wake()
+        update = rollout.rollout_id >= self.num_critic_only_steps
+        output = self.actor.train(rollout, values=values, update=update)
+        self.actor.sleep()
+        self.critic.wake()
+        critic = self.critic.train_values(rollout, values, output.returns)
+        self.critic.sleep()
+        self.actor.wake()
+        output.returns = None  # references of the ranks' returns, used above
+        return merge(output, critic)
+
+    # ---- the rest is the actor's, and the critic's checkpoints ------------------------------
+    def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
+        self.actor.save(rollout_id, data_state)
+        if self.critic_save is None:  # --save not given (the actor saves nothing either) and no --critic-save
+            raise RuntimeError("the critic has nowhere to save: give --critic-save (or --save)")
+        self.critic.save(rollout_id, data_state, self.critic_save)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        return self.actor.push_weights(version)
+
+    def connect(self, engines: EngineGroup, only: list[int] | None = None) -> None:
+        self.actor.connect(engines, only)
+
+    def ensure_connected(self, engines: EngineGroup) -> None:
+        self.actor.ensure_connected(engines)
+
+    def connected_to(self, engines: EngineGroup) -> bool:
+        return bool(self.actor.connected_to(engines))
+
+    def save_hf(self) -> None:
+        self.actor.save_hf()
+
+    def wake(self) -> None:
+        self.actor.wake()
+
+    def sleep(self, keep_params: bool = False) -> None:
+        self.actor.sleep(keep_params)
+
+    @property
+    def transport(self) -> str | None:
+        return getattr(self.actor, "transport", None)
+
+    @property
+    def hung(self) -> bool:
+        return bool(getattr(self.actor, "hung", False) or getattr(self.critic, "hung", False))
+
+
+def merge(actor: TrainOutput, critic: TrainOutput) -> TrainOutput:
+    """The actor's output with the critic's: its step metrics as `critic-<name>` (slime's
+    train/critic-* names) beside the actor's step for step, its rollout metrics (values, returns,
+    explained_variance) with the actor's, its timings as `critic_train`."""
+    steps = []
+    for k in range(max(len(actor.steps), len(critic.steps))):
+        step = dict(actor.steps[k]) if k < len(actor.steps) else {}
+        if k < len(critic.steps):
+            step.update({f"critic-{name}": value for name, value in critic.steps[k].items()})
+        steps.append(step)
+    timings = {**actor.timings, "critic_train": critic.timings.get("train", 0.0)}
+    return TrainOutput(steps=steps, rollout={**actor.rollout, **critic.rollout}, timings=timings,
+                       precision=actor.precision)  # fmt: skip

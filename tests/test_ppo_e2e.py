@@ -1,0 +1,47 @@
+"""A PPO job started as users start it (real Ray, torch engines, FSDP actor and critic ranks):
+the critic-only warm-up, the critic's metrics beside the actor's, its checkpoints under
+<--save>/critic, and a resumed run that picks both up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+pytestmark = pytest.mark.e2e
+
+PPO = ["--rm-type", "exact", "--advantage-estimator", "ppo", "--num-critic-only-steps", "1"]
+
+
+def records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_path):  # noqa: F811
+    """Colocated: the critic rank shares the train rank's bundle with the engine."""
+    proc = run_job(
+        "train.py", tiny_model, prompts, tmp_path, *PPO, "--save", str(tmp_path / "ckpt"), "--colocate"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = records(tmp_path)[-2:]
+    assert "train/critic-value_loss" in first and "train/pg_loss" not in first  # the critic only
+    assert "train/critic-value_loss" in second and "train/pg_loss" in second
+    assert {"rollout/values", "rollout/returns"} <= first.keys()
+    assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert "critic rank 0: bundle 0 (0.2 CPU)" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow  # ~50 s: two runs of two ranks each
+def test_a_ppo_job_on_two_ranks_resumes_actor_and_critic(tiny_model, prompts, tmp_path):  # noqa: F811
+    save = str(tmp_path / "ckpt")
+    common = [*PPO, "--save", save, "--actor-num-gpus-per-node", "2"]
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "critic rank 1: bundle 4 (1 CPU)" in proc.stderr + proc.stdout  # apart: after the engines
+    again = run_job("train.py", tiny_model, prompts, tmp_path, *common, "--load", save, "--num-rollout", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after rollout 1" in again.stderr + again.stdout
+    last = records(tmp_path)[-1]
+    assert last["rollout_id"] == 2 and "train/critic-value_loss" in last and "train/pg_loss" in last
