@@ -20,13 +20,14 @@ def critic_values(batch) -> dict[int, list[float]]:
             for i, n in enumerate(batch.response_lengths)}  # fmt: skip
 
 
-def ppo_run(rank, world_size, init_method, model, update=True, estimator="ppo"):
+def ppo_run(rank, world_size, init_method, model, update=True, estimator="ppo", dump=None):
     from slime.algo.objective import LossConfig
     from slime.backends.fsdp.actor import FSDPTrainActor
 
     cfg = base_config(model, micro_batch_size=2)
     cfg = dataclasses.replace(cfg, loss=dataclasses.replace(
-        cfg.loss, advantage_estimator=estimator, gamma=GAMMA, lambd=LAMBD, kl_coef=0.05, use_kl_loss=False))  # fmt: skip
+        cfg.loss, advantage_estimator=estimator, gamma=GAMMA, lambd=LAMBD, kl_coef=0.05, use_kl_loss=False),
+        save_debug_train_data=dump)  # fmt: skip
     assert isinstance(cfg.loss, LossConfig)
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
@@ -80,10 +81,19 @@ def test_two_ranks_train_ppo_like_one(one_rank, tiny_model):
             assert not bad
 
 
-def test_critic_only_steps_leave_the_weights_and_still_give_returns(one_rank, tiny_model):
-    result = run_ranks(1, ppo_run, tiny_model, False)[0]
+def test_critic_only_steps_leave_the_weights_and_still_give_returns(one_rank, tiny_model, tmp_path):
+    """Also: --save-debug-train-data records the critic's values and the returns (slime's fields)."""
+    dump = str(tmp_path / "train_{rollout_id}_{rank}.pt")
+    result = run_ranks(1, ppo_run, tiny_model, False, "ppo", dump)[0]
     assert result["moved"] == 0.0 and result["output"].steps == []
     assert result["output"].returns == one_rank["output"].returns
+    rows = {
+        r["sample_index"]: r for r in torch.load(tmp_path / "train_0_0.pt", weights_only=False)["samples"]
+    }
+    values = critic_values(make_batch(0))
+    for index, row in rows.items():
+        assert row["values"] == values[index]
+        assert row["returns"] == pytest.approx(one_rank["output"].returns[index], abs=1e-6)
 
 
 def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model):

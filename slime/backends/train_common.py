@@ -394,7 +394,7 @@ class TrainActorBase:
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
-        advantages = None
+        advantages = returns = None
         if compute and loss_cfg.loss_type == "policy_loss":
             if critic_values is not None:
                 advantages, returns = self._ppo_advantages(part, mine, old, ref, critic_values)
@@ -404,7 +404,7 @@ class TrainActorBase:
                 advantages = self._advantages(part, mine, old, ref)
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
-            self._save_train_data(rollout_id, part, mine, old, ref, advantages)
+            self._save_train_data(rollout_id, part, mine, old, ref, advantages, critic_values, returns)
         for k, step in enumerate(plans if update else []):
             compare = old if k == 0 and self.cfg.check_precision else None
             output.steps.append(
@@ -471,9 +471,12 @@ class TrainActorBase:
         old: dict[int, torch.Tensor] | None,
         ref: dict[int, torch.Tensor] | None,
         advantages: dict[int, torch.Tensor] | None,
+        critic_values: dict[int, list[float]] | None = None,
+        returns: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
-        `sample_index` (the sample's index in the rollout dump), so the two files join."""
+        `sample_index` (the sample's index in the rollout dump), so the two files join. PPO adds
+        the critic's `values` and the `returns` (slime's field names)."""
         from slime.rollout.dump import TRAIN_FORMAT_VERSION, write_atomic
 
         def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
@@ -494,6 +497,11 @@ class TrainActorBase:
                 if batch.rollout_log_probs is None
                 else list(batch.rollout_log_probs[p]),
                 "advantages": values(advantages, p),
+                **(
+                    {"values": list(critic_values[index[p]]), "returns": values(returns, p)}
+                    if critic_values is not None
+                    else {}
+                ),
             }
             for p in mine
         ]
