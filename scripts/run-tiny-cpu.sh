@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The demo: a tiny model learns small-integer addition with GRPO on a CPU-only machine.
 #
-#   bash scripts/run-tiny-cpu.sh [OUT_DIR]        (default: runs/tiny-cpu)
+#   bash scripts/run-tiny-cpu.sh [OUT_DIR [TRAIN FLAGS...]]   (default: runs/tiny-cpu)
+#
+# Flags after OUT_DIR go to train_async.py after the ones below, so they override them: PPO with a
+# critic is `bash scripts/run-tiny-cpu.sh runs/tiny-ppo --advantage-estimator ppo` (docs/ppo.md).
 #
 # 1. builds a tiny Qwen3 model and the task (prompts "23+4=", labels "27"; held-out eval set),
 # 2. warm-starts it with a short SFT phase (format and some addition),
@@ -15,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:-runs/tiny-cpu}
+shift || true
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 EVAL_INTERVAL=${EVAL_INTERVAL:-25}
 SFT_EPOCHS=${SFT_EPOCHS:-30}
@@ -51,9 +55,9 @@ OMP_NUM_THREADS=2 "$PYTHON" -m slime.tools.sft --hf-checkpoint "$OUT/base" --dat
     --lr 5e-4 --lr-warmup-iters 10 --lr-decay-style cosine --lr-decay-iters $((NUM_ROLLOUT * 4)) --min-lr 5e-5 \
     --eval-interval "$EVAL_INTERVAL" --eval-prompt-data "$OUT/task/eval.jsonl" --eval-temperature 0 \
     --save "$OUT/ckpt" --save-hf "$OUT/final" --seed "$SEED" \
-    --update-weight-transport tensor
+    --update-weight-transport tensor "$@"
 
-"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --title "tiny model, a+b, GRPO on CPU"
+"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --title "${TITLE:-tiny model, a+b, GRPO on CPU}"
 "$PYTHON" - "$SLIME_LOG_DIR/metrics.jsonl" "$start" <<'EOF'
 import json, sys, time
 evals = [r for r in map(json.loads, open(sys.argv[1])) if "eval/accuracy" in r]

@@ -100,7 +100,7 @@ class ActorCritic:
         self.actor.save_hf()
 
     def wake(self) -> None:
-        self.actor.wake()
+        """Nothing yet: `train` wakes each side in turn (the critic first)."""
 
     def sleep(self, keep_params: bool = False) -> None:
         self.actor.sleep(keep_params)
