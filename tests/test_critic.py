@@ -121,6 +121,7 @@ def saved_critic(rank, world_size, init_method, model, save_dir, hf_dir, load=No
     return out
 
 
+@pytest.mark.slow  # ~10 s: the FSDP actor's checkpoint code (tests/test_fsdp_actor.py resumes it)
 def test_a_critic_checkpoint_resumes_bit_for_bit_and_exports_a_token_classifier(tiny_model, tmp_path):
     """--save / --load of the critic (model, optimizer, schedule), and its Hugging Face export:
     AutoModelForTokenClassification loads it and gives the critic's values."""

@@ -128,8 +128,10 @@ class TrainRank:
         references, fetched here, never in the driver); the returns go back by reference too."""
         self.phase("train", rank=self.rank, rollout_id=rollout_id)
         with self._watch(f"the train step of rollout {rollout_id}"):
-            merged = _merged(values) if values is not None else None
-            output = self.actor.train(rollout_id, batch, values=merged, update=update)
+            if values is None and update:  # every actor's call (a plugin actor may take no more)
+                output = self.actor.train(rollout_id, batch)
+            else:
+                output = self.actor.train(rollout_id, batch, values=_merged(values or []), update=update)
         if output.returns is not None:
             output.returns = ray.put(output.returns)
         return output
