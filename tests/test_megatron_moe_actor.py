@@ -131,15 +131,18 @@ R3 = {"use_rollout_routing_replay": True}
 
 
 @pytest.fixture(scope="module")
-def fsdp_moe_routing(tiny_moe):
-    """One FSDP rank with R2 + the aux loss, and with R3 (tests/test_fsdp_moe.py checks both
-    against hand computations on Hugging Face's model). The aux loss is not additive over samples
-    (it balances each micro-batch as a whole): with one sample per micro-batch every layout of the
-    step's samples has the same micro-batches."""
-    return {
-        "r2_aux": run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R2_AUX)[0],
-        "r3": run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R3)[0],
-    }
+def fsdp_r2_aux(tiny_moe):
+    """One FSDP rank with R2 + the aux loss (tests/test_fsdp_moe.py checks both against hand
+    computations on Hugging Face's model). The aux loss is not additive over samples (it balances
+    each micro-batch as a whole): with one sample per micro-batch every layout of the step's
+    samples has the same micro-batches."""
+    return run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R2_AUX)[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_r3(tiny_moe):
+    """One FSDP rank with R3 (replaying tables unlike the model's own routing)."""
+    return run_ranks(1, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R3)[0]
 
 
 @pytest.mark.parametrize(
@@ -154,7 +157,7 @@ def fsdp_moe_routing(tiny_moe):
     ids=["r2-aux-ep2", "r2-aux-pp2xep2-recompute", "r3-pp2xep2-recompute"],
 )
 def test_megatron_routing_replay_and_aux_loss_train_like_fsdp(
-    fsdp_moe_routing, tiny_moe, options, pp, ep, world, recompute
+    request, tiny_moe, options, pp, ep, world, recompute
 ):
     """Routing replay (R2: the log-prob pass's routing; R3: the engine's, here tables that differ
     from the model's own choice) and --moe-aux-loss-coeff give the FSDP rank's log-probs, step
@@ -164,23 +167,24 @@ def test_megatron_routing_replay_and_aux_loss_train_like_fsdp(
     # One sample per micro-batch: two micro-batches per replica and step, so under PP the second's
     # forward comes before the first's backward (and its recompute).
     ranks = run_ranks(world, moe_run, tiny_moe, "megatron", 1, pp, ep, 1, None, moe, recompute)
-    expected = fsdp_moe_routing[options]
+    expected = request.getfixturevalue("fsdp_r2_aux" if options == "r2_aux" else "fsdp_r3")
     assert_trains_like(expected, ranks)
     if options == "r2_aux":
         assert all(s["moe_aux_loss"] > 0 for o in ranks[0]["outputs"] for s in o.steps)
 
 
-def test_fsdp_two_ranks_with_r2_and_the_aux_loss_train_like_one(fsdp_moe_routing, tiny_moe):
+def test_fsdp_two_ranks_with_r2_and_the_aux_loss_train_like_one(fsdp_r2_aux, tiny_moe):
     """The FSDP reference above holds for N ranks too: two FSDP ranks with R2 and the aux loss
     (one sample per micro-batch) give one rank's log-probs, metrics and weights."""
     ranks = run_ranks(2, moe_run, tiny_moe, "fsdp", 1, 1, 1, 1, None, R2_AUX)
-    assert_trains_like(fsdp_moe_routing["r2_aux"], ranks, only_rank0_exports=False)
+    assert_trains_like(fsdp_r2_aux, ranks, only_rank0_exports=False)
 
 
-def test_replayed_routing_changes_what_the_megatron_actor_computes(fsdp_moe, fsdp_moe_routing):
+@pytest.mark.slow  # with the R3 case above
+def test_replayed_routing_changes_what_the_megatron_actor_computes(fsdp_moe, fsdp_r3):
     """The R3 tables are not the model's own routing: the log-probs differ from plain ones (so
     the test above could fail when replay did nothing)."""
-    plain, r3 = fsdp_moe["lp"], fsdp_moe_routing["r3"]["lp"]
+    plain, r3 = fsdp_moe["lp"], fsdp_r3["lp"]
     assert max(abs(a - b) for i in plain for a, b in zip(plain[i], r3[i])) > 1e-3
 
 
