@@ -52,7 +52,10 @@ def test_a_ppo_step_runs_values_actor_critic_with_one_side_awake_at_a_time():
     calls.clear()
     group.save(1, None)
     group.push_weights(2)
-    assert calls == [("actor", "save", None), ("critic", "save", None), ("actor", "push_weights", None)]
+    group.save_hf()
+    # The critic saves first: the actor's checkpoint, the one --load resumes from, completes the pair.
+    assert calls == [("critic", "save", None), ("actor", "save", None), ("actor", "push_weights", None),
+                     ("actor", "save_hf", None), ("critic", "save_hf", None)]  # fmt: skip
 
 
 def test_actor_and_critic_must_resume_the_same_rollout():

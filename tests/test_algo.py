@@ -439,6 +439,9 @@ def test_explained_variance():
     var_r = torch.tensor([1.0, 2.0, 3.0, 4.0]).var(unbiased=False)
     var_e = torch.tensor([0.5, -0.5, 0.5, -0.5]).var(unbiased=False)
     assert explained_variance_of(stats) == pytest.approx(float(1 - var_e / var_r))
+    # Equal returns: undefined (nan), not rounding noise divided by rounding noise.
+    same = [torch.full((3,), 0.1), torch.full((2,), 0.1)]
+    assert math.isnan(explained_variance_of(explained_variance([torch.zeros(3), torch.zeros(2)], same, mask)))
     # Sums add over ranks: two halves give the whole.
     halves = explained_variance([returns[0] - noise[0]], returns[:1], mask[:1]) + explained_variance(
         [returns[1] - noise[1]], returns[1:], mask[1:]

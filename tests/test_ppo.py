@@ -149,10 +149,12 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
                          "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo", "--lr", "1e-5",
                          "--critic-lr", "3e-5", "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-coef", "0.05",
                          "--save", str(tmp_path / "s"), "--load", str(tmp_path / "s"), "--value-clip", "0.3",
-                         "--lambd", "0.95"])  # fmt: skip
+                         "--lambd", "0.95", "--lr-warmup-iters", "10"])  # fmt: skip
     critic = config.critic
     assert critic is not None and critic.num_ranks == 1 and critic.save == str(tmp_path / "s" / "critic")
     assert critic.train.optimizer.lr == 3e-5 and config.train.optimizer.lr == 1e-5
+    # slime's --critic-lr-warmup-iters (0 unless given), not the actor's warm-up
+    assert critic.train.optimizer.lr_warmup_iters == 0 and config.train.optimizer.lr_warmup_iters == 10
     assert critic.train.load == str(tmp_path / "s" / "critic") and critic.train.hf_checkpoint == tiny_model
     assert not critic.train.loss.needs_ref and config.train.loss.needs_ref
     assert (config.train.loss.value_clip, config.train.loss.lambd) == (0.3, 0.95)

@@ -187,12 +187,14 @@ def gae(
     r, v = token_rewards.to(torch.float32), values.to(torch.float32)
     if r.shape != v.shape:
         raise ValueError(f"{r.numel()} token rewards but {v.numel()} values")
-    advantages = torch.zeros_like(r)
-    running = r.new_zeros(())
-    for t in range(r.numel() - 1, -1, -1):
-        following = v[t + 1] if t + 1 < v.numel() else r.new_zeros(())
-        running = r[t] + gamma * following - v[t] + gamma * lambd * running
-        advantages[t] = running
+    # A loop over Python floats (float64): a loop over 0-d tensors costs microseconds per token.
+    rewards, vals = r.tolist(), v.tolist()
+    out = [0.0] * len(rewards)
+    running, following = 0.0, 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = rewards[t] + gamma * following - vals[t] + gamma * lambd * running
+        out[t], following = running, vals[t]
+    advantages = torch.tensor(out, dtype=torch.float32)
     return advantages, advantages + v
 
 
@@ -269,4 +271,5 @@ def explained_variance_of(stats: torch.Tensor) -> float:
         return float("nan")
     var_r = srr / n - (sr / n) ** 2
     var_d = sdd / n - (sd / n) ** 2
-    return float("nan") if var_r <= 0 else 1.0 - var_d / var_r
+    # Equal returns leave only rounding in var_r (relative to their square): undefined, not huge.
+    return float("nan") if var_r <= 1e-12 * max(1.0, srr / n) else 1.0 - var_d / var_r

@@ -4,7 +4,8 @@ ranks, where it starts from and saves to, its learning rate, and the critic-only
 slime sets a critic's load, save and learning rate in a `--megatron-config-path` YAML (role
 `critic`); here they are flags (`--critic-load`, `--critic-save`, `--critic-lr`,
 `--critic-num-nodes`, `--critic-num-gpus-per-node`). Everything else is the actor's: the critic
-trains with the actor's batch layout, optimizer settings, backend and seed.
+trains with the actor's batch layout, optimizer settings (but its own warm-up,
+`--critic-lr-warmup-iters`, 0 as in slime), backend and seed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
                    "head; a critic's --save-hf export keeps its head)")  # fmt: skip
     g.add_argument("--critic-save", default=None, help="the critic's checkpoints (default: <--save>/critic)")
     g.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate (default: --lr)")
+    g.add_argument("--critic-lr-warmup-iters", type=int, default=0,
+                   help="the critic's learning-rate warm-up steps (slime's; 0: none, whatever --lr-warmup-iters says); "
+                   "its decay follows the actor's --lr-decay-style and --min-lr")  # fmt: skip
     g.add_argument("--critic-num-nodes", type=int, default=None, help="default: --actor-num-nodes")
     g.add_argument(
         "--critic-num-gpus-per-node", type=int, default=None, help="default: --actor-num-gpus-per-node"
@@ -52,6 +56,7 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
     """The critic of a PPO run (None for the other estimators; its flags are then refused)."""
     given = [f for f, v in (("--critic-load", ns.critic_load), ("--critic-save", ns.critic_save),
                             ("--critic-lr", ns.critic_lr), ("--critic-num-nodes", ns.critic_num_nodes),
+                            ("--critic-lr-warmup-iters", ns.critic_lr_warmup_iters or None),
                             ("--critic-num-gpus-per-node", ns.critic_num_gpus_per_node),
                             ("--num-critic-only-steps", ns.num_critic_only_steps or None)) if v is not None]  # fmt: skip
     if actor.loss.advantage_estimator != "ppo":
@@ -60,6 +65,10 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         return None
     if ns.num_critic_only_steps < 0:
         raise ValueError(f"--num-critic-only-steps must be >= 0, got {ns.num_critic_only_steps}")
+    if actor.loss.loss_type != "policy_loss":
+        raise ValueError(
+            f"--advantage-estimator ppo trains a policy: --loss-type {actor.loss.loss_type} has no advantages"
+        )
     if actor.backend != "fsdp":
         raise ValueError(
             f"--advantage-estimator ppo with --train-backend {actor.backend}: the critic is built for the FSDP backend "
@@ -73,12 +82,23 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
             f"the actor's data-parallel parts of each rollout, so it needs as many ranks as the actor "
             f"({ns.actor_num_nodes * ns.actor_num_gpus_per_node})"
         )
+    if ns.critic_save and not ns.save:
+        raise ValueError("--critic-save needs --save: the critic saves when the actor does")
+    if ns.critic_save and any(
+        os.path.realpath(ns.critic_save) == os.path.realpath(d) for d in (ns.save, ns.load) if d
+    ):
+        raise ValueError(
+            f"--critic-save {ns.critic_save!r} is the actor's --save / --load: the critic's checkpoints would replace "
+            "the actor's; give it a directory of its own (the default is <--save>/critic)"
+        )
     save = ns.critic_save or (os.path.join(ns.save, "critic") if ns.save else None)
     # A resumed run (--load) resumes its critic from where the critic saved: <--load>/critic unless
     # --critic-save names the place.
     load = (ns.critic_save or os.path.join(ns.load, "critic")) if ns.load else None
-    optimizer = (
-        actor.optimizer if ns.critic_lr is None else dataclasses.replace(actor.optimizer, lr=ns.critic_lr)
+    optimizer = dataclasses.replace(
+        actor.optimizer,
+        lr=actor.optimizer.lr if ns.critic_lr is None else ns.critic_lr,
+        lr_warmup_iters=ns.critic_lr_warmup_iters,
     )
     train = dataclasses.replace(
         actor,

@@ -55,9 +55,17 @@ class ActorCritic:
         self.resumed_rollout_id = actor.resumed_rollout_id
         self.resumed_data_state = actor.resumed_data_state
         if critic.resumed_rollout_id != actor.resumed_rollout_id:
+            fix = ""
+            if (
+                actor.resumed_rollout_id is not None
+                and (critic.resumed_rollout_id or -1) > actor.resumed_rollout_id
+            ):
+                fix = (f" (a job that stopped between the two saves: the critic's iter_{actor.resumed_rollout_id:07d} is "
+                       "still there; write that rollout id into its latest_checkpointed_iteration.txt)")  # fmt: skip
             raise RuntimeError(
                 f"the actor resumes after rollout {actor.resumed_rollout_id} but the critic's checkpoint is of rollout "
                 f"{critic.resumed_rollout_id}: resume both from one save (--load, and --critic-save if it was given)"
+                + fix
             )
 
     # ---- the step ---------------------------------------------------------------------------
@@ -79,10 +87,12 @@ class ActorCritic:
 
     # ---- the rest is the actor's, and the critic's checkpoints ------------------------------
     def save(self, rollout_id: int, data_state: dict[str, int] | None) -> None:
-        self.actor.save(rollout_id, data_state)
-        if self.critic_save is None:  # --save not given (the actor saves nothing either) and no --critic-save
-            raise RuntimeError("the critic has nowhere to save: give --critic-save (or --save)")
+        """The critic first: the actor's checkpoint (the one --load resumes from) then completes
+        the pair; a job that dies between the two leaves the critic one rollout ahead (see __init__)."""
+        if self.critic_save is None:  # parse_args refuses --critic-save without --save
+            raise RuntimeError("the critic has nowhere to save: give --save")
         self.critic.save(rollout_id, data_state, self.critic_save)
+        self.actor.save(rollout_id, data_state)
 
     def push_weights(self, version: int) -> dict[str, Any]:
         return self.actor.push_weights(version)
@@ -97,7 +107,10 @@ class ActorCritic:
         return bool(self.actor.connected_to(engines))
 
     def save_hf(self) -> None:
+        """The actor's Hugging Face export (--save-hf), and the critic's beside it in <--save-hf>/critic
+        (a token classifier; --critic-load takes it)."""
         self.actor.save_hf()
+        self.critic.save_hf(critic=True)
 
     def wake(self) -> None:
         """Nothing yet: `train` wakes each side in turn (the critic first)."""

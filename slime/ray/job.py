@@ -205,7 +205,7 @@ class Job:
 
             assert c.critic is not None
             critic_group = RayTrainGroup(self.critic, self.critic_infos, c, self.log_dir, progress)
-            self.critic_group = critic_group
+            critic_group.sleep()  # --offload: off the device until its first values (no-op otherwise)
             train = ActorCritic(train, critic_group, c.critic.num_critic_only_steps, c.critic.save)
         engines = None
         if self.engine_urls:

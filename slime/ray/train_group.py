@@ -123,8 +123,13 @@ class RayTrainGroup:
         refs = [rank.save.remote(rollout_id, path, {"data": data_state}) for rank in self.ranks]
         self._wait(refs, f"the checkpoint save of rollout {rollout_id}", "save", hang=False)
 
-    def save_hf(self) -> None:
-        refs = [rank.save_hf.remote(self.config.checkpoint.save_hf) for rank in self.ranks]
+    def save_hf(self, critic: bool = False) -> None:
+        """--save-hf (`critic`: the critic's, in <--save-hf>/critic)."""
+        path = self.config.checkpoint.save_hf
+        assert path is not None  # the Save hook calls this with --save-hf only
+        if critic:
+            path = os.path.join(path, "critic")
+        refs = [rank.save_hf.remote(path) for rank in self.ranks]
         self._wait(refs, "the Hugging Face export (--save-hf)", "save_hf", hang=False)
 
     def wake(self) -> None:
