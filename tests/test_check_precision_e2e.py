@@ -28,6 +28,7 @@ def test_a_wrong_weight_push_is_stopped_at_the_step_0_push(tiny_model, prompts, 
     assert "rollout 1/2" not in proc.stderr and "weight_version 1 via" not in proc.stderr
 
 
+@pytest.mark.slow  # ~22 s; the step-0 gates fail a job in test_a_wrong_weight_push_is_stopped_at_the_step_0_push too
 def test_a_reference_unlike_the_actor_fails_bitwise_and_kl(tiny_model, tiny_model_b, prompts, tmp_path):  # noqa: F811
     proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
                    "--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", tiny_model_b)  # fmt: skip

@@ -89,6 +89,7 @@ def test_two_critic_ranks_train_like_one(one_rank, tiny_model):
     assert re.fullmatch(r"sample \d+: none values for its \d+ response tokens", ranks[0]["missing"])
 
 
+@pytest.mark.slow  # ~6 s; the PPO demo (slow) shows the critic learning in a job
 def test_the_value_loss_falls_as_the_critic_fits_the_returns(tiny_model):
     result = run_ranks(1, critic_run, tiny_model, 1, 6)[0]
     losses = [o.steps[0]["value_loss"] for o in result["outputs"]]

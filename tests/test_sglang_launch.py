@@ -112,6 +112,7 @@ def test_disaggregated_sglang_engines_behind_the_router(tiny_model, prompts, tmp
     assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
 
 
+@pytest.mark.slow  # ~39 s; the engines behind a router also run in test_disaggregated_sglang_engines_behind_the_router
 def test_engines_register_with_a_running_router_and_leave_it_when_done(tiny_model, prompts, tmp_path):  # noqa: F811
     from slime.engines.router import Router
 

@@ -14,6 +14,7 @@ Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_p
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow  # ~27 s; the online check below stops a job at a broken push too
 def test_dump_mode_then_the_checker_find_a_wrong_mapping(tiny_model, prompts, tmp_path, monkeypatch):  # noqa: F811
     root = tmp_path / "sync"
     monkeypatch.setenv("DEBUG_SYNC_PARAMETERS_PATH", str(root))
