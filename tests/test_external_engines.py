@@ -14,6 +14,7 @@ from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fi
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~25 s; the flags and an unreachable engine are checked below
 def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_model, prompts, tmp_path):  # noqa: F811
     engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
     try:

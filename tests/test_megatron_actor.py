@@ -199,6 +199,7 @@ def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp
         )
 
 
+@pytest.mark.slow  # ~35 s; the actor, push and checkpoints are tested in process in this file and test_actor_push.py
 @pytest.mark.e2e
 def test_grpo_job_with_the_megatron_backend(tiny_model, prompts, tmp_path):  # noqa: F811
     """train.py as users start it: two GRPO rollouts at TP 2 on real Ray with a colocated torch

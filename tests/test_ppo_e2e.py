@@ -19,6 +19,7 @@ def records(tmp_path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~30 s; the job below (slow too) also runs PPO end to end, tests/test_actor_critic_group.py the step
 def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_path):  # noqa: F811
     """Colocated: the critic rank shares the train rank's bundle with the engine."""
     proc = run_job(
