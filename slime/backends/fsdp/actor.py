@@ -286,6 +286,11 @@ class FSDPTrainActor(TrainActorBase):
                 loss.backward()
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
+        return self._optimizer_step(sums)
+
+    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule; the step's metrics summed over the ranks,
+        with grad_norm and the learning rate the step used."""
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()

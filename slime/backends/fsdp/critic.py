@@ -146,13 +146,7 @@ class FSDPCritic(FSDPTrainActor):
             sums["value_loss"] += total.detach().double().cpu()
             sums["value_clipfrac"] += weighted_sum(clipped, weights).detach().double().cpu()
             total.backward()
-        grad_norm = self._clip_gradients()
-        lr = self.schedule.lr
-        self.optimizer.step()
-        self.schedule.step()
-        result = self._sum_over_ranks(sums)
-        result.update(grad_norm=grad_norm, lr=lr)
-        return result
+        return self._optimizer_step(sums)
 
     def save_hf(self, path: str) -> None:
         """A Hugging Face directory AutoModelForTokenClassification loads (config with one label and
