@@ -197,6 +197,13 @@ class TrainActorBase:
         return loss, gap
 
     @staticmethod
+    def _uncovered(batch: RolloutBatch, mine: list[int], index: list[int],
+                   per_sample: dict[int, list[float]]) -> int | None:  # fmt: skip
+        """The first of this rank's positions whose per-token list (keyed by sample index) is
+        missing or not one entry per response token; None when all are there."""
+        return next((p for p in mine if len(per_sample.get(index[p], ())) != batch.response_lengths[p]), None)
+
+    @staticmethod
     def _raise_agreed(problem: str | None) -> None:
         """BatchError on every rank with the first rank's `problem` (collective: a problem only one
         rank sees must not leave the others waiting in the next collective)."""
@@ -361,9 +368,7 @@ class TrainActorBase:
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
         if values is not None:  # every rank raises the first rank's error: none waits in a collective
             index = batch.sample_indices or part.positions
-            wrong = next(
-                (p for p in mine if len(values.get(index[p], ())) != batch.response_lengths[p]), None
-            )
+            wrong = self._uncovered(batch, mine, index, values)
             problem = None if wrong is None else (
                 f"sample {index[wrong]}: the critic's values do not cover its {batch.response_lengths[wrong]} response "
                 f"tokens ({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)")  # fmt: skip

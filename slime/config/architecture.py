@@ -79,7 +79,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "rotary_percent": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
         "use_rope_scaling": scaling_kind == "llama3",
         "rope_scaling_factor": factor,
-        **_hf_moe(config),
+        **hf_moe(config),
     }
     keys = {
         "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
@@ -99,7 +99,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
     return HFArchitecture(values, keys)
 
 
-def _hf_moe(config: Any) -> dict[str, Any]:
+def hf_moe(config: Any) -> dict[str, Any]:
     """An HF config's mixture of experts in Megatron-LM's terms (num_experts 0: dense)."""
     experts = getattr(config, "num_experts", None) or 0
     if not experts:

@@ -215,11 +215,11 @@ def problems(
         out += packages
     out += list(flag_problems(ns))
     out += architecture_problems(ns)
-    out += routing_replay_problems(ns)
+    out += moe_flag_problems(ns)
     return out
 
 
-def routing_replay_problems(ns: argparse.Namespace) -> list[str]:
+def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     """A flag only a mixture-of-experts model honours (MoEOptions.needs_moe), given with a dense
     --hf-checkpoint, is refused here by name with either backend.
 

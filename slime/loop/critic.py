@@ -22,30 +22,16 @@ the weight push.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from slime.backends.interface import TrainOutput
 from slime.loop.parts import EngineGroup, Rollout
 
 
-class PPOTrainGroup(Protocol):
-    """The calls the composite needs beyond TrainGroup's (slime.ray.train_group.RayTrainGroup)."""
-
-    resumed_rollout_id: int | None
-    resumed_data_state: dict[str, int] | None
-
-    def train(
-        self, rollout: Rollout, values: list[Any] | None = None, update: bool = True
-    ) -> TrainOutput: ...
-    def values(self, rollout: Rollout) -> list[Any]: ...
-    def train_values(self, rollout: Rollout, values: list[Any], returns: list[Any]) -> TrainOutput: ...
-    def save(self, rollout_id: int, data_state: dict[str, int] | None, path: str | None = None) -> None: ...
-    def wake(self) -> None: ...
-    def sleep(self, keep_params: bool = False) -> None: ...
-
-
 class ActorCritic:
-    """A TrainGroup of an actor group and a critic group (module docstring)."""
+    """A TrainGroup of an actor group and a critic group (module docstring). Both are
+    slime.ray.train_group.RayTrainGroup: `train(rollout, values, update)`, `values`,
+    `train_values`, and `save` / `save_hf` with the critic's place."""
 
     def __init__(
         self, actor: Any, critic: Any, num_critic_only_steps: int = 0, critic_save: str | None = None

@@ -99,15 +99,14 @@ class FSDPCritic(FSDPTrainActor):
         self.rollout_id = rollout_id
         return output
 
-    @staticmethod
-    def _missing(batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample,
+    @classmethod
+    def _missing(cls, batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample,
                  what: str) -> str | None:  # fmt: skip
-        for p in mine:
-            values = per_sample.get(index[p])
-            if values is None or len(values) != batch.response_lengths[p]:
-                got = "none" if values is None else f"{len(values)}"
-                return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
-        return None
+        p = cls._uncovered(batch, mine, index, per_sample)
+        if p is None:
+            return None
+        got = f"{len(per_sample[index[p]])}" if index[p] in per_sample else "none"
+        return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
 
     def _value_metrics(self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor],
                        ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip

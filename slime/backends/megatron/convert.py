@@ -174,9 +174,9 @@ SUPPORTED = {
 def _moe_shape(config: Any) -> dict[str, Any]:
     """The MoE fields of a Layout (none for a dense config). Shared experts (Qwen2-MoE, GLM,
     DeepSeek) are not converted yet: refused rather than dropped."""
-    from slime.config.architecture import _hf_moe
+    from slime.config.architecture import hf_moe
 
-    moe = _hf_moe(config)
+    moe = hf_moe(config)
     if not moe["num_experts"]:
         return {}
     if moe["moe_shared_expert_intermediate_size"]:

@@ -24,9 +24,9 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
     all-to-all dispatcher is the one megatron-core runs with variable-length micro-batches."""
     if not layout.num_experts:
         return {}
-    from slime.config.architecture import _hf_moe
+    from slime.config.architecture import hf_moe
 
-    moe = _hf_moe(hf_config)
+    moe = hf_moe(hf_config)
     return {
         "num_moe_experts": layout.num_experts,
         "moe_ffn_hidden_size": layout.moe_ffn_hidden_size,

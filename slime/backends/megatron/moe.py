@@ -113,9 +113,9 @@ class MegatronRouting(RouterHooks):
         """The hooks on a mixture-of-experts model's routers (None for a dense model)."""
         if not layout.num_experts:
             return None
-        from slime.config.architecture import _hf_moe
+        from slime.config.architecture import hf_moe
 
-        moe = _hf_moe(hf_config)
+        moe = hf_moe(hf_config)
         sp = mesh.tp if sequence_parallel else 1
         return cls(model, layout.num_layers, moe["moe_router_topk"], layout.num_experts,
                    renormalize=not moe["moe_router_pre_softmax"], recompute=recompute, sp_group=mesh.tp_group,
