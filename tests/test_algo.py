@@ -403,6 +403,9 @@ def test_opd_penalty_subtracts_the_reverse_kl_per_token():
         [torch.tensor([1.0, 1.0])], [torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, -1.0])], 0.5
     )
     assert torch.allclose(out[0], torch.tensor([0.75, 1.5]))
+    masked = opd_penalty([torch.tensor([0.0, 1.0])], [torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, -1.0])],
+                         0.5, [torch.tensor([0, 1])])  # fmt: skip
+    assert torch.allclose(masked[0], torch.tensor([0.0, 1.5]))  # a token outside the loss keeps its 0
     with pytest.raises(ValueError, match="sample 0: 2 advantages, 2 student and 1 teacher"):
         opd_penalty([torch.ones(2)], [torch.ones(2)], [torch.ones(1)], 1.0)
 

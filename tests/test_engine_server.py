@@ -96,6 +96,38 @@ def test_logprobs_match_teacher_forced_forward(engine, hf_model, temperature, to
         assert (engine_lp - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_input_logprobs_score_a_sequence_without_generating(engine, hf_model, tokenizer, temperature):
+    """slime's OPD teacher request: input_ids, max_new_tokens 0, return_logprob, logprob_start_len.
+    Every input token from the start position gets log softmax(logits / T) of a teacher-forced
+    forward (None for token 0); nothing is generated; a batch of unequal lengths pads correctly."""
+    seqs = [[5, 17, 30, 44, 9, 60, 11, 12], [7, 8, 9], [3] * 20 + [99, 100]]
+    starts = [0, 1, 15]
+    body = {
+        "input_ids": seqs,
+        "return_logprob": True,
+        "logprob_start_len": starts,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 0, "temperature": temperature, "skip_special_tokens": False},
+    }
+    status, results = raw_post(engine.url, "/generate", json.dumps(body))
+    assert status == 200, results
+    for ids, start, res in zip(seqs, starts, results, strict=True):
+        assert res["output_ids"] == [] and res["meta_info"]["completion_tokens"] == 0
+        entries = res["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in entries] == ids[start:]
+        assert [text for _, _, text in entries] == [tokenizer.decode([t]) for t in ids[start:]]
+        first = max(start, 1)
+        assert all(lp is None for lp, _, _ in entries[: first - start])
+        got = torch.tensor([lp for lp, _, _ in entries[first - start :]])
+        ref = teacher_forced_logprobs(hf_model, ids[:first], ids[first:], temperature)
+        assert (got - ref).abs().max().item() < 1e-5
+    status, err = raw_post(
+        engine.url, "/generate", json.dumps({**body, "input_ids": [1, 2], "logprob_start_len": 2})
+    )
+    assert status == 400 and "'logprob_start_len' 2 must be below the input's length (2 tokens)" in str(err)
+
+
 def test_greedy_equals_hf_generate(engine, hf_model, tokenizer):
     prompts = ["12+7=", "hello world", "<|im_start|>user\nabc<|im_end|>\n"]
     results = run(

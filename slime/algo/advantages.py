@@ -238,17 +238,22 @@ def opd_penalty(
     student_log_probs: Sequence[torch.Tensor],
     teacher_log_probs: Sequence[torch.Tensor],
     coef: float,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """On-policy distillation (slime's --use-opd): each token's advantage minus `coef` times the
     per-token reverse KL estimate log p_student - log p_teacher of the sampled token, after any
-    estimator and before whitening. Masked-out tokens (advantage 0 there) stay as they are."""
+    estimator and before whitening. With `masks`, tokens outside the loss keep their advantage
+    (0), as every estimator leaves them; slime subtracts there too, which no loss reads."""
     out = []
     for i, (a, s, t) in enumerate(zip(advantages, student_log_probs, teacher_log_probs, strict=True)):
         if not a.shape == s.shape == t.shape:
             raise ValueError(
                 f"sample {i}: {a.numel()} advantages, {s.numel()} student and {t.numel()} teacher log-probs"
             )
-        out.append(a - coef * (s.to(torch.float32) - t.to(torch.float32)))
+        penalty = coef * (s.to(torch.float32) - t.to(torch.float32))
+        if masks is not None:
+            penalty = penalty * masks[i].to(torch.float32)
+        out.append(a - penalty)
     return out
 
 

@@ -41,6 +41,9 @@ class RolloutBatch:
     rollout_routed_experts: list[Any] | None = None
     """Mixture-of-experts models: per sample, the experts the engine routed each token to,
     [tokens - 1, layers, top-k] (slime's field; --use-rollout-routing-replay trains with them)."""
+    teacher_log_probs: list[list[float]] | None = None
+    """On-policy distillation: the teacher's log-prob of each response token (slime's field; set
+    by the rollout's teacher engine, --opd-type sglang)."""
     rewards_normalized: bool = False
     """`rewards` came from --custom-reward-post-process-path: the advantages start from them as
     they are (no group baseline on the train side)."""
@@ -54,7 +57,7 @@ class RolloutBatch:
         if n == 0:
             raise BatchError("rollout batch is empty")
         for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs",
-                     "rollout_routed_experts"):  # fmt: skip
+                     "rollout_routed_experts", "teacher_log_probs"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
@@ -70,7 +73,7 @@ class RolloutBatch:
                     f"sample {i}: response_length {r_len} must be in [1, {length - 1}] for {length} tokens "
                     "(a sample needs at least one prompt and one response token)"
                 )
-            for name in ("loss_masks", "rollout_log_probs"):
+            for name in ("loss_masks", "rollout_log_probs", "teacher_log_probs"):
                 value = getattr(self, name)
                 if value is not None and len(value[i]) != r_len:
                     raise BatchError(
@@ -94,6 +97,7 @@ class RolloutBatch:
             loss_masks=pick(self.loss_masks),
             rollout_log_probs=pick(self.rollout_log_probs),
             rollout_routed_experts=pick(self.rollout_routed_experts),
+            teacher_log_probs=pick(self.teacher_log_probs),
             sample_indices=[base[i] for i in indices],
             rewards_normalized=self.rewards_normalized,
         )

@@ -91,6 +91,8 @@ class TrainActorBase:
 
     ref_state: dict[str, torch.Tensor] | None = None
     """This rank's part of the reference weights (None: the loss uses no reference)."""
+    teacher_state: dict[str, torch.Tensor] | None = None
+    """This rank's part of the OPD teacher's weights (--opd-type megatron; None otherwise)."""
 
     routing_tables: dict[int, torch.Tensor] | None = None
     """Routing replay during one `train` or `compute_log_probs` call: per batch position, the
@@ -130,19 +132,36 @@ class TrainActorBase:
             loss.custom_tis_function_path, loss.custom_pg_loss_reducer_function_path, self.cfg.plugin_args
         )
 
-    @contextlib.contextmanager
-    def _reference_weights(self) -> Iterator[None]:
+    def _reference_weights(self) -> contextlib.AbstractContextManager[None]:
         """Context: the reference weights are in the model, the actor's are restored after."""
         if self.ref_state is None:
             raise RuntimeError(
                 "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
             )
+        return self._weights_of(self.ref_state)
+
+    @contextlib.contextmanager
+    def _weights_of(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Context: `state` (a `_snapshot`-shaped set of weights) is in the model, the actor's
+        are restored after."""
         saved = self._snapshot()
-        self._copy_in(self.ref_state)
+        self._copy_in(state)
         try:
             yield
         finally:
             self._copy_in(saved)
+
+    @contextlib.contextmanager
+    def _teacher_weights(self) -> Iterator[None]:
+        """Context: the OPD teacher's weights are in the model (--opd-type megatron), routed by
+        its own routers (slime's fallthrough: no replay of the student's routing)."""
+        assert self.teacher_state is not None
+        tables, self.routing_tables = self.routing_tables, None
+        try:
+            with self._weights_of(self.teacher_state):
+                yield
+        finally:
+            self.routing_tables = tables
 
     def _micro_batch_loss(
         self,
@@ -373,6 +392,13 @@ class TrainActorBase:
                 f"sample {index[wrong]}: the critic's values do not cover its {batch.response_lengths[wrong]} response "
                 f"tokens ({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)")  # fmt: skip
             self._raise_agreed(problem)
+        opd = self.cfg.opd
+        if opd.enabled and not opd.in_train and batch.teacher_log_probs is None:  # every part alike
+            raise BatchError(
+                "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs' (the teacher "
+                "engine scores them during the rollout; a custom rollout, reward or post-process function must set "
+                "them; a replayed dump must have been made with OPD)"
+            )
         with self._routing_replay(batch, mine):
             return self._train(rollout_id, part, plans, mine, values, update)
 
@@ -381,7 +407,7 @@ class TrainActorBase:
         loss_cfg = self.cfg.loss
         batch = part.batch
         output = TrainOutput()
-        old = ref = None
+        old = ref = teacher = None
         start = time.perf_counter()
         compute = loss_cfg.compute_advantages_and_returns
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
@@ -396,20 +422,23 @@ class TrainActorBase:
             if loss_cfg.needs_ref:
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
-            output.rollout.update(self._rollout_metrics(batch, mine, old, ref))
+            teacher = self._teacher_log_probs(batch, mine, lp_plans)
+            output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
         advantages = returns = None
         if compute and loss_cfg.loss_type == "policy_loss":
             if critic_values is not None:
-                advantages, returns = self._ppo_advantages(part, mine, old, ref, critic_values)
+                advantages, returns = self._ppo_advantages(part, mine, old, ref, critic_values, teacher)
                 index = batch.sample_indices or part.positions
                 output.returns = {index[p]: returns[p].tolist() for p in mine}
             else:
-                advantages = self._advantages(part, mine, old, ref)
+                advantages = self._advantages(part, mine, old, ref, teacher)
         logprob_done = time.perf_counter()
         if self.cfg.save_debug_train_data:
-            self._save_train_data(rollout_id, part, mine, old, ref, advantages, critic_values, returns)
+            self._save_train_data(
+                rollout_id, part, mine, old, ref, advantages, critic_values, returns, teacher
+            )
         for k, step in enumerate(plans if update else []):
             compare = old if k == 0 and self.cfg.check_precision else None
             output.steps.append(
@@ -420,8 +449,31 @@ class TrainActorBase:
         self.rollout_id = rollout_id
         return output
 
+    def _teacher_log_probs(self, batch: RolloutBatch, mine: list[int],
+                           plans: list[StepPlan]) -> dict[int, torch.Tensor] | None:  # fmt: skip
+        """OPD's teacher log-probs of this rank's samples: from the train pass with the teacher's
+        weights (--opd-type megatron), or as the rollout's teacher engine gave them (None: no OPD)."""
+        opd = self.cfg.opd
+        if not opd.enabled:
+            return None
+        if opd.in_train:
+            with self._teacher_weights():
+                return self._log_prob_pass(batch, plans)
+        assert batch.teacher_log_probs is not None  # train() checked
+        return {p: torch.tensor(batch.teacher_log_probs[p], dtype=torch.float32) for p in mine}
+
+    def _opd(self, advantages: list[torch.Tensor], mine: list[int], old: Any, teacher: Any,
+             masks: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+        """The OPD penalty on the estimator's advantages (before whitening, as slime): the student
+        is the old policy (the engine's log-probs with --use-rollout-logprobs, as slime's)."""
+        if teacher is None:
+            return advantages
+        student = [old[p] for p in mine]
+        return adv.opd_penalty(advantages, student, [teacher[p] for p in mine], self.cfg.opd.kl_coef, masks)
+
     def _ppo_advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any,
-                        critic_values: dict[int, list[float]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
+                        critic_values: dict[int, list[float]],
+                        teacher: Any = None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
         """PPO: GAE over the critic's values (slime.algo.advantages.ppo_advantages), whitened
         with --normalize-advantages; and the returns (the critic's targets)."""
         cfg = self.cfg.loss
@@ -434,13 +486,15 @@ class TrainActorBase:
         advantages, returns = adv.ppo_advantages(
             rewards, values, masks, kl, cfg.kl_coef, cfg.gamma, cfg.lambd
         )
+        advantages = self._opd(advantages, mine, old, teacher, masks)  # the returns stay the critic's targets
         if cfg.normalize_advantages:
             stats = adv.whitening_stats(advantages, masks)
             dist.all_reduce(stats, group=self.dp_group)
             advantages = adv.whiten(advantages, masks, stats)
         return dict(zip(mine, advantages)), dict(zip(mine, returns))
 
-    def _advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any) -> dict[int, torch.Tensor]:
+    def _advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any,
+                    teacher: Any = None) -> dict[int, torch.Tensor]:  # fmt: skip
         cfg = self.cfg.loss
         # Groups are normalised over the whole rollout: a group's samples may sit on other replicas.
         if part.rewards_normalized or not cfg.rewards_normalization:
@@ -462,6 +516,7 @@ class TrainActorBase:
             kl_coef=cfg.kl_coef,
             gamma=cfg.gamma,
         )
+        values = self._opd(values, mine, old, teacher, masks)
         if cfg.normalize_advantages or cfg.advantage_estimator.startswith("reinforce_plus_plus"):
             stats = adv.whitening_stats(values, masks)
             dist.all_reduce(stats, group=self.dp_group)
@@ -478,10 +533,11 @@ class TrainActorBase:
         advantages: dict[int, torch.Tensor] | None,
         critic_values: dict[int, list[float]] | None = None,
         returns: dict[int, torch.Tensor] | None = None,
+        teacher: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
         `sample_index` (the sample's index in the rollout dump), so the two files join. PPO adds
-        the critic's `values` and the `returns` (slime's field names)."""
+        the critic's `values` and the `returns`, OPD the `teacher_log_probs` (slime's names)."""
         from slime.rollout.dump import TRAIN_FORMAT_VERSION, write_atomic
 
         def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
@@ -507,6 +563,7 @@ class TrainActorBase:
                     if critic_values is not None
                     else {}
                 ),
+                **({"teacher_log_probs": values(teacher, p)} if teacher is not None else {}),
             }
             for p in mine
         ]
@@ -531,12 +588,16 @@ class TrainActorBase:
         mine: list[int],
         old: dict[int, torch.Tensor],
         ref: dict[int, torch.Tensor] | None,
+        teacher: dict[int, torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """Token means over the loss mask, over all ranks: the trainer's log-probs, the
-        reference's and the engine's, their KL and the trainer-engine gap."""
+        reference's, the OPD teacher's and the engine's, the KL to the reference and to the
+        teacher (slime's opd_reverse_kl) and the trainer-engine gap."""
         names = ["log_probs"]
         if ref is not None:
             names += ["ref_log_probs", "kl"]
+        if teacher is not None:
+            names += ["teacher_log_probs", "opd_reverse_kl"]
         if batch.rollout_log_probs is not None:
             names += ["rollout_log_probs", "train_rollout_logprob_abs_diff"]
         sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # ..., number of tokens
@@ -547,6 +608,9 @@ class TrainActorBase:
             if ref is not None:
                 values["ref_log_probs"] = ref[p]
                 values["kl"] = approx_kl(old[p], ref[p], self.cfg.loss.kl_loss_type)
+            if teacher is not None:
+                values["teacher_log_probs"] = teacher[p]
+                values["opd_reverse_kl"] = old[p] - teacher[p]
             if batch.rollout_log_probs is not None:
                 engine = torch.tensor(batch.rollout_log_probs[p])
                 values["rollout_log_probs"] = engine

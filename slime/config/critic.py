@@ -15,6 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from slime.config.opd import OPDConfig
 from slime.config.train import TrainConfig
 
 
@@ -111,6 +112,7 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         moe=dataclasses.replace(actor.moe, use_routing_replay=False, use_rollout_routing_replay=False),
         check_precision=False,
         save_debug_train_data=None,
+        opd=OPDConfig(),  # the teacher is the actor's business
     )
     return CriticConfig(
         train=train,

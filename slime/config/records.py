@@ -4,10 +4,11 @@ builds them from the command line)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slime.config.critic import CriticConfig
 from slime.config.eval_sets import EvalDataset
+from slime.config.opd import OPDConfig
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.train import TrainConfig
 
@@ -192,3 +193,5 @@ class Config:
     args: argparse.Namespace  # for user functions with slime's f(args, ...) signatures only
     critic: CriticConfig | None = None
     """PPO's critic (--advantage-estimator ppo; slime.config.critic)."""
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    """On-policy distillation (--use-opd; slime.config.opd)."""

@@ -8,7 +8,6 @@ from typing import Any
 
 from slime.config.surface import APPLIED, NO_EFFECT, REFUSED, Spec, store_true
 
-OPD = "on-policy distillation is not built yet (issue 24)"
 CRITIC = "slime has no such flag either (its docs name it): the critic is on with --advantage-estimator ppo"
 MULTIMODAL = "multimodal (vision / audio) prompts are not supported: text models only"
 
@@ -79,11 +78,6 @@ SPECS: tuple[Spec, ...] = (
         APPLIED,
         "colocated engines keep their memory while the trainer trains (engines and trainer must fit together)",
     ),
-    _refused("--use-opd", store_true(), OPD),
-    _refused("--opd-type", {"default": None}, OPD),
-    _refused("--opd-kl-coef", {"type": float, "default": None}, OPD),
-    _refused("--opd-teacher-load", {"default": None}, OPD),
-    _refused("--opd-teacher-ckpt-step", {"type": int, "default": None}, OPD),
     _refused("--use-critic", store_true(), CRITIC),
     _refused(
         "--megatron-config-path",

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from slime.config.loss import ESTIMATORS, KL_TYPES, LOSS_TYPES, LossConfig
+from slime.config.opd import OPDConfig, opd_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -329,6 +330,8 @@ class TrainConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
     moe: MoEOptions = field(default_factory=MoEOptions)
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    """On-policy distillation (slime.config.opd): the penalty, and with --opd-type megatron the teacher."""
     plugin_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
     """The parsed command line, for slime's loss hooks (`fn(args, ...)`); only with a hook given."""
 
@@ -533,6 +536,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         megatron=_pick(MegatronConfig, ns),
         model=_pick(ModelOptions, ns),
         moe=_pick(MoEOptions, ns),
+        opd=opd_config(ns) if hasattr(ns, "use_opd") else OPDConfig(),
         plugin_args=_plugin_args(ns),
     )
 

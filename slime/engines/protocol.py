@@ -203,6 +203,11 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     """SGLang's field: report the experts each token was routed to (meta_info "routed_experts")."""
+    logprob_start_len: int = -1
+    """SGLang's field: with `return_logprob`, also report the log-prob of every input token from
+    this position on (meta_info "input_token_logprobs"; -1: output tokens only)."""
+    return_text_in_logprobs: bool = False
+    """SGLang's field: each log-prob entry carries its token's text (else null)."""
 
 
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
@@ -240,6 +245,9 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     return_logprob = _per_prompt(body.get("return_logprob", False), n, "return_logprob")
     top_n = _per_prompt(body.get("top_logprobs_num", 0), n, "top_logprobs_num")
     routed = _per_prompt(body.get("return_routed_experts", False), n, "return_routed_experts")
+    starts = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
+    with_text = body.get("return_text_in_logprobs", False)
+    _expect(isinstance(with_text, bool), "'return_text_in_logprobs' must be true or false")
     requests = []
     for i, prompt in enumerate(prompts):
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
@@ -248,6 +256,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
         _expect(isinstance(routed[i], bool), "'return_routed_experts' must be true or false")
         top = _as_int(top_n[i] or 0, "top_logprobs_num")
         _expect(top >= 0, f"'top_logprobs_num' must be >= 0, got {top}")
+        start = _as_int(-1 if starts[i] is None else starts[i], "logprob_start_len")
+        _expect(start >= -1, f"'logprob_start_len' must be >= -1, got {start}")
         requests.append(
             GenerateRequest(
                 rid=rid,
@@ -257,6 +267,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
                 return_logprob=return_logprob[i],
                 top_logprobs_num=top,
                 return_routed_experts=routed[i],
+                logprob_start_len=start,
+                return_text_in_logprobs=with_text,
             )
         )
     _expect(len({r.rid for r in requests}) == n, "'rid' values in one batch must be distinct")

@@ -384,7 +384,7 @@ class Sample:
             raise ValueError(f"sample {self.index}: weight_version_spans cover "
                              f"{sum(int(n) for _, n in self.weight_version_spans)} tokens, response_length is "
                              f"{self.response_length}")  # fmt: skip
-        for name in ("loss_mask", "rollout_log_probs"):
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
             value = getattr(self, name)
             if value is not None and len(value) != self.response_length:
                 raise ValueError(f"sample {self.index}: {name} has {len(value)} entries, response_length is "
@@ -440,6 +440,7 @@ def samples_to_batch(
     `post_processed`: the rewards of --custom-reward-post-process-path, trained on as they are."""
     have_lp = all(s.rollout_log_probs is not None for s in samples)
     have_routing = all(s.rollout_routed_experts is not None for s in samples)
+    have_teacher = all(s.teacher_log_probs is not None for s in samples)
     return RolloutBatch(
         tokens=[list(s.tokens) for s in samples],
         response_lengths=[s.response_length for s in samples],
@@ -451,5 +452,8 @@ def samples_to_batch(
         loss_masks=[_loss_mask(s) for s in samples],
         rollout_log_probs=[list(s.rollout_log_probs or []) for s in samples] if have_lp else None,
         rollout_routed_experts=[s.rollout_routed_experts for s in samples] if have_routing else None,
+        teacher_log_probs=[[float(x) for x in s.teacher_log_probs or []] for s in samples]
+        if have_teacher
+        else None,
         sample_indices=[s.index for s in samples],
     )

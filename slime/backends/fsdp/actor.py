@@ -25,6 +25,7 @@ from slime.backends.interface import RolloutBatch
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
+from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts
 from slime.utils.distributed import init_train_group
@@ -68,6 +69,10 @@ class FSDPTrainActor(TrainActorBase):
         self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
         if cfg.ref_load and cfg.loss.needs_ref:
             model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+        if cfg.opd.in_train:
+            assert cfg.opd.teacher_load is not None  # slime.config.opd checked
+            model_init.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
+                                              OTHER_ARCHITECTURE)  # fmt: skip
         self.rank, self.world_size = init_train_group(
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
@@ -99,6 +104,11 @@ class FSDPTrainActor(TrainActorBase):
                 )
             else:
                 self.ref_state = self._snapshot()
+        if cfg.opd.in_train:  # the teacher must have the student's parameters (names and shapes)
+            assert cfg.opd.teacher_load is not None
+            self.teacher_state = model_init.read_local_shards(
+                self.model, cfg.opd.teacher_load, self.rank, self.world_size
+            )
         resumed = None
         if cfg.load:
             resumed = self.load(cfg.load)

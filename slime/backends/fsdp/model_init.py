@@ -69,6 +69,26 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool 
     return config
 
 
+# What decides a parameter's name and shape in the architectures we build.
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+                "moe_intermediate_size", "attention_bias")  # fmt: skip
+
+
+def check_same_architecture(config: Any, path: str, flag: str, why: str) -> Any:
+    """Check `path` (named by `flag`) has the parameters of `config` (the --hf-checkpoint's), so
+    its weights load into the same model; returns its config. `why`: the fix, for the message."""
+    other = check_hf_checkpoint(path, flag)
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(config, name, None), getattr(other, name, None)
+        if mine != theirs:
+            raise CheckpointError(
+                f"{flag} {path!r}: {name} is {theirs!r}, --hf-checkpoint's is {mine!r}; the weights load into the "
+                f"student's model, so the architecture must be the same ({why})"
+            )
+    return other
+
+
 def weight_files(path: str) -> list[str]:
     names = sorted(os.listdir(path))
     safetensors = [n for n in names if n.endswith(".safetensors")]

@@ -37,6 +37,7 @@ from slime.backends.megatron.settings import check_moe, check_supported, recompu
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
+from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils.distributed import init_train_group
 
@@ -71,6 +72,10 @@ class MegatronTrainActor(TrainActorBase):
         self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
         if cfg.ref_load and cfg.loss.needs_ref:
             model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+        if cfg.opd.in_train:
+            assert cfg.opd.teacher_load is not None  # slime.config.opd checked
+            model_init.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
+                                              OTHER_ARCHITECTURE)  # fmt: skip
         unsupported = check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
@@ -123,6 +128,9 @@ class MegatronTrainActor(TrainActorBase):
             self.ref_state = (
                 self._snapshot() if ref_dir == cfg.hf_checkpoint else self._read_hf_shard(ref_dir)
             )
+        if cfg.opd.in_train:  # the teacher must have the student's architecture
+            assert cfg.opd.teacher_load is not None
+            self.teacher_state = self._read_hf_shard(cfg.opd.teacher_load)
         resumed = self.load(cfg.load) if cfg.load else None
         info = {
             "rank": self.rank,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slime.engines.protocol import GenerateRequest, ProtocolError
-from slime.engines.torch_engine.model_runner import load_model, make_runner
+from slime.engines.torch_engine.model_runner import input_log_probs, load_model, make_runner
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence
@@ -323,11 +323,17 @@ class TorchEngine:
                     f"'return_routed_experts': model_type {self.model.config.model_type!r} has no routed experts "
                     "this engine can record"
                 )
+        if req.return_logprob and req.logprob_start_len >= len(ids):
+            raise ProtocolError(
+                f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} tokens)"
+            )
         seq = Sequence(
             rid=req.rid,
             prompt_ids=ids,
             params=params,
             return_logprob=req.return_logprob,
+            logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+            return_text_in_logprobs=req.return_text_in_logprobs,
             # Top log-probs are only reported with return_logprob: don't compute them otherwise.
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_routed_experts=req.return_routed_experts,
@@ -348,6 +354,18 @@ class TorchEngine:
                 raise ProtocolError(
                     f"'rid' {taken[:5]} already names a request in flight; give each request its own rid"
                 )
+            scored = [s for s in seqs if s.logprob_start_len >= 0]
+            if scored:  # a teacher-forced forward of the inputs (slime's OPD teacher asks this)
+                t0 = time.perf_counter()
+                try:
+                    for seq, values in zip(scored, input_log_probs(
+                        self.model, [s.prompt_ids for s in scored], [s.logprob_start_len for s in scored],
+                        [s.params.temperature for s in scored], self.config.max_prefill_tokens,
+                        self.config.deterministic,
+                    )):  # fmt: skip
+                        seq.input_logprobs = values
+                finally:
+                    self.busy_seconds += time.perf_counter() - t0
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
                     self.scheduler.finish_without_decoding(seq)
@@ -417,6 +435,13 @@ class TorchEngine:
 
     decode = _detokenize
 
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text, special tokens included (SGLang's return_text_in_logprobs)."""
+        with self._tokenizer_lock:
+            return [
+                str(t) for t in self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+            ]
+
     def result_of(self, seq: Sequence, started: float) -> dict[str, Any]:
         """SGLang's /generate response object for one finished sequence."""
         text = self._detokenize(seq.output_ids, seq.params.skip_special_tokens)
@@ -434,9 +459,16 @@ class TorchEngine:
             "e2e_latency": time.perf_counter() - started,
         }
         if seq.return_logprob:
+            texts = self._token_texts if seq.return_text_in_logprobs else (lambda ids: [None] * len(ids))
             meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)
+                [lp, t, text]
+                for lp, t, text in zip(seq.output_logprobs, seq.output_ids, texts(seq.output_ids))
             ]
+            if seq.input_logprobs is not None:
+                ids = seq.prompt_ids[seq.logprob_start_len :]
+                meta["input_token_logprobs"] = [
+                    [lp, t, text] for lp, t, text in zip(seq.input_logprobs, ids, texts(ids))
+                ]
             if seq.top_logprobs_num:
                 meta["output_top_logprobs"] = [
                     [[lp, t, None] for lp, t in top] for top in seq.output_top_logprobs

@@ -38,6 +38,12 @@ class Sequence:
     routed_experts: list[Any] = field(default_factory=list)
     """With `return_routed_experts`: [tokens, layers, top-k] int32 tensors, in order, covering
     every token fed to the model so far (the runner writes them; see BatchedRunner)."""
+    logprob_start_len: int = -1
+    """With `return_logprob` and >= 0: the input tokens from here on get their log-probs."""
+    return_text_in_logprobs: bool = False
+    input_logprobs: list[float | None] | None = None
+    """The log-prob of each input token from `logprob_start_len` on (None for token 0: nothing
+    predicts it), computed when the request is admitted."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached: int = 0

@@ -1,0 +1,131 @@
+"""On-policy distillation (slime's --use-opd): a teacher scores the student's own samples, and each
+response token's advantage loses `--opd-kl-coef * (log p_student - log p_teacher)`, whatever the
+advantage estimator (slime.algo.advantages.opd_penalty).
+
+Where the teacher's log-probs come from (`--opd-type`):
+
+- `sglang`: an inference engine scores prompt + response during the rollout (no generation);
+  the log-probs travel on the sample (`teacher_log_probs`) and in the rollout dumps. The engine
+  is one the job starts from `--opd-teacher-load` (ours: slime expects a server it does not
+  start), or one already running at `--opd-teacher-url` (ours), or slime's recipe: the teacher
+  at `--rm-url` reached by `--custom-rm-path slime.rollout.on_policy_distillation.reward_func`
+  and its post-process function. Any architecture; the tokenizer must be the student's.
+- `megatron`: the teacher's weights (`--opd-teacher-load`, a Hugging Face directory of the
+  student's architecture) sit in the train backend beside the reference weights, and its
+  log-probs are computed in the train pass. Both train backends (FSDP and Megatron) do this.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+OPD_TYPES = ("sglang", "megatron")
+SLIME_RECIPE = "slime.rollout.on_policy_distillation"
+OTHER_ARCHITECTURE = "a teacher of another architecture goes with --opd-type sglang"
+
+
+@dataclass(frozen=True)
+class OPDConfig:
+    enabled: bool = False
+    """`--use-opd`."""
+    type: str | None = None
+    """`--opd-type`: sglang (a teacher engine during the rollout) or megatron (the train backend)."""
+    kl_coef: float = 1.0
+    """`--opd-kl-coef`: weight of the per-token reverse KL taken from the advantages."""
+    teacher_load: str | None = None
+    """`--opd-teacher-load`: the teacher's Hugging Face directory."""
+    teacher_url: str | None = None
+    """`--opd-teacher-url` (ours): a running engine to score with (--opd-type sglang)."""
+
+    @property
+    def teacher_engine(self) -> bool:
+        """Whether the job starts a teacher engine (--opd-type sglang with --opd-teacher-load)."""
+        return self.enabled and self.type == "sglang" and self.teacher_load is not None
+
+    @property
+    def scores_in_rollout(self) -> bool:
+        """Whether the rollout asks an engine of ours for teacher log-probs."""
+        return self.enabled and self.type == "sglang" and (self.teacher_load or self.teacher_url) is not None
+
+    @property
+    def in_train(self) -> bool:
+        """Whether the train ranks hold the teacher's weights (--opd-type megatron)."""
+        return self.enabled and self.type == "megatron"
+
+
+def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("on-policy distillation (slime's --use-opd)")
+    g.add_argument("--use-opd", action="store_true", default=False,
+                   help="distil from a teacher on the student's samples: the per-token reverse KL "
+                   "log p_student - log p_teacher, times --opd-kl-coef, comes off every advantage")  # fmt: skip
+    g.add_argument("--opd-type", choices=OPD_TYPES, default=None,
+                   help="sglang: a teacher engine scores each sample during the rollout; megatron: the train "
+                   "backend (FSDP or Megatron) holds the teacher's weights and scores in the train pass")  # fmt: skip
+    g.add_argument(
+        "--opd-kl-coef", type=float, default=None, help="the reverse KL's weight (default 1.0, slime's)"
+    )
+    g.add_argument("--opd-teacher-load", default=None,
+                   help="the teacher's Hugging Face directory: --opd-type megatron loads it into the train ranks (the "
+                   "student's architecture); --opd-type sglang starts an engine on it (any architecture, the "
+                   "student's tokenizer)")  # fmt: skip
+    g.add_argument(
+        "--opd-teacher-url",
+        default=None,
+        help="(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher",
+    )
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None,
+                   help="slime's: a step of a Megatron teacher checkpoint; refused here (the teacher is a Hugging "
+                   "Face directory)")  # fmt: skip
+
+
+def opd_config(ns: argparse.Namespace) -> OPDConfig:
+    """The OPD settings of parsed flags; ValueError names the flag on bad input."""
+    given = [f for f, v in (("--opd-type", ns.opd_type), ("--opd-kl-coef", ns.opd_kl_coef),
+                            ("--opd-teacher-load", ns.opd_teacher_load), ("--opd-teacher-url", ns.opd_teacher_url),
+                            ("--opd-teacher-ckpt-step", ns.opd_teacher_ckpt_step)) if v is not None]  # fmt: skip
+    if not ns.use_opd:
+        if given:
+            raise ValueError(f"{given[0]} sets on-policy distillation: add --use-opd (or drop the flag)")
+        return OPDConfig()
+    if ns.opd_type is None:
+        raise ValueError(
+            "--use-opd needs --opd-type sglang (a teacher engine) or megatron (the train backend)"
+        )
+    if ns.opd_teacher_ckpt_step is not None:
+        raise ValueError(
+            "--opd-teacher-ckpt-step picks a step of a Megatron checkpoint; here --opd-teacher-load is a Hugging "
+            "Face directory (convert a Megatron teacher with slime.tools.convert_megatron_to_hf)"
+        )
+    kl_coef = 1.0 if ns.opd_kl_coef is None else ns.opd_kl_coef
+    if not kl_coef >= 0:
+        raise ValueError(f"--opd-kl-coef must be >= 0, got {ns.opd_kl_coef}")
+    if getattr(ns, "loss_type", "policy_loss") != "policy_loss":
+        raise ValueError(f"--use-opd changes the advantages: --loss-type {ns.loss_type} has none")
+    if ns.opd_type == "megatron":
+        if ns.opd_teacher_url is not None:
+            raise ValueError(
+                "--opd-teacher-url names a teacher engine: it goes with --opd-type sglang, not megatron"
+            )
+        if ns.opd_teacher_load is None:
+            raise ValueError(
+                "--opd-type megatron needs --opd-teacher-load: the teacher's Hugging Face directory"
+            )
+    elif ns.opd_teacher_load is not None and ns.opd_teacher_url is not None:
+        raise ValueError(
+            "--opd-teacher-load starts a teacher engine and --opd-teacher-url names a running one: give one of them"
+        )
+    elif ns.opd_teacher_load is None and ns.opd_teacher_url is None and not _own_functions(ns):
+        raise ValueError(
+            "--opd-type sglang needs a teacher: --opd-teacher-load DIR (the job starts an engine on it), "
+            "--opd-teacher-url URL (a running engine), or slime's recipe (--custom-rm-path "
+            f"{SLIME_RECIPE}.reward_func --custom-reward-post-process-path {SLIME_RECIPE}.post_process_rewards "
+            "--rm-url URL)"
+        )
+    return OPDConfig(True, ns.opd_type, kl_coef, ns.opd_teacher_load, ns.opd_teacher_url)
+
+
+def _own_functions(ns: argparse.Namespace) -> bool:
+    """User functions that may set `teacher_log_probs` themselves (slime's recipe is one)."""
+    return any(getattr(ns, name, None) for name in ("custom_rm_path", "custom_reward_post_process_path",
+                                                     "rollout_function_path", "custom_generate_function_path"))  # fmt: skip
