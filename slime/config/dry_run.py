@@ -186,22 +186,21 @@ def _train_lines(config: Config, samples: int) -> list[str]:
 def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     """Which node and device holds which train rank and engine (Ray packs the bundles in order onto
     nodes of --num-gpus-per-node devices, default --actor-num-gpus-per-node)."""
-    from slime.ray.placement import plan_placement
+    from slime.ray.placement import job_placement
 
-    c, d = config.cluster, config.debug
-    placement = plan_placement(
-        c, not d.rollout_only, not d.train_only, config.critic.num_ranks if config.critic else 0
-    )
+    c = config.cluster
+    placement = job_placement(config)
     per_node = ns.num_gpus_per_node or c.actor_num_gpus_per_node
     unit = "GPU" if c.device == "cuda" else "CPU process"
     nodes: dict[int, list[str]] = {}
     for rank, slot in enumerate(placement.train):
         b = slot.bundles[0]
         nodes.setdefault(b // per_node, []).append(f"train rank {rank}: {unit} {b % per_node}")
-    for j, slot in enumerate(placement.engines):
+    named = [(f"engine {j}", slot) for j, slot in enumerate(placement.engines)]
+    for name, slot in named + [("OPD teacher engine", slot) for slot in placement.teacher]:
         where = ",".join(str(b % per_node) for b in slot.bundles)
         spans = {b // per_node for b in slot.bundles}
-        text = f"engine {j}: {unit} {where}" + (" (SPANS NODES)" if len(spans) > 1 else "")
+        text = f"{name}: {unit} {where}" + (" (SPANS NODES)" if len(spans) > 1 else "")
         nodes.setdefault(min(spans), []).append(text)
     for rank, slot in enumerate(placement.critic):
         b = slot.bundles[0]

@@ -16,7 +16,7 @@ from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
 from slime.ray.inputs import check_inputs
 from slime.ray.job import Job
-from slime.ray.placement import data_parallel_size, plan_placement
+from slime.ray.placement import data_parallel_size, job_placement
 from slime.ray.rollout_source import ContinuousRollouts, GeneratedRollouts, ReplayedRollouts
 from slime.ray.waiting import Progress
 
@@ -40,10 +40,7 @@ def start_ray(config: Config) -> None:
     if not address and config.cluster.device == "cpu":
         # A local CPU cluster: each "GPU" is one process, not one core, so the logical CPU
         # count must cover every bundle even on a 2-core machine.
-        critic = config.critic.num_ranks if config.critic else 0
-        needed = plan_placement(
-            config.cluster, not config.debug.rollout_only, not config.debug.train_only, critic
-        ).num_bundles
+        needed = job_placement(config).num_bundles
         init["num_cpus"] = max(os.cpu_count() or 1, needed)
     ray.init(address=address or "local", **init)
 

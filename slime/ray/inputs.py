@@ -42,6 +42,24 @@ def input_problems(config: Config, weights: bool = True, reach: bool = True) -> 
     return out
 
 
+def _teacher_checks(config: Config, weights: bool) -> Iterator[Callable[[], object]]:
+    """--opd-teacher-load: the student's architecture (in the train ranks), or its tokenizer (an
+    engine), where the mode uses the teacher (a train-only replay takes the dumps' log-probs)."""
+    from slime.backends.fsdp.model_init import check_hf_checkpoint, check_same_architecture
+    from slime.config.opd import OTHER_ARCHITECTURE
+    from slime.rollout.teacher import check_same_tokenizer
+
+    opd, t, d = config.opd, config.train, config.debug
+    if opd.teacher_load is None or (d.rollout_only if opd.in_train else d.train_only):
+        return
+    if opd.in_train:
+        yield lambda: check_same_architecture(check_hf_checkpoint(t.hf_checkpoint, weights=False), opd.teacher_load,
+                                              "--opd-teacher-load", OTHER_ARCHITECTURE)  # fmt: skip
+    else:
+        yield functools.partial(check_hf_checkpoint, opd.teacher_load, "--opd-teacher-load", weights=weights)
+        yield functools.partial(check_same_tokenizer, t.hf_checkpoint, opd.teacher_load)
+
+
 def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[], object]]:
     from slime.algo.plugins import REDUCER_FLAG, TIS_FLAG
     from slime.backends.fsdp.model_init import check_hf_checkpoint
@@ -55,6 +73,7 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
         yield functools.partial(load_function, config.debug.phase_hook, "--debug-phase-hook")
     if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
         yield functools.partial(check_hf_checkpoint, t.ref_load, "--ref-load", weights=weights)
+    yield from _teacher_checks(config, weights)
     ip, port = config.cluster.router_ip, config.cluster.router_port
     if reach and ip is not None and port is not None and not config.debug.train_only:
         yield functools.partial(_router_answers, ip, port)

@@ -25,7 +25,7 @@ from slime.ray.actors import (
     with_init_errors,
 )
 from slime.ray.engine_group import RayEngineGroup, attach_external
-from slime.ray.placement import Placement, Slot, data_parallel_size, plan_placement
+from slime.ray.placement import Placement, Slot, data_parallel_size, job_placement
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import RayTrainGroup
 from slime.ray.waiting import Progress, wait_refs
@@ -60,8 +60,7 @@ class Job:
         c = config.cluster
         self.with_trainer = not config.debug.rollout_only
         self.with_engines = not config.debug.train_only
-        critic = config.critic.num_ranks if config.critic else 0
-        self.placement: Placement = plan_placement(c, self.with_trainer, self.with_engines, critic)
+        self.placement: Placement = job_placement(config)
         self.pg = placement_group(self.placement.bundle_specs(), strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -90,6 +89,8 @@ class Job:
         self.dp_size = data_parallel_size(config) if self.with_trainer else None
         self.manager: Any = None
         self.engines: list[Any] = []
+        self.teacher: Any = None  # the OPD teacher engine (--opd-type sglang --opd-teacher-load)
+        self.teacher_url: str | None = None
         self.train: list[Any] = []
         self.critic: list[Any] = []  # PPO's critic ranks (slime.backends.fsdp.critic)
         self.critic_infos: list[dict[str, Any]] = []
@@ -111,8 +112,18 @@ class Job:
         wait for every one (the first failure ends the wait), then connect the manager to the
         engines. Engines that share GPUs with the train ranks (--colocate) start first."""
         c, res = self.config.cluster, self.placement.resource
-        self.engine_gpus = self._engine_gpus() if c.rollout_backend == "sglang" else {}
+        slots = [*self.placement.engines, *self.placement.teacher]
+        self.engine_gpus = self._engine_gpus(slots) if c.rollout_backend == "sglang" else {}
         self.engines = [self._launch_engine(j, f"engine{j}.log") for j in range(len(self.placement.engines))]
+        if self.placement.teacher:
+            assert self.config.opd.teacher_load is not None
+            self.teacher = self._start_engine(
+                self.placement.teacher[0],
+                len(self.placement.engines),
+                self.config.opd.teacher_load,
+                "teacher.log",
+                dump=False,
+            )
         # The rollout manager runs unless rollouts are replayed from dumps (train-only with a
         # rollout function keeps it, with no engines). Two threads: the progress bar reads the
         # sample count while a generation runs.
@@ -122,7 +133,7 @@ class Job:
                 .options(num_cpus=0, max_concurrency=2)
                 .remote(self.config, self.log_dir, self.dp_size, self.api_key)
             )
-        readies = [e.ready.remote() for e in self.engines]
+        readies = [e.ready.remote() for e in [*self.engines, *([self.teacher] if self.teacher else [])]]
         if c.colocate and res == "GPU":  # engines size their memory from what is free: before the trainer
             wait_refs(readies)
         world = c.num_train_ranks
@@ -157,8 +168,10 @@ class Job:
             self.engine_nodes = ray.get([e.node_ip.remote() for e in self.engines])
         elif c.external_engine_addrs and self.with_engines:
             self.engine_urls = list(c.external_engine_addrs)
+        if self.teacher is not None:
+            self.teacher_url = ray.get(self.teacher.url.remote())
         if self.manager is not None:
-            ray.get(self.manager.connect.remote(self.engine_urls))
+            ray.get(self.manager.connect.remote(self.engine_urls, self.teacher_url))
 
     def topology(self, urls: list[str], indices: list[int]) -> PushTopology:
         """The weight push's topology (slime.bridge.topology) for engines `indices`, now at `urls`."""
@@ -219,10 +232,9 @@ class Job:
         self.train_group = train
         return train, engines
 
-    def _engine_gpus(self) -> dict[int, list[str] | None]:
-        """--rollout-backend sglang: engine j -> the GPU ids of its bundles (one node), learned by
-        running a task in each bundle; None for every engine on a CPU cluster."""
-        slots = self.placement.engines
+    def _engine_gpus(self, slots: list[Slot]) -> dict[int, list[str] | None]:
+        """--rollout-backend sglang: engine j (of `slots`) -> the GPU ids of its bundles (one
+        node), learned by running a task in each bundle; None for every engine on a CPU cluster."""
         if self.placement.resource != "GPU":
             return {j: None for j in range(len(slots))}
         bundles = sorted({b for s in slots for b in s.bundles})
@@ -244,13 +256,17 @@ class Job:
         return gpus
 
     def _launch_engine(self, j: int, log_name: str) -> Any:
-        slot = self.placement.engines[j]
+        return self._start_engine(self.placement.engines[j], j, self.config.train.hf_checkpoint, log_name)
+
+    def _start_engine(self, slot: Slot, j: int, model_path: str, log_name: str, dump: bool = True) -> Any:
+        """An engine on `model_path` in `slot` (`j`: its index in `_engine_gpus`); `dump`: it
+        writes --debug-sync-parameters dumps (the rollout engines do, the teacher does not)."""
         options = _in(self.pg, slot, self.placement.resource)
         log_path = os.path.join(self.log_dir, log_name)
         c, t = self.config.cluster, self.config.train
         if c.rollout_backend == "sglang":
             launch = {
-                "model_path": t.hf_checkpoint, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
+                "model_path": model_path, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
                 "deterministic": t.deterministic, "memory_saver": c.offload_rollout, "weight_version": "0",
                 "extra_args": tuple(c.sglang_server_args), "api_key": self.api_key,
             }  # fmt: skip
@@ -263,7 +279,7 @@ class Job:
         return (
             ray.remote(with_init_errors(EngineActor))
             .options(**options)
-            .remote(t.hf_checkpoint, self.engine_args, log_path, self.api_key, self.dump_dir)
+            .remote(model_path, self.engine_args, log_path, self.api_key, self.dump_dir if dump else None)
         )
 
     def banner(self) -> str:
@@ -278,6 +294,8 @@ class Job:
         lines = [f"mode: {mode}", *getattr(self.config.args, "resolution", [])]
         lines += [f"{k}: {v}" for k, v in describe(self.config).items()] + self.placement.describe()
         lines.append(f"engines: {', '.join(self.engine_urls) or 'none'}")
+        if self.teacher_url is not None:
+            lines.append(f"OPD teacher engine: {self.teacher_url} ({self.config.opd.teacher_load})")
         if self.rendezvous is not None:
             nodes = ", ".join(info["node_ip"] for info in self.infos)
             lines.append(
@@ -297,7 +315,7 @@ class Job:
         # each failure is logged, and none stops the others from being waited for.
         calls = [t.close.remote() for t in [*self.train, *self.critic]]
         calls += [self.manager.close.remote()] if self.manager is not None else []
-        calls += [e.stop.remote() for e in self.engines]
+        calls += [e.stop.remote() for e in [*self.engines, *([self.teacher] if self.teacher else [])]]
         if calls:
             ray.wait(calls, num_returns=len(calls), timeout=60)
         for call in calls:

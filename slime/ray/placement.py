@@ -8,6 +8,7 @@ first bundles, engines the rest. Colocated: engine j shares the bundles of train
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from slime.config.arguments import ClusterConfig, Config
@@ -34,6 +35,9 @@ class Placement:
     train: tuple[Slot, ...]
     engines: tuple[Slot, ...]
     critic: tuple[Slot, ...] = ()
+    teacher: tuple[Slot, ...] = ()
+    """The OPD teacher engine the job starts (--opd-teacher-load with --opd-type sglang): bundles
+    of its own after every other, never shared (it scores while the engines generate)."""
 
     def bundle_specs(self) -> list[dict[str, float]]:
         if self.resource == "GPU":
@@ -49,14 +53,28 @@ class Placement:
             lines.append(f"engine {j}: bundle(s) {where} ({slot.share:g} {self.resource} each)")
         for rank, slot in enumerate(self.critic):
             lines.append(f"critic rank {rank}: bundle {slot.bundles[0]} ({slot.share:g} {self.resource})")
+        for slot in self.teacher:
+            lines.append(
+                f"OPD teacher engine: bundle(s) {', '.join(map(str, slot.bundles))} (1 {self.resource} each)"
+            )
         return lines
 
 
 def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engines: bool = True,
-                   num_critic: int = 0) -> Placement:  # fmt: skip
+                   num_critic: int = 0, teacher: bool = False) -> Placement:  # fmt: skip
     """The bundles and slots for a layout (either side can be left out, as the debug modes do).
     `num_critic`: PPO's critic ranks: with --colocate in the train ranks' bundles (critic rank r
-    with train rank r), else in bundles of their own after the engines'."""
+    with train rank r), else in bundles of their own after the engines'. `teacher`: the OPD
+    teacher engine, --rollout-num-gpus-per-engine bundles of its own at the end (only with engines)."""
+    plan = _plan(cluster, with_trainer, with_engines, num_critic)
+    if not (teacher and with_engines):
+        return plan
+    tp = cluster.rollout_num_gpus_per_engine
+    slot = Slot(tuple(range(plan.num_bundles, plan.num_bundles + tp)), 1.0)
+    return dataclasses.replace(plan, num_bundles=plan.num_bundles + tp, teacher=(slot,))
+
+
+def _plan(cluster: ClusterConfig, with_trainer: bool, with_engines: bool, num_critic: int) -> Placement:
     resource = "GPU" if cluster.device == "cuda" else "CPU"
     tp = cluster.rollout_num_gpus_per_engine
     num_train = cluster.num_train_ranks if with_trainer else 0
@@ -83,6 +101,13 @@ def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engin
     first = num_train + num_engines * tp
     critic = tuple(Slot((first + r,), 1.0) for r in range(num_critic))
     return Placement(resource, first + num_critic, train, engines, critic)
+
+
+def job_placement(config: Config) -> Placement:
+    """The placement of a job's processes, from its configuration."""
+    d = config.debug
+    return plan_placement(config.cluster, not d.rollout_only, not d.train_only,
+                          config.critic.num_ranks if config.critic else 0, config.opd.teacher_engine)  # fmt: skip
 
 
 def data_parallel_size(config: Config) -> int:

@@ -39,6 +39,7 @@ from slime.rollout.health import EngineHealth, HealthMonitor
 from slime.rollout.rewards import RewardModel, load_function
 from slime.rollout.sample import Sample, group_samples
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
+from slime.rollout.teacher import TeacherScorer
 from slime.utils.async_utils import run
 from slime.utils.net import host_port
 
@@ -119,6 +120,8 @@ class RolloutManager:
         off, with their tokens, continued first by the next rollout."""
         self.phase = load_phase_hook(config.debug.phase_hook)
         self.health: EngineHealth | None = None
+        self.teacher: TeacherScorer | None = None
+        """--use-opd --opd-type sglang: the teacher engine that scores each training sample."""
         self.monitor: HealthMonitor | None = None
         # Per evaluation set: (set, prompts, reward, generate function); its own ones replace the rollout's.
         self.eval_sets = [
@@ -138,11 +141,16 @@ class RolloutManager:
             return self.generate_fn
         return load_function(path, f"{eval_flag(ds)} custom_generate_function_path")
 
-    def connect(self, engine_urls: list[str]) -> None:
-        """Generate with the engines at `engine_urls` (once, before the first rollout)."""
+    def connect(self, engine_urls: list[str], teacher_url: str | None = None) -> None:
+        """Generate with the engines at `engine_urls` (once, before the first rollout); score
+        with the OPD teacher at `teacher_url` (an engine the job started) or --opd-teacher-url."""
         assert not self.engine_urls, "connect() runs once"
         config, r = self.config, self.config.rollout
         self.engine_urls = list(engine_urls)
+        url = teacher_url or config.opd.teacher_url
+        if config.opd.scores_in_rollout and url is not None:
+            self.teacher = TeacherScorer(url, EngineClient(url, self.client_config), r.sampling.temperature)
+            run(self.teacher.check(self.tokenizer, config.train.hf_checkpoint))
         # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
         # the router in front of every engine, or (torch engines without a router) engine 0.
         self.router = self._router()
@@ -235,6 +243,8 @@ class RolloutManager:
             run(pool.close())
         if self.monitor is not None:
             self.monitor.stop()
+        if self.teacher is not None:
+            run(self.teacher.client.close())
         if self.router is None:
             return
         if self.router.proc is not None:
@@ -306,6 +316,10 @@ class RolloutManager:
     ) -> Rollout:
         import ray
 
+        if self.teacher is not None:  # samples a rollout function made (the built-in's are scored)
+            start_teacher = time.perf_counter()
+            run(self.teacher.score_all(samples))
+            extra["time/teacher"] = extra.get("time/teacher", 0.0) + time.perf_counter() - start_teacher
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
@@ -488,7 +502,7 @@ async def _start_pool(manager: RolloutManager, version: int) -> ContinuousPool:
         manager.generate_fn, Progress(), manager._seed_keys("continuous"), manager.health, None,
         route_to_engine=manager.router is None,
     )  # fmt: skip
-    gen.mask_offpolicy = r.asynchrony.mask_offpolicy
+    gen.mask_offpolicy, gen.teacher = r.asynchrony.mask_offpolicy, manager.teacher
     concurrency = manager.config.args.sglang_server_concurrency * max(1, len(clients))
     cap = -(-concurrency // r.sampling.n_samples_per_prompt)
     pool = ContinuousPool(
@@ -544,6 +558,8 @@ async def _generate(
         asynchrony = manager.config.rollout.asynchrony
         if asynchrony.partial and not which[1]:
             gen.carry, gen.mask_offpolicy = manager.carried, asynchrony.mask_offpolicy
+        if not which[1]:  # evaluation samples are not trained on: no teacher
+            gen.teacher = manager.teacher
         result = await gen.generate_rollout()
         metrics = result.filter_metrics()
         if not which[1] and manager.config.cluster.rollout_backend == "torch":

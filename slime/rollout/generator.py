@@ -115,6 +115,9 @@ class RolloutGenerator:
         self._by_url = {c.base_url: c for c in clients}
         self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
         self.mask_offpolicy = False
+        self.teacher: Any = None
+        """--use-opd --opd-type sglang: a slime.rollout.teacher.TeacherScorer; each finished group
+        is scored with it after its reward."""
         """--mask-offpolicy-in-partial-rollout: a continued sample's earlier tokens leave the loss."""
         self.carry: list[tuple[Prompt, list[Sample]]] | None = None
         """--partial-rollout outside the continuous schedule: the groups over-sampling cut off, with
@@ -239,6 +242,8 @@ class RolloutGenerator:
             return samples
         start = time.perf_counter()
         await score_unscored(self.reward, samples, "--custom-generate-function-path")
+        if self.teacher is not None:
+            await self.teacher.score(samples)
         self.progress.reward_seconds += time.perf_counter() - start
         return samples
 

@@ -17,17 +17,20 @@ from slime.rollout.sample import Sample, Status, samples_to_batch
 def rollout_metrics(
     samples: list[Sample], reward_key: str | None, prefix: str = "rollout"
 ) -> dict[str, float]:
-    rewards = [s.scalar_reward(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     lps = [lp for s in samples for lp in (s.rollout_log_probs or [])]
     out = {
-        f"{prefix}/reward_mean": statistics.fmean(rewards),
         f"{prefix}/response_length_mean": statistics.fmean(lengths),
         f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         f"{prefix}/num_samples": float(len(samples)),
     }
-    if all(r in (0.0, 1.0) for r in rewards):
-        out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
+    # A dict reward without --reward-key has no mean (slime's OPD recipe: the teacher's answer,
+    # which --custom-reward-post-process-path turns into the rewards trained on).
+    if reward_key is not None or not any(isinstance(s.reward, dict) for s in samples):
+        rewards = [s.scalar_reward(reward_key) for s in samples]
+        out[f"{prefix}/reward_mean"] = statistics.fmean(rewards)
+        if all(r in (0.0, 1.0) for r in rewards):
+            out[f"{prefix}/accuracy"] = statistics.fmean(rewards)
     if lps and prefix != "rollout":  # a rollout's are reported by the trainer, over its loss mask
         out[f"{prefix}/rollout_log_probs"] = statistics.fmean(lps)
     return out

@@ -1,0 +1,131 @@
+"""The OPD teacher engine's side of the rollout (--use-opd --opd-type sglang): each finished
+sample's prompt + response goes to the teacher as input ids with no generation, and the teacher's
+log-prob of every response token lands on the sample (`teacher_log_probs`, slime's field), at
+the rollout temperature. A teacher may have another architecture, never another vocabulary: the
+tokenizers are compared before the job starts (`check_same_tokenizer`) and the engine is asked
+what its token ids mean at connection (`TeacherScorer.check`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from slime.engines.client import EngineClient, EngineError
+from slime.rollout.sample import Sample
+from slime.utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+PROBE_IDS = 256
+"""Token ids the engine is asked to name at connection (spread over the vocabulary)."""
+
+
+def check_same_tokenizer(student: str, teacher: str, flag: str = "--opd-teacher-load") -> None:
+    """Refuse a teacher directory whose tokenizer maps ids to other tokens than --hf-checkpoint's
+    (UsageError naming both). A teacher directory without tokenizer files is left to the
+    engine's check at connection."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(teacher, f)) for f in TOKENIZER_FILES):
+        return
+    mine, theirs = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    if a == b:
+        return
+    by_id_a, by_id_b = {i: t for t, i in a.items()}, {i: t for t, i in b.items()}
+    differ = next((i for i in sorted(by_id_a) if by_id_a[i] != by_id_b.get(i)), None)
+    example = (f"; id {differ} is {by_id_a[differ]!r} in the student's and {by_id_b.get(differ)!r} in the teacher's"
+               if differ is not None else "")  # fmt: skip
+    raise UsageError(
+        f"{flag} {teacher!r}: its tokenizer ({len(b)} tokens) is not --hf-checkpoint {student!r}'s ({len(a)} "
+        f"tokens){example}. The teacher scores the student's token ids, so both need one vocabulary"
+    )
+
+
+class TeacherScorer:
+    """Asks a teacher engine (SGLang's /generate protocol) for the log-probs of samples."""
+
+    def __init__(self, url: str, client: EngineClient, temperature: float):
+        self.url = url
+        self.client = client
+        self.temperature = temperature
+
+    def _payload(self, ids: list[list[int]], starts: list[int], with_text: bool = False) -> dict[str, Any]:
+        # slime's reward_func asks this with logprob_start_len 0; starting at the response keeps the
+        # answer (and the engine's work of reporting it) to the response tokens.
+        return {
+            "input_ids": ids,
+            "sampling_params": {
+                "temperature": self.temperature,
+                "max_new_tokens": 0,
+                "skip_special_tokens": False,
+            },
+            "return_logprob": True,
+            "logprob_start_len": starts,
+            "return_text_in_logprobs": with_text,
+        }
+
+    async def check(self, tokenizer: Any, student: str) -> None:
+        """Refuse a teacher whose token ids mean other tokens (UsageError naming both): it is
+        asked to name ids spread over the student's vocabulary and its special tokens."""
+        size = len(tokenizer)
+        step = max(1, size // PROBE_IDS)
+        ids = sorted({*range(0, size, step), *tokenizer.all_special_ids, size - 1})
+        try:
+            answer = await self.client.request("POST", "/generate", self._payload([ids], [0], True))
+        except EngineError as e:
+            raise UsageError(
+                f"the OPD teacher at {self.url} cannot score the student's token ids 0..{size - 1} ({e.message}): "
+                f"is its vocabulary --hf-checkpoint {student!r}'s?"
+            ) from e
+        entries = _entries(answer[0] if isinstance(answer, list) else answer)
+        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        for (_, token, text), mine, expected in zip(entries, ids, texts, strict=False):
+            if token != mine or (text is not None and text != expected):
+                raise UsageError(
+                    f"the OPD teacher at {self.url} has another tokenizer than --hf-checkpoint {student!r}: token id "
+                    f"{mine} is {text!r} there and {expected!r} here. The teacher scores the student's token ids, "
+                    "so both need one vocabulary"
+                )
+        if len(entries) != len(ids):
+            raise UsageError(f"the OPD teacher at {self.url} answered {len(entries)} input log-probs for {len(ids)} "
+                             "tokens: it does not speak SGLang's logprob_start_len")  # fmt: skip
+
+    async def score(self, samples: list[Sample]) -> None:
+        """Set `teacher_log_probs` on every sample that has none (one request for all of them)."""
+        todo = [s for s in samples if s.teacher_log_probs is None]
+        for s in todo:
+            if s.response_length == 0:
+                s.teacher_log_probs = []
+        todo = [s for s in todo if s.response_length > 0]
+        if not todo:
+            return
+        ids = [list(s.tokens) for s in todo]
+        starts = [len(s.tokens) - s.response_length for s in todo]
+        answer = await self.client.request("POST", "/generate", self._payload(ids, starts))
+        answers = answer if isinstance(answer, list) else [answer]
+        for sample, one in zip(todo, answers, strict=True):
+            values = [lp for lp, _, _ in _entries(one)][-sample.response_length :]
+            if len(values) != sample.response_length or any(v is None for v in values):
+                raise RuntimeError(
+                    f"the OPD teacher at {self.url} gave {len(values)} log-probs for sample {sample.index}'s "
+                    f"{sample.response_length} response tokens"
+                )
+            sample.teacher_log_probs = [float(v) for v in values]
+
+    async def score_all(self, samples: list[Sample], per_request: int = 16) -> None:
+        """`score` in requests of at most `per_request` samples, all in flight at once."""
+        chunks = [samples[i : i + per_request] for i in range(0, len(samples), per_request)]
+        await asyncio.gather(*(self.score(c) for c in chunks))
+
+
+def _entries(answer: Any) -> list[tuple[Any, int, Any]]:
+    meta = answer.get("meta_info", {}) if isinstance(answer, dict) else {}
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list):
+        raise RuntimeError("the OPD teacher's answer has no meta_info.input_token_logprobs")
+    return [(e[0], int(e[1]), e[2] if len(e) > 2 else None) for e in entries]
