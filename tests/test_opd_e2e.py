@@ -25,8 +25,8 @@ def train_metrics(logs) -> list[tuple]:
             for r in records(logs) if r["rollout_id"] >= 0]  # fmt: skip
 
 
-def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(tiny_model, tiny_model_b, prompts,
-                                                                       tmp_path):  # fmt: skip
+def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(tiny_model, tiny_model_b, tmp_path,
+                                                                       prompts):  # noqa: F811  # fmt: skip
     dumps = tmp_path / "dumps" / "rollout_{rollout_id}.pt"
     opd = ["--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "0.5", "--rm-type", "exact"]
     proc = run_job("train.py", tiny_model, prompts, tmp_path, *opd, "--opd-teacher-load", tiny_model_b,

@@ -50,14 +50,15 @@ def _teacher_checks(config: Config, weights: bool) -> Iterator[Callable[[], obje
     from slime.rollout.teacher import check_same_tokenizer
 
     opd, t, d = config.opd, config.train, config.debug
-    if opd.teacher_load is None or (d.rollout_only if opd.in_train else d.train_only):
+    teacher = opd.teacher_load
+    if teacher is None or (d.rollout_only if opd.in_train else d.train_only):
         return
     if opd.in_train:
-        yield lambda: check_same_architecture(check_hf_checkpoint(t.hf_checkpoint, weights=False), opd.teacher_load,
-                                              "--opd-teacher-load", OTHER_ARCHITECTURE)  # fmt: skip
+        student = functools.partial(check_hf_checkpoint, t.hf_checkpoint, weights=False)
+        yield lambda: check_same_architecture(student(), teacher, "--opd-teacher-load", OTHER_ARCHITECTURE)
     else:
-        yield functools.partial(check_hf_checkpoint, opd.teacher_load, "--opd-teacher-load", weights=weights)
-        yield functools.partial(check_same_tokenizer, t.hf_checkpoint, opd.teacher_load)
+        yield functools.partial(check_hf_checkpoint, teacher, "--opd-teacher-load", weights=weights)
+        yield functools.partial(check_same_tokenizer, t.hf_checkpoint, teacher)
 
 
 def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[], object]]:

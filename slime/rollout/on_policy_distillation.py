@@ -27,7 +27,7 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any
             "temperature": args.rollout_temperature,
             "max_new_tokens": 0,
             "skip_special_tokens": False,
-        },  # fmt: skip
+        },
         "return_logprob": True,
         "logprob_start_len": 0,
     }
