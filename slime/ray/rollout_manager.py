@@ -318,8 +318,8 @@ class RolloutManager:
 
         if self.teacher is not None:  # samples a rollout function made (the built-in's are scored)
             start_teacher = time.perf_counter()
-            run(self.teacher.score_all(samples))
-            extra["time/teacher"] = extra.get("time/teacher", 0.0) + time.perf_counter() - start_teacher
+            if run(self.teacher.score_all(samples)):
+                extra["time/teacher"] = time.perf_counter() - start_teacher
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds

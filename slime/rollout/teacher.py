@@ -95,15 +95,16 @@ class TeacherScorer:
             raise UsageError(f"the OPD teacher at {self.url} answered {len(entries)} input log-probs for {len(ids)} "
                              "tokens: it does not speak SGLang's logprob_start_len")  # fmt: skip
 
-    async def score(self, samples: list[Sample]) -> None:
-        """Set `teacher_log_probs` on every sample that has none (one request for all of them)."""
+    async def score(self, samples: list[Sample]) -> int:
+        """Set `teacher_log_probs` on every sample that has none (one request for all of them);
+        returns how many it scored."""
         todo = [s for s in samples if s.teacher_log_probs is None]
         for s in todo:
             if s.response_length == 0:
                 s.teacher_log_probs = []
         todo = [s for s in todo if s.response_length > 0]
         if not todo:
-            return
+            return 0
         ids = [list(s.tokens) for s in todo]
         starts = [len(s.tokens) - s.response_length for s in todo]
         answer = await self.client.request("POST", "/generate", self._payload(ids, starts))
@@ -116,11 +117,13 @@ class TeacherScorer:
                     f"{sample.response_length} response tokens"
                 )
             sample.teacher_log_probs = [float(v) for v in values]
+        return len(todo)
 
-    async def score_all(self, samples: list[Sample], per_request: int = 16) -> None:
-        """`score` in requests of at most `per_request` samples, all in flight at once."""
+    async def score_all(self, samples: list[Sample], per_request: int = 16) -> int:
+        """`score` in requests of at most `per_request` samples, all in flight at once; returns
+        how many it scored."""
         chunks = [samples[i : i + per_request] for i in range(0, len(samples), per_request)]
-        await asyncio.gather(*(self.score(c) for c in chunks))
+        return sum(await asyncio.gather(*(self.score(c) for c in chunks)))
 
 
 def _entries(answer: Any) -> list[tuple[Any, int, Any]]:

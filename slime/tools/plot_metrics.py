@@ -1,11 +1,13 @@
-"""Plot a run's reward and accuracy per step from its metrics.jsonl.
+"""Plot a run's reward and accuracy per step from its metrics.jsonl, or several runs' side by side.
 
     python -m slime.tools.plot_metrics LOG_DIR/metrics.jsonl [--out PLOT.png]
         [--keys rollout/reward_mean eval/accuracy]
+    python -m slime.tools.plot_metrics GRPO=runs/a/logs/metrics.jsonl OPD=runs/b/logs/metrics.jsonl --out cmp.png
 
-One line per key against `step` (rollouts trained so far; the eval before training is step 0).
-The PNG goes next to the metrics file unless `--out` says otherwise. Needs matplotlib
-(`pip install matplotlib`, part of the `demo` extra).
+One line per key (and run) against `step` (rollouts trained so far; the eval before training is
+step 0). A run given as LABEL=PATH is named LABEL in the legend. The PNG goes next to the first
+metrics file unless `--out` says otherwise. Needs matplotlib (`pip install matplotlib`, part of
+the `demo` extra).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def plot(series: dict[str, list[tuple[int, float]]], out: str, title: str) -> No
     for key, points in series.items():
         if points:
             steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if key.startswith("eval/") else None, markersize=3, label=key)
+            ax.plot(steps, values, marker="o" if "eval/" in key else None, markersize=3, label=key)
     ax.set_xlabel("step (rollouts trained)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -58,24 +60,30 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("metrics", help="a run's metrics.jsonl")
+    parser.add_argument("metrics", nargs="+", help="a run's metrics.jsonl, or several as LABEL=PATH")
     parser.add_argument("--out", default=None, help="PNG path (default: reward_accuracy.png beside it)")
     parser.add_argument("--keys", nargs="+", default=DEFAULT_KEYS)
     parser.add_argument("--title", default="reward and accuracy per step")
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.metrics):
-        parser.error(f"{args.metrics!r}: no such file")
-    try:
-        series = read_series(args.metrics, args.keys)
-    except ValueError as e:  # DataError: the file:line of a bad record
-        parser.error(str(e))
-    if not any(series.values()):
-        parser.error(f"{args.metrics!r} has none of the keys {args.keys}")
+    series: dict[str, list[tuple[int, float]]] = {}
+    paths = []
+    for given in args.metrics:
+        label, _, path = given.rpartition("=") if "=" in given and not os.path.isfile(given) else ("", "", given)
+        if not os.path.isfile(path):
+            parser.error(f"{path!r}: no such file")
+        try:
+            run = read_series(path, args.keys)
+        except ValueError as e:  # DataError: the file:line of a bad record
+            parser.error(str(e))
+        if not any(run.values()):
+            parser.error(f"{path!r} has none of the keys {args.keys}")
+        series.update({f"{label}: {k}" if label else k: v for k, v in run.items()})
+        paths.append(path)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         parser.error("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[demo]')")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics)), "reward_accuracy.png")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "reward_accuracy.png")
     plot(series, out, args.title)
     print(out)
     return 0
