@@ -134,7 +134,10 @@ def test_plot_writes_a_png_from_metrics(tmp_path):
     png = (tmp_path / "reward_accuracy.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
     # several runs, labelled
-    assert main([f"A={metrics}", f"B={metrics}", "--keys", "eval/accuracy", "--out", str(tmp_path / "c.png")]) == 0
+    assert (
+        main([f"A={metrics}", f"B={metrics}", "--keys", "eval/accuracy", "--out", str(tmp_path / "c.png")])
+        == 0
+    )
     assert (tmp_path / "c.png").read_bytes() != png
     with pytest.raises(SystemExit):
         main([f"A={metrics}", f"B={tmp_path / 'missing.jsonl'}"])

@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     series: dict[str, list[tuple[int, float]]] = {}
     paths = []
     for given in args.metrics:
-        label, _, path = given.rpartition("=") if "=" in given and not os.path.isfile(given) else ("", "", given)
+        label, _, path = (
+            given.rpartition("=") if "=" in given and not os.path.isfile(given) else ("", "", given)
+        )
         if not os.path.isfile(path):
             parser.error(f"{path!r}: no such file")
         try:
