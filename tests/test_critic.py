@@ -22,9 +22,12 @@ def fake_returns(batch, seed: int) -> dict[int, list[float]]:
 
 
 def critic_run(rank, world_size, init_method, model, rollouts=2, steps_per_batch=1):
+    import dataclasses
+
     from slime.backends.fsdp.critic import FSDPCritic
 
-    critic = FSDPCritic(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), check_precision=True)
+    critic = FSDPCritic(cfg, rank, world_size, init_method)
     critic.init()
     result = {"values": critic.compute_values(make_batch(0)), "outputs": []}
     for r in range(rollouts):
@@ -70,6 +73,13 @@ def test_fresh_values_are_hugging_faces_value_model(one_rank, tiny_model):
         expected = out[len(tokens) - n - 1 : len(tokens) - 1]
         torch.testing.assert_close(torch.tensor(one_rank["values"][i]), expected, rtol=0, atol=1e-5)
     assert max(abs(v) for vs in one_rank["values"].values() for v in vs) > 1e-3  # the head is not zero
+
+
+def test_the_first_steps_values_are_the_value_pass_bitwise(one_rank):
+    """--check-precision: on the same weights and micro-batches the step's forward gives the value
+    pass's values exactly (the critic's ppo_kl == 0); each rollout's first step is measured."""
+    gaps = [o.precision["critic_first_step_max_abs_diff"] for o in one_rank["outputs"]]
+    assert gaps == [0.0, 0.0]
 
 
 def test_two_critic_ranks_train_like_one(one_rank, tiny_model):

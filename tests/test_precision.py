@@ -129,6 +129,18 @@ def test_later_rollouts_check_only_ppo_kl():
     assert [c.name for c in checks] == ["ppo_kl == 0 on the first optimizer step"] and checks[0].ok
 
 
+def test_the_critics_first_step_is_checked_on_every_rollout():
+    """PPO: the critic's first step's values against its value pass, bitwise, like ppo_kl."""
+    for first in (True, False):
+        checks = p.gates(ctx(rollout_id=0 if first else 3, first=first), GOOD_ROLLOUT,
+                         {**GOOD_PRECISION, "critic_first_step_max_abs_diff": 0.0}, GOOD_STEP)  # fmt: skip
+        critic = [c for c in checks if c.name.startswith("critic values")]
+        assert len(critic) == 1 and critic[0].ok
+    checks, report = run(precision={"critic_first_step_max_abs_diff": 3e-7})
+    assert [c.name for c in p.failed(checks)] == ["critic values == its value pass on the first optimizer step (bitwise)"]
+    assert "max |old - new value| 3.000e-07" in report and "dropout is active in training" in report
+
+
 def test_nan_measurements_fail():
     checks, _ = run(
         precision={"ref_max_abs_diff": math.nan}, rollout={"train_rollout_logprob_abs_diff": math.nan}

@@ -110,7 +110,6 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         # The critic computes no log-probs: no reference, no routing replay, no train-data dumps.
         loss=dataclasses.replace(actor.loss, use_kl_loss=False, kl_coef=0.0),
         moe=dataclasses.replace(actor.moe, use_routing_replay=False, use_rollout_routing_replay=False),
-        check_precision=False,
         save_debug_train_data=None,
         opd=OPDConfig(),  # the teacher is the actor's business
     )

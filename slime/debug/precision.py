@@ -96,6 +96,8 @@ def gates(
     `precision`: its extra measurements (TrainOutput.precision); `first_step`: the metrics of
     the rollout's first optimizer step. Later rollouts only re-check ppo_kl."""
     checks = [_ppo_kl(ctx, precision, first_step)]
+    if "critic_first_step_max_abs_diff" in precision:
+        checks.append(_critic_values(precision))
     if not ctx.first:
         return checks
     if ctx.resumed:
@@ -131,6 +133,22 @@ def _ppo_kl(ctx: Context, precision: dict[str, float], step: dict[str, float]) -
         "the log-prob pass and the training forward disagree on the same weights",
         tuple(causes),
         "ppo_kl 0",
+    )
+
+
+def _critic_values(precision: dict[str, float]) -> Check:
+    """PPO's critic: its first step's values equal its value pass's (the old values) bitwise, so
+    the clipped value loss starts from V = V_old."""
+    diff = precision["critic_first_step_max_abs_diff"]
+    return Check(
+        "critic values == its value pass on the first optimizer step (bitwise)",
+        diff == 0.0,
+        f"max |old - new value| {_fmt(diff)}",
+        "exactly 0",
+        "the critic's value pass and its training forward disagree on the same weights",
+        (_KERNEL_CAUSE, "dropout is active in training (--attention-dropout, or hidden_dropout > 0 in "
+                        "the critic's config.json)"),  # fmt: skip
+        "critic values 0",
     )
 
 

@@ -125,4 +125,4 @@ def merge(actor: TrainOutput, critic: TrainOutput) -> TrainOutput:
         steps.append(step)
     timings = {**actor.timings, "critic_train": critic.timings.get("train", 0.0)}
     return TrainOutput(steps=steps, rollout={**actor.rollout, **critic.rollout}, timings=timings,
-                       precision=actor.precision)  # fmt: skip
+                       precision={**actor.precision, **critic.precision})  # fmt: skip

@@ -32,7 +32,7 @@ from slime.backends.fsdp import model_init
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.fsdp.forward import response_values
 from slime.backends.interface import RolloutBatch, RolloutPart, TrainOutput
-from slime.backends.train_common import StepPlan, as_part
+from slime.backends.train_common import StepPlan, as_part, nan_max
 
 PerSample = dict[int, list[float]]
 
@@ -41,6 +41,9 @@ class FSDPCritic(FSDPTrainActor):
     """A value model on FSDP ranks (module docstring)."""
 
     value_head = True
+
+    _first_gap = 0.0
+    """The last value step's largest |step forward - value pass| over the loss mask."""
 
     def _fresh_parameters(self) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.cfg.seed)
@@ -93,8 +96,10 @@ class FSDPCritic(FSDPTrainActor):
         output = TrainOutput()
         start = time.perf_counter()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
-        for step in plans:
+        for k, step in enumerate(plans):
             output.steps.append(self._value_step(batch, step, old, ret))
+            if k == 0 and self.cfg.check_precision:  # --check-precision's gate (slime.debug.precision)
+                output.precision["critic_first_step_max_abs_diff"] = self._max_over_ranks(self._first_gap)
         output.timings["train"] = time.perf_counter() - start
         self.rollout_id = rollout_id
         return output
@@ -132,10 +137,17 @@ class FSDPCritic(FSDPTrainActor):
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        self._first_gap = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             dev = mb.input_ids.device
             values = response_values(self.model, mb)
+            # The step's forward against the value pass, on the same weights: bitwise equal unless
+            # kernels, dropout or other micro-batches change the bits (PPO's ppo_kl == 0 for the critic).
+            gaps = (values.detach() - mb.response_tensor([old[p] for p in mb.positions]).to(dev)).abs()
+            gaps = gaps[mb.loss_mask.to(dev).bool()]
+            if gaps.numel():
+                self._first_gap = nan_max(self._first_gap, float(gaps.double().max()))
             weights = token_weights(mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples,
                                     step.num_tokens).to(dev)  # fmt: skip
             loss, clipped = value_loss(values, mb.response_tensor([old[p] for p in mb.positions]).to(dev),
