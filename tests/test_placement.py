@@ -52,3 +52,17 @@ def test_a_ppo_critic_shares_the_train_bundles_when_colocated_and_follows_the_en
         )
     rollout_only = plan_placement(ClusterConfig(actor_num_gpus_per_node=2), with_trainer=False, num_critic=2)
     assert rollout_only.critic == ()
+
+
+def test_the_opd_teacher_engine_gets_bundles_of_its_own_at_the_end():
+    """--opd-type sglang --opd-teacher-load: --rollout-num-gpus-per-engine whole bundles after every
+    other, colocated or not (it scores while the engines generate); none without engines."""
+    colocated = ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, rollout_num_gpus_per_engine=2,
+                              colocate=True, device="cuda", rollout_backend="sglang")  # fmt: skip
+    p = plan_placement(colocated, num_critic=2, teacher=True)
+    assert p.num_bundles == 4 and [(s.bundles, s.share) for s in p.teacher] == [((2, 3), 1.0)]
+    assert "OPD teacher engine: bundle(s) 2, 3 (1 GPU each)" in p.describe()
+    apart = plan_placement(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=2), teacher=True)
+    assert apart.num_bundles == 4 and [s.bundles for s in apart.teacher] == [(3,)]
+    train_only = plan_placement(ClusterConfig(actor_num_gpus_per_node=1), with_engines=False, teacher=True)
+    assert train_only.teacher == () and train_only.num_bundles == 1

@@ -3,8 +3,9 @@
 A backend's rank belongs to one data-parallel replica (`dp_rank` of `dp_size`); the ranks of a
 replica (Megatron's tensor- and pipeline-parallel peers) see the same samples and hold the same
 log-probs, advantages and metrics. This base class plans the optimizer steps and micro-batches,
-runs the log-prob passes, computes advantages, metrics and the --check-precision statistics, and
-writes --save-debug-train-data; a backend supplies the forward passes (`_log_prob_pass`,
+runs the log-prob passes (the actor's, the reference's, the OPD teacher's) and computes the
+advantages; its records (metrics, --check-precision statistics, --save-debug-train-data) are in
+slime.backends.train_records. A backend supplies the forward passes (`_log_prob_pass`,
 `_train_step`), the reference-weight swap and where its reductions go (`dp_group`).
 """
 
@@ -29,6 +30,7 @@ from slime.backends import batching
 from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.routing import RouterHooks
+from slime.backends.train_records import TrainRecords
 from slime.config.train import TrainConfig
 from slime.utils.errors import UsageError
 
@@ -51,7 +53,7 @@ class StepPlan:
     num_tokens: int
 
 
-class TrainActorBase:
+class TrainActorBase(TrainRecords):
     """The backend-independent half of slime.backends.interface.TrainActor."""
 
     cfg: TrainConfig
@@ -62,8 +64,6 @@ class TrainActorBase:
     dp_size: int
     dp_group: Any = None
     """Process group over which one sample's values are counted once (None: the default group)."""
-    writes_train_data: bool = True
-    """Whether this rank writes its replica's --save-debug-train-data file (one rank per replica)."""
     rollout_id: int
     model: Any
     optimizer: torch.optim.Optimizer
@@ -233,26 +233,6 @@ class TrainActorBase:
         first = next((e for e in everyone if e), None)
         if first:
             raise BatchError(first)
-
-    @staticmethod
-    def _sum_over_ranks(sums: dict[str, torch.Tensor], contribute: bool = True) -> dict[str, float]:
-        """A step's metric sums over every rank (one that does not `contribute` adds zeros). The
-        names are gathered first: a TIS hook may report metrics the loss config does not name,
-        and a rank without the loss (a Megatron pipeline stage) computes none."""
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(sums) if contribute else [])
-        names = sorted(set().union(*gathered))
-        zero = torch.zeros((), dtype=torch.float64)
-        values = [sums[n] if contribute and n in sums else zero for n in names]
-        reduced = torch.stack(values) if names else torch.zeros(0, dtype=torch.float64)
-        dist.all_reduce(reduced)
-        return {n: float(v) for n, v in zip(names, reduced)}
-
-    @staticmethod
-    def _max_over_ranks(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0])
 
     # ---- colocation -------------------------------------------------------------------------
     def sleep(self, keep_params: bool = False) -> None:
@@ -522,139 +502,3 @@ class TrainActorBase:
             dist.all_reduce(stats, group=self.dp_group)
             values = adv.whiten(values, masks, stats)
         return dict(zip(mine, values))
-
-    def _save_train_data(
-        self,
-        rollout_id: int,
-        part: RolloutPart,
-        mine: list[int],
-        old: dict[int, torch.Tensor] | None,
-        ref: dict[int, torch.Tensor] | None,
-        advantages: dict[int, torch.Tensor] | None,
-        critic_values: dict[int, list[float]] | None = None,
-        returns: dict[int, torch.Tensor] | None = None,
-        teacher: dict[int, torch.Tensor] | None = None,
-    ) -> None:
-        """--save-debug-train-data: this rank's samples as it trains on them, each keyed by its
-        `sample_index` (the sample's index in the rollout dump), so the two files join. PPO adds
-        the critic's `values` and the `returns`, OPD the `teacher_log_probs` (slime's names)."""
-        from slime.rollout.dump import TRAIN_FORMAT_VERSION, write_atomic
-
-        def values(d: dict[int, torch.Tensor] | None, p: int) -> list[float] | None:
-            return None if d is None else d[p].tolist()
-
-        batch = part.batch
-        index = batch.sample_indices or part.positions
-        rows = [
-            {
-                "sample_index": index[p],
-                "tokens": list(batch.tokens[p]),
-                "response_length": batch.response_lengths[p],
-                "loss_mask": self._loss_mask(batch, p).int().tolist(),
-                "reward": float(batch.rewards[p]),
-                "log_probs": values(old, p),
-                "ref_log_probs": values(ref, p),
-                "rollout_log_probs": None
-                if batch.rollout_log_probs is None
-                else list(batch.rollout_log_probs[p]),
-                "advantages": values(advantages, p),
-                **(
-                    {"values": list(critic_values[index[p]]), "returns": values(returns, p)}
-                    if critic_values is not None
-                    else {}
-                ),
-                **({"teacher_log_probs": values(teacher, p)} if teacher is not None else {}),
-            }
-            for p in mine
-        ]
-        assert self.cfg.save_debug_train_data is not None
-        if not self.writes_train_data:
-            return
-        payload = {
-            "format_version": TRAIN_FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
-            "world_size": self.dp_size, "samples": rows,
-        }  # fmt: skip
-        write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.dp_rank), payload)
-
-    @staticmethod
-    def _loss_mask(batch: RolloutBatch, p: int) -> torch.Tensor:
-        if batch.loss_masks is not None:
-            return torch.tensor(batch.loss_masks[p], dtype=torch.float32)
-        return torch.ones(batch.response_lengths[p])
-
-    def _rollout_metrics(
-        self,
-        batch: RolloutBatch,
-        mine: list[int],
-        old: dict[int, torch.Tensor],
-        ref: dict[int, torch.Tensor] | None,
-        teacher: dict[int, torch.Tensor] | None = None,
-    ) -> dict[str, float]:
-        """Token means over the loss mask, over all ranks: the trainer's log-probs, the
-        reference's, the OPD teacher's and the engine's, the KL to the reference and to the
-        teacher (slime's opd_reverse_kl) and the trainer-engine gap."""
-        names = ["log_probs"]
-        if ref is not None:
-            names += ["ref_log_probs", "kl"]
-        if teacher is not None:
-            names += ["teacher_log_probs", "opd_reverse_kl"]
-        if batch.rollout_log_probs is not None:
-            names += ["rollout_log_probs", "train_rollout_logprob_abs_diff"]
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # ..., number of tokens
-        worst = torch.zeros(1, dtype=torch.float64)
-        for p in mine:
-            mask = self._loss_mask(batch, p).bool()
-            values = {"log_probs": old[p]}
-            if ref is not None:
-                values["ref_log_probs"] = ref[p]
-                values["kl"] = approx_kl(old[p], ref[p], self.cfg.loss.kl_loss_type)
-            if teacher is not None:
-                values["teacher_log_probs"] = teacher[p]
-                values["opd_reverse_kl"] = old[p] - teacher[p]
-            if batch.rollout_log_probs is not None:
-                engine = torch.tensor(batch.rollout_log_probs[p])
-                values["rollout_log_probs"] = engine
-                values["train_rollout_logprob_abs_diff"] = (old[p] - engine).abs()
-            if not mask.any():
-                continue
-            for i, name in enumerate(names):
-                sums[i] += values[name][mask].double().sum()
-            sums[-1] += mask.sum()
-            if batch.rollout_log_probs is not None:
-                worst = torch.maximum(worst, values["train_rollout_logprob_abs_diff"][mask].double().max())
-        dist.all_reduce(sums, group=self.dp_group)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
-        out = {name: float(sums[i] / sums[-1].clamp(min=1)) for i, name in enumerate(names)}
-        if batch.rollout_log_probs is not None:
-            out["train_rollout_logprob_abs_diff_max"] = float(worst[0])
-        return out
-
-    def _precision_stats(
-        self,
-        batch: RolloutBatch,
-        mine: list[int],
-        old: dict[int, torch.Tensor],
-        ref: dict[int, torch.Tensor] | None,
-    ) -> dict[str, float]:
-        """What --check-precision's gates need beyond the token means, over all ranks."""
-        counts = torch.zeros(2, dtype=torch.float64)  # non-finite log-probs, tokens where actor != ref
-        highs = torch.full((2,), -float("inf"), dtype=torch.float64)  # max log-prob, max |actor - ref|
-        for p in mine:
-            mask = self._loss_mask(batch, p).bool()
-            values = old[p][mask].double()
-            counts[0] += (~torch.isfinite(values)).sum()
-            if values.numel():
-                highs[0] = torch.maximum(highs[0], values.max())
-            if ref is not None:
-                gap = (values - ref[p][mask].double()).abs()
-                counts[1] += (gap != 0).sum()
-                if gap.numel():
-                    highs[1] = torch.maximum(highs[1], gap.max())
-        dist.all_reduce(counts, group=self.dp_group)
-        dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=self.dp_group)
-        out = {"nonfinite": float(counts[0]), "max_log_prob": float(highs[0])}
-        if ref is not None:
-            worst = float(highs[1])
-            out["ref_max_abs_diff"] = 0.0 if worst == -float("inf") else worst  # NaN stays NaN
-            out["ref_tokens_differ"] = float(counts[1])
-        return out
