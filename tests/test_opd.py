@@ -22,12 +22,19 @@ def opd_cfg(model, opd=None, dump=None):
     return dataclasses.replace(cfg, loss=loss, save_debug_train_data=dump, **({"opd": opd} if opd else {}))
 
 
-def train_once(rank, world_size, init_method, model, opd, dump, teacher_lp=None, drop_teacher=False):
+def train_once(rank, world_size, init_method, model, opd, dump, teacher_lp=None, drop_teacher=False, tp=0):
     """One rollout's train call; returns the output, the train dump rows, the log-probs of the
-    batch under this actor's weights and, for the refusal, the error without teacher log-probs."""
-    from slime.backends.fsdp.actor import FSDPTrainActor
+    batch under this actor's weights and, for the refusal, the error without teacher log-probs.
+    `tp` > 0: the Megatron backend at that tensor-parallel size."""
+    from slime.backends import make_train_actor
+    from slime.config.train import MegatronConfig
 
-    actor = FSDPTrainActor(opd_cfg(model, opd, dump), rank, world_size, init_method)
+    cfg = opd_cfg(model, opd, dump)
+    if tp:
+        cfg = dataclasses.replace(
+            cfg, backend="megatron", megatron=MegatronConfig(tensor_model_parallel_size=tp)
+        )
+    actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     batch = make_batch(0)
     log_probs = actor.compute_log_probs(batch)
@@ -42,8 +49,8 @@ def train_once(rank, world_size, init_method, model, opd, dump, teacher_lp=None,
     output = actor.train(0, batch) if error is None else None
     actor.close()
     rows = None
-    if output is not None and dump is not None:
-        rows = torch.load(dump.format(rollout_id=0, rank=rank), weights_only=False)["samples"]
+    if output is not None and dump is not None and actor.writes_train_data:  # one rank per replica
+        rows = torch.load(dump.format(rollout_id=0, rank=actor.dp_rank), weights_only=False)["samples"]
     return {"output": output, "rows": rows, "log_probs": log_probs, "error": error}
 
 
@@ -105,6 +112,24 @@ def test_rollout_metrics_report_the_teacher_and_the_reverse_kl(runs, kind):
     assert metrics["teacher_log_probs"] == pytest.approx(float(teacher.mean()), abs=1e-5)
     assert metrics["opd_reverse_kl"] == pytest.approx(float((student - teacher).mean()), abs=1e-5)
     assert "opd_reverse_kl" not in runs["plain"]["output"].rollout
+
+
+def test_the_megatron_backend_scores_with_the_teachers_weights_too(runs, tiny_model, tiny_model_b, tmp_path):
+    """--opd-type megatron with --train-backend megatron at TP 2: each rank holds its shard of the
+    teacher; the teacher's log-probs and the advantages are the FSDP actor's."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+    from slime.config.opd import OPDConfig
+
+    dump = str(tmp_path / "meg_{rollout_id}_{rank}.pt")
+    run_ranks(
+        2, train_once, tiny_model, OPDConfig(True, "megatron", COEF, tiny_model_b), dump, None, False, 2
+    )
+    rows = _by_index(torch.load(dump.format(rollout_id=0, rank=0), weights_only=False)["samples"])
+    fsdp = _by_index(runs["megatron"]["rows"])
+    assert rows.keys() == fsdp.keys()
+    for i, row in rows.items():
+        assert row["teacher_log_probs"] == pytest.approx(runs["teacher_lp"][i], abs=1e-5)
+        assert row["advantages"] == pytest.approx(fsdp[i]["advantages"], abs=1e-5)
 
 
 def test_a_batch_without_teacher_log_probs_is_refused(tiny_model):

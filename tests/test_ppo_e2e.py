@@ -19,12 +19,13 @@ def records(tmp_path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # ~30 s; the job below (slow too) also runs PPO end to end, tests/test_actor_critic_group.py the step
+@pytest.mark.slow  # ~45 s; the job below (slow too) also runs PPO end to end, tests/test_actor_critic_group.py the step
 def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_path):  # noqa: F811
-    """Colocated: the critic rank shares the train rank's bundle with the engine."""
-    proc = run_job(
-        "train.py", tiny_model, prompts, tmp_path, *PPO, "--save", str(tmp_path / "ckpt"), "--colocate"
-    )
+    """Colocated: the critic rank shares the train rank's bundle with the engine. Its rollout
+    dumps replay (--debug-train-only) with PPO and pass --check-precision, the critic's gate too."""
+    dumps = str(tmp_path / "dumps" / "rollout_{rollout_id}.pt")
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *PPO, "--save", str(tmp_path / "ckpt"), "--colocate",
+                   "--save-debug-rollout-data", dumps)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = records(tmp_path)[-2:]
     assert "train/critic-value_loss" in first and "train/pg_loss" not in first  # the critic only
@@ -32,6 +33,13 @@ def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_pa
     assert {"rollout/values", "rollout/returns"} <= first.keys()
     assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert "critic rank 0: bundle 0 (0.2 CPU)" in proc.stderr + proc.stdout
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    again = run_job("train.py", tiny_model, prompts, replay, *PPO, "--load-debug-rollout-data", dumps,
+                    "--debug-train-only", "--check-precision")  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stderr + again.stdout
+    assert "--check-precision: passed at rollout 0" in out and "critic values 0" in out
 
 
 @pytest.mark.slow  # ~50 s: two runs of two ranks each

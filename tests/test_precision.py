@@ -137,8 +137,27 @@ def test_the_critics_first_step_is_checked_on_every_rollout():
         critic = [c for c in checks if c.name.startswith("critic values")]
         assert len(critic) == 1 and critic[0].ok
     checks, report = run(precision={"critic_first_step_max_abs_diff": 3e-7})
-    assert [c.name for c in p.failed(checks)] == ["critic values == its value pass on the first optimizer step (bitwise)"]
+    assert [c.name for c in p.failed(checks)] == [
+        "critic values == its value pass on the first optimizer step (bitwise)"
+    ]
     assert "max |old - new value| 3.000e-07" in report and "dropout is active in training" in report
+
+
+def test_a_critic_only_rollout_skips_the_actors_step_checks_and_checks_the_critics():
+    """--num-critic-only-steps: the actor takes no step; its step checks say so, the critic's
+    gradient norm is checked instead."""
+    step = {"critic-value_loss": 0.5, "critic-grad_norm": 0.3}
+    checks = p.gates(ctx(), GOOD_ROLLOUT, {**GOOD_PRECISION, "critic_first_step_max_abs_diff": 0.0}, step)
+    skipped = {c.name: c.detail for c in checks if c.ok is None}
+    assert set(skipped) == {
+        "ppo_kl == 0 on the first optimizer step",
+        "kl_loss == 0 on the first optimizer step",
+    }
+    assert all("critic-only rollout" in d for d in skipped.values())
+    assert not p.failed(checks) and "critic-grad_norm finite" in [c.name for c in checks]
+    assert "grad_norm finite" not in [c.name for c in checks]
+    bad = p.gates(ctx(), GOOD_ROLLOUT, GOOD_PRECISION, {**step, "critic-grad_norm": float("inf")})
+    assert [c.name for c in p.failed(bad)] == ["critic-grad_norm finite"]
 
 
 def test_nan_measurements_fail():

@@ -95,7 +95,12 @@ def gates(
     """The checks of one rollout. `rollout`: the trainer's token means (TrainOutput.rollout);
     `precision`: its extra measurements (TrainOutput.precision); `first_step`: the metrics of
     the rollout's first optimizer step. Later rollouts only re-check ppo_kl."""
-    checks = [_ppo_kl(ctx, precision, first_step)]
+    critic_only = bool(first_step) and all(k.startswith("critic-") for k in first_step)
+    if critic_only:  # --num-critic-only-steps: the merged step is the critic's alone
+        why = "a critic-only rollout (--num-critic-only-steps): the actor takes no step"
+        checks = [Check("ppo_kl == 0 on the first optimizer step", None, "-", detail=why)]
+    else:
+        checks = [_ppo_kl(ctx, precision, first_step)]
     if "critic_first_step_max_abs_diff" in precision:
         checks.append(_critic_values(precision))
     if not ctx.first:
@@ -105,10 +110,15 @@ def gates(
         checks += [Check("actor log-probs == reference log-probs (bitwise)", None, "-", detail=why),
                    Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why)]  # fmt: skip
     else:
-        checks += [_actor_vs_ref(ctx, precision), _kl_loss(ctx, first_step)]
+        kl = (Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why) if critic_only
+              else _kl_loss(ctx, first_step))  # fmt: skip
+        checks += [_actor_vs_ref(ctx, precision), kl]
     if "log_probs" in rollout:
         checks += [_engine_gap(ctx, rollout), _log_probs_valid(precision, rollout)]
-    checks.append(_grad_norm(first_step))
+    if not critic_only:
+        checks.append(_grad_norm(first_step))
+    if "critic-grad_norm" in first_step:
+        checks.append(_grad_norm(first_step, "critic-"))
     return checks
 
 
@@ -136,6 +146,11 @@ def _ppo_kl(ctx: Context, precision: dict[str, float], step: dict[str, float]) -
     )
 
 
+_CRITIC_DROPOUT = (
+    "dropout is active in training (--attention-dropout, or hidden_dropout > 0 in the critic's config.json)"
+)
+
+
 def _critic_values(precision: dict[str, float]) -> Check:
     """PPO's critic: its first step's values equal its value pass's (the old values) bitwise, so
     the clipped value loss starts from V = V_old."""
@@ -146,8 +161,7 @@ def _critic_values(precision: dict[str, float]) -> Check:
         f"max |old - new value| {_fmt(diff)}",
         "exactly 0",
         "the critic's value pass and its training forward disagree on the same weights",
-        (_KERNEL_CAUSE, "dropout is active in training (--attention-dropout, or hidden_dropout > 0 in "
-                        "the critic's config.json)"),  # fmt: skip
+        (_KERNEL_CAUSE, _CRITIC_DROPOUT),
         "critic values 0",
     )
 
@@ -243,10 +257,11 @@ def _log_probs_valid(precision: dict[str, float], rollout: dict[str, float]) -> 
     )
 
 
-def _grad_norm(step: dict[str, float]) -> Check:
-    norm = step.get("grad_norm", float("nan"))
+def _grad_norm(step: dict[str, float], prefix: str = "") -> Check:
+    """The first step's gradient norm (`prefix` "critic-": PPO's critic's)."""
+    norm = step.get(f"{prefix}grad_norm", float("nan"))
     return Check(
-        "grad_norm finite",
+        f"{prefix}grad_norm finite",
         math.isfinite(norm),
         _fmt(norm),
         "finite",
@@ -255,7 +270,7 @@ def _grad_norm(step: dict[str, float]) -> Check:
             "a NaN or infinite reward or advantage (check the reward function)",
             "float16 without loss scaling; a learning rate or loss configuration that diverges",
         ),
-        f"grad_norm {_fmt(norm)}",
+        f"{prefix}grad_norm {_fmt(norm)}",
     )
 
 
