@@ -99,8 +99,9 @@ def test_logprobs_match_teacher_forced_forward(engine, hf_model, temperature, to
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_input_logprobs_score_a_sequence_without_generating(engine, hf_model, tokenizer, temperature):
     """slime's OPD teacher request: input_ids, max_new_tokens 0, return_logprob, logprob_start_len.
-    Every input token from the start position gets log softmax(logits / T) of a teacher-forced
-    forward (None for token 0); nothing is generated; a batch of unequal lengths pads correctly."""
+    SGLang's layout: the first entry (the start position) is None, every later input token gets
+    log softmax(logits / T) of a teacher-forced forward; nothing is generated; a batch of unequal
+    lengths pads correctly."""
     seqs = [[5, 17, 30, 44, 9, 60, 11, 12], [7, 8, 9], [3] * 20 + [99, 100]]
     starts = [0, 1, 15]
     body = {
@@ -117,9 +118,9 @@ def test_input_logprobs_score_a_sequence_without_generating(engine, hf_model, to
         entries = res["meta_info"]["input_token_logprobs"]
         assert [t for _, t, _ in entries] == ids[start:]
         assert [text for _, _, text in entries] == [tokenizer.decode([t]) for t in ids[start:]]
-        first = max(start, 1)
-        assert all(lp is None for lp, _, _ in entries[: first - start])
-        got = torch.tensor([lp for lp, _, _ in entries[first - start :]])
+        first = start + 1
+        assert entries[0][0] is None
+        got = torch.tensor([lp for lp, _, _ in entries[1:]])
         ref = teacher_forced_logprobs(hf_model, ids[:first], ids[first:], temperature)
         assert (got - ref).abs().max().item() < 1e-5
     status, err = raw_post(

@@ -121,8 +121,8 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
         assert "--use-rollout-routing-replay needs a mixture-of-experts model" in err
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention"))
     assert "--multi-latent-attention: multi-latent attention" in err
-    err = error(capsys, base(tiny_model, prompts, "--opd-teacher-ckpt-step", "3"))
-    assert "--opd-teacher-ckpt-step sets on-policy distillation: add --use-opd" in err
+    err = error(capsys, base(tiny_model, prompts, "--opd-kl-coef", "0.5"))
+    assert "--opd-kl-coef sets on-policy distillation: add --use-opd" in err
     # --hidden-dropout is Megatron's: the FSDP backend's HF modules have none, so only 0 is accepted.
     assert "dropout after attention and MLP" in error(
         capsys, base(tiny_model, prompts, "--hidden-dropout", "0.1")

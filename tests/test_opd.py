@@ -79,7 +79,9 @@ def _by_index(rows):
 
 def test_the_train_pass_scores_with_the_teachers_weights(runs):
     """--opd-type megatron: the teacher's log-probs are what a model loaded from the teacher's
-    directory computes, and the student's weights are back for the train step."""
+    directory computes, and the student's weights are back for the train step (its first step's
+    forward gives the log-prob pass's bits: ppo_kl exactly 0)."""
+    assert runs["megatron"]["output"].steps[0]["ppo_kl"] == 0.0
     rows = _by_index(runs["megatron"]["rows"])
     for i, teacher in runs["teacher_lp"].items():
         assert rows[i]["teacher_log_probs"] == pytest.approx(teacher, abs=1e-6)
@@ -141,15 +143,32 @@ def test_a_batch_without_teacher_log_probs_is_refused(tiny_model):
 
 
 def test_a_teacher_of_another_architecture_is_refused_in_the_train_pass(tiny_model, tmp_path):
-    from slime.config.opd import OPDConfig
+    """Other shapes, or the same shapes with another forward (rope_theta): the teacher's weights
+    would run in the student's model, so either is refused, naming the field."""
+    import json
+    import shutil
+
+    from slime.backends.fsdp.model_init import check_hf_checkpoint, check_same_architecture
+    from slime.config.opd import OTHER_ARCHITECTURE, OPDConfig
     from tests.conftest import make_model
 
     wider = make_model(str(tmp_path / "wider"), 2, "--hidden-size", "96")
     opd = OPDConfig(True, "megatron", COEF, wider)
     with pytest.raises(
-        Exception, match=r"hidden_size is 96, --hf-checkpoint's is .*goes with --opd-type sglang"
+        Exception, match=r"head_dim is 24, --hf-checkpoint's is 64.*goes with --opd-type sglang"
     ):
         run_ranks(1, train_once, tiny_model, opd, None)
+    rope = tmp_path / "rope"
+    shutil.copytree(tiny_model, rope)
+    config = json.loads((rope / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 1234.0
+    (rope / "config.json").write_text(json.dumps(config))
+    student = check_hf_checkpoint(tiny_model)
+    with pytest.raises(
+        ValueError, match=r"rope_parameters is \{.*'rope_theta': 1234.0.*--hf-checkpoint's is"
+    ):
+        check_same_architecture(student, str(rope), "--opd-teacher-load", OTHER_ARCHITECTURE)
+    check_same_architecture(student, tiny_model, "--opd-teacher-load", OTHER_ARCHITECTURE)
 
 
 def _parse(tiny_model, prompts, *flags):
@@ -190,18 +209,7 @@ def _parse(tiny_model, prompts, *flags):
             ],
             "give one of them",
         ),
-        (
-            [
-                "--use-opd",
-                "--opd-type",
-                "sglang",
-                "--opd-teacher-url",
-                "http://h:1",
-                "--opd-teacher-ckpt-step",
-                "3",
-            ],
-            "--opd-teacher-ckpt-step picks a step of a Megatron checkpoint",
-        ),
+        (["--opd-teacher-ckpt-step", "3"], "it picks a step of a Megatron teacher checkpoint"),
         (
             ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://h:1", "--opd-kl-coef", "-1"],
             "--opd-kl-coef must be >= 0",

@@ -375,7 +375,8 @@ class TrainActorBase(TrainRecords):
         opd = self.cfg.opd
         if opd.enabled and not opd.in_train and batch.teacher_log_probs is None:  # every part alike
             raise BatchError(
-                "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs' (the teacher "
+                "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs', or not all of them "
+                "(the teacher "
                 "engine scores them during the rollout; a custom rollout, reward or post-process function must set "
                 "them; a replayed dump must have been made with OPD)"
             )

@@ -74,16 +74,13 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher",
     )
-    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None,
-                   help="slime's: a step of a Megatron teacher checkpoint; refused here (the teacher is a Hugging "
-                   "Face directory)")  # fmt: skip
 
 
 def opd_config(ns: argparse.Namespace) -> OPDConfig:
     """The OPD settings of parsed flags; ValueError names the flag on bad input."""
     given = [f for f, v in (("--opd-type", ns.opd_type), ("--opd-kl-coef", ns.opd_kl_coef),
-                            ("--opd-teacher-load", ns.opd_teacher_load), ("--opd-teacher-url", ns.opd_teacher_url),
-                            ("--opd-teacher-ckpt-step", ns.opd_teacher_ckpt_step)) if v is not None]  # fmt: skip
+                            ("--opd-teacher-load", ns.opd_teacher_load),
+                            ("--opd-teacher-url", ns.opd_teacher_url)) if v is not None]  # fmt: skip
     if not ns.use_opd:
         if given:
             raise ValueError(f"{given[0]} sets on-policy distillation: add --use-opd (or drop the flag)")
@@ -91,11 +88,6 @@ def opd_config(ns: argparse.Namespace) -> OPDConfig:
     if ns.opd_type is None:
         raise ValueError(
             "--use-opd needs --opd-type sglang (a teacher engine) or megatron (the train backend)"
-        )
-    if ns.opd_teacher_ckpt_step is not None:
-        raise ValueError(
-            "--opd-teacher-ckpt-step picks a step of a Megatron checkpoint; here --opd-teacher-load is a Hugging "
-            "Face directory (convert a Megatron teacher with slime.tools.convert_megatron_to_hf)"
         )
     kl_coef = 1.0 if ns.opd_kl_coef is None else ns.opd_kl_coef
     if not kl_coef >= 0:

@@ -78,6 +78,12 @@ SPECS: tuple[Spec, ...] = (
         APPLIED,
         "colocated engines keep their memory while the trainer trains (engines and trainer must fit together)",
     ),
+    _refused(
+        "--opd-teacher-ckpt-step",
+        {"type": int, "default": None},
+        "it picks a step of a Megatron teacher checkpoint; --opd-teacher-load is a Hugging Face directory here "
+        "(convert a Megatron teacher with slime.tools.convert_megatron_to_hf)",
+    ),
     _refused("--use-critic", store_true(), CRITIC),
     _refused(
         "--megatron-config-path",

@@ -55,8 +55,9 @@ class TeacherScorer:
         self.temperature = temperature
 
     def _payload(self, ids: list[list[int]], starts: list[int], with_text: bool = False) -> dict[str, Any]:
-        # slime's reward_func asks this with logprob_start_len 0; starting at the response keeps the
-        # answer (and the engine's work of reporting it) to the response tokens.
+        # slime's reward_func asks from token 0; starting at the last prompt token keeps the answer
+        # (and the engine's work) to the response. SGLang's first entry is always None, so the
+        # start is the token before the first response token.
         return {
             "input_ids": ids,
             "sampling_params": {
@@ -72,9 +73,10 @@ class TeacherScorer:
     async def check(self, tokenizer: Any, student: str) -> None:
         """Refuse a teacher whose token ids mean other tokens (UsageError naming both): it is
         asked to name ids spread over the student's vocabulary and its special tokens."""
+        # SGLang reports ids >= its vocab_size - 1 as 0: probe below len(tokenizer) - 1 only.
         size = len(tokenizer)
         step = max(1, size // PROBE_IDS)
-        ids = sorted({*range(0, size, step), *tokenizer.all_special_ids, size - 1})
+        ids = sorted({*range(0, size - 1, step), *(i for i in tokenizer.all_special_ids if i < size - 1)})
         try:
             answer = await self.client.request("POST", "/generate", self._payload([ids], [0], True))
         except EngineError as e:
@@ -85,6 +87,8 @@ class TeacherScorer:
         entries = _entries(answer[0] if isinstance(answer, list) else answer)
         texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
         for (_, token, text), mine, expected in zip(entries, ids, texts, strict=False):
+            if token == 0 and mine != 0:  # SGLang's clip of an id past its vocab_size - 1
+                continue
             if token != mine or (text is not None and text != expected):
                 raise UsageError(
                     f"the OPD teacher at {self.url} has another tokenizer than --hf-checkpoint {student!r}: token id "
@@ -106,15 +110,16 @@ class TeacherScorer:
         if not todo:
             return 0
         ids = [list(s.tokens) for s in todo]
-        starts = [len(s.tokens) - s.response_length for s in todo]
+        starts = [len(s.tokens) - s.response_length - 1 for s in todo]
         answer = await self.client.request("POST", "/generate", self._payload(ids, starts))
         answers = answer if isinstance(answer, list) else [answer]
         for sample, one in zip(todo, answers, strict=True):
             values = [lp for lp, _, _ in _entries(one)][-sample.response_length :]
             if len(values) != sample.response_length or any(v is None for v in values):
                 raise RuntimeError(
-                    f"the OPD teacher at {self.url} gave {len(values)} log-probs for sample {sample.index}'s "
-                    f"{sample.response_length} response tokens"
+                    f"the OPD teacher at {self.url} gave {sum(v is not None for v in values)} log-probs for sample "
+                    f"{sample.index}'s {sample.response_length} response tokens (input_token_logprobs from "
+                    "logprob_start_len, the first entry None, as SGLang answers)"
                 )
             sample.teacher_log_probs = [float(v) for v in values]
         return len(todo)

@@ -69,18 +69,24 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool 
     return config
 
 
-# What decides a parameter's name and shape in the architectures we build.
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
-                "moe_intermediate_size", "attention_bias")  # fmt: skip
+# config.json fields that change neither a parameter nor the forward's math on trained weights
+# (attention_dropout: --attention-dropout replaces the checkpoint's).
+NOT_ARCHITECTURE = frozenset({"_name_or_path", "name_or_path", "architectures", "torch_dtype", "dtype",
+                              "transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                              "_attn_implementation_autoset", "output_attentions", "output_hidden_states",
+                              "return_dict", "initializer_range", "max_position_embeddings",
+                              "attention_dropout"})  # fmt: skip
 
 
 def check_same_architecture(config: Any, path: str, flag: str, why: str) -> Any:
-    """Check `path` (named by `flag`) has the parameters of `config` (the --hf-checkpoint's), so
-    its weights load into the same model; returns its config. `why`: the fix, for the message."""
+    """Check `path` (named by `flag`) is `config`'s model (the --hf-checkpoint's) with other
+    weights: its weights then run in the student's model, so every config.json field that shapes
+    a parameter or the forward (rope_theta, rms_norm_eps, the experts, ...) must agree. Returns
+    its config. `why`: the fix, for the message."""
     other = check_hf_checkpoint(path, flag)
-    for name in SHAPE_FIELDS:
-        mine, theirs = getattr(config, name, None), getattr(other, name, None)
+    a, b = config.to_dict(), other.to_dict()
+    for name in sorted((a.keys() | b.keys()) - NOT_ARCHITECTURE):
+        mine, theirs = a.get(name), b.get(name)
         if mine != theirs:
             raise CheckpointError(
                 f"{flag} {path!r}: {name} is {theirs!r}, --hf-checkpoint's is {mine!r}; the weights load into the "

@@ -72,9 +72,10 @@ def make_runner(model: Any, max_running: int, context_length: int, deterministic
 @torch.inference_mode()
 def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], temperatures: list[float],
                     max_tokens: int, one_by_one: bool = False) -> list[list[float | None]]:  # fmt: skip
-    """Each prompt's input-token log-probs from position `starts[i]` on: log softmax(logits /
-    temperature) at the next token (plain log softmax at temperature 0, like the sampled tokens'),
-    None for position 0, which nothing predicts. A teacher-forced forward of whole prompts, apart
+    """Each prompt's input-token log-probs from position `starts[i]` on, in SGLang's layout: the
+    first entry is None whatever the start (SGLang reports no value there), then log
+    softmax(logits / temperature) of each later token given the tokens before it (plain log
+    softmax at temperature 0, like the sampled tokens'). A teacher-forced forward of whole prompts, apart
     from the KV cache; prompts are right-padded into batches of at most `max_tokens` padded tokens
     (`one_by_one`: each alone, for batch invariance). Causal attention keeps right padding out of
     the real positions."""
@@ -91,14 +92,14 @@ def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], tem
             mask[r, : len(prompts[i])] = 1
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         for r, i in enumerate(rows):
-            first = max(starts[i], 1)
+            first = starts[i] + 1
             # position t's token is predicted by position t - 1's logits
             pred = logits[r, first - 1 : len(prompts[i]) - 1].float()
             if temperatures[i] > 0:
                 pred = pred / temperatures[i]
             target = torch.tensor(prompts[i][first:], device=device)
             values = torch.log_softmax(pred, dim=-1).gather(-1, target[:, None])[:, 0]
-            out[i] = [None] * (first - starts[i]) + values.cpu().tolist()
+            out[i] = [None, *values.cpu().tolist()]
 
     for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
         width = len(prompts[i])  # sorted: the newest is the longest

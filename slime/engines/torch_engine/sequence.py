@@ -42,8 +42,8 @@ class Sequence:
     """With `return_logprob` and >= 0: the input tokens from here on get their log-probs."""
     return_text_in_logprobs: bool = False
     input_logprobs: list[float | None] | None = None
-    """The log-prob of each input token from `logprob_start_len` on (None for token 0: nothing
-    predicts it), computed when the request is admitted."""
+    """The log-prob of each input token from `logprob_start_len` on (None for the first, as
+    SGLang reports), computed when the request is admitted."""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached: int = 0
