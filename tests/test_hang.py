@@ -38,6 +38,17 @@ def test_the_watchdog_writes_every_thread_once_a_phase_overruns(tmp_path):
     assert "slime-hang-watchdog" not in text
 
 
+def test_the_driver_waits_for_the_dumps_of_its_own_ranks(tmp_path):
+    """PPO's critic ranks write criticrank{r}.txt beside the actor's rank{r}.txt: each group waits
+    for its own files (a critic group found none before and waited out the grace period)."""
+    from slime.debug.hang import wait_for_dumps
+
+    for name in ("rank0.txt", "criticrank0.txt", "criticrank1.txt"):
+        (tmp_path / name).write_text("stack")
+    assert wait_for_dumps(str(tmp_path), 2, prefix="critic") == ["criticrank0.txt", "criticrank1.txt"]
+    assert wait_for_dumps(str(tmp_path), 2, grace_s=0.2) == ["rank0.txt"]
+
+
 def test_format_stacks_names_threads():
     assert 'Thread "MainThread"' in format_stacks()
 

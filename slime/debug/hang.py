@@ -48,14 +48,14 @@ class HangError(RuntimeError):
     """A phase ran longer than --hang-timeout; the message names the stack dumps."""
 
 
-def wait_for_dumps(hang_dir: str, num_ranks: int, grace_s: float = 30.0) -> list[str]:
-    """The rank{r}.txt files in `hang_dir` once all `num_ranks` exist, or after `grace_s` (the
-    ranks armed their watchdogs a little after the driver started waiting)."""
+def wait_for_dumps(hang_dir: str, num_ranks: int, grace_s: float = 30.0, prefix: str = "") -> list[str]:
+    """The {prefix}rank{r}.txt files in `hang_dir` once all `num_ranks` exist, or after `grace_s`
+    (the ranks armed their watchdogs a little after the driver started waiting). `prefix`:
+    "critic" for PPO's critic ranks (slime.ray.actors.TrainRank)."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = [
-            f"rank{r}.txt" for r in range(num_ranks) if os.path.exists(os.path.join(hang_dir, f"rank{r}.txt"))
-        ]
+        names = [f"{prefix}rank{r}.txt" for r in range(num_ranks)]
+        found = [n for n in names if os.path.exists(os.path.join(hang_dir, n))]
         if len(found) == num_ranks or time.monotonic() > deadline:
             return found
         time.sleep(0.2)

@@ -217,7 +217,9 @@ class Job:
             from slime.loop.critic import ActorCritic
 
             assert c.critic is not None
-            critic_group = RayTrainGroup(self.critic, self.critic_infos, c, self.log_dir, progress)
+            critic_group = RayTrainGroup(
+                self.critic, self.critic_infos, c, self.log_dir, progress, critic=True
+            )
             critic_group.sleep()  # --offload: off the device until its first values (no-op otherwise)
             train = ActorCritic(train, critic_group, c.critic.num_critic_only_steps, c.critic.save)
         engines = None

@@ -44,9 +44,16 @@ class RayTrainGroup:
     rollout by reference (Ray resolves it in the rank's process, never in the driver)."""
 
     def __init__(
-        self, ranks: list[Any], infos: list[dict[str, Any]], config: Config, log_dir: str, progress: Progress
+        self,
+        ranks: list[Any],
+        infos: list[dict[str, Any]],
+        config: Config,
+        log_dir: str,
+        progress: Progress,
+        critic: bool = False,
     ):
         self.ranks, self.config, self.log_dir, self.progress = ranks, config, log_dir, progress
+        self.critic = critic  # PPO's critic ranks: their hang dumps are criticrank{r}.txt
         self.offload = config.cluster.offload
         self.hung = False  # a rank is stuck or dead: close() kills the ranks instead of asking them
         self.transport: str | None = None  # the push's transport as it runs, once connected
@@ -171,10 +178,10 @@ class RayTrainGroup:
         assert timeout is not None
         self.hung = True
         hang_dir = os.path.join(self.log_dir, "hang")
-        found = wait_for_dumps(hang_dir, len(self.ranks))
+        found = wait_for_dumps(hang_dir, len(self.ranks), prefix="critic" if self.critic else "")
         raise HangError(
             f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
-            f"{len(found)} of {len(self.ranks)} train ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+            f"{len(found)} of {len(self.ranks)} {'critic' if self.critic else 'train'} ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
         ) from None
 
     def _resume_hint(self) -> str:
