@@ -14,8 +14,8 @@ actor's keeps the critic's targets and the actor's advantages one computation
 (docs/ppo.md). With --num-critic-only-steps N the actor takes no step in the first N rollouts
 (it still computes the returns; its unchanged weights are pushed as usual).
 
-Values and returns travel between the ranks by reference (object references in a Ray job): the
-driver holds none of them. With --offload (colocated on GPUs) one side is awake at a time: the
+Values and returns travel between the ranks by reference (object references in a Ray job), by
+data-parallel part, so each rank fetches only its own part's: the driver holds none of them. With --offload (colocated on GPUs) one side is awake at a time: the
 critic for its values, the actor for its steps, the critic for its own, then the actor again for
 the weight push.
 """

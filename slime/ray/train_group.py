@@ -39,6 +39,10 @@ def _first_line(e: BaseException) -> str:
     return lines[0].strip() if lines else type(e).__name__
 
 
+ByPart = dict[int, list[Any]]
+"""Per data-parallel part, the object references its ranks answered with (PPO's values, returns)."""
+
+
 class RayTrainGroup:
     """Every call reaches every rank; each rank is handed its data-parallel replica's part of a
     rollout by reference (Ray resolves it in the rank's process, never in the driver)."""
@@ -62,32 +66,42 @@ class RayTrainGroup:
         self.resumed_rollout_id: int | None = infos[0]["resumed_rollout_id"]
         self.resumed_data_state: dict[str, int] | None = (infos[0]["resumed_extra"] or {}).get("data")
 
-    def train(self, rollout: Rollout, values: list[Any] | None = None, update: bool = True) -> TrainOutput:
-        """Rank 0's output. PPO: `values` are the critic's answers (references); the output's
-        `returns` are then every rank's (references), for the critic."""
+    def train(self, rollout: Rollout, values: ByPart | None = None, update: bool = True) -> TrainOutput:
+        """Rank 0's output. PPO: `values` are the critic's answers (references, by data-parallel
+        part: each rank fetches only its part's); the output's `returns` are then every rank's
+        (references by part), for the critic."""
         self._check_parts(rollout)
         refs = [
-            rank.train.remote(rollout.rollout_id, rollout.parts[d], values, update)
+            rank.train.remote(rollout.rollout_id, rollout.parts[d], None if values is None else values.get(d, []), update)
             for rank, d in zip(self.ranks, self.dp_ranks)
-        ]
+        ]  # fmt: skip
         outputs = self._wait(refs, f"the train step of rollout {rollout.rollout_id}", "train")
         output = outputs[0]
         if values is not None:
-            output.returns = [o.returns for o in outputs]
+            output.returns = self._by_part([o.returns for o in outputs])
         return output
 
-    def values(self, rollout: Rollout) -> list[Any]:
-        """The critic: every rank's values of its samples, as references."""
+    def values(self, rollout: Rollout) -> ByPart:
+        """The critic: every rank's values of its samples, as references by data-parallel part."""
         self._check_parts(rollout)
         refs = [
             rank.values.remote(rollout.rollout_id, rollout.parts[d])
             for rank, d in zip(self.ranks, self.dp_ranks)
         ]
-        return list(self._wait(refs, f"the critic's values of rollout {rollout.rollout_id}", "values"))
+        return self._by_part(
+            list(self._wait(refs, f"the critic's values of rollout {rollout.rollout_id}", "values"))
+        )
 
-    def train_values(self, rollout: Rollout, values: list[Any], returns: list[Any]) -> TrainOutput:
-        """The critic's steps (rank 0's output)."""
-        refs = [rank.train_values.remote(rollout.rollout_id, rollout.parts[d], values, returns)
+    def _by_part(self, per_rank: list[Any]) -> ByPart:
+        """Per-rank answers as {data-parallel part: the answers of its ranks}."""
+        out: ByPart = {}
+        for d, answer in zip(self.dp_ranks, per_rank, strict=True):
+            out.setdefault(d, []).append(answer)
+        return out
+
+    def train_values(self, rollout: Rollout, values: ByPart, returns: ByPart) -> TrainOutput:
+        """The critic's steps (rank 0's output); each rank fetches its own part's values and returns."""
+        refs = [rank.train_values.remote(rollout.rollout_id, rollout.parts[d], values.get(d, []), returns.get(d, []))
                 for rank, d in zip(self.ranks, self.dp_ranks)]  # fmt: skip
         return self._wait(refs, f"the critic's train step of rollout {rollout.rollout_id}", "train_values")[0]
 
