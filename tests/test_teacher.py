@@ -62,6 +62,14 @@ async def _score(url, batch):
         await s.client.close()
 
 
+async def _check(url, tokenizer, student):
+    s = scorer(url)
+    try:
+        await s.check(tokenizer, student)
+    finally:
+        await s.client.close()
+
+
 def test_samples_get_the_teachers_response_log_probs(teacher_engine, tokenizer, tiny_model_b):
     """Each response token's log-prob under the teacher at the rollout temperature, as a
     teacher-forced forward of the teacher computes it; an empty response gets []."""
@@ -88,15 +96,7 @@ def test_the_connection_check_passes_a_teacher_with_the_students_tokenizer(
     teacher_engine, tokenizer, tiny_model
 ):
     """A teacher of other weights with the same tokenizer is fine (tiny_model_b vs tiny_model)."""
-
-    async def check():
-        s = scorer(teacher_engine.url)
-        try:
-            await s.check(tokenizer, tiny_model)
-        finally:
-            await s.client.close()
-
-    asyncio.run(check())
+    asyncio.run(_check(teacher_engine.url, tokenizer, tiny_model))
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tiny_model, tokenizer, tmp_path):
@@ -110,19 +110,11 @@ def test_a_teacher_with_another_tokenizer_is_refused(tiny_model, tokenizer, tmp_
                                          r"--hf-checkpoint .*'s \(101 tokens\); id \d+ is '[78]'"):  # fmt: skip
         check_same_tokenizer(tiny_model, other)
     handle = start_engine(other, tmp_path)
-
-    async def check():
-        s = scorer(handle.url)
-        try:
-            await s.check(tokenizer, tiny_model)
-        finally:
-            await s.client.close()
-
     try:
         with pytest.raises(
             UsageError, match=r"has another tokenizer than --hf-checkpoint .*: token id \d+ is '[78]'"
         ):
-            asyncio.run(check())
+            asyncio.run(_check(handle.url, tokenizer, tiny_model))
     finally:
         handle.stop()
 
