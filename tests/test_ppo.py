@@ -160,3 +160,18 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
     assert (config.train.loss.value_clip, config.train.loss.lambd) == (0.3, 0.95)
     assert parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
                        "--num-rollout", "1", "--rm-type", "math"]).critic is None  # fmt: skip
+
+
+def test_a_bad_critic_load_is_named_before_the_job_starts(tiny_model, tmp_path):
+    """--critic-load is read before Ray starts, and a bad one is named as itself (not as
+    --hf-checkpoint, the name the critic ranks give their starting checkpoint)."""
+    from slime.config.arguments import parse_args
+    from slime.ray.inputs import input_problems
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
+            "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo"]  # fmt: skip
+    problems = input_problems(parse_args([*base, "--critic-load", str(tmp_path / "nowhere")]), reach=False)
+    assert problems == [f"--critic-load {str(tmp_path / 'nowhere')!r} is not a directory"]
+    assert input_problems(parse_args([*base, "--critic-load", tiny_model]), reach=False) == []

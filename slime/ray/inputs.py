@@ -75,6 +75,9 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
         yield functools.partial(check_hf_checkpoint, t.ref_load, "--ref-load", weights=weights)
     yield from _teacher_checks(config, weights)
+    critic = config.critic.train.hf_checkpoint if config.critic is not None else None
+    if critic is not None and critic != t.hf_checkpoint:  # --critic-load
+        yield functools.partial(check_hf_checkpoint, critic, "--critic-load", weights=weights)
     ip, port = config.cluster.router_ip, config.cluster.router_port
     if reach and ip is not None and port is not None and not config.debug.train_only:
         yield functools.partial(_router_answers, ip, port)
