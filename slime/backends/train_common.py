@@ -376,9 +376,8 @@ class TrainActorBase(TrainRecords):
         if opd.enabled and not opd.in_train and batch.teacher_log_probs is None:  # every part alike
             raise BatchError(
                 "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs', or not all of them "
-                "(the teacher "
-                "engine scores them during the rollout; a custom rollout, reward or post-process function must set "
-                "them; a replayed dump must have been made with OPD)"
+                "(the teacher engine scores them during the rollout; a custom rollout, reward or post-process "
+                "function must set them; a replayed dump must have been made with OPD)"
             )
         with self._routing_replay(batch, mine):
             return self._train(rollout_id, part, plans, mine, values, update)

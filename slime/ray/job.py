@@ -133,13 +133,12 @@ class Job:
                 .options(num_cpus=0, max_concurrency=2)
                 .remote(self.config, self.log_dir, self.dp_size, self.api_key)
             )
-        readies = [e.ready.remote() for e in [*self.engines, *([self.teacher] if self.teacher else [])]]
+        readies = [e.ready.remote() for e in self._engine_processes()]
         if c.colocate and res == "GPU":  # engines size their memory from what is free: before the trainer
             wait_refs(readies)
-        world = c.num_train_ranks
+        world, d = c.num_train_ranks, self.config.debug
         for rank, slot in enumerate(self.placement.train):
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
-            d = self.config.debug
             self.train.append(
                 cls.remote(self.config.train, rank, world, 1, d.hang_timeout, self.log_dir, d.phase_hook)
             )
@@ -147,7 +146,6 @@ class Job:
         for rank, slot in enumerate(self.placement.critic):
             assert critic is not None
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
-            d = self.config.debug
             self.critic.append(cls.remote(critic.train, rank, critic.num_ranks, 1, d.hang_timeout, self.log_dir,
                                           d.phase_hook, critic=True))  # fmt: skip
         # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
@@ -284,6 +282,10 @@ class Job:
             .remote(model_path, self.engine_args, log_path, self.api_key, self.dump_dir if dump else None)
         )
 
+    def _engine_processes(self) -> list[Any]:
+        """The engines slime started: the rollout's, and the OPD teacher's."""
+        return [*self.engines, *([self.teacher] if self.teacher is not None else [])]
+
     def banner(self) -> str:
         d = self.config.debug
         mode = (
@@ -317,7 +319,7 @@ class Job:
         # each failure is logged, and none stops the others from being waited for.
         calls = [t.close.remote() for t in [*self.train, *self.critic]]
         calls += [self.manager.close.remote()] if self.manager is not None else []
-        calls += [e.stop.remote() for e in [*self.engines, *([self.teacher] if self.teacher else [])]]
+        calls += [e.stop.remote() for e in self._engine_processes()]
         if calls:
             ray.wait(calls, num_returns=len(calls), timeout=60)
         for call in calls:

@@ -582,14 +582,9 @@ def eval_metrics(ds: EvalDataset, samples: list[Sample], reward_key: str | None)
     eval/<name>-truncated_ratio, and the rest under eval/<name>/."""
     metrics = rollout_metrics(samples, reward_key, prefix=ds.prefix)
     if ds.name is not None:
-        metrics[ds.prefix] = ds_reward_mean(ds.prefix, metrics)
+        if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
+            raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
+                             "to report with --reward-key")  # fmt: skip
+        metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
         metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
     return metrics
-
-
-def ds_reward_mean(prefix: str, metrics: dict[str, float]) -> float:
-    """A named evaluation set's mean reward; a set whose rewards are dicts needs --reward-key."""
-    if f"{prefix}/reward_mean" not in metrics:
-        raise ValueError(f"{prefix}: the rewards are dicts (a reward function's raw answers); name the one to "
-                         "report with --reward-key")  # fmt: skip
-    return metrics[f"{prefix}/reward_mean"]

@@ -115,10 +115,10 @@ class RolloutGenerator:
         self._by_url = {c.base_url: c for c in clients}
         self._opened: list[EngineClient] = []  # clients of restarted engines, closed at the end
         self.mask_offpolicy = False
+        """--mask-offpolicy-in-partial-rollout: a continued sample's earlier tokens leave the loss."""
         self.teacher: Any = None
         """--use-opd --opd-type sglang: a slime.rollout.teacher.TeacherScorer; each finished group
         is scored with it after its reward."""
-        """--mask-offpolicy-in-partial-rollout: a continued sample's earlier tokens leave the loss."""
         self.carry: list[tuple[Prompt, list[Sample]]] | None = None
         """--partial-rollout outside the continuous schedule: the groups over-sampling cut off, with
         what they generated. generate_rollout continues these first and leaves the groups it

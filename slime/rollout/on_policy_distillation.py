@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.rollout.sample import Sample
+from slime.rollout.teacher import response_log_probs
 
 
 async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any]:
@@ -32,7 +33,7 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any
         "logprob_start_len": 0,
     }
     answer = await post(args.rm_url, payload)
-    sample.teacher_log_probs = _response_log_probs(answer, sample)
+    sample.teacher_log_probs = response_log_probs(answer, sample, f"the teacher at --rm-url {args.rm_url}")
     return answer
 
 
@@ -41,18 +42,6 @@ def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tup
     in your own copy of this function, or use the built-in teacher, which keeps it)."""
     for sample in samples:
         if isinstance(sample.reward, dict) and "meta_info" in sample.reward:
-            sample.teacher_log_probs = _response_log_probs(sample.reward, sample)
+            sample.teacher_log_probs = response_log_probs(sample.reward, sample, "the teacher's answer")
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)
-
-
-def _response_log_probs(answer: dict[str, Any], sample: Sample) -> list[float]:
-    """The last response_length entries of input_token_logprobs[1:] (the first has no log-prob)."""
-    entries = answer["meta_info"]["input_token_logprobs"][1:]
-    values = [float(e[0]) for e in entries][len(entries) - sample.response_length :]
-    if len(values) != sample.response_length:
-        raise ValueError(
-            f"sample {sample.index}: the teacher scored {len(entries)} tokens, fewer than its "
-            f"{sample.response_length} response tokens"
-        )
-    return values

@@ -102,11 +102,10 @@ class TeacherScorer:
     async def score(self, samples: list[Sample]) -> int:
         """Set `teacher_log_probs` on every sample that has none (one request for all of them);
         returns how many it scored."""
-        todo = [s for s in samples if s.teacher_log_probs is None]
-        for s in todo:
-            if s.response_length == 0:
+        for s in samples:
+            if s.teacher_log_probs is None and s.response_length == 0:
                 s.teacher_log_probs = []
-        todo = [s for s in todo if s.response_length > 0]
+        todo = [s for s in samples if s.teacher_log_probs is None]
         if not todo:
             return 0
         ids = [list(s.tokens) for s in todo]
@@ -114,14 +113,7 @@ class TeacherScorer:
         answer = await self.client.request("POST", "/generate", self._payload(ids, starts))
         answers = answer if isinstance(answer, list) else [answer]
         for sample, one in zip(todo, answers, strict=True):
-            values = [lp for lp, _, _ in _entries(one)][-sample.response_length :]
-            if len(values) != sample.response_length or any(v is None for v in values):
-                raise RuntimeError(
-                    f"the OPD teacher at {self.url} gave {sum(v is not None for v in values)} log-probs for sample "
-                    f"{sample.index}'s {sample.response_length} response tokens (input_token_logprobs from "
-                    "logprob_start_len, the first entry None, as SGLang answers)"
-                )
-            sample.teacher_log_probs = [float(v) for v in values]
+            sample.teacher_log_probs = response_log_probs(one, sample, f"the OPD teacher at {self.url}")
         return len(todo)
 
     async def score_all(self, samples: list[Sample], per_request: int = 16) -> int:
@@ -129,6 +121,20 @@ class TeacherScorer:
         how many it scored."""
         chunks = [samples[i : i + per_request] for i in range(0, len(samples), per_request)]
         return sum(await asyncio.gather(*(self.score(c) for c in chunks)))
+
+
+def response_log_probs(answer: Any, sample: Sample, teacher: str) -> list[float]:
+    """The sample's response log-probs from a /generate answer's input_token_logprobs: its last
+    `response_length` entries (SGLang's layout: the first entry None, whatever logprob_start_len)."""
+    entries = _entries(answer)
+    n = sample.response_length
+    values = [lp for lp, _, _ in entries][len(entries) - n :] if len(entries) >= n else []
+    if len(values) != n or any(v is None for v in values):
+        raise RuntimeError(
+            f"{teacher} gave {sum(v is not None for v in values)} log-probs for sample {sample.index}'s {n} response "
+            "tokens (input_token_logprobs from logprob_start_len, the first entry None, as SGLang answers)"
+        )
+    return [float(v) for v in values]
 
 
 def _entries(answer: Any) -> list[tuple[Any, int, Any]]:

@@ -42,9 +42,6 @@ class FSDPCritic(FSDPTrainActor):
 
     value_head = True
 
-    _first_gap = 0.0
-    """The last value step's largest |step forward - value pass| over the loss mask."""
-
     def _fresh_parameters(self) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.cfg.seed)
         std = float(getattr(self.hf_config, "initializer_range", 0.02))
@@ -97,9 +94,10 @@ class FSDPCritic(FSDPTrainActor):
         start = time.perf_counter()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
         for k, step in enumerate(plans):
-            output.steps.append(self._value_step(batch, step, old, ret))
+            metrics, gap = self._value_step(batch, step, old, ret)
+            output.steps.append(metrics)
             if k == 0 and self.cfg.check_precision:  # --check-precision's gate (slime.debug.precision)
-                output.precision["critic_first_step_max_abs_diff"] = self._max_over_ranks(self._first_gap)
+                output.precision["critic_first_step_max_abs_diff"] = self._max_over_ranks(gap)
         output.timings["train"] = time.perf_counter() - start
         self.rollout_id = rollout_id
         return output
@@ -133,31 +131,32 @@ class FSDPCritic(FSDPTrainActor):
         return out
 
     def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
-                    ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip
+                    ret: dict[int, torch.Tensor]) -> tuple[dict[str, float], float]:  # fmt: skip
+        """One optimizer step; its metrics, and this rank's largest |step forward - value pass|
+        over the loss mask (--check-precision's gate reads the first step's)."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        self._first_gap = 0.0
+        gap = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             dev = mb.input_ids.device
             values = response_values(self.model, mb)
+            old_values = mb.response_tensor([old[p] for p in mb.positions]).to(dev)
             # The step's forward against the value pass, on the same weights: bitwise equal unless
             # kernels, dropout or other micro-batches change the bits (PPO's ppo_kl == 0 for the critic).
-            gaps = (values.detach() - mb.response_tensor([old[p] for p in mb.positions]).to(dev)).abs()
-            gaps = gaps[mb.loss_mask.to(dev).bool()]
+            gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
             if gaps.numel():
-                self._first_gap = nan_max(self._first_gap, float(gaps.double().max()))
+                gap = nan_max(gap, float(gaps.double().max()))
             weights = token_weights(mb.loss_mask, cfg.loss.calculate_per_token_loss, step.num_samples,
                                     step.num_tokens).to(dev)  # fmt: skip
-            loss, clipped = value_loss(values, mb.response_tensor([old[p] for p in mb.positions]).to(dev),
-                                       mb.response_tensor([ret[p] for p in mb.positions]).to(dev),
+            loss, clipped = value_loss(values, old_values, mb.response_tensor([ret[p] for p in mb.positions]).to(dev),
                                        cfg.loss.value_clip)  # fmt: skip
             total = weighted_sum(loss, weights)
             sums["value_loss"] += total.detach().double().cpu()
             sums["value_clipfrac"] += weighted_sum(clipped, weights).detach().double().cpu()
             total.backward()
-        return self._optimizer_step(sums)
+        return self._optimizer_step(sums), gap
 
     def save_hf(self, path: str) -> None:
         """A Hugging Face directory AutoModelForTokenClassification loads (config with one label and
