@@ -8,7 +8,11 @@ from typing import Any
 def make_train_actor(cfg: Any, rank: int | None = None, world_size: int | None = None,
                      init_method: str | None = None, critic: bool = False) -> Any:  # fmt: skip
     """The train actor of `cfg.backend` (imported lazily: megatron-core is optional); with
-    `critic`, PPO's value model (FSDP: slime.backends.fsdp.critic)."""
+    `critic`, PPO's value model (slime.backends.critic_common)."""
+    if critic and cfg.backend == "megatron":
+        from slime.backends.megatron.critic import MegatronCritic
+
+        return MegatronCritic(cfg, rank, world_size, init_method)
     if critic:
         from slime.backends.fsdp.critic import FSDPCritic
 

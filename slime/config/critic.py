@@ -36,7 +36,7 @@ class CriticConfig:
 
 
 def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("train: critic (PPO: --advantage-estimator ppo; the FSDP backend)")
+    g = parser.add_argument_group("train: critic (PPO: --advantage-estimator ppo)")
     g.add_argument("--num-critic-only-steps", type=int, default=0,
                    help="the first N rollouts train the critic only; the actor's weights stay (slime's)")  # fmt: skip
     g.add_argument("--critic-load", default=None,
@@ -69,11 +69,6 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
     if actor.loss.loss_type != "policy_loss":
         raise ValueError(
             f"--advantage-estimator ppo trains a policy: --loss-type {actor.loss.loss_type} has no advantages"
-        )
-    if actor.backend != "fsdp":
-        raise ValueError(
-            f"--advantage-estimator ppo with --train-backend {actor.backend}: the critic is built for the FSDP backend "
-            "only so far (use --train-backend fsdp)"
         )
     nodes = ns.critic_num_nodes or ns.actor_num_nodes
     per_node = ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node

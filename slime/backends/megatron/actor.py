@@ -48,6 +48,7 @@ class MegatronTrainActor(TrainActorBase):
     """Implements slime.backends.interface.TrainActor with megatron-core."""
 
     routing: MegatronRouting | None
+    value_head = False  # a PPO critic's output layer is its value head (slime.backends.megatron.critic)
 
     def __init__(
         self,
@@ -79,11 +80,7 @@ class MegatronTrainActor(TrainActorBase):
         unsupported = check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
-        self.layout = Layout.from_hf_config(
-            self.hf_config,
-            m.make_vocab_size_divisible_by,
-            fold_norms=m.transformer_impl == "transformer_engine",
-        )
+        self.layout = self._model_layout()
         self.tp, self.pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         self.ep, self.etp = m.expert_model_parallel_size, m.etp
         self.layout.check_parallel(self.tp, self.pp, self.ep, self.etp)
@@ -147,10 +144,15 @@ class MegatronTrainActor(TrainActorBase):
         logger.info("rank %d/%d: Megatron actor ready %s", self.rank, self.world_size, info)
         return info
 
+    def _model_layout(self) -> Layout:
+        m = self.cfg.megatron
+        return Layout.from_hf_config(self.hf_config, m.make_vocab_size_divisible_by,
+                                     fold_norms=m.transformer_impl == "transformer_engine")  # fmt: skip
+
     def _build_model(self) -> tuple[Any, Any]:
         from megatron.core import tensor_parallel
 
-        from slime.backends.megatron.model import build_gpt_model, transformer_config
+        from slime.backends.megatron.model import transformer_config
 
         m = self.cfg.megatron
         on_cpu = self.device.type == "cpu"
@@ -180,13 +182,19 @@ class MegatronTrainActor(TrainActorBase):
             cpu_shim.enable()
             cpu_shim.seed(self.cfg.seed, parallel_state.get_tensor_model_parallel_rank(),
                           self.mesh.ep_rank, self.mesh.etp_rank)  # fmt: skip
-        model = build_gpt_model(self.layout, self.hf_config, config, self.tp)
+        model = self._build_gpt(config)
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
             model.bfloat16()
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
         model.train()
         return model, config
+
+    def _build_gpt(self, config: Any) -> Any:
+        """This rank's GPTModel, in float32 on the CPU (cast and moved by `_build_model`)."""
+        from slime.backends.megatron.model import build_gpt_model
+
+        return build_gpt_model(self.layout, self.hf_config, config, self.tp)
 
     def _routing_states(self, mbs: list[MicroBatch], record: bool = False,
                         step: StepPlan | None = None) -> list[MicroBatchRouting | None]:  # fmt: skip
@@ -202,12 +210,12 @@ class MegatronTrainActor(TrainActorBase):
 
         return get_forward_backward_func()
 
-    def _read_hf_shard(self, hf_dir: str) -> State:
+    def _read_hf_shard(self, hf_dir: str, lm_head: bool = True) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
-        one layer at a time."""
+        one layer at a time (without `lm_head`: no output layer, the critic has its own)."""
         mesh = self.mesh
         return hf_to_megatron_shard(mckpt.LazyHFState(hf_dir), self.layout, self.tp, self.pp, mesh.tp_rank,
-                                    mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank)  # fmt: skip
+                                    mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank, lm_head)  # fmt: skip
 
     def _load_hf(self, hf_dir: str) -> None:
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)
@@ -395,18 +403,23 @@ class MegatronTrainActor(TrainActorBase):
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
+        metrics = self._optimizer_step(sums)
+        if self.cfg.moe.aux_loss_coeff > 0 and self.routing is not None:
+            # Every stage has its own MoE layers: one rank of each stage's TP group counts them.
+            aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
+            metrics.update(self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0))
+        return metrics
+
+    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Reduce and clip the gradients, step the optimizer and the schedule; the step's metric
+        sums over the replicas, with grad_norm and the learning rate the step used."""
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()
         self.schedule.step()
         self._from_masters()
-        metrics = self._step_metrics(sums, grad_norm, lr)
-        if self.cfg.moe.aux_loss_coeff > 0 and self.routing is not None:
-            # Every stage has its own MoE layers: one rank of each stage's TP group counts them.
-            aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
-            metrics.update(self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0))
-        return metrics
+        return self._step_metrics(sums, grad_norm, lr)
 
     def _accumulate_in_master(self, p: torch.Tensor) -> None:
         """--bf16: each micro-batch's bfloat16 gradient is added to the float32 master's as soon

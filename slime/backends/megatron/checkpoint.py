@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,7 +34,10 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
 
 
-def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict[str, Any]:
+def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                  value_head: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Megatron-LM's argument names for the model and layout; `value_head` (slime's): a PPO
+    critic's, whose output layer is its value head (one row and a bias) instead of the vocabulary."""
     return {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
@@ -56,6 +59,7 @@ def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None
         "swiglu": True,
         "normalization": "RMSNorm",
         "slime_layout": dict(layout.__dict__),
+        **({"value_head": True} if value_head else {}),
     }
 
 
@@ -125,6 +129,12 @@ def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
         parts[(ranks[0], ranks[1] if pp > 1 else 0, ranks[-1] if ep > 1 else 0)] = blob["model"]
     if not parts:
         raise ConversionError(f"--load-dir {load_dir!r}: no mp_rank_*/model_optim_rng.pt under {folder}")
+    if args.get("value_head"):
+        raise ConversionError(
+            f"--load-dir {load_dir!r} is a PPO critic's checkpoint (its output layer is a value head): the "
+            "conversion tools take language models; the critic's --save-hf export (<--save-hf>/critic) is its "
+            "Hugging Face directory"
+        )
     return parts, args
 
 
@@ -181,9 +191,12 @@ def load_hf_state(hf_dir: str) -> State:
     return state
 
 
-def save_hf(state: State, config_dir: str, save_dir: str, shard_bytes: int = 2 << 30) -> None:
+def save_hf(
+    state: State, config_dir: str, save_dir: str, shard_bytes: int = 2 << 30, config: Any = None
+) -> None:
     """safetensors (sharded past `shard_bytes`, with an index) plus config and tokenizer files
-    copied from `config_dir`; written under a temporary name and renamed."""
+    copied from `config_dir` (`config`: a Hugging Face config written instead of its
+    config.json); written under a temporary name and renamed."""
     from safetensors.torch import save_file
 
     check_target(save_dir)
@@ -211,7 +224,11 @@ def save_hf(state: State, config_dir: str, save_dir: str, shard_bytes: int = 2 <
             index["weight_map"].update(dict.fromkeys(shard, fname))
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
+    if config is not None:
+        config.to_json_file(os.path.join(partial, "config.json"))
     for name in HF_SIDE_FILES:
+        if name == "config.json" and config is not None:
+            continue
         if os.path.isfile(os.path.join(config_dir, name)):
             shutil.copy2(os.path.join(config_dir, name), os.path.join(partial, name))
     _publish(partial, final)
@@ -293,7 +310,7 @@ def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any]
         "rng_state": _rng_state(),
         "iteration": rollout_id,
         "checkpoint_version": 3.0,
-        "args": megatron_args(actor.layout, actor.tp, actor.pp, actor.ep, actor.etp),
+        "args": megatron_args(actor.layout, actor.tp, actor.pp, actor.ep, actor.etp, actor.value_head),
         "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
                   "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
     }  # fmt: skip
@@ -362,6 +379,10 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
         same_model = stored_layout(args, root) == actor.layout
     except (ConversionError, TypeError) as e:
         return {}, f"--load {root!r}: {e}"
+    if bool(args.get("value_head")) != actor.value_head:
+        kinds = ("an actor's", "a critic's") if actor.value_head else ("a critic's", "an actor's")
+        return {}, (f"--load {root!r} holds {kinds[0]} checkpoint (its output layer), not {kinds[1]}: the critic "
+                    "resumes from <--load>/critic or --critic-save, the actor from --load")  # fmt: skip
     if saved != (actor.tp, actor.pp, actor.ep, actor.etp) or not same_model:
         return {}, (
             f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} x EP {saved[2]} x ETP {saved[3]} or for "
@@ -387,19 +408,24 @@ def _agree(error: str | None) -> None:
         raise ConversionError(first)
 
 
-def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30) -> None:
-    """The actor's weights as a Hugging Face directory (rank 0 writes; every rank takes part)."""
+def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30,
+                       tensors: Iterable[tuple[str, torch.Tensor]] | None = None, config: Any = None) -> None:  # fmt: skip
+    """The actor's weights as a Hugging Face directory (rank 0 writes; every rank takes part).
+    `tensors`: the (HF name, full tensor) pairs to write instead of the actor's export (they come
+    on rank 0), `config`: the config to write instead of --hf-checkpoint's (both: the critic's)."""
     import torch.distributed as dist
 
     from slime.backends.fsdp.checkpoint import checkpoint_dtype
 
-    state: State = {}
-    for bucket in actor.export_weights(shard_bytes):
-        state.update({n: t.detach().cpu() for n, t in bucket})
+    if tensors is None:
+        tensors = (pair for bucket in actor.export_weights(shard_bytes) for pair in bucket)
+    state: State = {n: t.detach().cpu() for n, t in tensors}
     if actor.rank == 0:
         dtype = checkpoint_dtype(actor.hf_config)
         final = os.path.abspath(path)
         if os.path.exists(final):
             shutil.rmtree(final)
-        save_hf({n: t.to(dtype) for n, t in state.items()}, actor.cfg.hf_checkpoint, final, shard_bytes)
+        save_hf(
+            {n: t.to(dtype) for n, t in state.items()}, actor.cfg.hf_checkpoint, final, shard_bytes, config
+        )
     dist.barrier()

@@ -269,7 +269,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int = 1) 
 
 def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, pp: int, tp_rank: int,
                          pp_rank: int, ep: int = 1, etp: int = 1, ep_rank: int = 0,
-                         etp_rank: int = 0) -> State:  # fmt: skip
+                         etp_rank: int = 0, lm_head: bool = True) -> State:  # fmt: skip
     """One rank's shard, equal to `rank_shard(shard(hf_to_megatron(hf, layout, tp), layout, tp,
     pp)[(tp_rank, pp_rank)], ...)` with its EP / ETP part of the experts, but reading only the HF
     tensors of its stage (and only its own experts) and converting one layer at a time (with a
@@ -291,9 +291,9 @@ def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int
         keep(_embedding(hf, layout, tp))
     for i in layers:
         keep(_layer_to_megatron(hf, layout, i, mine_experts), layers.start)
-    if pp_rank == pp - 1:
-        final = _final(hf, layout, tp)
-        if layout.tied_embeddings and pp > 1:  # the last stage's copy of the embedding (split_pp)
+    if pp_rank == pp - 1:  # without `lm_head` only the final norm (a critic's head is its own)
+        final = _final(hf, layout, tp, lm_head)
+        if lm_head and layout.tied_embeddings and pp > 1:  # the last stage's copy of the embedding (split_pp)
             final["output_layer.weight"] = _embedding(hf, layout, tp)["embedding.word_embeddings.weight"]
         keep(final)
     return out
@@ -304,9 +304,9 @@ def _embedding(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int) -> State
     return {"embedding.word_embeddings.weight": _pad_rows(emb, layout.padded_vocab_size(tp))}
 
 
-def _final(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int) -> State:
+def _final(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, lm_head: bool = True) -> State:
     out = {"decoder.final_layernorm.weight": _take(hf, "model.norm.weight", (layout.hidden_size,))}
-    if not layout.tied_embeddings:
+    if lm_head and not layout.tied_embeddings:
         head = _take(hf, "lm_head.weight", (layout.vocab_size, layout.hidden_size))
         out["output_layer.weight"] = _pad_rows(head, layout.padded_vocab_size(tp))
     return out
