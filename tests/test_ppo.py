@@ -107,8 +107,8 @@ def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model
     "flags, message",
     [
         (
-            ["--advantage-estimator", "ppo", "--train-backend", "megatron"],
-            "the critic is built for the FSDP backend only so far",
+            ["--advantage-estimator", "ppo", "--loss-type", "sft_loss"],
+            "--advantage-estimator ppo trains a policy: --loss-type sft_loss has no advantages",
         ),
         (["--critic-lr", "1e-5"], "--critic-lr sets the critic, which only --advantage-estimator ppo has"),
         (
@@ -123,7 +123,7 @@ def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model
             "so it needs as many ranks as the actor (2)",
         ),
     ],
-    ids=["megatron", "critic-flag-without-ppo", "critic-ranks"],
+    ids=["sft-loss", "critic-flag-without-ppo", "critic-ranks"],
 )
 def test_critic_settings_that_cannot_run_are_refused_at_start_up(
     tiny_model, tmp_path, capsys, flags, message

@@ -54,3 +54,27 @@ def test_a_ppo_job_on_two_ranks_resumes_actor_and_critic(tiny_model, prompts, tm
     assert "resumed after rollout 1" in again.stderr + again.stdout
     last = records(tmp_path)[-1]
     assert last["rollout_id"] == 2 and "train/critic-value_loss" in last and "train/pg_loss" in last
+
+
+@pytest.mark.slow  # ~60 s: two runs of TP 2 actor and critic; tests/test_megatron_critic.py tests the critic in process
+def test_a_ppo_job_with_the_megatron_backend_resumes_actor_and_critic(tiny_model, prompts, tmp_path):  # noqa: F811
+    """--train-backend megatron at TP 2, colocated: the Megatron critic beside the Megatron actor,
+    --check-precision's gates (the critic's too), and a resumed run that picks both up."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+    save = str(tmp_path / "ckpt")
+    common = [*PPO, "--save", save, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+              "--tensor-model-parallel-size", "2", "--colocate", "--check-precision"]  # fmt: skip
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stderr + proc.stdout
+    assert "--check-precision: passed at rollout 0" in out and "critic values 0" in out
+    first, second = records(tmp_path)[-2:]
+    assert "train/critic-value_loss" in first and "train/pg_loss" not in first
+    assert "train/critic-value_loss" in second and "train/pg_loss" in second
+    critic_files = sorted(p.name for p in (tmp_path / "ckpt" / "critic" / "iter_0000001").iterdir())
+    assert critic_files == ["mp_rank_00", "mp_rank_01"]
+    again = run_job("train.py", tiny_model, prompts, tmp_path, *common, "--load", save, "--num-rollout", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after rollout 1" in again.stderr + again.stdout
+    last = records(tmp_path)[-1]
+    assert last["rollout_id"] == 2 and "train/critic-value_loss" in last and "train/pg_loss" in last

@@ -191,7 +191,7 @@ class MegatronTrainActor(TrainActorBase):
         return model, config
 
     def _build_gpt(self, config: Any) -> Any:
-        """This rank's GPTModel, in float32 on the CPU (cast and moved by `_build_model`)."""
+        """This rank's GPTModel, before `_build_model` casts it (--bf16) and moves it to the GPU."""
         from slime.backends.megatron.model import build_gpt_model
 
         return build_gpt_model(self.layout, self.hf_config, config, self.tp)
