@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from tests.dist_helpers import run_ranks
 from tests.test_critic import critic_run, fake_returns
-from tests.test_fsdp_actor import make_batch
+from tests.test_fsdp_actor import base_config, make_batch
 from tests.test_megatron_actor import config
 
 
@@ -173,6 +173,43 @@ def test_a_head_of_another_shape_is_refused(tiny_model, tmp_path):
     save_file(state, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match=r"score.weight \(2, 64\), score.bias \(2,\); a critic's head"):
         run_ranks(1, megatron_critic_run, tiny_model, 1, 1, None, None, None, bad)
+
+
+def moe_critic_run(rank, world_size, init_method, model, backend, ep=1):
+    """A mixture-of-experts critic with the load-balancing loss, one sample per micro-batch (the
+    aux loss balances each micro-batch as a whole: tests/test_megatron_moe_actor.py)."""
+    from slime.backends import make_train_actor
+    from slime.config.train import MegatronConfig, MoEOptions
+
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=1), moe=MoEOptions(moe_aux_loss_coeff=0.01))
+    if backend == "megatron":
+        cfg = dataclasses.replace(
+            cfg, backend="megatron", megatron=MegatronConfig(expert_model_parallel_size=ep)
+        )
+    critic = make_train_actor(cfg, rank, world_size, init_method, critic=True)
+    critic.init()
+    outputs = []
+    for r in range(2):
+        batch = make_batch(r)
+        outputs.append(
+            critic.train_values(r, batch, _everyone(critic.compute_values(batch)), fake_returns(batch, r))
+        )
+    after = _everyone(critic.compute_values(make_batch(0)))
+    critic.close()
+    return {"outputs": outputs, "after": after}
+
+
+def test_a_mixture_of_experts_critic_trains_with_the_load_balancing_loss(tiny_moe):
+    """--moe-aux-loss-coeff applies to the critic's routers as to the actor's: the FSDP critic on
+    one rank and the Megatron critic at EP 2 report the same moe_aux_loss and end equal."""
+    fsdp = run_ranks(1, moe_critic_run, tiny_moe, "fsdp")[0]
+    ep2 = run_ranks(2, moe_critic_run, tiny_moe, "megatron", 2)
+    for a, b in zip(fsdp["outputs"], ep2[0]["outputs"], strict=True):
+        for sa, sb in zip(a.steps, b.steps, strict=True):
+            assert sa.keys() == sb.keys() and sa["moe_aux_loss"] > 0
+            for key in sa:
+                assert sb[key] == pytest.approx(sa[key], rel=2e-5, abs=1e-6), key
+    assert_values_close(fsdp["after"], ep2[0]["after"], 3e-5)
 
 
 def head_run(rank, world_size, init_method, sequence_parallel):

@@ -191,6 +191,22 @@ class FSDPTrainActor(TrainActorBase):
                                               mb.input_ids.numel()).to(self.device)  # fmt: skip
         return self.routing.micro_batch(replay, record=record, aux=aux)
 
+    @property
+    def _aux_coeff(self) -> float:
+        """--moe-aux-loss-coeff where the model has routers (0 otherwise)."""
+        return self.cfg.moe.aux_loss_coeff if self.routing is not None else 0.0
+
+    def _with_aux_loss(self, loss: torch.Tensor, state: Any, mb: MicroBatch, step: StepPlan,
+                       sums: dict[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """`loss` plus --moe-aux-loss-coeff x megatron-core's aux_loss of this micro-batch (the
+        routing `state` captured it), weighted by its share of the step's samples (so
+        micro-batches of one sample give the same loss however the step is split over ranks)."""
+        if self._aux_coeff == 0 or self.routing is None:
+            return loss
+        aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
+        sums["moe_aux_loss"] += aux.detach().double().cpu()
+        return loss + self._aux_coeff * aux
+
     def local_state_bytes(self) -> int:
         """Bytes of this rank's parameter shards plus optimizer states."""
         total = sum(model_init.local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
@@ -275,23 +291,16 @@ class FSDPTrainActor(TrainActorBase):
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         worst = 0.0
-        aux_coeff = cfg.moe.aux_loss_coeff if self.routing is not None else 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
-            with self._routing_state(mb, aux=aux_coeff > 0) as state:
+            with self._routing_state(mb, aux=self._aux_coeff > 0) as state:
                 log_probs, entropy = response_log_probs(
                     self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
                 )
                 assert entropy is not None
                 loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages),
                                                    sums, compare)  # fmt: skip
-                if aux_coeff > 0 and self.routing is not None:
-                    # megatron-core's aux_loss of this micro-batch, weighted by its share of the
-                    # step's samples (so micro-batches of one sample give the same loss however
-                    # the step is split over ranks).
-                    aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
-                    sums["moe_aux_loss"] += aux.detach().double().cpu()
-                    loss = loss + aux_coeff * aux
+                loss = self._with_aux_loss(loss, state, mb, step, sums)
                 worst = nan_max(worst, gap)
                 loss.backward()
         if compare is not None and precision is not None:

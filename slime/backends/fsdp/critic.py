@@ -49,9 +49,10 @@ class FSDPCritic(ValueModel, FSDPTrainActor):
         gap = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
-            total, mb_gap = self._value_loss(step, mb, response_values(self.model, mb), old, ret, sums)
-            gap = nan_max(gap, mb_gap)
-            total.backward()
+            with self._routing_state(mb, aux=self._aux_coeff > 0) as state:
+                total, mb_gap = self._value_loss(step, mb, response_values(self.model, mb), old, ret, sums)
+                gap = nan_max(gap, mb_gap)
+                self._with_aux_loss(total, state, mb, step, sums).backward()
         return self._optimizer_step(sums), gap
 
     def save_hf(self, path: str) -> None:

@@ -403,12 +403,15 @@ class MegatronTrainActor(TrainActorBase):
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
-        metrics = self._optimizer_step(sums)
-        if self.cfg.moe.aux_loss_coeff > 0 and self.routing is not None:
-            # Every stage has its own MoE layers: one rank of each stage's TP group counts them.
-            aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
-            metrics.update(self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0))
-        return metrics
+        return {**self._optimizer_step(sums), **self._aux_metrics(states)}
+
+    def _aux_metrics(self, states: list[MicroBatchRouting | None]) -> dict[str, float]:
+        """A training step's moe_aux_loss (with --moe-aux-loss-coeff): every stage has its own MoE
+        layers, one rank of each stage's TP group counts them."""
+        if self.cfg.moe.aux_loss_coeff == 0 or self.routing is None:
+            return {}
+        aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
+        return self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0)
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reduce and clip the gradients, step the optimizer and the schedule; the step's metric

@@ -148,8 +148,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
             return total
 
         mbs = self._micro_batches(batch, [step])
-        self._run(mbs, loss_fn, forward_only=False, routing=self._routing_states(mbs))
-        return self._optimizer_step(sums), gap
+        states = self._routing_states(mbs, step=step)  # --moe-aux-loss-coeff's aux loss, as the actor's
+        self._run(mbs, loss_fn, forward_only=False, routing=states)
+        return {**self._optimizer_step(sums), **self._aux_metrics(states)}, gap
 
     # ---- export -----------------------------------------------------------------------------
     def save_hf(self, path: str) -> None:
