@@ -249,3 +249,23 @@ def test_opd_flags_reach_both_sides(tiny_model, tmp_path):
     recipe = _parse(tiny_model, str(prompts), "--use-opd", "--opd-type", "sglang", "--custom-rm-path",
                     "slime.rollout.on_policy_distillation.reward_func", "--opd-kl-coef", "0.3")  # fmt: skip
     assert recipe.opd.enabled and not recipe.opd.scores_in_rollout and recipe.opd.kl_coef == 0.3
+
+
+def test_a_sample_without_teacher_log_probs_is_named_before_it_trains():
+    """--opd-type sglang: a rollout whose samples lack `teacher_log_probs` once post-processed (a
+    custom function, a dump made without OPD) stops the rollout naming the first such sample."""
+    from slime.config.train import BatchConfig
+    from slime.rollout.sample import Sample
+    from slime.rollout.summary import package_rollout
+    from slime.utils.errors import UsageError
+
+    samples = [Sample(index=i, group_index=i // 2, tokens=[1, 2, 3], response_length=1, reward=1.0,
+                      teacher_log_probs=None if i == 2 else [-0.5]) for i in range(4)]  # fmt: skip
+    split = (BatchConfig(), 1)
+    with pytest.raises(UsageError, match=r"sample 2 \(group 1\) carries no 'teacher_log_probs'"):
+        package_rollout(0, samples, None, split, lambda p: p, {}, None, True)
+    (part,) = package_rollout(0, samples, None, split, lambda p: p, {}).parts  # without OPD: not needed
+    assert part.batch.teacher_log_probs is None
+    samples[2].teacher_log_probs = [-0.25]
+    (part,) = package_rollout(0, samples, None, split, lambda p: p, {}, None, True).parts
+    assert part.batch.teacher_log_probs == [[-0.5], [-0.5], [-0.25], [-0.5]]

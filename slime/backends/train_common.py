@@ -373,7 +373,7 @@ class TrainActorBase(TrainRecords):
                 f"tokens ({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)")  # fmt: skip
             self._raise_agreed(problem)
         opd = self.cfg.opd
-        if opd.enabled and not opd.in_train and batch.teacher_log_probs is None:  # every part alike
+        if opd.on_samples and batch.teacher_log_probs is None:  # every part alike
             raise BatchError(
                 "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs', or not all of them "
                 "(the teacher engine scores them during the rollout; a custom rollout, reward or post-process "

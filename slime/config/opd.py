@@ -49,6 +49,12 @@ class OPDConfig:
         return self.enabled and self.type == "sglang" and (self.teacher_load or self.teacher_url) is not None
 
     @property
+    def on_samples(self) -> bool:
+        """Whether the teacher's log-probs come on the samples (--opd-type sglang: from the
+        teacher engine, a user function or a replayed dump)."""
+        return self.enabled and self.type == "sglang"
+
+    @property
     def in_train(self) -> bool:
         """Whether the train ranks hold the teacher's weights (--opd-type megatron)."""
         return self.enabled and self.type == "megatron"

@@ -332,7 +332,7 @@ class RolloutManager:
         split = (self.config.train.batch, self.dp_size) if self.dp_size else None
         return package_rollout(
             rollout_id, samples, self.config.rollout.reward_key, split, ray.put, metrics, self.post_process,
-            data_state=self.state_dict(), dump_path=dump_path,
+            self.config.opd.on_samples, data_state=self.state_dict(), dump_path=dump_path,
         )  # fmt: skip
 
     def evaluate(self, rollout_id: int) -> Evaluation:

@@ -141,7 +141,7 @@ class ReplayedRollouts:
         self.loaded = {
             rollout_id: package_rollout(
                 rollout_id, samples, self.config.rollout.reward_key, split, ray.put, metrics, self.post_process,
-                dump_path=dump_path, replayed=True,
+                self.config.opd.on_samples, dump_path=dump_path, replayed=True,
             )
         }  # fmt: skip
 

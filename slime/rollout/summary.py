@@ -12,6 +12,7 @@ from typing import Any
 from slime.backends.interface import split_rollout
 from slime.loop.parts import Rollout
 from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.utils.errors import UsageError
 
 
 def rollout_metrics(
@@ -76,6 +77,7 @@ def package_rollout(
     put: Callable[[Any], Any],
     metrics: dict[str, float],
     post_process: Callable[[list[Sample]], list[float]] | None = None,
+    need_teacher: bool = False,
     **summary: Any,
 ) -> Rollout:
     """The summary of a rollout whose parts went through `put` (ray.put in a job).
@@ -84,6 +86,8 @@ def package_rollout(
         split: (the train config's BatchConfig, data-parallel size), or None when nothing trains.
         metrics: rollout_metrics and the producer's timings.
         post_process: the rewards to train on, when --custom-reward-post-process-path is given.
+        need_teacher: --use-opd --opd-type sglang: every sample must carry `teacher_log_probs`
+            once post-processed (refused naming the first that does not).
         summary: the remaining Rollout fields (data_state, dump_path, replayed).
     """
     parts: tuple[Any, ...] = ()
@@ -92,6 +96,14 @@ def package_rollout(
         rewards = post_process(samples) if post_process is not None else None
         if rewards is not None:
             metrics["rollout/post_processed_reward_mean"] = statistics.fmean(rewards)
+        lacking = next((s for s in samples if s.teacher_log_probs is None), None) if need_teacher else None
+        if lacking is not None:
+            raise UsageError(
+                f"--use-opd --opd-type sglang: sample {lacking.index} (group {lacking.group_index}) carries no "
+                "'teacher_log_probs': the teacher engine (--opd-teacher-load / --opd-teacher-url) scores every sample; "
+                "without one a custom rollout, reward or post-process function must set them, and a replayed dump "
+                "must have been made with OPD"
+            )
         batch = samples_to_batch(samples, reward_key, rewards)
         parts = tuple(put(p) for p in split_rollout(batch, batch_cfg, dp_size))
     # Every version that produced a token (None: a sample the engine gave no version for).
