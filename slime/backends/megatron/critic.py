@@ -83,9 +83,10 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         return model
 
     def _load_hf(self, hf_dir: str) -> None:
+        head = self._head(hf_dir)  # checked on every rank: none waits for a stage that failed
         state = self._read_hf_shard(hf_dir, lm_head=False)
         if self.last_stage:
-            state.update(self._head(hf_dir))
+            state.update(head)
         self._copy_in(state, masters=True)
 
     def _head(self, hf_dir: str) -> State:
@@ -98,7 +99,8 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
                  if n not in head or tuple(head[n].shape) != shape]  # fmt: skip
         if wrong:
             raise ConversionError(
-                f"--critic-load {hf_dir!r}: its value head has {', '.join(wrong)}; a critic's head is score.weight "
+                f"the critic's checkpoint {hf_dir!r} (--critic-load, else --hf-checkpoint): its value head has "
+                f"{', '.join(wrong)}; a critic's head is score.weight "
                 f"[1, {self.layout.hidden_size}] and score.bias [1] (a token classifier with num_labels 1)"
             )
         return {"output_layer.weight": head["score.weight"], "output_layer.bias": head["score.bias"]}
