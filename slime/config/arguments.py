@@ -17,6 +17,7 @@ from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
 from slime.config.derived import custom_config, no_effect_lines, problems
 from slime.config.eval_sets import eval_datasets
+from slime.config.lora import add_lora_arguments
 from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
     PAUSE_MODES,
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(p)
     add_critic_arguments(p)
     add_opd_arguments(p)
+    add_lora_arguments(p)
     add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
     add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
     return p

@@ -15,6 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from slime.config.lora import LoRAConfig
 from slime.config.opd import OPDConfig
 from slime.config.train import TrainConfig
 
@@ -107,6 +108,7 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         moe=dataclasses.replace(actor.moe, use_routing_replay=False, use_rollout_routing_replay=False),
         save_debug_train_data=None,
         opd=OPDConfig(),  # the teacher is the actor's business
+        lora=LoRAConfig(),  # the critic trains all its weights (docs/lora.md)
     )
     return CriticConfig(
         train=train,

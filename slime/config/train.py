@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from slime.config.lora import LoRAConfig, lora_config
 from slime.config.loss import ESTIMATORS, KL_TYPES, LOSS_TYPES, LossConfig
 from slime.config.opd import OPDConfig, opd_config
 
@@ -332,6 +333,8 @@ class TrainConfig:
     moe: MoEOptions = field(default_factory=MoEOptions)
     opd: OPDConfig = field(default_factory=OPDConfig)
     """On-policy distillation (slime.config.opd): the penalty, and with --opd-type megatron the teacher."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (slime.config.lora)."""
     plugin_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
     """The parsed command line, for slime's loss hooks (`fn(args, ...)`); only with a hook given."""
 
@@ -537,6 +540,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         model=_pick(ModelOptions, ns),
         moe=_pick(MoEOptions, ns),
         opd=opd_config(ns) if hasattr(ns, "use_opd") else OPDConfig(),
+        lora=lora_config(ns),
         plugin_args=_plugin_args(ns),
     )
 

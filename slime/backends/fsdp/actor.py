@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp import checkpoint as ckpt
-from slime.backends.fsdp import model_init, moe
+from slime.backends.fsdp import lora, model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import RolloutBatch
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
@@ -95,9 +95,12 @@ class FSDPTrainActor(TrainActorBase):
         )
         self.model = self._build_model()
         self.routing = self._install_routing()
-        self.optimizer = make_optimizer(self.model.parameters(), cfg.optimizer)
+        # With LoRA only the adapters train (PEFT froze the rest): the optimizer holds them alone.
+        self.optimizer = make_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
+        )
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
-        if cfg.loss.needs_ref:
+        if cfg.loss.needs_ref and not cfg.lora.enabled:  # LoRA's reference: the adapters off
             if cfg.ref_load and cfg.ref_load != cfg.hf_checkpoint:
                 self.ref_state = model_init.read_local_shards(
                     self.model, cfg.ref_load, self.rank, self.world_size
@@ -134,6 +137,8 @@ class FSDPTrainActor(TrainActorBase):
         # --attention-dropout (0 unless given) replaces the checkpoint's; HF drops in train() mode only.
         self.hf_config.attention_dropout = self.cfg.model.attention_dropout
         model = model_init.build_meta_model(self.hf_config, self._attention(), self.value_head)
+        if self.cfg.lora.enabled:
+            model = lora.inject(model, self.cfg.lora)
         if fsdp.gradient_checkpointing:
             # transformers >= 5 renamed the method; the non-reentrant variant works under FSDP2.
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -149,7 +154,7 @@ class FSDPTrainActor(TrainActorBase):
         if fsdp.disable_sharding:
             logger.warning("--debug-disable-sharding: training the plain module on one rank (no FSDP)")
         shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size,
-                                              self._fresh_parameters())  # fmt: skip
+                                              self._fresh_parameters(model), lora.checkpoint_name)  # fmt: skip
         model_init.copy_into_shards(model, shards)
         del shards
         # Each rank's loss is its share of the global mean: gradients must be summed, not
@@ -160,9 +165,31 @@ class FSDPTrainActor(TrainActorBase):
         model.train()
         return model
 
-    def _fresh_parameters(self) -> dict[str, torch.Tensor] | None:
-        """Whole tensors for parameters the checkpoint may lack (a critic's new value head)."""
-        return None
+    def _fresh_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Whole tensors for parameters the checkpoint may lack: LoRA's adapters (fresh, or from
+        --lora-adapter-path), a critic's new value head."""
+        lo = self.cfg.lora
+        if not lo.enabled:
+            return None
+        return (
+            lora.read_adapter(lo.adapter_path, model, lo)
+            if lo.adapter_path
+            else lora.fresh_adapters(model, self.cfg.seed)
+        )
+
+    def _reference_weights(self) -> contextlib.AbstractContextManager[None]:
+        """LoRA: the reference is the base model, the adapters switched off (no second copy)."""
+        if not self.cfg.lora.enabled:
+            return super()._reference_weights()
+        return self._adapters_off()
+
+    @contextlib.contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        lora.set_adapters_enabled(self.model, False)
+        try:
+            yield
+        finally:
+            lora.set_adapters_enabled(self.model, True)
 
     def _install_routing(self) -> moe.Routing | None:
         """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag
@@ -341,10 +368,18 @@ class FSDPTrainActor(TrainActorBase):
     def export_weights(
         self, bucket_bytes: int, every_rank: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        return ckpt.export_weight_buckets(self.model, bucket_bytes)  # full tensors on every rank anyway
+        """Full tensors on every rank anyway; with LoRA the base weights with the adapters merged."""
+        merge = self._merge_adapters if self.cfg.lora.enabled else None
+        return ckpt.export_weight_buckets(self.model, bucket_bytes, merge=merge)
+
+    def _merge_adapters(
+        self, named: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora.merged(named, self.cfg.lora.scaling)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        shapes = {lora.checkpoint_name(name): tuple(p.shape) for name, p in self.model.named_parameters()
+                  if not lora.is_adapter(name)}  # fmt: skip
         return hf_experts.checkpoint_shapes(self.hf_config.model_type, shapes)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,10 +72,9 @@ def save_checkpoint(
     """Save; `extra` (plain data, e.g. the data position) is stored with the trainer state and
     becomes visible atomically with the rest."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final, partial = start_save(root, rollout_id, actor.rank)
-    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    model_state, optim_state = _states(actor, _state_options(actor))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(partial, "model_optim"))
     rng = [None] * actor.world_size
     dist.all_gather_object(rng, _rng_state())
@@ -87,6 +86,7 @@ def save_checkpoint(
             "schedule": actor.schedule.state_dict(),
             "rng": rng,
             "hf_checkpoint": actor.cfg.hf_checkpoint,
+            "lora": _lora_shape(actor),
             "extra": extra or {},
         }
         torch.save(state, os.path.join(partial, "trainer_state.pt"))
@@ -114,7 +114,7 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     run with --load pointing at its own --save directory starts from --hf-checkpoint).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if not os.path.isdir(root):
         logger.info("--load %s does not exist yet: starting from --hf-checkpoint", root)
@@ -134,13 +134,21 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
         raise ValueError(
             f"{state_file}: format_version {state.get('format_version')}, expected {FORMAT_VERSION}"
         )
+    if state.get("lora") != _lora_shape(actor):
+        raise ValueError(
+            f"--load {root!r} was saved with LoRA {state.get('lora') or 'off'}, this run has "
+            f"{_lora_shape(actor) or 'no LoRA'}: resume with the flags it was saved with (--lora-rank, --lora-alpha, "
+            "--target-modules, --exclude-modules)"
+        )
     actor.schedule.load_state_dict(state["schedule"], override=actor.cfg.override_opt_param_scheduler)
-    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    options = _state_options(actor)
+    model_state, optim_state = _states(actor, options)
     # dcp.load fills these dicts in place (tensors are loaded into the local shards' layout).
     dcp.load(
         {"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, "model_optim")
     )
-    set_state_dict(actor.model, actor.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(actor.model, actor.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=options)  # fmt: skip
     _apply_optimizer_flags(actor)
     rng = state["rng"]
     if state["world_size"] == actor.world_size:
@@ -157,6 +165,37 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     )
     actor.resumed_extra = state.get("extra", {})
     return rollout_id
+
+
+def _state_options(actor: FSDPTrainActor) -> Any:
+    """What a checkpoint holds: every parameter, or with LoRA the adapters alone (the base
+    weights are frozen: --hf-checkpoint has them), with their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = actor.cfg.lora.enabled
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _states(actor: FSDPTrainActor, options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts as a checkpoint holds them. With LoRA the
+    frozen weights are left out (torch keeps a tied one, the LM head, under its second name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(actor.model, actor.optimizer, options=options)
+    if actor.cfg.lora.enabled:
+        from slime.backends.fsdp.lora import is_adapter
+
+        model_state = {k: v for k, v in model_state.items() if is_adapter(k)}
+    return model_state, optim_state
+
+
+def _lora_shape(actor: FSDPTrainActor) -> dict[str, Any] | None:
+    """The LoRA settings that shape a checkpoint's tensors and what they mean (None: no LoRA)."""
+    lo = actor.cfg.lora
+    if not lo.enabled:
+        return None
+    return {"rank": lo.rank, "alpha": lo.alpha, "target_modules": list(lo.target_modules),
+            "exclude_modules": list(lo.exclude_modules)}  # fmt: skip
 
 
 def _apply_optimizer_flags(actor: FSDPTrainActor) -> None:
@@ -188,7 +227,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- weights out ------------------------------------------------------------------------------
 def export_weight_buckets(
-    model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield [(HF checkpoint name, full tensor)] buckets of at most `bucket_bytes` (a larger
     tensor alone).
@@ -197,17 +239,23 @@ def export_weight_buckets(
     one bucket of full tensors exists at a time. Tied parameters are yielded once, under the
     name `named_parameters()` gives (the one a Hugging Face save keeps). Fused expert
     parameters go out one tensor per expert, under the checkpoint's names (slime.utils.hf_experts).
+    `merge` maps the stream of (parameter name, full tensor) to checkpoint tensors (LoRA: the
+    adapters merged into their base weights, slime.backends.fsdp.lora.merged).
     """
     if bucket_bytes < 1:
         raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {bucket_bytes}")
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
-            full = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+            yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+
+    def cast(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, full in named:
             yield name, full.to(dtype) if dtype else full
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return iter_buckets(hf_experts.checkpoint_tensors(model_type, gathered()), bucket_bytes)
+    tensors = cast(merge(gathered()) if merge is not None else gathered())
+    return iter_buckets(hf_experts.checkpoint_tensors(model_type, tensors), bucket_bytes)
 
 
 def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30) -> None:

@@ -24,7 +24,7 @@ from slime.backends.train_common import StepPlan, nan_max
 class FSDPCritic(ValueModel, FSDPTrainActor):
     """A value model on FSDP ranks (module docstring)."""
 
-    def _fresh_parameters(self) -> dict[str, torch.Tensor]:
+    def _fresh_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return fresh_value_head(self.hf_config, self.cfg.seed)
 
     def _value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -226,9 +226,12 @@ class _CheckpointReader:
 
 
 def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
-                      fresh: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                      fresh: dict[str, torch.Tensor] | None = None,
+                      checkpoint_name: Callable[[str], str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """This rank's rows of every parameter of `model`, read from checkpoint dir `path`; those in
-    `fresh` (whole tensors: a new value head) come from there when the checkpoint lacks them.
+    `fresh` (whole tensors: a new value head, LoRA's adapters) come from there when the
+    checkpoint lacks them. `checkpoint_name` maps a parameter's name to the checkpoint's (LoRA:
+    the frozen linear of an adapted layer is its `base_layer`).
 
     Tied parameters appear once (under the name named_parameters() gives). Falls back to a
     full `from_pretrained` on CPU when the checkpoint's names differ from the module's (models
@@ -236,9 +239,13 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
     """
     reader = _CheckpointReader(path)
     keys = reader.keys()
-    new = {n: t for n, t in (fresh or {}).items() if n not in keys}
-    params = {n: p for n, p in model.named_parameters() if n not in new}
-    shards = _read_shards(reader, model, params, path, rank, world_size)
+    rename = checkpoint_name or (lambda n: n)
+    new = {n: t for n, t in (fresh or {}).items() if rename(n) not in keys}
+    params = {rename(n): p for n, p in model.named_parameters() if n not in new}
+    model_names = {rename(n): n for n, _ in model.named_parameters()}
+    shards = {
+        model_names[n]: t for n, t in _read_shards(reader, model, params, path, rank, world_size).items()
+    }
     for name, whole in new.items():
         start, end = shard_rows(whole.shape[0], rank, world_size) if whole.dim() else (0, 0)
         shards[name] = (whole[start:end] if whole.dim() else whole).to(torch.float32).clone()

@@ -1,0 +1,169 @@
+"""LoRA adapters on the FSDP actor's Hugging Face model, with PEFT (slime.config.lora).
+
+PEFT's `inject_adapter_in_model` puts its LoRA layers on the model built on the meta device,
+before FSDP2 shards it: each target linear layer becomes a LoRA layer holding the frozen base
+linear (`<module>.base_layer.weight`) and the adapter (`<module>.lora_A.default.weight` [r, in],
+`<module>.lora_B.default.weight` [out, r]). FSDP2 shards adapters and frozen weights alike; only
+the adapters require gradients, so only they reach the optimizer.
+
+Names on the way in and out:
+
+- the base weights are read from the checkpoint under their Hugging Face names
+  (`checkpoint_name`: `.base_layer` dropped);
+- the adapters start from `--lora-adapter-path` (a PEFT directory) or fresh, as PEFT
+  initialises them (A: kaiming-uniform as nn.Linear, B: zero), drawn from --seed on the CPU so
+  every rank and every run with the seed builds the same;
+- a PEFT adapter directory names them `base_model.model.<module>.lora_A.weight` (`peft_name`);
+- the engines get the merged weights under the checkpoint's names (`merged`): W + (alpha / r) B A.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime.config.lora import ALL_LINEAR, LoRAConfig
+from slime.utils.errors import UsageError
+
+ADAPTER = "default"  # PEFT's name of the one adapter in the model
+_ADAPTER_PARAM = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(cfg: LoRAConfig) -> Any:
+    from peft import LoraConfig
+
+    targets: Any = ALL_LINEAR if cfg.target_modules == (ALL_LINEAR,) else list(cfg.target_modules)
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                      exclude_modules=list(cfg.exclude_modules) or None, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+
+
+def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
+    """PEFT's LoRA layers on `model` (in place); a module name of --target-modules or
+    --exclude-modules that names no linear layer is refused, naming it and the model's."""
+    from peft import inject_adapter_in_model
+
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for flag, names in (("--target-modules", cfg.target_modules), ("--exclude-modules", cfg.exclude_modules)):
+        unknown = [n for n in names if n != ALL_LINEAR and n not in linear]
+        if unknown:
+            raise UsageError(
+                f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear layers are "
+                f"{', '.join(sorted(linear))} (or {ALL_LINEAR})"
+            )
+    model = inject_adapter_in_model(peft_config(cfg), model)
+    if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
+        raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return _ADAPTER_PARAM.match(name) is not None
+
+
+def checkpoint_name(name: str) -> str:
+    """A model parameter's name in the base checkpoint (the frozen linear of a LoRA layer is its
+    `base_layer`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def peft_name(name: str) -> str:
+    """An adapter parameter's name in a PEFT adapter directory."""
+    m = _ADAPTER_PARAM.match(name)
+    assert m is not None, name
+    return f"{PEFT_PREFIX}{m.group(1)}.lora_{m.group(2)}.weight"
+
+
+def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter parameter as PEFT initialises it, drawn on the CPU from `seed` in the
+    model's parameter order (so every rank draws the same)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        m = _ADAPTER_PARAM.match(name)
+        if m is None:
+            continue
+        t = torch.zeros(tuple(p.shape))
+        if m.group(2) == "A":  # B stays zero: the model starts as the base model
+            nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        out[name] = t
+    return out
+
+
+def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torch.Tensor]:
+    """The adapters of a PEFT directory (--lora-adapter-path) under the model's names; its rank
+    and alpha must be the flags', and it must hold exactly the model's adapters."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        saved = json.load(f)
+    wrong = [f"{key} {saved.get(key)} (the flags: {flag} {want})" for key, flag, want in
+             (("r", "--lora-rank", cfg.rank), ("lora_alpha", "--lora-alpha", cfg.alpha)) if saved.get(key) != want]  # fmt: skip
+    if wrong:
+        raise UsageError(
+            f"--lora-adapter-path {path!r} was trained with {'; '.join(wrong)}: give the adapter's"
+        )
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(weights):
+        from safetensors.torch import load_file
+
+        stored = load_file(weights)
+    else:
+        stored = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
+    stored = {(k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k): v for k, v in stored.items()}
+    wanted = {peft_name(n): (n, tuple(p.shape)) for n, p in model.named_parameters() if is_adapter(n)}
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing or extra:
+        raise UsageError(
+            f"--lora-adapter-path {path!r} does not fit --target-modules {','.join(cfg.target_modules)}: "
+            + (f"it lacks {missing[0]}" if missing else f"it has {extra[0]}, which the model's adapters lack")
+            + f" ({len(missing)} missing, {len(extra)} extra)"
+        )
+    out = {}
+    for key, (name, shape) in wanted.items():
+        if tuple(stored[key].shape) != shape:
+            raise UsageError(
+                f"--lora-adapter-path {path!r}: {key} is {tuple(stored[key].shape)}, the model's {shape}"
+            )
+        out[name] = stored[key].float()
+    return out
+
+
+def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
+    """Switch every LoRA layer on or off (off: the base model; PEFT also takes the adapters'
+    requires_grad away while off and gives it back after)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.enable_adapters(enabled)
+
+
+def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors in `named_parameters` order -> the base model's tensors with each adapter
+    merged into its base weight, W + scaling * B @ A (in float32, then W's dtype), under the
+    checkpoint's names. A LoRA layer's parameters come in the order base_layer (weight, bias),
+    lora_A, lora_B, so one layer is held at a time."""
+    held: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        m = _ADAPTER_PARAM.match(name)
+        if m is None:
+            if ".base_layer.weight" in name:
+                held[name.replace(".base_layer.weight", "")] = t
+            else:
+                yield checkpoint_name(name), t
+            continue
+        module, which = m.group(1), m.group(2)
+        if which == "A":
+            held[module + ".A"] = t
+            continue
+        base, a = held.pop(module), held.pop(module + ".A")
+        delta = scaling * (t.float() @ a.float())
+        yield f"{module}.weight", (base.float() + delta).to(base.dtype)
+    assert not held, f"LoRA layers without their adapters: {sorted(held)[:3]}"

@@ -1,0 +1,113 @@
+"""LoRA (issue 25): train low-rank adapters on the policy's linear layers, the base weights frozen.
+
+slime has no LoRA; the flags are those of its fork Miles: `--lora-rank` (0: off), `--lora-alpha`,
+`--lora-dropout`, `--target-modules` (Hugging Face module names, comma-separated, or
+`all-linear`), `--exclude-modules`, `--lora-adapter-path` (start from a trained PEFT adapter).
+The adapter is PEFT's LoRA (y = W x + (alpha / r) B A dropout(x), B zero at the start, so the
+first step's model is the base model bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ALL_LINEAR = "all-linear"
+"""PEFT's name for every linear layer but the output layer (the LM head)."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 0
+    """`--lora-rank`: the adapters' rank r (0: no LoRA, full fine-tuning)."""
+    alpha: int = 16
+    """`--lora-alpha`: the adapters' output is scaled by alpha / r."""
+    dropout: float = 0.0
+    """`--lora-dropout`: dropout on the adapters' input in training steps."""
+    target_modules: tuple[str, ...] = ()
+    """`--target-modules`: Hugging Face module names (q_proj, ...), or (`all-linear`,)."""
+    exclude_modules: tuple[str, ...] = ()
+    """`--exclude-modules`: module names left without an adapter."""
+    adapter_path: str | None = None
+    """`--lora-adapter-path`: a PEFT adapter directory the adapters start from."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA (Miles's flags; the FSDP backend)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank on --target-modules, the base weights frozen (0: off)")  # fmt: skip
+    g.add_argument(
+        "--lora-alpha", type=int, default=16, help="the adapters' output is scaled by alpha / rank"
+    )
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--target-modules", default=None,
+                   help="the linear layers that get adapters: Hugging Face module names, comma-separated "
+                   f"(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or {ALL_LINEAR} (every linear layer "
+                   "but the LM head)")  # fmt: skip
+    g.add_argument(
+        "--exclude-modules", default=None, help="module names (comma-separated) left without an adapter"
+    )
+    g.add_argument("--lora-adapter-path", default=None,
+                   help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
+                   "rank and target modules must be the flags'")  # fmt: skip
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (value or "").split(",") if n.strip())
+
+
+def lora_config(ns: argparse.Namespace) -> LoRAConfig:
+    """The LoRA settings of parsed flags; ValueError names the flag on bad input."""
+    rank = getattr(ns, "lora_rank", 0) or 0
+    given = [f for f, v in (("--target-modules", getattr(ns, "target_modules", None)),
+                            ("--exclude-modules", getattr(ns, "exclude_modules", None)),
+                            ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None))) if v]  # fmt: skip
+    if rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0: no LoRA), got {rank}")
+    if rank == 0:
+        if given:
+            raise ValueError(f"{given[0]} configures LoRA: give --lora-rank too (or drop the flag)")
+        return LoRAConfig()
+    if ns.lora_alpha <= 0:
+        raise ValueError(f"--lora-alpha must be > 0, got {ns.lora_alpha}")
+    if not 0.0 <= ns.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {ns.lora_dropout}")
+    targets = _names(ns.target_modules)
+    if not targets:
+        raise ValueError(
+            f"--lora-rank {rank} needs --target-modules: Hugging Face module names (q_proj,v_proj,...) or {ALL_LINEAR}"
+        )
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ValueError(f"--target-modules {ALL_LINEAR} names every linear layer: give it alone")
+    adapter = ns.lora_adapter_path
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise ValueError(
+            f"--lora-adapter-path {adapter!r} has no adapter_config.json: not a PEFT adapter directory "
+            "(the --save-hf export of a LoRA run writes one)"
+        )
+    if getattr(ns, "train_backend", "fsdp") != "fsdp":
+        raise ValueError(
+            f"--lora-rank with --train-backend {ns.train_backend}: LoRA is built for the FSDP backend only so far "
+            "(use --train-backend fsdp)"
+        )
+    ref_load = getattr(ns, "ref_load", None)
+    if ref_load and os.path.realpath(ref_load) != os.path.realpath(ns.hf_checkpoint):
+        raise ValueError(
+            f"--ref-load {ref_load!r} with --lora-rank: a LoRA run's reference is its base model (--hf-checkpoint) "
+            "with the adapters off; drop --ref-load"
+        )
+    if getattr(ns, "use_opd", False) and getattr(ns, "opd_type", None) == "megatron":
+        raise ValueError(
+            "--opd-type megatron with --lora-rank: the teacher's weights cannot replace a LoRA model's in the train "
+            "pass yet; use --opd-type sglang (a teacher engine)"
+        )
+    return LoRAConfig(rank, ns.lora_alpha, ns.lora_dropout, targets, _names(ns.exclude_modules), adapter)

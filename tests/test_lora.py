@@ -1,0 +1,188 @@
+"""LoRA on the FSDP actor (slime.backends.fsdp.lora, slime.config.lora) on real gloo groups:
+PEFT's adapters on the tiny model, only they train, the reference is the base model with the
+adapters off (step-0 gates exact), the engines get the merged weights PEFT's own merge gives,
+two ranks train like one, and the flags are checked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+
+from tests.dist_helpers import run_ranks
+from tests.test_fsdp_actor import base_config, make_batch
+
+ALL = ("all-linear",)
+
+
+def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save=None, load=None, rollouts=2):
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.config.lora import LoRAConfig
+
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), check_precision=True, load=load,
+                              lora=LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude))  # fmt: skip
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    info = actor.init()
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+
+    result = {"info": info, "before": full(), "outputs": [],
+              "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
+              "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])}  # fmt: skip
+    first = 0 if info["resumed_rollout_id"] is None else info["resumed_rollout_id"] + 1
+    for r in range(first, rollouts):
+        result["outputs"].append(actor.train(r, make_batch(r)))
+        if save and r == 0:
+            actor.save(r, save)
+    result["after"] = full()
+    result["exported"] = {n: t.clone() for bucket in actor.export_weights(1 << 30) for n, t in bucket}
+    result["shapes"] = actor.weight_shapes()
+    actor.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model):
+    return run_ranks(1, lora_run, tiny_model)[0]
+
+
+def test_only_the_adapters_train(one_rank, tiny_model):
+    """PEFT froze the base weights: only lora_A / lora_B require gradients, the optimizer holds
+    them alone, and after two rollouts every other weight is bit for bit the checkpoint's."""
+    trainable = one_rank["trainable"]
+    assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
+    # all-linear: the 7 projections of every layer (A and B each), never the LM head
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(tiny_model).num_hidden_layers
+    assert len(trainable) == layers * 7 * 2 and not any("lm_head" in n for n in trainable)
+    assert one_rank["optimized"] == sum(one_rank["before"][n].numel() for n in trainable)
+    changed = {n for n, t in one_rank["before"].items() if not torch.equal(t, one_rank["after"][n])}
+    assert changed == set(trainable)  # B from its zero start, A once B is not zero
+
+
+def test_step0_the_model_is_the_base_model_and_the_reference_is_exact(one_rank):
+    """B starts at zero: the first step's forward, the log-prob pass and the reference (the
+    adapters off) agree bitwise; after a step the adapters make the reference differ."""
+    first, second = one_rank["outputs"]
+    assert first.steps[0]["ppo_kl"] == 0.0 and first.steps[0]["kl_loss"] == 0.0
+    assert first.precision["ref_max_abs_diff"] == 0.0 and first.precision["first_step_max_abs_diff"] == 0.0
+    assert second.precision["ref_max_abs_diff"] > 0.0
+
+
+def test_the_engines_get_peft_s_merged_weights(one_rank, tiny_model):
+    """The push exports the base weights with each adapter merged, under the checkpoint's names:
+    exactly what PEFT's merge_and_unload makes of the same adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    state = {"base_model.model." + n: t for n, t in one_rank["after"].items()}
+    loaded = peft_model.load_state_dict(state, strict=False)
+    assert not loaded.unexpected_keys
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = one_rank["exported"]
+    assert set(exported) == set(merged) - {"lm_head.weight"}  # tied: the LM head is the embedding
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+    assert {n: tuple(t.shape) for n, t in exported.items()} == one_rank["shapes"]
+
+
+def test_two_ranks_train_like_one(one_rank, tiny_model):
+    ranks = run_ranks(2, lora_run, tiny_model)
+    for a, b in zip(one_rank["outputs"], ranks[0]["outputs"], strict=True):
+        for sa, sb in zip(a.steps, b.steps, strict=True):
+            for key in sa:
+                assert sb[key] == pytest.approx(sa[key], rel=2e-5, abs=1e-6), key
+    for name, tensor in one_rank["exported"].items():
+        torch.testing.assert_close(ranks[0]["exported"][name], tensor, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(one_rank, tiny_model, tmp_path):
+    """--save with LoRA: the adapters and their optimizer state only (the base is --hf-checkpoint);
+    a resumed run trains rollout 1 to the same weights."""
+    import torch.distributed.checkpoint as dcp
+
+    save = str(tmp_path / "ckpt")
+    run_ranks(1, lora_run, tiny_model, ALL, (), save)
+    stored = dcp.FileSystemReader(str(tmp_path / "ckpt" / "iter_0000000" / "model_optim")).read_metadata()
+    model_keys = [k for k in stored.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    resumed = run_ranks(1, lora_run, tiny_model, ALL, (), None, save)[0]
+    assert resumed["info"]["resumed_rollout_id"] == 0
+    assert resumed["outputs"][0].steps == one_rank["outputs"][1].steps
+    for name, tensor in one_rank["after"].items():
+        assert torch.equal(resumed["after"][name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "targets, exclude, message",
+    [
+        (
+            ("q_proj", "qkv_proj"),
+            (),
+            "--target-modules qkv_proj: no linear layer of this model has that name",
+        ),
+        (ALL, ("down_projection",), "--exclude-modules down_projection: no linear layer"),
+    ],
+    ids=["unknown-target", "unknown-exclude"],
+)
+def test_a_module_name_the_model_lacks_is_refused(tiny_model, targets, exclude, message):
+    with pytest.raises(Exception, match=message):
+        run_ranks(1, lora_run, tiny_model, targets, exclude)
+
+
+def test_named_targets_and_exclusions_choose_the_adapted_layers(tiny_model):
+    result = run_ranks(
+        1, lora_run, tiny_model, ("q_proj", "v_proj", "down_proj"), ("down_proj",), None, None, 1
+    )[0]
+    layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in result["trainable"]}
+    assert layers == {"q_proj", "v_proj"}
+
+
+def _parse(tiny_model, tmp_path, *flags):
+    from slime.config.arguments import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
+                       "--num-rollout", "1", "--rm-type", "math", *flags])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--target-modules", "q_proj"], "--target-modules configures LoRA: give --lora-rank too"),
+        (["--lora-rank", "8"], "--lora-rank 8 needs --target-modules"),
+        (["--lora-rank", "8", "--target-modules", "all-linear,q_proj"], "give it alone"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-dropout", "1.5"], "--lora-dropout must be"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-adapter-path", "/nonexistent"],
+         "has no adapter_config.json"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--train-backend", "megatron"],
+         "LoRA is built for the FSDP backend only so far"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
+         "a LoRA run's reference is its base model"),
+    ],
+    ids=["target-without-rank", "rank-without-targets", "all-linear-and-more", "negative-rank", "dropout",
+         "adapter-path", "megatron", "ref-load"],
+)  # fmt: skip
+def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        _parse(tiny_model, tmp_path, *flags)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err + captured.out
+
+
+def test_lora_flags_reach_the_actor_but_not_the_critic(tiny_model, tmp_path):
+    config = _parse(tiny_model, tmp_path, "--lora-rank", "8", "--lora-alpha", "32", "--target-modules",
+                    "q_proj, v_proj", "--advantage-estimator", "ppo")  # fmt: skip
+    lo = config.train.lora
+    assert (lo.rank, lo.alpha, lo.target_modules, lo.scaling) == (8, 32, ("q_proj", "v_proj"), 4.0)
+    assert config.critic is not None and not config.critic.train.lora.enabled
