@@ -95,12 +95,14 @@ def test_tp2_critic_trains_like_one_fsdp_rank(fsdp, tp2):
     assert_trains_like(fsdp, tp2[2])
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
-def test_pipeline_critic_trains_like_one_fsdp_rank(fsdp, tiny_model, tp, pp):
+@pytest.mark.parametrize("tp, pp, world", [(1, 2, 2), (2, 2, 4), (1, 1, 2)], ids=["pp2", "tp2xpp2", "dp2"])
+def test_other_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world):
     """The head is on the last stage only. One rank of each replica answers the values, TP rank 0
-    of the last stage (global rank 1 at PP 2, 2 at TP 2 x PP 2; the job merges the answers)."""
-    ranks = run_ranks(tp * pp, megatron_critic_run, tiny_model, tp, pp)
-    assert [r["answered"] for r in ranks] == [r == tp * (pp - 1) for r in range(tp * pp)]
+    of the last stage (megatron-core's rank order: TP, then DP, then PP; the job merges the
+    answers)."""
+    ranks = run_ranks(world, megatron_critic_run, tiny_model, tp, pp)
+    dp = world // (tp * pp)
+    assert [r["answered"] for r in ranks] == [r % tp == 0 and r // (tp * dp) == pp - 1 for r in range(world)]
     assert_trains_like(fsdp, ranks)
 
 
@@ -141,6 +143,10 @@ def test_critic_checkpoints_are_refused_where_they_do_not_belong(tiny_model, tp2
     save_dir = tp2[0]
     with pytest.raises(ConversionError, match="is a PPO critic's checkpoint"):
         load_megatron(save_dir)
+    with pytest.raises(
+        Exception, match="a critic's checkpoint is not converted: resume at the layout it was saved"
+    ):
+        run_ranks(1, megatron_critic_run, tiny_model, 1, 1, None, None, save_dir)  # saved at TP 2
     with pytest.raises(Exception, match=r"holds a critic's checkpoint .*, not an actor's"):
         run_ranks(2, _actor_from, tiny_model, save_dir)
     actor_dir = str(tmp_path / "actor")
@@ -161,18 +167,39 @@ def _actor_from(rank, world_size, init_method, model, load, save=None):
         actor.close()
 
 
-def test_a_head_of_another_shape_is_refused(tiny_model, tmp_path):
+def _with_head(tiny_model: str, out: str, **head: torch.Tensor) -> str:
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    bad = str(tmp_path / "two_labels")
-    shutil.copytree(tiny_model, bad)
-    state = load_file(os.path.join(bad, "model.safetensors"))
-    state["score.weight"], state["score.bias"] = torch.zeros(2, 64), torch.zeros(2)
-    save_file(state, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(tiny_model, out)
+    state = load_file(os.path.join(out, "model.safetensors"))
+    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_head_of_another_shape_is_refused(tiny_model, tmp_path):
+    bad = _with_head(tiny_model, str(tmp_path / "two_labels"), **{"score.weight": torch.zeros(2, 64),
+                                                                  "score.bias": torch.zeros(2)})  # fmt: skip
     with pytest.raises(Exception, match=r"score.weight \(2, 64\), score.bias \(2,\); a critic's head"):
         run_ranks(1, megatron_critic_run, tiny_model, 1, 1, None, None, None, bad)
+
+
+def test_a_head_without_a_bias_gets_a_fresh_one_on_both_backends(tiny_model, tmp_path):
+    """A reward model's `score` has a weight and no bias: both critics take the weight and a zero
+    bias, and give the same values."""
+    from transformers import AutoConfig
+
+    hidden = AutoConfig.from_pretrained(tiny_model).hidden_size
+    weight = 0.02 * torch.randn(1, hidden, generator=torch.Generator().manual_seed(3))
+    reward_model = _with_head(tiny_model, str(tmp_path / "rm"), **{"score.weight": weight})
+    megatron = run_ranks(1, megatron_critic_run, tiny_model, 1, 1, None, None, None, reward_model)[0]
+    fsdp = run_ranks(1, critic_run, reward_model)[0]
+    assert_values_close(fsdp["values"], megatron["values"], 1e-5)
+    fresh = run_ranks(1, critic_run, tiny_model)[0]
+    assert (
+        max(abs(a - b) for k in fresh["values"] for a, b in zip(fresh["values"][k], fsdp["values"][k])) > 1e-3
+    )
 
 
 def moe_critic_run(rank, world_size, init_method, model, backend, ep=1):
@@ -237,9 +264,10 @@ def head_run(rank, world_size, init_method, sequence_parallel):
     ((values - target) ** 2).sum().backward()
     from slime.backends.megatron.grads import all_reduce_coalesced
 
+    # as grads.reduce_gradients: each parameter marked sequence_parallel is summed over TP
+    marked = [p.grad for p in head.parameters() if getattr(p, "sequence_parallel", False)]
+    all_reduce_coalesced(marked, ps.get_tensor_model_parallel_group(), torch.device("cpu"))
     grads = [head.weight.grad, head.bias.grad]
-    if any(getattr(p, "sequence_parallel", False) for p in head.parameters()):  # as grads.reduce_gradients
-        all_reduce_coalesced(grads, ps.get_tensor_model_parallel_group(), torch.device("cpu"))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return {"values": values.detach(), "bias": bias, "grads": grads, "input_grad": x.grad}

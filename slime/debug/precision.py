@@ -147,7 +147,8 @@ def _ppo_kl(ctx: Context, precision: dict[str, float], step: dict[str, float]) -
 
 
 _CRITIC_DROPOUT = (
-    "dropout is active in training (--attention-dropout, or hidden_dropout > 0 in the critic's config.json)"
+    "dropout is active in training (--attention-dropout or --hidden-dropout; on FSDP also hidden_dropout > 0 in "
+    "the critic's config.json)"
 )
 
 

@@ -121,6 +121,12 @@ def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         args = blob.get("args") or {}
+        if args.get("value_head"):  # refused at the first file, before reading them all
+            raise ConversionError(
+                f"--load-dir {load_dir!r} is a PPO critic's checkpoint (its output layer is a value head): the "
+                "conversion tools take language models; the critic's --save-hf export (<--save-hf>/critic) is its "
+                "Hugging Face directory"
+            )
         name = os.path.basename(os.path.dirname(path))
         ranks = [int(x) for x in re.findall(r"_(\d+)", name)]
         pp, ep = args.get("pipeline_model_parallel_size") or 1, args.get("expert_model_parallel_size") or 1
@@ -129,12 +135,6 @@ def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
         parts[(ranks[0], ranks[1] if pp > 1 else 0, ranks[-1] if ep > 1 else 0)] = blob["model"]
     if not parts:
         raise ConversionError(f"--load-dir {load_dir!r}: no mp_rank_*/model_optim_rng.pt under {folder}")
-    if args.get("value_head"):
-        raise ConversionError(
-            f"--load-dir {load_dir!r} is a PPO critic's checkpoint (its output layer is a value head): the "
-            "conversion tools take language models; the critic's --save-hf export (<--save-hf>/critic) is its "
-            "Hugging Face directory"
-        )
     return parts, args
 
 
@@ -364,12 +364,16 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
 
     folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
     path = os.path.join(folder, _own_dir(actor), "model_optim_rng.pt")
+    convert = (f"convert it with python -m slime.tools.convert_checkpoint --target-tensor-parallel-size {actor.tp} "
+               f"--target-pipeline-parallel-size {actor.pp}")  # fmt: skip
+    if actor.value_head:  # the tools take language models only
+        convert = ("a critic's checkpoint is not converted: resume at the layout it was saved with, or start the "
+                   "critic afresh from its --save-hf export (--critic-load; its optimizer state starts over)")  # fmt: skip
     if not os.path.isfile(path):
         stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         return {}, (
             f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
-            f"{', '.join(stored) or 'nothing'}); convert it with python -m slime.tools.convert_checkpoint "
-            f"--target-tensor-parallel-size {actor.tp} --target-pipeline-parallel-size {actor.pp}"
+            f"{', '.join(stored) or 'nothing'}); {convert}"
         )
     blob = torch.load(path, map_location="cpu", weights_only=False)
     args = blob.get("args") or {}
@@ -386,8 +390,8 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
     if saved != (actor.tp, actor.pp, actor.ep, actor.etp) or not same_model:
         return {}, (
             f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} x EP {saved[2]} x ETP {saved[3]} or for "
-            f"another model layout than --hf-checkpoint {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp} "
-            f"x EP {actor.ep} x ETP {actor.etp}: convert it with python -m slime.tools.convert_checkpoint"
+            f"another model layout than {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp} x EP {actor.ep} "
+            f"x ETP {actor.etp}: {convert}"
         )
     return blob, None
 

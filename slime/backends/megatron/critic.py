@@ -77,7 +77,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
 
     def _build_gpt(self, config: Any) -> Any:
         model = super()._build_gpt(config)
-        if self.last_stage:  # the vocabulary's output layer goes before it is moved anywhere
+        # megatron-core built the vocabulary's output layer (on the GPU with CUDA: transient memory
+        # until it is dropped here).
+        if self.last_stage:
             model.output_layer = ValueHead(self.layout.hidden_size, self.cfg.megatron.sequence_parallel,
                                            self.mesh.tp_group)  # fmt: skip
         return model
@@ -90,13 +92,18 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         self._copy_in(state, masters=True)
 
     def _head(self, hf_dir: str) -> State:
-        """The checkpoint's value head (a critic's export), or a fresh one; megatron-core's names."""
+        """The checkpoint's value head (a critic's export), a fresh one, or
+        both (a checkpoint with a weight and no bias); megatron-core's names."""
         hf = mckpt.LazyHFState(hf_dir)
-        found = [n for n in HEAD_NAMES if n in hf]
-        head = {n: hf[n] for n in found} if found else fresh_value_head(self.hf_config, self.cfg.seed)
+        # What the checkpoint lacks is fresh, as on FSDP: a reward model's `score` has no bias.
+        head = {
+            **fresh_value_head(self.hf_config, self.cfg.seed),
+            **{n: hf[n] for n in HEAD_NAMES if n in hf},
+        }
         shapes = {"score.weight": (1, self.layout.hidden_size), "score.bias": (1,)}
-        wrong = [f"{n} {tuple(head[n].shape) if n in head else 'missing'}" for n, shape in shapes.items()
-                 if n not in head or tuple(head[n].shape) != shape]  # fmt: skip
+        wrong = [
+            f"{n} {tuple(head[n].shape)}" for n, shape in shapes.items() if tuple(head[n].shape) != shape
+        ]
         if wrong:
             raise ConversionError(
                 f"the critic's checkpoint {hf_dir!r} (--critic-load, else --hf-checkpoint): its value head has "
