@@ -18,12 +18,15 @@ from tests.test_fsdp_actor import base_config, make_batch
 ALL = ("all-linear",)
 
 
-def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save=None, load=None, rollouts=2):
+def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save=None, load=None, rollouts=2,
+             hf_dir=None, adapter=None):  # fmt: skip
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
 
-    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), check_precision=True, load=load,
-                              lora=LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude))  # fmt: skip
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude, adapter_path=adapter)
+    cfg = dataclasses.replace(
+        base_config(model, micro_batch_size=2), check_precision=True, load=load, lora=lora
+    )
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
 
@@ -41,13 +44,20 @@ def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save
     result["after"] = full()
     result["exported"] = {n: t.clone() for bucket in actor.export_weights(1 << 30) for n, t in bucket}
     result["shapes"] = actor.weight_shapes()
+    if hf_dir:
+        actor.save_hf(hf_dir)
     actor.close()
     return result
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_model):
-    return run_ranks(1, lora_run, tiny_model)[0]
+def adapter_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lora") / "adapter")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model, adapter_dir):
+    return run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 2, adapter_dir)[0]
 
 
 def test_only_the_adapters_train(one_rank, tiny_model):
@@ -91,6 +101,38 @@ def test_the_engines_get_peft_s_merged_weights(one_rank, tiny_model):
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
     assert {n: tuple(t.shape) for n, t in exported.items()} == one_rank["shapes"]
+
+
+def test_save_hf_writes_a_peft_adapter_that_peft_and_lora_adapter_path_load(
+    one_rank, tiny_model, adapter_dir
+):
+    """--save-hf with LoRA: PeftModel.from_pretrained on the base model loads the directory and
+    computes what the merged weights compute; --lora-adapter-path starts a run from it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    merged.load_state_dict(one_rank["exported"], strict=False)
+    tokens = torch.tensor([make_batch(0).tokens[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits, merged(tokens).logits, rtol=0, atol=2e-5)
+    again = run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 0, None, adapter_dir)[0]
+    for name, tensor in one_rank["after"].items():
+        assert torch.equal(again["before"][name], tensor), name
+
+
+def test_an_adapter_of_another_rank_is_refused(tiny_model, adapter_dir, tmp_path):
+    import json
+    import shutil
+
+    other = str(tmp_path / "r8")
+    shutil.copytree(adapter_dir, other)
+    config = json.loads(open(f"{other}/adapter_config.json").read())
+    json.dump({**config, "r": 8}, open(f"{other}/adapter_config.json", "w"))
+    with pytest.raises(Exception, match=r"was trained with r 8 \(the flags: --lora-rank 4\)"):
+        run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 0, None, other)
 
 
 def test_two_ranks_train_like_one(one_rank, tiny_model):

@@ -363,7 +363,12 @@ class FSDPTrainActor(TrainActorBase):
         return rollout_id
 
     def save_hf(self, path: str) -> None:
-        ckpt.save_hf_checkpoint(self, path)
+        """A Hugging Face directory; with LoRA a PEFT adapter directory (PeftModel.from_pretrained
+        on --hf-checkpoint loads it; --lora-adapter-path starts from it)."""
+        if self.cfg.lora.enabled:
+            lora.save_adapter(self.model, self.cfg.lora, self.cfg.hf_checkpoint, path, self.rank)
+        else:
+            ckpt.save_hf_checkpoint(self, path)
 
     def export_weights(
         self, bucket_bytes: int, every_rank: bool = False

@@ -167,3 +167,33 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterato
         delta = scaling * (t.float() @ a.float())
         yield f"{module}.weight", (base.float() + delta).to(base.dtype)
     assert not held, f"LoRA layers without their adapters: {sorted(held)[:3]}"
+
+
+def save_adapter(model: nn.Module, cfg: LoRAConfig, base: str, path: str, rank: int) -> None:
+    """The adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors
+    under PEFT's names), written by rank 0 under a temporary name and renamed when complete.
+    Collective: every rank gathers each adapter."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    adapters = {}
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            adapters[peft_name(name)] = full.detach().cpu().contiguous()
+    if rank == 0:
+        final = os.path.abspath(path)
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        save_file(adapters, os.path.join(partial, "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = peft_config(cfg)
+        config.base_model_name_or_path = base
+        config.save_pretrained(partial)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    if dist.is_initialized():
+        dist.barrier()
