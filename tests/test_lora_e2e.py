@@ -1,0 +1,36 @@
+"""A LoRA job started as users start it (real Ray, a colocated torch engine, the FSDP actor with
+PEFT adapters): the step-0 gates, the merged push checked against the engine, adapter-only
+checkpoints that resume, and a PEFT adapter directory from --save-hf."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+pytestmark = pytest.mark.e2e
+
+LORA = ["--rm-type", "exact", "--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear"]
+
+
+def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model, prompts, tmp_path):  # noqa: F811
+    save = str(tmp_path / "ckpt")
+    common = [*LORA, "--colocate", "--save", save, "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *common, "--check-precision",
+                   "--check-weight-update-equal", "--save-hf", str(tmp_path / "hf"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stderr + proc.stdout
+    assert "--check-precision: passed at rollout 0: ppo_kl 0, actor == reference bitwise, kl_loss 0" in out
+    assert "after the first push every engine parameter equals the checkpoint" in out
+    assert sorted(os.listdir(tmp_path / "hf")) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 16)
+    again = run_job("train.py", tiny_model, prompts, tmp_path, *common, "--load", save, "--num-rollout", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after rollout 1" in again.stderr + again.stdout
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["rollout_id"] == 2 and records[-1]["train/grad_norm"] > 0
