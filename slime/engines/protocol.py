@@ -208,6 +208,8 @@ class GenerateRequest:
     this position on (meta_info "input_token_logprobs"; -1: output tokens only)."""
     return_text_in_logprobs: bool = False
     """SGLang's field: each log-prob entry carries its token's text (else null)."""
+    lora_path: str | None = None
+    """SGLang's field: the name of the loaded LoRA adapter this prompt runs with (None: the base model)."""
 
 
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
@@ -218,7 +220,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     """
     _expect(isinstance(body, dict), "request body must be a JSON object")
     _expect(not body.get("stream"), "'stream': true is not supported by this engine; omit it")
-    for unsupported in ("image_data", "audio_data", "video_data", "input_embeds", "lora_path"):
+    for unsupported in ("image_data", "audio_data", "video_data", "input_embeds"):
         _expect(body.get(unsupported) is None, f"'{unsupported}' is not supported by this engine")
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     _expect(has_ids != has_text, "give exactly one of 'input_ids' or 'text'")
@@ -246,6 +248,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     top_n = _per_prompt(body.get("top_logprobs_num", 0), n, "top_logprobs_num")
     routed = _per_prompt(body.get("return_routed_experts", False), n, "return_routed_experts")
     starts = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
+    loras = _per_prompt(body.get("lora_path"), n, "lora_path")
     with_text = body.get("return_text_in_logprobs", False)
     _expect(isinstance(with_text, bool), "'return_text_in_logprobs' must be true or false")
     requests = []
@@ -258,6 +261,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
         _expect(top >= 0, f"'top_logprobs_num' must be >= 0, got {top}")
         start = _as_int(-1 if starts[i] is None else starts[i], "logprob_start_len")
         _expect(start >= -1, f"'logprob_start_len' must be >= -1, got {start}")
+        _expect(loras[i] is None or (isinstance(loras[i], str) and loras[i] != ""),
+                "'lora_path' must name a loaded LoRA adapter (a string, or a list with one per prompt; null: none)")  # fmt: skip
         requests.append(
             GenerateRequest(
                 rid=rid,
@@ -269,6 +274,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
                 return_routed_experts=routed[i],
                 logprob_start_len=start,
                 return_text_in_logprobs=with_text,
+                lora_path=loras[i],
             )
         )
     _expect(len({r.rid for r in requests}) == n, "'rid' values in one batch must be distinct")

@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests ask for the experts each token was routed to ('return_routed_experts'; "
         "mixture-of-experts models; SGLang's flag of the same name)",
     )
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter "
+                   "and the 'lora_path' field of /generate (SGLang's flag)")  # fmt: skip
+    p.add_argument(
+        "--max-loaded-loras", type=int, default=8, help="most LoRA adapters loaded at once (SGLang's flag)"
+    )
+    p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH",
+                   help="PEFT adapter directories to load at start (SGLang's flag; implies --enable-lora)")  # fmt: skip
     p.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -112,6 +120,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             check_api_key(args.api_key)
         except ValueError as e:
             parser.error(f"--api-key / {API_KEY_ENV}: {e}")
+    if args.max_loaded_loras < 1:
+        parser.error("--max-loaded-loras must be >= 1")
+    for spec in args.lora_paths:
+        name, _, path = spec.partition("=")
+        if not name or not path or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            parser.error(
+                f"--lora-paths {spec!r}: give NAME=PATH, PATH a PEFT adapter directory (adapter_config.json)"
+            )
     if args.debug_dump_dir is not None and not args.debug_dump_dir:
         parser.error("--debug-dump-dir must name a directory")
 
@@ -143,6 +159,9 @@ async def serve(args: argparse.Namespace) -> None:
         max_top_logprobs_num=args.max_top_logprobs_num,
         deterministic=args.enable_deterministic_inference,
         enable_return_routed_experts=args.enable_return_routed_experts,
+        enable_lora=args.enable_lora or bool(args.lora_paths),
+        max_loaded_loras=args.max_loaded_loras,
+        lora_paths=tuple(tuple(spec.split("=", 1)) for spec in args.lora_paths),  # type: ignore[misc]
     )
     engine = TorchEngine(config)
     engine.start()

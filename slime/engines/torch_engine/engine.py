@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from slime.engines.protocol import GenerateRequest, ProtocolError
+from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.model_runner import input_log_probs, load_model, make_runner
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
@@ -61,6 +62,12 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     """`--enable-return-routed-experts` (SGLang's flag): requests may ask for the experts each of
     their tokens was routed to (`return_routed_experts`)."""
+    enable_lora: bool = False
+    """`--enable-lora` (SGLang's): serve LoRA adapters (/load_lora_adapter, `lora_path`)."""
+    max_loaded_loras: int = 8
+    """`--max-loaded-loras` (SGLang's): most adapters loaded at once."""
+    lora_paths: tuple[tuple[str, str], ...] = ()
+    """`--lora-paths NAME=PATH ...` (SGLang's): adapters loaded at start."""
     deterministic: bool = False
     """`--enable-deterministic-inference`: batch-invariant forwards and deterministic kernels, so
     a request with a `sampling_seed` gets the same tokens and log-probs whatever else runs."""
@@ -92,6 +99,12 @@ class TorchEngine:
             self.model, config.max_running_requests, self.context_length, config.deterministic
         )
         self.weights = WeightStore(self.model)
+        self.adapters: ServedAdapters | None = None
+        if config.enable_lora:
+            self.adapters = ServedAdapters(self.model, config.max_loaded_loras)
+            self.runner.adapters = self.adapters
+            for name, path in config.lora_paths:
+                self.adapters.load_dir(name, path)
         self.scheduler = Scheduler(
             config.max_running_requests, config.max_prefill_tokens, self._eos_token_ids(), self._detokenize
         )
@@ -252,6 +265,9 @@ class TorchEngine:
                     logger.exception("releasing the KV state of request %s failed", seq.rid)
                     self._runner_suspect = True
             seq.weight_version = self.weight_version
+            if seq.lora is not None:  # the adapter may be unloaded once no sequence uses it
+                seq.lora.users -= 1
+                seq.lora = None
             if seq.on_finish is not None:
                 try:
                     seq.on_finish(seq)
@@ -323,6 +339,8 @@ class TorchEngine:
                     f"'return_routed_experts': model_type {self.model.config.model_type!r} has no routed experts "
                     "this engine can record"
                 )
+        if req.lora_path is not None and self.adapters is None:
+            raise ProtocolError("'lora_path' needs an engine started with --enable-lora")
         if req.return_logprob and req.logprob_start_len >= len(ids):
             raise ProtocolError(
                 f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} tokens)"
@@ -338,6 +356,7 @@ class TorchEngine:
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_routed_experts=req.return_routed_experts,
             on_finish=on_finish,
+            lora_name=req.lora_path,
         )
         if params.sampling_seed is not None and not params.greedy:
             seq.runner_state["generator"] = torch.Generator(device=self.device).manual_seed(
@@ -354,6 +373,13 @@ class TorchEngine:
                 raise ProtocolError(
                     f"'rid' {taken[:5]} already names a request in flight; give each request its own rid"
                 )
+            named = [s for s in seqs if s.lora_name is not None]
+            if named:  # every adapter first, so that none is taken for a request that fails
+                assert self.adapters is not None  # make_sequence checked
+                adapters = [self.adapters.resolve(s.lora_name) for s in named]
+                for seq, adapter in zip(named, adapters):
+                    seq.lora = adapter
+                    adapter.users += 1
             scored = [s for s in seqs if s.logprob_start_len >= 0]
             if scored:  # a teacher-forced forward of the inputs (slime's OPD teacher asks this)
                 t0 = time.perf_counter()
@@ -361,7 +387,7 @@ class TorchEngine:
                     for seq, values in zip(scored, input_log_probs(
                         self.model, [s.prompt_ids for s in scored], [s.logprob_start_len for s in scored],
                         [s.params.temperature for s in scored], self.config.max_prefill_tokens,
-                        self.config.deterministic,
+                        self.config.deterministic, self.adapters, [s.lora for s in scored],
                     )):  # fmt: skip
                         seq.input_logprobs = values
                 finally:

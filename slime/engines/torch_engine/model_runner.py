@@ -22,6 +22,7 @@ keys exactly as long as its own context: its result depends on nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -71,14 +72,15 @@ def make_runner(model: Any, max_running: int, context_length: int, deterministic
 
 @torch.inference_mode()
 def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], temperatures: list[float],
-                    max_tokens: int, one_by_one: bool = False) -> list[list[float | None]]:  # fmt: skip
+                    max_tokens: int, one_by_one: bool = False, adapters: Any = None,
+                    loras: list[Any] | None = None) -> list[list[float | None]]:  # fmt: skip
     """Each prompt's input-token log-probs from position `starts[i]` on, in SGLang's layout: the
     first entry is None whatever the start (SGLang reports no value there), then log
     softmax(logits / temperature) of each later token given the tokens before it (plain log
     softmax at temperature 0, like the sampled tokens'). A teacher-forced forward of whole prompts, apart
     from the KV cache; prompts are right-padded into batches of at most `max_tokens` padded tokens
     (`one_by_one`: each alone, for batch invariance). Causal attention keeps right padding out of
-    the real positions."""
+    the real positions. `adapters` / `loras`: the served LoRA adapters and each prompt's (or None)."""
     device = next(model.parameters()).device
     out: list[list[float | None]] = [[] for _ in prompts]
     batch: list[int] = []
@@ -90,7 +92,8 @@ def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], tem
         for r, i in enumerate(rows):
             ids[r, : len(prompts[i])] = torch.tensor(prompts[i], device=device)
             mask[r, : len(prompts[i])] = 1
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with _lora_rows(adapters, [loras[i] for i in rows] if loras else []):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         for r, i in enumerate(rows):
             first = starts[i] + 1
             # position t's token is predicted by position t - 1's logits
@@ -112,10 +115,23 @@ def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], tem
     return out
 
 
+def _lora_rows(adapters: Any, per_row: list[Any]) -> Any:
+    """Context: the batch rows use these LoRA adapters (slime.engines.torch_engine.lora)."""
+    if adapters is None or not any(a is not None for a in per_row):
+        return contextlib.nullcontext()
+    return adapters.rows(per_row)
+
+
 class Runner:
     """Interface of both runners. `active` lists the sequences with KV state, in decode order."""
 
     active: list[Sequence]
+    adapters: Any = None
+    """The engine's served LoRA adapters (slime.engines.torch_engine.lora), with --enable-lora."""
+
+    def _lora(self, seqs: list[Sequence]) -> Any:
+        """Context: the next forward's batch rows are `seqs`, each with its LoRA adapter."""
+        return _lora_rows(self.adapters, [s.lora for s in seqs])
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run the prompts of new sequences; return last-position logits (n, V) in float32."""
@@ -328,15 +344,16 @@ class BatchedRunner(Runner):
         pos = torch.arange(T, device=self.device)
         # Causal within each prompt and blind to padding keys: (n, 1, T, T).
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
-        logits = self._forward(
-            ids,
-            pos[None].expand(len(seqs), T),
-            mask[:, None],
-            slice(start, start + len(seqs)),
-            None,
-            T,
-            lens - 1,
-        )
+        with self._lora(seqs):
+            logits = self._forward(
+                ids,
+                pos[None].expand(len(seqs), T),
+                mask[:, None],
+                slice(start, start + len(seqs)),
+                None,
+                T,
+                lens - 1,
+            )
         if record:
             routed = self._routed_rows(len(seqs), T)
             for s, row, n in zip(seqs, routed, lengths):
@@ -368,15 +385,16 @@ class BatchedRunner(Runner):
         mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
-        logits = self._forward(
-            ids,
-            positions[:, None],
-            mask,
-            slice(first_row, first_row + B),
-            positions,
-            key_len,
-            torch.zeros(B, dtype=torch.long, device=self.device),
-        )
+        with self._lora(seqs):
+            logits = self._forward(
+                ids,
+                positions[:, None],
+                mask,
+                slice(first_row, first_row + B),
+                positions,
+                key_len,
+                torch.zeros(B, dtype=torch.long, device=self.device),
+            )
         if record:
             for s, row in zip(seqs, self._routed_rows(B, 1)):
                 if s.return_routed_experts:
@@ -415,9 +433,10 @@ class GenericRunner(Runner):
         from transformers import DynamicCache
 
         cache = seq.runner_state.setdefault("hf_cache", DynamicCache())
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
-        )
+        with self._lora([seq]):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
+            )
         seq.runner_state["hf_cache"] = out.past_key_values
         seq.num_cached += len(ids)
         return out.logits[0, -1].float()

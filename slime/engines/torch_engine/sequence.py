@@ -51,6 +51,10 @@ class Sequence:
     stop_text_end: int | None = None
     # Per-backend state (e.g. the generic runner's per-sequence HF cache, a torch.Generator).
     runner_state: dict[str, Any] = field(default_factory=dict)
+    lora_name: str | None = None
+    """The LoRA adapter the request asked for (`lora_path`); None: the base model."""
+    lora: Any = None
+    """Its slime.engines.torch_engine.lora.Adapter while the sequence is in flight."""
     weight_version: str = ""
     """The engine's weight version when the sequence finished (SGLang's meta_info field)."""
     version_spans: list[list[Any]] = field(default_factory=list)

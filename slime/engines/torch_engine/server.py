@@ -39,6 +39,7 @@ from slime.engines.torch_engine.http_util import (
     optional_str,
     read_json,
 )
+from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
@@ -98,6 +99,9 @@ def make_app(
     r.add_post("/destroy_weights_update_group", api.destroy_weights_update_group)
     r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
     r.add_post("/release_memory_occupation", api.release_memory_occupation)
+    r.add_post("/load_lora_adapter", api.load_lora_adapter)
+    r.add_post("/load_lora_adapter_from_tensors", api.load_lora_adapter_from_tensors)
+    r.add_post("/unload_lora_adapter", api.unload_lora_adapter)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
@@ -403,6 +407,70 @@ class EngineAPI:
         await self._on_engine(lambda: self.engine.weights.destroy_group(name))
         return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
 
+    # ---- LoRA adapters (SGLang's routes and fields) -----------------------------------------
+    async def _lora(self, change: Callable[[ServedAdapters], Any]) -> web.Response:
+        """Run `change` on the engine thread; SGLang's answer {success, error_message,
+        loaded_adapters}, 400 when it failed."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return web.json_response({"success": False, "error_message": "LoRA is not enabled: start the engine "
+                                      "with --enable-lora", "loaded_adapters": {}}, status=400)  # fmt: skip
+        try:
+            await self._on_engine(lambda: change(adapters))
+        except ProtocolError as e:
+            loaded = await self._on_engine(adapters.loaded)
+            return web.json_response({"success": False, "error_message": e.message, "loaded_adapters": loaded},
+                                     status=400)  # fmt: skip
+        loaded = await self._on_engine(adapters.loaded)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = json_object(await read_json(request))
+        name, path = _lora_name(body), body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("'lora_path' must be the path of a PEFT adapter directory")
+        return await self._lora(lambda adapters: adapters.load_dir(name, path))
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        """The adapter's tensors by shared-memory handle: `serialized_named_tensors` (a list with
+        one handle, SGLang's current field) or `serialized_tensors` (one handle, its older one),
+        with the PEFT `config_dict`."""
+        body = json_object(await read_json(request))
+        name, config = _lora_name(body), body.get("config_dict")
+        if not isinstance(config, dict):
+            raise ProtocolError(
+                "'config_dict' must be the adapter's PEFT config (r, lora_alpha, target_modules)"
+            )
+        serialized = body.get("serialized_named_tensors")
+        if serialized is None and isinstance(body.get("serialized_tensors"), str):
+            serialized = [body["serialized_tensors"]]
+        store = self.engine.weights
+
+        def load(adapters: ServedAdapters) -> None:
+            tensors = dict(store.open_tensors(serialized, body.get("load_format")))
+            adapters.load(name, config, tensors, "__tensor__")  # SGLang's path for tensors
+
+        return await self._lora(load)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """Waits (as SGLang) until no request in flight uses the adapter."""
+        name = _lora_name(json_object(await read_json(request)))
+        adapters = self.engine.adapters
+
+        def in_use() -> bool:
+            assert adapters is not None
+            adapter = adapters.adapters.get(name)
+            return adapter is not None and adapter.users > 0
+
+        while adapters is not None and await self._on_engine(in_use):
+            await asyncio.sleep(0.01)
+
+        def unload(a: ServedAdapters) -> None:
+            if not a.unload(name):  # a request took it up again between the wait and now
+                raise ProtocolError(f"LoRA adapter {name!r} is in use by requests in flight; try again", 400)
+
+        return await self._lora(unload)
+
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         tags = _tags(json_object(await read_json(request, required=False)))
 
@@ -465,3 +533,10 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
+
+
+def _lora_name(body: dict[str, Any]) -> str:
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError("'lora_name' must be a non-empty string")
+    return name

@@ -156,6 +156,11 @@ class WeightStore:
         """`serialized_named_tensors`, one entry per TP rank (TP=1 here): a shared-memory handle
         (JSON string; slime.utils.shm_tensors), or with `load_format` "flattened_bucket" an
         SGLang-style flattened bucket shared by handle (slime.bridge.ipc)."""
+        return self.update_from_named(self.open_tensors(serialized, load_format))
+
+    def open_tensors(self, serialized: Any, load_format: Any = None) -> list[tuple[str, torch.Tensor]]:
+        """The (name, tensor) pairs behind `serialized_named_tensors` (see update_from_tensor);
+        the tensors may live in the sender's shared memory: copy what must outlive the call."""
         if not isinstance(serialized, list) or len(serialized) != 1 or not isinstance(serialized[0], str):
             raise ProtocolError(
                 "'serialized_named_tensors' must be a list with one handle string "
@@ -173,7 +178,7 @@ class WeightStore:
         except (ValueError, TypeError, OverflowError, RuntimeError, OSError) as e:
             # Everything here comes from the client's handle (path, sizes, shapes, offsets).
             raise ProtocolError(f"cannot open 'serialized_named_tensors': {e}") from None
-        return self.update_from_named(named)
+        return list(named)
 
     # ---- distributed ------------------------------------------------------------------------
     def init_group(self, body: dict[str, Any], device: torch.device) -> None:

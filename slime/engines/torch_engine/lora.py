@@ -1,0 +1,200 @@
+"""LoRA adapters served by the torch engine, several at once, each request choosing its own
+(SGLang's `lora_path` field of /generate; /load_lora_adapter, /load_lora_adapter_from_tensors,
+/unload_lora_adapter).
+
+An adapter is, for some of the model's linear layers, a pair A [r, in], B [out, r] and a scaling
+alpha / r (PEFT's LoRA): the layer's output gains scaling * (x A^T) B^T, in PEFT's order of
+operations. The base weights are never changed; a forward hook on each adapted linear layer adds
+the terms of the adapters its batch rows use (rows without an adapter get the base model), so the
+engine's weight names, its weight updates and its checks stay those of the base model.
+
+Why not PEFT here (the trainer uses it, slime.backends.fsdp.lora): PEFT's per-request adapters
+(`adapter_names`) go through its PeftModel forward, while the batched runner drives the model's
+modules one by one; and adapters arrive and leave at run time as tensors. The hook is the
+smallest thing that serves them; the trainer's and the engine's outputs are compared in
+tests/test_engine_lora.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slime.engines.protocol import ProtocolError
+
+_TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+"""A LoRA tensor's name under any prefix (PEFT's `base_model.model.`, none, an adapter name):
+the module path from `layers.<i>.` on, and A or B."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Model module name -> (A [r, in], B [out, r]) in the model's dtype, on its device."""
+    users: int = 0
+    """Sequences admitted with this adapter and not finished yet."""
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "rank": self.rank, "scaling": self.scaling,
+                "num_layers": len(self.weights)}  # fmt: skip
+
+
+@dataclass
+class ServedAdapters:
+    """The engine's adapters by name, and the forward hooks that apply them."""
+
+    model: Any
+    max_loaded: int = 8
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    _rows: list[tuple[Adapter, torch.Tensor]] | None = None
+    _hooked: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        # Every linear layer of the decoder (by the name under which PEFT and SGLang address it,
+        # from `layers.<i>.` on); the LM head takes no adapter.
+        self.linear: dict[str, tuple[str, nn.Linear]] = {}
+        for name, module in self.model.named_modules():
+            m = re.search(r"(layers\.\d+\..+)$", name)
+            if isinstance(module, nn.Linear) and m is not None:
+                self.linear[m.group(1)] = (name, module)
+
+    # ---- loading ------------------------------------------------------------------------------
+    def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], path: str) -> None:
+        """Register adapter `name` (refused if the name is taken: unload it first, as in SGLang)."""
+        self._check_new(name)
+        if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+            raise ProtocolError(
+                f"LoRA adapter {name!r}: only plain LoRA is served (peft_type LORA, no DoRA)", 400
+            )
+        rank, alpha = config.get("r"), config.get("lora_alpha")
+        if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+            raise ProtocolError(
+                f"LoRA adapter {name!r}: its config needs 'r' (int >= 1) and 'lora_alpha'", 400
+            )
+        scaling = float(alpha) / (rank**0.5 if config.get("use_rslora") else rank)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            m = _TENSOR.match(key)
+            if m is None:
+                raise ProtocolError(
+                    f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a layer", 400
+                )
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t
+        weights = {}
+        for module, ab in sorted(pairs.items()):
+            if module not in self.linear:
+                raise ProtocolError(f"LoRA adapter {name!r}: the model has no linear layer {module!r}", 400)
+            if set(ab) != {"A", "B"}:
+                raise ProtocolError(f"LoRA adapter {name!r}: {module} has lora_{''.join(ab)} alone", 400)
+            layer = self.linear[module][1]
+            a, b = ab["A"], ab["B"]
+            if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
+                raise ProtocolError(
+                    f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; rank {rank} "
+                    f"needs A ({rank}, {layer.in_features}) and B ({layer.out_features}, {rank})",
+                    400,
+                )
+            w = layer.weight
+            weights[module] = (a.to(w.device, w.dtype, copy=True), b.to(w.device, w.dtype, copy=True))
+        if not weights:
+            raise ProtocolError(f"LoRA adapter {name!r} holds no LoRA weights", 400)
+        for module in weights:
+            if module not in self._hooked:
+                self.linear[module][1].register_forward_hook(self._hook(module))
+                self._hooked.add(module)
+        self.adapters[name] = Adapter(name, path, rank, scaling, weights)
+
+    def _check_new(self, name: str) -> None:
+        if name in self.adapters:
+            raise ProtocolError(f"LoRA adapter {name!r} is already loaded: unload it first", 400)
+        if len(self.adapters) >= self.max_loaded:
+            raise ProtocolError(
+                f"{len(self.adapters)} LoRA adapters are loaded, this engine's limit (--max-loaded-loras): "
+                f"unload one of {sorted(self.adapters)}",
+                400,
+            )
+
+    def load_dir(self, name: str, path: str) -> None:
+        """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors or .bin)."""
+        self._check_new(name)
+        try:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                config = json.load(f)
+            weights = os.path.join(path, "adapter_model.safetensors")
+            if os.path.isfile(weights):
+                from safetensors.torch import load_file
+
+                tensors = load_file(weights)
+            else:
+                tensors = torch.load(
+                    os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True
+                )
+        except (OSError, ValueError) as e:
+            raise ProtocolError(f"cannot read LoRA adapter {name!r} from {path!r}: {e}", 400) from None
+        self.load(name, config, tensors, path)
+
+    def unload(self, name: str) -> bool:
+        """Drop adapter `name`; False while sequences admitted with it still run."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ProtocolError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})", 400)
+        if adapter.users:
+            return False
+        del self.adapters[name]
+        return True
+
+    def loaded(self) -> dict[str, str]:
+        """SGLang's `loaded_adapters`: name -> path."""
+        return {n: a.path for n, a in self.adapters.items()}
+
+    # ---- serving ------------------------------------------------------------------------------
+    def resolve(self, name: str | None) -> Adapter | None:
+        if name is None:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ProtocolError(
+                f"the requested LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})"
+            )
+        return adapter
+
+    @contextlib.contextmanager
+    def rows(self, per_row: Sequence[Adapter | None]) -> Iterator[None]:
+        """Context: the next forwards' batch rows use these adapters (None: the base model)."""
+        groups: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, adapter in enumerate(per_row):
+            if adapter is not None:
+                groups.setdefault(id(adapter), (adapter, []))[1].append(i)
+        device = next(iter(self.model.parameters())).device
+        self._rows = [(a, torch.tensor(r, device=device)) for a, r in groups.values()] or None
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    def _hook(self, module: str) -> Any:
+        def add_adapters(layer: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+            if self._rows is None:
+                return out
+            x = args[0]
+            for adapter, rows in self._rows:
+                ab = adapter.weights.get(module)
+                if ab is not None:  # as PEFT: lora_B(lora_A(x)) * scaling, added to the base output
+                    a, b = ab
+                    out[rows] = out[rows] + F.linear(F.linear(x[rows], a), b) * adapter.scaling
+            return out
+
+        return add_adapters

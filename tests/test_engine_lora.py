@@ -1,0 +1,159 @@
+"""The torch engine serves LoRA adapters (slime.engines.torch_engine.lora) with SGLang's routes and
+fields, on a real server: an adapter loaded from a PEFT directory or from tensors gives the
+log-probs PEFT's own model gives, several adapters run in one batch each on its own rows, and
+the routes refuse what SGLang refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+
+from tests.conftest import start_engine
+from tests.test_engine_server import raw_post
+
+PROMPTS = [[5, 17, 33, 8, 61], [9, 4, 77], [12, 40, 2, 88, 23, 51, 6]]
+
+
+def make_adapter(base: str, out: str, seed: int, targets: list[str]) -> str:
+    """A PEFT adapter with non-zero B (a trained one's shape, random values)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def reference_log_probs(base: str, adapter: str | None, prompt: list[int], output: list[int]) -> list[float]:
+    """log p of each output token, teacher-forced through PEFT's model (or the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter:
+        model = PeftModel.from_pretrained(model, adapter)
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model.eval()(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapters")
+    return {"a1": make_adapter(tiny_model, str(out / "a1"), 1, ["q_proj", "v_proj", "down_proj"]),
+            "a2": make_adapter(tiny_model, str(out / "a2"), 2, ["o_proj", "gate_proj", "up_proj"])}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model, tmp_path_factory, adapters):
+    proc = start_engine(tiny_model, tmp_path_factory.mktemp("engine-logs"), "--enable-lora",
+                        "--lora-paths", f"a1={adapters['a1']}")  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, object]:
+    return raw_post(url, path, json.dumps(body))
+
+
+def generate(url: str, loras: list[str | None]) -> list[dict]:
+    status, results = post(url, "/generate", {
+        "input_ids": PROMPTS, "lora_path": loras, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+    })  # fmt: skip
+    assert status == 200, results
+    assert isinstance(results, list)
+    return results
+
+
+def output(result: dict) -> tuple[list[int], list[float]]:
+    entries = result["meta_info"]["output_token_logprobs"]
+    return [e[1] for e in entries], [e[0] for e in entries]
+
+
+def test_each_row_of_a_batch_runs_with_its_own_adapter(lora_engine, tiny_model, adapters):
+    """One batch: a1 (loaded at start, --lora-paths), the base model, a2 (loaded by route): each
+    row's tokens and log-probs are PEFT's with that adapter (teacher-forced), within 1e-5."""
+    status, answer = post(
+        lora_engine.url, "/load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"]}
+    )
+    assert status == 200 and answer == {"success": True, "error_message": None,
+                                        "loaded_adapters": {"a1": adapters["a1"], "a2": adapters["a2"]}}  # fmt: skip
+    try:
+        loras = ["a1", None, "a2"]
+        results = generate(lora_engine.url, loras)
+        outs = []
+        for prompt, lora, result in zip(PROMPTS, loras, results, strict=True):
+            tokens, lps = output(result)
+            expected = reference_log_probs(tiny_model, adapters[lora] if lora else None, prompt, tokens)
+            torch.testing.assert_close(torch.tensor(lps), torch.tensor(expected), rtol=0, atol=1e-5)
+            outs.append(tokens)
+        base = [output(r) for r in generate(lora_engine.url, [None, None, None])]
+        assert base[1][0] == outs[1]
+        assert base[0][1] != output(results[0])[1]  # the adapter changes the model
+    finally:
+        post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "a2"})
+
+
+def test_an_adapter_pushed_as_tensors_serves_like_its_directory(lora_engine, tiny_model, adapters):
+    """/load_lora_adapter_from_tensors (a shared-memory handle, the push's transport) with the
+    PEFT config: the same log-probs as the directory; unload frees the name."""
+    from safetensors.torch import load_file
+
+    from slime.utils.shm_tensors import pack_named_tensors
+
+    config = json.loads(open(f"{adapters['a1']}/adapter_config.json").read())
+    tensors = load_file(f"{adapters['a1']}/adapter_model.safetensors")
+    handle, buffer = pack_named_tensors(sorted(tensors.items()))
+    try:
+        status, answer = post(lora_engine.url, "/load_lora_adapter_from_tensors", {
+            "lora_name": "pushed", "config_dict": config, "serialized_named_tensors": [handle]})  # fmt: skip
+    finally:
+        buffer.close()
+    assert status == 200 and answer["loaded_adapters"]["pushed"] == "__tensor__"
+    from_dir = generate(lora_engine.url, ["a1", "pushed", "a1"])
+    pushed = generate(lora_engine.url, ["pushed", "a1", "pushed"])
+    for a, b in zip(from_dir, pushed):
+        assert output(a) == output(b)
+    status, answer = post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "pushed"})
+    assert status == 200 and "pushed" not in answer["loaded_adapters"]
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/generate", {"input_ids": [1, 2], "lora_path": "nope"}, "the requested LoRA adapter 'nope' is not loaded"),
+        ("/load_lora_adapter", {"lora_name": "a1", "lora_path": "/tmp"}, "LoRA adapter 'a1' is already loaded"),
+        ("/unload_lora_adapter", {"lora_name": "nope"}, "LoRA adapter 'nope' is not loaded"),
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}, "cannot read LoRA adapter 'x'"),
+        ("/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {"r": 4, "lora_alpha": 8}},
+         "'serialized_named_tensors' must be a list"),
+    ],
+    ids=["unknown-adapter", "name-taken", "unload-unknown", "bad-path", "no-tensors"],
+)  # fmt: skip
+def test_refusals_name_the_adapter(lora_engine, path, body, message):
+    status, answer = post(lora_engine.url, path, body)
+    assert status == 400
+    text = answer.get("error_message") or answer.get("message")  # type: ignore[union-attr]
+    assert message in text, answer
+    if path != "/generate":
+        assert answer["success"] is False  # type: ignore[index]
+
+
+def test_an_engine_without_enable_lora_refuses_adapters(engine):
+    status, answer = post(engine.url, "/generate", {"input_ids": [1, 2], "lora_path": "a1"})
+    assert status == 400 and "--enable-lora" in answer["message"]  # type: ignore[index]
+    status, answer = post(engine.url, "/load_lora_adapter", {"lora_name": "a1", "lora_path": "/tmp"})
+    assert status == 400 and answer["success"] is False and "--enable-lora" in answer["error_message"]  # type: ignore[index]
