@@ -376,7 +376,7 @@ class TorchEngine:
             named = [s for s in seqs if s.lora_name is not None]
             if named:  # every adapter first, so that none is taken for a request that fails
                 assert self.adapters is not None  # make_sequence checked
-                adapters = [self.adapters.resolve(s.lora_name) for s in named]
+                adapters = [self.adapters.resolve(str(s.lora_name)) for s in named]
                 for seq, adapter in zip(named, adapters):
                     seq.lora = adapter
                     adapter.users += 1

@@ -161,9 +161,7 @@ class ServedAdapters:
         return {n: a.path for n, a in self.adapters.items()}
 
     # ---- serving ------------------------------------------------------------------------------
-    def resolve(self, name: str | None) -> Adapter | None:
-        if name is None:
-            return None
+    def resolve(self, name: str) -> Adapter:
         adapter = self.adapters.get(name)
         if adapter is None:
             raise ProtocolError(
