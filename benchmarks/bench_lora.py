@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, rollouts):
     import torch
-
     from bench_train import make_rollout
+
     from slime.backends.fsdp import lora
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
@@ -42,7 +42,9 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
     cfg = TrainConfig(hf_checkpoint=model_path, optimizer=OptimizerConfig(lr=1e-5),
                       batch=BatchConfig(global_batch_size=32, micro_batch_size=8))  # fmt: skip
     if lora_rank:
-        cfg = dataclasses.replace(cfg, lora=LoRAConfig(rank=lora_rank, alpha=2 * lora_rank, target_modules=targets))
+        cfg = dataclasses.replace(
+            cfg, lora=LoRAConfig(rank=lora_rank, alpha=2 * lora_rank, target_modules=targets)
+        )
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
     vocab = actor.hf_config.vocab_size
@@ -105,7 +107,9 @@ def main() -> int:
     full = run_ranks(args.ranks, run_rank, model_path, 0, targets, args.rollouts)[0]
     low = run_ranks(args.ranks, run_rank, model_path, args.rank, targets, args.rollouts)[0]
     mb = 1e6
-    print(f"model {model_path}, {args.ranks} ranks, LoRA rank {args.rank} on {args.target_modules}; per rank 0:")
+    print(
+        f"model {model_path}, {args.ranks} ranks, LoRA rank {args.rank} on {args.target_modules}; per rank 0:"
+    )
     print(f"{'':34}{'full':>14}{'LoRA':>14}{'LoRA / full':>14}")
     rows = [
         ("trainable parameters", full["trainable"], low["trainable"], 1),
