@@ -4,7 +4,7 @@ step time, in one run (the baseline is full fine-tuning of the same model).
     python benchmarks/bench_lora.py [--model-path DIR] [--ranks 2] [--rank 8] [--rollouts 3]
         [--target-modules all-linear]
 
-The model (default: a 12-layer, 768-wide Qwen3 built here, 100 M parameters) trains on --ranks
+The model (default: a 12-layer, 768-wide Qwen3 built here, 75.6 M parameters) trains on --ranks
 gloo ranks, one process each, with the rollout of benchmarks/bench_train.py (64 samples, two
 optimizer steps per rollout). Per mode and rank it reports:
 

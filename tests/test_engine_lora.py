@@ -157,3 +157,94 @@ def test_an_engine_without_enable_lora_refuses_adapters(engine):
     assert status == 400 and "--enable-lora" in answer["message"]  # type: ignore[index]
     status, answer = post(engine.url, "/load_lora_adapter", {"lora_name": "a1", "lora_path": "/tmp"})
     assert status == 400 and answer["success"] is False and "--enable-lora" in answer["error_message"]  # type: ignore[index]
+
+
+class _Block(torch.nn.Module):
+    """A layer whose linear sees the batch's tokens flattened (a MoE block's shared expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], 3)
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+def test_the_hook_adds_each_rows_adapter_also_to_flattened_tokens():
+    """Rows [a1, base, a2] of a [3, 5, 4] batch through a linear that sees [15, 4]: each row gets
+    its own adapter's term (not the first rows of the flattened tokens); one adapter for every
+    row (the generic runner, batch-of-one) gets it on every token."""
+    from slime.engines.torch_engine.lora import ServedAdapters
+
+    torch.manual_seed(0)
+    model = _Toy()
+    served = ServedAdapters(model)
+    ab = {n: (torch.randn(2, 4), torch.randn(3, 2)) for n in ("a1", "a2")}
+    for n, (a, b) in ab.items():
+        served.load(
+            n,
+            {"r": 2, "lora_alpha": 4},
+            {"layers.0.proj.lora_A.weight": a, "layers.0.proj.lora_B.weight": b},
+            n,
+        )
+    x = torch.randn(3, 5, 4)
+    with torch.no_grad():
+        base = model(x)
+        with served.rows([served.adapters["a1"], None, served.adapters["a2"]]):
+            mixed = model(x)
+        with served.rows([served.adapters["a2"]]):
+            alone = model(x[2:])
+    for row, name in ((0, "a1"), (2, "a2")):
+        a, b = ab[name]
+        torch.testing.assert_close(mixed[row], base[row] + x[row] @ a.T @ b.T * 2.0)
+    torch.testing.assert_close(mixed[1], base[1], rtol=0, atol=0)
+    torch.testing.assert_close(alone[0], mixed[2])
+
+
+def test_unload_waits_for_its_requests_and_refuses_new_ones(lora_engine, adapters):
+    """As SGLang: once /unload_lora_adapter is called no new request may take the adapter, and it
+    answers when the requests running with it have finished."""
+    import threading
+    import time
+
+    status, _ = post(
+        lora_engine.url, "/load_lora_adapter", {"lora_name": "busy", "lora_path": adapters["a2"]}
+    )
+    assert status == 200
+    answers: dict[str, tuple[int, object]] = {}
+
+    def long_request() -> None:
+        answers["long"] = post(lora_engine.url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "busy",
+                               "sampling_params": {"max_new_tokens": 1200, "temperature": 0.0, "ignore_eos": True}})  # fmt: skip
+        times["long"] = time.perf_counter()
+
+    def unload() -> None:
+        answers["unload"] = post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "busy"})
+        times["unload"] = time.perf_counter()
+
+    times: dict[str, float] = {}
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(0.3)  # the long request is running
+    unloader = threading.Thread(target=unload)
+    unloader.start()
+    time.sleep(0.2)
+    status, refused = post(lora_engine.url, "/generate", {"input_ids": [1, 2], "lora_path": "busy"})
+    times["refused"] = time.perf_counter()
+    assert status == 400 and "'busy' is not loaded" in refused["message"]  # type: ignore[index]
+    worker.join()
+    unloader.join()
+    assert answers["long"][0] == 200
+    status, answer = answers["unload"]
+    assert status == 200 and "busy" not in answer["loaded_adapters"]  # type: ignore[index]
+    # the refusal came while the long request still ran, and the unload answered after it
+    assert times["refused"] < times["long"] <= times["unload"] + 0.05

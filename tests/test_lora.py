@@ -19,14 +19,18 @@ ALL = ("all-linear",)
 
 
 def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save=None, load=None, rollouts=2,
-             hf_dir=None, adapter=None):  # fmt: skip
+             hf_dir=None, adapter=None, bf16_reference_first=False):  # fmt: skip
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
+    from slime.config.train import FSDPConfig
 
     lora = LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude, adapter_path=adapter)
     cfg = dataclasses.replace(
         base_config(model, micro_batch_size=2), check_precision=True, load=load, lora=lora
     )
+    if bf16_reference_first:  # the engine's log-probs are the old policy: the reference pass runs first
+        cfg = dataclasses.replace(cfg, fsdp=FSDPConfig(param_dtype="bfloat16"),
+                                  loss=dataclasses.replace(cfg.loss, use_rollout_logprobs=True, use_tis=False))  # fmt: skip
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
 
@@ -133,6 +137,26 @@ def test_an_adapter_of_another_rank_is_refused(tiny_model, adapter_dir, tmp_path
     json.dump({**config, "r": 8}, open(f"{other}/adapter_config.json", "w"))
     with pytest.raises(Exception, match=r"was trained with r 8 \(the flags: --lora-rank 4\)"):
         run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 0, None, other)
+    json.dump({**config, "use_rslora": True}, open(f"{other}/adapter_config.json", "w"))
+    with pytest.raises(Exception, match="has use_rslora True: only plain LoRA"):
+        run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 0, None, other)
+
+
+def test_mixed_precision_trains_when_the_reference_pass_comes_first(tiny_model):
+    """--fsdp-param-dtype bfloat16 with --use-rollout-logprobs: the first forward is the reference
+    pass, with the adapters off; the adapters must still get their float32 gradients after it
+    (FSDP2 fixes a group's gradient dtypes at its first forward)."""
+    result = run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 2, None, None, True)[0]
+    steps = [s for o in result["outputs"] for s in o.steps]
+    assert steps and all(s["grad_norm"] > 0 for s in steps)
+    assert any(not torch.equal(result["before"][n], result["after"][n]) for n in result["trainable"])
+
+
+def test_adapters_resume_only_onto_the_base_they_were_trained_on(tiny_model, tiny_model_b, tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_ranks(1, lora_run, tiny_model, ALL, (), save, None, 1)
+    with pytest.raises(Exception, match=r"holds LoRA adapters trained on .*, not on --hf-checkpoint"):
+        run_ranks(1, lora_run, tiny_model_b, ALL, (), None, save, 1)
 
 
 def test_two_ranks_train_like_one(one_rank, tiny_model):
@@ -171,8 +195,9 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(one_rank, tiny_
             "--target-modules qkv_proj: no linear layer of this model has that name",
         ),
         (ALL, ("down_projection",), "--exclude-modules down_projection: no linear layer"),
+        (("q_proj", "lm_head"), (), "--target-modules lm_head: this model ties its LM head to the embedding"),
     ],
-    ids=["unknown-target", "unknown-exclude"],
+    ids=["unknown-target", "unknown-exclude", "tied-lm-head"],
 )
 def test_a_module_name_the_model_lacks_is_refused(tiny_model, targets, exclude, message):
     with pytest.raises(Exception, match=message):
@@ -180,9 +205,9 @@ def test_a_module_name_the_model_lacks_is_refused(tiny_model, targets, exclude, 
 
 
 def test_named_targets_and_exclusions_choose_the_adapted_layers(tiny_model):
-    result = run_ranks(
-        1, lora_run, tiny_model, ("q_proj", "v_proj", "down_proj"), ("down_proj",), None, None, 1
-    )[0]
+    """Plain names as PEFT matches them: the last part of a module's name, or a dotted tail."""
+    targets = ("self_attn.q_proj", "v_proj", "down_proj")
+    result = run_ranks(1, lora_run, tiny_model, targets, ("down_proj",), None, None, 1)[0]
     layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in result["trainable"]}
     assert layers == {"q_proj", "v_proj"}
 

@@ -122,6 +122,14 @@ def test_a_resumed_run_skips_only_what_needs_actor_equal_to_reference():
     assert [c.name for c in p.failed(checks)] == ["trainer vs engine log-probs (mean and max |diff|)"]
 
 
+def test_a_run_from_a_trained_lora_adapter_skips_the_actor_equals_reference_checks():
+    """--lora-adapter-path: the adapters start trained and the reference is the base model."""
+    checks, _ = run(ctx(lora_adapter="/a"), precision={"ref_max_abs_diff": 0.3}, step={"kl_loss": 0.01})
+    assert not p.failed(checks)
+    skipped = [c for c in checks if c.ok is None]
+    assert len(skipped) == 2 and all("--lora-adapter-path /a" in c.detail for c in skipped)
+
+
 def test_later_rollouts_check_only_ppo_kl():
     checks = p.gates(
         ctx(rollout_id=3, first=False), {"log_probs": 1.0}, {"first_step_max_abs_diff": 0.0}, GOOD_STEP

@@ -58,7 +58,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lora-adapter-path", default=None,
                    help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
-                   "rank and target modules must be the flags'")  # fmt: skip
+                   "rank and alpha must be the flags', and its tensors the adapters --target-modules gives")  # fmt: skip
+    for action in g._group_actions:  # slime.tools.flag_table: refused with --train-backend megatron
+        action.backends = ("fsdp",)  # type: ignore[attr-defined]
 
 
 def _names(value: str | None) -> tuple[str, ...]:

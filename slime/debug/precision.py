@@ -55,6 +55,8 @@ class Context:
     replay: bool = False
     resumed: bool = False
     """Resumed from --load: the actor has trained, so it no longer equals the reference."""
+    lora_adapter: str | None = None
+    """--lora-adapter-path: the adapters start trained, and the reference is the base model."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,9 @@ def gates(
         checks.append(_critic_values(precision))
     if not ctx.first:
         return checks
-    if ctx.resumed:
-        why = "resumed from --load: the actor has trained away from the reference"
+    if ctx.resumed or ctx.lora_adapter:
+        why = ("resumed from --load: the actor has trained away from the reference" if ctx.resumed else
+               f"--lora-adapter-path {ctx.lora_adapter}: the adapters start trained, the reference is the base model")  # fmt: skip
         checks += [Check("actor log-probs == reference log-probs (bitwise)", None, "-", detail=why),
                    Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why)]  # fmt: skip
     else:

@@ -107,6 +107,7 @@ class PrecisionGates(Hook):
             and t.batch.log_probs_max_tokens_per_gpu not in (None, t.batch.max_tokens_per_gpu),
             replay=self.replay_temperature is not None,
             resumed=loop.resumed,
+            lora_adapter=t.lora.adapter_path,
         )
         checks = precision.gates(
             ctx, output.rollout, output.precision, output.steps[0] if output.steps else {}

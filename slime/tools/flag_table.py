@@ -42,7 +42,9 @@ def render() -> str:
             if spec is not None:
                 out.append(f"| `{flag}` | {spec.fsdp} | {spec.megatron} | {_cell(spec.note)} |")
             else:
-                out.append(f"| `{flag}` | applied | applied | {_cell(a.help)} |")
+                backends = getattr(a, "backends", ("fsdp", "megatron"))
+                cells = " | ".join("applied" if b in backends else "refused" for b in ("fsdp", "megatron"))
+                out.append(f"| `{flag}` | {cells} | {_cell(a.help)} |")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

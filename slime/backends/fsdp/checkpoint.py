@@ -140,6 +140,16 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
             f"{_lora_shape(actor) or 'no LoRA'}: resume with the flags it was saved with (--lora-rank, --lora-alpha, "
             "--target-modules, --exclude-modules)"
         )
+    base = state.get("hf_checkpoint")
+    if (
+        actor.cfg.lora.enabled
+        and base
+        and os.path.realpath(base) != os.path.realpath(actor.cfg.hf_checkpoint)
+    ):
+        raise ValueError(
+            f"--load {root!r} holds LoRA adapters trained on {base!r}, not on --hf-checkpoint "
+            f"{actor.cfg.hf_checkpoint!r}: resume with the base model they were trained on"
+        )
     actor.schedule.load_state_dict(state["schedule"], override=actor.cfg.override_opt_param_scheduler)
     options = _state_options(actor)
     model_state, optim_state = _states(actor, options)

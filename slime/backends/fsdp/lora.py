@@ -50,14 +50,23 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     --exclude-modules that names no linear layer is refused, naming it and the model's."""
     from peft import inject_adapter_in_model
 
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for flag, names in (("--target-modules", cfg.target_modules), ("--exclude-modules", cfg.exclude_modules)):
-        unknown = [n for n in names if n != ALL_LINEAR and n not in linear]
+        # PEFT's rule for a plain name: the module's name is it, or ends with "." + it.
+        unknown = [
+            n for n in names if n != ALL_LINEAR and not any(m == n or m.endswith("." + n) for m in linear)
+        ]
         if unknown:
             raise UsageError(
                 f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear layers are "
-                f"{', '.join(sorted(linear))} (or {ALL_LINEAR})"
+                f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
             )
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if tied and "lm_head" in cfg.target_modules:
+        raise UsageError(
+            "--target-modules lm_head: this model ties its LM head to the embedding, whose weight an adapter "
+            "would then change twice; leave lm_head out"
+        )
     model = inject_adapter_in_model(peft_config(cfg), model)
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
@@ -104,6 +113,13 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
         saved = json.load(f)
     wrong = [f"{key} {saved.get(key)} (the flags: {flag} {want})" for key, flag, want in
              (("r", "--lora-rank", cfg.rank), ("lora_alpha", "--lora-alpha", cfg.alpha)) if saved.get(key) != want]  # fmt: skip
+    unsupported = [f"{key} {saved[key]!r}" for key, plain in (("peft_type", "LORA"), ("use_rslora", False),
+                   ("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {})) if saved.get(key, plain) not in (plain, None)]  # fmt: skip
+    if unsupported:
+        raise UsageError(
+            f"--lora-adapter-path {path!r} has {', '.join(unsupported)}: only plain LoRA (one rank and alpha, "
+            "scaling alpha / r) is trained here"
+        )
     if wrong:
         raise UsageError(
             f"--lora-adapter-path {path!r} was trained with {'; '.join(wrong)}: give the adapter's"
@@ -136,13 +152,16 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
 
 
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
-    """Switch every LoRA layer on or off (off: the base model; PEFT also takes the adapters'
-    requires_grad away while off and gives it back after)."""
+    """Switch every LoRA layer on or off (off: the base model). PEFT's `enable_adapters(False)`
+    would also take the adapters' requires_grad away; FSDP2 fixes a group's gradient dtypes at
+    its first forward from the parameters that require grad, so a first forward with the
+    adapters off (the reference pass, with --use-rollout-logprobs) would leave mixed precision
+    without them. Only the switch PEFT's forward reads is flipped here."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
-            m.enable_adapters(enabled)
+            m._disable_adapters = not enabled
 
 
 def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:

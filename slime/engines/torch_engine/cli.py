@@ -81,10 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve LoRA adapters: /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter "
                    "and the 'lora_path' field of /generate (SGLang's flag)")  # fmt: skip
     p.add_argument(
-        "--max-loaded-loras", type=int, default=8, help="most LoRA adapters loaded at once (SGLang's flag)"
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="most LoRA adapters loaded at once (SGLang's flag; default: no limit)",
     )
-    p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH",
-                   help="PEFT adapter directories to load at start (SGLang's flag; implies --enable-lora)")  # fmt: skip
+    p.add_argument("--lora-paths", nargs="*", default=[], metavar="[NAME=]PATH",
+                   help="PEFT adapter directories to load at start, each named NAME or by its path (SGLang's flag; "
+                   "implies --enable-lora)")  # fmt: skip
     p.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -120,16 +124,20 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             check_api_key(args.api_key)
         except ValueError as e:
             parser.error(f"--api-key / {API_KEY_ENV}: {e}")
-    if args.max_loaded_loras < 1:
+    if args.max_loaded_loras is not None and args.max_loaded_loras < 1:
         parser.error("--max-loaded-loras must be >= 1")
-    for spec in args.lora_paths:
-        name, _, path = spec.partition("=")
-        if not name or not path or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+    for name, path in _lora_paths(args.lora_paths):
+        if not name or not os.path.isfile(os.path.join(path, "adapter_config.json")):
             parser.error(
-                f"--lora-paths {spec!r}: give NAME=PATH, PATH a PEFT adapter directory (adapter_config.json)"
+                f"--lora-paths {name}={path}: PATH must be a PEFT adapter directory (adapter_config.json)"
             )
     if args.debug_dump_dir is not None and not args.debug_dump_dir:
         parser.error("--debug-dump-dir must name a directory")
+
+
+def _lora_paths(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """SGLang's `--lora-paths` entries, NAME=PATH or PATH (named by its path)."""
+    return tuple((s.split("=", 1)[0], s.split("=", 1)[1]) if "=" in s else (s, s) for s in specs)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -161,7 +169,7 @@ async def serve(args: argparse.Namespace) -> None:
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,
-        lora_paths=tuple(tuple(spec.split("=", 1)) for spec in args.lora_paths),  # type: ignore[misc]
+        lora_paths=_lora_paths(args.lora_paths),
     )
     engine = TorchEngine(config)
     engine.start()

@@ -64,8 +64,8 @@ class EngineConfig:
     their tokens was routed to (`return_routed_experts`)."""
     enable_lora: bool = False
     """`--enable-lora` (SGLang's): serve LoRA adapters (/load_lora_adapter, `lora_path`)."""
-    max_loaded_loras: int = 8
-    """`--max-loaded-loras` (SGLang's): most adapters loaded at once."""
+    max_loaded_loras: int | None = None
+    """`--max-loaded-loras` (SGLang's): most adapters loaded at once (None: no limit)."""
     lora_paths: tuple[tuple[str, str], ...] = ()
     """`--lora-paths NAME=PATH ...` (SGLang's): adapters loaded at start."""
     deterministic: bool = False
@@ -374,24 +374,19 @@ class TorchEngine:
                     f"'rid' {taken[:5]} already names a request in flight; give each request its own rid"
                 )
             named = [s for s in seqs if s.lora_name is not None]
-            if named:  # every adapter first, so that none is taken for a request that fails
+            if named:  # every adapter first: a request naming one that is not loaded fails alone
                 assert self.adapters is not None  # make_sequence checked
                 adapters = [self.adapters.resolve(str(s.lora_name)) for s in named]
                 for seq, adapter in zip(named, adapters):
                     seq.lora = adapter
-                    adapter.users += 1
-            scored = [s for s in seqs if s.logprob_start_len >= 0]
-            if scored:  # a teacher-forced forward of the inputs (slime's OPD teacher asks this)
-                t0 = time.perf_counter()
-                try:
-                    for seq, values in zip(scored, input_log_probs(
-                        self.model, [s.prompt_ids for s in scored], [s.logprob_start_len for s in scored],
-                        [s.params.temperature for s in scored], self.config.max_prefill_tokens,
-                        self.config.deterministic, self.adapters, [s.lora for s in scored],
-                    )):  # fmt: skip
-                        seq.input_logprobs = values
-                finally:
-                    self.busy_seconds += time.perf_counter() - t0
+            try:
+                self._score_inputs(seqs)
+            except BaseException:
+                for seq in named:  # never admitted: they hold no adapter
+                    seq.lora = None
+                raise
+            for seq in named:  # counted once admitted: _finish gives each back exactly once
+                seq.lora.users += 1
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
                     self.scheduler.finish_without_decoding(seq)
@@ -400,6 +395,23 @@ class TorchEngine:
                     self.scheduler.add(seq)
 
         return self.call(_add)
+
+    def _score_inputs(self, seqs: list[Sequence]) -> None:
+        """The input log-probs of the requests that ask for them (`logprob_start_len`): a
+        teacher-forced forward of the inputs (slime's OPD teacher asks this)."""
+        scored = [s for s in seqs if s.logprob_start_len >= 0]
+        if not scored:
+            return
+        t0 = time.perf_counter()
+        try:
+            for seq, values in zip(scored, input_log_probs(
+                self.model, [s.prompt_ids for s in scored], [s.logprob_start_len for s in scored],
+                [s.params.temperature for s in scored], self.config.max_prefill_tokens,
+                self.config.deterministic, self.adapters, [s.lora for s in scored],
+            )):  # fmt: skip
+                seq.input_logprobs = values
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
 
     def abort(self, rid: str | None, message: str = "aborted by request") -> concurrent.futures.Future:
         """Abort the request named `rid` (None: all); the future carries how many were aborted."""

@@ -36,6 +36,32 @@ _TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weigh
 the module path from `layers.<i>.` on, and A or B."""
 
 
+def read_dir(name: str, path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and tensors of a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors or .bin); ProtocolError naming the adapter when they cannot be read."""
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        weights = os.path.join(path, "adapter_model.safetensors")
+        if os.path.isfile(weights):
+            from safetensors.torch import load_file
+
+            tensors = load_file(weights)
+        else:
+            tensors = torch.load(
+                os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True
+            )
+    except Exception as e:  # a missing file, bad JSON, a truncated or foreign tensor file
+        raise ProtocolError(
+            f"cannot read LoRA adapter {name!r} from {path!r}: {type(e).__name__}: {e}", 400
+        ) from None
+    if not isinstance(config, dict):
+        raise ProtocolError(
+            f"cannot read LoRA adapter {name!r} from {path!r}: adapter_config.json is not an object", 400
+        )
+    return config, tensors
+
+
 @dataclass
 class Adapter:
     name: str
@@ -46,6 +72,8 @@ class Adapter:
     """Model module name -> (A [r, in], B [out, r]) in the model's dtype, on its device."""
     users: int = 0
     """Sequences admitted with this adapter and not finished yet."""
+    unloading: bool = False
+    """/unload_lora_adapter is waiting for its users: no new request may take it."""
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "rank": self.rank, "scaling": self.scaling,
@@ -57,9 +85,11 @@ class ServedAdapters:
     """The engine's adapters by name, and the forward hooks that apply them."""
 
     model: Any
-    max_loaded: int = 8
+    max_loaded: int | None = None
     adapters: dict[str, Adapter] = field(default_factory=dict)
     _rows: list[tuple[Adapter, torch.Tensor]] | None = None
+    _batch: int = 0
+    """The number of batch rows of the forward `_rows` describe."""
     _hooked: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -74,7 +104,7 @@ class ServedAdapters:
     # ---- loading ------------------------------------------------------------------------------
     def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], path: str) -> None:
         """Register adapter `name` (refused if the name is taken: unload it first, as in SGLang)."""
-        self._check_new(name)
+        self.check_new(name)
         if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
             raise ProtocolError(
                 f"LoRA adapter {name!r}: only plain LoRA is served (peft_type LORA, no DoRA)", 400
@@ -117,10 +147,10 @@ class ServedAdapters:
                 self._hooked.add(module)
         self.adapters[name] = Adapter(name, path, rank, scaling, weights)
 
-    def _check_new(self, name: str) -> None:
+    def check_new(self, name: str) -> None:
         if name in self.adapters:
             raise ProtocolError(f"LoRA adapter {name!r} is already loaded: unload it first", 400)
-        if len(self.adapters) >= self.max_loaded:
+        if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
             raise ProtocolError(
                 f"{len(self.adapters)} LoRA adapters are loaded, this engine's limit (--max-loaded-loras): "
                 f"unload one of {sorted(self.adapters)}",
@@ -128,26 +158,20 @@ class ServedAdapters:
             )
 
     def load_dir(self, name: str, path: str) -> None:
-        """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors or .bin)."""
-        self._check_new(name)
-        try:
-            with open(os.path.join(path, "adapter_config.json")) as f:
-                config = json.load(f)
-            weights = os.path.join(path, "adapter_model.safetensors")
-            if os.path.isfile(weights):
-                from safetensors.torch import load_file
+        """A PEFT adapter directory (read_dir)."""
+        self.check_new(name)
+        self.load(name, *read_dir(name, path), path)
 
-                tensors = load_file(weights)
-            else:
-                tensors = torch.load(
-                    os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True
-                )
-        except (OSError, ValueError) as e:
-            raise ProtocolError(f"cannot read LoRA adapter {name!r} from {path!r}: {e}", 400) from None
-        self.load(name, config, tensors, path)
+    def start_unload(self, name: str) -> None:
+        """Refuse new requests for adapter `name` (as SGLang, which unregisters it first); it goes
+        once its running requests finished (`unload`)."""
+        adapter = self.adapters.get(name)
+        if adapter is None or adapter.unloading:
+            raise ProtocolError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})", 400)
+        adapter.unloading = True
 
     def unload(self, name: str) -> bool:
-        """Drop adapter `name`; False while sequences admitted with it still run."""
+        """Drop adapter `name` (after `start_unload`); False while sequences admitted with it still run."""
         adapter = self.adapters.get(name)
         if adapter is None:
             raise ProtocolError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})", 400)
@@ -163,10 +187,9 @@ class ServedAdapters:
     # ---- serving ------------------------------------------------------------------------------
     def resolve(self, name: str) -> Adapter:
         adapter = self.adapters.get(name)
-        if adapter is None:
-            raise ProtocolError(
-                f"the requested LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})"
-            )
+        if adapter is None or adapter.unloading:
+            loaded = sorted(n for n, a in self.adapters.items() if not a.unloading)
+            raise ProtocolError(f"the requested LoRA adapter {name!r} is not loaded (loaded: {loaded})")
         return adapter
 
     @contextlib.contextmanager
@@ -178,6 +201,7 @@ class ServedAdapters:
                 groups.setdefault(id(adapter), (adapter, []))[1].append(i)
         device = next(iter(self.model.parameters())).device
         self._rows = [(a, torch.tensor(r, device=device)) for a, r in groups.values()] or None
+        self._batch = len(per_row)
         try:
             yield
         finally:
@@ -188,11 +212,24 @@ class ServedAdapters:
             if self._rows is None:
                 return out
             x = args[0]
-            for adapter, rows in self._rows:
+            if len(self._rows) == 1 and len(self._rows[0][1]) == self._batch:  # every row, one adapter
+                adapter = self._rows[0][0]
                 ab = adapter.weights.get(module)
                 if ab is not None:  # as PEFT: lora_B(lora_A(x)) * scaling, added to the base output
-                    a, b = ab
-                    out[rows] = out[rows] + F.linear(F.linear(x[rows], a), b) * adapter.scaling
+                    out = out + F.linear(F.linear(x, ab[0]), ab[1]) * adapter.scaling
+                return out
+            # A layer may see the batch's tokens flattened, [rows x tokens, ...] (the shared
+            # expert of a mixture-of-experts block): view them per row, row-major.
+            view = out
+            if x.shape[0] != self._batch:
+                if x.shape[0] % self._batch:
+                    raise RuntimeError(f"LoRA on {module}: {x.shape[0]} inputs for {self._batch} batch rows")
+                x = x.view(self._batch, -1, *x.shape[1:])
+                view = out.view(self._batch, -1, *out.shape[1:])
+            for adapter, rows in self._rows:
+                ab = adapter.weights.get(module)
+                if ab is not None:
+                    view[rows] = view[rows] + F.linear(F.linear(x[rows], ab[0]), ab[1]) * adapter.scaling
             return out
 
         return add_adapters

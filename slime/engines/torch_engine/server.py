@@ -39,7 +39,7 @@ from slime.engines.torch_engine.http_util import (
     optional_str,
     read_json,
 )
-from slime.engines.torch_engine.lora import ServedAdapters
+from slime.engines.torch_engine.lora import ServedAdapters, read_dir
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
@@ -418,6 +418,8 @@ class EngineAPI:
         try:
             await self._on_engine(lambda: change(adapters))
         except ProtocolError as e:
+            if e.status == 503:  # the engine stopped: not the adapter's fault
+                raise
             loaded = await self._on_engine(adapters.loaded)
             return web.json_response({"success": False, "error_message": e.message, "loaded_adapters": loaded},
                                      status=400)  # fmt: skip
@@ -429,7 +431,16 @@ class EngineAPI:
         name, path = _lora_name(body), body.get("lora_path")
         if not isinstance(path, str) or not path:
             raise ProtocolError("'lora_path' must be the path of a PEFT adapter directory")
-        return await self._lora(lambda adapters: adapters.load_dir(name, path))
+        checked = await self._lora(lambda adapters: adapters.check_new(name))  # a taken name, before reading
+        if checked.status != 200:
+            return checked
+        # The files are read off the engine thread (generation goes on meanwhile).
+        try:
+            config, tensors = await asyncio.to_thread(read_dir, name, path)
+        except ProtocolError as e:
+            error = e  # answered in SGLang's shape, like the engine thread's refusals
+            return await self._lora(lambda adapters: _raise(error))
+        return await self._lora(lambda adapters: adapters.load(name, config, tensors, path))
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
         """The adapter's tensors by shared-memory handle: `serialized_named_tensors` (a list with
@@ -456,20 +467,12 @@ class EngineAPI:
         """Waits (as SGLang) until no request in flight uses the adapter."""
         name = _lora_name(json_object(await read_json(request)))
         adapters = self.engine.adapters
-
-        def in_use() -> bool:
-            assert adapters is not None
-            adapter = adapters.adapters.get(name)
-            return adapter is not None and adapter.users > 0
-
-        while adapters is not None and await self._on_engine(in_use):
+        started = await self._lora(lambda a: a.start_unload(name))  # no new request takes it
+        if adapters is None or started.status != 200:
+            return started
+        while not await self._on_engine(lambda: adapters.unload(name)):
             await asyncio.sleep(0.01)
-
-        def unload(a: ServedAdapters) -> None:
-            if not a.unload(name):  # a request took it up again between the wait and now
-                raise ProtocolError(f"LoRA adapter {name!r} is in use by requests in flight; try again", 400)
-
-        return await self._lora(unload)
+        return await self._lora(lambda a: None)
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         tags = _tags(json_object(await read_json(request, required=False)))
@@ -540,3 +543,7 @@ def _lora_name(body: dict[str, Any]) -> str:
     if not isinstance(name, str) or not name:
         raise ProtocolError("'lora_name' must be a non-empty string")
     return name
+
+
+def _raise(e: Exception) -> None:
+    raise e
