@@ -127,6 +127,25 @@ def test_an_adapter_pushed_as_tensors_serves_like_its_directory(lora_engine, tin
     pushed = generate(lora_engine.url, ["pushed", "a1", "pushed"])
     for a, b in zip(from_dir, pushed):
         assert output(a) == output(b)
+    # upsert (Miles's SGLang field, what the adapter push sends): the loaded adapter's weights are
+    # replaced in place, under the same name; without it the name is refused as taken
+    a2 = load_file(f"{adapters['a2']}/adapter_model.safetensors")
+    handle, buffer = pack_named_tensors(sorted(a2.items()))
+    try:
+        body = {"lora_name": "pushed", "config_dict": json.loads(open(f"{adapters['a2']}/adapter_config.json").read()),
+                "serialized_named_tensors": [handle]}  # fmt: skip
+        status, refused = post(lora_engine.url, "/load_lora_adapter_from_tensors", body)
+        assert status == 400 and "already loaded" in refused["error_message"]  # type: ignore[index]
+        status, _ = post(lora_engine.url, "/load_lora_adapter_from_tensors", {**body, "upsert": True})
+    finally:
+        buffer.close()
+    assert status == 200
+    status, _ = post(lora_engine.url, "/load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"]})
+    try:
+        for a, b in zip(generate(lora_engine.url, ["pushed"] * 3), generate(lora_engine.url, ["a2"] * 3)):
+            assert output(a) == output(b)
+    finally:
+        post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "a2"})
     status, answer = post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "pushed"})
     assert status == 200 and "pushed" not in answer["loaded_adapters"]
 

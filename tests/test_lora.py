@@ -127,7 +127,9 @@ def test_save_hf_writes_a_peft_adapter_that_peft_and_lora_adapter_path_load(
         assert torch.equal(again["before"][name], tensor), name
 
 
-def test_an_adapter_of_another_rank_is_refused(tiny_model, adapter_dir, tmp_path):
+def test_an_adapter_of_another_rank_is_refused(
+    one_rank, tiny_model, adapter_dir, tmp_path
+):  # one_rank writes it
     import json
     import shutil
 
@@ -235,9 +237,15 @@ def _parse(tiny_model, tmp_path, *flags):
          "LoRA is built for the FSDP backend only so far"),
         (["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
          "a LoRA run's reference is its base model"),
+        (["--lora-push", "adapter"], "--lora-push configures LoRA: give --lora-rank too"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--check-weight-update-equal"],
+         "--check-weight-update-equal with --lora-push adapter: the weight checks compare whole weights"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--rollout-backend", "sglang"],
+         "the adapter push is built for the torch engine so far"),
     ],
     ids=["target-without-rank", "rank-without-targets", "all-linear-and-more", "negative-rank", "dropout",
-         "adapter-path", "megatron", "ref-load"],
+         "adapter-path", "megatron", "ref-load", "push-without-rank", "push-with-weight-checks",
+         "push-to-sglang"],
 )  # fmt: skip
 def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:

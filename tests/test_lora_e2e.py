@@ -34,3 +34,25 @@ def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model,
     assert "resumed after rollout 1" in again.stderr + again.stdout
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["rollout_id"] == 2 and records[-1]["train/grad_norm"] > 0
+
+
+def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):  # noqa: F811
+    """--lora-push adapter: the engines start with --enable-lora, every push sends the adapter
+    alone (a few hundred KB, not the model), and every request names it: the trainer's and the
+    engine's log-probs of the samples agree after the adapters have trained (without the adapter
+    the engine would sample from the base model)."""
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *LORA, "--colocate", "--lora-push", "adapter",
+                   "--num-rollout", "3", "--lr", "1e-2", "--check-precision", "--use-kl-loss", "--kl-loss-coef",
+                   "0.01")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stderr + proc.stdout
+    assert "--check-precision: passed at rollout 0" in out
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["rollout_id"] == 2
+    # The adapters moved the policy away from the base model (kl_loss), and the engine's
+    # log-probs are still the trainer's: it sampled with the adapter.
+    assert abs(last["train/kl_loss"]) > 1e-6, last
+    assert last["rollout/train_rollout_logprob_abs_diff"] < 1e-5, last
+    pushes = [line for line in out.splitlines() if "pushed the LoRA adapter 'slime_lora'" in line]
+    assert pushes and all(" MB in 56 tensors" in line for line in pushes)  # 4 layers x 7 modules x A, B

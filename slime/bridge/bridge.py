@@ -85,6 +85,7 @@ class WeightBridge:
         self.phase: Callable[..., None] = no_hook
         """--debug-phase-hook: called with "push_bucket" after every bucket sent."""
         self._engine_dtype: tuple[Any] | None = None
+        self._adapter_buffer: Any = None  # --lora-push adapter: its shared-memory file
         self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
     @classmethod
@@ -155,6 +156,34 @@ class WeightBridge:
         )  # fmt: skip
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count), "transport": self.label}
 
+    async def push_adapter(self, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
+                           name: str) -> PushStats:  # fmt: skip
+        """--lora-push adapter: the policy's LoRA adapter alone, into every engine (SGLang's
+        routes): generation paused, the adapter loaded from tensors by shared-memory handle (the
+        previous version replaced in place, `upsert`: requests paused with it go on with the new
+        one, as with a weight push), the weight version set, generation continued. The base
+        weights stay; the rollout's requests name the adapter (`lora_path`)."""
+        from slime.utils.shm_tensors import pack_named_tensors
+
+        engines = [self.make_client(u) for u in self.engine_urls]
+        start = time.perf_counter()
+        handle, buffer = pack_named_tensors([(n, t.detach().cpu()) for n, t in named], self._adapter_buffer)
+        self._adapter_buffer = buffer  # reused push after push (adapters keep their size)
+        try:
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
+            try:
+                await asyncio.gather(*(_replace_adapter(e, name, config, handle) for e in engines))
+                await asyncio.gather(*(e.update_weight_version(weight_version) for e in engines))
+            finally:
+                await _all(engines, "continue_generation")
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        seconds = time.perf_counter() - start
+        logger.info("pushed the LoRA adapter %r, %.2f MB in %d tensors, weight_version %s in %.3f s",
+                    name, total / 1e6, len(named), weight_version, seconds)  # fmt: skip
+        return {"bytes": float(total), "seconds": seconds, "buckets": 1.0, "transport": "lora_adapter"}
+
     def engine_dtype_once(self) -> Any:
         """engine_dtype() from synchronous code, asked once (an event loop per push would cost
         more than the check itself)."""
@@ -211,6 +240,14 @@ def push_actor_weights(
     ranks of one push must be given the same topology. With `verify` (--check-weight-sync) the
     engines are checked against fingerprints of the exported tensors (taken before the fault).
     Returns the push statistics on rank 0, None elsewhere."""
+    lora = getattr(getattr(actor, "cfg", None), "lora", None)
+    if lora is not None and lora.pushes_adapter:  # every rank gathers the adapters; rank 0 sends them
+        from slime.config.lora import ADAPTER_NAME
+
+        named, config = actor.export_adapter()
+        if bridge is None:
+            return None
+        return run_sync(bridge.push_adapter(named, config, weight_version, ADAPTER_NAME))
     ipc = topology is not None and topology.every_rank_shares
     if bridge is not None:
         from slime.bridge.ipc import IpcTransport
@@ -265,6 +302,12 @@ def push_actor_weights(
         logger.info("--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
                     len(prints.entries), prints.seconds)  # fmt: skip
     return stats
+
+
+async def _replace_adapter(engine: EngineClient, name: str, config: dict[str, Any], handle: str) -> None:
+    """The adapter's new version in place of the old (loaded fresh the first time). Unloading
+    first, as SGLang's upstream routes need, would wait for the requests paused with it: a hang."""
+    await engine.load_lora_adapter_from_tensors(name, config, [handle], upsert=True)
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

@@ -350,7 +350,12 @@ def _configs(ns: argparse.Namespace) -> Config:
             ns.update_weight_transport,
             ns.update_weight_buffer_size,
             # --check-precision adds the fingerprint check where the engines can answer it (torch engine).
-            ns.check_weight_sync or (ns.check_precision and ns.rollout_backend == "torch"),
+            ns.check_weight_sync
+            or (
+                ns.check_precision
+                and ns.rollout_backend == "torch"
+                and getattr(ns, "lora_push", None) != "adapter"
+            ),
         ),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
         eval=EvalConfig(

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 ALL_LINEAR = "all-linear"
 """PEFT's name for every linear layer but the output layer (the LM head)."""
+ADAPTER_NAME = "slime_lora"
+"""The name the adapter push loads the policy's adapter under in the engines (`lora_path`)."""
+PUSH_MODES = ("merged", "adapter")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,13 @@ class LoRAConfig:
     """`--exclude-modules`: module names left without an adapter."""
     adapter_path: str | None = None
     """`--lora-adapter-path`: a PEFT adapter directory the adapters start from."""
+    push: str = "merged"
+    """`--lora-push` (ours): `merged` sends the base weights with the adapters merged (any engine);
+    `adapter` sends the adapters alone, which the engines serve (`lora_path`)."""
+
+    @property
+    def pushes_adapter(self) -> bool:
+        return self.enabled and self.push == "adapter"
 
     @property
     def enabled(self) -> bool:
@@ -59,6 +69,10 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-adapter-path", default=None,
                    help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
                    "rank and alpha must be the flags', and its tensors the adapters --target-modules gives")  # fmt: skip
+    g.add_argument("--lora-push", choices=PUSH_MODES, default=None,
+                   help="(ours) merged (default): push the base weights with the adapters merged, to any engine; "
+                   f"adapter: push the adapters alone (1-2%% of the bytes), which the engines serve as {ADAPTER_NAME!r} "
+                   "and every rollout request names (SGLang's lora_path)")  # fmt: skip
     for action in g._group_actions:  # slime.tools.flag_table: refused with --train-backend megatron
         action.backends = ("fsdp",)  # type: ignore[attr-defined]
 
@@ -71,6 +85,7 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
     """The LoRA settings of parsed flags; ValueError names the flag on bad input."""
     rank = getattr(ns, "lora_rank", 0) or 0
     given = [f for f, v in (("--target-modules", getattr(ns, "target_modules", None)),
+                            ("--lora-push", getattr(ns, "lora_push", None)),
                             ("--exclude-modules", getattr(ns, "exclude_modules", None)),
                             ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None))) if v]  # fmt: skip
     if rank < 0:
@@ -112,4 +127,23 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
             "--opd-type megatron with --lora-rank: the teacher's weights cannot replace a LoRA model's in the train "
             "pass yet; use --opd-type sglang (a teacher engine)"
         )
-    return LoRAConfig(rank, ns.lora_alpha, ns.lora_dropout, targets, _names(ns.exclude_modules), adapter)
+    push = getattr(ns, "lora_push", None) or "merged"
+    if push == "adapter" and getattr(ns, "rollout_backend", "torch") != "torch":
+        raise ValueError(
+            "--lora-push adapter with --rollout-backend sglang: the adapter push is built for the torch engine so far "
+            "(it hands the adapter over by shared memory, and upstream SGLang cannot replace a loaded adapter "
+            "while requests use it); use --lora-push merged"
+        )
+    if push == "adapter":
+        checks = [f for f, v in (("--check-weight-sync", getattr(ns, "check_weight_sync", False)),
+                                 ("--check-weight-update-equal", getattr(ns, "check_weight_update_equal", False)),
+                                 ("--debug-sync-parameters-path", getattr(ns, "debug_sync_parameters_path", None)))
+                  if v]  # fmt: skip
+        if checks:
+            raise ValueError(
+                f"{checks[0]} with --lora-push adapter: the weight checks compare whole weights and do not read "
+                "adapters yet; use --lora-push merged to check the push"
+            )
+    return LoRAConfig(
+        rank, ns.lora_alpha, ns.lora_dropout, targets, _names(ns.exclude_modules), adapter, push
+    )

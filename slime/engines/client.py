@@ -136,8 +136,11 @@ class EngineClient:
         top_logprobs_num: int | None = None,
         timeout_s: float | None = None,
         return_routed_experts: bool = False,
+        lora_path: str | None = None,
     ) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         if input_ids is not None:
             payload["input_ids"] = input_ids
         if text is not None:
@@ -259,6 +262,31 @@ class EngineClient:
             "/update_weights_from_disk",
             _drop_none({"model_path": model_path, "weight_version": weight_version, "flush_cache": False}),
         )
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_named_tensors: list[str],
+        upsert: bool = False,
+    ) -> Any:
+        """SGLang's route: a LoRA adapter from tensors (`serialized_named_tensors`); `upsert`
+        (Miles's SGLang field) replaces a loaded adapter's weights in place."""
+        body: dict[str, Any] = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": serialized_named_tensors,
+        }
+        if upsert:
+            body["upsert"] = True
+        return await self.request("POST", "/load_lora_adapter_from_tensors", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> Any:
+        return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def update_weight_version(self, new_version: str) -> Any:
+        """SGLang's route: the weight_version reported from now on."""
+        return await self.request("POST", "/update_weight_version", {"new_version": new_version})
 
     async def update_weights_from_tensor(
         self,

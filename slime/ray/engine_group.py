@@ -53,10 +53,14 @@ class RayEngineGroup:
         fault_tolerance: bool,
         make_topology: Callable[[list[str], list[int]], PushTopology],
         phase: Callable[..., None] | None = None,
+        keep_weights: bool = False,
     ):
         self.urls, self.actors, self.launch, self.manager = list(urls), actors, launch, manager
         self.client_config, self.fault_tolerance = client_config, fault_tolerance
         self.release_for_training = release_for_training  # colocated, unless --no-offload-rollout
+        # --lora-push adapter: the pushes never send the base weights, so the engines keep them
+        # (only their caches are released for training).
+        self.keep_weights = keep_weights
         self.make_topology = make_topology
         self.phase = phase or no_hook
         self.released: set[str] = set()  # memory tags colocated engines gave up for training
@@ -245,8 +249,12 @@ class RayEngineGroup:
         if self.release_for_training and self.urls:
             self.pause_checks()  # released engines cannot answer /health_generate
             self.phase("release", engines=self.up_urls())
-            self._each(lambda j, c: c.release_memory_occupation())  # every tag
-            self.released = {*WEIGHT_TAGS, *CACHE_TAGS}
+            if self.keep_weights:
+                self._each(lambda j, c: c.release_memory_occupation(list(CACHE_TAGS)))
+                self.released = set(CACHE_TAGS)
+            else:
+                self._each(lambda j, c: c.release_memory_occupation())  # every tag
+                self.released = {*WEIGHT_TAGS, *CACHE_TAGS}
 
     def resume_memory(self, tags: tuple[str, ...]) -> None:
         if self.released.intersection(tags):

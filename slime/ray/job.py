@@ -74,6 +74,8 @@ class Job:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
         if config.train.moe.use_rollout_routing_replay:  # R3: engines report each token's experts
             engine_args.append("--enable-return-routed-experts")
+        if config.train.lora.pushes_adapter:  # the engines serve the policy's adapter
+            engine_args.append("--enable-lora")
         self.engine_args = engine_args
         # Engines slime launches on a node address get a key of their own (never logged); on
         # loopback they need none, and users' plugins keep posting to them as they always did.
@@ -226,6 +228,7 @@ class Job:
                 self.engine_urls, self.engines, self._launch_engine, self.manager,
                 ClientConfig(timeout_s=c.train.distributed_timeout_minutes * 60, api_key=self.api_key),
                 c.cluster.offload_rollout, c.rollout.fault_tolerance, self.topology, phase,
+                keep_weights=c.train.lora.pushes_adapter,
             )  # fmt: skip
         if train is not None and engines is not None:
             train.connect(engines)

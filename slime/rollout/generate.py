@@ -37,6 +37,17 @@ def _routed(args: Any) -> bool:
     return bool(getattr(args, "use_rollout_routing_replay", False))
 
 
+def lora_path(args: Any) -> str | None:
+    """--lora-push adapter: the policy's adapter, by its name in the engines (SGLang's field)."""
+    from slime.config.lora import ADAPTER_NAME
+
+    return (
+        ADAPTER_NAME
+        if getattr(args, "lora_push", None) == "adapter" and getattr(args, "lora_rank", 0)
+        else None
+    )
+
+
 async def generate(
     client: EngineClient,
     sample: Sample,
@@ -46,7 +57,7 @@ async def generate(
 ) -> Sample:
     """Generate one response for `sample` with the engine's log-probs."""
     output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True,
-                                   return_routed_experts=_routed(args))  # fmt: skip
+                                   return_routed_experts=_routed(args), lora_path=lora_path(args))  # fmt: skip
     return apply_response(sample, prompt_ids, output, args)
 
 
@@ -63,7 +74,7 @@ async def continue_sample(
         return sample
     # Still ABORTED if the request fails: a retry on another engine continues it again.
     output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True,
-                                   return_routed_experts=_routed(args))  # fmt: skip
+                                   return_routed_experts=_routed(args), lora_path=lora_path(args))  # fmt: skip
     sample.status = Status.PENDING
     meta = output.get("meta_info", {})
     ids = list(output.get("output_ids", []))

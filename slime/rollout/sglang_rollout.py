@@ -146,6 +146,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     }
     if getattr(args, "use_rollout_routing_replay", False):
         payload["return_routed_experts"] = True
+    from slime.rollout.generate import lora_path
+
+    if lora_path(args) is not None:  # --lora-push adapter: the engines serve the policy as an adapter
+        payload["lora_path"] = lora_path(args)
     output = await post(get_model_url(args), payload)
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs") or []

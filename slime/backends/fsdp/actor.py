@@ -377,6 +377,13 @@ class FSDPTrainActor(TrainActorBase):
         merge = self._merge_adapters if self.cfg.lora.enabled else None
         return ckpt.export_weight_buckets(self.model, bucket_bytes, merge=merge)
 
+    def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """LoRA: the adapters as full tensors under PEFT's names, and their PEFT config (every
+        rank takes part; --lora-push adapter sends them)."""
+        named = [(lora.peft_name(n), (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+                 for n, p in self.model.named_parameters() if lora.is_adapter(n)]  # fmt: skip
+        return named, lora.adapter_config_dict(self.cfg.lora, self.cfg.hf_checkpoint)
+
     def _merge_adapters(
         self, named: Iterator[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -188,6 +188,16 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterato
     assert not held, f"LoRA layers without their adapters: {sorted(held)[:3]}"
 
 
+def adapter_config_dict(cfg: LoRAConfig, base: str) -> dict[str, Any]:
+    """The adapter's PEFT config as JSON data (adapter_config.json; SGLang's `config_dict`)."""
+    config = peft_config(cfg)
+    config.base_model_name_or_path = base
+    data = config.to_dict()
+    if isinstance(data.get("target_modules"), set):
+        data["target_modules"] = sorted(data["target_modules"])
+    return json.loads(json.dumps(data, default=str))
+
+
 def save_adapter(model: nn.Module, cfg: LoRAConfig, base: str, path: str, rank: int) -> None:
     """The adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors
     under PEFT's names), written by rank 0 under a temporary name and renamed when complete.

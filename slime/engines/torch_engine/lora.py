@@ -102,9 +102,15 @@ class ServedAdapters:
                 self.linear[m.group(1)] = (name, module)
 
     # ---- loading ------------------------------------------------------------------------------
-    def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], path: str) -> None:
-        """Register adapter `name` (refused if the name is taken: unload it first, as in SGLang)."""
-        self.check_new(name)
+    def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], path: str,
+             upsert: bool = False) -> None:  # fmt: skip
+        """Register adapter `name` (refused if the name is taken: unload it first, as in SGLang).
+        With `upsert` (the field of Miles's SGLang) a loaded adapter's weights are replaced in
+        place: the requests running with it go on with the new ones (as paused requests do with
+        new base weights)."""
+        current = self.adapters.get(name) if upsert else None
+        if current is None:
+            self.check_new(name)
         if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
             raise ProtocolError(
                 f"LoRA adapter {name!r}: only plain LoRA is served (peft_type LORA, no DoRA)", 400
@@ -145,7 +151,10 @@ class ServedAdapters:
             if module not in self._hooked:
                 self.linear[module][1].register_forward_hook(self._hook(module))
                 self._hooked.add(module)
-        self.adapters[name] = Adapter(name, path, rank, scaling, weights)
+        if current is not None:
+            current.path, current.rank, current.scaling, current.weights = path, rank, scaling, weights
+        else:
+            self.adapters[name] = Adapter(name, path, rank, scaling, weights)
 
     def check_new(self, name: str) -> None:
         if name in self.adapters:

@@ -102,6 +102,7 @@ def make_app(
     r.add_post("/load_lora_adapter", api.load_lora_adapter)
     r.add_post("/load_lora_adapter_from_tensors", api.load_lora_adapter_from_tensors)
     r.add_post("/unload_lora_adapter", api.unload_lora_adapter)
+    r.add_post("/update_weight_version", api.update_weight_version)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
@@ -407,6 +408,19 @@ class EngineAPI:
         await self._on_engine(lambda: self.engine.weights.destroy_group(name))
         return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
 
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's route: the weight_version reported from now on (an adapter push sets it)."""
+        body = json_object(await read_json(request))
+        version = body.get("new_version")
+        if isinstance(version, bool) or not isinstance(version, (str, int)):
+            raise ProtocolError("'new_version' must be a string")
+
+        def _set() -> None:
+            self.engine.weight_version = str(version)
+
+        await self._on_engine(_set)
+        return web.json_response({"success": True, "message": f"weight_version {version}"})
+
     # ---- LoRA adapters (SGLang's routes and fields) -----------------------------------------
     async def _lora(self, change: Callable[[ServedAdapters], Any]) -> web.Response:
         """Run `change` on the engine thread; SGLang's answer {success, error_message,
@@ -457,9 +471,13 @@ class EngineAPI:
             serialized = [body["serialized_tensors"]]
         store = self.engine.weights
 
+        upsert = body.get("upsert", False)
+        if not isinstance(upsert, bool):
+            raise ProtocolError("'upsert' must be true or false")
+
         def load(adapters: ServedAdapters) -> None:
             tensors = dict(store.open_tensors(serialized, body.get("load_format")))
-            adapters.load(name, config, tensors, "__tensor__")  # SGLang's path for tensors
+            adapters.load(name, config, tensors, "__tensor__", upsert)  # SGLang's path for tensors
 
         return await self._lora(load)
 
