@@ -218,6 +218,9 @@ class WeightBridge:
                 raise verify.WeightSyncError(verify.report(weight_version, url, lines))
 
     async def close(self) -> None:
+        if self._adapter_buffer is not None:
+            self._adapter_buffer.close()
+            self._adapter_buffer = None
         engines = [self.make_client(u) for u in self.engine_urls]
         try:
             await self.transport.close(engines)

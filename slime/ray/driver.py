@@ -64,8 +64,10 @@ def make_hooks(
     if train and engines:
         if d.check_weight_update_equal:
             out.append(hooks.WeightUpdateEqualCheck())
-        elif d.check_precision or config.cluster.external_engine_addrs:
-            out.append(hooks.FirstPush("--check-precision" if d.check_precision else "external engines"))
+        elif d.check_precision or config.cluster.external_engine_addrs or config.train.lora.pushes_adapter:
+            why = ("--check-precision" if d.check_precision else "external engines" if config.cluster.external_engine_addrs
+                   else "--lora-push adapter (the engines serve the adapter once it is pushed)")  # fmt: skip
+            out.append(hooks.FirstPush(why))
     if d.check_precision and train:
         out.append(hooks.PrecisionGates(config, log_dir, replay.temperature if replay is not None else None))
     if config.eval.interval is not None and evaluator is not None:
