@@ -5,7 +5,7 @@ Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "
 4xx code for client mistakes (malformed JSON, wrong types, out-of-range values); nothing a client
 sends can stop the server. With an API key every route but /health* needs
 `Authorization: Bearer <key>` (401 otherwise), as in SGLang. The weight-debugging routes are in
-debug_api.py.
+debug_api.py, the LoRA routes in lora_api.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from slime.engines.torch_engine.http_util import (
     optional_str,
     read_json,
 )
-from slime.engines.torch_engine.lora import ServedAdapters, read_dir
+from slime.engines.torch_engine.lora_api import LoRAAPI
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
 
@@ -80,6 +80,7 @@ def make_app(
     api = EngineAPI(engine)
     app.on_startup.append(api.on_startup)
     WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
+    LoRAAPI(engine).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
@@ -99,9 +100,6 @@ def make_app(
     r.add_post("/destroy_weights_update_group", api.destroy_weights_update_group)
     r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
     r.add_post("/release_memory_occupation", api.release_memory_occupation)
-    r.add_post("/load_lora_adapter", api.load_lora_adapter)
-    r.add_post("/load_lora_adapter_from_tensors", api.load_lora_adapter_from_tensors)
-    r.add_post("/unload_lora_adapter", api.unload_lora_adapter)
     r.add_post("/update_weight_version", api.update_weight_version)
     r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
     r.add_post("/v1/completions", api.completions)
@@ -421,77 +419,6 @@ class EngineAPI:
         await self._on_engine(_set)
         return web.json_response({"success": True, "message": f"weight_version {version}"})
 
-    # ---- LoRA adapters (SGLang's routes and fields) -----------------------------------------
-    async def _lora(self, change: Callable[[ServedAdapters], Any]) -> web.Response:
-        """Run `change` on the engine thread; SGLang's answer {success, error_message,
-        loaded_adapters}, 400 when it failed."""
-        adapters = self.engine.adapters
-        if adapters is None:
-            return web.json_response({"success": False, "error_message": "LoRA is not enabled: start the engine "
-                                      "with --enable-lora", "loaded_adapters": {}}, status=400)  # fmt: skip
-        try:
-            await self._on_engine(lambda: change(adapters))
-        except ProtocolError as e:
-            if e.status == 503:  # the engine stopped: not the adapter's fault
-                raise
-            loaded = await self._on_engine(adapters.loaded)
-            return web.json_response({"success": False, "error_message": e.message, "loaded_adapters": loaded},
-                                     status=400)  # fmt: skip
-        loaded = await self._on_engine(adapters.loaded)
-        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
-
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request))
-        name, path = _lora_name(body), body.get("lora_path")
-        if not isinstance(path, str) or not path:
-            raise ProtocolError("'lora_path' must be the path of a PEFT adapter directory")
-        checked = await self._lora(lambda adapters: adapters.check_new(name))  # a taken name, before reading
-        if checked.status != 200:
-            return checked
-        # The files are read off the engine thread (generation goes on meanwhile).
-        try:
-            config, tensors = await asyncio.to_thread(read_dir, name, path)
-        except ProtocolError as e:
-            error = e  # answered in SGLang's shape, like the engine thread's refusals
-            return await self._lora(lambda adapters: _raise(error))
-        return await self._lora(lambda adapters: adapters.load(name, config, tensors, path))
-
-    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
-        """The adapter's tensors by shared-memory handle: `serialized_named_tensors` (a list with
-        one handle, SGLang's current field) or `serialized_tensors` (one handle, its older one),
-        with the PEFT `config_dict`."""
-        body = json_object(await read_json(request))
-        name, config = _lora_name(body), body.get("config_dict")
-        if not isinstance(config, dict):
-            raise ProtocolError(
-                "'config_dict' must be the adapter's PEFT config (r, lora_alpha, target_modules)"
-            )
-        serialized = body.get("serialized_named_tensors")
-        if serialized is None and isinstance(body.get("serialized_tensors"), str):
-            serialized = [body["serialized_tensors"]]
-        store = self.engine.weights
-
-        upsert = body.get("upsert", False)
-        if not isinstance(upsert, bool):
-            raise ProtocolError("'upsert' must be true or false")
-
-        def load(adapters: ServedAdapters) -> None:
-            tensors = dict(store.open_tensors(serialized, body.get("load_format")))
-            adapters.load(name, config, tensors, "__tensor__", upsert)  # SGLang's path for tensors
-
-        return await self._lora(load)
-
-    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        """Waits (as SGLang) until no request in flight uses the adapter."""
-        name = _lora_name(json_object(await read_json(request)))
-        adapters = self.engine.adapters
-        started = await self._lora(lambda a: a.start_unload(name))  # no new request takes it
-        if adapters is None or started.status != 200:
-            return started
-        while not await self._on_engine(lambda: adapters.unload(name)):
-            await asyncio.sleep(0.01)
-        return await self._lora(lambda a: None)
-
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         tags = _tags(json_object(await read_json(request, required=False)))
 
@@ -554,14 +481,3 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
-
-
-def _lora_name(body: dict[str, Any]) -> str:
-    name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise ProtocolError("'lora_name' must be a non-empty string")
-    return name
-
-
-def _raise(e: Exception) -> None:
-    raise e
