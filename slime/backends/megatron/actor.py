@@ -330,25 +330,34 @@ class MegatronTrainActor(TrainActorBase):
             self.routing.end_pass()
 
     # ---- log-probs --------------------------------------------------------------------------
-    @torch.no_grad()
-    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
-        mbs = [self._micro_batch(batch, pos) for step in plans for pos in step.micro_batches if pos]
+    def _micro_batches(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[MicroBatch]:
+        return [self._micro_batch(batch, pos) for step in plans for pos in step.micro_batches if pos]
+
+    def _collect(self, mbs: list[MicroBatch], per_token: Any,
+                 states: list[MicroBatchRouting | None]) -> dict[int, torch.Tensor]:  # fmt: skip
+        """A forward-only pass in eval mode; on the last stage `per_token(output, mb)` gives each
+        micro-batch's [batch, max response] values, kept per sample position (other stages: none)."""
         out: dict[int, torch.Tensor] = {}
 
-        def collect(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            log_probs, _ = self._response_log_probs(logits, mb, False)
-            log_probs = log_probs.cpu()
+        def collect(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+            values = per_token(output, mb).cpu()
             for row, p in enumerate(mb.positions):
-                out[p] = log_probs[row, : mb.response_lengths[row]].clone()
-            return torch.zeros((), device=logits.device)
+                out[p] = values[row, : mb.response_lengths[row]].clone()
+            return torch.zeros((), device=output.device)
 
-        record = self.recorded_routing is not None
-        states = self._routing_states(mbs, record=record)
         self.model.eval()
         try:
             self._run(mbs, collect, forward_only=True, routing=states)
         finally:
             self.model.train()
+        return out
+
+    @torch.no_grad()
+    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+        mbs = self._micro_batches(batch, plans)
+        record = self.recorded_routing is not None
+        states = self._routing_states(mbs, record=record)
+        out = self._collect(mbs, lambda logits, mb: self._response_log_probs(logits, mb, False)[0], states)
         if record and self.routing is not None:  # R2: each stage keeps its own layers' routing
             assert self.recorded_routing is not None
             for mb, state in zip(mbs, states):
@@ -398,7 +407,7 @@ class MegatronTrainActor(TrainActorBase):
             worst = nan_max(worst, gap)
             return loss
 
-        mbs = [self._micro_batch(batch, pos) for pos in step.micro_batches if pos]
+        mbs = self._micro_batches(batch, [step])
         states = self._routing_states(mbs, step=step)
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if compare is not None and precision is not None:

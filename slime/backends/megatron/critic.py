@@ -120,26 +120,11 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         rows, cols, _ = mb.predictions()
         return mb.scatter(output[rows, cols, 0].float())
 
-    def _micro_batches(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[MicroBatch]:
-        return [self._micro_batch(batch, pos) for step in plans for pos in step.micro_batches if pos]
-
     @torch.no_grad()
     def _value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
         """TP rank 0 of the last stage answers for the replica; the other ranks return nothing."""
-        out: dict[int, torch.Tensor] = {}
-
-        def collect(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
-            values = self._response_values(output, mb).cpu()
-            for row, p in enumerate(mb.positions):
-                out[p] = values[row, : mb.response_lengths[row]].clone()
-            return torch.zeros((), device=output.device)
-
         mbs = self._micro_batches(batch, plans)
-        self.model.eval()
-        try:
-            self._run(mbs, collect, forward_only=True, routing=self._routing_states(mbs))
-        finally:
-            self.model.train()
+        out = self._collect(mbs, self._response_values, self._routing_states(mbs))
         return out if self.writes_train_data else {}
 
     # ---- training ---------------------------------------------------------------------------
