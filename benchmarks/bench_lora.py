@@ -34,7 +34,6 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
     import torch
     from bench_train import make_rollout
 
-    from slime.backends.fsdp import lora
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
     from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
@@ -68,9 +67,8 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
     adapter_bytes, adapter_s = 0, 0.0
     if lora_rank:
         start = time.perf_counter()
-        for name, p in actor.model.named_parameters():
-            if lora.is_adapter(name):
-                adapter_bytes += p.full_tensor().numel() * p.element_size()
+        named, _ = actor.export_adapter()  # what --lora-push adapter sends
+        adapter_bytes = sum(t.numel() * t.element_size() for _, t in named)
         adapter_s = time.perf_counter() - start
     actor.close()
     return {

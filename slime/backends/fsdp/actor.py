@@ -366,7 +366,12 @@ class FSDPTrainActor(TrainActorBase):
         """A Hugging Face directory; with LoRA a PEFT adapter directory (PeftModel.from_pretrained
         on --hf-checkpoint loads it; --lora-adapter-path starts from it)."""
         if self.cfg.lora.enabled:
-            lora.save_adapter(self.model, self.cfg.lora, self.cfg.hf_checkpoint, path, self.rank)
+            named, config = self.export_adapter()
+            if self.rank == 0:
+                from slime.utils.peft_files import write_adapter_dir
+
+                write_adapter_dir(path, config, dict(named))
+            dist.barrier()
         else:
             ckpt.save_hf_checkpoint(self, path)
 
@@ -380,9 +385,7 @@ class FSDPTrainActor(TrainActorBase):
     def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """LoRA: the adapters as full tensors under PEFT's names, and their PEFT config (every
         rank takes part; --lora-push adapter sends them)."""
-        named = [(lora.peft_name(n), (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
-                 for n, p in self.model.named_parameters() if lora.is_adapter(n)]  # fmt: skip
-        return named, lora.adapter_config_dict(self.cfg.lora, self.cfg.hf_checkpoint)
+        return lora.full_adapters(self.model), lora.adapter_config_dict(self.cfg.lora, self.cfg.hf_checkpoint)
 
     def _merge_adapters(
         self, named: Iterator[tuple[str, torch.Tensor]]

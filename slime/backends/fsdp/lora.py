@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 
 from slime.config.lora import ALL_LINEAR, LoRAConfig
 from slime.utils.errors import UsageError
+from slime.utils.peft_files import read_adapter_dir
 
 ADAPTER = "default"  # PEFT's name of the one adapter in the model
 _ADAPTER_PARAM = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
@@ -109,8 +109,10 @@ def fresh_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torch.Tensor]:
     """The adapters of a PEFT directory (--lora-adapter-path) under the model's names; its rank
     and alpha must be the flags', and it must hold exactly the model's adapters."""
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        saved = json.load(f)
+    try:
+        saved, stored = read_adapter_dir(path)
+    except Exception as e:  # a missing or truncated file, bad JSON
+        raise UsageError(f"--lora-adapter-path {path!r} cannot be read: {type(e).__name__}: {e}") from None
     wrong = [f"{key} {saved.get(key)} (the flags: {flag} {want})" for key, flag, want in
              (("r", "--lora-rank", cfg.rank), ("lora_alpha", "--lora-alpha", cfg.alpha)) if saved.get(key) != want]  # fmt: skip
     unsupported = [f"{key} {saved[key]!r}" for key, plain in (("peft_type", "LORA"), ("use_rslora", False),
@@ -124,13 +126,6 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
         raise UsageError(
             f"--lora-adapter-path {path!r} was trained with {'; '.join(wrong)}: give the adapter's"
         )
-    weights = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(weights):
-        from safetensors.torch import load_file
-
-        stored = load_file(weights)
-    else:
-        stored = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
     stored = {(k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k): v for k, v in stored.items()}
     wanted = {peft_name(n): (n, tuple(p.shape)) for n, p in model.named_parameters() if is_adapter(n)}
     missing = sorted(set(wanted) - set(stored))
@@ -198,31 +193,7 @@ def adapter_config_dict(cfg: LoRAConfig, base: str) -> dict[str, Any]:
     return json.loads(json.dumps(data, default=str))
 
 
-def save_adapter(model: nn.Module, cfg: LoRAConfig, base: str, path: str, rank: int) -> None:
-    """The adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors
-    under PEFT's names), written by rank 0 under a temporary name and renamed when complete.
-    Collective: every rank gathers each adapter."""
-    import shutil
-
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    adapters = {}
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            adapters[peft_name(name)] = full.detach().cpu().contiguous()
-    if rank == 0:
-        final = os.path.abspath(path)
-        partial = final + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        save_file(adapters, os.path.join(partial, "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = peft_config(cfg)
-        config.base_model_name_or_path = base
-        config.save_pretrained(partial)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
-    if dist.is_initialized():
-        dist.barrier()
+def full_adapters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every adapter as a full tensor under PEFT's name (collective: each is all-gathered)."""
+    return [(peft_name(n), (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+            for n, p in model.named_parameters() if is_adapter(n)]  # fmt: skip

@@ -18,8 +18,6 @@ tests/test_engine_lora.py.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slime.engines.protocol import ProtocolError
+from slime.utils.peft_files import read_adapter_dir
 
 _TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 """A LoRA tensor's name under any prefix (PEFT's `base_model.model.`, none, an adapter name):
@@ -40,26 +39,11 @@ def read_dir(name: str, path: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     """The config and tensors of a PEFT adapter directory (adapter_config.json,
     adapter_model.safetensors or .bin); ProtocolError naming the adapter when they cannot be read."""
     try:
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            config = json.load(f)
-        weights = os.path.join(path, "adapter_model.safetensors")
-        if os.path.isfile(weights):
-            from safetensors.torch import load_file
-
-            tensors = load_file(weights)
-        else:
-            tensors = torch.load(
-                os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True
-            )
+        return read_adapter_dir(path)
     except Exception as e:  # a missing file, bad JSON, a truncated or foreign tensor file
         raise ProtocolError(
             f"cannot read LoRA adapter {name!r} from {path!r}: {type(e).__name__}: {e}", 400
         ) from None
-    if not isinstance(config, dict):
-        raise ProtocolError(
-            f"cannot read LoRA adapter {name!r} from {path!r}: adapter_config.json is not an object", 400
-        )
-    return config, tensors
 
 
 @dataclass
