@@ -148,8 +148,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         payload["return_routed_experts"] = True
     from slime.rollout.generate import lora_path
 
-    if lora_path(args) is not None:  # --lora-push adapter: the engines serve the policy as an adapter
-        payload["lora_path"] = lora_path(args)
+    adapter = lora_path(args)
+    if adapter is not None:  # --lora-push adapter: the engines serve the policy as an adapter
+        payload["lora_path"] = adapter
     output = await post(get_model_url(args), payload)
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs") or []

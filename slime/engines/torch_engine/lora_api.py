@@ -29,22 +29,27 @@ class LoRAAPI:
     async def _on_engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
 
+    async def _answer(self, error: str | None = None) -> web.Response:
+        """SGLang's answer: {success, error_message, loaded_adapters}, 400 with an error."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            error = "LoRA is not enabled: start the engine with --enable-lora"
+        loaded = {} if adapters is None else await self._on_engine(adapters.loaded)
+        return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                                 status=400 if error else 200)  # fmt: skip
+
     async def _lora(self, change: Callable[[ServedAdapters], Any]) -> web.Response:
         """Run `change` on the engine thread; SGLang's answer."""
         adapters = self.engine.adapters
         if adapters is None:
-            return web.json_response({"success": False, "error_message": "LoRA is not enabled: start the engine "
-                                      "with --enable-lora", "loaded_adapters": {}}, status=400)  # fmt: skip
+            return await self._answer()
         try:
             await self._on_engine(lambda: change(adapters))
         except ProtocolError as e:
             if e.status == 503:  # the engine stopped: not the adapter's fault
                 raise
-            loaded = await self._on_engine(adapters.loaded)
-            return web.json_response({"success": False, "error_message": e.message, "loaded_adapters": loaded},
-                                     status=400)  # fmt: skip
-        loaded = await self._on_engine(adapters.loaded)
-        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
+            return await self._answer(e.message)
+        return await self._answer()
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         body = json_object(await read_json(request))
@@ -58,8 +63,7 @@ class LoRAAPI:
         try:
             config, tensors = await asyncio.to_thread(read_dir, name, path)
         except ProtocolError as e:
-            error = e  # answered in SGLang's shape, like the engine thread's refusals
-            return await self._lora(lambda adapters: _raise(error))
+            return await self._answer(e.message)
         return await self._lora(lambda adapters: adapters.load(name, config, tensors, path))
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
@@ -96,7 +100,7 @@ class LoRAAPI:
             return started
         while not await self._on_engine(lambda: adapters.unload(name)):
             await asyncio.sleep(0.01)
-        return await self._lora(lambda a: None)
+        return await self._answer()
 
 
 def _lora_name(body: dict[str, Any]) -> str:
@@ -104,7 +108,3 @@ def _lora_name(body: dict[str, Any]) -> str:
     if not isinstance(name, str) or not name:
         raise ProtocolError("'lora_name' must be a non-empty string")
     return name
-
-
-def _raise(e: Exception) -> None:
-    raise e
