@@ -150,6 +150,47 @@ def test_an_adapter_pushed_as_tensors_serves_like_its_directory(lora_engine, tin
     assert status == 200 and "pushed" not in answer["loaded_adapters"]
 
 
+def test_the_adapter_push_checks_what_each_engine_received(lora_engine, adapters):
+    """The bridge's adapter push (slime.bridge.adapter, SGLang's flattened_bucket payload) with
+    SGLang's expected_checksums: the adapter serves as its directory does and the weight version
+    moves; tensors changed on the way are refused (WeightSyncError) and the loaded version stays."""
+    from safetensors.torch import load_file
+
+    from slime.bridge import adapter
+    from slime.bridge.bridge import WeightBridge
+    from slime.bridge.ipc import flatten, serialize
+    from slime.bridge.tensor import TensorTransport
+    from slime.bridge.verify import WeightSyncError
+    from slime.utils.aio import run_sync
+    from slime.utils.shm_tensors import SharedBuffer
+
+    config = json.loads(open(f"{adapters['a1']}/adapter_config.json").read())
+    named = sorted(load_file(f"{adapters['a1']}/adapter_model.safetensors").items())
+    bridge = WeightBridge(TensorTransport(), [lora_engine.url])
+    try:
+        stats = run_sync(bridge.push_adapter(named, config, "7", checksums=True, name="checked"))
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
+        pushed, from_dir = generate(lora_engine.url, ["checked"] * 3), generate(lora_engine.url, ["a1"] * 3)
+        assert [output(r) for r in pushed] == [output(r) for r in from_dir]
+        assert pushed[0]["meta_info"]["weight_version"] == "7"
+        tampered = [(n, t + 1.0 if i == 1 else t) for i, (n, t) in enumerate(named)]
+        shm = SharedBuffer.create(sum(t.numel() * t.element_size() + 16 for _, t in named))
+        try:
+            flat, metadata = flatten(tampered, shm.data)
+            payload = serialize(flat, metadata, False, shm.path)
+            with pytest.raises(
+                WeightSyncError, match=f"adapter sync MISMATCH.*1 differ \\['{named[1][0]}'\\]"
+            ):
+                run_sync(adapter.push(bridge, named, config, "8", [[payload]], True, "checked"))
+        finally:
+            shm.close()
+        after = generate(lora_engine.url, ["checked"] * 3)
+        assert [output(r) for r in after] == [output(r) for r in from_dir]
+    finally:
+        post(lora_engine.url, "/unload_lora_adapter", {"lora_name": "checked"})
+        run_sync(bridge.close())
+
+
 @pytest.mark.parametrize(
     "path, body, message",
     [

@@ -238,14 +238,16 @@ def _parse(tiny_model, tmp_path, *flags):
         (["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
          "a LoRA run's reference is its base model"),
         (["--lora-push", "adapter"], "--lora-push configures LoRA: give --lora-rank too"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--check-weight-update-equal"],
-         "--check-weight-update-equal with --lora-push adapter: the weight checks compare whole weights"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--rollout-backend", "sglang"],
-         "the adapter push is built for the torch engine so far"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--update-weight-transport",
+          "disk"], "--lora-push adapter with --update-weight-transport disk: the adapter is handed over as tensors"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--update-weight-transport",
+          "distributed"], "no engine route takes an adapter through a process group"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--rollout-backend", "sglang",
+          "--fully-async"], "--lora-push adapter to SGLang engines with --fully-async: upstream SGLang replaces"),
     ],
     ids=["target-without-rank", "rank-without-targets", "all-linear-and-more", "negative-rank", "dropout",
-         "adapter-path", "megatron", "ref-load", "push-without-rank", "push-with-weight-checks",
-         "push-to-sglang"],
+         "adapter-path", "megatron", "ref-load", "push-without-rank", "push-by-disk", "push-by-group",
+         "push-to-sglang-fully-async"],
 )  # fmt: skip
 def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
@@ -255,9 +257,90 @@ def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
     assert message in captured.err + captured.out
 
 
+def test_the_adapter_push_launches_engines_that_serve_it_and_checks_it(tiny_model, tmp_path):
+    """SGLang engines get --enable-lora with the rank and SGLang's short module names up front
+    (unless --sglang-* flags gave them); the weight checks turn the adapter's checksums on."""
+    from slime.config.lora import engine_launch_args
+
+    lora = ["--lora-rank", "8", "--target-modules", "self_attn.q_proj,v_proj", "--lora-push", "adapter"]
+    config = _parse(tiny_model, tmp_path, *lora, "--rollout-backend", "sglang", "--check-weight-update-equal")
+    assert config.bridge.verify
+    assert engine_launch_args(config.train.lora, sglang=True) == [
+        "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]  # fmt: skip
+    given = ("--max-lora-rank=16", "--enable-lora")
+    assert engine_launch_args(config.train.lora, True, given) == ["--lora-target-modules", "q_proj", "v_proj"]
+    assert engine_launch_args(config.train.lora, sglang=False) == ["--enable-lora"]
+    every = _parse(
+        tiny_model, tmp_path, "--lora-rank", "8", "--target-modules", "all-linear", "--lora-push", "adapter"
+    )
+    assert engine_launch_args(every.train.lora, sglang=True)[-2:] == ["--lora-target-modules", "all"]
+    assert not every.bridge.verify
+    assert _parse(tiny_model, tmp_path, *lora, "--check-precision").bridge.verify
+    merged = _parse(tiny_model, tmp_path, "--lora-rank", "8", "--target-modules", "q_proj")
+    assert engine_launch_args(merged.train.lora, sglang=True) == []
+
+
 def test_lora_flags_reach_the_actor_but_not_the_critic(tiny_model, tmp_path):
     config = _parse(tiny_model, tmp_path, "--lora-rank", "8", "--lora-alpha", "32", "--target-modules",
                     "q_proj, v_proj", "--advantage-estimator", "ppo")  # fmt: skip
     lo = config.train.lora
     assert (lo.rank, lo.alpha, lo.target_modules, lo.scaling) == (8, 32, ("q_proj", "v_proj"), 4.0)
     assert config.critic is not None and not config.critic.train.lora.enabled
+
+
+def adapter_push_run(rank, world_size, init_method, model, urls):
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.bridge.bridge import WeightBridge, push_actor_weights
+    from slime.bridge.topology import build_topology
+    from slime.config.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=ALL, push="adapter")
+    actor = FSDPTrainActor(dataclasses.replace(base_config(model, micro_batch_size=2), lora=lora), rank,
+                           world_size, init_method)  # fmt: skip
+    actor.init()
+    actor.train(0, make_batch(0))
+    # The CUDA-IPC push's code path with CPU buffers: engine j opens train rank j's copy.
+    topology = build_topology("ipc", "cpu", urls, train_nodes=["127.0.0.1"] * world_size)
+    bridge = WeightBridge.for_topology(topology, model) if rank == 0 else None
+    stats = push_actor_weights(actor, bridge, "step-1", 1 << 20, verify=True, topology=topology)
+    named, _ = actor.export_adapter()
+    if bridge is not None:
+        from slime.utils.aio import run_sync
+
+        run_sync(bridge.close())
+    actor.close()
+    return {"stats": stats, "adapter": {n: t.clone() for n, t in named}}
+
+
+def test_the_adapter_push_shares_each_ranks_copy_with_the_engine_on_its_gpu(tiny_model, tmp_path):
+    """--lora-push adapter with the IPC topology (--colocate on GPU; CPU buffers here): every train
+    rank shares its own copy of the adapter and engine j loads rank j's, checked against the
+    trainer's sha256 as it arrives; each engine then holds the trainer's adapter (its dump)."""
+    import json as _json
+
+    from slime.config.lora import ADAPTER_NAME
+    from slime.utils.peft_files import LORA_TENSOR, dump_name
+    from tests.conftest import start_engine
+    from tests.test_engine_server import raw_post
+
+    engines = [start_engine(tiny_model, tmp_path, "--enable-lora", "--debug-dump-dir", str(tmp_path / "dump"))
+               for j in range(2)]  # fmt: skip
+    try:
+        rank0, rank1 = run_ranks(2, adapter_push_run, tiny_model, [e.url for e in engines])
+        for j, e in enumerate(engines):
+            status, _ = raw_post(e.url, "/slime/dump_parameters", _json.dumps({"path": str(j)}))
+            assert status == 200
+    finally:
+        for e in engines:
+            e.stop()
+    assert rank1["stats"] is None and rank0["stats"]["transport"] == "lora_adapter_cpu_ipc"
+    assert rank0["adapter"].keys() == rank1["adapter"].keys() and len(rank0["adapter"]) == 56
+    moved = 0
+    for name, tensor in rank0["adapter"].items():
+        m = LORA_TENSOR.match(name)
+        assert m is not None
+        for j in range(2):
+            held = torch.load(tmp_path / "dump" / str(j) / dump_name(ADAPTER_NAME, m.group(1), m.group(2)))
+            assert torch.equal(held, tensor.to(held.dtype)), name
+        moved += bool(m.group(2) == "B" and tensor.abs().sum() > 0)
+    assert moved == 28  # every B left zero by the step: the engines hold the trained adapter

@@ -43,13 +43,13 @@ def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):  
     adapters have trained (without the adapter the engine would sample from the base model).
     Colocated, the engines keep their base weights while the trainer runs."""
     proc = run_job("train.py", tiny_model, prompts, tmp_path, *LORA, "--colocate", "--lora-push", "adapter",
-                   "--num-rollout", "3", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.01")  # fmt: skip
+                   "--num-rollout", "3", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.01",
+                   "--check-weight-update-equal", "--check-weight-sync")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stderr + proc.stdout
-    assert (
-        "--lora-push adapter (the engines serve the adapter once it is pushed): pushed the trainer's weights"
-        in out
-    )
+    # --check-weight-update-equal on the adapter push: the base weights untouched, the adapter
+    # checked by the engine against the trainer's sha256 (every push, with --check-weight-sync).
+    assert "every engine received the trainer's adapter bit for bit (sha256)" in out
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]
     assert last["rollout_id"] == 2
@@ -58,4 +58,25 @@ def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):  
     assert abs(last["train/kl_loss"]) > 1e-6, last
     assert last["rollout/train_rollout_logprob_abs_diff"] < 1e-5, last
     pushes = [line for line in out.splitlines() if "pushed the LoRA adapter 'slime_lora'" in line]
-    assert pushes and all(" MB in 56 tensors" in line for line in pushes)  # 4 layers x 7 modules x A, B
+    assert len(pushes) == 4  # before the first rollout, then after each of the three steps
+    assert all(" MB in 56 tensors" in line and "56 sha256 checked by every engine" in line for line in pushes)
+
+
+@pytest.mark.slow
+def test_the_sync_dumps_compare_the_engines_adapter_with_the_trainers(tiny_model, prompts, tmp_path):  # noqa: F811
+    """--debug-sync-parameters-path with --lora-push adapter: the engine dumps its base weights
+    before and after the push and its adapter after; the trainer writes the adapter it pushed
+    beside the engine's `before` dump; check_sync_parameter passes on every tensor."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "sync"
+    proc = run_job("train.py", tiny_model, prompts, tmp_path, *LORA, "--lora-push", "adapter",
+                   "--debug-sync-parameters-path", str(root))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = subprocess.run([sys.executable, "-m", "slime.tools.check_sync_parameter", "--root_dir", str(root)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout[-3000:]
+    passed = [line for line in check.stdout.splitlines() if line.startswith("PASS|0|slime_lora.layers.")]
+    assert len(passed) == 56 and "PASS|0|slime_lora.layers.0.self_attn.q_proj.lora_B.weight" in passed
+    assert "PASS|0|model.layers.0.self_attn.q_proj.weight" in check.stdout

@@ -48,6 +48,8 @@ class ReplayServer:
         self.sessions = sessions
         self.session_open = False
         self.calls: list[tuple[str, str, Any]] = []
+        self.loras: set[str] = set()
+        """Adapters loaded: SGLang refuses a taken name and unloading one that is not loaded."""
 
     async def handle(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -66,6 +68,12 @@ class ReplayServer:
             self.session_open = False
         elif path in SESSION_ROUTES and self.sessions and not self.session_open:
             case = "no_session"
+        elif path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors"):
+            case = "exists" if body["lora_name"] in self.loras else case
+            self.loras.add(body["lora_name"])
+        elif path == "/unload_lora_adapter":
+            case = "not_loaded" if body["lora_name"] not in self.loras else case
+            self.loras.discard(body["lora_name"])
         if path not in RESPONSES:
             return web.json_response({"detail": "Not Found"}, status=404)
         answer = RESPONSES[path][case]
@@ -163,6 +171,7 @@ def test_every_request_slime_sends_uses_sglang_field_names(tmp_path, tiny_model)
             await c.destroy_weights_update_group("slime")
             await c.get_weight_version()
             await c.get_server_info()
+            await c.update_weight_version("3")
         # Whole pushes through the bridge: tensor (a session around it) and disk.
         named = [("model.norm.weight", torch.ones(8)), ("lm_head.weight", torch.zeros(4, 8))]
         for transport in (TensorTransport(), DiskTransport(tiny_model, root=str(tmp_path))):
@@ -176,6 +185,49 @@ def test_every_request_slime_sends_uses_sglang_field_names(tmp_path, tiny_model)
     assert {"/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
             "/update_weights_from_distributed", "/release_memory_occupation", "/resume_memory_occupation",
             "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update"} <= seen  # fmt: skip
+
+
+def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and_fields():
+    """Upstream SGLang has no in-place replacement: each push unloads the adapter (a 400 the first
+    time, none loaded) and loads the new one from a flattened_bucket payload per TP rank, with
+    the checksums SGLang checks; the version is set without aborting the paused requests."""
+    from slime.bridge.ipc import deserialize
+    from slime.utils.checksum import bytes_sha256
+
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]  # fmt: skip
+    named = [(names[0], torch.arange(16.0).reshape(2, 8)), (names[1], torch.ones(8, 2))]
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+    async def scenario() -> list[ReplayServer]:
+        servers = [ReplayServer(), ReplayServer()]
+        async with servers[0] as url, servers[1] as url2:
+            bridge = WeightBridge(TensorTransport(), [url, url2], tp_sizes=[1, 2], sglang=True)
+            payloads = []
+            for version, checks in (("1", True), ("2", False)):
+                stats = await bridge.push_adapter(named, config, version, checksums=checks)
+                assert stats["bytes"] == 16 * 4 + 16 * 4
+                load = [b for _, p, b in servers[1].calls if p == "/load_lora_adapter_from_tensors"][-1]
+                payloads.append(deserialize(load["serialized_named_tensors"][-1]))  # while the buffer is live
+            await bridge.close()
+        assert [[(n, t.tolist()) for n, t in p] for p in payloads] == [
+            [(n, t.tolist()) for n, t in named]
+        ] * 2
+        return servers
+
+    for tp, server in zip((1, 2), asyncio.run(scenario())):
+        check_against_sglang(server.calls)
+        one_push = ["/pause_generation", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
+                    "/update_weight_version", "/continue_generation"]  # fmt: skip
+        assert [p for _, p, _ in server.calls] == one_push * 2
+        assert server.loras == {"slime_lora"}
+        loads = [b for _, p, b in server.calls if p == "/load_lora_adapter_from_tensors"]
+        assert [len(b["serialized_named_tensors"]) for b in loads] == [tp, tp]  # one per TP rank
+        assert all(b["lora_name"] == "slime_lora" and b["load_format"] == "flattened_bucket" for b in loads)
+        assert loads[0]["expected_checksums"] == {n: bytes_sha256(t) for n, t in named}
+        assert "expected_checksums" not in loads[1]
+        versions = [b for _, p, b in server.calls if p == "/update_weight_version"]
+        assert versions == [{"new_version": v, "abort_all_requests": False} for v in ("1", "2")]
 
 
 @pytest.mark.parametrize("sessions", [True, False])

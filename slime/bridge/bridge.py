@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from slime.bridge.base import Bucket, Transport
@@ -71,6 +71,8 @@ class WeightBridge:
         make_client: Callable[[str], EngineClient] = EngineClient,
         label: str | None = None,
         pause_mode: str = "in_place",
+        tp_sizes: Sequence[int] | None = None,
+        sglang: bool = False,
     ):
         """`pause_mode`: how the push pauses requests in flight (SGLang's modes: in_place keeps
         them and their KV cache, retract recomputes their KV cache with the new weights, abort
@@ -87,6 +89,10 @@ class WeightBridge:
         self._engine_dtype: tuple[Any] | None = None
         self._adapter_buffer: Any = None  # --lora-push adapter: its shared-memory file
         self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        self.tp_sizes = tuple(tp_sizes) if tp_sizes is not None else (1,) * len(self.engine_urls)
+        """Each engine's tensor-parallel size (the adapter push sends one payload per TP rank)."""
+        self.sglang = sglang
+        """The engines are SGLang servers (the adapter push unloads before it loads)."""
 
     @classmethod
     def for_topology(
@@ -98,7 +104,15 @@ class WeightBridge:
     ) -> WeightBridge:
         """The bridge into the topology's engines through its transport (make_transport)."""
         transport = make_transport(topology, hf_checkpoint, timeout_s)
-        return cls(transport, topology.urls, make_client, topology.label, topology.pause_mode)
+        return cls(
+            transport,
+            topology.urls,
+            make_client,
+            topology.label,
+            topology.pause_mode,
+            topology.tp_sizes,
+            topology.sglang,
+        )
 
     async def push(self, buckets: Iterable[Bucket], weight_version: str, collect: bool = False) -> PushStats:
         """Run one update; returns {"bytes", "seconds", "buckets"} (floats) and "transport" (the
@@ -157,32 +171,31 @@ class WeightBridge:
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count), "transport": self.label}
 
     async def push_adapter(self, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
-                           name: str) -> PushStats:  # fmt: skip
-        """--lora-push adapter: the policy's LoRA adapter alone, into every engine (SGLang's
-        routes): generation paused, the adapter loaded from tensors by shared-memory handle (the
-        previous version replaced in place, `upsert`: requests paused with it go on with the new
-        one, as with a weight push), the weight version set, generation continued. The base
-        weights stay; the rollout's requests name the adapter (`lora_path`)."""
-        from slime.utils.shm_tensors import pack_named_tensors
+                           payloads: list[str] | None = None, checksums: bool = False,
+                           name: str | None = None) -> PushStats:  # fmt: skip
+        """--lora-push adapter (slime.bridge.adapter): the policy's LoRA adapter alone into every
+        engine. `payloads`: every train rank's shared copy (the IPC topology); None: this rank
+        copies the adapter into its shared-memory file, one payload for every engine."""
+        from slime.bridge import adapter
+        from slime.config.lora import ADAPTER_NAME
 
-        engines = [self.make_client(u) for u in self.engine_urls]
-        start = time.perf_counter()
-        handle, buffer = pack_named_tensors([(n, t.detach().cpu()) for n, t in named], self._adapter_buffer)
-        self._adapter_buffer = buffer  # reused push after push (adapters keep their size)
-        try:
-            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
-            try:
-                await asyncio.gather(*(_replace_adapter(e, name, config, handle) for e in engines))
-                await asyncio.gather(*(e.update_weight_version(weight_version) for e in engines))
-            finally:
-                await _all(engines, "continue_generation")
-        finally:
-            await asyncio.gather(*(e.close() for e in engines))
-        total = sum(t.numel() * t.element_size() for _, t in named)
-        seconds = time.perf_counter() - start
-        logger.info("pushed the LoRA adapter %r, %.2f MB in %d tensors, weight_version %s in %.3f s",
-                    name, total / 1e6, len(named), weight_version, seconds)  # fmt: skip
-        return {"bytes": float(total), "seconds": seconds, "buckets": 1.0, "transport": "lora_adapter"}
+        if payloads is None:
+            from slime.bridge.ipc import flat_size, flatten, serialize
+            from slime.utils.shm_tensors import SharedBuffer
+
+            need = max(flat_size(named), 1)
+            if self._adapter_buffer is None or self._adapter_buffer.nbytes < need:
+                if self._adapter_buffer is not None:
+                    self._adapter_buffer.close()
+                self._adapter_buffer = SharedBuffer.create(need)  # reused push after push
+            flat, metadata = flatten(named, self._adapter_buffer.data)
+            one = serialize(flat, metadata, False, self._adapter_buffer.path)
+            per_engine = [[one] * tp for tp in self.tp_sizes]
+        else:
+            per_engine = adapter.engine_payloads(payloads, self.tp_sizes)
+        return await adapter.push(
+            self, named, config, weight_version, per_engine, checksums, name or ADAPTER_NAME
+        )
 
     def engine_dtype_once(self) -> Any:
         """engine_dtype() from synchronous code, asked once (an event loop per push would cost
@@ -244,13 +257,10 @@ def push_actor_weights(
     engines are checked against fingerprints of the exported tensors (taken before the fault).
     Returns the push statistics on rank 0, None elsewhere."""
     lora = getattr(getattr(actor, "cfg", None), "lora", None)
-    if lora is not None and lora.pushes_adapter:  # every rank gathers the adapters; rank 0 sends them
-        from slime.config.lora import ADAPTER_NAME
+    if lora is not None and lora.pushes_adapter:
+        from slime.bridge.adapter import push_actor_adapter
 
-        named, config = actor.export_adapter()
-        if bridge is None:
-            return None
-        return run_sync(bridge.push_adapter(named, config, weight_version, ADAPTER_NAME))
+        return push_actor_adapter(actor, bridge, weight_version, topology, verify)
     ipc = topology is not None and topology.every_rank_shares
     if bridge is not None:
         from slime.bridge.ipc import IpcTransport
@@ -305,12 +315,6 @@ def push_actor_weights(
         logger.info("--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
                     len(prints.entries), prints.seconds)  # fmt: skip
     return stats
-
-
-async def _replace_adapter(engine: EngineClient, name: str, config: dict[str, Any], handle: str) -> None:
-    """The adapter's new version in place of the old (loaded fresh the first time). Unloading
-    first, as SGLang's upstream routes need, would wait for the requests paused with it: a hang."""
-    await engine.load_lora_adapter_from_tensors(name, config, [handle], upsert=True)
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

@@ -349,12 +349,15 @@ def _configs(ns: argparse.Namespace) -> Config:
         bridge=BridgeConfig(
             ns.update_weight_transport,
             ns.update_weight_buffer_size,
-            # --check-precision adds the fingerprint check where the engines can answer it (torch engine).
+            # --check-precision adds the fingerprint check where the engines can answer it (torch engine);
+            # the adapter push's check (SGLang's expected_checksums) every engine answers, and it is
+            # also --check-weight-update-equal's on the adapter (slime.bridge.adapter).
             ns.check_weight_sync
+            or (ns.check_precision and ns.rollout_backend == "torch")
             or (
-                ns.check_precision
-                and ns.rollout_backend == "torch"
-                and getattr(ns, "lora_push", None) != "adapter"
+                getattr(ns, "lora_push", None) == "adapter"
+                and bool(getattr(ns, "lora_rank", 0))
+                and (ns.check_precision or ns.check_weight_update_equal)
             ),
         ),
         checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),

@@ -128,22 +128,63 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
             "pass yet; use --opd-type sglang (a teacher engine)"
         )
     push = getattr(ns, "lora_push", None) or "merged"
-    if push == "adapter" and getattr(ns, "rollout_backend", "torch") != "torch":
-        raise ValueError(
-            "--lora-push adapter with --rollout-backend sglang: the adapter push is built for the torch engine so far "
-            "(it hands the adapter over by shared memory, and upstream SGLang cannot replace a loaded adapter "
-            "while requests use it); use --lora-push merged"
-        )
     if push == "adapter":
-        checks = [f for f, v in (("--check-weight-sync", getattr(ns, "check_weight_sync", False)),
-                                 ("--check-weight-update-equal", getattr(ns, "check_weight_update_equal", False)),
-                                 ("--debug-sync-parameters-path", getattr(ns, "debug_sync_parameters_path", None)))
-                  if v]  # fmt: skip
-        if checks:
-            raise ValueError(
-                f"{checks[0]} with --lora-push adapter: the weight checks compare whole weights and do not read "
-                "adapters yet; use --lora-push merged to check the push"
-            )
+        problem = adapter_push_problem(ns)
+        if problem:
+            raise ValueError(problem)
     return LoRAConfig(
         rank, ns.lora_alpha, ns.lora_dropout, targets, _names(ns.exclude_modules), adapter, push
     )
+
+
+def adapter_push_problem(ns: argparse.Namespace) -> str | None:
+    """What rules `--lora-push adapter` out (slime.bridge.adapter says why)."""
+    from slime.bridge.topology import default_transport, resolve_kind
+
+    device = getattr(ns, "device", "cpu")
+    transport = getattr(ns, "update_weight_transport", None) or default_transport(
+        device, getattr(ns, "colocate", False)
+    )
+    kind = resolve_kind("tensor" if transport == "nccl" else transport, device)
+    if kind in ("distributed", "disk"):
+        return (
+            f"--lora-push adapter with --update-weight-transport {transport}: the adapter is handed over as tensors "
+            "on the trainer's node (shared memory, or CUDA IPC with --colocate); no engine route takes an adapter "
+            "through a process group. Use --colocate on GPU, or --lora-push merged"
+        )
+    if getattr(ns, "rollout_backend", "torch") == "sglang" and getattr(ns, "fully_async", False):
+        return sglang_async_problem("--fully-async")
+    return None
+
+
+def sglang_async_problem(schedule: str) -> str:
+    return (
+        f"--lora-push adapter to SGLang engines with {schedule}: upstream SGLang replaces an adapter only by unloading "
+        "it, which waits for the requests using it, and this schedule pushes while requests run (they would never "
+        "finish); use train.py, or --lora-push merged"
+    )
+
+
+def engine_launch_args(lora: LoRAConfig, sglang: bool, given: tuple[str, ...] = ()) -> list[str]:
+    """The engine flags that serve the pushed adapter: `--enable-lora`; SGLang also needs the
+    adapters' largest rank and target modules up front (`--max-lora-rank`, `--lora-target-modules`:
+    its short names, `all` for all-linear), unless `--sglang-*` flags gave them (`given`)."""
+    if not lora.pushes_adapter:
+        return []
+
+    def has(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in given)
+
+    out = [] if has("--enable-lora") else ["--enable-lora"]
+    if not sglang:
+        return out
+    if not has("--max-lora-rank"):
+        out += ["--max-lora-rank", str(lora.rank)]
+    if not has("--lora-target-modules"):
+        modules = (
+            ["all"]
+            if ALL_LINEAR in lora.target_modules
+            else sorted({m.split(".")[-1] for m in lora.target_modules})
+        )
+        out += ["--lora-target-modules", *modules]
+    return out

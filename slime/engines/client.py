@@ -268,15 +268,25 @@ class EngineClient:
         lora_name: str,
         config_dict: dict[str, Any],
         serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        expected_checksums: dict[str, str] | None = None,
         upsert: bool = False,
     ) -> Any:
-        """SGLang's route: a LoRA adapter from tensors (`serialized_named_tensors`); `upsert`
-        (Miles's SGLang field) replaces a loaded adapter's weights in place."""
+        """SGLang's route: a LoRA adapter from tensors (`serialized_named_tensors`, one payload
+        per tensor-parallel rank); `expected_checksums` (SGLang's field): name -> sha256 of each
+        tensor's bytes, checked by the engine on what it received; `upsert` (Miles's SGLang
+        field, and the torch engine's; upstream SGLang ignores it) replaces a loaded adapter's
+        weights in place."""
         body: dict[str, Any] = {
             "lora_name": lora_name,
             "config_dict": config_dict,
             "serialized_named_tensors": serialized_named_tensors,
         }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if expected_checksums is not None:
+            body["expected_checksums"] = expected_checksums
         if upsert:
             body["upsert"] = True
         return await self.request("POST", "/load_lora_adapter_from_tensors", body)
@@ -284,9 +294,11 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> Any:
         return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
 
-    async def update_weight_version(self, new_version: str) -> Any:
-        """SGLang's route: the weight_version reported from now on."""
-        return await self.request("POST", "/update_weight_version", {"new_version": new_version})
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+        """SGLang's route: the weight_version reported from now on. SGLang aborts every request
+        first unless told not to; the push has paused them to go on with the new version."""
+        return await self.request("POST", "/update_weight_version",
+                                  {"new_version": new_version, "abort_all_requests": abort_all_requests})  # fmt: skip
 
     async def update_weights_from_tensor(
         self,
@@ -392,11 +404,14 @@ async def _decode(resp: aiohttp.ClientResponse, url: str) -> Any:
 
 def _error_message(body: Any) -> Any:
     """The message of an error answer: {"success": false, "message"} (weight updates),
-    {"error": {"message"}} or {"error": "..."} (SGLang's other routes), {"message"} (ours), text."""
+    {"error": {"message"}} or {"error": "..."} (SGLang's other routes), {"success": false,
+    "error_message"} (its LoRA routes), {"message"} (ours), text."""
     if not isinstance(body, dict):
         return body
     if "message" in body:
         return body["message"]
+    if body.get("error_message"):
+        return body["error_message"]
     error = body.get("error")
     if isinstance(error, dict):
         return error.get("message", error)

@@ -23,8 +23,13 @@ class SyncParametersDump(Hook):
     """--debug-sync-parameters-path: the engines' parameters before and after one push; the job
     ends there."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, adapter: bool = False):
+        """`adapter` (--lora-push adapter): the engines hold no adapter before the push, so the
+        trainer writes the adapter it pushes into every engine's `before` folder, under the names
+        the engines dump theirs: the tool then compares the engines' adapters with the trainer's
+        (and the base weights, never pushed, with themselves)."""
         self.root = root
+        self.adapter = adapter
 
     def before_loop(self, loop: Loop) -> bool:
         assert loop.engines is not None
@@ -33,6 +38,11 @@ class SyncParametersDump(Hook):
         counts = loop.engines.dump_parameters(before)
         loop.push()
         loop.engines.dump_parameters(after)
+        if self.adapter:
+            assert loop.train is not None
+            n = loop.train.dump_adapter([os.path.join(before, str(j)) for j in range(len(counts))])
+            logger.info("--debug-sync-parameters-path: the trainer wrote the %d adapter tensors it pushed into each "
+                        "engine's folder of %s/", n, before)  # fmt: skip
         logger.info(
             "--debug-sync-parameters-path: %d engine rank(s) dumped %s parameters to %s/ and %s/ (one torch.save "
             "file per HF parameter name); the trainer loaded the same checkpoint, so they must be equal. Check "
@@ -46,6 +56,12 @@ class WeightUpdateEqualCheck(Hook):
     """--check-weight-update-equal: snapshot the engines' --hf-checkpoint weights, scramble them,
     push the trainer's, and require the snapshot back bit for bit (SGLang's /weights_checker)."""
 
+    def __init__(self, adapter: bool = False):
+        """`adapter` (--lora-push adapter): the push sends the adapter alone, so the base weights
+        are not scrambled but must come out of the push untouched, and the adapter is checked by
+        the engines against the trainer's checksums as it arrives (slime.bridge.adapter)."""
+        self.adapter = adapter
+
     def before_loop(self, loop: Loop) -> bool:
         assert loop.engines is not None
         if loop.resumed:
@@ -54,11 +70,16 @@ class WeightUpdateEqualCheck(Hook):
             )
             return False  # the loop pushed the resumed weights already
         loop.engines.snapshot_weights()
-        loop.engines.scramble_weights()
+        if not self.adapter:
+            loop.engines.scramble_weights()
         loop.push()
         loop.engines.compare_weights()
         logger.info(
-            "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint"
+            "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint%s",
+            " (the base weights, untouched by the adapter push) and every engine received the trainer's "
+            "adapter bit for bit (sha256)"
+            if self.adapter
+            else "",
         )
         return False
 

@@ -105,6 +105,11 @@ class TrainGroup(Protocol):
 
     def save_hf(self) -> None: ...
 
+    def dump_adapter(self, folders: list[str]) -> int:
+        """--debug-sync-parameters-path with --lora-push adapter: the pushed adapter into each of
+        `folders` (an engine's `before` folder); the number of tensors."""
+        ...
+
     def wake(self) -> None:
         """--offload: take device memory back before training (no-op otherwise)."""
         ...

@@ -207,6 +207,27 @@ class TrainRank:
                 self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.topology
             )
 
+    def dump_adapter(self, folders: list[str]) -> int:
+        """--debug-sync-parameters-path with --lora-push adapter (every rank gathers): rank 0
+        writes the adapter the push will send into each engine's `before` folder, in the engines'
+        dtype, under the names the engines dump theirs (slime.utils.peft_files.dump_name)."""
+        from slime.config.lora import ADAPTER_NAME
+        from slime.utils.files import atomic_torch_save
+        from slime.utils.peft_files import LORA_TENSOR, dump_name
+
+        named, _ = self.actor.export_adapter()
+        if self.rank != 0:
+            return 0
+        dtype = self.bridge.engine_dtype_once() if self.bridge is not None else None
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
+            for name, tensor in named:
+                m = LORA_TENSOR.match(name)
+                assert m is not None, name
+                t = tensor.detach().to("cpu", dtype or tensor.dtype, copy=True)
+                atomic_torch_save(t, os.path.join(folder, dump_name(ADAPTER_NAME, m.group(1), m.group(2))))
+        return len(named)
+
     def sleep(self, keep_params: bool = False) -> None:
         self.actor.sleep(keep_params)
 

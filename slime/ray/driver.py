@@ -58,12 +58,15 @@ def make_hooks(
     """The hooks the flags ask for, in the order they run (metrics last: it logs the record the
     others filled). `train`/`engines`: whether the job has a train group / an engine group."""
     d = config.debug
+    adapter = config.train.lora.pushes_adapter
     out: list[Hook] = []
     if d.sync_parameters_path:
-        out.append(hooks.SyncParametersDump(os.path.abspath(d.sync_parameters_path)))  # the engines' dump dir
+        out.append(
+            hooks.SyncParametersDump(os.path.abspath(d.sync_parameters_path), adapter)
+        )  # the engines' dir
     if train and engines:
         if d.check_weight_update_equal:
-            out.append(hooks.WeightUpdateEqualCheck())
+            out.append(hooks.WeightUpdateEqualCheck(adapter))
         elif d.check_precision or config.cluster.external_engine_addrs or config.train.lora.pushes_adapter:
             why = ("--check-precision" if d.check_precision else "external engines" if config.cluster.external_engine_addrs
                    else "--lora-push adapter (the engines serve the adapter once it is pushed)")  # fmt: skip
@@ -84,6 +87,11 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
     from slime.utils.tracking import Tracker
 
     os.makedirs(log_dir, exist_ok=True)
+    if off_policy and config.train.lora.pushes_adapter and config.cluster.rollout_backend == "sglang":
+        from slime.config.lora import sglang_async_problem
+        from slime.utils.errors import UsageError
+
+        raise UsageError(sglang_async_problem("train_async.py"))
     check_inputs(config)
     replay = None
     if config.debug.load_rollout_data:  # every dump is checked before any process starts

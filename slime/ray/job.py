@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.bridge.topology import PushTopology, build_topology
 from slime.config.arguments import Config, describe
+from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
 from slime.engines.protocol import new_api_key
 from slime.ray.actors import (
@@ -74,8 +75,7 @@ class Job:
             engine_args += ["--enable-deterministic-inference", "--random-seed", str(config.train.seed)]
         if config.train.moe.use_rollout_routing_replay:  # R3: engines report each token's experts
             engine_args.append("--enable-return-routed-experts")
-        if config.train.lora.pushes_adapter:  # the engines serve the policy's adapter
-            engine_args.append("--enable-lora")
+        engine_args += engine_launch_args(config.train.lora, sglang=False)  # they serve the pushed adapter
         self.engine_args = engine_args
         # Engines slime launches on a node address get a key of their own (never logged); on
         # loopback they need none, and users' plugins keep posting to them as they always did.
@@ -271,7 +271,8 @@ class Job:
             launch = {
                 "model_path": model_path, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
                 "deterministic": t.deterministic, "memory_saver": c.offload_rollout, "weight_version": "0",
-                "extra_args": tuple(c.sglang_server_args), "api_key": self.api_key,
+                "extra_args": (*c.sglang_server_args, *engine_launch_args(t.lora, True, tuple(c.sglang_server_args))),
+                "api_key": self.api_key,
             }  # fmt: skip
             timeout_s = self.config.train.distributed_timeout_minutes * 60
             return (

@@ -117,6 +117,12 @@ class RayTrainGroup:
         refs = [rank.push_weights.remote(str(version), b.buffer_size, b.verify) for rank in self.ranks]
         return self._wait(refs, f"the weight push of version {version}", "push")[0] or {}
 
+    def dump_adapter(self, folders: list[str]) -> int:
+        """--debug-sync-parameters-path with --lora-push adapter: the trainer's adapter into each
+        engine's `before` folder (TrainActor.dump_adapter); the number of tensors."""
+        refs = [rank.dump_adapter.remote(folders) for rank in self.ranks]
+        return int(self._wait(refs, "the trainer's adapter dump", "dump_adapter")[0])
+
     def connect(self, engines: EngineGroup, only: list[int] | None = None) -> None:
         """Push to the engines up or joining (`only`: to those engines alone)."""
         topology = engines.topology if only is None else engines.topology_of(only)  # type: ignore[attr-defined]

@@ -20,6 +20,13 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def bytes_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of the raw bytes alone (no dtype or shape), as SGLang's `expected_checksums` of
+    /load_lora_adapter_from_tensors computes it on the tensors it received."""
+    t = tensor.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
 def _word_sum(tensor: torch.Tensor) -> int:
     """The sum, in wrapping int64, of the tensor's bytes read as 8-byte words (the last < 8
     bytes added one by one). Depends only on the bytes, not on alignment or thread count."""

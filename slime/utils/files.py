@@ -22,3 +22,18 @@ def atomic_write_text(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_torch_save(obj: object, path: str) -> None:
+    """torch.save `obj` to `path + ".partial"`, then rename it over `path` (readers such as
+    slime.tools.check_sync_parameter skip `.partial` files)."""
+    import torch
+
+    partial = path + ".partial"
+    try:
+        torch.save(obj, partial)
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise

@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Any
 
 import torch
 
 CONFIG, WEIGHTS, OLD_WEIGHTS = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
+
+LORA_TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+"""A LoRA tensor's name under any prefix (PEFT's `base_model.model.`, none, an adapter name):
+the module path from `layers.<i>.` on, and A or B."""
+
+
+def dump_name(adapter: str, module: str, which: str) -> str:
+    """The file name of one adapter tensor in the --debug-sync-parameters-path dumps, the same on
+    the trainer's and the engine's side: `<adapter>.<module from layers.>.lora_<A|B>.weight`."""
+    return f"{adapter}.{module}.lora_{which}.weight"
 
 
 def read_adapter_dir(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

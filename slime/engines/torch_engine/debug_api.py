@@ -87,7 +87,8 @@ class WeightsDebugAPI:
 
     async def dump_parameters(self, request: web.Request) -> web.Response:
         """slime extension: {"path": DIR} -> every parameter torch.save'd to DIR/<HF name>, DIR
-        under --debug-dump-dir (absolute, or relative to it)."""
+        under --debug-dump-dir (absolute, or relative to it); with --enable-lora also each loaded
+        adapter's tensors (slime.utils.peft_files.dump_name)."""
         body = json_object(await read_json(request))
         path = body.get("path")
         if not isinstance(path, str) or not path:
@@ -97,7 +98,10 @@ class WeightsDebugAPI:
         def _dump() -> int:
             dir_fd = self._open_dump_dir(target)
             try:
-                return self.engine.weights.dump(dir_fd)
+                adapters = self.engine.adapters
+                return self.engine.weights.dump(
+                    dir_fd, adapters.dump_tensors() if adapters is not None else ()
+                )
             except OSError as e:
                 raise _os_error(f"cannot write the parameter dump into {target!r}", e) from None
             finally:

@@ -28,11 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slime.engines.protocol import ProtocolError
-from slime.utils.peft_files import read_adapter_dir
-
-_TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-"""A LoRA tensor's name under any prefix (PEFT's `base_model.model.`, none, an adapter name):
-the module path from `layers.<i>.` on, and A or B."""
+from slime.utils.peft_files import LORA_TENSOR, dump_name, read_adapter_dir
 
 
 def read_dir(name: str, path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -107,7 +103,7 @@ class ServedAdapters:
         scaling = float(alpha) / (rank**0.5 if config.get("use_rslora") else rank)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
-            m = _TENSOR.match(key)
+            m = LORA_TENSOR.match(key)
             if m is None:
                 raise ProtocolError(
                     f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a layer", 400
@@ -176,6 +172,12 @@ class ServedAdapters:
     def loaded(self) -> dict[str, str]:
         """SGLang's `loaded_adapters`: name -> path."""
         return {n: a.path for n, a in self.adapters.items()}
+
+    def dump_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every loaded adapter's A and B as held (the model's dtype), under dump_name's names
+        (--debug-sync-parameters-path)."""
+        return [(dump_name(a.name, module, which), t) for a in self.adapters.values()
+                for module, pair in sorted(a.weights.items()) for which, t in zip("AB", pair)]  # fmt: skip
 
     # ---- serving ------------------------------------------------------------------------------
     def resolve(self, name: str) -> Adapter:

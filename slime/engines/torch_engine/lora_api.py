@@ -85,8 +85,16 @@ class LoRAAPI:
         if not isinstance(upsert, bool):
             raise ProtocolError("'upsert' must be true or false")
 
+        expected = body.get("expected_checksums")
+        if expected is not None and not (
+            isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
+        ):
+            raise ProtocolError("'expected_checksums' must map tensor names to sha256 hex digests")
+
         def load(adapters: ServedAdapters) -> None:
             tensors = dict(store.open_tensors(serialized, body.get("load_format")))
+            if expected is not None:
+                check_received(tensors, expected)
             adapters.load(name, config, tensors, "__tensor__", upsert)  # SGLang's path for tensors
 
         return await self._lora(load)
@@ -101,6 +109,22 @@ class LoRAAPI:
         while not await self._on_engine(lambda: adapters.unload(name)):
             await asyncio.sleep(0.01)
         return await self._answer()
+
+
+def check_received(tensors: dict[str, Any], expected: dict[str, str]) -> None:
+    """SGLang's `expected_checksums`: the sha256 of each received tensor's bytes must be the
+    sender's, and the names the same; worded as SGLang words it ("adapter sync MISMATCH")."""
+    from slime.utils.checksum import bytes_sha256
+
+    differ = sorted(n for n, want in expected.items() if n in tensors and bytes_sha256(tensors[n]) != want)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if differ or missing or extra:
+        raise ProtocolError(
+            f"adapter sync MISMATCH of {len(expected)} expected tensors: {len(differ)} differ {differ[:5]}, "
+            f"{len(missing)} missing {missing[:5]}, {len(extra)} extra {extra[:5]}",
+            400,
+        )
 
 
 def _lora_name(body: dict[str, Any]) -> str:

@@ -407,11 +407,17 @@ class EngineAPI:
         return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        """SGLang's route: the weight_version reported from now on (an adapter push sets it)."""
+        """SGLang's route: the weight_version reported from now on (an adapter push sets it).
+        As in SGLang, every request is aborted first unless `abort_all_requests` is false."""
         body = json_object(await read_json(request))
         version = body.get("new_version")
         if isinstance(version, bool) or not isinstance(version, (str, int)):
             raise ProtocolError("'new_version' must be a string")
+        abort = body.get("abort_all_requests", True)
+        if not isinstance(abort, bool):
+            raise ProtocolError("'abort_all_requests' must be true or false")
+        if abort:
+            await asyncio.wrap_future(self.engine.abort(None))
 
         def _set() -> None:
             self.engine.weight_version = str(version)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -286,11 +286,12 @@ class WeightStore:
 
         return {name: fingerprint_entry(p) for name, p in self._canonical_params()}
 
-    def dump(self, dir_fd: int) -> int:
-        """torch.save every parameter to <HF name> in the open directory `dir_fd`, written under a
-        temporary name first. O_NOFOLLOW: a symlink at that name fails the write instead of
-        redirecting it, and the rename replaces a symlink at the final name, never its target."""
-        params = self._canonical_params()
+    def dump(self, dir_fd: int, extra: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
+        """torch.save every parameter to <HF name> in the open directory `dir_fd` (and the `extra`
+        tensors: the served LoRA adapters'), written under a temporary name first. O_NOFOLLOW: a
+        symlink at that name fails the write instead of redirecting it, and the rename replaces a
+        symlink at the final name, never its target."""
+        params = [*self._canonical_params(), *extra]
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         for name, p in params:
             fd = os.open(name + ".partial", flags, 0o644, dir_fd=dir_fd)

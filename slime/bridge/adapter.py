@@ -1,0 +1,142 @@
+"""`--lora-push adapter`: the policy's LoRA adapter alone into the engines, by SGLang's routes.
+
+One push, for either engine:
+
+    pause generation → load the adapter from tensors as `slime_lora` → set the weight version
+    → continue generation
+
+The tensors travel as SGLang's `flattened_bucket` payload (slime.bridge.ipc), one per engine
+tensor-parallel rank (`serialized_named_tensors[tp_rank]`), by the push topology's kind:
+
+    shared_memory   (CPU) train rank 0 copies the adapter into one shared-memory file, reused push
+                    after push; every engine opens that one payload.
+    ipc             (colocated: CUDA IPC on GPU, shared memory on CPU) every train rank shares its
+                    own copy (share_buckets); engine j's TP rank k opens the copy of the train
+                    rank on its GPU, as in the whole-weight IPC push.
+    distributed, disk are refused at start-up (slime.config.lora): SGLang has no route that takes
+                    an adapter through a process group.
+
+Replacing the loaded version: the torch engine replaces it in place (`upsert`, also Miles's SGLang
+field), so requests paused with it go on with the new one. Upstream SGLang has no such field (it
+ignores unknown fields): the push unloads the adapter first, which waits for the requests using
+it, so the SGLang adapter push runs only where none is in flight at a push (train.py; refused
+with the asynchronous schedules, slime.ray.driver).
+
+`checksums` (--check-weight-sync, --check-weight-update-equal, --check-precision): the load
+carries SGLang's `expected_checksums`, the sha256 of each tensor's bytes; the engine checks what it
+received and refuses the adapter on a mismatch (the torch engine answers 400, which stops the job
+with WeightSyncError; SGLang raises in its scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from slime.engines.client import EngineClient, EngineError
+from slime.utils.aio import run_sync
+
+if TYPE_CHECKING:
+    from slime.bridge.bridge import PushStats, WeightBridge
+    from slime.bridge.topology import PushTopology
+
+logger = logging.getLogger(__name__)
+
+
+def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: str,
+                       topology: PushTopology | None, checksums: bool) -> PushStats | None:  # fmt: skip
+    """Every train rank: the adapter gathered whole (every rank takes part); rank 0, the one
+    holding the bridge, sends it. Returns the push statistics on rank 0, None elsewhere."""
+    named, config = actor.export_adapter()
+    if topology is None or not topology.every_rank_shares:
+        if bridge is None:
+            return None
+        return run_sync(bridge.push_adapter(named, config, weight_version, None, checksums))
+    from slime.bridge.ipc import IpcTransport, share_buckets
+
+    holder = IpcTransport(topology.tp_sizes) if bridge is not None else None  # rank 0: every rank's payload
+    stats: PushStats | None = None
+    failure: BaseException | None = None
+    for _ in share_buckets([named], holder, topology.sglang):
+        if bridge is not None and holder is not None:
+            try:
+                stats = run_sync(
+                    bridge.push_adapter(named, config, weight_version, holder.payloads, checksums)
+                )
+            except BaseException as e:  # reach the ranks' barrier first: they wait there for rank 0
+                failure = e
+    if failure is not None:
+        raise failure
+    return stats
+
+
+def engine_payloads(payloads: list[str], tp_sizes: tuple[int, ...]) -> list[list[str]]:
+    """Every train rank's payload, in rank order, split into each engine's TP ranks'."""
+    if len(payloads) < sum(tp_sizes):
+        raise RuntimeError(
+            f"{len(payloads)} train ranks shared the adapter, but the engines of tensor-parallel sizes "
+            f"{list(tp_sizes)} need one per engine GPU"
+        )
+    starts = itertools.accumulate(tp_sizes, initial=0)
+    return [payloads[o : o + tp] for o, tp in zip(starts, tp_sizes)]
+
+
+async def load_into(engine: EngineClient, name: str, config: dict[str, Any], payloads: list[str], sglang: bool,
+                    expected: dict[str, str] | None, weight_version: str) -> None:  # fmt: skip
+    """The adapter's new version into one engine, in place of the old (loaded fresh the first
+    time). SGLang: unloaded first (a 400 means none was loaded: the first push, or an engine that
+    restarted)."""
+    from slime.bridge.ipc import LOAD_FORMAT
+
+    if sglang:
+        try:
+            await engine.unload_lora_adapter(name)
+        except EngineError as e:
+            if e.status != 400:
+                raise
+    try:
+        await engine.load_lora_adapter_from_tensors(name, config, payloads, load_format=LOAD_FORMAT,
+                                                    expected_checksums=expected, upsert=not sglang)  # fmt: skip
+    except EngineError as e:
+        if expected is not None and e.status == 400 and "MISMATCH" in e.message:
+            from slime.bridge.verify import WeightSyncError
+
+            raise WeightSyncError(
+                f"--check-weight-sync: the LoRA adapter push of version {weight_version}: engine {engine.base_url} "
+                f"did not receive the trainer's tensors: {e.message}"
+            ) from None
+        raise
+
+
+async def push(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
+               per_engine: list[list[str]], checksums: bool, name: str) -> PushStats:  # fmt: skip
+    """Rank 0: pause, load into every engine, set the version, continue."""
+    from slime.utils.checksum import bytes_sha256
+
+    expected = {n: bytes_sha256(t) for n, t in named} if checksums else None
+    engines = [bridge.make_client(u) for u in bridge.engine_urls]
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(e.pause_generation(bridge.pause_mode) for e in engines))
+        try:
+            await asyncio.gather(*(load_into(e, name, config, p, bridge.sglang, expected, weight_version)
+                                   for e, p in zip(engines, per_engine, strict=True)))  # fmt: skip
+            await asyncio.gather(*(e.update_weight_version(weight_version) for e in engines))
+        finally:
+            await asyncio.gather(*(e.continue_generation() for e in engines))
+    finally:
+        await asyncio.gather(*(e.close() for e in engines))
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    seconds = time.perf_counter() - start
+    checked = f", {len(named)} sha256 checked by every engine" if checksums else ""
+    logger.info("pushed the LoRA adapter %r, %.2f MB in %d tensors, weight_version %s in %.3f s%s",
+                name, total / 1e6, len(named), weight_version, seconds, checked)  # fmt: skip
+    return {
+        "bytes": float(total),
+        "seconds": seconds,
+        "buckets": 1.0,
+        "transport": f"lora_adapter_{bridge.label}",
+    }
