@@ -6,6 +6,7 @@ two ranks train like one, and the flags are checked."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save
     from slime.config.lora import LoRAConfig
     from slime.config.train import FSDPConfig
 
-    lora = LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude, adapter_path=adapter)
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude, adapter_path=adapter,
+                      save_merged=hf_dir is not None)  # fmt: skip
     cfg = dataclasses.replace(
         base_config(model, micro_batch_size=2), check_precision=True, load=load, lora=lora
     )
@@ -125,6 +127,29 @@ def test_save_hf_writes_a_peft_adapter_that_peft_and_lora_adapter_path_load(
     again = run_ranks(1, lora_run, tiny_model, ALL, (), None, None, 0, None, adapter_dir)[0]
     for name, tensor in one_rank["after"].items():
         assert torch.equal(again["before"][name], tensor), name
+
+
+def test_lora_save_merged_writes_the_merged_model_beside_the_adapter(one_rank, tiny_model, adapter_dir):
+    """--lora-save-merged: <--save-hf>/merged is a plain Hugging Face checkpoint holding exactly the
+    weights the merged push sends, and it computes what PEFT's merge_and_unload computes."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = os.path.join(adapter_dir, "merged")
+    saved = {}
+    for f in sorted(os.listdir(merged_dir)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(merged_dir, f)))
+    assert saved.keys() == one_rank["exported"].keys()
+    for name, tensor in one_rank["exported"].items():
+        assert torch.equal(saved[name], tensor.to(saved[name].dtype)), name
+    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+    tokens = torch.tensor([make_batch(0).tokens[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=2e-5)
 
 
 def test_an_adapter_of_another_rank_is_refused(
@@ -244,10 +269,12 @@ def _parse(tiny_model, tmp_path, *flags):
           "distributed"], "no engine route takes an adapter through a process group"),
         (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--rollout-backend", "sglang",
           "--fully-async"], "--lora-push adapter to SGLang engines with --fully-async: upstream SGLang replaces"),
+        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-save-merged"],
+         "--lora-save-merged writes the merged model beside --save-hf's adapter: give --save-hf DIR"),
     ],
     ids=["target-without-rank", "rank-without-targets", "all-linear-and-more", "negative-rank", "dropout",
          "adapter-path", "megatron", "ref-load", "push-without-rank", "push-by-disk", "push-by-group",
-         "push-to-sglang-fully-async"],
+         "push-to-sglang-fully-async", "save-merged-without-save-hf"],
 )  # fmt: skip
 def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:

@@ -44,9 +44,19 @@ def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):  
     Colocated, the engines keep their base weights while the trainer runs."""
     proc = run_job("train.py", tiny_model, prompts, tmp_path, *LORA, "--colocate", "--lora-push", "adapter",
                    "--num-rollout", "3", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.01",
-                   "--check-weight-update-equal", "--check-weight-sync")  # fmt: skip
+                   "--check-weight-update-equal", "--check-weight-sync",
+                   "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"),
+                   "--save-debug-train-data", str(tmp_path / "t_{rollout_id}_{rank}.pt"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stderr + proc.stdout
+    # The dumps record the adapter; its version is the samples' weight version (each push sets it).
+    import torch
+
+    rollout, train = torch.load(tmp_path / "r_2.pt"), torch.load(tmp_path / "t_2_0.pt")
+    assert rollout["meta"]["lora"] == train["lora"] == {
+        "rank": 8, "alpha": 16, "target_modules": ["all-linear"], "push": "adapter", "adapter": "slime_lora",
+        "adapter_path": None}  # fmt: skip
+    assert {v for s in rollout["samples"] for v in s["weight_versions"]} == {"2"}
     # --check-weight-update-equal on the adapter push: the base weights untouched, the adapter
     # checked by the engine against the trainer's sha256 (every push, with --check-weight-sync).
     assert "every engine received the trainer's adapter bit for bit (sha256)" in out

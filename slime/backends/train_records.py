@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from slime.algo.losses import approx_kl
 from slime.backends.interface import RolloutBatch, RolloutPart
+from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
 
 
@@ -93,7 +94,7 @@ class TrainRecords:
             return
         payload = {
             "format_version": TRAIN_FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
-            "world_size": self.dp_size, "samples": rows,
+            "world_size": self.dp_size, "samples": rows, "lora": dump_record(self.cfg.lora),
         }  # fmt: skip
         write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.dp_rank), payload)
 

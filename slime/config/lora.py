@@ -37,6 +37,8 @@ class LoRAConfig:
     push: str = "merged"
     """`--lora-push` (ours): `merged` sends the base weights with the adapters merged (any engine);
     `adapter` sends the adapters alone, which the engines serve (`lora_path`)."""
+    save_merged: bool = False
+    """`--lora-save-merged` (ours): `--save-hf` also writes the merged model into <dir>/merged."""
 
     @property
     def pushes_adapter(self) -> bool:
@@ -49,6 +51,27 @@ class LoRAConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+def dump_record(lora: LoRAConfig) -> dict[str, object] | None:
+    """What the rollout and train dumps record of LoRA (None without it). With `adapter` the
+    engines served ADAPTER_NAME, whose version is the samples' weight_version (each push sets it)."""
+    if not lora.enabled:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
+            "push": lora.push, "adapter": ADAPTER_NAME if lora.pushes_adapter else None,
+            "adapter_path": lora.adapter_path}  # fmt: skip
+
+
+def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
+    """The LoRA settings of flags parse_args already checked (no checks again: a process on
+    another node may not see --lora-adapter-path)."""
+    rank = getattr(ns, "lora_rank", 0) or 0
+    if rank <= 0:
+        return LoRAConfig()
+    return LoRAConfig(rank, ns.lora_alpha, ns.lora_dropout, _names(ns.target_modules), _names(ns.exclude_modules),
+                      ns.lora_adapter_path, getattr(ns, "lora_push", None) or "merged",
+                      bool(getattr(ns, "lora_save_merged", False)))  # fmt: skip
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +96,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                    help="(ours) merged (default): push the base weights with the adapters merged, to any engine; "
                    f"adapter: push the adapters alone (1-2%% of the bytes), which the engines serve as {ADAPTER_NAME!r} "
                    "and every rollout request names (SGLang's lora_path)")  # fmt: skip
+    g.add_argument("--lora-save-merged", action="store_true",
+                   help="(ours) --save-hf also writes the base model with the adapters merged, a plain Hugging Face "
+                   "checkpoint, into <--save-hf>/merged")  # fmt: skip
     for action in g._group_actions:  # slime.tools.flag_table: refused with --train-backend megatron
         action.backends = ("fsdp",)  # type: ignore[attr-defined]
 
@@ -87,7 +113,8 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
     given = [f for f, v in (("--target-modules", getattr(ns, "target_modules", None)),
                             ("--lora-push", getattr(ns, "lora_push", None)),
                             ("--exclude-modules", getattr(ns, "exclude_modules", None)),
-                            ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None))) if v]  # fmt: skip
+                            ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None)),
+                            ("--lora-save-merged", getattr(ns, "lora_save_merged", False))) if v]  # fmt: skip
     if rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0: no LoRA), got {rank}")
     if rank == 0:
@@ -127,14 +154,16 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
             "--opd-type megatron with --lora-rank: the teacher's weights cannot replace a LoRA model's in the train "
             "pass yet; use --opd-type sglang (a teacher engine)"
         )
+    if getattr(ns, "lora_save_merged", False) and not getattr(ns, "save_hf", None):
+        raise ValueError(
+            "--lora-save-merged writes the merged model beside --save-hf's adapter: give --save-hf DIR"
+        )
     push = getattr(ns, "lora_push", None) or "merged"
     if push == "adapter":
         problem = adapter_push_problem(ns)
         if problem:
             raise ValueError(problem)
-    return LoRAConfig(
-        rank, ns.lora_alpha, ns.lora_dropout, targets, _names(ns.exclude_modules), adapter, push
-    )
+    return from_namespace(ns)
 
 
 def adapter_push_problem(ns: argparse.Namespace) -> str | None:

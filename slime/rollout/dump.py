@@ -25,6 +25,7 @@ import string
 import tempfile
 from typing import Any
 
+from slime.config.lora import dump_record, from_namespace
 from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def make_meta(args: Any, tokenizer: Any, evaluation: bool = False) -> dict[str, 
         "model_fingerprint": model_fingerprint(args.hf_checkpoint),
         "evaluation": evaluation,
         "flags": {k: _plain(getattr(args, k, None)) for k in ROLLOUT_FLAGS},
+        "lora": dump_record(from_namespace(args)),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -364,7 +365,8 @@ class FSDPTrainActor(TrainActorBase):
 
     def save_hf(self, path: str) -> None:
         """A Hugging Face directory; with LoRA a PEFT adapter directory (PeftModel.from_pretrained
-        on --hf-checkpoint loads it; --lora-adapter-path starts from it)."""
+        on --hf-checkpoint loads it; --lora-adapter-path starts from it), and with
+        --lora-save-merged the merged model in its `merged/` (written after the adapter)."""
         if self.cfg.lora.enabled:
             named, config = self.export_adapter()
             if self.rank == 0:
@@ -372,6 +374,8 @@ class FSDPTrainActor(TrainActorBase):
 
                 write_adapter_dir(path, config, dict(named))
             dist.barrier()
+            if self.cfg.lora.save_merged:
+                ckpt.save_hf_checkpoint(self, os.path.join(path, "merged"), merge=self._merge_adapters)
         else:
             ckpt.save_hf_checkpoint(self, path)
 

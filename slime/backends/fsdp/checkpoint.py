@@ -268,8 +268,10 @@ def export_weight_buckets(
     return iter_buckets(hf_experts.checkpoint_tensors(model_type, tensors), bucket_bytes)
 
 
-def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30) -> None:
-    """A plain Hugging Face directory: safetensors (sharded past `shard_bytes`), config, tokenizer.
+def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30,
+                       merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None) -> None:  # fmt: skip
+    """A plain Hugging Face directory: safetensors (sharded past `shard_bytes`), config, tokenizer;
+    `merge`: the LoRA adapters merged into their base weights (--lora-save-merged).
 
     Written into a temporary sibling directory and renamed when complete.
     """
@@ -283,7 +285,7 @@ def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 <<
     files: list[list[str]] = []
     index: dict[str, str] = {}
     dtype = checkpoint_dtype(actor.hf_config)
-    for bucket in export_weight_buckets(actor.model, shard_bytes, dtype):
+    for bucket in export_weight_buckets(actor.model, shard_bytes, dtype, merge):
         if actor.rank == 0:
             files.append([n for n, _ in bucket])
             name = f"model-{len(files):05d}.safetensors"
