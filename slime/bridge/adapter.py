@@ -31,7 +31,6 @@ with WeightSyncError; SGLang raises in its scheduler).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -71,17 +70,6 @@ def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: 
     if failure is not None:
         raise failure
     return stats
-
-
-def engine_payloads(payloads: list[str], tp_sizes: tuple[int, ...]) -> list[list[str]]:
-    """Every train rank's payload, in rank order, split into each engine's TP ranks'."""
-    if len(payloads) < sum(tp_sizes):
-        raise RuntimeError(
-            f"{len(payloads)} train ranks shared the adapter, but the engines of tensor-parallel sizes "
-            f"{list(tp_sizes)} need one per engine GPU"
-        )
-    starts = itertools.accumulate(tp_sizes, initial=0)
-    return [payloads[o : o + tp] for o, tp in zip(starts, tp_sizes)]
 
 
 async def load_into(engine: EngineClient, name: str, config: dict[str, Any], payloads: list[str], sglang: bool,

@@ -192,7 +192,9 @@ class WeightBridge:
             one = serialize(flat, metadata, False, self._adapter_buffer.path)
             per_engine = [[one] * tp for tp in self.tp_sizes]
         else:
-            per_engine = adapter.engine_payloads(payloads, self.tp_sizes)
+            from slime.bridge.ipc import split_by_engine
+
+            per_engine = split_by_engine(payloads, self.tp_sizes, "the adapter")
         return await adapter.push(
             self, named, config, weight_version, per_engine, checksums, name or ADAPTER_NAME
         )

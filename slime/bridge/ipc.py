@@ -189,6 +189,18 @@ def share_buckets(
             shared.close()
 
 
+def split_by_engine(payloads: list[str], tp_sizes: Sequence[int], what: str) -> list[list[str]]:
+    """Every train rank's payload of `what`, in rank order, split into each engine's TP ranks'
+    (engine j gets those of ranks o_j .. o_j+tp_j-1)."""
+    if len(payloads) < sum(tp_sizes):
+        raise RuntimeError(
+            f"{len(payloads)} train ranks shared {what}, but {len(tp_sizes)} engines of tensor-parallel sizes "
+            f"{list(tp_sizes)} need one per engine GPU (the CUDA-IPC push is for --colocate)"
+        )
+    starts = itertools.accumulate(tp_sizes, initial=0)
+    return [payloads[o : o + tp] for o, tp in zip(starts, tp_sizes)]
+
+
 class IpcTransport:
     """Rank 0's side: sends engine j the payloads of its TP ranks and waits for every answer."""
 
@@ -207,17 +219,11 @@ class IpcTransport:
         sizes = self.tp_sizes if self.tp_sizes is not None else (1,) * len(engines)
         if len(sizes) != len(engines):
             raise RuntimeError(f"{len(sizes)} tensor-parallel sizes for {len(engines)} engines")
-        if len(self.payloads) < sum(sizes):
-            raise RuntimeError(
-                f"{len(self.payloads)} train ranks shared the bucket, but {len(engines)} engines of "
-                f"tensor-parallel sizes {list(sizes)} need one per engine GPU (the CUDA-IPC push is for --colocate)"
-            )
-        payloads, self.payloads = self.payloads, []
-        starts = itertools.accumulate(sizes, initial=0)
+        per_engine = split_by_engine(self.payloads, sizes, "the bucket")
+        self.payloads = []
         await asyncio.gather(*(
-            e.update_weights_from_tensor(payloads[o : o + tp], load_format=LOAD_FORMAT,
-                                         weight_version=weight_version)
-            for e, o, tp in zip(engines, starts, sizes)
+            e.update_weights_from_tensor(p, load_format=LOAD_FORMAT, weight_version=weight_version)
+            for e, p in zip(engines, per_engine)
         ))  # fmt: skip
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:

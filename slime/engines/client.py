@@ -278,17 +278,10 @@ class EngineClient:
         tensor's bytes, checked by the engine on what it received; `upsert` (Miles's SGLang
         field, and the torch engine's; upstream SGLang ignores it) replaces a loaded adapter's
         weights in place."""
-        body: dict[str, Any] = {
-            "lora_name": lora_name,
-            "config_dict": config_dict,
-            "serialized_named_tensors": serialized_named_tensors,
-        }
-        if load_format is not None:
-            body["load_format"] = load_format
-        if expected_checksums is not None:
-            body["expected_checksums"] = expected_checksums
-        if upsert:
-            body["upsert"] = True
+        body = _drop_none({
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format, "expected_checksums": expected_checksums, "upsert": True if upsert else None,
+        })  # fmt: skip
         return await self.request("POST", "/load_lora_adapter_from_tensors", body)
 
     async def unload_lora_adapter(self, lora_name: str) -> Any:

@@ -22,11 +22,11 @@ import json
 import logging
 import os
 import string
-import tempfile
 from typing import Any
 
 from slime.config.lora import dump_record, from_namespace
 from slime.utils.errors import UsageError
+from slime.utils.files import atomic_torch_save
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +104,7 @@ def _plain(value: Any) -> Any:
 
 def write_atomic(path: str, payload: dict[str, Any]) -> str:
     """torch.save into a temporary file beside `path`, renamed into place when complete."""
-    import torch  # here, not at the top: the driver checks dump paths without loading torch
-
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-dump-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_torch_save(payload, path)
     return path
 
 

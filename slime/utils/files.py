@@ -25,15 +25,18 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def atomic_torch_save(obj: object, path: str) -> None:
-    """torch.save `obj` to `path + ".partial"`, then rename it over `path` (readers such as
-    slime.tools.check_sync_parameter skip `.partial` files)."""
-    import torch
+    """torch.save `obj` into a temporary file beside `path` (creating the directory if needed),
+    renamed over `path` when complete; the temporary file is removed on failure."""
+    import torch  # here, not at the top: the driver checks dump paths without loading torch
 
-    partial = path + ".partial"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
-        torch.save(obj, partial)
-        os.replace(partial, path)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
