@@ -1,14 +1,25 @@
-"""Torch engine throughput and memory against Hugging Face `generate`, on the tiny model.
+"""Torch engine throughput and memory against Hugging Face `generate`, measured in the same run.
 
     python benchmarks/bench_engine.py [--model-path DIR] [--threads 2] [--leak-requests 1000]
+        [--compare-src DIR]
+    python benchmarks/bench_engine.py --device cuda [--requests 256] [--hf-requests 64]
 
-Workload: 64 requests, prompt lengths 8-64 and max_new_tokens 16-128 drawn with a fixed seed,
-all submitted at once; every request generates exactly its max_new_tokens (ignore_eos), sampled
-at temperature 1. Baseline, measured in the same run: `model.generate` on the same requests in
-left-padded batches of 32 (each batch runs to its longest max_new_tokens; only the requested
-tokens are counted). Also: torch-engine tokens/s at client concurrency 1, 8, 32, 64, and the
-engine process RSS before and after --leak-requests requests.
-"""
+CPU (default). Workload: 64 requests, prompt lengths 8-64 and max_new_tokens 16-128 drawn with a
+fixed seed, all submitted at once; every request generates exactly its max_new_tokens
+(ignore_eos), sampled at temperature 1. Baseline, measured in the same run: `model.generate` on
+the same requests in left-padded batches of 32 (each batch runs to its longest max_new_tokens;
+only the requested tokens are counted). Also: torch-engine tokens/s at client concurrency 1, 8,
+32, 64, and the engine process RSS before and after --leak-requests requests. `--compare-src DIR`
+also runs the engine from another source tree (a `git worktree` of an earlier commit) on the same
+requests, for a before/after figure in one run.
+
+CUDA (`--device cuda`): a Qwen3 shape of hidden 1024 x 16 layers (16 heads, 8 KV heads, ~190M
+parameters with the tiny model's character vocabulary) in bfloat16 unless --model-path; 256
+requests in flight (prompt 32-256 tokens, 64-512 new tokens, ignore_eos, temperature 1). The
+engine runs with CUDA graphs and again with --disable-cuda-graph; HF `generate` runs on the first
+--hf-requests requests in left-padded batches of 64 (its tokens/s per batch does not depend on
+how many batches run). GPU busy: nvidia-smi's utilization sampled every 100 ms while the engine
+decodes."""
 
 from __future__ import annotations
 
@@ -16,6 +27,8 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,13 +52,15 @@ def make_workload(n: int, seed: int, vocab: int, max_new=(16, 128), prompt=(8, 6
     return reqs
 
 
-def bench_hf_generate(model_path: str, reqs, batch_size: int = 32) -> float:
+def bench_hf_generate(model_path: str, reqs, batch_size: int = 32, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32) -> float:  # fmt: skip
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     model.eval()
     pad = model.config.pad_token_id or 0
     useful = sum(m for _, m in reqs)
+    _sync(device)
     start = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]
@@ -57,8 +72,8 @@ def bench_hf_generate(model_path: str, reqs, batch_size: int = 32) -> float:
             mask[j, width - len(p) :] = 1
         with torch.no_grad():
             model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=max(m for _, m in batch),
                 do_sample=True,
                 temperature=1.0,
@@ -68,7 +83,17 @@ def bench_hf_generate(model_path: str, reqs, batch_size: int = 32) -> float:
                 pad_token_id=pad,
                 min_new_tokens=max(m for _, m in batch),
             )
-    return useful / (time.perf_counter() - start)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return useful / elapsed
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 async def run_engine(url: str, reqs, concurrency: int) -> tuple[float, int]:
@@ -92,64 +117,178 @@ async def run_engine(url: str, reqs, concurrency: int) -> tuple[float, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="default: build the default tiny model in a temp dir")
+    ap.add_argument("--model-path", default=None, help="default: build the workload's model in a temp dir")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--leak-requests", type=int, default=1000)
+    ap.add_argument(
+        "--leak-requests", type=int, default=1000, help="CPU: requests of the RSS check (0: skip)"
+    )
+    ap.add_argument("--compare-src", default=None, help="CPU: also run the engine from this source tree")
+    ap.add_argument("--requests", type=int, default=None, help="default: 64 (cpu), 256 (cuda)")
+    ap.add_argument("--hf-requests", type=int, default=64, help="CUDA: requests HF generate runs")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="bench_engine_")
+    if args.device == "cuda":
+        return bench_cuda(args, tmp)
+    return bench_cpu(args, tmp)
+
+
+def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
     model_path = args.model_path or os.path.join(tmp, "tiny")
     if not args.model_path:
         make_tiny_model(["--out", model_path])
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    reqs = make_workload(64, args.seed, vocab)
+    reqs = make_workload(args.requests or 64, args.seed, vocab)
     rows = []
-
-    engine = start_torch_engine(
-        model_path, ["--num-threads", str(args.threads)], log_path=os.path.join(tmp, "engine.log")
-    )
+    flags = ["--num-threads", str(args.threads)]
+    engine = start_torch_engine(model_path, flags, log_path=os.path.join(tmp, "engine.log"))
+    rss_before = rss_after = leak_time = 0.0
     try:
         asyncio.run(run_engine(engine.url, reqs[:8], 8))  # warm-up
         engine_tps, _ = asyncio.run(run_engine(engine.url, reqs, 64))
         sweep = {c: asyncio.run(run_engine(engine.url, reqs, c))[0] for c in (1, 8, 32, 64)}
         proc = psutil.Process(engine.proc.pid)
         rss_before = proc.memory_info().rss
-        leak_reqs = make_workload(args.leak_requests, args.seed + 1, vocab, max_new=(4, 32))
-        start = time.perf_counter()
-        asyncio.run(run_engine(engine.url, leak_reqs, 64))
-        leak_time = time.perf_counter() - start
+        if args.leak_requests:
+            leak_reqs = make_workload(args.leak_requests, args.seed + 1, vocab, max_new=(4, 32))
+            start = time.perf_counter()
+            asyncio.run(run_engine(engine.url, leak_reqs, 64))
+            leak_time = time.perf_counter() - start
         rss_after = proc.memory_info().rss
     finally:
         engine.stop()
+    before_tps = None
+    if args.compare_src:
+        # PYTHONSAFEPATH: `python -m` must not put our working directory ahead of the other tree.
+        env = {"PYTHONPATH": os.path.abspath(args.compare_src), "PYTHONSAFEPATH": "1"}
+        other = start_torch_engine(model_path, flags, log_path=os.path.join(tmp, "before.log"), env=env)
+        try:
+            asyncio.run(run_engine(other.url, reqs[:8], 8))
+            before_tps, _ = asyncio.run(run_engine(other.url, reqs, 64))
+        finally:
+            other.stop()
     hf_tps = bench_hf_generate(model_path, reqs)
 
     ratio = engine_tps / hf_tps
     growth_mb = (rss_after - rss_before) / 2**20
     rows.append(("HF generate (padded batches of 32)", f"{hf_tps:,.0f}"))
     rows.append(("torch engine (64 at once)", f"{engine_tps:,.0f}"))
+    if before_tps is not None:
+        rows.append((f"torch engine from {args.compare_src} (64 at once)", f"{before_tps:,.0f}"))
     for c, tps in sweep.items():
         rows.append((f"torch engine, concurrency {c}", f"{tps:,.0f}"))
-    width = max(len(r[0]) for r in rows)
     print(
-        f"\nworkload: 64 requests, prompt 8-64, max_new_tokens 16-128 (seed {args.seed}), "
+        f"\nworkload: {len(reqs)} requests, prompt 8-64, max_new_tokens 16-128 (seed {args.seed}), "
         f"{sum(m for _, m in reqs)} tokens, {args.threads} threads"
     )
-    print(f"{'configuration'.ljust(width)} | tokens/s")
-    print(f"{'-' * width}-|---------")
-    for name, value in rows:
-        print(f"{name.ljust(width)} | {value:>8}")
+    _table(rows)
     print(
         f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: {'PASS' if ratio >= 1.5 else 'FAIL'})"
     )
-    print(
-        f"engine RSS: {rss_before / 2**20:.1f} MB before, {rss_after / 2**20:.1f} MB after "
-        f"{args.leak_requests} requests ({leak_time:.1f} s); growth {growth_mb:+.1f} MB "
-        f"(target < 50 MB: {'PASS' if growth_mb < 50 else 'FAIL'})"
-    )
+    if before_tps is not None:
+        print(
+            f"ratio this tree / {args.compare_src}: {engine_tps / before_tps:.2f}x (target >= 1.0x within noise)"
+        )
+    if args.leak_requests:
+        print(
+            f"engine RSS: {rss_before / 2**20:.1f} MB before, {rss_after / 2**20:.1f} MB after "
+            f"{args.leak_requests} requests ({leak_time:.1f} s); growth {growth_mb:+.1f} MB "
+            f"(target < 50 MB: {'PASS' if growth_mb < 50 else 'FAIL'})"
+        )
     return 0
+
+
+def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
+    model_path = args.model_path or os.path.join(tmp, "qwen3-190m")
+    if not args.model_path:
+        make_tiny_model(["--out", model_path, "--hidden-size", "1024", "--num-layers", "16", "--num-heads", "16",
+                         "--num-kv-heads", "8", "--max-position-embeddings", "4096"])  # fmt: skip
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    reqs = make_workload(args.requests or 256, args.seed, vocab, max_new=(64, 512), prompt=(32, 256))
+    n = len(reqs)
+    flags = ["--device", "cuda", "--dtype", "bfloat16", "--max-running-requests", str(n),
+             "--max-prefill-tokens", "16384", "--num-threads", str(args.threads)]  # fmt: skip
+    results = {}
+    for name, extra in (("CUDA graphs", []), ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"])):
+        log = os.path.join(tmp, f"engine-{len(results)}.log")
+        engine = start_torch_engine(model_path, flags + extra, log_path=log)
+        try:
+            asyncio.run(run_engine(engine.url, reqs[:16], 16))  # warm-up: kernels, first graphs
+            with GpuBusy() as busy:
+                tps, _ = asyncio.run(run_engine(engine.url, reqs, n))
+            results[name] = (tps, busy.mean(), _server_stats(engine.url))
+        finally:
+            engine.stop()
+    hf = reqs[: args.hf_requests]
+    hf_tps = bench_hf_generate(model_path, hf, batch_size=64, device="cuda", dtype=torch.bfloat16)
+
+    rows = [(f"HF generate (padded batches of 64, {len(hf)} requests)", f"{hf_tps:,.0f}", "")]
+    for name, (tps, busy_pct, _) in results.items():
+        rows.append((f"torch engine, {name}", f"{tps:,.0f}", _pct(busy_pct)))
+    print(f"\nworkload: {n} requests in flight, prompt 32-256, max_new_tokens 64-512 (seed {args.seed}), "
+          f"{sum(m for _, m in reqs)} tokens, bfloat16, {torch.cuda.get_device_name()}")  # fmt: skip
+    _table(rows, ("tokens/s", "GPU busy"))
+    for name, (_, _, stats) in results.items():
+        print(f"{name}: engine stats {stats}")
+    tps, busy_pct, _ = results["CUDA graphs"]
+    ratio = tps / hf_tps
+    print(
+        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 10x: {'PASS' if ratio >= 10 else 'FAIL'})"
+    )
+    verdict = "n/a" if busy_pct is None else ("PASS" if busy_pct >= 60 else "FAIL")
+    print(f"GPU busy while the engine decodes: {_pct(busy_pct)} (target >= 60%: {verdict})")
+    return 0
+
+
+class GpuBusy:
+    """nvidia-smi's GPU utilization (percent of time a kernel ran), sampled every 100 ms."""
+
+    def __enter__(self) -> GpuBusy:
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100",
+                   "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]  # fmt: skip
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.samples: list[float] = []
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.samples = [float(x) for x in out.split() if x.strip().replace(".", "", 1).isdigit()]
+
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def _server_stats(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
+        state = json.load(r)["internal_states"][0]
+    keys = ("num_steps", "busy_seconds", "decode_shapes", "cuda_graphs", "cuda_graph_replays",
+            "cuda_graph_capture_seconds")  # fmt: skip
+    return {k: state[k] for k in keys if k in state}
+
+
+def _pct(value: float | None) -> str:
+    return "n/a (no nvidia-smi)" if value is None else f"{value:.0f}%"
+
+
+def _table(rows, headers=("tokens/s",)) -> None:
+    width = max(len(r[0]) for r in rows)
+    print(" | ".join(["configuration".ljust(width), *headers]))
+    print("-|-".join(["-" * width, *("-" * len(h) for h in headers)]))
+    for name, *values in rows:
+        print(" | ".join([name.ljust(width), *(v.rjust(len(h)) for v, h in zip(values, headers))]))
 
 
 if __name__ == "__main__":

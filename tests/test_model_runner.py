@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slime.engines.torch_engine import model_runner
-from slime.engines.torch_engine.model_runner import SlotKVCache
+from slime.engines.torch_engine.kv_cache import SlotKVCache
 
 
 def _cache() -> SlotKVCache:

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
         "log-probs whatever else the engine runs (slower; SGLang's flag of the same name)",
     )
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)")  # fmt: skip
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
+                   "--max-running-requests; 0: none)")  # fmt: skip
     return p
 
 
@@ -108,6 +113,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--port {args.port} must be in [0, 65535]")
     if args.max_running_requests < 1:
         parser.error("--max-running-requests must be >= 1")
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 0:
+        parser.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} must be >= 0 (0: no CUDA graphs)")
     if args.max_prefill_tokens < 1:
         parser.error("--max-prefill-tokens must be >= 1")
     if args.max_top_logprobs_num < 0:
@@ -166,6 +173,8 @@ async def serve(args: argparse.Namespace) -> None:
         num_threads=args.num_threads,
         max_top_logprobs_num=args.max_top_logprobs_num,
         deterministic=args.enable_deterministic_inference,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,

@@ -71,6 +71,11 @@ class EngineConfig:
     deterministic: bool = False
     """`--enable-deterministic-inference`: batch-invariant forwards and deterministic kernels, so
     a request with a `sampling_seed` gets the same tokens and log-probs whatever else runs."""
+    disable_cuda_graph: bool = False
+    """`--disable-cuda-graph` (SGLang's): on CUDA, run every decode step eagerly."""
+    cuda_graph_max_bs: int | None = None
+    """`--cuda-graph-max-bs` (SGLang's): the largest decode batch replayed as a CUDA graph
+    (default: --max-running-requests)."""
 
 
 class TorchEngine:
@@ -96,7 +101,11 @@ class TorchEngine:
             config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
         self.runner = make_runner(
-            self.model, config.max_running_requests, self.context_length, config.deterministic
+            self.model,
+            config.max_running_requests,
+            self.context_length,
+            config.deterministic,
+            cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
         )
         self.weights = WeightStore(self.model)
         self.adapters: ServedAdapters | None = None

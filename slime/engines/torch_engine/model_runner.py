@@ -22,14 +22,21 @@ keys exactly as long as its own context: its result depends on nothing else.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from slime.engines.torch_engine import transfer
+from slime.engines.torch_engine.attention import decode_attention, prefill_attention_cuda, sdpa_masked
+from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
+from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.sequence import Sequence
+from slime.engines.torch_engine.shapes import DecodeShapes
 from slime.utils import hf_experts
 
 logger = logging.getLogger(__name__)
@@ -63,9 +70,14 @@ def is_llama_like(model: Any) -> bool:
     return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
 
 
-def make_runner(model: Any, max_running: int, context_length: int, deterministic: bool = False) -> Runner:
+def make_runner(model: Any, max_running: int, context_length: int, deterministic: bool = False,
+                cuda_graph_max_bs: int | None = None) -> Runner:  # fmt: skip
+    """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
+    None: every batch)."""
     if is_llama_like(model):
-        return BatchedRunner(model, max_running, context_length, deterministic)
+        return BatchedRunner(
+            model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs
+        )
     logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
     return GenericRunner(model)
 
@@ -153,68 +165,12 @@ class Runner:
         """Forget every sequence's KV state and free the cache: recovery after a failed step."""
         raise NotImplementedError
 
+    def forget_graphs(self) -> None:
+        """Drop captured CUDA graphs: the parameters' storage is about to change (memory release)."""
 
-class SlotKVCache:
-    """Per-layer K/V buffers of shape (rows, kv_heads, length, head_dim), grown by doubling."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_rows: int,
-        max_len: int,
-    ):
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, device
-        self.max_rows, self.max_len = max_rows, max_len
-        self.rows = 0
-        self.length = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-
-    def ensure(self, rows: int, length: int) -> None:
-        if rows <= self.rows and length <= self.length:
-            return
-        new_rows = max(self.rows, min(self.max_rows, _next_pow2(max(rows, 8))))
-        new_len = max(self.length, min(self.max_len, _next_pow2(max(length, 128))))
-        if rows > new_rows or length > new_len:
-            raise ValueError(
-                f"KV cache request {rows} rows x {length} tokens exceeds the limit "
-                f"{self.max_rows} x {self.max_len}"
-            )
-        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
-        # Build every new buffer before touching the old ones: if an allocation fails (OOM)
-        # half way, the cache keeps its old buffers and sizes and the running sequences'
-        # keys/values stay valid. The price is holding old and new buffers at once.
-        new_k: list[torch.Tensor] = []
-        new_v: list[torch.Tensor] = []
-        for old, new in ((self.k, new_k), (self.v, new_v)):
-            for i in range(self.num_layers):
-                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if i < len(old):
-                    fresh[: self.rows, :, : self.length] = old[i]
-                new.append(fresh)
-        self.k, self.v = new_k, new_v
-        self.rows, self.length = new_rows, new_len
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        for store in (self.k, self.v):
-            for buf in store:
-                buf[dst, :, :length] = buf[src, :, :length]
-
-    def free(self) -> None:
-        self.k, self.v = [], []
-        self.rows = self.length = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
+    def stats(self) -> dict[str, Any]:
+        """Counters for /get_server_info."""
+        return {}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -228,9 +184,17 @@ def _apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tens
 
 
 class BatchedRunner(Runner):
-    """Continuous-batching runner for Llama-style decoder stacks (see module docstring)."""
+    """Continuous-batching runner for Llama-style decoder stacks (see module docstring).
 
-    def __init__(self, model: Any, max_running: int, context_length: int, deterministic: bool = False):
+    On CUDA (and not deterministic) decode shapes are bucketed (slime.engines.torch_engine.shapes),
+    attention builds no per-shape plan (slime.engines.torch_engine.attention), a step's inputs go
+    up without waiting and its tokens come down in one copy (slime.engines.torch_engine.transfer),
+    and decode batches of up to `cuda_graph_max_bs` rows replay CUDA graphs. `bucket_shapes`
+    overrides the bucketing choice (tests run the CUDA shapes on CPU).
+    """
+
+    def __init__(self, model: Any, max_running: int, context_length: int, deterministic: bool = False,
+                 bucket_shapes: bool | None = None, cuda_graph_max_bs: int | None = None):  # fmt: skip
         self.model = model
         self.deterministic = deterministic
         self.inner: Any = model.model
@@ -252,6 +216,11 @@ class BatchedRunner(Runner):
             context_length,
         )
         self.active: list[Sequence] = []
+        on_cuda = self.device.type == "cuda"
+        bucketed = on_cuda and not deterministic if bucket_shapes is None else bucket_shapes
+        self.shapes = DecodeShapes(bucketed, max_running, context_length)
+        self.decode_shapes: collections.Counter[tuple[int, int]] = collections.Counter()
+        """Decode steps run per (batch rows, key length) shape."""
         # Mixture-of-experts layers: their routers, and what they chose in the current forward
         # when a sequence asked for its routed experts.
         self.routers = hf_experts.find_routers(self.inner.layers)
@@ -259,6 +228,11 @@ class BatchedRunner(Runner):
         self._routed: dict[int, torch.Tensor] | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._record_routing(li))
+        # CUDA graphs for dense models (HF's expert routing synchronises with the host).
+        self.graphs: DecodeGraphs | None = None
+        if on_cuda and bucketed and not self.routers and cuda_graph_max_bs != 0:
+            self.graphs = DecodeGraphs(self._graph_forward, cuda_graph_max_bs or max_running)
+        self._graphs_generation = self.cache.generation
 
     def _record_routing(self, li: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -288,12 +262,14 @@ class BatchedRunner(Runner):
         self,
         ids_BT: torch.Tensor,
         pos_BT: torch.Tensor,
-        mask: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         rows: slice,
         write_pos_B: torch.Tensor | None,
         key_len: int,
         last_index_B: torch.Tensor,
     ) -> torch.Tensor:
+        """The decoder stack over `ids_BT`, keys/values into cache `rows`; `attend(q, keys,
+        values)` is the attention kernel with its mask. Returns float32 logits at `last_index_B`."""
         h = self.inner.embed_tokens(ids_BT)
         cos, sin = self.inner.rotary_emb(h, pos_BT)
         B, T = ids_BT.shape
@@ -309,15 +285,7 @@ class BatchedRunner(Runner):
             else:  # decode: one new position per row
                 k_cache[row_index, :, write_pos_B] = k[:, :, 0]
                 v_cache[row_index, :, write_pos_B] = v[:, :, 0]
-            keys, values = k_cache[rows, :, :key_len], v_cache[rows, :, :key_len]
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
+            out = attend(q, k_cache[rows, :, :key_len], v_cache[rows, :, :key_len])
             h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(B, device=self.device), last_index_B]
@@ -334,26 +302,23 @@ class BatchedRunner(Runner):
         lengths = [s.num_tokens for s in seqs]
         T = max(lengths)
         self.cache.ensure(start + len(seqs), T)
-        ids = torch.zeros((len(seqs), T), dtype=torch.long)
+        host = torch.zeros((len(seqs), T + 1), dtype=torch.long)  # each row: its ids, then its length
         for i, s in enumerate(seqs):
-            ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
-        ids = ids.to(self.device)
-        lens = torch.tensor(lengths, device=self.device)
+            host[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
+            host[i, T] = lengths[i]
+        uploaded = transfer.to_device(host, self.device)
+        ids, lens = uploaded[:, :T], uploaded[:, T]
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
         pos = torch.arange(T, device=self.device)
-        # Causal within each prompt and blind to padding keys: (n, 1, T, T).
-        mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
+        if self.device.type == "cuda":  # causal alone keeps right padding out of real positions
+            attend = functools.partial(prefill_attention_cuda, scale=self.scaling)
+        else:  # causal within each prompt and blind to padding keys: (n, 1, T, T)
+            mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
+            attend = functools.partial(sdpa_masked, mask=mask[:, None], scale=self.scaling)
         with self._lora(seqs):
-            logits = self._forward(
-                ids,
-                pos[None].expand(len(seqs), T),
-                mask[:, None],
-                slice(start, start + len(seqs)),
-                None,
-                T,
-                lens - 1,
-            )
+            logits = self._forward(ids, pos[None].expand(len(seqs), T), attend,
+                                   slice(start, start + len(seqs)), None, T, lens - 1)  # fmt: skip
         if record:
             routed = self._routed_rows(len(seqs), T)
             for s, row, n in zip(seqs, routed, lengths):
@@ -367,7 +332,8 @@ class BatchedRunner(Runner):
     @torch.inference_mode()
     def decode(self) -> tuple[list[Sequence], torch.Tensor]:
         seqs = list(self.active)
-        self.cache.ensure(len(seqs), max(s.num_cached for s in seqs) + 1)
+        longest = max(s.num_cached for s in seqs) + 1
+        self.cache.ensure(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
         if self.deterministic:
             logits = torch.cat([self._decode(seqs[i : i + 1], i) for i in range(len(seqs))])
         else:
@@ -377,30 +343,55 @@ class BatchedRunner(Runner):
         return seqs, logits
 
     def _decode(self, seqs: list[Sequence], first_row: int) -> torch.Tensor:
-        """One token for `seqs`, the cache rows from `first_row` on."""
+        """One token for `seqs`, the cache rows from `first_row` on (padded to a bucket of rows
+        when shapes are bucketed: the padding rows lie past the active ones)."""
         B = len(seqs)
-        positions = torch.tensor([s.num_cached for s in seqs], device=self.device)
-        key_len = int(positions.max()) + 1
-        ids = torch.tensor([[s.last_token] for s in seqs], device=self.device)
-        mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        rows = self.shapes.rows(B) if first_row == 0 else B
+        key_len = self.shapes.keys(max(s.num_cached for s in seqs) + 1)
+        host = torch.zeros((2, rows), dtype=torch.long)  # token ids; positions (padding: 0, 0)
+        host[0, :B] = torch.tensor([s.last_token for s in seqs])
+        host[1, :B] = torch.tensor([s.num_cached for s in seqs])
+        inputs = transfer.to_device(host, self.device)
+        self.decode_shapes[(rows, key_len)] += 1
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
-        with self._lora(seqs):
-            logits = self._forward(
-                ids,
-                positions[:, None],
-                mask,
-                slice(first_row, first_row + B),
-                positions,
-                key_len,
-                torch.zeros(B, dtype=torch.long, device=self.device),
-            )
+        if self._graph_ready(seqs, rows, first_row, record):
+            assert self.graphs is not None
+            logits = self.graphs.run(inputs, key_len)
+        else:
+            with self._lora(seqs):
+                logits = self._decode_forward(inputs, key_len, first_row)
         if record:
-            for s, row in zip(seqs, self._routed_rows(B, 1)):
+            for s, row in zip(seqs, self._routed_rows(rows, 1)):
                 if s.return_routed_experts:
                     s.routed_experts.append(row)
             self._routed = None
-        return logits
+        return logits[:B]
+
+    def _decode_forward(self, inputs: torch.Tensor, key_len: int, first_row: int = 0) -> torch.Tensor:
+        """inputs [2, rows]: token ids and positions. No host synchronisation (CUDA-graph safe)."""
+        rows = inputs.shape[1]
+        ids, positions = inputs[0], inputs[1]
+        mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        kernel = decode_attention if self.device.type == "cuda" else sdpa_masked
+        attend = functools.partial(kernel, mask=mask, scale=self.scaling)
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
+        return self._forward(ids[:, None], positions[:, None], attend, slice(first_row, first_row + rows),
+                             positions, key_len, zeros)  # fmt: skip
+
+    def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
+        return self._decode_forward(inputs, key_len)
+
+    def _graph_ready(self, seqs: list[Sequence], rows: int, first_row: int, record: bool) -> bool:
+        """Whether this step replays a CUDA graph (dropping graphs made stale by a cache regrow)."""
+        if self.graphs is None or first_row or record or not self.graphs.covers(rows):
+            return False
+        if self.adapters is not None and any(s.lora is not None for s in seqs):
+            return False  # the LoRA hooks choose adapters per row in Python
+        if self._graphs_generation != self.cache.generation:
+            self.graphs.clear()
+            self._graphs_generation = self.cache.generation
+        return True
 
     @torch.inference_mode()
     def release(self, seq: Sequence) -> None:
@@ -414,11 +405,27 @@ class BatchedRunner(Runner):
 
     def free_cache(self) -> None:
         assert not self.active, "free_cache with active sequences"
+        self.forget_graphs()
         self.cache.free()
 
     def reset(self) -> None:
         self.active.clear()
+        self.forget_graphs()
         self.cache.free()
+
+    def forget_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "decode_shapes": len(self.decode_shapes),
+            "bucketed_shapes": self.shapes.bucketed,
+        }
+        if self.graphs is not None:
+            out.update(cuda_graphs=self.graphs.num_graphs, cuda_graph_replays=self.graphs.num_replays,
+                       cuda_graph_capture_seconds=round(self.graphs.capture_seconds, 3))  # fmt: skip
+        return out
 
 
 class GenericRunner(Runner):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.engines.protocol import SamplingParams
+from slime.engines.torch_engine import transfer
 
 
 @dataclass
@@ -26,9 +27,12 @@ class SampleOutput:
 def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities that top-k / top-p / min-p exclude, row by row (no renormalising)."""
     device = probs_BV.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs_BV.shape[-1] for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs_BV.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs_BV.dtype)
+    vocab = probs_BV.shape[-1]
+    limits = torch.tensor(
+        [[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params], dtype=torch.float64
+    )
+    limits = transfer.to_device(limits, device)
+    top_k, top_p, min_p = limits[:, 0], limits[:, 1].to(probs_BV.dtype), limits[:, 2].to(probs_BV.dtype)
     sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
     ranks = torch.arange(probs_BV.shape[-1], device=device)[None, :]
     # Keep a token if the mass strictly before it is below top_p: the top token always stays.
@@ -56,35 +60,40 @@ def sample(
             (0: none, and that row costs no top-k).
     """
     logits_BV = logits_BV.float()
-    temps = torch.tensor(
-        [p.temperature if p.temperature > 0 else 1.0 for p in params],
-        device=logits_BV.device,
-        dtype=logits_BV.dtype,
-    )
-    logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
+    device = logits_BV.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits_BV.dtype)
+    logprobs_BV = torch.log_softmax(logits_BV / transfer.to_device(temps, device)[:, None], dim=-1)
     tokens_B = logits_BV.argmax(dim=-1)
 
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits_BV.device)
-        probs = logprobs_BV.index_select(0, rows).exp()
+        every_row = len(sampled_rows) == len(params)
+        rows = None if every_row else transfer.to_device(torch.tensor(sampled_rows), device)
+        probs = (logprobs_BV if rows is None else logprobs_BV.index_select(0, rows)).exp()
         row_params = [params[i] for i in sampled_rows]
         if any(p.needs_truncation for p in row_params):
             probs = truncate_probs(probs, row_params)
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                (len(unseeded), probs.shape[-1]), device=probs.device, dtype=probs.dtype
-            ).exponential_(generator=default_generator)
+        if len(unseeded) == len(sampled_rows):
+            noise.exponential_(generator=default_generator)
+        elif unseeded:
+            draws = torch.empty((len(unseeded), probs.shape[-1]), device=device, dtype=probs.dtype)
+            noise.index_copy_(0, transfer.to_device(torch.tensor(unseeded), device),
+                              draws.exponential_(generator=default_generator))  # fmt: skip
         for j, i in enumerate(sampled_rows):
             gen = generators[i]
             if gen is not None:
                 noise[j].exponential_(generator=gen)
-        tokens_B[rows] = (probs / noise).argmax(dim=-1)
+        picked = (probs / noise).argmax(dim=-1)
+        tokens_B = picked if rows is None else tokens_B.index_copy(0, rows, picked)
 
     chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
-    return SampleOutput(tokens_B.tolist(), chosen.tolist(), _top_logprobs(logprobs_BV, top_logprobs_nums))
+    # One copy down for the step: token ids and their log-probs side by side (float64 holds both
+    # exactly: ids below 2**53, float32 log-probs).
+    host = transfer.to_host(torch.stack((tokens_B.to(torch.float64), chosen.to(torch.float64))))
+    tokens = [int(t) for t in host[0].tolist()]
+    return SampleOutput(tokens, host[1].tolist(), _top_logprobs(logprobs_BV, top_logprobs_nums))
 
 
 def _top_logprobs(logprobs_BV: torch.Tensor, nums: list[int] | None) -> list[list[tuple[float, int]]] | None:
@@ -93,9 +102,10 @@ def _top_logprobs(logprobs_BV: torch.Tensor, nums: list[int] | None) -> list[lis
         return None
     rows = [i for i, n in enumerate(nums) if n > 0]
     k = min(max(nums), logprobs_BV.shape[-1])
-    index = torch.tensor(rows, device=logprobs_BV.device)
+    index = transfer.to_device(torch.tensor(rows), logprobs_BV.device)
     values, ids = logprobs_BV.index_select(0, index).topk(k, dim=-1)
     top: list[list[tuple[float, int]]] = [[] for _ in nums]
-    for row, v, t in zip(rows, values.tolist(), ids.tolist()):
+    both = transfer.to_host(torch.stack((values.to(torch.float64), ids.to(torch.float64))))
+    for row, v, t in zip(rows, both[0].tolist(), both[1].long().tolist()):
         top[row] = list(zip(v, t))[: nums[row]]
     return top

@@ -246,6 +246,7 @@ class EngineAPI:
                         "num_steps": e.num_steps,
                         "num_generated_tokens": e.num_generated_tokens,
                         "busy_seconds": e.busy_seconds,
+                        **e.runner.stats(),
                     }
                 ],
             }
@@ -438,6 +439,7 @@ class EngineAPI:
             if "kv_cache" in tags:
                 self.engine.runner.free_cache()
             if "weights" in tags:
+                self.engine.runner.forget_graphs()  # they hold the parameters' addresses
                 self.engine.weights.release()
 
         await self._on_engine(_release)

@@ -1,0 +1,139 @@
+"""The torch engine's CUDA decode path, held on CPU: bucketed decode shapes (counted per step), the
+plan-free decode attention, and one host transfer per step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from slime.engines.client import EngineClient
+from slime.engines.torch_engine import transfer
+from slime.engines.torch_engine.attention import decode_attention, sdpa_masked
+from slime.engines.torch_engine.model_runner import BatchedRunner
+from slime.engines.torch_engine.shapes import DecodeShapes, bucket
+from tests.inprocess import InProcessServer
+
+
+def test_buckets_cover_every_size_with_little_padding():
+    sizes = range(1, 4097)
+    buckets = [bucket(n, 128) for n in sizes]
+    assert all(b >= n for b, n in zip(buckets, sizes))
+    assert all(b <= max(1.25 * n, 128) for b, n in zip(buckets, sizes) if n > 1)
+    assert buckets == sorted(buckets)  # monotone: a longer context never gets a shorter bucket
+    assert len(set(buckets)) <= 28  # 8 powers of two up to 128, then 4 per octave up to 4096
+    assert bucket(300, 8, limit=256) == 300  # a limit below n never truncates
+    assert [bucket(n) for n in (1, 3, 5, 9, 17, 100, 256)] == [1, 4, 8, 10, 20, 112, 256]
+    with pytest.raises(ValueError):
+        bucket(0)
+    exact = DecodeShapes(False, 64, 1024)
+    assert (exact.rows(37), exact.keys(301)) == (37, 301)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_sdpa_with_grouped_heads(dtype):
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, S, D = 5, 8, 2, 37, 16
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, KV, S, D, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([1, 9, 37, 20, 2])
+    mask = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    got = decode_attention(q, k, v, mask, 0.25)
+    want = sdpa_masked(q.float(), k.float(), v.float(), mask, 0.25)
+    tol = 1e-6 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # The query heads of one KV head are consecutive: heads 0-3 read KV head 0 alone.
+    k2 = k.clone()
+    k2[:, 1] = 0
+    changed = decode_attention(q, k2, v, mask, 0.25)
+    assert torch.equal(changed[:, :4], got[:, :4]) and not torch.equal(changed[:, 4:], got[:, 4:])
+
+
+def _requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(4, 90) for _ in range(rng.randint(3, 40))], rng.randint(2, 30)) for _ in range(n)]
+
+
+def _serve(model: str, bucketed: bool, reqs) -> tuple[list, BatchedRunner, int, int]:
+    """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
+    shapes; returns the results, the runner, the engine's steps and the host transfers made."""
+    server = InProcessServer(model, max_running_requests=16)
+    engine = server.engine
+    engine.runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
+    calls = []
+    original = transfer.to_host
+
+    def counting(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.shape)
+        return original(tensor)
+
+    async def scenario(url: str):
+        async with EngineClient(url) as c:
+            return await asyncio.gather(*[
+                c.generate(input_ids=p, return_logprob=True, sampling_params={
+                    "temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": i})
+                for i, (p, m) in enumerate(reqs)
+            ])  # fmt: skip
+
+    transfer.to_host = counting
+    try:
+        with server:
+            results = asyncio.run(scenario(server.url))
+    finally:
+        transfer.to_host = original
+    return results, engine.runner, engine.num_steps, len(calls)
+
+
+def test_bucketed_decode_shapes_repeat_and_change_no_result(tiny_model):
+    reqs = _requests(24)
+    exact, exact_runner, _, _ = _serve(tiny_model, False, reqs)
+    bucketed, runner, steps, transfers = _serve(tiny_model, True, reqs)
+    for a, b in zip(exact, bucketed, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        got = torch.tensor([x[0] for x in b["meta_info"]["output_token_logprobs"]])
+        want = torch.tensor([x[0] for x in a["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    decode_steps = sum(runner.decode_shapes.values())
+    assert decode_steps == sum(exact_runner.decode_shapes.values()) > 30
+    # Exact shapes: nearly every decode step is a shape of its own (keys grow by one per step).
+    assert len(exact_runner.decode_shapes) > 0.8 * decode_steps
+    # Bucketed: a few shapes, each a bucket of rows x a bucket of keys, most steps on a repeat.
+    assert len(runner.decode_shapes) < decode_steps / 3
+    for rows, keys in runner.decode_shapes:
+        assert rows == bucket(rows, 8, 16) and keys == bucket(keys, 128)
+    # One synchronising copy down per engine step (prefill or decode): tokens and log-probs.
+    assert transfers == steps
+
+
+def test_top_logprobs_cost_one_more_copy_only_when_asked():
+    from slime.engines.protocol import SamplingParams
+    from slime.engines.torch_engine.sampling import sample
+
+    calls = []
+    original = transfer.to_host
+
+    def counting(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return original(tensor)
+
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+    ]
+    gen = torch.Generator().manual_seed(1)
+    transfer.to_host = counting
+    try:
+        plain = sample(logits, params, [None, None, torch.Generator().manual_seed(5)], gen)
+        assert len(calls) == 1
+        top = sample(logits, params, [None, None, None], gen, [0, 2, 0])
+        assert len(calls) == 3
+    finally:
+        transfer.to_host = original
+    assert plain.tokens[0] == int(logits[0].argmax()) and all(isinstance(t, int) for t in plain.tokens)
+    want = torch.log_softmax(logits[0], -1)[plain.tokens[0]].item()
+    assert plain.logprobs[0] == want
+    assert top.top_logprobs is not None and top.top_logprobs[0] == [] and len(top.top_logprobs[1]) == 2
