@@ -32,6 +32,7 @@ from slime.backends.micro_batch import MicroBatch
 from slime.backends.routing import RouterHooks
 from slime.backends.train_records import TrainRecords
 from slime.config.train import TrainConfig
+from slime.utils.device_memory import release_device_memory
 from slime.utils.errors import UsageError
 
 
@@ -253,9 +254,10 @@ class TrainActorBase(TrainRecords):
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
         if torch.device(device).type == "cpu":
-            torch.cuda.empty_cache()
+            release_device_memory()  # a colocated engine needs every byte, cuBLAS's workspaces too
+        else:
+            torch.cuda.synchronize()
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, data: RolloutBatch | RolloutPart, max_tokens: int | None = None) -> list[StepPlan]:

@@ -8,19 +8,26 @@ torch's scaled_dot_product_attention causally on each sample's slice of the row,
 samples' boundaries (`cu_seq_lens_q`, the keyword flash-attn's varlen path takes too): exact, no
 mask, and the linear layers still see the whole packed row. Samples of equal length attend in one
 batched call. On CUDA in half precision the whole row is one call of torch's flash-attention
-varlen kernel instead. Without boundaries (one sample per row, right-padded) it is plain causal
+varlen kernel instead, where the installed torch's kernel takes the keywords the call needs
+(`_varlen_call`). Without boundaries (one sample per row, right-padded) it is plain causal
 attention: right padding never reaches a real token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import itertools
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 NAME = "slime_segments"
 _registered = False
@@ -40,7 +47,21 @@ def causal_per_segment(
     heads, tokens, dim], key/value [batch, kv heads, tokens, dim] (grouped-query heads are
     repeated) -> [batch, heads, tokens, dim]."""
     if cu_seq_lens is not None and _varlen_applies(query, dropout_p):
-        return _varlen(query, key, value, cu_seq_lens, longest, scale)
+        out = _varlen(query, key, value, cu_seq_lens, longest, scale)
+        if out is not None:  # None: the installed kernel lacks a keyword this call needs
+            return out
+    return _per_segment(query, key, value, cu_seq_lens, scale, dropout_p)
+
+
+def _per_segment(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens: torch.Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """`causal_per_segment` without the varlen kernel: scaled_dot_product_attention per segment."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -94,6 +115,51 @@ def _varlen_applies(query: torch.Tensor, dropout_p: float) -> bool:
     )
 
 
+# varlen_attn's keywords changed from release to release (GPU users get torch from SGLang's pin):
+#   2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
+#   2.11: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+#                     window_size=(-1, -1))
+#   2.12: as 2.11, plus enable_gqa=False, seqused_k=None, block_table=None, num_splits=None
+# so the call is built from what the installed kernel's signature accepts.
+@dataclasses.dataclass(frozen=True)
+class _VarlenCall:
+    keywords: tuple[tuple[str, Any], ...]
+    """The fixed keywords: causality (window_size or is_causal), enable_gqa where it is taken."""
+    takes_scale: bool
+    repeat_kv: bool
+    """Grouped-query heads repeated before the call (a kernel without enable_gqa)."""
+
+
+@functools.cache
+def _varlen_call(kernel: Callable[..., Any], grouped: bool, custom_scale: bool) -> _VarlenCall | None:
+    """How to call `kernel` causally (None: it cannot be, the per-segment loop runs instead);
+    `custom_scale`: a softmax scale other than 1/sqrt(head dim). Cached per kernel and case,
+    so each choice is logged once."""
+    try:
+        parameters = frozenset(inspect.signature(kernel).parameters)
+    except (TypeError, ValueError):  # a signature Python cannot read: take no chance with the call
+        parameters = frozenset()
+    keywords: list[tuple[str, Any]] = []
+    if "window_size" in parameters:
+        keywords.append(("window_size", (-1, 0)))  # (left, right): all before, none after
+    elif "is_causal" in parameters:
+        keywords.append(("is_causal", True))
+    missing = [] if keywords else ["window_size or is_causal"]
+    if custom_scale and "scale" not in parameters:
+        missing.append("scale")
+    if missing:
+        logger.info("packed attention: the per-segment loop (torch %s's varlen_attn lacks %s)",
+                    torch.__version__, " and ".join(missing))  # fmt: skip
+        return None
+    takes_gqa = grouped and "enable_gqa" in parameters
+    if takes_gqa:
+        keywords.append(("enable_gqa", True))
+    call = _VarlenCall(tuple(keywords), "scale" in parameters, grouped and not takes_gqa)
+    logger.info("packed attention: torch %s's varlen_attn with %s%s", torch.__version__, dict(keywords),
+                ", grouped-query heads repeated" if call.repeat_kv else "")  # fmt: skip
+    return call
+
+
 def _varlen(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -101,17 +167,27 @@ def _varlen(
     cu_seq_lens: torch.Tensor,
     longest: int | None,
     scale: float | None,
-) -> torch.Tensor:
-    """`causal_per_segment` in one kernel call (batch 1: the packed row). The bounds stay on the
-    device: no host round trip per layer when the caller passes `longest`."""
+) -> torch.Tensor | None:
+    """`causal_per_segment` in one kernel call (batch 1: the packed row); None where the
+    installed kernel cannot make this call. The bounds stay on the device: no host round trip
+    per layer when the caller passes `longest`."""
     kernel = _varlen_kernel()
     assert kernel is not None and query.shape[0] == 1, "a packed micro-batch is one row"
+    groups = query.shape[1] // key.shape[1]
+    custom_scale = scale is not None and not math.isclose(scale, query.shape[-1] ** -0.5, rel_tol=1e-6)
+    call = _varlen_call(kernel, groups > 1, custom_scale)
+    if call is None:
+        return None
     cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)
     if longest is None:
         longest = int(cu.diff().max())
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, dim]
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                 enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    if call.repeat_kv:  # query head h reads key/value head h // groups, as the per-segment loop
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    keywords = dict(call.keywords)
+    if call.takes_scale and scale is not None:
+        keywords["scale"] = scale
+    out = kernel(q, k, v, cu, cu, longest, longest, **keywords)
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
     return out.transpose(0, 1).unsqueeze(0)
 

@@ -32,6 +32,7 @@ from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
 from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.megatron.model import move_rotary_tables
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
@@ -500,12 +501,15 @@ class MegatronTrainActor(TrainActorBase):
 
     # ---- colocation -------------------------------------------------------------------------
     def _move(self, device: str | torch.device, params: bool = True) -> None:
-        """TrainActorBase's move, plus the --bf16 masters (optimizer side: they move whatever
-        `params` says; the optimizer holds these very tensors) and megatron-core's attention
-        scratch buffer (freed on sleep, allocated again on use)."""
+        """TrainActorBase's move, plus the --bf16 masters and their gradients (optimizer side:
+        they move whatever `params` says; the optimizer holds these very tensors), megatron-core's
+        rotary tables and its attention scratch buffer (freed on sleep, allocated again on use)."""
         if self.device.type != "cpu":
             for master in self.masters.values():
                 master.data = master.data.to(device)
+                if master.grad is not None:  # the last step's, kept until the next zero_grad
+                    master.grad = master.grad.to(device)
+            move_rotary_tables(self.model, device)
             if torch.device(device).type == "cpu":
                 from megatron.core import parallel_state as ps
 

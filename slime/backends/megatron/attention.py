@@ -6,8 +6,9 @@ needs a GPU. Everything else in megatron-core's attention already handles THD on
 squeezed [tokens, heads, dim] layout, rotary embeddings restarting at each sequence of
 `cu_seqlens`), so this subclass adds the one missing piece: causal attention within each packed
 sequence (slime.backends.fsdp.packed_attention.causal_per_segment, torch's
-scaled_dot_product_attention per sequence). Padded micro-batches go to megatron-core's code
-unchanged. Imported only where megatron-core is installed.
+scaled_dot_product_attention per sequence, or on a GPU in half precision torch's flash-attention
+varlen kernel over the whole row, called as the installed torch accepts). Padded micro-batches
+go to megatron-core's code unchanged. Imported only where megatron-core is installed.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 
 import slime
@@ -42,6 +43,7 @@ from slime.engines.torch_engine.http_util import (
 from slime.engines.torch_engine.lora_api import LoRAAPI
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
 from slime.engines.torch_engine.sequence import Sequence
+from slime.utils.device_memory import release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +249,7 @@ class EngineAPI:
                         "num_generated_tokens": e.num_generated_tokens,
                         "busy_seconds": e.busy_seconds,
                         **e.runner.stats(),
+                        **_cuda_memory(e.device),
                     }
                 ],
             }
@@ -441,6 +444,7 @@ class EngineAPI:
             if "weights" in tags:
                 self.engine.runner.forget_graphs()  # they hold the parameters' addresses
                 self.engine.weights.release()
+            release_device_memory()  # back to the driver, for the colocated trainer
 
         await self._on_engine(_release)
         logger.info("memory released %s", list(tags))
@@ -489,3 +493,12 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
+
+
+def _cuda_memory(device: Any) -> dict[str, int]:
+    """What this engine holds on its GPU (bytes): a colocated trainer needs it near 0 after
+    /release_memory_occupation."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_memory_allocated": torch.cuda.memory_allocated(device),
+            "cuda_memory_reserved": torch.cuda.memory_reserved(device)}  # fmt: skip
