@@ -16,7 +16,17 @@ import time
 
 from slime.utils.net import free_port
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+def _ray_command() -> list[str]:
+    """The `ray` command of this Python: its console script, or (where Ray was unpacked without
+    one, as on the offline GPU machine) the function that script calls."""
+    script = os.path.join(os.path.dirname(sys.executable), "ray")
+    if os.path.exists(script):
+        return [script]
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
+
+
+RAY = _ray_command()
 # Ray rewrites a node address of 127.0.0.1 (or localhost) to the machine's network address; any
 # other loopback address it keeps, so the head takes 127.0.0.3.
 HEAD_IP = "127.0.0.3"
@@ -42,7 +52,7 @@ class RayCluster:
             raise
 
     def _start(self, *args: str) -> None:
-        subprocess.run([RAY, "start", *args, "--temp-dir", self.temp_dir, "--disable-usage-stats"],
+        subprocess.run([*RAY, "start", *args, "--temp-dir", self.temp_dir, "--disable-usage-stats"],
                        env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
 
     def _wait_for(self, num_nodes: int, timeout_s: float = 60.0) -> None:

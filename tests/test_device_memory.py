@@ -183,6 +183,13 @@ def test_the_leftover_report_lists_live_blocks_with_their_stacks(monkeypatch):
         gpu_memory.assert_released(left, "some actor")
     assert "67,109,376 B still allocated" in str(failure.value) and left["blocks"][1] in str(failure.value)
     gpu_memory.assert_released({"allocated": 0, "reserved": 0, "blocks": []}, "some actor")
+    gpu_memory.assert_released(
+        {"allocated": 0, "reserved": 2 << 20, "blocks": [], "segments": []}, "some actor"
+    )
+    with pytest.raises(AssertionError, match="4,194,304 B reserved"):
+        gpu_memory.assert_released(
+            {"allocated": 0, "reserved": 4 << 20, "blocks": [], "segments": ["seg"]}, "x"
+        )
 
 
 def test_run_checks_reports_every_failure():
