@@ -56,45 +56,63 @@ def _requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randrange(4, 90) for _ in range(rng.randint(3, 40))], rng.randint(2, 30)) for _ in range(n)]
 
 
-def _serve(model: str, bucketed: bool, reqs) -> tuple[list, BatchedRunner, int, int]:
+asynchronous: list = []  # the last _serve's copies down, "async" for the overlapped ones
+
+
+def _serve(
+    model: str, bucketed: bool, reqs, overlap: bool = False, **params
+) -> tuple[list, BatchedRunner, int, int]:
     """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
-    shapes; returns the results, the runner, the engine's steps and the host transfers made."""
-    server = InProcessServer(model, max_running_requests=16)
+    shapes (and does or not overlap its decode steps); returns the results, the runner, the
+    engine's steps and the host transfers made."""
+    server = InProcessServer(model, max_running_requests=16, overlap_schedule=overlap)
     engine = server.engine
     engine.runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
     calls = []
     original = transfer.to_host
 
+    original_async = transfer.to_host_async
+
     def counting(tensor: torch.Tensor) -> torch.Tensor:
         calls.append(tensor.shape)
         return original(tensor)
+
+    def counting_async(tensor: torch.Tensor) -> transfer.HostCopy:
+        calls.append("async")
+        return original_async(tensor)
 
     async def scenario(url: str):
         async with EngineClient(url) as c:
             return await asyncio.gather(*[
                 c.generate(input_ids=p, return_logprob=True, sampling_params={
-                    "temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": i})
+                    "temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": i, **params})
                 for i, (p, m) in enumerate(reqs)
             ])  # fmt: skip
 
-    transfer.to_host = counting
+    transfer.to_host, transfer.to_host_async = counting, counting_async
     try:
         with server:
             results = asyncio.run(scenario(server.url))
     finally:
-        transfer.to_host = original
+        transfer.to_host, transfer.to_host_async = original, original_async
+    asynchronous[:] = calls
     return results, engine.runner, engine.num_steps, len(calls)
+
+
+def _assert_same(results, reference) -> None:
+    for a, b in zip(reference, results, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+        got = torch.tensor([x[0] for x in b["meta_info"]["output_token_logprobs"]])
+        want = torch.tensor([x[0] for x in a["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_bucketed_decode_shapes_repeat_and_change_no_result(tiny_model):
     reqs = _requests(24)
     exact, exact_runner, _, _ = _serve(tiny_model, False, reqs)
     bucketed, runner, steps, transfers = _serve(tiny_model, True, reqs)
-    for a, b in zip(exact, bucketed, strict=True):
-        assert a["output_ids"] == b["output_ids"]
-        got = torch.tensor([x[0] for x in b["meta_info"]["output_token_logprobs"]])
-        want = torch.tensor([x[0] for x in a["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    _assert_same(bucketed, exact)
     decode_steps = sum(runner.decode_shapes.values())
     assert decode_steps == sum(exact_runner.decode_shapes.values()) > 30
     # Exact shapes: nearly every decode step is a shape of its own (keys grow by one per step).
@@ -137,3 +155,25 @@ def test_top_logprobs_cost_one_more_copy_only_when_asked():
     want = torch.log_softmax(logits[0], -1)[plain.tokens[0]].item()
     assert plain.logprobs[0] == want
     assert top.top_logprobs is not None and top.top_logprobs[0] == [] and len(top.top_logprobs[1]) == 2
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
+    """Launching each decode step before booking the previous one: every request gets the tokens,
+    log-probs and finish reason it gets without overlap, with ignore_eos (length stops, one
+    request per step finishing at the context limit) and without it (EOS and stop-string stops
+    found one step late on the host), and each step still copies down once."""
+    reqs = _requests(24, seed=1)
+    context = 64  # the tiny model's max_position_embeddings: the longest request ends there
+    reqs[3] = (reqs[3][0], context - len(reqs[3][0]))
+    reqs[5] = (reqs[5][0], 1)
+    plain, _, _, _ = _serve(tiny_model, bucketed, reqs)
+    overlapped, _, steps, transfers = _serve(tiny_model, bucketed, reqs, overlap=True)
+    _assert_same(overlapped, plain)
+    assert overlapped[3]["meta_info"]["completion_tokens"] == context - len(reqs[3][0])
+    assert transfers == steps and asynchronous.count("async") > steps / 2
+    stops = {"ignore_eos": False, "stop": ["a", "7"], "stop_token_ids": [40, 41, 42]}
+    plain, _, _, _ = _serve(tiny_model, bucketed, reqs, **stops)
+    overlapped, _, _, _ = _serve(tiny_model, bucketed, reqs, overlap=True, **stops)
+    _assert_same(overlapped, plain)
+    assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5

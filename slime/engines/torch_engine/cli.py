@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)")  # fmt: skip
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="on CUDA, book each decode step before launching the next (SGLang's flag)")  # fmt: skip
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
                    "--max-running-requests; 0: none)")  # fmt: skip
@@ -175,6 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
         deterministic=args.enable_deterministic_inference,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        overlap_schedule=False if args.disable_overlap_schedule else None,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,

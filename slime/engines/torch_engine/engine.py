@@ -26,7 +26,8 @@ import torch
 
 from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.lora import ServedAdapters
-from slime.engines.torch_engine.model_runner import input_log_probs, load_model, make_runner
+from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
+from slime.engines.torch_engine.overlap import OverlapSchedule
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence
@@ -76,6 +77,10 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     """`--cuda-graph-max-bs` (SGLang's): the largest decode batch replayed as a CUDA graph
     (default: --max-running-requests)."""
+    overlap_schedule: bool | None = None
+    """Launch each decode step before booking the previous one (slime.engines.torch_engine.overlap);
+    None: on CUDA with the batched runner, unless deterministic (`--disable-overlap-schedule`,
+    SGLang's flag, turns it off)."""
 
 
 class TorchEngine:
@@ -108,6 +113,11 @@ class TorchEngine:
             cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
         )
         self.weights = WeightStore(self.model)
+        overlap = config.overlap_schedule
+        if overlap is None:
+            overlap = self.device.type == "cuda" and not config.deterministic
+        batched = isinstance(self.runner, BatchedRunner) and not config.deterministic
+        self.overlap = OverlapSchedule(self) if overlap and batched else None
         self.adapters: ServedAdapters | None = None
         if config.enable_lora:
             self.adapters = ServedAdapters(self.model, config.max_loaded_loras)
@@ -190,8 +200,12 @@ class TorchEngine:
             # Clear before draining: a command queued after this point sets the event again,
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
+            if self.overlap is not None and self.overlap.pending is not None and not self._commands.empty():
+                self._book_in_flight()  # commands see every launched step booked
             self._run_commands()
             if self.paused or self.weights.released or not self.scheduler.has_work():
+                if self.overlap is not None and self.overlap.pending is not None:
+                    self._book_in_flight()  # a last launched step whose sequences had all finished
                 self._wakeup.wait(timeout=1.0)
                 continue
             try:
@@ -200,8 +214,18 @@ class TorchEngine:
                 logger.exception("engine step failed; aborting in-flight requests")
                 self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
 
+    def _book_in_flight(self) -> None:
+        assert self.overlap is not None
+        try:
+            self.overlap.drain()
+        except Exception as e:
+            logger.exception("engine step failed; aborting in-flight requests")
+            self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
+
     def _fail_in_flight(self, message: str) -> None:
         """Abort every request and start the runner afresh (its KV state is not trusted)."""
+        if self.overlap is not None:
+            self.overlap.drop()
         victims = self.scheduler.abort(None, message)
         self.runner.reset()
         self._runner_suspect = False
@@ -244,6 +268,14 @@ class TorchEngine:
             return
         t0 = time.perf_counter()
         try:
+            overlap = self.overlap
+            if overlap is not None and plan.kind == "decode" and overlap.takes(plan.seqs):
+                overlap.step()
+                return
+            if overlap is not None and overlap.pending is not None:
+                overlap.drain()
+                if plan.kind == "decode" and not self.runner.active:
+                    return  # the booked step finished every sequence
             self._run_plan(plan)
         finally:
             self.busy_seconds += time.perf_counter() - t0

@@ -134,6 +134,9 @@ def _lora_rows(adapters: Any, per_row: list[Any]) -> Any:
     return adapters.rows(per_row)
 
 
+TokenSource = tuple[torch.Tensor, list[int]]
+
+
 class Runner:
     """Interface of both runners. `active` lists the sequences with KV state, in decode order."""
 
@@ -149,8 +152,11 @@ class Runner:
         """Run the prompts of new sequences; return last-position logits (n, V) in float32."""
         raise NotImplementedError
 
-    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
-        """One token for every active sequence; return them (in row order) and logits (B, V)."""
+    def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        """One token for every active sequence; return them (in row order) and logits (B, V).
+        `tokens_from`: the input tokens are still on the device (overlapped decoding,
+        slime.engines.torch_engine.overlap): the previous step's token ids and, per active
+        sequence in row order, its index there. Only the batched runner takes it."""
         raise NotImplementedError
 
     def release(self, seq: Sequence) -> None:
@@ -330,28 +336,39 @@ class BatchedRunner(Runner):
         return logits
 
     @torch.inference_mode()
-    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
+    def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
         seqs = list(self.active)
-        longest = max(s.num_cached for s in seqs) + 1
+        longest = min(max(s.num_cached for s in seqs), self.cache.max_len - 1) + 1
         self.cache.ensure(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
         if self.deterministic:
+            assert tokens_from is None, "deterministic decoding does not overlap"
             logits = torch.cat([self._decode(seqs[i : i + 1], i) for i in range(len(seqs))])
         else:
-            logits = self._decode(seqs, 0)
+            logits = self._decode(seqs, 0, tokens_from)
         for s in seqs:
             s.num_cached += 1
         return seqs, logits
 
-    def _decode(self, seqs: list[Sequence], first_row: int) -> torch.Tensor:
+    def _decode(
+        self, seqs: list[Sequence], first_row: int, tokens_from: TokenSource | None = None
+    ) -> torch.Tensor:
         """One token for `seqs`, the cache rows from `first_row` on (padded to a bucket of rows
         when shapes are bucketed: the padding rows lie past the active ones)."""
         B = len(seqs)
         rows = self.shapes.rows(B) if first_row == 0 else B
-        key_len = self.shapes.keys(max(s.num_cached for s in seqs) + 1)
-        host = torch.zeros((2, rows), dtype=torch.long)  # token ids; positions (padding: 0, 0)
-        host[0, :B] = torch.tensor([s.last_token for s in seqs])
-        host[1, :B] = torch.tensor([s.num_cached for s in seqs])
+        # Overlapped decoding runs a sequence that just reached the context limit once more (its
+        # token is dropped): it writes its last slot again instead of one past the cache.
+        last = self.cache.max_len - 1
+        positions = [min(s.num_cached, last) for s in seqs]
+        key_len = self.shapes.keys(max(positions) + 1)
+        # Row 0: token ids (or, with tokens_from, their index in the previous step's); row 1:
+        # positions. Padding rows: token 0 (index 0) at position 0.
+        host = torch.zeros((2, rows), dtype=torch.long)
+        host[0, :B] = torch.tensor(tokens_from[1] if tokens_from else [s.last_token for s in seqs])
+        host[1, :B] = torch.tensor(positions)
         inputs = transfer.to_device(host, self.device)
+        if tokens_from is not None:
+            inputs = torch.stack((tokens_from[0].index_select(0, inputs[0]), inputs[1]))
         self.decode_shapes[(rows, key_len)] += 1
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
@@ -455,7 +472,8 @@ class GenericRunner(Runner):
         return torch.stack(rows)
 
     @torch.inference_mode()
-    def decode(self) -> tuple[list[Sequence], torch.Tensor]:
+    def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        assert tokens_from is None, "the generic runner decodes from host tokens only"
         seqs = list(self.active)
         return seqs, torch.stack([self._step(s, [s.last_token]) for s in seqs])
 

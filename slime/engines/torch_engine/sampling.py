@@ -50,7 +50,7 @@ def sample(
     default_generator: torch.Generator | None,
     top_logprobs_nums: list[int] | None = None,
 ) -> SampleOutput:
-    """Pick one token per row.
+    """Pick one token per row and bring the tokens and their log-probs to the host.
 
     Args:
         logits_BV: float32 logits of the last position of each sequence.
@@ -59,6 +59,20 @@ def sample(
         top_logprobs_nums: per row, how many most likely (logprob, token) pairs to return
             (0: none, and that row costs no top-k).
     """
+    tokens_B, chosen_B, logprobs_BV = sample_on_device(logits_BV, params, generators, default_generator)
+    host = transfer.to_host(pack(tokens_B, chosen_B))
+    tokens, logprobs = unpack(host)
+    return SampleOutput(tokens, logprobs, _top_logprobs(logprobs_BV, top_logprobs_nums))
+
+
+def sample_on_device(
+    logits_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample` without the copy down: token ids [B] (int64), their log-probs [B] and the
+    log-probs of every token [B, V], all where the logits are."""
     logits_BV = logits_BV.float()
     device = logits_BV.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits_BV.dtype)
@@ -88,12 +102,18 @@ def sample(
         picked = (probs / noise).argmax(dim=-1)
         tokens_B = picked if rows is None else tokens_B.index_copy(0, rows, picked)
 
-    chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
-    # One copy down for the step: token ids and their log-probs side by side (float64 holds both
-    # exactly: ids below 2**53, float32 log-probs).
-    host = transfer.to_host(torch.stack((tokens_B.to(torch.float64), chosen.to(torch.float64))))
-    tokens = [int(t) for t in host[0].tolist()]
-    return SampleOutput(tokens, host[1].tolist(), _top_logprobs(logprobs_BV, top_logprobs_nums))
+    chosen_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+    return tokens_B, chosen_B, logprobs_BV
+
+
+def pack(tokens_B: torch.Tensor, chosen_B: torch.Tensor) -> torch.Tensor:
+    """Token ids and their log-probs side by side, for one copy down (float64 holds both exactly:
+    ids below 2**53, float32 log-probs)."""
+    return torch.stack((tokens_B.to(torch.float64), chosen_B.to(torch.float64)))
+
+
+def unpack(host: torch.Tensor) -> tuple[list[int], list[float]]:
+    return [int(t) for t in host[0].tolist()], host[1].tolist()
 
 
 def _top_logprobs(logprobs_BV: torch.Tensor, nums: list[int] | None) -> list[list[tuple[float, int]]] | None:

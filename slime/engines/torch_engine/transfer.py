@@ -3,7 +3,8 @@
 On CUDA a plain `torch.tensor(values, device="cuda")` copies from pageable memory and waits for
 the GPU's queue to drain: a step that builds a few small input tensors that way stalls the GPU
 several times. Inputs go up from pinned memory without waiting (`to_device`); a step brings its
-results down once (`to_host`, the one synchronising copy of a decode step).
+results down once (`to_host`, the one synchronising copy of a decode step; `to_host_async`
+when the host has other work to do before it needs them).
 """
 
 from __future__ import annotations
@@ -21,3 +22,27 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` on the CPU (waits for the work that produces it)."""
     return tensor.cpu()
+
+
+class HostCopy:
+    """A device tensor on its way to pinned host memory; `wait()` gives it once it has arrived."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cpu":
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
+def to_host_async(tensor: torch.Tensor) -> HostCopy:
+    """Start copying `tensor` to the host (the step's one copy down, without waiting for it)."""
+    return HostCopy(tensor)
