@@ -5,6 +5,7 @@ on CPU with torch.cuda's functions stood in for. The first GPU run left 67,108,8
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -80,6 +81,24 @@ def test_sleep_releases_device_memory_once_and_wake_does_not(monkeypatch, keep_p
     actor.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     actor.wake()
     assert released == ["synchronize"]
+
+
+def test_no_local_of_the_sleep_path_holds_a_tensor_when_memory_is_released(monkeypatch):
+    """A tensor still referenced by the releasing frame is freed only after the release: its
+    block's segment stays reserved (the second H200 run: 2 MiB after a loop variable's tensor)."""
+    held: list[list[str]] = []
+
+    def release() -> None:
+        frame = sys._getframe(1)
+        held.append([k for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)])
+
+    monkeypatch.setattr(train_common, "release_device_memory", release)
+    model = torch.nn.Linear(3, 2)
+    actor = fake_actor(Actor, model, list(model.parameters()))
+    model(torch.ones(1, 3)).sum().backward()
+    actor.optimizer.step()
+    actor.sleep()
+    assert held == [[]]
 
 
 def test_sleep_on_a_cpu_actor_touches_no_device(monkeypatch):
@@ -183,12 +202,9 @@ def test_the_leftover_report_lists_live_blocks_with_their_stacks(monkeypatch):
         gpu_memory.assert_released(left, "some actor")
     assert "67,109,376 B still allocated" in str(failure.value) and left["blocks"][1] in str(failure.value)
     gpu_memory.assert_released({"allocated": 0, "reserved": 0, "blocks": []}, "some actor")
-    gpu_memory.assert_released(
-        {"allocated": 0, "reserved": 2 << 20, "blocks": [], "segments": []}, "some actor"
-    )
-    with pytest.raises(AssertionError, match="4,194,304 B reserved"):
+    with pytest.raises(AssertionError, match="2,097,152 B reserved"):
         gpu_memory.assert_released(
-            {"allocated": 0, "reserved": 4 << 20, "blocks": [], "segments": ["seg"]}, "x"
+            {"allocated": 0, "reserved": 2 << 20, "blocks": [], "segments": ["seg"]}, "x"
         )
 
 

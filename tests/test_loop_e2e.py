@@ -34,7 +34,10 @@ def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
     from tests.ray_cluster import shared_address
 
     own = {k: v for k, v in (env or {}).items() if k != "RAY_ADDRESS"}
-    pythonpath = os.pathsep.join([*path, ROOT, str(tmp_path)])
+    # The caller's PYTHONPATH stays behind ours (the offline GPU machine finds Ray and
+    # megatron-core there).
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    pythonpath = os.pathsep.join([*path, ROOT, str(tmp_path), *inherited])
     runtime_env = {"env_vars": {**own, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
            "PYTHONPATH": pythonpath, **own, "RAY_ADDRESS": (env or {}).get("RAY_ADDRESS") or shared_address(),
