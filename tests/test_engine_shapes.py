@@ -171,7 +171,9 @@ def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
     overlapped, _, steps, transfers = _serve(tiny_model, bucketed, reqs, overlap=True)
     _assert_same(overlapped, plain)
     assert overlapped[3]["meta_info"]["completion_tokens"] == context - len(reqs[3][0])
-    assert transfers == steps and asynchronous.count("async") > steps / 2
+    # One copy per launched step; the steps counted are the booked ones, and the last launch
+    # (its sequences all finished a step earlier) may still be in flight when the engine stops.
+    assert steps <= transfers <= steps + 1 and asynchronous.count("async") > steps / 2
     stops = {"ignore_eos": False, "stop": ["a", "7"], "stop_token_ids": [40, 41, 42]}
     plain, _, _, _ = _serve(tiny_model, bucketed, reqs, **stops)
     overlapped, _, _, _ = _serve(tiny_model, bucketed, reqs, overlap=True, **stops)

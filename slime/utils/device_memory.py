@@ -25,3 +25,14 @@ def release_device_memory() -> None:
     if clear_workspaces is not None:
         clear_workspaces()
     torch.cuda.empty_cache()
+
+
+def cuda_memory_held(device: torch.device) -> dict[str, int]:
+    """What this process holds on `device` through the caching allocator (bytes; {} off CUDA):
+    a colocated trainer needs it near 0 after an engine released its memory."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "cuda_memory_allocated": torch.cuda.memory_allocated(device),
+        "cuda_memory_reserved": torch.cuda.memory_reserved(device),
+    }

@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
 from aiohttp import web
 
 import slime
@@ -42,8 +41,9 @@ from slime.engines.torch_engine.http_util import (
 )
 from slime.engines.torch_engine.lora_api import LoRAAPI
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
+from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
-from slime.utils.device_memory import release_device_memory
+from slime.utils.device_memory import cuda_memory_held, release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class EngineAPI:
         def finisher(fut: asyncio.Future) -> Callable[[Sequence], None]:
             def on_finish(seq: Sequence) -> None:  # on the engine thread
                 try:
-                    result = self.engine.result_of(seq, started)
+                    result = result_of(self.engine, seq, started)
                 except Exception as e:  # this request fails; it must not hang
                     logger.exception("building the response of request %s failed", seq.rid)
                     loop.call_soon_threadsafe(_fail, fut, e)
@@ -249,7 +249,7 @@ class EngineAPI:
                         "num_generated_tokens": e.num_generated_tokens,
                         "busy_seconds": e.busy_seconds,
                         **e.runner.stats(),
-                        **_cuda_memory(e.device),
+                        **cuda_memory_held(e.device),
                     }
                 ],
             }
@@ -493,12 +493,3 @@ def _tags(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
         raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
     return tuple(tags)
-
-
-def _cuda_memory(device: Any) -> dict[str, int]:
-    """What this engine holds on its GPU (bytes): a colocated trainer needs it near 0 after
-    /release_memory_occupation."""
-    if device.type != "cuda":
-        return {}
-    return {"cuda_memory_allocated": torch.cuda.memory_allocated(device),
-            "cuda_memory_reserved": torch.cuda.memory_reserved(device)}  # fmt: skip
