@@ -57,6 +57,7 @@ def _requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 asynchronous: list = []  # the last _serve's copies down, "async" for the overlapped ones
+shapes: list = []  # the last _serve's decode forwards: (rows, key length)
 
 
 def _serve(
@@ -67,7 +68,12 @@ def _serve(
     engine's steps and the host transfers made."""
     server = InProcessServer(model, max_running_requests=16, overlap_schedule=overlap)
     engine = server.engine
-    engine.runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
+    engine.runner = runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
+    shapes.clear()
+    forward = runner._decode_forward
+    runner._decode_forward = lambda inputs, key_len, first_row=0: (  # type: ignore[method-assign]
+        shapes.append((inputs.shape[1], key_len)) or forward(inputs, key_len, first_row)
+    )
     calls = []
     original = transfer.to_host
 
@@ -111,12 +117,14 @@ def _assert_same(results, reference) -> None:
 def test_bucketed_decode_shapes_repeat_and_change_no_result(tiny_model):
     reqs = _requests(24)
     exact, exact_runner, _, _ = _serve(tiny_model, False, reqs)
+    exact_shapes = list(shapes)
     bucketed, runner, steps, transfers = _serve(tiny_model, True, reqs)
     _assert_same(bucketed, exact)
     decode_steps = sum(runner.decode_shapes.values())
-    assert decode_steps == sum(exact_runner.decode_shapes.values()) > 30
+    assert decode_steps == len(shapes) > 30 and sorted(runner.decode_shapes.elements()) == sorted(shapes)
     # Exact shapes: nearly every decode step is a shape of its own (keys grow by one per step).
-    assert len(exact_runner.decode_shapes) > 0.8 * decode_steps
+    assert len(exact_shapes) == decode_steps and len(set(exact_shapes)) > 0.8 * decode_steps
+    assert not exact_runner.decode_shapes  # counted only when bucketed (bounded)
     # Bucketed: a few shapes, each a bucket of rows x a bucket of keys, most steps on a repeat.
     assert len(runner.decode_shapes) < decode_steps / 3
     for rows, keys in runner.decode_shapes:

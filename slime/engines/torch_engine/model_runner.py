@@ -226,7 +226,7 @@ class BatchedRunner(Runner):
         bucketed = on_cuda and not deterministic if bucket_shapes is None else bucket_shapes
         self.shapes = DecodeShapes(bucketed, max_running, context_length)
         self.decode_shapes: collections.Counter[tuple[int, int]] = collections.Counter()
-        """Decode steps run per (batch rows, key length) shape."""
+        """Decode steps run per (batch rows, key length) bucket (counted when shapes are bucketed)."""
         # Mixture-of-experts layers: their routers, and what they chose in the current forward
         # when a sequence asked for its routed experts.
         self.routers = hf_experts.find_routers(self.inner.layers)
@@ -338,7 +338,7 @@ class BatchedRunner(Runner):
     @torch.inference_mode()
     def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
         seqs = list(self.active)
-        longest = min(max(s.num_cached for s in seqs), self.cache.max_len - 1) + 1
+        longest = max(s.num_cached for s in seqs) + 1
         self.cache.ensure(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
         if self.deterministic:
             assert tokens_from is None, "deterministic decoding does not overlap"
@@ -356,10 +356,9 @@ class BatchedRunner(Runner):
         when shapes are bucketed: the padding rows lie past the active ones)."""
         B = len(seqs)
         rows = self.shapes.rows(B) if first_row == 0 else B
-        # Overlapped decoding runs a sequence that just reached the context limit once more (its
-        # token is dropped): it writes its last slot again instead of one past the cache.
-        last = self.cache.max_len - 1
-        positions = [min(s.num_cached, last) for s in seqs]
+        # (Overlapped decoding feeds a sequence once more after its last token; that position is
+        # still inside the context: prompt + max_new_tokens <= context length.)
+        positions = [s.num_cached for s in seqs]
         key_len = self.shapes.keys(max(positions) + 1)
         # Row 0: token ids (or, with tokens_from, their index in the previous step's); row 1:
         # positions. Padding rows: token 0 (index 0) at position 0.
@@ -369,7 +368,8 @@ class BatchedRunner(Runner):
         inputs = transfer.to_device(host, self.device)
         if tokens_from is not None:
             inputs = torch.stack((tokens_from[0].index_select(0, inputs[0]), inputs[1]))
-        self.decode_shapes[(rows, key_len)] += 1
+        if self.shapes.bucketed:  # exact shapes would grow this without bound
+            self.decode_shapes[(rows, key_len)] += 1
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
         if self._graph_ready(seqs, rows, first_row, record):
