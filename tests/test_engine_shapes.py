@@ -15,6 +15,7 @@ from slime.engines.torch_engine.attention import decode_attention, sdpa_masked
 from slime.engines.torch_engine.model_runner import BatchedRunner
 from slime.engines.torch_engine.shapes import DecodeShapes, bucket
 from tests.inprocess import InProcessServer
+from tests.test_engine_lora import adapters  # noqa: F401 - a fixture
 
 
 def test_buckets_cover_every_size_with_little_padding():
@@ -187,3 +188,25 @@ def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
     overlapped, _, _, _ = _serve(tiny_model, bucketed, reqs, overlap=True, **stops)
     _assert_same(overlapped, plain)
     assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5
+
+
+def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):  # noqa: F811
+    """LoRA rows in a batch padded to a bucket (3 rows -> 4): each real row keeps its adapter,
+    the same answers as exact shapes."""
+    from tests.test_engine_lora import PROMPTS
+
+    def run(bucketed: bool) -> list[dict]:
+        server = InProcessServer(tiny_model, enable_lora=True, lora_paths=(("a1", adapters["a1"]),))
+        engine = server.engine
+        engine.runner = BatchedRunner(engine.model, 64, engine.context_length, bucket_shapes=bucketed)
+        engine.runner.adapters = engine.adapters
+
+        async def scenario(url: str):
+            async with EngineClient(url) as c:
+                return await c.generate(input_ids=PROMPTS, lora_path=["a1", None, "a1"], return_logprob=True,
+                                        sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})  # fmt: skip
+
+        with server:
+            return asyncio.run(scenario(server.url))
+
+    _assert_same(run(True), run(False))

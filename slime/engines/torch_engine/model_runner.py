@@ -375,8 +375,8 @@ class BatchedRunner(Runner):
         if self._graph_ready(seqs, rows, first_row, record):
             assert self.graphs is not None
             logits = self.graphs.run(inputs, key_len)
-        else:
-            with self._lora(seqs):
+        else:  # padding rows run the base model
+            with _lora_rows(self.adapters, [s.lora for s in seqs] + [None] * (rows - B)):
                 logits = self._decode_forward(inputs, key_len, first_row)
         if record:
             for s, row in zip(seqs, self._routed_rows(rows, 1)):
