@@ -129,11 +129,11 @@ for part in "${PARTS[@]}"; do
         else run_job "$part" --train-backend megatron --transformer-impl local; fi
         ;;
     bench-engine)
-        # The benchmark's own exit code decides; its two result lines are the figure.
+        # The benchmark's own exit code decides (1: a target missed); its two result lines are the figure.
         limited "$T_BENCH" "$PY" benchmarks/bench_engine.py --device "$DEVICE" >"$log" 2>&1
         rc=$? secs=$((SECONDS - start))
         figure=$(grep -E '^(ratio torch engine / HF generate:|GPU busy)' "$log" | awk 'NR > 1 {printf "; "} {printf "%s", $0}')
-        if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_BENCH") (see $log)"
+        if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_BENCH")${figure:+: $figure} (see $log)"
         elif [ "$(grep -cE '^(ratio torch engine / HF generate:|GPU busy)' "$log")" -lt 2 ]; then
             report FAIL "$part" "exit 0 but the 'ratio torch engine / HF generate:' or 'GPU busy' line is missing (see $log)"
         else report PASS "$part" "$figure ($secs s)"; fi

@@ -210,3 +210,50 @@ def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):  #
             return asyncio.run(scenario(server.url))
 
     _assert_same(run(True), run(False))
+
+
+def _watch_overlap(tiny_model, probe: bool) -> tuple[list, list[bool], list[bool]]:
+    """12 requests through an overlapping engine that runs 4 at once (later ones are admitted as
+    others finish); returns the results, whether each admission found a step in flight, and
+    (with `probe`) whether each command run between steps (sent every millisecond) did."""
+    server = InProcessServer(tiny_model, max_running_requests=4, overlap_schedule=True)
+    engine = server.engine
+    admitted: list[bool] = []
+    plan = engine.scheduler.plan
+
+    def watched_plan():
+        if engine.scheduler.admits():
+            admitted.append(engine.overlap.pending is not None)
+        return plan()
+
+    engine.scheduler.plan = watched_plan  # type: ignore[method-assign]
+    reqs = _requests(12, seed=2)
+
+    async def scenario(url: str):
+        async with EngineClient(url) as c:
+            jobs = asyncio.gather(*[
+                c.generate(input_ids=p, sampling_params={"max_new_tokens": m, "ignore_eos": True})
+                for p, m in reqs
+            ])  # fmt: skip
+            seen = []
+            while probe and not jobs.done():
+                seen.append(
+                    await asyncio.wrap_future(engine.call(lambda: engine.overlap.pending is not None))
+                )
+                await asyncio.sleep(0.001)
+            return await jobs, seen
+
+    with server:
+        results, seen = asyncio.run(scenario(server.url))
+    assert [r["meta_info"]["completion_tokens"] for r in results] == [m for _, m in reqs]
+    return results, admitted, seen
+
+
+def test_overlapped_steps_are_booked_before_admissions(tiny_model):
+    _, admitted, _ = _watch_overlap(tiny_model, probe=False)
+    assert len(admitted) > 3 and not any(admitted)
+
+
+def test_overlapped_steps_are_booked_before_commands(tiny_model):
+    _, _, seen = _watch_overlap(tiny_model, probe=True)
+    assert len(seen) > 5 and not any(seen)

@@ -199,8 +199,6 @@ class TorchEngine:
             # Clear before draining: a command queued after this point sets the event again,
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
-            if self.overlap is not None and self.overlap.pending is not None and not self._commands.empty():
-                self._book_in_flight()  # commands see every launched step booked
             self._run_commands()
             if self.paused or self.weights.released or not self.scheduler.has_work():
                 if self.overlap is not None and self.overlap.pending is not None:
@@ -256,12 +254,16 @@ class TorchEngine:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue
+            if self.overlap is not None and self.overlap.pending is not None:
+                self._book_in_flight()  # a command sees every launched step booked
             try:
                 fut.set_result(fn())
             except BaseException as e:
                 fut.set_exception(e)
 
     def _step(self) -> None:
+        if self.overlap is not None and self.overlap.pending is not None and self.scheduler.admits():
+            self.overlap.drain()  # admissions see every launched step booked (room, aborts)
         plan = self.scheduler.plan()
         if plan is None:
             return

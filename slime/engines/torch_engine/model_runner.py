@@ -234,10 +234,13 @@ class BatchedRunner(Runner):
         self._routed: dict[int, torch.Tensor] | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._record_routing(li))
-        # CUDA graphs for dense models (HF's expert routing synchronises with the host).
+        # CUDA graphs for dense models: HF's expert routing synchronises with the host (told by
+        # structure, not by the router's class, which changed between transformers releases).
         self.graphs: DecodeGraphs | None = None
-        if on_cuda and bucketed and not self.routers and cuda_graph_max_bs != 0:
-            self.graphs = DecodeGraphs(self._graph_forward, cuda_graph_max_bs or max_running)
+        experts = any(hasattr(getattr(layer, "mlp", None), "experts") for layer in self.inner.layers)
+        if on_cuda and bucketed and not experts and not self.routers and cuda_graph_max_bs != 0:
+            max_batch = min(cuda_graph_max_bs or max_running, max_running)
+            self.graphs = DecodeGraphs(self._graph_forward, max_batch, self.shapes.rows(max_batch))
         self._graphs_generation = self.cache.generation
 
     def _record_routing(self, li: int) -> Any:
@@ -372,7 +375,7 @@ class BatchedRunner(Runner):
             self.decode_shapes[(rows, key_len)] += 1
         record = any(s.return_routed_experts for s in seqs)
         self._routed = {} if record else None
-        if self._graph_ready(seqs, rows, first_row, record):
+        if self._graph_ready(seqs, first_row, record):
             assert self.graphs is not None
             logits = self.graphs.run(inputs, key_len)
         else:  # padding rows run the base model
@@ -399,9 +402,9 @@ class BatchedRunner(Runner):
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
         return self._decode_forward(inputs, key_len)
 
-    def _graph_ready(self, seqs: list[Sequence], rows: int, first_row: int, record: bool) -> bool:
+    def _graph_ready(self, seqs: list[Sequence], first_row: int, record: bool) -> bool:
         """Whether this step replays a CUDA graph (dropping graphs made stale by a cache regrow)."""
-        if self.graphs is None or first_row or record or not self.graphs.covers(rows):
+        if self.graphs is None or first_row or record or not self.graphs.covers(len(seqs)):
             return False
         if self.adapters is not None and any(s.lora is not None for s in seqs):
             return False  # the LoRA hooks choose adapters per row in Python
@@ -442,6 +445,8 @@ class BatchedRunner(Runner):
         if self.graphs is not None:
             out.update(cuda_graphs=self.graphs.num_graphs, cuda_graph_replays=self.graphs.num_replays,
                        cuda_graph_capture_seconds=round(self.graphs.capture_seconds, 3))  # fmt: skip
+            if self.graphs.failed:
+                out["cuda_graph_failed"] = self.graphs.failed
         return out
 
 

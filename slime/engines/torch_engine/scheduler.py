@@ -66,10 +66,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admits(self) -> bool:
+        """Whether the next plan admits waiting sequences (a prefill)."""
+        return bool(self.waiting) and len(self.running) < self.max_running
+
     def plan(self) -> StepPlan | None:
         """Prefill waiting sequences while there is room; otherwise decode the running batch."""
         room = self.max_running - len(self.running)
-        if self.waiting and room > 0:
+        if self.admits():
             admitted: list[Sequence] = []
             longest = 0
             while self.waiting and len(admitted) < room:

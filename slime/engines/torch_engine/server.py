@@ -48,7 +48,7 @@ from slime.utils.device_memory import cuda_memory_held, release_device_memory
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags; no CUDA graphs here
+_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags
 
 
 def make_app(
@@ -441,8 +441,9 @@ class EngineAPI:
                 )
             if "kv_cache" in tags:
                 self.engine.runner.free_cache()
-            if "weights" in tags:
+            if "weights" in tags or "cuda_graph" in tags:
                 self.engine.runner.forget_graphs()  # they hold the parameters' addresses
+            if "weights" in tags:
                 self.engine.weights.release()
             release_device_memory()  # back to the driver, for the colocated trainer
 
