@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from typing import TYPE_CHECKING
 
 from slime.config.resolve import Resolution
@@ -41,7 +42,7 @@ def dry_run(ns: argparse.Namespace, config: Config | None, found: list[str], res
         assert config is not None
         report += plan(config, ns) + [f"warning: {w}" for w in warnings]
     # The report is the command's output (as --help is), read from stdout: not a log record.
-    print("\n".join(report))
+    sys.stdout.write("\n".join(report) + "\n")  # the report is the command's output
     return 2 if found else 0
 
 

@@ -201,8 +201,7 @@ class TorchEngine:
             self._wakeup.clear()
             self._run_commands()
             if self.paused or self.weights.released or not self.scheduler.has_work():
-                if self.overlap is not None and self.overlap.pending is not None:
-                    self._book_in_flight()  # a last launched step whose sequences had all finished
+                self._book_in_flight()  # a last launched step whose sequences had all finished
                 self._wakeup.wait(timeout=1.0)
                 continue
             try:
@@ -212,7 +211,9 @@ class TorchEngine:
                 self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
 
     def _book_in_flight(self) -> None:
-        assert self.overlap is not None
+        """Book the overlapped step in flight, if any (a failure fails the requests, as a step's)."""
+        if self.overlap is None or self.overlap.pending is None:
+            return
         try:
             self.overlap.drain()
         except Exception as e:
@@ -254,8 +255,7 @@ class TorchEngine:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue
-            if self.overlap is not None and self.overlap.pending is not None:
-                self._book_in_flight()  # a command sees every launched step booked
+            self._book_in_flight()  # a command sees every launched step booked
             try:
                 fut.set_result(fn())
             except BaseException as e:
