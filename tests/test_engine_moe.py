@@ -47,11 +47,11 @@ def test_weight_store_speaks_per_expert_checkpoint_names(moe_model, tmp_path):
     for name, value in expected.named_parameters():
         assert torch.equal(dict(model.named_parameters())[name], value), name
     snapshot_count = store.snapshot()
-    assert snapshot_count == len(target) and store.compare() == []
+    assert snapshot_count == len(target) and store.compare() == ([], "")
 
     fused = "model.layers.1.mlp.experts.down_proj"
     store.update_from_named([(fused, torch.zeros(4, 64, 32))])
-    problems = store.compare()
+    problems, _ = store.compare()
     assert sorted(p.split()[0] for p in problems) == [
         f"name=model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)
     ]

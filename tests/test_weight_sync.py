@@ -112,6 +112,39 @@ def test_every_check_catches_every_fault(engine, tiny_model, tmp_path, transport
         asyncio.run(bridge.close())
 
 
+def test_compare_after_a_bfloat16_push_rounds_the_snapshot_and_still_catches_a_drop(engine, tiny_model):
+    """A bfloat16 trainer (Megatron --bf16) pushing into this float32 engine: "compare" holds
+    each parameter to the checkpoint rounded to bfloat16, says so, and still sees the noise
+    that a tensor left out of the push leaves behind."""
+    actor = CheckpointActor(tiny_model)
+    actor.state = {n: t.to(torch.bfloat16) for n, t in actor.state.items()}
+    assert any(
+        not torch.equal(t.float(), v)
+        for t, v in zip(actor.state.values(), load_file(f"{tiny_model}/model.safetensors").values())
+    )
+    bridge = WeightBridge.for_topology(build_topology("tensor", "cpu", [engine.url]), tiny_model)
+    try:
+        for fault in (None, PushFault.parse(f"drop:{NORM}")):
+            call(engine.url, "weights_checker", "snapshot")
+            call(engine.url, "weights_checker", "reset_tensors")
+            push_actor_weights(actor, bridge, "bf16", 200_000, fault)
+            if fault is None:
+                message = call(engine.url, "weights_checker", "compare")["message"]
+                n = len(actor.state)
+                assert message == (f"compare: parameters equal the snapshot ({n} compared with the snapshot "
+                                   "rounded to bfloat16, the dtype their update arrived in)")  # fmt: skip
+            else:
+                with pytest.raises(EngineError) as e:
+                    call(engine.url, "weights_checker", "compare")
+                lines = e.value.message.splitlines()[1:]
+                assert [line.split()[0] for line in lines] == [f"name={NORM}"]
+                assert "rounded" not in lines[0]  # not pushed: compared exactly, and noise differs
+    finally:
+        actor = CheckpointActor(tiny_model)
+        push_actor_weights(actor, bridge, "restored", 1 << 30)
+        asyncio.run(bridge.close())
+
+
 def _dump(root, part, rank, tensors):
     folder = root / part / str(rank)
     folder.mkdir(parents=True, exist_ok=True)

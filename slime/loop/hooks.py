@@ -73,13 +73,17 @@ class WeightUpdateEqualCheck(Hook):
         if not self.adapter:
             loop.engines.scramble_weights()
         loop.push()
-        loop.engines.compare_weights()
+        messages = loop.engines.compare_weights()
+        # A bfloat16 trainer pushing into a float32 engine: the engine compares with the checkpoint
+        # rounded to bfloat16 and says so in its message ("... (N compared with ... rounded to ...)").
+        rounded = sorted({m[m.index("(") :] for m in messages if "rounded to" in m})
         logger.info(
-            "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint%s",
+            "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint%s%s",
             " (the base weights, untouched by the adapter push) and every engine received the trainer's "
             "adapter bit for bit (sha256)"
             if self.adapter
             else "",
+            " " + " ".join(rounded) if rounded else "",
         )
         return False
 

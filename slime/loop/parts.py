@@ -161,8 +161,9 @@ class EngineGroup(Protocol):
 
     def scramble_weights(self) -> None: ...
 
-    def compare_weights(self) -> None:
-        """Raise WeightSyncError if any engine's weights differ from its snapshot."""
+    def compare_weights(self) -> list[str]:
+        """Raise WeightSyncError if any engine's weights differ from its snapshot; else every
+        engine's success message."""
         ...
 
     def dump_parameters(self, root: str) -> list[int]:

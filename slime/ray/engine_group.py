@@ -270,17 +270,19 @@ class RayEngineGroup:
     def scramble_weights(self) -> None:
         self._each(lambda j, c: c.weights_checker("reset_tensors"), strict=True)
 
-    def compare_weights(self) -> None:
+    def compare_weights(self) -> list[str]:
+        """Every engine's /weights_checker "compare"; their success messages (in engine order)."""
         from slime.bridge.verify import WeightSyncError
 
         try:
-            self._each(lambda j, c: c.weights_checker("compare"), strict=True)
+            answers = self._each(lambda j, c: c.weights_checker("compare"), strict=True)
         except EngineError as e:
             raise WeightSyncError(
                 "--check-weight-update-equal: after the first push an engine's weights differ from the checkpoint "
                 f"it loaded ({e.url}):\n{e.message}\nEvery parameter was overwritten with noise before the "
                 'push, so a parameter listed here was sent wrong or never sent. See docs/debugging.md "Parameter sync".'
             ) from None
+        return [a.get("message", "") if isinstance(a, dict) else "" for a in answers]
 
     def dump_parameters(self, root: str) -> list[int]:
         """Engine j (tensor-parallel size 1 on the torch engine) dumps to root/<j>/."""

@@ -73,10 +73,14 @@ class WeightsDebugAPI:
             result = await self._on_engine(actions[action])
         except ProtocolError as e:
             return web.json_response({"success": False, "message": e.message}, status=400)
-        if action == "compare" and result:
-            message = "check tensor equality failed:\n" + "\n".join(result)
-            return web.json_response({"success": False, "message": message}, status=400)
-        what = "parameters equal the snapshot" if action == "compare" else f"{result} parameters"
+        if action == "compare":
+            problems, note = result
+            if problems:
+                message = "check tensor equality failed:\n" + "\n".join(problems)
+                return web.json_response({"success": False, "message": message}, status=400)
+            what = "parameters equal the snapshot" + (f" ({note})" if note else "")
+        else:
+            what = f"{result} parameters"
         return web.json_response({"success": True, "message": f"{action}: {what}"})
 
     async def weights_fingerprint(self, request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,6 +58,9 @@ class WeightStore:
         self.groups: dict[str, Any] = {}
         self._mapped = MappedFiles()  # the trainer's shared-memory files, mapped once
         self._snapshot: dict[str, torch.Tensor] | None = None  # weights_checker "snapshot"
+        # Entry -> the dtype its last update arrived in, for "compare": a trainer holding bfloat16
+        # parameters (Megatron --bf16) sends bfloat16 into this float32 engine.
+        self._arrived: dict[str, torch.dtype] = {}
         self.applied_fingerprints: dict[str, dict[str, Any]] | None = None
 
     # ---- validation -------------------------------------------------------------------------
@@ -116,6 +120,7 @@ class WeightStore:
             self._target(name).copy_(tensor)
             for entry in self._covers[name]:
                 self.stale.discard(entry)
+                self._arrived[entry] = tensor.dtype
                 if self.applied_fingerprints is not None:
                     self.applied_fingerprints[entry] = fingerprint_entry(self._tensor(entry))
         return len(named)
@@ -303,6 +308,7 @@ class WeightStore:
     def snapshot(self) -> int:
         """SGLang's weights_checker "snapshot": a CPU copy of every parameter."""
         self._snapshot = {name: p.detach().to("cpu", copy=True) for name, p in self._canonical_params()}
+        self._arrived.clear()
         return len(self._snapshot)
 
     @torch.no_grad()
@@ -315,22 +321,37 @@ class WeightStore:
             p.copy_(torch.rand(p.shape, generator=generator, dtype=torch.float32).to(p.dtype))
         return len(params)
 
-    def compare(self) -> list[str]:
-        """ "compare": one line per parameter that differs from the snapshot (exact comparison)."""
+    def compare(self) -> tuple[list[str], str]:
+        """ "compare": one line per parameter that differs from the snapshot, and a note on how
+        they were compared. Exact comparison, except that a parameter whose update since the
+        snapshot arrived in a narrower dtype than this engine holds (a bfloat16 trainer, a
+        float32 engine) is compared with the snapshot rounded to that dtype first: the rounding
+        is the trainer's precision, not a sync error, and noise left by a missing update still
+        differs."""
         snapshot = self._snapshot
         if snapshot is None:
             raise ProtocolError("weights_checker compare: no snapshot; send action 'snapshot' first")
-        problems = []
+        problems, rounded = [], Counter[str]()
         for name, p in self._canonical_params():
             expected, actual = snapshot[name], p.detach().to("cpu")
+            sent = self._arrived.get(name, actual.dtype)
+            through = ""
+            if sent.is_floating_point and torch.finfo(sent).bits < torch.finfo(actual.dtype).bits:
+                expected = expected.to(sent).to(actual.dtype)
+                through = f" (snapshot rounded to {_dtype_name(sent)}, the dtype the update arrived in)"
+                rounded[_dtype_name(sent)] += 1
             if expected.shape != actual.shape or expected.dtype != actual.dtype:
                 problems.append(f"name={name} shape/dtype {tuple(actual.shape)} {actual.dtype} != "
                                 f"{tuple(expected.shape)} {expected.dtype}")  # fmt: skip
             elif not torch.equal(expected, actual):
                 err = (expected.double() - actual.double()).abs()
                 problems.append(f"name={name} max_abs_err={err.max().item():.6g} mean_abs_err={err.mean().item():.6g} "
-                                f"first_index={int((err != 0).view(-1).nonzero()[0])}")  # fmt: skip
-        return problems
+                                f"first_index={int((err != 0).view(-1).nonzero()[0])}{through}")  # fmt: skip
+        note = "; ".join(
+            f"{n} compared with the snapshot rounded to {dtype}, the dtype their update arrived in"
+            for dtype, n in sorted(rounded.items())
+        )
+        return problems, note
 
     # ---- memory -----------------------------------------------------------------------------
     def release(self) -> None:
@@ -355,6 +376,10 @@ class WeightStore:
     def describe_stale(self) -> str:
         names = sorted(self.stale)
         return f"{len(names)} parameter(s) not reloaded since resume_memory_occupation, e.g. {names[:3]}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _safetensors_dtype(code: str) -> str:
