@@ -42,11 +42,11 @@ sys.path.insert(0, _HERE)
 from bench_engine import make_workload, run_engine  # noqa: E402
 from bench_train import GLOBAL_BATCH, MICRO_BATCH, make_rollout  # noqa: E402
 
-from slime.backends.interface import RolloutBatch  # noqa: E402
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from slime.engines.torch_engine.launcher import start_torch_engine  # noqa: E402
 from slime.tools.make_tiny_model import main as make_tiny_model  # noqa: E402
 from slime.utils import hf_experts  # noqa: E402
+from slime.utils.batch import RolloutBatch  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 4, 4, 2
 NUM_EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 128

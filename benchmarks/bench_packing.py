@@ -38,7 +38,7 @@ NUM_LAYERS, HIDDEN = "6", "384"
 def make_rollout(workload: str, seed: int, samples: int):
     import torch
 
-    from slime.backends.interface import RolloutBatch
+    from slime.utils.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     long = set(torch.randperm(samples, generator=g)[: samples // 10].tolist())
@@ -60,8 +60,9 @@ def child(spec: dict) -> dict:
     import torch
 
     from slime.algo.objective import LossConfig
-    from slime.backends import batching, make_train_actor
+    from slime.backends import make_train_actor
     from slime.config.train import BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
+    from slime.utils import batching
 
     torch.set_num_threads(spec["threads"])
     if spec["batching"] == "fixed":

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_samples(num_samples: int, response_len: int, prompt_len: int = 64) -> list:
     import random
 
-    from slime.rollout.sample import Sample, Status
+    from slime.utils.sample import Sample, Status
 
     rng = random.Random(0)
     samples = []
@@ -64,8 +64,8 @@ def measure(mode: str, num_samples: int, response_len: int, ranks: int) -> dict:
             self.samples = make_samples(num_samples, response_len)
 
         def by_value(self):
-            from slime.rollout.sample import samples_to_batch
             from slime.rollout.summary import rollout_metrics
+            from slime.utils.sample import samples_to_batch
 
             batch = samples_to_batch(self.samples)
             return (

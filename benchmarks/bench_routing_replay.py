@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.backends.interface import RolloutBatch
 from slime.engines.client import ClientConfig, EngineClient
 from slime.engines.torch_engine.launcher import start_torch_engine
-from slime.rollout.sample import int32_meta_array
 from slime.tools.make_tiny_model import main as make_tiny_model
+from slime.utils.batch import RolloutBatch
+from slime.utils.sample import int32_meta_array
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 

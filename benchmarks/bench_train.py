@@ -25,12 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slime.algo import advantages as adv
 from slime.algo.losses import token_weights
 from slime.algo.objective import LossConfig, MicroBatchTerms, micro_batch_loss
-from slime.backends import batching
 from slime.backends.fsdp.forward import response_log_probs
-from slime.backends.interface import RolloutBatch
 from slime.backends.micro_batch import make_micro_batch
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
 from slime.tools.make_tiny_model import main as make_tiny_model
+from slime.utils import batching
+from slime.utils.batch import RolloutBatch
 
 GLOBAL_BATCH, MICRO_BATCH, NUM_SAMPLES = 32, 8, 64
 
@@ -119,7 +119,7 @@ def main() -> int:
 
     loss_cfg = LossConfig()
     opt_cfg = OptimizerConfig(lr=1e-5)
-    from slime.backends.fsdp.packed_attention import register
+    from slime.backends.packed_attention import register
 
     # The actor's layout: packed micro-batches, slime's per-sample attention (docs/train.md).
     model = AutoModelForCausalLM.from_pretrained(

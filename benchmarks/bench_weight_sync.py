@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.bridge.bridge import WeightBridge, make_transport, push_actor_weights
+from slime.bridge.bridge import WeightBridge, make_transport
+from slime.bridge.push import push_actor_weights
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
 from slime.utils.aio import run_sync

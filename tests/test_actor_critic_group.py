@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from slime.backends.interface import TrainOutput
 from slime.loop.critic import ActorCritic
-from slime.loop.parts import Rollout
+from slime.utils.batch import Rollout, TrainOutput
 
 
 class Fake:

@@ -15,7 +15,8 @@ def train_and_push(
     rank, world_size, init_method, model, url, transport, more_urls=(), megatron_tp=0, megatron_ep=0
 ):
     from slime.backends import make_train_actor
-    from slime.bridge.bridge import WeightBridge, push_actor_weights
+    from slime.bridge.bridge import WeightBridge
+    from slime.bridge.push import push_actor_weights
     from slime.bridge.topology import build_topology
     from slime.engines.client import EngineClient
     from slime.utils.checksum import tensor_checksum

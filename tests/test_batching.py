@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime.backends import batching
+from slime.utils import batching
 
 
 def test_split_steps_in_rollout_order_and_refuses_remainders():
@@ -49,7 +49,7 @@ def test_fixed_micro_batches():
 
 
 def _batch(lengths: list[int], rewards: list[float] | None = None):
-    from slime.backends.interface import RolloutBatch
+    from slime.utils.batch import RolloutBatch
 
     n = len(lengths)
     return RolloutBatch(
@@ -62,8 +62,8 @@ def _batch(lengths: list[int], rewards: list[float] | None = None):
 
 
 def test_split_rollout_gives_each_replica_the_share_it_plans_with():
-    from slime.backends.interface import split_rollout
     from slime.config.train import BatchConfig
+    from slime.utils.batch import split_rollout
 
     lengths = [9, 3, 7, 4, 12, 5, 6, 8]
     batch = _batch(lengths)
@@ -84,9 +84,9 @@ def test_split_rollout_gives_each_replica_the_share_it_plans_with():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, dynamic):
-    from slime.backends.interface import BatchError, split_rollout
     from slime.backends.train_common import TrainActorBase
     from slime.config.train import BatchConfig, TrainConfig
+    from slime.utils.batch import BatchError, split_rollout
 
     lengths = [9, 3, 7, 4, 12, 5, 6, 8]
     batch = _batch(lengths)

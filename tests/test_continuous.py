@@ -12,7 +12,7 @@ import pytest
 
 from slime.engines.client import EngineClient
 from slime.rollout.generate import apply_response, continue_sample
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 from tests.conftest import start_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 120, "ignore_eos": True}

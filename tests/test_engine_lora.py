@@ -157,18 +157,19 @@ def test_the_adapter_push_checks_what_each_engine_received(lora_engine, adapters
     from safetensors.torch import load_file
 
     from slime.bridge import adapter
+    from slime.bridge.adapter import push_adapter
     from slime.bridge.bridge import WeightBridge
-    from slime.bridge.ipc import flatten, serialize
     from slime.bridge.tensor import TensorTransport
     from slime.bridge.verify import WeightSyncError
     from slime.utils.aio import run_sync
+    from slime.utils.flattened_bucket import flatten, serialize
     from slime.utils.shm_tensors import SharedBuffer
 
     config = json.loads(open(f"{adapters['a1']}/adapter_config.json").read())
     named = sorted(load_file(f"{adapters['a1']}/adapter_model.safetensors").items())
     bridge = WeightBridge(TensorTransport(), [lora_engine.url])
     try:
-        stats = run_sync(bridge.push_adapter(named, config, "7", checksums=True, name="checked"))
+        stats = run_sync(push_adapter(bridge, named, config, "7", checksums=True, name="checked"))
         assert stats["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
         pushed, from_dir = generate(lora_engine.url, ["checked"] * 3), generate(lora_engine.url, ["a1"] * 3)
         assert [output(r) for r in pushed] == [output(r) for r in from_dir]

@@ -11,7 +11,7 @@ from slime.config.arguments import parse_args
 from slime.config.eval_sets import EvalDataset
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.ray.rollout_manager import eval_metrics
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from slime.rollout.filter_hub.dynamic_sampling_filters import (
     check_reward_nonzero_std,
     check_reward_nonzero_std_with_fallback,
 )
-from slime.rollout.sample import Sample
+from slime.utils.sample import Sample
 
 
 def group(*rewards):

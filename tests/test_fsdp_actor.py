@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from slime.algo.objective import LossConfig
-from slime.backends.interface import RolloutBatch, split_rollout
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
+from slime.utils.batch import RolloutBatch, split_rollout
 from tests.dist_helpers import run_ranks
 
 NUM_ROLLOUTS = 5

@@ -15,9 +15,9 @@ import torch
 from slime.algo import advantages as adv
 from slime.algo.objective import LossConfig
 from slime.backends.fsdp.actor import FSDPTrainActor
-from slime.backends.fsdp.model_init import CheckpointError
-from slime.backends.interface import BatchError, RolloutBatch
+from slime.backends.hf_checkpoint import CheckpointError
 from slime.config.train import BatchConfig, FSDPConfig, ModelOptions, OptimizerConfig, TrainConfig
+from slime.utils.batch import BatchError, RolloutBatch
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import make_batch
 

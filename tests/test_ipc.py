@@ -1,4 +1,4 @@
-"""slime.bridge.ipc: SGLang's flattened-bucket payload, shared by handle (CPU: by shared-memory
+"""slime.utils.flattened_bucket (and slime.bridge.ipc): SGLang's flattened-bucket payload, shared by handle (CPU: by shared-memory
 file; the CUDA-IPC handle itself needs a GPU and is tested in tests/test_engine_gpu.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from slime.bridge.ipc import deserialize, flatten, serialize
+from slime.utils.flattened_bucket import deserialize, flatten, serialize
 from slime.utils.shm_tensors import SharedBuffer
 
 

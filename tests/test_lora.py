@@ -317,7 +317,8 @@ def test_lora_flags_reach_the_actor_but_not_the_critic(tiny_model, tmp_path):
 
 def adapter_push_run(rank, world_size, init_method, model, urls):
     from slime.backends.fsdp.actor import FSDPTrainActor
-    from slime.bridge.bridge import WeightBridge, push_actor_weights
+    from slime.bridge.bridge import WeightBridge
+    from slime.bridge.push import push_actor_weights
     from slime.bridge.topology import build_topology
     from slime.config.lora import LoRAConfig
 

@@ -16,8 +16,8 @@ from slime.algo import losses
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.config.loss import LossConfig
-from slime.rollout.sample import Sample
 from slime.rollout.summary import package_rollout, reward_post_process
+from slime.utils.sample import Sample
 from tests.fixtures import loss_hooks
 
 HOOKS = "tests.fixtures.loss_hooks"

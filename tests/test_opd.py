@@ -148,7 +148,7 @@ def test_a_teacher_of_another_architecture_is_refused_in_the_train_pass(tiny_mod
     import json
     import shutil
 
-    from slime.backends.fsdp.model_init import check_hf_checkpoint, check_same_architecture
+    from slime.backends.hf_checkpoint import check_hf_checkpoint, check_same_architecture
     from slime.config.opd import OTHER_ARCHITECTURE, OPDConfig
     from tests.conftest import make_model
 
@@ -255,9 +255,9 @@ def test_a_sample_without_teacher_log_probs_is_named_before_it_trains():
     """--opd-type sglang: a rollout whose samples lack `teacher_log_probs` once post-processed (a
     custom function, a dump made without OPD) stops the rollout naming the first such sample."""
     from slime.config.train import BatchConfig
-    from slime.rollout.sample import Sample
     from slime.rollout.summary import package_rollout
     from slime.utils.errors import UsageError
+    from slime.utils.sample import Sample
 
     samples = [Sample(index=i, group_index=i // 2, tokens=[1, 2, 3], response_length=1, reward=1.0,
                       teacher_log_probs=None if i == 2 else [-0.5]) for i in range(4)]  # fmt: skip

@@ -17,10 +17,10 @@ from slime.backends.micro_batch import make_micro_batch
 @pytest.fixture(scope="module", params=["sdpa", "eager", "slime_segments"])
 def model(tiny_model, request):
     """The model under each attention implementation: Hugging Face's sdpa and eager (they find the
-    samples' boundaries from the restarting positions) and ours (slime.backends.fsdp.packed_attention)."""
+    samples' boundaries from the restarting positions) and ours (slime.backends.packed_attention)."""
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp.packed_attention import register
+    from slime.backends.packed_attention import register
 
     register()
     return AutoModelForCausalLM.from_pretrained(
@@ -138,7 +138,7 @@ def test_megatron_packed_log_probs_equal_per_sample_forwards(tiny_model, tp, pp)
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.interface import RolloutBatch
+    from slime.utils.batch import RolloutBatch
     from tests.dist_helpers import run_ranks
 
     tokens, response_lengths = _samples(n=6, seed=3)
@@ -165,7 +165,7 @@ def test_segments_of_equal_length_attend_like_separate_calls(lengths):
     only itself, causally (grouped-query heads)."""
     import torch.nn.functional as F
 
-    from slime.backends.fsdp.packed_attention import causal_per_segment
+    from slime.backends.packed_attention import causal_per_segment
 
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     g = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def test_packed_forward_with_a_tail_equals_without(model):
 
 
 def test_slime_segments_refuses_what_it_cannot_do():
-    from slime.backends.fsdp.packed_attention import segment_attention
+    from slime.backends.packed_attention import segment_attention
 
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=r"sliding_window.*--padded-micro-batches"):

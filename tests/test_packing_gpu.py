@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from slime.backends.fsdp import packed_attention
+from slime.backends import packed_attention
 
 pytestmark = pytest.mark.gpu
 

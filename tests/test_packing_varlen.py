@@ -1,4 +1,4 @@
-"""The call of torch's varlen attention kernel (slime.backends.fsdp.packed_attention._varlen), on
+"""The call of torch's varlen attention kernel (slime.backends.packed_attention._varlen), on
 CPU against stand-ins with each torch release's signature: the kernel only runs on a GPU, but
 which keywords the call passes, and whether grouped-query heads are repeated first, is decided
 here. The first GPU run (torch 2.11) failed with `unexpected keyword argument 'enable_gqa'`."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from slime.backends.fsdp import packed_attention
+from slime.backends import packed_attention
 
 BOUNDS = [0, 5, 22, 25, 65, 74]
 HEADS, KV_HEADS, DIM = 8, 2, 16  # grouped-query: 4 query heads per key/value head

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 from slime_plugins.examples import calculator_tool, filters, group_rewards
 
 
@@ -202,7 +202,7 @@ def remove_first(args, groups):
 
 
 def test_the_sample_filter_marks_samples_out_of_the_loss(tiny_model, engine, tmp_path):
-    from slime.rollout.sample import samples_to_batch
+    from slime.utils.sample import samples_to_batch
 
     m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact",
                 "--rollout-sample-filter-path", "tests.test_plugin_examples.remove_first")  # fmt: skip

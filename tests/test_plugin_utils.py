@@ -47,8 +47,8 @@ def test_run_keeps_one_loop_between_calls():
 
 
 def test_sample_at_slimes_path_with_its_nested_status():
-    from slime.rollout.sample import Sample as Ours
-    from slime.rollout.sample import Status
+    from slime.utils.sample import Sample as Ours
+    from slime.utils.sample import Status
     from slime.utils.types import Sample
 
     assert Sample is Ours and Sample.Status.COMPLETED is Status.COMPLETED

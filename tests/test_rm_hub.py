@@ -21,8 +21,8 @@ from slime.rollout import rm_hub
 from slime.rollout.rewards import RewardModel
 from slime.rollout.rm_hub import deps
 from slime.rollout.rm_hub.multiple_choice import gpqa_reward, picked_letter
-from slime.rollout.sample import Sample
 from slime.utils.errors import UsageError
+from slime.utils.sample import Sample
 from tests.fixtures.rm_cases import CASES
 
 

@@ -15,7 +15,7 @@ from slime.rollout.data import DataError, PromptDataset
 from slime.rollout.rewards import RewardModel
 from slime.rollout.rm_hub.boxed import last_boxed
 from slime.rollout.rm_hub.math_rules import math_reward
-from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.utils.sample import Sample, Status, samples_to_batch
 
 
 def write_jsonl(path, rows, raw_lines=()):

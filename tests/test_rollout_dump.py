@@ -15,7 +15,7 @@ from slime.rollout.dump import (
     template_problem,
     tokenizer_fingerprint,
 )  # fmt: skip
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 
 
 def samples(n_groups=3, n=2):

@@ -10,7 +10,7 @@ from slime.engines.client import EngineClient
 from slime.rollout.data import PromptDataset
 from slime.rollout.generator import RolloutGenerator
 from slime.rollout.rewards import RewardModel
-from slime.rollout.sample import Status
+from slime.utils.sample import Status
 
 
 def keep_even_prompts(args, group):
@@ -116,7 +116,7 @@ def test_custom_generate_function(engine, tokenizer, tmp_path):
 def scripted_rollout(args, rollout_id, data_source, evaluation=False):
     """A --rollout-function-path function that needs no engine: answers "2" to every prompt;
     it scores the first sample of each group itself and leaves the rest to --rm-type."""
-    from slime.rollout.sample import Sample
+    from slime.utils.sample import Sample
 
     groups = data_source.get_samples(2)
     for group in groups:

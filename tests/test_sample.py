@@ -7,7 +7,7 @@ import base64
 import pytest
 import torch
 
-from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.utils.sample import Sample, Status, samples_to_batch
 from slime.utils.types import Sample as PluginSample
 
 

@@ -22,13 +22,14 @@ import pytest
 import torch
 from aiohttp import web
 
+from slime.bridge.adapter import push_adapter
 from slime.bridge.bridge import WeightBridge
 from slime.bridge.disk import DiskTransport
 from slime.bridge.tensor import TensorTransport
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
 from slime.rollout.generate import apply_response, generate
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 from slime.utils.seed import sample_seed
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sglang")
@@ -191,8 +192,8 @@ def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and
     """Upstream SGLang has no in-place replacement: each push unloads the adapter (a 400 the first
     time, none loaded) and loads the new one from a flattened_bucket payload per TP rank, with
     the checksums SGLang checks; the version is set without aborting the paused requests."""
-    from slime.bridge.ipc import deserialize
     from slime.utils.checksum import bytes_sha256
+    from slime.utils.flattened_bucket import deserialize
 
     names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]  # fmt: skip
@@ -205,7 +206,7 @@ def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and
             bridge = WeightBridge(TensorTransport(), [url, url2], tp_sizes=[1, 2], sglang=True)
             payloads = []
             for version, checks in (("1", True), ("2", False)):
-                stats = await bridge.push_adapter(named, config, version, checksums=checks)
+                stats = await push_adapter(bridge, named, config, version, checksums=checks)
                 assert stats["bytes"] == 16 * 4 + 16 * 4
                 load = [b for _, p, b in servers[1].calls if p == "/load_lora_adapter_from_tensors"][-1]
                 payloads.append(deserialize(load["serialized_named_tensors"][-1]))  # while the buffer is live

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from slime.engines.client import EngineClient
-from slime.rollout.sample import Sample
 from slime.utils.errors import UsageError
+from slime.utils.sample import Sample
 from tests.conftest import start_engine
 from tests.test_engine_server import teacher_forced_logprobs
 

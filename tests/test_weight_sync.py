@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime.bridge.bridge import WeightBridge, push_actor_weights
+from slime.bridge.bridge import WeightBridge
 from slime.bridge.faults import PushFault
+from slime.bridge.push import push_actor_weights
 from slime.bridge.topology import build_topology
 from slime.bridge.verify import WeightSyncError
 from slime.engines.client import EngineClient, EngineError

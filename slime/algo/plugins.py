@@ -53,7 +53,7 @@ class LossHooks:
     ) -> LossHooks | None:
         if tis_path is None and reducer_path is None:
             return None
-        from slime.rollout.rewards import load_function
+        from slime.utils.misc import load_function
 
         return cls(
             args if args is not None else argparse.Namespace(),

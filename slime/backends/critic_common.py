@@ -31,9 +31,9 @@ import torch
 
 from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
-from slime.backends.interface import RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.train_common import StepPlan, TrainActorBase, as_part
+from slime.utils.batch import RolloutBatch, RolloutPart, TrainOutput
 
 PerSample = dict[int, list[float]]
 

@@ -5,7 +5,7 @@ A micro-batch is a list of samples, laid out one of two ways:
 - padded: one row per sample, padded on the right to the longest sample;
 - packed: one row holding every sample back to back, no padding, positions restarting at 0 for
   each sample, the samples' boundaries in `cu_seq_lens` (the cumulative lengths flash-attn's
-  varlen kernels, Transformer Engine's THD format and slime.backends.fsdp.packed_attention take).
+  varlen kernels, Transformer Engine's THD format and slime.backends.packed_attention take).
   A backend that needs the row's length to be a multiple of some number (sequence parallelism
   splits it over TP ranks) gets a tail of padding as one more segment of its own.
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.interface import RolloutBatch
+from slime.utils.batch import RolloutBatch
 from slime.utils.errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}

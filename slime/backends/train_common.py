@@ -26,12 +26,12 @@ from slime.algo import advantages as adv
 from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
-from slime.backends import batching
-from slime.backends.interface import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.routing import RouterHooks
 from slime.backends.train_records import TrainRecords
 from slime.config.train import TrainConfig
+from slime.utils import batching
+from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.device_memory import release_device_memory
 from slime.utils.errors import UsageError
 
@@ -68,6 +68,10 @@ class TrainActorBase(TrainRecords):
     rollout_id: int
     model: Any
     optimizer: torch.optim.Optimizer
+    schedule: Any
+    """The learning-rate schedule (slime.backends.optim.LRSchedule)."""
+    resumed_extra: dict[str, Any]
+    """What the checkpoint resumed from carried besides the weights (the data position)."""
     device: torch.device
 
     # ---- backend hooks ----------------------------------------------------------------------

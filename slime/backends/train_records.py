@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from slime.algo.losses import approx_kl
-from slime.backends.interface import RolloutBatch, RolloutPart
 from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
+from slime.utils.batch import RolloutBatch, RolloutPart
 
 
 class TrainRecords:

@@ -53,7 +53,7 @@ def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: 
     if topology is None or not topology.every_rank_shares:
         if bridge is None:
             return None
-        return run_sync(bridge.push_adapter(named, config, weight_version, None, checksums))
+        return run_sync(push_adapter(bridge, named, config, weight_version, None, checksums))
     from slime.bridge.ipc import IpcTransport, share_buckets
 
     holder = IpcTransport(topology.tp_sizes) if bridge is not None else None  # rank 0: every rank's payload
@@ -63,7 +63,7 @@ def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: 
         if bridge is not None and holder is not None:
             try:
                 stats = run_sync(
-                    bridge.push_adapter(named, config, weight_version, holder.payloads, checksums)
+                    push_adapter(bridge, named, config, weight_version, holder.payloads, checksums)
                 )
             except BaseException as e:  # reach the ranks' barrier first: they wait there for rank 0
                 failure = e
@@ -72,12 +72,39 @@ def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: 
     return stats
 
 
+async def push_adapter(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
+                       payloads: list[str] | None = None, checksums: bool = False,
+                       name: str | None = None) -> PushStats:  # fmt: skip
+    """--lora-push adapter: the policy's LoRA adapter alone into every
+    engine. `payloads`: every train rank's shared copy (the IPC topology); None: this rank
+    copies the adapter into its shared-memory file, one payload for every engine."""
+    from slime.config.lora import ADAPTER_NAME
+
+    if payloads is None:
+        from slime.utils.flattened_bucket import flat_size, flatten, serialize
+        from slime.utils.shm_tensors import SharedBuffer
+
+        need = max(flat_size(named), 1)
+        if bridge.adapter_buffer is None or bridge.adapter_buffer.nbytes < need:
+            if bridge.adapter_buffer is not None:
+                bridge.adapter_buffer.close()
+            bridge.adapter_buffer = SharedBuffer.create(need)  # reused push after push
+        flat, metadata = flatten(named, bridge.adapter_buffer.data)
+        one = serialize(flat, metadata, False, bridge.adapter_buffer.path)
+        per_engine = [[one] * tp for tp in bridge.tp_sizes]
+    else:
+        from slime.bridge.ipc import split_by_engine
+
+        per_engine = split_by_engine(payloads, bridge.tp_sizes, "the adapter")
+    return await push(bridge, named, config, weight_version, per_engine, checksums, name or ADAPTER_NAME)
+
+
 async def load_into(engine: EngineClient, name: str, config: dict[str, Any], payloads: list[str], sglang: bool,
                     expected: dict[str, str] | None, weight_version: str) -> None:  # fmt: skip
     """The adapter's new version into one engine, in place of the old (loaded fresh the first
     time). SGLang: unloaded first (a 400 means none was loaded: the first push, or an engine that
     restarted)."""
-    from slime.bridge.ipc import LOAD_FORMAT
+    from slime.utils.flattened_bucket import LOAD_FORMAT
 
     if sglang:
         try:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from slime.bridge.base import Bucket, Transport
-from slime.bridge.faults import PushFault
 from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import EngineClient, EngineError
@@ -87,7 +86,7 @@ class WeightBridge:
         self.phase: Callable[..., None] = no_hook
         """--debug-phase-hook: called with "push_bucket" after every bucket sent."""
         self._engine_dtype: tuple[Any] | None = None
-        self._adapter_buffer: Any = None  # --lora-push adapter: its shared-memory file
+        self.adapter_buffer: Any = None  # --lora-push adapter: its shared-memory file (slime.bridge.adapter)
         self.collected: dict[str, tuple[dict[str, Any], list[str]]] = {}
         self.tp_sizes = tuple(tp_sizes) if tp_sizes is not None else (1,) * len(self.engine_urls)
         """Each engine's tensor-parallel size (the adapter push sends one payload per TP rank)."""
@@ -170,35 +169,6 @@ class WeightBridge:
         )  # fmt: skip
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count), "transport": self.label}
 
-    async def push_adapter(self, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
-                           payloads: list[str] | None = None, checksums: bool = False,
-                           name: str | None = None) -> PushStats:  # fmt: skip
-        """--lora-push adapter (slime.bridge.adapter): the policy's LoRA adapter alone into every
-        engine. `payloads`: every train rank's shared copy (the IPC topology); None: this rank
-        copies the adapter into its shared-memory file, one payload for every engine."""
-        from slime.bridge import adapter
-        from slime.config.lora import ADAPTER_NAME
-
-        if payloads is None:
-            from slime.bridge.ipc import flat_size, flatten, serialize
-            from slime.utils.shm_tensors import SharedBuffer
-
-            need = max(flat_size(named), 1)
-            if self._adapter_buffer is None or self._adapter_buffer.nbytes < need:
-                if self._adapter_buffer is not None:
-                    self._adapter_buffer.close()
-                self._adapter_buffer = SharedBuffer.create(need)  # reused push after push
-            flat, metadata = flatten(named, self._adapter_buffer.data)
-            one = serialize(flat, metadata, False, self._adapter_buffer.path)
-            per_engine = [[one] * tp for tp in self.tp_sizes]
-        else:
-            from slime.bridge.ipc import split_by_engine
-
-            per_engine = split_by_engine(payloads, self.tp_sizes, "the adapter")
-        return await adapter.push(
-            self, named, config, weight_version, per_engine, checksums, name or ADAPTER_NAME
-        )
-
     def engine_dtype_once(self) -> Any:
         """engine_dtype() from synchronous code, asked once (an event loop per push would cost
         more than the check itself)."""
@@ -233,90 +203,14 @@ class WeightBridge:
                 raise verify.WeightSyncError(verify.report(weight_version, url, lines))
 
     async def close(self) -> None:
-        if self._adapter_buffer is not None:
-            self._adapter_buffer.close()
-            self._adapter_buffer = None
+        if self.adapter_buffer is not None:
+            self.adapter_buffer.close()
+            self.adapter_buffer = None
         engines = [self.make_client(u) for u in self.engine_urls]
         try:
             await self.transport.close(engines)
         finally:
             await asyncio.gather(*(e.close() for e in engines))
-
-
-def push_actor_weights(
-    actor: Any,
-    bridge: WeightBridge | None,
-    weight_version: str,
-    bucket_bytes: int,
-    fault: PushFault | None = None,
-    verify: bool = False,
-    topology: PushTopology | None = None,
-) -> PushStats | None:
-    """One push from a train actor: every rank gathers the buckets, rank 0 (the one holding the
-    bridge) sends them, with `fault` (--debug-push-fault) applied. When `topology` says every rank
-    shares (the CUDA-IPC push), every rank shares its own copy and rank 0 sends the handles; the
-    ranks of one push must be given the same topology. With `verify` (--check-weight-sync) the
-    engines are checked against fingerprints of the exported tensors (taken before the fault).
-    Returns the push statistics on rank 0, None elsewhere."""
-    lora = getattr(getattr(actor, "cfg", None), "lora", None)
-    if lora is not None and lora.pushes_adapter:
-        from slime.bridge.adapter import push_actor_adapter
-
-        return push_actor_adapter(actor, bridge, weight_version, topology, verify)
-    ipc = topology is not None and topology.every_rank_shares
-    if bridge is not None:
-        from slime.bridge.ipc import IpcTransport
-
-        if isinstance(bridge.transport, IpcTransport) != ipc:
-            said = topology.label if topology is not None else "nothing"
-            raise ValueError(
-                f"the bridge's transport is {bridge.label} but the push topology says {said}: give "
-                "every rank the topology the bridge was built from"
-            )
-    buckets = actor.export_weights(bucket_bytes, every_rank=ipc)
-    if bridge is None and not ipc:
-        for _ in buckets:
-            pass
-        return None
-    prints = None
-    if verify and bridge is not None:
-        from slime.bridge.verify import Fingerprints
-
-        prints = Fingerprints(bridge.engine_dtype_once())
-        buckets = prints.record(buckets)
-    if fault is not None and (bridge is not None or ipc):  # with ipc every rank sends its own copy
-        buckets = fault.apply(buckets, bucket_bytes)
-    if prints is not None:
-        buckets = prints.record_sent(buckets)
-    if ipc:  # slime.bridge.ipc: every rank shares its buckets, rank 0 sends all ranks' handles
-        from slime.bridge.ipc import IpcTransport, share_buckets
-
-        assert topology is not None
-        transport = bridge.transport if bridge is not None else None
-        assert transport is None or isinstance(transport, IpcTransport)
-        buckets = share_buckets(buckets, transport, topology.sglang)
-    if bridge is None:
-        for _ in buckets:
-            pass
-        return None
-    try:
-        stats = run_sync(bridge.push(buckets, weight_version, collect=prints is not None))
-    except BaseException:
-        # The other ranks are still gathering the buckets with this one: take the rest of them,
-        # so that they finish the push (and hear of the failure from the driver) instead of
-        # waiting in a collective until the timeout.
-        for _ in buckets:
-            pass
-        raise
-    if prints is not None:
-        start = time.perf_counter()
-        bridge.verify(prints.wait(), weight_version, prints.sent)
-        stats.update(
-            verify_trainer_seconds=prints.seconds, verify_compare_seconds=time.perf_counter() - start
-        )
-        logger.info("--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
-                    len(prints.entries), prints.seconds)  # fmt: skip
-    return stats
 
 
 async def _all(engines: list[EngineClient], method: str) -> None:

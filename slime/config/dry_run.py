@@ -53,7 +53,7 @@ def _no_effect(ns: argparse.Namespace) -> list[str]:
 
 
 def _weight_warnings(config: Config) -> list[str]:
-    from slime.backends.fsdp.model_init import weight_files
+    from slime.backends.hf_checkpoint import weight_files
 
     out = []
     for flag, path in (

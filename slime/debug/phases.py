@@ -33,7 +33,7 @@ def load_phase_hook(path: str | None) -> PhaseHook:
     """The hook `--debug-phase-hook` names, or one that does nothing."""
     if path is None:
         return no_hook
-    from slime.rollout.rewards import load_function
+    from slime.utils.misc import load_function
 
     fn = load_function(path, "--debug-phase-hook")
 

@@ -19,12 +19,12 @@ from slime.loop.parts import (
     CACHE_TAGS,
     WEIGHT_TAGS,
     EngineGroup,
-    Rollout,
     RolloutSource,
     Step,
     TrainGroup,
     TrainRankDied,
 )
+from slime.utils.batch import Rollout
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.backends.interface import TrainOutput
-from slime.loop.parts import EngineGroup, Rollout
+from slime.loop.parts import EngineGroup
+from slime.utils.batch import Rollout, TrainOutput
 
 
 class ActorCritic:

@@ -13,43 +13,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slime.backends.interface import TrainOutput
+from slime.utils.batch import Evaluation, Rollout, TrainOutput
 
 # SGLang's memory tags (GPU_MEMORY_TYPE_*): colocated engines take back the memory of their weights
 # before a push, and their KV cache and CUDA graphs after it.
 WEIGHT_TAGS = ("weights",)
 CACHE_TAGS = ("kv_cache", "cuda_graph")
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """A finished rollout as the driver sees it: a summary, never the samples.
-
-    The samples stay where they were made: `parts` holds one handle per data-parallel replica (a
-    Ray object reference in a job, the `RolloutPart` itself in-process), which the train group
-    hands to the ranks of that replica.
-    """
-
-    rollout_id: int
-    metrics: dict[str, float]
-    """rollout/* (reward, accuracy, lengths, truncation, sample count) and time/generate, time/reward."""
-    num_samples: int
-    weight_versions: tuple[str | None, ...]
-    """The distinct weight versions the samples were generated with (None: an engine reported none)."""
-    data_state: dict[str, int] | None = None
-    """The data position after this rollout (saved with checkpoints); None for a replayed rollout."""
-    dump_path: str | None = None
-    """Where --save-debug-rollout-data wrote it."""
-    parts: tuple[Any, ...] = ()
-    replayed: bool = False
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """eval/* metrics of one evaluation, and where --save-debug-eval-data wrote its samples."""
-
-    metrics: dict[str, float]
-    dump_path: str | None = None
 
 
 class TrainRankDied(RuntimeError):

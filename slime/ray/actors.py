@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from slime.backends.interface import RolloutBatch, TrainOutput
 from slime.config.train import TrainConfig
 from slime.utils.aio import run_sync
+from slime.utils.batch import RolloutBatch, TrainOutput
 
 if TYPE_CHECKING:
     from slime.bridge.topology import PushTopology
@@ -200,7 +200,7 @@ class TrainRank:
     ) -> dict[str, float | str] | None:
         """One push (every rank): the statistics on rank 0, with the transport's label under
         "transport"; None elsewhere."""
-        from slime.bridge.bridge import push_actor_weights
+        from slime.bridge.push import push_actor_weights
 
         with self._watch(f"the weight push of version {weight_version}"):
             return push_actor_weights(

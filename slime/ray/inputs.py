@@ -45,7 +45,7 @@ def input_problems(config: Config, weights: bool = True, reach: bool = True) -> 
 def _teacher_checks(config: Config, weights: bool) -> Iterator[Callable[[], object]]:
     """--opd-teacher-load: the student's architecture (in the train ranks), or its tokenizer (an
     engine), where the mode uses the teacher (a train-only replay takes the dumps' log-probs)."""
-    from slime.backends.fsdp.model_init import check_hf_checkpoint, check_same_architecture
+    from slime.backends.hf_checkpoint import check_hf_checkpoint, check_same_architecture
     from slime.config.opd import OTHER_ARCHITECTURE
     from slime.rollout.teacher import check_same_tokenizer
 
@@ -63,10 +63,11 @@ def _teacher_checks(config: Config, weights: bool) -> Iterator[Callable[[], obje
 
 def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[], object]]:
     from slime.algo.plugins import REDUCER_FLAG, TIS_FLAG
-    from slime.backends.fsdp.model_init import check_hf_checkpoint
+    from slime.backends.hf_checkpoint import check_hf_checkpoint
     from slime.config.eval_sets import eval_flag
     from slime.rollout.data import check_prompt_file
-    from slime.rollout.rewards import RewardModel, load_function
+    from slime.rollout.rewards import RewardModel
+    from slime.utils.misc import load_function
 
     t, r = config.train, config.rollout
     yield functools.partial(check_hf_checkpoint, t.hf_checkpoint, weights=weights)

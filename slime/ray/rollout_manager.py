@@ -22,7 +22,6 @@ from slime.config.arguments import Config
 from slime.config.eval_sets import EvalDataset, eval_flag
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
-from slime.loop.parts import Evaluation, Rollout
 from slime.rollout.base_types import unwrap
 from slime.rollout.continuous import BusyMeter, ContinuousPool
 from slime.rollout.data import Prompt, PromptDataset
@@ -36,12 +35,14 @@ from slime.rollout.generator import (
     score_unscored,
 )
 from slime.rollout.health import EngineHealth, HealthMonitor
-from slime.rollout.rewards import RewardModel, load_function
-from slime.rollout.sample import Sample, group_samples
+from slime.rollout.rewards import RewardModel
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
 from slime.rollout.teacher import TeacherScorer
 from slime.utils.async_utils import run
+from slime.utils.batch import Evaluation, Rollout
+from slime.utils.misc import load_function
 from slime.utils.net import host_port
+from slime.utils.sample import Sample, group_samples
 
 logger = logging.getLogger(__name__)
 

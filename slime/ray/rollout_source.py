@@ -10,7 +10,6 @@ from typing import Any
 import ray
 
 from slime.config.arguments import Config
-from slime.loop.parts import Evaluation, Rollout
 from slime.ray.waiting import Progress
 from slime.rollout.dump import (
     DumpError,
@@ -21,8 +20,9 @@ from slime.rollout.dump import (
     save_dump,
     subsample,
 )
-from slime.rollout.sample import Sample
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
+from slime.utils.batch import Evaluation, Rollout
+from slime.utils.sample import Sample
 
 logger = logging.getLogger(__name__)
 

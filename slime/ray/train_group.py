@@ -8,10 +8,10 @@ from typing import Any, NoReturn
 
 import ray
 
-from slime.backends.interface import TrainOutput
 from slime.config.arguments import Config
-from slime.loop.parts import EngineGroup, Rollout, TrainRankDied
+from slime.loop.parts import EngineGroup, TrainRankDied
 from slime.ray.waiting import Progress, wait_refs
+from slime.utils.batch import Rollout, TrainOutput
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from slime.config.records import AsyncConfig
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generator import RolloutGenerator
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
 

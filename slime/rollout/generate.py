@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.engines.client import EngineClient
-from slime.rollout.sample import Sample, Status
+from slime.utils.sample import Sample, Status
 
 
 def apply_response(sample: Sample, prompt_ids: list[int], output: dict[str, Any], args: Any = None) -> Sample:

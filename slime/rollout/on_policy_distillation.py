@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.rollout.sample import Sample
 from slime.rollout.teacher import response_log_probs
+from slime.utils.sample import Sample
 
 
 async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any]:

@@ -13,37 +13,14 @@ ends the job: the error propagates with its traceback.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from slime.rollout.rm_hub import RemoteRMConfig, check_rm_type, is_remote, score_samples
-from slime.rollout.sample import Sample
+from slime.utils.async_utils import call_maybe_async
 from slime.utils.errors import UsageError
-
-
-def load_function(dotted: str, flag: str) -> Callable[..., Any]:
-    """Import `package.module.function`; a clear error names the flag when it cannot."""
-    module_name, _, attr = dotted.rpartition(".")
-    if not module_name:
-        raise UsageError(f"{flag} {dotted!r} must be a dotted path: package.module.function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(f"{flag} {dotted!r}: cannot import module {module_name!r} ({e})") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UsageError(f"{flag} {dotted!r}: module {module_name!r} has no function {attr!r}")
-    return fn
-
-
-async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)`, awaited when it returns an awaitable (user functions may be either)."""
-    result = fn(*args, **kwargs)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
+from slime.utils.misc import load_function
+from slime.utils.sample import Sample
 
 
 class RewardModel:

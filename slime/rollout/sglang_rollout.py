@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.sample import Sample
 from slime.utils.misc import SingletonMeta, load_function
+from slime.utils.sample import Sample
 
 __all__ = [
     "DEFAULT_ROLLOUT_FUNCTION",

@@ -9,10 +9,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from slime.backends.interface import split_rollout
-from slime.loop.parts import Rollout
-from slime.rollout.sample import Sample, Status, samples_to_batch
+from slime.utils.batch import Rollout, split_rollout
 from slime.utils.errors import UsageError
+from slime.utils.sample import Sample, Status, samples_to_batch
 
 
 def rollout_metrics(
@@ -64,7 +63,7 @@ def reward_post_process(path: str | None, args: Any) -> Callable[[list[Sample]],
     """The loaded --custom-reward-post-process-path as package_rollout's `post_process`."""
     if path is None:
         return None
-    from slime.rollout.rewards import load_function
+    from slime.utils.misc import load_function
 
     return functools.partial(post_processed_rewards, load_function(path, POST_PROCESS_FLAG), args)
 

@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from slime.engines.client import EngineClient, EngineError
-from slime.rollout.sample import Sample
 from slime.utils.errors import UsageError
+from slime.utils.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def trainer_log_probs(
 ) -> dict[int, list[float]]:
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.train import TrainConfig
-    from slime.rollout.sample import Sample, samples_to_batch
+    from slime.utils.sample import Sample, samples_to_batch
 
     batch = samples_to_batch([Sample.from_dict(s) for s in samples])
     with socket.socket() as sock:

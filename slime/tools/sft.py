@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from slime.backends import make_train_actor
-    from slime.backends.interface import RolloutBatch
     from slime.rollout.data import DataError
+    from slime.utils.batch import RolloutBatch
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
     try:

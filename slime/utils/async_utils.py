@@ -6,11 +6,12 @@ which the framework uses, starts a fresh loop per call instead.)"""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-__all__ = ["get_async_loop", "run"]
+__all__ = ["call_maybe_async", "get_async_loop", "run"]
 
 T = TypeVar("T")
 
@@ -50,3 +51,11 @@ def get_async_loop() -> _LoopThread:
 def run(coro: Awaitable[T]) -> T:
     """Run `coro` (any awaitable) on the background loop and wait for its result (its exception is raised here)."""
     return get_async_loop().run(coro)
+
+
+async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, awaited when it returns an awaitable (user functions may be either)."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from slime.utils.errors import UsageError
+
 __all__ = ["SingletonMeta", "load_function"]
 
 
-def load_function(path: str) -> Callable[..., Any]:
-    """The object at `package.module.name` (slime's signature). The flags' own loader,
-    slime.rollout.rewards.load_function, is this with an error that names the flag."""
-    from slime.rollout.rewards import load_function as load
-
-    return load(path, "load_function")
+def load_function(path: str, flag: str = "load_function") -> Callable[..., Any]:
+    """The object at `package.module.name` (slime's signature); the framework passes the flag
+    that named it (`--custom-rm-path`, ...), so that the one clear error names that flag."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise UsageError(f"{flag} {path!r} must be a dotted path: package.module.function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"{flag} {path!r}: cannot import module {module_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UsageError(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
+    return fn
 
 
 class SingletonMeta(type):

@@ -1,5 +1,5 @@
-"""`from slime.utils.types import Sample`, as slime's plugins write it (slime.rollout.sample)."""
+"""`from slime.utils.types import Sample`, as slime's plugins write it (slime.utils.sample)."""
 
-from slime.rollout.sample import Sample
+from slime.utils.sample import Sample
 
 __all__ = ["Sample"]

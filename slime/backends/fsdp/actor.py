@@ -19,16 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends import hf_checkpoint
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
-from slime.backends.interface import RolloutBatch
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts
+from slime.utils.batch import RolloutBatch
 from slime.utils.distributed import init_train_group
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,12 @@ class FSDPTrainActor(TrainActorBase):
         cfg = self.cfg
         # Checks that read only files run before the process group exists: a bad flag is then
         # the same error on every rank, never a hang.
-        self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
+        self.hf_config = hf_checkpoint.check_hf_checkpoint(cfg.hf_checkpoint)
         if cfg.ref_load and cfg.loss.needs_ref:
-            model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+            hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
         if cfg.opd.in_train:
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            model_init.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
+            hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
                                               OTHER_ARCHITECTURE)  # fmt: skip
         self.rank, self.world_size = init_train_group(
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
@@ -199,7 +200,7 @@ class FSDPTrainActor(TrainActorBase):
         if not hf_experts.find_routers(layers):
             flag = self.cfg.moe.needs_moe
             if flag:
-                raise model_init.CheckpointError(
+                raise hf_checkpoint.CheckpointError(
                     f"{flag} needs a mixture-of-experts model; --hf-checkpoint {self.cfg.hf_checkpoint} "
                     f"({self.hf_config.model_type}) has no routed experts"
                 )
@@ -246,10 +247,10 @@ class FSDPTrainActor(TrainActorBase):
 
     def _attention(self) -> str:
         """--attn-implementation, except that packed micro-batches with the default (sdpa) run
-        slime.backends.fsdp.packed_attention: sdpa would mask the whole packed row (docs/train.md)."""
+        slime.backends.packed_attention: sdpa would mask the whole packed row (docs/train.md)."""
         name = self.cfg.fsdp.attn_implementation
         if self.packs_sequences and name == "sdpa":
-            from slime.backends.fsdp.packed_attention import register
+            from slime.backends.packed_attention import register
 
             name = register()
         logger.info("attention: %s (%s micro-batches)", name, "packed" if self.packs_sequences else "padded")

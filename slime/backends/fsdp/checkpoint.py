@@ -24,50 +24,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.checkpointing import (
+    TRACKER,
+    apply_optimizer_flags,
+    checkpoint_dtype,
+    iteration_dir,
+    latest_rollout_id,
+    rng_state,
+    set_rng_state,
+    start_save,
+)
 from slime.utils import hf_experts
 from slime.utils.buckets import iter_buckets
 from slime.utils.files import atomic_write_text
 
 if TYPE_CHECKING:
-    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.backends.train_common import TrainActorBase
 
 logger = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
-def iteration_dir(root: str, rollout_id: int) -> str:
-    return os.path.join(root, f"iter_{rollout_id:07d}")
-
-
-def _broadcast_error(message: str | None) -> None:
-    """Raise the same error on every rank if rank 0 found one (keeps ranks in step)."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise RuntimeError(box[0])
-
-
-def start_save(root: str, rollout_id: int, rank: int) -> tuple[str, str]:
-    """(iteration dir, its `.partial` twin), the twin created empty by rank 0; an error there
-    raises on every rank (collective)."""
-    final = iteration_dir(root, rollout_id)
-    partial = final + ".partial"
-    error = None
-    if rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        except OSError as e:
-            error = f"--save {root!r}: cannot create {partial!r} ({e})"
-    _broadcast_error(error)
-    return final, partial
-
-
 def save_checkpoint(
-    actor: FSDPTrainActor, rollout_id: int, root: str, extra: dict[str, Any] | None = None
+    actor: TrainActorBase, rollout_id: int, root: str, extra: dict[str, Any] | None = None
 ) -> str:
     """Save; `extra` (plain data, e.g. the data position) is stored with the trainer state and
     becomes visible atomically with the rest."""
@@ -77,7 +57,7 @@ def save_checkpoint(
     model_state, optim_state = _states(actor, _state_options(actor))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(partial, "model_optim"))
     rng = [None] * actor.world_size
-    dist.all_gather_object(rng, _rng_state())
+    dist.all_gather_object(rng, rng_state())
     if actor.rank == 0:
         state = {
             "format_version": FORMAT_VERSION,
@@ -99,15 +79,7 @@ def save_checkpoint(
     return final
 
 
-def latest_rollout_id(root: str) -> int | None:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        return None
-    with open(tracker) as f:
-        return int(f.read().strip())
-
-
-def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
+def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
     """Resume model, optimizer, schedule and RNG from the newest checkpoint under `root`.
 
     Returns the rollout id it was saved at, or None when `root` has no checkpoint yet (a fresh
@@ -159,17 +131,17 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     )
     set_state_dict(actor.model, actor.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=options)  # fmt: skip
-    _apply_optimizer_flags(actor)
+    apply_optimizer_flags(actor)
     rng = state["rng"]
     if state["world_size"] == actor.world_size:
-        _set_rng_state(rng[actor.rank])
+        set_rng_state(rng[actor.rank])
     else:
         logger.warning(
             "checkpoint saved by %d ranks, resumed on %d: RNG streams restart from rank 0's state",
             state["world_size"],
             actor.world_size,
         )
-        _set_rng_state(rng[0])
+        set_rng_state(rng[0])
     logger.info(
         "resumed %s (saved by %d ranks) on %d ranks", directory, state["world_size"], actor.world_size
     )
@@ -177,7 +149,7 @@ def load_checkpoint(actor: FSDPTrainActor, root: str) -> int | None:
     return rollout_id
 
 
-def _state_options(actor: FSDPTrainActor) -> Any:
+def _state_options(actor: TrainActorBase) -> Any:
     """What a checkpoint holds: every parameter, or with LoRA the adapters alone (the base
     weights are frozen: --hf-checkpoint has them), with their optimizer state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -186,7 +158,7 @@ def _state_options(actor: FSDPTrainActor) -> Any:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
-def _states(actor: FSDPTrainActor, options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _states(actor: TrainActorBase, options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and the optimizer's state dicts as a checkpoint holds them. With LoRA the
     frozen weights are left out (torch keeps a tied one, the LM head, under its second name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -199,40 +171,13 @@ def _states(actor: FSDPTrainActor, options: Any) -> tuple[dict[str, Any], dict[s
     return model_state, optim_state
 
 
-def _lora_shape(actor: FSDPTrainActor) -> dict[str, Any] | None:
+def _lora_shape(actor: TrainActorBase) -> dict[str, Any] | None:
     """The LoRA settings that shape a checkpoint's tensors and what they mean (None: no LoRA)."""
     lo = actor.cfg.lora
     if not lo.enabled:
         return None
     return {"rank": lo.rank, "alpha": lo.alpha, "target_modules": list(lo.target_modules),
             "exclude_modules": list(lo.exclude_modules)}  # fmt: skip
-
-
-def _apply_optimizer_flags(actor: FSDPTrainActor) -> None:
-    """Loaded param_groups carry the saved hyper-parameters: the schedule refused a change unless
-    --override-opt-param-scheduler, which makes the flags' values count; the schedule decides the lr."""
-    cfg = actor.cfg.optimizer
-    for group in actor.optimizer.param_groups:
-        if actor.cfg.override_opt_param_scheduler:
-            group["weight_decay"] = cfg.weight_decay
-            if cfg.optimizer == "sgd":
-                group["momentum"] = cfg.sgd_momentum
-            else:
-                group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-        group["lr"] = actor.schedule.lr
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 # ---- weights out ------------------------------------------------------------------------------
@@ -268,7 +213,7 @@ def export_weight_buckets(
     return iter_buckets(hf_experts.checkpoint_tensors(model_type, tensors), bucket_bytes)
 
 
-def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 << 30,
+def save_hf_checkpoint(actor: TrainActorBase, path: str, shard_bytes: int = 2 << 30,
                        merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None) -> None:  # fmt: skip
     """A plain Hugging Face directory: safetensors (sharded past `shard_bytes`), config, tokenizer;
     `merge`: the LoRA adapters merged into their base weights (--lora-save-merged).
@@ -300,18 +245,8 @@ def save_hf_checkpoint(actor: FSDPTrainActor, path: str, shard_bytes: int = 2 <<
     dist.barrier()
 
 
-def checkpoint_dtype(config: Any) -> torch.dtype:
-    """The dtype a Hugging Face config declares for its weights (float32 when it declares none)."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(declared, torch.dtype):
-        return declared
-    if isinstance(declared, str) and isinstance(getattr(torch, declared, None), torch.dtype):
-        return getattr(torch, declared)
-    return torch.float32
-
-
 def _finish_hf_dir(
-    actor: FSDPTrainActor, partial: str, final: str, index: dict[str, str], num_files: int
+    actor: TrainActorBase, partial: str, final: str, index: dict[str, str], num_files: int
 ) -> None:
     if num_files == 1:
         os.replace(

@@ -17,8 +17,8 @@ from slime.backends.critic_common import ValueModel, fresh_value_head, value_mod
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.fsdp.forward import response_values
-from slime.backends.interface import RolloutBatch
 from slime.backends.train_common import StepPlan, nan_max
+from slime.utils.batch import RolloutBatch
 
 
 class FSDPCritic(ValueModel, FSDPTrainActor):

@@ -3,7 +3,7 @@ log-probs and entropy.
 
 Packed micro-batches go in with restarting `position_ids`, no attention mask, no KV cache, and the
 samples' boundaries as `cu_seq_lens_q/k` (what flash-attn's varlen path and
-slime.backends.fsdp.packed_attention read; Hugging Face's sdpa, eager and flex paths find the
+slime.backends.packed_attention read; Hugging Face's sdpa, eager and flex paths find the
 boundaries from the restarting positions), so a token attends only to the tokens of its own sample.
 
 Logits are only computed where a response token is predicted (`logits_to_keep`), so the

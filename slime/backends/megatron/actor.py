@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp import model_init
-from slime.backends.interface import RolloutBatch
+from slime.backends import hf_checkpoint
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
@@ -40,6 +39,7 @@ from slime.backends.optim import LRSchedule, make_optimizer
 from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
+from slime.utils.batch import RolloutBatch
 from slime.utils.distributed import init_train_group
 
 logger = logging.getLogger(__name__)
@@ -71,12 +71,12 @@ class MegatronTrainActor(TrainActorBase):
     # ---- set-up -----------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         cfg, m = self.cfg, self.cfg.megatron
-        self.hf_config = model_init.check_hf_checkpoint(cfg.hf_checkpoint)
+        self.hf_config = hf_checkpoint.check_hf_checkpoint(cfg.hf_checkpoint)
         if cfg.ref_load and cfg.loss.needs_ref:
-            model_init.check_hf_checkpoint(cfg.ref_load, "--ref-load")
+            hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
         if cfg.opd.in_train:
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            model_init.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
+            hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
                                               OTHER_ARCHITECTURE)  # fmt: skip
         unsupported = check_supported(m)
         if unsupported:

@@ -5,7 +5,7 @@ megatron-core's own local attention (DotProductAttention) refuses packed sequenc
 needs a GPU. Everything else in megatron-core's attention already handles THD on any device (the
 squeezed [tokens, heads, dim] layout, rotary embeddings restarting at each sequence of
 `cu_seqlens`), so this subclass adds the one missing piece: causal attention within each packed
-sequence (slime.backends.fsdp.packed_attention.causal_per_segment, torch's
+sequence (slime.backends.packed_attention.causal_per_segment, torch's
 scaled_dot_product_attention per sequence, or on a GPU in half precision torch's flash-attention
 varlen kernel over the whole row, called as the installed torch accepts). Padded micro-batches
 go to megatron-core's code unchanged. Imported only where megatron-core is installed.
@@ -20,7 +20,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from slime.backends.fsdp.packed_attention import causal_per_segment
+from slime.backends.packed_attention import causal_per_segment
 
 
 class SegmentDotProductAttention(DotProductAttention):

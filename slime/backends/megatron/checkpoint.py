@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from slime.backends.checkpointing import TRACKER
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.megatron.rank_files import Key, Parallel
 
-TRACKER = "latest_checkpointed_iteration.txt"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
 
@@ -254,7 +254,7 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     """
     import torch.distributed as dist
 
-    from slime.backends.fsdp.checkpoint import _broadcast_error, start_save
+    from slime.backends.checkpointing import broadcast_error, start_save
     from slime.utils.files import atomic_write_text
 
     final, partial = start_save(root, rollout_id, actor.rank)
@@ -287,7 +287,7 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
         if missing:
             error = (f"--save {root!r}: shards {missing} are not in {partial} (is --save on a filesystem every "
                      "node shares?); the checkpoint is not published")  # fmt: skip
-    _broadcast_error(error)
+    broadcast_error(error)
     if actor.rank == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -298,7 +298,7 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
 
 
 def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any] | None) -> None:
-    from slime.backends.fsdp.checkpoint import _rng_state
+    from slime.backends.checkpointing import rng_state
 
     blob = {
         "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
@@ -307,7 +307,7 @@ def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any]
                         if p in actor.masters} or None,
         "optimizer": actor.optimizer.state_dict(),
         "opt_param_scheduler": actor.schedule.state_dict(),
-        "rng_state": _rng_state(),
+        "rng_state": rng_state(),
         "iteration": rollout_id,
         "checkpoint_version": 3.0,
         "args": megatron_args(actor.layout, actor.tp, actor.pp, actor.ep, actor.etp, actor.value_head),
@@ -324,7 +324,7 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     A checkpoint written by the actor resumes everything; a converted one (`release`, from
     convert_hf_to_megatron / convert_checkpoint) loads the model only and starts a fresh run from
     it. The TP/PP layout must be the one the job runs (convert_checkpoint changes it)."""
-    from slime.backends.fsdp.checkpoint import _set_rng_state
+    from slime.backends.checkpointing import set_rng_state
 
     tracker = os.path.join(root, TRACKER)
     seen = _gather(os.path.isfile(tracker))
@@ -350,17 +350,17 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
         blob["opt_param_scheduler"], override=actor.cfg.override_opt_param_scheduler
     )
     actor.optimizer.load_state_dict(blob["optimizer"])
-    from slime.backends.fsdp.checkpoint import _apply_optimizer_flags
+    from slime.backends.checkpointing import apply_optimizer_flags
 
-    _apply_optimizer_flags(actor)
-    _set_rng_state(blob["rng_state"])
+    apply_optimizer_flags(actor)
+    set_rng_state(blob["rng_state"])
     actor.resumed_extra = blob.get("slime", {}).get("extra", {})
     return int(blob["iteration"])
 
 
 def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | None]:
     """This rank's file of the tracked iteration, or the reason it cannot be used."""
-    from slime.backends.fsdp.checkpoint import iteration_dir
+    from slime.backends.checkpointing import iteration_dir
 
     folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
     path = os.path.join(folder, _own_dir(actor), "model_optim_rng.pt")
@@ -419,7 +419,7 @@ def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30,
     on rank 0), `config`: the config to write instead of --hf-checkpoint's (both: the critic's)."""
     import torch.distributed as dist
 
-    from slime.backends.fsdp.checkpoint import checkpoint_dtype
+    from slime.backends.checkpointing import checkpoint_dtype
 
     if tensors is None:
         tensors = (pair for bucket in actor.export_weights(shard_bytes) for pair in bucket)

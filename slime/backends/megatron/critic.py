@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.critic_common import HEAD_NAMES, ValueModel, fresh_value_head, value_model_config
-from slime.backends.interface import RolloutBatch
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron.actor import MegatronTrainActor
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.train_common import StepPlan, nan_max
+from slime.utils.batch import RolloutBatch
 
 
 class ValueHead(torch.nn.Module):

@@ -160,7 +160,7 @@ class WeightStore:
     def update_from_tensor(self, serialized: Any, load_format: Any = None) -> int:
         """`serialized_named_tensors`, one entry per TP rank (TP=1 here): a shared-memory handle
         (JSON string; slime.utils.shm_tensors), or with `load_format` "flattened_bucket" an
-        SGLang-style flattened bucket shared by handle (slime.bridge.ipc)."""
+        SGLang-style flattened bucket shared by handle (slime.utils.flattened_bucket)."""
         return self.update_from_named(self.open_tensors(serialized, load_format))
 
     def open_tensors(self, serialized: Any, load_format: Any = None) -> list[tuple[str, torch.Tensor]]:
@@ -175,7 +175,7 @@ class WeightStore:
             raise ProtocolError(f"'load_format' {load_format!r} is not supported: null or 'flattened_bucket'")
         try:
             if load_format == "flattened_bucket":
-                from slime.bridge.ipc import deserialize
+                from slime.utils.flattened_bucket import deserialize
 
                 named = deserialize(serialized[0])
             else:

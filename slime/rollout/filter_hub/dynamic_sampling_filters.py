@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
-from slime.rollout.sample import Sample
+from slime.utils.sample import Sample
 
 __all__ = ["check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback"]
 

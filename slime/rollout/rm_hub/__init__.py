@@ -223,7 +223,8 @@ async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
     """
     path = getattr(sample, "custom_rm_path", None) or args.custom_rm_path
     if path is not None:
-        from slime.rollout.rewards import call_maybe_async, load_function
+        from slime.utils.async_utils import call_maybe_async
+        from slime.utils.misc import load_function
 
         fn = load_function(path, "--custom-rm-path")
         return await call_maybe_async(fn, args, sample, **kwargs)
@@ -237,7 +238,8 @@ async def batched_async_rm(args: Any, samples: list[Any], **kwargs: Any) -> list
     if any(getattr(s, "custom_rm_path", None) for s in samples):
         return list(await asyncio.gather(*(async_rm(args, s, **kwargs) for s in samples)))
     if args.custom_rm_path is not None:
-        from slime.rollout.rewards import call_maybe_async, load_function
+        from slime.utils.async_utils import call_maybe_async
+        from slime.utils.misc import load_function
 
         fn = load_function(args.custom_rm_path, "--custom-rm-path")
         return await call_maybe_async(fn, args, samples, **kwargs)
