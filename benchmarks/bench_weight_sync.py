@@ -27,7 +27,7 @@ from slime.bridge.bridge import WeightBridge, make_transport
 from slime.bridge.push import push_actor_weights
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 from slime.utils.buckets import iter_buckets
 
 

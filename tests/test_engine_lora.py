@@ -161,7 +161,7 @@ def test_the_adapter_push_checks_what_each_engine_received(lora_engine, adapters
     from slime.bridge.bridge import WeightBridge
     from slime.bridge.tensor import TensorTransport
     from slime.bridge.verify import WeightSyncError
-    from slime.utils.aio import run_sync
+    from slime.utils.async_utils import run_sync
     from slime.utils.flattened_bucket import flatten, serialize
     from slime.utils.shm_tensors import SharedBuffer
 

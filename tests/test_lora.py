@@ -333,7 +333,7 @@ def adapter_push_run(rank, world_size, init_method, model, urls):
     stats = push_actor_weights(actor, bridge, "step-1", 1 << 20, verify=True, topology=topology)
     named, _ = actor.export_adapter()
     if bridge is not None:
-        from slime.utils.aio import run_sync
+        from slime.utils.async_utils import run_sync
 
         run_sync(bridge.close())
     actor.close()

@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from slime.engines.client import EngineClient, EngineError
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 
 if TYPE_CHECKING:
     from slime.bridge.bridge import PushStats, WeightBridge

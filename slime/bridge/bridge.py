@@ -23,7 +23,7 @@ from slime.bridge.base import Bucket, Transport
 from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import EngineClient, EngineError
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 
 logger = logging.getLogger(__name__)
 

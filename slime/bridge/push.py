@@ -13,7 +13,7 @@ from slime.bridge.adapter import push_actor_adapter
 from slime.bridge.bridge import PushStats, WeightBridge
 from slime.bridge.faults import PushFault
 from slime.bridge.topology import PushTopology
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 
 logger = logging.getLogger(__name__)
 

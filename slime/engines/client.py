@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from slime.engines.protocol import check_api_key
+from slime.utils.retry import RetryPolicy, retrying
 
 logger = logging.getLogger(__name__)
 
@@ -93,36 +94,37 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(
             total=timeout_s or self.config.timeout_s, sock_connect=self.config.connect_timeout_s
         )
-        backoff = self.config.retry_backoff_s
+        policy = RetryPolicy(self.config.max_retries + 1, self.config.retry_backoff_s)
+
+        def retryable(e: BaseException) -> bool:
+            # A GET may be sent again; any other call only if it never reached the engine.
+            return isinstance(e, aiohttp.ClientConnectionError) and (method == "GET" or _never_connected(e))
+
+        def on_retry(failures: int, e: BaseException, wait: float) -> None:
+            logger.warning("connection to %s failed (%s); retry %d in %.1fs", url, e, failures, wait)
+
+        async def once() -> Any:
+            async with self._get_session().request(method, url, json=payload, timeout=timeout) as resp:
+                return await _decode(resp, url)
+
         async with self._semaphore:
-            for attempt in range(self.config.max_retries + 1):
-                try:
-                    async with self._get_session().request(
-                        method, url, json=payload, timeout=timeout
-                    ) as resp:
-                        return await _decode(resp, url)
-                except aiohttp.ClientConnectionError as e:
-                    if method != "GET" and not _never_connected(e):
-                        raise EngineError(
-                            f"connection lost during {method} {path} (not retried: the engine may "
-                            f"have run it): {e}",
-                            None,
-                            self.base_url,
-                        ) from e
-                    if attempt == self.config.max_retries:
-                        raise EngineError(
-                            f"cannot reach engine after {attempt + 1} attempts: {e}", None, self.base_url
-                        ) from e
-                    logger.warning(
-                        "connection to %s failed (%s); retry %d in %.1fs", url, e, attempt + 1, backoff
-                    )
-                    await asyncio.sleep(backoff)
-                    backoff *= 2
-                except asyncio.TimeoutError as e:
+            try:
+                return await retrying(once, policy, retryable, on_retry)
+            except aiohttp.ClientConnectionError as e:
+                if not retryable(e):
                     raise EngineError(
-                        f"{method} {path} timed out after {timeout.total} s", None, self.base_url
+                        f"connection lost during {method} {path} (not retried: the engine may "
+                        f"have run it): {e}",
+                        None,
+                        self.base_url,
                     ) from e
-        raise AssertionError("unreachable")
+                raise EngineError(
+                    f"cannot reach engine after {policy.attempts} attempts: {e}", None, self.base_url
+                ) from e
+            except asyncio.TimeoutError as e:
+                raise EngineError(
+                    f"{method} {path} timed out after {timeout.total} s", None, self.base_url
+                ) from e
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from slime.config.train import TrainConfig
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 from slime.utils.batch import RolloutBatch, TrainOutput
 
 if TYPE_CHECKING:

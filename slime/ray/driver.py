@@ -18,7 +18,7 @@ from slime.ray.inputs import check_inputs
 from slime.ray.job import Job
 from slime.ray.placement import data_parallel_size, job_placement
 from slime.ray.rollout_source import ContinuousRollouts, GeneratedRollouts, ReplayedRollouts
-from slime.ray.waiting import Progress
+from slime.ray.waiting import RolloutBar
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def make_hooks(
     replay: ReplayedRollouts | None,
     evaluator: Any,
     tracker: Any,
-    progress: Progress,
+    progress: RolloutBar,
 ) -> list[Hook]:
     """The hooks the flags ask for, in the order they run (metrics last: it logs the record the
     others filled). `train`/`engines`: whether the job has a train group / an engine group."""
@@ -108,7 +108,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             assert config.rollout.num_rollout is not None
             total = config.rollout.num_rollout
         resumed = job.infos[0]["resumed_rollout_id"] if job.infos else None
-        progress = Progress(total, 0 if resumed is None else resumed + 1, job.manager)
+        progress = RolloutBar(total, 0 if resumed is None else resumed + 1, job.manager)
         phase = load_phase_hook(config.debug.phase_hook)
         train, engines = job.groups(progress, phase)
         schedule = ONE_STEP_OFF if off_policy else SYNC

@@ -21,7 +21,7 @@ from slime.debug.phases import no_hook
 from slime.engines.client import ClientConfig, EngineClient, EngineError
 from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS
 from slime.rollout.health import engine_down
-from slime.utils.aio import run_sync
+from slime.utils.async_utils import run_sync
 from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)

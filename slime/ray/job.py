@@ -29,7 +29,7 @@ from slime.ray.engine_group import RayEngineGroup, attach_external
 from slime.ray.placement import Placement, Slot, data_parallel_size, job_placement
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import RayTrainGroup
-from slime.ray.waiting import Progress, wait_refs
+from slime.ray.waiting import RolloutBar, wait_refs
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Job:
         self._topology([""] * len(engines), sizes, [nodes[slot.bundles[0]] for slot in engines], train_nodes)
 
     def groups(
-        self, progress: Progress, phase: Any = None
+        self, progress: RolloutBar, phase: Any = None
     ) -> tuple[RayTrainGroup | None, RayEngineGroup | None]:
         """The train ranks and the engines as the loop drives them (None: left out by a debug mode);
         the train ranks are connected to the engines for the weight push. `phase`: the

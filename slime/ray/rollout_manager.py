@@ -29,7 +29,7 @@ from slime.rollout.dump import make_meta, save_dump
 from slime.rollout.generator import (
     BuiltInRollout,
     DataSource,
-    Progress,
+    GenerationProgress,
     RolloutGenerator,
     number_groups,
     score_unscored,
@@ -112,7 +112,7 @@ class RolloutManager:
         )
         path = getattr(config.args, "rollout_sample_filter_path", None)
         self.sample_filter = load_function(path, "--rollout-sample-filter-path") if path else None
-        self.progress = Progress()
+        self.progress = GenerationProgress()
         self.pool: ContinuousPool | None = None
         """--fully-async: the groups in flight across rollouts (started by the first take)."""
         self.busy = BusyMeter()
@@ -500,7 +500,7 @@ async def _start_pool(manager: RolloutManager, version: int) -> ContinuousPool:
     clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]
     gen = RolloutGenerator(
         manager.dataset, clients, manager.reward, r.sampling, r.rollout_batch_size, None, None, manager.config.args,
-        manager.generate_fn, Progress(), manager._seed_keys("continuous"), manager.health, None,
+        manager.generate_fn, GenerationProgress(), manager._seed_keys("continuous"), manager.health, None,
         route_to_engine=manager.router is None,
     )  # fmt: skip
     gen.mask_offpolicy, gen.teacher = r.asynchrony.mask_offpolicy, manager.teacher

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from slime.config.arguments import Config
-from slime.ray.waiting import Progress
+from slime.ray.waiting import RolloutBar
 from slime.rollout.dump import (
     DumpError,
     check_fingerprint,
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class GeneratedRollouts:
     """Rollouts the rollout manager generates; the driver holds only their summaries."""
 
-    def __init__(self, manager: Any, progress: Progress):
+    def __init__(self, manager: Any, progress: RolloutBar):
         self.manager, self.progress = manager, progress
         self.pending: dict[int, Any] = {}
         self.idle: Any = None
@@ -62,7 +62,7 @@ class ContinuousRollouts(GeneratedRollouts):
     """--fully-async: each rollout is the next groups the rollout manager's continuous pool
     finished (slime.rollout.continuous); generation goes on between them and across pushes."""
 
-    def __init__(self, manager: Any, progress: Progress):
+    def __init__(self, manager: Any, progress: RolloutBar):
         super().__init__(manager, progress)
         self.version = 0
 

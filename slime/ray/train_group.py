@@ -10,7 +10,7 @@ import ray
 
 from slime.config.arguments import Config
 from slime.loop.parts import EngineGroup, TrainRankDied
-from slime.ray.waiting import Progress, wait_refs
+from slime.ray.waiting import RolloutBar, wait_refs
 from slime.utils.batch import Rollout, TrainOutput
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class RayTrainGroup:
         infos: list[dict[str, Any]],
         config: Config,
         log_dir: str,
-        progress: Progress,
+        progress: RolloutBar,
         critic: bool = False,
     ):
         self.ranks, self.config, self.log_dir, self.progress = ranks, config, log_dir, progress

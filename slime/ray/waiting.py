@@ -27,7 +27,7 @@ def wait_refs(refs: Any, timeout_s: float | None = None, poll: Any = None) -> An
             poll()
 
 
-class Progress:
+class RolloutBar:
     """A tqdm bar over the rollouts whose postfix names the running phase (and, while
     generating, the samples done). Off when stderr is not a terminal: logs get one line per step."""
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Progress:
+class GenerationProgress:
     """Samples of kept-or-pending groups finished so far, for a progress bar (read from another thread)."""
 
     done: int = 0
@@ -82,7 +82,7 @@ class RolloutGenerator:
         group_filter: Callable[[Any, list[Sample]], Any] | None = None,
         args: Any = None,
         generate_fn: Callable[..., Any] | None = None,
-        progress: Progress | None = None,
+        progress: GenerationProgress | None = None,
         seed_keys: tuple[int | str, ...] | None = None,
         health: EngineHealth | None = None,
         on_group: Callable[[str], None] | None = None,
@@ -103,7 +103,7 @@ class RolloutGenerator:
         self.args = args
         self.generate_fn = generate_fn
         self._next_client = itertools.cycle(range(len(clients)))
-        self.progress = progress or Progress()
+        self.progress = progress or GenerationProgress()
         self.progress.done = 0
         self.progress.reward_seconds = 0.0
         self.progress.total = rollout_batch_size * sampling.n_samples_per_prompt

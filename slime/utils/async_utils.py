@@ -1,17 +1,28 @@
-"""`run(coro)` as slime's plugins call it: coroutines run on one event loop that lives in a
-background thread for the whole process, so what a plugin keeps between calls (an aiohttp
-session, a semaphore) stays bound to a loop that is still running. (slime.utils.aio.run_sync,
-which the framework uses, starts a fresh loop per call instead.)"""
+"""Running coroutines from synchronous code: the one module for it.
+
+`run(coro)`, as slime's plugins and the rollout manager call it: coroutines run on one event
+loop that lives in a background thread for the whole process, so what a plugin keeps between
+calls (an aiohttp session, a semaphore) stays bound to a loop that is still running.
+
+`run_sync(coro)`, for the train side and the driver: the coroutine runs in the calling thread
+(a fresh loop per call; a helper thread only where the calling thread already runs a loop). It
+stays apart from `run` on purpose: the weight push iterates the trainer's export inside its
+coroutine, and that export runs collectives and CUDA kernels that must see the calling thread's
+state (its current CUDA device, set per rank) and must not hold up the shared loop meanwhile.
+
+`call_maybe_async(fn, ...)`: a user function that may be sync or async, awaited when it is.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["call_maybe_async", "get_async_loop", "run"]
+__all__ = ["call_maybe_async", "get_async_loop", "run", "run_sync"]
 
 T = TypeVar("T")
 
@@ -46,6 +57,17 @@ def get_async_loop() -> _LoopThread:
         if _loop is None:
             _loop = _LoopThread()
         return _loop
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(coro) in the calling thread, or the same in a helper thread when this thread
+    already runs a loop (Ray runs actor methods on threads that may have one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def run(coro: Awaitable[T]) -> T:

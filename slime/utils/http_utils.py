@@ -21,6 +21,8 @@ import json
 import logging
 from typing import Any
 
+from slime.utils.retry import RetryPolicy, retrying
+
 __all__ = ["get", "post", "register_credentials"]
 
 logger = logging.getLogger(__name__)
@@ -72,26 +74,32 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
         raise ValueError(f"max_retries must be >= 1, got {max_retries}")
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
     headers = _headers(url, headers)
-    for attempt in range(1, max_retries + 1):
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.post(url, json=payload or {}, headers=headers) as response,
-            ):
-                body = await response.read()
-                if response.status >= 400:
-                    raise aiohttp.ClientResponseError(
-                        response.request_info, (), status=response.status,
-                        message=body.decode(errors="replace")[:500],
-                    )  # fmt: skip
-                return _decode(body)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            if attempt == max_retries:
-                logger.warning("POST %s failed %d times; the last error: %s", url, attempt, e)
-                raise
-            logger.info("POST %s: %s; retrying (%d/%d)", url, e, attempt, max_retries)
-            await asyncio.sleep(RETRY_INTERVAL_S)
-    raise AssertionError("unreachable")
+
+    async def once() -> Any:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(url, json=payload or {}, headers=headers) as response,
+        ):
+            body = await response.read()
+            if response.status >= 400:
+                raise aiohttp.ClientResponseError(
+                    response.request_info, (), status=response.status,
+                    message=body.decode(errors="replace")[:500],
+                )  # fmt: skip
+            return _decode(body)
+
+    def retryable(e: BaseException) -> bool:  # no answer, a timeout, an error status
+        return isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError))
+
+    def on_retry(failures: int, e: BaseException, wait: float) -> None:
+        logger.info("POST %s: %s; retrying (%d/%d)", url, e, failures, max_retries)
+
+    policy = RetryPolicy(max_retries, RETRY_INTERVAL_S, multiplier=1.0)  # slime's: once a second
+    try:
+        return await retrying(once, policy, retryable, on_retry)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        logger.warning("POST %s failed %d times; the last error: %s", url, max_retries, e)
+        raise
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> Any:

@@ -17,7 +17,7 @@ from slime.engines.torch_engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
-class StepPlan:
+class EngineStep:
     """What the next engine step does: prefill `seqs`, or decode `seqs` (the running batch)."""
 
     kind: str  # "prefill" | "decode"
@@ -70,7 +70,7 @@ class Scheduler:
         """Whether the next plan admits waiting sequences (a prefill)."""
         return bool(self.waiting) and len(self.running) < self.max_running
 
-    def plan(self) -> StepPlan | None:
+    def plan(self) -> EngineStep | None:
         """Prefill waiting sequences while there is room; otherwise decode the running batch."""
         room = self.max_running - len(self.running)
         if self.admits():
@@ -87,9 +87,9 @@ class Scheduler:
             for seq in admitted:
                 seq.status = SeqStatus.RUNNING
             self.running.extend(admitted)
-            return StepPlan("prefill", admitted)
+            return EngineStep("prefill", admitted)
         if self.running:
-            return StepPlan("decode", list(self.running))
+            return EngineStep("decode", list(self.running))
         return None
 
     def retract(self, seqs: list[Sequence]) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from slime.utils.errors import UsageError
+from slime.utils.retry import RetryPolicy, retrying
 
 if TYPE_CHECKING:
     import aiohttp
@@ -49,9 +49,10 @@ class RemoteRMConfig:
         if self.max_retries < 1:
             raise ValueError(f"max_retries must be at least 1, got {self.max_retries}")
 
-    def backoff(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number `attempt` (0-based)."""
-        return min(self.backoff_s * 2**attempt, self.max_backoff_s) + random.uniform(0, self.backoff_s)
+    @property
+    def policy(self) -> RetryPolicy:
+        """Doubling waits from `backoff_s`, capped at `max_backoff_s`, plus up to `backoff_s` of jitter."""
+        return RetryPolicy(self.max_retries, self.backoff_s, 2.0, self.max_backoff_s, jitter_s=self.backoff_s)
 
 
 class RemoteRewardClient:
@@ -82,21 +83,25 @@ class RemoteRewardClient:
             raise RuntimeError("RemoteRewardClient.score needs `async with RemoteRewardClient(...)`")
         cfg = self.config
         payload = {"prompt": prompt, "response": response, "label": label}
-        for attempt in range(cfg.max_retries):
-            try:
-                async with self._session.post(cfg.url, json=payload) as reply:
-                    reply.raise_for_status()
-                    return await reply.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                cause = f"{type(e).__name__}: {e}"
-                if attempt + 1 == cfg.max_retries:
-                    raise RemoteRewardError(
-                        f"remote_rm: POST {cfg.url} failed {cfg.max_retries} times; last error: {cause}"
-                    ) from e
-                wait = cfg.backoff(attempt)
-                logger.info(
-                    "remote_rm: POST %s failed (%s), retry %d/%d in %.1fs",
-                    cfg.url, cause, attempt + 1, cfg.max_retries - 1, wait,
-                )  # fmt: skip
-                await asyncio.sleep(wait)
-        raise AssertionError("unreachable: the loop returns or raises")
+        session = self._session
+
+        async def once() -> Any:
+            async with session.post(cfg.url, json=payload) as reply:
+                reply.raise_for_status()
+                return await reply.json()
+
+        def retryable(e: BaseException) -> bool:  # connection, timeout, error status, not JSON
+            return isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError, ValueError))
+
+        def on_retry(failures: int, e: BaseException, wait: float) -> None:
+            logger.info(
+                "remote_rm: POST %s failed (%s: %s), retry %d/%d in %.1fs",
+                cfg.url, type(e).__name__, e, failures, cfg.max_retries - 1, wait,
+            )  # fmt: skip
+
+        try:
+            return await retrying(once, cfg.policy, retryable, on_retry)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise RemoteRewardError(
+                f"remote_rm: POST {cfg.url} failed {cfg.max_retries} times; last error: {type(e).__name__}: {e}"
+            ) from e
