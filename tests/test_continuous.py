@@ -112,7 +112,7 @@ def _prompts(tmp_path, n):
 
 def _manager(tiny_model, url, tmp_path, *extra, schedule=("--fully-async",)):
     from slime.config.arguments import parse_args
-    from slime.ray.rollout_manager import RolloutManager
+    from slime.rollout.producer import RolloutProducer
 
     cfg = parse_args([
         "--hf-checkpoint", tiny_model, "--prompt-data", _prompts(tmp_path, 12), "--input-key", "prompt",
@@ -120,7 +120,7 @@ def _manager(tiny_model, url, tmp_path, *extra, schedule=("--fully-async",)):
         "--rollout-max-response-len", "6", "--num-rollout", "6", "--global-batch-size", "4", *schedule,
         "--rollout-backend", "torch", "--train-backend", "fsdp", *extra,
     ])  # fmt: skip
-    m = RolloutManager(cfg)
+    m = RolloutProducer(cfg)
     m.connect([url])
     return m
 

@@ -136,7 +136,7 @@ def scripted_rollout(args, rollout_id, data_source, evaluation=False):
 
 def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
     from slime.config.arguments import parse_args
-    from slime.ray.rollout_manager import RolloutManager
+    from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "2"}) + "\n" for i in range(5)))
@@ -150,7 +150,7 @@ def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
                           "--save-debug-rollout-data", dump])  # fmt: skip
         cfg.args.answer_token = tokenizer.convert_tokens_to_ids("2")
         cfg.args.flat = flat
-        manager = RolloutManager(cfg)
+        manager = RolloutProducer(cfg)
         rollout = manager.generate(0, weight_version=3)
         # The driver gets a summary; the samples are in the dump the manager wrote.
         assert rollout.dump_path == dump.format(rollout_id=0) and rollout.num_samples == 6
@@ -187,19 +187,19 @@ def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
     import pytest
 
     from slime.config.arguments import parse_args
-    from slime.ray.rollout_manager import RolloutManager
+    from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "1",
                       "--num-rollout", "1", "--rollout-function-path", "tests.test_rollout_manager.wrong_rollout"])  # fmt: skip
     with pytest.raises(TypeError, match="--rollout-function-path"):
-        RolloutManager(cfg).generate(0)
+        RolloutProducer(cfg).generate(0)
 
 
 def test_a_rollout_function_returning_slimes_train_output(tiny_model, tokenizer, tmp_path):
     from slime.config.arguments import parse_args
-    from slime.ray.rollout_manager import RolloutManager
+    from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "2"}) + "\n" for i in range(4)))
@@ -207,7 +207,7 @@ def test_a_rollout_function_returning_slimes_train_output(tiny_model, tokenizer,
                       "--n-samples-per-prompt", "3", "--num-rollout", "1", "--rm-type", "exact",
                       "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout"])  # fmt: skip
     cfg.args.answer_token, cfg.args.flat, cfg.args.wrap = tokenizer.convert_tokens_to_ids("2"), False, True
-    rollout = RolloutManager(cfg).generate(0)
+    rollout = RolloutProducer(cfg).generate(0)
     assert rollout.num_samples == 6 and rollout.metrics["rollout/scripted"] == 7.0
     assert rollout.metrics["rollout/reward_mean"] == 0.75
 

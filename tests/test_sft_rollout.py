@@ -63,8 +63,8 @@ def test_templates_that_rewrite_earlier_turns_are_refused(tokenizer):
 
 def test_sft_rollout_through_the_rollout_manager(tiny_model, tokenizer, tmp_path):
     from slime.config.arguments import parse_args
-    from slime.ray.rollout_manager import RolloutManager
     from slime.rollout.dump import load_dump
+    from slime.rollout.producer import RolloutProducer
 
     data = tmp_path / "sft.jsonl"
     rows = [CONVERSATION, [{"role": "user", "content": "3+3="}, {"role": "assistant", "content": "6"}]]
@@ -74,7 +74,7 @@ def test_sft_rollout_through_the_rollout_manager(tiny_model, tokenizer, tmp_path
                       "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-mask-type",
                       "qwen3", "--loss-type", "sft_loss", "--debug-train-only", "--rollout-batch-size", "2",
                       "--num-rollout", "1", "--save-debug-rollout-data", dump])  # fmt: skip
-    rollout = RolloutManager(cfg).generate(0)
+    rollout = RolloutProducer(cfg).generate(0)
     samples = load_dump(rollout.dump_path)["samples"]
     assert rollout.num_samples == 2 and [s["reward"] for s in samples] == [0, 0]
     for s, messages in zip(samples, rows):

@@ -1,425 +1,152 @@
-"""The RolloutManager actor: data source, engines' HTTP side, rewards, rollout metrics.
+"""The RolloutManager actor: a Ray actor around slime.rollout.producer.RolloutProducer.
 
-It owns no model. It turns a rollout id into one train part per data-parallel replica, put in
-Ray's object store for the train ranks to fetch, and a typed summary for the driver (metrics,
-counts, weight versions, the data position, the dump path); it writes --save-debug-rollout-data
-and --save-debug-eval-data dumps, runs evaluation, and carries the data position for checkpoints.
+It adds what only the job has: the router in front of the engines (slime.engines.router_front),
+the key the engines require (handed on to slime.utils.http_utils for plugins), the address
+slime's plugins post to (`args.sglang_router_ip/port`), the health monitor of
+--use-fault-tolerance, and Ray's object store for the train parts. Everything that produces a
+rollout is the producer's.
+
+No method here is a coroutine: Ray runs a class with one as an async actor, whose methods share
+one event loop, so a running generate() would block the driver's health calls.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
-import logging
 import os
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 from slime.config.arguments import Config
-from slime.config.eval_sets import EvalDataset, eval_flag
-from slime.debug.phases import load_phase_hook
-from slime.engines.client import ClientConfig, EngineClient
-from slime.rollout.base_types import unwrap
-from slime.rollout.continuous import BusyMeter, ContinuousPool
-from slime.rollout.data import Prompt, PromptDataset
-from slime.rollout.dump import make_meta, save_dump
-from slime.rollout.generator import (
-    BuiltInRollout,
-    DataSource,
-    GenerationProgress,
-    RolloutGenerator,
-    number_groups,
-    score_unscored,
-)
-from slime.rollout.health import EngineHealth, HealthMonitor
-from slime.rollout.rewards import RewardModel
-from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
-from slime.rollout.teacher import TeacherScorer
-from slime.utils.async_utils import run
+from slime.engines.client import ClientConfig
+from slime.engines.router_front import RouterFront
+from slime.rollout.health import HealthMonitor
+from slime.rollout.producer import RolloutProducer
 from slime.utils.batch import Evaluation, Rollout
-from slime.utils.misc import load_function
 from slime.utils.net import host_port
-from slime.utils.sample import Sample, group_samples
 
-logger = logging.getLogger(__name__)
+
+def _put(part: Any) -> Any:
+    import ray
+
+    return ray.put(part)
 
 
 class RolloutManager:
-    """Produces rollouts and evaluations from the engines it is connected to (a Ray actor).
+    """Produces rollouts and evaluations for the job (a Ray actor). Built without the engines,
+    then `connect(engine_urls)` once they answer.
 
-    Built without the engines (the tokenizer, the data and the user's functions load while the
-    engines start), then `connect(engine_urls)` once they answer."""
+    `dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains);
+    `api_key`: the key the engines (and a router slime starts) require."""
 
     def __init__(
-        self,
-        config: Config,
-        log_dir: str = ".",
-        dp_size: int | None = None,
-        api_key: str | None = None,
+        self, config: Config, log_dir: str = ".", dp_size: int | None = None, api_key: str | None = None
     ):
-        """`dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains);
-        `api_key`: the key the engines (and a router slime starts) require."""
-        from transformers import AutoTokenizer
-
+        from slime.ray.actors import engine_host
         from slime.utils.logging_utils import configure_logging
 
         configure_logging("rollout")
-        if config.train.deterministic:  # user reward and rollout functions that draw numbers
-            import random
-
-            random.seed(config.train.seed)
-        self.config = config
-        self.log_dir = log_dir
-        self.engine_urls: list[str] = []
-        self.dp_size = dp_size
-        # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
-        self.api_key = api_key
-        self.client_config = ClientConfig(
+        self.config, self.api_key = config, api_key
+        client = ClientConfig(
             timeout_s=config.train.distributed_timeout_minutes * 60,
             max_concurrency=config.args.sglang_server_concurrency,
             api_key=api_key,
         )
-        r = config.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
-        self.dataset = PromptDataset(r.data, self.tokenizer) if r.data is not None else None
-        self.reward = (
-            RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
-            if r.rm_type or r.custom_rm_path
-            else None
+        self.producer = RolloutProducer(config, dp_size, _put, client)
+        c = config.cluster
+        given = None
+        if c.router_ip is not None:
+            assert c.router_port is not None
+            given = (c.router_ip, c.router_port)
+        self.front = RouterFront(
+            c.rollout_backend, given, engine_host, os.path.join(log_dir, "router.log"), api_key
         )
-        # slime's rollout function: f(args, rollout_id, data_source, evaluation=False) -> groups.
-        self.rollout_fn = (
-            load_function(r.rollout_function_path, "--rollout-function-path")
-            if r.rollout_function_path
-            else None
-        )
-        self.generate_fn = (
-            load_function(r.custom_generate_function_path, "--custom-generate-function-path")
-            if r.custom_generate_function_path
-            else None
-        )
-        self.post_process = reward_post_process(r.reward_post_process_path, config.args)
-        self.registered: list[str] = []  # engines slime added to the router
-        self.router: Any = None
-        self._router_lock = threading.Lock()  # the monitor restarts it while the driver replaces engines
-        self.filter = (
-            load_function(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
-            if r.dynamic_sampling_filter_path
-            else None
-        )
-        path = getattr(config.args, "rollout_sample_filter_path", None)
-        self.sample_filter = load_function(path, "--rollout-sample-filter-path") if path else None
-        self.progress = GenerationProgress()
-        self.pool: ContinuousPool | None = None
-        """--fully-async: the groups in flight across rollouts (started by the first take)."""
-        self.busy = BusyMeter()
-        self.carried: list[tuple[Prompt, list[Sample]]] = []
-        """--partial-rollout (synchronous and one-step-off): the groups a rollout's over-sampling cut
-        off, with their tokens, continued first by the next rollout."""
-        self.phase = load_phase_hook(config.debug.phase_hook)
-        self.health: EngineHealth | None = None
-        self.teacher: TeacherScorer | None = None
-        """--use-opd --opd-type sglang: the teacher engine that scores each training sample."""
         self.monitor: HealthMonitor | None = None
-        # Per evaluation set: (set, prompts, reward, generate function); its own ones replace the rollout's.
-        self.eval_sets = [
-            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)), self._set_reward(ds), self._set_generate(ds))
-            for ds in config.eval.datasets
-        ]  # fmt: skip
-
-    def _set_reward(self, ds: EvalDataset) -> RewardModel | None:
-        """An evaluation set's reward: its custom_rm_path, else its rm_type, else the rollout's."""
-        if ds.custom_rm_path or ds.rm_type:
-            return RewardModel(ds.rm_type, ds.custom_rm_path, False, self.config.args)
-        return self.reward
-
-    def _set_generate(self, ds: EvalDataset) -> Callable[..., Any] | None:
-        path = ds.custom_generate_function_path
-        if path is None:
-            return self.generate_fn
-        return load_function(path, f"{eval_flag(ds)} custom_generate_function_path")
 
     def connect(self, engine_urls: list[str], teacher_url: str | None = None) -> None:
-        """Generate with the engines at `engine_urls` (once, before the first rollout); score
-        with the OPD teacher at `teacher_url` (an engine the job started) or --opd-teacher-url."""
-        assert not self.engine_urls, "connect() runs once"
-        config, r = self.config, self.config.rollout
-        self.engine_urls = list(engine_urls)
-        url = teacher_url or config.opd.teacher_url
-        if config.opd.scores_in_rollout and url is not None:
-            self.teacher = TeacherScorer(url, EngineClient(url, self.client_config), r.sampling.temperature)
-            run(self.teacher.check(self.tokenizer, config.train.hf_checkpoint))
-        # slime's custom functions post to http://{args.sglang_router_ip}:{args.sglang_router_port}:
-        # the router in front of every engine, or (torch engines without a router) engine 0.
-        self.router = self._router()
-        self._register_credentials()
-        if self.router is not None:
-            config.args.sglang_router_ip, config.args.sglang_router_port = self.router.host, self.router.port
-        elif self.engine_urls:
-            config.args.sglang_router_ip, config.args.sglang_router_port = host_port(self.engine_urls[0])
+        """Generate with the engines at `engine_urls` (once, before the first rollout), behind
+        the router; score with the OPD teacher at `teacher_url` or --opd-teacher-url."""
+        p, r = self.producer, self.config.rollout
+        p.connect(engine_urls, teacher_url)
+        self.front.start(p.engine_urls)
+        self._publish()
         # --use-fault-tolerance: engines found down (by the monitor, a failed request or a failed
         # control call of the driver's) have their groups generated elsewhere; the driver restarts
         # them and gives them the weights before they are replaced here.
-        if r.fault_tolerance and self.engine_urls:
-            self.health = EngineHealth(self.engine_urls)
+        if p.health is not None:
             self.monitor = HealthMonitor(
-                self.health, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait,
+                p.health, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait,
                 also=self._check_router,
             )  # fmt: skip
 
-    def _register_credentials(self) -> None:
-        """slime.utils.http_utils.post/get, as plugins call them, carry the engines' key to the
-        router and the engines (to those addresses only)."""
+    def _publish(self) -> None:
+        """Where plugins post: slime's custom functions post to
+        http://{args.sglang_router_ip}:{args.sglang_router_port}, the router in front of every
+        engine, or (torch engines without a router) engine 0; slime.utils.http_utils.post/get
+        carry the engines' key to the router and the engines (to those addresses only)."""
         from slime.utils.http_utils import register_credentials
 
-        urls = list(self.engine_urls) + ([self.router.url] if self.router is not None else [])
-        register_credentials(urls, self.api_key)
-
-    def _router(self) -> Any:
-        """The sglang-router (slime.engines.router): started for --rollout-backend sglang, or the
-        one named by --sglang-router-ip/port; every engine is registered with it."""
-        from slime.engines.router import Router
-
-        c, engine_urls = self.config.cluster, self.engine_urls
-        if not engine_urls or (c.rollout_backend != "sglang" and c.router_ip is None):
-            return None
-        if c.router_ip is not None:
-            assert c.router_port is not None
-            router, listed = Router.running(c.router_ip, c.router_port, api_key=self.api_key)
-        else:
-            router = self._start_router()
-            listed = router.workers()
-        for url in engine_urls:
-            if url not in listed:
-                router.add_worker(url)
-                self.registered.append(url)
-        logger.info("router %s in front of engines %s", router.url, ", ".join(engine_urls))
-        return router
-
-    def _start_router(self, port: int | None = None) -> Any:
-        from slime.engines.router import Router
-        from slime.ray.actors import engine_host
-
-        log = os.path.join(self.log_dir, "router.log")
-        return Router.start(engine_host(), log, api_key=self.api_key, port=port)
+        p, args, router = self.producer, self.config.args, self.front.router
+        p.router_url = self.front.url
+        if router is not None:
+            args.sglang_router_ip, args.sglang_router_port = router.host, router.port
+        elif p.engine_urls:
+            args.sglang_router_ip, args.sglang_router_port = host_port(p.engine_urls[0])
+        register_credentials(list(p.engine_urls) + ([router.url] if router is not None else []), self.api_key)
 
     def _check_router(self) -> None:
-        """--use-fault-tolerance: a router slime started that died is started again, on the same
-        port when it is free, with the live engines registered (the health monitor's thread)."""
-        with self._router_lock:
-            self._restart_router()
-
-    def _restart_router(self) -> None:
-        router = self.router
-        if router is None or router.proc is None or router.proc.poll() is None:
-            return
-        logger.error(
-            "the sglang-router at %s exited with code %s; starting it again",
-            router.url,
-            router.proc.returncode,
-        )
-        try:
-            new = self._start_router(router.port)
-        except Exception as e:  # the port was taken meanwhile
-            logger.warning("restarting the router on port %d: %s; taking a free port", router.port, e)
-            new = self._start_router()
-        assert self.health is not None
-        for url in self.health.live():
-            new.add_worker(url)
-        self.registered = self.health.live()
-        self.router = new
-        self._register_credentials()
-        self.config.args.sglang_router_ip, self.config.args.sglang_router_port = new.host, new.port
-        logger.warning("router restarted at %s with engines %s", new.url, ", ".join(self.registered))
+        """The health monitor's thread: a router slime started that died is started again."""
+        health = self.producer.health
+        assert health is not None
+        if self.front.restart_if_dead(health.live):
+            self._publish()
 
     def close(self) -> None:
         """Stop the continuous pool, the health monitor and the router slime started (a router
-        given by --sglang-router-ip keeps running; the engines slime registered there are removed
-        from it)."""
-        if self.pool is not None:
-            pool, self.pool = self.pool, None
-            run(pool.close())
+        given by --sglang-router-ip keeps running, without the engines slime registered there)."""
+        self.producer.close()
         if self.monitor is not None:
             self.monitor.stop()
-        if self.teacher is not None:
-            run(self.teacher.client.close())
-        if self.router is None:
-            return
-        if self.router.proc is not None:
-            self.router.stop()
-            return
-        for url in self.registered:
-            try:
-                self.router.remove_worker(url)
-            except Exception as e:  # shutting down: the router may be gone
-                logger.warning("removing %s from the router: %s", url, e)
+        self.front.close()
 
+    # ---- what the driver asks -----------------------------------------------------------------
     def num_prompts(self) -> int:
-        return len(self.dataset) if self.dataset is not None else 0
+        return self.producer.num_prompts()
 
     def generate(self, rollout_id: int, weight_version: int = 0) -> Rollout:
-        """Generate and score rollout `rollout_id` (the trainer is at `weight_version`); its parts
-        go to the object store, its dump to --save-debug-rollout-data; the summary comes back."""
-        start = time.perf_counter()
-        self.progress.reward_seconds = 0.0
-
-        def built_in() -> tuple[list[Sample], dict[str, float]]:
-            if self.dataset is None:
-                raise RuntimeError("the built-in rollout needs --prompt-data")
-            samples, metrics = run(
-                _generate(
-                    self, self.dataset, self.config.rollout.rollout_batch_size, self.config.rollout.sampling,
-                    self.filter, self._seed_keys("rollout", rollout_id), (rollout_id, False), self.reward,
-                    self.generate_fn,
-                )
-            )  # fmt: skip
-            if self.sample_filter is not None:  # slime's --rollout-sample-filter-path: sets remove_sample
-                self.sample_filter(self.config.args, group_samples(samples))
-                metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
-            return samples, metrics
-
-        if self.rollout_fn is not None:
-            samples, extra = _rollout_fn_samples(self, rollout_id, self.dataset, self.reward, built_in)
-        else:
-            samples, extra = built_in()
-        return self._package(rollout_id, weight_version, samples, extra, start)
+        """Rollout `rollout_id` for the trainer at `weight_version`; its parts go to the object
+        store, its dump to --save-debug-rollout-data; the summary comes back."""
+        return self.producer.generate(rollout_id, weight_version)
 
     def take(self, rollout_id: int, weight_version: int) -> Rollout:
-        """--fully-async: rollout `rollout_id` from the continuous pool, for training at
-        `weight_version` (the engines have it: the pool may admit the groups it allows)."""
-        start = time.perf_counter()
-        self.progress.reward_seconds = 0.0
-        if self.pool is None:
-            self.pool = run(_start_pool(self, weight_version))
-        else:
-            run(_call(self.pool.set_version, weight_version))
-        n = self.config.rollout.sampling.n_samples_per_prompt
-        self.progress.done, self.progress.total = 0, self.config.rollout.rollout_batch_size * n
-        taken = run(self.pool.take(weight_version))
-        busy = run(self.busy.read(self.pool.gen.live_clients()))
-        self.progress.done = self.progress.total
-        samples = number_groups(taken.groups, n, "the continuous pool")
-        extra = dict(taken.metrics)
-        if busy is not None:
-            extra["time/engine_busy_share"] = busy
-        return self._package(rollout_id, weight_version, samples, extra, start)
-
-    def _package(
-        self,
-        rollout_id: int,
-        weight_version: int,
-        samples: list[Sample],
-        extra: dict[str, float],
-        start: float,
-    ) -> Rollout:
-        import ray
-
-        if self.teacher is not None:  # samples a rollout function made (the built-in's are scored)
-            start_teacher = time.perf_counter()
-            if run(self.teacher.score_all(samples)):
-                extra["time/teacher"] = time.perf_counter() - start_teacher
-        metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
-        metrics["time/generate"] = time.perf_counter() - start
-        metrics["time/reward"] = self.progress.reward_seconds
-        dump_path = None
-        if self.config.debug.save_rollout_data:
-            dump_path = save_dump(
-                self.config.debug.save_rollout_data, rollout_id, [s.to_dict() for s in samples],
-                {**self._meta(False), "weight_version": weight_version},
-            )  # fmt: skip
-        split = (self.config.train.batch, self.dp_size) if self.dp_size else None
-        return package_rollout(
-            rollout_id, samples, self.config.rollout.reward_key, split, ray.put, metrics, self.post_process,
-            self.config.opd.on_samples, data_state=self.state_dict(), dump_path=dump_path,
-        )  # fmt: skip
+        """--fully-async: rollout `rollout_id` from the continuous pool."""
+        return self.producer.take(rollout_id, weight_version)
 
     def evaluate(self, rollout_id: int) -> Evaluation:
-        """Metrics of every evaluation set; their samples to --save-debug-eval-data when set."""
-        assert self.eval_sets
-        metrics: dict[str, float] = {}
-        every: list[Sample] = []
-        counts: list[list[Any]] = []  # [name, samples] per set, in the dump's order
-        for ds, dataset, reward, generate_fn in self.eval_sets:
-            dataset.epoch = dataset.offset = 0
-            built_in = functools.partial(self._evaluate_set, rollout_id, ds, dataset, reward, generate_fn)
-            if self.rollout_fn is not None:
-                samples, extra = _rollout_fn_samples(self, rollout_id, dataset, reward, built_in, ds)
-                metrics.update(extra)
-            else:
-                samples, _ = built_in()
-            metrics.update(eval_metrics(ds, samples, self.config.rollout.reward_key))
-            every += samples
-            counts.append([ds.name, len(samples)])
-        dump_path = None
-        if self.config.debug.save_eval_data:
-            dump_path = save_dump(
-                self.config.debug.save_eval_data, rollout_id, [s.to_dict() for s in every],
-                {**self._meta(True), "weight_version": -1, "eval_sets": counts},
-            )  # fmt: skip
-        return Evaluation(metrics, dump_path)
-
-    def _evaluate_set(
-        self,
-        rollout_id: int,
-        ds: EvalDataset,
-        dataset: PromptDataset,
-        reward: RewardModel | None,
-        generate_fn: Callable[..., Any] | None,
-    ) -> tuple[list[Sample], dict[str, float]]:
-        """One evaluation set through the built-in rollout (every prompt, no filter)."""
-        key = ("eval", rollout_id) if ds.name is None else ("eval", ds.name, rollout_id)
-        samples, _ = run(
-            _generate(
-                self, dataset, len(dataset), ds.sampling, None, self._seed_keys(*key), (rollout_id, True), reward,
-                generate_fn,
-            )
-        )  # fmt: skip
-        return samples, {}
-
-    def _meta(self, evaluation: bool) -> dict[str, Any]:
-        """What a dump records for its replay (tokenizer and model fingerprints, rollout flags)."""
-        return make_meta(self.config.args, self.tokenizer, evaluation=evaluation)
+        return self.producer.evaluate(rollout_id)
 
     def progress_counts(self) -> tuple[int, int]:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""
-        return self.progress.done, self.progress.total
-
-    def _seed_keys(self, *key: int | str) -> tuple[int | str, ...] | None:
-        """--deterministic-mode: what every sample's sampling_seed is derived from."""
-        return (self.config.train.seed, *key) if self.config.train.deterministic else None
+        progress = self.producer.progress
+        return progress.done, progress.total
 
     def down_engines(self) -> dict[int, str]:
         """Engine index -> why it is down (empty without --use-fault-tolerance)."""
-        return self.health.down() if self.health is not None else {}
+        health = self.producer.health
+        return health.down() if health is not None else {}
 
     def mark_down(self, index: int, reason: str) -> None:
         """The driver found engine `index` down (a failed control call or push): no request goes
         there, and its groups in flight are generated again elsewhere."""
-        if self.health is not None:
-            self.health.mark_down(self.health.urls()[index], reason)
+        health = self.producer.health
+        if health is not None:
+            health.mark_down(health.urls()[index], reason)
 
     def replace_engine(self, index: int, url: str) -> None:
         """A restarted engine, given the current weights, takes the place (and the turn) of the
         one that went down."""
-        old = self.engine_urls[index]
-        self.engine_urls[index] = url
-        if self.health is not None:
-            self.health.replace(index, url)
-        with self._router_lock:
-            self._swap_worker(old, url)
-            self._register_credentials()
-
-    def _swap_worker(self, old: str, url: str) -> None:
-        if self.router is not None:
-            for call, worker in ((self.router.remove_worker, old), (self.router.add_worker, url)):
-                try:
-                    call(worker)
-                except Exception as e:  # a dead router: the monitor starts it again with the live engines
-                    logger.warning("router %s: %s %s: %s", self.router.url, call.__name__, worker, e)
-            self.registered = [u for u in self.registered if u != old] + [url]
+        old = self.producer.engine_urls[index]
+        self.producer.replace_engine(index, url)
+        self.front.swap(old, url)
+        self._publish()
 
     def pause_health(self) -> None:
         """Colocated engines give their memory up (no /health_generate until they resume)."""
@@ -431,161 +158,7 @@ class RolloutManager:
             self.monitor.resume()
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position; with --fully-async the prompts drawn and not yet trained on are
-        in it, drawn first by a resumed run."""
-        if self.dataset is None:
-            return {}
-        if self.pool is not None:
-            return self.dataset.state_dict(self.pool.pending_prompts())
-        return self.dataset.state_dict([p for p, _ in self.carried] or None)
+        return self.producer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.dataset is not None and state:
-            self.dataset.load_state_dict(state)
-
-
-# The rollout manager's coroutines live outside the class: an actor class with a coroutine method is
-# an async actor to Ray, whose methods all share one event loop, so a running generate() would block
-# every other call (the driver's down_engines(), progress_counts()). They run on the process's one
-# background loop (slime.utils.async_utils, as in slime): what a plugin keeps between rollouts (a
-# GenerateState semaphore, an aiohttp session) stays bound to a loop that is still running.
-def _rollout_fn_samples(
-    manager: RolloutManager,
-    rollout_id: int,
-    dataset: PromptDataset | None,
-    reward: RewardModel | None,
-    built_in: Callable[[], tuple[list[Sample], dict[str, float]]],
-    eval_ds: EvalDataset | None = None,
-) -> tuple[list[Sample], dict[str, float]]:
-    """Run the user's rollout function for a training rollout, or for the evaluation set
-    `eval_ds`; score the samples it left without a reward. Returns them and the function's own
-    metrics (RolloutFnTrainOutput's). `built_in`: this rollout (or evaluation set) as the
-    built-in rollout makes it, for a function that calls
-    slime.rollout.sglang_rollout.generate_rollout.
-
-    The function is called from this (synchronous) thread, as slime calls it: slime's own
-    rollout functions call `slime.utils.async_utils.run` themselves."""
-    assert manager.rollout_fn is not None
-    flag = "--rollout-function-path"
-    evaluation = eval_ds is not None
-    eval_set = eval_ds.name if eval_ds is not None else None
-    n = (eval_ds or manager.config.rollout).sampling.n_samples_per_prompt
-    fields = {}  # slime sets an evaluation set's own functions on its samples
-    if eval_ds is not None:
-        fields = {
-            "custom_rm_path": eval_ds.custom_rm_path,
-            "generate_function_path": eval_ds.custom_generate_function_path,
-        }
-    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields)
-    result = manager.rollout_fn(manager.config.args, rollout_id, source, evaluation=evaluation)
-    if inspect.isawaitable(result):
-        result = run(result)
-    groups_out, fn_metrics = unwrap(result, evaluation, eval_set)
-    samples = number_groups(groups_out, n, flag)
-    start = time.perf_counter()
-    todo = [g for g in group_samples(samples) if any(s.reward is None for s in g)]
-    if todo:
-        run(_score_groups(reward, todo, flag))
-    manager.progress.reward_seconds += time.perf_counter() - start
-    return samples, fn_metrics
-
-
-async def _start_pool(manager: RolloutManager, version: int) -> ContinuousPool:
-    """The continuous pool of `manager`, started on the background loop. A module function, not a
-    method: one coroutine method makes Ray run the actor as an async actor, whose sync methods
-    then block each other (the driver's health calls would wait behind a rollout)."""
-    if manager.dataset is None:
-        raise RuntimeError("--fully-async needs --prompt-data")
-    r = manager.config.rollout
-    clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]
-    gen = RolloutGenerator(
-        manager.dataset, clients, manager.reward, r.sampling, r.rollout_batch_size, None, None, manager.config.args,
-        manager.generate_fn, GenerationProgress(), manager._seed_keys("continuous"), manager.health, None,
-        route_to_engine=manager.router is None,
-    )  # fmt: skip
-    gen.mask_offpolicy, gen.teacher = r.asynchrony.mask_offpolicy, manager.teacher
-    concurrency = manager.config.args.sglang_server_concurrency * max(1, len(clients))
-    cap = -(-concurrency // r.sampling.n_samples_per_prompt)
-    pool = ContinuousPool(
-        gen, manager.dataset, r.asynchrony, r.rollout_batch_size, cap, version, manager.filter,
-        exact_versions=manager.config.cluster.rollout_backend == "torch",
-    )  # fmt: skip
-    await manager.busy.read(clients)
-    pool.top_up()
-    logger.info("continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag)
-    return pool
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on the background loop (the pool's state is touched from that thread only)."""
-    return fn(*args)
-
-
-async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:
-    for group in groups:
-        await score_unscored(reward, group, flag)
-
-
-async def _generate(
-    manager: RolloutManager,
-    dataset: PromptDataset,
-    num_prompts: int,
-    sampling: Any,
-    group_filter: Any,
-    seed_keys: tuple[int | str, ...] | None,
-    which: tuple[int, bool],
-    reward: RewardModel | None,
-    generate_fn: Callable[..., Any] | None,
-) -> tuple[list[Sample], dict[str, float]]:
-    """The samples, and the dynamic filter's metrics. `which`: (rollout id, evaluation), for
-    --debug-phase-hook."""
-    groups = 0
-
-    def on_group(engine: str) -> None:
-        nonlocal groups
-        groups += 1
-        live = manager.health.live() if manager.health is not None else list(manager.engine_urls)
-        router = manager.router.url if manager.router is not None else None
-        manager.phase("group_generated", rollout_id=which[0], evaluation=which[1], groups=groups,
-                      engine=engine, engines=live, router=router)  # fmt: skip
-
-    clients = [EngineClient(u, manager.client_config) for u in manager.engine_urls]  # health's slots too
-    try:
-        gen = RolloutGenerator(
-            dataset, clients, reward, sampling, num_prompts,
-            manager.config.rollout.over_sampling_batch_size, group_filter, manager.config.args, generate_fn,
-            manager.progress, seed_keys, manager.health, on_group, route_to_engine=manager.router is None,
-        )  # fmt: skip
-        asynchrony = manager.config.rollout.asynchrony
-        if asynchrony.partial and not which[1]:
-            gen.carry, gen.mask_offpolicy = manager.carried, asynchrony.mask_offpolicy
-        if not which[1]:  # evaluation samples are not trained on: no teacher
-            gen.teacher = manager.teacher
-        result = await gen.generate_rollout()
-        metrics = result.filter_metrics()
-        if not which[1] and manager.config.cluster.rollout_backend == "torch":
-            live = set(manager.health.live()) if manager.health is not None else None
-            # Over the whole step (generation and not); the clients of restarted engines are closed by now.
-            busy = await manager.busy.read([c for c in clients if live is None or c.base_url in live])
-            if busy is not None:
-                metrics["time/engine_busy_share"] = busy
-        for _, group in manager.carried:  # slime's mark: the rollout a partial sample started in
-            for s in group:
-                if s.response_length:
-                    s.metadata.setdefault("start_rollout_id", which[0])
-        return result.samples, metrics
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
-
-
-def eval_metrics(ds: EvalDataset, samples: list[Sample], reward_key: str | None) -> dict[str, float]:
-    """eval/<metric> for the unnamed set; a named set's as slime logs them: eval/<name> (mean reward),
-    eval/<name>-truncated_ratio, and the rest under eval/<name>/."""
-    metrics = rollout_metrics(samples, reward_key, prefix=ds.prefix)
-    if ds.name is not None:
-        if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
-            raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
-                             "to report with --reward-key")  # fmt: skip
-        metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
-        metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
-    return metrics
+        self.producer.load_state_dict(state)
