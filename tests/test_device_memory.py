@@ -147,7 +147,9 @@ def megatron_actor(monkeypatch, bf16: bool):
     master = torch.zeros(3, requires_grad=True)
     master.grad = torch.ones(3)  # the last step's gradient, kept until the next zero_grad
     actor = fake_actor(MegatronTrainActor, model, [master])
-    actor.masters = {torch.zeros(3): master} if bf16 else {}
+    from slime.backends.megatron.masters import MasterWeights
+
+    actor.masters = MasterWeights({torch.zeros(3): master} if bf16 else {})
     return actor, master, scratch, rotary_cls
 
 

@@ -12,16 +12,18 @@ from slime.backends.megatron.convert import (
     ConversionError,
     Layout,
     hf_to_megatron,
-    hf_to_megatron_shard,
     megatron_to_hf,
+    padded_vocab_size,
+)
+from slime.backends.megatron.rank_files import shard, unshard
+from slime.backends.megatron.sharding import (
+    hf_to_megatron_shard,
     merge_pp,
     merge_tp,
-    padded_vocab_size,
     repad_vocab,
     split_pp,
     split_tp,
 )
-from slime.backends.megatron.rank_files import shard, unshard
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=101, max_position_embeddings=64)  # fmt: skip

@@ -13,14 +13,16 @@ from slime.backends.megatron.convert import (
     Layout,
     expert_names,
     hf_to_megatron,
-    hf_to_megatron_shard,
     megatron_to_hf,
+)
+from slime.backends.megatron.rank_files import shard, unshard
+from slime.backends.megatron.sharding import (
+    hf_to_megatron_shard,
     merge_experts,
     rank_shard,
     split_experts,
     split_pp,
 )
-from slime.backends.megatron.rank_files import shard, unshard
 from slime.utils.hf_experts import checkpoint_tensors
 
 MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,

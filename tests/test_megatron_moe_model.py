@@ -19,8 +19,8 @@ def forward_ranks(rank, world_size, init_method, tp, pp, ep):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from slime.backends.megatron import cpu_shim
-    from slime.backends.megatron.convert import hf_to_megatron_shard
     from slime.backends.megatron.model import build_gpt_model, model_state, transformer_config
+    from slime.backends.megatron.sharding import hf_to_megatron_shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -32,8 +32,9 @@ import torch
 from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends.micro_batch import MicroBatch
-from slime.backends.train_common import StepPlan, TrainActorBase, as_part
+from slime.backends.train_common import TrainActorBase
 from slime.utils.batch import RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.batching import StepPlan
 
 PerSample = dict[int, list[float]]
 
@@ -83,7 +84,7 @@ class ValueModel(TrainActorBase):
     def compute_values(self, data: RolloutBatch | RolloutPart) -> PerSample:
         """The value of every response token of this rank's samples, keyed by sample index (the
         job merges the answers of a data-parallel replica's ranks)."""
-        part = as_part(data)
+        part = RolloutPart.of(data)
         batch = part.batch
         batch.validate(self.hf_config.vocab_size)
         out = self._value_pass(batch, self._log_prob_plans(part, self.plan(part)))
@@ -96,7 +97,7 @@ class ValueModel(TrainActorBase):
     ) -> TrainOutput:
         """Optimizer steps of the clipped value loss; `old_values` (from `compute_values`) and
         `returns` are keyed by sample index and must cover this rank's samples."""
-        part = as_part(data)
+        part = RolloutPart.of(data)
         batch = part.batch
         batch.validate(self.hf_config.vocab_size)
         index = batch.sample_indices or part.positions

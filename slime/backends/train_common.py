@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,31 +25,15 @@ from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends.micro_batch import MicroBatch
+from slime.backends.optim import move_state
 from slime.backends.routing import RouterHooks
 from slime.backends.train_records import TrainRecords
 from slime.config.train import TrainConfig
 from slime.utils import batching
 from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.batching import StepPlan
 from slime.utils.device_memory import release_device_memory
 from slime.utils.errors import UsageError
-
-
-def nan_max(a: float, b: float) -> float:
-    """max that keeps a NaN (a NaN log-prob gap must reach --check-precision's gate)."""
-    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
-
-
-def as_part(data: RolloutBatch | RolloutPart) -> RolloutPart:
-    return data if isinstance(data, RolloutPart) else RolloutPart.whole(data)
-
-
-@dataclass
-class StepPlan:
-    """One optimizer step: this rank's micro-batches and the global normalisers."""
-
-    micro_batches: list[list[int]]
-    num_samples: int
-    num_tokens: int
 
 
 class TrainActorBase(TrainRecords):
@@ -254,7 +236,7 @@ class TrainActorBase(TrainRecords):
             return
         if params:
             self.model.to(device)
-        _move_optimizer_state(self.optimizer, device)
+        move_state(self.optimizer, device)
         if torch.device(device).type == "cpu":
             release_device_memory()  # a colocated engine needs every byte, cuBLAS's workspaces too
         else:
@@ -265,7 +247,7 @@ class TrainActorBase(TrainRecords):
         """This rank's micro-batches per optimizer step, as positions in the part's batch. Every
         rank packs every rank's share of the whole rollout, so micro-batch counts agree without
         talking."""
-        part = as_part(data)
+        part = RolloutPart.of(data)
         b = self.cfg.batch
         lengths = part.lengths
         global_batch = b.global_batch_for(part.num_samples)
@@ -318,7 +300,7 @@ class TrainActorBase(TrainRecords):
     def compute_log_probs(
         self, data: RolloutBatch | RolloutPart, use_reference: bool = False
     ) -> dict[int, list[float]]:
-        part = as_part(data)
+        part = RolloutPart.of(data)
         batch = part.batch
         batch.validate(self.hf_config.vocab_size)
         plans = self._log_prob_plans(part, self.plan(part))
@@ -355,7 +337,7 @@ class TrainActorBase(TrainRecords):
         keyed by sample index (the output then carries the returns of this rank's samples, the
         critic's targets). Without `update` (--num-critic-only-steps) no step is taken: the
         advantages and returns are computed, the weights stay."""
-        part = as_part(data)
+        part = RolloutPart.of(data)
         batch = part.batch
         batch.validate(
             self.hf_config.vocab_size, need_rollout_log_probs=self.cfg.loss.needs_rollout_log_probs
@@ -505,14 +487,3 @@ class TrainActorBase(TrainRecords):
             dist.all_reduce(stats, group=self.dp_group)
             values = adv.whiten(values, masks, stats)
         return dict(zip(mine, values))
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
-    """Every optimizer state tensor to `device`. A function of its own so that no local of the
-    caller still holds a device tensor when the caller releases device memory (a loop variable
-    did: the H200 run found the last state tensor freed only after the release, leaving a 2 MiB
-    segment reserved)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=True)

@@ -4,6 +4,7 @@ A mixin of slime.backends.train_common.TrainActorBase."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -13,6 +14,11 @@ from slime.algo.losses import approx_kl
 from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
 from slime.utils.batch import RolloutBatch, RolloutPart
+
+
+def nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN (a NaN log-prob gap must reach --check-precision's gate)."""
+    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
 
 
 class TrainRecords:

@@ -16,8 +16,9 @@ import argparse
 import dataclasses
 import sys
 
-from slime.backends.megatron.convert import ConversionError, repad_vocab
+from slime.backends.megatron.convert import ConversionError
 from slime.backends.megatron.rank_files import Parallel, merge_ranks, split_ranks
+from slime.backends.megatron.sharding import repad_vocab
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,11 @@ class RolloutPart:
         return len(self.lengths)
 
     @classmethod
+    def of(cls, data: RolloutBatch | RolloutPart) -> RolloutPart:
+        """`data` as a part: a part as it is, a whole rollout as one part."""
+        return data if isinstance(data, RolloutPart) else cls.whole(data)
+
+    @classmethod
     def whole(cls, batch: RolloutBatch) -> RolloutPart:
         """The whole rollout as one part (a rank given it cuts its share itself)."""
         masks = batch.loss_masks

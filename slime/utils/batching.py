@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step: this rank's micro-batches and the global normalisers."""
+
+    micro_batches: list[list[int]]
+    num_samples: int
+    num_tokens: int
 
 
 def split_steps(num_samples: int, global_batch_size: int | None) -> list[list[int]]:

@@ -24,12 +24,14 @@ from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
-from slime.backends.optim import LRSchedule, make_optimizer
-from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
+from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
+from slime.backends.train_common import TrainActorBase
+from slime.backends.train_records import nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts
 from slime.utils.batch import RolloutBatch
+from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group
 
 logger = logging.getLogger(__name__)
@@ -238,12 +240,8 @@ class FSDPTrainActor(TrainActorBase):
 
     def local_state_bytes(self) -> int:
         """Bytes of this rank's parameter shards plus optimizer states."""
-        total = sum(model_init.local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    total += model_init.local_tensor(value).numel() * value.element_size()
-        return total
+        params = sum(model_init.local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
+        return params + state_bytes(self.optimizer, model_init.local_tensor)
 
     def _attention(self) -> str:
         """--attn-implementation, except that packed micro-batches with the default (sdpa) run

@@ -17,8 +17,9 @@ from slime.backends.critic_common import ValueModel, fresh_value_head, value_mod
 from slime.backends.fsdp import model_init
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.fsdp.forward import response_values
-from slime.backends.train_common import StepPlan, nan_max
+from slime.backends.train_records import nan_max
 from slime.utils.batch import RolloutBatch
+from slime.utils.batching import StepPlan
 
 
 class FSDPCritic(ValueModel, FSDPTrainActor):

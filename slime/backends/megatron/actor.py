@@ -28,18 +28,22 @@ import torch.distributed as dist
 from slime.backends import hf_checkpoint
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads
-from slime.backends.megatron.convert import Layout, State, hf_to_megatron_shard
-from slime.backends.megatron.export import Mesh, _meta_hf_state, export_hf_buckets
+from slime.backends.megatron.convert import Layout, State
+from slime.backends.megatron.export import Mesh, export_hf_buckets, meta_hf_state
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.megatron.masters import MasterWeights
 from slime.backends.megatron.model import move_rotary_tables
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
+from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
-from slime.backends.optim import LRSchedule, make_optimizer
-from slime.backends.train_common import StepPlan, TrainActorBase, nan_max
+from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
+from slime.backends.train_common import TrainActorBase
+from slime.backends.train_records import nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils.batch import RolloutBatch
+from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group
 
 logger = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ class MegatronTrainActor(TrainActorBase):
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer
         self.schedule: LRSchedule
-        self.masters: dict[torch.Tensor, torch.Tensor] = {}  # --bf16: parameter -> float32 master weight
+        self.masters = MasterWeights()  # --bf16: parameter -> float32 master weight
         self.rollout_id = -1
         self.resumed_extra: dict[str, Any] = {}
 
@@ -113,11 +117,11 @@ class MegatronTrainActor(TrainActorBase):
         self.model, self.config = self._build_model()
         self.routing = MegatronRouting.install(self.model, self.layout, self.hf_config, recompute_settings(cfg),
                                                self.mesh, m.sequence_parallel)  # fmt: skip
-        self._forward_backward = self._schedule()
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self._forward_backward = get_forward_backward_func()
         if m.bf16:
-            self.masters = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.model.parameters()}
-            for p in self.masters:
-                p.register_post_accumulate_grad_hook(self._accumulate_in_master)
+            self.masters = MasterWeights.attach(self.model.parameters())
         self._load_hf(cfg.hf_checkpoint)
         self.optimizer = make_optimizer(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
@@ -206,11 +210,6 @@ class MegatronTrainActor(TrainActorBase):
         samples = step.num_samples if step is not None else 0
         return self.routing.states(mbs, self.routing_tables, record, aux, samples)
 
-    def _schedule(self) -> Any:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()
-
     def _read_hf_shard(self, hf_dir: str, lm_head: bool = True) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
         one layer at a time (without `lm_head`: no output layer, the critic has its own)."""
@@ -245,12 +244,8 @@ class MegatronTrainActor(TrainActorBase):
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
     def local_state_bytes(self) -> int:
-        total = sum(p.numel() * p.element_size() for p in [*self.model.parameters(), *self.masters.values()])
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return params + self.masters.nbytes() + state_bytes(self.optimizer)
 
     # ---- forward ----------------------------------------------------------------------------
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
@@ -431,29 +426,8 @@ class MegatronTrainActor(TrainActorBase):
         lr = self.schedule.lr
         self.optimizer.step()
         self.schedule.step()
-        self._from_masters()
+        self.masters.copy_back()
         return self._step_metrics(sums, grad_norm, lr)
-
-    def _accumulate_in_master(self, p: torch.Tensor) -> None:
-        """--bf16: each micro-batch's bfloat16 gradient is added to the float32 master's as soon
-        as autograd produced it (accumulation and reductions in float32, as Megatron-LM's
-        accumulate_allreduce_grads_in_fp32); the parameter keeps none."""
-        assert p.grad is not None
-        master = self.masters[p]
-        if master.grad is None:
-            master.grad = p.grad.float()
-        else:
-            master.grad.add_(p.grad)
-        p.grad = None
-
-    @torch.no_grad()
-    def _from_masters(self) -> None:
-        for p, master in self.masters.items():
-            p.copy_(master)  # rounds to bfloat16
-            master.grad = None
-
-    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        return self.masters[p].grad if self.masters else p.grad
 
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
@@ -465,11 +439,11 @@ class MegatronTrainActor(TrainActorBase):
     def _reduce_gradients(self) -> None:
         grads.reduce_gradients(self.model, self.mesh, self.dp_group if self.dp_size > 1 else None,
                                self.layout.qk_norm, self.layout.tied_embeddings, self.device,
-                               self._grad_of)  # fmt: skip
+                               self.masters.grad_of)  # fmt: skip
 
     def _clip_gradients(self) -> float:
         return grads.clip_gradients(
-            self.model, self.mesh, self.cfg.optimizer.clip_grad, self.device, self._grad_of
+            self.model, self.mesh, self.cfg.optimizer.clip_grad, self.device, self.masters.grad_of
         )
 
     # ---- checkpoints and weights ------------------------------------------------------------
@@ -497,7 +471,7 @@ class MegatronTrainActor(TrainActorBase):
         return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in _meta_hf_state(self.layout).items()}
+        return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout).items()}
 
     # ---- colocation -------------------------------------------------------------------------
     def _move(self, device: str | torch.device, params: bool = True) -> None:
@@ -505,10 +479,7 @@ class MegatronTrainActor(TrainActorBase):
         they move whatever `params` says; the optimizer holds these very tensors), megatron-core's
         rotary tables and its attention scratch buffer (freed on sleep, allocated again on use)."""
         if self.device.type != "cpu":
-            for master in self.masters.values():
-                master.data = master.data.to(device)
-                if master.grad is not None:  # the last step's, kept until the next zero_grad
-                    master.grad = master.grad.to(device)
+            self.masters.move(device)
             move_rotary_tables(self.model, device)
             if torch.device(device).type == "cpu":
                 from megatron.core import parallel_state as ps

@@ -33,8 +33,9 @@ from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron.actor import MegatronTrainActor
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.micro_batch import MicroBatch
-from slime.backends.train_common import StepPlan, nan_max
+from slime.backends.train_records import nan_max
 from slime.utils.batch import RolloutBatch
+from slime.utils.batching import StepPlan
 
 
 class ValueHead(torch.nn.Module):

@@ -28,10 +28,8 @@ from slime.backends.megatron.convert import (
     hf_to_megatron,
     is_expert,
     layer_to_hf,
-    merge_fc1,
-    merge_tp,
-    stage_layers,
 )
+from slime.backends.megatron.sharding import merge_fc1, merge_tp, stage_layers
 from slime.utils.buckets import iter_buckets
 
 
@@ -77,11 +75,11 @@ class Mesh:
 
 def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Every unsharded megatron-core tensor's shape (vocabulary padded for `tp`), computed on meta tensors."""
-    hf = _meta_hf_state(layout)
+    hf = meta_hf_state(layout)
     return {k: (v.shape, v.dtype) for k, v in hf_to_megatron(hf, layout, tp).items()}
 
 
-def _meta_hf_state(layout: Layout) -> State:
+def meta_hf_state(layout: Layout) -> State:
     L, h, d = layout, layout.hidden_size, layout.head_dim
     meta: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (L.vocab_size, h),

@@ -105,7 +105,7 @@ def block_spec(layout: Layout, pp: int, pp_rank: int) -> Any:
         return layer_spec(layout)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    from slime.backends.megatron.convert import stage_layers
+    from slime.backends.megatron.sharding import stage_layers
 
     dense, moe = layer_spec(layout), layer_spec(layout, moe=True)
     layers = stage_layers(layout.num_layers, pp)[pp_rank]
