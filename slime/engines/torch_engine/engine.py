@@ -29,7 +29,7 @@ from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_pro
 from slime.engines.torch_engine.overlap import OverlapSchedule
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
-from slime.engines.torch_engine.sequence import Sequence
+from slime.engines.torch_engine.sequence import Sequence, check_request
 from slime.engines.torch_engine.weights import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -339,54 +339,19 @@ class TorchEngine:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
         if req.input_ids is not None:
             ids = list(req.input_ids)
-            # An empty prefill would fail inside the engine step and abort every request in it.
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ProtocolError("'input_ids' must be a non-empty list of integer token ids")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ProtocolError(
-                    f"'input_ids' holds token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
         else:
             ids = self.encode(req.text) if req.text else []
             if not ids:
                 raise ProtocolError("'text' tokenizes to no tokens; give a non-empty prompt")
+        routed = None
+        if req.return_routed_experts and not getattr(self.runner, "routers", None):
+            routed = (
+                f"model_type {self.model.config.model_type!r} has no routed experts this engine can record"
+            )
+        check_request(
+            req, ids, self.vocab_size, self.context_length, self.config, routed, self.adapters is not None
+        )
         params = req.sampling_params
-        if len(ids) >= self.context_length:
-            raise ProtocolError(
-                f"the input ({len(ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)"
-            )
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ProtocolError(
-                f"input ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"model's context length ({self.context_length} tokens); lower max_new_tokens to "
-                f"at most {self.context_length - len(ids)}"
-            )
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ProtocolError(f"'sampling_params.stop_token_ids' must lie in [0, {self.vocab_size})")
-        limit = self.config.max_top_logprobs_num
-        if req.top_logprobs_num > limit:
-            raise ProtocolError(
-                f"'top_logprobs_num' {req.top_logprobs_num} exceeds this server's limit of {limit} "
-                "(--max-top-logprobs-num)"
-            )
-        if req.return_routed_experts:
-            if not self.config.enable_return_routed_experts:
-                raise ProtocolError(
-                    "'return_routed_experts' needs an engine started with --enable-return-routed-experts"
-                )
-            if not getattr(self.runner, "routers", None):
-                raise ProtocolError(
-                    f"'return_routed_experts': model_type {self.model.config.model_type!r} has no routed experts "
-                    "this engine can record"
-                )
-        if req.lora_path is not None and self.adapters is None:
-            raise ProtocolError("'lora_path' needs an engine started with --enable-lora")
-        if req.return_logprob and req.logprob_start_len >= len(ids):
-            raise ProtocolError(
-                f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} tokens)"
-            )
         seq = Sequence(
             rid=req.rid,
             prompt_ids=ids,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.engines.protocol import FinishReason, SamplingParams
+from slime.engines.protocol import FinishReason, GenerateRequest, ProtocolError, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -87,3 +87,61 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def check_request(
+    req: GenerateRequest,
+    ids: list[int],
+    vocab_size: int,
+    context_length: int,
+    config: Any,
+    no_routed_experts: str | None,
+    lora: bool,
+) -> None:
+    """Raise ProtocolError naming the field of `req` (tokenized to `ids`) this engine cannot
+    serve: token ids outside the vocabulary, a prompt plus max_new_tokens over the context
+    length, more top log-probs than --max-top-logprobs-num, routed experts without
+    --enable-return-routed-experts (or, `no_routed_experts`, a model without routers), an
+    adapter without --enable-lora (`lora`), a logprob_start_len past the prompt."""
+    if req.input_ids is not None:
+        # An empty prefill would fail inside the engine step and abort every request in it.
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ProtocolError("'input_ids' must be a non-empty list of integer token ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ProtocolError(
+                f"'input_ids' holds token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
+    params = req.sampling_params
+    if len(ids) >= context_length:
+        raise ProtocolError(
+            f"the input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_length} tokens)"
+        )
+    if len(ids) + params.max_new_tokens > context_length:
+        raise ProtocolError(
+            f"input ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"model's context length ({context_length} tokens); lower max_new_tokens to "
+            f"at most {context_length - len(ids)}"
+        )
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise ProtocolError(f"'sampling_params.stop_token_ids' must lie in [0, {vocab_size})")
+    limit = config.max_top_logprobs_num
+    if req.top_logprobs_num > limit:
+        raise ProtocolError(
+            f"'top_logprobs_num' {req.top_logprobs_num} exceeds this server's limit of {limit} "
+            "(--max-top-logprobs-num)"
+        )
+    if req.return_routed_experts:
+        if not config.enable_return_routed_experts:
+            raise ProtocolError(
+                "'return_routed_experts' needs an engine started with --enable-return-routed-experts"
+            )
+        if no_routed_experts:
+            raise ProtocolError(f"'return_routed_experts': {no_routed_experts}")
+    if req.lora_path is not None and not lora:
+        raise ProtocolError("'lora_path' needs an engine started with --enable-lora")
+    if req.return_logprob and req.logprob_start_len >= len(ids):
+        raise ProtocolError(
+            f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} tokens)"
+        )
