@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from slime.config.arguments import describe, parse_args
+from slime.config.arguments import describe
+from slime.ray.cli import parse_args
 
 
 @pytest.fixture

@@ -111,7 +111,7 @@ def _prompts(tmp_path, n):
 
 
 def _manager(tiny_model, url, tmp_path, *extra, schedule=("--fully-async",)):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.producer import RolloutProducer
 
     cfg = parse_args([
@@ -326,7 +326,7 @@ def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, 
 
 
 def test_partial_rollout_is_refused_with_deterministic_mode(tmp_path, capsys):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--hf-checkpoint", "/m", "--prompt-data", _prompts(tmp_path, 2), "--rollout-batch-size", "2",

@@ -23,15 +23,8 @@ from aiohttp import web
 
 from slime.bridge.bridge import WeightBridge
 from slime.bridge.ipc import IpcTransport
-from slime.bridge.topology import (
-    EngineSpec,
-    PushTopology,
-    TopologyError,
-    build_topology,
-    default_transport,
-    flag_problem,
-    group_layout,
-)
+from slime.bridge.topology import EngineSpec, PushTopology, build_topology, group_layout
+from slime.config.rollout import TopologyError, default_transport, transport_problem
 from slime.utils import distributed as sdist
 from slime.utils.shm_tensors import dtype_from_str
 
@@ -336,7 +329,7 @@ def test_flag_rules_for_parse_time():
     assert default_transport("cpu", colocate=False) == "tensor"
     for device in ("cpu", "cuda"):
         for colocate in (False, True):
-            assert flag_problem(default_transport(device, colocate), device, colocate) is None
+            assert transport_problem(default_transport(device, colocate), device, colocate) is None
 
 
 def test_ipc_transport_sends_each_engine_the_payloads_of_its_tp_ranks():

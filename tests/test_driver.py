@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from slime.config.arguments import parse_args
 from slime.ray import driver
+from slime.ray.cli import parse_args
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from slime.config.arguments import parse_args
 from slime.config.eval_sets import EvalDataset
 from slime.config.rollout import DataConfig, SamplingConfig
+from slime.ray.cli import parse_args
 from slime.rollout.producer import eval_metrics
 from slime.utils.sample import Sample, Status
 

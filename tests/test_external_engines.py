@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from slime.config.arguments import parse_args
 from slime.engines.client import EngineClient
+from slime.ray.cli import parse_args
 from tests.conftest import start_engine
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
 

@@ -10,9 +10,10 @@ import os
 import pytest
 
 from slime.config import resolve as resolve_mod
-from slime.config.arguments import build_parser, parse_args
+from slime.config.arguments import build_parser
 from slime.config.derived import SPECS
 from slime.config.surface import APPLIED, CHECKED, NO_EFFECT, REFUSED
+from slime.ray.cli import parse_args
 from slime.tools import flag_table
 
 FLAGS = os.path.join(os.path.dirname(__file__), "fixtures", "slime_launch_flags.txt")

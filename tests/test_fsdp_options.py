@@ -207,7 +207,7 @@ def test_disable_sharding_trains_the_plain_module_like_fsdp(options):
 
 
 def test_disable_sharding_refuses_what_it_cannot_do(tiny_model, tmp_path, capsys):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')

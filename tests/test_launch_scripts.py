@@ -75,7 +75,7 @@ def no_gpu_here(monkeypatch):
 
 def dry_run(capsys, argv: list[str]) -> tuple[int, str]:
     """parse_args(argv + --dry-run) in this process: (exit code, stdout)."""
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args([*argv, "--dry-run"])

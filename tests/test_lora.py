@@ -240,7 +240,7 @@ def test_named_targets_and_exclusions_choose_the_adapted_layers(tiny_model):
 
 
 def _parse(tiny_model, tmp_path, *flags):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')

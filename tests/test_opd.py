@@ -172,7 +172,7 @@ def test_a_teacher_of_another_architecture_is_refused_in_the_train_pass(tiny_mod
 
 
 def _parse(tiny_model, prompts, *flags):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     return parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts, "--rm-type", "math",
                        "--rollout-batch-size", "1", "--num-rollout", "1", *flags])  # fmt: skip

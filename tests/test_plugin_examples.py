@@ -22,7 +22,7 @@ def prompts(tmp_path, n=4, name="p.jsonl"):
 
 
 def manager(tiny_model, engine, tmp_path, *flags):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.ray.rollout_manager import RolloutManager
 
     cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts(tmp_path), "--rollout-batch-size", "2",
@@ -160,7 +160,7 @@ def test_generate_rollout_needs_the_data_source_it_was_given():
 
 
 def test_slimes_default_rollout_path_is_the_built_in_rollout(tiny_model, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts(tmp_path), "--rollout-batch-size", "1",
                       "--num-rollout", "1", "--rm-type", "exact",

@@ -128,7 +128,7 @@ def test_values_are_required_with_ppo_and_refused_with_grpo(one_rank, tiny_model
 def test_critic_settings_that_cannot_run_are_refused_at_start_up(
     tiny_model, tmp_path, capsys, flags, message
 ):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
@@ -141,7 +141,7 @@ def test_critic_settings_that_cannot_run_are_refused_at_start_up(
 
 
 def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
@@ -165,7 +165,7 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
 def test_a_bad_critic_load_is_named_before_the_job_starts(tiny_model, tmp_path):
     """--critic-load is read before Ray starts, and a bad one is named as itself (not as
     --hf-checkpoint, the name the critic ranks give their starting checkpoint)."""
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.ray.inputs import input_problems
 
     prompts = tmp_path / "p.jsonl"

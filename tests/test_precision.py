@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slime.bridge.faults import PushFault
-from slime.config.arguments import parse_args
 from slime.debug import precision as p
+from slime.ray.cli import parse_args
 
 GOOD_ROLLOUT = {
     "log_probs": -4.6, "ref_log_probs": -4.6, "kl": 0.0, "rollout_log_probs": -4.6,

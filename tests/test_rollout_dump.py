@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slime.config.checks import template_problem  # fmt: skip
 from slime.rollout.dump import (
     FORMAT_VERSION,
     DumpError,
@@ -12,9 +13,8 @@ from slime.rollout.dump import (
     load_dump,
     save_dump,
     subsample,
-    template_problem,
     tokenizer_fingerprint,
-)  # fmt: skip
+)
 from slime.utils.sample import Sample, Status
 
 

@@ -135,7 +135,7 @@ def scripted_rollout(args, rollout_id, data_source, evaluation=False):
 
 
 def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"
@@ -186,7 +186,7 @@ def wrong_rollout(args, rollout_id, data_source, evaluation=False):
 def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
     import pytest
 
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"
@@ -198,7 +198,7 @@ def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
 
 
 def test_a_rollout_function_returning_slimes_train_output(tiny_model, tokenizer, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.producer import RolloutProducer
 
     path = tmp_path / "p.jsonl"

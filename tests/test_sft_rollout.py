@@ -62,7 +62,7 @@ def test_templates_that_rewrite_earlier_turns_are_refused(tokenizer):
 
 
 def test_sft_rollout_through_the_rollout_manager(tiny_model, tokenizer, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.dump import load_dump
     from slime.rollout.producer import RolloutProducer
 
@@ -85,7 +85,7 @@ def test_sft_rollout_through_the_rollout_manager(tiny_model, tokenizer, tmp_path
 
 
 def test_list_prompts_without_a_chat_template_still_need_one_for_the_built_in_rollout(tiny_model, tmp_path):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
     from slime.rollout.data import DataError, PromptDataset
 
     data = tmp_path / "m.jsonl"
@@ -97,7 +97,7 @@ def test_list_prompts_without_a_chat_template_still_need_one_for_the_built_in_ro
 
 
 def test_an_unsupported_loss_mask_type_is_named_at_parse_time(tiny_model, tmp_path, capsys):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     data = tmp_path / "m.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from slime.config.arguments import parse_args
-from slime.engines import sglang_args
+from slime.config import sglang_args
+from slime.ray.cli import parse_args
 
 
 def stub_add_cli_args(parser: argparse.ArgumentParser) -> None:

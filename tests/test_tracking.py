@@ -54,7 +54,7 @@ def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
 
 
 def test_a_wandb_key_means_online_unless_a_mode_is_given(tmp_path, monkeypatch):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     prompts = tmp_path / "p.jsonl"

@@ -146,7 +146,7 @@ def test_off_policy_correction_flags():
     ],
 )  # fmt: skip
 def test_off_policy_corrections_refused_at_parse_time(tmp_path, capsys, extra, flags):
-    from slime.config.arguments import parse_args
+    from slime.ray.cli import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from slime.bridge.base import Bucket
-from slime.bridge.topology import LOOPBACK, TopologyError, group_layout
+from slime.bridge.topology import LOOPBACK, group_layout
+from slime.config.rollout import TopologyError
 from slime.engines.client import EngineClient, EngineError
 from slime.utils import distributed as sdist
 from slime.utils.net import free_port

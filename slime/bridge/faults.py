@@ -20,12 +20,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slime.config.checks import parse_push_fault
 from slime.utils.buckets import iter_buckets
 
 if TYPE_CHECKING:  # the flag check parses a fault spec in the driver, which does not load torch
     import torch
-
-KINDS = ("perturb", "noise", "transpose", "drop", "swap")
 
 Bucket = list[tuple[str, "torch.Tensor"]]
 
@@ -37,16 +36,9 @@ class PushFault:
 
     @staticmethod
     def parse(spec: str) -> PushFault:
-        """`KIND:NAME` or `swap:NAME1,NAME2`; ValueError names the flag and the forms."""
-        kind, _, rest = spec.partition(":")
-        names = tuple(n for n in rest.split(",") if n)
-        want = 2 if kind == "swap" else 1
-        if kind not in KINDS or len(names) != want:
-            raise ValueError(
-                f"--debug-push-fault {spec!r}: expected KIND:NAME with KIND one of "
-                f"{', '.join(k for k in KINDS if k != 'swap')}, or swap:NAME1,NAME2 (HF parameter names)"
-            )
-        return PushFault(kind, names)
+        """`KIND:NAME` or `swap:NAME1,NAME2` (slime.config.checks.parse_push_fault: the flag's
+        grammar); ValueError names the flag and the forms."""
+        return PushFault(*parse_push_fault(spec))
 
     def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Before the first push, on every rank: the names exist and the fault fits their

@@ -12,7 +12,8 @@ So engine j, of TP size tp_j, gets `rank_offset = 1 + tp_0 + ... + tp_(j-1)`, th
 `1 + sum(tp_j)` members, and rank 0 is train rank 0, whose node address is the group's master
 address (the engines on other nodes connect to it).
 
-No heavy imports: the config layer may use `resolve_kind`, `default_transport` and `flag_problem`
+The flag rules (`resolve_kind`, `default_transport`, `transport_problem`) are the config layer's
+(slime.config.rollout); no heavy imports here either:
 at parse time.
 """
 
@@ -24,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from slime.config.rollout import TRANSPORTS
-from slime.utils.errors import UsageError
+from slime.config.rollout import TopologyError, resolve_kind, transport_problem
 
 LOOPBACK = "127.0.0.1"
 
@@ -34,46 +34,6 @@ KINDS = ("shared_memory", "ipc", "distributed", "disk")
 engine), `ipc` (tensor on CUDA: every train rank shares its copy by CUDA-IPC handle, the engine GPU
 on that rank's GPU opens it; on CPU the same code shares files, which the tests use), `distributed`
 (broadcasts from train rank 0 over a gloo or NCCL group), `disk` (a safetensors directory)."""
-
-
-class TopologyError(UsageError):
-    """A push that cannot work as described; the message names the flag and the fix."""
-
-
-def resolve_kind(transport: str, device: str) -> str:
-    """The transport as it runs. `tensor` is shared memory on CPU and the CUDA-IPC push on CUDA;
-    `ipc` (not a command-line choice) asks for the IPC push's code path on either device."""
-    if transport == "tensor":
-        return "ipc" if device == "cuda" else "shared_memory"
-    if transport in ("ipc", "distributed", "disk"):
-        return transport
-    raise TopologyError(f"--update-weight-transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-
-
-def default_transport(device: str, colocate: bool) -> str:
-    """--update-weight-transport's default: a NCCL group for GPU engines on GPUs of their own, else
-    `tensor` (CUDA IPC for colocated GPU engines, shared memory on CPU)."""
-    return "distributed" if device == "cuda" and not colocate else "tensor"
-
-
-def flag_problem(transport: str, device: str, colocate: bool) -> str | None:
-    """What the flags alone rule out, before anything is placed: one message, or None."""
-    try:
-        kind = resolve_kind(transport, device)
-    except TopologyError as e:
-        return str(e)
-    if kind == "ipc" and device == "cuda" and not colocate:
-        return (
-            f"--update-weight-transport {transport} on GPU shares CUDA-IPC handles, which only engines on the "
-            "train ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
-        )
-    if kind == "distributed" and device == "cuda" and colocate:
-        return (
-            "--update-weight-transport distributed with --colocate puts train rank 0 and engine 0's first "
-            "TP worker, both on one GPU, into one NCCL group, which NCCL refuses (duplicate GPU): use "
-            "--update-weight-transport tensor (CUDA IPC) or disk"
-        )
-    return None
 
 
 def group_layout(tp_sizes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
@@ -204,7 +164,7 @@ class PushTopology:
         seen = [u for u in self.urls if u and self.urls.count(u) > 1]
         if seen:
             return f"engine {seen[0]} is listed twice: every engine gets each push once"
-        flags = flag_problem(self.transport, self.device, self.colocated)
+        flags = transport_problem(self.transport, self.device, self.colocated)
         if flags is not None:
             return flags
         if self.kind == "ipc":

@@ -1,9 +1,10 @@
 """The command line of train.py / train_async.py: slime's flags → typed, validated configs
 (the records in slime.config.records, re-exported here).
 
-`parse_args(argv)` returns a `Config` whose parts go to their components (the train actor gets
-`config.train` and nothing else). Every bad flag or combination ends in `parser.error`: one
-line naming the flag and the fix, exit code 2, no traceback.
+`parse(argv)` returns a `Config` whose parts go to their components (the train actor gets
+`config.train` and nothing else), and every problem with the flags, one line each naming the
+flag and the fix; it never exits. The command line's `parse_args` (slime.ray.cli) adds the
+components' own checks and --dry-run, and turns a problem into exit code 2.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
@@ -22,6 +24,7 @@ from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
     PAUSE_MODES,
     STALE_ACTIONS,
+    TOLERANCES,
     AsyncConfig,
     BridgeConfig,
     CheckpointConfig,
@@ -31,16 +34,17 @@ from slime.config.records import (
     EvalConfig,
     LoggingConfig,
     RolloutConfig,
+    lower_precision,
 )
-from slime.config.resolve import resolve
+from slime.config.resolve import Resolution, resolve
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
+from slime.config.sglang_args import mirror_sglang_flags
 from slime.config.surface import add_specs
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
-from slime.engines.sglang_args import mirror_sglang_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description="slime: RL post-training of LLMs")
+    p = _Parser(prog="train.py", description="slime: RL post-training of LLMs")
     g = p.add_argument_group("cluster")
     g.add_argument("--actor-num-nodes", type=int, default=1)
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1)
@@ -281,8 +285,6 @@ def _or(value: float | None, default: float) -> float:
 
 def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
     """The dtype the log-prob tolerances are for, and the tolerances (flags win)."""
-    from slime.debug.precision import TOLERANCES, lower_precision
-
     engine = "float32" if ns.rollout_backend == "torch" else "bfloat16"
     trainer = "bfloat16" if ns.train_backend == "megatron" and ns.bf16 else ns.fsdp_param_dtype
     dtype = lower_precision(engine, trainer)
@@ -403,16 +405,41 @@ def _configs(ns: argparse.Namespace) -> Config:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse and validate; any problem exits with code 2 and one message naming the flag.
-    With --dry-run, every problem is listed, or the plan printed, and the process exits."""
+class _ParseError(Exception):
+    """argparse's own error (an unknown flag, a bad value), raised instead of exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _ParseError(message)
+
+
+@dataclass
+class Parsed:
+    """What `parse` found. `problems`: every problem with the flags, one line each naming the flag
+    and the fix (the first is what a normal start reports); `config`: None where the flags cannot
+    make one; `parser`: for the usage line of an error; `resolution`: how `auto` resolved."""
+
+    config: Config | None
+    problems: list[str]
+    ns: argparse.Namespace
+    parser: argparse.ArgumentParser
+    resolution: Resolution
+
+
+def parse(argv: list[str] | None = None) -> Parsed:
+    """Parse and check the flags, and build the config where they allow it; never exits (but
+    for --help). The components' own checks and --dry-run are the job's (slime.ray.cli)."""
     parser = build_parser()
     args = sys.argv[1:] if argv is None else list(argv)
     mirrored = mirror_sglang_flags(parser, args)
-    if "--dry-run" in args:
-        ns, unknown = parser.parse_known_args(args)
-    else:
-        ns, unknown = parser.parse_args(args), []
+    try:
+        if "--dry-run" in args:  # every problem is listed, unknown flags with the rest
+            ns, unknown = parser.parse_known_args(args)
+        else:
+            ns, unknown = parser.parse_args(args), []
+    except _ParseError as e:
+        return Parsed(None, [str(e)], argparse.Namespace(dry_run="--dry-run" in args), parser, Resolution())
     custom = custom_config(ns, {a.dest: a.type for a in parser._actions if a.type is not None})
     resolution = resolve(ns)
     found = custom + [f"unrecognized argument: {u}" for u in unknown] + problems(ns, mirrored, resolution)
@@ -427,19 +454,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
         except Exception:  # settings already found wrong cannot always make a config: they are listed
             if not found:
                 raise
-    found = list(dict.fromkeys(found))  # a rule met twice (flags, then configs) is one problem
     note = getattr(ns, "sequence_parallel_note", None)
     if note:
         resolution.lines.append(note)
-    if ns.dry_run:
-        from slime.config.dry_run import dry_run
-
-        sys.exit(dry_run(ns, config, found, resolution))
-    if found:
-        parser.error(found[0])
-    assert config is not None
-    config.args.resolution = resolution.lines + no_effect_lines(ns)
-    return config
+    if config is not None:
+        config.args.resolution = resolution.lines + no_effect_lines(ns)
+    return Parsed(
+        config, list(dict.fromkeys(found)), ns, parser, resolution
+    )  # a rule met twice is one problem
 
 
 def describe(config: Config) -> dict[str, Any]:

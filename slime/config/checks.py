@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import string
 from collections.abc import Iterator
 
-from slime.rollout.rm_hub import needs_reward_key
+from slime.config.rollout import needs_reward_key
 from slime.utils.tracking import check_available
 
 
@@ -55,11 +56,11 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{ns.rollout_num_gpus_per_engine}"
         )
-    from slime.bridge.topology import flag_problem
+    from slime.config.rollout import transport_problem
 
-    transport_problem = flag_problem(ns.update_weight_transport, ns.device, ns.colocate)
-    if transport_problem is not None:
-        yield transport_problem
+    problem = transport_problem(ns.update_weight_transport, ns.device, ns.colocate)
+    if problem is not None:
+        yield problem
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
         yield "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
@@ -160,7 +161,6 @@ def check_loss_mask_type(ns: argparse.Namespace) -> str | None:
 
 def check_debug(ns: argparse.Namespace) -> str | None:
     """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
-    from slime.rollout.dump import template_problem
 
     for flag in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
         template = getattr(ns, flag)
@@ -222,7 +222,6 @@ def check_external(ns: argparse.Namespace) -> str | None:
 
 
 def check_precision_flags(ns: argparse.Namespace) -> str | None:
-    from slime.bridge.faults import PushFault
 
     for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout",
                  "rollout_health_check_interval", "rollout_health_check_timeout"):  # fmt: skip
@@ -279,13 +278,13 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
         if ns.debug_rollout_only or ns.debug_train_only:
             return "--debug-push-fault breaks the weight push, which --debug-rollout-only / --debug-train-only never run"
         try:
-            PushFault.parse(ns.debug_push_fault)
+            parse_push_fault(ns.debug_push_fault)
         except ValueError as e:
             return str(e)
     return None
 
 
-def _megatron_flags() -> dict[str, object]:
+def megatron_flags() -> dict[str, object]:
     """Each Megatron flag's dest and default (MegatronConfig's fields). --expert-tensor-parallel-size
     is not among them: slime's scripts pass it with FSDP too, where it has no effect (its Spec)."""
     from slime.config.train import MegatronConfig
@@ -298,12 +297,14 @@ def _megatron_flags() -> dict[str, object]:
 
 
 def _megatron_defaults(ns: argparse.Namespace) -> bool:
-    return all(getattr(ns, k) == v for k, v in _megatron_flags().items())
+    return all(getattr(ns, k) == v for k, v in megatron_flags().items())
 
 
 def check_megatron(ns: argparse.Namespace) -> str | None:
-    """The Megatron layout against the train ranks and the model (heads, layers)."""
-    flags = _megatron_flags()
+    """The Megatron layout against the train ranks; what the Megatron actor builds and the model
+    allows (heads, layers, experts) is its own check (slime.backends.megatron.settings.
+    flag_problem), in the job's validation pass."""
+    flags = megatron_flags()
     given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if getattr(ns, k) != v]
     if ns.train_backend != "megatron":
         return f"{', '.join(given)} configure --train-backend megatron; with --train-backend {ns.train_backend} drop them"
@@ -327,28 +328,6 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
             f"{pp} = {ep * etp * pp} does not divide the {ranks} train ranks (megatron-core's expert layout)"
         )
-    if ns.hf_checkpoint and os.path.isfile(os.path.join(ns.hf_checkpoint, "config.json")):
-        from transformers import AutoConfig
-
-        from slime.backends.megatron.convert import ConversionError, Layout
-
-        try:
-            layout = Layout.from_hf_config(
-                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
-            )
-            layout.check_parallel(tp, pp, ep, etp)
-        except (ConversionError, ValueError) as e:
-            return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
-        from slime.backends.megatron.settings import check_moe
-
-        problem = check_moe(megatron, layout)
-        if problem:
-            return problem
-    from slime.backends.megatron.settings import check_supported
-
-    problem = check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems
-    if problem:
-        return problem
     fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload")
                  if getattr(ns, d, False)]  # fmt: skip
     fsdp_only += [f"--{d.replace('_', '-')}" for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")
@@ -356,3 +335,36 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     if fsdp_only:
         return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
     return None
+
+
+def template_problem(template: str, flag: str, fields: tuple[str, ...] = ("rollout_id",)) -> str | None:
+    """One line saying why `template` cannot name one file per rollout (and rank), or None."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        return f"{flag} {template!r} is not a valid template ({e})"
+    missing = [f for f in fields if f not in names]
+    if missing:
+        need = " and ".join("{" + f + "}" for f in missing)
+        return f"{flag} {template!r} must contain {need}, or every rollout would overwrite the same file"
+    unknown = sorted(names - set(fields))
+    if unknown:
+        return f"{flag} {template!r} has unknown fields {unknown}; it may use {list(fields)}"
+    return None
+
+
+PUSH_FAULT_KINDS = ("perturb", "noise", "transpose", "drop", "swap")
+
+
+def parse_push_fault(spec: str) -> tuple[str, tuple[str, ...]]:
+    """--debug-push-fault's grammar (slime.bridge.faults applies it): `KIND:NAME` or
+    `swap:NAME1,NAME2` -> (kind, names); ValueError names the flag and the forms."""
+    kind, _, rest = spec.partition(":")
+    names = tuple(n for n in rest.split(",") if n)
+    want = 2 if kind == "swap" else 1
+    if kind not in PUSH_FAULT_KINDS or len(names) != want:
+        raise ValueError(
+            f"--debug-push-fault {spec!r}: expected KIND:NAME with KIND one of "
+            f"{', '.join(k for k in PUSH_FAULT_KINDS if k != 'swap')}, or swap:NAME1,NAME2 (HF parameter names)"
+        )
+    return kind, names

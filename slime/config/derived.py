@@ -12,8 +12,8 @@ from typing import Any
 from slime.config import architecture, megatron_lm, slime_flags
 from slime.config.checks import problems as flag_problems
 from slime.config.resolve import Resolution, package_problems
+from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
-from slime.engines.sglang_args import reserved_problem, server_argv
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
             else 1
         )
     if ns.update_weight_transport in (None, "nccl"):  # slime's nccl: its default, whatever the layout
-        from slime.bridge.topology import default_transport
+        from slime.config.rollout import default_transport
 
         ns.update_weight_transport = default_transport(ns.device, ns.colocate)
     if ns.no_offload_train and (ns.offload or ns.offload_train):
@@ -123,7 +123,7 @@ def train_iters(ns: argparse.Namespace) -> int | None:
     rollouts = ns.num_rollout
     if rollouts is None and ns.num_epoch is not None and ns.prompt_data and os.path.isfile(ns.prompt_data):
         # slime's count: epochs x the prompts' rollouts (the driver counts after the length filter)
-        from slime.rollout.data import DataError, read_rows
+        from slime.utils.data_files import DataError, read_rows
 
         try:
             rollouts = max(

@@ -20,8 +20,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from slime.config.rollout import DataConfig, SamplingConfig
-from slime.rollout.rm_hub import needs_reward_key
+from slime.config.rollout import DataConfig, SamplingConfig, needs_reward_key
 
 # key -> the namespace attributes it falls back to, in order.
 DATA_KEYS = {

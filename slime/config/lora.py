@@ -168,7 +168,7 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
 
 def adapter_push_problem(ns: argparse.Namespace) -> str | None:
     """What rules `--lora-push adapter` out (slime.bridge.adapter says why)."""
-    from slime.bridge.topology import default_transport, resolve_kind
+    from slime.config.rollout import default_transport, resolve_kind
 
     device = getattr(ns, "device", "cpu")
     transport = getattr(ns, "update_weight_transport", None) or default_transport(

@@ -29,7 +29,7 @@ class ClusterConfig:
     external_engine_addrs: tuple[str, ...] = ()
     """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
     sglang_server_args: tuple[str, ...] = ()
-    """SGLang command-line arguments from the `--sglang-*` flags given (slime.engines.sglang_args)."""
+    """SGLang command-line arguments from the `--sglang-*` flags given (slime.config.sglang_args)."""
     router_ip: str | None = None
     router_port: int | None = None
     """`--sglang-router-ip/--sglang-router-port`: a running sglang-router to register the engines with."""
@@ -195,3 +195,14 @@ class Config:
     """PPO's critic (--advantage-estimator ppo; slime.config.critic)."""
     opd: OPDConfig = field(default_factory=OPDConfig)
     """On-policy distillation (--use-opd; slime.config.opd)."""
+
+
+# (mean, max) |trainer - engine| log-prob tolerances by the lower precision of engine and
+# trainer. float32: measured 1.4e-07 mean, 2.4e-06 max on the demo model (docs/debugging.md);
+# bf16/fp16 are starting points for GPU runs, where slime users see ~1e-2 means.
+TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-2, 2.0), "float16": (2e-2, 1.0)}
+_RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def lower_precision(*dtypes: str) -> str:
+    return max(dtypes, key=lambda d: _RANK[d])

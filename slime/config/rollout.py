@@ -1,11 +1,23 @@
-"""Rollout-side configuration: prompt data, sampling, weight transports (no heavy imports)."""
+"""Rollout-side configuration: prompt data, sampling, weight transports and their rules (no
+heavy imports). The rule "`tensor` on CUDA is CUDA IPC" lives here and nowhere else
+(`resolve_kind`); slime.bridge.topology builds the push from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from slime.utils.errors import UsageError
+
 TRANSPORTS = ("tensor", "distributed", "disk")
+BOXED_PREFIX = "boxed_"
+"""`--rm-type boxed_<type>`: <type>'s reward on the response's last \\boxed{} answer (slime.rollout.rm_hub)."""
+
+
+def needs_reward_key(rm_type: str | None) -> bool:
+    """Whether the type's reward is a dict (dapo's {score, acc, pred}): training on it needs
+    --reward-key to name the entry."""
+    return (rm_type or "").removeprefix(BOXED_PREFIX) == "dapo"
 
 
 @dataclass(frozen=True)
@@ -62,3 +74,43 @@ class SamplingConfig:
             "stop": list(self.stop),
             "stop_token_ids": list(self.stop_token_ids),
         }
+
+
+class TopologyError(UsageError):
+    """A push that cannot work as described; the message names the flag and the fix."""
+
+
+def resolve_kind(transport: str, device: str) -> str:
+    """The transport as it runs. `tensor` is shared memory on CPU and the CUDA-IPC push on CUDA;
+    `ipc` (not a command-line choice) asks for the IPC push's code path on either device."""
+    if transport == "tensor":
+        return "ipc" if device == "cuda" else "shared_memory"
+    if transport in ("ipc", "distributed", "disk"):
+        return transport
+    raise TopologyError(f"--update-weight-transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+
+
+def default_transport(device: str, colocate: bool) -> str:
+    """--update-weight-transport's default: a NCCL group for GPU engines on GPUs of their own, else
+    `tensor` (CUDA IPC for colocated GPU engines, shared memory on CPU)."""
+    return "distributed" if device == "cuda" and not colocate else "tensor"
+
+
+def transport_problem(transport: str, device: str, colocate: bool) -> str | None:
+    """What the flags alone rule out, before anything is placed: one message, or None."""
+    try:
+        kind = resolve_kind(transport, device)
+    except TopologyError as e:
+        return str(e)
+    if kind == "ipc" and device == "cuda" and not colocate:
+        return (
+            f"--update-weight-transport {transport} on GPU shares CUDA-IPC handles, which only engines on the "
+            "train ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
+        )
+    if kind == "distributed" and device == "cuda" and colocate:
+        return (
+            "--update-weight-transport distributed with --colocate puts train rank 0 and engine 0's first "
+            "TP worker, both on one GPU, into one NCCL group, which NCCL refuses (duplicate GPU): use "
+            "--update-weight-transport tensor (CUDA IPC) or disk"
+        )
+    return None

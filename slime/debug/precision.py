@@ -19,19 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# (mean, max) |trainer - engine| log-prob tolerances by the lower precision of engine and
-# trainer. float32: measured 1.4e-07 mean, 2.4e-06 max on the demo model (docs/debugging.md);
-# bf16/fp16 are starting points for GPU runs, where slime users see ~1e-2 means.
-TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-2, 2.0), "float16": (2e-2, 1.0)}
-_RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
-
 
 class PrecisionError(RuntimeError):
     """A failed gate; the message is the whole report."""
-
-
-def lower_precision(*dtypes: str) -> str:
-    return max(dtypes, key=lambda d: _RANK[d])
 
 
 @dataclass(frozen=True)

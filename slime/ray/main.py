@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from slime.config.arguments import parse_args
+from slime.ray.cli import parse_args
 from slime.utils.logging_utils import configure_logging
 
 logger = logging.getLogger("slime")

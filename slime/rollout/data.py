@@ -8,21 +8,15 @@ error naming file:line before any process starts. Prompts longer than
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from slime.config.rollout import DataConfig
-from slime.utils.errors import UsageError
+from slime.utils.data_files import DataError, read_rows
 
 logger = logging.getLogger(__name__)
-
-
-class DataError(UsageError):
-    """Bad prompt data: names the file (and line) and the flag to fix."""
 
 
 @dataclass(frozen=True)
@@ -35,34 +29,6 @@ class Prompt:
     token_ids: list[int]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
-    """(location, row) pairs from a .jsonl/.json-lines or .parquet file; location is file:line."""
-    if not os.path.isfile(path):
-        raise DataError(f"{flag} {path!r}: no such file")
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise DataError(f"{flag} {path!r}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        table = pq.read_table(path)
-        return [(f"{path}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append((f"{path}:{lineno}", row))
-    if not rows:
-        raise DataError(f"{flag} {path!r} holds no rows")
-    return rows
 
 
 def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[Any]:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import string
 from typing import Any
 
 from slime.config.lora import dump_record, from_namespace
@@ -45,22 +44,6 @@ ROLLOUT_FLAGS = (
 
 class DumpError(UsageError):
     """A dump that cannot be written or replayed (names the file, the field and the fix)."""
-
-
-def template_problem(template: str, flag: str, fields: tuple[str, ...] = ("rollout_id",)) -> str | None:
-    """One line saying why `template` cannot name one file per rollout (and rank), or None."""
-    try:
-        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as e:
-        return f"{flag} {template!r} is not a valid template ({e})"
-    missing = [f for f in fields if f not in names]
-    if missing:
-        need = " and ".join("{" + f + "}" for f in missing)
-        return f"{flag} {template!r} must contain {need}, or every rollout would overwrite the same file"
-    unknown = sorted(names - set(fields))
-    if unknown:
-        return f"{flag} {template!r} has unknown fields {unknown}; it may use {list(fields)}"
-    return None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -21,7 +21,7 @@ DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy"]
 
 def read_series(path: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
     """(step, value) per key, in file order; records without the key are skipped."""
-    from slime.rollout.data import read_rows
+    from slime.utils.data_files import read_rows
 
     series: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
     for _, record in read_rows(path, "metrics file"):

@@ -1,12 +1,14 @@
 """What the Megatron actor builds and refuses: megatron-core's recompute settings from the flags,
-and the layouts and options refused at start-up (exit 2; parse_args checks them too, before any
-process starts)."""
+and the layouts and options refused at start-up (exit 2; the job's validation pass checks them
+too, before any process starts: `flag_problem`)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 from typing import Any
 
-from slime.backends.megatron.convert import Layout
+from slime.backends.megatron.convert import ConversionError, Layout
 
 
 def recompute_settings(cfg: Any) -> dict[str, Any]:
@@ -51,3 +53,35 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
         return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
                 "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
     return None
+
+
+def flag_problem(ns: argparse.Namespace) -> str | None:
+    """--train-backend megatron's flags against what this actor builds and the --hf-checkpoint
+    model allows (TP dividing the heads, PP the layers, EP the experts; MoE options with a dense
+    model): the first problem, or None. The flags' own rules (slime.config.checks.check_megatron)
+    have passed."""
+    from slime.config.checks import megatron_flags
+    from slime.config.train import MegatronConfig
+
+    try:
+        megatron = MegatronConfig(**{k: getattr(ns, k) for k in megatron_flags()},
+                                  expert_tensor_parallel_size=getattr(ns, "expert_tensor_parallel_size", None))  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    if ns.hf_checkpoint and os.path.isfile(os.path.join(ns.hf_checkpoint, "config.json")):
+        from transformers import AutoConfig
+
+        try:
+            layout = Layout.from_hf_config(
+                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
+            )
+            layout.check_parallel(
+                megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                megatron.expert_model_parallel_size, megatron.etp,
+            )  # fmt: skip
+        except (ConversionError, ValueError) as e:
+            return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
+        problem = check_moe(megatron, layout)
+        if problem:
+            return problem
+    return check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems

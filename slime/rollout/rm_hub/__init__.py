@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from slime.config.rollout import BOXED_PREFIX
 from slime.rollout.rm_hub.boxed import last_boxed
 from slime.rollout.rm_hub.dapo import dapo_reward
 from slime.rollout.rm_hub.deps import require
@@ -54,19 +55,12 @@ __all__ = [
     "split_rm_type",
 ]
 
-BOXED_PREFIX = "boxed_"
 REMOTE = "remote_rm"
 IFBENCH_REFUSAL = (
     "--rm-type ifbench is not built here: slime's scorer clones github.com/allenai/IFBench at run "
     "time and needs its evaluation_lib with spacy, nltk, emoji, immutabledict and syllapy. Score "
     "IFBench with your own --custom-rm-path function instead"
 )
-
-
-def needs_reward_key(rm_type: str | None) -> bool:
-    """Whether the type's reward is a dict (dapo's {score, acc, pred}): training on it needs
-    --reward-key to name the entry."""
-    return (rm_type or "").removeprefix(BOXED_PREFIX) == "dapo"
 
 
 def exact_reward(response: str, label: Any) -> float:
