@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.config.checks import template_problem  # fmt: skip
 from slime.rollout.dump import (
     FORMAT_VERSION,
     DumpError,
@@ -15,6 +14,7 @@ from slime.rollout.dump import (
     subsample,
     tokenizer_fingerprint,
 )
+from slime.utils.files import template_problem  # fmt: skip
 from slime.utils.sample import Sample, Status
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import string
 from collections.abc import Iterator
 
 from slime.config.rollout import needs_reward_key
+from slime.utils.files import template_problem
 from slime.utils.tracking import check_available
 
 
@@ -334,22 +334,6 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
                   if getattr(ns, d, "float32") != "float32"]  # fmt: skip
     if fsdp_only:
         return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
-    return None
-
-
-def template_problem(template: str, flag: str, fields: tuple[str, ...] = ("rollout_id",)) -> str | None:
-    """One line saying why `template` cannot name one file per rollout (and rank), or None."""
-    try:
-        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as e:
-        return f"{flag} {template!r} is not a valid template ({e})"
-    missing = [f for f in fields if f not in names]
-    if missing:
-        need = " and ".join("{" + f + "}" for f in missing)
-        return f"{flag} {template!r} must contain {need}, or every rollout would overwrite the same file"
-    unknown = sorted(names - set(fields))
-    if unknown:
-        return f"{flag} {template!r} has unknown fields {unknown}; it may use {list(fields)}"
     return None
 
 

@@ -358,7 +358,7 @@ class TrainConfig:
                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
             )
         if self.save_debug_train_data is not None:
-            from slime.config.checks import template_problem
+            from slime.utils.files import template_problem
 
             problem = template_problem(
                 self.save_debug_train_data, "--save-debug-train-data", ("rollout_id", "rank")

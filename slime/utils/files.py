@@ -1,8 +1,9 @@
-"""Writing files so that a reader never sees half of one."""
+"""Writing files so that a reader never sees half of one, and naming one file per rollout."""
 
 from __future__ import annotations
 
 import os
+import string
 import tempfile
 
 
@@ -40,3 +41,19 @@ def atomic_torch_save(obj: object, path: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def template_problem(template: str, flag: str, fields: tuple[str, ...] = ("rollout_id",)) -> str | None:
+    """One line saying why `template` cannot name one file per rollout (and rank), or None."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        return f"{flag} {template!r} is not a valid template ({e})"
+    missing = [f for f in fields if f not in names]
+    if missing:
+        need = " and ".join("{" + f + "}" for f in missing)
+        return f"{flag} {template!r} must contain {need}, or every rollout would overwrite the same file"
+    unknown = sorted(names - set(fields))
+    if unknown:
+        return f"{flag} {template!r} has unknown fields {unknown}; it may use {list(fields)}"
+    return None
