@@ -227,10 +227,11 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     rollout learns the shape of what they report ([tokens - 1, layers, top-k]) as slime's
     rollout does, from args.num_layers and args.moe_router_topk (filled from config.json when
     the script gives no model flags)."""
-    from slime.config.train import MoEOptions, _pick
+    from slime.config.flags import from_flags
+    from slime.config.train import MoEOptions
 
     try:
-        flag = _pick(MoEOptions, ns).needs_moe
+        flag = from_flags(MoEOptions, ns).needs_moe
     except ValueError:  # a bad MoE flag: train_config_from_args names it
         return []
     if flag is None:

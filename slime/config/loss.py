@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime.config.flags import flag
+
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_TYPES = ("policy_loss", "sft_loss")
@@ -14,69 +16,113 @@ LOSS_TYPES = ("policy_loss", "sft_loss")
 class LossConfig:
     """What the train step optimises (slime's flag names in parentheses)."""
 
-    loss_type: str = "policy_loss"
+    loss_type: str = flag("--loss-type", "policy_loss", choices=LOSS_TYPES)
     """`--loss-type`: policy_loss (PPO-style RL) or sft_loss (negative log-likelihood)."""
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str = flag("--advantage-estimator", "grpo", choices=ESTIMATORS)
     """`--advantage-estimator`: grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo,
     ppo (GAE over a critic's values: slime.backends.fsdp.critic)."""
-    disable_grpo_std_normalization: bool = False
+    disable_grpo_std_normalization: bool = flag("--disable-grpo-std-normalization", False)
     """`--disable-grpo-std-normalization`: GRPO/GSPO subtract the group mean only."""
-    normalize_advantages: bool = False
+    normalize_advantages: bool = flag("--normalize-advantages", False)
     """`--normalize-advantages`: whiten advantages over every response token of the rollout."""
-    eps_clip: float = 0.2
+    eps_clip: float = flag("--eps-clip", 0.2)
     """`--eps-clip`: lower clip range, ratio >= 1 - eps_clip."""
-    eps_clip_high: float | None = None
+    eps_clip_high: float | None = flag("--eps-clip-high", None, type=float)
     """`--eps-clip-high`: upper clip range (default: eps_clip)."""
-    eps_clip_c: float | None = None
+    eps_clip_c: float | None = flag("--eps-clip-c", None, type=float)
     """`--eps-clip-c`: dual-clip bound (> 1) for negative advantages; off when None."""
-    use_kl_loss: bool = False
+    use_kl_loss: bool = flag("--use-kl-loss", False)
     """`--use-kl-loss`: add kl_loss_coef * KL(actor || reference) to the loss."""
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = flag("--kl-loss-coef", 0.0)
     """`--kl-loss-coef`."""
-    kl_loss_type: str = "k1"
+    kl_loss_type: str = flag("--kl-loss-type", "k1", choices=KL_TYPES)
     """`--kl-loss-type`: k1, k2, k3, low_var_kl."""
-    kl_coef: float = 0.0
+    kl_coef: float = flag("--kl-coef", 0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)")
     """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
-    gamma: float = 1.0
+    gamma: float = flag("--gamma", 1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
     """`--gamma`: discount of REINFORCE++ returns and of PPO's GAE."""
-    lambd: float = 1.0
+    lambd: float = flag("--lambd", 1.0, help="GAE's lambda (PPO)")
     """`--lambd`: GAE's lambda (PPO)."""
-    value_clip: float = 0.2
+    value_clip: float = flag("--value-clip", 0.2, help="the critic's value loss clips V - V_old (PPO)")
     """`--value-clip`: the critic's value loss clips V - V_old to [-value_clip, value_clip]."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = flag("--entropy-coef", 0.0)
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
-    use_tis: bool = False
+    use_tis: bool = flag("--use-tis", False)
     """`--use-tis`: truncated importance sampling against the engine's log-probs."""
-    tis_clip: float = 2.0
+    tis_clip: float = flag("--tis-clip", 2.0)
     """`--tis-clip`: upper bound of the TIS weight."""
-    tis_clip_low: float = 0.0
+    tis_clip_low: float = flag("--tis-clip-low", 0.0)
     """`--tis-clip-low`: lower bound of the TIS weight."""
-    use_opsm: bool = False
+    use_opsm: bool = flag(
+        "--use-opsm",
+        False,
+        help="off-policy sequence masking (as slime): in a sample whose mean log-ratio old - new over its "
+        "loss tokens exceeds --opsm-delta, the negative-advantage tokens leave the policy loss",
+    )
     """`--use-opsm`: off-policy sequence masking, as in slime: in a sample whose mean log-ratio
     old - new over its loss tokens exceeds --opsm-delta, the tokens with a negative advantage
     leave the policy loss (slime.algo.losses.opsm_keep)."""
-    opsm_delta: float = 1e-4
+    opsm_delta: float = flag("--opsm-delta", 1e-4, help="the threshold of --use-opsm")
     """`--opsm-delta`: the sample's mean log-ratio above which --use-opsm masks."""
-    use_decoupled_loss: bool = False
+    use_decoupled_loss: bool = flag(
+        "--use-decoupled-loss",
+        False,
+        help="AReaL's decoupled PPO: the ratio against the recomputed log-probs (proximal policy), each "
+        "token's loss times exp(proximal - engine log-prob), the behaviour importance weight",
+    )
     """`--use-decoupled-loss` (AReaL's): the PPO ratio against the trainer's recomputed log-probs
     (the proximal policy), each token's loss weighted by exp(proximal - engine), the behaviour
     importance weight (slime.algo.losses.behaviour_weights)."""
-    behav_imp_weight_cap: float | None = None
+    behav_imp_weight_cap: float | None = flag(
+        "--behav-imp-weight-cap",
+        None,
+        type=float,
+        help="with --use-decoupled-loss: tokens whose behaviour importance weight exceeds it (> 1) "
+        "leave the loss (masked, not clamped as --tis-clip does)",
+    )
     """`--behav-imp-weight-cap` (AReaL's): tokens whose behaviour importance weight exceeds it
     leave the loss (masked, not clamped); no masking when None."""
-    calculate_per_token_loss: bool = False
+    calculate_per_token_loss: bool = flag("--calculate-per-token-loss", False)
     """`--calculate-per-token-loss`: average over tokens of the batch instead of per sample."""
-    use_rollout_logprobs: bool = False
+    use_rollout_logprobs: bool = flag(
+        "--use-rollout-logprobs",
+        False,
+        help="the engine's log-probs are the old policy of the PPO ratio (no recompute pass)",
+    )
     """`--use-rollout-logprobs`: the engine's log-probs are the old policy (no recompute pass)."""
-    compute_advantages_and_returns: bool = True
+    compute_advantages_and_returns: bool = flag(
+        "--disable-compute-advantages-and-returns",
+        True,
+        dest="compute_advantages_and_returns",
+        action="store_false",
+        help="no log-prob passes and no advantages (with --loss-type sft_loss)",
+    )
     """Off with `--disable-compute-advantages-and-returns`: no log-prob passes and no advantages
     (for --loss-type sft_loss)."""
-    rewards_normalization: bool = True
+    rewards_normalization: bool = flag(
+        "--disable-rewards-normalization",
+        True,
+        dest="rewards_normalization",
+        action="store_false",
+        help="no group baseline: advantages from the raw rewards",
+    )
     """Off with `--disable-rewards-normalization`: no group baseline, the advantages start from the
     raw rewards (grpo, gspo, rloo, reinforce_plus_plus_baseline)."""
-    custom_tis_function_path: str | None = None
+    custom_tis_function_path: str | None = flag(
+        "--custom-tis-function-path",
+        None,
+        metavar="module.function",
+        help="with --use-tis: slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+        "loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)",
+    )
     """`--custom-tis-function-path`: slime's TIS hook (slime.algo.plugins), in place of --tis-clip."""
-    custom_pg_loss_reducer_function_path: str | None = None
+    custom_pg_loss_reducer_function_path: str | None = flag(
+        "--custom-pg-loss-reducer-function-path",
+        None,
+        metavar="module.function",
+        help="slime's pg_loss reducer factory(total_lengths, response_lengths, loss_masks, "
+        "calculate_per_token_loss) -> reduce(pg_loss)",
+    )
     """`--custom-pg-loss-reducer-function-path`: slime's reducer of the policy loss (slime.algo.plugins)."""
 
     def __post_init__(self) -> None:

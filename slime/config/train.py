@@ -8,10 +8,11 @@ once, with messages that name the flag and the fix. No torch import here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from slime.config.flags import add_flags, flag, from_flags
 from slime.config.lora import LoRAConfig, lora_config
-from slime.config.loss import ESTIMATORS, KL_TYPES, LOSS_TYPES, LossConfig
+from slime.config.loss import LossConfig
 from slime.config.opd import OPDConfig, opd_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -22,25 +23,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 class OptimizerConfig:
     """AdamW and its learning-rate schedule (Megatron's flag names)."""
 
-    lr: float = 1e-6
+    lr: float = flag("--lr", 1e-6)
     """`--lr`: peak learning rate."""
-    min_lr: float = 0.0
+    min_lr: float = flag("--min-lr", 0.0)
     """`--min-lr`: floor of the linear/cosine decay."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: str = flag("--lr-decay-style", "constant", choices=LR_DECAY_STYLES)
     """`--lr-decay-style`: constant, linear or cosine (after warm-up)."""
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
     """`--lr-warmup-iters`: optimizer steps of linear warm-up from --lr-warmup-init to --lr."""
-    lr_warmup_init: float = 0.0
+    lr_warmup_init: float = flag("--lr-warmup-init", 0.0, help="the learning rate of the first warm-up step")
     """`--lr-warmup-init`: the learning rate of the first warm-up step."""
-    lr_decay_iters: int | None = None
+    lr_decay_iters: int | None = flag("--lr-decay-iters", None, type=int)
     """`--lr-decay-iters`: the optimizer step at which linear/cosine decay reaches --min-lr, counted
     from the first step (warm-up included), as in Megatron-LM."""
-    weight_decay: float = 0.0
+    weight_decay: float = flag("--weight-decay", 0.0)
     """`--weight-decay`."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    adam_beta1: float = flag("--adam-beta1", 0.9)
+    adam_beta2: float = flag("--adam-beta2", 0.999)
+    adam_eps: float = flag("--adam-eps", 1e-8)
+    clip_grad: float = flag("--clip-grad", 1.0)
     """`--clip-grad`: max global gradient norm; 0 disables clipping."""
     optimizer: str = "adam"
     """`--optimizer`: adam (AdamW, as Megatron-LM's adam) or sgd."""
@@ -75,25 +76,35 @@ class OptimizerConfig:
 class BatchConfig:
     """How a rollout is cut into optimizer steps and micro-batches."""
 
-    global_batch_size: int | None = None
+    global_batch_size: int | None = flag("--global-batch-size", None, type=int)
     """`--global-batch-size`: samples per optimizer step over all data-parallel ranks
     (default: the whole rollout, i.e. one step per rollout)."""
-    num_steps_per_rollout: int | None = None
+    num_steps_per_rollout: int | None = flag("--num-steps-per-rollout", None, type=int)
     """`--num-steps-per-rollout`: optimizer steps per rollout; the global batch is then the
     rollout size divided by it (must agree with --global-batch-size when both are given)."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = flag("--micro-batch-size", 1)
     """`--micro-batch-size`: samples per forward/backward when batches are not dynamic."""
-    use_dynamic_batch_size: bool = False
+    use_dynamic_batch_size: bool = flag("--use-dynamic-batch-size", False)
     """`--use-dynamic-batch-size`: pack micro-batches under --max-tokens-per-gpu instead."""
-    max_tokens_per_gpu: int | None = None
+    max_tokens_per_gpu: int | None = flag("--max-tokens-per-gpu", None, type=int)
     """`--max-tokens-per-gpu`: token budget of one training micro-batch (its real tokens when
     packed, its padded size with --padded-micro-batches)."""
-    log_probs_max_tokens_per_gpu: int | None = None
+    log_probs_max_tokens_per_gpu: int | None = flag("--log-probs-max-tokens-per-gpu", None, type=int)
     """`--log-probs-max-tokens-per-gpu`: token budget of the log-prob pass (default: the train one)."""
-    padded_micro_batches: bool = False
+    padded_micro_batches: bool = flag(
+        "--padded-micro-batches",
+        False,
+        help="right-pad each micro-batch to its longest sample instead of packing its samples into one "
+        "row (both backends pack by default; for comparison)",
+    )
     """`--padded-micro-batches` (ours): one right-padded row per sample instead of packed
     micro-batches, for comparison (docs/train.md)."""
-    log_probs_chunk_size: int = -1
+    log_probs_chunk_size: int = flag(
+        "--log-probs-chunk-size",
+        -1,
+        help="response tokens per chunk of the log-softmax over the vocabulary, so no [tokens x vocab] "
+        "float32 tensor is held at once (-1: no chunks); the values are the same",
+    )
     """`--log-probs-chunk-size`: compute the log-softmax over the vocabulary for this many
     response tokens at a time (-1: all at once); memory only, the values are the same."""
 
@@ -155,20 +166,30 @@ class BatchConfig:
 class FSDPConfig:
     """Sharding, precision and memory options of the FSDP2 backend."""
 
-    param_dtype: str = "float32"
+    param_dtype: str = flag("--fsdp-param-dtype", "float32", choices=DTYPES)
     """`--fsdp-param-dtype`: dtype of the gathered parameters in forward/backward (master
     weights and optimizer states stay float32)."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: str = flag("--fsdp-reduce-dtype", "float32", choices=DTYPES)
     """`--fsdp-reduce-dtype`: dtype of the gradient reduce-scatter."""
-    cpu_offload: bool = False
+    cpu_offload: bool = flag("--fsdp-cpu-offload", False)
     """`--fsdp-cpu-offload`: keep sharded parameters, gradients and optimizer states in CPU
     memory (GPU only)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = flag(
+        "--gradient-checkpointing",
+        False,
+        help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
+        "checkpointing; Megatron: megatron-core's full recompute)",
+    )
     """`--gradient-checkpointing`: recompute decoder-layer activations in backward (read by the
     Megatron actor too: megatron-core's full recompute)."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = flag("--attn-implementation", "sdpa")
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
-    disable_sharding: bool = False
+    disable_sharding: bool = flag(
+        "--debug-disable-sharding",
+        False,
+        help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
+        "to step through the model in a debugger",
+    )
     """`--debug-disable-sharding`: one rank, the plain Hugging Face module without fully_shard
     (plain tensors, no FSDP hooks or collectives in forward/backward) for stepping through."""
 
@@ -191,18 +212,27 @@ class FSDPConfig:
 class MegatronConfig:
     """`--train-backend megatron`'s model parallelism (megatron-core's argument names)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", 1)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", 1)
+    context_parallel_size: int = flag("--context-parallel-size", 1)
+    expert_model_parallel_size: int = flag("--expert-model-parallel-size", 1)
     expert_tensor_parallel_size: int | None = None
     """Megatron-LM's default: None, the tensor-parallel size."""
-    sequence_parallel: bool = False
-    make_vocab_size_divisible_by: int = 128
+    sequence_parallel: bool = flag("--sequence-parallel", False)
+    make_vocab_size_divisible_by: int = flag(
+        "--make-vocab-size-divisible-by",
+        128,
+        help="pad the vocabulary to a multiple of this x TP",
+    )
     """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
     transformer_impl: str = "local"
     """`local` (megatron-core's layer spec) or `transformer_engine`."""
-    bf16: bool = False
+    bf16: bool = flag(
+        "--bf16",
+        False,
+        help="bfloat16 parameters and activations, float32 master weights, gradient reductions and "
+        "optimizer states (megatron's mixed precision)",
+    )
     """`--bf16`: bfloat16 parameters and activations; float32 master weights, gradient reductions
     and optimizer states (megatron-core's mixed precision, done by the actor)."""
 
@@ -255,14 +285,14 @@ class MoEOptions:
     @property
     def needs_moe(self) -> str | None:
         """The first flag given that only a mixture-of-experts model can honour (None: none)."""
-        for flag, on in (
+        for name, on in (
             ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0),
             ("--moe-router-dtype", self.moe_router_dtype is not None),
             ("--use-routing-replay", self.use_routing_replay),
             ("--use-rollout-routing-replay", self.use_rollout_routing_replay),
         ):
             if on:
-                return flag
+                return name
         return None
 
 
@@ -299,25 +329,31 @@ class ModelOptions:
 class TrainConfig:
     """Everything a train actor needs."""
 
-    hf_checkpoint: str
+    hf_checkpoint: str = flag("--hf-checkpoint", help="Hugging Face model directory")
     """`--hf-checkpoint`: Hugging Face model directory (config, weights, tokenizer)."""
     backend: str = "fsdp"
     """`--train-backend`: fsdp (slime.backends.fsdp) or megatron (slime.backends.megatron)."""
-    ref_load: str | None = None
+    ref_load: str | None = flag("--ref-load", None, help="reference weights (default: --hf-checkpoint)")
     """`--ref-load`: reference-model weights (HF directory; default: --hf-checkpoint)."""
     device: str = "cpu"
     """`--device`: cpu (gloo) or cuda (NCCL)."""
-    seed: int = 1234
+    seed: int = flag("--seed", 1234)
     """`--seed`."""
-    rollout_temperature: float = 1.0
+    rollout_temperature: float = flag("--rollout-temperature", 1.0)
     """`--rollout-temperature`: log-probs and entropy are computed at this temperature."""
-    load: str | None = None
+    load: str | None = flag("--load", None, help="checkpoint root to resume from")
     """`--load`: checkpoint root to resume from (holds latest_checkpointed_iteration.txt)."""
-    override_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = flag("--override-opt-param-scheduler", False)
     """`--override-opt-param-scheduler`: on resume, use the flags' LR schedule, not the saved one."""
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
-    save_debug_train_data: str | None = None
+    save_debug_train_data: str | None = flag(
+        "--save-debug-train-data",
+        None,
+        metavar="TEMPLATE",
+        help="per rank and rollout, what it trained on (tokens, masks, log-probs, advantages, rewards); "
+        "TEMPLATE has {rollout_id} and {rank}",
+    )
     """`--save-debug-train-data TEMPLATE` ({rollout_id}, {rank}): what each rank trained on."""
     deterministic: bool = False
     """`--deterministic-mode`: seeded, deterministic kernels (slime.utils.seed); the rollout
@@ -372,136 +408,20 @@ class TrainConfig:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the trainer's flags on `parser`, grouped as they appear in --help."""
-    g = parser.add_argument_group("train: model and devices")
-    g.add_argument("--hf-checkpoint", help="Hugging Face model directory")
-    g.add_argument("--ref-load", default=None, help="reference weights (default: --hf-checkpoint)")
-    g.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
-                   "checkpointing; Megatron: megatron-core's full recompute)")  # fmt: skip
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: cuda when a GPU is visible, else cpu (every \"GPU\" is then one CPU process)")  # fmt: skip
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--rollout-temperature", type=float, default=1.0)
-    g.add_argument("--load", default=None, help="checkpoint root to resume from")
-    g.add_argument("--override-opt-param-scheduler", action="store_true")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument(
-        "--save-debug-train-data", default=None, metavar="TEMPLATE",
-        help="per rank and rollout, what it trained on (tokens, masks, log-probs, advantages, rewards); "
-        "TEMPLATE has {rollout_id} and {rank}",
+    """Register the trainer's flags on `parser` (each declared on its config field), grouped as
+    they appear in --help."""
+    add_flags(parser, TrainConfig, "train: model and devices").add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help='auto: cuda when a GPU is visible, else cpu (every "GPU" is then one CPU process)',
     )  # fmt: skip
-
-    g = parser.add_argument_group("train: loss")
-    g.add_argument("--loss-type", choices=LOSS_TYPES, default="policy_loss")
-    g.add_argument("--advantage-estimator", choices=ESTIMATORS, default="grpo")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true")
-    g.add_argument("--normalize-advantages", action="store_true")
-    g.add_argument("--eps-clip", type=float, default=0.2)
-    g.add_argument("--eps-clip-high", type=float, default=None)
-    g.add_argument("--eps-clip-c", type=float, default=None)
-    g.add_argument("--use-kl-loss", action="store_true")
-    g.add_argument("--kl-loss-coef", type=float, default=0.0)
-    g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1")
-    g.add_argument(
-        "--kl-coef", type=float, default=0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)"
-    )
-    g.add_argument("--gamma", type=float, default=1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE's lambda (PPO)")
-    g.add_argument(
-        "--value-clip", type=float, default=0.2, help="the critic's value loss clips V - V_old (PPO)"
-    )
-    g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--use-tis", action="store_true")
-    g.add_argument("--tis-clip", type=float, default=2.0)
-    g.add_argument("--tis-clip-low", type=float, default=0.0)
-    g.add_argument("--use-opsm", action="store_true",
-                   help="off-policy sequence masking (as slime): in a sample whose mean log-ratio old - new over its "
-                   "loss tokens exceeds --opsm-delta, the negative-advantage tokens leave the policy loss")  # fmt: skip
-    g.add_argument("--opsm-delta", type=float, default=1e-4, help="the threshold of --use-opsm")
-    g.add_argument("--use-decoupled-loss", action="store_true",
-                   help="AReaL's decoupled PPO: the ratio against the recomputed log-probs (proximal policy), each "
-                   "token's loss times exp(proximal - engine log-prob), the behaviour importance weight")  # fmt: skip
-    g.add_argument("--behav-imp-weight-cap", type=float, default=None,
-                   help="with --use-decoupled-loss: tokens whose behaviour importance weight exceeds it (> 1) "
-                   "leave the loss (masked, not clamped as --tis-clip does)")  # fmt: skip
-    g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--use-rollout-logprobs", action="store_true",
-                   help="the engine's log-probs are the old policy of the PPO ratio (no recompute pass)")  # fmt: skip
-    g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
-                   action="store_false",
-                   help="no log-prob passes and no advantages (with --loss-type sft_loss)")  # fmt: skip
-    g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
-                   help="no group baseline: advantages from the raw rewards")  # fmt: skip
-    g.add_argument("--custom-tis-function-path", default=None, metavar="module.function",
-                   help="with --use-tis: slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
-                   "loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)")  # fmt: skip
-    g.add_argument("--custom-pg-loss-reducer-function-path", default=None, metavar="module.function",
-                   help="slime's pg_loss reducer factory(total_lengths, response_lengths, loss_masks, "
-                   "calculate_per_token_loss) -> reduce(pg_loss)")  # fmt: skip
-
-    g = parser.add_argument_group("train: optimizer")
-    g.add_argument("--lr", type=float, default=1e-6)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument(
-        "--lr-warmup-init", type=float, default=0.0, help="the learning rate of the first warm-up step"
-    )
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-
-    g = parser.add_argument_group("train: batching")
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--num-steps-per-rollout", type=int, default=None)
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--use-dynamic-batch-size", action="store_true")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
-    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
-    g.add_argument("--padded-micro-batches", action="store_true",
-                   help="right-pad each micro-batch to its longest sample instead of packing its samples into one "
-                   "row (both backends pack by default; for comparison)")  # fmt: skip
-    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
-                   help="response tokens per chunk of the log-softmax over the vocabulary, so no [tokens x vocab] "
-                   "float32 tensor is held at once (-1: no chunks); the values are the same")  # fmt: skip
-
-    g = parser.add_argument_group("train: FSDP")
-    g.add_argument("--fsdp-param-dtype", choices=DTYPES, default="float32")
-    g.add_argument("--fsdp-reduce-dtype", choices=DTYPES, default="float32")
-    g.add_argument("--fsdp-cpu-offload", action="store_true")
-    g.add_argument("--attn-implementation", default="sdpa")
-    g.add_argument("--debug-disable-sharding", action="store_true",
-                   help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
-                   "to step through the model in a debugger")  # fmt: skip
-
-    g = parser.add_argument_group("megatron (--train-backend megatron; docs/megatron.md)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP")  # fmt: skip
-    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
-                   help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch "
-                   "layers) on CPU")  # fmt: skip
-    g.add_argument("--bf16", action="store_true",
-                   help="bfloat16 parameters and activations, float32 master weights, gradient reductions and "
-                   "optimizer states (megatron's mixed precision)")  # fmt: skip
-
-
-def _pick(cls, ns: argparse.Namespace, prefix: str = "", **renames: str):
-    """Build dataclass `cls` from the namespace attributes of the same name (or `renames`)."""
-    kwargs = {}
-    for f in fields(cls):
-        attr = renames.get(f.name, prefix + f.name)
-        if hasattr(ns, attr):
-            kwargs[f.name] = getattr(ns, attr)
-    return cls(**kwargs)
+    add_flags(parser, LossConfig, "train: loss")
+    add_flags(parser, OptimizerConfig, "train: optimizer")
+    add_flags(parser, BatchConfig, "train: batching")
+    add_flags(parser, FSDPConfig, "train: FSDP")
+    add_flags(parser, MegatronConfig, "megatron (--train-backend megatron; docs/megatron.md)").add_argument(
+        "--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+        help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch layers) on CPU",
+    )  # fmt: skip
 
 
 def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -512,33 +432,20 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
     if not resolved(ns):  # a parser of the train flags alone (tools, tests): `auto` decided here
         resolve(ns)
-    return TrainConfig(
-        hf_checkpoint=ns.hf_checkpoint,
+    return from_flags(
+        TrainConfig,
+        ns,
         backend=getattr(ns, "train_backend", "fsdp"),
-        ref_load=ns.ref_load,
         device=ns.device,
-        seed=ns.seed,
-        rollout_temperature=ns.rollout_temperature,
-        load=ns.load,
-        override_opt_param_scheduler=ns.override_opt_param_scheduler,
-        distributed_timeout_minutes=ns.distributed_timeout_minutes,
-        save_debug_train_data=getattr(ns, "save_debug_train_data", None),
         check_precision=getattr(ns, "check_precision", False),
         deterministic=getattr(ns, "deterministic_mode", False),
-        loss=_pick(LossConfig, ns),
-        optimizer=_pick(OptimizerConfig, ns),
-        batch=_pick(BatchConfig, ns),
-        fsdp=_pick(
-            FSDPConfig,
-            ns,
-            prefix="fsdp_",
-            gradient_checkpointing="gradient_checkpointing",
-            attn_implementation="attn_implementation",
-            disable_sharding="debug_disable_sharding",
-        ),
-        megatron=_pick(MegatronConfig, ns),
-        model=_pick(ModelOptions, ns),
-        moe=_pick(MoEOptions, ns),
+        loss=from_flags(LossConfig, ns),
+        optimizer=from_flags(OptimizerConfig, ns),
+        batch=from_flags(BatchConfig, ns),
+        fsdp=from_flags(FSDPConfig, ns),
+        megatron=from_flags(MegatronConfig, ns),
+        model=from_flags(ModelOptions, ns),
+        moe=from_flags(MoEOptions, ns),
         opd=opd_config(ns) if hasattr(ns, "use_opd") else OPDConfig(),
         lora=lora_config(ns),
         plugin_args=_plugin_args(ns),

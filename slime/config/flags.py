@@ -1,0 +1,94 @@
+"""Each flag declared once: on the config field it fills.
+
+    @dataclass(frozen=True)
+    class OptimizerConfig:
+        lr: float = flag("--lr", 1e-6)
+        \"\"\"The peak learning rate.\"\"\"
+
+`flag(...)` is a dataclass field whose default is the flag's default and whose metadata is the
+flag (its name, help and any argparse option the field's default does not imply). The parser is
+built from the records (`add_flags`: one argument group per record, in field order) and the
+records from the parsed namespace (`from_flags`), so adding a flag is one field in one record,
+plus the code that reads it. A field without a flag is set by the code that builds the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import MISSING, dataclass, field
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    """`--lr`."""
+    help: str | None
+    options: dict[str, Any]
+    """argparse options beyond what the default implies (choices, nargs, metavar, a type for a
+    None default, `action="store_false"` with a `dest`)."""
+
+    @property
+    def dest(self) -> str:
+        return str(self.options.get("dest") or self.name[2:].replace("-", "_"))
+
+
+def flag(name: str, default: Any = MISSING, *, help: str | None = None, **options: Any) -> Any:
+    """A dataclass field filled by flag `name`; `default` is the field's and the flag's default
+    (a list default is the flag's, the field holds a tuple)."""
+    meta = {"flag": Flag(name, help, options)}
+    if isinstance(default, list):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flags_of(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
+    """The record's fields that a flag fills, in declaration order."""
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def _argparse_options(f: dataclasses.Field[Any], spec: Flag) -> dict[str, Any]:
+    options = dict(spec.options)
+    default = f.default
+    if default is MISSING:
+        default = None
+    if options.get("action") in ("store_true", "store_false"):
+        return {"default": default, **options}
+    if isinstance(default, bool):
+        return {"action": "store_true", "default": default, **options}
+    if isinstance(default, tuple):  # nargs flags: argparse hands back a list
+        default = list(default)
+    elif isinstance(default, (int, float)) and "type" not in options:
+        options["type"] = type(default)
+    return {"default": default, **options}
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> Any:
+    """The flags of record `cls` as one argument group of `parser`, in field order; returns the
+    group (for a flag that fills no field of its own there, such as an `auto` to resolve)."""
+    group = parser.add_argument_group(title)
+    for f, spec in flags_of(cls):
+        options = _argparse_options(f, spec)
+        if spec.help is not None:
+            options["help"] = spec.help
+        group.add_argument(spec.name, **options)
+    return group
+
+
+def from_flags(cls: type[R], ns: argparse.Namespace, **values: Any) -> R:
+    """Record `cls` from the parsed flags. A field with a flag takes the flag's value; one without
+    takes the namespace's attribute of its own name where there is one (a flag of Megatron-LM's
+    or slime's table, slime.config.surface, whose meaning the record holds); `values` set or
+    override fields. What `ns` lacks keeps the field's default (a parser of some flags only)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        spec = f.metadata.get("flag")
+        dest = spec.dest if spec is not None else f.name
+        if f.init and hasattr(ns, dest):
+            value = getattr(ns, dest)
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    kwargs.update(values)
+    return cls(**kwargs)

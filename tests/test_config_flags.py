@@ -1,0 +1,65 @@
+"""slime.config.flags: a flag declared once, on the config field it fills, makes both the parser's
+argument and the record's value."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass
+
+import pytest
+
+from slime.config.arguments import build_parser
+from slime.config.flags import add_flags, flag, flags_of, from_flags
+from slime.config.loss import LossConfig
+from slime.config.train import BatchConfig, FSDPConfig, MegatronConfig, OptimizerConfig, TrainConfig
+
+RECORDS = (TrainConfig, LossConfig, OptimizerConfig, BatchConfig, FSDPConfig, MegatronConfig)
+
+
+@dataclass(frozen=True)
+class Toy:
+    rate: float = flag("--toy-rate", 0.5, help="a rate")
+    steps: int | None = flag("--toy-steps", None, type=int)
+    on: bool = flag("--toy-on", False)
+    kept: bool = flag("--toy-no-keep", True, dest="toy_keep", action="store_false")
+    stops: tuple[str, ...] = flag("--toy-stop", [], nargs="*")
+    unflagged: str = "x"
+
+
+def test_one_field_makes_the_argument_and_takes_its_value():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Toy, "toy")
+    assert from_flags(Toy, parser.parse_args([])) == Toy()
+    ns = parser.parse_args(
+        ["--toy-rate", "2", "--toy-steps", "3", "--toy-on", "--toy-no-keep", "--toy-stop", "a", "b"]
+    )
+    assert from_flags(Toy, ns, unflagged="y") == Toy(2.0, 3, True, False, ("a", "b"), "y")
+    with pytest.raises(SystemExit):  # the type comes from the default: an int flag refuses a word
+        parser.parse_args(["--toy-steps", "three"])
+    # A field without a flag takes the namespace's attribute of its name (a flag declared elsewhere).
+    assert from_flags(Toy, argparse.Namespace(unflagged="z")).unflagged == "z"
+
+
+def test_the_parsers_defaults_are_the_records_defaults():
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for record in RECORDS:
+        for f, spec in flags_of(record):
+            action = actions[spec.dest]
+            assert spec.name in action.option_strings, (record.__name__, f.name)
+            default = list(f.default) if isinstance(f.default, tuple) else f.default
+            if f.default is not MISSING:  # a required field (--hf-checkpoint) has none
+                assert action.default == default, (record.__name__, f.name, action.default, f.default)
+
+
+def test_a_flag_reaches_its_field_through_parse():
+    from slime.config.arguments import parse
+
+    parsed = parse(["--hf-checkpoint", "m", "--rm-type", "math", "--prompt-data", "p.jsonl",
+                    "--rollout-batch-size", "2", "--num-rollout", "1", "--lr", "0.5", "--fsdp-param-dtype",
+                    "bfloat16", "--eps-clip-high", "0.3", "--device", "cpu"])  # fmt: skip
+    ns = parsed.ns
+    assert (ns.lr, ns.fsdp_param_dtype, ns.eps_clip_high) == (0.5, "bfloat16", 0.3)
+    train = from_flags(TrainConfig, ns, device="cpu", loss=from_flags(LossConfig, ns),
+                       optimizer=from_flags(OptimizerConfig, ns), fsdp=from_flags(FSDPConfig, ns))  # fmt: skip
+    assert (train.optimizer.lr, train.fsdp.param_dtype, train.loss.eps_clip_high) == (0.5, "bfloat16", 0.3)
