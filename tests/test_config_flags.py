@@ -11,9 +11,11 @@ import pytest
 from slime.config.arguments import build_parser
 from slime.config.flags import add_flags, flag, flags_of, from_flags
 from slime.config.loss import LossConfig
+from slime.config.records import AsyncConfig, CheckpointConfig, DebugConfig, LoggingConfig
 from slime.config.train import BatchConfig, FSDPConfig, MegatronConfig, OptimizerConfig, TrainConfig
 
-RECORDS = (TrainConfig, LossConfig, OptimizerConfig, BatchConfig, FSDPConfig, MegatronConfig)
+RECORDS = (TrainConfig, LossConfig, OptimizerConfig, BatchConfig, FSDPConfig, MegatronConfig, AsyncConfig,
+           CheckpointConfig, DebugConfig, LoggingConfig)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
 from slime.config.derived import custom_config, no_effect_lines, problems
 from slime.config.eval_sets import eval_datasets
+from slime.config.flags import add_flags, from_flags
 from slime.config.lora import add_lora_arguments
 from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
@@ -44,7 +45,28 @@ from slime.config.train import TrainConfig, add_train_arguments, train_config_fr
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """train.py's parser: this module's groups, the trainer's, and slime's and Megatron-LM's flags
+    (slime.config.surface); a flag of a config record is declared on its field (slime.config.flags)."""
     p = _Parser(prog="train.py", description="slime: RL post-training of LLMs")
+    for add in (
+        _cluster_flags,
+        _data_and_rollout_flags,
+        _async_flags,
+        _bridge_and_eval_flags,
+        _debug_and_logging_flags,
+    ):
+        add(p)
+    add_train_arguments(p)
+    add_critic_arguments(p)
+    add_opd_arguments(p)
+    add_lora_arguments(p)
+    add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
+    add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
+    return p
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    """Processes and devices, the engines to use, fault tolerance."""
     g = p.add_argument_group("cluster")
     g.add_argument("--actor-num-nodes", type=int, default=1)
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1)
@@ -86,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-server-concurrency", type=int, default=256,
                    help="requests in flight per engine (slime's default: 512)")  # fmt: skip
 
+
+def _data_and_rollout_flags(p: argparse.ArgumentParser) -> None:
+    """The prompts, and how a rollout samples and scores them."""
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
     g.add_argument("--input-key", default="prompt")
@@ -126,12 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
                    "functions to read from args: KEY: VALUE with the flag's name in underscores")  # fmt: skip
 
-    g = p.add_argument_group("asynchronous rollouts (docs/async.md)")
-    g.add_argument("--fully-async", action="store_true",
-                   help="the continuous schedule: generation never stops at a rollout boundary; each step trains on "
-                   "the next --rollout-batch-size groups that finished, pushes happen while requests are in flight "
-                   "(slime's --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async "
-                   "is the same)")  # fmt: skip
+
+def _async_flags(p: argparse.ArgumentParser) -> None:
+    """Asynchronous rollouts (docs/async.md)."""
+    g = add_flags(p, AsyncConfig, "asynchronous rollouts (docs/async.md)")[
+        "asynchronous rollouts (docs/async.md)"
+    ]
     g.add_argument("--max-policy-version-lag", type=int, default=None, metavar="N",
                    help="--fully-async: a group whose oldest trained token is more than N weight versions behind the "
                    "trainer is not trained on (see --stale-group-action); admission keeps most groups within it; "
@@ -139,18 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stale-group-action", choices=STALE_ACTIONS, default=None,
                    help="what happens to a group beyond --max-policy-version-lag: requeue its prompt (default; it is "
                    "generated again with the current weights) or drop it")  # fmt: skip
-    g.add_argument("--partial-rollout", action="store_true",
-                   help="a request interrupted by a push (--pause-generation-mode abort) or by the end of a rollout "
-                   "(over-sampling) keeps its tokens and log-probs and is continued with the new weights")  # fmt: skip
-    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
-                   help="with --partial-rollout: the tokens made before the continuation (by older weights) are "
-                   "masked out of the loss")  # fmt: skip
     g.add_argument("--pause-generation-mode", choices=PAUSE_MODES, default=None,
                    help="--fully-async: how a push treats requests in flight (SGLang's modes): retract (default: "
                    "they continue with the new weights, their KV cache recomputed), in_place (their KV cache kept), "
                    "abort (they end; with --partial-rollout continued as new requests, else generated again; the "
                    "default with --partial-rollout)")  # fmt: skip
 
+
+def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
+    """The weight push, checkpoints, evaluation."""
     g = p.add_argument_group("weight bridge")
     g.add_argument("--update-weight-transport", choices=(*TRANSPORTS, "nccl"), default=None,
                    help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
@@ -158,10 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tensor")  # fmt: skip
     g.add_argument("--update-weight-buffer-size", type=int, default=512 << 20, help="bytes per bucket")
 
-    g = p.add_argument_group("save and load")
-    g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--save-hf", default=None)
+    add_flags(p, CheckpointConfig, "save and load")
 
     g = p.add_argument_group("eval")
     g.add_argument("--eval-interval", type=int, default=None)
@@ -184,30 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-eval-before-train", action="store_true", help="no evaluation before the first rollout"
     )
 
-    g = p.add_argument_group("debug: decoupled modes and dumps (docs/debugging.md)")
-    g.add_argument(
-        "--debug-rollout-only", action="store_true",
-        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
-    )  # fmt: skip
-    g.add_argument(
-        "--debug-train-only", action="store_true",
-        help="start only the trainer; rollouts come from --load-debug-rollout-data or a --rollout-function-path",
-    )  # fmt: skip
-    g.add_argument("--save-debug-rollout-data", default=None, metavar="TEMPLATE",
-                   help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt")  # fmt: skip
-    g.add_argument("--save-debug-eval-data", default=None, metavar="TEMPLATE",
-                   help="write every eval rollout to this template ({rollout_id}; -1 = before training)")  # fmt: skip
-    g.add_argument("--load-debug-rollout-data", default=None, metavar="TEMPLATE",
-                   help="train on saved rollouts instead of generating (implies --debug-train-only)")  # fmt: skip
+
+def _debug_and_logging_flags(p: argparse.ArgumentParser) -> None:
+    """docs/debugging.md's modes and checks, and where metrics go."""
+    debug = add_flags(p, DebugConfig, "debug: decoupled modes and dumps (docs/debugging.md)")
+    g = debug["debug: decoupled modes and dumps (docs/debugging.md)"]
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None, metavar="R",
                    help="replay a deterministic fraction R of each dump's prompt groups")  # fmt: skip
-    g.add_argument("--allow-tokenizer-mismatch", action="store_true",
-                   help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's")  # fmt: skip
 
-    g = p.add_argument_group("debug: precision checks (docs/debugging.md, Precision)")
-    g.add_argument("--check-precision", action="store_true",
-                   help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
-                   "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane")  # fmt: skip
+    g = debug["debug: precision checks (docs/debugging.md, Precision)"]
     g.add_argument("--precision-logprob-tol", type=float, default=None,
                    help="mean |trainer - engine| log-prob allowed (default by dtype: 1e-4 float32, 5e-2 bfloat16)")  # fmt: skip
     g.add_argument("--precision-logprob-max-tol", type=float, default=None,
@@ -215,52 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="reproducible runs: everything seeded from --seed, torch.use_deterministic_algorithms, "
                    "a sampling_seed per sample, batch-invariant engines (slower; docs/debugging.md)")  # fmt: skip
-    g.add_argument("--debug-push-fault", default=None, metavar="SPEC",
-                   help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
-                   "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)")  # fmt: skip
-    g.add_argument("--debug-phase-hook", default=None, metavar="MODULE.FUNCTION",
-                   help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
-                   "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
-                   "(docs/debugging.md, Fault tolerance)")  # fmt: skip
 
-    g = p.add_argument_group("debug: parameter sync (docs/debugging.md, Parameter sync)")
-    g.add_argument("--debug-sync-parameters-path", default=None, metavar="DIR",
-                   help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to DIR/before_sync_parameter/<rank>/, "
-                   "push the trainer's weights once, dump to DIR/after_sync_parameter/<rank>/, exit; compare with "
-                   "python -m slime.tools.check_sync_parameter --root_dir DIR")  # fmt: skip
+    g = debug["debug: parameter sync (docs/debugging.md, Parameter sync)"]
     g.add_argument("--check-weight-sync", action="store_true",
                    help="after every push, compare per-tensor fingerprints of what the trainer exported with what "
                    "every engine holds; a difference stops the job (on with --check-precision)")  # fmt: skip
-    g.add_argument("--check-weight-update-equal", action="store_true",
-                   help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
-                   "receive the first push, and must equal the snapshot exactly")  # fmt: skip
 
-    g = p.add_argument_group("debug: hangs (docs/debugging.md, Hangs and breakpoints)")
-    g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
-                   help="when a train step or weight push runs longer, every train rank writes its Python stacks "
-                   "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1")  # fmt: skip
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--use-wandb", action="store_true")
+    g = add_flags(p, LoggingConfig, "logging")["logging"]
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
-    g.add_argument("--wandb-project", default="slime")
-    g.add_argument("--wandb-group", default=None)
-    g.add_argument("--wandb-team", default=None, help="the wandb entity")
-    g.add_argument(
-        "--wandb-key", default=None, help="API key: wandb.login in online mode (the default with a key)"
-    )
-    g.add_argument("--wandb-host", default=None, help="the wandb server for --wandb-key")
-    g.add_argument("--wandb-dir", default=None, help="the run's local files (default: the log directory)")
-    g.add_argument("--use-tensorboard", action="store_true")
-    g.add_argument("--tb-dir", default=None)
-
-    add_train_arguments(p)
-    add_critic_arguments(p)
-    add_opd_arguments(p)
-    add_lora_arguments(p)
-    add_specs(p, megatron_lm.SPECS, megatron_lm.GROUPS)
-    add_specs(p, slime_flags.SPECS, slime_flags.GROUPS)
-    return p
 
 
 def _train_config(ns: argparse.Namespace) -> TrainConfig:
@@ -311,9 +277,9 @@ def async_config(ns: argparse.Namespace) -> AsyncConfig:
     partial = ns.partial_rollout
     # Rollout only: no push ever comes, every token is of the first weights (lag 0).
     lag = None if ns.debug_rollout_only else ns.max_policy_version_lag
-    return AsyncConfig(
-        ns.fully_async, lag, ns.stale_group_action or "requeue", partial,
-        ns.mask_offpolicy_in_partial_rollout, ns.pause_generation_mode or ("abort" if partial else "retract"),
+    return from_flags(
+        AsyncConfig, ns, max_lag=lag, stale_action=ns.stale_group_action or "requeue",
+        pause_mode=ns.pause_generation_mode or ("abort" if partial else "retract"),
     )  # fmt: skip
 
 
@@ -362,44 +328,23 @@ def _configs(ns: argparse.Namespace) -> Config:
                 and (ns.check_precision or ns.check_weight_update_equal)
             ),
         ),
-        checkpoint=CheckpointConfig(ns.save, ns.save_interval, ns.save_hf),
+        checkpoint=from_flags(CheckpointConfig, ns),
         eval=EvalConfig(
             interval=ns.eval_interval,
             datasets=eval_datasets(ns),
             before_train=not ns.skip_eval_before_train,
         ),
-        logging=LoggingConfig(
-            use_wandb=ns.use_wandb,
-            wandb_mode=wandb_mode,
-            wandb_project=ns.wandb_project,
-            wandb_group=ns.wandb_group,
-            use_tensorboard=ns.use_tensorboard,
-            tb_dir=ns.tb_dir,
-            wandb_team=ns.wandb_team,
-            wandb_key=ns.wandb_key,
-            wandb_host=ns.wandb_host,
-            wandb_dir=ns.wandb_dir,
-        ),
+        logging=from_flags(LoggingConfig, ns, wandb_mode=wandb_mode),
         train=(train := _train_config(ns)),
         critic=None if ns.debug_rollout_only else critic_config(ns, train),
         opd=opd_config(ns),
-        debug=DebugConfig(
-            rollout_only=ns.debug_rollout_only,
-            train_only=ns.debug_train_only,
-            save_rollout_data=ns.save_debug_rollout_data,
-            save_eval_data=ns.save_debug_eval_data,
-            load_rollout_data=ns.load_debug_rollout_data,
+        debug=from_flags(
+            DebugConfig,
+            ns,
             subsample=ns.load_debug_rollout_data_subsample or 1.0,
-            allow_tokenizer_mismatch=ns.allow_tokenizer_mismatch,
-            check_precision=ns.check_precision,
             precision_dtype=dtype,
             precision_logprob_tol=tol,
             precision_logprob_max_tol=max_tol,
-            push_fault=ns.debug_push_fault,
-            phase_hook=ns.debug_phase_hook,
-            hang_timeout=ns.hang_timeout,
-            sync_parameters_path=ns.debug_sync_parameters_path,
-            check_weight_update_equal=ns.check_weight_update_equal,
         ),
         args=ns,
     )

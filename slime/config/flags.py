@@ -30,16 +30,21 @@ class Flag:
     options: dict[str, Any]
     """argparse options beyond what the default implies (choices, nargs, metavar, a type for a
     None default, `action="store_false"` with a `dest`)."""
+    group: str | None = None
+    """The --help group, where it is not the record's."""
 
     @property
     def dest(self) -> str:
         return str(self.options.get("dest") or self.name[2:].replace("-", "_"))
 
 
-def flag(name: str, default: Any = MISSING, *, help: str | None = None, **options: Any) -> Any:
+def flag(
+    name: str, default: Any = MISSING, *, help: str | None = None, group: str | None = None, **options: Any
+) -> Any:
     """A dataclass field filled by flag `name`; `default` is the field's and the flag's default
-    (a list default is the flag's, the field holds a tuple)."""
-    meta = {"flag": Flag(name, help, options)}
+    (a list default is the flag's, the field holds a tuple); `group`: its --help group, where it
+    is not the record's."""
+    meta = {"flag": Flag(name, help, options, group)}
     if isinstance(default, list):
         return field(default=tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -66,16 +71,27 @@ def _argparse_options(f: dataclasses.Field[Any], spec: Flag) -> dict[str, Any]:
     return {"default": default, **options}
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> Any:
-    """The flags of record `cls` as one argument group of `parser`, in field order; returns the
-    group (for a flag that fills no field of its own there, such as an `auto` to resolve)."""
-    group = parser.add_argument_group(title)
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> dict[str, Any]:
+    """The flags of record `cls` on `parser`, in field order, in the argument group `title` (or
+    the field's own group); returns the groups by title, for flags that fill no field there
+    (an `auto` to resolve, a default decided from other flags). A title met before (another
+    record's, in `parser`'s earlier calls) is the same group."""
+    groups: dict[str, Any] = {g.title: g for g in parser._action_groups if g.title}
+
+    def group(where: str) -> Any:
+        if where not in groups:
+            groups[where] = parser.add_argument_group(where)
+        return groups[where]
+
+    made = {title: group(title)}
     for f, spec in flags_of(cls):
+        where = spec.group or title
+        made[where] = group(where)
         options = _argparse_options(f, spec)
         if spec.help is not None:
             options["help"] = spec.help
-        group.add_argument(spec.name, **options)
-    return group
+        made[where].add_argument(spec.name, **options)
+    return made
 
 
 def from_flags(cls: type[R], ns: argparse.Namespace, **values: Any) -> R:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from slime.config.critic import CriticConfig
 from slime.config.eval_sets import EvalDataset
+from slime.config.flags import flag
 from slime.config.opd import OPDConfig
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.train import TrainConfig
@@ -56,15 +57,32 @@ PAUSE_MODES = ("retract", "in_place", "abort")
 class AsyncConfig:
     """Asynchronous rollouts (docs/async.md)."""
 
-    fully_async: bool = False
+    fully_async: bool = flag(
+        "--fully-async",
+        False,
+        help="the continuous schedule: generation never stops at a rollout boundary; each step trains on "
+        "the next --rollout-batch-size groups that finished, pushes happen while requests are in flight "
+        "(slime's --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async "
+        "is the same)",
+    )
     """`--fully-async`: the continuous schedule (slime.rollout.continuous)."""
     max_lag: int | None = None
     """`--max-policy-version-lag`: the most weight versions a trained token may be behind (None: no bound)."""
     stale_action: str = "requeue"
     """`--stale-group-action`: a group beyond the bound is requeued (its prompt generated again) or dropped."""
-    partial: bool = False
+    partial: bool = flag(
+        "--partial-rollout",
+        False,
+        help="a request interrupted by a push (--pause-generation-mode abort) or by the end of a rollout "
+        "(over-sampling) keeps its tokens and log-probs and is continued with the new weights",
+    )
     """`--partial-rollout`: interrupted requests are continued, not generated again."""
-    mask_offpolicy: bool = False
+    mask_offpolicy: bool = flag(
+        "--mask-offpolicy-in-partial-rollout",
+        False,
+        help="with --partial-rollout: the tokens made before the continuation (by older weights) are "
+        "masked out of the loss",
+    )
     """`--mask-offpolicy-in-partial-rollout`: tokens before a continuation leave the loss."""
     pause_mode: str = "retract"
     """`--pause-generation-mode`: how a push treats requests in flight (fully async only)."""
@@ -109,9 +127,9 @@ class BridgeConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: str | None = None
-    save_interval: int | None = None
-    save_hf: str | None = None
+    save: str | None = flag("--save", None)
+    save_interval: int | None = flag("--save-interval", None, type=int)
+    save_hf: str | None = flag("--save-hf", None)
 
 
 @dataclass(frozen=True)
@@ -125,40 +143,81 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    use_wandb: bool = False
+    use_wandb: bool = flag("--use-wandb", False)
     wandb_mode: str = "offline"
-    wandb_project: str = "slime"
-    wandb_group: str | None = None
-    use_tensorboard: bool = False
-    wandb_team: str | None = None
+    wandb_project: str = flag("--wandb-project", "slime")
+    wandb_group: str | None = flag("--wandb-group", None)
+    use_tensorboard: bool = flag("--use-tensorboard", False)
+    wandb_team: str | None = flag("--wandb-team", None, help="the wandb entity")
     """`--wandb-team`: the wandb entity."""
-    wandb_key: str | None = None
+    wandb_key: str | None = flag(
+        "--wandb-key",
+        None,
+        help="API key: wandb.login in online mode (the default with a key)",
+    )
     """`--wandb-key`: logged in with it (and `--wandb-host`) in online mode."""
-    wandb_host: str | None = None
-    wandb_dir: str | None = None
+    wandb_host: str | None = flag("--wandb-host", None, help="the wandb server for --wandb-key")
+    wandb_dir: str | None = flag(
+        "--wandb-dir",
+        None,
+        help="the run's local files (default: the log directory)",
+    )
     """`--wandb-dir`: where the run's files go (default: the log directory)."""
-    tb_dir: str | None = None
+    tb_dir: str | None = flag("--tb-dir", None)
 
 
 @dataclass(frozen=True)
 class DebugConfig:
     """The decoupled debug modes (docs/debugging.md)."""
 
-    rollout_only: bool = False
+    rollout_only: bool = flag(
+        "--debug-rollout-only",
+        False,
+        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
+    )
     """`--debug-rollout-only`: engines and rollout manager only; no trainer, no weight push."""
-    train_only: bool = False
+    train_only: bool = flag(
+        "--debug-train-only",
+        False,
+        help="start only the trainer; rollouts come from --load-debug-rollout-data or a --rollout-function-path",
+    )
     """`--debug-train-only` (implied by `--load-debug-rollout-data`): trainer only; no engine."""
-    save_rollout_data: str | None = None
+    save_rollout_data: str | None = flag(
+        "--save-debug-rollout-data",
+        None,
+        metavar="TEMPLATE",
+        help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt",
+    )
     """`--save-debug-rollout-data TEMPLATE` with {rollout_id}."""
-    save_eval_data: str | None = None
+    save_eval_data: str | None = flag(
+        "--save-debug-eval-data",
+        None,
+        metavar="TEMPLATE",
+        help="write every eval rollout to this template ({rollout_id}; -1 = before training)",
+    )
     """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
-    load_rollout_data: str | None = None
+    load_rollout_data: str | None = flag(
+        "--load-debug-rollout-data",
+        None,
+        metavar="TEMPLATE",
+        help="train on saved rollouts instead of generating (implies --debug-train-only)",
+    )
     """`--load-debug-rollout-data TEMPLATE` with {rollout_id}."""
     subsample: float = 1.0
     """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
-    allow_tokenizer_mismatch: bool = False
+    allow_tokenizer_mismatch: bool = flag(
+        "--allow-tokenizer-mismatch",
+        False,
+        help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's",
+    )
     """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
-    check_precision: bool = False
+    check_precision: bool = flag(
+        "--check-precision",
+        False,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
+        "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane",
+    )
     """`--check-precision`: the step-0 gates (slime.debug.precision)."""
     precision_dtype: str = "float32"
     """The lower precision of engines and trainer, which the tolerances below default for."""
@@ -166,16 +225,53 @@ class DebugConfig:
     """`--precision-logprob-tol`: largest mean |trainer - engine| log-prob at the first rollout."""
     precision_logprob_max_tol: float = 1e-3
     """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
-    push_fault: str | None = None
+    push_fault: str | None = flag(
+        "--debug-push-fault",
+        None,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        metavar="SPEC",
+        help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
+        "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)",
+    )
     """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
-    phase_hook: str | None = None
+    phase_hook: str | None = flag(
+        "--debug-phase-hook",
+        None,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        metavar="MODULE.FUNCTION",
+        help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
+        "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
+        "(docs/debugging.md, Fault tolerance)",
+    )
     """`--debug-phase-hook PATH`: f(phase, info) at the named phases of a step (slime.debug.phases)."""
-    sync_parameters_path: str | None = None
+    sync_parameters_path: str | None = flag(
+        "--debug-sync-parameters-path",
+        None,
+        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
+        metavar="DIR",
+        help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to DIR/before_sync_parameter/<rank>/, "
+        "push the trainer's weights once, dump to DIR/after_sync_parameter/<rank>/, exit; compare with "
+        "python -m slime.tools.check_sync_parameter --root_dir DIR",
+    )
     """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
     parameters before and after the first push, then exit."""
-    check_weight_update_equal: bool = False
+    check_weight_update_equal: bool = flag(
+        "--check-weight-update-equal",
+        False,
+        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
+        help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
+        "receive the first push, and must equal the snapshot exactly",
+    )
     """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
-    hang_timeout: float | None = None
+    hang_timeout: float | None = flag(
+        "--hang-timeout",
+        None,
+        group="debug: hangs (docs/debugging.md, Hangs and breakpoints)",
+        type=float,
+        metavar="SECONDS",
+        help="when a train step or weight push runs longer, every train rank writes its Python stacks "
+        "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1",
+    )
     """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
     to <log dir>/hang/ and ends the job (slime.debug.hang)."""
 

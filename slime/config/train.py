@@ -410,7 +410,7 @@ class TrainConfig:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the trainer's flags on `parser` (each declared on its config field), grouped as
     they appear in --help."""
-    add_flags(parser, TrainConfig, "train: model and devices").add_argument(
+    add_flags(parser, TrainConfig, "train: model and devices")["train: model and devices"].add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto",
         help='auto: cuda when a GPU is visible, else cpu (every "GPU" is then one CPU process)',
     )  # fmt: skip
@@ -418,7 +418,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, OptimizerConfig, "train: optimizer")
     add_flags(parser, BatchConfig, "train: batching")
     add_flags(parser, FSDPConfig, "train: FSDP")
-    add_flags(parser, MegatronConfig, "megatron (--train-backend megatron; docs/megatron.md)").add_argument(
+    megatron = "megatron (--train-backend megatron; docs/megatron.md)"
+    add_flags(parser, MegatronConfig, megatron)[megatron].add_argument(
         "--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
         help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch layers) on CPU",
     )  # fmt: skip
