@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
-from slime.config.derived import custom_config, no_effect_lines, problems
+from slime.config.derived import custom_config, flag_problems, no_effect_lines
 from slime.config.eval_sets import eval_datasets
 from slime.config.flags import add_flags, from_flags
 from slime.config.lora import add_lora_arguments
@@ -387,7 +387,7 @@ def parse(argv: list[str] | None = None) -> Parsed:
         return Parsed(None, [str(e)], argparse.Namespace(dry_run="--dry-run" in args), parser, Resolution())
     custom = custom_config(ns, {a.dest: a.type for a in parser._actions if a.type is not None})
     resolution = resolve(ns)
-    found = custom + [f"unrecognized argument: {u}" for u in unknown] + problems(ns, mirrored, resolution)
+    found = custom + [f"unrecognized argument: {u}" for u in unknown] + flag_problems(ns, mirrored, resolution)
     config = None
     if not found or ns.dry_run:  # a dry run goes on to the inputs when the configs can be built
         try:

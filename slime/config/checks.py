@@ -21,7 +21,7 @@ def positive(ns: argparse.Namespace, *names: str) -> str | None:
     return None
 
 
-def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
+def rule_problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
     """The problems with the flags, one message each. A problem with the sizes ends the list (the
     rules after it divide by them); `sizes_only`: only those."""
     problem = positive(
@@ -42,6 +42,13 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         problem = group(ns)
         if problem:
             yield problem
+    yield from _required(ns)
+    yield from _layout(ns)
+    yield from _rewards_and_schedule(ns)
+
+
+def _required(ns: argparse.Namespace) -> Iterator[str]:
+    """What a run cannot do without: the rollout size, the prompts, how long to train."""
     replay = ns.load_debug_rollout_data is not None
     if ns.rollout_batch_size is None and not replay:
         yield "--rollout-batch-size is required (prompts per rollout)"
@@ -51,6 +58,10 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         yield "give --num-rollout or --num-epoch (how long to train)"
     elif ns.num_rollout is None and ns.prompt_data is None:
         yield "--num-epoch counts passes over --prompt-data; without it give --num-rollout"
+
+
+def _layout(ns: argparse.Namespace) -> Iterator[str]:
+    """The processes, the engines, the weight push and the router."""
     if ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine:
         yield (
             f"--rollout-num-gpus {ns.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
@@ -78,6 +89,12 @@ def problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[str]:
         )
     if ns.over_sampling_batch_size is not None and ns.over_sampling_batch_size < (ns.rollout_batch_size or 0):
         yield "--over-sampling-batch-size must be >= --rollout-batch-size"
+
+
+def _rewards_and_schedule(ns: argparse.Namespace) -> Iterator[str]:
+    """The reward, saving and evaluating, the batch arithmetic, the Megatron flags, the loggers
+    and the files named."""
+    replay = ns.load_debug_rollout_data is not None
     scored_by_plugin = ns.rollout_function_path or ns.custom_generate_function_path  # may set rewards itself
     if ns.rm_type is None and ns.custom_rm_path is None and not scored_by_plugin and not replay:
         yield "choose a reward: --rm-type TYPE (math, deepscaler, dapo, ...) or --custom-rm-path package.module.function"

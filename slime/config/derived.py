@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from slime.config import architecture, megatron_lm, slime_flags
-from slime.config.checks import problems as flag_problems
+from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
@@ -161,7 +161,7 @@ def schedule_defaults(ns: argparse.Namespace) -> list[str]:
     return []
 
 
-def architecture_problems(ns: argparse.Namespace) -> list[str]:
+def checkpoint_architecture_problems(ns: argparse.Namespace) -> list[str]:
     """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
     a missing checkpoint is reported by the input checks)."""
     if not architecture.megatron_architecture(ns):
@@ -189,13 +189,13 @@ def no_effect_lines(ns: argparse.Namespace) -> list[str]:
     return [f"no effect in this backend ({ns.train_backend}): {', '.join(flags)}"] if flags else []
 
 
-def problems(
+def flag_problems(
     ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]], resolution: Resolution
 ) -> list[str]:
     """Every problem with the flags (and, where it can be read, the HF config), in order; the
     first is what a normal start reports. Defaults that depend on other flags are filled in."""
     out = refused_problems(ns, SPECS, ns.train_backend)
-    sizes = next(iter(flag_problems(ns, sizes_only=True)), None)
+    sizes = next(iter(rule_problems(ns, sizes_only=True)), None)
     if sizes:  # the rules below divide by them
         return [*out, sizes]
     reserved = reserved_problem(ns, mirrored)
@@ -213,8 +213,8 @@ def problems(
         resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
     else:
         out += packages
-    out += list(flag_problems(ns))
-    out += architecture_problems(ns)
+    out += list(rule_problems(ns))
+    out += checkpoint_architecture_problems(ns)
     out += moe_flag_problems(ns)
     return out
 

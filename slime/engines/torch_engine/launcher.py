@@ -112,6 +112,19 @@ def start_torch_engine(
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, env=child_env)
     if stderr is not None:
         stderr.close()
+    return _wait_ready(proc, args, log_path, timeout_s, api_key)
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    args: list[str],
+    log_path: str | None,
+    timeout_s: float,
+    api_key: str | None,
+) -> EngineProcess:
+    """Read the child's stdout until its `{"event": "ready", "url": ...}` line (what came before
+    goes to the log), then hand the rest to a forwarding thread; EngineStartError if it exits or
+    stays silent for `timeout_s`."""
     assert proc.stdout is not None
     sink = OutputSink(log_path, proc.pid, api_key)
     deadline = time.monotonic() + timeout_s
