@@ -65,3 +65,19 @@ def test_a_flag_reaches_its_field_through_parse():
     train = from_flags(TrainConfig, ns, device="cpu", loss=from_flags(LossConfig, ns),
                        optimizer=from_flags(OptimizerConfig, ns), fsdp=from_flags(FSDPConfig, ns))  # fmt: skip
     assert (train.optimizer.lr, train.fsdp.param_dtype, train.loss.eps_clip_high) == (0.5, "bfloat16", 0.3)
+
+
+def test_a_bad_value_is_a_problem_for_parse_and_exit_code_2_on_the_command_line(capsys):
+    from slime.config.arguments import parse
+    from slime.ray.cli import parse_args
+
+    for bad, why in (
+        (["--loss-type", "bogus"], "invalid choice: 'bogus'"),
+        (["--lr", "abc"], "invalid float value"),
+    ):
+        parsed = parse(["--hf-checkpoint", "m", *bad])  # never exits
+        assert parsed.config is None and why in parsed.problems[0]
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--hf-checkpoint", "m", *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("usage: train.py") and why in err

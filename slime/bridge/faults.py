@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from slime.config.checks import parse_push_fault
 from slime.utils.buckets import iter_buckets
 
-if TYPE_CHECKING:  # the flag check parses a fault spec in the driver, which does not load torch
+if TYPE_CHECKING:  # the driver imports this module (PushFault.parse), and never needs torch itself
     import torch
 
 Bucket = list[tuple[str, "torch.Tensor"]]

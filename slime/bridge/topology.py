@@ -4,7 +4,7 @@ Built once at start-up from plain values (the flags, and the nodes placement put
 and handed to every piece of the push: `make_transport` picks the transport from `kind`, the
 `distributed` transport sizes its group from the engines' tensor-parallel sizes, and every train
 rank learns from `every_rank_shares` whether it shares its own copy of each bucket (the CUDA-IPC
-push). The rule "`tensor` on CUDA is CUDA IPC" lives here and nowhere else (`resolve_kind`).
+push), by the rule "`tensor` on CUDA is CUDA IPC" (`resolve_kind`, slime.config.rollout).
 
 A weight-update group (`distributed`) has one member per engine GPU: SGLang's model runner joins
 each TP worker as rank `rank_offset + tp_rank`, and every worker receives every broadcast tensor.
@@ -13,8 +13,7 @@ So engine j, of TP size tp_j, gets `rank_offset = 1 + tp_0 + ... + tp_(j-1)`, th
 address (the engines on other nodes connect to it).
 
 The flag rules (`resolve_kind`, `default_transport`, `transport_problem`) are the config layer's
-(slime.config.rollout); no heavy imports here either:
-at parse time.
+(slime.config.rollout), which checks them at parse time; this module has no heavy imports either.
 """
 
 from __future__ import annotations

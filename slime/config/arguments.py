@@ -377,8 +377,8 @@ def parse(argv: list[str] | None = None) -> Parsed:
     for --help). The components' own checks and --dry-run are the job's (slime.ray.cli)."""
     parser = build_parser()
     args = sys.argv[1:] if argv is None else list(argv)
-    mirrored = mirror_sglang_flags(parser, args)
     try:
+        mirrored = mirror_sglang_flags(parser, args)  # parses the flags once itself
         if "--dry-run" in args:  # every problem is listed, unknown flags with the rest
             ns, unknown = parser.parse_known_args(args)
         else:
@@ -387,7 +387,9 @@ def parse(argv: list[str] | None = None) -> Parsed:
         return Parsed(None, [str(e)], argparse.Namespace(dry_run="--dry-run" in args), parser, Resolution())
     custom = custom_config(ns, {a.dest: a.type for a in parser._actions if a.type is not None})
     resolution = resolve(ns)
-    found = custom + [f"unrecognized argument: {u}" for u in unknown] + flag_problems(ns, mirrored, resolution)
+    found = (
+        custom + [f"unrecognized argument: {u}" for u in unknown] + flag_problems(ns, mirrored, resolution)
+    )
     config = None
     if not found or ns.dry_run:  # a dry run goes on to the inputs when the configs can be built
         try:

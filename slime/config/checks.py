@@ -320,7 +320,7 @@ def _megatron_defaults(ns: argparse.Namespace) -> bool:
 def check_megatron(ns: argparse.Namespace) -> str | None:
     """The Megatron layout against the train ranks; what the Megatron actor builds and the model
     allows (heads, layers, experts) is its own check (slime.backends.megatron.settings.
-    flag_problem), in the job's validation pass."""
+    layout_problem), in the job's validation pass."""
     flags = megatron_flags()
     given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if getattr(ns, k) != v]
     if ns.train_backend != "megatron":

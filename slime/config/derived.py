@@ -1,4 +1,4 @@
-"""What parse_args does between argparse and the configs: the settings whose default depends on
+"""What `parse` (slime.config.arguments) does between argparse and the configs: the settings whose default depends on
 other flags, slime's spellings of ours, --custom-config-path, and the architecture flags against
 the HF config. Each function fills `ns` in place and returns the problems it found."""
 

@@ -36,7 +36,9 @@ class RouterFront:
         self.router: Router | None = None
         self.registered: list[str] = []
         """The engines slime added to the router (removed again from a router it did not start)."""
-        self.lock = threading.Lock()  # the health monitor restarts it while the driver replaces engines
+        # The health monitor restarts the router while the driver replaces engines; a holder of
+        # `lock` also publishes the new address under it (re-entrant: the methods take it too).
+        self.lock = threading.RLock()
 
     @property
     def url(self) -> str | None:

@@ -19,9 +19,9 @@ def component_problems(ns: argparse.Namespace) -> list[str]:
     """What each component finds wrong with flags that passed the config layer's rules."""
     if getattr(ns, "train_backend", None) != "megatron":
         return []
-    from slime.backends.megatron.settings import flag_problem
+    from slime.backends.megatron.settings import layout_problem
 
-    problem = flag_problem(ns)
+    problem = layout_problem(ns)
     return [problem] if problem else []
 
 

@@ -96,8 +96,9 @@ class RolloutManager:
         """The health monitor's thread: a router slime started that died is started again."""
         health = self.producer.health
         assert health is not None
-        if self.front.restart_if_dead(health.live):
-            self._publish()
+        with self.front.lock:  # the address published is the router's that is running
+            if self.front.restart_if_dead(health.live):
+                self._publish()
 
     def close(self) -> None:
         """Stop the continuous pool, the health monitor and the router slime started (a router
@@ -145,8 +146,9 @@ class RolloutManager:
         one that went down."""
         old = self.producer.engine_urls[index]
         self.producer.replace_engine(index, url)
-        self.front.swap(old, url)
-        self._publish()
+        with self.front.lock:
+            self.front.swap(old, url)
+            self._publish()
 
     def pause_health(self) -> None:
         """Colocated engines give their memory up (no /health_generate until they resume)."""

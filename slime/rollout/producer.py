@@ -311,11 +311,10 @@ class RolloutProducer:
             self.dataset.load_state_dict(state)
 
 
-# The producer's coroutines live outside the class: the rollout manager actor calls its methods, and
-# an actor class with a coroutine method is an async actor to Ray, whose methods all share one event loop, so a running generate() would block
-# every other call (the driver's down_engines(), progress_counts()). They run on the process's one
-# background loop (slime.utils.async_utils, as in slime): what a plugin keeps between rollouts (a
-# GenerateState semaphore, an aiohttp session) stays bound to a loop that is still running.
+# The producer's coroutines run on the process's one background loop (slime.utils.async_utils, as in
+# slime): what a plugin keeps between rollouts (a GenerateState semaphore, an aiohttp session) stays
+# bound to a loop that is still running. They are module functions, called through `run` from the
+# producer's synchronous methods, which the rollout manager actor calls from Ray's threads.
 def _rollout_fn_samples(
     producer: RolloutProducer,
     rollout_id: int,
@@ -358,9 +357,7 @@ def _rollout_fn_samples(
 
 
 async def _start_pool(producer: RolloutProducer, version: int) -> ContinuousPool:
-    """The continuous pool of `producer`, started on the background loop. A module function, not a
-    method: one coroutine method makes Ray run the actor as an async actor, whose sync methods
-    then block each other (the driver's health calls would wait behind a rollout)."""
+    """The continuous pool of `producer`, started on the background loop."""
     if producer.dataset is None:
         raise RuntimeError("--fully-async needs --prompt-data")
     r = producer.config.rollout

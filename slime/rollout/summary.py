@@ -1,5 +1,5 @@
 """A rollout's samples turned into what leaves the process that made them: the metrics and the
-typed summary the driver sees (slime.loop.parts.Rollout), and one train part per data-parallel
+typed summary the driver sees (slime.utils.batch.Rollout), and one train part per data-parallel
 replica, put where the train ranks fetch it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the Megatron actor builds and refuses: megatron-core's recompute settings from the flags,
 and the layouts and options refused at start-up (exit 2; the job's validation pass checks them
-too, before any process starts: `flag_problem`)."""
+too, before any process starts: `layout_problem`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
     return None
 
 
-def flag_problem(ns: argparse.Namespace) -> str | None:
+def layout_problem(ns: argparse.Namespace) -> str | None:
     """--train-backend megatron's flags against what this actor builds and the --hf-checkpoint
     model allows (TP dividing the heads, PP the layers, EP the experts; MoE options with a dense
     model): the first problem, or None. The flags' own rules (slime.config.checks.check_megatron)
