@@ -9,13 +9,23 @@ from dataclasses import MISSING, dataclass
 import pytest
 
 from slime.config.arguments import build_parser
-from slime.config.flags import add_flags, flag, flags_of, from_flags
+from slime.config.flags import NO_UNSET, add_flags, flag, flags_of, from_flags
 from slime.config.loss import LossConfig
-from slime.config.records import AsyncConfig, CheckpointConfig, DebugConfig, LoggingConfig
+from slime.config.records import (
+    AsyncConfig,
+    BridgeConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DebugConfig,
+    LoggingConfig,
+    RolloutConfig,
+)
+from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.train import BatchConfig, FSDPConfig, MegatronConfig, OptimizerConfig, TrainConfig
 
 RECORDS = (TrainConfig, LossConfig, OptimizerConfig, BatchConfig, FSDPConfig, MegatronConfig, AsyncConfig,
-           CheckpointConfig, DebugConfig, LoggingConfig)  # fmt: skip
+           CheckpointConfig, DebugConfig, LoggingConfig, DataConfig, SamplingConfig, RolloutConfig, ClusterConfig,
+           BridgeConfig)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,9 +59,10 @@ def test_the_parsers_defaults_are_the_records_defaults():
         for f, spec in flags_of(record):
             action = actions[spec.dest]
             assert spec.name in action.option_strings, (record.__name__, f.name)
-            default = list(f.default) if isinstance(f.default, tuple) else f.default
-            if f.default is not MISSING:  # a required field (--hf-checkpoint) has none
-                assert action.default == default, (record.__name__, f.name, action.default, f.default)
+            default = f.default if spec.unset is NO_UNSET else spec.unset  # `auto`, None: decided later
+            default = list(default) if isinstance(default, tuple) else default
+            if default is not MISSING:  # a required field (--hf-checkpoint) has none
+                assert action.default == default, (record.__name__, f.name, action.default, default)
 
 
 def test_a_flag_reaches_its_field_through_parse():
@@ -81,3 +92,19 @@ def test_a_bad_value_is_a_problem_for_parse_and_exit_code_2_on_the_command_line(
             parse_args(["--hf-checkpoint", "m", *bad])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("usage: train.py") and why in err
+
+
+def test_a_flag_decided_later_keeps_its_own_default_and_the_record_its():
+    @dataclass(frozen=True)
+    class Later:
+        gpus: int = flag("--later-gpus", 1, unset=None)
+        backend: str = flag("--later-backend", "fsdp", unset="auto", choices=["auto", "fsdp"])
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Later, "later")
+    ns = parser.parse_args([])
+    assert (ns.later_gpus, ns.later_backend) == (None, "auto")  # code can tell "not given"
+    assert from_flags(Later, ns) == Later()  # still undecided: the record's defaults
+    ns.later_gpus, ns.later_backend = 4, "fsdp"  # what resolution decided
+    assert from_flags(Later, ns) == Later(4, "fsdp")
+    assert parser.parse_args(["--later-gpus", "2"]).later_gpus == 2  # the type from the record's default

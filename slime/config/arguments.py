@@ -38,7 +38,7 @@ from slime.config.records import (
     lower_precision,
 )
 from slime.config.resolve import Resolution, resolve
-from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
+from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.sglang_args import mirror_sglang_flags
 from slime.config.surface import add_specs
 from slime.config.train import TrainConfig, add_train_arguments, train_config_from_args
@@ -67,86 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     """Processes and devices, the engines to use, fault tolerance."""
-    g = p.add_argument_group("cluster")
-    g.add_argument("--actor-num-nodes", type=int, default=1)
-    g.add_argument("--actor-num-gpus-per-node", type=int, default=1)
-    g.add_argument(
-        "--rollout-num-gpus", type=int, default=None, help="default: 1, or the trainer's with --colocate"
-    )
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
-    g.add_argument("--colocate", action="store_true", help="trainer and engines share devices")
-    g.add_argument("--offload", action="store_true",
-                   help="--offload-train and --offload-rollout: the trainer and the engines each give their device "
-                   "memory up while the other works (the default with --colocate)")  # fmt: skip
-    g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
-                   help="auto: megatron on GPUs (as in slime), fsdp on CPU (slime.config.resolve)")  # fmt: skip
-    g.add_argument("--rollout-backend", choices=["auto", "torch", "sglang"], default="auto",
-                   help="auto: sglang on GPUs (as in slime), the built-in torch engine on CPU")  # fmt: skip
+    g = add_flags(p, ClusterConfig, "cluster")["cluster"]  # and the flags that fill no record field:
     g.add_argument("--dry-run", action="store_true",
                    help="check the flags, the HF config, the inputs and the layout, print the resolved configuration "
                    "and the placement plan, and exit (0, or 2 listing every problem); starts nothing, loads no "
                    "weights. Without a GPU here it plans for GPUs unless --device cpu is given")  # fmt: skip
-    g.add_argument("--use-fault-tolerance", action="store_true",
-                   help="check the engines' health: an engine that is down (health check, failed request or control "
-                   "call) has its groups generated again elsewhere, is restarted on its bundle and given the current "
-                   "weights before it takes requests again (docs/engine.md)")  # fmt: skip
-    g.add_argument("--rollout-health-check-interval", type=float, default=None, metavar="SECONDS",
-                   help="with --use-fault-tolerance: seconds between two rounds of /health_generate checks (30)")  # fmt: skip
-    g.add_argument("--rollout-health-check-timeout", type=float, default=None, metavar="SECONDS",
-                   help="with --use-fault-tolerance: an engine whose /health_generate does not answer within this "
-                   "is down (30)")  # fmt: skip
-    g.add_argument("--rollout-health-check-first-wait", type=float, default=None, metavar="SECONDS",
-                   help="with --use-fault-tolerance: the wait before the first round of checks, and after colocated "
-                   "engines take their memory back (0)")  # fmt: skip
-    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
-                   help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
-                   "any; the trainer's weights are pushed to them before the first rollout")  # fmt: skip
-    g.add_argument("--sglang-router-ip", default=None,
-                   help="a running sglang-router to register the engines with (--rollout-backend sglang starts one "
-                   "otherwise); custom rollout functions post to it")  # fmt: skip
-    g.add_argument("--sglang-router-port", type=int, default=None)
     g.add_argument("--sglang-server-concurrency", type=int, default=256,
                    help="requests in flight per engine (slime's default: 512)")  # fmt: skip
 
 
 def _data_and_rollout_flags(p: argparse.ArgumentParser) -> None:
     """The prompts, and how a rollout samples and scores them."""
-    g = p.add_argument_group("data")
-    g.add_argument("--prompt-data", default=None, help="jsonl or parquet prompts")
-    g.add_argument("--input-key", default="prompt")
-    g.add_argument("--label-key", default="label")
-    g.add_argument("--metadata-key", default="metadata")
-    g.add_argument("--apply-chat-template", action="store_true")
-    g.add_argument("--rollout-shuffle", action="store_true")
-    g.add_argument("--rollout-seed", type=int, default=42)
-    g.add_argument("--num-rollout", type=int, default=None)
-    g.add_argument("--num-epoch", type=int, default=None)
-
-    g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1)
-    g.add_argument("--rollout-top-p", type=float, default=1.0)
-    g.add_argument("--rollout-top-k", type=int, default=-1)
-    g.add_argument("--rollout-max-prompt-len", type=int, default=None)
+    add_flags(p, DataConfig, "data")
+    add_flags(p, RolloutConfig, "rollout")
+    g = add_flags(p, SamplingConfig, "rollout")["rollout"]  # and the flags that fill no record field:
     g.add_argument("--rollout-max-context-len", type=int, default=None,
                    help="slime's context budget: --rollout-max-prompt-len defaults to this - 1; responses stay "
                    "within --rollout-max-response-len")  # fmt: skip
-    g.add_argument("--rollout-max-response-len", type=int, default=1024)
-    g.add_argument("--rollout-stop", nargs="*", default=[])
-    g.add_argument("--rollout-stop-token-ids", nargs="*", type=int, default=[])
-    g.add_argument("--over-sampling-batch-size", type=int, default=None)
-    g.add_argument("--dynamic-sampling-filter-path", default=None)
-    g.add_argument("--custom-generate-function-path", default=None)
-    g.add_argument("--rollout-function-path", default=None)
-    g.add_argument("--rm-type", default=None,
-                   help="slime's rule rewards (slime.rollout.rm_hub): deepscaler, dapo, math, f1, gpqa, random, "
-                   "boxed_<type>, remote_rm (with --rm-url); or exact")  # fmt: skip
-    g.add_argument("--custom-rm-path", default=None, help="package.module.function")
-    g.add_argument("--group-rm", action="store_true")
-    g.add_argument("--reward-key", default=None, help="key of a dict reward to train on")
-    g.add_argument("--custom-reward-post-process-path", default=None, metavar="module.function",
-                   help="slime's f(args, samples) -> (raw_rewards, rewards): the rewards the advantages start from, "
-                   "in place of the group normalisation")  # fmt: skip
     g.add_argument("--custom-config-path", default=None, metavar="YAML",
                    help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
                    "functions to read from args: KEY: VALUE with the flag's name in underscores")  # fmt: skip
@@ -173,12 +110,7 @@ def _async_flags(p: argparse.ArgumentParser) -> None:
 
 def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
     """The weight push, checkpoints, evaluation."""
-    g = p.add_argument_group("weight bridge")
-    g.add_argument("--update-weight-transport", choices=(*TRANSPORTS, "nccl"), default=None,
-                   help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
-                   "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else "
-                   "tensor")  # fmt: skip
-    g.add_argument("--update-weight-buffer-size", type=int, default=512 << 20, help="bytes per bucket")
+    add_flags(p, BridgeConfig, "weight bridge")
 
     add_flags(p, CheckpointConfig, "save and load")
 
@@ -245,10 +177,6 @@ def _train_config(ns: argparse.Namespace) -> TrainConfig:
         )
 
 
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
-
-
 def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
     """The dtype the log-prob tolerances are for, and the tolerances (flags win)."""
     engine = "float32" if ns.rollout_backend == "torch" else "bfloat16"
@@ -264,12 +192,7 @@ def _precision_defaults(ns: argparse.Namespace) -> tuple[str, float, float]:
 
 def cluster_config(ns: argparse.Namespace) -> ClusterConfig:
     """The cluster record of parsed flags (`Config.args` included)."""
-    return ClusterConfig(
-        ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine,
-        ns.colocate, ns.offload, ns.train_backend, ns.rollout_backend, ns.device,
-        tuple(ns.rollout_external_engine_addrs or ()), tuple(ns.sglang_server_args), ns.sglang_router_ip,
-        ns.sglang_router_port, ns.offload_rollout,
-    )  # fmt: skip
+    return from_flags(ClusterConfig, ns)
 
 
 def async_config(ns: argparse.Namespace) -> AsyncConfig:
@@ -284,43 +207,34 @@ def async_config(ns: argparse.Namespace) -> AsyncConfig:
 
 
 def sampling_config(ns: argparse.Namespace) -> SamplingConfig:
-    """How rollout responses are sampled, from parsed flags."""
-    return SamplingConfig(
-        ns.n_samples_per_prompt, ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
-        ns.rollout_max_response_len, tuple(ns.rollout_stop), tuple(ns.rollout_stop_token_ids),
-    )  # fmt: skip
+    """How rollout responses are sampled, from parsed flags (the temperature is the trainer's flag:
+    log-probs are computed at it)."""
+    return from_flags(SamplingConfig, ns, temperature=ns.rollout_temperature)
 
 
 def _configs(ns: argparse.Namespace) -> Config:
     cluster = cluster_config(ns)
     data = None
     if ns.prompt_data is not None:
-        data = DataConfig(
-            ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
-            ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed,
-            messages_as_is=ns.rollout_function_path is not None and not ns.apply_chat_template,
-        )  # fmt: skip
-    sampling = sampling_config(ns)
-    rollout = RolloutConfig(
-        data, sampling, ns.rollout_batch_size or 0, ns.num_rollout, ns.num_epoch, ns.over_sampling_batch_size,
-        ns.rm_type, ns.custom_rm_path, ns.group_rm, ns.reward_key, ns.custom_generate_function_path,
-        ns.rollout_function_path, ns.dynamic_sampling_filter_path, ns.use_fault_tolerance,
-        _or(ns.rollout_health_check_interval, 30.0), _or(ns.rollout_health_check_timeout, 30.0),
-        _or(ns.rollout_health_check_first_wait, 0.0), ns.custom_reward_post_process_path,
-        async_config(ns),
+        data = from_flags(
+            DataConfig, ns, messages_as_is=ns.rollout_function_path is not None and not ns.apply_chat_template
+        )
+    rollout = from_flags(
+        RolloutConfig, ns, data=data, sampling=sampling_config(ns), rollout_batch_size=ns.rollout_batch_size or 0,
+        asynchrony=async_config(ns),
     )  # fmt: skip
     dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if ns.wandb_key or os.environ.get("WANDB_API_KEY") else "offline")
     return Config(
         cluster=cluster,
         rollout=rollout,
-        bridge=BridgeConfig(
-            ns.update_weight_transport,
-            ns.update_weight_buffer_size,
+        bridge=from_flags(
+            BridgeConfig,
+            ns,
             # --check-precision adds the fingerprint check where the engines can answer it (torch engine);
             # the adapter push's check (SGLang's expected_checksums) every engine answers, and it is
             # also --check-weight-update-equal's on the adapter (slime.bridge.adapter).
-            ns.check_weight_sync
+            verify=ns.check_weight_sync
             or (ns.check_precision and ns.rollout_backend == "torch")
             or (
                 getattr(ns, "lora_push", None) == "adapter"

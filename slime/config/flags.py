@@ -20,6 +20,8 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, TypeVar
 
 R = TypeVar("R")
+NO_UNSET: Any = type("NoUnset", (), {"__repr__": lambda self: "NO_UNSET"})()
+"""`Flag.unset` when the flag's default is the field's."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class Flag:
     None default, `action="store_false"` with a `dest`)."""
     group: str | None = None
     """The --help group, where it is not the record's."""
+    unset: Any = NO_UNSET
+    """The flag's own default where the record's is decided from other flags (`auto`, None): a
+    value code fills in before the record is built (slime.config.derived, slime.config.resolve)."""
 
     @property
     def dest(self) -> str:
@@ -39,12 +44,18 @@ class Flag:
 
 
 def flag(
-    name: str, default: Any = MISSING, *, help: str | None = None, group: str | None = None, **options: Any
+    name: str,
+    default: Any = MISSING,
+    *,
+    help: str | None = None,
+    group: str | None = None,
+    unset: Any = NO_UNSET,
+    **options: Any,
 ) -> Any:
     """A dataclass field filled by flag `name`; `default` is the field's and the flag's default
-    (a list default is the flag's, the field holds a tuple); `group`: its --help group, where it
-    is not the record's."""
-    meta = {"flag": Flag(name, help, options, group)}
+    (a list default is the flag's, the field holds a tuple), unless `unset` gives the flag one of
+    its own; `group`: its --help group, where it is not the record's."""
+    meta = {"flag": Flag(name, help, options, group, unset)}
     if isinstance(default, list):
         return field(default=tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -56,18 +67,19 @@ def flags_of(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
 
 
 def _argparse_options(f: dataclasses.Field[Any], spec: Flag) -> dict[str, Any]:
+    """argparse's options for the flag: the field's default (or `unset`) as the flag's, and the
+    action or type that default implies (a bool: store_true; an int or float: its type)."""
     options = dict(spec.options)
-    default = f.default
-    if default is MISSING:
-        default = None
+    implied = None if f.default is MISSING else f.default
+    default = implied if spec.unset is NO_UNSET else spec.unset
     if options.get("action") in ("store_true", "store_false"):
         return {"default": default, **options}
-    if isinstance(default, bool):
+    if isinstance(implied, bool):
         return {"action": "store_true", "default": default, **options}
     if isinstance(default, tuple):  # nargs flags: argparse hands back a list
         default = list(default)
-    elif isinstance(default, (int, float)) and "type" not in options:
-        options["type"] = type(default)
+    if isinstance(implied, (int, float)) and "type" not in options:
+        options["type"] = type(implied)
     return {"default": default, **options}
 
 
@@ -105,6 +117,8 @@ def from_flags(cls: type[R], ns: argparse.Namespace, **values: Any) -> R:
         dest = spec.dest if spec is not None else f.name
         if f.init and hasattr(ns, dest):
             value = getattr(ns, dest)
+            if spec is not None and spec.unset is not NO_UNSET and value == spec.unset:
+                continue  # never decided: the record's default
             kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     kwargs.update(values)
     return cls(**kwargs)

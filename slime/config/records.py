@@ -10,7 +10,7 @@ from slime.config.critic import CriticConfig
 from slime.config.eval_sets import EvalDataset
 from slime.config.flags import flag
 from slime.config.opd import OPDConfig
-from slime.config.rollout import DataConfig, SamplingConfig
+from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig
 
 
@@ -18,21 +18,42 @@ from slime.config.train import TrainConfig
 class ClusterConfig:
     """Where processes go. Without GPUs every "GPU" is one CPU process (a train rank or an engine)."""
 
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1
-    rollout_num_gpus: int = 1
-    rollout_num_gpus_per_engine: int = 1
-    colocate: bool = False
-    offload: bool = False
-    train_backend: str = "fsdp"
-    rollout_backend: str = "torch"
+    actor_num_nodes: int = flag("--actor-num-nodes", 1)
+    actor_num_gpus_per_node: int = flag("--actor-num-gpus-per-node", 1)
+    rollout_num_gpus: int = flag(
+        "--rollout-num-gpus", 1, unset=None, type=int, help="default: 1, or the trainer's with --colocate"
+    )
+    rollout_num_gpus_per_engine: int = flag("--rollout-num-gpus-per-engine", 1)
+    colocate: bool = flag("--colocate", False, help="trainer and engines share devices")
+    offload: bool = flag(
+        "--offload", False,
+        help="--offload-train and --offload-rollout: the trainer and the engines each give their device "
+        "memory up while the other works (the default with --colocate)",
+    )  # fmt: skip
+    train_backend: str = flag(
+        "--train-backend", "fsdp", unset="auto", choices=["auto", "fsdp", "megatron"],
+        help="auto: megatron on GPUs (as in slime), fsdp on CPU (slime.config.resolve)",
+    )  # fmt: skip
+    rollout_backend: str = flag(
+        "--rollout-backend", "torch", unset="auto", choices=["auto", "torch", "sglang"],
+        help="auto: sglang on GPUs (as in slime), the built-in torch engine on CPU",
+    )  # fmt: skip
     device: str = "cpu"
-    external_engine_addrs: tuple[str, ...] = ()
+    """`--device` (the trainer's flag: slime.config.train), resolved from `auto`."""
+    external_engine_addrs: tuple[str, ...] = flag(
+        "--rollout-external-engine-addrs", [], unset=None, nargs="+", metavar="HOST:PORT",
+        help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
+        "any; the trainer's weights are pushed to them before the first rollout",
+    )  # fmt: skip
     """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
     sglang_server_args: tuple[str, ...] = ()
     """SGLang command-line arguments from the `--sglang-*` flags given (slime.config.sglang_args)."""
-    router_ip: str | None = None
-    router_port: int | None = None
+    router_ip: str | None = flag(
+        "--sglang-router-ip", None,
+        help="a running sglang-router to register the engines with (--rollout-backend sglang starts one "
+        "otherwise); custom rollout functions post to it",
+    )  # fmt: skip
+    router_port: int | None = flag("--sglang-router-port", None, type=int)
     """`--sglang-router-ip/--sglang-router-port`: a running sglang-router to register the engines with."""
     offload_rollout: bool = False
     """Colocated engines release their memory while the trainer trains (slime's default with
@@ -92,26 +113,49 @@ class AsyncConfig:
 class RolloutConfig:
     data: DataConfig | None
     sampling: SamplingConfig
-    rollout_batch_size: int
-    num_rollout: int | None
-    num_epoch: int | None
-    over_sampling_batch_size: int | None = None
-    rm_type: str | None = None
-    custom_rm_path: str | None = None
-    group_rm: bool = False
-    reward_key: str | None = None
-    custom_generate_function_path: str | None = None
-    rollout_function_path: str | None = None
-    dynamic_sampling_filter_path: str | None = None
-    fault_tolerance: bool = False
+    rollout_batch_size: int = flag("--rollout-batch-size", type=int, help="prompts per rollout")
+    num_rollout: int | None = flag("--num-rollout", type=int, group="data")
+    num_epoch: int | None = flag("--num-epoch", type=int, group="data")
+    over_sampling_batch_size: int | None = flag("--over-sampling-batch-size", None, type=int)
+    dynamic_sampling_filter_path: str | None = flag("--dynamic-sampling-filter-path", None)
+    custom_generate_function_path: str | None = flag("--custom-generate-function-path", None)
+    rollout_function_path: str | None = flag("--rollout-function-path", None)
+    rm_type: str | None = flag(
+        "--rm-type", None,
+        help="slime's rule rewards (slime.rollout.rm_hub): deepscaler, dapo, math, f1, gpqa, random, "
+        "boxed_<type>, remote_rm (with --rm-url); or exact",
+    )  # fmt: skip
+    custom_rm_path: str | None = flag("--custom-rm-path", None, help="package.module.function")
+    group_rm: bool = flag("--group-rm", False)
+    reward_key: str | None = flag("--reward-key", None, help="key of a dict reward to train on")
+    fault_tolerance: bool = flag(
+        "--use-fault-tolerance", False, group="cluster",
+        help="check the engines' health: an engine that is down (health check, failed request or control "
+        "call) has its groups generated again elsewhere, is restarted on its bundle and given the current "
+        "weights before it takes requests again (docs/engine.md)",
+    )  # fmt: skip
     """`--use-fault-tolerance`: engines found down are replaced, their groups generated elsewhere."""
-    health_check_interval: float = 30.0
+    health_check_interval: float = flag(
+        "--rollout-health-check-interval", 30.0, unset=None, group="cluster", metavar="SECONDS",
+        help="with --use-fault-tolerance: seconds between two rounds of /health_generate checks (30)",
+    )  # fmt: skip
     """`--rollout-health-check-interval S`: seconds between two rounds of /health_generate checks."""
-    health_check_timeout: float = 30.0
+    health_check_timeout: float = flag(
+        "--rollout-health-check-timeout", 30.0, unset=None, group="cluster", metavar="SECONDS",
+        help="with --use-fault-tolerance: an engine whose /health_generate does not answer within this is down (30)",
+    )  # fmt: skip
     """`--rollout-health-check-timeout S`: an engine that does not answer within this is down."""
-    health_check_first_wait: float = 0.0
+    health_check_first_wait: float = flag(
+        "--rollout-health-check-first-wait", 0.0, unset=None, group="cluster", metavar="SECONDS",
+        help="with --use-fault-tolerance: the wait before the first round of checks, and after colocated "
+        "engines take their memory back (0)",
+    )  # fmt: skip
     """`--rollout-health-check-first-wait S`: the grace before the first round (and after a resume)."""
-    reward_post_process_path: str | None = None
+    reward_post_process_path: str | None = flag(
+        "--custom-reward-post-process-path", None, metavar="module.function",
+        help="slime's f(args, samples) -> (raw_rewards, rewards): the rewards the advantages start from, "
+        "in place of the group normalisation",
+    )  # fmt: skip
     """`--custom-reward-post-process-path`: slime's f(args, samples) -> (raw_rewards, rewards), whose
     rewards the advantages start from instead of the group-normalised ones."""
     asynchrony: AsyncConfig = AsyncConfig()
@@ -119,8 +163,12 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class BridgeConfig:
-    transport: str = "tensor"
-    buffer_size: int = 512 << 20
+    transport: str = flag(
+        "--update-weight-transport", "tensor", unset=None, choices=(*TRANSPORTS, "nccl"),
+        help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
+        "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else tensor",
+    )  # fmt: skip
+    buffer_size: int = flag("--update-weight-buffer-size", 512 << 20, help="bytes per bucket")
     verify: bool = False
     """`--check-weight-sync` (or `--check-precision`): fingerprints compared after every push."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slime.config.flags import flag
 from slime.utils.errors import UsageError
 
 TRANSPORTS = ("tensor", "distributed", "disk")
@@ -24,21 +25,21 @@ def needs_reward_key(rm_type: str | None) -> bool:
 class DataConfig:
     """How prompt rows become prompts (slime's flag names)."""
 
-    prompt_data: str
+    prompt_data: str = flag("--prompt-data", help="jsonl or parquet prompts")
     """`--prompt-data`: jsonl or parquet file."""
-    input_key: str = "prompt"
+    input_key: str = flag("--input-key", "prompt")
     """`--input-key`: field holding the prompt (text, or a list of chat messages)."""
-    label_key: str | None = "label"
+    label_key: str | None = flag("--label-key", "label")
     """`--label-key`: field holding the reference answer (None: no labels)."""
-    metadata_key: str | None = "metadata"
+    metadata_key: str | None = flag("--metadata-key", "metadata")
     """`--metadata-key`: optional field passed through to reward functions."""
-    apply_chat_template: bool = False
+    apply_chat_template: bool = flag("--apply-chat-template", False)
     """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
-    max_prompt_len: int | None = None
+    max_prompt_len: int | None = flag("--rollout-max-prompt-len", None, type=int, group="rollout")
     """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
-    shuffle: bool = False
+    shuffle: bool = flag("--rollout-shuffle", False)
     """`--rollout-shuffle`: reshuffle the prompts at every epoch."""
-    seed: int = 42
+    seed: int = flag("--rollout-seed", 42)
     """`--rollout-seed`."""
     messages_as_is: bool = False
     """List prompts without `--apply-chat-template` are kept as messages, untokenized, and a row
@@ -50,19 +51,19 @@ class DataConfig:
 class SamplingConfig:
     """How responses are sampled (slime's flag names)."""
 
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = flag("--n-samples-per-prompt", 1)
     """`--n-samples-per-prompt`."""
     temperature: float = 1.0
     """`--rollout-temperature`."""
-    top_p: float = 1.0
+    top_p: float = flag("--rollout-top-p", 1.0)
     """`--rollout-top-p`."""
-    top_k: int = -1
+    top_k: int = flag("--rollout-top-k", -1)
     """`--rollout-top-k` (-1: off)."""
-    max_response_len: int = 1024
+    max_response_len: int = flag("--rollout-max-response-len", 1024)
     """`--rollout-max-response-len`: max new tokens per response."""
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = flag("--rollout-stop", [], nargs="*")
     """`--rollout-stop`: stop strings."""
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = flag("--rollout-stop-token-ids", [], nargs="*", type=int)
     """`--rollout-stop-token-ids`."""
 
     def params(self) -> dict[str, Any]:
