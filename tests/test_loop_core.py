@@ -141,7 +141,7 @@ class FakeEngines:
 
     def compare_weights(self):
         self.log.append(("compare",))
-        return ["compare: parameters equal the snapshot"]
+        return []
 
     def dump_parameters(self, root):
         self.log.append(("dump", root))

@@ -325,11 +325,11 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if getattr(ns, k) != v]
     if ns.train_backend != "megatron":
         return f"{', '.join(given)} configure --train-backend megatron; with --train-backend {ns.train_backend} drop them"
+    from slime.config.flags import from_flags
     from slime.config.train import MegatronConfig
 
     try:
-        megatron = MegatronConfig(**{k: getattr(ns, k) for k in flags},
-                                  expert_tensor_parallel_size=getattr(ns, "expert_tensor_parallel_size", None))  # fmt: skip
+        megatron = from_flags(MegatronConfig, ns)
     except ValueError as e:
         return str(e)
     ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node

@@ -73,17 +73,16 @@ class WeightUpdateEqualCheck(Hook):
         if not self.adapter:
             loop.engines.scramble_weights()
         loop.push()
-        messages = loop.engines.compare_weights()
         # A bfloat16 trainer pushing into a float32 engine: the engine compares with the checkpoint
-        # rounded to bfloat16 and says so in its message ("... (N compared with ... rounded to ...)").
-        rounded = sorted({m[m.index("(") :] for m in messages if "rounded to" in m})
+        # rounded to bfloat16 and notes it ("N compared with the snapshot rounded to bfloat16, ...").
+        notes = sorted(set(loop.engines.compare_weights()))
         logger.info(
             "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint%s%s",
             " (the base weights, untouched by the adapter push) and every engine received the trainer's "
             "adapter bit for bit (sha256)"
             if self.adapter
             else "",
-            " " + " ".join(rounded) if rounded else "",
+            "".join(f" ({note})" for note in notes),
         )
         return False
 

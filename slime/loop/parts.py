@@ -131,8 +131,8 @@ class EngineGroup(Protocol):
     def scramble_weights(self) -> None: ...
 
     def compare_weights(self) -> list[str]:
-        """Raise WeightSyncError if any engine's weights differ from its snapshot; else every
-        engine's success message."""
+        """Raise WeightSyncError if any engine's weights differ from its snapshot; else the
+        engines' notes on how they compared (empty: exactly)."""
         ...
 
     def dump_parameters(self, root: str) -> list[int]:

@@ -271,7 +271,8 @@ class RayEngineGroup:
         self._each(lambda j, c: c.weights_checker("reset_tensors"), strict=True)
 
     def compare_weights(self) -> list[str]:
-        """Every engine's /weights_checker "compare"; their success messages (in engine order)."""
+        """Every engine's /weights_checker "compare"; the notes of those that gave one (the torch
+        engine: parameters compared rounded to the dtype they arrived in)."""
         from slime.bridge.verify import WeightSyncError
 
         try:
@@ -282,7 +283,7 @@ class RayEngineGroup:
                 f"it loaded ({e.url}):\n{e.message}\nEvery parameter was overwritten with noise before the "
                 'push, so a parameter listed here was sent wrong or never sent. See docs/debugging.md "Parameter sync".'
             ) from None
-        return [a.get("message", "") if isinstance(a, dict) else "" for a in answers]
+        return [a["note"] for a in answers if isinstance(a, dict) and a.get("note")]
 
     def dump_parameters(self, root: str) -> list[int]:
         """Engine j (tensor-parallel size 1 on the torch engine) dumps to root/<j>/."""

@@ -16,7 +16,6 @@ import os
 from typing import Any
 
 from slime.config.arguments import Config
-from slime.engines.client import ClientConfig
 from slime.engines.router_front import RouterFront
 from slime.rollout.health import HealthMonitor
 from slime.rollout.producer import RolloutProducer
@@ -45,12 +44,7 @@ class RolloutManager:
 
         configure_logging("rollout")
         self.config, self.api_key = config, api_key
-        client = ClientConfig(
-            timeout_s=config.train.distributed_timeout_minutes * 60,
-            max_concurrency=config.args.sglang_server_concurrency,
-            api_key=api_key,
-        )
-        self.producer = RolloutProducer(config, dp_size, _put, client)
+        self.producer = RolloutProducer(config, dp_size, _put, api_key)
         c = config.cluster
         given = None
         if c.router_ip is not None:

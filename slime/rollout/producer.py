@@ -56,14 +56,14 @@ class RolloutProducer:
 
     `dp_size`: the data-parallel replicas each rollout is split for (None: nothing trains);
     `put(part)`: where each replica's part goes (Ray's object store in a job; kept as it is
-    in process); `client_config`: the engine calls' settings (timeouts, concurrency, key)."""
+    in process); `api_key`: the key the engines require."""
 
     def __init__(
         self,
         config: Config,
         dp_size: int | None = None,
         put: Callable[[Any], Any] = lambda part: part,
-        client_config: ClientConfig | None = None,
+        api_key: str | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -79,9 +79,10 @@ class RolloutProducer:
         self.dp_size = dp_size
         self.put = put
         # Every engine call (a whole generation included) is bounded by --distributed-timeout-minutes.
-        self.client_config = client_config or ClientConfig(
+        self.client_config = ClientConfig(
             timeout_s=config.train.distributed_timeout_minutes * 60,
             max_concurrency=config.args.sglang_server_concurrency,
+            api_key=api_key,
         )
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)

@@ -60,12 +60,11 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
     model allows (TP dividing the heads, PP the layers, EP the experts; MoE options with a dense
     model): the first problem, or None. The flags' own rules (slime.config.checks.check_megatron)
     have passed."""
-    from slime.config.checks import megatron_flags
+    from slime.config.flags import from_flags
     from slime.config.train import MegatronConfig
 
     try:
-        megatron = MegatronConfig(**{k: getattr(ns, k) for k in megatron_flags()},
-                                  expert_tensor_parallel_size=getattr(ns, "expert_tensor_parallel_size", None))  # fmt: skip
+        megatron = from_flags(MegatronConfig, ns)
     except ValueError as e:
         return str(e)
     if ns.hf_checkpoint and os.path.isfile(os.path.join(ns.hf_checkpoint, "config.json")):

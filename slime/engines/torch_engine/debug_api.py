@@ -62,7 +62,8 @@ class WeightsDebugAPI:
 
     async def weights_checker(self, request: web.Request) -> web.Response:
         """SGLang's /weights_checker: {"action": "snapshot" | "reset_tensors" | "compare"} ->
-        {"success", "message"}, HTTP 400 when the action fails (compare: the differing tensors)."""
+        {"success", "message"}, HTTP 400 when the action fails (compare: the differing tensors); a
+        passing compare adds "note" (slime's: how parameters that arrived narrower were compared)."""
         body = json_object(await read_json(request))
         action = body.get("action")
         store = self.engine.weights
@@ -79,9 +80,8 @@ class WeightsDebugAPI:
                 message = "check tensor equality failed:\n" + "\n".join(problems)
                 return web.json_response({"success": False, "message": message}, status=400)
             what = "parameters equal the snapshot" + (f" ({note})" if note else "")
-        else:
-            what = f"{result} parameters"
-        return web.json_response({"success": True, "message": f"{action}: {what}"})
+            return web.json_response({"success": True, "message": f"{action}: {what}", "note": note})
+        return web.json_response({"success": True, "message": f"{action}: {result} parameters"})
 
     async def weights_fingerprint(self, request: web.Request) -> web.Response:
         """slime extension: {"weight_version", "fingerprints": {name: {dtype, shape, fingerprint}}}
