@@ -20,8 +20,16 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, TypeVar
 
 R = TypeVar("R")
-NO_UNSET: Any = type("NoUnset", (), {"__repr__": lambda self: "NO_UNSET"})()
-"""`Flag.unset` when the flag's default is the field's."""
+
+
+class _NoUnset:
+    """`Flag.unset` when the flag's default is the field's (MISSING cannot be a field's default)."""
+
+    def __repr__(self) -> str:
+        return "NO_UNSET"
+
+
+NO_UNSET: Any = _NoUnset()
 
 
 @dataclass(frozen=True)
