@@ -181,7 +181,7 @@ SPECS: tuple[Spec, ...] = (
             ),
             ("--rollout-all-samples-process-path", "all-samples process", "open an issue if you need it"),
             ("--rollout-data-postprocess-path", "rollout-data post-process", "open an issue if you need it"),
-            ("--buffer-filter-path", "buffer filter", "issue 21"),
+            ("--buffer-filter-path", "buffer filter", "open an issue if you need it"),
             ("--custom-rollout-log-function-path", "rollout log", "open an issue if you need it"),
             ("--custom-eval-rollout-log-function-path", "eval rollout log", "open an issue if you need it"),
             ("--eval-function-path", "eval generation", "open an issue if you need it"),
