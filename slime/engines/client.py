@@ -64,6 +64,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.config = config or ClientConfig()
         self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        self._retry = RetryPolicy(self.config.max_retries + 1, self.config.retry_backoff_s)
         self._session: aiohttp.ClientSession | None = None
         self.update_fingerprints: dict[str, Any] | None = None  # see _update
         self.parameter_names: list[str] | None = None
@@ -94,8 +95,6 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(
             total=timeout_s or self.config.timeout_s, sock_connect=self.config.connect_timeout_s
         )
-        policy = RetryPolicy(self.config.max_retries + 1, self.config.retry_backoff_s)
-
         def retryable(e: BaseException) -> bool:
             # A GET may be sent again; any other call only if it never reached the engine.
             return isinstance(e, aiohttp.ClientConnectionError) and (method == "GET" or _never_connected(e))
@@ -109,7 +108,7 @@ class EngineClient:
 
         async with self._semaphore:
             try:
-                return await retrying(once, policy, retryable, on_retry)
+                return await retrying(once, self._retry, retryable, on_retry)
             except aiohttp.ClientConnectionError as e:
                 if not retryable(e):
                     raise EngineError(
@@ -119,7 +118,7 @@ class EngineClient:
                         self.base_url,
                     ) from e
                 raise EngineError(
-                    f"cannot reach engine after {policy.attempts} attempts: {e}", None, self.base_url
+                    f"cannot reach engine after {self._retry.attempts} attempts: {e}", None, self.base_url
                 ) from e
             except asyncio.TimeoutError as e:
                 raise EngineError(
