@@ -7,6 +7,10 @@ grows by a factor each time, up to a cap, plus random jitter so that many caller
 once do not retry in step). Which failures may be retried is the caller's to say, because it
 depends on the call: a GET may be sent again, a /generate that reached the engine must not be.
 The caller also turns the last failure into its own error, naming what it called.
+
+Written here rather than taken from tenacity: the three callers need only attempts, a growing
+capped wait with jitter and a predicate, about thirty lines, and a new dependency of the CPU
+install (which every plugin and test environment carries) is not worth that.
 """
 
 from __future__ import annotations
