@@ -95,6 +95,7 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(
             total=timeout_s or self.config.timeout_s, sock_connect=self.config.connect_timeout_s
         )
+
         def retryable(e: BaseException) -> bool:
             # A GET may be sent again; any other call only if it never reached the engine.
             return isinstance(e, aiohttp.ClientConnectionError) and (method == "GET" or _never_connected(e))
