@@ -114,8 +114,7 @@ def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
 
     add_flags(p, CheckpointConfig, "save and load")
 
-    g = p.add_argument_group("eval")
-    g.add_argument("--eval-interval", type=int, default=None)
+    g = add_flags(p, EvalConfig, "eval")["eval"]  # and the flags of its datasets (slime.config.eval_sets):
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="[NAME] PATH",
                    help="one PATH, or NAME PATH pairs: each set's metrics are logged as eval/NAME/...")  # fmt: skip
     g.add_argument("--eval-config", default=None, metavar="YAML",
@@ -243,10 +242,8 @@ def _configs(ns: argparse.Namespace) -> Config:
             ),
         ),
         checkpoint=from_flags(CheckpointConfig, ns),
-        eval=EvalConfig(
-            interval=ns.eval_interval,
-            datasets=eval_datasets(ns),
-            before_train=not ns.skip_eval_before_train,
+        eval=from_flags(
+            EvalConfig, ns, datasets=eval_datasets(ns), before_train=not ns.skip_eval_before_train
         ),
         logging=from_flags(LoggingConfig, ns, wandb_mode=wandb_mode),
         train=(train := _train_config(ns)),

@@ -15,21 +15,42 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from slime.config.flags import add_flags, flag, from_flags
 from slime.config.lora import LoRAConfig
 from slime.config.opd import OPDConfig
 from slime.config.train import TrainConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CriticConfig:
+    num_critic_only_steps: int = flag(
+        "--num-critic-only-steps",
+        0,
+        help="the first N rollouts train the critic only; the actor's weights stay (slime's)",
+    )
+    load: str | None = flag(
+        "--critic-load",
+        None,
+        help="Hugging Face directory the critic starts from (default: --hf-checkpoint with a fresh value "
+        "head; a critic's --save-hf export keeps its head)",
+    )
+    save: str | None = flag("--critic-save", None, help="the critic's checkpoints (default: <--save>/critic)")
+    """Where the critic's checkpoints go: `--critic-save`, else <--save>/critic."""
+    lr: float | None = flag(
+        "--critic-lr", None, type=float, help="the critic's learning rate (default: --lr)"
+    )
+    lr_warmup_iters: int = flag(
+        "--critic-lr-warmup-iters",
+        0,
+        help="the critic's learning-rate warm-up steps (slime's; 0: none, whatever --lr-warmup-iters says); "
+        "its decay follows the actor's --lr-decay-style and --min-lr",
+    )
+    num_nodes: int = flag("--critic-num-nodes", 1, unset=None, type=int, help="default: --actor-num-nodes")
+    num_gpus_per_node: int = flag(
+        "--critic-num-gpus-per-node", 1, unset=None, type=int, help="default: --actor-num-gpus-per-node"
+    )
     train: TrainConfig
     """The critic ranks' config: the actor's, with the critic's model, learning rate and checkpoints."""
-    num_nodes: int
-    num_gpus_per_node: int
-    num_critic_only_steps: int = 0
-    """`--num-critic-only-steps`: the first N rollouts train the critic only (the actor's weights stay)."""
-    save: str | None = None
-    """Where the critic's checkpoints go: `--critic-save`, else <--save>/critic."""
 
     @property
     def num_ranks(self) -> int:
@@ -37,21 +58,7 @@ class CriticConfig:
 
 
 def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("train: critic (PPO: --advantage-estimator ppo)")
-    g.add_argument("--num-critic-only-steps", type=int, default=0,
-                   help="the first N rollouts train the critic only; the actor's weights stay (slime's)")  # fmt: skip
-    g.add_argument("--critic-load", default=None,
-                   help="Hugging Face directory the critic starts from (default: --hf-checkpoint with a fresh value "
-                   "head; a critic's --save-hf export keeps its head)")  # fmt: skip
-    g.add_argument("--critic-save", default=None, help="the critic's checkpoints (default: <--save>/critic)")
-    g.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate (default: --lr)")
-    g.add_argument("--critic-lr-warmup-iters", type=int, default=0,
-                   help="the critic's learning-rate warm-up steps (slime's; 0: none, whatever --lr-warmup-iters says); "
-                   "its decay follows the actor's --lr-decay-style and --min-lr")  # fmt: skip
-    g.add_argument("--critic-num-nodes", type=int, default=None, help="default: --actor-num-nodes")
-    g.add_argument(
-        "--critic-num-gpus-per-node", type=int, default=None, help="default: --actor-num-gpus-per-node"
-    )
+    add_flags(parser, CriticConfig, "train: critic (PPO: --advantage-estimator ppo)")
 
 
 def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | None:
@@ -110,10 +117,4 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         opd=OPDConfig(),  # the teacher is the actor's business
         lora=LoRAConfig(),  # the critic trains all its weights (docs/lora.md)
     )
-    return CriticConfig(
-        train=train,
-        num_nodes=nodes,
-        num_gpus_per_node=per_node,
-        num_critic_only_steps=ns.num_critic_only_steps,
-        save=save,
-    )
+    return from_flags(CriticConfig, ns, train=train, num_nodes=nodes, num_gpus_per_node=per_node, save=save)

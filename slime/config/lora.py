@@ -13,6 +13,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from slime.config.flags import add_flags, flag, from_flags
+
 ALL_LINEAR = "all-linear"
 """PEFT's name for every linear layer but the output layer (the LM head)."""
 ADAPTER_NAME = "slime_lora"
@@ -22,23 +24,50 @@ PUSH_MODES = ("merged", "adapter")
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    rank: int = 0
-    """`--lora-rank`: the adapters' rank r (0: no LoRA, full fine-tuning)."""
-    alpha: int = 16
-    """`--lora-alpha`: the adapters' output is scaled by alpha / r."""
-    dropout: float = 0.0
-    """`--lora-dropout`: dropout on the adapters' input in training steps."""
-    target_modules: tuple[str, ...] = ()
-    """`--target-modules`: Hugging Face module names (q_proj, ...), or (`all-linear`,)."""
-    exclude_modules: tuple[str, ...] = ()
-    """`--exclude-modules`: module names left without an adapter."""
-    adapter_path: str | None = None
-    """`--lora-adapter-path`: a PEFT adapter directory the adapters start from."""
-    push: str = "merged"
-    """`--lora-push` (ours): `merged` sends the base weights with the adapters merged (any engine);
-    `adapter` sends the adapters alone, which the engines serve (`lora_path`)."""
-    save_merged: bool = False
-    """`--lora-save-merged` (ours): `--save-hf` also writes the merged model into <dir>/merged."""
+    rank: int = flag(
+        "--lora-rank",
+        0,
+        help="train LoRA adapters of this rank on --target-modules, the base weights frozen (0: off)",
+    )
+    """The adapters' rank r (0: no LoRA, full fine-tuning)."""
+    alpha: int = flag("--lora-alpha", 16, help="the adapters' output is scaled by alpha / rank")
+    dropout: float = flag("--lora-dropout", 0.0, help="dropout on the adapters' input")
+    """In training steps."""
+    target_modules: tuple[str, ...] = flag(
+        "--target-modules",
+        (),
+        unset=None,
+        help="the linear layers that get adapters: Hugging Face module names, comma-separated "
+        f"(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or {ALL_LINEAR} (every linear layer "
+        "but the LM head)",
+    )
+    """Hugging Face module names (q_proj, ...), or (`all-linear`,); the flag's comma-separated list."""
+    exclude_modules: tuple[str, ...] = flag(
+        "--exclude-modules", (), unset=None, help="module names (comma-separated) left without an adapter"
+    )
+    adapter_path: str | None = flag(
+        "--lora-adapter-path",
+        None,
+        help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
+        "rank and alpha must be the flags', and its tensors the adapters --target-modules gives",
+    )
+    push: str = flag(
+        "--lora-push",
+        "merged",
+        unset=None,
+        choices=PUSH_MODES,
+        help="(ours) merged (default): push the base weights with the adapters merged, to any engine; "
+        f"adapter: push the adapters alone (1-2%% of the bytes), which the engines serve as {ADAPTER_NAME!r} "
+        "and every rollout request names (SGLang's lora_path)",
+    )
+    """`merged` sends the base weights with the adapters merged (any engine); `adapter` sends the
+    adapters alone, which the engines serve (`lora_path`)."""
+    save_merged: bool = flag(
+        "--lora-save-merged",
+        False,
+        help="(ours) --save-hf also writes the base model with the adapters merged, a plain Hugging Face "
+        "checkpoint, into <--save-hf>/merged",
+    )
 
     @property
     def pushes_adapter(self) -> bool:
@@ -66,41 +95,20 @@ def dump_record(lora: LoRAConfig) -> dict[str, object] | None:
 def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
     """The LoRA settings of flags parse_args already checked (no checks again: a process on
     another node may not see --lora-adapter-path)."""
-    rank = getattr(ns, "lora_rank", 0) or 0
-    if rank <= 0:
+    if (getattr(ns, "lora_rank", 0) or 0) <= 0:
         return LoRAConfig()
-    return LoRAConfig(rank, ns.lora_alpha, ns.lora_dropout, _names(ns.target_modules), _names(ns.exclude_modules),
-                      ns.lora_adapter_path, getattr(ns, "lora_push", None) or "merged",
-                      bool(getattr(ns, "lora_save_merged", False)))  # fmt: skip
+    return from_flags(
+        LoRAConfig,
+        ns,
+        target_modules=_names(ns.target_modules),
+        exclude_modules=_names(getattr(ns, "exclude_modules", None)),
+    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("LoRA (Miles's flags; the FSDP backend)")
-    g.add_argument("--lora-rank", type=int, default=0,
-                   help="train LoRA adapters of this rank on --target-modules, the base weights frozen (0: off)")  # fmt: skip
-    g.add_argument(
-        "--lora-alpha", type=int, default=16, help="the adapters' output is scaled by alpha / rank"
-    )
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    g.add_argument("--target-modules", default=None,
-                   help="the linear layers that get adapters: Hugging Face module names, comma-separated "
-                   f"(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or {ALL_LINEAR} (every linear layer "
-                   "but the LM head)")  # fmt: skip
-    g.add_argument(
-        "--exclude-modules", default=None, help="module names (comma-separated) left without an adapter"
-    )
-    g.add_argument("--lora-adapter-path", default=None,
-                   help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
-                   "rank and alpha must be the flags', and its tensors the adapters --target-modules gives")  # fmt: skip
-    g.add_argument("--lora-push", choices=PUSH_MODES, default=None,
-                   help="(ours) merged (default): push the base weights with the adapters merged, to any engine; "
-                   f"adapter: push the adapters alone (1-2%% of the bytes), which the engines serve as {ADAPTER_NAME!r} "
-                   "and every rollout request names (SGLang's lora_path)")  # fmt: skip
-    g.add_argument("--lora-save-merged", action="store_true",
-                   help="(ours) --save-hf also writes the base model with the adapters merged, a plain Hugging Face "
-                   "checkpoint, into <--save-hf>/merged")  # fmt: skip
-    for action in g._group_actions:  # slime.tools.flag_table: refused with --train-backend megatron
-        action.backends = ("fsdp",)  # type: ignore[attr-defined]
+    title = "LoRA (Miles's flags; the FSDP backend)"
+    for action in add_flags(parser, LoRAConfig, title)[title]._group_actions:
+        action.backends = ("fsdp",)  # type: ignore[attr-defined]  # slime.tools.flag_table: refused with megatron
 
 
 def _names(value: str | None) -> tuple[str, ...]:

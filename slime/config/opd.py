@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from slime.config.flags import add_flags, flag, from_flags
+
 OPD_TYPES = ("sglang", "megatron")
 SLIME_RECIPE = "slime.rollout.on_policy_distillation"
 OTHER_ARCHITECTURE = "a teacher of another architecture goes with --opd-type sglang"
@@ -27,16 +29,35 @@ OTHER_ARCHITECTURE = "a teacher of another architecture goes with --opd-type sgl
 
 @dataclass(frozen=True)
 class OPDConfig:
-    enabled: bool = False
-    """`--use-opd`."""
-    type: str | None = None
-    """`--opd-type`: sglang (a teacher engine during the rollout) or megatron (the train backend)."""
-    kl_coef: float = 1.0
-    """`--opd-kl-coef`: weight of the per-token reverse KL taken from the advantages."""
-    teacher_load: str | None = None
-    """`--opd-teacher-load`: the teacher's Hugging Face directory."""
-    teacher_url: str | None = None
-    """`--opd-teacher-url` (ours): a running engine to score with (--opd-type sglang)."""
+    enabled: bool = flag(
+        "--use-opd",
+        False,
+        help="distil from a teacher on the student's samples: the per-token reverse KL "
+        "log p_student - log p_teacher, times --opd-kl-coef, comes off every advantage",
+    )
+    type: str | None = flag(
+        "--opd-type",
+        None,
+        choices=OPD_TYPES,
+        help="sglang: a teacher engine scores each sample during the rollout; megatron: the train "
+        "backend (FSDP or Megatron) holds the teacher's weights and scores in the train pass",
+    )
+    kl_coef: float = flag(
+        "--opd-kl-coef", 1.0, unset=None, type=float, help="the reverse KL's weight (default 1.0, slime's)"
+    )
+    """Weight of the per-token reverse KL taken from the advantages."""
+    teacher_load: str | None = flag(
+        "--opd-teacher-load",
+        None,
+        help="the teacher's Hugging Face directory: --opd-type megatron loads it into the train ranks (the "
+        "student's architecture); --opd-type sglang starts an engine on it (any architecture, the "
+        "student's tokenizer)",
+    )
+    teacher_url: str | None = flag(
+        "--opd-teacher-url",
+        None,
+        help="(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher",
+    )
 
     @property
     def teacher_engine(self) -> bool:
@@ -61,25 +82,7 @@ class OPDConfig:
 
 
 def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("on-policy distillation (slime's --use-opd)")
-    g.add_argument("--use-opd", action="store_true", default=False,
-                   help="distil from a teacher on the student's samples: the per-token reverse KL "
-                   "log p_student - log p_teacher, times --opd-kl-coef, comes off every advantage")  # fmt: skip
-    g.add_argument("--opd-type", choices=OPD_TYPES, default=None,
-                   help="sglang: a teacher engine scores each sample during the rollout; megatron: the train "
-                   "backend (FSDP or Megatron) holds the teacher's weights and scores in the train pass")  # fmt: skip
-    g.add_argument(
-        "--opd-kl-coef", type=float, default=None, help="the reverse KL's weight (default 1.0, slime's)"
-    )
-    g.add_argument("--opd-teacher-load", default=None,
-                   help="the teacher's Hugging Face directory: --opd-type megatron loads it into the train ranks (the "
-                   "student's architecture); --opd-type sglang starts an engine on it (any architecture, the "
-                   "student's tokenizer)")  # fmt: skip
-    g.add_argument(
-        "--opd-teacher-url",
-        default=None,
-        help="(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher",
-    )
+    add_flags(parser, OPDConfig, "on-policy distillation (slime's --use-opd)")
 
 
 def opd_config(ns: argparse.Namespace) -> OPDConfig:
@@ -120,7 +123,7 @@ def opd_config(ns: argparse.Namespace) -> OPDConfig:
             f"{SLIME_RECIPE}.reward_func --custom-reward-post-process-path {SLIME_RECIPE}.post_process_rewards "
             "--rm-url URL)"
         )
-    return OPDConfig(True, ns.opd_type, kl_coef, ns.opd_teacher_load, ns.opd_teacher_url)
+    return from_flags(OPDConfig, ns)
 
 
 def _own_functions(ns: argparse.Namespace) -> bool:

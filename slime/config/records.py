@@ -182,7 +182,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    interval: int | None = None
+    interval: int | None = flag("--eval-interval", None, type=int)
+    """Evaluate after every N rollouts (slime.loop.hooks.Evaluate)."""
     datasets: tuple[EvalDataset, ...] = ()
     """`--eval-prompt-data [NAME] PATH ...` or `--eval-config` (slime.config.eval_sets)."""
     before_train: bool = True
