@@ -66,6 +66,9 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
         (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
         (["--over-sampling-batch-size", "2"], "--over-sampling-batch-size must be >="),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+        # the engines' own check of every request's sampling_params (slime.utils.sampling_params)
+        (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5: the engines refuse"),
+        (["--eval-prompt-data", "PROMPTS", "--eval-top-k", "0"], "--eval-prompt-data: its top_k must be -1"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "both set the warm-up"),
         (["--eval-prompt-data", "/nope.jsonl"], "--eval-prompt-data '/nope.jsonl': no such file"),
         (["--rollout-health-check-interval", "5"], "run only with --use-fault-tolerance: add it"),
@@ -82,7 +85,7 @@ def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
 )
 def test_bad_flags_exit_2_with_one_message(prompts, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
-        parse_args(base(prompts, *extra))
+        parse_args(base(prompts, *(prompts if a == "PROMPTS" else a for a in extra)))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -14,8 +14,9 @@ import pytest
 from tokenizers import Tokenizer, processors
 
 from slime.engines.client import ClientConfig, EngineClient, EngineError
-from slime.engines.protocol import GenerateRequest, ProtocolError, SamplingParams
+from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.sequence import Sequence
+from slime.utils.sampling_params import SamplingParams
 from tests.conftest import make_model
 from tests.inprocess import InProcessServer
 

@@ -135,8 +135,8 @@ def test_bucketed_decode_shapes_repeat_and_change_no_result(tiny_model):
 
 
 def test_top_logprobs_cost_one_more_copy_only_when_asked():
-    from slime.engines.protocol import SamplingParams
     from slime.engines.torch_engine.sampling import sample
+    from slime.utils.sampling_params import SamplingParams
 
     calls = []
     original = transfer.to_host

@@ -96,6 +96,10 @@ eval:
             "datasets:\n  - {name: a, path: P, rm_type: dapo}\n",
             "evaluation set a: rm_type dapo returns a dict",
         ),
+        (
+            "datasets:\n  - {name: a, path: P, top_k: 0}\n",
+            "evaluation set 'a': its top_k must be -1 (disabled) or >= 1, got 0: the engines refuse",
+        ),
     ],
 )
 def test_bad_eval_configs_exit_2_naming_the_file_and_key(files, tmp_path, capsys, text, message):

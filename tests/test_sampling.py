@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from slime.engines.protocol import SamplingParams
 from slime.engines.torch_engine.sampling import sample, truncate_probs
+from slime.utils.sampling_params import SamplingParams
 
 
 def test_truncate_top_k_top_p_min_p():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from slime.engines.protocol import SamplingParams
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import SeqStatus, Sequence
+from slime.utils.sampling_params import SamplingParams
 
 
 def make(max_running=4, budget=1000, detok=None):

@@ -19,7 +19,7 @@ from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
 from slime.config.derived import custom_config, flag_problems, no_effect_lines
 from slime.config.eval_sets import eval_datasets
-from slime.config.flags import add_flags, from_flags
+from slime.config.flags import add_flags, flag_name, from_flags
 from slime.config.lora import add_lora_arguments
 from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
@@ -207,8 +207,17 @@ def async_config(ns: argparse.Namespace) -> AsyncConfig:
 
 def sampling_config(ns: argparse.Namespace) -> SamplingConfig:
     """How rollout responses are sampled, from parsed flags (the temperature is the trainer's flag:
-    log-probs are computed at it)."""
-    return from_flags(SamplingConfig, ns, temperature=ns.rollout_temperature)
+    log-probs are computed at it); ValueError names a flag whose value the engines would refuse."""
+    sampling = from_flags(SamplingConfig, ns, temperature=ns.rollout_temperature)
+    refused = sampling.refused()
+    if refused is not None:
+        flag = (
+            "--rollout-temperature"
+            if refused.field == "temperature"
+            else flag_name(SamplingConfig, refused.field)
+        )
+        raise ValueError(f"{flag} {refused.reason}: the engines refuse such a request")
+    return sampling
 
 
 def _configs(ns: argparse.Namespace) -> Config:

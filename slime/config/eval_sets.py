@@ -183,6 +183,10 @@ def _dataset(ns: argparse.Namespace, defaults: dict[str, Any], entry: dict[str, 
         stop_token_ids=tuple(values["stop_token_ids"] or ()),
     )
     name = entry.get("name")
+    refused = sampling.refused()
+    if refused is not None:
+        where = "--eval-prompt-data" if name is None else f"evaluation set {name!r}"
+        raise ValueError(f"{where}: its {refused.field} {refused.reason}: the engines refuse such a request")
     return EvalDataset(
         None if name is None else str(name), data, sampling, *(pick(k, ()) for k in PLUGIN_KEYS)
     )

@@ -74,6 +74,11 @@ def flags_of(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
     return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
 
 
+def flag_name(cls: type, field_name: str) -> str:
+    """The flag that fills field `field_name` of record `cls` (`--rollout-top-p`)."""
+    return str(cls.__dataclass_fields__[field_name].metadata["flag"].name)  # type: ignore[attr-defined]
+
+
 def _argparse_options(f: dataclasses.Field[Any], spec: Flag) -> dict[str, Any]:
     """argparse's options for the flag: the field's default (or `unset`) as the flag's, and the
     action or type that default implies (a bool: store_true; an int or float: its type)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from slime.config.flags import flag
 from slime.utils.errors import UsageError
+from slime.utils.sampling_params import FieldError, SamplingParams
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 BOXED_PREFIX = "boxed_"
@@ -67,6 +68,7 @@ class SamplingConfig:
     """`--rollout-stop-token-ids`."""
 
     def params(self) -> dict[str, Any]:
+        """A request's `sampling_params` (SGLang's names; slime.utils.sampling_params)."""
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -75,6 +77,16 @@ class SamplingConfig:
             "stop": list(self.stop),
             "stop_token_ids": list(self.stop_token_ids),
         }
+
+    def refused(self) -> FieldError | None:
+        """What an engine would refuse in every request of these settings (the engines' own
+        check), its `field` the record's (`max_response_len`, `top_p`, ...); None if nothing."""
+        try:
+            SamplingParams.from_json(self.params())
+        except FieldError as e:
+            name = e.field.removeprefix("sampling_params.").removesuffix("[]")
+            return FieldError({"max_new_tokens": "max_response_len"}.get(name, name), e.reason)
+        return None
 
 
 class TopologyError(UsageError):

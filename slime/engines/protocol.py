@@ -3,16 +3,20 @@
 These are our own parsers (sglang's request types cannot be imported on a CPU machine). Field
 names follow SGLang's `GenerateReqInput` / `SamplingParams` so the same JSON drives a real SGLang
 server and the built-in torch engine. Every validation failure raises `ProtocolError` whose
-message names the offending field and the accepted values.
+message names the offending field and the accepted values. A request's `sampling_params` is
+slime.utils.sampling_params.SamplingParams, whose checks the rollout's flags share.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from slime.utils.sampling_params import SEED_LIMIT, FieldError, SamplingParams, as_float, as_int, as_str_list
 
 
 class ProtocolError(Exception):
@@ -51,20 +55,21 @@ def _expect(cond: bool, message: str, status: int = 400) -> None:
         raise ProtocolError(message, status)
 
 
-def _as_int(value: Any, name: str) -> int:
-    _expect(
-        isinstance(value, int) and not isinstance(value, bool), f"'{name}' must be an integer, got {value!r}"
-    )
-    return int(value)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _as_float(value: Any, name: str) -> float:
-    _expect(
-        isinstance(value, (int, float)) and not isinstance(value, bool),
-        f"'{name}' must be a number, got {value!r}",
-    )
-    _expect(math.isfinite(float(value)), f"'{name}' must be finite, got {value!r}")
-    return float(value)
+def _refusing(parse: F) -> F:
+    """`parse` with a wrong field (FieldError, from the field checks it shares with the flags'
+    sampling settings) answered as a ProtocolError (400)."""
+
+    @functools.wraps(parse)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return parse(*args, **kwargs)
+        except FieldError as e:
+            raise ProtocolError(str(e)) from None
+
+    return checked  # type: ignore[return-value]
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -74,121 +79,6 @@ def _is_token_ids(value: Any) -> bool:
         and len(value) > 0
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
-
-
-# torch.Generator.manual_seed takes an unsigned 64-bit seed.
-SEED_LIMIT = 2**64
-
-
-def _as_str_list(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value] if value else []
-    _expect(
-        isinstance(value, list) and all(isinstance(v, str) for v in value),
-        f"'{name}' must be a string or a list of strings",
-    )
-    return [v for v in value if v]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings, with SGLang's names and defaults.
-
-    The reported log-prob of a sampled token is log softmax(logits / temperature) at that token,
-    computed before top-k / top-p / min-p truncation (for temperature 0: plain log softmax).
-    This is the quantity the trainer recomputes at the rollout temperature.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def needs_truncation(self) -> bool:
-        return self.top_p < 1.0 or self.top_k > 1 or self.min_p > 0.0
-
-    @classmethod
-    def from_json(cls, raw: Any) -> SamplingParams:
-        if raw is None:
-            raw = {}
-        _expect(isinstance(raw, dict), "'sampling_params' must be a JSON object")
-        known = {f for f in cls.__dataclass_fields__}
-        # `seed` is accepted as an alias: OpenAI-style clients send it.
-        raw = dict(raw)
-        if "seed" in raw and "sampling_seed" not in raw:
-            raw["sampling_seed"] = raw.pop("seed")
-        ignored = {
-            "n",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "min_new_tokens",
-            "spaces_between_special_tokens",
-            "regex",
-            "json_schema",
-            "ebnf",
-            "custom_params",
-            "stream_interval",
-            "logit_bias",
-            "seed",
-        }
-        unknown = sorted(set(raw) - known - ignored)
-        _expect(not unknown, f"unknown sampling_params field(s) {unknown}; supported: {sorted(known)}")
-        kw: dict[str, Any] = {}
-        if raw.get("max_new_tokens") is not None:
-            kw["max_new_tokens"] = _as_int(raw["max_new_tokens"], "sampling_params.max_new_tokens")
-            _expect(
-                kw["max_new_tokens"] >= 0,
-                f"'sampling_params.max_new_tokens' must be >= 0, got {kw['max_new_tokens']}",
-            )
-        if raw.get("temperature") is not None:
-            kw["temperature"] = _as_float(raw["temperature"], "sampling_params.temperature")
-            _expect(
-                kw["temperature"] >= 0, f"'sampling_params.temperature' must be >= 0, got {kw['temperature']}"
-            )
-        if raw.get("top_p") is not None:
-            kw["top_p"] = _as_float(raw["top_p"], "sampling_params.top_p")
-            _expect(0 < kw["top_p"] <= 1, f"'sampling_params.top_p' must be in (0, 1], got {kw['top_p']}")
-        if raw.get("top_k") is not None:
-            kw["top_k"] = _as_int(raw["top_k"], "sampling_params.top_k")
-            _expect(
-                kw["top_k"] == -1 or kw["top_k"] >= 1,
-                f"'sampling_params.top_k' must be -1 (disabled) or >= 1, got {kw['top_k']}",
-            )
-        if raw.get("min_p") is not None:
-            kw["min_p"] = _as_float(raw["min_p"], "sampling_params.min_p")
-            _expect(0 <= kw["min_p"] <= 1, f"'sampling_params.min_p' must be in [0, 1], got {kw['min_p']}")
-        kw["stop"] = tuple(_as_str_list(raw.get("stop"), "sampling_params.stop"))
-        if raw.get("stop_token_ids") is not None:
-            ids = raw["stop_token_ids"]
-            _expect(isinstance(ids, list), "'sampling_params.stop_token_ids' must be a list of integers")
-            kw["stop_token_ids"] = tuple(_as_int(i, "sampling_params.stop_token_ids[]") for i in ids)
-        for flag in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-            if raw.get(flag) is not None:
-                _expect(isinstance(raw[flag], bool), f"'sampling_params.{flag}' must be true or false")
-                kw[flag] = raw[flag]
-        if raw.get("sampling_seed") is not None:
-            seed = _as_int(raw["sampling_seed"], "sampling_params.sampling_seed")
-            _expect(
-                0 <= seed < SEED_LIMIT,
-                f"'sampling_params.sampling_seed' must be in [0, 2**64), got {seed}",
-            )
-            kw["sampling_seed"] = seed
-        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -212,6 +102,7 @@ class GenerateRequest:
     """SGLang's field: the name of the loaded LoRA adapter this prompt runs with (None: the base model)."""
 
 
+@_refusing
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     """Parse a /generate body into single-prompt requests.
 
@@ -257,9 +148,9 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
         _expect(isinstance(rid, str) and rid != "", "'rid' must be a non-empty string")
         _expect(isinstance(return_logprob[i], bool), "'return_logprob' must be true or false")
         _expect(isinstance(routed[i], bool), "'return_routed_experts' must be true or false")
-        top = _as_int(top_n[i] or 0, "top_logprobs_num")
+        top = as_int(top_n[i] or 0, "top_logprobs_num")
         _expect(top >= 0, f"'top_logprobs_num' must be >= 0, got {top}")
-        start = _as_int(-1 if starts[i] is None else starts[i], "logprob_start_len")
+        start = as_int(-1 if starts[i] is None else starts[i], "logprob_start_len")
         _expect(start >= -1, f"'logprob_start_len' must be >= -1, got {start}")
         _expect(loras[i] is None or (isinstance(loras[i], str) and loras[i] != ""),
                 "'lora_path' must name a loaded LoRA adapter (a string, or a list with one per prompt; null: none)")  # fmt: skip
@@ -363,6 +254,7 @@ class CompletionRequest:
     model: str | None = None
 
     @classmethod
+    @_refusing
     def from_json(cls, body: Any) -> CompletionRequest:
         _expect(isinstance(body, dict), "request body must be a JSON object")
         _expect(not body.get("stream"), "'stream': true is not supported by this engine; omit it")
@@ -371,23 +263,23 @@ class CompletionRequest:
         prompts = _completion_prompts(prompt)
         req = cls(prompts=prompts, model=body.get("model"))
         if body.get("max_tokens") is not None:
-            req.max_tokens = _as_int(body["max_tokens"], "max_tokens")
+            req.max_tokens = as_int(body["max_tokens"], "max_tokens")
             _expect(req.max_tokens >= 0, f"'max_tokens' must be >= 0, got {req.max_tokens}")
         if body.get("temperature") is not None:
-            req.temperature = _as_float(body["temperature"], "temperature")
+            req.temperature = as_float(body["temperature"], "temperature")
             _expect(req.temperature >= 0, f"'temperature' must be >= 0, got {req.temperature}")
         if body.get("top_p") is not None:
-            req.top_p = _as_float(body["top_p"], "top_p")
+            req.top_p = as_float(body["top_p"], "top_p")
             _expect(0 < req.top_p <= 1, f"'top_p' must be in (0, 1], got {req.top_p}")
         if body.get("n") is not None:
-            req.n = _as_int(body["n"], "n")
+            req.n = as_int(body["n"], "n")
             _expect(1 <= req.n <= 128, f"'n' must be between 1 and 128, got {req.n}")
         if body.get("logprobs") is not None:
-            req.logprobs = _as_int(body["logprobs"], "logprobs")
+            req.logprobs = as_int(body["logprobs"], "logprobs")
             _expect(0 <= req.logprobs <= 20, f"'logprobs' must be between 0 and 20, got {req.logprobs}")
-        req.stop = tuple(_as_str_list(body.get("stop"), "stop"))
+        req.stop = tuple(as_str_list(body.get("stop"), "stop"))
         if body.get("seed") is not None:
-            req.seed = _as_int(body["seed"], "seed")
+            req.seed = as_int(body["seed"], "seed")
             # Choice c of n samples with seed + c, which must stay a valid seed too.
             _expect(
                 0 <= req.seed <= SEED_LIMIT - req.n,

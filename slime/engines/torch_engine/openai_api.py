@@ -6,8 +6,9 @@ import time
 import uuid
 from typing import Any
 
-from slime.engines.protocol import CompletionRequest, GenerateRequest, SamplingParams
+from slime.engines.protocol import CompletionRequest, GenerateRequest
 from slime.engines.torch_engine.engine import TorchEngine
+from slime.utils.sampling_params import SamplingParams
 
 
 def completion_requests(body: CompletionRequest) -> list[GenerateRequest]:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.engines.protocol import SamplingParams
 from slime.engines.torch_engine import transfer
+from slime.utils.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.engines.protocol import FinishReason, GenerateRequest, ProtocolError, SamplingParams
+from slime.engines.protocol import FinishReason, GenerateRequest, ProtocolError
+from slime.utils.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -25,7 +25,6 @@ from slime.engines.protocol import (
     CompletionRequest,
     GenerateRequest,
     ProtocolError,
-    SamplingParams,
     parse_generate,
     parse_tensor_specs,
 )
@@ -44,6 +43,7 @@ from slime.engines.torch_engine.openai_api import completion_requests, completio
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
 from slime.utils.device_memory import cuda_memory_held, release_device_memory
+from slime.utils.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
