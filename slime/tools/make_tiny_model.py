@@ -33,12 +33,33 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
 
 # Qwen-style template: the same shape the real Qwen chat models use, so prompts built for the
-# demo look like the ones users build for real checkpoints.
+# demo look like the ones users build for real checkpoints. With tools (the agent adapters), a
+# compact line names them in the system message (`tools: python(code)`: every character is a
+# token here) and an assistant's tool calls follow its content as Hermes / Qwen
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; a tool's result is a message
+# of role `tool`. Without tools the rendering is the plain one.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- set ns = namespace(tools='') -%}"
+    "{%- if tools -%}"
+    "{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}"
+    "{%- set ns.tools = ns.tools + (' ' if ns.tools else 'tools: ') + f.name + '('"
+    " + ((f.parameters.properties if f.parameters is defined and f.parameters.properties is defined else {})"
+    " | list | join(',')) + ')' -%}"
+    "{%- endfor -%}"
+    "{%- if messages[0].role != 'system' -%}{{ '<|im_start|>system\n' + ns.tools + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- set ns.content = message.content if message.content is string else '' -%}"
+    "{%- if loop.first and message.role == 'system' and ns.tools -%}"
+    "{%- set ns.content = ns.content + '\n' + ns.tools -%}{%- endif -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}{%- set f = call.function if call.function is defined else call -%}"
+    "{%- set ns.content = ns.content + '<tool_call>' + ({'name': f.name, 'arguments': f.arguments} | tojson)"
+    " + '</tool_call>' -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_start|>' + message.role + '\n' + ns.content + '<|im_end|>' + '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
 

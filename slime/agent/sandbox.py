@@ -1,0 +1,432 @@
+"""Sandboxes an agent's commands run in (slime's contract): async context management, `exec`,
+`write_file`, `read_file`.
+
+- `LocalSandbox` (ours) needs no account: every command is a subprocess in the sandbox's own
+  temporary directory, which its commands also see as /tmp, with a time limit (the command and
+  every process it started are killed), a memory limit, a cap on the output kept, and no network
+  (a network namespace of its own) unless asked. Leaving the context kills whatever is still
+  running and deletes the directory.
+- `E2BSandbox` is slime's E2B client; it needs the `e2b` package and an E2B account, and is
+  refused by name where the package is missing.
+- `exec_and_wait` runs a long command detached and polls for its exit code (slime's protocol for
+  sandboxes that cannot hold a stream open for a whole run); on the time budget it kills the
+  command's process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+ExecResult = tuple[int, str, str]
+FileContent = str | bytes | Path
+
+EXIT_TIME_BUDGET_EXCEEDED = -1
+EXIT_TIMEOUT = 124
+"""LocalSandbox.exec's exit code for a command killed at its timeout (coreutils' `timeout`'s)."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """What an agent rollout needs of a sandbox. `idempotent` tells a backend that retries
+    transport failures whether sending the command again is safe."""
+
+    sandbox_id: str
+
+    async def __aenter__(self) -> Sandbox: ...
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
+
+    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
+                   check: bool = False, idempotent: bool = True) -> ExecResult: ...  # fmt: skip
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None: ...
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str: ...
+
+
+async def exec_and_wait(
+    sb: Sandbox,
+    *,
+    cmd: str,
+    time_budget_sec: int,
+    tag: str,
+    user: str = "root",
+    env: dict[str, str] | None = None,
+    workdir: str | None = None,
+    out_file: str | None = None,
+    want_output: bool = False,
+) -> tuple[int, str]:
+    """Run `cmd` to completion detached: (exit code, output). The output is the whole of it with
+    `want_output`, else the last 512 bytes when the command failed. Past `time_budget_sec` the
+    command's process group is killed and the exit code is EXIT_TIME_BUDGET_EXCEEDED (-1).
+    Two calls with the same `tag` must not overlap."""
+    tmp = getattr(sb, "tmp_dir", "/tmp")
+    out_file = out_file or f"{tmp}/.{tag}.out"
+    done, launcher, pid_file = f"{tmp}/.{tag}.done", f"{tmp}/.{tag}.sh", f"{tmp}/.{tag}.pid"
+    prefix = f"cd {shlex.quote(workdir)}\nexport HOME=/home/{user}\n" if workdir else ""
+    # The command in a subshell: its `exit` must not skip the exit-code marker.
+    body = f"#!/bin/bash\necho $$ > {pid_file}\n(\n{prefix}{cmd}\n)\necho $? > {done}\n"
+    await sb.write_file(launcher, body, user=user)
+    await sb.exec(f"rm -f {out_file} {done} {pid_file}", user=user, timeout=30, check=True)
+    await sb.exec(f"chmod +x {launcher}; setsid bash {launcher} < /dev/null > {out_file} 2>&1 &", user=user, env=env,
+                  timeout=30, check=True)  # fmt: skip
+    interval = float(getattr(sb, "poll_interval_s", 5.0))
+    deadline = time.monotonic() + time_budget_sec
+    code = EXIT_TIME_BUDGET_EXCEEDED
+    while time.monotonic() < deadline:
+        await asyncio.sleep(interval)
+        status, out, _ = await sb.exec(f"test -f {done} && cat {done}", user=user, timeout=15)
+        if status == 0 and out.strip():
+            code = int(out.strip())
+            break
+    else:
+        await sb.exec(f"test -f {pid_file} && kill -9 -- -$(cat {pid_file})", user=user, timeout=15)
+    if want_output:
+        return code, await sb.read_file(out_file, user=user)
+    if code == 0:
+        return code, ""
+    _, tail, _ = await sb.exec(f"tail -c 512 {out_file} 2>/dev/null", user=user, timeout=15)
+    return code, tail
+
+
+async def ensure_agent_user(sb: Sandbox, workdir: str) -> None:
+    """Create the unprivileged `agent` user that owns `workdir` (slime's); a sandbox of one user
+    (LocalSandbox) has none to create."""
+    if getattr(sb, "single_user", False):
+        return
+    await sb.exec(
+        f"id agent >/dev/null 2>&1 || useradd -m -s /bin/bash agent && chown -R agent:agent /home/agent {workdir} && "
+        "git config --system --add safe.directory '*' && id agent",
+        user="root", check=True, timeout=60,
+    )  # fmt: skip
+
+
+_NAMESPACES: bool | None = None
+
+
+def _namespaces_work() -> bool:
+    """Whether this machine lets an unprivileged user make network and mount namespaces."""
+    global _NAMESPACES
+    if _NAMESPACES is None:
+        try:
+            _NAMESPACES = (
+                subprocess.run(["unshare", "-rnm", "true"], capture_output=True, timeout=10).returncode == 0
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            _NAMESPACES = False
+    return _NAMESPACES
+
+
+class LocalSandbox:
+    """A sandbox on this machine that needs no account (module docstring). `network`: let
+    commands reach the network (default: none, not even loopback); `memory_mb`: each command's
+    address-space limit; `max_output_bytes`: stdout and stderr kept per command (the rest is
+    read and dropped, the result says so)."""
+
+    single_user = True
+    poll_interval_s = 0.05
+
+    def __init__(
+        self,
+        *,
+        network: bool = False,
+        memory_mb: int = 2048,
+        max_output_bytes: int = 1 << 20,
+        max_file_mb: int = 256,
+        env: dict[str, str] | None = None,
+        root: str | None = None,
+    ) -> None:
+        """`root`: the directory the sandbox's own directory is made in (not under /tmp)."""
+        self.network, self.memory_mb, self.max_output_bytes = network, memory_mb, max_output_bytes
+        self.max_file_mb = max_file_mb
+        self.env = dict(env or {})
+        self._parent = root
+        self.root = ""
+        self._namespaces = False
+        self.sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
+
+    @property
+    def tmp_dir(self) -> str:
+        """The sandbox's /tmp as its commands see it (its own, in a mount namespace)."""
+        return "/tmp" if self._namespaces else os.path.join(self.root, "tmp")
+
+    async def __aenter__(self) -> LocalSandbox:
+        self._namespaces = _namespaces_work()
+        if not self.network and not self._namespaces:
+            raise RuntimeError(
+                "LocalSandbox(network=False) needs unprivileged user namespaces (`unshare -rnm true` fails here): "
+                "enable them (sysctl kernel.unprivileged_userns_clone=1) or pass network=True to run commands "
+                "without network isolation (and without a /tmp of their own)"
+            )
+        parent = self._parent or _sandbox_parent()
+        if self._namespaces and (os.path.realpath(parent) + "/").startswith("/tmp/"):
+            raise ValueError(
+                f"LocalSandbox(root={parent!r}): not under /tmp, which its commands see as their own"
+            )
+        self.root = tempfile.mkdtemp(prefix="slime-sandbox-", dir=parent)
+        os.makedirs(os.path.join(self.root, "tmp"))
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.kill_all()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def kill_all(self) -> int:
+        """Kill every process any command of this sandbox started, detached ones included (found
+        by the sandbox id in their environment); how many."""
+        marker = f"SLIME_SANDBOX_ID={self.sandbox_id}".encode()
+        killed = 0
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker not in f.read().split(b"\0"):
+                        continue
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:  # gone, or not ours
+                continue
+        return killed
+
+    def host_path(self, sandbox_path: str) -> str:
+        """Where a sandbox path lies here: /tmp/... is the sandbox's tmp, a relative path is under
+        its root; any other absolute path is refused."""
+        if not self.root:
+            raise RuntimeError("the sandbox is not started: use `async with LocalSandbox() as sb`")
+        path = os.path.normpath(sandbox_path)
+        if self._namespaces and (path == "/tmp" or path.startswith("/tmp/")):
+            path = os.path.join(self.root, path[1:])
+        elif os.path.isabs(path) and not path.startswith(self.root + os.sep):
+            raise ValueError(
+                f"{sandbox_path!r} is outside the sandbox: use /tmp/... or a path relative to its root"
+            )
+        else:
+            path = os.path.join(self.root, path)
+        if os.path.commonpath([os.path.realpath(path), os.path.realpath(self.root)]) != os.path.realpath(
+            self.root
+        ):
+            raise ValueError(f"{sandbox_path!r} leaves the sandbox")
+        return path
+
+    def _argv(self, cmd: str) -> list[str]:
+        limits = f"ulimit -v {self.memory_mb * 1024}; ulimit -f {self.max_file_mb * 1024}"
+        if not self._namespaces:
+            return ["bash", "-c", f"{limits}; {cmd}"]
+        tmp = shlex.quote(os.path.join(self.root, "tmp"))
+        flags = "-rm" if self.network else "-rnm"
+        return ["unshare", flags, "bash", "-c", f"mount --bind {tmp} /tmp && {limits}; {cmd}"]
+
+    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
+                   check: bool = False, idempotent: bool = True) -> ExecResult:  # fmt: skip
+        """Run `cmd` with bash in the sandbox's root: (exit code, stdout, stderr). At `timeout` s
+        the command and its process group are killed (exit code 124). `user` is not switched:
+        every command runs as this machine's user."""
+        base = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": self.root,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(cmd), cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            env={**base, **self.env, **(env or {}), "SLIME_SANDBOX_ID": self.sandbox_id},
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        reads = asyncio.gather(self._read(proc.stdout), self._read(proc.stderr))
+        try:
+            (out, out_cut), (err, err_cut) = await asyncio.wait_for(asyncio.shield(reads), timeout)
+            code = await proc.wait()
+        except asyncio.TimeoutError:
+            _kill_group(proc.pid)
+            (out, out_cut), (err, err_cut) = await reads
+            await proc.wait()
+            code, err = EXIT_TIMEOUT, err + f"\n[slime sandbox: killed after the {timeout} s timeout]"
+        if out_cut or err_cut:
+            err += f"\n[slime sandbox: output beyond {self.max_output_bytes} bytes was dropped]"
+        if check and code != 0:
+            raise RuntimeError(f"sandbox command failed (exit {code}): {cmd[:120]}\n{err[-400:]}")
+        return code, out, err
+
+    async def _read(self, stream: asyncio.StreamReader) -> tuple[str, bool]:
+        kept, size, cut = [], 0, False
+        while chunk := await stream.read(65536):
+            if size < self.max_output_bytes:
+                kept.append(chunk[: self.max_output_bytes - size])
+            cut = cut or size + len(chunk) > self.max_output_bytes
+            size += len(chunk)
+        return b"".join(kept).decode("utf-8", "replace"), cut
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None:
+        path = self.host_path(sandbox_path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(content, Path):
+            shutil.copyfile(content, path)
+        else:
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str:
+        """The file's text; "" when it does not exist (slime's)."""
+        try:
+            with open(self.host_path(sandbox_path), "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+
+def _sandbox_parent() -> str:
+    for parent in ("/var/tmp", os.path.expanduser("~/.cache/slime/sandboxes")):
+        os.makedirs(parent, exist_ok=True)
+        if os.access(parent, os.W_OK):
+            return parent
+    raise RuntimeError(
+        "LocalSandbox: neither /var/tmp nor ~/.cache/slime/sandboxes is writable; pass root=DIR"
+    )
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _getenv(*names: str, default: str = "") -> str:
+    """The first non-empty of the environment variables `names` (a setting's name, then its
+    older aliases)."""
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip():
+            return value
+    return default
+
+
+class E2BSandbox:
+    """slime's E2B sandbox (an `e2b.AsyncSandbox` from an image named in its metadata). Needs the
+    `e2b` package, an E2B account (E2B_API_KEY) and SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY; refused
+    by name at `async with` where the package is missing. Not run here: this machine has no E2B
+    account or network."""
+
+    image_metadata_key_env = ("SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY", "SWE_SANDBOX_IMAGE_METADATA_KEY")
+    lifetime_sec_env = ("SLIME_AGENT_SANDBOX_LIFETIME_SEC", "SWE_SANDBOX_LIFETIME_SEC")
+    rpc_retries_env = ("SLIME_AGENT_SANDBOX_RPC_RETRIES", "SWE_RPC_RETRIES")
+    size_env = ("SLIME_AGENT_E2B_SANDBOX_SIZE", "SWE_E2B_SANDBOX_SIZE")
+    default_lifetime_sec = 3600
+    default_rpc_retries = 6
+    default_size = "md"
+    rpc_backoff_base_sec = 1.0
+    rpc_backoff_cap_sec = 32.0
+    _TRANSIENT = frozenset({"ProtocolError", "LocalProtocolError", "WriteError", "ReadError", "ConnectError",
+                            "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "RemoteProtocolError",
+                            "SSLError"})  # fmt: skip
+
+    def __init__(self, image: str, *, timeout: int | None = None, image_metadata_key: str | None = None,
+                 rpc_retries: int | None = None, size: str | None = None) -> None:  # fmt: skip
+        self.image = image
+        self.timeout = timeout if timeout is not None else int(_getenv(*self.lifetime_sec_env,
+                                                                        default=str(self.default_lifetime_sec)))  # fmt: skip
+        self.image_metadata_key = image_metadata_key or _getenv(*self.image_metadata_key_env) or None
+        self.rpc_retries = rpc_retries if rpc_retries is not None else int(
+            _getenv(*self.rpc_retries_env, default=str(self.default_rpc_retries)))  # fmt: skip
+        self.size = size if size is not None else _getenv(*self.size_env, default=self.default_size)
+        self._sb: Any = None
+        self.sandbox_id = ""
+
+    @classmethod
+    def _is_transient(cls, e: BaseException) -> bool:
+        name, text = type(e).__name__, str(e)
+        if name == "SandboxException":
+            return "does not exist" not in text and "STOPPED state" not in text
+        return name in cls._TRANSIENT
+
+    async def _rpc(self, what: str, call: Any, *, idempotent: bool = True) -> Any:
+        """`await call()`, retried on transient E2B failures when `idempotent`."""
+        from slime.utils.retry import RetryPolicy, retrying
+
+        policy = RetryPolicy(
+            max(1, self.rpc_retries), self.rpc_backoff_base_sec, 2.0, self.rpc_backoff_cap_sec
+        )
+
+        def on_retry(failures: int, e: BaseException, wait: float) -> None:
+            logger.debug("[agent.sandbox] %s: %s, retry %d in %.1fs", what, type(e).__name__, failures, wait)
+
+        return await retrying(call, policy, lambda e: idempotent and self._is_transient(e), on_retry)
+
+    async def __aenter__(self) -> E2BSandbox:
+        try:
+            from e2b import AsyncSandbox
+        except ImportError:
+            raise RuntimeError(
+                "E2BSandbox needs the e2b package (pip install e2b) and an E2B account (E2B_API_KEY); "
+                "LocalSandbox runs commands on this machine with no account"
+            ) from None
+        if self.image_metadata_key is None:
+            raise RuntimeError(
+                "E2BSandbox: set SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY to the metadata key your E2B gateway routes "
+                "images by (SWE_SANDBOX_IMAGE_METADATA_KEY is read too)"
+            )
+        metadata = {self.image_metadata_key: self.image}
+        if self.size:
+            prefix = self.image_metadata_key.rsplit("/", 1)[0] if "/" in self.image_metadata_key else ""
+            metadata[f"{prefix}/size" if prefix else "size"] = self.size
+        self._sb = await self._rpc(
+            "create", lambda: AsyncSandbox.create(timeout=self.timeout, metadata=metadata)
+        )
+        self.sandbox_id = self._sb.sandbox_id
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._sb is not None:
+            try:
+                await self._sb.kill()
+            except Exception as e:
+                logger.warning("[agent.sandbox] killing %s failed: %s", self.sandbox_id[:8], e)
+
+    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
+                   check: bool = False, idempotent: bool = True) -> ExecResult:  # fmt: skip
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        try:
+            res = await self._rpc(f"exec({cmd[:60]!r})", lambda: self._sb.commands.run(
+                cmd, user=user, envs=env, timeout=timeout, on_stdout=lambda s: None, on_stderr=lambda s: None,
+            ), idempotent=idempotent)  # fmt: skip
+            return res.exit_code, res.stdout or "", res.stderr or ""
+        except CommandExitException as e:
+            if check:
+                raise RuntimeError(
+                    f"e2b exec failed (exit {e.exit_code}): {cmd[:120]}\n{(e.stderr or '')[:400]}"
+                ) from None
+            return e.exit_code, e.stdout or "", e.stderr or ""
+
+    async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None:
+        if isinstance(content, Path):
+            data: Any = content.read_bytes()
+        else:
+            data = content
+
+        async def write() -> Any:
+            payload = io.BytesIO(data) if isinstance(data, bytes) else data
+            return await self._sb.files.write(sandbox_path, payload, user=user)
+
+        await self._rpc(f"write_file({sandbox_path})", write)
+
+    async def read_file(self, sandbox_path: str, *, user: str = "root") -> str:
+        try:
+            return await self._rpc(
+                f"read_file({sandbox_path})", lambda: self._sb.files.read(sandbox_path, user=user)
+            )
+        except Exception:
+            return ""
