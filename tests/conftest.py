@@ -96,10 +96,14 @@ def pytest_collection_modifyitems(config, items):
     # cluster): the jobs that time faults (kills, hangs, health checks, restarts) in one, the
     # plain runs of the loop in the other, so both workers run jobs (one group alone was most of
     # the suite's wall time, with the other worker idle at the end).
+    # Every other module's tests run on one worker together, so a module's fixtures (an engine,
+    # a model, a multi-rank run) are built once, not once on each worker.
     for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
         if "e2e" in item.keywords:
-            plain = item.module.__name__.rsplit(".", 1)[-1] in PLAIN_JOBS
-            item.add_marker(pytest.mark.xdist_group("e2e-loop" if plain else "e2e"))
+            item.add_marker(pytest.mark.xdist_group("e2e-loop" if module in PLAIN_JOBS else "e2e"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")

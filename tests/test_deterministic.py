@@ -72,6 +72,7 @@ def test_enable_deterministic_seeds_and_turns_on_deterministic_kernels():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # two whole jobs (~60 s); the seeded engine requests above stay in the default run
 def test_two_deterministic_runs_are_identical(tiny_model, prompts, tmp_path):  # noqa: F811
     """train_async.py on two engines with over-sampling, sampled at temperature 1: the rollouts,
     rewards, losses and grad norms of two runs are the same bits."""

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.e2e
 LORA = ["--rm-type", "exact", "--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear"]
 
 
+@pytest.mark.slow  # ~53 s; the adapter-push job below keeps a LoRA job in the default run
 def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model, prompts, tmp_path):  # noqa: F811
     save = str(tmp_path / "ckpt")
     common = [*LORA, "--colocate", "--save", save, "--use-kl-loss", "--kl-loss-coef", "0.01"]

@@ -25,6 +25,7 @@ def train_metrics(logs) -> list[tuple]:
             for r in records(logs) if r["rollout_id"] >= 0]  # fmt: skip
 
 
+@pytest.mark.slow  # ~40 s: a student and a teacher engine and a replay
 def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(tiny_model, tiny_model_b, tmp_path,
                                                                        prompts):  # noqa: F811  # fmt: skip
     dumps = tmp_path / "dumps" / "rollout_{rollout_id}.pt"
