@@ -236,8 +236,10 @@ class RolloutGenerator:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every request of the group has ended: none is left running
             raise errors[0]
-        if self.generate_fn is not None:
-            samples = [r for r in results if isinstance(r, Sample)]
+        if self.generate_fn is not None:  # a function may fan one sample out into several (slime's)
+            samples = [
+                s for r in results for s in (r if isinstance(r, list) else [r]) if isinstance(s, Sample)
+            ]
         if any(s.status == Status.ABORTED for s in samples):
             return samples
         start = time.perf_counter()
@@ -247,7 +249,9 @@ class RolloutGenerator:
         self.progress.reward_seconds += time.perf_counter() - start
         return samples
 
-    async def _continue(self, sample: Sample, params: dict[str, Any], client: EngineClient) -> Sample:
+    async def _continue(
+        self, sample: Sample, params: dict[str, Any], client: EngineClient
+    ) -> Sample | list[Sample]:
         """--partial-rollout: an aborted sample goes on from its tokens (a finished one is kept).
         With --mask-offpolicy-in-partial-rollout its tokens so far leave the loss first."""
         if sample.status != Status.ABORTED:
@@ -262,9 +266,11 @@ class RolloutGenerator:
 
     async def _custom(
         self, sample: Sample, prompt: Prompt | None, params: dict[str, Any], client: EngineClient
-    ) -> Sample:
-        """slime's custom generate signature: f(args, sample, sampling_params) -> Sample; the
-        sample arrives with the prompt ids in `tokens`. It posts to
+    ) -> Sample | list[Sample]:
+        """slime's custom generate signature: f(args, sample, sampling_params) -> Sample, or a
+        list of Samples that all set `rollout_id` (one execution split into several training
+        samples: an agent's sub-agents, slime's fan-out); the sample arrives with the prompt ids
+        in `tokens`. It posts to
         `args.sglang_router_ip/port`: the router, or where there is none (torch engines), the
         engine this group was given (in a copy of args), so the groups spread over the engines."""
         assert self.generate_fn is not None
@@ -277,6 +283,13 @@ class RolloutGenerator:
         result = self.generate_fn(args, sample, dict(params))
         if asyncio.iscoroutine(result):
             result = await result
+        if isinstance(result, list):
+            if not result or not all(isinstance(s, Sample) and s.rollout_id is not None for s in result):
+                raise TypeError(
+                    "--custom-generate-function-path returned a list: it must be non-empty Samples that all set "
+                    "rollout_id (the one execution they came from), as slime requires"
+                )
+            return result
         if not isinstance(result, Sample):
             raise TypeError(f"--custom-generate-function-path returned {type(result).__name__}, not a Sample")
         return result

@@ -45,6 +45,12 @@ def register_credentials(urls: list[str], api_key: str | None) -> None:
         _credentials[_address(url)] = {"Authorization": f"Bearer {api_key}"}
 
 
+def registered_api_key(url: str) -> str | None:
+    """The key registered for `url`'s address (an engine or router of this job), else None."""
+    known = _credentials.get(_address(url))
+    return known["Authorization"].removeprefix("Bearer ") if known else None
+
+
 def _address(url: str) -> str:
     from slime.utils.net import host_port
 

@@ -75,6 +75,8 @@ class Session:
     held: list[_Held] = dataclasses.field(default_factory=list)
     requests: int = 0
     """Requests admitted (what max_turns_per_sid counts, as slime does)."""
+    ignored_sampling: set[str] = dataclasses.field(default_factory=set)
+    """Sampling settings the agent sent that the session's overrode (see _sampling_params)."""
     rendered_in_full: int = 0
     """Turns after the first whose prompt was rendered whole (the history was not repeated as
     recorded): where drift can arise."""
@@ -161,7 +163,10 @@ def sid_from_body(body: dict[str, Any] | None) -> str | None:
 def _sampling_params(session: Session, body: dict[str, Any], max_token_keys: tuple[str, ...],
                      stop_keys: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
     """The engine's sampling_params: the session's defaults (the rollout's), a request's
-    max-tokens as a cap below them, its temperature / top_p / top_k and stop sequences."""
+    max-tokens as a cap below them, its stop sequences, and its temperature / top_p / top_k where
+    the session sets none. Where it does, the session's stay (slime takes the request's): the
+    trainer computes log-probs at the rollout's temperature, and an agent's own would make them
+    silently wrong; the session notes the values it kept out (`ignored_sampling`)."""
     params: dict[str, Any] = {"skip_special_tokens": False, "spaces_between_special_tokens": False,
                               "no_stop_trim": True, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
                               **session.sampling_defaults}  # fmt: skip
@@ -170,8 +175,12 @@ def _sampling_params(session: Session, body: dict[str, Any], max_token_keys: tup
             params["max_new_tokens"] = min(int(params["max_new_tokens"]), _int(body, key))
             break
     for key in ("temperature", "top_p", "top_k"):
-        if body.get(key) is not None:
+        if body.get(key) is None:
+            continue
+        if key not in session.sampling_defaults:
             params[key] = body[key]
+        elif body[key] != session.sampling_defaults[key]:
+            session.ignored_sampling.add(key)
     for key in stop_keys:
         if body.get(key):
             params["stop"] = body[key]
@@ -320,6 +329,8 @@ class BaseAdapter:
             extra["agent_turns"] = self.manager.turn_count(sid)
             if session is not None:
                 extra["rendered_in_full"] = session.rendered_in_full
+                if session.ignored_sampling:
+                    extra["agent_sampling_ignored"] = sorted(session.ignored_sampling)
             samples = self.manager.get_trajectory(
                 sid, base_sample=base_sample, reward=reward, extra_metadata=extra,
                 max_sample_tokens=session.max_context_tokens if session is not None else 0,
@@ -506,12 +517,12 @@ class BaseAdapter:
 
     def _client(self, url: str) -> Any:
         from slime.engines.client import ClientConfig, EngineClient
+        from slime.utils.http_utils import registered_api_key
 
         client = self._clients.get(url)
-        if client is None:
-            client = self._clients[url] = EngineClient(
-                url, ClientConfig(timeout_s=900.0, api_key=self.engine_api_key)
-            )
+        if client is None:  # the job's engines take the key the rollout registered for them
+            key = self.engine_api_key or registered_api_key(url)
+            client = self._clients[url] = EngineClient(url, ClientConfig(timeout_s=900.0, api_key=key))
         return client
 
     async def _close_clients(self, app: web.Application) -> None:
