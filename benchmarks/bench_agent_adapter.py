@@ -40,13 +40,15 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(args: argparse.Namespace, adapter: OpenAIAdapter, adapter_url: str, engine_url: str) -> dict:
+async def run(
+    args: argparse.Namespace, adapter: OpenAIAdapter, adapter_url: str, engine_url: str, tag: str = "run"
+) -> dict:
     turns: list = []
     adapter.debug_callback = lambda sid, msgs, tools, reply, turn: turns.append(turn)
     via, direct, samples = [], [], []
     async with aiohttp.ClientSession() as http:
         for k in range(args.sessions):
-            sid = f"bench-{k}"
+            sid = f"bench-{tag}-{k}"
             defaults = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
                         "sampling_seed": 1000 + k}  # fmt: skip
             adapter.open_session(sid, sampling_defaults=defaults)
@@ -93,11 +95,8 @@ def main() -> int:
         handle = run_app_in_thread(adapter.app)
         try:
             # Warm-up (the engine's first requests, the adapter's first template render).
-            asyncio.run(
-                run(
-                    argparse.Namespace(sessions=1, turns=2, max_new_tokens=2), adapter, handle.url, engine.url
-                )
-            )
+            warm = argparse.Namespace(sessions=1, turns=2, max_new_tokens=2)
+            asyncio.run(run(warm, adapter, handle.url, engine.url, tag="warm"))
             adapter.latency_s.clear()
             result = asyncio.run(run(args, adapter, handle.url, engine.url))
         finally:
