@@ -400,3 +400,34 @@ def test_unknown_parsers_are_refused_at_construction(tokenizer):
         pytest.skip("SGLang installed: its parsers are used")
     with pytest.raises(ValueError, match="tool-call parser 'llama4' is not built here"):
         OpenAIAdapter(tokenizer=tokenizer, sglang_url="http://127.0.0.1:1", tool_parser="llama4")
+
+
+@pytest.mark.parametrize(
+    "reply, closing",
+    [
+        ("hi<|im_end|>", "\n"),  # stopped on the template's end token
+        (
+            "hi<|endoftext|>",
+            "<|im_end|>\n",
+        ),  # stopped on another special token: the template's end follows it
+        ("hi ", "<|im_end|>\n"),  # cut off by max_tokens, with whitespace the echo loses
+    ],
+)
+def test_the_held_reply_is_closed_the_way_the_template_closes_a_turn(tokenizer, reply, closing):
+    engine = ScriptedEngine(tokenizer, [reply, "ok<|im_end|>"])
+    s = Served(OpenAIAdapter(tokenizer=tokenizer, sglang_url=engine.url))
+    try:
+        s.adapter.open_session("c")
+        first = chat(s.url, "c", [{"role": "user", "content": "q"}]).choices[0].message.content
+        assert first == "hi"
+        chat(s.url, "c", [{"role": "user", "content": "q"}, {"role": "assistant", "content": first},
+                          {"role": "user", "content": "r"}])  # fmt: skip
+        t1, t2 = s.turns
+        tail = tokenizer.decode(t2.prompt_ids[len(t1.prompt_ids) + len(t1.output_ids) :])
+        assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+        assert tail == closing + "<|im_start|>user\nr<|im_end|>\n<|im_start|>assistant\n"
+        (sample,) = s.finish("c")
+        assert sample.metadata["rendered_in_full"] == 0 and sum(sample.loss_mask) == len(t1.output_ids) + 3
+    finally:
+        s.close()
+        engine.close()

@@ -154,3 +154,29 @@ def test_e2b_and_cli_harnesses_are_refused_by_name_where_missing(monkeypatch):
     monkeypatch.setenv("SLIME_AGENT_NODE_TARBALL", "/no/such/node.tar.xz")
     with pytest.raises(RuntimeError, match=re.escape("names '/no/such/node.tar.xz', which does not exist")):
         run_sync(CodexHarness().install_cli(None))
+
+
+# What slime's examples (examples/coding_agent_rl, snapshot of 2026-08-21) import from slime.agent.
+SLIME_EXAMPLE_IMPORTS = {
+    "slime.agent.adapters": ["AnthropicAdapter", "OpenAIAdapter"],
+    "slime.agent.adapters.common": ["flatten_content", "TurnRecord", "BaseAdapter", "Session", "Reply"],
+    "slime.agent.aiohttp_threaded": ["FilteredAccessLogger", "run_app_in_thread"],
+    "slime.agent.harness": [
+        "ClaudeCodeHarness",
+        "CodexHarness",
+        "BaseHarness",
+        "HarnessContext",
+        "run_agent",
+    ],
+    "slime.agent.sandbox": ["E2BSandbox", "Sandbox", "exec_and_wait", "ensure_agent_user"],
+    "slime.agent.trajectory": ["TrajectoryManager", "TurnRecord", "DriftKind"],
+    "slime.agent.parsing": ["parse_model_output", "parse_xml_tool_uses", "ParsedModelOutput"],
+}
+
+
+def test_the_names_slimes_agent_examples_import_resolve():
+    import importlib
+
+    for module, names in SLIME_EXAMPLE_IMPORTS.items():
+        loaded = importlib.import_module(module)
+        assert [n for n in names if not hasattr(loaded, n)] == [], module

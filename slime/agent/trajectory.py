@@ -330,4 +330,6 @@ class TrajectoryManager:
         return [b.sample(base, metadata, max_tokens) for b in built if b.trains()]
 
 
+_common_prefix_len = common_prefix_len  # slime's private name, which its tests import
+
 __all__ = ["DriftKind", "TrajectoryManager", "TurnRecord"]
