@@ -28,7 +28,7 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime.agent.adapters import OpenAIAdapter
-from slime.agent.adapters.common import _sampling_params
+from slime.agent.adapters.generate import sampling_params
 from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
@@ -64,7 +64,7 @@ async def run(
                     reply = await r.json()
                     assert r.status == 200, reply
                 via.append(time.perf_counter() - start)
-                params = _sampling_params(adapter.store[sid], body, adapter.max_token_keys, adapter.stop_keys)
+                params = sampling_params(adapter.store[sid], body, adapter.max_token_keys, adapter.stop_keys)
                 start = time.perf_counter()
                 async with http.post(f"{engine_url}/generate", json={"input_ids": turns[-1].prompt_ids,
                                      "sampling_params": params, "return_logprob": True}) as r:  # fmt: skip

@@ -161,7 +161,7 @@ def test_reusing_held_tokens_avoids_the_drift_a_re_rendering_template_causes(
     served, hf_model, tokenizer, reuse
 ):
     s = served(reuse_tokens=reuse, fork_threshold_tokens=1024)
-    s.adapter.chat_template_kwargs = {"chat_template": UPPER_HISTORY}
+    s.adapter.history.chat_template_kwargs = {"chat_template": UPPER_HISTORY}
     s.adapter.open_session("d", sampling_defaults={**SAMPLING, "sampling_seed": 7})
     messages = [{"role": "user", "content": "x"}]
     reply = chat(s.url, "d", messages, max_tokens=12).choices[0].message.content or ""

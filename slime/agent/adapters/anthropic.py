@@ -82,7 +82,7 @@ class AnthropicAdapter(BaseAdapter):
                 raise AdapterError(400, "the request body must be a JSON object")
             self._preprocess_body(body)
             messages, tools = self._translate(body)
-            ids = self._encode(self._render(messages, tools, True)) if messages else []
+            ids = self.history.encode(self.history.render(messages, tools, True)) if messages else []
         except ValueError as e:
             return self._error(AdapterError(400, f"the request body is not JSON: {e}"))
         except AdapterError as e:

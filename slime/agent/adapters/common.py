@@ -24,44 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from slime.agent.adapters.errors import AdapterError
+from slime.agent.adapters.generate import call_sglang_generate, check_int
+from slime.agent.adapters.history import ChatHistory, Held
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
 
 __all__ = ["AdapterError", "BaseAdapter", "Reply", "Session", "TurnRecord", "flatten_content"]
-
-DEFAULT_MAX_NEW_TOKENS = 4096
-"""slime's: a turn's budget when neither the session nor the request gives one."""
-
-
-class AdapterError(Exception):
-    """A request the adapter refuses: `status` and a message naming what is wrong; `kind` is the
-    protocol's error type (invalid_request_error, not_found_error, ...)."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-@dataclasses.dataclass
-class _Held:
-    """A recorded turn's messages (the prompt's and the reply's) and the tokens the engine saw
-    and made for them: what a later request repeating those messages starts from."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    prompt_ids: list[int]
-    output_ids: list[int]
 
 
 @dataclasses.dataclass
@@ -72,7 +50,7 @@ class Session:
     max_context_tokens: int = 0
     engine_url: str | None = None
     """Ours: the engine (or router) this session's turns go to; None: the adapter's."""
-    held: list[_Held] = dataclasses.field(default_factory=list)
+    held: list[Held] = dataclasses.field(default_factory=list)
     requests: int = 0
     """Requests admitted (what max_turns_per_sid counts, as slime does)."""
     ignored_sampling: set[str] = dataclasses.field(default_factory=set)
@@ -160,41 +138,6 @@ def sid_from_body(body: dict[str, Any] | None) -> str | None:
     return str(body["user"]) if body.get("user") else None
 
 
-def _sampling_params(session: Session, body: dict[str, Any], max_token_keys: tuple[str, ...],
-                     stop_keys: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
-    """The engine's sampling_params: the session's defaults (the rollout's), a request's
-    max-tokens as a cap below them, its stop sequences, and its temperature / top_p / top_k where
-    the session sets none. Where it does, the session's stay (slime takes the request's): the
-    trainer computes log-probs at the rollout's temperature, and an agent's own would make them
-    silently wrong; the session notes the values it kept out (`ignored_sampling`)."""
-    params: dict[str, Any] = {"skip_special_tokens": False, "spaces_between_special_tokens": False,
-                              "no_stop_trim": True, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-                              **session.sampling_defaults}  # fmt: skip
-    for key in max_token_keys:
-        if body.get(key) is not None:
-            params["max_new_tokens"] = min(int(params["max_new_tokens"]), _int(body, key))
-            break
-    for key in ("temperature", "top_p", "top_k"):
-        if body.get(key) is None:
-            continue
-        if key not in session.sampling_defaults:
-            params[key] = body[key]
-        elif body[key] != session.sampling_defaults[key]:
-            session.ignored_sampling.add(key)
-    for key in stop_keys:
-        if body.get(key):
-            params["stop"] = body[key]
-            break
-    return params
-
-
-def _int(body: dict[str, Any], key: str) -> int:
-    value = body[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise AdapterError(400, f"'{key}' must be an integer >= 0, got {value!r}")
-    return value
-
-
 class BaseAdapter:
     """The session lifecycle and the one-turn pipeline (module docstring)."""
 
@@ -225,8 +168,7 @@ class BaseAdapter:
         self.max_turns_per_sid = max_turns_per_sid
         self.debug_callback = debug_callback
         self.auto_open = auto_open
-        self.reuse_tokens = reuse_tokens
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.history = ChatHistory(tokenizer, reuse_tokens, chat_template_kwargs)
         self.engine_api_key = engine_api_key
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
         self.store: dict[str, Session] = {}
@@ -396,13 +338,17 @@ class BaseAdapter:
             raise AdapterError(400, "'messages' is empty: a turn needs at least one message")
         for key in self.max_token_keys:  # refused before the request counts as a turn
             if body.get(key) is not None:
-                _int(body, key)
-        prompt_ids, reused = self._prompt_ids(session, translated, tools)
+                check_int(body, key)
+        with self._lock:
+            held = list(session.held)
+        prompt_ids, reused = self.history.prompt_ids(held, translated, tools)
+        if reused is None and held:
+            session.rendered_in_full += 1
         self._count_request(sid, session)
         prepared = time.perf_counter()
         turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid)
         generated = time.perf_counter()
-        raw = self._visible_text(turn.output_ids)
+        raw = self.history.visible_text(turn.output_ids)
         parsed = parse_model_output(raw, tools_schema=tools, tool_parser_name=self.tool_parser,
                                     reasoning_parser_name=self.reasoning_parser)  # fmt: skip
         reply = self._build_reply(parsed, turn.finish_reason, translated, tools)
@@ -429,18 +375,10 @@ class BaseAdapter:
                                          response_message=reply.manager_message, metadata={"sid": sid})  # fmt: skip
                 if reused is not None and reused in session.held:  # this turn's history supersedes it
                     session.held.remove(reused)
-                session.held.append(_Held([*translated, reply.manager_message], tools, turn.prompt_ids,
+                session.held.append(Held([*translated, reply.manager_message], tools, turn.prompt_ids,
                                           turn.output_ids))  # fmt: skip
         self.latency_s.append((prepared - started) + (time.perf_counter() - generated))
         return response
-
-    def _visible_text(self, output_ids: list[int]) -> str:
-        """The output as text for the parsers and the reply: special tokens kept (a template's
-        markers may carry meaning), but not the end-of-turn token the model stopped on."""
-        ids = list(output_ids)
-        if ids and ids[-1] in set(self.tokenizer.all_special_ids):
-            ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
     def _count_request(self, sid: str, session: Session) -> None:
         """A request about to reach the engine counts against max_turns_per_sid (429 past it:
@@ -452,66 +390,6 @@ class BaseAdapter:
                 raise AdapterError(429, f"session {sid!r} exceeded max_turns_per_sid={self.max_turns_per_sid}",
                                    "rate_limit_error")  # fmt: skip
             session.requests += 1
-
-    # -- token ids of a prompt -----------------------------------------------------------------
-
-    def _render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool
-    ) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=generation, **self.chat_template_kwargs)  # fmt: skip
-        except Exception as e:  # jinja's errors: a template that refuses the messages
-            raise AdapterError(400, f"the chat template cannot render these messages: {e}") from None
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _prompt_ids(
-        self, session: Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> tuple[list[int], _Held | None]:
-        """The held tokens of the longest recorded history this request repeats, and the new
-        messages rendered after them (with that history); else the whole request rendered."""
-        full = self._render(messages, tools, True)
-        with self._lock:
-            candidates = sorted(session.held, key=lambda h: -len(h.messages))
-        if self.reuse_tokens:
-            for held in candidates:
-                k = len(held.messages)
-                if k < len(messages) and held.tools == tools and messages[:k] == held.messages:
-                    tail = self._tail(held, messages, tools, full)
-                    if tail is not None:
-                        return held.prompt_ids + held.output_ids + self._encode(tail), held
-                    break  # the template renders this history differently in context: render it all
-        if session.held:
-            session.rendered_in_full += 1
-        return self._encode(full), None
-
-    def _tail(self, held: _Held, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-              full: str) -> str | None:  # fmt: skip
-        """The text after the model's output: the end of its turn as the template closes it, then
-        the new messages and the generation prompt. None where the template does not render the
-        history as a prefix of the whole (one that rewrites earlier turns)."""
-        k = len(held.messages)
-        upto = self._render(messages[:k], tools, False)
-        opened = self._render(messages[: k - 1], tools, True)
-        if not (full.startswith(upto) and upto.startswith(opened)):
-            return None
-        rendered = upto[len(opened) :]  # the reply as the template writes it
-        output = self.tokenizer.decode(held.output_ids, skip_special_tokens=False)
-        if rendered.startswith(output):
-            closing = rendered[len(output) :]
-        else:  # the template writes the reply otherwise (capitals, a tool call's JSON, no stop token)
-            specials = [t for t in self.tokenizer.all_special_tokens if t and t in rendered]
-            ended = [t for t in specials if output.endswith(t)]
-            if ended:  # the model stopped on the template's end token: what the template writes after it
-                end = max(ended, key=len)
-                closing = rendered[rendered.rindex(end) + len(end) :]
-            elif specials:  # cut off, or stopped on another token: the template's end marker onwards
-                closing = rendered[max(rendered.rindex(t) for t in specials) :]
-            else:
-                return None
-        return closing + full[len(upto) :]
 
     # -- engine clients ------------------------------------------------------------------------
 
@@ -532,67 +410,6 @@ class BaseAdapter:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "slime-actor", "object": "model"}]})
-
-
-async def call_sglang_generate(
-    prompt_ids: list[int],
-    session: Session,
-    body: dict[str, Any],
-    *,
-    adapter: BaseAdapter,
-    session_id: str | None = None,
-) -> TurnRecord:
-    """One /generate of a turn (module-level, as slime's, so a test can replace it). A prompt
-    over the session's context budget generates nothing and ends with finish_reason "length"."""
-    from slime.engines.client import EngineError
-
-    params = _sampling_params(session, body, adapter.max_token_keys, adapter.stop_keys)
-    if session.max_context_tokens > 0:
-        room = session.max_context_tokens - len(prompt_ids)
-        if room <= 0:
-            adapter.logger.warning("[%s] session %s: the prompt (%d tokens) fills max_context_tokens %d",
-                                   adapter.log_prefix, session_id, len(prompt_ids), session.max_context_tokens)  # fmt: skip
-            return TurnRecord(list(prompt_ids), [], "length")
-        params["max_new_tokens"] = min(int(params["max_new_tokens"]), room)
-    client = adapter._client(session.engine_url or adapter.sglang_url)
-    rid = uuid.uuid4().hex
-    try:
-        out = await client.request("POST", "/generate", {"rid": rid, "input_ids": list(prompt_ids),
-                                                         "sampling_params": params, "return_logprob": True})  # fmt: skip
-    except EngineError as e:
-        status = 400 if e.status is not None and 400 <= e.status < 500 else 502
-        raise AdapterError(status, f"the engine refused or failed the turn: {e}", "api_error") from None
-    except asyncio.CancelledError:  # the client left or the session was shut down: free the engine's slot
-        aborting = asyncio.ensure_future(_abort(client, rid))
-        _ABORTS.add(aborting)
-        aborting.add_done_callback(_ABORTS.discard)
-        raise
-    meta = out.get("meta_info") or {}
-    pairs = meta.get("output_token_logprobs") or []
-    ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids", [])]
-    return TurnRecord(
-        prompt_ids=list(prompt_ids),
-        output_ids=ids,
-        finish_reason=str((meta.get("finish_reason") or {}).get("type") or "stop"),
-        output_log_probs=[float(p[0]) for p in pairs],
-        weight_versions=_token_versions(meta, len(ids)),
-    )
-
-
-def _token_versions(meta: dict[str, Any], n: int) -> list[str | None]:
-    spans = meta.get("weight_version_spans")
-    if spans and sum(int(c) for _, c in spans) == n:
-        return [None if v is None else str(v) for v, c in spans for _ in range(int(c))]
-    version = meta.get("weight_version")
-    return [None if version is None else str(version)] * n
-
-
-_ABORTS: set[asyncio.Future[None]] = set()
-
-
-async def _abort(client: Any, rid: str) -> None:
-    with contextlib.suppress(Exception):  # the engine may be gone too; its own timeout frees the slot then
-        await client.abort_request(rid)
 
 
 async def _health(request: web.Request) -> web.Response:
