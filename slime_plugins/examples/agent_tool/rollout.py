@@ -29,6 +29,8 @@ from slime.utils.sample import Sample
 from slime_plugins.examples.agent_tool.agent import solve
 
 logger = logging.getLogger(__name__)
+for _name in ("httpx", "httpx2"):  # the OpenAI client's HTTP library logs every request at INFO
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 AGENT_TIMEOUT_S = 120.0
 TOOL_TIMEOUT_S = 10
