@@ -431,3 +431,28 @@ def test_the_held_reply_is_closed_the_way_the_template_closes_a_turn(tokenizer, 
     finally:
         s.close()
         engine.close()
+
+
+def test_openai_streaming_carries_the_tool_call_and_the_usage(tokenizer):
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call><|im_end|>'
+    engine = ScriptedEngine(tokenizer, [call, "1<|im_end|>"])
+    s = Served(OpenAIAdapter(tokenizer=tokenizer, sglang_url=engine.url, tool_parser="hermes"))
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
+    try:
+        s.adapter.open_session("st")
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="st", max_retries=0)
+        messages = [{"role": "user", "content": "1?"}]
+        chunks = list(client.chat.completions.create(model="m", messages=messages, tools=tools, stream=True))
+        (tc,) = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
+        assert tc.function.name == "python" and json.loads(tc.function.arguments) == {"code": "print(1)"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert chunks[-1].usage.completion_tokens == len(s.turns[0].output_ids)
+        messages += [{"role": "assistant", "tool_calls": [{"id": tc.id, "type": "function", "function": {
+            "name": "python", "arguments": tc.function.arguments}}]}, {"role": "tool", "tool_call_id": tc.id, "content": "1"}]  # fmt: skip
+        stream = client.chat.completions.create(model="m", messages=messages, tools=tools, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == "1"
+        (sample,) = s.finish("st")
+        assert sample.metadata["rendered_in_full"] == 0 and sample.metadata["use_tool"]
+    finally:
+        s.close()
+        engine.close()
