@@ -94,9 +94,13 @@ def test_sft_rows_are_the_prompts_the_adapter_sends(rollout, tiny_model, tokeniz
     held = {json.loads(x)["prompt"] for x in open(out / "eval.jsonl")}
     assert len(train) + len(held) == len(task.problems()) and not held & {r["prompt"] for r in train}
     rows = [json.loads(x) for x in open(out / "sft.jsonl")]
-    assert len(rows) == 6
-    first, second = rows[:2]
+    assert len(rows) == 9  # per problem: the tool call, the answer from its output, an answer from memory
     a, b = (int(x) for x in train[0]["prompt"].removeprefix("compute ").split("*"))
+    mine = [r for r in rows if f"compute {a}*{b}<" in r["prompt"]]
+    first, second = [
+        r for r in mine if "tool\n" not in r["prompt"] and r["response"].startswith("<tool_call>")
+    ] + [r for r in mine if "tool\n" in r["prompt"]]
+    assert [r["response"] for r in mine if "tool\n" not in r["prompt"] and r is not first] == [str(a * b)]
     call = f'<tool_call>{{"name": "python", "arguments": {{"code": "print({a}*{b})"}}}}</tool_call>'
     engine = ScriptedEngine(tokenizer, [call + "<|im_end|>", f"{a * b}<|im_end|>"])
     try:

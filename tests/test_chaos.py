@@ -116,7 +116,7 @@ def assert_nothing_lost(proc, template, num_rollout, kills, pushes):
     assert "takes requests again" in out
 
 
-@pytest.mark.slow  # ~60 s, the longest default test; the default run keeps the killed-train-rank job below
+@pytest.mark.slow  # ~60 s
 def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompts, tmp_path):  # noqa: F811
     """One job, one fault per rollout: both engines at once during generation (rollout 0), one
     during generation (rollout 1; with 48-token responses of varied length its other groups are
@@ -169,11 +169,12 @@ def test_fault_matrix(tiny_model, prompts, tmp_path, cell):  # noqa: F811
     assert_nothing_lost(proc, template, 3, kills=2 if cell == "both_engines" else 1, pushes=3)
 
 
+# ~70 s each: slow. The default run keeps a failing rank ending the job (tests/test_hang.py) and a
+# resume after a crash (tests/test_loop_e2e.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "phase, what",
-    [("train", "the train step of rollout 2"),
-     pytest.param("save", "the checkpoint save of rollout 2", marks=pytest.mark.slow)],
-)  # fmt: skip
+    "phase, what", [("train", "the train step of rollout 2"), ("save", "the checkpoint save of rollout 2")]
+)
 def test_a_killed_train_rank_ends_the_job_and_the_run_resumes(tiny_model, prompts, tmp_path, phase, what):  # noqa: F811
     """Rank 1 of 2 killed in the train step (or the checkpoint save) of rollout 2: exit code 1 at
     once (not after a timeout) naming the rank and the phase; the checkpoint of rollout 1 is intact,

@@ -22,7 +22,7 @@ from typing import Any
 import openai
 
 from slime.agent.adapters import OpenAIAdapter
-from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.agent.aiohttp_threaded import FilteredAccessLogger, run_app_in_thread
 from slime.agent.sandbox import LocalSandbox
 from slime.utils.misc import SingletonMeta
 from slime.utils.sample import Sample
@@ -48,7 +48,9 @@ class AdapterService(metaclass=SingletonMeta):
             sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
             tool_parser=getattr(args, "sglang_tool_call_parser", None) or "hermes",
         )
-        self.handle = run_app_in_thread(self.adapter.app, thread_name="agent-adapter")
+        # Errors and slow requests only in the access log (an agent run makes many requests).
+        self.handle = run_app_in_thread(self.adapter.app, thread_name="agent-adapter",
+                                        runner_kwargs={"access_log_class": FilteredAccessLogger})  # fmt: skip
         self.url = self.handle.url
 
 

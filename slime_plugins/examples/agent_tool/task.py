@@ -1,12 +1,15 @@
-"""The agent example's task: products a*b (10 <= a <= 99, 2 <= b <= 9) the agent computes with
-its python tool, and the SFT warm start that teaches it the tool-call format.
+"""The agent example's task: products a*b (10 <= a <= 99, 2 <= b <= 9) the agent may compute
+with its python tool, and the SFT warm start.
 
     python -m slime_plugins.examples.agent_tool.task --out DIR --hf-checkpoint MODEL [--seed 0]
 
 Writes DIR/train.jsonl and DIR/eval.jsonl (prompt: "compute 37*4", label: "148"; the eval
-problems are never trained on) and DIR/sft.jsonl: each turn of a correct run as a row, its
-prompt rendered with MODEL's chat template as the adapter renders it (the tool offered) and the
-model's reply as the response.
+problems are never trained on) and DIR/sft.jsonl, rows of prompt and response, the prompt
+rendered with MODEL's chat template as the adapter renders it (the tool offered): each turn of a
+run that calls the tool (the tool call, then the answer read from the tool's output) and, for
+`--direct-fraction` of the problems, also an answer given at once, from memory (which a tiny
+model gets wrong on problems it has not seen). After SFT the model answers at once about half
+of the time; what RL has to find is that calling the tool pays.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-eval", type=int, default=120)
-    p.add_argument("--num-sft", type=int, default=200)
+    p.add_argument("--num-sft", type=int, default=300)
+    p.add_argument("--direct-fraction", type=float, default=1.0)
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -74,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
             for a, b in rows:
                 f.write(json.dumps({"prompt": question(a, b), "label": str(a * b)}) + "\n")
+    rows = []
+    for k, (a, b) in enumerate(train[: args.num_sft]):
+        tool_rows = sft_rows(tokenizer, a, b)
+        direct = k < args.direct_fraction * min(args.num_sft, len(train))
+        rows += tool_rows + ([{"prompt": tool_rows[0]["prompt"], "response": str(a * b)}] if direct else [])
+    random.Random(args.seed + 1).shuffle(rows)
     with open(os.path.join(args.out, "sft.jsonl"), "w") as f:
-        for a, b in train[: args.num_sft]:
-            for row in sft_rows(tokenizer, a, b):
-                f.write(json.dumps(row) + "\n")
-    print(
-        f"{len(train)} train, {len(held_out)} held-out problems, {2 * min(args.num_sft, len(train))} SFT rows"
-    )
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    print(f"{len(train)} train, {len(held_out)} held-out problems, {len(rows)} SFT rows")
     return 0
 
 
