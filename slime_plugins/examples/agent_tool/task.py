@@ -78,15 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
             for a, b in rows:
                 f.write(json.dumps({"prompt": question(a, b), "label": str(a * b)}) + "\n")
-    rows = []
+    sft: list[dict[str, str]] = []
     for k, (a, b) in enumerate(train[: args.num_sft]):
         tool_rows = sft_rows(tokenizer, a, b)
         direct = k < args.direct_fraction * min(args.num_sft, len(train))
-        rows += tool_rows + ([{"prompt": tool_rows[0]["prompt"], "response": str(a * b)}] if direct else [])
-    random.Random(args.seed + 1).shuffle(rows)
+        sft += tool_rows + ([{"prompt": tool_rows[0]["prompt"], "response": str(a * b)}] if direct else [])
+    random.Random(args.seed + 1).shuffle(sft)
     with open(os.path.join(args.out, "sft.jsonl"), "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    print(f"{len(train)} train, {len(held_out)} held-out problems, {len(rows)} SFT rows")
+        f.writelines(json.dumps(row) + "\n" for row in sft)
+    print(f"{len(train)} train, {len(held_out)} held-out problems, {len(sft)} SFT rows")
     return 0
 
 
