@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -32,15 +33,31 @@ class Served:
 
     def __init__(self, adapter):
         self.adapter = adapter
-        self.turns, self.by_sid = [], {}
+        self._turns, self._by_sid = [], {}
 
         def record(sid, msgs, tools, reply, turn):
-            self.turns.append(turn)
-            self.by_sid.setdefault(sid, []).append(turn)
+            self._turns.append(turn)
+            self._by_sid.setdefault(sid, []).append(turn)
 
         adapter.debug_callback = record
         self.handle = run_app_in_thread(adapter.app)
         self.url = self.handle.url
+
+    def _settled(self):
+        """The answer is sent before the turn is recorded: wait for the recording to end."""
+        deadline = time.monotonic() + 10
+        while any(self.adapter.inflight.values()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    @property
+    def turns(self):
+        self._settled()
+        return self._turns
+
+    @property
+    def by_sid(self):
+        self._settled()
+        return self._by_sid
 
     def finish(self, sid, reward=1.0, **kw):
         return run_sync(
@@ -453,6 +470,32 @@ def test_openai_streaming_carries_the_tool_call_and_the_usage(tokenizer):
         assert "".join(c.choices[0].delta.content or "" for c in stream) == "1"
         (sample,) = s.finish("st")
         assert sample.metadata["rendered_in_full"] == 0 and sample.metadata["use_tool"]
+    finally:
+        s.close()
+        engine.close()
+
+
+def test_a_reply_that_kept_one_of_two_tool_calls_is_not_reused(tokenizer):
+    """The OpenAI reply carries one tool call (slime's); the model's tokens said two, so the next
+    turn is rendered from the recorded history, not continued from those tokens."""
+    one = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    two = '<tool_call>{"name": "python", "arguments": {"code": "print(2)"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, [one + two + "<|im_end|>", "1<|im_end|>"])
+    s = Served(OpenAIAdapter(tokenizer=tokenizer, sglang_url=engine.url, tool_parser="hermes"))
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
+    try:
+        s.adapter.open_session("two")
+        messages = [{"role": "user", "content": "1?"}]
+        first = chat(s.url, "two", messages, tools=tools).choices[0].message
+        assert len(first.tool_calls) == 1
+        messages += [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": first.tool_calls[0].id,
+                                                            "content": "1"}]  # fmt: skip
+        chat(s.url, "two", messages, tools=tools)
+        t1, t2 = s.turns
+        assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] != t1.prompt_ids + t1.output_ids
+        assert two not in tokenizer.decode(t2.prompt_ids)
+        (*_, last) = s.finish("two")
+        assert last.metadata["rendered_in_full"] == 1
     finally:
         s.close()
         engine.close()

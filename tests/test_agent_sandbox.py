@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -101,6 +102,45 @@ def test_exec_and_wait_and_leaving_the_sandbox_kill_detached_commands():
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
+
+
+@needs_namespaces
+def test_a_timed_out_command_whose_detached_child_holds_its_output_returns_and_the_child_dies():
+    async def go():
+        async with LocalSandbox() as sb:
+            start = time.monotonic()
+            code, _, _ = await sb.exec("setsid sleep 300 & echo $! > /tmp/child; sleep 300", timeout=1)
+            assert code == EXIT_TIMEOUT and time.monotonic() - start < 20
+            return int((await sb.read_file("/tmp/child")).strip())
+
+    pid = run_sync(go())
+    time.sleep(0.2)
+    assert not alive(pid)
+
+
+@needs_namespaces
+def test_a_sandbox_left_by_a_dead_process_is_cleared_by_the_next():
+    import pathlib
+    import shutil
+    import tempfile
+
+    parent = pathlib.Path(tempfile.mkdtemp(dir="/var/tmp"))  # not under /tmp (the sandbox's own)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = parent / f"slime-sandbox-local-0123456789ab-{dead.pid}"
+    (left / "tmp").mkdir(parents=True)
+    mine = parent / f"slime-sandbox-local-ba9876543210-{os.getpid()}"  # a live process's: kept
+    mine.mkdir()
+
+    async def go():
+        async with LocalSandbox(root=str(parent)) as sb:
+            return os.path.basename(sb.root)
+
+    name = run_sync(go())
+    try:
+        assert not left.exists() and mine.exists() and not (parent / name).exists()
+    finally:
+        shutil.rmtree(parent)
 
 
 class EchoHarness(BaseHarness):

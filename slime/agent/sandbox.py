@@ -24,7 +24,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -78,13 +77,17 @@ async def exec_and_wait(
     tmp = getattr(sb, "tmp_dir", "/tmp")
     out_file = out_file or f"{tmp}/.{tag}.out"
     done, launcher, pid_file = f"{tmp}/.{tag}.done", f"{tmp}/.{tag}.sh", f"{tmp}/.{tag}.pid"
+    guard = f"{tmp}/.{tag}.spawned"
     prefix = f"cd {shlex.quote(workdir)}\nexport HOME=/home/{user}\n" if workdir else ""
     # The command in a subshell: its `exit` must not skip the exit-code marker.
     body = f"#!/bin/bash\necho $$ > {pid_file}\n(\n{prefix}{cmd}\n)\necho $? > {done}\n"
     await sb.write_file(launcher, body, user=user)
-    await sb.exec(f"rm -f {out_file} {done} {pid_file}", user=user, timeout=30, check=True)
-    await sb.exec(f"chmod +x {launcher}; setsid bash {launcher} < /dev/null > {out_file} 2>&1 &", user=user, env=env,
-                  timeout=30, check=True)  # fmt: skip
+    await sb.exec(f"rm -rf {guard}; rm -f {out_file} {done} {pid_file}", user=user, timeout=30, check=True)
+    # The guard (slime's): a spawn sent again after a lost answer (a backend's retry) starts nothing.
+    await sb.exec(f"chmod +x {launcher}; mkdir {guard} 2>/dev/null || exit 0; "
+                  f"setsid bash {launcher} < /dev/null > {out_file} 2>&1 &", user=user, env=env, timeout=30,
+                  check=True)  # fmt: skip
+
     interval = float(getattr(sb, "poll_interval_s", 5.0))
     deadline = time.monotonic() + time_budget_sec
     code = EXIT_TIME_BUDGET_EXCEEDED
@@ -178,7 +181,8 @@ class LocalSandbox:
             raise ValueError(
                 f"LocalSandbox(root={parent!r}): not under /tmp, which its commands see as their own"
             )
-        self.root = tempfile.mkdtemp(prefix="slime-sandbox-", dir=parent)
+        _sweep_abandoned(parent)
+        self.root = os.path.join(parent, f"slime-sandbox-{self.sandbox_id}-{os.getpid()}")
         os.makedirs(os.path.join(self.root, "tmp"))
         return self
 
@@ -188,19 +192,9 @@ class LocalSandbox:
 
     def kill_all(self) -> int:
         """Kill every process any command of this sandbox started, detached ones included (found
-        by the sandbox id in their environment); how many."""
-        marker = f"SLIME_SANDBOX_ID={self.sandbox_id}".encode()
-        killed = 0
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if marker not in f.read().split(b"\0"):
-                        continue
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except OSError:  # gone, or not ours
-                continue
-        return killed
+        by the sandbox id in their environment); how many. A process that clears its environment
+        (`env -i`) is not found: commands are contained, not confined."""
+        return _kill_marked(f"SLIME_SANDBOX_ID={self.sandbox_id}")
 
     def host_path(self, sandbox_path: str) -> str:
         """Where a sandbox path lies here: /tmp/... is the sandbox's tmp, a relative path is under
@@ -235,16 +229,14 @@ class LocalSandbox:
         """Run `cmd` with bash in the sandbox's root: (exit code, stdout, stderr). At `timeout` s
         the command and its process group are killed (exit code 124). `user` is not switched:
         every command runs as this machine's user."""
-        base = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": self.root,
-            "TMPDIR": "/tmp",
-            "LANG": "C.UTF-8",
-        }
+        base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.root, "TMPDIR": self.tmp_dir,
+                "LANG": "C.UTF-8"}  # fmt: skip
+        command = uuid.uuid4().hex  # marks every process of this command, detached ones included
         proc = await asyncio.create_subprocess_exec(
             *self._argv(cmd), cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            env={**base, **self.env, **(env or {}), "SLIME_SANDBOX_ID": self.sandbox_id},
+            env={**base, **self.env, **(env or {}), "SLIME_SANDBOX_ID": self.sandbox_id,
+                 "SLIME_SANDBOX_COMMAND": command},
         )  # fmt: skip
         assert proc.stdout is not None and proc.stderr is not None
         reads = asyncio.gather(self._read(proc.stdout), self._read(proc.stderr))
@@ -252,8 +244,13 @@ class LocalSandbox:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(asyncio.shield(reads), timeout)
             code = await proc.wait()
         except asyncio.TimeoutError:
+            # The group, and what left it (setsid) but keeps the output pipes open.
             _kill_group(proc.pid)
-            (out, out_cut), (err, err_cut) = await reads
+            _kill_marked(f"SLIME_SANDBOX_COMMAND={command}")
+            try:
+                (out, out_cut), (err, err_cut) = await asyncio.wait_for(reads, 10)
+            except asyncio.TimeoutError:  # a process that cleared its environment holds them
+                (out, out_cut), (err, err_cut) = ("", False), ("", False)
             await proc.wait()
             code, err = EXIT_TIMEOUT, err + f"\n[slime sandbox: killed after the {timeout} s timeout]"
         if out_cut or err_cut:
@@ -289,6 +286,19 @@ class LocalSandbox:
             return ""
 
 
+def _sweep_abandoned(parent: str) -> None:
+    """Remove the sandboxes a process that is gone left behind (killed before it left them): their
+    processes, then their directories. A sandbox's directory names its id and its process."""
+    for name in os.listdir(parent):
+        parts = name.split("-")
+        if len(parts) != 5 or parts[:3] != ["slime", "sandbox", "local"] or not parts[4].isdigit():
+            continue
+        if os.path.exists(f"/proc/{parts[4]}"):
+            continue  # its process lives (or the pid was reused: left alone)
+        _kill_marked(f"SLIME_SANDBOX_ID=local-{parts[3]}")
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 def _sandbox_parent() -> str:
     for parent in ("/var/tmp", os.path.expanduser("~/.cache/slime/sandboxes")):
         os.makedirs(parent, exist_ok=True)
@@ -297,6 +307,21 @@ def _sandbox_parent() -> str:
     raise RuntimeError(
         "LocalSandbox: neither /var/tmp nor ~/.cache/slime/sandboxes is writable; pass root=DIR"
     )
+
+
+def _kill_marked(marker: str) -> int:
+    """SIGKILL every process of this user whose environment holds `marker` (NAME=VALUE); how many."""
+    wanted, killed = marker.encode(), 0
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if wanted not in f.read().split(b"\0"):
+                    continue
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:  # gone, or not ours
+            continue
+    return killed
 
 
 def _kill_group(pid: int) -> None:

@@ -230,10 +230,11 @@ class TrajectoryManager:
         if not prompt_messages:
             logger.warning("session %s: a turn with no prompt messages is not recorded", sid)
             return
-        if turn.output_log_probs and len(turn.output_log_probs) != len(turn.output_ids):
-            raise ValueError(
-                f"session {sid}: {len(turn.output_log_probs)} log-probs for {len(turn.output_ids)} output tokens"
-            )
+        for name, values in (("log-probs", turn.output_log_probs), ("weight versions", turn.weight_versions)):
+            if values and len(values) != len(turn.output_ids):
+                raise ValueError(
+                    f"session {sid}: {len(values)} {name} for {len(turn.output_ids)} output tokens"
+                )
         node = self._trees.setdefault(sid, MessageNode())
         depth = 0
         while depth < len(prompt_messages):

@@ -88,7 +88,12 @@ class EngineClient:
         return self._session
 
     async def request(
-        self, method: str, path: str, payload: Any = None, timeout_s: float | None = None
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one call; return the decoded JSON (or text) body. Raises EngineError."""
         url = f"{self.base_url}{path}"
@@ -104,7 +109,9 @@ class EngineClient:
             logger.warning("connection to %s failed (%s); retry %d in %.1fs", url, e, failures, wait)
 
         async def once() -> Any:
-            async with self._get_session().request(method, url, json=payload, timeout=timeout) as resp:
+            async with self._get_session().request(
+                method, url, json=payload, timeout=timeout, headers=headers
+            ) as resp:
                 return await _decode(resp, url)
 
         async with self._semaphore:

@@ -23,7 +23,7 @@ returns the samples and closes it (later requests: 410); `drop_session` discards
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import dataclasses
 import logging
 import threading
@@ -68,6 +68,9 @@ class Reply:
     manager_message: dict[str, Any]
     finish_reason: str
     wire: Any
+    complete: bool = True
+    """Whether the recorded message carries all the output said (an OpenAI reply keeps one tool
+    call of several): only then may a later request reuse the output's tokens for it."""
 
 
 def flatten_content(c: Any) -> str:
@@ -174,7 +177,7 @@ class BaseAdapter:
         self.store: dict[str, Session] = {}
         self.closed: set[str] = set()
         self.inflight: dict[str, set[asyncio.Task[Any]]] = {}
-        self.latency_s: list[float] = []
+        self.latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
         """Seconds each turn spent in the adapter itself (rendering, parsing, recording), the
         engine's time excluded."""
         self._lock = threading.RLock()  # the rollout's thread finishes sessions the app's thread records
@@ -250,7 +253,7 @@ class BaseAdapter:
                 await drain()
             else:  # the app runs on its own thread's loop (slime.agent.aiohttp_threaded)
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(), loop))
-        except (RuntimeError, concurrent.futures.CancelledError):
+        except RuntimeError:  # the app's loop is closed: nothing of the session can still run
             self.logger.exception("[%s] session %s: waiting for its requests failed", self.log_prefix, sid)
 
     async def finish_session(
@@ -264,7 +267,11 @@ class BaseAdapter:
     ) -> list[Any]:
         """The session's samples (slime.agent.trajectory), each with `reward` and its response
         text; the session is closed. A second call returns []."""
-        await self.shutdown_session(sid, wait_timeout=wait_timeout)
+        try:
+            await self.shutdown_session(sid, wait_timeout=wait_timeout)
+        except BaseException:  # cancelled while waiting: nothing of the session stays behind
+            self.discard_session(sid)
+            raise
         with self._lock:
             session = self.store.pop(sid, None)
             extra = dict(extra_metadata or {})
@@ -283,8 +290,16 @@ class BaseAdapter:
         return samples
 
     async def drop_session(self, sid: str, *, wait_timeout: float = 5.0) -> None:
-        await self.shutdown_session(sid, wait_timeout=wait_timeout)
+        try:
+            await self.shutdown_session(sid, wait_timeout=wait_timeout)
+        finally:
+            self.discard_session(sid)
+
+    def discard_session(self, sid: str) -> None:
+        """Close the session and forget it at once, without waiting (its requests in flight then
+        record nothing: the session is gone when they would)."""
         with self._lock:
+            self.closed.add(sid)
             self.store.pop(sid, None)
             self.manager.drop_session(sid)
 
@@ -297,16 +312,14 @@ class BaseAdapter:
             return self._error(AdapterError(400, f"the request body is not JSON: {e}"))
         if not isinstance(body, dict):
             return self._error(AdapterError(400, "the request body must be a JSON object"))
+        task = asyncio.current_task()
+        assert task is not None
         try:
             self._preprocess_body(body)
             sid = self._session_id(request, body)
-            session = self._admit(sid)
+            session = self._admit(sid, task)
         except AdapterError as e:
             return self._error(e)
-        task = asyncio.current_task()
-        assert task is not None
-        with self._lock:
-            self.inflight.setdefault(sid, set()).add(task)
         try:
             return await self._turn(request, body, sid, session)
         except AdapterError as e:
@@ -315,7 +328,9 @@ class BaseAdapter:
             with self._lock:
                 self.inflight.get(sid, set()).discard(task)
 
-    def _admit(self, sid: str) -> Session:
+    def _admit(self, sid: str, task: asyncio.Task[Any]) -> Session:
+        """The open session of `sid`, with this request in flight in it (under one lock: a session
+        finished meanwhile either waits for this request or refuses it)."""
         with self._lock:
             if sid in self.closed:
                 raise AdapterError(
@@ -327,6 +342,7 @@ class BaseAdapter:
                     raise AdapterError(404, f"no open session {sid!r}: the rollout opens one per agent run "
                                        "(adapter.open_session) and the agent sends it as its API key", "not_found_error")  # fmt: skip
                 session = self.store[sid] = Session()
+            self.inflight.setdefault(sid, set()).add(task)
             return session
 
     async def _turn(
@@ -342,7 +358,7 @@ class BaseAdapter:
         with self._lock:
             held = list(session.held)
         prompt_ids, reused = self.history.prompt_ids(held, translated, tools)
-        if reused is None and held:
+        if reused is None and session.requests:  # not the first turn, yet rendered whole
             session.rendered_in_full += 1
         self._count_request(sid, session)
         prepared = time.perf_counter()
@@ -353,12 +369,15 @@ class BaseAdapter:
                                     reasoning_parser_name=self.reasoning_parser)  # fmt: skip
         reply = self._build_reply(parsed, turn.finish_reason, translated, tools)
         turn = dataclasses.replace(turn, ill_formed=parsed.ill_formed)
-        stream = body.get("stream") is True
+        stream = body.get("stream") is True or "text/event-stream" in request.headers.get("Accept", "")
         # The answer goes out before the turn is recorded: a client gone meanwhile never got it.
         try:
             response = await self._respond(
                 request, body, reply, len(prompt_ids), len(turn.output_ids), stream
             )
+            if not response.prepared:  # a JSON answer: sent now, before the turn is recorded
+                await response.prepare(request)
+                await response.write_eof()
         except ConnectionResetError as e:
             self.logger.warning(
                 "[%s] session %s: the client left before the answer (%s)", self.log_prefix, sid, e
@@ -375,8 +394,9 @@ class BaseAdapter:
                                          response_message=reply.manager_message, metadata={"sid": sid})  # fmt: skip
                 if reused is not None and reused in session.held:  # this turn's history supersedes it
                     session.held.remove(reused)
-                session.held.append(Held([*translated, reply.manager_message], tools, turn.prompt_ids,
-                                          turn.output_ids))  # fmt: skip
+                if reply.complete:  # the recorded reply says all the output did: a history to reuse
+                    session.held.append(Held([*translated, reply.manager_message], tools, turn.prompt_ids,
+                                              turn.output_ids))  # fmt: skip
         self.latency_s.append((prepared - started) + (time.perf_counter() - generated))
         return response
 

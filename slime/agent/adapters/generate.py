@@ -74,16 +74,17 @@ async def call_sglang_generate(
         params["max_new_tokens"] = min(int(params["max_new_tokens"]), room)
     client = adapter._client(session.engine_url or adapter.sglang_url)
     rid = uuid.uuid4().hex
+    # slime's routing key: a router keeps a session's turns on one engine (its prefix cache).
+    headers = {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else None
+    body = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
     try:
-        out = await client.request("POST", "/generate", {"rid": rid, "input_ids": list(prompt_ids),
-                                                         "sampling_params": params, "return_logprob": True})  # fmt: skip
-    except EngineError as e:
+        out = await client.request("POST", "/generate", body, headers=headers)
+    except EngineError as e:  # the engine may still be generating it (a timeout): free its slot
+        _abort_soon(client, rid)
         status = 400 if e.status is not None and 400 <= e.status < 500 else 502
         raise AdapterError(status, f"the engine refused or failed the turn: {e}", "api_error") from None
     except asyncio.CancelledError:  # the client left or the session was shut down: free the engine's slot
-        aborting = asyncio.ensure_future(_abort(client, rid))
-        _ABORTS.add(aborting)
-        aborting.add_done_callback(_ABORTS.discard)
+        _abort_soon(client, rid)
         raise
     meta = out.get("meta_info") or {}
     pairs = meta.get("output_token_logprobs") or []
@@ -106,6 +107,12 @@ def _token_versions(meta: dict[str, Any], n: int) -> list[str | None]:
 
 
 _ABORTS: set[asyncio.Future[None]] = set()
+
+
+def _abort_soon(client: Any, rid: str) -> None:
+    aborting = asyncio.ensure_future(_abort(client, rid))
+    _ABORTS.add(aborting)
+    aborting.add_done_callback(_ABORTS.discard)
 
 
 async def _abort(client: Any, rid: str) -> None:

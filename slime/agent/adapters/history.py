@@ -65,7 +65,10 @@ class ChatHistory:
             for turn in sorted(held, key=lambda h: -len(h.messages)):  # the longest history first
                 k = len(turn.messages)
                 if k < len(messages) and turn.tools == tools and messages[:k] == turn.messages:
-                    tail = self._tail(turn, messages, tools, full)
+                    try:
+                        tail = self._tail(turn, messages, tools, full)
+                    except AdapterError:  # the template refuses a part on its own: render it all
+                        tail = None
                     if tail is not None:
                         return turn.prompt_ids + turn.output_ids + self.encode(tail), turn
                     break  # the template writes this history otherwise in context: render it all

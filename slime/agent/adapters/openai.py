@@ -62,9 +62,8 @@ class OpenAIAdapter(BaseAdapter):
     def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
                      tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
         wire_message, manager_message, wire_finish = _build_reply_parts(parsed, raw_finish)
-        return Reply(
-            manager_message, manager_finish_reason(parsed.tool_uses, raw_finish), (wire_message, wire_finish)
-        )
+        return Reply(manager_message, manager_finish_reason(parsed.tool_uses, raw_finish),
+                     (wire_message, wire_finish), complete=len(parsed.tool_uses) <= 1)  # fmt: skip
 
     async def _respond(self, request: web.Request, body: dict[str, Any], reply: Reply, in_tok: int, out_tok: int,
                        stream: bool) -> web.StreamResponse:  # fmt: skip
@@ -120,9 +119,9 @@ def _translate_messages(messages: list[Any]) -> list[dict[str, Any]]:
         if role != "assistant":
             out.append({"role": role, "content": flatten_content(content)})
             continue
+        # Its reasoning_content is not kept (slime keeps it): the recorded reply has none, so an echo
+        # with it (the SDK's model_dump() keeps it) would never match; the held tokens have it.
         assistant: dict[str, Any] = {"role": "assistant", "content": flatten_content(content)}
-        if msg.get("reasoning_content"):
-            assistant["reasoning_content"] = msg["reasoning_content"]
         calls = msg.get("tool_calls") or []
         if not isinstance(calls, list):
             raise AdapterError(400, f"messages[{i}].tool_calls must be a list")

@@ -75,6 +75,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         reward = float(answer.strip() == str(sample.label).strip())
         samples = await service.adapter.finish_session(sid, base_sample=sample, reward=reward,
                                                        extra_metadata={"agent_answer": answer})  # fmt: skip
+    except asyncio.CancelledError:  # the rollout is cancelling this group: nothing of the session stays
+        service.adapter.discard_session(sid)
+        raise
     except Exception as e:  # the agent crashed or overran: nothing of it is trained on
         logger.warning("agent session %s failed: %s: %s", sid, type(e).__name__, e)
         await service.adapter.drop_session(sid)
