@@ -64,6 +64,8 @@ async def run(
                     reply = await r.json()
                     assert r.status == 200, reply
                 via.append(time.perf_counter() - start)
+                while adapter.inflight.get(sid):  # the answer is sent before the turn is recorded
+                    await asyncio.sleep(0.001)
                 params = sampling_params(adapter.store[sid], body, adapter.max_token_keys, adapter.stop_keys)
                 start = time.perf_counter()
                 async with http.post(f"{engine_url}/generate", json={"input_ids": turns[-1].prompt_ids,
