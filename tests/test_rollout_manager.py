@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.engines.client import EngineClient
 from slime.rollout.data import PromptDataset
@@ -111,6 +113,43 @@ def test_custom_generate_function(engine, tokenizer, tmp_path):
     for s in result.samples:
         assert s.metadata["custom"] and s.response_length == 2 and s.reward in (0.0, 1.0)
         assert s.tokens[:4] == tokenizer.encode("1+1=", add_special_tokens=False)
+
+
+async def fanning_generate(args, sample, sampling_params):
+    """slime's fan-out: one execution returns two samples with its rollout_id (or, with
+    args.bad, a list that forgets it)."""
+    import copy
+
+    first = await custom_generate(args, sample, sampling_params)
+    second = copy.deepcopy(first)
+    for s in (first, second):
+        s.rollout_id = None if args.bad else sample.index
+    return [first, second]
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_generate_function_may_fan_one_sample_out_into_several(engine, tokenizer, tmp_path, bad):
+    from types import SimpleNamespace
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            gen = RolloutGenerator(
+                PromptDataset(DataConfig(str(path)), tokenizer), [client], RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=2), rollout_batch_size=1,
+                args=SimpleNamespace(url=engine.url.removeprefix("http://"), bad=bad), generate_fn=fanning_generate,
+            )  # fmt: skip
+            return await gen.generate_rollout()
+
+    if bad:
+        with pytest.raises(TypeError, match="must be non-empty Samples that all set rollout_id"):
+            asyncio.run(go())
+        return
+    samples = asyncio.run(go()).samples
+    assert len(samples) == 4 and len({s.group_index for s in samples}) == 1  # two executions x two
+    assert sorted(s.rollout_id for s in samples) == sorted(2 * [samples[0].rollout_id, samples[2].rollout_id])
 
 
 def scripted_rollout(args, rollout_id, data_source, evaluation=False):
