@@ -14,7 +14,6 @@ import asyncio
 import copy
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
 from slime.utils.net import host_port
-from slime.utils.sample import Sample, Status, group_samples
+from slime.utils.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
 
@@ -402,81 +401,6 @@ class RolloutGenerator:
         for task in sorted(done, key=drawn.__getitem__):
             if not task.cancelled() and task.exception() is None:
                 self.carry.append((prompts[task], task.result()))
-
-
-@dataclass
-class BuiltInRollout:
-    """The rollout (or evaluation set) a rollout function was called for, as the built-in
-    rollout makes it: what slime.rollout.sglang_rollout.generate_rollout returns when a user's
-    rollout function calls it."""
-
-    rollout_id: int
-    evaluation: bool
-    eval_set: str | None
-    run: Callable[[], tuple[list[Sample], dict[str, float]]]
-
-    def __call__(self, rollout_id: int, evaluation: bool) -> Any:
-        from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-        from slime.utils.async_utils import get_async_loop
-
-        if threading.current_thread() is get_async_loop().thread:
-            raise RuntimeError(
-                "slime.rollout.sglang_rollout.generate_rollout is synchronous: call it from a plain (not async) "
-                "--rollout-function-path function"
-            )
-        if (rollout_id, evaluation) != (self.rollout_id, self.evaluation):
-            raise ValueError(
-                f"generate_rollout was called for rollout {rollout_id} (evaluation={evaluation}) with the "
-                f"data_source of rollout {self.rollout_id} (evaluation={self.evaluation})"
-            )
-        samples, metrics = self.run()
-        if evaluation:
-            name = self.eval_set or "eval"
-            return RolloutFnEvalOutput(
-                data={name: {"rewards": [s.reward for s in samples],
-                             "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}},
-                metrics=metrics,
-            )  # fmt: skip
-        return RolloutFnTrainOutput(samples=group_samples(samples), metrics=metrics)
-
-
-class DataSource:
-    """What a `--rollout-function-path` function draws prompts from (slime's `data_source`)."""
-
-    def __init__(
-        self,
-        dataset: PromptDataset | None,
-        n_samples_per_prompt: int,
-        default_rollout: BuiltInRollout | None = None,
-        sample_fields: dict[str, Any] | None = None,
-    ):
-        """`sample_fields`: set on every sample drawn (an evaluation set's own `custom_rm_path`
-        and `generate_function_path`, as slime sets them)."""
-        self.dataset = dataset
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.default_rollout = default_rollout
-        self.sample_fields = {k: v for k, v in (sample_fields or {}).items() if v is not None}
-
-    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
-        """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
-        (prompt ids in `tokens`, `metadata["prompt_index"]` set)."""
-        if self.dataset is None:
-            raise RuntimeError(
-                "this job has no --prompt-data: the rollout function must bring its own prompts"
-            )
-        return [
-            [
-                Sample(
-                    prompt=p.prompt,
-                    tokens=list(p.token_ids),
-                    label=p.label,
-                    metadata=dict(p.metadata, prompt_index=p.index),
-                    **self.sample_fields,
-                )
-                for _ in range(self.n_samples_per_prompt)
-            ]
-            for p in self.dataset.next_batch(num_prompts)
-        ]
 
 
 def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sample]:

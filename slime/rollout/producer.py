@@ -28,18 +28,12 @@ from slime.rollout.base_types import unwrap
 from slime.rollout.continuous import BusyMeter, ContinuousPool
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.dump import make_meta, save_dump
-from slime.rollout.generator import (
-    BuiltInRollout,
-    DataSource,
-    GenerationProgress,
-    RolloutGenerator,
-    number_groups,
-    score_unscored,
-)
+from slime.rollout.generator import GenerationProgress, RolloutGenerator, number_groups, score_unscored
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
 from slime.rollout.teacher import TeacherScorer
+from slime.rollout.user_rollout import BuiltInRollout, DataSource
 from slime.utils.async_utils import run
 from slime.utils.batch import Evaluation, Rollout
 from slime.utils.misc import load_function

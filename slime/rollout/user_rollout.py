@@ -1,0 +1,87 @@
+"""What a `--rollout-function-path` function is given (slime's interface): the `data_source` it
+draws prompts from, and the built-in rollout it may call (slime.rollout.sglang_rollout.generate_rollout)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from slime.rollout.data import PromptDataset
+from slime.utils.sample import Sample, Status, group_samples
+
+
+@dataclass
+class BuiltInRollout:
+    """The rollout (or evaluation set) a rollout function was called for, as the built-in
+    rollout makes it: what slime.rollout.sglang_rollout.generate_rollout returns when a user's
+    rollout function calls it."""
+
+    rollout_id: int
+    evaluation: bool
+    eval_set: str | None
+    run: Callable[[], tuple[list[Sample], dict[str, float]]]
+
+    def __call__(self, rollout_id: int, evaluation: bool) -> Any:
+        from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+        from slime.utils.async_utils import get_async_loop
+
+        if threading.current_thread() is get_async_loop().thread:
+            raise RuntimeError(
+                "slime.rollout.sglang_rollout.generate_rollout is synchronous: call it from a plain (not async) "
+                "--rollout-function-path function"
+            )
+        if (rollout_id, evaluation) != (self.rollout_id, self.evaluation):
+            raise ValueError(
+                f"generate_rollout was called for rollout {rollout_id} (evaluation={evaluation}) with the "
+                f"data_source of rollout {self.rollout_id} (evaluation={self.evaluation})"
+            )
+        samples, metrics = self.run()
+        if evaluation:
+            name = self.eval_set or "eval"
+            return RolloutFnEvalOutput(
+                data={name: {"rewards": [s.reward for s in samples],
+                             "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}},
+                metrics=metrics,
+            )  # fmt: skip
+        return RolloutFnTrainOutput(samples=group_samples(samples), metrics=metrics)
+
+
+class DataSource:
+    """What a `--rollout-function-path` function draws prompts from (slime's `data_source`)."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset | None,
+        n_samples_per_prompt: int,
+        default_rollout: BuiltInRollout | None = None,
+        sample_fields: dict[str, Any] | None = None,
+    ):
+        """`sample_fields`: set on every sample drawn (an evaluation set's own `custom_rm_path`
+        and `generate_function_path`, as slime sets them)."""
+        self.dataset = dataset
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.default_rollout = default_rollout
+        self.sample_fields = {k: v for k, v in (sample_fields or {}).items() if v is not None}
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
+        (prompt ids in `tokens`, `metadata["prompt_index"]` set)."""
+        if self.dataset is None:
+            raise RuntimeError(
+                "this job has no --prompt-data: the rollout function must bring its own prompts"
+            )
+        return [
+            [
+                Sample(
+                    prompt=p.prompt,
+                    tokens=list(p.token_ids),
+                    label=p.label,
+                    metadata=dict(p.metadata, prompt_index=p.index),
+                    **self.sample_fields,
+                )
+                for _ in range(self.n_samples_per_prompt)
+            ]
+            for p in self.dataset.next_batch(num_prompts)
+        ]
