@@ -93,7 +93,8 @@ async def custom_generate(args, sample, sampling_params):
     return sample
 
 
-def test_custom_generate_function(engine, tokenizer, tmp_path):
+def run_generate_fn(engine, tokenizer, tmp_path, generate_fn, **args):
+    """One rollout of one prompt ("1+1=", 2 samples) through `generate_fn`, on the module's engine."""
     from types import SimpleNamespace
 
     path = tmp_path / "p.jsonl"
@@ -104,11 +105,15 @@ def test_custom_generate_function(engine, tokenizer, tmp_path):
             gen = RolloutGenerator(
                 PromptDataset(DataConfig(str(path)), tokenizer), [client], RewardModel("exact", None, False, None),
                 SamplingConfig(n_samples_per_prompt=2), rollout_batch_size=1,
-                args=SimpleNamespace(url=engine.url.removeprefix("http://")), generate_fn=custom_generate,
+                args=SimpleNamespace(url=engine.url.removeprefix("http://"), **args), generate_fn=generate_fn,
             )  # fmt: skip
             return await gen.generate_rollout()
 
-    result = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_custom_generate_function(engine, tokenizer, tmp_path):
+    result = run_generate_fn(engine, tokenizer, tmp_path, custom_generate)
     assert len(result.samples) == 2
     for s in result.samples:
         assert s.metadata["custom"] and s.response_length == 2 and s.reward in (0.0, 1.0)
@@ -129,25 +134,11 @@ async def fanning_generate(args, sample, sampling_params):
 
 @pytest.mark.parametrize("bad", [False, True])
 def test_a_generate_function_may_fan_one_sample_out_into_several(engine, tokenizer, tmp_path, bad):
-    from types import SimpleNamespace
-
-    path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
-
-    async def go():
-        async with EngineClient(engine.url) as client:
-            gen = RolloutGenerator(
-                PromptDataset(DataConfig(str(path)), tokenizer), [client], RewardModel("exact", None, False, None),
-                SamplingConfig(n_samples_per_prompt=2), rollout_batch_size=1,
-                args=SimpleNamespace(url=engine.url.removeprefix("http://"), bad=bad), generate_fn=fanning_generate,
-            )  # fmt: skip
-            return await gen.generate_rollout()
-
     if bad:
         with pytest.raises(TypeError, match="must be non-empty Samples that all set rollout_id"):
-            asyncio.run(go())
+            run_generate_fn(engine, tokenizer, tmp_path, fanning_generate, bad=bad)
         return
-    samples = asyncio.run(go()).samples
+    samples = run_generate_fn(engine, tokenizer, tmp_path, fanning_generate, bad=bad).samples
     assert len(samples) == 4 and len({s.group_index for s in samples}) == 1  # two executions x two
     assert sorted(s.rollout_id for s in samples) == sorted(2 * [samples[0].rollout_id, samples[2].rollout_id])
 
