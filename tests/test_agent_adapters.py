@@ -14,13 +14,13 @@ import time
 
 import aiohttp
 import pytest
-import torch
 
 from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.utils.async_utils import run_sync
 from slime.utils.sample import Sample
 from tests.conftest import start_engine
+from tests.test_engine_server import teacher_forced_logprobs
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -82,13 +82,6 @@ def served(engine, tokenizer):
         s.close()
 
 
-def hf_log_probs(model, tokens, start, end):
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens[:end]])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return [lp[i - 1, tokens[i]].item() for i in range(start, end)]
-
-
 def check_exact(sample, turns, hf_model):
     """Every trained span is a recorded turn's output after exactly its prompt, and its log-probs
     are the engine's and a teacher-forced forward's."""
@@ -108,7 +101,16 @@ def check_exact(sample, turns, hf_model):
         ]
         got = sample.rollout_log_probs[a - start : b - start]
         assert got == turn.output_log_probs
-        assert max(abs(x - y) for x, y in zip(got, hf_log_probs(hf_model, sample.tokens, a, b))) < 1e-5
+        assert (
+            max(
+                abs(x - y)
+                for x, y in zip(
+                    got,
+                    teacher_forced_logprobs(hf_model, sample.tokens[:a], sample.tokens[a:b], 1.0).tolist(),
+                )
+            )
+            < 1e-5
+        )
     return spans
 
 

@@ -39,6 +39,9 @@ class ChatHistory:
         self.reuse = reuse
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._special_ids = set(tokenizer.all_special_ids)
+        self._specials = [
+            t for t in tokenizer.all_special_tokens if t
+        ]  # the tokenizer rebuilds its list per call
 
     def render(self, messages: Messages, tools: Tools, generation: bool) -> str:
         try:
@@ -88,7 +91,7 @@ class ChatHistory:
         if rendered.startswith(output):
             closing = rendered[len(output) :]
         else:  # the template writes the reply otherwise (capitals, a tool call's JSON, no stop token)
-            specials = [t for t in self.tokenizer.all_special_tokens if t and t in rendered]
+            specials = [t for t in self._specials if t in rendered]
             ended = [t for t in specials if output.endswith(t)]
             if ended:  # the model stopped on the template's end token: what the template writes after it
                 end = max(ended, key=len)
