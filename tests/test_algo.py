@@ -53,6 +53,20 @@ def test_groups_are_found_by_index_not_position_and_singletons_get_zero():
     torch.testing.assert_close(out, t(-1.0, 0.0, 1.0, 0.0))
 
 
+def test_an_execution_split_into_several_samples_counts_once_in_its_group():
+    # Group of two sessions: one split into three samples (reward 1), one kept whole (reward 0):
+    # mean 0.5, std over the two sessions sqrt(1/2), not over four samples.
+    out = adv.normalize_group_rewards([1, 1, 1, 0], [0, 0, 0, 0], "grpo", executions=[4, 4, 4, 9])
+    s = math.sqrt(0.5) + 1e-6
+    torch.testing.assert_close(out, t(0.5 / s, 0.5 / s, 0.5 / s, -0.5 / s))
+    # rloo's n is the number of sessions too; one execution alone has no baseline.
+    rloo = adv.normalize_group_rewards([1, 1, 0, 3], [0, 0, 0, 1], "rloo", executions=[1, 1, 2, 3])
+    torch.testing.assert_close(rloo, t(1.0, 1.0, -1.0, 0.0))
+    # Each sample is still scored with its own reward.
+    own = adv.normalize_group_rewards([2, 0, 1], [0, 0, 0], "grpo", False, executions=[0, 0, 1])
+    torch.testing.assert_close(own, t(1.0, -1.0, 0.0))
+
+
 def test_unknown_estimator_is_rejected():
     with pytest.raises(ValueError, match="advantage estimator"):
         adv.normalize_group_rewards([1.0], [0], "ppo2")

@@ -23,8 +23,14 @@ def test_balanced_shares_equal_counts_similar_tokens():
     assert abs(totals[0] - totals[1]) <= 20, totals
     # contiguous halves would give 250 vs 60
     assert all(s == sorted(s) for s in shares)
-    with pytest.raises(ValueError, match="evenly"):
-        batching.balanced_shares(range(5), [1] * 5, 2)
+    # A count the ranks do not divide (several samples per execution): counts one apart.
+    uneven = batching.balanced_shares(range(7), [9, 1, 1, 1, 1, 1, 1], 2)
+    assert uneven == [
+        [0, 4, 5, 6],
+        [1, 2, 3],
+    ]  # the larger count first; the long sample balanced by short ones
+    with pytest.raises(ValueError, match="one"):
+        batching.balanced_shares(range(1), [1], 2)
 
 
 def test_pack_micro_batches_respects_padded_budget():
@@ -113,3 +119,60 @@ def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, d
     rank.dp_size = 4
     with pytest.raises(BatchError, match="split for 2 data-parallel replicas, but this job trains on 4"):
         rank.plan(parts[0])
+
+
+def test_a_step_counts_executions_and_keeps_each_together():
+    """slime's --global-batch-size with an agent session split into several samples: a step
+    takes that many executions, all of an execution's samples in the same step."""
+    executions = batching.execution_keys([7, 7, 3, None, 5, 5, 5, None], 8)
+    assert executions == [0, 0, 1, 2, 3, 3, 3, 4]
+    assert batching.execution_keys(None, 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="5 executions"):
+        batching.split_steps(8, 2, executions)
+    executions = [0, 0, 1, 2, 2, 2, 3, 4, 5]
+    assert batching.split_steps(9, 3, executions) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    # Interleaved siblings still land in one step, each step in rollout order.
+    assert batching.split_steps(6, 2, [0, 1, 0, 2, 3, 2]) == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_ranks_holding_different_sample_counts_still_run_as_many_micro_batches():
+    lengths = [5, 5, 5, 5, 5, 5, 5]
+    shares = batching.balanced_shares(range(7), lengths, 2)  # 4 and 3 samples
+    per_rank = [batching.fixed_micro_batches(s, 1) for s in shares]
+    fitted, merged = batching.rank_micro_batches(per_rank, shares, lengths)
+    assert merged and [len(m) for m in fitted] == [3, 3]
+    assert [sorted(i for mb in m for i in mb) for m in fitted] == [sorted(s) for s in shares]
+    # Equal shares never merge: the most any rank packed wins, the others split.
+    shares = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    per_rank = [[[0, 1, 2, 3]], [[4], [5], [6, 7]]]
+    fitted, merged = batching.rank_micro_batches(per_rank, shares, [1] * 8)
+    assert not merged and [len(m) for m in fitted] == [3, 3]
+
+
+def test_the_per_sample_loss_counts_each_execution_once():
+    """Weights summed over an execution's tokens are 1 / executions, wherever its samples land
+    (slime's rollout_mask_sums), on one rank or two."""
+    import torch
+
+    from slime.algo.losses import token_weights
+
+    executions = [0, 0, 1, 2, 2, 2, 3, 4]  # 5 executions, 8 samples: one step
+    loss_tokens = [3, 2, 4, 1, 2, 5, 2, 6]
+    lengths = [t + 2 for t in loss_tokens]
+    for dp in (1, 2):
+        totals = dict.fromkeys(range(5), 0.0)
+        for share in batching.step_shares(lengths, 5, dp, executions)[0]:
+            local = {g: k for k, g in enumerate(share)}
+            count, denominators = batching.execution_normalisers(range(8), loss_tokens, executions, local)
+            assert count == 5 and denominators is not None
+            step = batching.StepPlan([list(range(len(share)))], 8, sum(loss_tokens), count, denominators)
+            masks = torch.zeros(len(share), 6)
+            for row, g in enumerate(share):
+                masks[row, : loss_tokens[g]] = 1
+            w = token_weights(masks, False, step.num_executions, step.num_tokens,
+                              step.row_denominators(range(len(share))))  # fmt: skip
+            for row, g in enumerate(share):
+                totals[executions[g]] += float(w[row].sum())
+        assert all(abs(v - 0.2) < 1e-7 for v in totals.values()), (dp, totals)
+    # Without several samples per execution the weights are those of plain samples.
+    assert batching.execution_normalisers([0, 1], [3, 2], None, {0: 0, 1: 1}) == (2, None)

@@ -46,6 +46,23 @@ def make_batch(seed: int, num_samples: int = 8, group: int = 4, vocab: int = 101
     return RolloutBatch(tokens, resp, rewards, groups, masks, rollout_lp)
 
 
+FANNED_OUT = 3
+"""The rollout whose executions were split into several samples (an agent's sessions)."""
+
+
+def rollout_batch(r: int) -> RolloutBatch:
+    """Rollout `r`'s batch. Rollout FANNED_OUT holds 11 samples of 8 executions: a step of
+    --global-batch-size 4 executions then holds 7 samples, which two ranks split 4 and 3."""
+    if r != FANNED_OUT:
+        return make_batch(r)
+    executions = [0, 0, 1, 2, 2, 2, 3, 4, 5, 6, 7]
+    batch = make_batch(r, num_samples=len(executions))
+    batch.rollout_ids = [100 + e for e in executions]
+    batch.group_indices = [e // 4 for e in executions]
+    batch.rewards = [float(e % 3 == 0) for e in executions]  # a session's reward on each of its samples
+    return batch
+
+
 def base_config(model: str, **batch) -> TrainConfig:
     return TrainConfig(
         hf_checkpoint=model,
@@ -74,7 +91,7 @@ def run_single(rank, world_size, init_method, model, padded=False):
     step0 = make_batch(0)
     actor_lp = actor.compute_log_probs(step0)
     ref_lp = actor.compute_log_probs(step0, use_reference=True)
-    outputs = [actor.train(r, make_batch(r)) for r in range(NUM_ROLLOUTS)]
+    outputs = [actor.train(r, rollout_batch(r)) for r in range(NUM_ROLLOUTS)]
     result = dict(
         info=info,
         initial=initial,
@@ -95,10 +112,10 @@ def run_sharded(rank, world_size, init_method, model, save_dir, hf_dir):
     )
     info = actor.init()
     initial = full_params(actor)
-    plans = [actor.plan(make_batch(r)) for r in range(NUM_ROLLOUTS)]
+    plans = [actor.plan(rollout_batch(r)) for r in range(NUM_ROLLOUTS)]
     outputs = []
     for r in range(NUM_ROLLOUTS):
-        batch = make_batch(r)
+        batch = rollout_batch(r)
         data = split_rollout(batch, actor.cfg.batch, world_size)[rank] if r % 2 else batch
         outputs.append(actor.train(r, data))
         if r == SAVE_AFTER:
@@ -118,7 +135,7 @@ def run_resumed(rank, world_size, init_method, model, save_dir):
     cfg = dataclasses.replace(base_config(model, micro_batch_size=2), load=save_dir)
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
-    outputs = [actor.train(r, make_batch(r)) for r in range(SAVE_AFTER + 1, NUM_ROLLOUTS)]
+    outputs = [actor.train(r, rollout_batch(r)) for r in range(SAVE_AFTER + 1, NUM_ROLLOUTS)]
     result = dict(info=info, outputs=outputs, final=full_params(actor))
     actor.close()
     return result
@@ -201,6 +218,26 @@ def test_dynamic_batches_pack_and_keep_ranks_in_step(runs):
     sizes = [len(mb) for s0, s1 in steps for mb in (*s0.micro_batches, *s1.micro_batches)]
     assert 1 in sizes and 2 in sizes
     assert any(len(s0.micro_batches) == 1 for s0, _ in steps)
+
+
+def test_sessions_split_into_samples_step_by_execution(runs):
+    """The fanned-out rollout (trained like one rank in test_two_ranks_train_like_one): its first
+    step holds 4 executions in 7 samples, which the ranks split 4 and 3 and still run in step."""
+    plans = [rank["plans"][FANNED_OUT] for rank in runs["sharded"]]
+    for k, (s0, s1) in enumerate(zip(*plans)):
+        assert s0.num_executions == s1.num_executions == 4
+        assert s0.num_samples == (7, 4)[k] and len(s0.micro_batches) == len(s1.micro_batches)
+        held = sorted(sum(map(len, s.micro_batches)) for s in (s0, s1))
+        assert held == ([3, 4], [2, 2])[k]
+    assert plans[0][0].denominators is not None
+    # A rank's samples are normalised by their whole execution's loss tokens (the plans were
+    # made from the whole rollout: positions are the rollout's).
+    batch = rollout_batch(FANNED_OUT)
+    assert batch.loss_masks is not None and batch.rollout_ids is not None
+    for plan in plans:
+        for position, total in plan[0].denominators.items():
+            siblings = [g for g in range(7) if batch.rollout_ids[g] == batch.rollout_ids[position]]
+            assert total == sum(sum(batch.loss_masks[g]) for g in siblings)
 
 
 def test_step0_reference_equals_actor_bitwise_and_kl_is_zero(runs):

@@ -127,20 +127,24 @@ async def fanning_generate(args, sample, sampling_params):
 
     first = await custom_generate(args, sample, sampling_params)
     second = copy.deepcopy(first)
-    for s in (first, second):
-        s.rollout_id = None if args.bad else sample.index
+    for k, s in enumerate((first, second)):
+        s.rollout_id = {"unset": None, "split": k}.get(args.bad, 0)  # slime's examples use 0 or sample.index
     return [first, second]
 
 
-@pytest.mark.parametrize("bad", [False, True])
+@pytest.mark.parametrize("bad", [None, "unset", "split"])
 def test_a_generate_function_may_fan_one_sample_out_into_several(engine, tokenizer, tmp_path, bad):
     if bad:
-        with pytest.raises(TypeError, match="must be non-empty Samples that all set rollout_id"):
+        error = TypeError if bad == "unset" else ValueError
+        with pytest.raises(
+            error, match="all set rollout_id" if bad == "unset" else "siblings must share one"
+        ):
             run_generate_fn(engine, tokenizer, tmp_path, fanning_generate, bad=bad)
         return
     samples = run_generate_fn(engine, tokenizer, tmp_path, fanning_generate, bad=bad).samples
     assert len(samples) == 4 and len({s.group_index for s in samples}) == 1  # two executions x two
-    assert sorted(s.rollout_id for s in samples) == sorted(2 * [samples[0].rollout_id, samples[2].rollout_id])
+    # Both executions said rollout_id 0: each keeps its own, the index of its first sample.
+    assert [s.rollout_id for s in samples] == [0, 0, 2, 2] and [s.index for s in samples] == [0, 1, 2, 3]
 
 
 def scripted_rollout(args, rollout_id, data_source, evaluation=False):

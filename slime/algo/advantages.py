@@ -37,6 +37,7 @@ def normalize_group_rewards(
     group_indices: Sequence[int],
     estimator: str,
     std_normalization: bool = True,
+    executions: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Per-sample reward scalars after the estimator's group baseline.
 
@@ -50,6 +51,11 @@ def normalize_group_rewards(
 
     A group of one sample has no baseline to compare with: its scalar is 0 for every estimator
     that uses a group baseline.
+
+    `executions[i]`: the execution sample i came from (an agent session split into several
+    samples). The group's mean, std and n are then over its executions, each counting once with
+    the mean reward of its samples, so a session that produced more samples does not weigh more
+    in the baseline; each sample is still scored with its own reward.
 
     Returns:
         float32 tensor [num_samples].
@@ -65,12 +71,17 @@ def normalize_group_rewards(
     for members in _groups(group_indices).values():
         idx = torch.tensor(members)
         g = r[idx]
-        n = g.numel()
+        if executions is not None:  # one value per execution: the statistics count each once
+            runs = _groups([executions[m] for m in members])
+            g_stats = torch.stack([g[torch.tensor(run)].mean() for run in runs.values()])
+        else:
+            g_stats = g
+        n = g_stats.numel()
         if n < 2:
             continue
-        centered = g - g.mean()
+        centered = g - g_stats.mean()
         if estimator in ("grpo", "gspo") and std_normalization:
-            centered = centered / (g.std(unbiased=True) + GROUP_STD_EPS)
+            centered = centered / (g_stats.std(unbiased=True) + GROUP_STD_EPS)
         elif estimator == "rloo":
             centered = centered * (n / (n - 1))
         out[idx] = centered

@@ -9,6 +9,8 @@ give exactly the single-process loss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from slime.config.loss import KL_TYPES
@@ -172,7 +174,11 @@ def sft_loss(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def token_weights(
-    masks: torch.Tensor, per_token: bool, num_samples_global: int, num_tokens_global: int
+    masks: torch.Tensor,
+    per_token: bool,
+    num_samples_global: int,
+    num_tokens_global: int,
+    denominators: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Weights w such that sum(values * w) is the loss reduction over the global batch.
 
@@ -180,11 +186,18 @@ def token_weights(
       w_it = m_it / (sum_t m_it * num_samples_global).
     - per-token (`--calculate-per-token-loss`): mean over every masked token of the batch:
       w_it = m_it / num_tokens_global.
+
+    `denominators` (per row): an execution split into several samples counts once, as slime's
+    `rollout_mask_sums`: each row's sum_t m_it is replaced by its whole execution's masked
+    tokens, and `num_samples_global` counts executions.
     """
     mask_f = masks.float()
     if per_token:
         return mask_f / max(num_tokens_global, 1)
-    lengths = mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    if denominators is None:
+        lengths = mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    else:
+        lengths = torch.tensor(denominators, dtype=mask_f.dtype).unsqueeze(-1).clamp(min=1.0)
     return mask_f / (lengths * max(num_samples_global, 1))
 
 

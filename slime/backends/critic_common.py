@@ -158,8 +158,8 @@ class ValueModel(TrainActorBase):
         old_values = mb.response_tensor([old[p] for p in mb.positions]).to(dev)
         gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
         gap = float(gaps.double().max()) if gaps.numel() else 0.0
-        weights = token_weights(mb.loss_mask, self.cfg.loss.calculate_per_token_loss, step.num_samples,
-                                step.num_tokens).to(dev)  # fmt: skip
+        weights = token_weights(mb.loss_mask, self.cfg.loss.calculate_per_token_loss, step.num_executions,
+                                step.num_tokens, step.row_denominators(mb.positions)).to(dev)  # fmt: skip
         returns = mb.response_tensor([ret[p] for p in mb.positions]).to(dev)
         loss, clipped = value_loss(values, old_values, returns, self.cfg.loss.value_clip)
         total = weighted_sum(loss, weights)

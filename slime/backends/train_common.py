@@ -185,7 +185,11 @@ class TrainActorBase(TrainRecords):
             log_probs=log_probs,
             mask=mask,
             weights=token_weights(
-                mb.loss_mask, cfg.calculate_per_token_loss, step.num_samples, step.num_tokens
+                mb.loss_mask,
+                cfg.calculate_per_token_loss,
+                step.num_executions,
+                step.num_tokens,
+                step.row_denominators(mb.positions),
             ).to(dev),
             old_log_probs=lay_out(old),
             advantages=lay_out(advantages),
@@ -195,7 +199,7 @@ class TrainActorBase(TrainRecords):
             ragged=Ragged(
                 list(mb.response_lengths), [p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)]
             ),
-            normaliser=float(step.num_tokens if cfg.calculate_per_token_loss else step.num_samples),
+            normaliser=float(step.num_tokens if cfg.calculate_per_token_loss else step.num_executions),
         )
         loss, metrics = micro_batch_loss(cfg, terms, self.loss_hooks)
         for name, value in metrics.items():
@@ -250,7 +254,7 @@ class TrainActorBase(TrainRecords):
         part = RolloutPart.of(data)
         b = self.cfg.batch
         lengths = part.lengths
-        global_batch = b.global_batch_for(part.num_samples)
+        global_batch = b.global_batch_for(part.num_executions)
         b.check_layout(self.dp_size, global_batch)
         if part.dp_size is not None and part.dp_size != self.dp_size:
             raise BatchError(
@@ -260,8 +264,8 @@ class TrainActorBase(TrainRecords):
         local = {g: k for k, g in enumerate(part.positions)}
         plans = []
         for step, shares in zip(
-            batching.split_steps(part.num_samples, global_batch),
-            batching.step_shares(lengths, global_batch, self.dp_size),
+            batching.split_steps(part.num_samples, global_batch, part.executions),
+            batching.step_shares(lengths, global_batch, self.dp_size, part.executions),
         ):
             if b.use_dynamic_batch_size:
                 budget = max_tokens or b.max_tokens_per_gpu
@@ -271,8 +275,10 @@ class TrainActorBase(TrainRecords):
                 ]
             else:
                 per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
-            count = max(len(mbs) for mbs in per_rank)
-            mine = batching.split_to_count(per_rank[self.dp_rank], count)
+            per_rank, merged = batching.rank_micro_batches(per_rank, shares, lengths)
+            if merged and self.dp_rank == 0 and not max_tokens:
+                batching.warn_merged(len(step), self.dp_size, b.use_dynamic_batch_size)
+            mine = per_rank[self.dp_rank]
             missing = [g for mb in mine for g in mb if g not in local]
             if missing:
                 raise BatchError(
@@ -280,7 +286,12 @@ class TrainActorBase(TrainRecords):
                     "its share: the rollout was split by another rule or for another layout"
                 )
             num_tokens = sum(part.loss_tokens[g] for g in step)
-            plans.append(StepPlan([[local[g] for g in mb] for mb in mine], len(step), int(num_tokens)))
+            plans.append(
+                StepPlan(
+                    [[local[g] for g in mb] for mb in mine], len(step), int(num_tokens),
+                    *batching.execution_normalisers(step, part.loss_tokens, part.executions, local),
+                )
+            )  # fmt: skip
         return plans
 
     def _log_prob_plans(
@@ -470,6 +481,7 @@ class TrainActorBase(TrainRecords):
                 part.group_indices,
                 cfg.advantage_estimator,
                 not cfg.disable_grpo_std_normalization,
+                part.executions,
             )
         masks = [self._loss_mask(part.batch, p) for p in mine]
         kl = [approx_kl(old[p], ref[p], cfg.kl_loss_type) for p in mine] if ref is not None else None

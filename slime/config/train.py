@@ -128,7 +128,8 @@ class BatchConfig:
             )
 
     def global_batch_for(self, num_samples: int) -> int:
-        """Samples per optimizer step for a rollout of `num_samples` samples."""
+        """Samples per optimizer step for a rollout of `num_samples` samples (executions, where
+        an execution gave several samples: a step keeps them together)."""
         size = self.global_batch_size or num_samples
         if self.num_steps_per_rollout is not None:
             if num_samples % self.num_steps_per_rollout:

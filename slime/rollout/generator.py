@@ -216,11 +216,12 @@ class RolloutGenerator:
         if partial is None:
             samples = [
                 Sample(
+                    index=draw * n + k,  # unique in the rollout, as slime's data source numbers them
                     prompt=prompt.prompt,
                     label=prompt.label,
                     metadata=dict(prompt.metadata, prompt_index=prompt.index),
                 )
-                for _ in range(n)
+                for k in range(n)
             ]
             calls = [
                 generate(client, s, prompt.token_ids, p, self.args)
@@ -236,6 +237,10 @@ class RolloutGenerator:
         if errors:  # every request of the group has ended: none is left running
             raise errors[0]
         if self.generate_fn is not None:  # a function may fan one sample out into several (slime's)
+            for base, r in zip(samples, results):
+                if isinstance(r, list):  # one execution: its samples keep together through training
+                    for s in r:
+                        s.rollout_id = base.index
             samples = [
                 s for r in results for s in (r if isinstance(r, list) else [r]) if isinstance(s, Sample)
             ]
@@ -287,6 +292,11 @@ class RolloutGenerator:
                 raise TypeError(
                     "--custom-generate-function-path returned a list: it must be non-empty Samples that all set "
                     "rollout_id (the one execution they came from), as slime requires"
+                )
+            if len({s.rollout_id for s in result}) > 1:
+                raise ValueError(
+                    "--custom-generate-function-path returned samples of one execution with different rollout_ids "
+                    f"{sorted({s.rollout_id for s in result})}: siblings must share one (slime's rule)"
                 )
             return result
         if not isinstance(result, Sample):
@@ -414,11 +424,14 @@ def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sam
             )
         result = [result[i : i + n_samples_per_prompt] for i in range(0, len(result), n_samples_per_prompt)]
     samples: list[Sample] = []
+    executions: dict[tuple[int, int], int] = {}
     for group_index, group in enumerate(result):
         if not isinstance(group, list | tuple) or not all(isinstance(s, Sample) for s in group):
             raise TypeError(f"{flag} must return lists of Sample (group {group_index} is not)")
         for s in group:
             s.group_index, s.index = group_index, len(samples)
+            if s.rollout_id is not None:  # an execution's id: the index of its first sample
+                s.rollout_id = executions.setdefault((group_index, s.rollout_id), s.index)
             samples.append(s)
     return samples
 

@@ -28,6 +28,8 @@ class RolloutBatch:
     Per sample i: `tokens[i]` = prompt + response ids; the last `response_lengths[i]` of them
     are the response. `loss_masks[i]` and `rollout_log_probs[i]` have one entry per response
     token. `group_indices[i]` names the prompt group (samples of one prompt share it).
+    `rollout_ids[i]` names the execution the sample came from (several samples of one agent
+    session share it; None: each sample is its own).
     """
 
     tokens: list[list[int]]
@@ -43,6 +45,9 @@ class RolloutBatch:
     teacher_log_probs: list[list[float]] | None = None
     """On-policy distillation: the teacher's log-prob of each response token (slime's field; set
     by the rollout's teacher engine, --opd-type sglang)."""
+    rollout_ids: list[int | None] | None = None
+    """slime's field: per sample, the execution (one run of the generate function) it came from.
+    A step takes --global-batch-size executions, and the per-sample loss is a mean over them."""
     rewards_normalized: bool = False
     """`rewards` came from --custom-reward-post-process-path: the advantages start from them as
     they are (no group baseline on the train side)."""
@@ -56,7 +61,7 @@ class RolloutBatch:
         if n == 0:
             raise BatchError("rollout batch is empty")
         for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs",
-                     "rollout_routed_experts", "teacher_log_probs"):  # fmt: skip
+                     "rollout_routed_experts", "teacher_log_probs", "rollout_ids"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
@@ -98,6 +103,7 @@ class RolloutBatch:
             rollout_routed_experts=pick(self.rollout_routed_experts),
             teacher_log_probs=pick(self.teacher_log_probs),
             sample_indices=[base[i] for i in indices],
+            rollout_ids=pick(self.rollout_ids),
             rewards_normalized=self.rewards_normalized,
         )
 
@@ -120,6 +126,8 @@ class RolloutPart:
     """Loss-mask tokens of every sample."""
     rewards: list[float]
     group_indices: list[int]
+    executions: list[int] | None = None
+    """Every sample's execution (`batching.execution_keys`); None: each sample its own."""
     dp_size: int | None = None
     """The number of replicas the rollout was split for; None: the whole rollout."""
 
@@ -132,6 +140,11 @@ class RolloutPart:
     def num_samples(self) -> int:
         return len(self.lengths)
 
+    @property
+    def num_executions(self) -> int:
+        """Executions in the rollout: what --global-batch-size counts."""
+        return self.num_samples if self.executions is None else len(set(self.executions))
+
     @classmethod
     def of(cls, data: RolloutBatch | RolloutPart) -> RolloutPart:
         """`data` as a part: a part as it is, a whole rollout as one part."""
@@ -140,7 +153,10 @@ class RolloutPart:
     @classmethod
     def whole(cls, batch: RolloutBatch) -> RolloutPart:
         """The whole rollout as one part (a rank given it cuts its share itself)."""
+        from slime.utils.batching import execution_keys
+
         masks = batch.loss_masks
+        keys = execution_keys(batch.rollout_ids, len(batch))
         return cls(
             batch=batch,
             positions=list(range(len(batch))),
@@ -151,6 +167,7 @@ class RolloutPart:
             ],
             rewards=list(batch.rewards),
             group_indices=list(batch.group_indices),
+            executions=None if len(set(keys)) == len(keys) else keys,
         )
 
 
@@ -160,16 +177,16 @@ def split_rollout(batch: RolloutBatch, batch_cfg: Any, dp_size: int) -> list[Rol
     from slime.utils.batching import step_shares
 
     whole = RolloutPart.whole(batch)
-    global_batch = batch_cfg.global_batch_for(len(batch))
+    global_batch = batch_cfg.global_batch_for(whole.num_executions)
     batch_cfg.check_layout(dp_size, global_batch)
-    shares = step_shares(whole.lengths, global_batch, dp_size)
+    shares = step_shares(whole.lengths, global_batch, dp_size, whole.executions)
     parts = []
     for d in range(dp_size):
         positions = sorted(p for step in shares for p in step[d])
         parts.append(
             RolloutPart(
                 batch.subset(positions), positions, whole.lengths, whole.loss_tokens, whole.rewards,
-                whole.group_indices, dp_size,
+                whole.group_indices, whole.executions, dp_size,
             )
         )  # fmt: skip
     return parts

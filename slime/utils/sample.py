@@ -456,4 +456,7 @@ def samples_to_batch(
         if have_teacher
         else None,
         sample_indices=[s.index for s in samples],
+        rollout_ids=[s.rollout_id for s in samples]
+        if any(s.rollout_id is not None for s in samples)
+        else None,
     )
