@@ -34,6 +34,7 @@ from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.batching import StepPlan
 from slime.utils.device_memory import release_device_memory
 from slime.utils.errors import UsageError
+from slime.utils.model_families import packable
 
 
 class TrainActorBase(TrainRecords):
@@ -108,8 +109,11 @@ class TrainActorBase(TrainRecords):
     @property
     def packs_sequences(self) -> bool:
         """Whether micro-batches are packed (one row, no padding; token budgets count real
-        tokens): both backends pack unless --padded-micro-batches asks for the padded layout."""
-        return not self.cfg.batch.padded_micro_batches
+        tokens): both backends pack unless --padded-micro-batches asks for the padded layout or
+        the model's layers cannot keep packed samples apart (slime.utils.model_families)."""
+        return not self.cfg.batch.padded_micro_batches and packable(
+            getattr(self.hf_config, "model_type", None)
+        )
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:

@@ -14,6 +14,7 @@ from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
+from slime.utils.model_families import refusal
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,17 @@ def flag_problems(
     out += list(rule_problems(ns))
     out += checkpoint_architecture_problems(ns)
     out += moe_flag_problems(ns)
+    out += family_problems(ns)
     return out
+
+
+def family_problems(ns: argparse.Namespace) -> list[str]:
+    """LoRA with a family it is not built for (slime.utils.model_families), refused by name."""
+    if (getattr(ns, "lora_rank", 0) or 0) <= 0:
+        return []
+    config = _hf_config(ns.hf_checkpoint)
+    why = refusal(getattr(config, "model_type", None), "lora") if config is not None else None
+    return [f"--lora-rank {ns.lora_rank}: {why}"] if why else []
 
 
 def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
@@ -243,6 +254,10 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     config = _hf_config(path)
     if config is None:
         return []
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    why = refusal(config.model_type, "router_hooks") if experts else None
+    if why:
+        return [f"{flag}: {why}"]
     if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
         return [
             f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"

@@ -1,8 +1,11 @@
 """Write a small Hugging Face causal-LM checkpoint, built locally with no network.
 
-    python -m slime.tools.make_tiny_model --out DIR [--arch qwen3|qwen2|qwen3_moe] [--hidden-size 256]
+    python -m slime.tools.make_tiny_model --out DIR [--arch ARCH] [--hidden-size 256]
         [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--vocab N] [--seed 0]
-        [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (qwen3_moe)
+        [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (mixture of experts)
+
+ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, and the families in
+slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, qwen3_next, qwen3_5, qwen3_5_moe.
 
 `qwen3_moe` is Hugging Face's Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): every layer's
 MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their
@@ -25,6 +28,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from slime.tools.tiny_families import MOE_FAMILIES, NEW_FAMILIES, family_config, seed_family_state
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -108,6 +113,8 @@ def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         torch_dtype="float32",
     )
+    if args.arch in NEW_FAMILIES:
+        return family_config(args, common)
     if args.arch == "qwen3":
         return Qwen3Config(head_dim=args.hidden_size // args.num_heads, **common)
     if args.arch == "qwen3_moe":
@@ -143,10 +150,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
         parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
     moe = {"num_experts": args.num_experts, "num_experts_per_tok": args.num_experts_per_tok,
            "moe_intermediate_size": args.moe_intermediate_size}  # fmt: skip
-    if args.arch != "qwen3_moe":
+    if args.arch not in MOE_FAMILIES:
         given = [name for name, value in moe.items() if value is not None]
         if given:
-            parser.error(f"--{given[0].replace('_', '-')} applies to --arch qwen3_moe only")
+            parser.error(f"--{given[0].replace('_', '-')} applies to the mixture-of-experts archs only "
+                         f"(--arch {', '.join(MOE_FAMILIES)})")  # fmt: skip
     else:
         args.num_experts = args.num_experts or 4
         args.num_experts_per_tok = args.num_experts_per_tok or 2
@@ -175,6 +183,7 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    seed_family_state(model, args.seed)
     generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, config.pad_token_id],
         pad_token_id=config.pad_token_id,
@@ -206,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
-    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe"], default="qwen3")
+    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES], default="qwen3")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -220,12 +229,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     )
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
     parser.add_argument(
-        "--num-experts", type=int, default=None, help="qwen3_moe: experts per layer (default 4)"
+        "--num-experts", type=int, default=None, help="MoE archs: experts per layer (default 4)"
     )
     parser.add_argument("--num-experts-per-tok", type=int, default=None,
-                        help="qwen3_moe: experts each token is routed to (default 2)")  # fmt: skip
+                        help="MoE archs: experts each token is routed to (default 2)")  # fmt: skip
     parser.add_argument("--moe-intermediate-size", type=int, default=None,
-                        help="qwen3_moe: each expert's MLP width (default: half the hidden size)")  # fmt: skip
+                        help="MoE archs: each expert's MLP width (default: half the hidden size)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     return args, parser

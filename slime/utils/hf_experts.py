@@ -22,11 +22,16 @@ from typing import Any
 
 import torch
 
+from slime.utils.model_families import FAMILIES
+
 # Model families whose transformers modeling fuses experts as described above (the families
-# transformers maps with its "qwen2_moe" conversion rule and the same parameter names).
-# Another family joins here after a test shows its fused layout is this one (gpt-oss, for
-# one, fuses differently: interleaved gate/up and transposed).
-FUSED_EXPERT_FAMILIES = frozenset({"qwen2_moe", "qwen3_moe"})
+# transformers maps with its "qwen2_moe" conversion rule and the same parameter names: those of
+# slime.utils.model_families with fused_experts, and qwen2_moe itself). A family joins after a
+# test shows its fused layout is this one (gpt-oss, for one, fuses differently: interleaved
+# gate/up and transposed).
+FUSED_EXPERT_FAMILIES = frozenset(
+    {"qwen2_moe", *(f.model_type for f in FAMILIES.values() if f.fused_experts)}
+)
 
 # fused parameter suffix -> the per-expert projections stacked along its rows, in order
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -125,3 +130,13 @@ def checkpoint_shapes(
     for name, where in slices.items():
         out[name] = where.shape(shapes[where.fused])
     return out
+
+
+def persistent_buffers(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint stores (those state_dict() holds: persistent, not rotary tables),
+    by their checkpoint names: the routers' expert-score correction bias of DeepSeek-V3 and
+    GLM-4.5 (`mlp.gate.e_score_correction_bias`), which aux-loss-free balancing moves."""
+    for module_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf

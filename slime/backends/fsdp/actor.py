@@ -161,6 +161,7 @@ class FSDPTrainActor(TrainActorBase):
                                               self._fresh_parameters(model), lora.checkpoint_name)  # fmt: skip
         model_init.copy_into_shards(model, shards)
         del shards
+        model_init.load_buffers(model, self.cfg.hf_checkpoint)
         # Each rank's loss is its share of the global mean: gradients must be summed, not
         # averaged. A plain SUM (no pre/post division) is also the only reduction gloo has.
         for module in model_init.fsdp_modules(model):

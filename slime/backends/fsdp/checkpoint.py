@@ -203,6 +203,7 @@ def export_weight_buckets(
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
             yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+        yield from ((name, buf.detach()) for name, buf in hf_experts.persistent_buffers(model))
 
     def cast(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in named:

@@ -150,6 +150,21 @@ class _CheckpointReader:
         return tensor_slice[start:end]
 
 
+def load_buffers(model: nn.Module, path: str) -> int:
+    """Copy the persistent buffers the checkpoint at `path` stores into `model` (whole on every
+    rank: FSDP does not shard buffers); returns how many. Without this they would keep their
+    initial values (a zero expert-score bias instead of the checkpoint's)."""
+    reader = _CheckpointReader(path)
+    keys = reader.keys()
+    count = 0
+    with torch.no_grad():
+        for name, buf in hf_experts.persistent_buffers(model):
+            if name in keys:
+                buf.copy_(reader.whole(name).to(buf.dtype))
+                count += 1
+    return count
+
+
 def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
                       fresh: dict[str, torch.Tensor] | None = None,
                       checkpoint_name: Callable[[str], str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip

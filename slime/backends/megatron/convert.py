@@ -95,8 +95,11 @@ class Layout:
         """Qwen2, Qwen3 and Llama configs (dense, SiLU-gated MLP, RMSNorm)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
+            from slime.utils.model_families import megatron_refusal
+
             raise ConversionError(
-                f"model_type {model_type!r} is not supported by the Megatron conversion; supported: {', '.join(SUPPORTED)}"
+                f"model_type {model_type!r}: {megatron_refusal(model_type) or 'not converted'} (the Megatron "
+                f"backend and conversion build {', '.join(SUPPORTED)}; docs/models.md)"
             )
         rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
         if getattr(config, "hidden_act", "silu") != "silu":

@@ -38,12 +38,14 @@ from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
 from slime.utils import hf_experts
+from slime.utils.model_families import BATCHED, FAMILIES
 
 logger = logging.getLogger(__name__)
 
-# qwen3_moe: Qwen3's attention; its MLP is a router over experts that works token by token, so a
-# padded batch routes each real token as it would alone (HF's experts have no capacity limit).
-_LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
+# The families the batched runner knows (slime.utils.model_families: engine BATCHED). qwen3_moe:
+# Qwen3's attention; its MLP is a router over experts that works token by token, so a padded
+# batch routes each real token as it would alone (HF's experts have no capacity limit).
+_LLAMA_LIKE = {f.model_type for f in FAMILIES.values() if f.engine == BATCHED}
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
@@ -461,7 +463,9 @@ class GenericRunner(Runner):
     def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
         from transformers import DynamicCache
 
-        cache = seq.runner_state.setdefault("hf_cache", DynamicCache())
+        # From the config: a hybrid model (Qwen3-Next, Qwen3.5) keeps each linear-attention
+        # layer's convolution and recurrent state in it beside the attention layers' keys/values.
+        cache = seq.runner_state.setdefault("hf_cache", DynamicCache(config=self.model.config))
         with self._lora([seq]):
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True

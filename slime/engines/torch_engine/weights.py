@@ -32,13 +32,18 @@ class WeightStore:
 
     def __init__(self, model: Any):
         self.model = model
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        # The checkpoint's tensors: parameters and the buffers it stores (an expert-score bias).
+        buffers = list(hf_experts.persistent_buffers(model))
+        self.params: dict[str, torch.Tensor] = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(buffers),
+        }
         # Canonical name per parameter object, so aliases (tied weights) count once.
         self._canonical: dict[int, str] = {}
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *buffers]:
             self._canonical[id(p)] = name
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        shapes = {name: tuple(p.shape) for name, p in [*model.named_parameters(), *buffers]}
         self.slices = hf_experts.checkpoint_slices(model_type, shapes)
         # The tensors this store reports (fingerprints, dumps, checks): checkpoint name ->
         # (canonical parameter, slice of it or None).

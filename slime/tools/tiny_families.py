@@ -1,0 +1,94 @@
+"""The configs of `make_tiny_model --arch` for the families beyond Qwen2/Qwen3: each the family's
+own transformers config class with the fields its released checkpoints set, at a tiny size.
+
+- glm4 (GLM-4-0414): half the head dim rotated (partial_rotary_factor 0.5), q/k/v bias,
+  sandwich norms (after attention and after the MLP), untied output layer.
+- glm4_moe (GLM-4.5 / 4.6 / 4.7): GLM-4's partial rotary and attention; routed experts with
+  sigmoid scores and a per-expert correction bias (aux-loss-free balancing), a shared expert,
+  the first layer dense, routed weights scaled by routed_scaling_factor.
+- deepseek_v3 (DeepSeek-V3 / R1, Kimi-K2, Moonlight): multi-latent attention (queries through a
+  low-rank q_lora_rank, keys and values from one compressed kv_lora_rank latent, a separate
+  rotary part of qk_rope_head_dim, interleaved), routing over expert groups (n_group, of which
+  topk_group are kept) with sigmoid scores and the correction bias, a shared expert, the first
+  layer dense.
+- qwen3_next (Qwen3-Next): gated delta-net linear-attention layers with gated full attention
+  every full_attention_interval-th layer, zero-centred norms (1 + gamma), partial rotary; every
+  MLP routed experts plus a gated shared expert.
+- qwen3_5 / qwen3_5_moe (Qwen3.5 text): Qwen3-Next's layer mix, dense or with experts.
+
+transformers' defaults fill the fields not named here; `num_nextn_predict_layers` (MTP) is 0:
+transformers has no MTP layers, so a tiny checkpoint carries none.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe")
+NEW_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
+    """The config of `args.arch` (one of NEW_FAMILIES) with the `common` size fields."""
+    import transformers
+
+    head_dim = args.hidden_size // args.num_heads
+    common = {**common, "tie_word_embeddings": False}  # every one of these families unties
+    # Fields some config classes take through **kwargs (so typed loosely here): head_dim where it
+    # is not declared, MTP's layer count; and the partial rotary factor, in rope_parameters.
+    loose: dict[str, Any] = {"head_dim": head_dim, "num_nextn_predict_layers": 0}
+    glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    moe: dict[str, Any] = {}
+    if args.arch in MOE_FAMILIES:
+        moe = dict(num_experts_per_tok=args.num_experts_per_tok,
+                   moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2)  # fmt: skip
+    if args.arch == "glm4":
+        return transformers.Glm4Config(
+            head_dim=head_dim, attention_bias=True, rope_parameters=glm_rope, **common
+        )
+    if args.arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            attention_bias=True, rope_parameters=glm_rope, n_routed_experts=args.num_experts, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+            use_qk_norm=False, **loose, **moe, **common,
+        )  # fmt: skip
+    if args.arch == "deepseek_v3":
+        rope = max(2, head_dim // 2)
+        common = {**common, "num_key_value_heads": args.num_heads}  # MLA: every head reads the latent
+        loose["head_dim"] = rope  # transformers rotates head_dim channels: the rotary part's width
+        return transformers.DeepseekV3Config(
+            q_lora_rank=args.hidden_size // 2, kv_lora_rank=args.hidden_size // 4, qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=rope, v_head_dim=head_dim, rope_interleave=True,
+            n_routed_experts=args.num_experts, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=2 if args.num_experts % 2 == 0 else 1, topk_group=1, norm_topk_prob=True,
+            routed_scaling_factor=2.5, **loose, **moe, **common,
+        )  # fmt: skip
+    linear: dict[str, Any] = dict(
+        head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_num_key_heads=max(1, args.num_kv_heads), linear_num_value_heads=args.num_heads,
+        full_attention_interval=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )  # fmt: skip
+    experts = dict(num_experts=args.num_experts, shared_expert_intermediate_size=args.hidden_size // 2)
+    if args.arch == "qwen3_next":
+        return transformers.Qwen3NextConfig(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
+                                            **linear, **experts, **moe, **common)  # fmt: skip
+    if args.arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**linear, **common)
+    if args.arch == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**linear, **experts, **moe, **common)
+    raise ValueError(f"unknown --arch {args.arch!r}")
+
+
+def seed_family_state(model: Any, seed: int) -> None:
+    """State a released checkpoint has and a fresh model lacks: the expert-score correction bias
+    (zeros at init) set to small seeded values, as aux-loss-free balancing leaves it, so a loader
+    that drops it changes the routing and fails the tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=g))

@@ -1,0 +1,163 @@
+"""The model families this project runs, and what runs each: one registry the engine, the train
+backends, the flag checks and docs/models.md read (a test keeps the table equal to it).
+
+A family is transformers' `model_type` (the key of config.json). Where a piece is not built for
+a family, `megatron` holds the reason it is refused, which the Megatron backend prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHED, PER_SEQUENCE = "batched", "per-sequence"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    arch: str
+    """`make_tiny_model --arch` that writes a tiny checkpoint of it."""
+    models: str
+    """The released models of this shape (for the docs)."""
+    engine: str
+    """The torch engine's runner: BATCHED (padded batches, KV cache, CUDA graphs) or PER_SEQUENCE
+    (transformers' own forward and cache, one sequence at a time: any layer kind, slower)."""
+    megatron: str | None = None
+    """None: the Megatron backend builds it (and converts HF <-> Megatron); else why it is refused."""
+    router_hooks: bool = False
+    """The train backends hook the routers (mixture-of-experts families): --use-routing-replay,
+    --use-rollout-routing-replay, --moe-aux-loss-coeff and --moe-router-dtype act; without them
+    those flags are refused."""
+    lora: bool = True
+    """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused."""
+    packs: bool = True
+    """Packed micro-batches (several samples in one row). transformers' gated delta-net keeps
+    packed samples apart only with the flash-linear-attention kernels (CUDA), so the hybrid
+    families train on padded rows, one sample per row."""
+    fused_experts: bool = False
+    """transformers fuses the experts of a layer into `mlp.experts.gate_up_proj` / `down_proj`
+    (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
+
+
+_NOT_WIRED = (
+    "megatron-core has {what}, but this project does not build {family} with it yet: use --train-backend fsdp"
+)
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("qwen2", "qwen2", "Qwen2, Qwen2.5", BATCHED),
+        Family("qwen3", "qwen3", "Qwen3 dense", BATCHED),
+        Family("llama", "", "Llama 2 / 3", BATCHED),
+        Family("mistral", "", "Mistral", BATCHED, megatron="Mistral is not converted to Megatron"),
+        Family(
+            "qwen3_moe",
+            "qwen3_moe",
+            "Qwen3-30B-A3B, Qwen3-235B-A22B",
+            BATCHED,
+            router_hooks=True,
+            fused_experts=True,
+        ),
+        Family(
+            "glm4",
+            "glm4",
+            "GLM-4-0414 (9B, 32B)",
+            PER_SEQUENCE,
+            lora=False,
+            megatron=_NOT_WIRED.format(
+                what="interleaved partial rotary embeddings and sandwich norms", family="GLM-4"
+            ),
+        ),
+        Family(
+            "glm4_moe",
+            "glm4_moe",
+            "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air, Flash)",
+            PER_SEQUENCE,
+            lora=False,
+            megatron=_NOT_WIRED.format(what="the router expert bias and sigmoid routing", family="GLM-4.5+"),
+            fused_experts=True,
+        ),
+        Family(
+            "deepseek_v3",
+            "deepseek_v3",
+            "DeepSeek-V3 / R1, Kimi-K2, Moonlight",
+            PER_SEQUENCE,
+            lora=False,
+            megatron=_NOT_WIRED.format(what="multi-latent attention", family="DeepSeek-V3"),
+            fused_experts=True,
+        ),
+        Family(
+            "qwen3_next",
+            "qwen3_next",
+            "Qwen3-Next-80B-A3B",
+            PER_SEQUENCE,
+            lora=False,
+            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3-Next trains with --train-backend fsdp",
+            fused_experts=True,
+            packs=False,
+        ),
+        Family(
+            "qwen3_5_text",
+            "qwen3_5",
+            "Qwen3.5 dense (text)",
+            PER_SEQUENCE,
+            lora=False,
+            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
+            packs=False,
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "qwen3_5_moe",
+            "Qwen3.5 MoE (text)",
+            PER_SEQUENCE,
+            lora=False,
+            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
+            fused_experts=True,
+            packs=False,
+        ),
+    )
+}
+
+
+def family(model_type: str | None) -> Family | None:
+    return FAMILIES.get(model_type or "")
+
+
+def packable(model_type: str | None) -> bool:
+    """Whether micro-batches of `model_type` may be packed (an unknown family: as the others)."""
+    f = family(model_type)
+    return f is None or f.packs
+
+
+def refusal(model_type: str | None, feature: str) -> str | None:
+    """Why `feature` ("router_hooks", "lora") is refused for `model_type` (None: it is built, or
+    the family is unknown and the feature's own checks decide)."""
+    f = family(model_type)
+    if f is None or getattr(f, feature):
+        return None
+    what = {"router_hooks": "routing replay and the router's aux loss are", "lora": "LoRA is"}[feature]
+    return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
+
+
+def megatron_refusal(model_type: str | None) -> str | None:
+    """Why the Megatron backend refuses `model_type` (None: it builds it)."""
+    f = family(model_type)
+    if f is None:
+        return "not among the families the Megatron backend builds"
+    return f.megatron
+
+
+def models_table() -> str:
+    """docs/models.md's table, from the registry."""
+    yes = {True: "yes", False: "no"}
+    lines = [
+        "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and conversion | routing replay, aux loss | LoRA |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in FAMILIES.values():
+        lines.append(
+            f"| `{f.model_type}` | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
+            f"{'yes' if f.packs else 'yes (padded rows)'} | "
+            f"{'yes' if f.megatron is None else 'no: ' + f.megatron} | {yes[f.router_hooks]} | {yes[f.lora]} |"
+        )
+    return "\n".join(lines) + "\n"
