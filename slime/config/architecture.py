@@ -70,16 +70,21 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "swiglu": getattr(config, "hidden_act", None) == "silu",
         "normalization": "RMSNorm" if hasattr(config, "rms_norm_eps") else "LayerNorm",
         "norm_epsilon": getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None),
-        "add_bias_linear": attention_bias or bool(getattr(config, "mlp_bias", False)),
+        # GLM's attention_bias is on q/k/v only (Megatron-LM: --add-qkv-bias with --disable-bias-linear)
+        "add_bias_linear": (attention_bias and model_type not in _QKV_BIAS_ONLY)
+        or bool(getattr(config, "mlp_bias", False)),
         "add_qkv_bias": model_type == "qwen2" or attention_bias,
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
+        # q/k norms; DeepSeek-V3's are its latents' (q_a_layernorm, kv_a_layernorm), GLM-4.5's use_qk_norm
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe", "deepseek_v3", *_HYBRID)
+        or bool(getattr(config, "use_qk_norm", False)),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
         "position_embedding_type": "rope",
         "rotary_base": theta,
-        "rotary_percent": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
+        "rotary_percent": partial_rotary(config),
         "use_rope_scaling": scaling_kind == "llama3",
         "rope_scaling_factor": factor,
         **hf_moe(config),
+        **_family_values(config),
     }
     keys = {
         "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
@@ -94,17 +99,94 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "moe_layer_freq": "decoder_sparse_step/mlp_only_layers", "moe_ffn_hidden_size": "moe_intermediate_size",
         "moe_router_topk": "num_experts_per_tok", "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
         "moe_router_score_function": "model_type", "moe_router_pre_softmax": "norm_topk_prob",
-        "moe_router_topk_scaling_factor": "routed_scaling_factor",
+        "moe_router_topk_scaling_factor": "routed_scaling_factor", "rotary_interleaved": "model_type",
+        "apply_layernorm_1p": "model_type", "post_self_attn_layernorm": "model_type",
+        "post_mlp_layernorm": "model_type", "attention_output_gate": "model_type",
+        "use_gated_attention": "model_type", "multi_latent_attention": "kv_lora_rank",
+        "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
+        "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "mscale": "rope_parameters.mscale",
+        "mscale_all_dim": "rope_parameters.mscale_all_dim", "moe_router_num_groups": "n_group",
+        "moe_router_group_topk": "topk_group", "moe_router_enable_expert_bias": "model_type",
+        "moe_shared_expert_gate": "model_type",
     }  # fmt: skip
+    if values["multi_latent_attention"]:
+        keys["kv_channels"] = "v_head_dim"
+    if getattr(config, "n_routed_experts", None):
+        keys.update(num_experts="n_routed_experts", moe_layer_freq="first_k_dense_replace",
+                    moe_shared_expert_intermediate_size="n_shared_experts x moe_intermediate_size")  # fmt: skip
     return HFArchitecture(values, keys)
+
+
+# Families by what their layers are (transformers' model_type; slime.utils.model_families).
+_HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+_EXPERT_BIAS = {"deepseek_v3", "glm4_moe"}
+_QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
+
+
+def partial_rotary(config: Any) -> float:
+    """The rotated share of each head (rope_parameters in transformers 5, a top-level field before)."""
+    params = getattr(config, "rope_parameters", None)
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(value or getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def _family_values(config: Any) -> dict[str, Any]:
+    """The layer kinds of the families beyond Qwen/Llama, as Megatron-LM's flags say them."""
+    model_type = getattr(config, "model_type", "")
+    mla = bool(getattr(config, "kv_lora_rank", None))
+    params = getattr(config, "rope_parameters", None) or {}
+    yarn = params.get("rope_type") == "yarn"
+    return {
+        "rotary_interleaved": model_type == "glm4",
+        "apply_layernorm_1p": model_type in _HYBRID,
+        "post_self_attn_layernorm": model_type == "glm4",
+        "post_mlp_layernorm": model_type == "glm4",
+        "attention_output_gate": model_type in _HYBRID,
+        "use_gated_attention": model_type in _HYBRID,
+        "multi_latent_attention": mla,
+        **(
+            {
+                "q_lora_rank": getattr(config, "q_lora_rank", None),
+                "kv_lora_rank": config.kv_lora_rank,
+                "qk_head_dim": getattr(config, "qk_nope_head_dim", None),
+                "qk_pos_emb_head_dim": getattr(config, "qk_rope_head_dim", None),
+                "v_head_dim": getattr(config, "v_head_dim", None),
+                "kv_channels": getattr(config, "v_head_dim", None),
+                "mscale": float(params.get("mscale", 1.0)) if yarn else 1.0,
+                "mscale_all_dim": float(params.get("mscale_all_dim", 1.0)) if yarn else 1.0,
+            }
+            if mla
+            else {}
+        ),
+    }
 
 
 def hf_moe(config: Any) -> dict[str, Any]:
     """An HF config's mixture of experts in Megatron-LM's terms (num_experts 0: dense)."""
-    experts = getattr(config, "num_experts", None) or 0
+    routed = getattr(config, "n_routed_experts", None)  # DeepSeek-V3, GLM-4.5+
+    experts = getattr(config, "num_experts", None) or routed or 0
     if not experts:
         return {"num_experts": 0}
     layers = config.num_hidden_layers
+    model_type = getattr(config, "model_type", "")
+    if routed:
+        first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+        return {
+            "num_experts": experts,
+            "moe_layer_freq": [int(i >= first_dense) for i in range(layers)],
+            "moe_ffn_hidden_size": getattr(config, "moe_intermediate_size", None),
+            "moe_router_topk": getattr(config, "num_experts_per_tok", None),
+            "moe_shared_expert_intermediate_size": (getattr(config, "n_shared_experts", 0) or 0)
+            * (getattr(config, "moe_intermediate_size", 0) or 0),
+            "moe_router_score_function": "sigmoid",
+            # Megatron-LM's pre-softmax means nothing for sigmoid scores: not compared (None)
+            "moe_router_pre_softmax": None,
+            "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
+            "moe_router_num_groups": getattr(config, "n_group", None),
+            "moe_router_group_topk": getattr(config, "topk_group", None),
+            "moe_router_enable_expert_bias": model_type in _EXPERT_BIAS,
+            "moe_shared_expert_gate": False,
+        }
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     return {
@@ -114,9 +196,21 @@ def hf_moe(config: Any) -> dict[str, Any]:
         "moe_router_topk": getattr(config, "num_experts_per_tok", None),
         "moe_shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None) or 0,
         "moe_router_score_function": "softmax",  # the Qwen MoE families (slime.utils.hf_experts)
-        "moe_router_pre_softmax": not getattr(config, "norm_topk_prob", False),
+        "moe_router_pre_softmax": not _norm_topk(config),
         "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
+        "moe_router_enable_expert_bias": False,
+        "moe_shared_expert_gate": model_type in _HYBRID,  # Qwen3-Next, Qwen3.5-MoE: a gated shared expert
     }
+
+
+def _norm_topk(config: Any) -> bool:
+    """Whether the top-k routing weights are renormalised (Qwen3.5-MoE always does: no field)."""
+    norm = getattr(config, "norm_topk_prob", None)
+    return (
+        bool(norm)
+        if norm is not None
+        else getattr(config, "model_type", "") in ("qwen3_5_moe", "qwen3_5_moe_text")
+    )
 
 
 def moe_layer_freq(value: Any, num_layers: int) -> list[int] | None:
@@ -149,6 +243,11 @@ def _megatron_moe(ns: argparse.Namespace) -> dict[str, Any]:
     out["moe_shared_expert_intermediate_size"] = ns.moe_shared_expert_intermediate_size or 0
     out["moe_router_score_function"] = ns.moe_router_score_function or "softmax"
     out["moe_router_topk_scaling_factor"] = ns.moe_router_topk_scaling_factor or 1.0
+    out["moe_router_enable_expert_bias"] = bool(ns.moe_router_enable_expert_bias)
+    out["moe_shared_expert_gate"] = bool(ns.moe_shared_expert_gate)
+    for dest in ("moe_router_num_groups", "moe_router_group_topk"):
+        if getattr(ns, dest) is not None:
+            out[dest] = getattr(ns, dest)
     ffn = ns.moe_ffn_hidden_size if ns.moe_ffn_hidden_size is not None else ns.ffn_hidden_size
     if ffn is not None:
         out["moe_ffn_hidden_size"] = ffn
@@ -177,6 +276,7 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
         for dest in ("norm_epsilon", "rotary_base", "rotary_percent"):
             if getattr(ns, dest) is not None:
                 out[dest] = getattr(ns, dest)
+        out.update({dest: True for dest in _FAMILY_BOOLEANS if getattr(ns, dest)})
         return out
     out["swiglu"] = bool(ns.swiglu)
     out["normalization"] = ns.normalization or "LayerNorm"
@@ -189,12 +289,22 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
     out["position_embedding_type"] = "rope" if rope else ns.position_embedding_type or "learned_absolute"
     out["rotary_base"] = 10000.0 if ns.rotary_base is None else ns.rotary_base
     out["rotary_percent"] = 1.0 if ns.rotary_percent is None else ns.rotary_percent
+    for dest in _FAMILY_BOOLEANS:
+        out[dest] = bool(getattr(ns, dest))
+    for dest in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
+                 "mscale_all_dim"):  # fmt: skip
+        if getattr(ns, dest) is not None:
+            out[dest] = getattr(ns, dest)
     out["use_rope_scaling"] = bool(ns.use_rope_scaling)
     if ns.use_rope_scaling:
         out["rope_scaling_factor"] = next(
             (v for v in (ns.rope_scaling_factor, ns.rotary_scaling_factor) if v is not None), 8.0
         )
     return out
+
+
+_FAMILY_BOOLEANS = ("rotary_interleaved", "apply_layernorm_1p", "post_self_attn_layernorm", "post_mlp_layernorm",
+                    "attention_output_gate", "use_gated_attention", "multi_latent_attention")  # fmt: skip
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -210,6 +320,8 @@ def _flag_text(dest: str, value: Any, ns: argparse.Namespace) -> str:
         "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "group_query_attention": "--group-query-attention", "use_rope_scaling": "--use-rope-scaling",
         "add_bias_linear": "--disable-bias-linear",
+        **{d: "--" + d.replace("_", "-") for d in (*_FAMILY_BOOLEANS, "moe_router_enable_expert_bias",
+                                                  "moe_shared_expert_gate")},
     }  # fmt: skip
     if dest == "add_bias_linear":
         return "no --disable-bias-linear (biases on)" if value else "--disable-bias-linear"
@@ -247,6 +359,10 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
             shown = rope_scaling(config)[0]
         elif dest in ("qk_layernorm", "add_qkv_bias"):
             shown = f"{getattr(config, 'model_type', '?')} (attention_bias={getattr(config, 'attention_bias', None)})"
+        elif dest == "multi_latent_attention":
+            shown = getattr(config, "kv_lora_rank", None)
+        elif key == "model_type":
+            shown = getattr(config, "model_type", "?")
         out.append(f"{_flag_text(dest, value, ns)} disagrees with {where}: config.json {key} = {shown}")
     limit = hf.values["max_position_embeddings"]
     if ns.seq_length is not None and limit is not None and ns.seq_length > limit:

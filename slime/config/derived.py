@@ -14,7 +14,7 @@ from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
-from slime.utils.model_families import refusal
+from slime.utils.model_families import refusal, routes_in_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -242,9 +242,10 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     from slime.config.train import MoEOptions
 
     try:
-        flag = from_flags(MoEOptions, ns).needs_moe
+        options = from_flags(MoEOptions, ns)
     except ValueError:  # a bad MoE flag: train_config_from_args names it
         return []
+    flag = options.needs_moe
     if flag is None:
         return []
     r3 = bool(getattr(ns, "use_rollout_routing_replay", False))
@@ -257,7 +258,10 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     why = refusal(config.model_type, "router_hooks") if experts else None
     if why:
-        return [f"{flag}: {why}"]
+        hooked = options.needs_router_hooks(
+            router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype)
+        )
+        return [f"{hooked}: {why}"] if hooked else []
     if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
         return [
             f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"

@@ -37,6 +37,13 @@ def _refused(
     return Spec(flag, kwargs, REFUSED, REFUSED, feature, neutral, group=group)
 
 
+def _family_arch(flag: str, kwargs: dict[str, Any], note: str, group: str = "architecture") -> Spec:
+    """An architecture flag of a family only the FSDP backend trains (docs/models.md): checked
+    against config.json with FSDP, refused by the Megatron backend."""
+    return Spec(flag, kwargs, CHECKED, REFUSED, note, group=group,
+                refused_note="megatron: the families with it are not built by the Megatron backend (docs/models.md)")  # fmt: skip
+
+
 def _moe_arch(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     """A mixture-of-experts architecture flag: checked against config.json with either backend."""
     return Spec(flag, kwargs, CHECKED, CHECKED, note, group="architecture")
@@ -52,9 +59,10 @@ def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MOE_GROUPS = "group-limited routing (DeepSeek-V3's node groups) is not supported"
-MOE_BIAS = "aux-loss-free balancing with a router expert bias (DeepSeek-V3) is not supported"
-MLA = "multi-latent attention (DeepSeek/Kimi) is not supported (dense Qwen2/Qwen3/Llama only)"
+MOE_BIAS = (
+    "updating the router expert bias during training (aux-loss-free balancing) is not built: the bias stays as "
+    "the checkpoint has it; give --moe-router-bias-update-rate 0, as slime's scripts do"
+)
 MTP = "multi-token prediction layers are not supported"
 FP8 = "FP8 training is not supported (float32 or bfloat16)"
 
@@ -117,32 +125,41 @@ SPECS: tuple[Spec, ...] = (
         {"type": int, "default": None},
         "at most max_position_embeddings; samples are not padded to it (variable-length micro-batches)",
     ),
-    _refused(
-        "--rotary-interleaved",
-        store_true(),
-        "interleaved rotary embeddings (GLM-4) are not supported: the supported models rotate halves",
+    _family_arch("--rotary-interleaved", store_true(), "interleaved rotary pairs (GLM-4: model_type glm4)"),
+    _family_arch(
+        "--apply-layernorm-1p", store_true(), "zero-centred (1 + gamma) norms (Qwen3-Next, Qwen3.5)"
     ),
-    _refused("--apply-layernorm-1p", store_true(), "zero-centred (1 + gamma) norms are not supported"),
-    _refused("--post-self-attn-layernorm", store_true(), "sandwich norms (GLM-4) are not supported"),
-    _refused("--post-mlp-layernorm", store_true(), "sandwich norms (GLM-4) are not supported"),
-    _refused(
-        "--attention-output-gate", store_true(), "gated attention (Qwen3-Next / Qwen3.5) is not supported"
+    _family_arch(
+        "--post-self-attn-layernorm", store_true(), "a norm after attention (GLM-4's sandwich norms)"
     ),
-    _refused(
-        "--use-gated-attention", store_true(), "gated attention (Qwen3-Next / Qwen3.5) is not supported"
-    ),
-    _refused(
+    _family_arch("--post-mlp-layernorm", store_true(), "a norm after the MLP (GLM-4's sandwich norms)"),
+    _family_arch("--attention-output-gate", store_true(), "gated attention output (Qwen3-Next, Qwen3.5)"),
+    _family_arch("--use-gated-attention", store_true(), "gated attention (Qwen3-Next, Qwen3.5)"),
+    Spec(
         "--spec",
         {"nargs": "+", "default": None},
-        "custom Megatron layer specs (--spec MODULE FUNCTION) are "
-        "not supported: the model is built from --hf-checkpoint with megatron-core's own specs",
+        NO_EFFECT,
+        REFUSED,
+        "a custom Megatron layer spec (--spec MODULE FUNCTION); FSDP builds the model from --hf-checkpoint's "
+        "transformers modeling, which the spec describes",
+        group="architecture",
+        refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "
+        "own specs from --hf-checkpoint",
     ),
-    _refused("--multi-latent-attention", store_true(), MLA),
+    _family_arch(
+        "--multi-latent-attention", store_true(), "multi-latent attention (DeepSeek-V3: kv_lora_rank)"
+    ),
+    _family_arch(
+        "--q-lora-rank", {"type": int, "default": None}, "q_lora_rank (none: queries without a latent)"
+    ),
+    _family_arch("--kv-lora-rank", {"type": int, "default": None}, "kv_lora_rank"),
+    _family_arch("--qk-head-dim", {"type": int, "default": None}, "qk_nope_head_dim"),
+    _family_arch("--qk-pos-emb-head-dim", {"type": int, "default": None}, "qk_rope_head_dim"),
+    _family_arch("--v-head-dim", {"type": int, "default": None}, "v_head_dim"),
     *(
-        _refused(f, {"type": int, "default": None}, MLA)
-        for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
+        _family_arch(f, {"type": float, "default": None}, f"rope_parameters.{key} of YaRN (1.0 otherwise)")
+        for f, key in (("--mscale", "mscale"), ("--mscale-all-dim", "mscale_all_dim"))
     ),
-    *(_refused(f, {"type": float, "default": None}, MLA) for f in ("--mscale", "--mscale-all-dim")),
     # ---- mixture of experts: checked (FSDP, HF modeling); the Megatron backend has no MoE yet ----
     _moe_arch("--num-experts", {"type": int, "default": None}, "num_experts (none: a dense model)"),
     _moe_arch(
@@ -171,14 +188,31 @@ SPECS: tuple[Spec, ...] = (
         {"type": float, "default": None},
         "routed_scaling_factor (none for the Qwen MoE families)",
     ),
-    *(
-        _refused(f, {"type": int, "default": None}, MOE_GROUPS)
-        for f in ("--moe-router-num-groups", "--moe-router-group-topk")
+    _family_arch(
+        "--moe-router-num-groups", {"type": int, "default": None}, "n_group (DeepSeek-V3's expert groups)"
     ),
-    _refused("--moe-router-enable-expert-bias", store_true(), MOE_BIAS),
-    _refused("--moe-router-bias-update-rate", {"type": float, "default": None}, MOE_BIAS),
-    _refused(
-        "--moe-shared-expert-gate", store_true(), "a gated shared expert (Qwen2-MoE) is not supported yet"
+    _family_arch(
+        "--moe-router-group-topk", {"type": int, "default": None}, "topk_group (groups kept per token)"
+    ),
+    _family_arch(
+        "--moe-router-enable-expert-bias",
+        store_true(),
+        "the routers' expert-score correction bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5+), as the "
+        "checkpoint has it",
+    ),
+    Spec(
+        "--moe-router-bias-update-rate",
+        {"type": float, "default": None},
+        REFUSED,
+        REFUSED,
+        MOE_BIAS,
+        neutral=0.0,
+        group="architecture",
+    ),
+    _family_arch(
+        "--moe-shared-expert-gate",
+        store_true(),
+        "a sigmoid gate on the shared expert (Qwen3-Next, Qwen3.5-MoE)",
     ),
     _moe(
         "--moe-aux-loss-coeff",
@@ -191,10 +225,11 @@ SPECS: tuple[Spec, ...] = (
     ),
     _moe(
         "--moe-router-load-balancing-type",
-        {"choices": ["aux_loss", "none"], "default": None},
+        {"choices": ["aux_loss", "seq_aux_loss", "none"], "default": None},
         APPLIED,
         APPLIED,
-        "aux_loss (megatron-core's) or none (no load-balancing loss whatever --moe-aux-loss-coeff says)",
+        "aux_loss (megatron-core's) or none (no load-balancing loss whatever --moe-aux-loss-coeff says); "
+        "seq_aux_loss (the per-sequence loss) only with --moe-aux-loss-coeff 0, as slime's scripts give it",
     ),
     _moe(
         "--moe-router-dtype",
@@ -346,17 +381,17 @@ SPECS: tuple[Spec, ...] = (
         store_true(),
         "Megatron-LM's NaN check; here a non-finite loss or gradient norm is reported in the step metrics",
     ),
-    _refused(
-        "--decoder-first-pipeline-num-layers",
-        {"type": int, "default": None},
-        "uneven pipeline stages are not supported: every stage holds num_layers / PP layers",
-        group="training",
-    ),
-    _refused(
-        "--decoder-last-pipeline-num-layers",
-        {"type": int, "default": None},
-        "uneven pipeline stages are not supported: every stage holds num_layers / PP layers",
-        group="training",
+    *(
+        Spec(
+            f,
+            {"type": int, "default": None},
+            NO_EFFECT,
+            REFUSED,
+            "the layers of the first / last pipeline stage (FSDP has no pipeline stages)",
+            group="training",
+            refused_note="uneven pipeline stages are not built yet: every stage holds num_layers / PP layers",
+        )
+        for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
     ),
     _refused("--fp8-format", {"default": None}, FP8, group="training"),
     _refused("--fp8-recipe", {"default": None}, FP8, group="training"),

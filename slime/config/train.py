@@ -263,7 +263,8 @@ class MoEOptions:
     moe_aux_loss_coeff: float = 0.0
     """`--moe-aux-loss-coeff`: megatron-core's load-balancing loss (aux_loss) times this."""
     moe_router_load_balancing_type: str | None = None
-    """`--moe-router-load-balancing-type`: aux_loss (the default) or none."""
+    """`--moe-router-load-balancing-type`: aux_loss (the default) or none; seq_aux_loss (the
+    per-sequence loss, not built) only with a zero coefficient, as slime's scripts give it."""
     moe_router_dtype: str | None = None
     """`--moe-router-dtype`: fp32 or fp64 routing (None: as the model computes it)."""
     use_routing_replay: bool = False
@@ -274,6 +275,11 @@ class MoEOptions:
     def __post_init__(self) -> None:
         if not self.moe_aux_loss_coeff >= 0:
             raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_router_load_balancing_type == "seq_aux_loss" and self.moe_aux_loss_coeff > 0:
+            raise ValueError(
+                f"--moe-router-load-balancing-type seq_aux_loss with --moe-aux-loss-coeff {self.moe_aux_loss_coeff}: "
+                "the per-sequence load-balancing loss is not built; use aux_loss, or a coefficient of 0"
+            )
         if self.use_routing_replay and self.use_rollout_routing_replay:
             raise ValueError(
                 "--use-routing-replay (R2) and --use-rollout-routing-replay (R3) replay different routings: give one"
@@ -286,9 +292,15 @@ class MoEOptions:
     @property
     def needs_moe(self) -> str | None:
         """The first flag given that only a mixture-of-experts model can honour (None: none)."""
+        return self.needs_router_hooks(router_fp32=False)
+
+    def needs_router_hooks(self, router_fp32: bool) -> str | None:
+        """The first flag given that the train backends honour by hooking the routers (None:
+        none); `router_fp32`: the model routes in float32 by itself, so --moe-router-dtype fp32
+        needs nothing."""
         for name, on in (
             ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0),
-            ("--moe-router-dtype", self.moe_router_dtype is not None),
+            ("--moe-router-dtype", self.moe_router_dtype not in (None, *(("fp32",) if router_fp32 else ()))),
             ("--use-routing-replay", self.use_routing_replay),
             ("--use-rollout-routing-replay", self.use_rollout_routing_replay),
         ):

@@ -51,7 +51,7 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
         return transformers.Glm4MoeConfig(
             attention_bias=True, rope_parameters=glm_rope, n_routed_experts=args.num_experts, n_shared_experts=1,
             first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-            use_qk_norm=False, **loose, **moe, **common,
+            use_qk_norm=True, **loose, **moe, **common,
         )  # fmt: skip
     if args.arch == "deepseek_v3":
         rope = max(2, head_dim // 2)

@@ -30,6 +30,9 @@ class Family:
     those flags are refused."""
     lora: bool = True
     """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused."""
+    router_fp32: bool = False
+    """transformers' modeling computes the router's logits in float32 whatever the parameters'
+    dtype (so --moe-router-dtype fp32 asks for what happens anyway)."""
     packs: bool = True
     """Packed micro-batches (several samples in one row). transformers' gated delta-net keeps
     packed samples apart only with the flash-linear-attention kernels (CUDA), so the hybrid
@@ -76,6 +79,7 @@ FAMILIES: dict[str, Family] = {
             lora=False,
             megatron=_NOT_WIRED.format(what="the router expert bias and sigmoid routing", family="GLM-4.5+"),
             fused_experts=True,
+            router_fp32=True,
         ),
         Family(
             "deepseek_v3",
@@ -85,6 +89,7 @@ FAMILIES: dict[str, Family] = {
             lora=False,
             megatron=_NOT_WIRED.format(what="multi-latent attention", family="DeepSeek-V3"),
             fused_experts=True,
+            router_fp32=True,
         ),
         Family(
             "qwen3_next",
@@ -137,6 +142,12 @@ def refusal(model_type: str | None, feature: str) -> str | None:
         return None
     what = {"router_hooks": "routing replay and the router's aux loss are", "lora": "LoRA is"}[feature]
     return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
+
+
+def routes_in_fp32(model_type: str | None, param_dtype: str) -> bool:
+    """Whether a model of `model_type` trained with parameters in `param_dtype` routes in float32."""
+    f = family(model_type)
+    return param_dtype == "float32" or (f is not None and f.router_fp32)
 
 
 def megatron_refusal(model_type: str | None) -> str | None:
