@@ -111,9 +111,8 @@ class TrainActorBase(TrainRecords):
         """Whether micro-batches are packed (one row, no padding; token budgets count real
         tokens): both backends pack unless --padded-micro-batches asks for the padded layout or
         the model's layers cannot keep packed samples apart (slime.utils.model_families)."""
-        return not self.cfg.batch.padded_micro_batches and packable(
-            getattr(self.hf_config, "model_type", None)
-        )
+        config = getattr(self, "hf_config", None)  # None: an actor that only plans (tests, tools)
+        return not self.cfg.batch.padded_micro_batches and packable(getattr(config, "model_type", None))
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:
@@ -185,16 +184,12 @@ class TrainActorBase(TrainRecords):
             )
 
         old, ref, advantages = values
+        weights = token_weights(mb.loss_mask, cfg.calculate_per_token_loss, step.num_executions, step.num_tokens,
+                                step.row_denominators(mb.positions)).to(dev)  # fmt: skip
         terms = MicroBatchTerms(
             log_probs=log_probs,
             mask=mask,
-            weights=token_weights(
-                mb.loss_mask,
-                cfg.calculate_per_token_loss,
-                step.num_executions,
-                step.num_tokens,
-                step.row_denominators(mb.positions),
-            ).to(dev),
+            weights=weights,
             old_log_probs=lay_out(old),
             advantages=lay_out(advantages),
             ref_log_probs=lay_out(ref),
@@ -290,12 +285,10 @@ class TrainActorBase(TrainRecords):
                     "its share: the rollout was split by another rule or for another layout"
                 )
             num_tokens = sum(part.loss_tokens[g] for g in step)
+            norms = batching.execution_normalisers(step, part.loss_tokens, part.executions, local)
             plans.append(
-                StepPlan(
-                    [[local[g] for g in mb] for mb in mine], len(step), int(num_tokens),
-                    *batching.execution_normalisers(step, part.loss_tokens, part.executions, local),
-                )
-            )  # fmt: skip
+                StepPlan([[local[g] for g in mb] for mb in mine], len(step), int(num_tokens), *norms)
+            )
         return plans
 
     def _log_prob_plans(
