@@ -299,3 +299,22 @@ def test_dry_run_reports_a_missing_checkpoint_directory(tmp_path, prompts, capsy
 def test_slimes_other_hooks_are_refused_by_name(tiny_model, prompts, capsys, flag):
     err = error(capsys, base(tiny_model, prompts, flag, "my.hook"))
     assert f"{flag} my.hook: slime's" in err and "not built yet" in err
+
+
+def test_uneven_pipeline_stage_flags(tiny_model, prompts, capsys):
+    """--decoder-first/last-pipeline-num-layers: no effect with FSDP (no stages), the stages'
+    layers with Megatron, checked against the ranks and the model at parse time."""
+    cfg = parse_args(base(tiny_model, prompts, "--decoder-last-pipeline-num-layers", "3"))
+    assert any("--decoder-last-pipeline-num-layers" in line for line in cfg.args.resolution)
+    megatron = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2"]
+    err = error(capsys, base(tiny_model, prompts, *megatron, "--decoder-first-pipeline-num-layers", "1"))
+    assert (
+        "--decoder-first-pipeline-num-layers sets a pipeline stage's layers: give --pipeline-model-parallel-size > 1"
+        in err
+    )
+    err = error(capsys, base(tiny_model, prompts, *megatron, "--pipeline-model-parallel-size", "2",
+                             "--decoder-first-pipeline-num-layers", "4"))  # fmt: skip
+    assert "does not split the model's 4 layers" in err
+    cfg = parse_args(base(tiny_model, prompts, *megatron, "--pipeline-model-parallel-size", "2",
+                          "--decoder-first-pipeline-num-layers", "1"))  # fmt: skip
+    assert cfg.train.megatron.stage_layers == (1, None)

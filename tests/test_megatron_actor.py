@@ -49,11 +49,15 @@ def exported(actor) -> dict[str, torch.Tensor]:
 
 
 def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None, dynamic=False,
-              recompute=False, padded=False, chunk=-1):  # fmt: skip
+              recompute=False, padded=False, chunk=-1, first=None):  # fmt: skip
     from slime.backends import make_train_actor
     from slime.config.train import FSDPConfig
 
     cfg = config(model, tp, pp, backend=backend, fsdp=FSDPConfig(gradient_checkpointing=recompute))
+    if first is not None:  # uneven pipeline stages: `first` layers on the first stage, the rest on the last
+        cfg = dataclasses.replace(
+            cfg, megatron=dataclasses.replace(cfg.megatron, decoder_first_pipeline_num_layers=first)
+        )
     # padded: one right-padded row per sample instead of packed micro-batches; chunk: the
     # log-softmax a few tokens at a time, recomputed in backward (TP collectives inside)
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=padded,
@@ -77,6 +81,8 @@ def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", 
             if save_dir:
                 actor.save(r, save_dir, extra={"next_prompt": 3})
     result["weights"] = exported(actor)
+    if backend == "megatron":  # this stage's layers
+        result["layers"] = len(getattr(actor.model, "module", actor.model).decoder.layers)
     actor.close()
     return result
 
@@ -155,6 +161,13 @@ def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world, dynam
         world, train_run, tiny_model, tp, pp, "megatron", None, dynamic, recompute, padded, chunk
     )
     assert [r["info"]["dp"] for r in ranks] == [world // (tp * pp)] * world
+    assert_trains_like(fsdp, ranks)
+
+
+def test_uneven_pipeline_stages_train_like_one_fsdp_rank(fsdp, tiny_model):
+    """--decoder-first-pipeline-num-layers 1 with PP 2: one layer on the first stage, three on the last."""
+    ranks = run_ranks(2, train_run, tiny_model, 1, 2, "megatron", None, False, False, False, -1, 1)
+    assert [r["info"]["dp"] for r in ranks] == [1, 1] and [r["layers"] for r in ranks] == [1, 3]
     assert_trains_like(fsdp, ranks)
 
 

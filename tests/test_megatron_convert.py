@@ -195,3 +195,43 @@ def test_one_ranks_shard_equals_the_full_conversion_and_reads_only_its_stage(kin
         layers = {int(n.split(".")[2]) for n in source.read if n.startswith("model.layers.")}
         assert layers == set(range(s * layout.num_layers // pp, (s + 1) * layout.num_layers // pp))
         assert ("model.norm.weight" in source.read) == (s == pp - 1)
+
+
+def test_uneven_pipeline_stages_follow_megatron_lms_rule():
+    """--decoder-first/last-pipeline-num-layers: those stages hold what they say, the others split
+    the rest evenly; a split that does not fit is named with the flags."""
+    import dataclasses
+
+    layout, hf = tiny("qwen3", num_hidden_layers=7)
+
+    def sizes(pp, first=None, last=None):
+        return [
+            len(r)
+            for r in dataclasses.replace(layout, first_stage_layers=first, last_stage_layers=last).stages(pp)
+        ]
+
+    assert sizes(1, 3) == [7] and sizes(3, 1, 2) == [1, 4, 2] and sizes(3, 1) == [1, 3, 3]
+    assert sizes(4, None, 1) == [2, 2, 2, 1] and sizes(2, 5, 2) == [5, 2]
+    with pytest.raises(ConversionError, match="PP 2 must divide the model's 7 layers"):
+        layout.stages(2)
+    with pytest.raises(
+        ConversionError,
+        match=r"first/last-pipeline-num-layers 2/None does not split .* 5 layers are left for 2",
+    ):
+        sizes(3, 2)
+    with pytest.raises(ConversionError, match="the two stages hold 6"):
+        sizes(2, 3, 3)
+    # The conversion and one rank's shard follow the stages: 2 + 5 layers, bitwise both ways.
+    uneven = dataclasses.replace(layout, first_stage_layers=2)
+    mc = hf_to_megatron(hf, uneven)
+    stages = split_pp(mc, uneven, 2)
+    assert {int(k.split(".")[2]) for k in stages[0] if ".layers." in k} == {0, 1}
+    assert {int(k.split(".")[2]) for k in stages[1] if ".layers." in k} == set(range(5))
+    assert same(merge_pp(stages, uneven), mc)
+    parts = shard(mc, uneven, 1, 2)
+    for (r, s), expected in parts.items():
+        source = Reads(hf)
+        assert same(hf_to_megatron_shard(source, uneven, 1, 2, r, s), expected)
+        layers = {int(n.split(".")[2]) for n in source.read if n.startswith("model.layers.")}
+        assert layers == ({0, 1} if s == 0 else set(range(2, 7)))
+    assert same(megatron_to_hf(unshard(parts, uneven), uneven), hf)

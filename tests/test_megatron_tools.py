@@ -65,6 +65,36 @@ def test_hf_to_megatron_reshard_and_back_is_bitwise(hf, tmp_path):
     assert (back / "tokenizer.json").exists()
 
 
+def test_uneven_pipeline_stages_convert_and_reshard_bitwise(hf, tmp_path):
+    """--decoder-first-pipeline-num-layers 2 with PP 2 (2 + 1 layers), resharded to PP 3 (one each)
+    and back to HF: the same tensors; the checkpoint's args record the stages as Megatron-LM's."""
+    mg = tmp_path / "mg_pp2_uneven"
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(mg), "--pipeline-model-parallel-size",
+             "2", "--decoder-first-pipeline-num-layers", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    first = torch.load(mg / "release" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=True)
+    assert first["args"]["decoder_first_pipeline_num_layers"] == 2
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in first["model"]
+    last = torch.load(mg / "release" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=True)["model"]
+    assert (
+        "decoder.layers.0.mlp.linear_fc1.weight" in last
+        and "decoder.layers.1.mlp.linear_fc1.weight" not in last
+    )
+    pp3 = tmp_path / "mg_pp3"
+    r = tool("convert_checkpoint", "--load-dir", str(mg), "--save-dir", str(pp3), "--target-tensor-parallel-size",
+             "1", "--target-pipeline-parallel-size", "3")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    back = tmp_path / "hf_back"
+    r = tool("convert_megatron_to_hf", "--load-dir", str(pp3), "--hf-checkpoint", hf, "--save-dir", str(back))
+    assert r.returncode == 0, r.stderr
+    want, got = load_file(os.path.join(hf, "model.safetensors")), load_file(back / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(tmp_path / "bad"),
+             "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "3")  # fmt: skip
+    assert r.returncode == 2 and "does not split the model's 3 layers" in r.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_model_argument_that_disagrees_with_the_config_writes_nothing(hf, tmp_path):
     out = tmp_path / "never"
     r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(out), "--num-layers", "4",

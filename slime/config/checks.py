@@ -303,14 +303,16 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
 
 def megatron_flags() -> dict[str, object]:
     """Each Megatron flag's dest and default (MegatronConfig's fields). --expert-tensor-parallel-size
-    is not among them: slime's scripts pass it with FSDP too, where it has no effect (its Spec)."""
+    and --decoder-first/last-pipeline-num-layers are not among them: slime's scripts pass them with
+    FSDP too, where they have no effect (their Specs)."""
     from slime.config.train import MegatronConfig
 
-    return {
-        f.name: f.default
-        for f in dataclasses.fields(MegatronConfig)
-        if f.name != "expert_tensor_parallel_size"
-    }
+    fsdp_too = (
+        "expert_tensor_parallel_size",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+    )
+    return {f.name: f.default for f in dataclasses.fields(MegatronConfig) if f.name not in fsdp_too}
 
 
 def _megatron_defaults(ns: argparse.Namespace) -> bool:
@@ -334,6 +336,9 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
         return str(e)
     ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
     tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    uneven = [end for end, v in zip(("first", "last"), megatron.stage_layers, strict=True) if v is not None]
+    if uneven and pp < 2:
+        return f"--decoder-{uneven[0]}-pipeline-num-layers sets a pipeline stage's layers: give --pipeline-model-parallel-size > 1"
     if ranks % (tp * pp * cp):
         return (
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} "

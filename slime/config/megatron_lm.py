@@ -386,10 +386,10 @@ SPECS: tuple[Spec, ...] = (
             f,
             {"type": int, "default": None},
             NO_EFFECT,
-            REFUSED,
-            "the layers of the first / last pipeline stage (FSDP has no pipeline stages)",
+            APPLIED,
+            "megatron: the layers of the first / last pipeline stage, the other stages splitting the rest "
+            "evenly (uneven stages); FSDP has no pipeline stages",
             group="training",
-            refused_note="uneven pipeline stages are not built yet: every stage holds num_layers / PP layers",
         )
         for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
     ),

@@ -228,6 +228,10 @@ class MegatronConfig:
     """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
     transformer_impl: str = "local"
     """`local` (megatron-core's layer spec) or `transformer_engine`."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """`--decoder-first-pipeline-num-layers`: the first pipeline stage's layers (None: an even split)."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """`--decoder-last-pipeline-num-layers`: the last pipeline stage's layers (None: an even split)."""
     bf16: bool = flag(
         "--bf16",
         False,
@@ -241,6 +245,11 @@ class MegatronConfig:
     def etp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
+    @property
+    def stage_layers(self) -> tuple[int | None, int | None]:
+        """The first and last pipeline stage's layers (uneven stages; None: as the others)."""
+        return self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size", "make_vocab_size_divisible_by"):  # fmt: skip
@@ -250,6 +259,11 @@ class MegatronConfig:
             raise ValueError(
                 f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}"
             )
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
                    help="mixture-of-experts models (default: the target tensor-parallel size)")  # fmt: skip
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, help="default: the checkpoint's")
+    for end in ("first", "last"):
+        p.add_argument(f"--target-decoder-{end}-pipeline-num-layers", type=int, default=None,
+                       help=f"the target's {end} pipeline stage's layers (uneven stages; default: an even split)")  # fmt: skip
     ns = p.parse_args(argv)
     tp, pp = ns.target_tensor_parallel_size, ns.target_pipeline_parallel_size
     target = Parallel(tp, pp, ns.target_expert_model_parallel_size, ns.target_expert_tensor_parallel_size)
@@ -52,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         layout = stored_layout(args, ns.load_dir)
         if ns.make_vocab_size_divisible_by is not None:
             layout = dataclasses.replace(layout, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by)
-        target.check(layout)
+        # The source's stages are the checkpoint's; the target's, the flags'.
+        target_layout = dataclasses.replace(layout, first_stage_layers=ns.target_decoder_first_pipeline_num_layers,
+                                            last_stage_layers=ns.target_decoder_last_pipeline_num_layers)  # fmt: skip
+        target.check(target_layout)
         source = stored_parallel(args)
-        out = split_ranks(repad_vocab(merge_ranks(parts, layout, source), layout, tp), layout, target)
+        merged = repad_vocab(merge_ranks(parts, layout, source), layout, tp)
+        out = split_ranks(merged, target_layout, target)
     except ConversionError as e:
         p.error(str(e))
-    save_megatron(out, layout, ns.save_dir, target)
+    save_megatron(out, target_layout, ns.save_dir, target)
     print(f"wrote {ns.save_dir}: {describe(source, layout)} -> {describe(target, layout)}, vocabulary padded to "
           f"{layout.padded_vocab_size(tp)} ({layout.padded_vocab_size(tp) // tp} rows per TP rank)")  # fmt: skip
     return 0

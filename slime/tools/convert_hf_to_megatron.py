@@ -42,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="mixture-of-experts models")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="mixture-of-experts models (default: the tensor-parallel size, as in Megatron-LM)")  # fmt: skip
+    p.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="the first pipeline stage's layers (uneven stages; default: an even split)",
+    )
+    p.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="the last pipeline stage's layers (uneven stages; default: an even split)",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / linear_fc1)")  # fmt: skip
@@ -51,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool) -> Layout:
+def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool, first: int | None = None,
+              last: int | None = None) -> Layout:  # fmt: skip
     from transformers import AutoConfig
 
     try:
@@ -60,7 +73,7 @@ def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool) -> Layout
         raise ConversionError(
             f"--hf-checkpoint {hf_checkpoint!r}: cannot read its config.json ({e})"
         ) from None
-    return Layout.from_hf_config(config, divisible_by, fold_norms)
+    return Layout.from_hf_config(config, divisible_by, fold_norms, (first, last))
 
 
 def check_model_args(ns: argparse.Namespace, layout: Layout) -> None:
@@ -87,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     par = Parallel(tp, pp, ns.expert_model_parallel_size, ns.expert_tensor_parallel_size)
     try:
         layout = hf_layout(
-            ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine"
-        )
+            ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine",
+            ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers,
+        )  # fmt: skip
         check_model_args(ns, layout)
         par.check(layout)
         check_target(ns.save_dir)

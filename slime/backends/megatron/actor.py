@@ -152,7 +152,7 @@ class MegatronTrainActor(TrainActorBase):
     def _model_layout(self) -> Layout:
         m = self.cfg.megatron
         return Layout.from_hf_config(self.hf_config, m.make_vocab_size_divisible_by,
-                                     fold_norms=m.transformer_impl == "transformer_engine")  # fmt: skip
+                                     m.transformer_impl == "transformer_engine", m.stage_layers)  # fmt: skip
 
     def _build_model(self) -> tuple[Any, Any]:
         from megatron.core import tensor_parallel

@@ -41,6 +41,8 @@ def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None
     return {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        "decoder_first_pipeline_num_layers": layout.first_stage_layers,
+        "decoder_last_pipeline_num_layers": layout.last_stage_layers,
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp or tp,
         "num_experts": layout.num_experts or None,

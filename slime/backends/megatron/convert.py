@@ -81,6 +81,10 @@ class Layout:
     """1 for each mixture-of-experts layer, 0 for a dense one (empty: a dense model)."""
     grouped_experts: bool = False
     """megatron-core's TEGroupedMLP names (mlp.experts.linear_fc1.weight{e}) instead of SequentialMLP's."""
+    first_stage_layers: int | None = None
+    """`--decoder-first-pipeline-num-layers`: the first pipeline stage's layers (None: as the others)."""
+    last_stage_layers: int | None = None
+    """`--decoder-last-pipeline-num-layers`: the last pipeline stage's layers (None: as the others)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))  # a stored list too
@@ -90,9 +94,11 @@ class Layout:
 
     @classmethod
     def from_hf_config(
-        cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False
-    ) -> Layout:
-        """Qwen2, Qwen3 and Llama configs (dense, SiLU-gated MLP, RMSNorm)."""
+        cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False,
+        stages: tuple[int | None, int | None] = (None, None),
+    ) -> Layout:  # fmt: skip
+        """Qwen2, Qwen3 and Llama configs (dense, SiLU-gated MLP, RMSNorm); `stages`: the first and
+        last pipeline stage's layers (uneven stages; None: as the others)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
@@ -120,8 +126,45 @@ class Layout:
             qk_norm=SUPPORTED[model_type]["qk_norm"],
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             fold_norms=fold_norms,
+            first_stage_layers=stages[0],
+            last_stage_layers=stages[1],
             **moe,
         )
+
+    def stages(self, pp: int) -> list[range]:
+        """The global layers of each of `pp` pipeline stages, in Megatron-LM's rule: the first and
+        last stage hold what --decoder-first/last-pipeline-num-layers say, the other stages split
+        the remaining layers evenly. ConversionError names the flags when that does not fit."""
+        if pp <= 1:  # one stage holds every layer (the per-dimension checks ask with PP 1)
+            return [range(self.num_layers)]
+        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        sizes: list[int | None] = [None] * pp
+        if self.first_stage_layers is not None:
+            sizes[0] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            sizes[-1] = self.last_stage_layers
+        if any(n is not None and n < 1 for n in sizes):
+            raise ConversionError(
+                f"every pipeline stage needs at least one layer, got first/last {sizes[0]}/{sizes[-1]}"
+            )
+        rest = [k for k, n in enumerate(sizes) if n is None]
+        left = self.num_layers - sum(n for n in sizes if n is not None)
+        if (rest and (left < len(rest) or left % len(rest))) or (not rest and left):
+            if not uneven:
+                raise ConversionError(
+                    f"PP {pp} must divide the model's {self.num_layers} layers (or set the first / last stage's "
+                    "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
+                )
+            split = f"{left} layers are left for {len(rest)} stages, which must split them evenly" if rest else (
+                f"the two stages hold {self.num_layers - left}")  # fmt: skip
+            raise ConversionError(
+                f"PP {pp} with --decoder-first/last-pipeline-num-layers {sizes[0]}/{sizes[-1]} does not split the "
+                f"model's {self.num_layers} layers: {split}"
+            )
+        for k in rest:
+            sizes[k] = left // len(rest)
+        starts = [sum(n or 0 for n in sizes[:k]) for k in range(pp)]
+        return [range(start, start + (n or 0)) for start, n in zip(starts, sizes, strict=True)]
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -147,11 +190,7 @@ class Layout:
             )
         if self.ffn_hidden_size % tp:
             raise ConversionError(f"TP {tp} must divide the MLP size {self.ffn_hidden_size}")
-        if self.num_layers % pp:
-            raise ConversionError(
-                f"PP {pp} must divide the model's {self.num_layers} layers (megatron-core gives every pipeline "
-                "stage the same number of layers)"
-            )
+        self.stages(pp)  # the layers each stage holds (uneven stages: the flags that set them)
 
 
 def rope_theta(config: Any) -> float:

@@ -29,7 +29,7 @@ from slime.backends.megatron.convert import (
     is_expert,
     layer_to_hf,
 )
-from slime.backends.megatron.sharding import merge_fc1, merge_tp, stage_layers
+from slime.backends.megatron.sharding import merge_fc1, merge_tp
 from slime.utils.buckets import iter_buckets
 
 
@@ -119,7 +119,7 @@ def meta_hf_state(layout: Layout) -> State:
 
 def _units(layout: Layout, names: list[str], pp: int) -> list[tuple[int, int | None, list[str]]]:
     """(owner stage, global layer or None, megatron names) in export order."""
-    stages = stage_layers(layout.num_layers, pp)
+    stages = layout.stages(pp)
     owner = {g: s for s, r in enumerate(stages) for g in r}
     units: list[tuple[int, int | None, list[str]]] = [(0, None, ["embedding.word_embeddings.weight"])]
     for i in range(layout.num_layers):
@@ -133,7 +133,7 @@ def _units(layout: Layout, names: list[str], pp: int) -> list[tuple[int, int | N
 def _local_name(name: str, layer: int | None, pp_rank: int, layout: Layout, pp: int) -> str:
     if layer is None:
         return name
-    local = layer - stage_layers(layout.num_layers, pp)[pp_rank].start
+    local = layer - layout.stages(pp)[pp_rank].start
     return name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{local}.", 1)
 
 

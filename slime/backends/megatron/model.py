@@ -75,6 +75,17 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
             **moe_settings(layout, hf_config, router_dtype),
+            # uneven pipeline stages (megatron-core splits the rest as Layout.stages does)
+            **(
+                {"num_layers_in_first_pipeline_stage": layout.first_stage_layers}
+                if layout.first_stage_layers is not None
+                else {}
+            ),
+            **(
+                {"num_layers_in_last_pipeline_stage": layout.last_stage_layers}
+                if layout.last_stage_layers is not None
+                else {}
+            ),
             **parallel,
         },
     )
@@ -105,10 +116,8 @@ def block_spec(layout: Layout, pp: int, pp_rank: int) -> Any:
         return layer_spec(layout)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    from slime.backends.megatron.sharding import stage_layers
-
     dense, moe = layer_spec(layout), layer_spec(layout, moe=True)
-    layers = stage_layers(layout.num_layers, pp)[pp_rank]
+    layers = layout.stages(pp)[pp_rank]
     return TransformerBlockSubmodules(layer_specs=[moe if layout.is_moe(i) else dense for i in layers],
                                       layer_norm=LayerNormImpl)  # fmt: skip
 

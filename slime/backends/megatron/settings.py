@@ -72,7 +72,9 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
 
         try:
             layout = Layout.from_hf_config(
-                AutoConfig.from_pretrained(ns.hf_checkpoint), ns.make_vocab_size_divisible_by
+                AutoConfig.from_pretrained(ns.hf_checkpoint),
+                ns.make_vocab_size_divisible_by,
+                stages=megatron.stage_layers,
             )
             layout.check_parallel(
                 megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,

@@ -161,18 +161,12 @@ def repad_vocab(state: State, layout: Layout, tp: int) -> State:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """The global layers of each stage: num_layers / pp consecutive layers each."""
-    per = num_layers // pp
-    return [range(s * per, (s + 1) * per) for s in range(pp)]
-
-
 def split_pp(state: State, layout: Layout, pp: int) -> list[State]:
     """Stages with layers renumbered from 0; embedding on the first, final norm and output layer
     on the last (tied embeddings: the last stage gets `output_layer.weight`, a copy)."""
     layout.check_parallel(1, pp)
     stages: list[State] = [{} for _ in range(pp)]
-    owner = {g: (s, g - r.start) for s, r in enumerate(stage_layers(layout.num_layers, pp)) for g in r}
+    owner = {g: (s, g - r.start) for s, r in enumerate(layout.stages(pp)) for g in r}
     for name, t in state.items():
         m = _LAYER.match(name)
         if m:
@@ -191,7 +185,7 @@ def merge_pp(stages: list[State], layout: Layout) -> State:
     """The inverse of split_pp (a tied output layer on the last stage must equal the embedding)."""
     pp = len(stages)
     out: State = {}
-    for s, (stage, layers) in enumerate(zip(stages, stage_layers(layout.num_layers, pp), strict=True)):
+    for s, (stage, layers) in enumerate(zip(stages, layout.stages(pp), strict=True)):
         for name, t in stage.items():
             m = _LAYER.match(name)
             if m:
@@ -228,7 +222,7 @@ def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int
     lazy `hf` mapping, slime.backends.megatron.checkpoint.LazyHFState, a rank of a large model
     never holds more than one full layer beside its own shard)."""
     layout.check_parallel(tp, pp, ep, etp)
-    layers = stage_layers(layout.num_layers, pp)[pp_rank]
+    layers = layout.stages(pp)[pp_rank]
     per = layout.num_experts // ep if layout.num_experts else 0
     mine_experts = range(ep_rank * per, (ep_rank + 1) * per)
     out: State = {}
