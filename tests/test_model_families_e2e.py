@@ -1,0 +1,36 @@
+"""Each model family of docs/models.md in a GRPO job started as users start it (real Ray, a torch
+engine, gloo ranks): --check-precision's step-0 gates (actor == reference bitwise, KL 0, trainer
+vs engine log-probs, the fingerprinted weight push) and --check-weight-sync pass."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from safetensors import safe_open
+
+from slime.tools.tiny_families import NEW_FAMILIES
+from tests.conftest import make_model
+from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, arch):  # noqa: F811
+    model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
+    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
+                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01",
+                   "--actor-num-gpus-per-node", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert checks and all(c["ok"] is not False for c in checks), checks
+    # Every push (the checkpoint's tensors, the expert bias included) matched on the engine.
+    out = proc.stdout + proc.stderr
+    assert len(re.findall(r"--check-weight-sync: (\d+) tensors match on every engine", out)) >= 2, out[-3000:]
+    with safe_open(f"{model}/model.safetensors", "pt") as f:
+        assert {int(n) for n in re.findall(r"--check-weight-sync: (\d+) tensors match", out)} == {
+            len(f.keys())
+        }
