@@ -258,3 +258,25 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     assert f"no {flag} (Megatron-LM's default: off) disagrees with --hf-checkpoint {path}" in err
     err = error(capsys, base(path, str(prompts), *args, "--train-backend", "megatron"))
     assert "not built by the Megatron backend" in err or "--train-backend fsdp" in err
+
+
+@pytest.mark.parametrize("arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora])
+def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, arch):
+    """Only the adapters train, the step-0 gates are exact, and the push is PEFT's own merge."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import lora_run
+
+    path = family_models[arch]
+    result = run_ranks(1, lora_run, path)[0]
+    first = result["outputs"][0]
+    assert first.steps[0]["kl_loss"] == 0.0 and first.precision["ref_max_abs_diff"] == 0.0
+    assert all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # fmt: skip
+    peft_model.load_state_dict({"base_model.model." + n: t for n, t in result["after"].items()}, strict=False)
+    merged = peft_model.merge_and_unload().state_dict()
+    assert result["exported"].keys() == merged.keys()
+    for name, tensor in result["exported"].items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)

@@ -66,7 +66,6 @@ FAMILIES: dict[str, Family] = {
             "glm4",
             "GLM-4-0414 (9B, 32B)",
             PER_SEQUENCE,
-            lora=False,
             megatron=_NOT_WIRED.format(
                 what="interleaved partial rotary embeddings and sandwich norms", family="GLM-4"
             ),
@@ -106,7 +105,6 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5",
             "Qwen3.5 dense (text)",
             PER_SEQUENCE,
-            lora=False,
             megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
             packs=False,
         ),
