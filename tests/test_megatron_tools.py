@@ -93,6 +93,10 @@ def test_uneven_pipeline_stages_convert_and_reshard_bitwise(hf, tmp_path):
              "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "3")  # fmt: skip
     assert r.returncode == 2 and "does not split the model's 3 layers" in r.stderr
     assert not (tmp_path / "bad").exists()
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(tmp_path / "bad"),
+             "--decoder-first-pipeline-num-layers", "2")  # fmt: skip
+    assert r.returncode == 2 and "give --pipeline-model-parallel-size > 1" in r.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_model_argument_that_disagrees_with_the_config_writes_nothing(hf, tmp_path):

@@ -143,7 +143,7 @@ def test_megatron_refuses_each_family_by_name(family_models):
 
 def test_docs_models_table_is_the_registry():
     with open(os.path.join(ROOT, "docs", "models.md")) as f:
-        assert models_table() in f.read()
+        assert models_table() in f.read(), "run: python -m slime.utils.model_families --write"
 
 
 def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys):
@@ -280,3 +280,53 @@ def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, ar
     assert result["exported"].keys() == merged.keys()
     for name, tensor in result["exported"].items():
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+
+
+def test_a_released_qwen3_5_checkpoint_is_its_family_by_its_alias():
+    """Qwen3.5's released config.json says model_type qwen3_5 (qwen3_5_moe): the same family as
+    the text model, so its gated delta-net layers are never packed and its refusals hold."""
+    from slime.utils.model_families import family, packable, refusal
+
+    for alias, own in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
+        assert family(alias) is FAMILIES[own] and not packable(alias)
+    assert refusal("qwen3_5_moe", "router_hooks") and refusal("qwen3_5_moe", "lora")
+    assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
+
+
+def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
+    """--moe-router-dtype fp32 with DeepSeek-V3 (which routes in float32 by itself) installs no
+    router hook: the trained model's log-probs stay Hugging Face's."""
+    import dataclasses
+
+    from tests.test_fsdp_actor import base_config, make_batch
+
+    path = family_models["deepseek_v3"]
+    cfg = base_config(path)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_router_dtype="fp32"))
+    result = run_ranks(1, _log_probs, cfg)[0]
+    assert result["routing"] is None
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_engine_server import teacher_forced_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batch = make_batch(0)
+    for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        ref = teacher_forced_logprobs(hf, tokens[:-n], tokens[-n:], 1.0)
+        assert (torch.tensor(result["log_probs"][i]) - ref).abs().max() < 1e-5, i
+    bad = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_aux_loss_coeff=0.01))
+    with pytest.raises(
+        Exception, match="--moe-aux-loss-coeff: routing replay and the router's aux loss are not built"
+    ):
+        run_ranks(1, _log_probs, bad)
+
+
+def _log_probs(rank, world_size, init_method, cfg):
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from tests.test_fsdp_actor import make_batch
+
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    actor.init()
+    out = {"routing": actor.routing, "log_probs": actor.compute_log_probs(make_batch(0))}
+    actor.close()
+    return out

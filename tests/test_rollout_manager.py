@@ -132,6 +132,18 @@ async def fanning_generate(args, sample, sampling_params):
     return [first, second]
 
 
+async def constant_id_generate(args, sample, sampling_params):
+    """One sample per call with rollout_id 0 on each (as some plugins write it)."""
+    out = await custom_generate(args, sample, sampling_params)
+    out.rollout_id = 0
+    return out
+
+
+def test_single_samples_with_one_constant_rollout_id_stay_separate_executions(engine, tokenizer, tmp_path):
+    samples = run_generate_fn(engine, tokenizer, tmp_path, constant_id_generate).samples
+    assert [s.rollout_id for s in samples] == [s.index for s in samples] == [0, 1]
+
+
 @pytest.mark.parametrize("bad", [None, "unset", "split"])
 def test_a_generate_function_may_fan_one_sample_out_into_several(engine, tokenizer, tmp_path, bad):
     if bad:

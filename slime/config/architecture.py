@@ -178,7 +178,8 @@ def hf_moe(config: Any) -> dict[str, Any]:
             "moe_router_topk": getattr(config, "num_experts_per_tok", None),
             "moe_shared_expert_intermediate_size": (getattr(config, "n_shared_experts", 0) or 0)
             * (getattr(config, "moe_intermediate_size", 0) or 0),
-            "moe_router_score_function": "sigmoid",
+            "moe_router_score_function": getattr(config, "scoring_func", None)
+            or "sigmoid",  # DeepSeek-V2: softmax
             # Megatron-LM's pre-softmax means nothing for sigmoid scores: not compared (None)
             "moe_router_pre_softmax": None,
             "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
@@ -199,7 +200,8 @@ def hf_moe(config: Any) -> dict[str, Any]:
         "moe_router_pre_softmax": not _norm_topk(config),
         "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
         "moe_router_enable_expert_bias": False,
-        "moe_shared_expert_gate": model_type in _HYBRID,  # Qwen3-Next, Qwen3.5-MoE: a gated shared expert
+        # Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: a shared expert, where there is one, is gated
+        "moe_shared_expert_gate": bool(getattr(config, "shared_expert_intermediate_size", None)),
     }
 
 

@@ -257,12 +257,18 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
         return []
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     why = refusal(config.model_type, "router_hooks") if experts else None
+    if (
+        experts and not why and not getattr(config, "num_experts", None)
+    ):  # a family not listed, routed otherwise
+        why = (
+            f"routing replay and the router's aux loss are not built for model_type {config.model_type!r} yet"
+        )
     if why:
         hooked = options.needs_router_hooks(
             router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype)
         )
         return [f"{hooked}: {why}"] if hooked else []
-    if not getattr(config, "num_experts", None) or not getattr(config, "num_experts_per_tok", None):
+    if not experts or not getattr(config, "num_experts_per_tok", None):
         return [
             f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"
         ]

@@ -238,8 +238,10 @@ class RolloutGenerator:
             raise errors[0]
         if self.generate_fn is not None:  # a function may fan one sample out into several (slime's)
             for base, r in zip(samples, results):
-                if isinstance(r, list):  # one execution: its samples keep together through training
-                    for s in r:
+                # One execution: its samples keep together through training. An id a function
+                # set on a single sample is numbered too (a constant 0 must not merge executions).
+                if isinstance(r, list) or (isinstance(r, Sample) and r.rollout_id is not None):
+                    for s in r if isinstance(r, list) else [r]:
                         s.rollout_id = base.index
             samples = [
                 s for r in results for s in (r if isinstance(r, list) else [r]) if isinstance(s, Sample)

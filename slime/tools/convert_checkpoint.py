@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     tp, pp = ns.target_tensor_parallel_size, ns.target_pipeline_parallel_size
     target = Parallel(tp, pp, ns.target_expert_model_parallel_size, ns.target_expert_tensor_parallel_size)
+    if pp < 2 and (ns.target_decoder_first_pipeline_num_layers or ns.target_decoder_last_pipeline_num_layers):
+        p.error("--target-decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
+                "--target-pipeline-parallel-size > 1 (or drop them)")  # fmt: skip
     try:
         check_target(ns.save_dir)
         parts, args = load_megatron(ns.load_dir)

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     par = Parallel(tp, pp, ns.expert_model_parallel_size, ns.expert_tensor_parallel_size)
+    if pp < 2 and (ns.decoder_first_pipeline_num_layers or ns.decoder_last_pipeline_num_layers):
+        parser.error("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
+                     "--pipeline-model-parallel-size > 1 (or drop them)")  # fmt: skip
     try:
         layout = hf_layout(
             ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine",

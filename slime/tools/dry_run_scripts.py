@@ -3,8 +3,7 @@
     python -m slime.tools.dry_run_scripts --slime-dir DIR [--json OUT] [--as-job] [--set VAR=VALUE]
         [--jobs 2] [--only GLOB] [--script-timeout 20] [--train-timeout 60]
 
-DIR holds a checkout of THUDM/slime's files (for instance
-`git --git-dir=MIRROR archive HEAD | tar -x -C DIR`). Every bash file in it that names train.py or
+DIR holds a checkout of THUDM/slime's files. Every bash file in it that names train.py or
 train_async.py outside a comment is a launch script. Each one runs with bash in DIR, as its users
 run it (`bash scripts/run-X.sh`), with a PATH whose first entry is a folder of stand-ins:
 
@@ -13,13 +12,15 @@ run it (`bash scripts/run-X.sh`), with a PATH whose first entry is a folder of s
   that name, and succeeds. A `python -c CODE` or `python - <<EOF` snippet runs for real only when
   it plainly reads and prints (no file, process or import beyond json/os/sys/math/re: `safe` in
   the stand-in), and the script goes on even when it fails; any other call does nothing.
-- `pkill`, `killall`, `kill`, `nvidia-smi` (so it lists no GPU), `sleep`, `rm`, `cp`, `mv`,
-  `ln`, `mkdir`, `touch`, `chmod`, `chown`, `ssh`, `scp`, `rsync`, `curl`, `wget`, `git`, `hf`,
-  `huggingface-cli`, `docker`, `sudo`, `apt-get`: nothing runs and they succeed. `tee` copies its
+- `NOOPS` below (`pkill`, `kill`, `nvidia-smi` (so it lists no GPU), `sleep`, `rm`, `cp`, `curl`,
+  `git`, `docker`, `sudo`, ...): nothing runs and they succeed. `tee` copies its
   input to its output only; `pip list|show|freeze` read PYTHON's packages, any other `pip` does
   nothing; `nohup` runs its command (through these stand-ins). The shell's own `kill` is a
   function that does nothing (BASH_ENV); `mktemp` makes its file in a temporary folder of the
   tool's, which is also TMPDIR. A redirection (`> /tmp/x.log`) still writes where it says.
+
+No sandbox: a command called by its absolute path (`/bin/rm`), `command kill`, `sh -c '...'`,
+`find -delete` and redirections run for real. Run it on scripts you trust (slime's own).
 
 A script that names `/root/slime` (the path slime's images keep the checkout at) runs as a copy,
 next to it, that names DIR there instead. A script that stops for a variable it wants from its
@@ -221,7 +222,10 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tup
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the session this tool started for it
-        out, err = proc.communicate()
+        try:  # a grandchild in a session of its own may still hold the pipes: do not wait for it
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
         return None, out, err
 
 
@@ -266,12 +270,15 @@ def run_script(o: Options, script: Path, work: Path, extra: dict[str, str]) -> S
         target = script.with_name(f".dryrun-{os.getpid()}-{script.name}")
         target.write_text(home.sub(str(slime_dir).replace("\\", "\\\\"), text))
         notes.append(f"ran with {SLIME_HOME} read as the slime dir")
-    env = {k: v for k, v in os.environ.items() if k not in ("BASH_ENV", "ENV", "VIRTUAL_ENV", "PYTHONPATH")}
+    # Not the caller's interpreter variables ($PYTHON would start a real train.py) nor HOME.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BASH_ENV", "ENV", "VIRTUAL_ENV", "PYTHONPATH", "HOME") and not k.startswith("PYTHON")}  # fmt: skip
     env.update(extra)
     env.update(
         PATH=f"{shims}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
         BASH_ENV=str(shims / "bash_env.sh"),
         TMPDIR=str(tmp),
+        HOME=str(tmp),
     )
     try:
         rc, out, err = _run(["bash", str(target.relative_to(slime_dir))], slime_dir, env, o.script_timeout)

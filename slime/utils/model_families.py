@@ -37,6 +37,9 @@ class Family:
     """Packed micro-batches (several samples in one row). transformers' gated delta-net keeps
     packed samples apart only with the flash-linear-attention kernels (CUDA), so the hybrid
     families train on padded rows, one sample per row."""
+    aliases: tuple[str, ...] = ()
+    """Other model_types of the same layers (Qwen3.5's released checkpoints say `qwen3_5`, their
+    text model `qwen3_5_text`)."""
     fused_experts: bool = False
     """transformers fuses the experts of a layer into `mlp.experts.gate_up_proj` / `down_proj`
     (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
@@ -105,6 +108,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5",
             "Qwen3.5 dense (text)",
             PER_SEQUENCE,
+            aliases=("qwen3_5",),
             megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
             packs=False,
         ),
@@ -113,6 +117,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_moe",
             "Qwen3.5 MoE (text)",
             PER_SEQUENCE,
+            aliases=("qwen3_5_moe",),
             lora=False,
             megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
             fused_experts=True,
@@ -122,8 +127,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+_BY_TYPE = {name: f for f in FAMILIES.values() for name in (f.model_type, *f.aliases)}
+
+
 def family(model_type: str | None) -> Family | None:
-    return FAMILIES.get(model_type or "")
+    """The family of a config.json's model_type (its own or an alias), None for one not listed."""
+    return _BY_TYPE.get(model_type or "")
 
 
 def packable(model_type: str | None) -> bool:
@@ -165,8 +174,28 @@ def models_table() -> str:
     ]
     for f in FAMILIES.values():
         lines.append(
-            f"| `{f.model_type}` | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
+            f"| {', '.join(f'`{t}`' for t in (f.model_type, *f.aliases))} | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
             f"{'yes' if f.megatron is None else 'no: ' + f.megatron} | {yes[f.router_hooks]} | {yes[f.lora]} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def write_docs(path: str = "docs/models.md") -> None:
+    """Replace the table in `path` (from its header row to the first blank line) with the registry's."""
+    with open(path) as f:
+        text = f.read()
+    start = text.index("| model_type |")
+    end = text.index("\n\n", start) + 1
+    with open(path, "w") as f:
+        f.write(text[:start] + models_table() + text[end:])
+
+
+if __name__ == "__main__":  # python -m slime.utils.model_families --write
+    import sys
+
+    if sys.argv[1:] != ["--write"]:
+        raise SystemExit(
+            "usage: python -m slime.utils.model_families --write  (rewrites docs/models.md's table)"
+        )
+    write_docs()

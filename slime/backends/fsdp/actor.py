@@ -29,7 +29,7 @@ from slime.backends.train_common import TrainActorBase
 from slime.backends.train_records import nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
-from slime.utils import hf_experts
+from slime.utils import hf_experts, model_families
 from slime.utils.batch import RolloutBatch
 from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group
@@ -200,6 +200,16 @@ class FSDPTrainActor(TrainActorBase):
         """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag
         with a dense model is refused by name."""
         layers = model_init.decoder_layers(self.model)
+        model_type = self.hf_config.model_type
+        why = model_families.refusal(model_type, "router_hooks")
+        if why and hf_experts.find_routers(layers):
+            # The family routes otherwise than the hooks do (sigmoid scores, a bias, groups): its
+            # modeling routes, untouched; a flag that needs the hooks is refused (at parse time too).
+            fp32 = model_families.routes_in_fp32(model_type, self.cfg.fsdp.param_dtype)
+            flag = self.cfg.moe.needs_router_hooks(router_fp32=fp32)
+            if flag:
+                raise hf_checkpoint.CheckpointError(f"{flag}: {why}")
+            return None
         if not hf_experts.find_routers(layers):
             flag = self.cfg.moe.needs_moe
             if flag:

@@ -14,6 +14,7 @@ checkpoint saved by N ranks loads on M ranks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -203,14 +204,15 @@ def export_weight_buckets(
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
             yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
-        yield from ((name, buf.detach()) for name, buf in hf_experts.persistent_buffers(model))
 
     def cast(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in named:
             yield name, full.to(dtype) if dtype else full
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    tensors = cast(merge(gathered()) if merge is not None else gathered())
+    # The checkpoint's buffers (an expert-score bias) go in their own dtype, as checkpoints keep them.
+    buffers = ((name, buf.detach()) for name, buf in hf_experts.persistent_buffers(model))
+    tensors = itertools.chain(cast(merge(gathered()) if merge is not None else gathered()), buffers)
     return iter_buckets(hf_experts.checkpoint_tensors(model_type, tensors), bucket_bytes)
 
 

@@ -16,6 +16,7 @@ name and renamed when complete; an existing non-empty target is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -366,8 +367,10 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
 
     folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
     path = os.path.join(folder, _own_dir(actor), "model_optim_rng.pt")
+    stages = "".join(f" --target-decoder-{end}-pipeline-num-layers {n}" for end, n in
+                     zip(("first", "last"), (actor.layout.first_stage_layers, actor.layout.last_stage_layers)) if n)  # fmt: skip
     convert = (f"convert it with python -m slime.tools.convert_checkpoint --target-tensor-parallel-size {actor.tp} "
-               f"--target-pipeline-parallel-size {actor.pp}")  # fmt: skip
+               f"--target-pipeline-parallel-size {actor.pp}{stages}")  # fmt: skip
     if actor.value_head:  # the tools take language models only
         convert = ("a critic's checkpoint is not converted: resume at the layout it was saved with, or start the "
                    "critic afresh from its --save-hf export (--critic-load; its optimizer state starts over)")  # fmt: skip
@@ -382,7 +385,15 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
     saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"),
              args.get("expert_model_parallel_size", 1), args.get("expert_tensor_parallel_size") or args.get("tensor_model_parallel_size"))  # fmt: skip
     try:
-        same_model = stored_layout(args, root) == actor.layout
+        saved_layout = stored_layout(args, root)
+
+        # The same model with the same layers on each stage (a split named two ways is one split).
+        def unsplit(layout: Layout) -> Layout:
+            return dataclasses.replace(layout, first_stage_layers=None, last_stage_layers=None)
+
+        same_model = unsplit(saved_layout) == unsplit(actor.layout) and (
+            saved_layout.stages(actor.pp) == actor.layout.stages(actor.pp)
+        )
     except (ConversionError, TypeError) as e:
         return {}, f"--load {root!r}: {e}"
     if bool(args.get("value_head")) != actor.value_head:
