@@ -193,8 +193,17 @@ class LocalSandbox:
     def kill_all(self) -> int:
         """Kill every process any command of this sandbox started, detached ones included (found
         by the sandbox id in their environment); how many. A process that clears its environment
-        (`env -i`) is not found: commands are contained, not confined."""
-        return _kill_marked(f"SLIME_SANDBOX_ID={self.sandbox_id}")
+        (`env -i`) is not found: commands are contained, not confined. One pass can miss a
+        process caught between fork and exec (its environment unreadable for that instant), so
+        passes repeat until one finds nothing, two at least."""
+        total = 0
+        for attempt in range(20):
+            found = _kill_marked(f"SLIME_SANDBOX_ID={self.sandbox_id}")
+            total += found
+            if attempt and not found:
+                break
+            time.sleep(0.01)
+        return total
 
     def host_path(self, sandbox_path: str) -> str:
         """Where a sandbox path lies here: /tmp/... is the sandbox's tmp, a relative path is under
