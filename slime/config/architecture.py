@@ -13,6 +13,7 @@ from typing import Any
 
 from slime.config.megatron_lm import SPECS
 from slime.config.surface import CHECKED, given
+from slime.utils.model_families import FAMILIES
 
 
 def count_architecture_flags(ns: argparse.Namespace) -> int:
@@ -118,7 +119,8 @@ def hf_architecture(config: Any) -> HFArchitecture:
 
 
 # Families by what their layers are (transformers' model_type; slime.utils.model_families).
-_HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+# The gated delta-net families are the ones that cannot pack (the registry says it once).
+_HYBRID = {t for f in FAMILIES.values() if not f.packs for t in (f.model_type, *f.aliases)}
 _EXPERT_BIAS = {"deepseek_v3", "glm4_moe"}
 _QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
 

@@ -38,12 +38,10 @@ class WeightStore:
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(buffers),
         }
-        # Canonical name per parameter object, so aliases (tied weights) count once.
-        self._canonical: dict[int, str] = {}
-        for name, p in [*model.named_parameters(), *buffers]:
-            self._canonical[id(p)] = name
+        tensors = [*model.named_parameters(), *buffers]  # aliases (tied weights) once
+        self._canonical: dict[int, str] = {id(p): name for name, p in tensors}
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        shapes = {name: tuple(p.shape) for name, p in [*model.named_parameters(), *buffers]}
+        shapes = {name: tuple(p.shape) for name, p in tensors}
         self.slices = hf_experts.checkpoint_slices(model_type, shapes)
         # The tensors this store reports (fingerprints, dumps, checks): checkpoint name ->
         # (canonical parameter, slice of it or None).
