@@ -165,7 +165,7 @@ def test_shared_experts_are_refused_not_dropped():
         Layout.from_hf_config(qwen2_moe)
     variant = Qwen3MoeConfig(**MOE)
     variant.shared_expert_intermediate_size = 32  # a Qwen3-MoE-shaped config that also has a shared expert
-    with pytest.raises(ConversionError, match="shared experts"):
+    with pytest.raises(ConversionError, match="gates its shared expert"):
         Layout.from_hf_config(variant)
 
 

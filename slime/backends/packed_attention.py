@@ -46,7 +46,8 @@ def causal_per_segment(
     `cu_seq_lens` is None; `longest`: the longest segment, if the caller knows it). query [batch,
     heads, tokens, dim], key/value [batch, kv heads, tokens, dim] (grouped-query heads are
     repeated) -> [batch, heads, tokens, dim]."""
-    if cu_seq_lens is not None and _varlen_applies(query, dropout_p):
+    # (the varlen kernel takes one head width: multi-latent attention's values are narrower)
+    if cu_seq_lens is not None and query.shape[-1] == value.shape[-1] and _varlen_applies(query, dropout_p):
         out = _varlen(query, key, value, cu_seq_lens, longest, scale)
         if out is not None:  # None: the installed kernel lacks a keyword this call needs
             return out

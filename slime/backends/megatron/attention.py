@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.module import MegatronModule
 
 from slime.backends.packed_attention import causal_per_segment
 
@@ -61,4 +62,65 @@ class SegmentDotProductAttention(DotProductAttention):
             out = causal_per_segment(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
                                      scale, dropout)  # fmt: skip
         # [1, heads, tokens, dim] -> [tokens, heads * dim]; megatron-core adds the batch axis back.
+        return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)
+
+
+class LatentCoreAttention(MegatronModule):
+    """Core attention for megatron-core's multi-latent attention with the local layer spec.
+
+    MLA gives each head keys of qk_head_dim + qk_pos_emb_head_dim channels and values of
+    v_head_dim; megatron-core's local DotProductAttention takes one head width for both (and no
+    `k_channels` / `v_channels`), so MLA builds only with Transformer Engine's attention there.
+    This one is torch's scaled_dot_product_attention, causal, over padded rows or within each
+    packed sequence (slime.backends.packed_attention.causal_per_segment), with MLA's softmax scale.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                "multi-latent attention with context parallelism needs Transformer Engine"
+            )
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "multi-latent attention here is causal only (no attention mask or bias)"
+            )
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            if packed_seq_params is None:  # [s, b, heads, dim] -> [b, heads, s, dim]
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+                out = causal_per_segment(q, k, v, None, None, self.softmax_scale, dropout)
+                return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+            if packed_seq_params.qkv_format != "thd":
+                raise NotImplementedError("packed sequences with multi-latent attention: THD format only")
+            q, k, v = (
+                t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value)
+            )  # [1, heads, tokens, dim]
+            out = causal_per_segment(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
+                                     self.softmax_scale, dropout)  # fmt: skip
         return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)

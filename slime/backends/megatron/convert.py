@@ -85,6 +85,28 @@ class Layout:
     """`--decoder-first-pipeline-num-layers`: the first pipeline stage's layers (None: as the others)."""
     last_stage_layers: int | None = None
     """`--decoder-last-pipeline-num-layers`: the last pipeline stage's layers (None: as the others)."""
+    model_type: str = ""
+    rotary_percent: float = 1.0
+    """The rotated share of each head (GLM: 0.5)."""
+    rotary_interleaved: bool = False
+    """Rotary pairs are neighbouring channels (GLM-4), not the two halves."""
+    post_norms: bool = False
+    """GLM-4's sandwich norms: one after attention and one after the MLP, before each residual add."""
+    fused_gate_up: bool = False
+    """The HF checkpoint stores a dense MLP's [gate; up] as one `mlp.gate_up_proj` (GLM-4)."""
+    shared_ffn_hidden_size: int = 0
+    """The shared experts' MLP width (0: none), beside the routed ones in every MoE layer."""
+    expert_bias: bool = False
+    """The router's per-expert score correction (aux-loss-free routing: DeepSeek-V3, GLM-4.5+)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V3) when > 0: the compressed key/value latent's width;
+    `head_dim` is then each head's key width without its rotary part (qk_nope_head_dim)."""
+    q_lora_rank: int = 0
+    """MLA: the query latent's width (0: queries projected directly)."""
+    qk_rope_head_dim: int = 0
+    """MLA: each head's rotary query/key part (the key's is shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: each head's value width (0: head_dim)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))  # a stored list too
@@ -92,13 +114,17 @@ class Layout:
     def is_moe(self, layer: int) -> bool:
         return bool(self.num_experts) and bool(self.moe_layers[layer])
 
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
     @classmethod
     def from_hf_config(
         cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False,
         stages: tuple[int | None, int | None] = (None, None),
     ) -> Layout:  # fmt: skip
-        """Qwen2, Qwen3 and Llama configs (dense, SiLU-gated MLP, RMSNorm); `stages`: the first and
-        last pipeline stage's layers (uneven stages; None: as the others)."""
+        """A config of one of the SUPPORTED families (SiLU-gated MLPs, RMSNorm); `stages`: the
+        first and last pipeline stage's layers (uneven stages; None: as the others)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
@@ -110,25 +136,41 @@ class Layout:
         rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
+        family = SUPPORTED[model_type]
+        bias = bool(getattr(config, "attention_bias", False))
+        if bias and family.get("output_bias"):
+            raise ConversionError(
+                f"model_type {model_type!r} with attention_bias: the output projection's bias is not converted"
+            )
+        from slime.config.architecture import partial_rotary
+
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        moe = _moe_shape(config)
+        attention: dict[str, Any] = {
+            "num_query_groups": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "rotary_percent": partial_rotary(config),
+            "rotary_interleaved": bool(family.get("interleaved")),
+        }
+        if getattr(config, "kv_lora_rank", None):
+            attention = _mla(config, bias)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=heads,
-            num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
             ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=SUPPORTED[model_type]["qkv_bias"] or bool(getattr(config, "attention_bias", False)),
-            qk_norm=SUPPORTED[model_type]["qk_norm"],
+            qkv_bias=bool(family.get("qkv_bias")) or bias,
+            qk_norm=bool(family.get("qk_norm")) or bool(getattr(config, "use_qk_norm", False)),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             fold_norms=fold_norms,
             first_stage_layers=stages[0],
             last_stage_layers=stages[1],
-            **moe,
+            model_type=model_type,
+            post_norms=bool(family.get("post_norms")),
+            fused_gate_up=bool(family.get("post_norms")),
+            **attention,
+            **_moe_shape(config),
         )
 
     def stages(self, pp: int) -> list[range]:
@@ -190,6 +232,15 @@ class Layout:
             )
         if self.ffn_hidden_size % tp:
             raise ConversionError(f"TP {tp} must divide the MLP size {self.ffn_hidden_size}")
+        if self.shared_ffn_hidden_size % tp:
+            raise ConversionError(
+                f"TP {tp} must divide the shared experts' MLP size {self.shared_ffn_hidden_size}"
+            )
+        latent = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank + qk_rope_head_dim":
+                  self.kv_lora_rank + self.qk_rope_head_dim} if self.kv_lora_rank and not self.fold_norms else {}  # fmt: skip
+        for what, n in latent.items():  # megatron-core's local spec splits MLA's latent projections
+            if n % tp:
+                raise ConversionError(f"TP {tp} must divide multi-latent attention's {what} ({n})")
         self.stages(pp)  # the layers each stage holds (uneven stages: the flags that set them)
 
 
@@ -206,32 +257,73 @@ def rope_theta(config: Any) -> float:
     return theta
 
 
-SUPPORTED = {
-    "qwen2": {"qkv_bias": True, "qk_norm": False},
-    "qwen3": {"qkv_bias": False, "qk_norm": True},
-    "llama": {"qkv_bias": False, "qk_norm": False},
-    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+SUPPORTED: dict[str, dict[str, bool]] = {
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "llama": {"output_bias": True},  # attention_bias also gives o_proj a bias, not converted
+    "qwen3_moe": {"qk_norm": True},
+    # GLM-4: interleaved partial rotary, sandwich norms, [gate; up] stored as one tensor
+    "glm4": {"interleaved": True, "post_norms": True},
+    "glm4_moe": {},  # q/k/v biases and per-head q/k norms from attention_bias / use_qk_norm
+    "deepseek_v3": {},  # multi-latent attention (_mla)
 }
+"""The model_types the Megatron backend builds, with what their layers have beyond Llama's."""
+
+
+def _mla(config: Any, bias: bool) -> dict[str, Any]:
+    """The attention fields of a multi-latent-attention (DeepSeek-V3) config."""
+    if bias:
+        raise ConversionError(
+            "multi-latent attention with attention_bias: the projections' biases are not converted"
+        )
+    if getattr(config, "rope_interleave", True) is not True:
+        raise ConversionError(
+            "multi-latent attention with rope_interleave false: megatron-core's MLA rotates interleaved pairs "
+            "(DeepSeek-V3's layout), so this config is not converted"
+        )
+    return {
+        "num_query_groups": config.num_attention_heads,  # every head reads the one latent
+        "head_dim": config.qk_nope_head_dim,
+        "kv_lora_rank": config.kv_lora_rank,
+        "q_lora_rank": getattr(config, "q_lora_rank", None) or 0,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+    }
 
 
 def _moe_shape(config: Any) -> dict[str, Any]:
-    """The MoE fields of a Layout (none for a dense config). Shared experts (Qwen2-MoE, GLM,
-    DeepSeek) are not converted yet: refused rather than dropped."""
+    """The MoE fields of a Layout (none for a dense config). Routing that megatron-core's router
+    would compute otherwise than the HF model is refused, with what differs."""
     from slime.config.architecture import hf_moe
 
     moe = hf_moe(config)
     if not moe["num_experts"]:
         return {}
-    if moe["moe_shared_expert_intermediate_size"]:
+    if moe.get("moe_shared_expert_gate"):
         raise ConversionError(
-            f"model_type {config.model_type!r} has shared experts, which the Megatron conversion does not cover yet"
+            f"model_type {config.model_type!r} gates its shared expert, which the Megatron conversion does not cover"
         )
-    if moe["moe_router_topk_scaling_factor"] != 1.0:
-        raise ConversionError("a routed scaling factor other than 1 is not converted yet")
+    topk = moe["moe_router_topk"]
+    groups, group_topk = moe.get("moe_router_num_groups") or 1, moe.get("moe_router_group_topk") or 1
+    if moe["moe_router_score_function"] == "sigmoid":
+        if topk > 1 and not getattr(config, "norm_topk_prob", True):
+            raise ConversionError(
+                "sigmoid routing without norm_topk_prob: megatron-core always renormalises the top-k sigmoid scores"
+            )
+    elif moe["moe_router_topk_scaling_factor"] != 1.0:
+        raise ConversionError("a routed scaling factor other than 1 with softmax routing is not converted")
+    if groups > 1 and topk // group_topk != 2:
+        raise ConversionError(
+            f"n_group {groups} with num_experts_per_tok {topk} and topk_group {group_topk}: the HF model scores each "
+            f"group by its best 2 experts, megatron-core by its best num_experts_per_tok / topk_group "
+            f"= {topk // group_topk}; not converted"
+        )
     return {
         "num_experts": moe["num_experts"],
         "moe_ffn_hidden_size": moe["moe_ffn_hidden_size"],
         "moe_layers": tuple(moe["moe_layer_freq"]),
+        "shared_ffn_hidden_size": moe["moe_shared_expert_intermediate_size"] or 0,
+        "expert_bias": bool(moe["moe_router_enable_expert_bias"]),
     }
 
 
@@ -244,15 +336,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 # ---- HF <-> Megatron (unsharded) ------------------------------------------------------------
-
-
-def _norm_names(layout: Layout, i: int) -> tuple[str, str]:
-    p = f"decoder.layers.{i}."
-    if layout.fold_norms:
-        # A MoE layer keeps a norm of its own before the router (no fused linear to fold it into).
-        mlp = p + ("pre_mlp_layernorm.weight" if layout.is_moe(i) else "mlp.linear_fc1.layer_norm_weight")
-        return p + "self_attention.linear_qkv.layer_norm_weight", mlp
-    return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
 
 
 def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
@@ -326,50 +409,14 @@ def final_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, l
 def layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int,
                        experts: range | None = None) -> State:  # fmt: skip
     """Layer i, unsharded; of a MoE layer only `experts` (global ids; None: all)."""
-    L, h, d = layout, layout.hidden_size, layout.head_dim
-    nq, ng = L.num_heads, L.num_query_groups
-    per = nq // ng
-    out: State = {}
-    src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-    q = _take(hf, src + "self_attn.q_proj.weight", (nq * d, h)).reshape(ng, per * d, h)
-    k = _take(hf, src + "self_attn.k_proj.weight", (ng * d, h)).reshape(ng, d, h)
-    v = _take(hf, src + "self_attn.v_proj.weight", (ng * d, h)).reshape(ng, d, h)
-    out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
-    if L.qkv_bias:
-        qb = _take(hf, src + "self_attn.q_proj.bias", (nq * d,)).reshape(ng, per * d)
-        kb = _take(hf, src + "self_attn.k_proj.bias", (ng * d,)).reshape(ng, d)
-        vb = _take(hf, src + "self_attn.v_proj.bias", (ng * d,)).reshape(ng, d)
-        out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-    if L.qk_norm:
-        out[dst + "self_attention.q_layernorm.weight"] = _take(hf, src + "self_attn.q_norm.weight", (d,))
-        out[dst + "self_attention.k_layernorm.weight"] = _take(hf, src + "self_attn.k_norm.weight", (d,))
-    out[dst + "self_attention.linear_proj.weight"] = _take(hf, src + "self_attn.o_proj.weight", (h, nq * d))
-    if L.is_moe(i):
-        out.update(_experts_to_megatron(hf, L, i, range(L.num_experts) if experts is None else experts))
-    else:
-        gate = _take(hf, src + "mlp.gate_proj.weight", (L.ffn_hidden_size, h))
-        up = _take(hf, src + "mlp.up_proj.weight", (L.ffn_hidden_size, h))
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[dst + "mlp.linear_fc2.weight"] = _take(hf, src + "mlp.down_proj.weight", (h, L.ffn_hidden_size))
-    attn_norm, mlp_norm = _norm_names(L, i)
-    out[attn_norm] = _take(hf, src + "input_layernorm.weight", (h,))
-    out[mlp_norm] = _take(hf, src + "post_attention_layernorm.weight", (h,))
-    return out
+    from slime.backends.megatron.layer_map import layer_pairs
 
-
-def _experts_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int, experts: range) -> State:
-    """The router and `experts` of MoE layer i (Hugging Face's per-expert checkpoint names,
-    slime.utils.hf_experts), with global expert ids."""
-    h, f = layout.hidden_size, layout.moe_ffn_hidden_size
-    src = f"model.layers.{i}.mlp."
-    out = {f"decoder.layers.{i}.mlp.router.weight": _take(hf, src + "gate.weight", (layout.num_experts, h))}
-    for e in experts:
-        fc1, fc2 = expert_names(layout, i, e)
-        gate = _take(hf, src + f"experts.{e}.gate_proj.weight", (f, h))
-        up = _take(hf, src + f"experts.{e}.up_proj.weight", (f, h))
-        out[fc1] = torch.cat([gate, up], dim=0)
-        out[fc2] = _take(hf, src + f"experts.{e}.down_proj.weight", (h, f))
-    return out
+    return {
+        p.mc: p.to_megatron(
+            [_take(hf, n, s) for n, s in zip(p.hf, p.shapes, strict=True)], layout.num_query_groups
+        )
+        for p in layer_pairs(layout, i, experts)
+    }
 
 
 def megatron_to_hf(mc: State, layout: Layout) -> State:
@@ -392,41 +439,10 @@ def megatron_to_hf(mc: State, layout: Layout) -> State:
 
 def layer_to_hf(mc: State, layout: Layout, i: int) -> State:
     """Layer i's HF tensors from its megatron-core tensors (`decoder.layers.{i}.*`, unsharded)."""
-    L, h, d = layout, layout.hidden_size, layout.head_dim
-    nq, ng = L.num_heads, L.num_query_groups
-    per = nq // ng
-    src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+    from slime.backends.megatron.layer_map import layer_pairs
+
     out: State = {}
-    qkv = _take(mc, src + "self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h)).reshape(
-        ng, (per + 2) * d, h
-    )
-    out[dst + "self_attn.q_proj.weight"] = qkv[:, : per * d].reshape(nq * d, h).clone()
-    out[dst + "self_attn.k_proj.weight"] = qkv[:, per * d : (per + 1) * d].reshape(ng * d, h).clone()
-    out[dst + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * d :].reshape(ng * d, h).clone()
-    if L.qkv_bias:
-        b = _take(mc, src + "self_attention.linear_qkv.bias", ((nq + 2 * ng) * d,)).reshape(ng, (per + 2) * d)
-        out[dst + "self_attn.q_proj.bias"] = b[:, : per * d].reshape(-1).clone()
-        out[dst + "self_attn.k_proj.bias"] = b[:, per * d : (per + 1) * d].reshape(-1).clone()
-        out[dst + "self_attn.v_proj.bias"] = b[:, (per + 1) * d :].reshape(-1).clone()
-    if L.qk_norm:
-        out[dst + "self_attn.q_norm.weight"] = _take(mc, src + "self_attention.q_layernorm.weight", (d,))
-        out[dst + "self_attn.k_norm.weight"] = _take(mc, src + "self_attention.k_layernorm.weight", (d,))
-    out[dst + "self_attn.o_proj.weight"] = _take(mc, src + "self_attention.linear_proj.weight", (h, nq * d))
-    if L.is_moe(i):
-        f = L.moe_ffn_hidden_size
-        out[dst + "mlp.gate.weight"] = _take(mc, src + "mlp.router.weight", (L.num_experts, h))
-        for e in range(L.num_experts):
-            fc1_name, fc2_name = expert_names(L, i, e)
-            fc1 = _take(mc, fc1_name, (2 * f, h))
-            out[dst + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:f].clone()
-            out[dst + f"mlp.experts.{e}.up_proj.weight"] = fc1[f:].clone()
-            out[dst + f"mlp.experts.{e}.down_proj.weight"] = _take(mc, fc2_name, (h, f))
-    else:
-        fc1 = _take(mc, src + "mlp.linear_fc1.weight", (2 * L.ffn_hidden_size, h))
-        out[dst + "mlp.gate_proj.weight"] = fc1[: L.ffn_hidden_size].clone()
-        out[dst + "mlp.up_proj.weight"] = fc1[L.ffn_hidden_size :].clone()
-        out[dst + "mlp.down_proj.weight"] = _take(mc, src + "mlp.linear_fc2.weight", (h, L.ffn_hidden_size))
-    attn_norm, mlp_norm = _norm_names(L, i)
-    out[dst + "input_layernorm.weight"] = _take(mc, attn_norm, (h,))
-    out[dst + "post_attention_layernorm.weight"] = _take(mc, mlp_norm, (h,))
+    for p in layer_pairs(layout, i):
+        parts = p.to_hf(_take(mc, p.mc, p.mc_shape), layout.num_query_groups)
+        out.update(zip(p.hf, parts, strict=True))
     return out

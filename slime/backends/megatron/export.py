@@ -80,7 +80,10 @@ def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dt
 
 
 def meta_hf_state(layout: Layout) -> State:
-    L, h, d = layout, layout.hidden_size, layout.head_dim
+    """Every HF tensor of the model as a meta tensor of its shape (slime.backends.megatron.layer_map)."""
+    from slime.backends.megatron.layer_map import layer_pairs
+
+    L, h = layout, layout.hidden_size
     meta: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (L.vocab_size, h),
         "model.norm.weight": (h,),
@@ -88,32 +91,8 @@ def meta_hf_state(layout: Layout) -> State:
     if not L.tied_embeddings:
         meta["lm_head.weight"] = (L.vocab_size, h)
     for i in range(L.num_layers):
-        p = f"model.layers.{i}."
-        meta.update({
-            p + "self_attn.q_proj.weight": (L.num_heads * d, h), p + "self_attn.k_proj.weight": (L.num_query_groups * d, h),
-            p + "self_attn.v_proj.weight": (L.num_query_groups * d, h), p + "self_attn.o_proj.weight": (h, L.num_heads * d),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })  # fmt: skip
-        if L.is_moe(i):
-            f = L.moe_ffn_hidden_size
-            meta[p + "mlp.gate.weight"] = (L.num_experts, h)
-            for e in range(L.num_experts):
-                q = p + f"mlp.experts.{e}."
-                meta.update(
-                    {
-                        q + "gate_proj.weight": (f, h),
-                        q + "up_proj.weight": (f, h),
-                        q + "down_proj.weight": (h, f),
-                    }
-                )
-        else:
-            meta.update({p + "mlp.gate_proj.weight": (L.ffn_hidden_size, h), p + "mlp.up_proj.weight": (L.ffn_hidden_size, h),
-                         p + "mlp.down_proj.weight": (h, L.ffn_hidden_size)})  # fmt: skip
-        if L.qkv_bias:
-            meta.update({p + "self_attn.q_proj.bias": (L.num_heads * d,), p + "self_attn.k_proj.bias": (L.num_query_groups * d,),
-                         p + "self_attn.v_proj.bias": (L.num_query_groups * d,)})  # fmt: skip
-        if L.qk_norm:
-            meta.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        for pair in layer_pairs(L, i):
+            meta.update(zip(pair.hf, pair.shapes, strict=True))
     return {k: torch.empty(shape, device="meta") for k, shape in meta.items()}
 
 

@@ -27,13 +27,25 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
     from slime.config.architecture import hf_moe
 
     moe = hf_moe(hf_config)
+    groups = moe.get("moe_router_num_groups") or 1
     return {
         "num_moe_experts": layout.num_experts,
         "moe_ffn_hidden_size": layout.moe_ffn_hidden_size,
         "moe_layer_freq": list(layout.moe_layers),
         "moe_router_topk": moe["moe_router_topk"],
-        "moe_router_pre_softmax": moe["moe_router_pre_softmax"],
+        "moe_router_pre_softmax": bool(moe["moe_router_pre_softmax"]),
         "moe_router_score_function": moe["moe_router_score_function"],
+        "moe_router_topk_scaling_factor": moe["moe_router_topk_scaling_factor"],
+        # grouped top-k (DeepSeek-V3): one group is no grouping
+        **(
+            {"moe_router_num_groups": groups, "moe_router_group_topk": moe["moe_router_group_topk"]}
+            if groups > 1
+            else {}
+        ),
+        # aux-loss-free routing: the checkpoint's expert bias, kept as it is (the update rule is not built)
+        "moe_router_enable_expert_bias": layout.expert_bias,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_shared_expert_intermediate_size": layout.shared_ffn_hidden_size or None,
         "moe_router_dtype": router_dtype,
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
@@ -43,12 +55,40 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
     }
 
 
+def mla_settings(layout: Layout) -> dict[str, Any]:
+    """megatron-core's multi-latent-attention settings (plain RoPE on the rotary part, as
+    rope_theta allows; DeepSeek-V3's softmax scale 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim))."""
+    if not layout.kv_lora_rank:
+        return {}
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": layout.q_lora_rank or None,
+        "kv_lora_rank": layout.kv_lora_rank,
+        "qk_head_dim": layout.head_dim,
+        "qk_pos_emb_head_dim": layout.qk_rope_head_dim,
+        "v_head_dim": layout.value_dim,
+        "rope_type": "rope",
+        "rotary_scaling_factor": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.0,
+    }
+
+
 def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype = torch.float32,
                        cpu_init: bool = False, router_dtype: str | None = None, **parallel: Any) -> Any:  # fmt: skip
-    """megatron-core's TransformerConfig for the layout (plus TP/PP/CP/EP sizes in `parallel`)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core's TransformerConfig for the layout (plus TP/PP/CP/EP sizes in `parallel`);
+    its MLATransformerConfig for multi-latent attention."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    if router_dtype is None and layout.num_experts:
+        from slime.utils.model_families import family
+
+        f = family(layout.model_type)
+        router_dtype = "fp32" if f is not None and f.router_fp32 else None  # as transformers routes them
+    mla = mla_settings(layout)
+    if mla:
+        mla["rotary_base"] = rope_theta(hf_config)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
         ffn_hidden_size=layout.ffn_hidden_size,
@@ -71,7 +111,9 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
         persist_layer_norm=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+        rotary_interleaved=layout.rotary_interleaved,
         **{
+            **mla,
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
             **moe_settings(layout, hf_config, router_dtype),
@@ -93,19 +135,33 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
 
 def layer_spec(layout: Layout, moe: bool = False) -> Any:
     """One layer's spec: dense, or (`moe`) with megatron-core's MoE layer (SequentialMLP, or
-    TEGroupedMLP with `layout.grouped_experts`)."""
+    TEGroupedMLP with `layout.grouped_experts`); multi-latent attention where the layout has it,
+    GLM-4's sandwich norms where it has them (SandwichNormLayer)."""
     experts = {"num_experts": layout.num_experts, "moe_grouped_gemm": layout.grouped_experts} if moe else {}
+    mla = bool(layout.kv_lora_rank)
     if layout.fold_norms:
+        if layout.post_norms:
+            raise NotImplementedError("GLM-4's sandwich norms are built with the local layer spec only")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm, **experts)
+        return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=layout.qk_norm or mla, multi_latent_attention=mla, **experts
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from slime.backends.megatron.attention import SegmentDotProductAttention
+    from slime.backends.megatron.attention import LatentCoreAttention, SegmentDotProductAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm", **experts)
-    # megatron-core's local attention, plus packed sequences (slime.backends.megatron.attention)
-    spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
+    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm or mla, multi_latent_attention=mla,
+                                    normalization="RMSNorm", **experts)  # fmt: skip
+    # megatron-core's local attention, plus packed sequences (slime.backends.megatron.attention);
+    # for MLA's narrower values, torch's attention
+    spec.submodules.self_attention.submodules.core_attention = (
+        LatentCoreAttention if mla else SegmentDotProductAttention
+    )
+    if layout.post_norms:
+        from slime.backends.megatron.layers import SandwichNormLayer
+
+        spec.module = SandwichNormLayer
     return spec
 
 
@@ -127,7 +183,7 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    moe_without_transformer_engine()
+    without_transformer_engine()
     pp, pp_rank = (
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_rank(),
@@ -142,18 +198,29 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
+        rotary_percent=layout.rotary_percent,
     )
 
 
-def moe_without_transformer_engine() -> None:
-    """megatron-core 0.16's router reads the module global `te_general_gemm`, which its
-    moe_utils defines only when Transformer Engine imports: without TE every MoE forward stops
-    with a NameError. Its own fallback (a torch matmul in the router's dtype) is taken when the
-    name is None, so define it as None where TE is absent (on any device)."""
+def without_transformer_engine() -> None:
+    """Two places where megatron-core 0.16 runs only with Transformer Engine installed, though
+    each has a fallback for its absence:
+
+    - its router reads the module global `te_general_gemm`, which moe_utils defines only when TE
+      imports: without TE every MoE forward stops with a NameError. Its own fallback (a torch
+      matmul in the router's dtype) is taken when the name is None, so define it as None;
+    - multi_latent_attention decides TE is there when megatron-core's TE extension module
+      imports, which it does without TE (its classes are then None), and then calls
+      `isinstance(..., None)`: set its HAVE_TE to what is true.
+
+    Both on any device, only where TE is absent."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def model_state(model: Any) -> dict[str, torch.Tensor]:

@@ -27,7 +27,19 @@ from slime.backends.megatron.convert import (
 
 # ---- tensor parallel ------------------------------------------------------------------------
 
-_SPLIT_ROWS = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias))$")
+_SPLIT_ROWS = re.compile(
+    r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)"
+    r"|linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight)$"  # MLA: whole heads per rank
+)
+_MLA_DOWN = re.compile(r"(linear_q_down_proj|linear_kv_down_proj)\.weight$")
+"""MLA's latent projections: split by rows (and gathered) in megatron-core's local spec,
+replicated in Transformer Engine's (`Layout.fold_norms`)."""
+
+
+def _rows(name: str, layout: Layout) -> bool:
+    return bool(_SPLIT_ROWS.search(name) or (not layout.fold_norms and _MLA_DOWN.search(name)))
+
+
 _SPLIT_COLS = re.compile(r"(linear_proj\.weight|linear_fc2\.weight)$")
 _FC1 = re.compile(r"linear_fc1\.weight$")
 
@@ -50,7 +62,7 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
                 f"{layout.make_vocab_size_divisible_by} needs {layout.padded_vocab_size(tp)} "
                 f"({layout.padded_vocab_size(tp) // tp} per rank); re-pad the vocabulary for this TP (repad_vocab)"
             )
-        if _SPLIT_ROWS.search(name):
+        if _rows(name, layout):
             # QKV rows are whole query groups per rank (the grouped layout keeps each group together).
             parts = t.chunk(tp, dim=0)
         elif _SPLIT_COLS.search(name):
@@ -71,7 +83,7 @@ def merge_tp(shards: list[State], layout: Layout) -> State:
         parts = [s[name] for s in shards]
         if is_expert(name):  # whole in every TP shard (merge_experts joins EP x ETP parts)
             out[name] = parts[0]
-        elif _SPLIT_ROWS.search(name):
+        elif _rows(name, layout):
             out[name] = torch.cat(parts, dim=0)
         elif _SPLIT_COLS.search(name):
             out[name] = torch.cat(parts, dim=1)

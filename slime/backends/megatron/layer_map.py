@@ -1,0 +1,164 @@
+"""Which Hugging Face tensors make which megatron-core tensor, per decoder layer: one table
+(`layer_pairs`) that the conversion both ways (slime.backends.megatron.convert) and the export's
+shapes (slime.backends.megatron.export) read, so a family's names are written once.
+
+A `Pair` joins one megatron-core tensor to the HF tensors it is made of, with their HF shapes and
+how they combine:
+
+- `same`: one HF tensor is the megatron-core tensor (a rename);
+- `cat`: the HF tensors stacked along rows ([gate; up] into linear_fc1);
+- `qkv`: query, key and value grouped by query group (megatron-core's fused QKV: for each of the
+  `num_query_groups` groups its query heads, then its key head, then its value head).
+
+Megatron-side names are megatron-core's (and, for the families slime builds with layer specs of
+its own, slime's: GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`):
+
+    GQA attention   self_attention.linear_qkv.{weight,bias}, q_layernorm / k_layernorm, linear_proj
+    MLA attention   self_attention.linear_q_proj (no query latent) or linear_q_down_proj,
+                    q_layernorm and linear_q_up_proj; linear_kv_down_proj (latent + rotary key),
+                    kv_layernorm, linear_kv_up_proj (per head: key, value); linear_proj
+                    (Transformer Engine's spec folds q_layernorm / kv_layernorm into
+                    linear_q_up_proj / linear_kv_up_proj as layer_norm_weight)
+    dense MLP       mlp.linear_fc1 ([gate; up]), mlp.linear_fc2
+    MoE MLP         mlp.router.weight, mlp.router.expert_bias (aux-loss-free routing),
+                    mlp.experts.* (convert.expert_names), mlp.shared_experts.linear_fc1 / fc2
+    norms           input_layernorm, pre_mlp_layernorm (TE: folded into linear_qkv / linear_fc1),
+                    post_self_attn_layernorm, post_mlp_layernorm (GLM-4's sandwich norms)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from slime.backends.megatron.convert import Layout
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Pair:
+    mc: str
+    hf: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    kind: str = "same"
+
+    def to_megatron(self, tensors: list[torch.Tensor], groups: int) -> torch.Tensor:
+        if self.kind == "same":
+            return tensors[0]
+        if self.kind == "cat":
+            return torch.cat(tensors, dim=0)
+        rest = tensors[0].shape[1:]  # (hidden,) for weights, () for biases
+        return torch.cat([t.reshape(groups, -1, *rest) for t in tensors], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, t: torch.Tensor, groups: int) -> list[torch.Tensor]:
+        if self.kind == "same":
+            return [t]
+        if self.kind == "cat":
+            return [p.clone() for p in t.split([s[0] for s in self.shapes], dim=0)]
+        rest = t.shape[1:]
+        parts = t.reshape(groups, -1, *rest).split([s[0] // groups for s in self.shapes], dim=1)
+        return [p.reshape(-1, *rest).clone() for p in parts]
+
+    @property
+    def mc_shape(self) -> Shape:
+        if self.kind == "same":
+            return self.shapes[0]
+        return (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
+
+
+def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pair]:
+    """Layer i's tensors; of a MoE layer only `experts` (global ids; None: all)."""
+    src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+    pairs = _attention(layout, src, dst) + _mlp(layout, i, src, dst, experts)
+    h = (layout.hidden_size,)
+    attn_norm, mlp_norm = norm_names(layout, i)
+    pairs += [Pair(attn_norm, (src + "input_layernorm.weight",), (h,)),
+              Pair(mlp_norm, (src + "post_attention_layernorm.weight",), (h,))]  # fmt: skip
+    if layout.post_norms:
+        pairs += [
+            Pair(dst + "post_self_attn_layernorm.weight", (src + "post_self_attn_layernorm.weight",), (h,)),
+            Pair(dst + "post_mlp_layernorm.weight", (src + "post_mlp_layernorm.weight",), (h,)),
+        ]
+    return pairs
+
+
+def norm_names(layout: Layout, i: int) -> tuple[str, str]:
+    p = f"decoder.layers.{i}."
+    if layout.fold_norms:
+        # A MoE layer keeps a norm of its own before the router (no fused linear to fold it into).
+        mlp = p + ("pre_mlp_layernorm.weight" if layout.is_moe(i) else "mlp.linear_fc1.layer_norm_weight")
+        if layout.kv_lora_rank:  # MLA under TE: the input norm stays a module of its own
+            return p + "input_layernorm.weight", mlp
+        return p + "self_attention.linear_qkv.layer_norm_weight", mlp
+    return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
+
+
+def _attention(L: Layout, src: str, dst: str) -> list[Pair]:
+    h, nq = L.hidden_size, L.num_heads
+    a, s = dst + "self_attention.", src + "self_attn."
+    out = [Pair(a + "linear_proj.weight", (s + "o_proj.weight",), ((h, nq * L.value_dim),))]
+    if L.kv_lora_rank:  # multi-latent attention
+        q_dim = L.head_dim + L.qk_rope_head_dim
+        if L.q_lora_rank:
+            q_norm = a + ("linear_q_up_proj.layer_norm_weight" if L.fold_norms else "q_layernorm.weight")
+            out += [Pair(a + "linear_q_down_proj.weight", (s + "q_a_proj.weight",), ((L.q_lora_rank, h),)),
+                    Pair(q_norm, (s + "q_a_layernorm.weight",), ((L.q_lora_rank,),)),
+                    Pair(a + "linear_q_up_proj.weight", (s + "q_b_proj.weight",), ((nq * q_dim, L.q_lora_rank),))]  # fmt: skip
+        else:
+            out.append(Pair(a + "linear_q_proj.weight", (s + "q_proj.weight",), ((nq * q_dim, h),)))
+        kv_norm = a + ("linear_kv_up_proj.layer_norm_weight" if L.fold_norms else "kv_layernorm.weight")
+        kv_up = (nq * (L.head_dim + L.v_head_dim), L.kv_lora_rank)
+        return [
+            *out,
+            Pair(a + "linear_kv_down_proj.weight", (s + "kv_a_proj_with_mqa.weight",),
+                 ((L.kv_lora_rank + L.qk_rope_head_dim, h),)),
+            Pair(kv_norm, (s + "kv_a_layernorm.weight",), ((L.kv_lora_rank,),)),
+            Pair(a + "linear_kv_up_proj.weight", (s + "kv_b_proj.weight",), (kv_up,)),
+        ]  # fmt: skip
+    d, ng = L.head_dim, L.num_query_groups
+    q, kv = (nq * d, h), (ng * d, h)
+    names = tuple(s + f"{x}_proj.weight" for x in "qkv")
+    out.append(Pair(a + "linear_qkv.weight", names, (q, kv, kv), "qkv"))
+    if L.qkv_bias:
+        biases = tuple(s + f"{x}_proj.bias" for x in "qkv")
+        out.append(Pair(a + "linear_qkv.bias", biases, ((nq * d,), (ng * d,), (ng * d,)), "qkv"))
+    if L.qk_norm:
+        out += [Pair(a + "q_layernorm.weight", (s + "q_norm.weight",), ((d,),)),
+                Pair(a + "k_layernorm.weight", (s + "k_norm.weight",), ((d,),))]  # fmt: skip
+    return out
+
+
+def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[Pair]:
+    h = L.hidden_size
+    if not L.is_moe(i):
+        return _dense(src + "mlp.", dst + "mlp.", h, L.ffn_hidden_size, L.fused_gate_up)
+    from slime.backends.megatron.convert import expert_names
+
+    m = src + "mlp."
+    out = [Pair(dst + "mlp.router.weight", (m + "gate.weight",), ((L.num_experts, h),))]
+    if L.expert_bias:
+        out.append(
+            Pair(dst + "mlp.router.expert_bias", (m + "gate.e_score_correction_bias",), ((L.num_experts,),))
+        )
+    f = L.moe_ffn_hidden_size
+    for e in range(L.num_experts) if experts is None else experts:
+        fc1, fc2 = expert_names(L, i, e)
+        x = m + f"experts.{e}."
+        out += [Pair(fc1, (x + "gate_proj.weight", x + "up_proj.weight"), ((f, h), (f, h)), "cat"),
+                Pair(fc2, (x + "down_proj.weight",), ((h, f),))]  # fmt: skip
+    if L.shared_ffn_hidden_size:
+        out += _dense(m + "shared_experts.", dst + "mlp.shared_experts.", h, L.shared_ffn_hidden_size, False)
+    return out
+
+
+def _dense(src: str, dst: str, h: int, f: int, fused: bool) -> list[Pair]:
+    fc1 = (
+        Pair(dst + "linear_fc1.weight", (src + "gate_up_proj.weight",), ((2 * f, h),))
+        if fused  # GLM-4 stores [gate; up] as one tensor, in megatron-core's order
+        else Pair(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), ((f, h), (f, h)), "cat")
+    )  # fmt: skip
+    return [fc1, Pair(dst + "linear_fc2.weight", (src + "down_proj.weight",), ((h, f),))]

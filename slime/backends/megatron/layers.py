@@ -1,0 +1,47 @@
+"""Decoder layers of families megatron-core has no layer for, built on its TransformerLayer.
+Imported only where megatron-core is installed.
+
+GLM-4 normalises the attention's output and the MLP's output again before each residual add
+(HF's `post_self_attn_layernorm` and `post_mlp_layernorm`; slime names them the same on the
+Megatron side). SandwichNormLayer is megatron-core's TransformerLayer with those two norms: forward
+hooks on its attention and MLP modules normalise their outputs, so megatron-core's own forward
+(bias-dropout-add, recompute, sequence parallelism) runs unchanged around them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class SandwichNormLayer(TransformerLayer):
+    def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        if config.add_bias_linear:
+            # The output bias is added after the hook (bias-dropout-add), so it would go un-normalised.
+            raise NotImplementedError("sandwich norms with linear biases are not built")
+        for name, module in (
+            ("post_self_attn_layernorm", self.self_attention),
+            ("post_mlp_layernorm", self.mlp),
+        ):
+            norm = build_module(
+                submodules.input_layernorm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+            self.add_module(name, norm)
+            module.register_forward_hook(_normalise_output(norm))
+
+
+def _normalise_output(norm: torch.nn.Module) -> Any:
+    def hook(
+        _module: torch.nn.Module, _args: Any, output: tuple[torch.Tensor, Any]
+    ) -> tuple[torch.Tensor, Any]:
+        out, bias = output
+        return norm(out), bias
+
+    return hook

@@ -1,0 +1,225 @@
+"""GLM-4, GLM-4.5+ and DeepSeek-V3 in the Megatron backend, each from `make_tiny_model --arch`:
+HF <-> Megatron conversion bitwise both ways with slime's Megatron names, and megatron-core's
+GPTModel on converted weights giving Hugging Face's logits (GLM-4's interleaved partial rotary and
+sandwich norms, GLM-4.5's sigmoid routing with the expert bias and a shared expert, DeepSeek-V3's
+multi-latent attention and grouped routing), on one rank and split over TP, PP and EP ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_model
+from tests.dist_helpers import run_ranks
+
+MEGATRON_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3")
+# three layers: DeepSeek-V3 and GLM-4.5 make the first dense, the others MoE (PP 2 splits them 1 + 2)
+SIZE = ("--hidden-size", "64", "--num-layers", "3")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_families")
+    return {arch: make_model(str(root / arch), 0, "--arch", arch, *SIZE) for arch in MEGATRON_FAMILIES}
+
+
+def _hf(path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path), load_file(f"{path}/model.safetensors")
+
+
+NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gives it
+    "glm4": ["decoder.layers.0.post_self_attn_layernorm.weight", "decoder.layers.2.post_mlp_layernorm.weight",
+             "decoder.layers.1.self_attention.linear_qkv.bias"],
+    "glm4_moe": ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
+                 "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.q_layernorm.weight"],
+    "deepseek_v3": ["decoder.layers.0.self_attention.linear_q_down_proj.weight",
+                    "decoder.layers.0.self_attention.q_layernorm.weight",
+                    "decoder.layers.1.self_attention.linear_kv_down_proj.weight",
+                    "decoder.layers.1.self_attention.kv_layernorm.weight",
+                    "decoder.layers.2.self_attention.linear_kv_up_proj.weight", "decoder.layers.2.mlp.router.expert_bias",
+                    "decoder.layers.2.mlp.shared_experts.linear_fc2.weight"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MEGATRON_FAMILIES)
+def test_conversion_is_bitwise_both_ways_through_every_split(models, arch):
+    from slime.backends.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+    from slime.backends.megatron.export import full_shapes
+    from slime.backends.megatron.sharding import merge_experts, merge_pp, merge_tp, rank_shard, split_pp
+
+    config, hf = _hf(models[arch])
+    layout = Layout.from_hf_config(config, stages=(1, None))  # PP 2 holds layer 0, then 1 and 2
+    mc = hf_to_megatron(hf, layout, tp=2)
+    assert set(NAMES[arch]) <= set(mc), sorted(set(NAMES[arch]) - set(mc))
+    back = megatron_to_hf(mc, layout)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    assert {k: tuple(v[0]) for k, v in full_shapes(layout, 2).items()} == {
+        k: tuple(v.shape) for k, v in mc.items()
+    }
+    # TP 2 x PP 2 (x EP 2 for the experts) and back
+    ep = 2 if layout.num_experts else 1
+    stages = split_pp(mc, layout, 2)
+    joined = []
+    for stage in stages:
+        shards = {(t, e): rank_shard(stage, layout, 2, t, ep, 1, e, 0) for t in range(2) for e in range(ep)}
+        dense = merge_tp(
+            [{k: v for k, v in shards[(t, 0)].items() if "mlp.experts." not in k} for t in range(2)], layout
+        )
+        experts = (
+            merge_experts({(e, 0): shards[(0, e)] for e in range(ep)}, layout) if layout.num_experts else {}
+        )
+        joined.append({**dense, **experts})
+    again = merge_pp(joined, layout)
+    assert again.keys() == mc.keys() and all(torch.equal(again[k], mc[k]) for k in mc)
+
+
+def test_the_layouts_read_each_familys_fields(models):
+    from slime.backends.megatron.convert import Layout
+
+    glm4 = Layout.from_hf_config(_hf(models["glm4"])[0])
+    assert (glm4.rotary_percent, glm4.rotary_interleaved, glm4.post_norms, glm4.fused_gate_up) == (
+        0.5,
+        True,
+        True,
+        True,
+    )
+    glm45 = Layout.from_hf_config(_hf(models["glm4_moe"])[0])
+    assert glm45.expert_bias and glm45.shared_ffn_hidden_size == 32 and glm45.moe_layers == (0, 1, 1)
+    assert (glm45.rotary_percent, glm45.rotary_interleaved, glm45.qkv_bias, glm45.qk_norm) == (
+        0.5,
+        False,
+        True,
+        True,
+    )
+    ds = Layout.from_hf_config(_hf(models["deepseek_v3"])[0])
+    assert (ds.q_lora_rank, ds.kv_lora_rank, ds.head_dim, ds.qk_rope_head_dim, ds.v_head_dim) == (
+        32,
+        16,
+        16,
+        8,
+        16,
+    )
+
+
+def test_routing_megatron_core_computes_otherwise_is_refused(models):
+    from slime.backends.megatron.convert import ConversionError, Layout
+
+    config = _hf(models["deepseek_v3"])[0]
+    config.norm_topk_prob = False
+    with pytest.raises(ConversionError, match="norm_topk_prob"):
+        Layout.from_hf_config(config)
+    config = _hf(models["deepseek_v3"])[0]
+    config.num_experts_per_tok = 3  # groups scored by their best 3 in megatron-core, best 2 in HF
+    with pytest.raises(ConversionError, match="best 2 experts"):
+        Layout.from_hf_config(config)
+    config = _hf(models["deepseek_v3"])[0]
+    config.rope_interleave = False
+    with pytest.raises(ConversionError, match="rope_interleave"):
+        Layout.from_hf_config(config)
+
+
+def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.megatron import cpu_shim
+    from slime.backends.megatron.convert import Layout
+    from slime.backends.megatron.model import build_gpt_model, model_state, transformer_config
+    from slime.backends.megatron.sharding import hf_to_megatron_shard
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
+    cpu_shim.enable()
+    cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
+    config, hf = _hf(path)
+    layout = Layout.from_hf_config(config, stages=(1, None) if pp > 1 else (None, None))
+    mc_config = transformer_config(layout, config, cpu_init=True, tensor_model_parallel_size=tp,
+                                   pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                   expert_tensor_parallel_size=1, variable_seq_lengths=True,
+                                   moe_token_dispatcher_type="alltoall")  # fmt: skip
+    model = build_gpt_model(layout, config, mc_config, tp)
+    mine = hf_to_megatron_shard(hf, layout, tp, pp, ps.get_tensor_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_rank(), ep, 1, ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
+    built = {k: tuple(v.shape) for k, v in model_state(model).items()}
+    missing = model.load_state_dict(mine, strict=False).missing_keys
+    model.eval()
+    torch.manual_seed(1)
+    lengths = (7, 5)
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    kwargs = {}
+    if packed:  # both samples in one row, each attending to itself only
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor([0, 7, 12], dtype=torch.int32)
+        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                      max_seqlen_q=7, max_seqlen_kv=7)  # fmt: skip
+        row = torch.cat([ids[0], ids[1, :5]]).unsqueeze(0)
+        inputs, positions = row, torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0)
+    else:
+        inputs, positions = ids, torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        if pp == 1:
+            logits = model(inputs, positions, None, **kwargs)
+        else:  # the two stages by hand: stage 0's hidden states to stage 1
+            model.set_input_tensor(None)
+            if ps.is_pipeline_first_stage():
+                dist.send(model(inputs, positions, None, **kwargs).contiguous(), dst=rank + world_size // 2)
+                logits = None
+            else:
+                hidden = torch.empty(inputs.shape[1], inputs.shape[0], config.hidden_size)
+                dist.recv(hidden, src=rank - world_size // 2)
+                model.set_input_tensor(hidden)
+                logits = model(inputs, positions, None, **kwargs)
+    if logits is not None and tp > 1:  # vocabulary-parallel logits: gather this TP group's columns
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    reference = None
+    if rank == world_size - 1:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            reference = [hf_model(ids[i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return {"built": built, "mine": {k: tuple(v.shape) for k, v in mine.items()}, "packed": packed,
+            "missing": [k for k in missing if not k.endswith("._extra_state")], "logits": logits,
+            "reference": reference, "vocab": config.vocab_size, "lengths": lengths}  # fmt: skip
+
+
+def _check(results):
+    for r in results:
+        assert r["built"] == r["mine"], sorted(set(r["built"]) ^ set(r["mine"]))
+        assert not r["missing"], r["missing"]
+    last = results[-1]
+    logits, (a, b) = last["logits"][..., : last["vocab"]], last["lengths"]
+    got = [logits[0, :a], logits[0, a : a + b]] if last["packed"] else [logits[0], logits[1, :b]]
+    for mine, ref in zip(got, last["reference"], strict=True):
+        assert mine.shape == ref.shape
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
+
+
+# (TP, PP, EP, packed): one layout per family in the default run, the rest in the slow run
+CASES = [
+    ("glm4", 2, 1, 1, True),
+    ("glm4_moe", 1, 2, 2, True),
+    ("deepseek_v3", 2, 1, 2, True),
+    *(
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in [
+            ("glm4", 1, 1, 1, False), ("glm4", 1, 2, 1, False),
+            ("glm4_moe", 1, 1, 1, False), ("glm4_moe", 2, 1, 1, False),
+            ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True),
+        ]
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch, tp, pp, ep, packed", CASES)
+def test_megatron_core_gives_hugging_faces_logits(models, arch, tp, pp, ep, packed):
+    _check(run_ranks(max(tp, ep) * pp, _forward, models[arch], tp, pp, ep, packed))
