@@ -125,11 +125,11 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
         f"--multi-latent-attention disagrees with --hf-checkpoint {tiny_model}: config.json kv_lora_rank = None"
         in err
     )
+    # checked against config.json with either backend now that Megatron builds MLA
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention", "--train-backend", "megatron"))
-    assert (
-        "--multi-latent-attention: megatron: the families with it are not built by the Megatron backend"
-        in err
-    )
+    assert f"--multi-latent-attention disagrees with --hf-checkpoint {tiny_model}" in err
+    err = error(capsys, base(tiny_model, prompts, "--apply-layernorm-1p", "--train-backend", "megatron"))
+    assert "--apply-layernorm-1p: megatron: the families with it are not built by the Megatron backend" in err
     err = error(capsys, base(tiny_model, prompts, "--opd-kl-coef", "0.5"))
     assert "--opd-kl-coef sets on-policy distillation: add --use-opd" in err
     # --hidden-dropout is Megatron's: the FSDP backend's HF modules have none, so only 0 is accepted.

@@ -223,3 +223,58 @@ CASES = [
 @pytest.mark.parametrize("arch, tp, pp, ep, packed", CASES)
 def test_megatron_core_gives_hugging_faces_logits(models, arch, tp, pp, ep, packed):
     _check(run_ranks(max(tp, ep) * pp, _forward, models[arch], tp, pp, ep, packed))
+
+
+# The Megatron actor trains each family like one FSDP rank trains transformers' model (same step
+# metrics, log-probs and exported weights within the dense tests' bounds): slow, one layout each.
+ACTOR_CASES = [("glm4", 2, 1, 2), ("glm4_moe", 1, 2, 2), ("deepseek_v3", 1, 2, 2)]  # (arch, TP, EP, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, tp, ep, world", ACTOR_CASES)
+def test_the_megatron_actor_trains_each_family_like_fsdp(models, arch, tp, ep, world):
+    from tests.test_megatron_actor import assert_trains_like
+    from tests.test_megatron_moe_actor import moe_run
+
+    fsdp = run_ranks(1, moe_run, models[arch], "fsdp")[0]
+    ranks = run_ranks(world, moe_run, models[arch], "megatron", tp, 1, ep, 2)
+    assert_trains_like(fsdp, ranks)
+    if arch != "glm4":  # the expert bias goes out with the weights, as the checkpoint holds it
+        from safetensors.torch import load_file
+
+        hf = load_file(f"{models[arch]}/model.safetensors")
+        name = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert torch.equal(ranks[0]["weights"][name], hf[name]) and hf[name].abs().sum() > 0
+
+
+def _bf16_pp2_export(rank, world_size, init_method, model):
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from slime.config.train import MegatronConfig
+    from tests.test_fsdp_actor import base_config, make_batch
+    from tests.test_megatron_actor import exported
+
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), backend="megatron", megatron=MegatronConfig(
+        pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1, bf16=True))  # fmt: skip
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    actor.train(0, make_batch(0))
+    weights = exported(actor)
+    actor.close()
+    return weights
+
+
+@pytest.mark.slow
+def test_the_expert_bias_leaves_a_bf16_pipeline_in_float32_as_the_checkpoint_has_it(models):
+    """--bf16 with PP 2 (layer 0, then 1 and 2): rank 0 receives the last stage's routers from the
+    other stage; the bias stays float32 (megatron-core keeps it so) and untouched by training."""
+    from safetensors.torch import load_file
+
+    weights = run_ranks(2, _bf16_pp2_export, models["deepseek_v3"])[0]
+    hf = load_file(f"{models['deepseek_v3']}/model.safetensors")
+    for layer in (1, 2):
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], hf[name])
+    assert weights["model.layers.2.mlp.gate.weight"].dtype == torch.bfloat16
+    assert weights.keys() == hf.keys()

@@ -136,6 +136,9 @@ def test_megatron_refuses_each_family_by_name(family_models):
 
     for arch in NEW_FAMILIES:
         config = AutoConfig.from_pretrained(family_models[arch])
+        if arch in MEGATRON_BUILT:  # tests/test_megatron_families.py
+            Layout.from_hf_config(config)
+            continue
         with pytest.raises(ConversionError, match="--train-backend fsdp") as info:
             Layout.from_hf_config(config)
         assert config.model_type in str(info.value)
@@ -162,8 +165,12 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     err = error(capsys, base(family_models["deepseek_v3"], str(prompts), "--lora-rank", "4", "--target-modules",
                              "all-linear"))  # fmt: skip
     assert "--lora-rank 4: LoRA is not built for model_type 'deepseek_v3'" in err
-    err = error(capsys, base(glm, str(prompts), "--train-backend", "megatron"))
-    assert "'glm4_moe'" in err and "use --train-backend fsdp" in err
+    err = error(
+        capsys, base(glm, str(prompts), "--train-backend", "megatron", "--use-rollout-routing-replay")
+    )
+    assert "--use-rollout-routing-replay: routing replay" in err and "'glm4_moe'" in err
+    err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--train-backend", "megatron"))
+    assert "'qwen3_5_text'" in err and "--train-backend fsdp" in err
 
 
 @pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])
@@ -237,8 +244,9 @@ def _slime_model_args(arch: str, c: dict) -> list[str]:
 def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     family_models, tmp_path, capsys, arch
 ):
-    """FSDP: the flags of slime's model script describe the checkpoint (each compared with
-    config.json); one flag left out is named with the config key; Megatron refuses the family."""
+    """The flags of slime's model script describe the checkpoint (each compared with config.json);
+    one flag left out is named with the config key; Megatron checks them too for the families it
+    builds and refuses the others."""
     import json
 
     from slime.ray.cli import parse_args
@@ -251,13 +259,23 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = parse_args(base(path, str(prompts), *args))
     noted = [line for line in cfg.args.resolution if line.startswith("no effect in this backend (fsdp)")]
-    assert "--spec" not in args or "--spec" in noted[0]  # listed as having no effect with FSDP
+    if arch != "glm4":  # slime's GLM-4 spec is accepted by both backends (GLM-4's layers are built)
+        assert "--spec" not in args or "--spec" in noted[0]  # listed as having no effect with FSDP
     flag = {"glm4": "--rotary-interleaved", "glm4_moe": "--moe-router-enable-expert-bias",
             "deepseek_v3": "--multi-latent-attention"}.get(arch, "--apply-layernorm-1p")  # fmt: skip
-    err = error(capsys, base(path, str(prompts), *[a for a in args if a != flag]))
-    assert f"no {flag} (Megatron-LM's default: off) disagrees with --hf-checkpoint {path}" in err
-    err = error(capsys, base(path, str(prompts), *args, "--train-backend", "megatron"))
-    assert "not built by the Megatron backend" in err or "--train-backend fsdp" in err
+    left_out = [a for a in args if a != flag]
+    for backend in ("fsdp", "megatron") if arch in MEGATRON_BUILT else ("fsdp",):
+        err = error(capsys, base(path, str(prompts), *left_out, "--train-backend", backend))
+        assert f"no {flag} (Megatron-LM's default: off) disagrees with --hf-checkpoint {path}" in err
+    megatron = [*args, "--train-backend", "megatron"]
+    if arch in MEGATRON_BUILT:  # the whole script parses with Megatron too
+        assert parse_args(base(path, str(prompts), *megatron)).train.backend == "megatron"
+    else:
+        err = error(capsys, base(path, str(prompts), *megatron))
+        assert "not built by the Megatron backend" in err or "--train-backend fsdp" in err
+
+
+MEGATRON_BUILT = ("glm4", "glm4_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize(

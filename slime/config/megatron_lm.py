@@ -125,14 +125,12 @@ SPECS: tuple[Spec, ...] = (
         {"type": int, "default": None},
         "at most max_position_embeddings; samples are not padded to it (variable-length micro-batches)",
     ),
-    _family_arch("--rotary-interleaved", store_true(), "interleaved rotary pairs (GLM-4: model_type glm4)"),
+    _arch("--rotary-interleaved", store_true(), "interleaved rotary pairs (GLM-4: model_type glm4)"),
     _family_arch(
         "--apply-layernorm-1p", store_true(), "zero-centred (1 + gamma) norms (Qwen3-Next, Qwen3.5)"
     ),
-    _family_arch(
-        "--post-self-attn-layernorm", store_true(), "a norm after attention (GLM-4's sandwich norms)"
-    ),
-    _family_arch("--post-mlp-layernorm", store_true(), "a norm after the MLP (GLM-4's sandwich norms)"),
+    _arch("--post-self-attn-layernorm", store_true(), "a norm after attention (GLM-4's sandwich norms)"),
+    _arch("--post-mlp-layernorm", store_true(), "a norm after the MLP (GLM-4's sandwich norms)"),
     _family_arch("--attention-output-gate", store_true(), "gated attention output (Qwen3-Next, Qwen3.5)"),
     _family_arch("--use-gated-attention", store_true(), "gated attention (Qwen3-Next, Qwen3.5)"),
     Spec(
@@ -141,26 +139,24 @@ SPECS: tuple[Spec, ...] = (
         NO_EFFECT,
         REFUSED,
         "a custom Megatron layer spec (--spec MODULE FUNCTION); FSDP builds the model from --hf-checkpoint's "
-        "transformers modeling, which the spec describes",
+        "transformers modeling, which the spec describes. slime's GLM-4 spec (slime_plugins.models.glm4 "
+        "get_glm_spec) is accepted by both backends: the Megatron backend builds GLM-4's sandwich norms itself",
+        neutral=["slime_plugins.models.glm4", "get_glm_spec"],
         group="architecture",
         refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "
-        "own specs from --hf-checkpoint",
+        "own specs from --hf-checkpoint (and GLM-4's, for slime_plugins.models.glm4 get_glm_spec)",
     ),
-    _family_arch(
-        "--multi-latent-attention", store_true(), "multi-latent attention (DeepSeek-V3: kv_lora_rank)"
-    ),
-    _family_arch(
-        "--q-lora-rank", {"type": int, "default": None}, "q_lora_rank (none: queries without a latent)"
-    ),
-    _family_arch("--kv-lora-rank", {"type": int, "default": None}, "kv_lora_rank"),
-    _family_arch("--qk-head-dim", {"type": int, "default": None}, "qk_nope_head_dim"),
-    _family_arch("--qk-pos-emb-head-dim", {"type": int, "default": None}, "qk_rope_head_dim"),
-    _family_arch("--v-head-dim", {"type": int, "default": None}, "v_head_dim"),
+    _arch("--multi-latent-attention", store_true(), "multi-latent attention (DeepSeek-V3: kv_lora_rank)"),
+    _arch("--q-lora-rank", {"type": int, "default": None}, "q_lora_rank (none: queries without a latent)"),
+    _arch("--kv-lora-rank", {"type": int, "default": None}, "kv_lora_rank"),
+    _arch("--qk-head-dim", {"type": int, "default": None}, "qk_nope_head_dim"),
+    _arch("--qk-pos-emb-head-dim", {"type": int, "default": None}, "qk_rope_head_dim"),
+    _arch("--v-head-dim", {"type": int, "default": None}, "v_head_dim"),
     *(
-        _family_arch(f, {"type": float, "default": None}, f"rope_parameters.{key} of YaRN (1.0 otherwise)")
+        _arch(f, {"type": float, "default": None}, f"rope_parameters.{key} of YaRN (1.0 otherwise)")
         for f, key in (("--mscale", "mscale"), ("--mscale-all-dim", "mscale_all_dim"))
     ),
-    # ---- mixture of experts: checked (FSDP, HF modeling); the Megatron backend has no MoE yet ----
+    # ---- mixture of experts: checked against config.json with either backend ----
     _moe_arch("--num-experts", {"type": int, "default": None}, "num_experts (none: a dense model)"),
     _moe_arch(
         "--moe-layer-freq",
@@ -188,13 +184,9 @@ SPECS: tuple[Spec, ...] = (
         {"type": float, "default": None},
         "routed_scaling_factor (none for the Qwen MoE families)",
     ),
-    _family_arch(
-        "--moe-router-num-groups", {"type": int, "default": None}, "n_group (DeepSeek-V3's expert groups)"
-    ),
-    _family_arch(
-        "--moe-router-group-topk", {"type": int, "default": None}, "topk_group (groups kept per token)"
-    ),
-    _family_arch(
+    _arch("--moe-router-num-groups", {"type": int, "default": None}, "n_group (DeepSeek-V3's expert groups)"),
+    _arch("--moe-router-group-topk", {"type": int, "default": None}, "topk_group (groups kept per token)"),
+    _arch(
         "--moe-router-enable-expert-bias",
         store_true(),
         "the routers' expert-score correction bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5+), as the "

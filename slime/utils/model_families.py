@@ -45,10 +45,6 @@ class Family:
     (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
 
 
-_NOT_WIRED = (
-    "megatron-core has {what}, but this project does not build {family} with it yet: use --train-backend fsdp"
-)
-
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -69,9 +65,6 @@ FAMILIES: dict[str, Family] = {
             "glm4",
             "GLM-4-0414 (9B, 32B)",
             PER_SEQUENCE,
-            megatron=_NOT_WIRED.format(
-                what="interleaved partial rotary embeddings and sandwich norms", family="GLM-4"
-            ),
         ),
         Family(
             "glm4_moe",
@@ -79,7 +72,6 @@ FAMILIES: dict[str, Family] = {
             "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air, Flash)",
             PER_SEQUENCE,
             lora=False,
-            megatron=_NOT_WIRED.format(what="the router expert bias and sigmoid routing", family="GLM-4.5+"),
             fused_experts=True,
             router_fp32=True,
         ),
@@ -89,7 +81,6 @@ FAMILIES: dict[str, Family] = {
             "DeepSeek-V3 / R1, Kimi-K2, Moonlight",
             PER_SEQUENCE,
             lora=False,
-            megatron=_NOT_WIRED.format(what="multi-latent attention", family="DeepSeek-V3"),
             fused_experts=True,
             router_fp32=True,
         ),

@@ -223,8 +223,10 @@ class MegatronTrainActor(TrainActorBase):
     @torch.no_grad()
     def _copy_in(self, state: State, masters: bool = False) -> None:
         """Write `state` into the model's parameters (and, with `masters`, into the float32
-        master weights of --bf16, from the state's own precision)."""
+        master weights of --bf16, from the state's own precision) and into the persistent
+        buffers it holds (the routers' expert bias: a checkpoint's, a teacher's)."""
         params = dict(self.model.named_parameters())
+        buffers = self._buffers()
         for name, param in params.items():
             if name not in state:
                 raise mckpt.ConversionError(f"parameter {name}: not in the converted checkpoint")
@@ -235,13 +237,26 @@ class MegatronTrainActor(TrainActorBase):
             param.copy_(state[name])
             if masters and param in self.masters:
                 self.masters[param].copy_(state[name])
-        extra = sorted(set(state) - set(params))
+        for name in buffers.keys() & state.keys():
+            if tuple(state[name].shape) != tuple(buffers[name].shape):
+                raise mckpt.ConversionError(
+                    f"buffer {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(buffers[name].shape)}"
+                )
+            buffers[name].copy_(state[name])
+        extra = sorted(set(state) - set(params) - set(buffers))
         if extra:
             raise mckpt.ConversionError(f"the converted checkpoint has tensors the model lacks: {extra[:5]}")
 
+    def _buffers(self) -> State:
+        """The model's persistent buffers (in its state dict beside the parameters)."""
+        params = {n for n, _ in self.model.named_parameters()}
+        state = self.model.state_dict(keep_vars=True)
+        return {n: t for n, t in state.items() if n not in params and not n.endswith("._extra_state")}
+
     @torch.no_grad()
     def _snapshot(self) -> State:
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        tensors = {**dict(self.model.named_parameters()), **self._buffers()}
+        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
 
     def local_state_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())

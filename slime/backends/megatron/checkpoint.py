@@ -345,7 +345,8 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     except Exception as e:  # a truncated or corrupt file: every rank must hear of it
         error = f"--load {root!r}: rank {actor.rank} cannot read its shard ({type(e).__name__}: {e})"
     _agree(error)  # the same error on every rank: none goes on to wait for the others
-    actor._copy_in(blob.get("main_params") or blob["model"], masters=True)
+    # the float32 master weights where --bf16 saved them; the buffers (expert bias) from the model's
+    actor._copy_in({**blob["model"], **(blob.get("main_params") or {})}, masters=True)
     if tag == "release" or "optimizer" not in blob:
         return None
     # The settings first: a changed --optimizer must be refused before torch loads its state.

@@ -32,6 +32,9 @@ from slime.backends.megatron.convert import (
 from slime.backends.megatron.sharding import merge_fc1, merge_tp
 from slime.utils.buckets import iter_buckets
 
+FLOAT32_KEPT = (".router.expert_bias",)
+"""Tensors megatron-core keeps in float32 whatever the parameters' dtype (its router's expert bias)."""
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -158,7 +161,8 @@ def export_hf_tensors(
             if mesh.pp > 1 and receives and (every_rank or stage != 0):
                 shape, dtype = shapes[name]
                 if tensor is None:
-                    tensor = torch.empty(shape, dtype=local_dtype(local, dtype), device=_device(local))
+                    kept = torch.float32 if name.endswith(FLOAT32_KEPT) else local_dtype(local, dtype)
+                    tensor = torch.empty(shape, dtype=kept, device=_device(local))
                 dist.broadcast(tensor, src=pp_ranks[stage], group=mesh.pp_group)
             if yields:
                 assert tensor is not None

@@ -110,8 +110,11 @@ class MegatronRouting(RouterHooks):
     @classmethod
     def install(cls, model: Any, layout: Any, hf_config: Any, recompute: dict[str, Any], mesh: Any,
                 sequence_parallel: bool) -> MegatronRouting | None:  # fmt: skip
-        """The hooks on a mixture-of-experts model's routers (None for a dense model)."""
-        if not layout.num_experts:
+        """The hooks on a mixture-of-experts model's routers (None for a dense model, and for a
+        family whose routing they do not follow: megatron-core's router routes it, untouched)."""
+        from slime.backends.megatron.settings import router_hooks
+
+        if not layout.num_experts or not router_hooks(layout):
             return None
         from slime.config.architecture import hf_moe
 

@@ -30,10 +30,25 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
     if moe is not None and not layout.num_experts and moe.needs_moe:
         return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
+    if moe is not None and layout.num_experts and not router_hooks(layout):
+        from slime.utils import model_families
+
+        # megatron-core routes in float32 with --moe-router-dtype fp32 (its own setting, no hook)
+        flag = moe.needs_router_hooks(router_fp32=True)
+        if flag:
+            return f"{flag}: {model_families.refusal(layout.model_type, 'router_hooks')}"
     if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
         return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
                 "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
     return None
+
+
+def router_hooks(layout: Layout) -> bool:
+    """Whether the actor hooks the routers of this MoE layout (routing replay, the aux loss):
+    not for the families that route with sigmoid scores, a bias or groups (docs/models.md)."""
+    from slime.utils import model_families
+
+    return model_families.refusal(layout.model_type, "router_hooks") is None
 
 
 def check_supported(m: Any, installed: bool = True) -> str | None:
