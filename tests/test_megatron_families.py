@@ -20,7 +20,28 @@ SIZE = ("--hidden-size", "64", "--num-layers", "3")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_families")
-    return {arch: make_model(str(root / arch), 0, "--arch", arch, *SIZE) for arch in MEGATRON_FAMILIES}
+    made = {arch: make_model(str(root / arch), 0, "--arch", arch, *SIZE) for arch in MEGATRON_FAMILIES}
+    made["deepseek_v3_yarn"] = _with_yarn(made["deepseek_v3"], str(root / "deepseek_v3_yarn"))
+    return made
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}  # fmt: skip
+"""DeepSeek-V3's rope scaling (its released config: factor 40 over 4096 positions, mscale 1 and
+1), at a tiny size; mscale differs from mscale_all_dim so the rotary magnitude is not 1."""
+
+
+def _with_yarn(path, out):
+    """The tiny DeepSeek-V3 with YaRN rotary scaling (its weights unchanged)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    shutil.copytree(path, out)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters = dict(YARN)
+    config.save_pretrained(out)
+    return out
 
 
 def _hf(path):
@@ -105,7 +126,7 @@ def test_the_layouts_read_each_familys_fields(models):
     )
 
 
-def test_routing_megatron_core_computes_otherwise_is_refused(models):
+def test_routing_and_rotary_megatron_core_computes_otherwise_are_refused(models):
     from slime.backends.megatron.convert import ConversionError, Layout
 
     config = _hf(models["deepseek_v3"])[0]
@@ -119,6 +140,14 @@ def test_routing_megatron_core_computes_otherwise_is_refused(models):
     config = _hf(models["deepseek_v3"])[0]
     config.rope_interleave = False
     with pytest.raises(ConversionError, match="rope_interleave"):
+        Layout.from_hf_config(config)
+    config = _hf(models["deepseek_v3"])[0]
+    config.rope_parameters = {**YARN, "mscale": None}  # transformers then scales rotary and softmax apart
+    with pytest.raises(ConversionError, match="mscale_all_dim but no mscale"):
+        Layout.from_hf_config(config)
+    config = _hf(models["glm4"])[0]
+    config.rope_parameters = {**YARN, "partial_rotary_factor": 0.5}
+    with pytest.raises(ConversionError, match="YaRN with multi-latent attention only"):
         Layout.from_hf_config(config)
 
 
@@ -209,12 +238,13 @@ CASES = [
     ("glm4", 2, 1, 1, True),
     ("glm4_moe", 1, 2, 2, True),
     ("deepseek_v3", 2, 1, 2, True),
+    ("deepseek_v3_yarn", 1, 1, 1, True),
     *(
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
             ("glm4", 1, 1, 1, False), ("glm4", 1, 2, 1, False),
             ("glm4_moe", 1, 1, 1, False), ("glm4_moe", 2, 1, 1, False),
-            ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True),
+            ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True), ("deepseek_v3_yarn", 1, 1, 1, False),
         ]
     ),
 ]  # fmt: skip

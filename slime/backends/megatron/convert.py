@@ -245,16 +245,51 @@ class Layout:
 
 
 def rope_theta(config: Any) -> float:
-    """The rotary base of an HF config. Only plain RoPE is supported: scaled variants (llama3,
-    yarn, ...) would give megatron-core other positions than the engine, so they are refused."""
+    """The rotary base of an HF config. Plain RoPE, and YaRN for multi-latent attention (which
+    megatron-core's MLA builds: `mla_yarn`); other scaled variants (llama3, yarn on GQA, ...)
+    would give megatron-core other positions than the engine, so they are refused."""
     from slime.config.architecture import rope_scaling
 
     kind, _, theta = rope_scaling(config)
-    if kind != "default":
+    if kind == "yarn" and getattr(config, "kv_lora_rank", None):
+        mla_yarn(config)  # refuses a YaRN variant megatron-core computes otherwise
+    elif kind != "default":
         raise ConversionError(
-            f"rope_type {kind!r}: the Megatron backend builds plain RoPE only (the config's rope scaling is not converted)"
+            f"rope_type {kind!r}: the Megatron backend builds plain RoPE, and YaRN with multi-latent attention "
+            "only (the config's rope scaling is not converted)"
         )
     return theta
+
+
+def mla_yarn(config: Any) -> dict[str, Any]:
+    """megatron-core's YaRN settings for a multi-latent-attention config whose rope_type is yarn
+    (DeepSeek-V3, Kimi-K2): the same frequencies, rotary magnitude (attention_factor) and softmax
+    scale as transformers computes. The variants where the two would differ are refused."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ConversionError("rope_type 'yarn' without original_max_position_embeddings: not converted")
+    factor = params.get("factor") or config.max_position_embeddings / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise ConversionError(
+            "YaRN with attention_factor or truncate false: megatron-core computes it otherwise"
+        )
+    if bool(mscale) != bool(mscale_all_dim) and mscale_all_dim:
+        # transformers then scales the rotary part by get_mscale(factor) but the softmax by
+        # mscale_all_dim; megatron-core scales both from mscale / mscale_all_dim
+        raise ConversionError("YaRN with mscale_all_dim but no mscale: megatron-core computes it otherwise")
+    both = bool(mscale and mscale_all_dim)
+    return {
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        # without both, transformers' rotary magnitude is get_mscale(factor): megatron-core's with 1 / 0
+        "mscale": float(mscale) if both else 1.0,
+        "mscale_all_dim": float(mscale_all_dim) if both else 0.0,
+    }
 
 
 SUPPORTED: dict[str, dict[str, bool]] = {

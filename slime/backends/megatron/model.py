@@ -55,11 +55,16 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
     }
 
 
-def mla_settings(layout: Layout) -> dict[str, Any]:
-    """megatron-core's multi-latent-attention settings (plain RoPE on the rotary part, as
-    rope_theta allows; DeepSeek-V3's softmax scale 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim))."""
+def mla_settings(layout: Layout, hf_config: Any) -> dict[str, Any]:
+    """megatron-core's multi-latent-attention settings: plain RoPE or YaRN on the rotary part
+    (convert.mla_yarn), the softmax scale 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (times
+    YaRN's mscale_all_dim correction), as transformers computes them."""
     if not layout.kv_lora_rank:
         return {}
+    from slime.backends.megatron.convert import mla_yarn
+    from slime.config.architecture import rope_scaling
+
+    plain = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
     return {
         "multi_latent_attention": True,
         "q_lora_rank": layout.q_lora_rank or None,
@@ -67,10 +72,8 @@ def mla_settings(layout: Layout) -> dict[str, Any]:
         "qk_head_dim": layout.head_dim,
         "qk_pos_emb_head_dim": layout.qk_rope_head_dim,
         "v_head_dim": layout.value_dim,
-        "rope_type": "rope",
-        "rotary_scaling_factor": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 0.0,
+        "rotary_base": rope_theta(hf_config),
+        **(mla_yarn(hf_config) if rope_scaling(hf_config)[0] == "yarn" else plain),
     }
 
 
@@ -85,9 +88,7 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
 
         f = family(layout.model_type)
         router_dtype = "fp32" if f is not None and f.router_fp32 else None  # as transformers routes them
-    mla = mla_settings(layout)
-    if mla:
-        mla["rotary_base"] = rope_theta(hf_config)
+    mla = mla_settings(layout, hf_config)
     return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
