@@ -308,3 +308,38 @@ def test_the_expert_bias_leaves_a_bf16_pipeline_in_float32_as_the_checkpoint_has
         assert weights[name].dtype == torch.float32 and torch.equal(weights[name], hf[name])
     assert weights["model.layers.2.mlp.gate.weight"].dtype == torch.bfloat16
     assert weights.keys() == hf.keys()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", pytest.param("glm4", marks=pytest.mark.slow)])
+def test_the_conversion_tools_move_a_family_between_layouts_and_back_bitwise(models, arch, tmp_path):
+    """The tools as users run them: HF -> TP 2 (x EP 2) -> PP 2 with the first stage one layer ->
+    HF, bit for bit; the checkpoint's args say the family's architecture in Megatron-LM's names."""
+    from safetensors.torch import load_file
+
+    from tests.test_megatron_tools import tool
+
+    hf = models[arch]
+    ep = ["--expert-model-parallel-size", "2"] if arch == "deepseek_v3" else []
+    first = tmp_path / "tp2"
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(first), "--tensor-model-parallel-size",
+             "2", *ep)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    shard = torch.load(sorted(first.glob("release/mp_rank_01*"))[0] / "model_optim_rng.pt", weights_only=True)
+    args = shard["args"]
+    if arch == "deepseek_v3":
+        assert (args["multi_latent_attention"], args["q_lora_rank"], args["kv_lora_rank"]) == (True, 32, 16)
+        assert args["moe_router_enable_expert_bias"] and args["moe_shared_expert_intermediate_size"] == 32
+        assert "decoder.layers.1.self_attention.linear_kv_up_proj.weight" in shard["model"]
+    else:
+        assert (
+            args["post_self_attn_layernorm"] and args["rotary_interleaved"] and args["rotary_percent"] == 0.5
+        )
+    pp2 = tmp_path / "pp2"
+    r = tool("convert_checkpoint", "--load-dir", str(first), "--save-dir", str(pp2), "--target-tensor-parallel-size",
+             "1", "--target-pipeline-parallel-size", "2", "--target-decoder-first-pipeline-num-layers", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    back = tmp_path / "hf_back"
+    r = tool("convert_megatron_to_hf", "--load-dir", str(pp2), "--hf-checkpoint", hf, "--save-dir", str(back))
+    assert r.returncode == 0, r.stderr
+    want, got = load_file(f"{hf}/model.safetensors"), load_file(back / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

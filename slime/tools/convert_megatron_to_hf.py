@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         check_target(ns.save_dir)
         parts, args = load_megatron(ns.load_dir)
         layout = stored_layout(args, ns.load_dir)
-        expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms)
+        # the pipeline stages are the checkpoint's layout, not the model's: taken from it
+        expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms,
+                             layout.first_stage_layers, layout.last_stage_layers)  # fmt: skip
         differ = [f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
                   for k, v in layout.__dict__.items() if getattr(expected, k) != v]  # fmt: skip
         if differ:

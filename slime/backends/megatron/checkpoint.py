@@ -61,8 +61,38 @@ def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None
         "qk_layernorm": layout.qk_norm,
         "swiglu": True,
         "normalization": "RMSNorm",
+        "rotary_percent": layout.rotary_percent,
+        "rotary_interleaved": layout.rotary_interleaved,
+        "post_self_attn_layernorm": layout.post_norms,
+        "post_mlp_layernorm": layout.post_norms,
+        **_moe_args(layout),
+        **_mla_args(layout),
         "slime_layout": dict(layout.__dict__),
         **({"value_head": True} if value_head else {}),
+    }
+
+
+def _moe_args(layout: Layout) -> dict[str, Any]:
+    if not layout.num_experts:
+        return {}
+    return {
+        "moe_ffn_hidden_size": layout.moe_ffn_hidden_size,
+        "moe_layer_freq": list(layout.moe_layers),
+        "moe_shared_expert_intermediate_size": layout.shared_ffn_hidden_size or None,
+        "moe_router_enable_expert_bias": layout.expert_bias,
+    }
+
+
+def _mla_args(layout: Layout) -> dict[str, Any]:
+    if not layout.kv_lora_rank:
+        return {}
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": layout.q_lora_rank or None,
+        "kv_lora_rank": layout.kv_lora_rank,
+        "qk_head_dim": layout.head_dim,
+        "qk_pos_emb_head_dim": layout.qk_rope_head_dim,
+        "v_head_dim": layout.value_dim,
     }
 
 
