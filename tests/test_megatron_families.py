@@ -151,10 +151,10 @@ def test_routing_and_rotary_megatron_core_computes_otherwise_are_refused(models)
         Layout.from_hf_config(config)
 
 
-def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
+def _rank_model(rank, world_size, init_method, path, tp, pp, ep):
+    """This rank's megatron-core GPTModel of the HF checkpoint at `path`, its converted shard loaded."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from transformers import AutoModelForCausalLM
 
     from slime.backends.megatron import cpu_shim
     from slime.backends.megatron.convert import Layout
@@ -177,6 +177,15 @@ def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
                                 ps.get_pipeline_model_parallel_rank(), ep, 1, ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
     built = {k: tuple(v.shape) for k, v in model_state(model).items()}
     missing = model.load_state_dict(mine, strict=False).missing_keys
+    return config, model, mine, built, missing
+
+
+def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    config, model, mine, built, missing = _rank_model(rank, world_size, init_method, path, tp, pp, ep)
     model.eval()
     torch.manual_seed(1)
     lengths = (7, 5)
@@ -343,3 +352,112 @@ def test_the_conversion_tools_move_a_family_between_layouts_and_back_bitwise(mod
     assert r.returncode == 0, r.stderr
     want, got = load_file(f"{hf}/model.safetensors"), load_file(back / "model.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _count_with_padding(rank, world_size, init_method, path):
+    """megatron-core's own count of each expert's tokens in a training forward of two right-padded
+    rows (7 and 4 real tokens), given the padding mask, and in a forward without autograd."""
+    from megatron.core import parallel_state as ps
+
+    _, model, *_ = _rank_model(rank, world_size, init_method, path, 1, 1, 1)
+    ids = torch.randint(4, 101, (2, 7))
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 4:] = True
+    model(ids, torch.arange(7).expand(2, 7), None, padding_mask=padding)
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    counted = [float(r.local_tokens_per_expert.sum()) for r in routers]
+    with torch.no_grad():
+        model(ids, torch.arange(7).expand(2, 7), None, padding_mask=padding)
+    again = [float(r.local_tokens_per_expert.sum()) for r in routers]
+    ps.destroy_model_parallel()
+    return counted, again
+
+
+def test_megatron_cores_count_leaves_padding_out(models):
+    counted, again = run_ranks(1, _count_with_padding, models["glm4_moe"])[0]
+    assert counted == again == [11.0 * 2] * 2  # 11 real tokens, 2 experts each, in both MoE layers
+
+
+def test_the_bias_update_favours_experts_below_the_mean():
+    from slime.backends.expert_bias import updated_bias
+
+    bias = torch.tensor([[0.5, 0.0, -0.25, 0.0]])
+    new = updated_bias(bias, torch.tensor([[4.0, 0.0, 2.0, 2.0]]), 0.125)  # mean 2
+    assert torch.equal(new, torch.tensor([[0.375, 0.125, -0.25, 0.0]]))
+
+
+def test_the_fsdp_count_takes_real_tokens_of_training_forwards_once(models):
+    """TokenCounts on HF's DeepSeek-V3 routers: padding and no-grad passes are not counted, and
+    a second forward of the same micro-batch (a recompute) does not count it twice."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.expert_bias import TokenCounts
+
+    model = AutoModelForCausalLM.from_pretrained(models["deepseek_v3"], dtype=torch.float32)
+    counts = TokenCounts.find(model)
+    assert counts is not None and len(counts.routers) == 2  # the two MoE layers
+    ids = torch.randint(4, 101, (2, 6))
+    real = torch.ones(12, dtype=torch.bool)
+    real[9:] = False  # the second row's last three tokens are padding
+    with torch.no_grad():
+        counts.begin(real)
+        model(ids)
+        counts.end()
+    assert all(t.sum() == 0 for t in counts.totals)
+    counts.begin(real)
+    model(ids)
+    model(ids)  # recomputed
+    counts.end()
+    k = model.config.num_experts_per_tok
+    assert [float(t.sum()) for t in counts.totals] == [9.0 * k] * 2
+    from slime.backends.expert_bias import updated_bias
+
+    expected = [updated_bias(b, t, 0.01) for b, t in zip(counts.biases, counts.totals, strict=True)]
+    counts.step(0.01)
+    for b, want, t in zip(counts.biases, expected, counts.totals, strict=True):
+        assert torch.equal(b, want) and t.sum() == 0
+
+
+@pytest.mark.slow
+def test_the_expert_bias_moves_alike_in_both_backends(models):
+    """--moe-router-bias-update-rate: one FSDP rank, two FSDP ranks and Megatron at EP 2 train
+    GLM-4.5 alike, expert bias included (its steps differ from the checkpoint's)."""
+    from safetensors.torch import load_file
+
+    from tests.test_megatron_actor import assert_trains_like
+    from tests.test_megatron_moe_actor import moe_run
+
+    moe = {"moe_router_bias_update_rate": 1e-3}
+    path = models["glm4_moe"]
+    fsdp = run_ranks(1, moe_run, path, "fsdp", 1, 1, 1, 2, None, moe)[0]
+    assert_trains_like(
+        fsdp, run_ranks(2, moe_run, path, "fsdp", 1, 1, 1, 2, None, moe), only_rank0_exports=False
+    )
+    assert_trains_like(fsdp, run_ranks(2, moe_run, path, "megatron", 1, 1, 2, 2, None, moe))
+    # padded rows (their padding is not counted) and megatron-core's full recompute (a layer
+    # forwarded twice is counted once)
+    padded = run_ranks(1, moe_run, path, "fsdp", 1, 1, 1, 2, None, moe, False, True)[0]
+    assert_trains_like(padded, run_ranks(2, moe_run, path, "megatron", 1, 1, 2, 2, None, moe, True, True))
+    hf = load_file(f"{path}/model.safetensors")
+    for layer in (1, 2):
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        moved = (fsdp["weights"][name] - hf[name]).abs()
+        assert moved.max() > 1e-4, name  # the rate times a sum of signs over the steps
+
+
+def test_a_bias_update_rate_needs_routers_with_a_bias(tiny_moe, models, tmp_path, capsys):
+    from slime.ray.cli import parse_args
+    from tests.test_flag_surface import base, error
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    for backend in ("fsdp", "megatron"):
+        err = error(capsys, base(tiny_moe, str(prompts), "--moe-router-bias-update-rate", "0.001",
+                                 "--train-backend", backend))  # fmt: skip
+        assert (
+            "--moe-router-bias-update-rate 0.001 needs routers with an expert bias" in err
+            and "qwen3_moe" in err
+        )
+        cfg = parse_args(base(models["deepseek_v3"], str(prompts), "--moe-router-bias-update-rate", "0.001",
+                              "--train-backend", backend))  # fmt: skip
+        assert cfg.train.moe.moe_router_bias_update_rate == 0.001

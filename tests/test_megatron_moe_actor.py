@@ -31,7 +31,7 @@ def routed_batch(seed: int, r3: bool = False):
 
 
 def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None, moe=None,
-            recompute=False):  # fmt: skip
+            recompute=False, padded=False):  # fmt: skip
     from slime.backends import make_train_actor
     from slime.config.train import ModelOptions, MoEOptions
 
@@ -40,6 +40,8 @@ def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs
         cfg = dataclasses.replace(cfg, moe=MoEOptions(**moe))
     if recompute:  # megatron-core's full recompute: every layer runs again in backward
         cfg = dataclasses.replace(cfg, model=ModelOptions(recompute_granularity="full"))
+    if padded:  # one right-padded row per sample: padding tokens reach the routers
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=True))
     if backend == "megatron":
         cfg = dataclasses.replace(cfg, backend="megatron", megatron=MegatronConfig(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep))  # fmt: skip

@@ -222,12 +222,22 @@ def flag_problems(
 
 
 def family_problems(ns: argparse.Namespace) -> list[str]:
-    """LoRA with a family it is not built for (slime.utils.model_families), refused by name."""
+    """LoRA with a family it is not built for (slime.utils.model_families), and an expert-bias
+    update rate for a model whose routers have no bias, refused by name."""
+    out = []
+    rate = getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0
+    if rate > 0:
+        from slime.config.architecture import hf_moe
+
+        config = _hf_config(ns.hf_checkpoint)
+        if config is not None and not hf_moe(config).get("moe_router_enable_expert_bias"):
+            out.append(f"--moe-router-bias-update-rate {rate} needs routers with an expert bias (DeepSeek-V3, "
+                       f"GLM-4.5+); --hf-checkpoint {ns.hf_checkpoint} ({config.model_type}) has none")  # fmt: skip
     if (getattr(ns, "lora_rank", 0) or 0) <= 0:
-        return []
+        return out
     config = _hf_config(ns.hf_checkpoint)
     why = refusal(getattr(config, "model_type", None), "lora") if config is not None else None
-    return [f"--lora-rank {ns.lora_rank}: {why}"] if why else []
+    return out + ([f"--lora-rank {ns.lora_rank}: {why}"] if why else [])
 
 
 def moe_flag_problems(ns: argparse.Namespace) -> list[str]:

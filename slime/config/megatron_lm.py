@@ -59,10 +59,6 @@ def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MOE_BIAS = (
-    "updating the router expert bias during training (aux-loss-free balancing) is not built: the bias stays as "
-    "the checkpoint has it; give --moe-router-bias-update-rate 0, as slime's scripts do"
-)
 MTP = "multi-token prediction layers are not supported"
 FP8 = "FP8 training is not supported (float32 or bfloat16)"
 
@@ -192,14 +188,16 @@ SPECS: tuple[Spec, ...] = (
         "the routers' expert-score correction bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5+), as the "
         "checkpoint has it",
     ),
-    Spec(
+    _moe(
         "--moe-router-bias-update-rate",
-        {"type": float, "default": None},
-        REFUSED,
-        REFUSED,
-        MOE_BIAS,
+        {"type": float, "default": 0.0},
+        APPLIED,
+        APPLIED,
+        "aux-loss-free balancing: after each optimizer step every router's expert bias moves by this rate "
+        "towards the experts that got fewer than the mean of the step's real training tokens (all ranks "
+        "counted), as megatron-core updates it; only for routers with an expert bias (DeepSeek-V3, GLM-4.5+). "
+        "0: the bias stays as the checkpoint has it (slime's scripts)",
         neutral=0.0,
-        group="architecture",
     ),
     _family_arch(
         "--moe-shared-expert-gate",

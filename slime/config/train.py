@@ -285,10 +285,18 @@ class MoEOptions:
     """`--use-routing-replay` (R2): training steps use the log-prob pass's experts."""
     use_rollout_routing_replay: bool = False
     """`--use-rollout-routing-replay` (R3): log-prob and training passes use the engine's experts."""
+    moe_router_bias_update_rate: float = 0.0
+    """`--moe-router-bias-update-rate`: after each optimizer step the routers' expert bias moves by
+    this rate times sign(mean count - the expert's count) of the step's real training tokens
+    (slime.backends.expert_bias); 0: the bias stays as loaded."""
 
     def __post_init__(self) -> None:
         if not self.moe_aux_loss_coeff >= 0:
             raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ValueError(
+                f"--moe-router-bias-update-rate must be >= 0, got {self.moe_router_bias_update_rate}"
+            )
         if self.moe_router_load_balancing_type == "seq_aux_loss" and self.moe_aux_loss_coeff > 0:
             raise ValueError(
                 f"--moe-router-load-balancing-type seq_aux_loss with --moe-aux-loss-coeff {self.moe_aux_loss_coeff}: "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import hf_checkpoint
+from slime.backends.expert_bias import TokenCounts
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
@@ -99,6 +100,7 @@ class FSDPTrainActor(TrainActorBase):
         )
         self.model = self._build_model()
         self.routing = self._install_routing()
+        self.bias_counts = self._install_bias_counts()
         # With LoRA only the adapters train (PEFT froze the rest): the optimizer holds them alone.
         self.optimizer = make_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
@@ -223,6 +225,20 @@ class FSDPTrainActor(TrainActorBase):
             layers, opts.moe_router_dtype, bool(getattr(self.hf_config, "norm_topk_prob", False))
         )
 
+    def _install_bias_counts(self) -> TokenCounts | None:
+        """--moe-router-bias-update-rate > 0: count each router's real training tokens per expert
+        (slime.backends.expert_bias); refused by name for a model whose routers have no bias."""
+        rate = self.cfg.moe.moe_router_bias_update_rate
+        if rate == 0:
+            return None
+        counts = TokenCounts.find(self.model)
+        if counts is None:
+            raise hf_checkpoint.CheckpointError(
+                f"--moe-router-bias-update-rate {rate} needs routers with an expert bias (DeepSeek-V3, GLM-4.5+); "
+                f"--hf-checkpoint {self.cfg.hf_checkpoint} ({self.hf_config.model_type}) has none"
+            )
+        return counts
+
     def _routing_state(self, mb: MicroBatch, record: bool = False, aux: bool = False) -> Any:
         """The router hooks' state for micro-batch `mb` (a null context for a dense model)."""
         if self.routing is None:
@@ -331,6 +347,8 @@ class FSDPTrainActor(TrainActorBase):
         worst = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
+            if self.bias_counts is not None:
+                self.bias_counts.begin(mb.real_tokens())
             with self._routing_state(mb, aux=self._aux_coeff > 0) as state:
                 log_probs, entropy = response_log_probs(
                     self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
@@ -341,6 +359,8 @@ class FSDPTrainActor(TrainActorBase):
                 loss = self._with_aux_loss(loss, state, mb, step, sums)
                 worst = nan_max(worst, gap)
                 loss.backward()
+            if self.bias_counts is not None:
+                self.bias_counts.end()
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         return self._optimizer_step(sums)
@@ -352,6 +372,8 @@ class FSDPTrainActor(TrainActorBase):
         lr = self.schedule.lr
         self.optimizer.step()
         self.schedule.step()
+        if self.bias_counts is not None:
+            self.bias_counts.step(self.cfg.moe.moe_router_bias_update_rate)
         result = self._sum_over_ranks(sums)
         result.update(grad_norm=grad_norm, lr=lr)
         return result

@@ -189,6 +189,9 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
     for name, whole in new.items():
         start, end = shard_rows(whole.shape[0], rank, world_size) if whole.dim() else (0, 0)
         shards[name] = (whole[start:end] if whole.dim() else whole).to(torch.float32).clone()
+    for name, buf in hf_experts.persistent_buffers(model):  # whole on every rank (a reference's expert bias)
+        if name in keys:
+            shards[name] = reader.whole(name).to(buf.dtype)
     return shards
 
 
@@ -288,10 +291,14 @@ def copy_into_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
                 f"is {tuple(local.shape)} (does the checkpoint match the model config?)"
             )
         local.copy_(source)
+    for name, buf in hf_experts.persistent_buffers(model):  # those `shards` holds (an expert bias)
+        if name in shards:
+            buf.copy_(shards[name])
 
 
 @torch.no_grad()
 def snapshot_shards(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of this rank's parameter shards."""
+    """A CPU copy of this rank's parameter shards and of the model's persistent buffers."""
     reshard(model)
-    return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    params = {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    return {**params, **{n: b.detach().to("cpu", copy=True) for n, b in hf_experts.persistent_buffers(model)}}

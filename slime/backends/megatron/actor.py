@@ -306,16 +306,17 @@ class MegatronTrainActor(TrainActorBase):
             if self.routing is not None:
                 self.routing.begin(state)
             ids = mb.input_ids
+            extra = self._padding_mask(mb)
             if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
                 from megatron.core.packed_seq_params import PackedSeqParams
 
                 cu, longest = mb.cu_seq_lens(), mb.longest_segment()
                 packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                          max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
-                output = model(ids, mb.position_ids, None, packed_seq_params=packed)
+                output = model(ids, mb.position_ids, None, packed_seq_params=packed, **extra)
             else:
                 positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-                output = model(ids, positions, None)
+                output = model(ids, positions, None, **extra)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 return loss_fn(mb, logits), torch.tensor(1, dtype=torch.int), {}
@@ -434,15 +435,50 @@ class MegatronTrainActor(TrainActorBase):
         return self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0)
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Reduce and clip the gradients, step the optimizer and the schedule; the step's metric
-        sums over the replicas, with grad_norm and the learning rate the step used."""
+        """Reduce and clip the gradients, step the optimizer and the schedule (and the routers'
+        expert bias); the step's metric sums over the replicas, with grad_norm and the learning
+        rate the step used."""
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         lr = self.schedule.lr
         self.optimizer.step()
         self.schedule.step()
         self.masters.copy_back()
+        self._update_expert_bias()
         return self._step_metrics(sums, grad_norm, lr)
+
+    def _balances_experts(self) -> bool:
+        return self.layout.expert_bias and self.cfg.moe.moe_router_bias_update_rate > 0
+
+    def _padding_mask(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """megatron-core's padding mask (true at padding) where the routers count their tokens for
+        the expert-bias update, so padding is not counted (slime.backends.expert_bias)."""
+        if not self._balances_experts():
+            return {}
+        mask = ~mb.real_tokens().view_as(mb.input_ids)
+        if self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0:
+            # megatron-core splits the mask over the sequence on the first stage only
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            mask = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1)
+        return {"padding_mask": mask.contiguous()}
+
+    def _update_expert_bias(self) -> None:
+        """--moe-router-bias-update-rate: every router's bias from the step's token counts, which
+        megatron-core's routers kept (`local_tokens_per_expert`), summed over this stage's TP x DP
+        ranks (every rank that routed a share of the step's tokens)."""
+        routers = [m for m in self.model.modules() if getattr(m, "expert_bias", None) is not None]
+        if not routers:
+            return
+        if self._balances_experts():
+            from megatron.core import parallel_state as ps
+
+            from slime.backends.expert_bias import update_biases
+
+            update_biases([r.expert_bias for r in routers], [r.local_tokens_per_expert for r in routers],
+                          self.cfg.moe.moe_router_bias_update_rate, ps.get_tensor_and_data_parallel_group())  # fmt: skip
+        for router in routers:  # megatron-core counts with every training forward: a step's at a time
+            router.local_tokens_per_expert.zero_()
 
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)

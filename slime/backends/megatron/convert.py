@@ -287,8 +287,8 @@ def mla_yarn(config: Any) -> dict[str, Any]:
         "beta_fast": float(params.get("beta_fast") or 32),
         "beta_slow": float(params.get("beta_slow") or 1),
         # without both, transformers' rotary magnitude is get_mscale(factor): megatron-core's with 1 / 0
-        "mscale": float(mscale) if both else 1.0,
-        "mscale_all_dim": float(mscale_all_dim) if both else 0.0,
+        "mscale": float(mscale or 1.0) if both else 1.0,
+        "mscale_all_dim": float(mscale_all_dim or 0.0) if both else 0.0,
     }
 
 

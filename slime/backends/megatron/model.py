@@ -222,6 +222,30 @@ def without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
         multi_latent_attention.HAVE_TE = False
+    expert_bias_counts_without_padding()
+
+
+def expert_bias_counts_without_padding() -> None:
+    """megatron-core 0.16's router counts each expert's tokens for the expert-bias update
+    (`_apply_expert_bias`) as `routing_map & ~padding_mask`, with routing_map [tokens, experts]
+    and the padding mask [tokens] (flattened sequence-major, as the logits): any padding mask
+    stops it with a size error. The mask gets its experts axis ([tokens, 1]) before
+    megatron-core's own count runs."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter._apply_expert_bias
+    if getattr(original, "_slime_flattens_mask", False):
+        return
+
+    def apply_expert_bias(
+        self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> Any:
+        if padding_mask is not None and padding_mask.dim() == 1:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return original(self, routing_map, padding_mask=padding_mask)
+
+    apply_expert_bias._slime_flattens_mask = True  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = apply_expert_bias  # type: ignore[method-assign]
 
 
 def model_state(model: Any) -> dict[str, torch.Tensor]:
