@@ -69,6 +69,33 @@ def test_the_engine_serves_each_family_like_hugging_face(family_models, tmp_path
     assert_serves_like_hf(path, model, [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40]], tmp_path, "GenericRunner")
 
 
+def test_the_engine_caches_deepseek_v3s_compressed_latent_not_full_keys_and_values(family_models):
+    """Multi-latent attention in the per-sequence runner: each attention layer's cache holds, per
+    token, the normalised key/value latent (kv_lora_rank) and the shared rotary key
+    (qk_rope_head_dim), as transformers' DeepseekV3Attention writes them before expanding the
+    latent into every head's keys and values."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.torch_engine.model_runner import GenericRunner
+    from slime.engines.torch_engine.sequence import Sequence
+    from slime.utils.sampling_params import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(family_models["deepseek_v3"], dtype=torch.float32).eval()
+    c = model.config
+    runner = GenericRunner(model)
+    seq = Sequence("r", [5, 6, 7, 8], SamplingParams())
+    runner.prefill([seq])
+    seq.output_ids.append(9)
+    runner.decode()
+    layers = seq.runner_state["hf_cache"].layers
+    assert len(layers) == c.num_hidden_layers
+    for layer in layers:  # 5 tokens: the prompt and one decoded
+        assert tuple(layer.keys.shape) == (1, 1, 5, c.kv_lora_rank)
+        assert tuple(layer.values.shape) == (1, 1, 5, c.qk_rope_head_dim)
+    full = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    assert c.kv_lora_rank + c.qk_rope_head_dim < full / 5  # 24 numbers a token per layer, not 160
+
+
 def _train(rank, world_size, init_method, model):
     from slime.backends.fsdp.actor import FSDPTrainActor
     from tests.test_fsdp_actor import base_config, make_batch
