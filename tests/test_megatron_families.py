@@ -145,6 +145,17 @@ def test_routing_and_rotary_megatron_core_computes_otherwise_are_refused(models)
     config.rope_parameters = {**YARN, "mscale": None}  # transformers then scales rotary and softmax apart
     with pytest.raises(ConversionError, match="mscale_all_dim but no mscale"):
         Layout.from_hf_config(config)
+    config = _hf(models["deepseek_v3"])[0]
+    config.num_experts_per_tok, config.n_group = (
+        1,
+        1,
+    )  # one expert: HF weighs it 1, megatron-core by its score
+    with pytest.raises(ConversionError, match="to one expert with norm_topk_prob"):
+        Layout.from_hf_config(config)
+    config = _hf(models["deepseek_v3"])[0]
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ConversionError, match=r"quantization_config \(fp8\)"):
+        Layout.from_hf_config(config)
     config = _hf(models["glm4"])[0]
     config.rope_parameters = {**YARN, "partial_rotary_factor": 0.5}
     with pytest.raises(ConversionError, match="YaRN with multi-latent attention only"):
@@ -319,7 +330,8 @@ def test_the_expert_bias_leaves_a_bf16_pipeline_in_float32_as_the_checkpoint_has
     assert weights.keys() == hf.keys()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", pytest.param("glm4", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (conversion both ways runs in-process in the default run: the test above)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4"])
 def test_the_conversion_tools_move_a_family_between_layouts_and_back_bitwise(models, arch, tmp_path):
     """The tools as users run them: HF -> TP 2 (x EP 2) -> PP 2 with the first stage one layer ->
     HF, bit for bit; the checkpoint's args say the family's architecture in Megatron-LM's names."""
@@ -403,7 +415,7 @@ def test_the_fsdp_count_takes_real_tokens_of_training_forwards_once(models):
         counts.begin(real)
         model(ids)
         counts.end()
-    assert all(t.sum() == 0 for t in counts.totals)
+    assert counts.totals == [None, None]
     counts.begin(real)
     model(ids)
     model(ids)  # recomputed
@@ -412,10 +424,13 @@ def test_the_fsdp_count_takes_real_tokens_of_training_forwards_once(models):
     assert [float(t.sum()) for t in counts.totals] == [9.0 * k] * 2
     from slime.backends.expert_bias import updated_bias
 
+    # moving the model (as sleep and wake do) replaces its buffers: the update reaches the live ones
+    model.to(torch.float64).to(torch.float32)
     expected = [updated_bias(b, t, 0.01) for b, t in zip(counts.biases, counts.totals, strict=True)]
     counts.step(0.01)
-    for b, want, t in zip(counts.biases, expected, counts.totals, strict=True):
-        assert torch.equal(b, want) and t.sum() == 0
+    live = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert all(torch.equal(b, want) for b, want in zip(live, expected, strict=True))
+    assert counts.totals == [None, None]
 
 
 @pytest.mark.slow

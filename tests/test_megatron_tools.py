@@ -187,3 +187,23 @@ def test_moe_checkpoints_move_between_expert_layouts_and_back_bitwise(tiny_moe, 
     assert original.keys() == converted.keys()
     for name, value in original.items():
         assert torch.equal(converted[name], value), name
+
+
+def test_a_checkpoint_from_before_layouts_named_their_model_type_converts_back(hf, tmp_path):
+    """Checkpoints written before `slime_layout` carried `model_type` (it reads "") still convert
+    back to HF against the right config."""
+    from slime.tools import convert_hf_to_megatron, convert_megatron_to_hf
+
+    mg = tmp_path / "mg"
+    assert convert_hf_to_megatron.main(["--hf-checkpoint", hf, "--save-dir", str(mg)]) == 0
+    shard = mg / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    blob = torch.load(shard, weights_only=True)
+    del blob["args"]["slime_layout"]["model_type"]
+    torch.save(blob, shard)
+    back = tmp_path / "back"
+    assert (
+        convert_megatron_to_hf.main(["--load-dir", str(mg), "--hf-checkpoint", hf, "--save-dir", str(back)])
+        == 0
+    )
+    want, got = load_file(os.path.join(hf, "model.safetensors")), load_file(back / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -1,6 +1,7 @@
 """Each model family of docs/models.md in a GRPO job started as users start it (real Ray, a torch
-engine, gloo ranks): --check-precision's step-0 gates (actor == reference bitwise, KL 0, trainer
-vs engine log-probs, the fingerprinted weight push) and --check-weight-sync pass."""
+engine, gloo ranks), with the FSDP backend and, for the families it builds, the Megatron backend:
+--check-precision's step-0 gates (actor == reference bitwise, KL 0, trainer vs engine log-probs,
+the fingerprinted weight push) and --check-weight-sync pass."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, ar
         assert {int(n) for n in re.findall(r"--check-weight-sync: (\d+) tensors match", out)} == {
             len(f.keys())
         }
+
+
+MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout of its own
+    "glm4": ["--tensor-model-parallel-size", "2"],
+    "glm4_moe": ["--expert-model-parallel-size", "2"],
+    # the expert bias moves every step, and every push must still match the engine
+    "deepseek_v3": ["--expert-model-parallel-size", "2", "--moe-router-bias-update-rate", "0.001"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(MEGATRON_JOBS))
+def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompts, tmp_path, arch):  # noqa: F811
+    model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
+    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
+                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01", "--actor-num-gpus-per-node",
+                   "2", "--train-backend", "megatron", *MEGATRON_JOBS[arch])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert checks and all(c["ok"] is not False for c in checks), checks
+    out = proc.stdout + proc.stderr
+    assert len(re.findall(r"--check-weight-sync: (\d+) tensors match on every engine", out)) >= 2, out[-3000:]
 
 
 @pytest.mark.slow

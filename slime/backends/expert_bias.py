@@ -53,14 +53,19 @@ class TokenCounts:
     same micro-batch (gradient checkpointing) leaves the count as it was."""
 
     def __init__(self, routers: list[torch.nn.Module]):
+        # The routers, not their buffers: moving the model (sleep / wake) replaces buffer objects,
+        # so each step reads the bias the model holds then.
         self.routers = routers
-        self.biases: list[torch.Tensor] = [r.get_buffer("e_score_correction_bias") for r in routers]
-        experts = self.biases[0].numel()
-        self.totals = [torch.zeros(experts, dtype=torch.float32) for _ in routers]
+        self.experts = routers[0].get_buffer("e_score_correction_bias").numel()
+        self.totals: list[torch.Tensor | None] = [None] * len(routers)
         self.current: dict[int, torch.Tensor] = {}
         self.real: torch.Tensor | None = None
         for i, router in enumerate(routers):
             router.register_forward_hook(self._hook(i))  # type: ignore[arg-type]
+
+    @property
+    def biases(self) -> list[torch.Tensor]:
+        return [r.get_buffer("e_score_correction_bias") for r in self.routers]
 
     @classmethod
     def find(cls, model: torch.nn.Module) -> TokenCounts | None:
@@ -76,9 +81,8 @@ class TokenCounts:
             if self.real is None or not torch.is_grad_enabled():
                 return
             experts = output[2][self.real.to(output[2].device)]  # [real tokens, top-k]
-            self.current[i] = (
-                torch.bincount(experts.reshape(-1), minlength=self.totals[i].numel()).float().cpu()
-            )
+            # on the device: no host sync per router
+            self.current[i] = torch.bincount(experts.reshape(-1), minlength=self.experts).float()
 
         return hook
 
@@ -90,11 +94,16 @@ class TokenCounts:
     def end(self) -> None:
         """The micro-batch's backward is done: its counts join the step's."""
         for i, counts in self.current.items():
-            self.totals[i] += counts
+            total = self.totals[i]
+            self.totals[i] = counts if total is None else total + counts.to(total.device)
         self.real, self.current = None, {}
 
     def step(self, rate: float, group: Any = None) -> None:
         """After the optimizer step: update every bias from the step's counts, and start again."""
-        update_biases(self.biases, self.totals, rate, group)
-        for t in self.totals:
-            t.zero_()
+        biases = self.biases
+        counts = [
+            t if t is not None else torch.zeros(self.experts, device=b.device)
+            for t, b in zip(self.totals, biases, strict=True)
+        ]
+        update_biases(biases, counts, rate, group)
+        self.totals = [None] * len(self.routers)

@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         # the pipeline stages are the checkpoint's layout, not the model's: taken from it
         expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms,
                              layout.first_stage_layers, layout.last_stage_layers)  # fmt: skip
+        # (a checkpoint written before layouts named their model_type stores "")
         differ = [f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
-                  for k, v in layout.__dict__.items() if getattr(expected, k) != v]  # fmt: skip
+                  for k, v in layout.__dict__.items()
+                  if getattr(expected, k) != v and not (k == "model_type" and v == "")]  # fmt: skip
         if differ:
             raise ConversionError(
                 "--hf-checkpoint describes another model than --load-dir: " + "; ".join(differ)

@@ -465,8 +465,8 @@ class MegatronTrainActor(TrainActorBase):
 
     def _update_expert_bias(self) -> None:
         """--moe-router-bias-update-rate: every router's bias from the step's token counts, which
-        megatron-core's routers kept (`local_tokens_per_expert`), summed over this stage's TP x DP
-        ranks (every rank that routed a share of the step's tokens)."""
+        megatron-core's routers kept (`local_tokens_per_expert`), summed over this stage's TP x CP x DP
+        ranks (every rank that routed a share of the step's tokens), as megatron-core sums them."""
         routers = [m for m in self.model.modules() if getattr(m, "expert_bias", None) is not None]
         if not routers:
             return
@@ -476,7 +476,8 @@ class MegatronTrainActor(TrainActorBase):
             from slime.backends.expert_bias import update_biases
 
             update_biases([r.expert_bias for r in routers], [r.local_tokens_per_expert for r in routers],
-                          self.cfg.moe.moe_router_bias_update_rate, ps.get_tensor_and_data_parallel_group())  # fmt: skip
+                          self.cfg.moe.moe_router_bias_update_rate,
+                          ps.get_tensor_and_data_parallel_group(with_context_parallel=True))  # fmt: skip
         for router in routers:  # megatron-core counts with every training forward: a step's at a time
             router.local_tokens_per_expert.zero_()
 

@@ -58,7 +58,7 @@ def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None
         "make_vocab_size_divisible_by": layout.make_vocab_size_divisible_by,
         "untie_embeddings_and_output_weights": not layout.tied_embeddings,
         "add_qkv_bias": layout.qkv_bias,
-        "qk_layernorm": layout.qk_norm,
+        "qk_layernorm": layout.qk_norm or bool(layout.kv_lora_rank),  # MLA: the two latent norms
         "swiglu": True,
         "normalization": "RMSNorm",
         "rotary_percent": layout.rotary_percent,

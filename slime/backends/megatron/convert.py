@@ -133,6 +133,13 @@ class Layout:
                 f"model_type {model_type!r}: {megatron_refusal(model_type) or 'not converted'} (the Megatron "
                 f"backend and conversion build {', '.join(SUPPORTED)}; docs/models.md)"
             )
+        quantized = getattr(config, "quantization_config", None)
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            raise ConversionError(
+                f"model_type {model_type!r} with quantization_config ({method}): its weights are stored quantized "
+                "(FP8 blocks with separate scales), which the conversion does not read; convert a bfloat16 copy"
+            )
         rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
@@ -341,9 +348,15 @@ def _moe_shape(config: Any) -> dict[str, Any]:
     topk = moe["moe_router_topk"]
     groups, group_topk = moe.get("moe_router_num_groups") or 1, moe.get("moe_router_group_topk") or 1
     if moe["moe_router_score_function"] == "sigmoid":
-        if topk > 1 and not getattr(config, "norm_topk_prob", True):
+        norm = bool(getattr(config, "norm_topk_prob", True))
+        if topk > 1 and not norm:
             raise ConversionError(
                 "sigmoid routing without norm_topk_prob: megatron-core always renormalises the top-k sigmoid scores"
+            )
+        if topk == 1 and norm:
+            raise ConversionError(
+                "sigmoid routing to one expert with norm_topk_prob: transformers weighs it 1, megatron-core by its "
+                "sigmoid score"
             )
     elif moe["moe_router_topk_scaling_factor"] != 1.0:
         raise ConversionError("a routed scaling factor other than 1 with softmax routing is not converted")

@@ -5,7 +5,8 @@ GLM-4 normalises the attention's output and the MLP's output again before each r
 (HF's `post_self_attn_layernorm` and `post_mlp_layernorm`; slime names them the same on the
 Megatron side). SandwichNormLayer is megatron-core's TransformerLayer with those two norms: forward
 hooks on its attention and MLP modules normalise their outputs, so megatron-core's own forward
-(bias-dropout-add, recompute, sequence parallelism) runs unchanged around them.
+(bias-dropout-add, recompute) runs unchanged around them. Built with the local layer spec only
+(Transformer Engine's folds its norms into the linears).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
             if groups > 1
             else {}
         ),
-        # aux-loss-free routing: the checkpoint's expert bias, kept as it is (the update rule is not built)
+        # aux-loss-free routing: the checkpoint's expert bias; the actor moves it itself after each
+        # step (--moe-router-bias-update-rate): megatron-core's finalize_model_grads never runs here
         "moe_router_enable_expert_bias": layout.expert_bias,
         "moe_router_bias_update_rate": 0.0,
         "moe_shared_expert_intermediate_size": layout.shared_ffn_hidden_size or None,
@@ -214,7 +215,8 @@ def without_transformer_engine() -> None:
       imports, which it does without TE (its classes are then None), and then calls
       `isinstance(..., None)`: set its HAVE_TE to what is true.
 
-    Both on any device, only where TE is absent."""
+    Both on any device, only where TE is absent; and, with or without TE, megatron-core's count
+    for the expert-bias update is made to take a padding mask (expert_bias_counts_without_padding)."""
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
@@ -259,10 +261,15 @@ def move_rotary_tables(model: Any, device: str | torch.device) -> None:
     the tables its `forward` caches per sequence length (a class-wide lru_cache, emptied:
     computed again on use). Found by the first GPU run: 31,232 B left on the device after sleep."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    # (YaRN's, for multi-latent attention, keeps two more frequency tensors and its own cache)
     for module in model.modules():
-        if isinstance(module, RotaryEmbedding) and isinstance(module.inv_freq, torch.Tensor):
-            module.inv_freq = module.inv_freq.to(device)
-    cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
-    if cache_clear is not None:  # megatron-core versions without the cache hold no tables
-        cache_clear()
+        if isinstance(module, RotaryEmbedding):
+            for name in ("inv_freq", "inv_freq_extra", "inv_freq_inter"):
+                if isinstance(getattr(module, name, None), torch.Tensor):
+                    setattr(module, name, getattr(module, name).to(device))
+    for cls in (RotaryEmbedding, YarnRotaryEmbedding):
+        cache_clear = getattr(cls.forward, "cache_clear", None)
+        if cache_clear is not None:  # megatron-core versions without the cache hold no tables
+            cache_clear()
