@@ -44,6 +44,11 @@ REQUIRED = [
 ]  # fmt: skip
 
 
+GQA = ["--group-query-attention", "--num-query-groups"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+       "--v-head-dim"]  # fmt: skip
+
+
 def model_args(name: str) -> list[str]:
     """MODEL_ARGS of scripts/models/<name>.sh, as bash expands it."""
     script = ROOT / "scripts" / "models" / f"{name}.sh"
@@ -110,11 +115,15 @@ def test_every_cluster_launch_script_is_dry_run_here():
 def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, no_gpu_here):
     args = model_args(name)
     hf = HF_CONFIGS[name]
-    missing = [f for f in REQUIRED if f not in args]
+    # multi-latent attention has no key/value head groups: its latent flags describe it instead
+    required = [f for f in REQUIRED if not (hf.get("kv_lora_rank") and f in GQA)] + (
+        MLA if hf.get("kv_lora_rank") else []
+    )
+    missing = [f for f in required if f not in args]
     assert not missing, f"{name}.sh lacks {missing}"
     family = hf["model_type"]
     assert ("--add-qkv-bias" in args) == (family == "qwen2")
-    assert ("--qk-layernorm" in args) == (family in ("qwen3", "qwen3_moe"))
+    assert ("--qk-layernorm" in args) == (family in ("qwen3", "qwen3_moe", "deepseek_v3"))
     assert ("--untie-embeddings-and-output-weights" in args) == (not hf["tie_word_embeddings"])
     assert ("--use-rope-scaling" in args) == (family == "llama")
 
@@ -128,10 +137,11 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
 
     architecture = {s.flag for s in SPECS if s.group == "architecture"}
     given = sum(1 for a in args if a in architecture)
-    assert given >= len(REQUIRED)
+    assert given >= len(required)
     assert f"its {given} architecture flags agree with it" in out
-    if hf.get("num_experts"):
-        assert f"{hf['num_experts']} experts, {hf['num_experts_per_tok']} per token" in out
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    if experts:
+        assert f"{experts} experts, {hf['num_experts_per_tok']} per token" in out
     assert f"train backend: {'fsdp' if backend else 'megatron'}" in out
 
 
@@ -239,3 +249,16 @@ def test_launch_script_flags_after_it_override_its_own(tmp_path, prompt_file):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "plan:" in proc.stdout
+
+
+def test_deepseek_v3s_yarn_factor_is_checked(tmp_path, prompt_file, capsys, no_gpu_here):
+    """With --multi-latent-attention, Megatron-LM reads --rotary-scaling-factor as YaRN's factor:
+    compared with config.json's rope scaling like the other architecture flags."""
+    args = model_args("deepseek-v3")
+    args[args.index("--rotary-scaling-factor") + 1] = "32"
+    hf_dir = write_config("deepseek-v3", tmp_path / "deepseek-v3")
+    code, out = dry_run(capsys, [*args, *base_flags(hf_dir, prompt_file)])
+    assert code == 2
+    assert (
+        "--rotary-scaling-factor 32.0 disagrees with" in out and "rope_parameters.factor (yarn) = 40" in out
+    )

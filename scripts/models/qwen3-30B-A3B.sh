@@ -1,7 +1,7 @@
 # Qwen/Qwen3-30B-A3B on Hugging Face (a mixture of experts: 128 experts, 8 per token, 3B active),
 # in Megatron-LM's architecture flags. Sourced by a launch script like the dense ones; train.py
 # checks every value against --hf-checkpoint's config.json (so does --dry-run).
-# Mixture-of-experts models train with --train-backend fsdp for now (docs/moe.md).
+# Both train backends build it (docs/moe.md).
 
 # Every one of the 48 layers is a MoE layer (config.json: decoder_sparse_step 1, no mlp_only_layers).
 MOE_LAYERS=48

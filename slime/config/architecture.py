@@ -106,7 +106,8 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "use_gated_attention": "model_type", "multi_latent_attention": "kv_lora_rank",
         "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
         "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "mscale": "rope_parameters.mscale",
-        "mscale_all_dim": "rope_parameters.mscale_all_dim", "moe_router_num_groups": "n_group",
+        "mscale_all_dim": "rope_parameters.mscale_all_dim",
+        "rotary_scaling_factor": "rope_parameters.factor (yarn)", "moe_router_num_groups": "n_group",
         "moe_router_group_topk": "topk_group", "moe_router_enable_expert_bias": "model_type",
         "moe_shared_expert_gate": "model_type",
     }  # fmt: skip
@@ -156,6 +157,8 @@ def _family_values(config: Any) -> dict[str, Any]:
                 "kv_channels": getattr(config, "v_head_dim", None),
                 "mscale": float(params.get("mscale", 1.0)) if yarn else 1.0,
                 "mscale_all_dim": float(params.get("mscale_all_dim", 1.0)) if yarn else 1.0,
+                # Megatron-LM's MLA reads --rotary-scaling-factor as YaRN's factor
+                "rotary_scaling_factor": float(params.get("factor", 1.0)) if yarn else 1.0,
             }
             if mla
             else {}
@@ -299,6 +302,8 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
                  "mscale_all_dim"):  # fmt: skip
         if getattr(ns, dest) is not None:
             out[dest] = getattr(ns, dest)
+    if ns.multi_latent_attention and ns.rotary_scaling_factor is not None and not ns.use_rope_scaling:
+        out["rotary_scaling_factor"] = ns.rotary_scaling_factor  # YaRN's factor (multi-latent attention)
     out["use_rope_scaling"] = bool(ns.use_rope_scaling)
     if ns.use_rope_scaling:
         out["rope_scaling_factor"] = next(
@@ -371,9 +376,13 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
     limit = hf.values["max_position_embeddings"]
     if ns.seq_length is not None and limit is not None and ns.seq_length > limit:
         out.append(f"--seq-length {ns.seq_length} is longer than {where}'s max_position_embeddings {limit}")
-    if ns.rotary_scaling_factor not in (None, 1.0) and not ns.use_rope_scaling:
+    if (
+        ns.rotary_scaling_factor not in (None, 1.0)
+        and not ns.use_rope_scaling
+        and not ns.multi_latent_attention
+    ):
         out.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} without --use-rope-scaling: scaled RoPE other than "
-            "Llama 3's (YaRN, linear) is not supported"
+            "Llama 3's, and YaRN with --multi-latent-attention, is not supported"
         )
     return out

@@ -114,7 +114,8 @@ SPECS: tuple[Spec, ...] = (
     _arch(
         "--rotary-scaling-factor",
         {"type": float, "default": None},
-        "rope_scaling.factor with --use-rope-scaling (slime's Llama scripts pass this one)",
+        "rope_scaling.factor with --use-rope-scaling (slime's Llama scripts pass this one); with "
+        "--multi-latent-attention, YaRN's factor (DeepSeek-V3: 40)",
     ),
     _arch(
         "--seq-length",
