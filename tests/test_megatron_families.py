@@ -12,7 +12,7 @@ import torch
 from tests.conftest import make_model
 from tests.dist_helpers import run_ranks
 
-MEGATRON_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3")
+MEGATRON_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
 # three layers: DeepSeek-V3 and GLM-4.5 make the first dense, the others MoE (PP 2 splits them 1 + 2)
 SIZE = ("--hidden-size", "64", "--num-layers", "3")
 
@@ -62,6 +62,8 @@ NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gi
                     "decoder.layers.1.self_attention.kv_layernorm.weight",
                     "decoder.layers.2.self_attention.linear_kv_up_proj.weight", "decoder.layers.2.mlp.router.expert_bias",
                     "decoder.layers.2.mlp.shared_experts.linear_fc2.weight"],
+    "glm4_moe_lite": ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.expert_bias",
+                      "decoder.layers.2.self_attention.linear_kv_down_proj.weight"],
 }  # fmt: skip
 
 
@@ -259,6 +261,7 @@ CASES = [
     ("glm4_moe", 1, 2, 2, True),
     ("deepseek_v3", 2, 1, 2, True),
     ("deepseek_v3_yarn", 1, 1, 1, True),
+    ("glm4_moe_lite", 1, 1, 2, True),
     *(
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
@@ -277,7 +280,12 @@ def test_megatron_core_gives_hugging_faces_logits(models, arch, tp, pp, ep, pack
 
 # The Megatron actor trains each family like one FSDP rank trains transformers' model (same step
 # metrics, log-probs and exported weights within the dense tests' bounds): slow, one layout each.
-ACTOR_CASES = [("glm4", 2, 1, 2), ("glm4_moe", 1, 2, 2), ("deepseek_v3", 1, 2, 2)]  # (arch, TP, EP, ranks)
+ACTOR_CASES = [
+    ("glm4", 2, 1, 2),
+    ("glm4_moe", 1, 2, 2),
+    ("deepseek_v3", 1, 2, 2),
+    ("glm4_moe_lite", 1, 1, 1),
+]  # (arch, TP, EP, ranks)
 
 
 @pytest.mark.slow

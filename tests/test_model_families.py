@@ -114,7 +114,9 @@ def _train(rank, world_size, init_method, model):
     return result
 
 
-@pytest.mark.parametrize("arch", NEW_FAMILIES)
+@pytest.mark.parametrize(  # GLM-4.7-Flash: DeepSeek-V3's attention and GLM-4.5's experts, both in the default run
+    "arch", [pytest.param(a, marks=pytest.mark.slow) if a == "glm4_moe_lite" else a for a in NEW_FAMILIES]
+)
 def test_fsdp_trains_each_family_on_two_ranks_like_one(family_models, arch):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -258,6 +260,15 @@ def _slime_model_args(arch: str, c: dict) -> list[str]:
                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                 "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-bias-update-rate", "0",
                 "--moe-router-group-topk", "1", "--moe-router-num-groups", "2", "--moe-router-topk-scaling-factor", "2.5"]  # fmt: skip
+    if arch == "glm4_moe_lite":  # as slime's glm4.7-30B-A3B script spells them (--add-qkv-bias included)
+        return [*common, *moe, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
+                "--add-qkv-bias", "--kv-channels", "16", "--multi-latent-attention", "--q-lora-rank", "32",
+                "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+                "--qk-layernorm", "--rotary-base", "10000", "--moe-layer-freq", "[0]*1+[1]*1",
+                "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--moe-router-bias-update-rate", "0", "--moe-router-load-balancing-type", "seq_aux_loss",
+                "--moe-router-topk-scaling-factor", "1.8"]  # fmt: skip
     hybrid = [*common, *gqa, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
               "--qk-layernorm", "--use-gated-attention", "--apply-layernorm-1p", "--rotary-percent", "0.25",
               "--attention-output-gate", "--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]  # fmt: skip
@@ -289,7 +300,9 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     if arch != "glm4":  # slime's GLM-4 spec is accepted by both backends (GLM-4's layers are built)
         assert "--spec" not in args or "--spec" in noted[0]  # listed as having no effect with FSDP
     flag = {"glm4": "--rotary-interleaved", "glm4_moe": "--moe-router-enable-expert-bias",
-            "deepseek_v3": "--multi-latent-attention"}.get(arch, "--apply-layernorm-1p")  # fmt: skip
+            "deepseek_v3": "--multi-latent-attention", "glm4_moe_lite": "--multi-latent-attention"}.get(
+        arch, "--apply-layernorm-1p"
+    )  # fmt: skip
     left_out = [a for a in args if a != flag]
     for backend in ("fsdp", "megatron") if arch in MEGATRON_BUILT else ("fsdp",):
         err = error(capsys, base(path, str(prompts), *left_out, "--train-backend", backend))
@@ -302,7 +315,7 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
         assert "not built by the Megatron backend" in err or "--train-backend fsdp" in err
 
 
-MEGATRON_BUILT = ("glm4", "glm4_moe", "deepseek_v3")
+MEGATRON_BUILT = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout 
     "glm4_moe": ["--expert-model-parallel-size", "2"],
     # the expert bias moves every step, and every push must still match the engine
     "deepseek_v3": ["--expert-model-parallel-size", "2", "--moe-router-bias-update-rate", "0.001"],
+    "glm4_moe_lite": ["--pipeline-model-parallel-size", "2"],
 }
 
 

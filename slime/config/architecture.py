@@ -77,7 +77,8 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "add_qkv_bias": model_type == "qwen2" or attention_bias,
         # q/k norms; DeepSeek-V3's are its latents' (q_a_layernorm, kv_a_layernorm), GLM-4.5's use_qk_norm
         "qk_layernorm": model_type in ("qwen3", "qwen3_moe", "deepseek_v3", *_HYBRID)
-        or bool(getattr(config, "use_qk_norm", False)),
+        or bool(getattr(config, "use_qk_norm", False))
+        or bool(getattr(config, "kv_lora_rank", None)),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
         "position_embedding_type": "rope",
         "rotary_base": theta,
@@ -114,7 +115,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
     if values["multi_latent_attention"]:
         keys["kv_channels"] = "v_head_dim"
     if getattr(config, "n_routed_experts", None):
-        keys.update(num_experts="n_routed_experts", moe_layer_freq="first_k_dense_replace",
+        keys.update(num_experts="n_routed_experts", moe_layer_freq="first_k_dense_replace/mlp_layer_types",
                     moe_shared_expert_intermediate_size="n_shared_experts x moe_intermediate_size")  # fmt: skip
     return HFArchitecture(values, keys)
 
@@ -122,7 +123,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
 # Families by what their layers are (transformers' model_type; slime.utils.model_families).
 # The gated delta-net families are the ones that cannot pack (the registry says it once).
 _HYBRID = {t for f in FAMILIES.values() if not f.packs for t in (f.model_type, *f.aliases)}
-_EXPERT_BIAS = {"deepseek_v3", "glm4_moe"}
+_EXPERT_BIAS = {"deepseek_v3", "glm4_moe", "glm4_moe_lite"}
 _QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
 
 
@@ -154,7 +155,11 @@ def _family_values(config: Any) -> dict[str, Any]:
                 "qk_head_dim": getattr(config, "qk_nope_head_dim", None),
                 "qk_pos_emb_head_dim": getattr(config, "qk_rope_head_dim", None),
                 "v_head_dim": getattr(config, "v_head_dim", None),
-                "kv_channels": getattr(config, "v_head_dim", None),
+                # Megatron-LM's MLA reads neither: slime's scripts give qk_nope_head_dim
+                # (DeepSeek-V3 128, GLM-4.7-Flash 192), and --add-qkv-bias (GLM-4.7-Flash) changes
+                # nothing (the latent projections have no bias), so it is not compared
+                "kv_channels": getattr(config, "qk_nope_head_dim", None),
+                "add_qkv_bias": None,
                 "mscale": float(params.get("mscale", 1.0)) if yarn else 1.0,
                 "mscale_all_dim": float(params.get("mscale_all_dim", 1.0)) if yarn else 1.0,
                 # Megatron-LM's MLA reads --rotary-scaling-factor as YaRN's factor
@@ -176,9 +181,12 @@ def hf_moe(config: Any) -> dict[str, Any]:
     model_type = getattr(config, "model_type", "")
     if routed:
         first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+        kinds = getattr(config, "mlp_layer_types", None)  # GLM-4.7-Flash: "dense" / "sparse" per layer
         return {
             "num_experts": experts,
-            "moe_layer_freq": [int(i >= first_dense) for i in range(layers)],
+            "moe_layer_freq": [int(k == "sparse") for k in kinds]
+            if kinds
+            else [int(i >= first_dense) for i in range(layers)],
             "moe_ffn_hidden_size": getattr(config, "moe_intermediate_size", None),
             "moe_router_topk": getattr(config, "num_experts_per_tok", None),
             "moe_shared_expert_intermediate_size": (getattr(config, "n_shared_experts", 0) or 0)

@@ -11,6 +11,9 @@ own transformers config class with the fields its released checkpoints set, at a
   rotary part of qk_rope_head_dim, interleaved), routing over expert groups (n_group, of which
   topk_group are kept) with sigmoid scores and the correction bias, a shared expert, the first
   layer dense.
+- glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's multi-latent attention with GLM-4.5's experts
+  (sigmoid scores with the correction bias, a shared expert, the first layer dense by
+  `mlp_layer_types`).
 - qwen3_next (Qwen3-Next): gated delta-net linear-attention layers with gated full attention
   every full_attention_interval-th layer, zero-centred norms (1 + gamma), partial rotary; every
   MLP routed experts plus a gated shared expert.
@@ -25,8 +28,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe")
-NEW_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+NEW_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
@@ -63,6 +66,16 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
             n_routed_experts=args.num_experts, n_shared_experts=1, first_k_dense_replace=1,
             n_group=2 if args.num_experts % 2 == 0 else 1, topk_group=1, norm_topk_prob=True,
             routed_scaling_factor=2.5, **loose, **moe, **common,
+        )  # fmt: skip
+    if args.arch == "glm4_moe_lite":
+        rope = max(2, head_dim // 2)
+        common = {**common, "num_key_value_heads": args.num_heads}
+        loose.pop("head_dim")  # the config maps head_dim to qk_rope_head_dim
+        return transformers.Glm4MoeLiteConfig(
+            q_lora_rank=args.hidden_size // 2, kv_lora_rank=args.hidden_size // 4, qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=rope, v_head_dim=head_dim, rope_interleave=True, n_routed_experts=args.num_experts,
+            n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+            **loose, **moe, **common,
         )  # fmt: skip
     linear: dict[str, Any] = dict(
         head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,

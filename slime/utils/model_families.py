@@ -85,6 +85,15 @@ FAMILIES: dict[str, Family] = {
             router_fp32=True,
         ),
         Family(
+            "glm4_moe_lite",
+            "glm4_moe_lite",
+            "GLM-4.7-Flash (30B-A3B)",
+            PER_SEQUENCE,
+            lora=False,
+            fused_experts=True,
+            router_fp32=True,
+        ),
+        Family(
             "qwen3_next",
             "qwen3_next",
             "Qwen3-Next-80B-A3B",

@@ -308,6 +308,7 @@ SUPPORTED: dict[str, dict[str, bool]] = {
     "glm4": {"interleaved": True, "post_norms": True},
     "glm4_moe": {},  # q/k/v biases and per-head q/k norms from attention_bias / use_qk_norm
     "deepseek_v3": {},  # multi-latent attention (_mla)
+    "glm4_moe_lite": {},  # GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts
 }
 """The model_types the Megatron backend builds, with what their layers have beyond Llama's."""
 
