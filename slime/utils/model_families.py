@@ -69,7 +69,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "glm4_moe",
             "glm4_moe",
-            "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air, Flash)",
+            "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air)",
             PER_SEQUENCE,
             lora=False,
             fused_experts=True,
