@@ -44,6 +44,9 @@ def test_every_tiny_family_has_its_real_config_fields(family_models):
     ds = config("deepseek_v3")
     assert ds["kv_lora_rank"] and ds["q_lora_rank"] and ds["rope_interleave"] and ds["n_group"] == 2
     assert ds["first_k_dense_replace"] == 1 and ds["n_shared_experts"] == 1
+    lite = config("glm4_moe_lite")  # GLM-4.7-Flash: values wider than the keys' non-rotary part
+    assert lite["mlp_layer_types"] == ["dense", "sparse"] and lite["rope_interleave"]
+    assert lite["v_head_dim"] > lite["qk_nope_head_dim"] and lite["routed_scaling_factor"] == 1.8
     for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         assert config(arch)["layer_types"] == ["linear_attention", "full_attention"], arch
     by_type = {f.arch: f for f in FAMILIES.values()}
@@ -114,8 +117,13 @@ def _train(rank, world_size, init_method, model):
     return result
 
 
-@pytest.mark.parametrize(  # GLM-4.7-Flash: DeepSeek-V3's attention and GLM-4.5's experts, both in the default run
-    "arch", [pytest.param(a, marks=pytest.mark.slow) if a == "glm4_moe_lite" else a for a in NEW_FAMILIES]
+# In the default run: a hybrid (linear attention), multi-latent attention with grouped routing,
+# and GLM-4.5's sigmoid experts; the others (their layers covered by these) in the slow run.
+DEFAULT_FSDP = ("qwen3_next", "deepseek_v3", "glm4_moe")
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a in DEFAULT_FSDP else pytest.param(a, marks=pytest.mark.slow) for a in NEW_FAMILIES]
 )
 def test_fsdp_trains_each_family_on_two_ranks_like_one(family_models, arch):
     from safetensors import safe_open
@@ -263,7 +271,8 @@ def _slime_model_args(arch: str, c: dict) -> list[str]:
     if arch == "glm4_moe_lite":  # as slime's glm4.7-30B-A3B script spells them (--add-qkv-bias included)
         return [*common, *moe, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
                 "--add-qkv-bias", "--kv-channels", "16", "--multi-latent-attention", "--q-lora-rank", "32",
-                "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+                "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim",
+                str(c["v_head_dim"]),
                 "--qk-layernorm", "--rotary-base", "10000", "--moe-layer-freq", "[0]*1+[1]*1",
                 "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

@@ -113,7 +113,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "moe_shared_expert_gate": "model_type",
     }  # fmt: skip
     if values["multi_latent_attention"]:
-        keys["kv_channels"] = "v_head_dim"
+        keys["kv_channels"] = "qk_nope_head_dim"
     if getattr(config, "n_routed_experts", None):
         keys.update(num_experts="n_routed_experts", moe_layer_freq="first_k_dense_replace/mlp_layer_types",
                     moe_shared_expert_intermediate_size="n_shared_experts x moe_intermediate_size")  # fmt: skip
@@ -286,6 +286,8 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
             out["num_query_groups"] = ns.num_query_groups
         elif not gqa:
             out["num_query_groups"] = ns.num_attention_heads  # Megatron-LM: MHA without the flag
+    if ns.multi_latent_attention and ns.rotary_scaling_factor is not None and not ns.use_rope_scaling:
+        out["rotary_scaling_factor"] = ns.rotary_scaling_factor  # YaRN's factor (multi-latent attention)
     if not model_described(ns):
         # Only what was given: the booleans' defaults mean something only for a whole model.
         for dest in ("norm_epsilon", "rotary_base", "rotary_percent"):
@@ -310,8 +312,6 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
                  "mscale_all_dim"):  # fmt: skip
         if getattr(ns, dest) is not None:
             out[dest] = getattr(ns, dest)
-    if ns.multi_latent_attention and ns.rotary_scaling_factor is not None and not ns.use_rope_scaling:
-        out["rotary_scaling_factor"] = ns.rotary_scaling_factor  # YaRN's factor (multi-latent attention)
     out["use_rope_scaling"] = bool(ns.use_rope_scaling)
     if ns.use_rope_scaling:
         out["rope_scaling_factor"] = next(

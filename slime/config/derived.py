@@ -232,7 +232,7 @@ def family_problems(ns: argparse.Namespace) -> list[str]:
         config = _hf_config(ns.hf_checkpoint)
         if config is not None and not hf_moe(config).get("moe_router_enable_expert_bias"):
             out.append(f"--moe-router-bias-update-rate {rate} needs routers with an expert bias (DeepSeek-V3, "
-                       f"GLM-4.5+); --hf-checkpoint {ns.hf_checkpoint} ({config.model_type}) has none")  # fmt: skip
+                       f"GLM-4.5+, GLM-4.7-Flash); --hf-checkpoint {ns.hf_checkpoint} ({config.model_type}) has none")  # fmt: skip
     if (getattr(ns, "lora_rank", 0) or 0) <= 0:
         return out
     config = _hf_config(ns.hf_checkpoint)

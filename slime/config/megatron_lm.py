@@ -70,7 +70,11 @@ SPECS: tuple[Spec, ...] = (
     _arch("--num-attention-heads", {"type": int}, "num_attention_heads"),
     _arch("--group-query-attention", store_true(), "num_key_value_heads < num_attention_heads"),
     _arch("--num-query-groups", {"type": int}, "num_key_value_heads (with --group-query-attention)"),
-    _arch("--kv-channels", {"type": int}, "head_dim (default hidden_size / num_attention_heads)"),
+    _arch(
+        "--kv-channels",
+        {"type": int},
+        "head_dim (default hidden_size / num_attention_heads); with --multi-latent-attention, qk_nope_head_dim",
+    ),
     _arch("--vocab-size", {"type": int}, "vocab_size"),
     _arch("--max-position-embeddings", {"type": int}, "max_position_embeddings"),
     _arch(
@@ -88,7 +92,12 @@ SPECS: tuple[Spec, ...] = (
         store_true(),
         "no bias in the linear layers (attention_bias / mlp_bias false)",
     ),
-    _arch("--add-qkv-bias", store_true(), "q/k/v projections with bias (Qwen2, attention_bias)"),
+    _arch(
+        "--add-qkv-bias",
+        store_true(),
+        "q/k/v projections with bias (Qwen2, attention_bias); not compared with --multi-latent-attention, whose "
+        "latent projections have none in Megatron-LM (slime's GLM-4.7-Flash script gives it)",
+    ),
     _arch("--qk-layernorm", store_true(), "per-head RMSNorm on queries and keys (Qwen3)"),
     _arch("--untie-embeddings-and-output-weights", store_true(), "tie_word_embeddings false"),
     _arch(

@@ -5,7 +5,8 @@
         [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (mixture of experts)
 
 ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, and the families in
-slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, qwen3_next, qwen3_5, qwen3_5_moe.
+slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5,
+qwen3_5_moe.
 
 `qwen3_moe` is Hugging Face's Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): every layer's
 MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their

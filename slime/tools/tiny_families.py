@@ -72,9 +72,11 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
         common = {**common, "num_key_value_heads": args.num_heads}
         loose.pop("head_dim")  # the config maps head_dim to qk_rope_head_dim
         return transformers.Glm4MoeLiteConfig(
+            # values wider than the keys' non-rotary part, as GLM-4.7-Flash's (256 against 192)
             q_lora_rank=args.hidden_size // 2, kv_lora_rank=args.hidden_size // 4, qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope, v_head_dim=head_dim, rope_interleave=True, n_routed_experts=args.num_experts,
-            n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+            qk_rope_head_dim=rope, v_head_dim=head_dim + head_dim // 2, rope_interleave=True,
+            n_routed_experts=args.num_experts, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+            routed_scaling_factor=1.8,
             **loose, **moe, **common,
         )  # fmt: skip
     linear: dict[str, Any] = dict(
