@@ -31,9 +31,9 @@ from slime.backends.megatron import grads
 from slime.backends.megatron.convert import Layout, State
 from slime.backends.megatron.export import Mesh, export_hf_buckets, meta_hf_state
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
-from slime.backends.megatron.masters import MasterWeights
+from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
-from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
+from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, padding_mask, update_expert_bias
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
@@ -220,43 +220,13 @@ class MegatronTrainActor(TrainActorBase):
     def _load_hf(self, hf_dir: str) -> None:
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)
 
-    @torch.no_grad()
     def _copy_in(self, state: State, masters: bool = False) -> None:
-        """Write `state` into the model's parameters (and, with `masters`, into the float32
-        master weights of --bf16, from the state's own precision) and into the persistent
-        buffers it holds (the routers' expert bias: a checkpoint's, a teacher's)."""
-        params = dict(self.model.named_parameters())
-        buffers = self._buffers()
-        for name, param in params.items():
-            if name not in state:
-                raise mckpt.ConversionError(f"parameter {name}: not in the converted checkpoint")
-            if tuple(state[name].shape) != tuple(param.shape):
-                raise mckpt.ConversionError(
-                    f"parameter {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(param.shape)}"
-                )
-            param.copy_(state[name])
-            if masters and param in self.masters:
-                self.masters[param].copy_(state[name])
-        for name in buffers.keys() & state.keys():
-            if tuple(state[name].shape) != tuple(buffers[name].shape):
-                raise mckpt.ConversionError(
-                    f"buffer {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(buffers[name].shape)}"
-                )
-            buffers[name].copy_(state[name])
-        extra = sorted(set(state) - set(params) - set(buffers))
-        if extra:
-            raise mckpt.ConversionError(f"the converted checkpoint has tensors the model lacks: {extra[:5]}")
+        """Write `state` into the model (and, with `masters`, into --bf16's master weights):
+        slime.backends.megatron.masters.copy_in."""
+        copy_in(self.model, self.masters if masters else None, state)
 
-    def _buffers(self) -> State:
-        """The model's persistent buffers (in its state dict beside the parameters)."""
-        params = {n for n, _ in self.model.named_parameters()}
-        state = self.model.state_dict(keep_vars=True)
-        return {n: t for n, t in state.items() if n not in params and not n.endswith("._extra_state")}
-
-    @torch.no_grad()
     def _snapshot(self) -> State:
-        tensors = {**dict(self.model.named_parameters()), **self._buffers()}
-        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        return snapshot(self.model)
 
     def local_state_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -306,7 +276,9 @@ class MegatronTrainActor(TrainActorBase):
             if self.routing is not None:
                 self.routing.begin(state)
             ids = mb.input_ids
-            extra = self._padding_mask(mb)
+            # the routers count only real tokens for the expert-bias update (moe.padding_mask)
+            scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
+            extra = {"padding_mask": padding_mask(mb, scatter)} if self._bias_rate > 0 else {}
             if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
                 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -444,42 +416,13 @@ class MegatronTrainActor(TrainActorBase):
         self.optimizer.step()
         self.schedule.step()
         self.masters.copy_back()
-        self._update_expert_bias()
+        update_expert_bias(self.model, self._bias_rate)
         return self._step_metrics(sums, grad_norm, lr)
 
-    def _balances_experts(self) -> bool:
-        return self.layout.expert_bias and self.cfg.moe.moe_router_bias_update_rate > 0
-
-    def _padding_mask(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """megatron-core's padding mask (true at padding) where the routers count their tokens for
-        the expert-bias update, so padding is not counted (slime.backends.expert_bias)."""
-        if not self._balances_experts():
-            return {}
-        mask = ~mb.real_tokens().view_as(mb.input_ids)
-        if self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0:
-            # megatron-core splits the mask over the sequence on the first stage only
-            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
-
-            mask = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1)
-        return {"padding_mask": mask.contiguous()}
-
-    def _update_expert_bias(self) -> None:
-        """--moe-router-bias-update-rate: every router's bias from the step's token counts, which
-        megatron-core's routers kept (`local_tokens_per_expert`), summed over this stage's TP x CP x DP
-        ranks (every rank that routed a share of the step's tokens), as megatron-core sums them."""
-        routers = [m for m in self.model.modules() if getattr(m, "expert_bias", None) is not None]
-        if not routers:
-            return
-        if self._balances_experts():
-            from megatron.core import parallel_state as ps
-
-            from slime.backends.expert_bias import update_biases
-
-            update_biases([r.expert_bias for r in routers], [r.local_tokens_per_expert for r in routers],
-                          self.cfg.moe.moe_router_bias_update_rate,
-                          ps.get_tensor_and_data_parallel_group(with_context_parallel=True))  # fmt: skip
-        for router in routers:  # megatron-core counts with every training forward: a step's at a time
-            router.local_tokens_per_expert.zero_()
+    @property
+    def _bias_rate(self) -> float:
+        """--moe-router-bias-update-rate where the routers have an expert bias (0 otherwise)."""
+        return self.cfg.moe.moe_router_bias_update_rate if self.layout.expert_bias else 0.0
 
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)

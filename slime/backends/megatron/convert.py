@@ -50,6 +50,10 @@ from typing import Any
 
 import torch
 
+# (the per-layer table sits below this module; its expert names are used through this one)
+from slime.backends.megatron.layer_map import expert_names as expert_names
+from slime.backends.megatron.layer_map import layer_pairs
+
 State = dict[str, torch.Tensor]
 
 
@@ -387,15 +391,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 # ---- HF <-> Megatron (unsharded) ------------------------------------------------------------
 
 
-def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
-    """(fc1, fc2) names of an expert of a MoE layer (`expert` numbered as the state dict does:
-    globally when unsharded, from 0 on each EP rank when sharded)."""
-    p = f"decoder.layers.{layer}.mlp.experts."
-    if layout.grouped_experts:
-        return p + f"linear_fc1.weight{expert}", p + f"linear_fc2.weight{expert}"
-    return p + f"local_experts.{expert}.linear_fc1.weight", p + f"local_experts.{expert}.linear_fc2.weight"
-
-
 _EXPERT = re.compile(
     r"^decoder\.layers\.(?P<layer>\d+)\.mlp\.experts\."
     r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
@@ -458,8 +453,6 @@ def final_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, l
 def layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int,
                        experts: range | None = None) -> State:  # fmt: skip
     """Layer i, unsharded; of a MoE layer only `experts` (global ids; None: all)."""
-    from slime.backends.megatron.layer_map import layer_pairs
-
     return {
         p.mc: p.to_megatron(
             [_take(hf, n, s) for n, s in zip(p.hf, p.shapes, strict=True)], layout.num_query_groups
@@ -488,8 +481,6 @@ def megatron_to_hf(mc: State, layout: Layout) -> State:
 
 def layer_to_hf(mc: State, layout: Layout, i: int) -> State:
     """Layer i's HF tensors from its megatron-core tensors (`decoder.layers.{i}.*`, unsharded)."""
-    from slime.backends.megatron.layer_map import layer_pairs
-
     out: State = {}
     for p in layer_pairs(layout, i):
         parts = p.to_hf(_take(mc, p.mc, p.mc_shape), layout.num_query_groups)

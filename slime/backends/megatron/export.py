@@ -29,6 +29,7 @@ from slime.backends.megatron.convert import (
     is_expert,
     layer_to_hf,
 )
+from slime.backends.megatron.layer_map import layer_pairs
 from slime.backends.megatron.sharding import merge_fc1, merge_tp
 from slime.utils.buckets import iter_buckets
 
@@ -84,8 +85,6 @@ def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dt
 
 def meta_hf_state(layout: Layout) -> State:
     """Every HF tensor of the model as a meta tensor of its shape (slime.backends.megatron.layer_map)."""
-    from slime.backends.megatron.layer_map import layer_pairs
-
     L, h = layout, layout.hidden_size
     meta: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (L.vocab_size, h),

@@ -29,14 +29,13 @@ its own, slime's: GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from slime.backends.megatron.convert import Layout
-
 Shape = tuple[int, ...]
+Layout = Any
+"""slime.backends.megatron.convert.Layout (which imports this module: the table sits below it)."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,6 @@ def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[P
     h = L.hidden_size
     if not L.is_moe(i):
         return _dense(src + "mlp.", dst + "mlp.", h, L.ffn_hidden_size, L.fused_gate_up)
-    from slime.backends.megatron.convert import expert_names
-
     m = src + "mlp."
     out = [Pair(dst + "mlp.router.weight", (m + "gate.weight",), ((L.num_experts, h),))]
     if L.expert_bias:
@@ -153,6 +150,15 @@ def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[P
     if L.shared_ffn_hidden_size:
         out += _dense(m + "shared_experts.", dst + "mlp.shared_experts.", h, L.shared_ffn_hidden_size, False)
     return out
+
+
+def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
+    """(fc1, fc2) names of an expert of a MoE layer (`expert` numbered as the state dict does:
+    globally when unsharded, from 0 on each EP rank when sharded)."""
+    p = f"decoder.layers.{layer}.mlp.experts."
+    if layout.grouped_experts:
+        return p + f"linear_fc1.weight{expert}", p + f"linear_fc2.weight{expert}"
+    return p + f"local_experts.{expert}.linear_fc1.weight", p + f"local_experts.{expert}.linear_fc2.weight"
 
 
 def _dense(src: str, dst: str, h: int, f: int, fused: bool) -> list[Pair]:

@@ -1,4 +1,5 @@
 """--bf16's float32 master weights: the optimizer steps these, the model computes in bfloat16.
+And writing a state into the model (its parameters, their masters, its persistent buffers).
 
 Each micro-batch's bfloat16 gradient is added to its master's float32 gradient as soon as
 autograd produced it (accumulation and reductions in float32, as Megatron-LM's
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+State = dict[str, torch.Tensor]
 
 
 class MasterWeights(dict[torch.Tensor, torch.Tensor]):
@@ -53,3 +56,48 @@ class MasterWeights(dict[torch.Tensor, torch.Tensor]):
 
     def nbytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.values())
+
+
+def persistent_buffers(model: torch.nn.Module) -> State:
+    """The model's persistent buffers (in its state dict beside the parameters: the routers'
+    expert bias), by their state-dict names."""
+    params = {n for n, _ in model.named_parameters()}
+    state = model.state_dict(keep_vars=True)
+    return {n: t for n, t in state.items() if n not in params and not n.endswith("._extra_state")}
+
+
+@torch.no_grad()
+def copy_in(model: torch.nn.Module, masters: MasterWeights | None, state: State) -> None:
+    """Write `state` into the model's parameters (and into `masters`, the float32 master weights
+    of --bf16, from the state's own precision) and into the persistent buffers it holds (a
+    checkpoint's, a teacher's expert bias). Every parameter must be in `state`, nothing else."""
+    from slime.backends.megatron.convert import ConversionError
+
+    params = dict(model.named_parameters())
+    buffers = persistent_buffers(model)
+    for name, param in params.items():
+        if name not in state:
+            raise ConversionError(f"parameter {name}: not in the converted checkpoint")
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ConversionError(
+                f"parameter {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(param.shape)}"
+            )
+        param.copy_(state[name])
+        if masters is not None and param in masters:
+            masters[param].copy_(state[name])
+    for name in buffers.keys() & state.keys():
+        if tuple(state[name].shape) != tuple(buffers[name].shape):
+            raise ConversionError(
+                f"buffer {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(buffers[name].shape)}"
+            )
+        buffers[name].copy_(state[name])
+    extra = sorted(set(state) - set(params) - set(buffers))
+    if extra:
+        raise ConversionError(f"the converted checkpoint has tensors the model lacks: {extra[:5]}")
+
+
+@torch.no_grad()
+def snapshot(model: torch.nn.Module) -> State:
+    """A CPU copy of the model's parameters and persistent buffers (copy_in writes it back)."""
+    tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}

@@ -218,3 +218,36 @@ class MegatronRouting(RouterHooks):
             chosen = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
             state.record[li] = chosen.sort(dim=-1).values
         return probs, routing_map
+
+
+def padding_mask(mb: MicroBatch, scatter: bool) -> torch.Tensor:
+    """megatron-core's padding mask of micro-batch `mb` (true at padding, [rows, length]), which
+    its routers take to count only real tokens for the expert-bias update
+    (slime.backends.expert_bias). `scatter`: split it over the sequence-parallel ranks here
+    (megatron-core does so on the first pipeline stage only)."""
+    mask = ~mb.real_tokens().view_as(mb.input_ids)
+    if scatter:
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        mask = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1)
+    return mask.contiguous()
+
+
+def update_expert_bias(model: Any, rate: float) -> None:
+    """--moe-router-bias-update-rate after an optimizer step: every router's bias from the step's
+    token counts that megatron-core's routers kept (`local_tokens_per_expert`), summed over this
+    stage's TP x CP x DP ranks (every rank that routed a share of the step's tokens), as
+    megatron-core sums them; then the counts start again (megatron-core counts with every
+    training forward, whatever the rate: 0 only clears them)."""
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    if rate > 0:
+        from megatron.core import parallel_state as ps
+
+        from slime.backends.expert_bias import update_biases
+
+        update_biases([r.expert_bias for r in routers], [r.local_tokens_per_expert for r in routers], rate,
+                      ps.get_tensor_and_data_parallel_group(with_context_parallel=True))  # fmt: skip
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
