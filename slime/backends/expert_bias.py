@@ -1,4 +1,5 @@
-"""Aux-loss-free load balancing (DeepSeek-V3, GLM-4.5+): `--moe-router-bias-update-rate`.
+"""Aux-loss-free load balancing (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash):
+`--moe-router-bias-update-rate`.
 
 Such a router picks its experts by score + bias, and the bias moves after each optimizer step:
 

@@ -205,7 +205,7 @@ SPECS: tuple[Spec, ...] = (
         APPLIED,
         "aux-loss-free balancing: after each optimizer step every router's expert bias moves by this rate "
         "towards the experts that got fewer than the mean of the step's real training tokens (all ranks "
-        "counted), as megatron-core updates it; only for routers with an expert bias (DeepSeek-V3, GLM-4.5+). "
+        "counted), as megatron-core updates it; only for routers with an expert bias (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash). "
         "0: the bias stays as the checkpoint has it (slime's scripts)",
         neutral=0.0,
     ),
