@@ -117,8 +117,10 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
     hf = HF_CONFIGS[name]
     # multi-latent attention has no key/value head groups: its latent flags describe it instead
     required = [f for f in REQUIRED if not (hf.get("kv_lora_rank") and f in GQA)] + (
-        MLA if hf.get("kv_lora_rank") else []
+        [f for f in MLA if f != "--q-lora-rank" or hf.get("q_lora_rank")] if hf.get("kv_lora_rank") else []
     )
+    if hf.get("kv_lora_rank") and not hf.get("q_lora_rank"):  # queries without a latent: no rank to give
+        assert "--q-lora-rank" not in args
     missing = [f for f in required if f not in args]
     assert not missing, f"{name}.sh lacks {missing}"
     family = hf["model_type"]

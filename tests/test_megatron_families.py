@@ -22,6 +22,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_families")
     made = {arch: make_model(str(root / arch), 0, "--arch", arch, *SIZE) for arch in MEGATRON_FAMILIES}
     made["deepseek_v3_yarn"] = _with_yarn(made["deepseek_v3"], str(root / "deepseek_v3_yarn"))
+    made["deepseek_v3_no_q_latent"] = _without_query_latent(made["deepseek_v3"], str(root / "no_q_latent"))
     return made
 
 
@@ -44,6 +45,26 @@ def _with_yarn(path, out):
     return out
 
 
+def _without_query_latent(path, out):
+    """The tiny DeepSeek-V3 shaped as Moonlight / Kimi-K2's smaller kin: q_lora_rank null, the
+    queries projected directly (`q_proj`), fresh seeded weights with a non-zero expert bias."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slime.tools.tiny_families import seed_family_state
+
+    config = AutoConfig.from_pretrained(path)
+    config.q_lora_rank = None
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    seed_family_state(model, 3)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{path}/{name}", f"{out}/{name}")
+    return out
+
+
 def _hf(path):
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -52,6 +73,7 @@ def _hf(path):
 
 
 NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gives it
+    "deepseek_v3_no_q_latent": ["decoder.layers.0.self_attention.linear_q_proj.weight"],
     "glm4": ["decoder.layers.0.post_self_attn_layernorm.weight", "decoder.layers.2.post_mlp_layernorm.weight",
              "decoder.layers.1.self_attention.linear_qkv.bias"],
     "glm4_moe": ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
@@ -67,7 +89,7 @@ NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gi
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", MEGATRON_FAMILIES)
+@pytest.mark.parametrize("arch", [*MEGATRON_FAMILIES, "deepseek_v3_no_q_latent"])
 def test_conversion_is_bitwise_both_ways_through_every_split(models, arch):
     from slime.backends.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
     from slime.backends.megatron.export import full_shapes
@@ -263,13 +285,14 @@ CASES = [
     ("glm4_moe", 1, 2, 2, True),
     ("deepseek_v3", 2, 1, 2, True),
     ("glm4_moe_lite", 1, 1, 2, True),
+    ("deepseek_v3_no_q_latent", 2, 1, 1, True),  # linear_q_proj, split over TP
     *(
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
             ("glm4", 1, 1, 1, False), ("glm4", 1, 2, 1, False),
             ("glm4_moe", 1, 1, 1, False), ("glm4_moe", 2, 1, 1, False),
             ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True), ("deepseek_v3_yarn", 1, 1, 1, False),
-            ("deepseek_v3_yarn", 1, 1, 1, True),
+            ("deepseek_v3_yarn", 1, 1, 1, True), ("deepseek_v3_no_q_latent", 1, 1, 1, False),
         ]
     ),
 ]  # fmt: skip
