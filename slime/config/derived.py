@@ -225,14 +225,21 @@ def family_problems(ns: argparse.Namespace) -> list[str]:
     """LoRA with a family it is not built for (slime.utils.model_families), and an expert-bias
     update rate for a model whose routers have no bias, refused by name."""
     out = []
-    rate = getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0
-    if rate > 0:
+    if (getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0) > 0:
         from slime.config.architecture import hf_moe
+        from slime.config.flags import from_flags
+        from slime.config.train import MoEOptions
 
         config = _hf_config(ns.hf_checkpoint)
         if config is not None and not hf_moe(config).get("moe_router_enable_expert_bias"):
-            out.append(f"--moe-router-bias-update-rate {rate} needs routers with an expert bias (DeepSeek-V3, "
-                       f"GLM-4.5+, GLM-4.7-Flash); --hf-checkpoint {ns.hf_checkpoint} ({config.model_type}) has none")  # fmt: skip
+            try:
+                options = from_flags(MoEOptions, ns)
+            except ValueError:  # a bad MoE flag: train_config_from_args names it
+                options = None
+            if options is not None:
+                out.append(
+                    options.no_expert_bias(f"--hf-checkpoint {ns.hf_checkpoint} ({config.model_type})")
+                )
     if (getattr(ns, "lora_rank", 0) or 0) <= 0:
         return out
     config = _hf_config(ns.hf_checkpoint)

@@ -234,9 +234,9 @@ class FSDPTrainActor(TrainActorBase):
         counts = TokenCounts.find(self.model)
         if counts is None:
             raise hf_checkpoint.CheckpointError(
-                f"--moe-router-bias-update-rate {rate} needs routers with an expert bias (DeepSeek-V3, GLM-4.5+, "
-                f"GLM-4.7-Flash); "
-                f"--hf-checkpoint {self.cfg.hf_checkpoint} ({self.hf_config.model_type}) has none"
+                self.cfg.moe.no_expert_bias(
+                    f"--hf-checkpoint {self.cfg.hf_checkpoint} ({self.hf_config.model_type})"
+                )
             )
         return counts
 

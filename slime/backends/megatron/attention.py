@@ -52,17 +52,28 @@ class SegmentDotProductAttention(DotProductAttention):
             raise NotImplementedError(
                 "packed sequences with sliding-window attention: use --padded-micro-batches"
             )
-        # [tokens, heads, dim] -> [1, heads, tokens, dim]
-        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
         # DotProductAttention divides its scale by the layer number under
         # apply_query_key_layer_scaling and multiplies it back in the softmax.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        dropout = self.attention_dropout.p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = causal_per_segment(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
-                                     scale, dropout)  # fmt: skip
-        # [1, heads, tokens, dim] -> [tokens, heads * dim]; megatron-core adds the batch axis back.
-        return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)
+        return _packed(
+            query, key, value, packed_seq_params, scale, self.attention_dropout.p if self.training else 0.0
+        )
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Any, longest: Any, scale: float | None,
+            dropout: float) -> torch.Tensor:  # fmt: skip
+    """causal_per_segment on [batch, heads, tokens, dim], dropout drawn from megatron-core's tracker."""
+    with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+        return causal_per_segment(q, k, v, cu, longest, scale, dropout)
+
+
+def _packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, scale: float | None,
+            dropout: float) -> torch.Tensor:  # fmt: skip
+    """Causal attention within each packed sequence: [tokens, heads, dim] in (THD), [tokens,
+    heads * dim] out (megatron-core adds the batch axis back)."""
+    q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, tokens, dim]
+    out = _causal(q, k, v, params.cu_seqlens_q, params.max_seqlen_q, scale, dropout)
+    return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)
 
 
 class LatentCoreAttention(MegatronModule):
@@ -111,16 +122,10 @@ class LatentCoreAttention(MegatronModule):
                 "multi-latent attention here is causal only (no attention mask or bias)"
             )
         dropout = self.dropout if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            if packed_seq_params is None:  # [s, b, heads, dim] -> [b, heads, s, dim]
-                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-                out = causal_per_segment(q, k, v, None, None, self.softmax_scale, dropout)
-                return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
-            if packed_seq_params.qkv_format != "thd":
-                raise NotImplementedError("packed sequences with multi-latent attention: THD format only")
-            q, k, v = (
-                t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value)
-            )  # [1, heads, tokens, dim]
-            out = causal_per_segment(q, k, v, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
-                                     self.softmax_scale, dropout)  # fmt: skip
-        return out[0].permute(1, 0, 2).reshape(out.shape[2], -1)
+        if packed_seq_params is None:  # [s, b, heads, dim] -> [b, heads, s, dim]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = _causal(q, k, v, None, None, self.softmax_scale, dropout)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError("packed sequences with multi-latent attention: THD format only")
+        return _packed(query, key, value, packed_seq_params, self.softmax_scale, dropout)

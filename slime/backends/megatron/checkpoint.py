@@ -66,7 +66,7 @@ def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None
         "post_self_attn_layernorm": layout.post_norms,
         "post_mlp_layernorm": layout.post_norms,
         **_moe_args(layout),
-        **_mla_args(layout),
+        **layout.mla_args(),
         "slime_layout": dict(layout.__dict__),
         **({"value_head": True} if value_head else {}),
     }
@@ -80,19 +80,6 @@ def _moe_args(layout: Layout) -> dict[str, Any]:
         "moe_layer_freq": list(layout.moe_layers),
         "moe_shared_expert_intermediate_size": layout.shared_ffn_hidden_size or None,
         "moe_router_enable_expert_bias": layout.expert_bias,
-    }
-
-
-def _mla_args(layout: Layout) -> dict[str, Any]:
-    if not layout.kv_lora_rank:
-        return {}
-    return {
-        "multi_latent_attention": True,
-        "q_lora_rank": layout.q_lora_rank or None,
-        "kv_lora_rank": layout.kv_lora_rank,
-        "qk_head_dim": layout.head_dim,
-        "qk_pos_emb_head_dim": layout.qk_rope_head_dim,
-        "v_head_dim": layout.value_dim,
     }
 
 

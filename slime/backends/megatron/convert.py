@@ -122,6 +122,19 @@ class Layout:
     def value_dim(self) -> int:
         return self.v_head_dim or self.head_dim
 
+    def mla_args(self) -> dict[str, Any]:
+        """Multi-latent attention's dimensions in Megatron-LM's names (none for other attention)."""
+        if not self.kv_lora_rank:
+            return {}
+        return {
+            "multi_latent_attention": True,
+            "q_lora_rank": self.q_lora_rank or None,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_head_dim": self.head_dim,
+            "qk_pos_emb_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.value_dim,
+        }
+
     @classmethod
     def from_hf_config(
         cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False,

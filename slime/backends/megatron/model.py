@@ -67,12 +67,7 @@ def mla_settings(layout: Layout, hf_config: Any) -> dict[str, Any]:
 
     plain = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
     return {
-        "multi_latent_attention": True,
-        "q_lora_rank": layout.q_lora_rank or None,
-        "kv_lora_rank": layout.kv_lora_rank,
-        "qk_head_dim": layout.head_dim,
-        "qk_pos_emb_head_dim": layout.qk_rope_head_dim,
-        "v_head_dim": layout.value_dim,
+        **layout.mla_args(),
         "rotary_base": rope_theta(hf_config),
         **(mla_yarn(hf_config) if rope_scaling(hf_config)[0] == "yarn" else plain),
     }

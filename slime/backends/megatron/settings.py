@@ -31,8 +31,7 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     if moe is not None and not layout.num_experts and moe.needs_moe:
         return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
     if moe is not None and moe.moe_router_bias_update_rate > 0 and not layout.expert_bias:
-        return (f"--moe-router-bias-update-rate {moe.moe_router_bias_update_rate} needs routers with an expert bias "
-                f"(DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); the --hf-checkpoint model ({layout.model_type}) has none")  # fmt: skip
+        return moe.no_expert_bias(f"the --hf-checkpoint model ({layout.model_type})")
     if moe is not None and layout.num_experts and not router_hooks(layout):
         from slime.utils import model_families
 
