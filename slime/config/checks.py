@@ -311,6 +311,10 @@ def megatron_flags() -> dict[str, object]:
         "expert_tensor_parallel_size",
         "decoder_first_pipeline_num_layers",
         "decoder_last_pipeline_num_layers",
+        # refused by name with FSDP (their Specs); --mtp-loss-scaling-factor's default is slime's
+        "mtp_num_layers",
+        "mtp_loss_scaling_factor",
+        "enable_mtp_training",
     )
     return {f.name: f.default for f in dataclasses.fields(MegatronConfig) if f.name not in fsdp_too}
 

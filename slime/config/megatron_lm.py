@@ -59,7 +59,7 @@ def _no_effect(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, NO_EFFECT, NO_EFFECT, note)
 
 
-MTP = "multi-token prediction layers are not supported"
+MTP = "fsdp: multi-token prediction modules are built by the Megatron backend only (transformers has none)"
 FP8 = "FP8 training is not supported (float32 or bfloat16)"
 
 SPECS: tuple[Spec, ...] = (
@@ -273,9 +273,37 @@ SPECS: tuple[Spec, ...] = (
         neutral=1,
         group="training",
     ),
-    _refused("--mtp-num-layers", {"type": int, "default": None}, MTP, neutral=0),
-    _refused("--mtp-loss-scaling-factor", {"type": float, "default": None}, MTP),
-    _refused("--enable-mtp-training", store_true(), MTP),
+    Spec(
+        "--mtp-num-layers",
+        {"type": int, "default": None},
+        REFUSED,
+        APPLIED,
+        "megatron: build the checkpoint's first N multi-token prediction modules (num_nextn_predict_layers: "
+        "DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); saved and exported with the model, left out of the weight push",
+        neutral=0,
+        group="training",
+        refused_note=MTP,
+    ),
+    Spec(
+        "--mtp-loss-scaling-factor",
+        {"type": float, "default": 0.2},
+        REFUSED,
+        APPLIED,
+        "megatron: the MTP loss's weight, divided by the modules' count (slime's default 0.2)",
+        neutral=0.2,
+        group="training",
+        refused_note=MTP,
+    ),
+    Spec(
+        "--enable-mtp-training",
+        store_true(),
+        REFUSED,
+        APPLIED,
+        "megatron: train the MTP modules (cross entropy of token i + k + 1 on the response tokens, averaged as "
+        "slime does); without it they are kept as loaded",
+        group="training",
+        refused_note=MTP,
+    ),
     # ---- training ----------------------------------------------------------------------------
     Spec(
         "--optimizer",

@@ -240,6 +240,12 @@ class MegatronConfig:
     )
     """`--bf16`: bfloat16 parameters and activations; float32 master weights, gradient reductions
     and optimizer states (megatron-core's mixed precision, done by the actor)."""
+    mtp_num_layers: int | None = None
+    """`--mtp-num-layers`: the checkpoint's multi-token prediction modules to build (None: none)."""
+    mtp_loss_scaling_factor: float = 0.2
+    """`--mtp-loss-scaling-factor`: the MTP loss's weight (divided by the modules' count)."""
+    enable_mtp_training: bool = False
+    """`--enable-mtp-training`: train the MTP modules (else they are kept as loaded)."""
 
     @property
     def etp(self) -> int:
@@ -264,6 +270,19 @@ class MegatronConfig:
             flag = "--" + name.replace("_", "-")
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
+            raise ValueError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
+        if self.enable_mtp_training and not self.mtp_num_layers:
+            raise ValueError(
+                "--enable-mtp-training trains the MTP modules: give --mtp-num-layers N (N >= 1) too"
+            )
+        if not self.mtp_loss_scaling_factor >= 0:
+            raise ValueError(f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        if self.mtp_num_layers and self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not built yet (the last stage "
+                "would need its own copy of the embedding, kept in step with the first stage's); use PP 1"
+            )
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"

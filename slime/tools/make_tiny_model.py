@@ -3,6 +3,7 @@
     python -m slime.tools.make_tiny_model --out DIR [--arch ARCH] [--hidden-size 256]
         [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--vocab N] [--seed 0]
         [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (mixture of experts)
+        [--mtp-layers N]   (multi-token prediction modules: glm4_moe, deepseek_v3, glm4_moe_lite)
 
 ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, and the families in
 slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5,
@@ -30,7 +31,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slime.tools.tiny_families import MOE_FAMILIES, NEW_FAMILIES, family_config, seed_family_state
+from slime.tools.tiny_families import (
+    MOE_FAMILIES,
+    MTP_FAMILIES,
+    NEW_FAMILIES,
+    family_config,
+    mtp_tensors,
+    seed_family_state,
+)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -165,6 +173,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
             parser.error(f"--num-experts-per-tok must be between 1 and --num-experts ({args.num_experts})")
         if args.moe_intermediate_size is not None and args.moe_intermediate_size <= 0:
             parser.error("--moe-intermediate-size must be positive")
+    if args.mtp_layers:
+        if args.mtp_layers < 0:
+            parser.error("--mtp-layers must be >= 0")
+        if args.arch not in MTP_FAMILIES:
+            parser.error(f"--mtp-layers applies to --arch {', '.join(MTP_FAMILIES)} (the families whose checkpoints "
+                         "carry multi-token prediction modules)")  # fmt: skip
     if args.vocab is not None and args.vocab < tokenizer_size:
         parser.error(
             f"--vocab {args.vocab} is smaller than the tokenizer ({tokenizer_size} tokens); "
@@ -198,6 +212,12 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if args.mtp_layers:  # transformers has no MTP modules: their tensors join the file
+            from safetensors.torch import load_file, save_file
+
+            weights = staging / "model.safetensors"
+            save_file({**load_file(weights), **mtp_tensors(model, args.mtp_layers, args.seed)}, weights,
+                      metadata={"format": "pt"})  # fmt: skip
         generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if out.exists():
@@ -236,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                         help="MoE archs: experts each token is routed to (default 2)")  # fmt: skip
     parser.add_argument("--moe-intermediate-size", type=int, default=None,
                         help="MoE archs: each expert's MLP width (default: half the hidden size)")  # fmt: skip
+    parser.add_argument("--mtp-layers", type=int, default=0,
+                        help="multi-token prediction modules after the decoder (num_nextn_predict_layers; "
+                        "glm4_moe, deepseek_v3, glm4_moe_lite)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     return args, parser

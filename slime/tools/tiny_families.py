@@ -19,8 +19,9 @@ own transformers config class with the fields its released checkpoints set, at a
   MLP routed experts plus a gated shared expert.
 - qwen3_5 / qwen3_5_moe (Qwen3.5 text): Qwen3-Next's layer mix, dense or with experts.
 
-transformers' defaults fill the fields not named here; `num_nextn_predict_layers` (MTP) is 0:
-transformers has no MTP layers, so a tiny checkpoint carries none.
+transformers' defaults fill the fields not named here. `num_nextn_predict_layers` (MTP) is 0
+unless `--mtp-layers N` asks for N (the MTP_FAMILIES): transformers has no MTP modules (it skips
+their tensors on load), so `mtp_tensors` writes them as the released checkpoints store them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from typing import Any
 
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
 NEW_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+"""Families whose released checkpoints carry multi-token prediction modules as extra decoder
+layers (`model.layers.{num_hidden_layers + k}.*`: DeepSeek-V3's layer 61, GLM-4.5's 92)."""
 
 
 def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
@@ -40,7 +44,10 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
     common = {**common, "tie_word_embeddings": False}  # every one of these families unties
     # Fields some config classes take through **kwargs (so typed loosely here): head_dim where it
     # is not declared, MTP's layer count; and the partial rotary factor, in rope_parameters.
-    loose: dict[str, Any] = {"head_dim": head_dim, "num_nextn_predict_layers": 0}
+    loose: dict[str, Any] = {
+        "head_dim": head_dim,
+        "num_nextn_predict_layers": getattr(args, "mtp_layers", 0) or 0,
+    }
     glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     moe: dict[str, Any] = {}
     if args.arch in MOE_FAMILIES:
@@ -107,3 +114,46 @@ def seed_family_state(model: Any, seed: int) -> None:
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
+
+
+def mtp_tensors(model: Any, n: int, seed: int) -> dict[str, Any]:
+    """The tensors of `n` MTP modules after `model`'s decoder, named as DeepSeek-V3's and GLM-4.5's
+    checkpoints name them: module k is HF layer L + k (L decoder layers), a decoder layer shaped as
+    the last one (self_attn, mlp with its experts, the two norms; written by transformers' own
+    serialization of a model n layers deeper, seeded) beside `enorm`, `hnorm`, `eh_proj`
+    ([hidden, 2 x hidden]: the next token's normed embedding, then the normed hidden state),
+    `shared_head.norm`, and copies of the model's embedding and head (`embed_tokens`,
+    `shared_head.head`). Norm weights are 1 + N(0, 0.1) (distinct, so a misplaced norm shows)."""
+    import copy
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = layers + n
+    if getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash: the MTP layers route to experts
+        config.mlp_layer_types = list(config.mlp_layer_types) + ["sparse"] * n
+    torch.manual_seed(seed + 11)
+    deeper = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    seed_family_state(deeper, seed + 11)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(f"{tmp}/model.safetensors")
+    g = torch.Generator().manual_seed(seed + 13)
+    h = config.hidden_size
+    out: dict[str, Any] = {}
+    for k in range(n):
+        prefix = f"model.layers.{layers + k}."
+        for name, t in saved.items():
+            if name.startswith(prefix):
+                out[name] = 1 + 0.1 * torch.randn(t.shape, generator=g) if name.endswith("norm.weight") else t
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            out[prefix + name] = 1 + 0.1 * torch.randn(h, generator=g)
+        std = float(getattr(config, "initializer_range", 0.02))
+        out[prefix + "eh_proj.weight"] = std * torch.randn(h, 2 * h, generator=g)
+        out[prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+        out[prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight.detach().clone()
+    return out

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from slime.backends import hf_checkpoint
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron import grads
+from slime.backends.megatron import grads, mtp
 from slime.backends.megatron.convert import Layout, State
 from slime.backends.megatron.export import Mesh, export_hf_buckets, meta_hf_state
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
@@ -152,7 +152,8 @@ class MegatronTrainActor(TrainActorBase):
     def _model_layout(self) -> Layout:
         m = self.cfg.megatron
         return Layout.from_hf_config(self.hf_config, m.make_vocab_size_divisible_by,
-                                     m.transformer_impl == "transformer_engine", m.stage_layers)  # fmt: skip
+                                     m.transformer_impl == "transformer_engine", m.stage_layers,
+                                     m.mtp_num_layers or 0)  # fmt: skip
 
     def _build_model(self) -> tuple[Any, Any]:
         from megatron.core import tensor_parallel
@@ -188,6 +189,8 @@ class MegatronTrainActor(TrainActorBase):
             cpu_shim.seed(self.cfg.seed, parallel_state.get_tensor_model_parallel_rank(),
                           self.mesh.ep_rank, self.mesh.etp_rank)  # fmt: skip
         model = self._build_gpt(config)
+        if self.layout.mtp_layers:  # trained (--enable-mtp-training) or kept as loaded
+            mtp.attach(model, self.layout, self.mesh, m.enable_mtp_training)
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
             model.bfloat16()
         if not on_cpu:
@@ -279,6 +282,8 @@ class MegatronTrainActor(TrainActorBase):
             # the routers count only real tokens for the expert-bias update (moe.padding_mask)
             scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
             extra = {"padding_mask": padding_mask(mb, scatter)} if self._bias_rate > 0 else {}
+            if not forward_only and mtp.objective(model) is not None:  # the MTP loss's targets (mtp.py)
+                extra.update(labels=ids, loss_mask=mtp.token_loss_mask(mb))
             if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
                 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -393,7 +398,14 @@ class MegatronTrainActor(TrainActorBase):
 
         mbs = self._micro_batches(batch, [step])
         states = self._routing_states(mbs, step=step)
+        objective = mtp.objective(self.model)
+        if objective is not None:
+            objective.begin(
+                len(mbs), self.dp_size, self.cfg.megatron.mtp_loss_scaling_factor, self.layout.mtp_layers
+            )
         self._run(mbs, loss_fn, forward_only=False, routing=states)
+        if objective is not None:
+            sums.update(objective.end())
         if compare is not None and precision is not None:
             precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         return {**self._optimizer_step(sums), **self._aux_metrics(states)}
@@ -456,17 +468,19 @@ class MegatronTrainActor(TrainActorBase):
             self.rollout_id = rollout_id
         return rollout_id
 
-    def save_hf(self, path: str) -> None:
-        mckpt.save_hf_from_actor(self, path)
+    def save_hf(self, path: str) -> None:  # with the MTP modules, which a push leaves out
+        mckpt.save_hf_from_actor(
+            self, path, tensors=(t for b in self.export_weights(2 << 30, with_mtp=True) for t in b)
+        )
 
     def export_weights(
-        self, bucket_bytes: int, every_rank: bool = False
+        self, bucket_bytes: int, every_rank: bool = False, with_mtp: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         local = {k: v.detach() for k, v in self.model_state().items()}
-        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank)
+        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank, with_mtp)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout).items()}
+        return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}
 
     # ---- colocation -------------------------------------------------------------------------
     def _move(self, device: str | torch.device, params: bool = True) -> None:

@@ -52,7 +52,7 @@ import torch
 
 # (the per-layer table sits below this module; its expert names are used through this one)
 from slime.backends.megatron.layer_map import expert_names as expert_names
-from slime.backends.megatron.layer_map import layer_pairs
+from slime.backends.megatron.layer_map import layer_pairs, mtp_shared_copies
 
 State = dict[str, torch.Tensor]
 
@@ -111,12 +111,22 @@ class Layout:
     """MLA: each head's rotary query/key part (the key's is shared by all heads)."""
     v_head_dim: int = 0
     """MLA: each head's value width (0: head_dim)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules built (`--mtp-num-layers`; the checkpoint's
+    num_nextn_predict_layers is their most): HF layers num_layers .. num_layers + mtp_layers - 1."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))  # a stored list too
 
     def is_moe(self, layer: int) -> bool:
-        return bool(self.num_experts) and bool(self.moe_layers[layer])
+        """Layer `layer` routes to experts (an MTP module's layer, past the decoder, is built with
+        the last decoder layer's spec, as megatron-core builds it)."""
+        return bool(self.num_experts) and bool(self.moe_layers[min(layer, self.num_layers - 1)])
+
+    @property
+    def all_layers(self) -> range:
+        """The decoder's layers and then the MTP modules' (HF numbering)."""
+        return range(self.num_layers + self.mtp_layers)
 
     @property
     def value_dim(self) -> int:
@@ -138,10 +148,11 @@ class Layout:
     @classmethod
     def from_hf_config(
         cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False,
-        stages: tuple[int | None, int | None] = (None, None),
+        stages: tuple[int | None, int | None] = (None, None), mtp_layers: int = 0,
     ) -> Layout:  # fmt: skip
         """A config of one of the SUPPORTED families (SiLU-gated MLPs, RMSNorm); `stages`: the
-        first and last pipeline stage's layers (uneven stages; None: as the others)."""
+        first and last pipeline stage's layers (uneven stages; None: as the others); `mtp_layers`:
+        the multi-token prediction modules to build, at most the checkpoint's."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
@@ -177,6 +188,14 @@ class Layout:
         }
         if getattr(config, "kv_lora_rank", None):
             attention = _mla(config, bias)
+        if mtp_layers:
+            has = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+            if mtp_layers > has:
+                raise ConversionError(
+                    f"--mtp-num-layers {mtp_layers}: the checkpoint has {has} multi-token prediction layers "
+                    f"(config.json num_nextn_predict_layers); give at most {has}"
+                    + ("" if has else " (drop the flag: this model has none)")
+                )
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -193,6 +212,7 @@ class Layout:
             model_type=model_type,
             post_norms=bool(family.get("post_norms")),
             fused_gate_up=bool(family.get("post_norms")),
+            mtp_layers=mtp_layers,
             **attention,
             **_moe_shape(config),
         )
@@ -405,19 +425,21 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 _EXPERT = re.compile(
-    r"^decoder\.layers\.(?P<layer>\d+)\.mlp\.experts\."
+    r"^(?:decoder\.layers\.(?P<layer>\d+)|mtp\.layers\.(?P<mtp>\d+)\.transformer_layer)\.mlp\.experts\."
     r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
 )
 
 
-def parse_expert(name: str) -> tuple[int, int, int] | None:
-    """(layer, expert, 0 for linear_fc1 or 1 for linear_fc2) of an expert tensor's name, else None."""
+def parse_expert(name: str, layout: Layout) -> tuple[int, int, int] | None:
+    """(layer, expert, 0 for linear_fc1 or 1 for linear_fc2) of an expert tensor's name, else
+    None; an MTP module's layer is numbered after the decoder's (layer_map.layer_prefix)."""
     m = _EXPERT.match(name)
     if not m:
         return None
     fc = m.group("fc") or m.group("gfc")
     expert = m.group("e") if m.group("e") is not None else m.group("ge")
-    return int(m.group("layer")), int(expert), 0 if fc == "linear_fc1" else 1
+    layer = int(m.group("layer")) if m.group("layer") is not None else layout.num_layers + int(m.group("mtp"))
+    return layer, int(expert), 0 if fc == "linear_fc1" else 1
 
 
 def is_expert(name: str) -> bool:
@@ -444,7 +466,7 @@ def _take(state: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...] |
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int = 1) -> State:
     """An HF state dict as one unsharded megatron-core state dict (vocabulary padded for `tp`)."""
     out = embedding_to_megatron(hf, layout, tp)
-    for i in range(layout.num_layers):
+    for i in layout.all_layers:
         out.update(layer_to_megatron(hf, layout, i))
     out.update(final_to_megatron(hf, layout, tp))
     return out
@@ -489,6 +511,9 @@ def megatron_to_hf(mc: State, layout: Layout) -> State:
     out["model.norm.weight"] = _take(mc, "decoder.final_layernorm.weight", (h,))
     if not L.tied_embeddings:
         out["lm_head.weight"] = _take(mc, "output_layer.weight")[: L.vocab_size].clone()
+    for i in range(L.num_layers, L.num_layers + L.mtp_layers):
+        out.update(layer_to_hf(mc, L, i))
+        out.update({copy: out[own].clone() for copy, own in mtp_shared_copies(L, i).items()})
     return out
 
 

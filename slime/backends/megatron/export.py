@@ -9,7 +9,9 @@ converts the unit to HF names (slime.backends.megatron.convert) and yields bucke
 path for every transport: the bridge on rank 0 only sees (HF name, full tensor) buckets, exactly
 as from the FSDP actor. Only data-parallel rank 0's model takes part (replicas are identical).
 For the CUDA-IPC push (`every_rank`), every rank assembles and yields the full tensors instead.
-Padded vocabulary rows are dropped; a tied output layer is not exported (HF ties it).
+Padded vocabulary rows are dropped; a tied output layer is not exported (HF ties it). The
+multi-token prediction modules (on the last stage) come last, only when asked (`with_mtp`: a
+saved checkpoint has them, a weight push does not: no engine here runs them).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from slime.backends.megatron.convert import (
     is_expert,
     layer_to_hf,
 )
-from slime.backends.megatron.layer_map import layer_pairs
+from slime.backends.megatron.layer_map import layer_pairs, layer_prefix, mtp_shared_copies
 from slime.backends.megatron.sharding import merge_fc1, merge_tp
 from slime.utils.buckets import iter_buckets
 
@@ -83,8 +85,9 @@ def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dt
     return {k: (v.shape, v.dtype) for k, v in hf_to_megatron(hf, layout, tp).items()}
 
 
-def meta_hf_state(layout: Layout) -> State:
-    """Every HF tensor of the model as a meta tensor of its shape (slime.backends.megatron.layer_map)."""
+def meta_hf_state(layout: Layout, with_mtp: bool = True) -> State:
+    """Every HF tensor of the model as a meta tensor of its shape (slime.backends.megatron.layer_map);
+    without `with_mtp`, those of the decoder only (what a weight push sends)."""
     L, h = layout, layout.hidden_size
     meta: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (L.vocab_size, h),
@@ -92,13 +95,17 @@ def meta_hf_state(layout: Layout) -> State:
     }
     if not L.tied_embeddings:
         meta["lm_head.weight"] = (L.vocab_size, h)
-    for i in range(L.num_layers):
+    for i in L.all_layers if with_mtp else range(L.num_layers):
         for pair in layer_pairs(L, i):
             meta.update(zip(pair.hf, pair.shapes, strict=True))
+        if i >= L.num_layers:
+            meta.update({copy: meta[own] for copy, own in mtp_shared_copies(L, i).items()})
     return {k: torch.empty(shape, device="meta") for k, shape in meta.items()}
 
 
-def _units(layout: Layout, names: list[str], pp: int) -> list[tuple[int, int | None, list[str]]]:
+def _units(
+    layout: Layout, names: list[str], pp: int, with_mtp: bool
+) -> list[tuple[int, int | None, list[str]]]:
     """(owner stage, global layer or None, megatron names) in export order."""
     stages = layout.stages(pp)
     owner = {g: s for s, r in enumerate(stages) for g in r}
@@ -108,18 +115,21 @@ def _units(layout: Layout, names: list[str], pp: int) -> list[tuple[int, int | N
         units.append((owner[i], i, [n for n in names if n.startswith(prefix)]))
     last = ["decoder.final_layernorm.weight"] + ([] if layout.tied_embeddings else ["output_layer.weight"])
     units.append((pp - 1, None, last))
+    for i in range(layout.num_layers, layout.num_layers + layout.mtp_layers) if with_mtp else ():
+        prefix = f"mtp.layers.{i - layout.num_layers}."
+        units.append((pp - 1, i, [n for n in names if n.startswith(prefix)]))
     return units
 
 
 def _local_name(name: str, layer: int | None, pp_rank: int, layout: Layout, pp: int) -> str:
-    if layer is None:
+    if layer is None or layer >= layout.num_layers:  # MTP modules keep their names on the last stage
         return name
     local = layer - layout.stages(pp)[pp_rank].start
     return name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{local}.", 1)
 
 
 def export_hf_tensors(
-    local: State, layout: Layout, mesh: Mesh, every_rank: bool = False
+    local: State, layout: Layout, mesh: Mesh, every_rank: bool = False, with_mtp: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) on global rank 0, nothing elsewhere; with `every_rank`, on every
     rank (the CUDA-IPC push shares each rank's own copy with the engine on its GPU): then every
@@ -135,15 +145,13 @@ def export_hf_tensors(
     receives = every_rank or mesh.tp_rank == 0  # who takes part in the pipeline broadcast
     yields = every_rank or (mesh.pp_rank == 0 and mesh.tp_rank == 0)  # global rank 0 of DP rank 0
     pp_ranks = dist.get_process_group_ranks(mesh.pp_group) if mesh.pp > 1 and receives else []
-    for stage, layer, names in _units(layout, list(shapes), mesh.pp):
+    own_tensors: State = {}  # the embedding and output head, for the MTP modules' copies
+    for stage, layer, names in _units(layout, list(shapes), mesh.pp, with_mtp):
         gathered: State = {}
         if mesh.pp_rank == stage and layer is not None and layout.is_moe(layer):
+            prefix = layer_prefix(layout, layer)
             gathered = _gather_experts(
-                local,
-                layout,
-                mesh,
-                layer,
-                _local_name(f"decoder.layers.{layer}.", layer, mesh.pp_rank, layout, mesh.pp),
+                local, layout, mesh, layer, _local_name(prefix, layer, mesh.pp_rank, layout, mesh.pp)
             )
         if experts_only:
             continue
@@ -170,19 +178,31 @@ def export_hf_tensors(
             continue
         if layer is not None:
             yield from layer_to_hf(merged, layout, layer).items()
+            if layer >= layout.num_layers:  # the MTP module's copies of the embedding and the head
+                for copy, own in mtp_shared_copies(layout, layer).items():
+                    yield copy, own_tensors[own].clone()
         elif "embedding.word_embeddings.weight" in merged:
-            yield "model.embed_tokens.weight", merged["embedding.word_embeddings.weight"][: layout.vocab_size]
+            own_tensors["model.embed_tokens.weight"] = merged["embedding.word_embeddings.weight"][
+                : layout.vocab_size
+            ]
+            yield "model.embed_tokens.weight", own_tensors["model.embed_tokens.weight"]
         else:
             yield "model.norm.weight", merged["decoder.final_layernorm.weight"]
             if "output_layer.weight" in merged:
-                yield "lm_head.weight", merged["output_layer.weight"][: layout.vocab_size]
+                own_tensors["lm_head.weight"] = merged["output_layer.weight"][: layout.vocab_size]
+                yield "lm_head.weight", own_tensors["lm_head.weight"]
 
 
 def export_hf_buckets(
-    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int, every_rank: bool = False
+    local: State,
+    layout: Layout,
+    mesh: Mesh,
+    bucket_bytes: int,
+    every_rank: bool = False,
+    with_mtp: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """export_hf_tensors in buckets of at most `bucket_bytes` (every rank must iterate)."""
-    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank), bucket_bytes)
+    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank, with_mtp), bucket_bytes)
 
 
 def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix: str) -> State:
@@ -193,7 +213,7 @@ def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix
     out: State = {}
     for which in (0, 1):  # fc1, fc2
         names = [expert_names(layout, layer, e)[which] for e in range(per)]
-        local_names = [n.replace(f"decoder.layers.{layer}.", prefix, 1) for n in names]
+        local_names = [n.replace(layer_prefix(layout, layer), prefix, 1) for n in names]
         stacked = torch.stack([local[n] for n in local_names])
         if mesh.etp > 1:
             parts = [torch.empty_like(stacked) for _ in range(mesh.etp)]

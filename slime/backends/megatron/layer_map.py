@@ -24,6 +24,14 @@ its own, slime's: GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`):
                     mlp.experts.* (convert.expert_names), mlp.shared_experts.linear_fc1 / fc2
     norms           input_layernorm, pre_mlp_layernorm (TE: folded into linear_qkv / linear_fc1),
                     post_self_attn_layernorm, post_mlp_layernorm (GLM-4's sandwich norms)
+
+Multi-token prediction (`Layout.mtp_layers`, DeepSeek-V3 / GLM-4.5+'s MTP modules) is numbered on
+after the decoder: HF layer `num_layers + k` is megatron-core's `mtp.layers.{k}`, its decoder
+layer under `transformer_layer.` (with the spec of the model's last layer, as megatron-core
+builds it), beside `enorm`, `hnorm`, `eh_proj` and `final_layernorm` (HF: `shared_head.norm`).
+The HF checkpoint also stores the module's copies of the embedding and the output head
+(`embed_tokens`, `shared_head.head`), which megatron-core shares with the model's own
+(`mtp_shared_copies`).
 """
 
 from __future__ import annotations
@@ -69,9 +77,17 @@ class Pair:
         return (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
 
 
+def layer_prefix(layout: Layout, i: int) -> str:
+    """Layer i's megatron-core name prefix: a decoder layer, or past them an MTP module's layer."""
+    if i < layout.num_layers:
+        return f"decoder.layers.{i}."
+    return f"mtp.layers.{i - layout.num_layers}.transformer_layer."
+
+
 def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pair]:
-    """Layer i's tensors; of a MoE layer only `experts` (global ids; None: all)."""
-    src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+    """Layer i's tensors (i >= num_layers: MTP module i - num_layers, with its own tensors); of a
+    MoE layer only `experts` (global ids; None: all)."""
+    src, dst = f"model.layers.{i}.", layer_prefix(layout, i)
     pairs = _attention(layout, src, dst) + _mlp(layout, i, src, dst, experts)
     h = (layout.hidden_size,)
     attn_norm, mlp_norm = norm_names(layout, i)
@@ -82,11 +98,25 @@ def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pa
             Pair(dst + "post_self_attn_layernorm.weight", (src + "post_self_attn_layernorm.weight",), (h,)),
             Pair(dst + "post_mlp_layernorm.weight", (src + "post_mlp_layernorm.weight",), (h,)),
         ]
+    if i >= layout.num_layers:  # the MTP module around the layer
+        m = f"mtp.layers.{i - layout.num_layers}."
+        pairs += [Pair(m + "enorm.weight", (src + "enorm.weight",), (h,)),
+                  Pair(m + "hnorm.weight", (src + "hnorm.weight",), (h,)),
+                  # [embedding; hidden] -> hidden, in that order in both
+                  Pair(m + "eh_proj.weight", (src + "eh_proj.weight",), ((layout.hidden_size, 2 * layout.hidden_size),)),
+                  Pair(m + "final_layernorm.weight", (src + "shared_head.norm.weight",), (h,))]  # fmt: skip
     return pairs
 
 
+def mtp_shared_copies(layout: Layout, i: int) -> dict[str, str]:
+    """MTP layer i's HF copies of the model's embedding and output head (HF name -> the model's)."""
+    head = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
+    return {f"model.layers.{i}.embed_tokens.weight": "model.embed_tokens.weight",
+            f"model.layers.{i}.shared_head.head.weight": head}  # fmt: skip
+
+
 def norm_names(layout: Layout, i: int) -> tuple[str, str]:
-    p = f"decoder.layers.{i}."
+    p = layer_prefix(layout, i)
     if layout.fold_norms:
         # A MoE layer keeps a norm of its own before the router (no fused linear to fold it into).
         mlp = p + ("pre_mlp_layernorm.weight" if layout.is_moe(i) else "mlp.linear_fc1.layer_norm_weight")
@@ -155,7 +185,7 @@ def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[P
 def expert_names(layout: Layout, layer: int, expert: int) -> tuple[str, str]:
     """(fc1, fc2) names of an expert of a MoE layer (`expert` numbered as the state dict does:
     globally when unsharded, from 0 on each EP rank when sharded)."""
-    p = f"decoder.layers.{layer}.mlp.experts."
+    p = layer_prefix(layout, layer) + "mlp.experts."
     if layout.grouped_experts:
         return p + f"linear_fc1.weight{expert}", p + f"linear_fc2.weight{expert}"
     return p + f"local_experts.{expert}.linear_fc1.weight", p + f"local_experts.{expert}.linear_fc2.weight"

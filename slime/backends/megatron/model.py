@@ -125,6 +125,8 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
                 if layout.last_stage_layers is not None
                 else {}
             ),
+            # multi-token prediction modules (slime.backends.megatron.mtp weighs their loss itself)
+            **({"mtp_num_layers": layout.mtp_layers} if layout.mtp_layers else {}),
             **parallel,
         },
     )
@@ -176,7 +178,8 @@ def block_spec(layout: Layout, pp: int, pp_rank: int) -> Any:
 
 
 def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any:
-    """This rank's GPTModel (its pipeline stage from megatron-core's parallel state)."""
+    """This rank's GPTModel (its pipeline stage from megatron-core's parallel state); with MTP
+    modules, slime.backends.megatron.mtp's, the modules on the last stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -185,9 +188,17 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_rank(),
     )
-    return GPTModel(
+    spec = block_spec(layout, pp, pp_rank)
+    mtp: dict[str, Any] = {}
+    cls = GPTModel
+    if layout.mtp_layers:
+        from slime.backends.megatron.mtp import mtp_block_spec, mtp_model_class
+
+        cls = mtp_model_class()
+        mtp["mtp_block_spec"] = mtp_block_spec(config, spec, layout.fold_norms)
+    return cls(
         config,
-        block_spec(layout, pp, pp_rank),
+        spec,
         vocab_size=layout.padded_vocab_size(tp),
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -196,6 +207,7 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
         rotary_percent=layout.rotary_percent,
+        **mtp,
     )
 
 

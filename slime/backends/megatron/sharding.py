@@ -29,7 +29,8 @@ from slime.backends.megatron.convert import (
 
 _SPLIT_ROWS = re.compile(
     r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)"
-    r"|linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight)$"  # MLA: whole heads per rank
+    r"|linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight"  # MLA: whole heads per rank
+    r"|eh_proj\.weight)$"  # MTP's projection: a column-parallel linear
 )
 _MLA_DOWN = re.compile(r"(linear_q_down_proj|linear_kv_down_proj)\.weight$")
 """MLA's latent projections: split by rows (and gathered) in megatron-core's local spec,
@@ -118,7 +119,7 @@ def split_experts(state: State, layout: Layout, ep: int, etp: int) -> dict[tuple
     per = layout.num_experts // ep if layout.num_experts else 1
     out: dict[tuple[int, int], State] = {(r, t): {} for r in range(ep) for t in range(etp)}
     for name, tensor in state.items():
-        parsed = parse_expert(name)
+        parsed = parse_expert(name, layout)
         if parsed is None:
             continue
         layer, e, which = parsed
@@ -135,7 +136,7 @@ def merge_experts(parts: Mapping[tuple[int, int], State], layout: Layout) -> Sta
     per = layout.num_experts // ep
     out: State = {}
     for name in parts[(0, 0)]:
-        parsed = parse_expert(name)
+        parsed = parse_expert(name, layout)
         if parsed is None:
             continue
         layer, e, which = parsed
@@ -249,6 +250,9 @@ def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int
         keep(embedding_to_megatron(hf, layout, tp))
     for i in layers:
         keep(layer_to_megatron(hf, layout, i, mine_experts), layers.start)
+    if pp_rank == pp - 1:  # MTP modules: on the last stage, named as they are (megatron-core)
+        for i in range(layout.num_layers, layout.num_layers + layout.mtp_layers):
+            keep(layer_to_megatron(hf, layout, i, mine_experts))
     if pp_rank == pp - 1:  # without `lm_head` only the final norm (a critic's head is its own)
         final = final_to_megatron(hf, layout, tp, lm_head)
         if lm_head and layout.tied_embeddings and pp > 1:  # the last stage's copy of the embedding (split_pp)

@@ -1,0 +1,185 @@
+"""Multi-token prediction (MTP) in the Megatron backend: `--mtp-num-layers N` builds megatron-core's
+MTP block (DeepSeek-V3's and GLM-4.5+'s MTP modules, loaded from the checkpoint's extra layers:
+slime.backends.megatron.layer_map), and `--enable-mtp-training` trains it, as slime does:
+
+- module k (k = 1..N) predicts token i + k + 1 at position i, from the previous depth's hidden
+  state (the decoder's for k = 1) and token i + k's embedding (megatron-core's
+  MultiTokenPredictionLayer, with the model's embedding and output head);
+- its loss is the cross entropy at temperature 1 on the response tokens the policy loss counts
+  (the sample's loss mask, moved onto the predicted token), averaged over the micro-batch's
+  tokens, then over the step's micro-batches and the data-parallel ranks, times
+  `--mtp-loss-scaling-factor / N` (slime's weighting: megatron-core's per-micro-batch mean);
+- it is added to the policy loss's gradient (its backward reaches the MTP modules and, through
+  the hidden states and the embedding, the model), not to the policy loss's value; the step
+  metrics report `mtp_loss` (all depths) and `mtp_{k}_loss` as slime logs them.
+
+Without `--enable-mtp-training` the modules are loaded, saved and exported with the model but
+neither run nor trained (their parameters are frozen). Log-prob passes never run them. No engine
+here runs MTP modules (speculative decoding), so the weight push leaves them out.
+
+megatron-core 0.16's GPTModel computes the MTP loss only beside the language-model loss (it wants
+`labels` and then returns the loss, not logits); the actor needs the logits (its own
+temperature-scaled log-probs and entropy), so `mtp_model_class` gives a GPTModel whose
+post-processing runs the MTP block, attaches its loss and returns the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MTPObjective:
+    """What the model's post-processing needs for the MTP loss of the micro-batch it runs, and
+    what it reports back (set by the actor before each training pass)."""
+
+    vocab_size: int
+    tp_rank: int
+    tp: int
+    tp_group: Any
+    scale: float = 0.0
+    """Each depth's token-mean loss is weighted by this (0: the MTP block is not run)."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Per depth: the sum over the pass's micro-batches of the token-mean loss times `metric_scale`."""
+    metric_scale: float = 0.0
+
+    def begin(self, num_micro_batches: int, dp_size: int, factor: float, depths: int) -> None:
+        """A training step's pass over `num_micro_batches` micro-batches on this rank: each
+        micro-batch's token-mean loss weighs factor / depths / (micro-batches x DP ranks)."""
+        share = 1.0 / (max(num_micro_batches, 1) * dp_size)
+        self.scale, self.metric_scale, self.losses = factor / depths * share, share, []
+
+    def end(self) -> dict[str, torch.Tensor]:
+        """The step's metric sums (summed over the replicas they are slime's means), and no MTP
+        run until the next `begin`."""
+        self.scale = 0.0
+        out = {f"mtp_{d + 1}_loss": loss for d, loss in enumerate(self.losses)}
+        if self.losses:
+            out["mtp_loss"] = sum(self.losses, torch.zeros((), dtype=torch.float64))
+        return out
+
+    def record(self, depth: int, loss: torch.Tensor) -> None:
+        value = loss.detach().double().cpu() * self.metric_scale
+        if depth < len(self.losses):
+            self.losses[depth] = self.losses[depth] + value
+        else:
+            self.losses.append(value)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """`output` unchanged forward; backward also starts `loss`'s gradient (weight 1). megatron-core's
+    MTPLossAutoScaler does this with a class-wide scale its schedule sets per loss mode; the
+    weight here is in the loss already (MTPObjective.scale)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def token_loss_mask(mb: Any) -> torch.Tensor:
+    """[rows, length] float over the micro-batch's input ids: each response token's loss-mask value
+    at the token's own place (0 on prompts and padding), slime's `full_loss_masks`."""
+    from slime.backends.micro_batch import MicroBatch
+
+    assert isinstance(mb, MicroBatch)
+    rows, cols, _ = mb.predictions()
+    values = torch.cat([mb.loss_mask[row, :r] for row, r in enumerate(mb.response_lengths)])
+    out = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=mb.input_ids.device)
+    return out.index_put((rows, cols + 1), values.to(out.device))
+
+
+def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], labels: torch.Tensor,
+                mask: torch.Tensor, packed: Any, output_weight: Any) -> torch.Tensor:  # fmt: skip
+    """The decoder's hidden states with each depth's weighted loss attached (its backward)."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+
+    objective: MTPObjective = model.mtp_objective
+    cp = getattr(model, "cp_group", None)
+    # token-aligned -> aligned with the next-token labels, then one more place per depth
+    labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
+    mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
+    for depth, states in enumerate(depths):
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
+        mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
+        logits, _ = model.output_layer(states, weight=output_weight)  # [s, b, padded vocab / TP]
+        log_probs, _ = vocab_parallel_log_probs(logits.transpose(0, 1).float(), labels, objective.vocab_size,
+                                                objective.tp_rank, objective.tp, objective.tp_group)  # fmt: skip
+        loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+        objective.record(depth, loss)
+        hidden = _AttachLoss.apply(hidden, objective.scale * loss)
+    return hidden
+
+
+@functools.cache
+def mtp_model_class() -> type:
+    """megatron-core's GPTModel whose post-processing (with an MTP block) runs the block and
+    attaches its loss when `labels` (the input ids) are given and `mtp_objective.scale` is set,
+    and always returns the logits ([batch, sequence, padded vocabulary / TP])."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    class MTPGPTModel(GPTModel):  # type: ignore[misc, valid-type]
+        mtp_objective: MTPObjective | None = None
+
+        def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         labels: torch.Tensor | None, rotary_pos_emb: Any, rotary_pos_cos: Any, rotary_pos_sin: Any,
+                         mtp_in_postprocess: Any = None, loss_mask: torch.Tensor | None = None,
+                         attention_mask: Any = None, packed_seq_params: Any = None, sequence_len_offset: Any = None,
+                         extra_block_kwargs: Any = None, **_: Any) -> torch.Tensor:  # fmt: skip
+            output_weight = (
+                self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            )
+            objective = self.mtp_objective
+            if mtp_in_postprocess and labels is not None and objective is not None and objective.scale:
+                stacked = self.mtp(
+                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                    attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                    sequence_len_offset=sequence_len_offset, embedding=self.embedding, **(extra_block_kwargs or {}),
+                )  # fmt: skip
+                hidden_states, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
+                assert loss_mask is not None
+                hidden_states = _mtp_losses(self, hidden_states, depths, labels, loss_mask, packed_seq_params,
+                                            output_weight)  # fmt: skip
+            if not self.post_process:
+                return hidden_states
+            logits, _ = self.output_layer(hidden_states, weight=output_weight)
+            return logits.transpose(0, 1).contiguous()
+
+    return MTPGPTModel
+
+
+def mtp_block_spec(config: Any, spec: Any, fold_norms: bool) -> Any:
+    """megatron-core's MTP block spec from the decoder's (its last layer's spec)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=fold_norms)
+
+
+def attach(model: Any, layout: Any, mesh: Any, train: bool) -> None:
+    """The model's MTP objective when `train` (--enable-mtp-training); else its MTP modules kept
+    as loaded: no gradient, so no optimizer step moves them."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:  # not the last pipeline stage
+        return
+    if train:
+        model.mtp_objective = MTPObjective(layout.vocab_size, mesh.tp_rank, mesh.tp, mesh.tp_group)
+    else:
+        for p in mtp.parameters():
+            p.requires_grad_(False)
+
+
+def objective(model: Any) -> MTPObjective | None:
+    """The model's MTP objective (None: no MTP modules trained on this rank)."""
+    return getattr(model, "mtp_objective", None)
