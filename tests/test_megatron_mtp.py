@@ -1,0 +1,196 @@
+"""Multi-token prediction (slime.backends.megatron.mtp) from `make_tiny_model --mtp-layers 1`:
+the MTP modules convert HF <-> Megatron bitwise through TP/EP splits; megatron-core's MTP block
+on converted weights gives the loss of a reference built from transformers' own layers (the
+model's hidden states, the next token's embedding, enorm / hnorm / eh_proj, the checkpoint's
+extra decoder layer, shared_head.norm and the output head), padded and packed, on one rank and
+over TP x EP; the actor trains the modules only with --enable-mtp-training, reports slime's
+metrics and pushes without them; the flags are refused where nothing is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_model
+from tests.dist_helpers import run_ranks
+
+FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {a: make_model(str(root / a), 0, "--arch", a, "--hidden-size", "64", "--num-layers", "3",
+                          "--mtp-layers", "1") for a in FAMILIES}  # fmt: skip
+
+
+def _hf(path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path), load_file(f"{path}/model.safetensors")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_mtp_modules_convert_bitwise_both_ways_through_tp_and_ep(mtp_models, arch):
+    from slime.backends.megatron.convert import Layout, hf_to_megatron, is_expert, megatron_to_hf
+    from slime.backends.megatron.sharding import hf_to_megatron_shard, merge_experts, merge_tp, split_tp
+
+    config, hf = _hf(mtp_models[arch])
+    layout = Layout.from_hf_config(config, mtp_layers=1)
+    mc = hf_to_megatron(hf, layout, 2)
+    mtp = {k for k in mc if k.startswith("mtp.layers.0.")}
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.mlp.router.weight"} <= mtp  # fmt: skip
+    back = megatron_to_hf(mc, layout)
+    assert set(back) == set(hf)  # the module's copies of the embedding and the head included
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+    # TP 2 x EP 2: the four ranks' shards (read layer by layer) join into the unsharded state
+    shards = {(t, e): hf_to_megatron_shard(hf, layout, 2, 1, t, 0, 2, 1, e, 0) for t in range(2) for e in range(2)}
+    dense = merge_tp([{k: v for k, v in shards[(t, 0)].items() if not is_expert(k)} for t in range(2)], layout)
+    experts = merge_experts({(e, 0): shards[(0, e)] for e in range(2)}, layout)
+    assert set(dense) | set(experts) == set(mc)
+    for name, t in {**dense, **experts}.items():
+        assert torch.equal(t, mc[name]), name
+    assert split_tp({"mtp.layers.0.eh_proj.weight": mc["mtp.layers.0.eh_proj.weight"]}, layout, 2)[1][
+        "mtp.layers.0.eh_proj.weight"
+    ].shape == (32, 128)  # a column-parallel linear: rows split
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_mtp_loss(path: str, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """The depth-1 MTP loss of one sequence `ids` ([1, s]) from transformers' layers: at position
+    i, eh_proj([enorm(embed(token i+1)); hnorm(h_i)]) through the checkpoint's layer L, then
+    shared_head.norm and the head; cross entropy against token i+2, weighted by `mask` (token
+    aligned) at i+2, averaged over its weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, hf = _hf(path)
+    L, eps = config.num_hidden_layers, config.rms_norm_eps
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    deeper_config = AutoConfig.from_pretrained(path)
+    deeper_config.num_hidden_layers = L + 1
+    if getattr(deeper_config, "mlp_layer_types", None):
+        deeper_config.mlp_layer_types = [*deeper_config.mlp_layer_types, "sparse"]
+    deeper = AutoModelForCausalLM.from_pretrained(path, config=deeper_config, dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()  # fmt: skip
+    mtp_layer = deeper.model.layers[L]
+    p = f"model.layers.{L}."
+    s = ids.shape[1]
+    with torch.no_grad():
+        h = model.model(ids).last_hidden_state
+        nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        e = model.model.embed_tokens(nxt)
+        x = torch.cat([_rms(e, hf[p + "enorm.weight"], eps), _rms(h, hf[p + "hnorm.weight"], eps)], dim=-1)
+        x = x @ hf[p + "eh_proj.weight"].T
+        pos = torch.arange(s).unsqueeze(0)
+        y = mtp_layer(x, attention_mask=None, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        logits = model.lm_head(_rms(y, hf[p + "shared_head.norm.weight"], eps))[0]
+    targets, weights = ids[0, 2:], mask[0, 2:]
+    ce = -torch.log_softmax(logits[: s - 2], dim=-1).gather(1, targets[:, None])[:, 0]
+    return float((ce * weights).sum() / weights.sum())
+
+
+def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
+    """megatron-core's depth-1 MTP loss (the objective's metric) of two samples in one micro-batch."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from slime.backends.megatron import cpu_shim, mtp
+    from slime.backends.megatron.convert import Layout
+    from slime.backends.megatron.export import Mesh
+    from slime.backends.megatron.model import build_gpt_model, transformer_config
+    from slime.backends.megatron.sharding import hf_to_megatron_shard
+    from slime.backends.micro_batch import make_micro_batch
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1)  # fmt: skip
+    cpu_shim.enable()
+    cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
+    config, hf = _hf(path)
+    layout = Layout.from_hf_config(config, mtp_layers=1)
+    mc = transformer_config(layout, config, cpu_init=True, tensor_model_parallel_size=tp,
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=1, variable_seq_lengths=True,
+                            moe_token_dispatcher_type="alltoall")  # fmt: skip
+    model = build_gpt_model(layout, config, mc, tp)
+    shard = hf_to_megatron_shard(hf, layout, tp, 1, ps.get_tensor_model_parallel_rank(), 0, ep, 1,
+                                 ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
+    missing = model.load_state_dict(shard, strict=False).missing_keys
+    assert not [k for k in missing if not k.endswith("._extra_state")], missing
+    mesh = Mesh.from_parallel_state()
+    mtp.attach(model, layout, mesh, train=True)
+    model.eval()
+    objective = mtp.objective(model)
+    torch.manual_seed(1)
+    tokens = [torch.randint(3, config.vocab_size, (n,)).tolist() for n in (9, 7)]
+    responses, masks = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
+    mb = make_micro_batch([0, 1], tokens, responses, masks, torch.device("cpu"), packed)
+    objective.begin(1, 1, 0.2, 1)
+    kwargs = {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
+        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                      max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        positions = mb.position_ids
+    else:
+        positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)
+    with torch.no_grad():
+        logits = model(mb.input_ids, positions, None, **kwargs)
+    metrics = objective.end()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    full_masks = [mtp.token_loss_mask(make_micro_batch([i], tokens, responses, masks, torch.device("cpu")))
+                  for i in range(2)]  # fmt: skip
+    return {"mtp_1_loss": float(metrics["mtp_1_loss"]), "logits_shape": tuple(logits.shape), "tokens": tokens,
+            "masks": full_masks}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch, tp, ep, packed",
+    [("deepseek_v3", 1, 1, True), ("glm4_moe_lite", 1, 1, False),
+     pytest.param("glm4_moe", 2, 2, True, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_megatron_cores_mtp_loss_is_a_reference_built_from_hf_layers(mtp_models, arch, tp, ep, packed):
+    path = mtp_models[arch]
+    out = run_ranks(max(tp, ep), _mtp_forward, path, tp, ep, packed)[0]
+    # the micro-batch's loss is the token mean over both samples' weighted targets
+    sums = []
+    for tokens, mask in zip(out["tokens"], out["masks"], strict=True):
+        ids, m = torch.tensor([tokens]), mask
+        weight = float(m[0, 2:].sum())
+        sums.append((reference_mtp_loss(path, ids, m) * weight, weight))
+    want = sum(s for s, _ in sums) / sum(w for _, w in sums)
+    assert out["mtp_1_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), (out["mtp_1_loss"], want)
+
+
+def test_token_loss_mask_puts_each_response_tokens_mask_on_the_token():
+    from slime.backends.megatron.mtp import token_loss_mask
+    from slime.backends.micro_batch import make_micro_batch
+
+    tokens = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    mb = make_micro_batch([0, 1], tokens, [3, 1], [[1, 0, 1], [1]], torch.device("cpu"))
+    assert token_loss_mask(mb).tolist() == [[0, 0, 1, 0, 1], [0, 0, 1, 0, 0]]
+    packed = make_micro_batch([0, 1], tokens, [3, 1], [[1, 0, 1], [1]], torch.device("cpu"), packed=True)
+    assert token_loss_mask(packed).tolist() == [[0, 0, 1, 0, 1, 0, 0, 1]]
+
+
+def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp_models):
+    from safetensors import safe_open
+
+    config = json.load(open(f"{mtp_models['deepseek_v3']}/config.json"))
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
+    with safe_open(f"{mtp_models['deepseek_v3']}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert torch.equal(f.get_tensor("model.layers.3.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight"))
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
+            "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names  # fmt: skip
