@@ -49,8 +49,12 @@ def test_mtp_modules_convert_bitwise_both_ways_through_tp_and_ep(mtp_models, arc
     for name, t in hf.items():
         assert torch.equal(back[name], t), name
     # TP 2 x EP 2: the four ranks' shards (read layer by layer) join into the unsharded state
-    shards = {(t, e): hf_to_megatron_shard(hf, layout, 2, 1, t, 0, 2, 1, e, 0) for t in range(2) for e in range(2)}
-    dense = merge_tp([{k: v for k, v in shards[(t, 0)].items() if not is_expert(k)} for t in range(2)], layout)
+    shards = {
+        (t, e): hf_to_megatron_shard(hf, layout, 2, 1, t, 0, 2, 1, e, 0) for t in range(2) for e in range(2)
+    }
+    dense = merge_tp(
+        [{k: v for k, v in shards[(t, 0)].items() if not is_expert(k)} for t in range(2)], layout
+    )
     experts = merge_experts({(e, 0): shards[(0, e)] for e in range(2)}, layout)
     assert set(dense) | set(experts) == set(mc)
     for name, t in {**dense, **experts}.items():
@@ -90,7 +94,9 @@ def reference_mtp_loss(path: str, ids: torch.Tensor, mask: torch.Tensor) -> floa
         x = torch.cat([_rms(e, hf[p + "enorm.weight"], eps), _rms(h, hf[p + "hnorm.weight"], eps)], dim=-1)
         x = x @ hf[p + "eh_proj.weight"].T
         pos = torch.arange(s).unsqueeze(0)
-        y = mtp_layer(x, attention_mask=None, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        y = mtp_layer(
+            x, attention_mask=None, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos)
+        )
         y = y[0] if isinstance(y, tuple) else y
         logits = model.lm_head(_rms(y, hf[p + "shared_head.norm.weight"], eps))[0]
     targets, weights = ids[0, 2:], mask[0, 2:]
@@ -133,7 +139,7 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
     tokens = [torch.randint(3, config.vocab_size, (n,)).tolist() for n in (9, 7)]
     responses, masks = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
     mb = make_micro_batch([0, 1], tokens, responses, masks, torch.device("cpu"), packed)
-    objective.begin(1, 1, 0.2, 1)
+    objective.begin(mtp.target_counts([mb], 1), 0.2)
     kwargs = {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -191,6 +197,73 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
     with safe_open(f"{mtp_models['deepseek_v3']}/model.safetensors", "pt") as f:
         names = set(f.keys())
-        assert torch.equal(f.get_tensor("model.layers.3.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight"))
+        assert torch.equal(
+            f.get_tensor("model.layers.3.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight")
+        )
     assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
             "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names  # fmt: skip
+
+
+def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1):
+    """Two rollouts of the Megatron actor with the MTP modules built (trained or kept)."""
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from tests.test_fsdp_actor import make_batch
+    from tests.test_megatron_actor import config, exported
+
+    cfg = config(path)
+    megatron = dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=train_mtp,
+                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
+    cfg = dataclasses.replace(cfg, megatron=megatron)
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    before = {k: v.clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    lp = actor.compute_log_probs(make_batch(0))
+    outputs = [actor.train(r, make_batch(r)) for r in range(2)]
+    after = {k: v.clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    pushed = set(exported(actor))
+    shapes = set(actor.weight_shapes())
+    saved = {n for b in actor.export_weights(1 << 30, with_mtp=True) for n, _ in b}
+    actor.close()
+    return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed, "shapes": shapes,
+            "saved": saved}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_actor_trains_the_mtp_modules_only_when_asked_and_pushes_without_them(mtp_models):
+    path = mtp_models["deepseek_v3"]
+    kept = run_ranks(1, _actor_run, path, False)[0]
+    trained = run_ranks(1, _actor_run, path, True)[0]
+    plain_config, hf = _hf(path)
+    # the log-prob passes never run the modules: the same log-probs with them built or not
+    assert kept["lp"] == trained["lp"]
+    # kept: not a bit moved, no MTP metrics; trained: every module tensor the loss reaches moved
+    assert all(torch.equal(kept["before"][k], kept["after"][k]) for k in kept["before"])
+    moved = [k for k in trained["before"] if not torch.equal(trained["before"][k], trained["after"][k])]
+    assert "mtp.layers.0.eh_proj.weight" in moved and "mtp.layers.0.enorm.weight" in moved
+    assert not any("mtp_loss" in s for o in kept["outputs"] for s in o)
+    steps = [s for o in trained["outputs"] for s in o]
+    losses = [s["mtp_loss"] for s in steps if "mtp_loss" in s]
+    assert losses and all(0 < x < 10 for x in losses), steps
+    assert all(s["mtp_loss"] == pytest.approx(s["mtp_1_loss"]) for s in steps if "mtp_loss" in s)
+    # the push (and the engine's shapes) leave the modules out; the HF export has them, as the checkpoint
+    mtp_hf = {k for k in hf if k.startswith(f"model.layers.{plain_config.num_hidden_layers}.")}
+    for run in (kept, trained):
+        assert run["pushed"] == run["shapes"] == set(hf) - mtp_hf
+        assert run["saved"] == set(hf)
+
+
+@pytest.mark.slow
+def test_mtp_training_on_two_expert_parallel_ranks_is_like_one(mtp_models):
+    path = mtp_models["glm4_moe"]
+    one = run_ranks(1, _actor_run, path, True)[0]
+    two = run_ranks(2, _actor_run, path, True, 2)
+    for k, v in one["after"].items():
+        torch.testing.assert_close(
+            two[0]["after"][k], v, rtol=1e-4, atol=1e-5
+        ) if "experts" not in k else None
+    steps_one = [s for o in one["outputs"] for s in o]
+    steps_two = [s for o in two[0]["outputs"] for s in o]
+    for a, b in zip(steps_one, steps_two, strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-4)

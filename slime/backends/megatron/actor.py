@@ -399,10 +399,11 @@ class MegatronTrainActor(TrainActorBase):
         mbs = self._micro_batches(batch, [step])
         states = self._routing_states(mbs, step=step)
         objective = mtp.objective(self.model)
-        if objective is not None:
-            objective.begin(
-                len(mbs), self.dp_size, self.cfg.megatron.mtp_loss_scaling_factor, self.layout.mtp_layers
-            )
+        if objective is not None:  # the step's MTP targets over every replica (mtp.py)
+            counts = mtp.target_counts(mbs, self.layout.mtp_layers).to(self.device)
+            if self.dp_size > 1:
+                dist.all_reduce(counts, group=self.dp_group)
+            objective.begin(counts.cpu(), self.cfg.megatron.mtp_loss_scaling_factor)
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if objective is not None:
             sums.update(objective.end())

@@ -6,9 +6,11 @@ slime.backends.megatron.layer_map), and `--enable-mtp-training` trains it, as sl
   state (the decoder's for k = 1) and token i + k's embedding (megatron-core's
   MultiTokenPredictionLayer, with the model's embedding and output head);
 - its loss is the cross entropy at temperature 1 on the response tokens the policy loss counts
-  (the sample's loss mask, moved onto the predicted token), averaged over the micro-batch's
-  tokens, then over the step's micro-batches and the data-parallel ranks, times
-  `--mtp-loss-scaling-factor / N` (slime's weighting: megatron-core's per-micro-batch mean);
+  (the sample's loss mask, moved onto the predicted token), averaged over the optimizer step's
+  tokens (every micro-batch of every data-parallel rank), times `--mtp-loss-scaling-factor / N`.
+  slime (megatron-core) averages each micro-batch's tokens and then the micro-batches, which
+  weighs a token by the size of the micro-batch it landed in; one mean over the step's tokens
+  gives the same loss however the step is split over ranks and micro-batches;
 - it is added to the policy loss's gradient (its backward reaches the MTP modules and, through
   the hidden states and the embedding, the model), not to the policy loss's value; the step
   metrics report `mtp_loss` (all depths) and `mtp_{k}_loss` as slime logs them.
@@ -41,29 +43,34 @@ class MTPObjective:
     tp_rank: int
     tp: int
     tp_group: Any
-    scale: float = 0.0
-    """Each depth's token-mean loss is weighted by this (0: the MTP block is not run)."""
+    scales: list[float] = field(default_factory=list)
+    """Per depth: the weight of one target token's cross entropy (none: the MTP block is not run)."""
+    metric_scales: list[float] = field(default_factory=list)
+    """Per depth: 1 / the step's target tokens (the metric is their mean)."""
     losses: list[torch.Tensor] = field(default_factory=list)
-    """Per depth: the sum over the pass's micro-batches of the token-mean loss times `metric_scale`."""
-    metric_scale: float = 0.0
 
-    def begin(self, num_micro_batches: int, dp_size: int, factor: float, depths: int) -> None:
-        """A training step's pass over `num_micro_batches` micro-batches on this rank: each
-        micro-batch's token-mean loss weighs factor / depths / (micro-batches x DP ranks)."""
-        share = 1.0 / (max(num_micro_batches, 1) * dp_size)
-        self.scale, self.metric_scale, self.losses = factor / depths * share, share, []
+    def begin(self, counts: torch.Tensor, factor: float) -> None:
+        """A training step: `counts[d]`, the step's target tokens at depth d over every rank."""
+        depths = counts.numel()
+        self.metric_scales = [1.0 / max(float(c), 1.0) for c in counts]
+        self.scales = [factor / depths * m for m in self.metric_scales]
+        self.losses = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.scales)
 
     def end(self) -> dict[str, torch.Tensor]:
-        """The step's metric sums (summed over the replicas they are slime's means), and no MTP
-        run until the next `begin`."""
-        self.scale = 0.0
+        """The step's metric sums (summed over the replicas: the step's means, as slime names
+        them), and no MTP run until the next `begin`."""
+        self.scales = []
         out = {f"mtp_{d + 1}_loss": loss for d, loss in enumerate(self.losses)}
         if self.losses:
             out["mtp_loss"] = sum(self.losses, torch.zeros((), dtype=torch.float64))
         return out
 
     def record(self, depth: int, loss: torch.Tensor) -> None:
-        value = loss.detach().double().cpu() * self.metric_scale
+        value = loss.detach().double().cpu() * self.metric_scales[depth]
         if depth < len(self.losses):
             self.losses[depth] = self.losses[depth] + value
         else:
@@ -98,6 +105,19 @@ def token_loss_mask(mb: Any) -> torch.Tensor:
     return out.index_put((rows, cols + 1), values.to(out.device))
 
 
+def target_counts(mbs: list[Any], depths: int) -> torch.Tensor:
+    """[depths]: the micro-batches' target tokens at each depth (depth d's target of position i is
+    token i + d + 2 of the same sample, weighted by its loss mask)."""
+    counts = torch.zeros(depths, dtype=torch.float64)
+    for mb in mbs:
+        flat = token_loss_mask(mb).flatten().double().cpu()
+        for start, p, r in zip(mb.token_starts(), mb.prompt_lengths, mb.response_lengths, strict=True):
+            sample = flat[start : start + p + r]
+            for d in range(depths):
+                counts[d] += sample[d + 2 :].sum()
+    return counts
+
+
 def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], labels: torch.Tensor,
                 mask: torch.Tensor, packed: Any, output_weight: Any) -> torch.Tensor:  # fmt: skip
     """The decoder's hidden states with each depth's weighted loss attached (its backward)."""
@@ -116,9 +136,9 @@ def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], la
         logits, _ = model.output_layer(states, weight=output_weight)  # [s, b, padded vocab / TP]
         log_probs, _ = vocab_parallel_log_probs(logits.transpose(0, 1).float(), labels, objective.vocab_size,
                                                 objective.tp_rank, objective.tp, objective.tp_group)  # fmt: skip
-        loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+        loss = -(log_probs * mask).sum()
         objective.record(depth, loss)
-        hidden = _AttachLoss.apply(hidden, objective.scale * loss)
+        hidden = _AttachLoss.apply(hidden, objective.scales[depth] * loss)
     return hidden
 
 
@@ -141,7 +161,7 @@ def mtp_model_class() -> type:
                 self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
             )
             objective = self.mtp_objective
-            if mtp_in_postprocess and labels is not None and objective is not None and objective.scale:
+            if mtp_in_postprocess and labels is not None and objective is not None and objective.active:
                 stacked = self.mtp(
                     input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
                     attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
