@@ -9,12 +9,14 @@ metrics and pushes without them; the flags are refused where nothing is built.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from tests.conftest import make_model
 from tests.dist_helpers import run_ranks
+from tests.test_loop_e2e import prompts  # noqa: F401 - a fixture
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
@@ -267,3 +269,57 @@ def test_mtp_training_on_two_expert_parallel_ranks_is_like_one(mtp_models):
     steps_two = [s for o in two[0]["outputs"] for s in o]
     for a, b in zip(steps_one, steps_two, strict=True):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-4)
+
+
+def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model, tmp_path, capsys):
+    from slime.ray.cli import parse_args
+    from tests.test_flag_surface import base, error
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    model = mtp_models["deepseek_v3"]
+    cfg = parse_args(base(model, str(data), "--train-backend", "megatron", "--mtp-num-layers", "1",
+                          "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.1"))  # fmt: skip
+    m = cfg.train.megatron
+    assert (m.mtp_num_layers, m.enable_mtp_training, m.mtp_loss_scaling_factor) == (1, True, 0.1)
+    cases = [
+        (["--train-backend", "fsdp", "--mtp-num-layers", "1"], "multi-token prediction modules are built by the Megatron"),
+        (["--train-backend", "megatron", "--enable-mtp-training"], "give --mtp-num-layers N"),
+        (["--train-backend", "megatron", "--mtp-num-layers", "2"], "num_nextn_predict_layers"),
+        (["--train-backend", "megatron", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
+          "--actor-num-gpus-per-node", "2"], "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        assert message in error(capsys, base(model, str(data), *extra)), extra
+    # a checkpoint without MTP modules
+    assert "this model has none" in error(capsys, base(tiny_model, str(data), "--train-backend", "megatron",
+                                                       "--mtp-num-layers", "1"))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(mtp_models, prompts, tmp_path):  # noqa: F811
+    from safetensors import safe_open
+
+    from tests.test_loop_e2e import run_job
+
+    model = mtp_models["deepseek_v3"]
+    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
+                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01", "--actor-num-gpus-per-node", "2",
+                   "--train-backend", "megatron", "--expert-model-parallel-size", "2", "--mtp-num-layers", "1",
+                   "--enable-mtp-training", "--save-hf", str(tmp_path / "hf"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
+    assert checks and all(c["ok"] is not False for c in checks), checks
+    with safe_open(f"{model}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    mtp = {n for n in names if n.startswith("model.layers.3.")}
+    synced = [int(n) for n in re.findall(r"--check-weight-sync: (\d+) tensors match on every engine", out)]
+    assert len(synced) >= 2 and set(synced) == {len(names - mtp)}, synced
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/mtp_loss" in r for r in records), records[-1]
+    saved = list((tmp_path / "hf").glob("**/model*.safetensors"))
+    assert saved
+    with safe_open(str(saved[0]), "pt") as f:
+        assert mtp <= set(f.keys())

@@ -92,6 +92,7 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
                 AutoConfig.from_pretrained(ns.hf_checkpoint),
                 ns.make_vocab_size_divisible_by,
                 stages=megatron.stage_layers,
+                mtp_layers=megatron.mtp_num_layers or 0,
             )
             layout.check_parallel(
                 megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
