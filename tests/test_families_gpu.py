@@ -197,3 +197,65 @@ def test_a_family_grpo_job_on_cuda_passes_the_step_0_gates(family_models, prompt
     with safe_open(f"{model}/model.safetensors", "pt") as f:
         assert len(synced) >= 2 and set(synced) == {len(f.keys())}, synced
     assert set(re.findall(r"weight_version \d+ via ([a-z_]+)", out)) == {"cuda_ipc"}, out[-3000:]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
+    tmp_path, megatron_on_cuda, packed
+):
+    """slime.backends.megatron.mtp on CUDA (megatron-core's MTP block unpatched, float32, TF32
+    off): the depth-1 MTP loss of two samples equals the reference from transformers' layers on CPU."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from slime.backends.megatron import mtp
+    from slime.backends.megatron.convert import Layout, hf_to_megatron
+    from slime.backends.megatron.export import Mesh
+    from slime.backends.megatron.model import build_gpt_model, transformer_config
+    from slime.backends.micro_batch import make_micro_batch
+    from tests.conftest import make_model
+    from tests.test_megatron_gpu import no_tf32
+    from tests.test_megatron_mtp import reference_mtp_loss
+
+    path = make_model(str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3",
+                      "--mtp-layers", "1")  # fmt: skip
+    model_parallel_cuda_manual_seed(0)
+    config = AutoConfig.from_pretrained(path)
+    layout = Layout.from_hf_config(config, mtp_layers=1)
+    mc = transformer_config(layout, config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            moe_token_dispatcher_type="alltoall", variable_seq_lengths=True)  # fmt: skip
+    model = build_gpt_model(layout, config, mc, tp=1).cuda().eval()
+    state = {
+        k: v.cuda() for k, v in hf_to_megatron(load_file(f"{path}/model.safetensors"), layout, 1).items()
+    }
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert not [k for k in missing if not k.endswith("._extra_state")], missing
+    mtp.attach(model, layout, Mesh.from_parallel_state(), train=True)
+    torch.manual_seed(1)
+    tokens = [torch.randint(3, config.vocab_size, (n,)).tolist() for n in (9, 7)]
+    responses, masks = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
+    mb = make_micro_batch([0, 1], tokens, responses, masks, torch.device("cuda"), packed)
+    objective = mtp.objective(model)
+    objective.begin(mtp.target_counts([mb], 1), 0.2)
+    kwargs = {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}
+    if packed:
+        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
+        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                      max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        positions = mb.position_ids
+    else:
+        positions = torch.arange(mb.input_ids.shape[1], device="cuda").expand_as(mb.input_ids)
+    with no_tf32(), torch.no_grad():
+        model(mb.input_ids, positions, None, **kwargs)
+    got = float(objective.end()["mtp_1_loss"])
+    parts = []
+    for i in range(2):
+        full = mtp.token_loss_mask(make_micro_batch([i], tokens, responses, masks, torch.device("cpu")))
+        weight = float(full[0, 2:].sum())
+        parts.append((reference_mtp_loss(path, torch.tensor([tokens[i]]), full) * weight, weight))
+    want = sum(s for s, _ in parts) / sum(w for _, w in parts)
+    print(f"deepseek_v3 MTP loss on cuda ({'packed' if packed else 'padded'}): {got:.7f}, reference {want:.7f}, "
+          f"relative {abs(got - want) / want:.2g}")  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
