@@ -226,7 +226,7 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1):
     after = {k: v.clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     pushed = set(exported(actor))
     shapes = set(actor.weight_shapes())
-    saved = {n for b in actor.export_weights(1 << 30, with_mtp=True) for n, _ in b}
+    saved = {n for n, _ in actor.hf_tensors()}
     actor.close()
     return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed, "shapes": shapes,
             "saved": saved}  # fmt: skip

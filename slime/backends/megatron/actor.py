@@ -29,7 +29,7 @@ from slime.backends import hf_checkpoint
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads, mtp
 from slime.backends.megatron.convert import Layout, State
-from slime.backends.megatron.export import Mesh, export_hf_buckets, meta_hf_state
+from slime.backends.megatron.export import Mesh, export_hf_buckets, export_hf_tensors, meta_hf_state
 from slime.backends.megatron.logprobs import vocab_parallel_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
@@ -469,16 +469,20 @@ class MegatronTrainActor(TrainActorBase):
             self.rollout_id = rollout_id
         return rollout_id
 
-    def save_hf(self, path: str) -> None:  # with the MTP modules, which a push leaves out
-        mckpt.save_hf_from_actor(
-            self, path, tensors=(t for b in self.export_weights(2 << 30, with_mtp=True) for t in b)
-        )
+    def save_hf(self, path: str) -> None:
+        mckpt.save_hf_from_actor(self, path, tensors=self.hf_tensors())
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model as HF tensors on rank 0, the MTP modules included (a push leaves them
+        out: export_weights). Collective."""
+        local = {k: v.detach() for k, v in self.model_state().items()}
+        return export_hf_tensors(local, self.layout, self.mesh, with_mtp=True)
 
     def export_weights(
-        self, bucket_bytes: int, every_rank: bool = False, with_mtp: bool = False
+        self, bucket_bytes: int, every_rank: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         local = {k: v.detach() for k, v in self.model_state().items()}
-        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank, with_mtp)
+        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}

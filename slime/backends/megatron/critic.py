@@ -74,7 +74,7 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
     """A value model on Megatron ranks (module docstring)."""
 
     def _model_layout(self) -> Layout:
-        return dataclasses.replace(super()._model_layout(), tied_embeddings=False)
+        return dataclasses.replace(super()._model_layout(), tied_embeddings=False, mtp_layers=0)
 
     def _build_gpt(self, config: Any) -> Any:
         model = super()._build_gpt(config)

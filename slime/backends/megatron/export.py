@@ -194,15 +194,11 @@ def export_hf_tensors(
 
 
 def export_hf_buckets(
-    local: State,
-    layout: Layout,
-    mesh: Mesh,
-    bucket_bytes: int,
-    every_rank: bool = False,
-    with_mtp: bool = False,
+    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int, every_rank: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """export_hf_tensors in buckets of at most `bucket_bytes` (every rank must iterate)."""
-    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank, with_mtp), bucket_bytes)
+    """export_hf_tensors (the weight push: no MTP modules) in buckets of at most `bucket_bytes`
+    (every rank must iterate)."""
+    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank), bucket_bytes)
 
 
 def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix: str) -> State:
