@@ -37,7 +37,8 @@ def _hf(path):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_mtp_modules_convert_bitwise_both_ways_through_tp_and_ep(mtp_models, arch):
-    from slime.backends.megatron.convert import Layout, hf_to_megatron, is_expert, megatron_to_hf
+    from slime.backends.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+    from slime.backends.megatron.layer_map import is_expert
     from slime.backends.megatron.sharding import hf_to_megatron_shard, merge_experts, merge_tp, split_tp
 
     config, hf = _hf(mtp_models[arch])

@@ -30,7 +30,7 @@ from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads, mtp
 from slime.backends.megatron.convert import Layout, State
 from slime.backends.megatron.export import Mesh, export_hf_buckets, export_hf_tensors, meta_hf_state
-from slime.backends.megatron.logprobs import vocab_parallel_log_probs
+from slime.backends.megatron.logprobs import from_last_stage, vocab_parallel_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, padding_mask, update_expert_bias
@@ -354,22 +354,11 @@ class MegatronTrainActor(TrainActorBase):
                 routed = self.routing.recorded(state, mb.input_ids.numel(), mb.input_ids.shape[0])
                 for start, p in zip(mb.token_starts(), mb.positions):
                     self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
-        return self._from_last_stage(batch, [p for mb in mbs for p in mb.positions], out)
-
-    def _from_last_stage(
-        self, batch: RolloutBatch, positions: list[int], values: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """The last stage's per-sample values on every stage of this pipeline."""
         if self.pp == 1:
-            return values
+            return out
+        positions = [p for mb in mbs for p in mb.positions]  # the last stage's values, to every stage
         sizes = [batch.response_lengths[p] for p in positions]
-        flat = (torch.cat([values[p] for p in positions]) if self.last_stage else torch.empty(sum(sizes))).to(
-            self.device
-        )
-        from megatron.core import parallel_state as ps
-
-        dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
-        return dict(zip(positions, flat.cpu().split(sizes)))
+        return from_last_stage(out, positions, sizes, self.last_stage, self.device, self.mesh.pp_group)
 
     # ---- training ---------------------------------------------------------------------------
     def _train_step(
@@ -398,12 +387,8 @@ class MegatronTrainActor(TrainActorBase):
 
         mbs = self._micro_batches(batch, [step])
         states = self._routing_states(mbs, step=step)
-        objective = mtp.objective(self.model)
-        if objective is not None:  # the step's MTP targets over every replica (mtp.py)
-            counts = mtp.target_counts(mbs, self.layout.mtp_layers).to(self.device)
-            if self.dp_size > 1:
-                dist.all_reduce(counts, group=self.dp_group)
-            objective.begin(counts.cpu(), self.cfg.megatron.mtp_loss_scaling_factor)
+        objective = mtp.begin_step(self.model, mbs, self.cfg.megatron.mtp_loss_scaling_factor,
+                                   self.dp_group if self.dp_size > 1 else None, self.device)  # fmt: skip
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if objective is not None:
             sums.update(objective.end())

@@ -2,29 +2,14 @@
 import, runs on CPU. The TP / EP / PP resharding of these state dicts is
 slime.backends.megatron.sharding's.
 
-Megatron-side names are megatron-core's GPTModel names:
-
-    embedding.word_embeddings.weight                       [padded vocab / TP, hidden]   split dim 0
-    decoder.layers.{i}.input_layernorm.weight              local spec (TE spec: linear_qkv.layer_norm_weight)
-    decoder.layers.{i}.self_attention.linear_qkv.weight    fused QKV, grouped by query group  split dim 0
-    decoder.layers.{i}.self_attention.linear_qkv.bias      (Qwen2)                        split dim 0
-    decoder.layers.{i}.self_attention.q_layernorm.weight   (Qwen3: per-head RMSNorm)      replicated
-    decoder.layers.{i}.self_attention.k_layernorm.weight
-    decoder.layers.{i}.self_attention.linear_proj.weight   [hidden, heads * head_dim / TP] split dim 1
-    decoder.layers.{i}.pre_mlp_layernorm.weight            local spec (TE spec: linear_fc1.layer_norm_weight)
-    decoder.layers.{i}.mlp.linear_fc1.weight               [gate; up], each TP rank [gate_r; up_r]
-    decoder.layers.{i}.mlp.linear_fc2.weight               [hidden, ffn / TP]              split dim 1
-    decoder.final_layernorm.weight
-    output_layer.weight                                    [padded vocab / TP, hidden] (untied only)
-
-A mixture-of-experts layer (Qwen3-MoE) has, instead of `mlp.linear_fc1/fc2`:
-
-    decoder.layers.{i}.pre_mlp_layernorm.weight            (both specs: the MoE layer has its own norm)
-    decoder.layers.{i}.mlp.router.weight                   [experts, hidden]               replicated
-    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight   [gate; up] of expert e
-    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight   [hidden, moe ffn]
-      (megatron-core's SequentialMLP; its TEGroupedMLP names them mlp.experts.linear_fc1.weight{e}
-      and mlp.experts.linear_fc2.weight{e}, `Layout.grouped_experts`)
+Megatron-side names are megatron-core's GPTModel names: `embedding.word_embeddings.weight`
+([padded vocab / TP, hidden], split dim 0), each layer's tensors (slime.backends.megatron.layer_map,
+the one table of which HF tensors make which megatron-core tensor: fused QKV and MLA's per-head
+projections split dim 0 over TP, linear_proj and linear_fc2 dim 1, [gate; up] as [gate_r; up_r],
+norms replicated), `decoder.final_layernorm.weight` and `output_layer.weight` (untied only, as the
+embedding). A mixture-of-experts layer's experts are megatron-core's SequentialMLP
+(`mlp.experts.local_experts.{e}.linear_fc1 / fc2.weight`) or, with `Layout.grouped_experts`, its
+TEGroupedMLP (`mlp.experts.linear_fc1.weight{e}`).
 
 Experts are split over expert-parallel (EP) ranks, E / EP consecutive experts each, numbered
 from 0 on every rank, and each expert over expert-tensor-parallel (ETP) ranks as a dense MLP over
@@ -43,7 +28,6 @@ of the embedding, as megatron-core does when PP > 1).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -422,28 +406,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 # ---- HF <-> Megatron (unsharded) ------------------------------------------------------------
-
-
-_EXPERT = re.compile(
-    r"^(?:decoder\.layers\.(?P<layer>\d+)|mtp\.layers\.(?P<mtp>\d+)\.transformer_layer)\.mlp\.experts\."
-    r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
-)
-
-
-def parse_expert(name: str, layout: Layout) -> tuple[int, int, int] | None:
-    """(layer, expert, 0 for linear_fc1 or 1 for linear_fc2) of an expert tensor's name, else
-    None; an MTP module's layer is numbered after the decoder's (layer_map.layer_prefix)."""
-    m = _EXPERT.match(name)
-    if not m:
-        return None
-    fc = m.group("fc") or m.group("gfc")
-    expert = m.group("e") if m.group("e") is not None else m.group("ge")
-    layer = int(m.group("layer")) if m.group("layer") is not None else layout.num_layers + int(m.group("mtp"))
-    return layer, int(expert), 0 if fc == "linear_fc1" else 1
-
-
-def is_expert(name: str) -> bool:
-    return _EXPERT.match(name) is not None
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -26,12 +26,16 @@ import torch.distributed as dist
 from slime.backends.megatron.convert import (
     Layout,
     State,
-    expert_names,
     hf_to_megatron,
-    is_expert,
     layer_to_hf,
 )
-from slime.backends.megatron.layer_map import layer_pairs, layer_prefix, mtp_shared_copies
+from slime.backends.megatron.layer_map import (
+    expert_names,
+    is_expert,
+    layer_pairs,
+    layer_prefix,
+    mtp_shared_copies,
+)
 from slime.backends.megatron.sharding import merge_fc1, merge_tp
 from slime.utils.buckets import iter_buckets
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron.convert import is_expert
 from slime.backends.megatron.export import Mesh
+from slime.backends.megatron.layer_map import is_expert
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 

@@ -36,6 +36,7 @@ The HF checkpoint also stores the module's copies of the embedding and the outpu
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,3 +199,25 @@ def _dense(src: str, dst: str, h: int, f: int, fused: bool) -> list[Pair]:
         else Pair(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), ((f, h), (f, h)), "cat")
     )  # fmt: skip
     return [fc1, Pair(dst + "linear_fc2.weight", (src + "down_proj.weight",), ((h, f),))]
+
+
+_EXPERT = re.compile(
+    r"^(?:decoder\.layers\.(?P<layer>\d+)|mtp\.layers\.(?P<mtp>\d+)\.transformer_layer)\.mlp\.experts\."
+    r"(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight|(?P<gfc>linear_fc[12])\.weight(?P<ge>\d+))$"
+)
+
+
+def parse_expert(name: str, layout: Layout) -> tuple[int, int, int] | None:
+    """(layer, expert, 0 for linear_fc1 or 1 for linear_fc2) of an expert tensor's name, else
+    None; an MTP module's layer is numbered after the decoder's (layer_map.layer_prefix)."""
+    m = _EXPERT.match(name)
+    if not m:
+        return None
+    fc = m.group("fc") or m.group("gfc")
+    expert = m.group("e") if m.group("e") is not None else m.group("ge")
+    layer = int(m.group("layer")) if m.group("layer") is not None else layout.num_layers + int(m.group("mtp"))
+    return layer, int(expert), 0 if fc == "linear_fc1" else 1
+
+
+def is_expert(name: str) -> bool:
+    return _EXPERT.match(name) is not None

@@ -83,3 +83,14 @@ def vocab_parallel_log_probs(
         weighted = (exp * safe).sum(dim=-1)
         entropy = log_z - _all_reduce(weighted, group, tp) / sum_exp
     return log_probs, entropy
+
+
+def from_last_stage(values: dict[int, torch.Tensor], positions: list[int], sizes: list[int], last_stage: bool,
+                    device: torch.device, pp_group: Any) -> dict[int, torch.Tensor]:  # fmt: skip
+    """Per-sample values (`sizes` long, at `positions`) that the last pipeline stage computed,
+    broadcast to every stage of the pipeline (the others pass nothing in `values`)."""
+    from megatron.core import parallel_state as ps
+
+    flat = (torch.cat([values[p] for p in positions]) if last_stage else torch.empty(sum(sizes))).to(device)
+    dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+    return dict(zip(positions, flat.cpu().split(sizes)))

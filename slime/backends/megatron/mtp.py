@@ -200,6 +200,22 @@ def attach(model: Any, layout: Any, mesh: Any, train: bool) -> None:
             p.requires_grad_(False)
 
 
+def begin_step(
+    model: Any, mbs: list[Any], factor: float, dp_group: Any, device: torch.device
+) -> MTPObjective | None:
+    """A training step's MTP objective (None: no MTP modules trained here), its target counts
+    summed over the data-parallel replicas (`dp_group`; None: one)."""
+    found = objective(model)
+    if found is not None:
+        counts = target_counts(mbs, len(model.mtp.layers)).to(device)
+        if dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=dp_group)
+        found.begin(counts.cpu(), factor)
+    return found
+
+
 def objective(model: Any) -> MTPObjective | None:
     """The model's MTP objective (None: no MTP modules trained on this rank)."""
     return getattr(model, "mtp_objective", None)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from slime.backends.megatron.convert import ConversionError, Layout, State, is_expert
+from slime.backends.megatron.convert import ConversionError, Layout, State
+from slime.backends.megatron.layer_map import is_expert
 from slime.backends.megatron.sharding import (
     merge_experts,
     merge_pp,

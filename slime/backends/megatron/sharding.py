@@ -17,13 +17,11 @@ from slime.backends.megatron.convert import (
     Layout,
     State,
     embedding_to_megatron,
-    expert_names,
     final_to_megatron,
-    is_expert,
     layer_to_megatron,
     pad_rows,
-    parse_expert,
 )
+from slime.backends.megatron.layer_map import expert_names, is_expert, parse_expert
 
 # ---- tensor parallel ------------------------------------------------------------------------
 
