@@ -49,11 +49,13 @@ def exported(actor) -> dict[str, torch.Tensor]:
 
 
 def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None, dynamic=False,
-              recompute=False, padded=False, chunk=-1, first=None):  # fmt: skip
+              recompute=False, padded=False, chunk=-1, first=None, cp=1):  # fmt: skip
     from slime.backends import make_train_actor
     from slime.config.train import FSDPConfig
 
     cfg = config(model, tp, pp, backend=backend, fsdp=FSDPConfig(gradient_checkpointing=recompute))
+    if cp > 1:  # context parallelism: each sequence split over `cp` ranks
+        cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, context_parallel_size=cp))
     if first is not None:  # uneven pipeline stages: `first` layers on the first stage, the rest on the last
         cfg = dataclasses.replace(
             cfg, megatron=dataclasses.replace(cfg.megatron, decoder_first_pipeline_num_layers=first)

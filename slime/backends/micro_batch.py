@@ -49,6 +49,9 @@ class MicroBatch:
     """Packed: [1, total tokens], restarting at 0 for each sample (None when padded)."""
     offsets: list[int] | None = None
     """Packed: where each sample starts in the row."""
+    cp: object = None
+    """Megatron with context parallelism: this rank's share, set by its forward
+    (slime.backends.megatron.context_parallel.CPView)."""
 
     @property
     def packed(self) -> bool:

@@ -123,8 +123,12 @@ SPECS: tuple[Spec, ...] = (
     _refused(
         "--update-weight-disk-keep-files", store_true(), "the disk transport removes each version once read"
     ),
-    _refused(
-        "--allgather-cp", store_true(), "context parallelism is not built yet (--context-parallel-size 1)"
+    _same(
+        "--allgather-cp",
+        store_true(),
+        NO_EFFECT,
+        "slime's all-gather context parallelism: the Megatron actor's context parallelism always all-gathers "
+        "the keys and values over the CP ranks (docs/megatron.md)",
     ),
     _same(
         "--rollout-sample-filter-path",

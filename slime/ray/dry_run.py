@@ -153,7 +153,7 @@ def _train_lines(config: Config, samples: int) -> list[str]:
         m = t.megatron
         layout = (
             f"{config.cluster.num_train_ranks} ranks = TP {m.tensor_model_parallel_size} x PP "
-            f"{m.pipeline_model_parallel_size} x DP {dp}"
+            f"{m.pipeline_model_parallel_size} x CP {m.context_parallel_size} x DP {dp}"
         )
     else:
         layout = f"{config.cluster.num_train_ranks} ranks = DP {dp} (FSDP shards over all)"

@@ -111,9 +111,12 @@ def job_placement(config: Config) -> Placement:
 
 
 def data_parallel_size(config: Config) -> int:
-    """The data-parallel replicas of the train ranks (Megatron: ranks / (TP x PP))."""
+    """The data-parallel replicas of the train ranks (Megatron: ranks / (TP x PP x CP))."""
     c, t = config.cluster, config.train
     model_parallel = 1
     if t.backend == "megatron":
-        model_parallel = t.megatron.tensor_model_parallel_size * t.megatron.pipeline_model_parallel_size
+        m = t.megatron
+        model_parallel = (
+            m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        )
     return max(1, c.num_train_ranks // model_parallel)

@@ -28,12 +28,13 @@ import torch.distributed as dist
 from slime.backends import hf_checkpoint
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads, mtp
+from slime.backends.megatron.context_parallel import cp_response_stats, run_micro_batch
 from slime.backends.megatron.convert import Layout, State
 from slime.backends.megatron.export import Mesh, export_hf_buckets, export_hf_tensors, meta_hf_state
 from slime.backends.megatron.logprobs import from_last_stage, vocab_parallel_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
-from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, padding_mask, update_expert_bias
+from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, update_expert_bias
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
@@ -98,13 +99,20 @@ class MegatronTrainActor(TrainActorBase):
         from megatron.core import parallel_state as ps
 
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)  # fmt: skip
+                                     expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+                                     context_parallel_size=m.context_parallel_size)  # fmt: skip
         self.mesh = Mesh.from_parallel_state()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        self.cp_rank, cp = ps.get_context_parallel_rank(), m.context_parallel_size
+        # context parallelism (context_parallel.py): (size, rank, group); gradients summed over DP x CP
+        self._cp = (cp, self.cp_rank, ps.get_context_parallel_group()) if cp > 1 else None
+        self.grad_group = (
+            ps.get_data_parallel_group(with_context_parallel=True) if self.dp_size * cp > 1 else None
+        )
         self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         # One rank per replica writes the replica's files and counts its step metrics.
-        self.writes_train_data = self.last_stage and self.mesh.tp_rank == 0
+        self.writes_train_data = self.last_stage and self.mesh.tp_rank == 0 and self.cp_rank == 0
         cfg.batch.check_layout(self.dp_size)
         if cfg.deterministic:
             from slime.utils.seed import enable_deterministic
@@ -168,6 +176,7 @@ class MegatronTrainActor(TrainActorBase):
             self.layout, self.hf_config, torch.bfloat16 if m.bf16 else torch.float32, cpu_init=on_cpu, bf16=m.bf16,
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+            context_parallel_size=m.context_parallel_size,
             router_dtype=self.cfg.moe.moe_router_dtype,
             sequence_parallel=m.sequence_parallel,
             # Micro-batches differ in length and size: the pipeline exchanges shapes first.
@@ -249,8 +258,6 @@ class MegatronTrainActor(TrainActorBase):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns of the
         [rows, tokens, padded vocabulary / TP] logits."""
-        rows, cols, targets = mb.predictions()
-        width = logits.shape[1]
 
         def stats(
             rows_logits: torch.Tensor, rows_targets: torch.Tensor
@@ -258,10 +265,14 @@ class MegatronTrainActor(TrainActorBase):
             return vocab_parallel_log_probs(rows_logits, rows_targets, self.layout.vocab_size, self.mesh.tp_rank,
                                             self.tp, self.mesh.tp_group, with_entropy)  # fmt: skip
 
-        log_probs, entropy = response_token_stats(
-            logits.flatten(0, 1), rows * width + cols, targets, self.cfg.rollout_temperature, stats,
-            self.cfg.batch.log_probs_chunk_size,
-        )  # fmt: skip
+        def at(index: torch.Tensor | None, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return response_token_stats(logits.flatten(0, 1), index, targets, self.cfg.rollout_temperature, stats,
+                                        self.cfg.batch.log_probs_chunk_size)  # fmt: skip
+
+        if mb.cp is not None:  # context parallelism: every local token's, gathered over the CP ranks
+            return cp_response_stats(mb, lambda targets: at(None, targets))
+        rows, cols, targets = mb.predictions()
+        log_probs, entropy = at(rows * logits.shape[1] + cols, targets)
         return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
 
     def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool,
@@ -278,22 +289,11 @@ class MegatronTrainActor(TrainActorBase):
             mb, state = next(data)
             if self.routing is not None:
                 self.routing.begin(state)
-            ids = mb.input_ids
-            # the routers count only real tokens for the expert-bias update (moe.padding_mask)
-            scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
-            extra = {"padding_mask": padding_mask(mb, scatter)} if self._bias_rate > 0 else {}
+            extra = {}
             if not forward_only and mtp.objective(model) is not None:  # the MTP loss's targets (mtp.py)
-                extra.update(labels=ids, loss_mask=mtp.token_loss_mask(mb))
-            if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
-                from megatron.core.packed_seq_params import PackedSeqParams
-
-                cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                         max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
-                output = model(ids, mb.position_ids, None, packed_seq_params=packed, **extra)
-            else:
-                positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-                output = model(ids, positions, None, **extra)
+                extra.update(labels=mb.input_ids, loss_mask=mtp.token_loss_mask(mb))
+            scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
+            output = run_micro_batch(model, mb, extra, self._bias_rate > 0, scatter, self._cp)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 return loss_fn(mb, logits), torch.tensor(1, dtype=torch.int), {}
@@ -425,12 +425,12 @@ class MegatronTrainActor(TrainActorBase):
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
         contributes, the other ranks join the reduction with zeros."""
-        result = self._sum_over_ranks(sums, contribute=self.last_stage and self.mesh.tp_rank == 0)
+        result = self._sum_over_ranks(sums, contribute=self.writes_train_data)
         result.update(grad_norm=grad_norm, lr=lr)
         return result
 
     def _reduce_gradients(self) -> None:
-        grads.reduce_gradients(self.model, self.mesh, self.dp_group if self.dp_size > 1 else None,
+        grads.reduce_gradients(self.model, self.mesh, self.grad_group,
                                self.layout.qk_norm, self.layout.tied_embeddings, self.device,
                                self.masters.grad_of)  # fmt: skip
 

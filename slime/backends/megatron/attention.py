@@ -8,12 +8,15 @@ squeezed [tokens, heads, dim] layout, rotary embeddings restarting at each seque
 sequence (slime.backends.packed_attention.causal_per_segment, torch's
 scaled_dot_product_attention per sequence, or on a GPU in half precision torch's flash-attention
 varlen kernel over the whole row, called as the installed torch accepts). Padded micro-batches
-go to megatron-core's code unchanged. Imported only where megatron-core is installed.
+go to megatron-core's code unchanged. With context parallelism both core attentions here run
+slime.backends.megatron.context_parallel's (megatron-core's local attention refuses CP). Imported
+only where megatron-core is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -21,11 +24,29 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
+from slime.backends.megatron.context_parallel import cp_attention
 from slime.backends.packed_attention import causal_per_segment
 
 
+def _cp_group(config: Any) -> Any:
+    """The context-parallel group (None without CP)."""
+    if config.context_parallel_size == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
 class SegmentDotProductAttention(DotProductAttention):
-    """DotProductAttention that also takes packed sequences (`packed_seq_params` in THD format)."""
+    """DotProductAttention that also takes packed sequences (`packed_seq_params` in THD format),
+    and context parallelism (slime.backends.megatron.context_parallel)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        self.cp_group = _cp_group(config)
+        if self.cp_group is not None:  # DotProductAttention refuses CP: it sees a config without
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, *args, **kwargs)
 
     def forward(  # type: ignore[override]
         self,
@@ -37,7 +58,7 @@ class SegmentDotProductAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is None:
+        if packed_seq_params is None and self.cp_group is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if (
             packed_seq_params.qkv_format != "thd"
@@ -55,9 +76,10 @@ class SegmentDotProductAttention(DotProductAttention):
         # DotProductAttention divides its scale by the layer number under
         # apply_query_key_layer_scaling and multiplies it back in the softmax.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        return _packed(
-            query, key, value, packed_seq_params, scale, self.attention_dropout.p if self.training else 0.0
-        )
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if self.cp_group is not None:
+            return cp_attention(query, key, value, packed_seq_params, self.cp_group, scale, dropout)
+        return _packed(query, key, value, packed_seq_params, scale, dropout)
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Any, longest: Any, scale: float | None,
@@ -100,10 +122,7 @@ class LatentCoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "multi-latent attention with context parallelism needs Transformer Engine"
-            )
+        self.cp_group = _cp_group(config)
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -128,4 +147,8 @@ class LatentCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError("packed sequences with multi-latent attention: THD format only")
+        if self.cp_group is not None:
+            return cp_attention(
+                query, key, value, packed_seq_params, self.cp_group, self.softmax_scale, dropout
+            )
         return _packed(query, key, value, packed_seq_params, self.softmax_scale, dropout)

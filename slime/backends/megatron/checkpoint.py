@@ -282,7 +282,11 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
     # With expert parallelism the experts differ across data-parallel ranks: one rank per
     # expert data-parallel group writes (its file holds its dense shard and its experts).
     mesh = actor.mesh
-    writes = mesh.expert_dp_rank == 0 if actor.layout.num_experts else actor.dp_rank == 0
+    # (context-parallel ranks hold the same weights: CP rank 0 writes; megatron-core's expert
+    # data-parallel group spans them already)
+    writes = (
+        mesh.expert_dp_rank == 0 if actor.layout.num_experts else actor.dp_rank == 0 and actor.cp_rank == 0
+    )
     coords = (mesh.tp_rank, mesh.pp_rank, mesh.ep_rank, mesh.etp_rank)
     everyone = _gather((coords, writes))
     written = {c for c, w in everyone if w}

@@ -66,6 +66,8 @@ class Mesh:
     """Experts are replicated over this group (megatron-core's expert data-parallel group)."""
     expert_mp_group: Any = None
     """ETP x EP x PP: every expert tensor of the model once (megatron-core's expert-tensor-model-pipeline group)."""
+    cp_rank: int = 0
+    """Context parallelism: the CP ranks of a replica hold the same weights (CP rank 0 exports them)."""
 
     @classmethod
     def from_parallel_state(cls) -> Mesh:
@@ -80,6 +82,7 @@ class Mesh:
             ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size(),
             ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
             ps.get_expert_data_parallel_group(), ps.get_expert_tensor_model_pipeline_parallel_group(),
+            ps.get_context_parallel_rank(),
         )  # fmt: skip
 
 
@@ -142,7 +145,7 @@ def export_hf_tensors(
     GPTModel's state dict). Collective."""
     # Data-parallel ranks other than 0 hold experts no other rank has (expert parallelism is
     # carved out of data parallelism), so they take part in the expert gathers and nothing else.
-    experts_only = mesh.dp_rank != 0 and not every_rank
+    experts_only = (mesh.dp_rank != 0 or mesh.cp_rank != 0) and not every_rank
     if experts_only and mesh.ep * mesh.etp == 1:
         return
     shapes = full_shapes(layout, mesh.tp)

@@ -39,6 +39,11 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
         flag = moe.needs_router_hooks(router_fp32=True)
         if flag:
             return f"{flag}: {model_families.refusal(layout.model_type, 'router_hooks')}"
+    if moe is not None and layout.num_experts and m.context_parallel_size > 1 and router_hooks(layout):
+        flag = moe.needs_router_hooks(router_fp32=False)
+        if flag:
+            return (f"{flag} with --context-parallel-size {m.context_parallel_size} is not built: the router hooks "
+                    "record and replay whole sequences, which a CP rank does not hold")  # fmt: skip
     if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
         return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
                 "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
@@ -57,9 +62,9 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
     """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
     that Transformer Engine is here when the settings need it (parse_args checks the packages
     itself: slime.config.resolve.package_problems)."""
-    if m.context_parallel_size > 1:
-        return ("--context-parallel-size > 1 is not supported by slime's Megatron actor yet (it splits each sequence "
-                "over CP ranks with Transformer Engine's attention): use --context-parallel-size 1")  # fmt: skip
+    if m.context_parallel_size > 1 and m.transformer_impl == "transformer_engine":
+        return ("--context-parallel-size > 1 is built with --transformer-impl local (torch's attention over the "
+                "gathered keys and values), not yet with Transformer Engine's attention")  # fmt: skip
     if installed:
         from slime.config.resolve import transformer_engine_problem
 

@@ -1,8 +1,9 @@
 """Context-parallel helpers that slime's loss hooks call (its TIS example gathers the engine's
 and the trainer's log-probs with them before weighting, and slices the result back).
 
-Context parallelism is not built here (--context-parallel-size must be 1), so a rank always holds
-whole sequences: gathering and slicing return their input. Signatures as in slime.
+Here the loss always sees whole sequences, with context parallelism too (the Megatron actor
+gathers the log-probs over the CP ranks before the loss: slime.backends.megatron.context_parallel),
+so gathering and slicing return their input. Signatures as in slime.
 """
 
 from __future__ import annotations

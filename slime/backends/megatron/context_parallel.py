@@ -1,0 +1,218 @@
+"""Context parallelism (`--context-parallel-size CP`) for the Megatron actor's local layer spec.
+
+Each sequence of a micro-batch is split over the CP ranks of its data-parallel replica, as
+megatron-core lays it out for Transformer Engine: the sequence, padded to a multiple of 2 x CP,
+is cut into 2 x CP equal chunks and rank r holds chunks r and 2 x CP - 1 - r (the causal work is
+then even). Every micro-batch runs in megatron-core's packed (THD) layout, padded rows too (each
+sample a sequence of its own); `PackedSeqParams` carries the padded sequences' global bounds, from
+which megatron-core's rotary embedding takes each rank's positions.
+
+- Attention (`cp_attention`): each rank's keys and values are all-gathered over the CP group and
+  put back in sequence order; each local query attends causally to its own sequence's keys by
+  position. Backward: the keys' and values' gradients are summed over the CP ranks and each rank
+  keeps its own (an all-reduce: gloo has no reduce-scatter).
+- Log-probs and entropy are computed for the local tokens (their next token is known on every
+  rank: the whole micro-batch is), then all-gathered into sequence order (`gather_tokens`), so
+  the loss is the one without CP, computed alike on every CP rank; backward keeps each rank's own
+  slice, and the parameters' gradients are summed over DP x CP (slime.backends.megatron.grads).
+- Step metrics and rollout data come from CP rank 0 only (the others computed the same values).
+
+megatron-core's own CP attention is Transformer Engine's (a GPU); this is torch's attention with
+an explicit causal mask per sequence (memory: local tokens x sequence length per sequence).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slime.backends.micro_batch import PAD_ID, MicroBatch
+
+
+def chunk_positions(length: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (in a sequence of `length`, a multiple of 2 x cp) that CP rank `rank` holds."""
+    c = length // (2 * cp)
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+    )
+
+
+def local_order(cu: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Where each of rank `rank`'s tokens sits in the padded global row (bounds `cu`)."""
+    return torch.cat([a + chunk_positions(b - a, cp, rank) for a, b in itertools.pairwise(cu)])
+
+
+@dataclass
+class CPView:
+    """This CP rank's share of a micro-batch, in the THD layout (module docstring)."""
+
+    ids: torch.Tensor
+    """[1, local tokens] this rank's input ids."""
+    position_ids: torch.Tensor
+    """[1, local tokens] each token's position in its sequence."""
+    packed: Any
+    """megatron-core's PackedSeqParams: the padded sequences' global bounds."""
+    where: torch.Tensor
+    """[rows, length] of the micro-batch: each real token's place in the padded global row (-1: padding)."""
+    targets: torch.Tensor
+    """[local tokens] the next token of each local token in its sequence (PAD_ID at a sequence's end)."""
+    real: torch.Tensor
+    """[1, local tokens] bool: a sample's token, not padding."""
+    cp: int
+    group: Any
+
+
+def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any) -> CPView:
+    """The CP share of `mb` (packed or padded) for CP rank `rank`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = mb.input_ids.device
+    flat = mb.input_ids.reshape(-1).cpu()
+    width = mb.input_ids.shape[1]
+    where = torch.full(mb.input_ids.shape, -1, dtype=torch.long)
+    padded_ids, real, cu = [], [], [0]
+    for row, (start, p, r) in enumerate(
+        zip(mb.token_starts(), mb.prompt_lengths, mb.response_lengths, strict=True)
+    ):
+        n = p + r
+        padded = -(-n // (2 * cp)) * (2 * cp)
+        tokens = torch.full((padded,), PAD_ID, dtype=torch.long)
+        tokens[:n] = flat[start : start + n]
+        padded_ids.append(tokens)
+        real.append(torch.arange(padded) < n)
+        # `start` is row * width + column for a padded micro-batch, the column for a packed one
+        r_, col = (0, start) if mb.packed else (row, start - row * width)
+        where[r_, col : col + n] = cu[-1] + torch.arange(n)
+        cu.append(cu[-1] + padded)
+    ids, real_t = torch.cat(padded_ids), torch.cat(real)
+    nxt = torch.full_like(ids, PAD_ID)
+    for a, b in itertools.pairwise(cu):
+        nxt[a : b - 1] = ids[a + 1 : b]
+    order = local_order(cu, cp, rank)
+    positions = torch.cat([chunk_positions(b - a, cp, rank) for a, b in itertools.pairwise(cu)])
+    bounds = torch.tensor(cu, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)  # fmt: skip
+    return CPView(ids[order].unsqueeze(0).to(device), positions.unsqueeze(0).to(device), packed, where.to(device),
+                  nxt[order].to(device), real_t[order].unsqueeze(0).to(device), cp, group)  # fmt: skip
+
+
+class _GatherKeepOwn(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward: this rank's slice of the gradient, as it
+    is (every rank computed the same loss from the gathered values)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.n = rank, t.shape[0]
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
+
+
+class _GatherSumGrads(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward: the gradients summed over the ranks,
+    this rank's slice kept (the keys and values every rank's queries read)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.n = group, rank, t.shape[0]
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
+
+
+def gather_tokens(local: torch.Tensor, view: CPView) -> torch.Tensor:
+    """[local tokens] values -> [padded global tokens] in sequence order (autograd: own slice)."""
+    group, cp = view.group, view.cp
+    rank = dist.get_rank(group)
+    gathered = _GatherKeepOwn.apply(local, group, rank, cp)
+    cu = view.packed.cu_seqlens_q.tolist()
+    return _place(gathered, torch.cat([local_order(cu, cp, r) for r in range(cp)]).to(local.device))
+
+
+def _place(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """values[i] at order[i] (a permutation), differentiably."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return values[inverse]
+
+
+def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, group: Any,
+                 scale: float | None, dropout: float) -> torch.Tensor:  # fmt: skip
+    """Causal attention of this rank's tokens ([local tokens, heads, dim], THD) over their whole
+    sequences, the keys and values all-gathered over the CP group -> [local tokens, heads * dim]."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = packed.cu_seqlens_q.tolist()
+    order = torch.cat([local_order(cu, cp, r) for r in range(cp)]).to(query.device)
+    k = _place(_GatherSumGrads.apply(key, group, rank, cp), order)  # [global tokens, kv heads, dim]
+    v = _place(_GatherSumGrads.apply(value, group, rank, cp), order)
+    groups = query.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    outs, at = [], 0
+    for a, b in itertools.pairwise(cu):
+        mine = chunk_positions(b - a, cp, rank).to(query.device)
+        q = query[at : at + mine.numel()].transpose(0, 1)  # [heads, local, dim]
+        at += mine.numel()
+        allowed = mine[:, None] >= torch.arange(b - a, device=query.device)[None, :]
+        out = F.scaled_dot_product_attention(q, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed,
+                                             dropout_p=dropout, scale=scale)  # fmt: skip
+        outs.append(out.transpose(0, 1))
+    out = torch.cat(outs)
+    return out.reshape(out.shape[0], -1)
+
+
+def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mask: bool, scatter: bool,
+                    cp: tuple[int, int, Any] | None) -> torch.Tensor:  # fmt: skip
+    """The model's forward on `mb`: right-padded rows, packed rows (THD), or with `cp` (size,
+    rank, group) this CP rank's share (`mb.cp` is set to its CPView, which the log-probs read).
+    `count_mask`: give the routers megatron-core's padding mask (the expert-bias update counts only
+    real tokens: slime.backends.megatron.moe.padding_mask; `scatter`: split over the
+    sequence-parallel ranks)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime.backends.megatron.moe import padding_mask
+
+    if cp is not None:
+        view = mb.cp = cp_view(mb, *cp)
+        if count_mask:
+            extra = {**extra, "padding_mask": ~view.real}
+        return model(view.ids, view.position_ids, None, packed_seq_params=view.packed, **extra)
+    if count_mask:
+        extra = {**extra, "padding_mask": padding_mask(mb, scatter)}
+    ids = mb.input_ids
+    if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
+        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)  # fmt: skip
+        return model(ids, mb.position_ids, None, packed_seq_params=packed, **extra)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    return model(ids, positions, None, **extra)
+
+
+def cp_response_stats(mb: MicroBatch, local_stats: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, max_response] log-probs (and entropy) of `mb`'s responses from `local_stats(targets)`,
+    the stats of this rank's tokens against their next tokens, gathered over the CP ranks."""
+    view = mb.cp
+    assert isinstance(view, CPView)
+    log_probs, entropy = local_stats(view.targets)
+    rows, cols, _ = mb.predictions()
+    index = view.where[rows, cols]
+    out = mb.scatter(gather_tokens(log_probs, view)[index])
+    return out, None if entropy is None else mb.scatter(gather_tokens(entropy, view)[index])
