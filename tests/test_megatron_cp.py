@@ -37,7 +37,7 @@ def test_the_cp_view_holds_each_samples_tokens_once_and_their_next_tokens():
         where = views[0].where
         assert int(where[0, 4]) == 4 and int(where[0, 0]) == 0
         assert int(where[0 if packed else 1, 5 if packed else 0]) == 8  # sample 1 starts after 8 slots
-        targets = {int(p): int(t) for v in views for p, t in zip(v.position_ids[0][: 4], v.targets[: 4])}
+        targets = {int(p): int(t) for v in views for p, t in zip(v.position_ids[0][:4], v.targets[:4])}
         assert targets[0] == 6 and targets[3] == 9
 
 
@@ -52,3 +52,18 @@ def test_two_cp_ranks_train_like_one_fsdp_rank(fsdp, tiny_model, padded):  # noq
 def test_cp_with_tp_or_pp_trains_like_one_fsdp_rank(fsdp, tiny_model, tp, pp):  # noqa: F811
     ranks = run_ranks(4, train_run, tiny_model, tp, pp, "megatron", None, False, False, False, -1, None, 2)
     assert_trains_like(fsdp, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_cp_trains_multi_latent_attention_and_experts_like_fsdp(tmp_path, tiny_moe, arch):
+    """DeepSeek-V3 (multi-latent attention, sigmoid routing with the expert bias) and Qwen3-MoE,
+    CP 2 x EP 2 on two ranks."""
+    from tests.conftest import make_model
+    from tests.test_megatron_moe_actor import moe_run
+
+    model = tiny_moe if arch == "qwen3_moe" else make_model(str(tmp_path / arch), 0, "--arch", arch,
+                                                            "--hidden-size", "64", "--num-layers", "3")  # fmt: skip
+    fsdp_run = run_ranks(1, moe_run, model, "fsdp")[0]
+    ranks = run_ranks(2, moe_run, model, "megatron", 1, 1, 2, 2, None, None, False, False, 2)
+    assert_trains_like(fsdp_run, ranks)

@@ -31,7 +31,7 @@ def routed_batch(seed: int, r3: bool = False):
 
 
 def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None, moe=None,
-            recompute=False, padded=False):  # fmt: skip
+            recompute=False, padded=False, cp=1):  # fmt: skip
     from slime.backends import make_train_actor
     from slime.config.train import ModelOptions, MoEOptions
 
@@ -44,7 +44,8 @@ def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=True))
     if backend == "megatron":
         cfg = dataclasses.replace(cfg, backend="megatron", megatron=MegatronConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep))  # fmt: skip
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            context_parallel_size=cp))  # fmt: skip
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     r3 = bool(moe and moe.get("use_rollout_routing_replay"))
