@@ -223,10 +223,6 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             "--sequence-parallel needs --transformer-impl transformer_engine",
         ),
         (
-            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
-            "--context-parallel-size > 1 is not supported",
-        ),
-        (
             ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"],
             "EP 2: expert parallelism needs a mixture-of-experts model",
         ),

@@ -252,7 +252,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tiny_model, prompts, capsys)
         "device: cuda (auto: --dry-run plans for a GPU machine",
         "train backend: megatron (auto",
         "rollout: 4 prompts x 2 samples = 8 samples per rollout; 3 rollouts",
-        "8 ranks = TP 2 x PP 1 x DP 4",
+        "8 ranks = TP 2 x PP 1 x CP 1 x DP 4",
         "global batch 4 samples -> 2 optimizer step(s) per rollout, 6 in all",
         "takes 1 samples per step in 1 micro-batches of 1, each packed into one row without padding",
         "node 0: train rank 0: GPU 0; train rank 1: GPU 1; train rank 2: GPU 2; train rank 3: GPU 3",

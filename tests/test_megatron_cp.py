@@ -67,3 +67,23 @@ def test_cp_trains_multi_latent_attention_and_experts_like_fsdp(tmp_path, tiny_m
     fsdp_run = run_ranks(1, moe_run, model, "fsdp")[0]
     ranks = run_ranks(2, moe_run, model, "megatron", 1, 1, 2, 2, None, None, False, False, 2)
     assert_trains_like(fsdp_run, ranks)
+
+
+def test_cp_flags_are_accepted_and_what_is_not_built_is_refused(tiny_model, tiny_moe, tmp_path, capsys):
+    from slime.ray.cli import parse_args
+    from tests.test_flag_surface import base, error
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = parse_args(base(tiny_model, str(data), "--train-backend", "megatron", "--context-parallel-size", "2",
+                          "--actor-num-gpus-per-node", "2", "--allgather-cp"))  # fmt: skip
+    assert cfg.train.megatron.context_parallel_size == 2
+    cases = [
+        (tiny_model, ["--train-backend", "fsdp", "--context-parallel-size", "2"], "configure --train-backend megatron"),
+        (tiny_model, ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
+         "does not divide the 3 train ranks"),
+        (tiny_moe, ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+                    "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff with --context-parallel-size 2 is not built"),
+    ]  # fmt: skip
+    for model, extra, message in cases:
+        assert message in error(capsys, base(model, str(data), *extra)), extra

@@ -17,8 +17,11 @@ which megatron-core's rotary embedding takes each rank's positions.
   slice, and the parameters' gradients are summed over DP x CP (slime.backends.megatron.grads).
 - Step metrics and rollout data come from CP rank 0 only (the others computed the same values).
 
-megatron-core's own CP attention is Transformer Engine's (a GPU); this is torch's attention with
-an explicit causal mask per sequence (memory: local tokens x sequence length per sequence).
+With the local layer spec the attention is this module's: torch's attention with an explicit
+causal mask per sequence (memory: local tokens x sequence length, per sequence). With
+`--transformer-impl transformer_engine` it is Transformer Engine's own context-parallel attention,
+which takes this same layout (THD, the padded bounds, the load-balanced chunks); that path is built
+but has never run (no machine here has Transformer Engine).
 """
 
 from __future__ import annotations

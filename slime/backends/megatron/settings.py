@@ -62,9 +62,6 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
     """What this actor does not build yet (refused at start-up, exit 2). `installed`: also check
     that Transformer Engine is here when the settings need it (parse_args checks the packages
     itself: slime.config.resolve.package_problems)."""
-    if m.context_parallel_size > 1 and m.transformer_impl == "transformer_engine":
-        return ("--context-parallel-size > 1 is built with --transformer-impl local (torch's attention over the "
-                "gathered keys and values), not yet with Transformer Engine's attention")  # fmt: skip
     if installed:
         from slime.config.resolve import transformer_engine_problem
 
@@ -105,7 +102,13 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
             )  # fmt: skip
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
-        problem = check_moe(megatron, layout)
+        from slime.config.moe import MoEOptions
+
+        try:
+            moe = from_flags(MoEOptions, ns)
+        except ValueError:
+            moe = None  # its own check names the flag
+        problem = check_moe(megatron, layout, moe)
         if problem:
             return problem
     return check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems
