@@ -289,7 +289,7 @@ class MegatronTrainActor(TrainActorBase):
             mb, state = next(data)
             if self.routing is not None:
                 self.routing.begin(state)
-            extra = {}
+            extra: dict[str, Any] = {}
             if not forward_only and mtp.objective(model) is not None:  # the MTP loss's targets (mtp.py)
                 extra.update(labels=mb.input_ids, loss_mask=mtp.token_loss_mask(mb))
             scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
