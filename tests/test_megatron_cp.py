@@ -41,7 +41,9 @@ def test_the_cp_view_holds_each_samples_tokens_once_and_their_next_tokens():
         assert targets[0] == 6 and targets[3] == 9
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+@pytest.mark.parametrize(
+    "padded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["packed", "padded"]
+)
 def test_two_cp_ranks_train_like_one_fsdp_rank(fsdp, tiny_model, padded):  # noqa: F811
     ranks = run_ranks(2, train_run, tiny_model, 1, 1, "megatron", None, False, False, padded, -1, None, 2)
     assert_trains_like(fsdp, ranks)
