@@ -259,3 +259,25 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
     print(f"deepseek_v3 MTP loss on cuda ({'packed' if packed else 'padded'}): {got:.7f}, reference {want:.7f}, "
           f"relative {abs(got - want) / want:.2g}")  # fmt: skip
     assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_the_mtp_actor_on_cuda_trains_like_on_cpu(tmp_path):
+    """--enable-mtp-training on one GPU (megatron-core unpatched) against the same run on CPU:
+    the same MTP losses and MTP weights after two rollouts, within float32 rounding."""
+    from tests.conftest import make_model
+    from tests.dist_helpers import run_ranks
+    from tests.test_megatron_mtp import _actor_run
+
+    path = make_model(str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3",
+                      "--mtp-layers", "1")  # fmt: skip
+    cpu = run_ranks(1, _actor_run, path, True, 1, "cpu")[0]
+    gpu = run_ranks(1, _actor_run, path, True, 1, "cuda")[0]
+    cpu_steps = [s for o in cpu["outputs"] for s in o]
+    gpu_steps = [s for o in gpu["outputs"] for s in o]
+    worst = max(
+        abs(a["mtp_loss"] - b["mtp_loss"]) / a["mtp_loss"] for a, b in zip(cpu_steps, gpu_steps, strict=True)
+    )
+    moved = max((gpu["after"][k] - cpu["after"][k]).abs().max().item() for k in cpu["after"])
+    print(f"MTP actor cuda vs cpu: mtp_loss relative {worst:.2g}, MTP weights max |diff| {moved:.2g}")
+    assert worst < 1e-4 and moved < 1e-4
+    assert gpu["pushed"] == cpu["pushed"] and gpu["saved"] == cpu["saved"]

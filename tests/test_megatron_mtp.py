@@ -207,7 +207,7 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
             "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names  # fmt: skip
 
 
-def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1):
+def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu"):
     """Two rollouts of the Megatron actor with the MTP modules built (trained or kept)."""
     import dataclasses
 
@@ -215,16 +215,16 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1):
     from tests.test_fsdp_actor import make_batch
     from tests.test_megatron_actor import config, exported
 
-    cfg = config(path)
+    cfg = config(path, device=device)
     megatron = dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=train_mtp,
                                    expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
     cfg = dataclasses.replace(cfg, megatron=megatron)
     actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
-    before = {k: v.clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    before = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     lp = actor.compute_log_probs(make_batch(0))
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
-    after = {k: v.clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    after = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     pushed = set(exported(actor))
     shapes = set(actor.weight_shapes())
     saved = {n for n, _ in actor.hf_tensors()}
