@@ -207,7 +207,8 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
             "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names  # fmt: skip
 
 
-def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu"):
+def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu", factor=0.2, ref_load=None,
+               bf16=False, clip=None):  # fmt: skip
     """Two rollouts of the Megatron actor with the MTP modules built (trained or kept)."""
     import dataclasses
 
@@ -217,20 +218,31 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
 
     cfg = config(path, device=device)
     megatron = dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=train_mtp,
-                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
-    cfg = dataclasses.replace(cfg, megatron=megatron)
+                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                   mtp_loss_scaling_factor=factor, bf16=bf16)  # fmt: skip
+    cfg = dataclasses.replace(cfg, megatron=megatron, ref_load=ref_load)
+    if clip is not None:  # the gradient norm counts every parameter: clipping ties the MTP grads to the rest
+        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, clip_grad=clip))
     actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
+    calls = {"log_probs": 0, "train": 0}  # the MTP block's forwards in each kind of pass
+    phase = ["log_probs"]
+    actor.model.mtp.register_forward_hook(lambda *_: calls.__setitem__(phase[0], calls[phase[0]] + 1))
     before = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     lp = actor.compute_log_probs(make_batch(0))
+    phase[0] = "train"  # (a train call runs its own log-prob passes too: counted here)
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
+    weights = {k: v.float().cpu().clone() for k, v in actor.model_state().items() if not k.startswith("mtp.")}
     after = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     pushed = set(exported(actor))
     shapes = set(actor.weight_shapes())
-    saved = {n for n, _ in actor.hf_tensors()}
+    from slime.backends.megatron.export import export_hf_tensors
+
+    local = {k: v.detach() for k, v in actor.model_state().items()}
+    saved = {n for n, _ in export_hf_tensors(local, actor.layout, actor.mesh, with_mtp=True)}
     actor.close()
-    return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed, "shapes": shapes,
-            "saved": saved}  # fmt: skip
+    return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed,
+            "shapes": shapes, "saved": saved, "calls": calls, "weights": weights}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -239,8 +251,9 @@ def test_the_actor_trains_the_mtp_modules_only_when_asked_and_pushes_without_the
     kept = run_ranks(1, _actor_run, path, False)[0]
     trained = run_ranks(1, _actor_run, path, True)[0]
     plain_config, hf = _hf(path)
-    # the log-prob passes never run the modules: the same log-probs with them built or not
-    assert kept["lp"] == trained["lp"]
+    # a log-prob pass never runs the modules; training runs them only with --enable-mtp-training
+    assert kept["calls"]["log_probs"] == trained["calls"]["log_probs"] == 0
+    assert kept["calls"]["train"] == 0 < trained["calls"]["train"]
     # kept: not a bit moved, no MTP metrics; trained: every module tensor the loss reaches moved
     assert all(torch.equal(kept["before"][k], kept["after"][k]) for k in kept["before"])
     moved = [k for k in trained["before"] if not torch.equal(trained["before"][k], trained["after"][k])]
@@ -285,6 +298,8 @@ def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model
     assert (m.mtp_num_layers, m.enable_mtp_training, m.mtp_loss_scaling_factor) == (1, True, 0.1)
     cases = [
         (["--train-backend", "fsdp", "--mtp-num-layers", "1"], "multi-token prediction modules are built by the Megatron"),
+        (["--train-backend", "megatron", "--mtp-num-layers", "1", "--enable-mtp-training", "--recompute-granularity",
+          "full"], "--enable-mtp-training with full recompute"),
         (["--train-backend", "megatron", "--enable-mtp-training"], "give --mtp-num-layers N"),
         (["--train-backend", "megatron", "--mtp-num-layers", "2"], "num_nextn_predict_layers"),
         (["--train-backend", "megatron", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
@@ -324,3 +339,31 @@ def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(mtp_
     assert saved
     with safe_open(str(saved[0]), "pt") as f:
         assert mtp <= set(f.keys())
+
+
+@pytest.mark.slow
+def test_the_mtp_loss_trains_the_mtp_modules_only(mtp_models):
+    """As slime's megatron-core: the block reads the hidden states, the embedding and the head
+    detached, so the policy's weights end the same with the MTP loss weighted or not at all
+    (without gradient clipping, whose norm counts the MTP modules' gradients too, as slime's does)."""
+    path = mtp_models["deepseek_v3"]
+    weighted = run_ranks(1, _actor_run, path, True, 1, "cpu", 0.2, None, False, 0.0)[0]
+    unweighted = run_ranks(1, _actor_run, path, True, 1, "cpu", 0.0, None, False, 0.0)[0]
+    for name, value in weighted["weights"].items():
+        assert torch.equal(value, unweighted["weights"][name]), name
+    differ = [k for k in weighted["after"] if not torch.equal(weighted["after"][k], unweighted["after"][k])]
+    assert "mtp.layers.0.eh_proj.weight" in differ
+
+
+@pytest.mark.slow
+def test_a_reference_without_mtp_modules_and_bf16_with_them_kept(mtp_models, tmp_path):
+    """--ref-load of a checkpoint without MTP tensors (reference passes never run them): the
+    step-0 KL is 0 against the same weights; --bf16 with the modules kept (frozen) starts and trains."""
+    path = mtp_models["deepseek_v3"]
+    plain = make_model(
+        str(tmp_path / "plain"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3"
+    )
+    out = run_ranks(1, _actor_run, path, True, 1, "cpu", 0.2, plain)[0]
+    assert out["outputs"][0][0]["kl_loss"] == 0.0
+    kept = run_ranks(1, _actor_run, path, False, 1, "cpu", 0.2, None, True)[0]
+    assert all(torch.equal(kept["before"][k], kept["after"][k]) for k in kept["before"])

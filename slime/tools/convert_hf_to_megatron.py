@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the last pipeline stage's layers (uneven stages; default: an even split)",
     )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--mtp-num-layers", type=int, default=0,
+                   help="the checkpoint's multi-token prediction modules to convert (as the job's --mtp-num-layers; PP 1)")  # fmt: skip
     p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / linear_fc1)")  # fmt: skip
     g = p.add_argument_group("model arguments, checked against the HF config when given")
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool, first: int | None = None,
-              last: int | None = None) -> Layout:  # fmt: skip
+              last: int | None = None, mtp_layers: int = 0) -> Layout:  # fmt: skip
     from transformers import AutoConfig
 
     try:
@@ -73,7 +75,7 @@ def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool, first: in
         raise ConversionError(
             f"--hf-checkpoint {hf_checkpoint!r}: cannot read its config.json ({e})"
         ) from None
-    return Layout.from_hf_config(config, divisible_by, fold_norms, (first, last))
+    return Layout.from_hf_config(config, divisible_by, fold_norms, (first, last), mtp_layers)
 
 
 def check_model_args(ns: argparse.Namespace, layout: Layout) -> None:
@@ -101,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     if pp < 2 and (ns.decoder_first_pipeline_num_layers or ns.decoder_last_pipeline_num_layers):
         parser.error("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
                      "--pipeline-model-parallel-size > 1 (or drop them)")  # fmt: skip
+    if ns.mtp_num_layers and pp > 1:
+        parser.error(
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not built (the job refuses it too)"
+        )
     try:
         layout = hf_layout(
             ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine",
-            ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers,
+            ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers, ns.mtp_num_layers,
         )  # fmt: skip
         check_model_args(ns, layout)
         par.check(layout)

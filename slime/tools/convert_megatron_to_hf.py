@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = stored_layout(args, ns.load_dir)
         # the pipeline stages are the checkpoint's layout, not the model's: taken from it
         expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms,
-                             layout.first_stage_layers, layout.last_stage_layers)  # fmt: skip
+                             layout.first_stage_layers, layout.last_stage_layers, layout.mtp_layers)  # fmt: skip
         # (a checkpoint written before layouts named their model_type stores "")
         differ = [f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
                   for k, v in layout.__dict__.items()

@@ -35,7 +35,7 @@ from slime.backends.megatron.logprobs import from_last_stage, vocab_parallel_log
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, update_expert_bias
-from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
+from slime.backends.megatron.settings import check_moe, check_mtp, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
@@ -83,7 +83,7 @@ class MegatronTrainActor(TrainActorBase):
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
             hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
                                               OTHER_ARCHITECTURE)  # fmt: skip
-        unsupported = check_supported(m)
+        unsupported = check_supported(m) or check_mtp(m, recompute_settings(cfg))
         if unsupported:
             raise ValueError(unsupported)
         self.layout = self._model_layout()
@@ -129,18 +129,20 @@ class MegatronTrainActor(TrainActorBase):
 
         self._forward_backward = get_forward_backward_func()
         if m.bf16:
-            self.masters = MasterWeights.attach(self.model.parameters())
+            self.masters = MasterWeights.attach(p for p in self.model.parameters() if p.requires_grad)
         self._load_hf(cfg.hf_checkpoint)
         self.optimizer = make_optimizer(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
             self.ref_state = (
-                self._snapshot() if ref_dir == cfg.hf_checkpoint else self._read_hf_shard(ref_dir)
+                self._snapshot()
+                if ref_dir == cfg.hf_checkpoint
+                else self._read_hf_shard(ref_dir, own_mtp=True)
             )
         if cfg.opd.in_train:  # the teacher must have the student's architecture
             assert cfg.opd.teacher_load is not None
-            self.teacher_state = self._read_hf_shard(cfg.opd.teacher_load)
+            self.teacher_state = self._read_hf_shard(cfg.opd.teacher_load, own_mtp=True)
         resumed = self.load(cfg.load) if cfg.load else None
         info = {
             "rank": self.rank,
@@ -222,12 +224,14 @@ class MegatronTrainActor(TrainActorBase):
         samples = step.num_samples if step is not None else 0
         return self.routing.states(mbs, self.routing_tables, record, aux, samples)
 
-    def _read_hf_shard(self, hf_dir: str, lm_head: bool = True) -> State:
+    def _read_hf_shard(self, hf_dir: str, lm_head: bool = True, own_mtp: bool = False) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
-        one layer at a time (without `lm_head`: no output layer, the critic has its own)."""
-        mesh = self.mesh
-        return hf_to_megatron_shard(mckpt.LazyHFState(hf_dir), self.layout, self.tp, self.pp, mesh.tp_rank,
-                                    mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank, lm_head)  # fmt: skip
+        one layer at a time (without `lm_head`: no output layer, the critic has its own; `own_mtp`:
+        the MTP modules from this model, not the checkpoint, for the passes that never run them)."""
+        mesh, layout = self.mesh, mtp.without_modules(self.layout) if own_mtp else self.layout
+        state = hf_to_megatron_shard(mckpt.LazyHFState(hf_dir), layout, self.tp, self.pp, mesh.tp_rank,
+                                     mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank, lm_head)  # fmt: skip
+        return {**state, **mtp.module_state(self.model)} if own_mtp else state
 
     def _load_hf(self, hf_dir: str) -> None:
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)
@@ -454,14 +458,12 @@ class MegatronTrainActor(TrainActorBase):
             self.rollout_id = rollout_id
         return rollout_id
 
-    def save_hf(self, path: str) -> None:
-        mckpt.save_hf_from_actor(self, path, tensors=self.hf_tensors())
-
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole model as HF tensors on rank 0, the MTP modules included (a push leaves them
-        out: export_weights). Collective."""
-        local = {k: v.detach() for k, v in self.model_state().items()}
-        return export_hf_tensors(local, self.layout, self.mesh, with_mtp=True)
+    def save_hf(self, path: str) -> None:  # with the MTP modules built (a push leaves them out)
+        tensors = export_hf_tensors({k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh,
+                                    with_mtp=True)  # fmt: skip
+        mckpt.save_hf_from_actor(
+            self, path, tensors=tensors, config=mtp.saved_config(self.hf_config, self.layout)
+        )
 
     def export_weights(
         self, bucket_bytes: int, every_rank: bool = False

@@ -44,8 +44,9 @@ class MasterWeights(dict[torch.Tensor, torch.Tensor]):
             master.grad = None
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The gradient the optimizer steps with: the master's, or the parameter's own."""
-        return self[p].grad if self else p.grad
+        """The gradient the optimizer steps with: the master's, or the parameter's own (a frozen
+        parameter, such as MTP modules kept as loaded, has no master and no gradient)."""
+        return self[p].grad if p in self else p.grad
 
     def move(self, device: str | torch.device) -> None:
         """The masters and their gradients (the last step's, kept until the next zero_grad)."""

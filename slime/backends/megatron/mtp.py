@@ -11,9 +11,10 @@ slime.backends.megatron.layer_map), and `--enable-mtp-training` trains it, as sl
   slime (megatron-core) averages each micro-batch's tokens and then the micro-batches, which
   weighs a token by the size of the micro-batch it landed in; one mean over the step's tokens
   gives the same loss however the step is split over ranks and micro-batches;
-- it is added to the policy loss's gradient (its backward reaches the MTP modules and, through
-  the hidden states and the embedding, the model), not to the policy loss's value; the step
-  metrics report `mtp_loss` (all depths) and `mtp_{k}_loss` as slime logs them.
+- it trains the MTP modules only: as in slime's megatron-core, the block reads the decoder's
+  hidden states, the embedding and the output head detached, so the policy's weights see the
+  policy loss alone; the step metrics report `mtp_loss` (all depths) and `mtp_{k}_loss` as
+  slime logs them.
 
 Without `--enable-mtp-training` the modules are loaded, saved and exported with the model but
 neither run nor trained (their parameters are frozen). Log-prob passes never run them. No engine
@@ -64,13 +65,13 @@ class MTPObjective:
         """The step's metric sums (summed over the replicas: the step's means, as slime names
         them), and no MTP run until the next `begin`."""
         self.scales = []
-        out = {f"mtp_{d + 1}_loss": loss for d, loss in enumerate(self.losses)}
+        out = {f"mtp_{d + 1}_loss": loss.cpu() for d, loss in enumerate(self.losses)}
         if self.losses:
-            out["mtp_loss"] = sum(self.losses, torch.zeros((), dtype=torch.float64))
+            out["mtp_loss"] = sum(out.values(), torch.zeros((), dtype=torch.float64))
         return out
 
     def record(self, depth: int, loss: torch.Tensor) -> None:
-        value = loss.detach().double().cpu() * self.metric_scales[depth]
+        value = loss.detach().double() * self.metric_scales[depth]  # on the device: read once, in `end`
         if depth < len(self.losses):
             self.losses[depth] = self.losses[depth] + value
         else:
@@ -133,10 +134,13 @@ def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], la
     for depth, states in enumerate(depths):
         labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
         mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
-        logits, _ = model.output_layer(states, weight=output_weight)  # [s, b, padded vocab / TP]
-        log_probs, _ = vocab_parallel_log_probs(logits.transpose(0, 1).float(), labels, objective.vocab_size,
+        # the shared head, detached as in slime: the MTP loss trains the MTP modules only
+        head = output_weight if output_weight is not None else model.output_layer.weight
+        logits, _ = model.output_layer(states, weight=head.detach())  # [s, b, padded vocab / TP]
+        rows, cols = (mask > 0).nonzero(as_tuple=True)  # the weighted targets only, in float32
+        log_probs, _ = vocab_parallel_log_probs(logits[cols, rows].float(), labels[rows, cols], objective.vocab_size,
                                                 objective.tp_rank, objective.tp, objective.tp_group)  # fmt: skip
-        loss = -(log_probs * mask).sum()
+        loss = -(log_probs * mask[rows, cols]).sum()
         objective.record(depth, loss)
         hidden = _AttachLoss.apply(hidden, objective.scales[depth] * loss)
     return hidden
@@ -162,13 +166,16 @@ def mtp_model_class() -> type:
             )
             objective = self.mtp_objective
             if mtp_in_postprocess and labels is not None and objective is not None and objective.active:
+                # As slime's megatron-core: the block reads the decoder's hidden states and the
+                # embedding detached, so its loss reaches the MTP modules and nothing else.
                 stacked = self.mtp(
-                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states.detach(),
                     attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                    sequence_len_offset=sequence_len_offset, embedding=self.embedding, **(extra_block_kwargs or {}),
+                    sequence_len_offset=sequence_len_offset, embedding=lambda **kw: self.embedding(**kw).detach(),
+                    **(extra_block_kwargs or {}),
                 )  # fmt: skip
-                hidden_states, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
+                _, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
                 assert loss_mask is not None
                 hidden_states = _mtp_losses(self, hidden_states, depths, labels, loss_mask, packed_seq_params,
                                             output_weight)  # fmt: skip
@@ -214,6 +221,34 @@ def begin_step(
             dist.all_reduce(counts, group=dp_group)
         found.begin(counts.cpu(), factor)
     return found
+
+
+def without_modules(layout: Any) -> Any:
+    """The layout without MTP modules (a reference or teacher checkpoint need not hold them)."""
+    import dataclasses
+
+    return dataclasses.replace(layout, mtp_layers=0)
+
+
+def module_state(model: Any) -> dict[str, torch.Tensor]:
+    """Copies of the model's MTP tensors (none without MTP modules)."""
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if k.startswith("mtp.") and "_extra_state" not in k
+    }
+
+
+def saved_config(config: Any, layout: Any) -> Any:
+    """The HF config a saved checkpoint gets: num_nextn_predict_layers says the MTP modules it holds
+    (None: --hf-checkpoint's config as it is, for a model without the field)."""
+    if not hasattr(config, "num_nextn_predict_layers"):
+        return None
+    import copy
+
+    out = copy.deepcopy(config)
+    out.num_nextn_predict_layers = layout.mtp_layers
+    return out
 
 
 def objective(model: Any) -> MTPObjective | None:
