@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_ranks
-from tests.test_megatron_actor import assert_trains_like, fsdp, train_run  # noqa: F401 - fsdp is a fixture
+from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, config, exported, fsdp, train_run  # noqa: F401
 
 
 def test_chunks_are_megatron_cores_load_balanced_halves():
@@ -87,5 +87,112 @@ def test_cp_flags_are_accepted_and_what_is_not_built_is_refused(tiny_model, tiny
         (tiny_moe, ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2",
                     "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff with --context-parallel-size 2 is not built"),
     ]  # fmt: skip
+    # megatron-core's own router dtype needs no hook: accepted with CP
+    parse_args(base(tiny_moe, str(data), "--train-backend", "megatron", "--context-parallel-size", "2",
+                    "--actor-num-gpus-per-node", "2", "--moe-router-dtype", "fp32"))  # fmt: skip
     for model, extra, message in cases:
         assert message in error(capsys, base(model, str(data), *extra)), extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, cp, dynamic, recompute, chunk",
+    [(4, 2, False, False, -1), (4, 4, False, False, -1), (2, 2, True, False, -1), (2, 2, False, True, 3)],
+    ids=["dp2xcp2", "cp4", "cp2-dynamic-batches", "cp2-recompute-log-prob-chunks"],
+)
+def test_more_cp_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, world, cp, dynamic, recompute, chunk):  # noqa: F811
+    """Data and context parallelism together, four CP ranks (chunks r and 2 x CP - 1 - r), token-budget
+    micro-batches (a GPU's budget times CP, as slime counts it), full recompute with chunked log-probs."""
+    ranks = run_ranks(
+        world, train_run, tiny_model, 1, 1, "megatron", None, dynamic, recompute, False, chunk, None, cp
+    )
+    assert_trains_like(fsdp, ranks)
+
+
+def _critic_run(rank, world_size, init_method, model, cp):
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from tests.test_critic import fake_returns
+    from tests.test_fsdp_actor import make_batch
+    from tests.test_megatron_critic import _everyone
+
+    cfg = dataclasses.replace(config(model), check_precision=True)
+    cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, context_parallel_size=cp))
+    critic = make_train_actor(cfg, rank, world_size, init_method, critic=True)
+    info = critic.init()
+    mine = critic.compute_values(make_batch(0))
+    result = {"info": info, "answered": bool(mine), "values": _everyone(mine), "outputs": []}
+    for r in range(2):
+        batch = make_batch(r)
+        old = _everyone(critic.compute_values(batch))
+        result["outputs"].append(critic.train_values(r, batch, old, fake_returns(batch, r)))
+    result["after"] = _everyone(critic.compute_values(make_batch(0)))
+    critic.close()
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
+def test_the_critic_with_cp_trains_like_one_fsdp_rank(tiny_model, world):
+    from tests.test_critic import critic_run
+    from tests.test_megatron_critic import assert_trains_like as critic_like
+
+    reference = run_ranks(1, critic_run, tiny_model)[0]
+    ranks = run_ranks(world, _critic_run, tiny_model, 2)
+    assert [r["answered"] for r in ranks] == [True, False] * (world // 2)  # CP rank 0 of each replica
+    critic_like(reference, ranks)
+
+
+def _resume_run(rank, world_size, init_method, model, cp, save_dir, load):
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from tests.test_fsdp_actor import make_batch
+
+    cfg = dataclasses.replace(config(model), load=load)
+    cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, context_parallel_size=cp))
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    info = actor.init()
+    first = 0 if info["resumed_rollout_id"] is None else info["resumed_rollout_id"] + 1
+    for r in range(first, ROLLOUTS):
+        actor.train(r, make_batch(r))
+        if save_dir and r == 0:
+            actor.save(r, save_dir, extra={"next_prompt": 3})
+    result = {"info": info, "weights": exported(actor)}
+    actor.close()
+    return result
+
+
+@pytest.mark.slow
+def test_a_cp_checkpoint_resumes_bit_for_bit_and_loads_without_cp(tiny_model, tmp_path):
+    save = str(tmp_path / "ckpt")
+    full = run_ranks(2, _resume_run, tiny_model, 2, save, None)
+    resumed = run_ranks(2, _resume_run, tiny_model, 2, None, save)
+    assert resumed[0]["info"]["resumed_rollout_id"] == 0
+    for name, value in full[0]["weights"].items():
+        assert torch.equal(resumed[0]["weights"][name], value), name
+    one = run_ranks(1, _resume_run, tiny_model, 1, None, save)[0]  # CP ranks hold the same weights
+    for name, value in full[0]["weights"].items():
+        torch.testing.assert_close(one["weights"][name], value, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_the_expert_bias_moves_with_cp_as_with_fsdp(tmp_path):
+    """--moe-router-bias-update-rate at CP 2 x EP 2 (the routers count each rank's real tokens)."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import make_model
+    from tests.test_megatron_moe_actor import moe_run
+
+    path = make_model(
+        str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3"
+    )
+    moe = {"moe_router_bias_update_rate": 1e-3}
+    reference = run_ranks(1, moe_run, path, "fsdp", 1, 1, 1, 2, None, moe)[0]
+    ranks = run_ranks(2, moe_run, path, "megatron", 1, 1, 2, 2, None, moe, False, True, 2)  # padded rows too
+    assert_trains_like(reference, ranks)
+    hf = load_file(f"{path}/model.safetensors")
+    assert any(
+        (reference["weights"][n] - hf[n]).abs().max() > 1e-4 for n in hf if "e_score_correction_bias" in n
+    )

@@ -48,6 +48,7 @@ class TrainActorBase(TrainRecords):
     dp_size: int
     dp_group: Any = None
     """Process group over which one sample's values are counted once (None: the default group)."""
+    context_parallel: int = 1  # ranks a sequence is split over (Megatron's CP): a GPU's token budget x this
     rollout_id: int
     model: Any
     optimizer: torch.optim.Optimizer
@@ -269,6 +270,7 @@ class TrainActorBase(TrainRecords):
             if b.use_dynamic_batch_size:
                 budget = max_tokens or b.max_tokens_per_gpu
                 assert budget is not None
+                budget *= self.context_parallel  # slime's rule: each GPU holds 1 / CP of a micro-batch
                 per_rank = [
                     batching.pack_micro_batches(s, lengths, budget, self.packs_sequences) for s in shares
                 ]

@@ -79,9 +79,10 @@ def _megatron_problem(cfg, world_size: int) -> str | None:
     from slime.backends.megatron.settings import check_supported
 
     m = cfg.megatron
-    if world_size % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size):
-        return (f"--tensor-model-parallel-size x --pipeline-model-parallel-size = "
-                f"{m.tensor_model_parallel_size * m.pipeline_model_parallel_size} does not divide the {world_size} ranks")  # fmt: skip
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    if world_size % model_parallel:
+        return (f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size = "
+                f"{model_parallel} does not divide the {world_size} ranks")  # fmt: skip
     try:
         layout = Layout.from_hf_config(
             AutoConfig.from_pretrained(cfg.hf_checkpoint), m.make_vocab_size_divisible_by

@@ -104,12 +104,11 @@ class MegatronTrainActor(TrainActorBase):
         self.mesh = Mesh.from_parallel_state()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
-        self.cp_rank, cp = ps.get_context_parallel_rank(), m.context_parallel_size
         # context parallelism (context_parallel.py): (size, rank, group); gradients summed over DP x CP
+        self.cp_rank, cp = ps.get_context_parallel_rank(), m.context_parallel_size
         self._cp = (cp, self.cp_rank, ps.get_context_parallel_group()) if cp > 1 else None
-        self.grad_group = (
-            ps.get_data_parallel_group(with_context_parallel=True) if self.dp_size * cp > 1 else None
-        )
+        self.context_parallel, dpcp = cp, ps.get_data_parallel_group(with_context_parallel=True)
+        self.grad_group = dpcp if self.dp_size * cp > 1 else None
         self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         # One rank per replica writes the replica's files and counts its step metrics.
         self.writes_train_data = self.last_stage and self.mesh.tp_rank == 0 and self.cp_rank == 0
@@ -274,7 +273,7 @@ class MegatronTrainActor(TrainActorBase):
                                         self.cfg.batch.log_probs_chunk_size)  # fmt: skip
 
         if mb.cp is not None:  # context parallelism: every local token's, gathered over the CP ranks
-            return cp_response_stats(mb, lambda targets: at(None, targets))
+            return cp_response_stats(mb, at)
         rows, cols, targets = mb.predictions()
         log_probs, entropy = at(rows * logits.shape[1] + cols, targets)
         return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)

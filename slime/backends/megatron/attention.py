@@ -141,6 +141,8 @@ class LatentCoreAttention(MegatronModule):
                 "multi-latent attention here is causal only (no attention mask or bias)"
             )
         dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is None and self.cp_group is not None:
+            raise NotImplementedError("context parallelism runs packed (THD) micro-batches only")
         if packed_seq_params is None:  # [s, b, heads, dim] -> [b, heads, s, dim]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = _causal(q, k, v, None, None, self.softmax_scale, dropout)

@@ -26,6 +26,7 @@ but has never run (no machine here has Transformer Engine).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +69,13 @@ class CPView:
     """[1, local tokens] bool: a sample's token, not padding."""
     cp: int
     group: Any
+    mine: torch.Tensor
+    """[padded global tokens] each token's place among this rank's (-1: another rank's)."""
 
 
-def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any) -> CPView:
-    """The CP share of `mb` (packed or padded) for CP rank `rank`."""
+def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1) -> CPView:
+    """The CP share of `mb` (packed or padded) for CP rank `rank`; each sequence padded to a
+    multiple of 2 x cp x `multiple` (sequence parallelism: TP, so each rank's share splits over TP)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     device = mb.input_ids.device
@@ -83,7 +87,7 @@ def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any) -> CPView:
         zip(mb.token_starts(), mb.prompt_lengths, mb.response_lengths, strict=True)
     ):
         n = p + r
-        padded = -(-n // (2 * cp)) * (2 * cp)
+        padded = -(-n // (2 * cp * multiple)) * (2 * cp * multiple)
         tokens = torch.full((padded,), PAD_ID, dtype=torch.long)
         tokens[:n] = flat[start : start + n]
         padded_ids.append(tokens)
@@ -102,8 +106,10 @@ def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any) -> CPView:
     longest = max(b - a for a, b in itertools.pairwise(cu))
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
                              max_seqlen_kv=longest)  # fmt: skip
+    mine = torch.full((cu[-1],), -1, dtype=torch.long)
+    mine[order] = torch.arange(order.numel())
     return CPView(ids[order].unsqueeze(0).to(device), positions.unsqueeze(0).to(device), packed, where.to(device),
-                  nxt[order].to(device), real_t[order].unsqueeze(0).to(device), cp, group)  # fmt: skip
+                  nxt[order].to(device), real_t[order].unsqueeze(0).to(device), cp, group, mine.to(device))  # fmt: skip
 
 
 class _GatherKeepOwn(torch.autograd.Function):
@@ -160,22 +166,27 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
                  scale: float | None, dropout: float) -> torch.Tensor:  # fmt: skip
     """Causal attention of this rank's tokens ([local tokens, heads, dim], THD) over their whole
     sequences, the keys and values all-gathered over the CP group -> [local tokens, heads * dim]."""
+    from megatron.core import tensor_parallel
+
+    if packed is None:
+        raise NotImplementedError(
+            "context parallelism runs packed (THD) micro-batches only (context_parallel.run_micro_batch)"
+        )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     cu = packed.cu_seqlens_q.tolist()
     order = torch.cat([local_order(cu, cp, r) for r in range(cp)]).to(query.device)
     k = _place(_GatherSumGrads.apply(key, group, rank, cp), order)  # [global tokens, kv heads, dim]
     v = _place(_GatherSumGrads.apply(value, group, rank, cp), order)
-    groups = query.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    gqa = {"enable_gqa": True} if query.shape[1] != k.shape[1] else {}
     outs, at = [], 0
     for a, b in itertools.pairwise(cu):
         mine = chunk_positions(b - a, cp, rank).to(query.device)
         q = query[at : at + mine.numel()].transpose(0, 1)  # [heads, local, dim]
         at += mine.numel()
         allowed = mine[:, None] >= torch.arange(b - a, device=query.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed,
-                                             dropout_p=dropout, scale=scale)  # fmt: skip
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                                 attn_mask=allowed, dropout_p=dropout, scale=scale, **gqa)  # fmt: skip
         outs.append(out.transpose(0, 1))
     out = torch.cat(outs)
     return out.reshape(out.shape[0], -1)
@@ -190,12 +201,13 @@ def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mas
     sequence-parallel ranks)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from slime.backends.megatron.moe import padding_mask
+    from slime.backends.megatron.moe import padding_mask, sequence_parallel_share
 
     if cp is not None:
-        view = mb.cp = cp_view(mb, *cp)
+        sp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
+        view = mb.cp = cp_view(mb, *cp, sp)
         if count_mask:
-            extra = {**extra, "padding_mask": ~view.real}
+            extra = {**extra, "padding_mask": sequence_parallel_share(~view.real, scatter)}
         return model(view.ids, view.position_ids, None, packed_seq_params=view.packed, **extra)
     if count_mask:
         extra = {**extra, "padding_mask": padding_mask(mb, scatter)}
@@ -210,12 +222,20 @@ def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mas
 
 
 def cp_response_stats(mb: MicroBatch, local_stats: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, max_response] log-probs (and entropy) of `mb`'s responses from `local_stats(targets)`,
-    the stats of this rank's tokens against their next tokens, gathered over the CP ranks."""
+    """[B, max_response] log-probs (and entropy) of `mb`'s responses from `local_stats(index,
+    targets)`, the stats of this rank's tokens at `index` (those that predict a response token:
+    no float32 vocabulary rows for the prompts) against their next tokens, gathered over the CP
+    ranks."""
     view = mb.cp
     assert isinstance(view, CPView)
-    log_probs, entropy = local_stats(view.targets)
     rows, cols, _ = mb.predictions()
     index = view.where[rows, cols]
-    out = mb.scatter(gather_tokens(log_probs, view)[index])
-    return out, None if entropy is None else mb.scatter(gather_tokens(entropy, view)[index])
+    local = view.mine[index]
+    local = local[local >= 0]
+    log_probs, entropy = local_stats(local, view.targets[local])
+    n = view.targets.numel()
+
+    def spread(values: torch.Tensor) -> torch.Tensor:  # this rank's values at their places, gathered
+        return gather_tokens(values.new_zeros(n).index_put((local,), values), view)[index]
+
+    return mb.scatter(spread(log_probs)), None if entropy is None else mb.scatter(spread(entropy))

@@ -225,7 +225,11 @@ def padding_mask(mb: MicroBatch, scatter: bool) -> torch.Tensor:
     its routers take to count only real tokens for the expert-bias update
     (slime.backends.expert_bias). `scatter`: split it over the sequence-parallel ranks here
     (megatron-core does so on the first pipeline stage only)."""
-    mask = ~mb.real_tokens().view_as(mb.input_ids)
+    return sequence_parallel_share(~mb.real_tokens().view_as(mb.input_ids), scatter)
+
+
+def sequence_parallel_share(mask: torch.Tensor, scatter: bool) -> torch.Tensor:
+    """A [rows, length] token mask, with `scatter` this sequence-parallel rank's share of it."""
     if scatter:
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 

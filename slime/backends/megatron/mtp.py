@@ -175,7 +175,7 @@ def mtp_model_class() -> type:
                     sequence_len_offset=sequence_len_offset, embedding=lambda **kw: self.embedding(**kw).detach(),
                     **(extra_block_kwargs or {}),
                 )  # fmt: skip
-                _, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
+                _main, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
                 assert loss_mask is not None
                 hidden_states = _mtp_losses(self, hidden_states, depths, labels, loss_mask, packed_seq_params,
                                             output_weight)  # fmt: skip

@@ -40,7 +40,9 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
         if flag:
             return f"{flag}: {model_families.refusal(layout.model_type, 'router_hooks')}"
     if moe is not None and layout.num_experts and m.context_parallel_size > 1 and router_hooks(layout):
-        flag = moe.needs_router_hooks(router_fp32=False)
+        import dataclasses  # (the router dtype is megatron-core's own setting here, no hook)
+
+        flag = dataclasses.replace(moe, moe_router_dtype=None).needs_router_hooks(router_fp32=False)
         if flag:
             return (f"{flag} with --context-parallel-size {m.context_parallel_size} is not built: the router hooks "
                     "record and replay whole sequences, which a CP rank does not hold")  # fmt: skip
