@@ -205,7 +205,6 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
 ):
     """slime.backends.megatron.mtp on CUDA (megatron-core's MTP block unpatched, float32, TF32
     off): the depth-1 MTP loss of two samples equals the reference from transformers' layers on CPU."""
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -214,10 +213,9 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
     from slime.backends.megatron.convert import Layout, hf_to_megatron
     from slime.backends.megatron.export import Mesh
     from slime.backends.megatron.model import build_gpt_model, transformer_config
-    from slime.backends.micro_batch import make_micro_batch
     from tests.conftest import make_model
     from tests.test_megatron_gpu import no_tf32
-    from tests.test_megatron_mtp import reference_mtp_loss
+    from tests.test_megatron_mtp import mtp_loss_of, mtp_samples, reference_mean
 
     path = make_model(str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3",
                       "--mtp-layers", "1")  # fmt: skip
@@ -233,29 +231,10 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
     missing = model.load_state_dict(state, strict=False).missing_keys
     assert not [k for k in missing if not k.endswith("._extra_state")], missing
     mtp.attach(model, layout, Mesh.from_parallel_state(), train=True)
-    torch.manual_seed(1)
-    tokens = [torch.randint(3, config.vocab_size, (n,)).tolist() for n in (9, 7)]
-    responses, masks = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
-    mb = make_micro_batch([0, 1], tokens, responses, masks, torch.device("cuda"), packed)
-    objective = mtp.objective(model)
-    objective.begin(mtp.target_counts([mb], 1), 0.2)
-    kwargs = {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}
-    if packed:
-        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                      max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
-        positions = mb.position_ids
-    else:
-        positions = torch.arange(mb.input_ids.shape[1], device="cuda").expand_as(mb.input_ids)
-    with no_tf32(), torch.no_grad():
-        model(mb.input_ids, positions, None, **kwargs)
-    got = float(objective.end()["mtp_1_loss"])
-    parts = []
-    for i in range(2):
-        full = mtp.token_loss_mask(make_micro_batch([i], tokens, responses, masks, torch.device("cpu")))
-        weight = float(full[0, 2:].sum())
-        parts.append((reference_mtp_loss(path, torch.tensor([tokens[i]]), full) * weight, weight))
-    want = sum(s for s, _ in parts) / sum(w for _, w in parts)
+    tokens = mtp_samples(config.vocab_size)
+    with no_tf32():
+        got = mtp_loss_of(model, tokens, packed, "cuda")
+    want = reference_mean(path, tokens)
     print(f"deepseek_v3 MTP loss on cuda ({'packed' if packed else 'padded'}): {got:.7f}, reference {want:.7f}, "
           f"relative {abs(got - want) / want:.2g}")  # fmt: skip
     assert got == pytest.approx(want, rel=1e-5), (got, want)

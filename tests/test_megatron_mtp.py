@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -107,6 +108,47 @@ def reference_mtp_loss(path: str, ids: torch.Tensor, mask: torch.Tensor) -> floa
     return float((ce * weights).sum() / weights.sum())
 
 
+RESPONSES, MASKS = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
+"""Two samples' response lengths and loss masks (one token left out of the loss)."""
+
+
+def mtp_samples(vocab: int) -> list[list[int]]:
+    """The two samples' tokens (9 and 7), seeded."""
+    torch.manual_seed(1)
+    return [torch.randint(3, vocab, (n,)).tolist() for n in (9, 7)]
+
+
+def reference_mean(path: str, tokens: list[list[int]]) -> float:
+    """The depth-1 MTP loss of the samples as one micro-batch: the token mean over their weighted
+    targets, each sample's from reference_mtp_loss."""
+    from slime.backends.megatron.mtp import token_loss_mask
+    from slime.backends.micro_batch import make_micro_batch
+
+    parts = []
+    for i, sample in enumerate(tokens):
+        mask = token_loss_mask(make_micro_batch([i], tokens, RESPONSES, MASKS, torch.device("cpu")))
+        weight = float(mask[0, 2:].sum())
+        parts.append((reference_mtp_loss(path, torch.tensor([sample]), mask) * weight, weight))
+    return sum(s for s, _ in parts) / sum(w for _, w in parts)
+
+
+def mtp_loss_of(model: Any, tokens: list[list[int]], packed: bool, device: str) -> float:
+    """The model's depth-1 MTP metric on the samples as one micro-batch (packed or padded rows),
+    run as the actor runs a micro-batch (context_parallel.run_micro_batch)."""
+    from slime.backends.megatron import mtp
+    from slime.backends.megatron.context_parallel import run_micro_batch
+    from slime.backends.micro_batch import make_micro_batch
+
+    mb = make_micro_batch([0, 1], tokens, RESPONSES, MASKS, torch.device(device), packed)
+    objective = mtp.objective(model)
+    objective.begin(mtp.target_counts([mb], 1), 0.2)
+    with torch.no_grad():
+        run_micro_batch(
+            model, mb, {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}, False, False, None
+        )
+    return float(objective.end()["mtp_1_loss"])
+
+
 def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
     """megatron-core's depth-1 MTP loss (the objective's metric) of two samples in one micro-batch."""
     import torch.distributed as dist
@@ -117,7 +159,6 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
     from slime.backends.megatron.export import Mesh
     from slime.backends.megatron.model import build_gpt_model, transformer_config
     from slime.backends.megatron.sharding import hf_to_megatron_shard
-    from slime.backends.micro_batch import make_micro_batch
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -134,34 +175,13 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
                                  ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
     missing = model.load_state_dict(shard, strict=False).missing_keys
     assert not [k for k in missing if not k.endswith("._extra_state")], missing
-    mesh = Mesh.from_parallel_state()
-    mtp.attach(model, layout, mesh, train=True)
+    mtp.attach(model, layout, Mesh.from_parallel_state(), train=True)
     model.eval()
-    objective = mtp.objective(model)
-    torch.manual_seed(1)
-    tokens = [torch.randint(3, config.vocab_size, (n,)).tolist() for n in (9, 7)]
-    responses, masks = [5, 4], [[1, 1, 0, 1, 1], [1, 1, 1, 1]]
-    mb = make_micro_batch([0, 1], tokens, responses, masks, torch.device("cpu"), packed)
-    objective.begin(mtp.target_counts([mb], 1), 0.2)
-    kwargs = {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}
-    if packed:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                      max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
-        positions = mb.position_ids
-    else:
-        positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)
-    with torch.no_grad():
-        logits = model(mb.input_ids, positions, None, **kwargs)
-    metrics = objective.end()
+    tokens = mtp_samples(config.vocab_size)
+    loss = mtp_loss_of(model, tokens, packed, "cpu")
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    full_masks = [mtp.token_loss_mask(make_micro_batch([i], tokens, responses, masks, torch.device("cpu")))
-                  for i in range(2)]  # fmt: skip
-    return {"mtp_1_loss": float(metrics["mtp_1_loss"]), "logits_shape": tuple(logits.shape), "tokens": tokens,
-            "masks": full_masks}  # fmt: skip
+    return {"mtp_1_loss": loss, "tokens": tokens}
 
 
 @pytest.mark.parametrize(
@@ -172,13 +192,7 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
 def test_megatron_cores_mtp_loss_is_a_reference_built_from_hf_layers(mtp_models, arch, tp, ep, packed):
     path = mtp_models[arch]
     out = run_ranks(max(tp, ep), _mtp_forward, path, tp, ep, packed)[0]
-    # the micro-batch's loss is the token mean over both samples' weighted targets
-    sums = []
-    for tokens, mask in zip(out["tokens"], out["masks"], strict=True):
-        ids, m = torch.tensor([tokens]), mask
-        weight = float(m[0, 2:].sum())
-        sums.append((reference_mtp_loss(path, ids, m) * weight, weight))
-    want = sum(s for s, _ in sums) / sum(w for _, w in sums)
+    want = reference_mean(path, out["tokens"])
     assert out["mtp_1_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), (out["mtp_1_loss"], want)
 
 
