@@ -27,6 +27,7 @@ but has never run (no machine here has Transformer Engine).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -151,15 +152,18 @@ def gather_tokens(local: torch.Tensor, view: CPView) -> torch.Tensor:
     group, cp = view.group, view.cp
     rank = dist.get_rank(group)
     gathered = _GatherKeepOwn.apply(local, group, rank, cp)
-    cu = view.packed.cu_seqlens_q.tolist()
-    return _place(gathered, torch.cat([local_order(cu, cp, r) for r in range(cp)]).to(local.device))
+    return gathered[_sequence_order(tuple(view.packed.cu_seqlens_q.tolist()), cp).to(local.device)]
 
 
-def _place(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """values[i] at order[i] (a permutation), differentiably."""
+@functools.lru_cache(maxsize=8)
+def _sequence_order(cu: tuple[int, ...], cp: int) -> torch.Tensor:
+    """For the padded global row (bounds `cu`): where each token sits in the ranks' gathered
+    shares (rank 0's tokens, then rank 1's, ...); computed once per micro-batch layout, not once
+    per layer."""
+    order = torch.cat([local_order(list(cu), cp, r) for r in range(cp)])
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return values[inverse]
+    inverse[order] = torch.arange(order.numel())
+    return inverse
 
 
 def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, group: Any,
@@ -174,9 +178,9 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
         )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     cu = packed.cu_seqlens_q.tolist()
-    order = torch.cat([local_order(cu, cp, r) for r in range(cp)]).to(query.device)
-    k = _place(_GatherSumGrads.apply(key, group, rank, cp), order)  # [global tokens, kv heads, dim]
-    v = _place(_GatherSumGrads.apply(value, group, rank, cp), order)
+    order = _sequence_order(tuple(cu), cp).to(query.device)
+    k = _GatherSumGrads.apply(key, group, rank, cp)[order]  # [global tokens, kv heads, dim]
+    v = _GatherSumGrads.apply(value, group, rank, cp)[order]
     gqa = {"enable_gqa": True} if query.shape[1] != k.shape[1] else {}
     outs, at = [], 0
     for a, b in itertools.pairwise(cu):

@@ -118,12 +118,11 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
     def _response_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """[batch, max response] values from the model's [rows, tokens, 1] output (token t's
         value at position t - 1, as its log-prob)."""
-        rows, cols, _ = mb.predictions()
-        if mb.cp is not None:  # context parallelism: the local tokens' values, gathered over the CP ranks
-            from slime.backends.megatron.context_parallel import CPView, gather_tokens
+        if mb.cp is not None:  # context parallelism: the local predictions' values, gathered as log-probs are
+            from slime.backends.megatron.context_parallel import cp_response_stats
 
-            assert isinstance(mb.cp, CPView)
-            return mb.scatter(gather_tokens(output[0, :, 0].float(), mb.cp)[mb.cp.where[rows, cols]])
+            return cp_response_stats(mb, lambda index, _targets: (output[0, index, 0].float(), None))[0]
+        rows, cols, _ = mb.predictions()
         return mb.scatter(output[rows, cols, 0].float())
 
     @torch.no_grad()
