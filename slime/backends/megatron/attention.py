@@ -61,7 +61,7 @@ class SegmentDotProductAttention(DotProductAttention):
         if packed_seq_params is None and self.cp_group is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if (
-            packed_seq_params.qkv_format != "thd"
+            (packed_seq_params is not None and packed_seq_params.qkv_format != "thd")
             or attention_bias is not None
             or self.softmax_offset is not None
         ):
@@ -141,16 +141,14 @@ class LatentCoreAttention(MegatronModule):
                 "multi-latent attention here is causal only (no attention mask or bias)"
             )
         dropout = self.dropout if self.training else 0.0
-        if packed_seq_params is None and self.cp_group is not None:
-            raise NotImplementedError("context parallelism runs packed (THD) micro-batches only")
+        if self.cp_group is not None:  # (packed rows only: cp_attention refuses others)
+            return cp_attention(
+                query, key, value, packed_seq_params, self.cp_group, self.softmax_scale, dropout
+            )
         if packed_seq_params is None:  # [s, b, heads, dim] -> [b, heads, s, dim]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = _causal(q, k, v, None, None, self.softmax_scale, dropout)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError("packed sequences with multi-latent attention: THD format only")
-        if self.cp_group is not None:
-            return cp_attention(
-                query, key, value, packed_seq_params, self.cp_group, self.softmax_scale, dropout
-            )
         return _packed(query, key, value, packed_seq_params, self.softmax_scale, dropout)

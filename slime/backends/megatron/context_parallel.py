@@ -172,7 +172,7 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
     sequences, the keys and values all-gathered over the CP group -> [local tokens, heads * dim]."""
     from megatron.core import tensor_parallel
 
-    if packed is None:
+    if packed is None or packed.qkv_format != "thd":
         raise NotImplementedError(
             "context parallelism runs packed (THD) micro-batches only (context_parallel.run_micro_batch)"
         )

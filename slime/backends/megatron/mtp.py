@@ -232,11 +232,9 @@ def without_modules(layout: Any) -> Any:
 
 def module_state(model: Any) -> dict[str, torch.Tensor]:
     """Copies of the model's MTP tensors (none without MTP modules)."""
-    return {
-        k: v.detach().clone()
-        for k, v in model.state_dict().items()
-        if k.startswith("mtp.") and "_extra_state" not in k
-    }
+    from slime.backends.megatron.model import model_state
+
+    return {k: v.detach().clone() for k, v in model_state(model).items() if k.startswith("mtp.")}
 
 
 def saved_config(config: Any, layout: Any) -> Any:
