@@ -129,7 +129,7 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention", "--train-backend", "megatron"))
     assert f"--multi-latent-attention disagrees with --hf-checkpoint {tiny_model}" in err
     err = error(capsys, base(tiny_model, prompts, "--apply-layernorm-1p", "--train-backend", "megatron"))
-    assert "--apply-layernorm-1p: megatron: the families with it are not built by the Megatron backend" in err
+    assert f"--apply-layernorm-1p disagrees with --hf-checkpoint {tiny_model}" in err
     err = error(capsys, base(tiny_model, prompts, "--opd-kl-coef", "0.5"))
     assert "--opd-kl-coef sets on-policy distillation: add --use-opd" in err
     # --hidden-dropout is Megatron's: the FSDP backend's HF modules have none, so only 0 is accepted.

@@ -1,8 +1,10 @@
-"""GLM-4, GLM-4.5+ and DeepSeek-V3 in the Megatron backend, each from `make_tiny_model --arch`:
-HF <-> Megatron conversion bitwise both ways with slime's Megatron names, and megatron-core's
-GPTModel on converted weights giving Hugging Face's logits (GLM-4's interleaved partial rotary and
-sandwich norms, GLM-4.5's sigmoid routing with the expert bias and a shared expert, DeepSeek-V3's
-multi-latent attention and grouped routing), on one rank and split over TP, PP and EP ranks."""
+"""GLM-4, GLM-4.5+, DeepSeek-V3, Qwen3-Next and Qwen3.5 in the Megatron backend, each from
+`make_tiny_model --arch`: HF <-> Megatron conversion bitwise both ways with slime's Megatron names,
+and megatron-core's GPTModel on converted weights giving Hugging Face's logits (GLM-4's interleaved
+partial rotary and sandwich norms, GLM-4.5's sigmoid routing with the expert bias and a shared
+expert, DeepSeek-V3's multi-latent attention and grouped routing, the Qwen hybrids' gated delta-net
+layers beside gated full attention, zero-centred norms and a gated shared expert), on one rank and
+split over TP, PP and EP ranks."""
 
 from __future__ import annotations
 
@@ -12,8 +14,17 @@ import torch
 from tests.conftest import make_model
 from tests.dist_helpers import run_ranks
 
-MEGATRON_FAMILIES = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
-# three layers: DeepSeek-V3 and GLM-4.5 make the first dense, the others MoE (PP 2 splits them 1 + 2)
+MEGATRON_FAMILIES = (
+    "glm4",
+    "glm4_moe",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
+# three layers: DeepSeek-V3 and GLM-4.5 make the first dense, the others MoE (PP 2 splits them 1 + 2);
+# the hybrids: linear, full, linear attention
 SIZE = ("--hidden-size", "64", "--num-layers", "3")
 
 
@@ -86,6 +97,17 @@ NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gi
                     "decoder.layers.2.mlp.shared_experts.linear_fc2.weight"],
     "glm4_moe_lite": ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.expert_bias",
                       "decoder.layers.2.self_attention.linear_kv_down_proj.weight"],
+    "qwen3_next": ["decoder.layers.0.self_attention.input_layernorm.weight",
+                   "decoder.layers.0.self_attention.linear_attn.in_proj_qkvz.weight",
+                   "decoder.layers.2.self_attention.linear_attn.in_proj_ba.weight",
+                   "decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.input_layernorm.weight",
+                   "decoder.layers.1.mlp.shared_experts.gate_weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"],
+    "qwen3_5": ["decoder.layers.0.self_attention.linear_attn.in_proj_qkv.weight",
+                "decoder.layers.0.self_attention.linear_attn.in_proj_z.weight",
+                "decoder.layers.2.self_attention.linear_attn.A_log", "decoder.layers.1.self_attention.q_layernorm.weight"],
+    "qwen3_5_moe": ["decoder.layers.0.self_attention.linear_attn.in_proj_b.weight",
+                    "decoder.layers.2.self_attention.linear_attn.conv1d.weight",
+                    "decoder.layers.1.mlp.shared_experts.gate_weight"],
 }  # fmt: skip
 
 
@@ -286,6 +308,7 @@ CASES = [
     ("deepseek_v3", 2, 1, 2, True),
     ("glm4_moe_lite", 1, 1, 2, True),
     ("deepseek_v3_no_q_latent", 2, 1, 1, True),  # linear_q_proj, split over TP
+    ("qwen3_5_moe", 1, 1, 2, True),  # delta-nets run per packed sequence
     *(
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
@@ -293,6 +316,8 @@ CASES = [
             ("glm4_moe", 1, 1, 1, False), ("glm4_moe", 2, 1, 1, False),
             ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True), ("deepseek_v3_yarn", 1, 1, 1, False),
             ("deepseek_v3_yarn", 1, 1, 1, True), ("deepseek_v3_no_q_latent", 1, 1, 1, False),
+            ("qwen3_next", 1, 1, 1, True), ("qwen3_next", 1, 2, 2, False), ("qwen3_5", 2, 1, 1, True),
+            ("qwen3_5", 1, 2, 1, False), ("qwen3_5_moe", 2, 1, 1, False),
         ]
     ),
 ]  # fmt: skip
@@ -310,6 +335,8 @@ ACTOR_CASES = [
     ("glm4_moe", 1, 2, 2),
     ("deepseek_v3", 1, 2, 2),
     ("glm4_moe_lite", 1, 1, 1),
+    ("qwen3_next", 1, 2, 2),
+    ("qwen3_5", 2, 1, 2),  # FSDP pads the hybrids' rows, Megatron packs them
 ]  # (arch, TP, EP, ranks)
 
 
@@ -322,12 +349,27 @@ def test_the_megatron_actor_trains_each_family_like_fsdp(models, arch, tp, ep, w
     fsdp = run_ranks(1, moe_run, models[arch], "fsdp")[0]
     ranks = run_ranks(world, moe_run, models[arch], "megatron", tp, 1, ep, 2)
     assert_trains_like(fsdp, ranks)
-    if arch != "glm4":  # the expert bias goes out with the weights, as the checkpoint holds it
+    if arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):  # the expert bias goes out with the weights
         from safetensors.torch import load_file
 
         hf = load_file(f"{models[arch]}/model.safetensors")
         name = "model.layers.1.mlp.gate.e_score_correction_bias"
         assert torch.equal(ranks[0]["weights"][name], hf[name]) and hf[name].abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, ep", [("qwen3_5", 1), ("qwen3_5_moe", 2)])
+def test_context_parallel_runs_the_delta_nets_on_whole_sequences(models, arch, ep):
+    """CP 2 (x EP 2) trains like one FSDP rank: every CP rank runs each delta-net layer on whole
+    sequences and keeps its own chunks, the layer inputs' gradients summed over the CP ranks (with
+    each rank's own slice only, step 0's grad norm already differs)."""
+    from tests.test_megatron_actor import assert_trains_like
+    from tests.test_megatron_moe_actor import moe_run
+
+    fsdp = run_ranks(1, moe_run, models[arch], "fsdp")[0]
+    # (TP 1, PP 1, EP, micro-batch 2, no save, no MoE options, no recompute, packed, CP 2)
+    ranks = run_ranks(2, moe_run, models[arch], "megatron", 1, 1, ep, 2, None, None, False, False, 2)
+    assert_trains_like(fsdp, ranks)
 
 
 def _bf16_pp2_export(rank, world_size, init_method, model):

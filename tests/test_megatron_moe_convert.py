@@ -154,7 +154,7 @@ def test_bad_expert_layouts_are_named():
         hf_to_megatron(hf, layout)
 
 
-def test_shared_experts_are_refused_not_dropped():
+def test_shared_experts_are_read_only_where_the_modeling_has_them():
     from transformers import Qwen2MoeConfig
 
     qwen2_moe = Qwen2MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=4,
@@ -164,9 +164,9 @@ def test_shared_experts_are_refused_not_dropped():
     ):
         Layout.from_hf_config(qwen2_moe)
     variant = Qwen3MoeConfig(**MOE)
-    variant.shared_expert_intermediate_size = 32  # a Qwen3-MoE-shaped config that also has a shared expert
-    with pytest.raises(ConversionError, match="gates its shared expert"):
-        Layout.from_hf_config(variant)
+    variant.shared_expert_intermediate_size = 32  # transformers' Qwen3-MoE builds no shared expert for it
+    layout = Layout.from_hf_config(variant)
+    assert layout.shared_ffn_hidden_size == 0 and not layout.shared_expert_gate
 
 
 @pytest.mark.parametrize(

@@ -166,19 +166,21 @@ def _model_type(path: str) -> str:
         return json.load(f)["model_type"]
 
 
-def test_megatron_refuses_each_family_by_name(family_models):
+def test_megatron_builds_each_family_and_names_what_it_refuses(family_models):
+    """Every new family converts (tests/test_megatron_families.py checks the numbers); Qwen3.5's
+    released vision-language checkpoint, whose text model sits under model.language_model, is
+    refused by name, pointing at FSDP."""
+    import transformers
     from transformers import AutoConfig
 
     from slime.backends.megatron.convert import ConversionError, Layout
 
     for arch in NEW_FAMILIES:
-        config = AutoConfig.from_pretrained(family_models[arch])
-        if arch in MEGATRON_BUILT:  # tests/test_megatron_families.py
-            Layout.from_hf_config(config)
-            continue
-        with pytest.raises(ConversionError, match="--train-backend fsdp") as info:
-            Layout.from_hf_config(config)
-        assert config.model_type in str(info.value)
+        assert Layout.from_hf_config(AutoConfig.from_pretrained(family_models[arch])).num_layers == 2
+    text = AutoConfig.from_pretrained(family_models["qwen3_5"]).to_dict()
+    released = transformers.Qwen3_5Config(text_config=text)
+    with pytest.raises(ConversionError, match="vision-language checkpoint .* --train-backend fsdp"):
+        Layout.from_hf_config(released)
 
 
 def test_docs_models_table_is_the_registry():
@@ -206,8 +208,9 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
         capsys, base(glm, str(prompts), "--train-backend", "megatron", "--use-rollout-routing-replay")
     )
     assert "--use-rollout-routing-replay: routing replay" in err and "'glm4_moe'" in err
-    err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--train-backend", "megatron"))
-    assert "'qwen3_5_text'" in err and "--train-backend fsdp" in err
+    err = error(capsys, base(family_models["qwen3_5_moe"], str(prompts), "--train-backend", "megatron",
+                             "--use-routing-replay"))  # fmt: skip
+    assert "--use-routing-replay: routing replay" in err and "'qwen3_5_moe_text'" in err
 
 
 @pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])
@@ -280,7 +283,7 @@ def _slime_model_args(arch: str, c: dict) -> list[str]:
                 "--moe-router-topk-scaling-factor", "1.8"]  # fmt: skip
     hybrid = [*common, *gqa, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
               "--qk-layernorm", "--use-gated-attention", "--apply-layernorm-1p", "--rotary-percent", "0.25",
-              "--attention-output-gate", "--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]  # fmt: skip
+              "--attention-output-gate", "--spec", *SLIME_SPECS[arch]]  # fmt: skip
     if arch == "qwen3_5":
         return hybrid
     return [*hybrid, *moe, "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "softmax",
@@ -292,8 +295,8 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     family_models, tmp_path, capsys, arch
 ):
     """The flags of slime's model script describe the checkpoint (each compared with config.json);
-    one flag left out is named with the config key; Megatron checks them too for the families it
-    builds and refuses the others."""
+    one flag left out is named with the config key; Megatron checks them too (slime's layer specs
+    for these families are accepted: the Megatron backend builds their layers)."""
     import json
 
     from slime.ray.cli import parse_args
@@ -306,25 +309,25 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = parse_args(base(path, str(prompts), *args))
     noted = [line for line in cfg.args.resolution if line.startswith("no effect in this backend (fsdp)")]
-    if arch != "glm4":  # slime's GLM-4 spec is accepted by both backends (GLM-4's layers are built)
-        assert "--spec" not in args or "--spec" in noted[0]  # listed as having no effect with FSDP
+    # slime's spec of the family describes the model both backends build: accepted, not listed
+    assert not noted or "--spec" not in noted[0]
     flag = {"glm4": "--rotary-interleaved", "glm4_moe": "--moe-router-enable-expert-bias",
             "deepseek_v3": "--multi-latent-attention", "glm4_moe_lite": "--multi-latent-attention"}.get(
         arch, "--apply-layernorm-1p"
     )  # fmt: skip
     left_out = [a for a in args if a != flag]
-    for backend in ("fsdp", "megatron") if arch in MEGATRON_BUILT else ("fsdp",):
+    for backend in ("fsdp", "megatron"):
         err = error(capsys, base(path, str(prompts), *left_out, "--train-backend", backend))
         assert f"no {flag} (Megatron-LM's default: off) disagrees with --hf-checkpoint {path}" in err
-    megatron = [*args, "--train-backend", "megatron"]
-    if arch in MEGATRON_BUILT:  # the whole script parses with Megatron too
-        assert parse_args(base(path, str(prompts), *megatron)).train.backend == "megatron"
-    else:
-        err = error(capsys, base(path, str(prompts), *megatron))
-        assert "not built by the Megatron backend" in err or "--train-backend fsdp" in err
+    # the whole script parses with Megatron too
+    assert (
+        parse_args(base(path, str(prompts), *args, "--train-backend", "megatron")).train.backend == "megatron"
+    )
 
 
-MEGATRON_BUILT = ("glm4", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+SLIME_SPECS = {"qwen3_next": ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
+               "qwen3_5": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
+               "qwen3_5_moe": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -355,11 +358,12 @@ def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, ar
 
 def test_a_released_qwen3_5_checkpoint_is_its_family_by_its_alias():
     """Qwen3.5's released config.json says model_type qwen3_5 (qwen3_5_moe): the same family as
-    the text model, so its gated delta-net layers are never packed and its refusals hold."""
+    the text model, so FSDP never packs its gated delta-net layers (Megatron does) and its
+    refusals hold."""
     from slime.utils.model_families import family, packable, refusal
 
     for alias, own in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
-        assert family(alias) is FAMILIES[own] and not packable(alias)
+        assert family(alias) is FAMILIES[own] and not packable(alias) and packable(alias, "megatron")
     assert refusal("qwen3_5_moe", "router_hooks") and refusal("qwen3_5_moe", "lora")
     assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
 

@@ -111,9 +111,9 @@ class TrainActorBase(TrainRecords):
     def packs_sequences(self) -> bool:
         """Whether micro-batches are packed (one row, no padding; token budgets count real
         tokens): both backends pack unless --padded-micro-batches asks for the padded layout or
-        the model's layers cannot keep packed samples apart (slime.utils.model_families)."""
-        config = getattr(self, "hf_config", None)  # None: an actor that only plans (tests, tools)
-        return not self.cfg.batch.padded_micro_batches and packable(getattr(config, "model_type", None))
+        the backend cannot keep the model's packed samples apart (slime.utils.model_families)."""
+        model_type = getattr(getattr(self, "hf_config", None), "model_type", None)  # None: planning only
+        return not self.cfg.batch.padded_micro_batches and packable(model_type, self.cfg.backend)
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:

@@ -125,6 +125,8 @@ def hf_architecture(config: Any) -> HFArchitecture:
 _HYBRID = {t for f in FAMILIES.values() if not f.packs for t in (f.model_type, *f.aliases)}
 _EXPERT_BIAS = {"deepseek_v3", "glm4_moe", "glm4_moe_lite"}
 _QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
+_SHARED_EXPERT = {"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+"""The softmax-routed families with a (gated) shared expert beside the routed ones."""
 
 
 def partial_rotary(config: Any) -> float:
@@ -208,13 +210,17 @@ def hf_moe(config: Any) -> dict[str, Any]:
         "moe_layer_freq": [int(i not in dense and (i + 1) % step == 0) for i in range(layers)],
         "moe_ffn_hidden_size": getattr(config, "moe_intermediate_size", None),
         "moe_router_topk": getattr(config, "num_experts_per_tok", None),
-        "moe_shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None) or 0,
+        # (Qwen3-MoE's modeling has no shared expert, whatever its config says)
+        "moe_shared_expert_intermediate_size": (getattr(config, "shared_expert_intermediate_size", None) or 0)
+        if model_type in _SHARED_EXPERT
+        else 0,
         "moe_router_score_function": "softmax",  # the Qwen MoE families (slime.utils.hf_experts)
         "moe_router_pre_softmax": not _norm_topk(config),
         "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
         "moe_router_enable_expert_bias": False,
         # Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: a shared expert, where there is one, is gated
-        "moe_shared_expert_gate": bool(getattr(config, "shared_expert_intermediate_size", None)),
+        "moe_shared_expert_gate": model_type in _SHARED_EXPERT
+        and bool(getattr(config, "shared_expert_intermediate_size", None)),
     }
 
 

@@ -37,13 +37,6 @@ def _refused(
     return Spec(flag, kwargs, REFUSED, REFUSED, feature, neutral, group=group)
 
 
-def _family_arch(flag: str, kwargs: dict[str, Any], note: str, group: str = "architecture") -> Spec:
-    """An architecture flag of a family only the FSDP backend trains (docs/models.md): checked
-    against config.json with FSDP, refused by the Megatron backend."""
-    return Spec(flag, kwargs, CHECKED, REFUSED, note, group=group,
-                refused_note="megatron: the families with it are not built by the Megatron backend (docs/models.md)")  # fmt: skip
-
-
 def _moe_arch(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     """A mixture-of-experts architecture flag: checked against config.json with either backend."""
     return Spec(flag, kwargs, CHECKED, CHECKED, note, group="architecture")
@@ -132,25 +125,29 @@ SPECS: tuple[Spec, ...] = (
         "at most max_position_embeddings; samples are not padded to it (variable-length micro-batches)",
     ),
     _arch("--rotary-interleaved", store_true(), "interleaved rotary pairs (GLM-4: model_type glm4)"),
-    _family_arch(
-        "--apply-layernorm-1p", store_true(), "zero-centred (1 + gamma) norms (Qwen3-Next, Qwen3.5)"
-    ),
+    _arch("--apply-layernorm-1p", store_true(), "zero-centred (1 + gamma) norms (Qwen3-Next, Qwen3.5)"),
     _arch("--post-self-attn-layernorm", store_true(), "a norm after attention (GLM-4's sandwich norms)"),
     _arch("--post-mlp-layernorm", store_true(), "a norm after the MLP (GLM-4's sandwich norms)"),
-    _family_arch("--attention-output-gate", store_true(), "gated attention output (Qwen3-Next, Qwen3.5)"),
-    _family_arch("--use-gated-attention", store_true(), "gated attention (Qwen3-Next, Qwen3.5)"),
+    _arch("--attention-output-gate", store_true(), "gated attention output (Qwen3-Next, Qwen3.5)"),
+    _arch("--use-gated-attention", store_true(), "gated attention (Qwen3-Next, Qwen3.5)"),
     Spec(
         "--spec",
         {"nargs": "+", "default": None},
         NO_EFFECT,
         REFUSED,
         "a custom Megatron layer spec (--spec MODULE FUNCTION); FSDP builds the model from --hf-checkpoint's "
-        "transformers modeling, which the spec describes. slime's GLM-4 spec (slime_plugins.models.glm4 "
-        "get_glm_spec) is accepted by both backends: the Megatron backend builds GLM-4's sandwich norms itself",
-        neutral=["slime_plugins.models.glm4", "get_glm_spec"],
+        "transformers modeling, which the spec describes. slime's specs for GLM-4 (slime_plugins.models.glm4 "
+        "get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next get_qwen3_next_spec) and Qwen3.5 "
+        "(slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by both backends: the Megatron backend "
+        "builds those families' layers itself",
+        neutral=(
+            ["slime_plugins.models.glm4", "get_glm_spec"],
+            ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
+            ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
+        ),
         group="architecture",
         refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "
-        "own specs from --hf-checkpoint (and GLM-4's, for slime_plugins.models.glm4 get_glm_spec)",
+        "own specs from --hf-checkpoint (and GLM-4's, Qwen3-Next's and Qwen3.5's for slime's specs of them)",
     ),
     _arch("--multi-latent-attention", store_true(), "multi-latent attention (DeepSeek-V3: kv_lora_rank)"),
     _arch("--q-lora-rank", {"type": int, "default": None}, "q_lora_rank (none: queries without a latent)"),
@@ -209,7 +206,7 @@ SPECS: tuple[Spec, ...] = (
         "0: the bias stays as the checkpoint has it (slime's scripts)",
         neutral=0.0,
     ),
-    _family_arch(
+    _moe_arch(
         "--moe-shared-expert-gate",
         store_true(),
         "a sigmoid gate on the shared expert (Qwen3-Next, Qwen3.5-MoE)",

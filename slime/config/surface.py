@@ -31,7 +31,7 @@ class Spec:
     note: str
     neutral: Any = None
     """A value that asks for nothing, accepted even where the flag is refused
-    (`--expert-tensor-parallel-size 1` in a dense model's script)."""
+    (`--expert-tensor-parallel-size 1` in a dense model's script); a tuple: any of its values."""
     group: str = "training"
     refused_note: str | None = None
     """Why the flag is refused, where only one backend refuses it (the note says what it does in
@@ -82,7 +82,7 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
         if spec.effect(backend) != REFUSED or not given(ns, spec):
             continue
         value = getattr(ns, spec.dest)
-        if spec.neutral is not None and value == spec.neutral:
+        if is_neutral(spec, value):
             continue
         out.append(f"{spec.flag}{_shown(value)}: {spec.refused_note or spec.note}")
     return out
@@ -91,4 +91,10 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
 def no_effect_given(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: str) -> list[str]:
     """The no-effect flags given with a value that asks for something, for the banner."""
     return [s.flag for s in specs if s.effect(backend) == NO_EFFECT and given(ns, s)
-            and (s.neutral is None or getattr(ns, s.dest) != s.neutral)]  # fmt: skip
+            and not is_neutral(s, getattr(ns, s.dest))]  # fmt: skip
+
+
+def is_neutral(spec: Spec, value: Any) -> bool:
+    if isinstance(spec.neutral, tuple):
+        return value in spec.neutral
+    return spec.neutral is not None and value == spec.neutral

@@ -34,9 +34,10 @@ class Family:
     """transformers' modeling computes the router's logits in float32 whatever the parameters'
     dtype (so --moe-router-dtype fp32 asks for what happens anyway)."""
     packs: bool = True
-    """Packed micro-batches (several samples in one row). transformers' gated delta-net keeps
-    packed samples apart only with the flash-linear-attention kernels (CUDA), so the hybrid
-    families train on padded rows, one sample per row."""
+    """Packed micro-batches (several samples in one row) in the FSDP actor. transformers' gated
+    delta-net keeps packed samples apart only with the flash-linear-attention kernels (CUDA), so
+    FSDP trains the hybrid families on padded rows, one sample per row; the Megatron actor packs
+    them (slime.backends.megatron.linear_attention runs each packed sequence apart)."""
     aliases: tuple[str, ...] = ()
     """Other model_types of the same layers (Qwen3.5's released checkpoints say `qwen3_5`, their
     text model `qwen3_5_text`)."""
@@ -99,7 +100,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3-Next-80B-A3B",
             PER_SEQUENCE,
             lora=False,
-            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3-Next trains with --train-backend fsdp",
             fused_experts=True,
             packs=False,
         ),
@@ -109,7 +109,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5 dense (text)",
             PER_SEQUENCE,
             aliases=("qwen3_5",),
-            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
             packs=False,
         ),
         Family(
@@ -119,7 +118,6 @@ FAMILIES: dict[str, Family] = {
             PER_SEQUENCE,
             aliases=("qwen3_5_moe",),
             lora=False,
-            megatron="megatron-core 0.16 has no gated delta-net layer: Qwen3.5 trains with --train-backend fsdp",
             fused_experts=True,
             packs=False,
         ),
@@ -135,10 +133,11 @@ def family(model_type: str | None) -> Family | None:
     return _BY_TYPE.get(model_type or "")
 
 
-def packable(model_type: str | None) -> bool:
-    """Whether micro-batches of `model_type` may be packed (an unknown family: as the others)."""
+def packable(model_type: str | None, backend: str = "fsdp") -> bool:
+    """Whether micro-batches of `model_type` may be packed by `backend` (an unknown family: as
+    the others; the Megatron backend packs every family it builds)."""
     f = family(model_type)
-    return f is None or f.packs
+    return f is None or f.packs or backend == "megatron"
 
 
 def refusal(model_type: str | None, feature: str) -> str | None:

@@ -155,6 +155,21 @@ def gather_tokens(local: torch.Tensor, view: CPView) -> torch.Tensor:
     return gathered[_sequence_order(tuple(view.packed.cu_seqlens_q.tolist()), cp).to(local.device)]
 
 
+def whole_sequences(local: torch.Tensor, packed: Any, group: Any) -> torch.Tensor:
+    """[local tokens, ...] -> [padded global tokens, ...] in sequence order, for a layer every CP
+    rank runs on whole sequences (backward: the gradients summed over the CP ranks, since each
+    rank's outputs read earlier tokens of the others; each rank keeps its own)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    order = _sequence_order(tuple(packed.cu_seqlens_q.tolist()), cp).to(local.device)
+    return _GatherSumGrads.apply(local, group, rank, cp)[order]
+
+
+def own_tokens(whole: torch.Tensor, packed: Any, group: Any) -> torch.Tensor:
+    """The inverse of whole_sequences' gather: this CP rank's tokens of whole sequences."""
+    cu, cp, rank = packed.cu_seqlens_q.tolist(), dist.get_world_size(group), dist.get_rank(group)
+    return whole[local_order(cu, cp, rank).to(whole.device)]
+
+
 @functools.lru_cache(maxsize=8)
 def _sequence_order(cu: tuple[int, ...], cp: int) -> torch.Tensor:
     """For the padded global row (bounds `cu`): where each token sits in the ranks' gathered

@@ -95,17 +95,39 @@ class Layout:
     """MLA: each head's rotary query/key part (the key's is shared by all heads)."""
     v_head_dim: int = 0
     """MLA: each head's value width (0: head_dim)."""
+    linear_layers: tuple[int, ...] = ()
+    """1 for each gated delta-net (linear-attention) layer, 0 for a full-attention one (Qwen3-Next,
+    Qwen3.5; empty: every layer is full attention)."""
+    linear_shape: tuple[int, ...] = ()
+    """The gated delta-net's (key heads, value heads, key head dim, value head dim, conv kernel)."""
+    linear_split_proj: bool = False
+    """Qwen3.5's projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3-Next fuses
+    them as in_proj_qkvz / in_proj_ba)."""
+    gated_attention: bool = False
+    """The full-attention layers gate their output per head (HF q_proj rows: each head's query,
+    then its gate; megatron-core's attention_output_gate)."""
+    zero_centered_norm: bool = False
+    """The RMSNorms scale by 1 + weight (Megatron-LM's --apply-layernorm-1p)."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by a sigmoid gate (Qwen3-Next, Qwen3.5-MoE)."""
+    shared_expert_name: str = "shared_experts"
+    """The HF module of the shared experts (the Qwen families: `shared_expert`)."""
     mtp_layers: int = 0
     """Multi-token prediction modules built (`--mtp-num-layers`; the checkpoint's
     num_nextn_predict_layers is their most): HF layers num_layers .. num_layers + mtp_layers - 1."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))  # a stored list too
+        for name in ("moe_layers", "linear_layers", "linear_shape"):  # a stored list too
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
 
     def is_moe(self, layer: int) -> bool:
         """Layer `layer` routes to experts (an MTP module's layer, past the decoder, is built with
         the last decoder layer's spec, as megatron-core builds it)."""
         return bool(self.num_experts) and bool(self.moe_layers[min(layer, self.num_layers - 1)])
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a gated delta-net (linear-attention) layer."""
+        return bool(self.linear_layers) and bool(self.linear_layers[min(layer, self.num_layers - 1)])
 
     @property
     def all_layers(self) -> range:
@@ -138,6 +160,12 @@ class Layout:
         first and last pipeline stage's layers (uneven stages; None: as the others); `mtp_layers`:
         the multi-token prediction modules to build, at most the checkpoint's."""
         model_type = getattr(config, "model_type", None)
+        if getattr(config, "text_config", None) is not None and model_type in ("qwen3_5", "qwen3_5_moe"):
+            raise ConversionError(
+                f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
+                "model.language_model): the Megatron backend builds the text model only (model_type "
+                f"{model_type}_text); train this one with --train-backend fsdp"
+            )
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
 
@@ -172,6 +200,8 @@ class Layout:
         }
         if getattr(config, "kv_lora_rank", None):
             attention = _mla(config, bias)
+        if family.get("hybrid"):
+            attention.update(_hybrid(config))
         if mtp_layers:
             has = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
             if mtp_layers > has:
@@ -330,6 +360,10 @@ SUPPORTED: dict[str, dict[str, bool]] = {
     "glm4_moe": {},  # q/k/v biases and per-head q/k norms from attention_bias / use_qk_norm
     "deepseek_v3": {},  # multi-latent attention (_mla)
     "glm4_moe_lite": {},  # GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts
+    # gated delta-net layers beside gated full attention, zero-centred norms (_hybrid)
+    "qwen3_next": {"qk_norm": True, "hybrid": True},
+    "qwen3_5_text": {"qk_norm": True, "hybrid": True},
+    "qwen3_5_moe_text": {"qk_norm": True, "hybrid": True},
 }
 """The model_types the Megatron backend builds, with what their layers have beyond Llama's."""
 
@@ -355,6 +389,29 @@ def _mla(config: Any, bias: bool) -> dict[str, Any]:
     }
 
 
+def _hybrid(config: Any) -> dict[str, Any]:
+    """The layer mix of a gated delta-net family (Qwen3-Next, Qwen3.5): which layers are linear
+    attention, the delta-net's shape, gated full attention and zero-centred norms."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if len(kinds) != config.num_hidden_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ConversionError(
+            f"layer_types {kinds!r}: one of linear_attention / full_attention per layer is needed"
+        )
+    return {
+        "linear_layers": tuple(int(k == "linear_attention") for k in kinds),
+        "linear_shape": (
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+        ),
+        "linear_split_proj": config.model_type != "qwen3_next",
+        "gated_attention": True,
+        "zero_centered_norm": True,
+    }
+
+
 def _moe_shape(config: Any) -> dict[str, Any]:
     """The MoE fields of a Layout (none for a dense config). Routing that megatron-core's router
     would compute otherwise than the HF model is refused, with what differs."""
@@ -363,10 +420,6 @@ def _moe_shape(config: Any) -> dict[str, Any]:
     moe = hf_moe(config)
     if not moe["num_experts"]:
         return {}
-    if moe.get("moe_shared_expert_gate"):
-        raise ConversionError(
-            f"model_type {config.model_type!r} gates its shared expert, which the Megatron conversion does not cover"
-        )
     topk = moe["moe_router_topk"]
     groups, group_topk = moe.get("moe_router_num_groups") or 1, moe.get("moe_router_group_topk") or 1
     if moe["moe_router_score_function"] == "sigmoid":
@@ -394,6 +447,11 @@ def _moe_shape(config: Any) -> dict[str, Any]:
         "moe_layers": tuple(moe["moe_layer_freq"]),
         "shared_ffn_hidden_size": moe["moe_shared_expert_intermediate_size"] or 0,
         "expert_bias": bool(moe["moe_router_enable_expert_bias"]),
+        "shared_expert_gate": bool(moe.get("moe_shared_expert_gate")),
+        # the Qwen families name their one shared expert in the singular
+        "shared_expert_name": "shared_experts"
+        if getattr(config, "n_routed_experts", None)
+        else "shared_expert",
     }
 
 

@@ -8,12 +8,17 @@ how they combine:
 - `same`: one HF tensor is the megatron-core tensor (a rename);
 - `cat`: the HF tensors stacked along rows ([gate; up] into linear_fc1);
 - `qkv`: query, key and value grouped by query group (megatron-core's fused QKV: for each of the
-  `num_query_groups` groups its query heads, then its key head, then its value head).
+  `num_query_groups` groups its query heads, then its key head, then its value head);
+- `gated_qkv`: the same with an output gate (HF's q_proj holds each head's query and then its
+  gate; megatron-core's group holds its query heads, then their gates, then the key and value).
 
 Megatron-side names are megatron-core's (and, for the families slime builds with layer specs of
 its own, slime's: GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`):
 
     GQA attention   self_attention.linear_qkv.{weight,bias}, q_layernorm / k_layernorm, linear_proj
+    gated delta-net self_attention.input_layernorm, self_attention.linear_attn.* (HF's names under
+                    linear_attn: Qwen3-Next's in_proj_qkvz / in_proj_ba or Qwen3.5's in_proj_qkv /
+                    in_proj_z / in_proj_b / in_proj_a, conv1d, dt_bias, A_log, norm, out_proj)
     MLA attention   self_attention.linear_q_proj (no query latent) or linear_q_down_proj,
                     q_layernorm and linear_q_up_proj; linear_kv_down_proj (latent + rotary key),
                     kv_layernorm, linear_kv_up_proj (per head: key, value); linear_proj
@@ -21,7 +26,8 @@ its own, slime's: GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`):
                     linear_q_up_proj / linear_kv_up_proj as layer_norm_weight)
     dense MLP       mlp.linear_fc1 ([gate; up]), mlp.linear_fc2
     MoE MLP         mlp.router.weight, mlp.router.expert_bias (aux-loss-free routing),
-                    mlp.experts.* (convert.expert_names), mlp.shared_experts.linear_fc1 / fc2
+                    mlp.experts.* (convert.expert_names), mlp.shared_experts.linear_fc1 / fc2,
+                    mlp.shared_experts.gate_weight (Qwen3-Next / Qwen3.5-MoE's shared_expert_gate)
     norms           input_layernorm, pre_mlp_layernorm (TE: folded into linear_qkv / linear_fc1),
                     post_self_attn_layernorm, post_mlp_layernorm (GLM-4's sandwich norms)
 
@@ -60,6 +66,10 @@ class Pair:
         if self.kind == "cat":
             return torch.cat(tensors, dim=0)
         rest = tensors[0].shape[1:]  # (hidden,) for weights, () for biases
+        if self.kind == "gated_qkv":  # per head [query; gate] -> per group [queries; gates]
+            q, d = tensors[0], self.shapes[1][0] // groups
+            q = q.reshape(groups, -1, 2, d, *rest).transpose(1, 2)
+            tensors = [q, *tensors[1:]]
         return torch.cat([t.reshape(groups, -1, *rest) for t in tensors], dim=1).reshape(-1, *rest)
 
     def to_hf(self, t: torch.Tensor, groups: int) -> list[torch.Tensor]:
@@ -68,7 +78,10 @@ class Pair:
         if self.kind == "cat":
             return [p.clone() for p in t.split([s[0] for s in self.shapes], dim=0)]
         rest = t.shape[1:]
-        parts = t.reshape(groups, -1, *rest).split([s[0] // groups for s in self.shapes], dim=1)
+        parts = list(t.reshape(groups, -1, *rest).split([s[0] // groups for s in self.shapes], dim=1))
+        if self.kind == "gated_qkv":
+            d = self.shapes[1][0] // groups
+            parts[0] = parts[0].reshape(groups, 2, -1, d, *rest).transpose(1, 2)
         return [p.reshape(-1, *rest).clone() for p in parts]
 
     @property
@@ -89,7 +102,8 @@ def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pa
     """Layer i's tensors (i >= num_layers: MTP module i - num_layers, with its own tensors); of a
     MoE layer only `experts` (global ids; None: all)."""
     src, dst = f"model.layers.{i}.", layer_prefix(layout, i)
-    pairs = _attention(layout, src, dst) + _mlp(layout, i, src, dst, experts)
+    attention = _linear_attention(layout, src, dst) if layout.is_linear(i) else _attention(layout, src, dst)
+    pairs = attention + _mlp(layout, i, src, dst, experts)
     h = (layout.hidden_size,)
     attn_norm, mlp_norm = norm_names(layout, i)
     pairs += [Pair(attn_norm, (src + "input_layernorm.weight",), (h,)),
@@ -118,6 +132,12 @@ def mtp_shared_copies(layout: Layout, i: int) -> dict[str, str]:
 
 def norm_names(layout: Layout, i: int) -> tuple[str, str]:
     p = layer_prefix(layout, i)
+    if layout.is_linear(i):  # the delta-net's input norm is its attention module's (either spec)
+        return p + "self_attention.input_layernorm.weight", norm_names_full(layout, i, p)[1]
+    return norm_names_full(layout, i, p)
+
+
+def norm_names_full(layout: Layout, i: int, p: str) -> tuple[str, str]:
     if layout.fold_norms:
         # A MoE layer keeps a norm of its own before the router (no fused linear to fold it into).
         mlp = p + ("pre_mlp_layernorm.weight" if layout.is_moe(i) else "mlp.linear_fc1.layer_norm_weight")
@@ -150,16 +170,33 @@ def _attention(L: Layout, src: str, dst: str) -> list[Pair]:
             Pair(a + "linear_kv_up_proj.weight", (s + "kv_b_proj.weight",), (kv_up,)),
         ]  # fmt: skip
     d, ng = L.head_dim, L.num_query_groups
-    q, kv = (nq * d, h), (ng * d, h)
+    gate = 2 if L.gated_attention else 1
+    q, kv, kind = (gate * nq * d, h), (ng * d, h), "gated_qkv" if L.gated_attention else "qkv"
     names = tuple(s + f"{x}_proj.weight" for x in "qkv")
-    out.append(Pair(a + "linear_qkv.weight", names, (q, kv, kv), "qkv"))
+    out.append(Pair(a + "linear_qkv.weight", names, (q, kv, kv), kind))
     if L.qkv_bias:
         biases = tuple(s + f"{x}_proj.bias" for x in "qkv")
-        out.append(Pair(a + "linear_qkv.bias", biases, ((nq * d,), (ng * d,), (ng * d,)), "qkv"))
+        out.append(Pair(a + "linear_qkv.bias", biases, ((gate * nq * d,), (ng * d,), (ng * d,)), kind))
     if L.qk_norm:
         out += [Pair(a + "q_layernorm.weight", (s + "q_norm.weight",), ((d,),)),
                 Pair(a + "k_layernorm.weight", (s + "k_norm.weight",), ((d,),))]  # fmt: skip
     return out
+
+
+def _linear_attention(L: Layout, src: str, dst: str) -> list[Pair]:
+    """A gated delta-net layer's tensors: transformers' module under the same names."""
+    h = L.hidden_size
+    nk, nv, dk, dv, kernel = L.linear_shape
+    conv = 2 * nk * dk + nv * dv
+    shapes: dict[str, tuple[int, ...]] = {"conv1d.weight": (conv, 1, kernel), "dt_bias": (nv,), "A_log": (nv,),
+                                          "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}  # fmt: skip
+    if L.linear_split_proj:  # Qwen3.5
+        shapes.update({"in_proj_qkv.weight": (conv, h), "in_proj_z.weight": (nv * dv, h),
+                       "in_proj_b.weight": (nv, h), "in_proj_a.weight": (nv, h)})  # fmt: skip
+    else:  # Qwen3-Next: per key head [q, k, v, z] rows, and [b, a]
+        shapes.update({"in_proj_qkvz.weight": (conv + nv * dv, h), "in_proj_ba.weight": (2 * nv, h)})
+    a, s = dst + "self_attention.linear_attn.", src + "linear_attn."
+    return [Pair(a + n, (s + n,), (shape,)) for n, shape in sorted(shapes.items())]
 
 
 def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[Pair]:
@@ -179,7 +216,12 @@ def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[P
         out += [Pair(fc1, (x + "gate_proj.weight", x + "up_proj.weight"), ((f, h), (f, h)), "cat"),
                 Pair(fc2, (x + "down_proj.weight",), ((h, f),))]  # fmt: skip
     if L.shared_ffn_hidden_size:
-        out += _dense(m + "shared_experts.", dst + "mlp.shared_experts.", h, L.shared_ffn_hidden_size, False)
+        shared = m + L.shared_expert_name + "."
+        out += _dense(shared, dst + "mlp.shared_experts.", h, L.shared_ffn_hidden_size, False)
+    if L.shared_expert_gate:
+        out.append(
+            Pair(dst + "mlp.shared_experts.gate_weight", (m + "shared_expert_gate.weight",), ((1, h),))
+        )
     return out
 
 

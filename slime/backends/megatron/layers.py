@@ -1,5 +1,5 @@
-"""Decoder layers of families megatron-core has no layer for, built on its TransformerLayer.
-Imported only where megatron-core is installed.
+"""Decoder layers and norms of families megatron-core has no layer for, built on its
+TransformerLayer. Imported only where megatron-core is installed.
 
 GLM-4 normalises the attention's output and the MLP's output again before each residual add
 (HF's `post_self_attn_layernorm` and `post_mlp_layernorm`; slime names them the same on the
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 
 class SandwichNormLayer(TransformerLayer):
@@ -46,3 +47,14 @@ def _normalise_output(norm: torch.nn.Module) -> Any:
         return norm(out), bias
 
     return hook
+
+
+class ZeroCenteredRMSNorm(Qwen3NextRMSNorm):
+    """The zero-centred RMSNorm of Qwen3-Next and Qwen3.5 (Megatron-LM's --apply-layernorm-1p:
+    the weight is stored centred on 0 and scales by 1 + weight), as transformers computes it (in
+    float32, cast back), for megatron-core's local layer spec: its torch norms refuse zero-centred
+    weights. Built with megatron-core's norm arguments. (Not marked sequence-parallel: the local
+    spec refuses sequence parallelism, and the delta-net's own norm sees whole sequences.)"""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)

@@ -11,6 +11,7 @@ says).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ def moe_settings(layout: Layout, hf_config: Any, router_dtype: str | None = None
         "moe_router_enable_expert_bias": layout.expert_bias,
         "moe_router_bias_update_rate": 0.0,
         "moe_shared_expert_intermediate_size": layout.shared_ffn_hidden_size or None,
+        "moe_shared_expert_gate": layout.shared_expert_gate,
         "moe_router_dtype": router_dtype,
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
@@ -109,6 +111,9 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         rotary_interleaved=layout.rotary_interleaved,
+        # Qwen3-Next / Qwen3.5: gated full attention, zero-centred norms
+        attention_output_gate=layout.gated_attention,
+        layernorm_zero_centered_gamma=layout.zero_centered_norm,
         **{
             **mla,
             "hidden_dropout": 0.0,
@@ -132,10 +137,11 @@ def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype
     )
 
 
-def layer_spec(layout: Layout, moe: bool = False) -> Any:
+def layer_spec(layout: Layout, moe: bool = False, linear: Any = None) -> Any:
     """One layer's spec: dense, or (`moe`) with megatron-core's MoE layer (SequentialMLP, or
     TEGroupedMLP with `layout.grouped_experts`); multi-latent attention where the layout has it,
-    GLM-4's sandwich norms where it has them (SandwichNormLayer)."""
+    GLM-4's sandwich norms where it has them (SandwichNormLayer); with `linear` (the HF config of
+    a Qwen3-Next / Qwen3.5 model) a gated delta-net in the attention slot (LinearAttention)."""
     experts = {"num_experts": layout.num_experts, "moe_grouped_gemm": layout.grouped_experts} if moe else {}
     mla = bool(layout.kv_lora_rank)
     if layout.fold_norms:
@@ -143,9 +149,10 @@ def layer_spec(layout: Layout, moe: bool = False) -> Any:
             raise NotImplementedError("GLM-4's sandwich norms are built with the local layer spec only")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=layout.qk_norm or mla, multi_latent_attention=mla, **experts
         )
+        return _with_linear_attention(spec, linear) if linear is not None else spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from slime.backends.megatron.attention import LatentCoreAttention, SegmentDotProductAttention
@@ -161,20 +168,52 @@ def layer_spec(layout: Layout, moe: bool = False) -> Any:
         from slime.backends.megatron.layers import SandwichNormLayer
 
         spec.module = SandwichNormLayer
+    if layout.zero_centered_norm:  # megatron-core's torch norms refuse zero-centred weights
+        from slime.backends.megatron.layers import ZeroCenteredRMSNorm
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = ZeroCenteredRMSNorm
+    return _with_linear_attention(spec, linear) if linear is not None else spec
+
+
+def _with_linear_attention(spec: Any, hf_config: Any) -> Any:
+    """`spec` with the gated delta-net in its attention slot (its input norm inside it)."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from slime.backends.megatron.linear_attention import LinearAttention
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention = ModuleSpec(module=LinearAttention, params={"hf_config": hf_config})
+    spec.submodules.input_layernorm = IdentityOp
     return spec
 
 
-def block_spec(layout: Layout, pp: int, pp_rank: int) -> Any:
-    """A dense model's layer spec, or for a MoE model the stage's layers one by one (MoE layers
-    where `layout.moe_layers` says, dense ones elsewhere)."""
-    if not layout.num_experts:
+def block_spec(layout: Layout, pp: int, pp_rank: int, hf_config: Any = None) -> Any:
+    """A dense model's layer spec, or for a MoE or hybrid model the stage's layers one by one (MoE
+    layers where `layout.moe_layers` says, dense ones elsewhere; gated delta-nets where
+    `layout.linear_layers` says, from `hf_config`)."""
+    if not layout.num_experts and not layout.linear_layers:
         return layer_spec(layout)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    dense, moe = layer_spec(layout), layer_spec(layout, moe=True)
+    final_norm: Any = LayerNormImpl
+    if layout.zero_centered_norm and not layout.fold_norms:
+        from slime.backends.megatron.layers import ZeroCenteredRMSNorm
+
+        final_norm = ZeroCenteredRMSNorm
+    specs = {}
+    for moe, linear in itertools.product((False, True), (False, True)):
+        if (moe and not layout.num_experts) or (linear and not layout.linear_layers):
+            continue
+        specs[moe, linear] = layer_spec(layout, moe, hf_config if linear else None)
     layers = layout.stages(pp)[pp_rank]
-    return TransformerBlockSubmodules(layer_specs=[moe if layout.is_moe(i) else dense for i in layers],
-                                      layer_norm=LayerNormImpl)  # fmt: skip
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[layout.is_moe(i), layout.is_linear(i)] for i in layers], layer_norm=final_norm
+    )
 
 
 def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any:
@@ -188,7 +227,7 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_rank(),
     )
-    spec = block_spec(layout, pp, pp_rank)
+    spec = block_spec(layout, pp, pp_rank, hf_config)
     mtp: dict[str, Any] = {}
     cls = GPTModel
     if layout.mtp_layers:
