@@ -44,6 +44,10 @@ MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout 
     # the expert bias moves every step, and every push must still match the engine
     "deepseek_v3": ["--expert-model-parallel-size", "2", "--moe-router-bias-update-rate", "0.001"],
     "glm4_moe_lite": ["--pipeline-model-parallel-size", "2"],
+    # the hybrids: the delta-nets replicated over TP; over CP, on whole sequences
+    "qwen3_5": ["--tensor-model-parallel-size", "2"],
+    "qwen3_next": ["--expert-model-parallel-size", "2"],
+    "qwen3_5_moe": ["--context-parallel-size", "2"],
 }
 
 
