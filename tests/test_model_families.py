@@ -179,7 +179,7 @@ def test_megatron_builds_each_family_and_names_what_it_refuses(family_models):
         assert Layout.from_hf_config(AutoConfig.from_pretrained(family_models[arch])).num_layers == 2
     text = AutoConfig.from_pretrained(family_models["qwen3_5"]).to_dict()
     released = transformers.Qwen3_5Config(text_config=text)
-    with pytest.raises(ConversionError, match="vision-language checkpoint .* --train-backend fsdp"):
+    with pytest.raises(ConversionError, match=r"vision-language checkpoint .* --train-backend fsdp"):
         Layout.from_hf_config(released)
 
 
