@@ -132,9 +132,10 @@ def reference_mean(path: str, tokens: list[list[int]]) -> float:
     return sum(s for s, _ in parts) / sum(w for _, w in parts)
 
 
-def mtp_loss_of(model: Any, tokens: list[list[int]], packed: bool, device: str) -> float:
-    """The model's depth-1 MTP metric on the samples as one micro-batch (packed or padded rows),
-    run as the actor runs a micro-batch (context_parallel.run_micro_batch)."""
+def mtp_loss_of(model: Any, tokens: list[list[int]], packed: bool, device: str, cp: Any = None) -> float:
+    """The model's depth-1 MTP metric on the samples as one micro-batch (packed or padded rows;
+    `cp`: this CP rank's share), run as the actor runs a micro-batch
+    (context_parallel.run_micro_batch)."""
     from slime.backends.megatron import mtp
     from slime.backends.megatron.context_parallel import run_micro_batch
     from slime.backends.micro_batch import make_micro_batch
@@ -144,13 +145,14 @@ def mtp_loss_of(model: Any, tokens: list[list[int]], packed: bool, device: str) 
     objective.begin(mtp.target_counts([mb], 1), 0.2)
     with torch.no_grad():
         run_micro_batch(
-            model, mb, {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}, False, False, None
+            model, mb, {"labels": mb.input_ids, "loss_mask": mtp.token_loss_mask(mb)}, False, False, cp
         )
     return float(objective.end()["mtp_1_loss"])
 
 
-def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
-    """megatron-core's depth-1 MTP loss (the objective's metric) of two samples in one micro-batch."""
+def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed, cp=1):
+    """megatron-core's depth-1 MTP loss (the objective's metric) of two samples in one micro-batch
+    (with `cp` > 1 split over the CP ranks, the metric summed over them)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -162,36 +164,42 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed):
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=1)  # fmt: skip
+                                 expert_tensor_parallel_size=1, context_parallel_size=cp)  # fmt: skip
     cpu_shim.enable()
     cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     config, hf = _hf(path)
     layout = Layout.from_hf_config(config, mtp_layers=1)
     mc = transformer_config(layout, config, cpu_init=True, tensor_model_parallel_size=tp,
                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1, variable_seq_lengths=True,
-                            moe_token_dispatcher_type="alltoall")  # fmt: skip
+                            moe_token_dispatcher_type="alltoall", context_parallel_size=cp)  # fmt: skip
     model = build_gpt_model(layout, config, mc, tp)
     shard = hf_to_megatron_shard(hf, layout, tp, 1, ps.get_tensor_model_parallel_rank(), 0, ep, 1,
                                  ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
     missing = model.load_state_dict(shard, strict=False).missing_keys
     assert not [k for k in missing if not k.endswith("._extra_state")], missing
-    mtp.attach(model, layout, Mesh.from_parallel_state(), train=True)
+    group = ps.get_context_parallel_group() if cp > 1 else None
+    mtp.attach(model, layout, Mesh.from_parallel_state(), train=True, cp_group=group)
     model.eval()
     tokens = mtp_samples(config.vocab_size)
-    loss = mtp_loss_of(model, tokens, packed, "cpu")
+    loss = mtp_loss_of(
+        model, tokens, packed, "cpu", (cp, ps.get_context_parallel_rank(), group) if group else None
+    )
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return {"mtp_1_loss": loss, "tokens": tokens}
 
 
 @pytest.mark.parametrize(
-    "arch, tp, ep, packed",
-    [("deepseek_v3", 1, 1, True), pytest.param("glm4_moe_lite", 1, 1, False, marks=pytest.mark.slow),
-     pytest.param("glm4_moe", 2, 2, True, marks=pytest.mark.slow)],
+    "arch, tp, ep, packed, cp",
+    [("deepseek_v3", 1, 1, True, 1), ("glm4_moe", 1, 1, False, 2),
+     pytest.param("glm4_moe_lite", 1, 1, False, 1, marks=pytest.mark.slow),
+     pytest.param("glm4_moe", 2, 2, True, 1, marks=pytest.mark.slow),
+     pytest.param("deepseek_v3", 1, 2, True, 2, marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_megatron_cores_mtp_loss_is_a_reference_built_from_hf_layers(mtp_models, arch, tp, ep, packed):
+def test_megatron_cores_mtp_loss_is_a_reference_built_from_hf_layers(mtp_models, arch, tp, ep, packed, cp):
+    """Also split over CP ranks: megatron-core rolls the targets across the ranks' chunks."""
     path = mtp_models[arch]
-    out = run_ranks(max(tp, ep), _mtp_forward, path, tp, ep, packed)[0]
+    out = run_ranks(max(tp, ep) * cp, _mtp_forward, path, tp, ep, packed, cp)[0]
     want = reference_mean(path, out["tokens"])
     assert out["mtp_1_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), (out["mtp_1_loss"], want)
 
@@ -222,8 +230,9 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
 
 
 def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu", factor=0.2, ref_load=None,
-               bf16=False, clip=None):  # fmt: skip
-    """Two rollouts of the Megatron actor with the MTP modules built (trained or kept)."""
+               bf16=False, clip=None, cp=1, pp=1):  # fmt: skip
+    """Two rollouts of the Megatron actor with the MTP modules built (trained or kept; with PP, on
+    the last stage: the returned tensors are the rank's own)."""
     import dataclasses
 
     from slime.backends import make_train_actor
@@ -233,7 +242,10 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
     cfg = config(path, device=device)
     megatron = dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=train_mtp,
                                    expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-                                   mtp_loss_scaling_factor=factor, bf16=bf16)  # fmt: skip
+                                   mtp_loss_scaling_factor=factor, bf16=bf16, context_parallel_size=cp,
+                                   pipeline_model_parallel_size=pp,
+                                   # uneven stages, as slime's GLM-4.7-Flash script has them
+                                   decoder_last_pipeline_num_layers=1 if pp > 1 else None)  # fmt: skip
     cfg = dataclasses.replace(cfg, megatron=megatron, ref_load=ref_load)
     if clip is not None:  # the gradient norm counts every parameter: clipping ties the MTP grads to the rest
         cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, clip_grad=clip))
@@ -241,22 +253,25 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
     actor.init()
     calls = {"log_probs": 0, "train": 0}  # the MTP block's forwards in each kind of pass
     phase = ["log_probs"]
-    actor.model.mtp.register_forward_hook(lambda *_: calls.__setitem__(phase[0], calls[phase[0]] + 1))
+    if hasattr(actor.model, "mtp"):  # (the last stage's)
+        actor.model.mtp.register_forward_hook(lambda *_: calls.__setitem__(phase[0], calls[phase[0]] + 1))
     before = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
     lp = actor.compute_log_probs(make_batch(0))
     phase[0] = "train"  # (a train call runs its own log-prob passes too: counted here)
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
     weights = {k: v.float().cpu().clone() for k, v in actor.model_state().items() if not k.startswith("mtp.")}
     after = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
-    pushed = set(exported(actor))
+    pushed_tensors = exported(actor)
+    pushed = set(pushed_tensors)
     shapes = set(actor.weight_shapes())
     from slime.backends.megatron.export import export_hf_tensors
 
     local = {k: v.detach() for k, v in actor.model_state().items()}
-    saved = {n for n, _ in export_hf_tensors(local, actor.layout, actor.mesh, with_mtp=True)}
+    saved = dict(export_hf_tensors(local, actor.layout, actor.mesh, with_mtp=True))
     actor.close()
     return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed,
-            "shapes": shapes, "saved": saved, "calls": calls, "weights": weights}  # fmt: skip
+            "shapes": shapes, "saved": set(saved), "calls": calls, "weights": weights,
+            "saved_tensors": saved, "pushed_tensors": pushed_tensors}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -299,6 +314,30 @@ def test_mtp_training_on_two_expert_parallel_ranks_is_like_one(mtp_models):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_mtp_training_over_context_parallel_and_pipeline_ranks_is_like_one(mtp_models, cp, pp):
+    """CP: each rank's MTP loss covers its own tokens (the targets rolled across the ranks'
+    chunks), the gradients and the metric summed over CP. PP: the modules on the last stage, with
+    megatron-core's copy of the embedding there, kept equal to the first stage's (its gradient is
+    the first stage's). Either way the step metrics, the MTP modules and the saved model (MTP
+    modules included) are those of one rank."""
+    path = mtp_models["deepseek_v3"]
+    one = run_ranks(1, _actor_run, path, True)[0]
+    ranks = run_ranks(cp * pp, _actor_run, path, True, 1, "cpu", 0.2, None, False, None, cp, pp)
+    last = ranks[-1]  # (a last-stage rank: it holds the MTP modules and the step metrics)
+    for k, v in one["after"].items():
+        torch.testing.assert_close(last["after"][k], v, rtol=1e-4, atol=1e-5)
+    steps_one = [s for o in one["outputs"] for s in o]
+    steps_many = [s for o in last["outputs"] for s in o]
+    for a, b in zip(steps_one, steps_many, strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert ranks[0]["saved_tensors"].keys() == one["saved_tensors"].keys()
+    for k, v in one["saved_tensors"].items():
+        torch.testing.assert_close(ranks[0]["saved_tensors"][k], v, rtol=1e-4, atol=1e-5)
+
+
 def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model, tmp_path, capsys):
     from slime.ray.cli import parse_args
     from tests.test_flag_surface import base, error
@@ -316,8 +355,6 @@ def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model
           "full"], "--enable-mtp-training with full recompute"),
         (["--train-backend", "megatron", "--enable-mtp-training"], "give --mtp-num-layers N"),
         (["--train-backend", "megatron", "--mtp-num-layers", "2"], "num_nextn_predict_layers"),
-        (["--train-backend", "megatron", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
-          "--actor-num-gpus-per-node", "2"], "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
     ]  # fmt: skip
     for extra, message in cases:
         assert message in error(capsys, base(model, str(data), *extra)), extra
@@ -328,7 +365,20 @@ def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(mtp_models, prompts, tmp_path):  # noqa: F811
+@pytest.mark.parametrize(
+    "layout",
+    [["--expert-model-parallel-size", "2"],
+     # slime's GLM-4.7-Flash layout in small: uneven pipeline stages and CP, MTP on the last stage
+     ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1", "--context-parallel-size",
+      "2", "--actor-num-gpus-per-node", "4"]],
+    ids=["ep2", "pp2-cp2"],
+)  # fmt: skip
+def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(
+    mtp_models,
+    prompts,  # noqa: F811
+    tmp_path,
+    layout,
+):
     from safetensors import safe_open
 
     from tests.test_loop_e2e import run_job
@@ -336,8 +386,8 @@ def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(mtp_
     model = mtp_models["deepseek_v3"]
     proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
                    "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01", "--actor-num-gpus-per-node", "2",
-                   "--train-backend", "megatron", "--expert-model-parallel-size", "2", "--mtp-num-layers", "1",
-                   "--enable-mtp-training", "--save-hf", str(tmp_path / "hf"))  # fmt: skip
+                   "--train-backend", "megatron", "--mtp-num-layers", "1", "--enable-mtp-training", "--save-hf",
+                   str(tmp_path / "hf"), *layout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]

@@ -279,13 +279,6 @@ class MegatronConfig:
             )
         if not self.mtp_loss_scaling_factor >= 0:
             raise ValueError(f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
-        if self.mtp_num_layers and self.context_parallel_size > 1:
-            raise ValueError("--mtp-num-layers with --context-parallel-size > 1 is not built yet; use CP 1")
-        if self.mtp_num_layers and self.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not built yet (the last stage "
-                "would need its own copy of the embedding, kept in step with the first stage's); use PP 1"
-            )
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}"

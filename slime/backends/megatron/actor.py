@@ -200,7 +200,7 @@ class MegatronTrainActor(TrainActorBase):
                           self.mesh.ep_rank, self.mesh.etp_rank)  # fmt: skip
         model = self._build_gpt(config)
         if self.layout.mtp_layers:  # trained (--enable-mtp-training) or kept as loaded
-            mtp.attach(model, self.layout, self.mesh, m.enable_mtp_training)
+            mtp.attach(model, self.layout, self.mesh, m.enable_mtp_training, self._cp and self._cp[2])
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
             model.bfloat16()
         if not on_cpu:
@@ -433,9 +433,9 @@ class MegatronTrainActor(TrainActorBase):
         return result
 
     def _reduce_gradients(self) -> None:
-        grads.reduce_gradients(self.model, self.mesh, self.grad_group,
-                               self.layout.qk_norm, self.layout.tied_embeddings, self.device,
-                               self.masters.grad_of)  # fmt: skip
+        grads.reduce_gradients(self.model, self.mesh, self.grad_group, self.layout.qk_norm,
+                               self.layout.tied_embeddings or bool(self.layout.mtp_layers), self.device,
+                               self.masters.grad_of, self.masters.ensure_grad)  # fmt: skip
 
     def _clip_gradients(self) -> float:
         return grads.clip_gradients(

@@ -73,6 +73,14 @@ class CPView:
     mine: torch.Tensor
     """[padded global tokens] each token's place among this rank's (-1: another rank's)."""
 
+    def local(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows, length] values over the micro-batch's tokens -> [1, local tokens] (0 on padding)."""
+        out = values.new_zeros(self.ids.shape[1])
+        real = self.where >= 0
+        places = self.mine[self.where[real]]
+        keep = places >= 0
+        return out.index_put((places[keep],), values[real][keep]).unsqueeze(0)
+
 
 def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1) -> CPView:
     """The CP share of `mb` (packed or padded) for CP rank `rank`; each sequence padded to a
@@ -225,6 +233,8 @@ def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mas
     if cp is not None:
         sp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
         view = mb.cp = cp_view(mb, *cp, sp)
+        if "labels" in extra:  # the MTP loss's targets (slime.backends.megatron.mtp): this rank's tokens
+            extra = {**extra, "labels": view.ids, "loss_mask": view.local(extra["loss_mask"])}
         if count_mask:
             extra = {**extra, "padding_mask": sequence_parallel_share(~view.real, scatter)}
         return model(view.ids, view.position_ids, None, packed_seq_params=view.packed, **extra)

@@ -299,6 +299,11 @@ class Layout:
         for what, n in latent.items():  # megatron-core's local spec splits MLA's latent projections
             if n % tp:
                 raise ConversionError(f"TP {tp} must divide multi-latent attention's {what} ({n})")
+        if self.mtp_layers and self.tied_embeddings and pp > 1:
+            raise ConversionError(
+                f"PP {pp} with multi-token prediction and tied embeddings is not built (megatron-core keeps the "
+                "tied weight in the MTP stage's embedding, not its output layer); use PP 1"
+            )
         self.stages(pp)  # the layers each stage holds (uneven stages: the flags that set them)
 
 

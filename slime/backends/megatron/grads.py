@@ -7,7 +7,9 @@
   megatron-core) see only a rank's part of the sequence, so their gradients are summed over the
   TP group (as megatron-core's finalize_model_grads does);
 - pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
-  are one HF tensor; their gradients are summed over megatron-core's embedding group;
+  are one HF tensor; their gradients are summed over megatron-core's embedding group; so are the
+  embedding's and the last stage's copy of it that its multi-token prediction modules read (they
+  read it detached: the copy gets no gradient of its own, and takes the first stage's);
 - experts (mixture-of-experts layers): each rank holds its EP rank's experts (its ETP part of
   them), which see only the tokens dispatched to them from the ranks of its expert-parallel group;
   the ranks that hold the same experts form megatron-core's expert data-parallel group, and the
@@ -40,10 +42,19 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad
 
 
+def _zeros_if_none(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied: bool, device: torch.device,
-                     grad_of: GradOf = _grad) -> None:  # fmt: skip
+                     grad_of: GradOf = _grad,
+                     ensure_grad: Callable[[torch.Tensor], torch.Tensor] = _zeros_if_none) -> None:  # fmt: skip
     """Sum what must be summed (see the module's text); `dp_group` None: one replica. `grad_of`
-    maps a parameter to the gradient to reduce (--bf16: its float32 master's)."""
+    maps a parameter to the gradient to reduce (--bf16: its float32 master's); `ensure_grad`
+    too, making it zeros where there is none. `tied`: the last stage holds a copy of the
+    embedding (tied embeddings, or MTP modules)."""
     from megatron.core import parallel_state as ps
 
     named = [(n, g) for n, p in model.named_parameters() if (g := grad_of(p)) is not None]
@@ -58,9 +69,8 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
                    or getattr(params[n], "sequence_parallel", False)]  # fmt: skip
         all_reduce_coalesced(partial, mesh.tp_group, device)
     if mesh.pp > 1 and tied and (mesh.pp_rank in (0, mesh.pp - 1)):
-        grad = grad_of(model.shared_embedding_or_output_weight())
-        if grad is not None:
-            all_reduce_coalesced([grad], ps.get_embedding_group(), device)
+        grad = ensure_grad(model.shared_embedding_or_output_weight())  # (both stages must take part)
+        all_reduce_coalesced([grad], ps.get_embedding_group(), device)
 
 
 def counted_once(model: Any, tp_rank: int, grad_of: GradOf = _grad, experts: bool = False,

@@ -48,6 +48,13 @@ class MasterWeights(dict[torch.Tensor, torch.Tensor]):
         parameter, such as MTP modules kept as loaded, has no master and no gradient)."""
         return self[p].grad if p in self else p.grad
 
+    def ensure_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """grad_of, made zeros where there is none (the MTP stage's copy of the embedding)."""
+        holder = self.get(p, p)
+        if holder.grad is None:
+            holder.grad = torch.zeros_like(holder)
+        return holder.grad
+
     def move(self, device: str | torch.device) -> None:
         """The masters and their gradients (the last step's, kept until the next zero_grad)."""
         for master in self.values():

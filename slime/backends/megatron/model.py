@@ -230,7 +230,7 @@ def build_gpt_model(layout: Layout, hf_config: Any, config: Any, tp: int) -> Any
     spec = block_spec(layout, pp, pp_rank, hf_config)
     mtp: dict[str, Any] = {}
     cls = GPTModel
-    if layout.mtp_layers:
+    if layout.mtp_layers and parallel_state.is_pipeline_last_stage():  # megatron-core: MTP on the last stage
         from slime.backends.megatron.mtp import mtp_block_spec, mtp_model_class
 
         cls = mtp_model_class()

@@ -44,6 +44,8 @@ class MTPObjective:
     tp_rank: int
     tp: int
     tp_group: Any
+    cp_group: Any = None
+    """Context parallelism: each CP rank's loss covers its own tokens (the metric sums them)."""
     scales: list[float] = field(default_factory=list)
     """Per depth: the weight of one target token's cross entropy (none: the MTP block is not run)."""
     metric_scales: list[float] = field(default_factory=list)
@@ -65,6 +67,12 @@ class MTPObjective:
         """The step's metric sums (summed over the replicas: the step's means, as slime names
         them), and no MTP run until the next `begin`."""
         self.scales = []
+        if self.cp_group is not None and self.losses:
+            import torch.distributed as dist
+
+            stacked = torch.stack(self.losses)
+            dist.all_reduce(stacked, group=self.cp_group)
+            self.losses = list(stacked)
         out = {f"mtp_{d + 1}_loss": loss.cpu() for d, loss in enumerate(self.losses)}
         if self.losses:
             out["mtp_loss"] = sum(out.values(), torch.zeros((), dtype=torch.float64))
@@ -127,7 +135,7 @@ def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], la
     from slime.backends.megatron.logprobs import vocab_parallel_log_probs
 
     objective: MTPObjective = model.mtp_objective
-    cp = getattr(model, "cp_group", None)
+    cp = objective.cp_group
     # token-aligned -> aligned with the next-token labels, then one more place per depth
     labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
     mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp, packed_seq_params=packed)
@@ -194,14 +202,15 @@ def mtp_block_spec(config: Any, spec: Any, fold_norms: bool) -> Any:
     return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=fold_norms)
 
 
-def attach(model: Any, layout: Any, mesh: Any, train: bool) -> None:
+def attach(model: Any, layout: Any, mesh: Any, train: bool, cp_group: Any = None) -> None:
     """The model's MTP objective when `train` (--enable-mtp-training); else its MTP modules kept
-    as loaded: no gradient, so no optimizer step moves them."""
+    as loaded: no gradient, so no optimizer step moves them. `cp_group`: the context-parallel
+    group (None: CP 1)."""
     mtp = getattr(model, "mtp", None)
     if mtp is None:  # not the last pipeline stage
         return
     if train:
-        model.mtp_objective = MTPObjective(layout.vocab_size, mesh.tp_rank, mesh.tp, mesh.tp_group)
+        model.mtp_objective = MTPObjective(layout.vocab_size, mesh.tp_rank, mesh.tp, mesh.tp_group, cp_group)
     else:
         for p in mtp.parameters():
             p.requires_grad_(False)
@@ -231,10 +240,12 @@ def without_modules(layout: Any) -> Any:
 
 
 def module_state(model: Any) -> dict[str, torch.Tensor]:
-    """Copies of the model's MTP tensors (none without MTP modules)."""
+    """Copies of the model's MTP tensors (none without MTP modules), with a later pipeline stage's
+    copy of the embedding that only they read."""
     from slime.backends.megatron.model import model_state
 
-    return {k: v.detach().clone() for k, v in model_state(model).items() if k.startswith("mtp.")}
+    copy = "embedding.word_embeddings.weight" if not model.pre_process else None
+    return {k: v.detach().clone() for k, v in model_state(model).items() if k.startswith("mtp.") or k == copy}
 
 
 def saved_config(config: Any, layout: Any) -> Any:

@@ -187,6 +187,8 @@ def split_pp(state: State, layout: Layout, pp: int) -> list[State]:
             stages[0][name] = t
             if layout.tied_embeddings and pp > 1:
                 stages[-1]["output_layer.weight"] = t.clone()
+            if layout.mtp_layers and pp > 1:  # the MTP modules' copy (megatron-core's, on their stage)
+                stages[-1][name] = t.clone()
         else:
             stages[-1][name] = t
     return stages
@@ -204,12 +206,12 @@ def merge_pp(stages: list[State], layout: Layout) -> State:
                 if local >= len(layers):
                     raise ConversionError(f"stage {s} holds {name}, but has only {len(layers)} layers")
                 out[f"decoder.layers.{layers.start + local}.{m.group(2)}"] = t
-            elif name == "output_layer.weight" and layout.tied_embeddings:
+            elif (name == "output_layer.weight" and layout.tied_embeddings) or (
+                s == pp - 1 and s > 0 and name == "embedding.word_embeddings.weight"
+            ):  # the last stage's copy of the embedding (tied, or read by the MTP modules)
                 emb = stages[0].get("embedding.word_embeddings.weight")
                 if emb is None or not torch.equal(emb, t):
-                    raise ConversionError(
-                        "tied embeddings: the last stage's output_layer.weight differs from the embedding"
-                    )
+                    raise ConversionError(f"the last stage's {name} differs from the first stage's embedding")
             else:
                 out[name] = t
     return out
@@ -244,7 +246,7 @@ def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int
             m = _LAYER.match(name)
             out[f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name] = t
 
-    if pp_rank == 0:
+    if pp_rank == 0 or (pp_rank == pp - 1 and layout.mtp_layers):  # (the MTP modules' copy: split_pp)
         keep(embedding_to_megatron(hf, layout, tp))
     for i in layers:
         keep(layer_to_megatron(hf, layout, i, mine_experts), layers.start)
