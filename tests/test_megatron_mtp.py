@@ -230,7 +230,7 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
 
 
 def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu", factor=0.2, ref_load=None,
-               bf16=False, clip=None, cp=1, pp=1):  # fmt: skip
+               bf16=False, clip=None, cp=1, pp=1, recompute=False):  # fmt: skip
     """Two rollouts of the Megatron actor with the MTP modules built (trained or kept; with PP, on
     the last stage: the returned tensors are the rank's own)."""
     import dataclasses
@@ -247,6 +247,10 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
                                    # uneven stages, as slime's GLM-4.7-Flash script has them
                                    decoder_last_pipeline_num_layers=1 if pp > 1 else None)  # fmt: skip
     cfg = dataclasses.replace(cfg, megatron=megatron, ref_load=ref_load)
+    if recompute:  # megatron-core's full recompute of the decoder's layers
+        from slime.config.train import ModelOptions
+
+        cfg = dataclasses.replace(cfg, model=ModelOptions(recompute_granularity="full"))
     if clip is not None:  # the gradient norm counts every parameter: clipping ties the MTP grads to the rest
         cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, clip_grad=clip))
     actor = make_train_actor(cfg, rank, world_size, init_method)
@@ -338,6 +342,21 @@ def test_mtp_training_over_context_parallel_and_pipeline_ranks_is_like_one(mtp_m
         torch.testing.assert_close(ranks[0]["saved_tensors"][k], v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_mtp_training_under_full_recompute_is_like_without(mtp_models):
+    """The decoder recomputed in backward (slime's scripts give --recompute-granularity full), the
+    MTP layers not (megatron-core 0.16's reentrant checkpoint of their detached inputs gives their
+    parameters no gradient: with it, none of their tensors moved): the same steps as without."""
+    path = mtp_models["deepseek_v3"]
+    plain = run_ranks(1, _actor_run, path, True)[0]
+    recomputed = run_ranks(1, _actor_run, path, True, 1, "cpu", 0.2, None, False, None, 1, 1, True)[0]
+    for k, v in plain["after"].items():
+        torch.testing.assert_close(recomputed["after"][k], v, rtol=1e-5, atol=1e-6)
+    for a, b in zip([s for o in plain["outputs"] for s in o], [s for o in recomputed["outputs"] for s in o],
+                    strict=True):  # fmt: skip
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-6)
+
+
 def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model, tmp_path, capsys):
     from slime.ray.cli import parse_args
     from tests.test_flag_surface import base, error
@@ -351,8 +370,6 @@ def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model
     assert (m.mtp_num_layers, m.enable_mtp_training, m.mtp_loss_scaling_factor) == (1, True, 0.1)
     cases = [
         (["--train-backend", "fsdp", "--mtp-num-layers", "1"], "multi-token prediction modules are built by the Megatron"),
-        (["--train-backend", "megatron", "--mtp-num-layers", "1", "--enable-mtp-training", "--recompute-granularity",
-          "full"], "--enable-mtp-training with full recompute"),
         (["--train-backend", "megatron", "--enable-mtp-training"], "give --mtp-num-layers N"),
         (["--train-backend", "megatron", "--mtp-num-layers", "2"], "num_nextn_predict_layers"),
     ]  # fmt: skip

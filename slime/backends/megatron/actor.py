@@ -35,7 +35,7 @@ from slime.backends.megatron.logprobs import from_last_stage, vocab_parallel_log
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import move_rotary_tables
 from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, update_expert_bias
-from slime.backends.megatron.settings import check_moe, check_mtp, check_supported, recompute_settings
+from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
 from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
@@ -83,7 +83,7 @@ class MegatronTrainActor(TrainActorBase):
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
             hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
                                               OTHER_ARCHITECTURE)  # fmt: skip
-        unsupported = check_supported(m) or check_mtp(m, recompute_settings(cfg))
+        unsupported = check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
         self.layout = self._model_layout()

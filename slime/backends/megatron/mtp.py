@@ -211,9 +211,23 @@ def attach(model: Any, layout: Any, mesh: Any, train: bool, cp_group: Any = None
         return
     if train:
         model.mtp_objective = MTPObjective(layout.vocab_size, mesh.tp_rank, mesh.tp, mesh.tp_group, cp_group)
+        _without_full_recompute(mtp)
     else:
         for p in mtp.parameters():
             p.requires_grad_(False)
+
+
+def _without_full_recompute(block: Any) -> None:
+    """The MTP layers run without megatron-core's full recompute (the decoder keeps it):
+    megatron-core 0.16 recomputes them with its reentrant checkpoint, which gives the parameters
+    inside a gradient only when one of its inputs needs one, and the block's inputs are detached:
+    the modules would silently not train. One layer per depth is kept in memory instead."""
+    import copy
+
+    for layer in block.layers:
+        if layer.config.recompute_granularity == "full":
+            layer.config = copy.copy(layer.config)
+            layer.config.recompute_granularity = None
 
 
 def begin_step(

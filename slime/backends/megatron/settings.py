@@ -52,17 +52,6 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     return None
 
 
-def check_mtp(m: Any, recompute: dict[str, Any]) -> str | None:
-    """MTP training with megatron-core 0.16's full recompute: its MTP layers checkpoint their
-    packed-sequence arguments, which torch's checkpoint cannot save (slime patches megatron-core
-    there); refused until it is built here."""
-    if m.enable_mtp_training and recompute.get("recompute_granularity") == "full":
-        return ("--enable-mtp-training with full recompute (--recompute-granularity full / --gradient-checkpointing) "
-                "is not built yet: megatron-core 0.16's MTP layers cannot recompute packed sequences; use selective "
-                "recompute or none")  # fmt: skip
-    return None
-
-
 def router_hooks(layout: Layout) -> bool:
     """Whether the actor hooks the routers of this MoE layout (routing replay, the aux loss):
     not for the families that route with sigmoid scores, a bias or groups (docs/models.md)."""
@@ -124,8 +113,4 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
         problem = check_moe(megatron, layout, moe)
         if problem:
             return problem
-    full = ns.recompute_granularity == "full" or getattr(ns, "gradient_checkpointing", False)
-    problem = check_mtp(megatron, {"recompute_granularity": "full"} if full else {})
-    return problem or check_supported(
-        megatron, installed=False
-    )  # packages: slime.config.resolve.package_problems
+    return check_supported(megatron, installed=False)  # packages: slime.config.resolve.package_problems
