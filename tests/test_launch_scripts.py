@@ -44,6 +44,13 @@ REQUIRED = [
 ]  # fmt: skip
 
 
+# model_types dry-run with FSDP rather than Megatron. Llama 3.x's llama3 RoPE scaling is not in
+# the Megatron conversion: FSDP trains it.
+FSDP_DRY_RUN = ("llama",)
+
+# model_types whose attention always normalises queries and keys (whatever else config.json says)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
 GQA = ["--group-query-attention", "--num-query-groups"]
 MLA = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
        "--v-head-dim"]  # fmt: skip
@@ -124,14 +131,19 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
     missing = [f for f in required if f not in args]
     assert not missing, f"{name}.sh lacks {missing}"
     family = hf["model_type"]
-    assert ("--add-qkv-bias" in args) == (family == "qwen2")
-    assert ("--qk-layernorm" in args) == (family in ("qwen3", "qwen3_moe", "deepseek_v3"))
+    # q/k/v biases: Qwen2's always, GLM's where attention_bias says so (multi-latent attention's
+    # latent projections have none)
+    qkv_bias = family == "qwen2" or (bool(hf.get("attention_bias")) and not hf.get("kv_lora_rank"))
+    assert ("--add-qkv-bias" in args) == qkv_bias
+    # q/k norms: Qwen3's and the hybrids' by family, GLM-4.5's where use_qk_norm says so,
+    # multi-latent attention's on its latents (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash)
+    qk_norm = family in QK_NORM_FAMILIES or bool(hf.get("use_qk_norm")) or bool(hf.get("kv_lora_rank"))
+    assert ("--qk-layernorm" in args) == qk_norm
     assert ("--untie-embeddings-and-output-weights" in args) == (not hf["tie_word_embeddings"])
     assert ("--use-rope-scaling" in args) == (family == "llama")
 
     hf_dir = write_config(name, tmp_path / name)
-    # Llama 3.x's llama3 RoPE scaling is not in the Megatron conversion: FSDP trains it.
-    backend = ["--train-backend", "fsdp"] if family == "llama" else []
+    backend = ["--train-backend", "fsdp"] if family in FSDP_DRY_RUN else []
     code, out = dry_run(capsys, [*args, *base_flags(hf_dir, prompt_file), *backend])
     assert code == 0, out
     assert "plan:" in out
@@ -145,6 +157,25 @@ def test_model_script_describes_its_model(name, tmp_path, prompt_file, capsys, n
     if experts:
         assert f"{experts} experts, {hf['num_experts_per_tok']} per token" in out
     assert f"train backend: {'fsdp' if backend else 'megatron'}" in out
+
+
+def test_a_released_qwen3_5_checkpoint_is_checked_against_its_text_model(
+    tmp_path, prompt_file, capsys, no_gpu_here
+):
+    """Qwen3.5's released config.json is the vision-language model's (model_type qwen3_5, the text
+    model's fields under text_config): the script's flags are compared with the text model's, the
+    FSDP plan is made, and the Megatron backend refuses the checkpoint by name."""
+    text = dict(HF_CONFIGS["qwen3.5-9B"])
+    released = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": {**text, "model_type": "qwen3_5_text"}, "tie_word_embeddings": text["tie_word_embeddings"]}  # fmt: skip
+    hf_dir = write_config("qwen3.5-9B", tmp_path / "released")
+    (hf_dir / "config.json").write_text(json.dumps(released))
+    args = [*model_args("qwen3.5-9B"), *base_flags(hf_dir, prompt_file)]
+    code, out = dry_run(capsys, [*args, "--train-backend", "fsdp"])
+    assert code == 0, out
+    assert "architecture flags agree with it" in out
+    code, out = dry_run(capsys, [*args, "--train-backend", "megatron"])
+    assert code == 2 and "vision-language checkpoint" in out, out
 
 
 def test_model_script_for_another_model_lists_every_disagreement(tmp_path, prompt_file, capsys, no_gpu_here):

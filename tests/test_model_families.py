@@ -197,7 +197,7 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     glm = family_models["glm4_moe"]
     err = error(capsys, base(glm, str(prompts), "--use-rollout-routing-replay"))
-    assert "--use-rollout-routing-replay: routing replay and the router's aux loss are not built for " in err
+    assert "--use-rollout-routing-replay: routing replay is not built for " in err
     assert "'glm4_moe'" in err
     err = error(capsys, base(family_models["qwen3_next"], str(prompts), "--moe-aux-loss-coeff", "0.01"))
     assert "--moe-aux-loss-coeff: routing replay" in err and "'qwen3_next'" in err
@@ -369,8 +369,9 @@ def test_a_released_qwen3_5_checkpoint_is_its_family_by_its_alias():
 
 
 def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
-    """--moe-router-dtype fp32 with DeepSeek-V3 (which routes in float32 by itself) installs no
-    router hook: the trained model's log-probs stay Hugging Face's."""
+    """--moe-router-dtype fp32 with DeepSeek-V3 (which routes in float32 by itself) changes nothing
+    (its router hooks only read scores, for the load-balancing losses): the trained model's
+    log-probs stay Hugging Face's."""
     import dataclasses
 
     from tests.test_fsdp_actor import base_config, make_batch
@@ -379,7 +380,7 @@ def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
     cfg = base_config(path)
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_router_dtype="fp32"))
     result = run_ranks(1, _log_probs, cfg)[0]
-    assert result["routing"] is None
+    assert result["routing"] == "sigmoid"
     from transformers import AutoModelForCausalLM
 
     from tests.test_engine_server import teacher_forced_logprobs
@@ -389,10 +390,8 @@ def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
     for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
         ref = teacher_forced_logprobs(hf, tokens[:-n], tokens[-n:], 1.0)
         assert (torch.tensor(result["log_probs"][i]) - ref).abs().max() < 1e-5, i
-    bad = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_aux_loss_coeff=0.01))
-    with pytest.raises(
-        Exception, match="--moe-aux-loss-coeff: routing replay and the router's aux loss are not built"
-    ):
+    bad = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, use_routing_replay=True))
+    with pytest.raises(Exception, match="--use-routing-replay: routing replay is not built"):
         run_ranks(1, _log_probs, bad)
 
 
@@ -402,6 +401,7 @@ def _log_probs(rank, world_size, init_method, cfg):
 
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
-    out = {"routing": actor.routing, "log_probs": actor.compute_log_probs(make_batch(0))}
+    routing = actor.routing and actor.routing.score_function
+    out = {"routing": routing, "log_probs": actor.compute_log_probs(make_batch(0))}
     actor.close()
     return out

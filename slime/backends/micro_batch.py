@@ -84,10 +84,17 @@ class MicroBatch:
 
     def real_tokens(self) -> torch.Tensor:
         """[rows * length] bool over `input_ids` flattened: true at the samples' tokens (not padding)."""
-        real = torch.zeros(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
-        for start, p, r in zip(self.token_starts(), self.prompt_lengths, self.response_lengths):
-            real[start : start + p + r] = True
-        return real
+        return self.sample_ids() >= 0
+
+    def sample_ids(self) -> torch.Tensor:
+        """[rows * length] long over `input_ids` flattened: each token's sample (its index in the
+        micro-batch), -1 at padding."""
+        out = torch.full((self.input_ids.numel(),), -1, dtype=torch.long, device=self.input_ids.device)
+        for i, (start, p, r) in enumerate(
+            zip(self.token_starts(), self.prompt_lengths, self.response_lengths)
+        ):
+            out[start : start + p + r] = i
+        return out
 
     def predictions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the response tokens are predicted, one entry per response token in sample order:

@@ -66,6 +66,36 @@ def load_balancing_loss(
     return (per_expert * counts).sum() * num_experts / (top_k * total * total)
 
 
+def sigmoid_aux_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What megatron-core's load-balancing losses read of a sigmoid router (DeepSeek-V3, GLM-4.5+):
+    (scores [T, E], the sigmoid scores normalised over the experts; routed [T, E], 1 at each
+    token's top-k of them). Its own routing (expert bias, groups) is not what the loss counts."""
+    scores = torch.sigmoid(logits.float())
+    scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    routed = torch.zeros_like(scores).scatter_(1, torch.topk(scores, top_k, dim=-1).indices, 1.0)
+    return scores, routed
+
+
+def sequence_balancing_loss(probs: torch.Tensor, routed: torch.Tensor, seq: torch.Tensor, num_seqs: int,
+                            top_k: int, group: Any = None) -> torch.Tensor:  # fmt: skip
+    """megatron-core's `seq_aux_loss` of one layer, summed over the sequences (megatron-core then
+    divides by their count): each sequence's `load_balancing_loss` over its own tokens,
+    E / (k T_s^2) * sum_e (sum_{t in s} p_te) * (tokens of s routed to e). `seq` [T]: each
+    token's sequence, 0 .. num_seqs - 1; `group` as for load_balancing_loss."""
+    num_experts = probs.shape[-1]
+    per_expert = probs.float().new_zeros(num_seqs, num_experts).index_add(0, seq, probs.float())
+    counts = routed.float().new_zeros(num_seqs, num_experts).index_add(0, seq, routed.float()).detach()
+    tokens = torch.bincount(seq, minlength=num_seqs).to(probs.device, torch.float32)
+    if group is not None and dist.get_world_size(group) > 1:
+        others = per_expert.detach().clone()
+        dist.all_reduce(others, group=group)
+        per_expert = per_expert + (others - per_expert.detach())
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(tokens, group=group)
+    scale = num_experts / (top_k * tokens.clamp(min=1.0) ** 2)
+    return ((per_expert * counts).sum(dim=-1) * scale).sum()
+
+
 class RouterHooks:
     """What both backends' router hooks share: the model's routing shape and its tables."""
 

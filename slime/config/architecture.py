@@ -52,6 +52,8 @@ def rope_scaling(config: Any) -> tuple[str, float | None, float]:
 
 
 def hf_architecture(config: Any) -> HFArchitecture:
+    # a vision-language checkpoint (Qwen3.5's released ones): the flags describe its text model
+    config = getattr(config, "text_config", None) or config
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -282,7 +282,8 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
         )
     if why:
         hooked = options.needs_router_hooks(
-            router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype)
+            router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype),
+            aux_built=refusal(config.model_type, "aux_loss") is None,
         )
         return [f"{hooked}: {why}"] if hooked else []
     if not experts or not getattr(config, "num_experts_per_tok", None):

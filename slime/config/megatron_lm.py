@@ -225,8 +225,9 @@ SPECS: tuple[Spec, ...] = (
         {"choices": ["aux_loss", "seq_aux_loss", "none"], "default": None},
         APPLIED,
         APPLIED,
-        "aux_loss (megatron-core's) or none (no load-balancing loss whatever --moe-aux-loss-coeff says); "
-        "seq_aux_loss (the per-sequence loss) only with --moe-aux-loss-coeff 0, as slime's scripts give it",
+        "aux_loss (megatron-core's, over each micro-batch's tokens), seq_aux_loss (megatron-core's per-sequence "
+        "loss: each sequence's own, averaged over the step's sequences) or none (no load-balancing loss whatever "
+        "--moe-aux-loss-coeff says)",
     ),
     _moe(
         "--moe-router-dtype",

@@ -12,8 +12,8 @@ class MoEOptions:
     moe_aux_loss_coeff: float = 0.0
     """`--moe-aux-loss-coeff`: megatron-core's load-balancing loss (aux_loss) times this."""
     moe_router_load_balancing_type: str | None = None
-    """`--moe-router-load-balancing-type`: aux_loss (the default) or none; seq_aux_loss (the
-    per-sequence loss, not built) only with a zero coefficient, as slime's scripts give it."""
+    """`--moe-router-load-balancing-type`: aux_loss (the default: over each micro-batch's tokens),
+    seq_aux_loss (over each sequence's, averaged over the step's sequences) or none."""
     moe_router_dtype: str | None = None
     """`--moe-router-dtype`: fp32 or fp64 routing (None: as the model computes it)."""
     use_routing_replay: bool = False
@@ -32,11 +32,6 @@ class MoEOptions:
             raise ValueError(
                 f"--moe-router-bias-update-rate must be >= 0, got {self.moe_router_bias_update_rate}"
             )
-        if self.moe_router_load_balancing_type == "seq_aux_loss" and self.moe_aux_loss_coeff > 0:
-            raise ValueError(
-                f"--moe-router-load-balancing-type seq_aux_loss with --moe-aux-loss-coeff {self.moe_aux_loss_coeff}: "
-                "the per-sequence load-balancing loss is not built; use aux_loss, or a coefficient of 0"
-            )
         if self.use_routing_replay and self.use_rollout_routing_replay:
             raise ValueError(
                 "--use-routing-replay (R2) and --use-rollout-routing-replay (R3) replay different routings: give one"
@@ -53,16 +48,22 @@ class MoEOptions:
         return 0.0 if self.moe_router_load_balancing_type == "none" else self.moe_aux_loss_coeff
 
     @property
+    def per_sequence(self) -> bool:
+        """The load-balancing loss is megatron-core's seq_aux_loss (each sequence's own)."""
+        return self.moe_router_load_balancing_type == "seq_aux_loss"
+
+    @property
     def needs_moe(self) -> str | None:
         """The first flag given that only a mixture-of-experts model can honour (None: none)."""
         return self.needs_router_hooks(router_fp32=False)
 
-    def needs_router_hooks(self, router_fp32: bool) -> str | None:
+    def needs_router_hooks(self, router_fp32: bool, aux_built: bool = False) -> str | None:
         """The first flag given that the train backends honour by hooking the routers (None:
         none); `router_fp32`: the model routes in float32 by itself, so --moe-router-dtype fp32
-        needs nothing."""
+        needs nothing; `aux_built`: the load-balancing loss is built for the model without the
+        other hooks (slime.utils.model_families: `aux_loss`)."""
         for name, on in (
-            ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0),
+            ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0 and not aux_built),
             ("--moe-router-dtype", self.moe_router_dtype not in (None, *(("fp32",) if router_fp32 else ()))),
             ("--use-routing-replay", self.use_routing_replay),
             ("--use-rollout-routing-replay", self.use_rollout_routing_replay),

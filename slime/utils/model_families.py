@@ -28,6 +28,10 @@ class Family:
     """The train backends hook the routers (mixture-of-experts families): --use-routing-replay,
     --use-rollout-routing-replay, --moe-aux-loss-coeff and --moe-router-dtype act; without them
     those flags are refused."""
+    aux_loss: bool = False
+    """The load-balancing losses (--moe-aux-loss-coeff with --moe-router-load-balancing-type
+    aux_loss or seq_aux_loss) act without the other router hooks: the routers' scores are read,
+    their routing is left as the model computes it (sigmoid routers with a bias and groups)."""
     lora: bool = True
     """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused."""
     router_fp32: bool = False
@@ -72,6 +76,7 @@ FAMILIES: dict[str, Family] = {
             "glm4_moe",
             "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air)",
             PER_SEQUENCE,
+            aux_loss=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -81,6 +86,7 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3",
             "DeepSeek-V3 / R1, Kimi-K2, Moonlight",
             PER_SEQUENCE,
+            aux_loss=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -90,6 +96,7 @@ FAMILIES: dict[str, Family] = {
             "glm4_moe_lite",
             "GLM-4.7-Flash (30B-A3B)",
             PER_SEQUENCE,
+            aux_loss=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -141,12 +148,13 @@ def packable(model_type: str | None, backend: str = "fsdp") -> bool:
 
 
 def refusal(model_type: str | None, feature: str) -> str | None:
-    """Why `feature` ("router_hooks", "lora") is refused for `model_type` (None: it is built, or
+    """Why `feature` ("router_hooks", "aux_loss", "lora") is refused for `model_type` (None: it is built, or
     the family is unknown and the feature's own checks decide)."""
     f = family(model_type)
-    if f is None or getattr(f, feature):
+    if f is None or getattr(f, feature) or (feature == "aux_loss" and f.router_hooks):
         return None
-    what = {"router_hooks": "routing replay and the router's aux loss are", "lora": "LoRA is"}[feature]
+    hooks = "routing replay is" if f.aux_loss else "routing replay and the router's aux loss are"
+    what = {"router_hooks": hooks, "lora": "LoRA is", "aux_loss": "the router's aux loss is"}[feature]
     return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
 
 
@@ -168,14 +176,15 @@ def models_table() -> str:
     """docs/models.md's table, from the registry."""
     yes = {True: "yes", False: "no"}
     lines = [
-        "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and conversion | routing replay, aux loss | LoRA |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and conversion | routing replay | aux loss | LoRA |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES.values():
         lines.append(
             f"| {', '.join(f'`{t}`' for t in (f.model_type, *f.aliases))} | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
-            f"{'yes' if f.megatron is None else 'no: ' + f.megatron} | {yes[f.router_hooks]} | {yes[f.lora]} |"
+            f"{'yes' if f.megatron is None else 'no: ' + f.megatron} | {yes[f.router_hooks]} | "
+            f"{yes[f.router_hooks or f.aux_loss]} | {yes[f.lora]} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -206,12 +206,16 @@ class FSDPTrainActor(TrainActorBase):
         why = model_families.refusal(model_type, "router_hooks")
         if why and hf_experts.find_routers(layers):
             # The family routes otherwise than the hooks do (sigmoid scores, a bias, groups): its
-            # modeling routes, untouched; a flag that needs the hooks is refused (at parse time too).
+            # modeling routes, untouched; a flag that needs the hooks is refused (at parse time too),
+            # except the load-balancing loss where it is built (its scores read, the routing kept).
             fp32 = model_families.routes_in_fp32(model_type, self.cfg.fsdp.param_dtype)
-            flag = self.cfg.moe.needs_router_hooks(router_fp32=fp32)
+            aux = model_families.refusal(model_type, "aux_loss") is None
+            flag = self.cfg.moe.needs_router_hooks(router_fp32=fp32, aux_built=aux)
             if flag:
                 raise hf_checkpoint.CheckpointError(f"{flag}: {why}")
-            return None
+            if not aux:
+                return None
+            return moe.Routing(layers, None, True, score_function="sigmoid")
         if not hf_experts.find_routers(layers):
             flag = self.cfg.moe.needs_moe
             if flag:
@@ -262,7 +266,13 @@ class FSDPTrainActor(TrainActorBase):
         micro-batches of one sample give the same loss however the step is split over ranks)."""
         if self._aux_coeff == 0 or self.routing is None:
             return loss
-        aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
+        if self.cfg.moe.per_sequence:  # seq_aux_loss: each sample's own, over the step's samples
+            aux = (
+                self.routing.aux_loss(state, mb.real_tokens(), mb.sample_ids(), mb.num_samples)
+                / step.num_samples
+            )
+        else:
+            aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
         sums["moe_aux_loss"] += aux.detach().double().cpu()
         return loss + self._aux_coeff * aux
 

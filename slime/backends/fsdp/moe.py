@@ -12,7 +12,12 @@ needs another one, and leaves it untouched otherwise (no flag: bit-identical to 
   renormalised as the model does, so the router still gets a gradient;
 - recording: the experts chosen, one row per token (R2);
 - `--moe-aux-loss-coeff`: the router probabilities and chosen experts of every MoE layer, for
-  megatron-core's `aux_loss` (switch-transformer load balancing) per layer, summed over layers.
+  megatron-core's `aux_loss` (switch-transformer load balancing) per layer, summed over layers,
+  or its `seq_aux_loss` (each sample's own).
+
+Sigmoid routers (DeepSeek-V3, GLM-4.5+: a bias and expert groups; `score_function` sigmoid) get
+the load-balancing losses only: their routing stays the model's, and the losses read
+megatron-core's scores for them (slime.backends.routing.sigmoid_aux_routing).
 
 The hooks fire again when gradient checkpointing recomputes a layer in backward, so a micro-batch's
 state stays set until its backward is done (`Routing.micro_batch`).
@@ -28,7 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slime.backends.routing import DTYPES, RouterHooks, choose, load_balancing_loss
+from slime.backends.routing import (
+    DTYPES,
+    RouterHooks,
+    choose,
+    load_balancing_loss,
+    sequence_balancing_loss,
+    sigmoid_aux_routing,
+)
 from slime.utils.errors import UsageError
 from slime.utils.hf_experts import find_routers
 
@@ -50,7 +62,8 @@ class _State:
 class Routing(RouterHooks):
     """The hooks on one model's routers (module docstring)."""
 
-    def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool):
+    def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool,
+                 score_function: str = "softmax"):  # fmt: skip
         self.routers = find_routers(layers)  # slime.utils.hf_experts
         if not self.routers:
             raise UsageError("the model has no mixture-of-experts layers")
@@ -61,6 +74,7 @@ class Routing(RouterHooks):
         self.moe_layers = list(self.routers)
         self.norm_topk_prob = norm_topk_prob
         self.dtype = DTYPES[router_dtype] if router_dtype else None
+        self.score_function = score_function
         self.state: _State | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._hook(li))
@@ -76,6 +90,12 @@ class Routing(RouterHooks):
 
     def _route(self, li: int, module: Any, hidden: torch.Tensor, output: Any, state: _State) -> Any:
         logits, weights, _ = output
+        if self.score_function == "sigmoid":  # the load-balancing losses only: the model's routing stays
+            if state.aux is not None and li not in state.aux_done:
+                scores, routed = sigmoid_aux_routing(logits, self.top_k)
+                state.aux.append((scores, routed.bool()))
+                state.aux_done.add(li)
+            return None
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if self.dtype is not None:
             logits = F.linear(hidden.to(self.dtype), module.weight.to(self.dtype))
@@ -108,12 +128,24 @@ class Routing(RouterHooks):
             out[:, li] = experts
         return out
 
-    def aux_loss(self, state: _State, real: torch.Tensor) -> torch.Tensor:
+    def aux_loss(self, state: _State, real: torch.Tensor, samples: torch.Tensor | None = None,
+                 num_samples: int = 0) -> torch.Tensor:  # fmt: skip
         """megatron-core's `aux_loss` summed over the MoE layers, over the tokens where `real` is
-        true (slime.backends.routing.load_balancing_loss)."""
+        true (slime.backends.routing.load_balancing_loss); with `samples` (each token's sample,
+        of `num_samples`) its `seq_aux_loss`, summed over the samples."""
         assert state.aux is not None
         total = torch.zeros((), dtype=torch.float32, device=real.device)
-        for probs, experts in state.aux:
-            routed = torch.zeros_like(probs, dtype=torch.float32).scatter_(1, experts, 1.0)
-            total = total + load_balancing_loss(probs[real], routed[real], self.top_k)
+        for probs, chosen in state.aux:
+            routed = (
+                chosen.float()
+                if chosen.dtype == torch.bool  # a sigmoid router's: [tokens, E] already
+                else torch.zeros_like(probs, dtype=torch.float32).scatter_(1, chosen, 1.0)
+            )
+            if samples is None:
+                total = total + load_balancing_loss(probs[real], routed[real], self.top_k)
+            else:
+                seq = samples.to(probs.device)[real]
+                total = total + sequence_balancing_loss(
+                    probs[real], routed[real], seq, num_samples, self.top_k
+                )
         return total

@@ -221,7 +221,7 @@ class MegatronTrainActor(TrainActorBase):
             return [None] * len(mbs)
         aux = self.cfg.moe.aux_loss_coeff if step is not None else 0.0
         samples = step.num_samples if step is not None else 0
-        return self.routing.states(mbs, self.routing_tables, record, aux, samples)
+        return self.routing.states(mbs, self.routing_tables, record, aux, samples, self.cfg.moe.per_sequence)
 
     def _read_hf_shard(self, hf_dir: str, lm_head: bool = True, own_mtp: bool = False) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,

@@ -214,7 +214,8 @@ class Layout:
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=heads,
-            ffn_hidden_size=config.intermediate_size,
+            # (Qwen3.5-MoE routes every layer: no dense MLP width in its config)
+            ffn_hidden_size=int(getattr(config, "intermediate_size", None) or config.moe_intermediate_size),
             vocab_size=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=bool(family.get("qkv_bias")) or bias,

@@ -13,7 +13,13 @@ slime needs another one and leaves it untouched otherwise (no flag: megatron-cor
   actor's definition, so both backends train alike), attached to the router's output with
   megatron-core's MoEAuxLossAutoScaler: its gradient joins the backward pass (the schedule scales
   it by 1 under `calculate_per_token_loss`). megatron-core's own aux loss stays off: it weights
-  micro-batches by tokens, not by samples.
+  micro-batches by tokens, not by samples. With `--moe-router-load-balancing-type seq_aux_loss`
+  it is megatron-core's per-sequence loss instead: each sample's own, divided by the step's
+  samples (megatron-core's is a micro-batch's [sequence, batch] rows, which packing would mix).
+
+Sigmoid routers (DeepSeek-V3, GLM-4.5+: a bias and expert groups) get the load-balancing losses
+only: their routing stays megatron-core's, and the losses read megatron-core's scores for them
+(the sigmoid scores normalised over the experts, and their own top-k; routing.sigmoid_aux_routing).
 
 Tokens reach the router as [sequence, rows] flattened (sequence-major), and with sequence
 parallelism only this TP rank's slice of the sequence; the per-token state is laid out that way.
@@ -33,7 +39,13 @@ from typing import Any
 import torch
 
 from slime.backends.micro_batch import MicroBatch
-from slime.backends.routing import RouterHooks, choose, load_balancing_loss
+from slime.backends.routing import (
+    RouterHooks,
+    choose,
+    load_balancing_loss,
+    sequence_balancing_loss,
+    sigmoid_aux_routing,
+)
 
 
 def router_order(x: torch.Tensor, rows: int, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
@@ -67,6 +79,9 @@ class MicroBatchRouting:
     real: torch.Tensor | None = None  # [tokens] bool: not padding (for the aux loss)
     aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
     aux_share: float = 0.0  # the micro-batch's share of the step's samples
+    samples: torch.Tensor | None = None  # seq_aux_loss: [tokens] each token's sample, -1 at padding
+    num_samples: int = 0  # seq_aux_loss: the micro-batch's samples, and the step's
+    step_samples: int = 0
     aux_sum: Any = 0.0  # the aux losses attached, times their share (the step's metric; a tensor
     # once one is attached: summed on the device, read once after the step, no sync per layer)
 
@@ -79,11 +94,12 @@ class MegatronRouting(RouterHooks):
     """The hooks on one pipeline stage's routers (module docstring)."""
 
     def __init__(self, model: Any, num_layers: int, top_k: int, num_experts: int, renormalize: bool,
-                 recompute: dict[str, Any], sp_group: Any = None, sp_rank: int = 0, sp_size: int = 1):  # fmt: skip
+                 recompute: dict[str, Any], sp_group: Any = None, sp_rank: int = 0, sp_size: int = 1,
+                 score_function: str = "softmax"):  # fmt: skip
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
-        self.renormalize = renormalize
+        self.renormalize, self.score_function = renormalize, score_function
         self.sp_group, self.sp_rank, self.sp_size = sp_group, sp_rank, sp_size
         self.current: MicroBatchRouting | None = None
         self.queues: dict[int, deque[MicroBatchRouting | None]] = {}
@@ -92,9 +108,9 @@ class MegatronRouting(RouterHooks):
             router = getattr(layer.mlp, "router", None)
             if not isinstance(router, TopKRouter):
                 continue
-            if router.score_function != "softmax":
+            if router.score_function != score_function:
                 raise ValueError(
-                    f"routing replay and the aux loss need softmax routers, not {router.score_function}"
+                    f"the router hooks expect {score_function} routers, not {router.score_function}"
                 )
             li = layer.layer_number - 1  # the whole model's layer (megatron-core counts from 1)
             self.routers[li] = router
@@ -112,9 +128,9 @@ class MegatronRouting(RouterHooks):
                 sequence_parallel: bool) -> MegatronRouting | None:  # fmt: skip
         """The hooks on a mixture-of-experts model's routers (None for a dense model, and for a
         family whose routing they do not follow: megatron-core's router routes it, untouched)."""
-        from slime.backends.megatron.settings import router_hooks
+        from slime.backends.megatron.settings import aux_hooks, router_hooks
 
-        if not layout.num_experts or not router_hooks(layout):
+        if not layout.num_experts or not (router_hooks(layout) or aux_hooks(layout)):
             return None
         from slime.config.architecture import hf_moe
 
@@ -122,7 +138,8 @@ class MegatronRouting(RouterHooks):
         sp = mesh.tp if sequence_parallel else 1
         return cls(model, layout.num_layers, moe["moe_router_topk"], layout.num_experts,
                    renormalize=not moe["moe_router_pre_softmax"], recompute=recompute, sp_group=mesh.tp_group,
-                   sp_rank=mesh.tp_rank if sp > 1 else 0, sp_size=sp)  # fmt: skip
+                   sp_rank=mesh.tp_rank if sp > 1 else 0, sp_size=sp,
+                   score_function=moe["moe_router_score_function"])  # fmt: skip
 
     # ---- per micro-batch --------------------------------------------------------------------
     def router_order(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -136,9 +153,11 @@ class MegatronRouting(RouterHooks):
         self.current = state
 
     def states(self, mbs: list[MicroBatch], tables: dict[int, torch.Tensor] | None, record: bool = False,
-               aux_coeff: float = 0.0, step_samples: int = 0) -> list[MicroBatchRouting | None]:  # fmt: skip
+               aux_coeff: float = 0.0, step_samples: int = 0,
+               per_sequence: bool = False) -> list[MicroBatchRouting | None]:  # fmt: skip
         """The hooks' state for each micro-batch (None when nothing is asked): replay of `tables`
-        (R2/R3), recording (R2's log-prob pass), the aux loss (a training step of `step_samples`)."""
+        (R2/R3), recording (R2's log-prob pass), the aux loss (a training step of `step_samples`;
+        `per_sequence`: seq_aux_loss)."""
         if tables is None and not record and aux_coeff == 0:
             return [None] * len(mbs)
         states: list[MicroBatchRouting | None] = []
@@ -152,6 +171,9 @@ class MegatronRouting(RouterHooks):
             if aux_coeff > 0:
                 state.real = self.router_order(mb.real_tokens().cpu(), rows)
                 state.aux_coeff, state.aux_share = aux_coeff, mb.num_samples / step_samples
+                if per_sequence:
+                    state.samples = self.router_order(mb.sample_ids().cpu(), rows)
+                    state.num_samples, state.step_samples = mb.num_samples, step_samples
             states.append(state)
         return states
 
@@ -197,7 +219,10 @@ class MegatronRouting(RouterHooks):
         if state.replay is not None or aux:
             logits = module.gating(hidden).reshape(-1, self.num_experts)  # megatron-core's router dtype
             wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            scores = torch.softmax(logits, dim=-1, dtype=wide)
+            if self.score_function == "sigmoid":  # (the load-balancing losses only: its routing stays)
+                scores, routed = sigmoid_aux_routing(logits, self.top_k)
+            else:
+                scores, routed = torch.softmax(logits, dim=-1, dtype=wide), None
             if state.replay is not None:
                 replay = state.replay[:, li].to(scores.device)
                 weights, experts = choose(scores, self.top_k, replay, self.renormalize)
@@ -207,9 +232,15 @@ class MegatronRouting(RouterHooks):
                 assert state.real is not None
                 real = state.real.to(scores.device)
                 group = self.sp_group if self.sp_size > 1 else None
-                loss = (
-                    load_balancing_loss(scores[real], routing_map[real], self.top_k, group) * state.aux_share
-                )
+                routed = routing_map if routed is None else routed
+                if state.samples is not None:  # seq_aux_loss: each sample's own, over the step's samples
+                    seq = state.samples.to(scores.device)[real]
+                    loss = sequence_balancing_loss(scores[real], routed[real], seq, state.num_samples, self.top_k,
+                                                   group) / state.step_samples  # fmt: skip
+                else:
+                    loss = (
+                        load_balancing_loss(scores[real], routed[real], self.top_k, group) * state.aux_share
+                    )
                 state.aux_sum = state.aux_sum + loss.detach()
                 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
