@@ -208,6 +208,11 @@ def test_routing_and_rotary_megatron_core_computes_otherwise_are_refused(models)
     config.rope_parameters = {**YARN, "partial_rotary_factor": 0.5}
     with pytest.raises(ConversionError, match="YaRN with multi-latent attention only"):
         Layout.from_hf_config(config)
+    for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # transformers then gives o_proj a bias too
+        config = _hf(models[arch])[0]
+        config.attention_bias = True
+        with pytest.raises(ConversionError, match="the output projection's bias is not converted"):
+            Layout.from_hf_config(config)
 
 
 def _rank_model(rank, world_size, init_method, path, tp, pp, ep):

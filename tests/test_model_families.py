@@ -323,9 +323,15 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     assert (
         parse_args(base(path, str(prompts), *args, "--train-backend", "megatron")).train.backend == "megatron"
     )
+    # slime's spec of another family is named
+    other = ["--spec", *(SLIME_SPECS["qwen3_5"] if arch == "qwen3_next" else SLIME_SPECS["qwen3_next"])]
+    own = [a for a in args if a != "--spec" and a not in SLIME_SPECS.get(arch, [])]
+    err = error(capsys, base(path, str(prompts), *own, *other))
+    assert f"--spec {other[1]} {other[2]} is slime's layer spec for model_type" in err, err
 
 
-SLIME_SPECS = {"qwen3_next": ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
+SLIME_SPECS = {"glm4": ["slime_plugins.models.glm4", "get_glm_spec"],
+               "qwen3_next": ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
                "qwen3_5": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
                "qwen3_5_moe": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]}  # fmt: skip
 

@@ -163,14 +163,18 @@ def schedule_defaults(ns: argparse.Namespace) -> list[str]:
 
 
 def checkpoint_architecture_problems(ns: argparse.Namespace) -> list[str]:
-    """The architecture flags against --hf-checkpoint's config.json (when it can be read here;
-    a missing checkpoint is reported by the input checks)."""
-    if not architecture.megatron_architecture(ns):
+    """The architecture flags (and slime's layer spec) against --hf-checkpoint's config.json
+    (when it can be read here; a missing checkpoint is reported by the input checks)."""
+    spec = getattr(ns, "spec", None)
+    if not architecture.megatron_architecture(ns) and not spec:
         return []  # no architecture flag given: nothing to compare, nothing to read
     config = _hf_config(ns.hf_checkpoint)
     if config is None:
         return []
-    return architecture.architecture_problems(ns, config, f"--hf-checkpoint {ns.hf_checkpoint}")
+    where = f"--hf-checkpoint {ns.hf_checkpoint}"
+    return architecture.spec_problems(spec, config, where) + architecture.architecture_problems(
+        ns, config, where
+    )
 
 
 def _hf_config(path: str | None) -> Any:

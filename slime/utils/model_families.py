@@ -24,6 +24,8 @@ class Family:
     (transformers' own forward and cache, one sequence at a time: any layer kind, slower)."""
     megatron: str | None = None
     """None: the Megatron backend builds it (and converts HF <-> Megatron); else why it is refused."""
+    megatron_scope: str = ""
+    """What of a built family the Megatron backend takes (none: all of it), for the table."""
     router_hooks: bool = False
     """The train backends hook the routers (mixture-of-experts families): --use-routing-replay,
     --use-rollout-routing-replay, --moe-aux-loss-coeff and --moe-router-dtype act; without them
@@ -115,6 +117,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5",
             "Qwen3.5 dense (text)",
             PER_SEQUENCE,
+            megatron_scope="the text model (`qwen3_5_text`); the vision-language `qwen3_5` checkpoints: FSDP",
             aliases=("qwen3_5",),
             packs=False,
         ),
@@ -123,6 +126,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_moe",
             "Qwen3.5 MoE (text)",
             PER_SEQUENCE,
+            megatron_scope="the text model (`qwen3_5_moe_text`); the vision-language `qwen3_5_moe` checkpoints: FSDP",
             aliases=("qwen3_5_moe",),
             lora=False,
             fused_experts=True,
@@ -183,10 +187,16 @@ def models_table() -> str:
         lines.append(
             f"| {', '.join(f'`{t}`' for t in (f.model_type, *f.aliases))} | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
-            f"{'yes' if f.megatron is None else 'no: ' + f.megatron} | {yes[f.router_hooks]} | "
+            f"{megatron_cell(f)} | {yes[f.router_hooks]} | "
             f"{yes[f.router_hooks or f.aux_loss]} | {yes[f.lora]} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def megatron_cell(f: Family) -> str:
+    if f.megatron is not None:
+        return "no: " + f.megatron
+    return f"yes: {f.megatron_scope}" if f.megatron_scope else "yes"
 
 
 def write_docs(path: str = "docs/models.md") -> None:

@@ -367,9 +367,10 @@ SUPPORTED: dict[str, dict[str, bool]] = {
     "deepseek_v3": {},  # multi-latent attention (_mla)
     "glm4_moe_lite": {},  # GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts
     # gated delta-net layers beside gated full attention, zero-centred norms (_hybrid)
-    "qwen3_next": {"qk_norm": True, "hybrid": True},
-    "qwen3_5_text": {"qk_norm": True, "hybrid": True},
-    "qwen3_5_moe_text": {"qk_norm": True, "hybrid": True},
+    # (attention_bias gives o_proj a bias too, not converted: refused)
+    "qwen3_next": {"qk_norm": True, "hybrid": True, "output_bias": True},
+    "qwen3_5_text": {"qk_norm": True, "hybrid": True, "output_bias": True},
+    "qwen3_5_moe_text": {"qk_norm": True, "hybrid": True, "output_bias": True},
 }
 """The model_types the Megatron backend builds, with what their layers have beyond Llama's."""
 

@@ -5,7 +5,9 @@
 - tensor-parallel: megatron-core's layers reduce their own activations; the QK-norm weights see
   only a rank's heads, and with sequence parallelism the norms (marked `sequence_parallel` by
   megatron-core) see only a rank's part of the sequence, so their gradients are summed over the
-  TP group (as megatron-core's finalize_model_grads does);
+  TP group (as megatron-core's finalize_model_grads does); modules every TP rank computes whole
+  (the gated delta-nets: `average_over_tp`) have their gradients averaged over it, so rounding
+  differences between ranks never make the replicas drift;
 - pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
   are one HF tensor; their gradients are summed over megatron-core's embedding group; so are the
   embedding's and the last stage's copy of it that its multi-token prediction modules read (they
@@ -68,6 +70,10 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
                    if (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
                    or getattr(params[n], "sequence_parallel", False)]  # fmt: skip
         all_reduce_coalesced(partial, mesh.tp_group, device)
+        replicated = [g for n, g in named if getattr(params[n], "average_over_tp", False)]
+        all_reduce_coalesced(replicated, mesh.tp_group, device)
+        for g in replicated:
+            g.div_(mesh.tp)
     if mesh.pp > 1 and tied and (mesh.pp_rank in (0, mesh.pp - 1)):
         grad = ensure_grad(model.shared_embedding_or_output_weight())  # (both stages must take part)
         all_reduce_coalesced([grad], ps.get_embedding_group(), device)

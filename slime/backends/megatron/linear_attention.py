@@ -12,7 +12,9 @@ flash-linear-attention ones where that package is installed, its torch reference
 the layer computes what the FSDP actor and the engine compute.
 
 The module is replicated over the tensor-parallel ranks (each computes the whole layer, as slime
-does), so its parameters' gradients are the same on every TP rank and need no reduction. Packed
+does), so its parameters' gradients are the same on every TP rank up to the kernels' rounding
+(a GPU's convolution and delta-rule kernels need not be bit-reproducible): they are averaged over
+TP after each backward, so the replicas never drift apart (the push checks that they agree). Packed
 micro-batches (THD) run one sequence at a time (a delta-net's state carries through a row, so
 sequences must not share one); padded rows run as one batch (right padding: a causal layer's real
 tokens never read it). With sequence parallelism the tokens are gathered over TP first and
@@ -61,6 +63,8 @@ class LinearAttention(MegatronModule):
         if torch.cuda.is_available() and not config.use_cpu_initialization:
             device = torch.cuda.current_device()
         self.to(device=device, dtype=config.params_dtype)
+        for p in self.parameters():  # replicated over TP: their gradients averaged there (grads.py)
+            p.average_over_tp = True  # type: ignore[attr-defined]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any,
                 packed_seq_params: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
