@@ -127,3 +127,24 @@ def test_cli_writes_the_rows(fake_slime, tmp_path, capsys):
         None,
         False,
     )
+
+
+def test_a_schedule_counted_from_missing_prompt_data_is_a_missing_input():
+    """With --num-epoch the learning-rate schedule's length is counted from the prompt data: where
+    that data is absent, the schedule's problems are the absent input's, and nothing else is."""
+    from slime.tools.dry_run_scripts import Row
+
+    problems = [
+        "--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, ...)",
+        "--prompt-data '/root/data.parquet': no such file",
+        "--lr-decay-style cosine needs --lr-decay-iters > 0",
+    ]
+    row = Row("sft.sh", 2, problems[0], "train_async.py", ["--num-epoch", "3"], problems)
+    assert row.only_missing_inputs
+    assert not Row(
+        "sft.sh", 2, problems[0], "train_async.py", ["--num-rollout", "3"], problems
+    ).only_missing_inputs
+    other = [*problems, "--loss-mask-type qwen3_5 is not supported here"]
+    assert not Row(
+        "sft.sh", 2, problems[0], "train_async.py", ["--num-epoch", "3"], other
+    ).only_missing_inputs

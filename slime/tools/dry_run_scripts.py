@@ -62,6 +62,9 @@ RECORDERS = ("python", "python3", "ray", "torchrun")
 RUN_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 # A dry-run problem that only says an input is absent on this machine.
 MISSING = re.compile(r"no such file|is not a directory|does not exist|not found")
+# With --num-epoch the run's optimizer steps (the learning-rate schedule's length) are counted from
+# the prompt data: absent, the schedule's problems follow from it.
+SCHEDULE = re.compile(r"--lr-decay-iters|--lr-warmup-fraction")
 
 # The stand-in for python/python3/ray/torchrun. RECORDS and PYTHON are filled in per script.
 _RECORDER = r"""
@@ -162,7 +165,13 @@ class Row:
 
     @property
     def only_missing_inputs(self) -> bool:
-        return self.exit_code == 2 and bool(self.problems) and all(MISSING.search(p) for p in self.problems)
+        counted = "--num-epoch" in self.args and any(p.startswith("--prompt-data") and MISSING.search(p)
+                                                     for p in self.problems)  # fmt: skip
+        return (
+            self.exit_code == 2
+            and bool(self.problems)
+            and all(MISSING.search(p) or (counted and SCHEDULE.search(p)) for p in self.problems)
+        )
 
 
 def find_launch_scripts(slime_dir: Path) -> list[Path]:
