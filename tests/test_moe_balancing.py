@@ -138,3 +138,41 @@ def test_balancing_flags_with_the_sigmoid_families(moe_models, tmp_path, capsys)
             capsys, base(path, str(prompts), "--train-backend", backend, "--use-rollout-routing-replay")
         )
         assert "--use-rollout-routing-replay: routing replay" in err and "'deepseek_v3'" in err
+
+
+def _mtp_router_step(rank, world_size, init_method, path, coeff):
+    """One training step of the Megatron actor training DeepSeek-V3's MTP module, with the aux
+    loss at `coeff` (no clipping): the routers' weights after it."""
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from slime.config.train import MoEOptions
+    from tests.test_fsdp_actor import make_batch
+    from tests.test_megatron_actor import config
+
+    cfg = config(path)
+    cfg = dataclasses.replace(
+        cfg, megatron=dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=True),
+        moe=MoEOptions(moe_aux_loss_coeff=coeff), optimizer=dataclasses.replace(cfg.optimizer, clip_grad=0.0),
+    )  # fmt: skip
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    steps = actor.train(0, make_batch(0, num_samples=4)).steps  # (global batch 4: one optimizer step)
+    assert len(steps) == 1
+    routers = {k: v.clone() for k, v in actor.model_state().items() if k.endswith("mlp.router.weight")}
+    actor.close()
+    return routers
+
+
+@pytest.mark.slow
+def test_the_aux_loss_reaches_the_mtp_modules_router(tmp_path):
+    """As megatron-core's aux loss reaches every router: with MTP training, the MTP module's MoE
+    router is balanced too (its weights move otherwise than without the loss)."""
+    path = make_model(str(tmp_path / "mtp"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers",
+                      "2", "--mtp-layers", "1")  # fmt: skip
+    plain = run_ranks(1, _mtp_router_step, path, 0.0)[0]
+    balanced = run_ranks(1, _mtp_router_step, path, 1.0)[0]
+    mtp = "mtp.layers.0.transformer_layer.mlp.router.weight"
+    assert mtp in plain and "decoder.layers.1.mlp.router.weight" in plain
+    for name in (mtp, "decoder.layers.1.mlp.router.weight"):
+        assert not torch.equal(plain[name], balanced[name]), name

@@ -14,7 +14,7 @@ from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
-from slime.utils.model_families import refusal, routes_in_fp32
+from slime.utils.model_families import family, refusal, routes_in_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,9 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     if why:
         hooked = options.needs_router_hooks(
             router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype),
-            aux_built=refusal(config.model_type, "aux_loss") is None,
+            # (a family not listed routes otherwise: nothing is built for it)
+            aux_built=family(config.model_type) is not None
+            and refusal(config.model_type, "aux_loss") is None,
         )
         return [f"{hooked}: {why}"] if hooked else []
     if not experts or not getattr(config, "num_experts_per_tok", None):

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--mtp-num-layers", type=int, default=0,
-                   help="the checkpoint's multi-token prediction modules to convert (as the job's --mtp-num-layers; PP 1)")  # fmt: skip
+                   help="the checkpoint's multi-token prediction modules to convert (as the job's --mtp-num-layers)")  # fmt: skip
     p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / linear_fc1)")  # fmt: skip
     g = p.add_argument_group("model arguments, checked against the HF config when given")
@@ -103,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     if pp < 2 and (ns.decoder_first_pipeline_num_layers or ns.decoder_last_pipeline_num_layers):
         parser.error("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
                      "--pipeline-model-parallel-size > 1 (or drop them)")  # fmt: skip
-    if ns.mtp_num_layers and pp > 1:
-        parser.error(
-            "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not built (the job refuses it too)"
-        )
     try:
         layout = hf_layout(
             ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine",

@@ -122,6 +122,15 @@ class MegatronRouting(RouterHooks):
                 self.queues[li] = deque()
             router.register_forward_hook(self._hook(li, checkpointed))
         self.moe_layers = sorted(self.routers)
+        # MTP modules' routers (the last stage's, numbered after the decoder's layers as in
+        # layer_map): the load-balancing losses reach them as megatron-core's reach every router;
+        # never recomputed (slime.backends.megatron.mtp), never replayed or recorded
+        mtp = getattr(model, "mtp", None)
+        for k, layer in enumerate(mtp.layers if mtp is not None else ()):
+            router = getattr(layer.transformer_layer.mlp, "router", None)
+            if isinstance(router, TopKRouter):
+                self.routers[num_layers + k] = router
+                router.register_forward_hook(self._hook(num_layers + k, False))
 
     @classmethod
     def install(cls, model: Any, layout: Any, hf_config: Any, recompute: dict[str, Any], mesh: Any,
@@ -223,7 +232,7 @@ class MegatronRouting(RouterHooks):
                 scores, routed = sigmoid_aux_routing(logits, self.top_k)
             else:
                 scores, routed = torch.softmax(logits, dim=-1, dtype=wide), None
-            if state.replay is not None:
+            if state.replay is not None and li < self.num_layers:
                 replay = state.replay[:, li].to(scores.device)
                 weights, experts = choose(scores, self.top_k, replay, self.renormalize)
                 probs = torch.zeros_like(probs).scatter(1, experts, weights.to(probs.dtype))
@@ -245,7 +254,7 @@ class MegatronRouting(RouterHooks):
                 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * state.aux_coeff)
-        if state.record is not None:  # the k experts of each row, ascending (topk: no host sync)
+        if state.record is not None and li < self.num_layers:  # the k experts of each row, ascending
             chosen = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
             state.record[li] = chosen.sort(dim=-1).values
         return probs, routing_map
