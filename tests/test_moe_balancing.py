@@ -176,3 +176,24 @@ def test_the_aux_loss_reaches_the_mtp_modules_router(tmp_path):
     assert mtp in plain and "decoder.layers.1.mlp.router.weight" in plain
     for name in (mtp, "decoder.layers.1.mlp.router.weight"):
         assert not torch.equal(plain[name], balanced[name]), name
+
+
+def test_an_unlisted_families_aux_loss_is_refused(tmp_path, capsys):
+    """A mixture-of-experts family the registry does not list (dots1: sigmoid scores, a bias,
+    groups) routes otherwise than any hook: its aux loss is refused by name, not run through
+    softmax routing."""
+    import transformers
+
+    from tests.test_flag_surface import base, error
+
+    path = tmp_path / "dots1"
+    transformers.Dots1Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             intermediate_size=128, vocab_size=101).save_pretrained(path)  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    err = error(capsys, base(str(path), str(prompts), "--moe-aux-loss-coeff", "0.01"))
+    assert (
+        "--moe-aux-loss-coeff: routing replay and the router's aux loss are not built for model_type 'dots1'"
+        in err
+    )
