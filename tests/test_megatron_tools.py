@@ -148,6 +148,7 @@ def test_megatron_to_hf_refuses_another_models_config_and_an_existing_target(hf,
     assert r.returncode == 2 and "not a Megatron checkpoint directory" in r.stderr
 
 
+@pytest.mark.slow  # ~10 s; the expert layouts' resharding runs in-process in tests/test_megatron_moe_convert.py
 def test_moe_checkpoints_move_between_expert_layouts_and_back_bitwise(tiny_moe, tmp_path):
     """Qwen3-MoE: HF -> EP 2 -> TP 2 (ETP 2 by default) -> PP 2 x EP 4 (ETP 1) -> HF, bit for bit,
     with Megatron-LM's file names at each step."""
