@@ -84,8 +84,8 @@ def test_push_after_training_makes_engine_equal_trainer(tiny_model, tiny_moe, tm
 @pytest.mark.parametrize(
     "megatron",
     # moe-ep2 (~14 s): the experts' gathering on every rank is also what tests/test_megatron_moe_actor.py
-    # compares with one FSDP rank's export; fsdp (~14 s): the same handles and buckets as tp2's, the
-    # FSDP export on every rank also in tests/test_fsdp_actor.py
+    # compares with one FSDP rank's export; fsdp (~14 s): the same handles and buckets as tp2's (FSDP's
+    # every-rank export also runs in tests/test_lora.py's adapter push and ran over CUDA IPC on a GPU)
     [pytest.param("", marks=pytest.mark.slow), "tp2", pytest.param("moe-ep2", marks=pytest.mark.slow)],
     ids=["fsdp", "megatron-tp2", "megatron-moe-ep2"],
 )
