@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime.bridge.bridge import WeightBridge, make_transport
+from slime.bridge.topology import build_topology
 from slime.engines.client import EngineClient
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
@@ -54,7 +55,8 @@ async def push_rate(url: str, transport: str, model: str, state, bucket_bytes: i
     """`flattened`: the CUDA-IPC push's code path (slime.bridge.ipc) with CPU buffers shared by file."""
     from slime.bridge.ipc import share_buckets
 
-    bridge = WeightBridge(make_transport("ipc" if transport == "flattened" else transport, model), [url])
+    topology = build_topology("ipc" if transport == "flattened" else transport, "cpu", [url])
+    bridge = WeightBridge(make_transport(topology, model), [url])
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     best = float("inf")
     try:
