@@ -256,10 +256,9 @@ def without_modules(layout: Any) -> Any:
 def module_state(model: Any) -> dict[str, torch.Tensor]:
     """Copies of the model's MTP tensors (none without MTP modules), with a later pipeline stage's
     copy of the embedding that only they read."""
-    from slime.backends.megatron.model import model_state
-
     copy = "embedding.word_embeddings.weight" if not model.pre_process else None
-    return {k: v.detach().clone() for k, v in model_state(model).items() if k.startswith("mtp.") or k == copy}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if (k.startswith("mtp.") or k == copy) and not k.endswith("._extra_state")}  # fmt: skip
 
 
 def saved_config(config: Any, layout: Any) -> Any:
