@@ -54,16 +54,26 @@ def load_balancing_loss(
     per_expert = probs.float().sum(dim=0)
     counts = routed.float().sum(dim=0).detach()
     tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
-    if group is not None and dist.get_world_size(group) > 1:
-        others = per_expert.detach().clone()
-        dist.all_reduce(others, group=group)
-        per_expert = per_expert + (others - per_expert.detach())  # the group's sum, the gradient of ours
-        dist.all_reduce(counts, group=group)
-        dist.all_reduce(tokens, group=group)
+    per_expert = _group_sums(per_expert, counts, tokens, group)
     total = float(tokens[0])
     if total == 0:
         return per_expert.sum() * 0.0
     return (per_expert * counts).sum() * num_experts / (top_k * total * total)
+
+
+def _group_sums(
+    per_expert: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, group: Any
+) -> torch.Tensor:
+    """The load-balancing sums over the ranks of `group` that split the tokens: `counts` and
+    `tokens` summed in place; the probability sums returned as the group's, with the gradient
+    reaching this rank's own."""
+    if group is None or dist.get_world_size(group) == 1:
+        return per_expert
+    others = per_expert.detach().clone()
+    dist.all_reduce(others, group=group)
+    dist.all_reduce(counts, group=group)
+    dist.all_reduce(tokens, group=group)
+    return per_expert + (others - per_expert.detach())
 
 
 def sigmoid_aux_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,12 +96,7 @@ def sequence_balancing_loss(probs: torch.Tensor, routed: torch.Tensor, seq: torc
     per_expert = probs.float().new_zeros(num_seqs, num_experts).index_add(0, seq, probs.float())
     counts = routed.float().new_zeros(num_seqs, num_experts).index_add(0, seq, routed.float()).detach()
     tokens = torch.bincount(seq, minlength=num_seqs).to(probs.device, torch.float32)
-    if group is not None and dist.get_world_size(group) > 1:
-        others = per_expert.detach().clone()
-        dist.all_reduce(others, group=group)
-        per_expert = per_expert + (others - per_expert.detach())
-        dist.all_reduce(counts, group=group)
-        dist.all_reduce(tokens, group=group)
+    per_expert = _group_sums(per_expert, counts, tokens, group)
     scale = num_experts / (top_k * tokens.clamp(min=1.0) ** 2)
     return ((per_expert * counts).sum(dim=-1) * scale).sum()
 

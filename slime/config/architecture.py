@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.config.megatron_lm import SPECS
+from slime.config.megatron_lm import SLIME_SPECS, SPECS
 from slime.config.surface import CHECKED, given
 from slime.utils.model_families import FAMILIES
 
@@ -51,19 +51,10 @@ def rope_scaling(config: Any) -> tuple[str, float | None, float]:
     return kind, params.get("factor"), float(theta) if theta is not None else 10000.0
 
 
-SLIME_SPECS = {
-    "slime_plugins.models.glm4": ("glm4",),
-    "slime_plugins.models.qwen3_next": ("qwen3_next",),
-    "slime_plugins.models.qwen3_5": ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"),
-}
-"""slime's layer specs that the flags accept (the backends build those layers themselves): the
-model_types each describes."""
-
-
 def spec_problems(spec: list[str] | None, config: Any, where: str) -> list[str]:
     """slime's `--spec MODULE FUNCTION` against the checkpoint's model_type (another spec is
     refused by the flag itself)."""
-    families = SLIME_SPECS.get(spec[0]) if spec else None
+    families = SLIME_SPECS.get((spec[0], spec[1])) if spec and len(spec) == 2 else None
     model_type = getattr(config, "model_type", "")
     if spec is None or families is None or model_type in families:
         return []

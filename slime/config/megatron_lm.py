@@ -26,6 +26,19 @@ from typing import Any
 
 from slime.config.surface import APPLIED, CHECKED, NO_EFFECT, REFUSED, Spec, store_true
 
+SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("slime_plugins.models.glm4", "get_glm_spec"): ("glm4",),
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
+    ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): (
+        "qwen3_5_text",
+        "qwen3_5",
+        "qwen3_5_moe_text",
+        "qwen3_5_moe",
+    ),
+}
+"""slime's layer specs (--spec MODULE FUNCTION) that the flags accept, as the backends build those
+layers themselves: the model_types each describes (slime.config.architecture.spec_problems)."""
+
 
 def _arch(flag: str, kwargs: dict[str, Any], note: str, neutral: Any = None) -> Spec:
     return Spec(flag, kwargs, CHECKED, CHECKED, note, neutral, group="architecture")
@@ -140,11 +153,7 @@ SPECS: tuple[Spec, ...] = (
         "get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next get_qwen3_next_spec) and Qwen3.5 "
         "(slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by both backends: the Megatron backend "
         "builds those families' layers itself",
-        neutral=(
-            ["slime_plugins.models.glm4", "get_glm_spec"],
-            ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
-            ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
-        ),
+        neutral=tuple(list(spec) for spec in SLIME_SPECS),
         group="architecture",
         refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "
         "own specs from --hf-checkpoint (and GLM-4's, Qwen3-Next's and Qwen3.5's for slime's specs of them)",

@@ -435,7 +435,7 @@ class MegatronTrainActor(TrainActorBase):
     def _reduce_gradients(self) -> None:
         grads.reduce_gradients(self.model, self.mesh, self.grad_group, self.layout.qk_norm,
                                self.layout.tied_embeddings or bool(self.layout.mtp_layers), self.device,
-                               self.masters.grad_of, self.masters.ensure_grad)  # fmt: skip
+                               self.masters.grad_of, ensure_grad=self.masters.ensure_grad)  # fmt: skip
 
     def _clip_gradients(self) -> float:
         return grads.clip_gradients(

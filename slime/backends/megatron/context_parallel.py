@@ -163,19 +163,24 @@ def gather_tokens(local: torch.Tensor, view: CPView) -> torch.Tensor:
     return gathered[_sequence_order(tuple(view.packed.cu_seqlens_q.tolist()), cp).to(local.device)]
 
 
-def whole_sequences(local: torch.Tensor, packed: Any, group: Any) -> torch.Tensor:
-    """[local tokens, ...] -> [padded global tokens, ...] in sequence order, for a layer every CP
-    rank runs on whole sequences (backward: the gradients summed over the CP ranks, since each
-    rank's outputs read earlier tokens of the others; each rank keeps its own)."""
+def whole_sequences(local: torch.Tensor, cu: tuple[int, ...], group: Any) -> torch.Tensor:
+    """[local tokens, ...] -> [padded global tokens, ...] (sequence bounds `cu`) in sequence
+    order, for a layer every CP rank runs on whole sequences (backward: the gradients summed over
+    the CP ranks, since each rank's outputs read earlier tokens of the others; each rank keeps its
+    own)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    order = _sequence_order(tuple(packed.cu_seqlens_q.tolist()), cp).to(local.device)
-    return _GatherSumGrads.apply(local, group, rank, cp)[order]
+    return _GatherSumGrads.apply(local, group, rank, cp)[_sequence_order(cu, cp).to(local.device)]
 
 
-def own_tokens(whole: torch.Tensor, packed: Any, group: Any) -> torch.Tensor:
+def own_tokens(whole: torch.Tensor, cu: tuple[int, ...], group: Any) -> torch.Tensor:
     """The inverse of whole_sequences' gather: this CP rank's tokens of whole sequences."""
-    cu, cp, rank = packed.cu_seqlens_q.tolist(), dist.get_world_size(group), dist.get_rank(group)
-    return whole[local_order(cu, cp, rank).to(whole.device)]
+    return whole[_own_order(cu, dist.get_world_size(group), dist.get_rank(group)).to(whole.device)]
+
+
+@functools.lru_cache(maxsize=8)
+def _own_order(cu: tuple[int, ...], cp: int, rank: int) -> torch.Tensor:
+    """local_order, computed once per micro-batch layout (not in every layer)."""
+    return local_order(list(cu), cp, rank)
 
 
 @functools.lru_cache(maxsize=8)

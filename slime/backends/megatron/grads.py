@@ -44,18 +44,12 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad
 
 
-def _zeros_if_none(p: torch.Tensor) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
-
-
 def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied: bool, device: torch.device,
                      grad_of: GradOf = _grad,
-                     ensure_grad: Callable[[torch.Tensor], torch.Tensor] = _zeros_if_none) -> None:  # fmt: skip
+                     *, ensure_grad: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
     """Sum what must be summed (see the module's text); `dp_group` None: one replica. `grad_of`
     maps a parameter to the gradient to reduce (--bf16: its float32 master's); `ensure_grad`
-    too, making it zeros where there is none. `tied`: the last stage holds a copy of the
+    too, making it zeros where there is none (MasterWeights.ensure_grad). `tied`: the last stage holds a copy of the
     embedding (tied embeddings, or MTP modules)."""
     from megatron.core import parallel_state as ps
 

@@ -75,31 +75,28 @@ class LinearAttention(MegatronModule):
             x = tensor_parallel.gather_from_sequence_parallel_region(
                 x, tensor_parallel_output_grad=False, group=parallel_state.get_tensor_model_parallel_group()
             )
-        cp = self.config.context_parallel_size
-        if cp > 1:
-            out = self._whole_sequences(x, packed_seq_params, parallel_state.get_context_parallel_group())
+        cu = None if packed_seq_params is None else tuple(packed_seq_params.cu_seqlens_q.tolist())  # one sync
+        if self.config.context_parallel_size > 1:
+            from slime.backends.megatron.context_parallel import own_tokens, whole_sequences
+
+            assert cu is not None  # (context parallelism runs packed micro-batches only)
+            group = parallel_state.get_context_parallel_group()
+            out = own_tokens(self._run(whole_sequences(x, cu, group), cu), cu, group)
         else:
-            out = self._run(x, packed_seq_params)
+            out = self._run(x, cu)
         if self.config.sequence_parallel:
             out = tensor_parallel.scatter_to_sequence_parallel_region(
                 out, group=parallel_state.get_tensor_model_parallel_group()
             )
         return out, None
 
-    def _run(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, cu: tuple[int, ...] | None) -> torch.Tensor:
         x = self.input_layernorm(x)
-        if packed is None:  # padded rows: [s, b, h] -> the module's [b, s, h]
+        if cu is None:  # padded rows: [s, b, h] -> the module's [b, s, h]
             return self.linear_attn(x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         # each sequence apart (the row's tail past the last one, if any: padding)
-        edges = sorted({0, *packed.cu_seqlens_q.tolist(), x.shape[0]})
+        edges = sorted({0, *cu, x.shape[0]})
         outs = [
             self.linear_attn(x[a:b].transpose(0, 1)).transpose(0, 1) for a, b in itertools.pairwise(edges)
         ]
         return torch.cat(outs)
-
-    def _whole_sequences(self, x: torch.Tensor, packed: Any, group: Any) -> torch.Tensor:
-        """Context parallelism: the layer on whole sequences, this rank's chunks kept."""
-        from slime.backends.megatron.context_parallel import own_tokens, whole_sequences
-
-        whole = self._run(whole_sequences(x, packed, group), packed)
-        return own_tokens(whole, packed, group)

@@ -78,9 +78,8 @@ class MicroBatchRouting:
     record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
     real: torch.Tensor | None = None  # [tokens] bool: not padding (for the aux loss)
     aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
-    aux_share: float = 0.0  # the micro-batch's share of the step's samples
     samples: torch.Tensor | None = None  # seq_aux_loss: [tokens] each token's sample, -1 at padding
-    num_samples: int = 0  # seq_aux_loss: the micro-batch's samples, and the step's
+    num_samples: int = 0  # the micro-batch's samples, and the step's (for the aux loss)
     step_samples: int = 0
     aux_sum: Any = 0.0  # the aux losses attached, times their share (the step's metric; a tensor
     # once one is attached: summed on the device, read once after the step, no sync per layer)
@@ -88,6 +87,11 @@ class MicroBatchRouting:
     @property
     def active(self) -> bool:
         return self.replay is not None or self.record is not None or self.aux_coeff > 0
+
+    @property
+    def aux_share(self) -> float:
+        """The micro-batch's share of the step's samples (the aux loss's weight)."""
+        return self.num_samples / self.step_samples
 
 
 class MegatronRouting(RouterHooks):
@@ -179,10 +183,13 @@ class MegatronRouting(RouterHooks):
                 )
             if aux_coeff > 0:
                 state.real = self.router_order(mb.real_tokens().cpu(), rows)
-                state.aux_coeff, state.aux_share = aux_coeff, mb.num_samples / step_samples
+                state.aux_coeff, state.num_samples, state.step_samples = (
+                    aux_coeff,
+                    mb.num_samples,
+                    step_samples,
+                )
                 if per_sequence:
                     state.samples = self.router_order(mb.sample_ids().cpu(), rows)
-                    state.num_samples, state.step_samples = mb.num_samples, step_samples
             states.append(state)
         return states
 
