@@ -64,7 +64,8 @@ def _loss_on(model_dir, examples):
     return total / len(examples)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+# megatron (~8 s, slow): the same tool and loss; the Megatron actor's training is the actor tests'
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.slow)])
 def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_model, tmp_path, backend):
     from transformers import AutoTokenizer
 

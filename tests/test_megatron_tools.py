@@ -65,6 +65,7 @@ def test_hf_to_megatron_reshard_and_back_is_bitwise(hf, tmp_path):
     assert (back / "tokenizer.json").exists()
 
 
+@pytest.mark.slow  # ~12 s; uneven stages' resharding runs in-process in tests/test_megatron_convert.py
 def test_uneven_pipeline_stages_convert_and_reshard_bitwise(hf, tmp_path):
     """--decoder-first-pipeline-num-layers 2 with PP 2 (2 + 1 layers), resharded to PP 3 (one each)
     and back to HF: the same tensors; the checkpoint's args record the stages as Megatron-LM's."""
