@@ -56,9 +56,15 @@ def train_and_push(
     return {"stats": stats, "trainer": trainer, "engine": engine}
 
 
-# The MoE push is also fingerprinted end to end in tests/test_moe_e2e.py (--check-precision).
+# The MoE push is also fingerprinted end to end in tests/test_moe_e2e.py (--check-precision); the
+# distributed transport's push after training in tests/test_cluster_e2e.py (two nodes, --check-weight-sync).
 @pytest.mark.parametrize(
-    "transport", ["tensor", "distributed", pytest.param("moe-distributed", marks=pytest.mark.slow)]
+    "transport",
+    [
+        "tensor",
+        pytest.param("distributed", marks=pytest.mark.slow),
+        pytest.param("moe-distributed", marks=pytest.mark.slow),
+    ],
 )
 def test_push_after_training_makes_engine_equal_trainer(tiny_model, tiny_moe, tmp_path, transport):
     """With the Qwen3-MoE model the fused experts travel as per-expert checkpoint tensors and

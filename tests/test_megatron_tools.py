@@ -27,6 +27,7 @@ def hf(tmp_path_factory):
                       "--hidden-size", "64", "--num-layers", "3")  # fmt: skip
 
 
+@pytest.mark.slow  # ~10 s; the conversion's round trips run in-process in tests/test_megatron_convert.py
 def test_hf_to_megatron_reshard_and_back_is_bitwise(hf, tmp_path):
     mg = tmp_path / "mg_tp2_pp3"
     r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(mg), "--tensor-model-parallel-size",
