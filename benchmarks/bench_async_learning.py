@@ -53,7 +53,7 @@ def run(script: str, out: str, tag: str, model: str, task: str, num_rollout: int
         "--rollout-shuffle", "--rm-type", "exact", "--num-rollout", str(num_rollout),
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "16", "--rollout-max-response-len", "4",
         "--rollout-temperature", "1.0", "--advantage-estimator", "grpo", "--global-batch-size", "64",
-        "--micro-batch-size", "64", "--lr", "5e-4", "--lr-warmup-iters", "10", "--lr-decay-style", "cosine",
+        "--micro-batch-size", "64", "--lr", "5e-4", "--lr-warmup-iters", str(min(10, num_rollout)), "--lr-decay-style", "cosine",
         "--lr-decay-iters", str(num_rollout * 4), "--min-lr", "5e-5", "--eval-interval", "25",
         "--eval-prompt-data", os.path.join(task, "eval.jsonl"), "--eval-temperature", "0", "--seed", str(seed),
         "--update-weight-transport", "tensor", *extra,

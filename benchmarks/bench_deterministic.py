@@ -95,9 +95,13 @@ def bench_trainer(model: str, tmp: str, rollouts: int = 3) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-rollout", type=int, default=20)
+    parser.add_argument("--num-rollout", type=int, default=20, help="at least 4: the first 3 are the warm-up")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.num_rollout < 4:
+        parser.error(
+            "--num-rollout must be at least 4 (the first 3 rollouts are the warm-up, left out of the means)"
+        )
     torch.set_num_threads(args.threads)
     out = args.out or tempfile.mkdtemp(prefix="bench-deterministic-")
     tiny = os.path.join(out, "tiny")

@@ -145,6 +145,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-chunks", action="store_true", help="skip the --log-probs-chunk-size table")
     args = parser.parse_args()
+    if args.samples % 8:
+        parser.error("--samples must be a multiple of 8 (--micro-batch-size 8 over one data-parallel rank)")
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0

@@ -42,7 +42,7 @@ def make_samples(num_samples: int, response_len: int, prompt_len: int = 64) -> l
                 index=i, group_index=i // 8, prompt="x" * 200, tokens=tokens, response="y" * 1_000,
                 response_length=response_len, label="42", reward=float(i % 2), loss_mask=[1] * response_len,
                 rollout_log_probs=[-rng.random() for _ in range(response_len)], status=Status.COMPLETED,
-                weight_version="0",
+                weight_versions=["0"],
             )
         )  # fmt: skip
     return samples

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime.bridge.bridge import WeightBridge, make_transport
 from slime.bridge.push import push_actor_weights
+from slime.bridge.topology import build_topology
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
 from slime.utils.async_utils import run_sync
@@ -41,7 +42,7 @@ class Exporter:
 
 def measure(url: str, model: str, transport: str, repeats: int) -> dict[str, float]:
     actor = Exporter(model)
-    bridge = WeightBridge(make_transport(transport, model), [url])
+    bridge = WeightBridge(make_transport(build_topology(transport, "cpu", [url]), model), [url])
     best = {"plain": float("inf"), "checked": float("inf"), "trainer": float("inf"), "compare": float("inf")}
     try:
         push_actor_weights(actor, bridge, "warm-up", 512 << 20, verify=True)

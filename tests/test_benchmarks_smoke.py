@@ -1,0 +1,93 @@
+"""Every benchmark in benchmarks/ keeps running: each with its smallest arguments, end to end, and
+the line of its table that says it measured. The cheap ones run in the default suite; those that
+start whole jobs or several models run with `-m slow` (minutes each)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name: (smallest arguments, a line its table prints, slow)
+BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
+    "bench_push": (
+        ["--hidden-size", "64", "--num-layers", "1", "--bucket-mb", "1", "--repeats", "1", "--threads", "1"],
+        "tensor / copy =",
+        False,
+    ),
+    "bench_weight_sync": (["--repeats", "1"], "overhead", False),
+    "bench_rollout_transfer": (
+        ["--samples", "4", "--response-len", "8", "--ranks", "1"],
+        "(bytes by value / by reference)",
+        False,
+    ),
+    "bench_engine": (
+        ["--threads", "1", "--leak-requests", "0", "--requests", "2"],
+        "ratio torch engine / HF generate",
+        False,
+    ),
+    "bench_routing_replay": (["--threads", "1", "--requests", "1", "--new-tokens", "2"], "bfloat16 ", True),
+    "bench_moe": (["--threads", "1", "--rollouts", "1"], "ratio MoE / dense, train tokens/s", True),
+    "bench_train": (["--threads", "1", "--rollouts", "1"], "overhead ratio", True),
+    "bench_packing": (
+        [
+            "--backends",
+            "fsdp",
+            "--workloads",
+            "equal",
+            "--batchings",
+            "fixed",
+            "--samples",
+            "8",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--skip-chunks",
+        ],
+        "packed/padded",
+        True,
+    ),
+    "bench_lora": (["--ranks", "1", "--rollouts", "1"], "push MB (full / adapters alone)", True),
+    "bench_megatron": (["--rollouts", "1"], "megatron", True),
+    "bench_deterministic": (["--threads", "1", "--num-rollout", "4"], "deterministic / default =", True),
+    "bench_loop": (["--num-rollout", "2", "--warmup", "0"], "train_async / train =", True),
+    "bench_async": (
+        ["--num-rollout", "2", "--warmup", "0", "--lags", "1", "--pause-modes", "retract"],
+        "synchronous / one-step-off =",
+        True,
+    ),
+    "bench_async_learning": (["--num-rollout", "2", "--lags", "1"], "plot: ", True),
+    "bench_fault_tolerance": (
+        ["--num-rollout", "3", "--warmup", "0", "--kill-at", "1"],
+        "a kill at rollout 1",
+        True,
+    ),
+    "bench_job_start": (["--repeats", "1", "--ranks", "1"], "ratio", True),
+}
+# Run by their own tests, with more to check: tests/test_bench_agent_adapter.py, tests/test_bench_families.py.
+OWN_TESTS = ("bench_agent_adapter", "bench_families")
+
+
+def test_every_benchmark_has_a_smoke_run():
+    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "benchmarks", "bench_*.py"))}
+    assert names == set(BENCHMARKS) | set(OWN_TESTS)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.slow] if slow else []) for n, (_, _, slow) in BENCHMARKS.items()],
+)
+def test_benchmark_runs_with_its_smallest_arguments(name, tmp_path):
+    args, line, _ = BENCHMARKS[name]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", *args], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert line in proc.stdout, proc.stdout[-3000:]
