@@ -203,6 +203,27 @@ def test_objective_at_step0_has_exact_zero_kl():
     assert m["kl_loss"].item() == 0.0 and m["ppo_kl"].item() == 0.0
 
 
+def test_unbiased_kl_weights_each_token_by_the_ratio_to_the_old_policy():
+    lp = torch.tensor([[-0.5, -2.0, -5.0]], requires_grad=True)
+    old, ref = torch.tensor([[-1.0, -2.5, -5.0]]), torch.tensor([[-1.5, -2.0, -5.0]])
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k3", use_unbiased_kl=True)
+    loss, m = micro_batch_loss(cfg, _terms(log_probs=lp, old_log_probs=old, ref_log_probs=ref))
+    # token 1: rho = e^0.5, d = 1 ; token 2: rho = e^0.5, d = 0 -> k3 = 0
+    assert m["kl_loss"].item() == pytest.approx(math.exp(0.5) * (math.exp(-1) - 1 + 1) / 2)
+    (g_unbiased,) = torch.autograd.grad(loss, lp)
+    plain = LossConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k3")
+    loss2, m2 = micro_batch_loss(plain, _terms(log_probs=lp, old_log_probs=old, ref_log_probs=ref))
+    assert m2["kl_loss"].item() == pytest.approx((math.exp(-1) - 1 + 1) / 2)
+    (g_plain,) = torch.autograd.grad(loss2, lp)
+    assert not torch.allclose(g_unbiased, g_plain)  # the ratio is not detached
+    # low_var_kl clamps after the product
+    big = losses.approx_kl(t(0.0), t(-15.0), "low_var_kl", ratio=t(0.5))
+    assert big.item() == pytest.approx(0.5 * (math.exp(-15) - 1 + 15))
+    assert losses.approx_kl(t(0.0), t(-15.0), "low_var_kl", ratio=t(2.0)).item() == 10.0
+    with pytest.raises(ValueError, match="--use-unbiased-kl .*--use-kl-loss"):
+        LossConfig(use_unbiased_kl=True)
+
+
 def test_objective_gspo_uses_sequence_ratio():
     # token log-ratios 0.4 and 0 -> sequence mean 0.2, ratio e^0.2 = 1.2214 > 1.2 -> clipped for both tokens
     lp = torch.tensor([[-0.6, -2.0, -5.0]])

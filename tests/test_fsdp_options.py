@@ -111,6 +111,16 @@ def run_options(rank, world_size, init_method, model, save_dir):
     before = {k: v.clone() for k, v in sgd._snapshot().items()}
     sgd.train(0, batch)
     out["sgd_type"] = type(sgd.optimizer).__name__
+    reset = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, reset_optimizer_states=True)),
+                   rank, world_size, init_method)  # fmt: skip
+    for actor in (plain, reset):
+        actor.train(1, batch)
+    out["adam_steps"] = [int(next(iter(a.optimizer.state.values()))["step"]) for a in (plain, reset)]
+    out["steps_per_rollout"] = len(reset.train(2, batch).steps)
+    stateless = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, use_stateless_adam=True)),
+                       rank, world_size, init_method)  # fmt: skip
+    stateless.train(0, batch)
+    out["stateless_state"] = len(stateless.optimizer.state)
     out["sgd_changed"] = any(not torch.equal(before[k], v) for k, v in sgd._snapshot().items())
     drop = _actor(
         dataclasses.replace(base, model=ModelOptions(attention_dropout=0.5)), rank, world_size, init_method
@@ -300,6 +310,12 @@ def test_off_policy_corrections_train_through_the_actor(options):
 
 def test_sgd_optimizer_steps(options):
     assert options["sgd_type"] == "SGD" and options["sgd_changed"]
+
+
+def test_optimizer_states_reset_before_each_rollout_and_stateless_adam_keeps_none(options):
+    plain, reset = options["adam_steps"]  # after rollouts 0 and 1 (plain) against rollout 1 alone (reset)
+    assert reset == options["steps_per_rollout"] and plain == 2 * reset
+    assert options["stateless_state"] == 0
 
 
 def test_attention_dropout_acts_in_training_steps_only(options):

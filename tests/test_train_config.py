@@ -155,3 +155,19 @@ def test_off_policy_corrections_refused_at_parse_time(tmp_path, capsys, extra, f
                     "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "exact", *extra])  # fmt: skip
     err = capsys.readouterr().err
     assert e.value.code == 2 and all(f in err for f in flags), err
+
+
+def test_stateless_adam_takes_a_fresh_adams_first_step_every_time():
+    from slime.backends.optim import make_optimizer
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = make_optimizer([w], OptimizerConfig(lr=0.1, weight_decay=0.5, adam_eps=1e-8, use_stateless_adam=True))
+    for grad in (torch.tensor([0.5, -4.0, 0.0]), torch.tensor([-2.0, 1.0, 3.0])):
+        before = w.detach().clone()
+        w.grad = grad
+        opt.step()
+        decayed = before * (1 - 0.1 * 0.5)
+        torch.testing.assert_close(w.detach(), decayed - 0.1 * grad / (grad.abs() + 1e-8))
+        assert not opt.state  # nothing kept between steps
+    with pytest.raises(ValueError, match="--use-stateless-adam"):
+        OptimizerConfig(optimizer="sgd", use_stateless_adam=True)

@@ -16,7 +16,9 @@ import torch
 from slime.config.loss import KL_TYPES
 
 
-def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+def approx_kl(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str, ratio: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(actor || reference), with d = log p - log p_ref.
 
     - k1:  d
@@ -24,19 +26,26 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str
     - k3:  exp(-d) - 1 + d            (unbiased, non-negative)
     - low_var_kl: k3 with d clamped to [-20, 20] and the result clamped to [-10, 10]
 
+    `ratio` (--use-unbiased-kl): each token's estimate times p / p_old, which makes it unbiased
+    for samples drawn from the old policy (DeepSeek-V3.2's estimator); the gradient flows
+    through the ratio, and low_var_kl's clamp comes after the product, as in slime.
+
     All four are exactly 0 where the two log-probs are equal.
     """
     d = log_probs.float() - ref_log_probs.float()
     if kl_type == "k1":
-        return d
-    if kl_type == "k2":
-        return 0.5 * d * d
-    if kl_type == "k3":
-        return torch.exp(-d) - 1.0 + d
-    if kl_type == "low_var_kl":
-        d = d.clamp(-20.0, 20.0)
-        return (torch.exp(-d) - 1.0 + d).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown --kl-loss-type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+        kl = d
+    elif kl_type == "k2":
+        kl = 0.5 * d * d
+    elif kl_type in ("k3", "low_var_kl"):
+        if kl_type == "low_var_kl":
+            d = d.clamp(-20.0, 20.0)
+        kl = torch.exp(-d) - 1.0 + d
+    else:
+        raise ValueError(f"unknown --kl-loss-type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+    if ratio is not None:
+        kl = ratio * kl
+    return kl.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else kl
 
 
 def sequence_mean_kl(ppo_kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

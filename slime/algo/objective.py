@@ -96,7 +96,11 @@ def micro_batch_loss(
             loss = loss - cfg.entropy_coef * entropy
     if cfg.use_kl_loss:
         assert t.ref_log_probs is not None
-        kl_loss = losses.weighted_sum(losses.approx_kl(t.log_probs, t.ref_log_probs, cfg.kl_loss_type), w)
+        ratio = None
+        if cfg.use_unbiased_kl:  # exp(-ppo_kl): p / p_old per token (GSPO: the sequence's ratio)
+            ratio = torch.exp(-ppo_kl)
+        kl = losses.approx_kl(t.log_probs, t.ref_log_probs, cfg.kl_loss_type, ratio)
+        kl_loss = losses.weighted_sum(kl, w)
         metrics["kl_loss"] = kl_loss.detach()
         loss = loss + cfg.kl_loss_coef * kl_loss
     metrics["loss"] = loss.detach()

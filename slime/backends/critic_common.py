@@ -32,6 +32,7 @@ import torch
 from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends.micro_batch import MicroBatch
+from slime.backends.optim import reset_states
 from slime.backends.train_common import TrainActorBase
 from slime.utils.batch import RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.batching import StepPlan
@@ -110,6 +111,8 @@ class ValueModel(TrainActorBase):
         output = TrainOutput()
         start = time.perf_counter()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
+        if self.cfg.optimizer.reset_optimizer_states:
+            reset_states(self.optimizer)
         for k, step in enumerate(plans):
             metrics, gap = self._value_step(batch, step, old, ret)
             output.steps.append(metrics)

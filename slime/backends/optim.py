@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -107,6 +108,25 @@ def _config_dict(cfg: OptimizerConfig) -> dict:
     return {k: getattr(cfg, k) for k in keys}
 
 
+class StatelessAdamW(torch.optim.AdamW):
+    """--use-stateless-adam: AdamW whose states are dropped after every step, so each step is a
+    fresh AdamW's first: bias-corrected moments g and g^2, the update -lr * g / (|g| + eps) after
+    the decoupled weight decay (slime's StatelessAdam with bias correction, its default). Built on
+    torch's AdamW rather than written out, so its kernels (foreach, fused) stay torch's."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        self.state.clear()
+        return out
+
+
+def reset_states(optimizer: torch.optim.Optimizer) -> None:
+    """--reset-optimizer-states: every state dropped (Adam's moments and step counts, SGD's
+    momentum); the next step starts them afresh, as zeros (slime zeroes them in place)."""
+    optimizer.state.clear()
+
+
 def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """--optimizer adam: AdamW (Megatron-LM's adam decouples the weight decay too); sgd: SGD with
     --sgd-momentum."""
@@ -114,7 +134,8 @@ def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torc
         return torch.optim.SGD(
             list(params), lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay
         )
-    return torch.optim.AdamW(
+    adam = StatelessAdamW if cfg.use_stateless_adam else torch.optim.AdamW
+    return adam(
         list(params),
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),

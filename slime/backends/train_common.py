@@ -4,9 +4,8 @@ A backend's rank belongs to one data-parallel replica (`dp_rank` of `dp_size`); 
 replica (Megatron's tensor- and pipeline-parallel peers) see the same samples and hold the same
 log-probs, advantages and metrics. This base class plans the optimizer steps and micro-batches,
 runs the log-prob passes (the actor's, the reference's, the OPD teacher's) and computes the
-advantages; its records (metrics, --check-precision statistics, --save-debug-train-data) are in
-slime.backends.train_records. A backend supplies the forward passes (`_log_prob_pass`,
-`_train_step`), the reference-weight swap and where its reductions go (`dp_group`).
+advantages; its records are in slime.backends.train_records. A backend supplies the forward passes
+(`_log_prob_pass`, `_train_step`), the reference-weight swap and its reductions' group (`dp_group`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends.micro_batch import MicroBatch
-from slime.backends.optim import move_state
+from slime.backends.optim import move_state, reset_states
 from slime.backends.routing import RouterHooks
 from slime.backends.train_records import TrainRecords
 from slime.config.train import TrainConfig
@@ -52,8 +51,7 @@ class TrainActorBase(TrainRecords):
     rollout_id: int
     model: Any
     optimizer: torch.optim.Optimizer
-    schedule: Any
-    """The learning-rate schedule (slime.backends.optim.LRSchedule)."""
+    schedule: Any  # the learning-rate schedule (slime.backends.optim.LRSchedule)
     resumed_extra: dict[str, Any]
     """What the checkpoint resumed from carried besides the weights (the data position)."""
     device: torch.device
@@ -414,6 +412,8 @@ class TrainActorBase(TrainRecords):
             self._save_train_data(
                 rollout_id, part, mine, old, ref, advantages, critic_values, returns, teacher
             )
+        if update and self.cfg.optimizer.reset_optimizer_states:
+            reset_states(self.optimizer)
         for k, step in enumerate(plans if update else []):
             compare = old if k == 0 and self.cfg.check_precision else None
             output.steps.append(

@@ -37,6 +37,13 @@ class LossConfig:
     """`--kl-loss-coef`."""
     kl_loss_type: str = flag("--kl-loss-type", "k1", choices=KL_TYPES)
     """`--kl-loss-type`: k1, k2, k3, low_var_kl."""
+    use_unbiased_kl: bool = flag(
+        "--use-unbiased-kl",
+        False,
+        help="with --use-kl-loss: each token's KL estimate times p / p_old (the importance ratio to the "
+        "policy that generated it; gradient through it), DeepSeek-V3.2's unbiased estimator",
+    )
+    """`--use-unbiased-kl`: the KL loss per token times exp(log p - log p_old) (slime.algo.losses.approx_kl)."""
     kl_coef: float = flag("--kl-coef", 0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)")
     """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
     gamma: float = flag("--gamma", 1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
@@ -162,6 +169,11 @@ class LossConfig:
         if self.use_tis and not 0 <= self.tis_clip_low < self.tis_clip:
             raise ValueError(
                 f"--tis-clip-low ({self.tis_clip_low}) must be >= 0 and below --tis-clip ({self.tis_clip})"
+            )
+        if self.use_unbiased_kl and not self.use_kl_loss:
+            raise ValueError(
+                "--use-unbiased-kl weights the KL loss, which is off: add --use-kl-loss, or drop --use-unbiased-kl "
+                "(slime ignores it without --use-kl-loss)"
             )
         self._check_off_policy_corrections()
 

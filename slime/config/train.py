@@ -48,6 +48,20 @@ class OptimizerConfig:
     """`--optimizer`: adam (AdamW, as Megatron-LM's adam) or sgd."""
     sgd_momentum: float = 0.9
     """`--sgd-momentum`: momentum of --optimizer sgd."""
+    reset_optimizer_states: bool = flag(
+        "--reset-optimizer-states",
+        False,
+        help="clear the optimizer's states (Adam's moments and step counts, SGD's momentum) before each "
+        "rollout's first step, as slime; the learning-rate schedule goes on",
+    )
+    """`--reset-optimizer-states`: the optimizer states cleared before each rollout's training."""
+    use_stateless_adam: bool = flag(
+        "--use-stateless-adam",
+        False,
+        help="Adam without moments kept between steps: every step is Adam's first (bias-corrected: "
+        "-lr * g / (|g| + eps), weight decay decoupled), as slime's StatelessAdam; nothing to checkpoint",
+    )
+    """`--use-stateless-adam`: every step is a fresh Adam's first (slime.backends.optim.StatelessAdamW)."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
@@ -71,6 +85,8 @@ class OptimizerConfig:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.use_stateless_adam and self.optimizer != "adam":
+            raise ValueError(f"--use-stateless-adam is a variant of --optimizer adam, not {self.optimizer}")
 
 
 @dataclass(frozen=True)
