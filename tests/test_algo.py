@@ -220,7 +220,7 @@ def test_unbiased_kl_weights_each_token_by_the_ratio_to_the_old_policy():
     big = losses.approx_kl(t(0.0), t(-15.0), "low_var_kl", ratio=t(0.5))
     assert big.item() == pytest.approx(0.5 * (math.exp(-15) - 1 + 15))
     assert losses.approx_kl(t(0.0), t(-15.0), "low_var_kl", ratio=t(2.0)).item() == 10.0
-    with pytest.raises(ValueError, match="--use-unbiased-kl .*--use-kl-loss"):
+    with pytest.raises(ValueError, match=r"--use-unbiased-kl .*--use-kl-loss"):
         LossConfig(use_unbiased_kl=True)
 
 

@@ -121,6 +121,18 @@ def run_options(rank, world_size, init_method, model, save_dir):
                        rank, world_size, init_method)  # fmt: skip
     stateless.train(0, batch)
     out["stateless_state"] = len(stateless.optimizer.state)
+    for key, opt in (("only", OptimizerConfig(lr=1e-3, only_train_params_name_list=[r"layers\.0\.mlp"])),
+                     ("frozen", OptimizerConfig(lr=1e-3, freeze_params_name_list=["embed_tokens", "norm"]))):  # fmt: skip
+        actor = _actor(dataclasses.replace(base, optimizer=opt), rank, world_size, init_method)
+        before = {k: v.clone() for k, v in actor._snapshot().items()}
+        actor.train(0, batch)
+        out[key] = sorted(k for k, v in actor._snapshot().items() if not torch.equal(before[k], v))
+        out[key + "_all"] = sorted(before)
+    typo = OptimizerConfig(freeze_params_name_list=["embed_tokens", "no_such_layer"])
+    try:
+        _actor(dataclasses.replace(base, optimizer=typo), rank, world_size, init_method)
+    except ValueError as e:
+        out["typo_error"] = str(e)
     out["sgd_changed"] = any(not torch.equal(before[k], v) for k, v in sgd._snapshot().items())
     drop = _actor(
         dataclasses.replace(base, model=ModelOptions(attention_dropout=0.5)), rank, world_size, init_method
@@ -316,6 +328,16 @@ def test_optimizer_states_reset_before_each_rollout_and_stateless_adam_keeps_non
     plain, reset = options["adam_steps"]  # after rollouts 0 and 1 (plain) against rollout 1 alone (reset)
     assert reset == options["steps_per_rollout"] and plain == 2 * reset
     assert options["stateless_state"] == 0
+
+
+def test_parameters_freeze_by_name_patterns(options):
+    assert options["only"] and all(".layers.0.mlp." in k for k in options["only"])
+    assert not any("embed_tokens" in k or "norm" in k for k in options["frozen"])
+    assert {k for k in options["frozen_all"] if "embed_tokens" not in k and "norm" not in k} <= set(
+        options["frozen"]
+    )
+    assert "'no_such_layer' matches no parameter" in options["typo_error"]
+    assert "--freeze-params-name-list" in options["typo_error"]
 
 
 def test_attention_dropout_acts_in_training_steps_only(options):

@@ -358,3 +358,25 @@ def test_a_shard_that_cannot_be_written_or_read_fails_every_rank(tiny_model, tmp
         assert "rank 1 cannot write its shard" in r["errors"][0] and "Permission denied" in r["errors"][0]
         assert "rank 1 cannot read its shard" in r["errors"][1]
         assert "no iter_0000000/mp_rank_01/model_optim_rng.pt for TP 2 x PP 1" in r["errors"][2]
+
+
+def freeze_run(rank, world_size, init_method, model):
+    from slime.backends import make_train_actor
+    from slime.config.train import OptimizerConfig
+
+    opt = OptimizerConfig(lr=1e-3, only_train_params_name_list=[r"layers\.0\.mlp"])
+    cfg = dataclasses.replace(config(model), optimizer=opt, megatron=MegatronConfig(bf16=True))
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    before = exported(actor)
+    actor.train(0, make_batch(0))
+    after = exported(actor)
+    actor.close()
+    return sorted(n for n in before if not torch.equal(before[n], after[n]))
+
+
+def test_only_train_params_name_list_trains_the_megatron_parameters_it_names(tiny_model):
+    """Megatron's names (decoder.layers.0.mlp.*), bfloat16 weights with float32 masters: only
+    those masters are in the optimizer, the rest stay bitwise."""
+    changed = run_ranks(1, freeze_run, tiny_model)[0]
+    assert changed and all(n.startswith("model.layers.0.mlp.") for n in changed), changed

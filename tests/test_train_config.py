@@ -161,7 +161,9 @@ def test_stateless_adam_takes_a_fresh_adams_first_step_every_time():
     from slime.backends.optim import make_optimizer
 
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
-    opt = make_optimizer([w], OptimizerConfig(lr=0.1, weight_decay=0.5, adam_eps=1e-8, use_stateless_adam=True))
+    opt = make_optimizer(
+        [w], OptimizerConfig(lr=0.1, weight_decay=0.5, adam_eps=1e-8, use_stateless_adam=True)
+    )
     for grad in (torch.tensor([0.5, -4.0, 0.0]), torch.tensor([-2.0, 1.0, 3.0])):
         before = w.detach().clone()
         w.grad = grad

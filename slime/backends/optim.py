@@ -127,6 +127,41 @@ def reset_states(optimizer: torch.optim.Optimizer) -> None:
     optimizer.state.clear()
 
 
+def freeze_parameters(model: torch.nn.Module, cfg: OptimizerConfig, strict: bool = True) -> int:
+    """--only-train-params-name-list / --freeze-params-name-list on `model`'s parameter names
+    (re.search, as slime); the number of parameters frozen here. With `strict` (the actor; a
+    critic has other names), a pattern that matches no parameter on any rank is an error: a typo
+    would otherwise train everything. Collective over the default group when `strict`."""
+    import re
+
+    import torch.distributed as dist
+
+    only, frozen = cfg.only_train_params_name_list, cfg.freeze_params_name_list
+    patterns = only if only is not None else frozen
+    if patterns is None:
+        return 0
+    names = [name for name, _ in model.named_parameters()]
+    hits = [sum(bool(re.search(p, n)) for n in names) for p in patterns]
+    if strict and dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, hits)
+        hits = [sum(h) for h in zip(*everyone)]
+    flag = "--only-train-params-name-list" if only is not None else "--freeze-params-name-list"
+    unmatched = [p for p, h in zip(patterns, hits) if not h and strict]
+    if unmatched:
+        raise ValueError(
+            f"{flag}: {', '.join(map(repr, unmatched))} matches no parameter of the model; its names look like "
+            f"{', '.join(names[:3])}"
+        )
+    count = 0
+    for name, param in model.named_parameters():
+        matched = any(re.search(p, name) for p in patterns)
+        if matched != (only is not None) and param.requires_grad:
+            param.requires_grad_(False)
+            count += 1
+    return count
+
+
 def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """--optimizer adam: AdamW (Megatron-LM's adam decouples the weight decay too); sgd: SGD with
     --sgd-momentum."""

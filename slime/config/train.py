@@ -8,6 +8,7 @@ once, with messages that name the flag and the fix. No torch import here.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field
 
 from slime.config.flags import add_flags, flag, from_flags
@@ -62,6 +63,18 @@ class OptimizerConfig:
         "-lr * g / (|g| + eps), weight decay decoupled), as slime's StatelessAdam; nothing to checkpoint",
     )
     """`--use-stateless-adam`: every step is a fresh Adam's first (slime.backends.optim.StatelessAdamW)."""
+    only_train_params_name_list: tuple[str, ...] | None = flag(
+        "--only-train-params-name-list", None, nargs="*", metavar="REGEX",
+        help="train only the parameters whose name matches one of these (re.search), freeze the rest; names are "
+        "the backend's own: Megatron's (decoder.layers.3.mlp.linear_fc1.weight) or Hugging Face's with fsdp",
+    )  # fmt: skip
+    """`--only-train-params-name-list`: the parameters that train (slime.backends.optim.freeze_parameters)."""
+    freeze_params_name_list: tuple[str, ...] | None = flag(
+        "--freeze-params-name-list", None, nargs="*", metavar="REGEX",
+        help="freeze the parameters whose name matches one of these (re.search); names as "
+        "--only-train-params-name-list's",
+    )  # fmt: skip
+    """`--freeze-params-name-list`: the parameters that do not train."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
@@ -85,6 +98,18 @@ class OptimizerConfig:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.only_train_params_name_list is not None and self.freeze_params_name_list is not None:
+            raise ValueError(
+                "give one of --only-train-params-name-list (what trains) and --freeze-params-name-list (what does not)"
+            )
+        for name in ("only_train_params_name_list", "freeze_params_name_list"):
+            for pattern in getattr(self, name) or ():
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(
+                        f"--{name.replace('_', '-')}: {pattern!r} is not a regular expression ({e})"
+                    ) from None
         if self.use_stateless_adam and self.optimizer != "adam":
             raise ValueError(f"--use-stateless-adam is a variant of --optimizer adam, not {self.optimizer}")
 
@@ -406,6 +431,13 @@ class TrainConfig:
             )
             if problem:
                 raise ValueError(problem)
+        if self.lora.enabled and (
+            self.optimizer.only_train_params_name_list or self.optimizer.freeze_params_name_list
+        ):
+            raise ValueError(
+                "--lora-rank trains the adapters alone (the base weights are frozen): drop "
+                "--only-train-params-name-list / --freeze-params-name-list"
+            )
         if self.fsdp.cpu_offload and self.device != "cuda":
             raise ValueError(
                 "--fsdp-cpu-offload only makes sense with --device cuda (parameters already live on CPU)"

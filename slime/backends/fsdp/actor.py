@@ -25,7 +25,7 @@ from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
-from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
+from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, state_bytes
 from slime.backends.train_common import TrainActorBase
 from slime.backends.train_records import nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
@@ -101,6 +101,7 @@ class FSDPTrainActor(TrainActorBase):
         self.model = self._build_model()
         self.routing = self._install_routing()
         self.bias_counts = self._install_bias_counts()
+        freeze_parameters(self.model, cfg.optimizer, strict=not self.value_head)
         # With LoRA only the adapters train (PEFT froze the rest): the optimizer holds them alone.
         self.optimizer = make_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer

@@ -10,8 +10,7 @@ LR schedule, so both backends step identically), and the gradient reduction and 
 vocabulary-parallel logits (slime.backends.megatron.logprobs: padded vocabulary rows excluded)
 and broadcast to the other stages, so every rank of a replica holds them.
 
-On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim (its CUDA device
-placement redirected to the CPU); on CUDA nothing is patched.
+On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim; on CUDA nothing is patched.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, upda
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
-from slime.backends.optim import LRSchedule, make_optimizer, state_bytes
+from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, state_bytes
 from slime.backends.train_common import TrainActorBase
 from slime.backends.train_records import nan_max
 from slime.config.opd import OTHER_ARCHITECTURE
@@ -127,10 +126,12 @@ class MegatronTrainActor(TrainActorBase):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._forward_backward = get_forward_backward_func()
+        freeze_parameters(self.model, cfg.optimizer, strict=not self.value_head)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
         if m.bf16:
-            self.masters = MasterWeights.attach(p for p in self.model.parameters() if p.requires_grad)
+            self.masters = MasterWeights.attach(trained)
         self._load_hf(cfg.hf_checkpoint)
-        self.optimizer = make_optimizer(list(self.masters.values()) or self.model.parameters(), cfg.optimizer)
+        self.optimizer = make_optimizer(list(self.masters.values()) or trained, cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
         if cfg.loss.needs_ref:
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
