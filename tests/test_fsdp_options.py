@@ -113,8 +113,12 @@ def run_options(rank, world_size, init_method, model, save_dir):
     out["sgd_type"] = type(sgd.optimizer).__name__
     reset = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, reset_optimizer_states=True)),
                    rank, world_size, init_method)  # fmt: skip
-    for actor in (plain, reset):
-        actor.train(1, batch)
+    out["plain_kl_1"] = plain.train(1, batch).steps[0]["kl_loss"]
+    reset.train(1, batch)
+    every = dataclasses.replace(base, loss=dataclasses.replace(base.loss, ref_update_interval=1))
+    refreshed = _actor(every, rank, world_size, init_method)
+    refreshed.train(0, batch)
+    out["refreshed_kl_1"] = refreshed.train(1, batch).steps[0]["kl_loss"]
     out["adam_steps"] = [int(next(iter(a.optimizer.state.values()))["step"]) for a in (plain, reset)]
     out["steps_per_rollout"] = len(reset.train(2, batch).steps)
     stateless = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, use_stateless_adam=True)),
@@ -328,6 +332,11 @@ def test_optimizer_states_reset_before_each_rollout_and_stateless_adam_keeps_non
     plain, reset = options["adam_steps"]  # after rollouts 0 and 1 (plain) against rollout 1 alone (reset)
     assert reset == options["steps_per_rollout"] and plain == 2 * reset
     assert options["stateless_state"] == 0
+
+
+def test_ref_update_interval_makes_the_trained_weights_the_reference(options):
+    # rollout 1's first step: the reference is rollout 0's result, the weights being trained
+    assert options["refreshed_kl_1"] == 0.0 and options["plain_kl_1"] != 0.0
 
 
 def test_parameters_freeze_by_name_patterns(options):

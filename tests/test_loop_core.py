@@ -217,6 +217,24 @@ def test_one_step_off_starts_the_next_rollout_before_training_and_pushes_when_it
     ]  # fmt: skip
 
 
+def test_update_weights_interval_pushes_after_every_nth_rollout_and_widens_the_lag():
+    log: list = []
+    source = FakeSource(log)
+    loop = Loop(source, FakeTrain(log, None), FakeEngines(log), SYNC, [Metrics(Sink())], 4, push_interval=2)
+    loop.run()
+    assert [c for c in log if isinstance(c, tuple) and c[0] == "push"] == [("push", 2), ("push", 4)]
+    assert log.index(("train", 1)) < log.index(("push", 2)) < log.index(("start", 2, 2))
+    assert loop.schedule.max_lag == 1  # rollout 1 ran on version 0 while the trainer was at 1
+    one_off = Loop(FakeSource([]), FakeTrain([], None), FakeEngines([]), ONE_STEP_OFF, [], 2, push_interval=3)
+    assert one_off.schedule.max_lag == 3
+
+
+def test_start_rollout_id_is_the_first_rollout():
+    log: list = []
+    Loop(FakeSource(log), FakeTrain(log, None), FakeEngines(log), SYNC, [Metrics(Sink())], 4, start=2).run()
+    assert log[0] == ("start", 2, 2) and ("train", 3) in log and ("train", 1) not in log
+
+
 def test_staleness_beyond_the_schedule_is_refused():
     # One step off, rollout k+1 is generated while version k is current: one version of lag is
     # the schedule itself; a sample older still (an engine that missed a push) is refused.

@@ -82,11 +82,9 @@ class TrainActorBase(TrainRecords):
     """This rank's part of the OPD teacher's weights (--opd-type megatron; None otherwise)."""
 
     routing_tables: dict[int, torch.Tensor] | None = None
-    """Routing replay during one `train` or `compute_log_probs` call: per batch position, the
-    experts each token is routed to, [tokens, layers, top-k] (-1: the router's own choice).
-    R3 sets them from the engine's; R2 from what the log-prob pass recorded."""
-    recorded_routing: dict[int, torch.Tensor] | None = None
-    """R2: a dict the next log-prob pass fills with the experts it routed each token to."""
+    """Routing replay during one `train` or `compute_log_probs` call: per batch position, the experts
+    each token is routed to, [tokens, layers, top-k] (-1: the router's own); R3's or R2's."""
+    recorded_routing: dict[int, torch.Tensor] | None = None  # R2: the next log-prob pass fills it
 
     routing: RouterHooks | None = None
     """The router hooks of a mixture-of-experts model (None: a dense model)."""
@@ -419,8 +417,10 @@ class TrainActorBase(TrainRecords):
             output.steps.append(
                 self._train_step(batch, step, old, ref, advantages, compare, output.precision)
             )
-        output.timings["log_probs"] = logprob_done - start
-        output.timings["train"] = time.perf_counter() - logprob_done
+        output.timings.update(log_probs=logprob_done - start, train=time.perf_counter() - logprob_done)
+        every = self.cfg.loss.ref_update_interval  # the reference becomes the weights trained so far
+        if every and update and self.ref_state is not None and (rollout_id + 1) % every == 0:
+            self.ref_state = self._snapshot()
         self.rollout_id = rollout_id
         return output
 

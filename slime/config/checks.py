@@ -162,6 +162,26 @@ def check_async(ns: argparse.Namespace) -> str | None:
             "--fully-async runs the built-in rollout continuously; --rollout-function-path replaces it: give one of "
             "them (a per-sample --custom-generate-function-path works with --fully-async)"
         )
+    return check_update_interval(ns)
+
+
+def check_update_interval(ns: argparse.Namespace) -> str | None:
+    """--update-weights-interval against the layouts where engines must get every version."""
+    n = ns.update_weights_interval
+    if n < 1:
+        return f"--update-weights-interval must be >= 1 (got {n})"
+    if n > 1 and ns.colocate:
+        return (
+            "--update-weights-interval: colocated engines give their weights' memory up while the trainer trains and "
+            "take it back with each push, so every rollout must push: drop --update-weights-interval or --colocate"
+        )
+    if n > 1 and ns.fully_async:
+        return (
+            "--update-weights-interval: --fully-async bounds staleness with --max-policy-version-lag and pushes "
+            "after every step; drop --update-weights-interval"
+        )
+    if ns.start_rollout_id is not None and ns.start_rollout_id < 0:
+        return f"--start-rollout-id must be >= 0 (got {ns.start_rollout_id})"
     return None
 
 

@@ -44,6 +44,12 @@ class LossConfig:
         "policy that generated it; gradient through it), DeepSeek-V3.2's unbiased estimator",
     )
     """`--use-unbiased-kl`: the KL loss per token times exp(log p - log p_old) (slime.algo.losses.approx_kl)."""
+    ref_update_interval: int | None = flag(
+        "--ref-update-interval", None, type=int,
+        help="every N rollouts, after training, the reference model becomes the actor's weights (as slime; kept "
+        "in memory, not in checkpoints: a resumed run starts from --ref-load again)",
+    )  # fmt: skip
+    """`--ref-update-interval N`: the reference refreshed from the actor after every N rollouts."""
     kl_coef: float = flag("--kl-coef", 0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)")
     """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
     gamma: float = flag("--gamma", 1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
@@ -169,6 +175,13 @@ class LossConfig:
         if self.use_tis and not 0 <= self.tis_clip_low < self.tis_clip:
             raise ValueError(
                 f"--tis-clip-low ({self.tis_clip_low}) must be >= 0 and below --tis-clip ({self.tis_clip})"
+            )
+        if self.ref_update_interval is not None and (self.ref_update_interval < 1 or not self.needs_ref):
+            raise ValueError(
+                f"--ref-update-interval must be >= 1 (got {self.ref_update_interval})"
+                if self.ref_update_interval < 1
+                else "--ref-update-interval refreshes the reference model, which no loss term uses here: add "
+                "--use-kl-loss (or --kl-coef), or drop --ref-update-interval"
             )
         if self.use_unbiased_kl and not self.use_kl_loss:
             raise ValueError(

@@ -169,6 +169,12 @@ class BridgeConfig:
         "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else tensor",
     )  # fmt: skip
     buffer_size: int = flag("--update-weight-buffer-size", 512 << 20, help="bytes per bucket")
+    update_weights_interval: int = flag(
+        "--update-weights-interval", 1,
+        help="push the weights to the engines after every N trained rollouts (train.py and train_async.py alike; "
+        "slime's train.py pushes every rollout whatever it says): samples may then be N - 1 versions older",
+    )  # fmt: skip
+    """`--update-weights-interval N`: a push after every N trained rollouts (slime.loop.core.Loop)."""
     verify: bool = False
     """`--check-weight-sync` (or `--check-precision`): fingerprints compared after every push."""
 
@@ -178,6 +184,11 @@ class CheckpointConfig:
     save: str | None = flag("--save", None)
     save_interval: int | None = flag("--save-interval", None, type=int)
     save_hf: str | None = flag("--save-hf", None)
+    start_rollout_id: int | None = flag(
+        "--start-rollout-id", None, type=int,
+        help="the first rollout of the loop (default: the one after the checkpoint --load resumes from, or 0)",
+    )  # fmt: skip
+    """`--start-rollout-id`: the loop's first rollout, in place of the resumed one's next."""
 
 
 @dataclass(frozen=True)

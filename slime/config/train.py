@@ -431,12 +431,13 @@ class TrainConfig:
             )
             if problem:
                 raise ValueError(problem)
+        o = self.optimizer
         if self.lora.enabled and (
-            self.optimizer.only_train_params_name_list or self.optimizer.freeze_params_name_list
+            o.only_train_params_name_list or o.freeze_params_name_list or self.loss.ref_update_interval
         ):
             raise ValueError(
-                "--lora-rank trains the adapters alone (the base weights are frozen): drop "
-                "--only-train-params-name-list / --freeze-params-name-list"
+                "--lora-rank trains the adapters alone, the base weights frozen and the reference (adapters off): drop "
+                "--only-train-params-name-list / --freeze-params-name-list / --ref-update-interval"
             )
         if self.fsdp.cpu_offload and self.device != "cuda":
             raise ValueError(

@@ -8,6 +8,7 @@ evaluation, checkpoints and metrics around the steps. Nothing here knows about R
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -88,14 +89,23 @@ class Loop:
         hooks: list[Hook],
         total: int,
         phase: Callable[..., None] | None = None,
+        push_interval: int = 1,
+        start: int | None = None,
     ):
-        """`phase`: --debug-phase-hook (slime.debug.phases), called at the driver's phases."""
+        """`phase`: --debug-phase-hook (slime.debug.phases), called at the driver's phases.
+        `push_interval` (--update-weights-interval): the weights go to the engines after every
+        that many trained rollouts, so samples may be that many versions less one older than the
+        schedule allows otherwise. `start` (--start-rollout-id): the first rollout, in place of
+        the one after the checkpoint resumed from (or 0)."""
         self.source, self.train, self.engines = source, train, engines
+        if push_interval > 1 and schedule.max_lag is not None:
+            schedule = dataclasses.replace(schedule, max_lag=schedule.max_lag + push_interval - 1)
         self.schedule, self.hooks, self.total = schedule, hooks, total
         self.phase = phase or no_hook
+        self.push_interval = push_interval
         resumed = train.resumed_rollout_id if train is not None else None
         self.resumed = resumed is not None
-        self.start = 0 if resumed is None else resumed + 1
+        self.start = start if start is not None else 0 if resumed is None else resumed + 1
         self.version = self.start
         """The trainer's weight version: the number of rollouts trained."""
 
@@ -144,6 +154,8 @@ class Loop:
         self.version += 1  # the trainer's weights now (a restarted engine given them while waiting gets this)
         for hook in self.hooks:
             hook.after_train(self, step)
+        if (step.rollout_id + 1) % self.push_interval:
+            return  # --update-weights-interval: the engines keep the weights they have
         if ahead:
             self._wait(step, step.rollout_id + 1)  # the engines must be idle before the push
         with step.timed("push"):

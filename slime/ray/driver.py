@@ -130,7 +130,8 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
             config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
         )
         logger.info("schedule: %s", schedule.name)
-        loop = Loop(source, train, engines, schedule, loop_hooks, total, phase)
+        loop = Loop(source, train, engines, schedule, loop_hooks, total, phase,
+                    config.bridge.update_weights_interval, config.checkpoint.start_rollout_id)  # fmt: skip
         if generated is not None and config.rollout.fault_tolerance:
             generated.idle = loop.heal
         loop.run()
