@@ -149,11 +149,13 @@ class FakeEngines:
 
 
 class Sink:
+    steps_per_rollout = None
+
     def __init__(self):
         self.records: list[tuple[int, dict]] = []
 
     def log(self, record, step):
-        self.records.append((step, record))
+        self.records.append((step * (self.steps_per_rollout or 1), record))
 
 
 PUSH = [
@@ -227,6 +229,20 @@ def test_update_weights_interval_pushes_after_every_nth_rollout_and_widens_the_l
     assert loop.schedule.max_lag == 1  # rollout 1 ran on version 0 while the trainer was at 1
     one_off = Loop(FakeSource([]), FakeTrain([], None), FakeEngines([]), ONE_STEP_OFF, [], 2, push_interval=3)
     assert one_off.schedule.max_lag == 3
+
+
+def test_records_count_optimizer_steps_with_wandb_always_use_train_step():
+    class TwoSteps(FakeTrain):
+        def train(self, rollout):
+            out = super().train(rollout)
+            out.steps.append({"loss": 0.5})
+            return out
+
+    sink = Sink()
+    Loop(
+        FakeSource([]), TwoSteps([], None), FakeEngines([]), SYNC, [Metrics(sink, train_steps=True)], 3
+    ).run()
+    assert [s for s, _ in sink.records] == [2, 4, 6]
 
 
 def test_start_rollout_id_is_the_first_rollout():

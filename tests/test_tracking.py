@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -45,12 +46,34 @@ def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
                         wandb_team="team", wandb_dir=str(tmp_path / "runs"))  # fmt: skip
     tracker = Tracker(str(tmp_path / "logs"), cfg, {"lr": 1e-3})
     tracker.log({"rollout/reward_mean": 0.5}, step=1)
-    assert tracker._wandb.entity == "team" and tracker._wandb.group == "g"
+    # as slime's: the group and name carry an 8-character random suffix unless --disable-wandb-random-suffix
+    assert tracker._wandb.entity == "team" and tracker._wandb.group.startswith("g_")
+    assert len(tracker._wandb.group) == 10 and tracker._wandb.name == tracker._wandb.group
     tracker.close()
     runs = [d for d in os.listdir(tmp_path / "runs" / "wandb") if d.startswith("offline-run-")]  # --wandb-dir
     assert len(runs) == 1
     files = os.listdir(tmp_path / "runs" / "wandb" / runs[0])
     assert any(f.endswith(".wandb") for f in files)
+    plain = dataclasses.replace(cfg, wandb_random_suffix=False, wandb_run_id="myrun42")
+    tracker = Tracker(str(tmp_path / "logs2"), plain)
+    assert tracker._wandb.group == "g" and tracker._wandb.id == "myrun42"
+    tracker.close()
+
+
+def test_tensorboard_directory_follows_slimes_names(tmp_path, monkeypatch):
+    from slime.utils.tracking import tensorboard_dir
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    cfg = LoggingConfig(use_tensorboard=True)
+    assert tensorboard_dir(cfg, "logs") == os.path.join("logs", "tensorboard")
+    named = dataclasses.replace(cfg, tb_project_name="proj", tb_experiment_name="exp1")
+    assert tensorboard_dir(named, "logs") == os.path.join("tensorboard_log", "proj", "exp1")
+    assert tensorboard_dir(dataclasses.replace(named, tb_experiment_name=None), "logs").startswith(
+        os.path.join("tensorboard_log", "proj", "20")
+    )
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "env"))
+    assert tensorboard_dir(named, "logs") == str(tmp_path / "env")
+    assert tensorboard_dir(dataclasses.replace(named, tb_dir="given"), "logs") == "given"
 
 
 def test_a_wandb_key_means_online_unless_a_mode_is_given(tmp_path, monkeypatch):

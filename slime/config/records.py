@@ -4,6 +4,8 @@ builds them from the command line)."""
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from slime.config.critic import CriticConfig
@@ -12,6 +14,21 @@ from slime.config.flags import flag
 from slime.config.opd import OPDConfig
 from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
 from slime.config.train import TrainConfig
+
+
+def env_object(text: str) -> dict[str, str]:
+    """--train-env-vars: a JSON object of names to values (numbers and booleans as JSON writes them)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f'not JSON ({e}); give an object, e.g. \'{{"NCCL_DEBUG": "INFO"}}\''
+        ) from None
+    if not isinstance(value, dict) or any(isinstance(v, (dict, list)) or v is None for v in value.values()):
+        raise argparse.ArgumentTypeError(
+            'give a JSON object of names to strings, e.g. \'{"NCCL_DEBUG": "INFO"}\''
+        )
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in value.items()}
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,11 @@ class ClusterConfig:
     )  # fmt: skip
     router_port: int | None = flag("--sglang-router-port", None, type=int)
     """`--sglang-router-ip/--sglang-router-port`: a running sglang-router to register the engines with."""
+    train_env_vars: Mapping[str, str] | None = flag(
+        "--train-env-vars", None, type=env_object, metavar="JSON",
+        help='environment variables of the train ranks\' processes, a JSON object ({"NCCL_DEBUG": "INFO"})',
+    )  # fmt: skip
+    """`--train-env-vars`: the train and critic ranks' environment (Ray's runtime_env)."""
     offload_rollout: bool = False
     """Colocated engines release their memory while the trainer trains (slime's default with
     --colocate; off with --no-offload-rollout)."""
@@ -224,6 +246,27 @@ class LoggingConfig:
     )
     """`--wandb-dir`: where the run's files go (default: the log directory)."""
     tb_dir: str | None = flag("--tb-dir", None)
+    tb_project_name: str | None = flag(
+        "--tb-project-name", None,
+        help="TensorBoard's directory is tensorboard_log/PROJECT/EXPERIMENT (slime's layout) unless --tb-dir or "
+        "TENSORBOARD_DIR names one",
+    )  # fmt: skip
+    tb_experiment_name: str | None = flag(
+        "--tb-experiment-name", None, help="with --tb-project-name (default: the start time, %%Y%%m%%d_%%H%%M%%S)"
+    )  # fmt: skip
+    wandb_run_id: str | None = flag(
+        "--wandb-run-id", None, help="log into this wandb run (resumed if it exists) instead of a new one"
+    )  # fmt: skip
+    wandb_random_suffix: bool = flag(
+        "--disable-wandb-random-suffix", True, dest="wandb_random_suffix", action="store_false",
+        help="the wandb group and run name are --wandb-group as given (by default, as slime, an 8-character "
+        "random suffix keeps runs of one group apart)",
+    )  # fmt: skip
+    wandb_always_use_train_step: bool = flag(
+        "--wandb-always-use-train-step", False,
+        help="every record's step is the optimizer steps taken so far (rollouts x steps per rollout), not the "
+        "rollouts trained (metrics.jsonl, TensorBoard and wandb alike)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

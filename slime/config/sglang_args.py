@@ -33,7 +33,7 @@ RESERVED = {
 
 # slime's own flags in the --sglang- namespace (an SGLang option of the same name is not mirrored).
 OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config",
-             "--sglang-router-request-timeout-secs"}  # fmt: skip
+             "--sglang-router-request-timeout-secs", "--sglang-pp-size", "--sglang-pipeline-parallel-size"}  # fmt: skip
 
 AddCliArgs = Callable[[argparse.ArgumentParser], None]
 

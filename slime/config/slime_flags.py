@@ -225,4 +225,133 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 
+SERVER = (
+    "a flag of slime's Megatron teacher server (megatron_server.py), not of train.py; that server is not built here: "
+    "--opd-type megatron runs the teacher inside the trainer"
+)
+DEEPGEMM = (
+    "DeepGEMM's block-FP8 forward in Transformer Engine linears needs Hopper GPUs with DeepGEMM and Transformer "
+    "Engine, which this project does not use"
+)
+NOT_READ = "slime defines it and reads it nowhere (its plugins neither)"
+MEMORY = (
+    "configures Megatron-LM's --record-memory-history (a CUDA memory recorder), which is not built here; with "
+    "--device cuda, PYTORCH_CUDA_ALLOC_CONF and torch.cuda.memory._record_memory_history in a --debug-phase-hook "
+    "do the same"
+)
+PLUGIN = "read from args by slime's rollout-buffer plugin (slime_plugins.rollout_buffer), a --rollout-function-path"
+
+SPECS += (
+    _same("--min-batch-collection-ratio", {"type": float, "default": None}, NO_EFFECT, NOT_READ),
+    _same("--http-proxy", {"default": None}, NO_EFFECT, NOT_READ),
+    _same(
+        "--use-distributed-post",
+        store_true(),
+        NO_EFFECT,
+        "spreads slime's HTTP posts over Ray actors on every node; here the rollout manager's client posts to the "
+        "engines itself (a transport for requests: the same requests, the same answers)",
+    ),
+    _same(
+        "--recompute-loss-function",
+        store_true(),
+        NO_EFFECT,
+        "slime recomputes its loss function's activations (the [tokens, vocabulary] log-softmax) in the backward "
+        "pass to save memory; here the loss takes log-probs already gathered, and the vocabulary-wide log-softmax "
+        "runs in chunks with --log-probs-chunk-size",
+    ),
+    _same(
+        "--profile-target",
+        {"nargs": "+", "default": None, "choices": ["train_overall", "train_actor", "train_log_probs"]},
+        NO_EFFECT,
+        "what Megatron-LM's --use-pytorch-profiler profiles; that profiler is not built here (slime runs "
+        "train_overall only: the other two are accepted and never used)",
+    ),
+    _same("--memory-recorder", {"default": None, "choices": ["torch", "memray"]}, NO_EFFECT, MEMORY),
+    _same("--memory-snapshot-dir", {"default": None}, NO_EFFECT, MEMORY),
+    _same("--memory-snapshot-num-steps", {"type": int, "default": None}, NO_EFFECT, MEMORY),
+    _same(
+        "--log-correct-samples",
+        store_true(),
+        NO_EFFECT,
+        "slime computes length and entropy statistics of the samples with reward 1 and attaches them to the train "
+        "data after the metrics are sent, so they are never logged",
+    ),
+    _same("--rollout-buffer-url", {"default": None}, APPLIED, PLUGIN),
+    _same(
+        "--fetch-trajectory-retry-times",
+        {"type": int, "default": -1},
+        APPLIED,
+        PLUGIN + " (-1: retry forever)",
+    ),
+    _same("--rollout-task-type", {"default": "math"}, APPLIED, PLUGIN + " (the buffer server's generator)"),
+    _same(
+        "--eval-max-context-len",
+        {"type": int, "default": None},
+        APPLIED,
+        "read from args by custom generate functions in evaluation (slime's own rollout reads it nowhere); "
+        "default: --rollout-max-context-len",
+    ),
+    _refused(
+        "--rollout-data-transport",
+        {"default": None, "choices": ["object-store", "nixl"]},
+        "nixl moves rollout tensors with Ray's NIXL transport (RDMA NICs and the NIXL library); here rollouts go by "
+        "reference through Ray's object store (object-store)",
+        neutral="object-store",
+    ),
+    _refused(
+        "--qwen-gdn-backend",
+        {"default": None, "choices": ["fla", "flashqla"]},
+        "flashqla is FlashQLA's Hopper-only kernel (CUDA 12.8, compute capability 9.0), not installed here; the "
+        "gated delta-net layers run transformers' kernels: flash-linear-attention's where installed (fla)",
+        neutral="fla",
+    ),
+    *(
+        _refused(
+            flag, {"nargs": "+", "type": int if flag.endswith("layers") else str, "default": None}, DEEPGEMM
+        )
+        for flag in (
+            "--megatron-deepgemm-forward-layers",
+            "--megatron-deepgemm-forward-modules",
+            "--megatron-deepgemm-moe-forward-layers",
+            "--megatron-deepgemm-moe-forward-modules",
+        )
+    ),
+    *(
+        _refused(flag, {"type": str, "default": None}, SERVER)
+        for flag in (
+            "--teacher-port",
+            "--teacher-warmup-port",
+            "--teacher-warmup-timeout-s",
+            "--teacher-sample-reduction-chunk-size",
+            "--teacher-label-reduction-chunk-size",
+            "--megatron-server-max-length",
+            "--megatron-server-update-timeout-s",
+        )
+    ),
+    _refused("--megatron-server-warmup", {"action": "store_true", "default": False}, SERVER),
+    _refused("--no-megatron-server-warmup", {"action": "store_true", "default": False}, SERVER),
+    *(
+        _refused(
+            flag,
+            {"type": int, "default": None},
+            "SGLang's pipeline parallelism in the engines is not built: the weight push addresses each engine's "
+            "tensor-parallel ranks (--rollout-num-gpus-per-engine)",
+            neutral=1,
+        )
+        for flag in ("--sglang-pp-size", "--sglang-pipeline-parallel-size")
+    ),
+    _refused(
+        "--ref-ckpt-step",
+        {"type": int, "default": None},
+        "it picks an iteration of a Megatron --ref-load checkpoint; --ref-load is a Hugging Face directory here "
+        "(convert that iteration with slime.tools.convert_megatron_to_hf)",
+    ),
+    _refused(
+        "--ref-micro-batch-size",
+        {"type": int, "default": None},
+        "slime's parser does not define it either (one of its example scripts passes it); the reference "
+        "pass uses --micro-batch-size, or --log-probs-max-tokens-per-gpu with --use-dynamic-batch-size",
+    ),
+)
+
 GROUPS = {"slime": "slime features (not built here, or under another flag)"}

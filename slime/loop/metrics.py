@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
+    steps_per_rollout: int | None
+
     def log(self, record: dict[str, Any], step: int) -> None: ...
 
 
@@ -25,8 +27,10 @@ class ProgressBar(Protocol):
 class Metrics(Hook):
     """Writes each step's record; `step` counts rollouts trained (the eval before training is 0)."""
 
-    def __init__(self, sink: Sink, progress: ProgressBar | None = None):
-        self.sink, self.progress = sink, progress
+    def __init__(self, sink: Sink, progress: ProgressBar | None = None, train_steps: bool = False):
+        """`train_steps` (--wandb-always-use-train-step): the sink counts optimizer steps, its
+        `steps_per_rollout` set from the trained rollouts."""
+        self.sink, self.progress, self.train_steps = sink, progress, train_steps
 
     def after_step(self, loop: Loop, step: Step) -> None:
         assert step.rollout is not None
@@ -39,6 +43,8 @@ class Metrics(Hook):
         else:
             record.update(train_record(step, loop.schedule.lookahead > 0))
             mode = ""
+            if self.train_steps and step.output.steps:
+                self.sink.steps_per_rollout = len(step.output.steps)
         self.sink.log(record, step.rollout_id + 1)
         summary = short_summary(record)
         if self.progress is not None:

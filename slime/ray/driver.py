@@ -78,7 +78,7 @@ def make_hooks(
     if train and (config.checkpoint.save or config.checkpoint.save_hf):
         c = config.checkpoint
         out.append(hooks.Save(c.save_interval, bool(c.save), bool(c.save_hf)))
-    out.append(Metrics(tracker, progress))
+    out.append(Metrics(tracker, progress, config.logging.wandb_always_use_train_step))
     return out
 
 

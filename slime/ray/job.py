@@ -139,15 +139,16 @@ class Job:
         if c.colocate and res == "GPU":  # engines size their memory from what is free: before the trainer
             wait_refs(readies)
         world, d = c.num_train_ranks, self.config.debug
+        env = {"runtime_env": {"env_vars": dict(c.train_env_vars)}} if c.train_env_vars else {}
         for rank, slot in enumerate(self.placement.train):
-            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res, **env))
             self.train.append(
                 cls.remote(self.config.train, rank, world, 1, d.hang_timeout, self.log_dir, d.phase_hook)
             )
         critic = self.config.critic
         for rank, slot in enumerate(self.placement.critic):
             assert critic is not None
-            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res))
+            cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res, **env))
             self.critic.append(cls.remote(critic.train, rank, critic.num_ranks, 1, d.hang_timeout, self.log_dir,
                                           d.phase_hook, critic=True))  # fmt: skip
         # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever

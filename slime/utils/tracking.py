@@ -27,6 +27,22 @@ def check_available(use_wandb: bool, use_tensorboard: bool) -> str | None:
     return None
 
 
+def tensorboard_dir(cfg: Any, log_dir: str) -> str:
+    """--tb-dir; else TENSORBOARD_DIR; else with --tb-project-name slime's
+    tensorboard_log/PROJECT/EXPERIMENT (EXPERIMENT: --tb-experiment-name or the start time); else
+    <log dir>/tensorboard."""
+    if cfg.tb_dir:
+        return str(cfg.tb_dir)
+    if os.environ.get("TENSORBOARD_DIR"):
+        return os.environ["TENSORBOARD_DIR"]
+    if cfg.tb_project_name:
+        import time
+
+        experiment = cfg.tb_experiment_name or time.strftime("%Y%m%d_%H%M%S")
+        return os.path.join("tensorboard_log", cfg.tb_project_name, experiment)
+    return os.path.join(log_dir, "tensorboard")
+
+
 class Tracker:
     """Logs one record per step to every configured sink."""
 
@@ -40,7 +56,7 @@ class Tracker:
         if cfg is not None and cfg.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = cfg.tb_dir or os.path.join(log_dir, "tensorboard")
+            self.tb_dir = tensorboard_dir(cfg, log_dir)
             self._tb = SummaryWriter(self.tb_dir)
         if cfg is not None and cfg.use_wandb:
             import wandb
@@ -49,18 +65,35 @@ class Tracker:
                 wandb.login(key=cfg.wandb_key, host=cfg.wandb_host)
             run_dir = cfg.wandb_dir or log_dir
             os.makedirs(run_dir, exist_ok=True)
+            group = cfg.wandb_group
+            if group and cfg.wandb_random_suffix:  # slime's: runs of one group kept apart
+                import secrets
+                import string
+
+                group += "_" + "".join(
+                    secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
+                )
             self._wandb = wandb.init(
                 project=cfg.wandb_project,
                 entity=cfg.wandb_team,
-                group=cfg.wandb_group,
+                group=group,
+                name=group,
+                id=cfg.wandb_run_id,
+                resume="allow" if cfg.wandb_run_id else None,
                 mode=cfg.wandb_mode,
                 dir=run_dir,
                 config=run_config or {},
             )
             logger.info("wandb run %s (mode %s) in %s", self._wandb.id, cfg.wandb_mode, log_dir)
 
+    steps_per_rollout: int | None = None
+    """--wandb-always-use-train-step: `step` is scaled to optimizer steps (set by the metrics hook)."""
+
     def log(self, record: dict[str, Any], step: int) -> None:
-        """Write `record` (flat name → number) as of `step` (rollouts trained so far)."""
+        """Write `record` (flat name → number) as of `step` (rollouts trained so far; optimizer
+        steps taken with `steps_per_rollout`)."""
+        if self.steps_per_rollout is not None:
+            step *= self.steps_per_rollout
         self._file.write(json.dumps({"step": step, **record}) + "\n")
         self._file.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -1,0 +1,79 @@
+"""Every flag slime's own parsers define is known here: built with slime's meaning, or refused
+by name with the reason (tests/fixtures/slime_parser_flags.txt holds slime's list, with its date)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from slime.config.arguments import build_parser
+from slime.config.derived import SPECS
+from slime.config.surface import REFUSED
+from slime.ray.cli import parse_args
+
+FLAGS = os.path.join(os.path.dirname(__file__), "fixtures", "slime_parser_flags.txt")
+
+
+def slime_flags() -> list[str]:
+    return [line.strip() for line in open(FLAGS) if line.strip() and not line.startswith("#")]
+
+
+def test_every_flag_of_slimes_parsers_is_built_or_refused_by_name():
+    flags = slime_flags()
+    assert len(flags) == 218
+    known = build_parser()._option_string_actions
+    assert [f for f in flags if f not in known] == []
+    refused = {s.flag for s in SPECS if REFUSED in (s.fsdp, s.megatron)}
+    for flag in refused & set(flags):  # each refusal says why, in --help
+        assert len(known[flag].help) > 40, flag
+
+
+@pytest.fixture
+def base(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    model = tmp_path / "m"
+    model.mkdir()
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--rollout-batch-size", "1",
+            "--num-rollout", "2", "--rm-type", "exact"]  # fmt: skip
+
+
+def error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
+    cfg = parse_args([*base, "--train-env-vars", '{"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": 2}'])
+    assert cfg.cluster.train_env_vars == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "2"}
+    assert "--train-env-vars" in error(capsys, [*base, "--train-env-vars", "NCCL_DEBUG=INFO"])
+    assert "JSON object" in error(capsys, [*base, "--train-env-vars", '["a"]'])
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--update-weights-interval", "0"], "--update-weights-interval must be >= 1"),
+        (["--update-weights-interval", "2", "--colocate"], "every rollout must push"),
+        (["--start-rollout-id", "-1"], "--start-rollout-id must be >= 0"),
+        (["--rollout-data-transport", "nixl"], "NIXL"),
+        (["--qwen-gdn-backend", "flashqla"], "Hopper"),
+        (["--sglang-pp-size", "2"], "pipeline parallelism"),
+        (["--megatron-deepgemm-forward-layers", "0", "1"], "DeepGEMM"),
+        (["--teacher-port", "7999"], "megatron_server.py"),
+        (["--ref-ckpt-step", "100"], "Hugging Face directory"),
+        (["--ref-update-interval", "2"], "no loss term uses"),
+    ],
+)
+def test_slime_flags_this_run_cannot_honour_exit_2_naming_them(base, capsys, extra, words):
+    assert words in error(capsys, [*base, *extra])
+
+
+def test_neutral_values_of_refused_flags_are_accepted(base):
+    cfg = parse_args([*base, "--rollout-data-transport", "object-store", "--qwen-gdn-backend", "fla",
+                      "--sglang-pp-size", "1", "--min-batch-collection-ratio", "0.5", "--http-proxy", "http://p:1"])  # fmt: skip
+    assert cfg.rollout.num_rollout == 2
