@@ -8,9 +8,11 @@ import json
 import pytest
 
 from slime.config.eval_sets import EvalDataset
+from slime.config.records import RolloutConfig
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.ray.cli import parse_args
 from slime.rollout.producer import eval_metrics
+from slime.utils.errors import UsageError
 from slime.utils.sample import Sample, Status
 
 
@@ -126,9 +128,67 @@ def _sample(reward: float, status: Status = Status.COMPLETED) -> Sample:
 def test_named_sets_log_slimes_metric_names_and_the_unnamed_set_keeps_ours():
     samples = [_sample(1.0), _sample(0.0, Status.TRUNCATED), _sample(1.0), _sample(1.0)]
     data, sampling = DataConfig("x.jsonl"), SamplingConfig()
-    named = eval_metrics(EvalDataset("aime", data, sampling), samples, None)
+    cfg = RolloutConfig(data=data, sampling=sampling, rollout_batch_size=1, num_rollout=1, num_epoch=None)
+    named = eval_metrics(EvalDataset("aime", data, sampling), samples, cfg)
     assert named["eval/aime"] == named["eval/aime/reward_mean"] == 0.75
     assert named["eval/aime-truncated_ratio"] == named["eval/aime/truncated_ratio"] == 0.25
     assert named["eval/aime/accuracy"] == 0.75
-    unnamed = eval_metrics(EvalDataset(None, data, sampling), samples, None)
+    unnamed = eval_metrics(EvalDataset(None, data, sampling), samples, cfg)
     assert unnamed["eval/accuracy"] == 0.75 and not any(k.startswith("eval/aime") for k in unnamed)
+
+
+def test_metric_flags_pass_at_k_reward_categories_and_the_eval_reward_key():
+    import dataclasses
+
+    rewards = [{"acc": 1.0, "score": 0.5, "why": "ok"}, {"acc": 0.0, "score": 0.0, "why": "format"}] * 2
+    samples = []
+    for i, r in enumerate(rewards):
+        s = _sample(0.0)
+        s.reward, s.group_index, s.index = r, i // 2, i
+        samples.append(s)
+    data, sampling = DataConfig("x.jsonl"), SamplingConfig()
+    cfg = RolloutConfig(data=data, sampling=sampling, rollout_batch_size=2, num_rollout=1, num_epoch=None, reward_key="score",
+                        eval_reward_key="acc", log_passrate=True, log_reward_category="why")  # fmt: skip
+    m = eval_metrics(EvalDataset("aime", data, sampling), samples, cfg)
+    assert m["eval/aime"] == 0.5  # the acc entry, not the trained score
+    # each group: one of two passes -> pass@1 = 1/2, pass@2 = 1
+    assert m["eval/aime-pass@1"] == 0.5 and m["eval/aime-pass@2"] == 1.0
+    assert m["eval/aime/error_cat/ok"] == 0.5 and m["eval/aime/error_cat/format"] == 0.5
+    with pytest.raises(UsageError, match="--log-reward-category missing"):
+        eval_metrics(EvalDataset("aime", data, sampling), samples,
+                     dataclasses.replace(cfg, log_reward_category="missing"))  # fmt: skip
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    from math import comb
+
+    from slime.rollout.summary import pass_at_k
+
+    samples = []
+    for i, r in enumerate([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]):  # one group of 8, 2 pass
+        s = _sample(r)
+        s.index = i
+        samples.append(s)
+    got = pass_at_k(samples, None)
+    assert sorted(got) == ["pass@1", "pass@2", "pass@4", "pass@8"]
+    for k in (1, 2, 4, 8):
+        assert got[f"pass@{k}"] == pytest.approx(1 - comb(6, k) / comb(8, k))
+
+
+def test_multi_turn_metrics_count_raw_and_trained_response_tokens():
+    from slime.rollout.summary import multi_turn_metrics
+
+    a, b = _sample(1.0), _sample(0.0)
+    a.response_length, a.loss_mask, a.metadata = 6, [1, 1, 0, 0, 1, 1], {"round_number": 2}
+    b.response_length, b.loss_mask, b.metadata = 4, [1, 1, 1, 1], {"round_number": 1}
+    m = multi_turn_metrics([a, b], max_response_len=6)
+    assert (
+        m["raw_response_length/response_length_mean"] == 5
+        and m["raw_response_length/response_length_max"] == 6
+    )
+    assert (
+        m["wo_obs_response_length/response_length_mean"] == 4
+        and m["wo_obs_response_length/response_length_min"] == 4
+    )
+    assert m["raw_response_length/response_length_clip_ratio"] == 0.5
+    assert m["multi_turn_metric/round_number_mean"] == 1.5

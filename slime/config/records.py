@@ -150,6 +150,24 @@ class RolloutConfig:
     custom_rm_path: str | None = flag("--custom-rm-path", None, help="package.module.function")
     group_rm: bool = flag("--group-rm", False)
     reward_key: str | None = flag("--reward-key", None, help="key of a dict reward to train on")
+    eval_reward_key: str | None = flag(
+        "--eval-reward-key", None, help="the key of a dict reward that evaluation reports (default: --reward-key)"
+    )  # fmt: skip
+    log_passrate: bool = flag(
+        "--log-passrate", False,
+        help="log pass@k (k = 1, 2, 4, ... up to the group size; a sample passes with reward exactly 1): "
+        "passrate/pass@k per rollout, eval/<name>-pass@k per evaluation",
+    )  # fmt: skip
+    log_reward_category: str | None = flag(
+        "--log-reward-category", None, metavar="KEY",
+        help="log the share of samples per value of reward[KEY] (dict rewards): rollout/error_cat/<value>, "
+        "eval/<name>/error_cat/<value>",
+    )  # fmt: skip
+    log_multi_turn: bool = flag(
+        "--log-multi-turn", False,
+        help="log multi_turn/*: response lengths with and without the tool tokens (loss mask), rounds from "
+        "metadata['round_number']",
+    )  # fmt: skip
     fault_tolerance: bool = flag(
         "--use-fault-tolerance", False, group="cluster",
         help="check the engines' health: an engine that is down (health check, failed request or control "

@@ -22,6 +22,7 @@ from typing import Any
 
 from slime.config.arguments import Config
 from slime.config.eval_sets import EvalDataset, eval_flag
+from slime.config.records import RolloutConfig
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.base_types import unwrap
@@ -31,7 +32,14 @@ from slime.rollout.dump import make_meta, save_dump
 from slime.rollout.generator import GenerationProgress, RolloutGenerator, number_groups, score_unscored
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
-from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
+from slime.rollout.summary import (
+    multi_turn_metrics,
+    package_rollout,
+    pass_at_k,
+    reward_categories,
+    reward_post_process,
+    rollout_metrics,
+)
 from slime.rollout.teacher import TeacherScorer
 from slime.rollout.user_rollout import BuiltInRollout, DataSource
 from slime.utils.async_utils import run
@@ -220,6 +228,7 @@ class RolloutProducer:
             if run(self.teacher.score_all(samples)):
                 extra["time/teacher"] = time.perf_counter() - start_teacher
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
+        metrics.update(flag_metrics(self.config.rollout, samples, "rollout"))
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
         dump_path = None
@@ -248,7 +257,7 @@ class RolloutProducer:
                 metrics.update(extra)
             else:
                 samples, _ = built_in()
-            metrics.update(eval_metrics(ds, samples, self.config.rollout.reward_key))
+            metrics.update(eval_metrics(ds, samples, self.config.rollout))
             every += samples
             counts.append([ds.name, len(samples)])
         dump_path = None
@@ -437,10 +446,40 @@ async def _generate(
         await asyncio.gather(*(c.close() for c in clients))
 
 
-def eval_metrics(ds: EvalDataset, samples: list[Sample], reward_key: str | None) -> dict[str, float]:
+def flag_metrics(cfg: RolloutConfig, samples: list[Sample], prefix: str) -> dict[str, float]:
+    """The metrics flags ask for: --log-passrate, --log-reward-category, --log-multi-turn
+    (a rollout's; an evaluation set's with its `prefix`, and its reward key)."""
+    out: dict[str, float] = {}
+    key = cfg.reward_key if prefix == "rollout" else cfg.eval_reward_key or cfg.reward_key
+    if cfg.log_passrate:
+        head = "passrate/" if prefix == "rollout" else f"{prefix}-"
+        out.update({head + k: v for k, v in pass_at_k(samples, key).items()})
+    if cfg.log_reward_category:
+        out.update(
+            {
+                f"{prefix}/{k}": v
+                for k, v in reward_categories(samples, cfg.log_reward_category, prefix).items()
+            }
+        )
+    if cfg.log_multi_turn and prefix == "rollout":
+        out.update(
+            {
+                f"multi_turn/{k}": v
+                for k, v in multi_turn_metrics(samples, cfg.sampling.max_response_len).items()
+            }
+        )
+    return out
+
+
+def eval_metrics(ds: EvalDataset, samples: list[Sample], cfg: RolloutConfig) -> dict[str, float]:
     """eval/<metric> for the unnamed set; a named set's as slime logs them: eval/<name> (mean reward),
-    eval/<name>-truncated_ratio, and the rest under eval/<name>/."""
-    metrics = rollout_metrics(samples, reward_key, prefix=ds.prefix)
+    eval/<name>-truncated_ratio, and the rest under eval/<name>/. The reward reported: --eval-reward-key's
+    entry of a dict reward (default: --reward-key's)."""
+    reward_key = cfg.eval_reward_key or cfg.reward_key
+    metrics = {
+        **rollout_metrics(samples, reward_key, prefix=ds.prefix),
+        **flag_metrics(cfg, samples, ds.prefix),
+    }
     if ds.name is not None:
         if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
             raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "

@@ -108,3 +108,59 @@ def package_rollout(
     # Every version that produced a token (None: a sample the engine gave no version for).
     versions = tuple(dict.fromkeys(v for s in samples for v in (s.weight_versions or (None,))))
     return Rollout(rollout_id, metrics, len(samples), versions, parts=parts, **summary)
+
+
+def pass_at_k(samples: list[Sample], reward_key: str | None) -> dict[str, float]:
+    """--log-passrate: the unbiased pass@k estimate (1 - C(n-c, k) / C(n, k)), averaged over the
+    prompt groups, for k = 1, 2, 4, ... up to the group size; a sample passes when its reward is
+    exactly 1, as slime counts. Keys `pass@{k}`; {} for groups of one."""
+    groups: dict[int, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s.scalar_reward(reward_key))
+    n = min((len(g) for g in groups.values()), default=1)
+    if n < 2:
+        return {}
+    out = {}
+    for k in (2**i for i in range(n.bit_length()) if 2**i <= n):
+        estimates = []
+        for rewards in groups.values():
+            size, correct = len(rewards), sum(r == 1.0 for r in rewards)
+            fail = 1.0
+            for m in range(size - correct + 1, size + 1):  # prod(1 - k / m): C(n-c, k) / C(n, k)
+                fail *= 1.0 - k / m
+            estimates.append(1.0 if size - correct < k else 1.0 - fail)
+        out[f"pass@{k}"] = statistics.fmean(estimates)
+    return out
+
+
+def reward_categories(samples: list[Sample], key: str, where: str) -> dict[str, float]:
+    """--log-reward-category KEY: the share of samples per value of reward[KEY] (`error_cat/{value}`)."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        if not isinstance(s.reward, dict) or key not in s.reward:
+            raise UsageError(
+                f"--log-reward-category {key}: {where} sample {s.index} has reward {s.reward!r}; the reward function "
+                f"must return a dict with the key {key!r}"
+            )
+        value = str(s.reward[key])
+        counts[value] = counts.get(value, 0) + 1
+    return {f"error_cat/{value}": count / len(samples) for value, count in sorted(counts.items())}
+
+
+def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:
+    """--log-multi-turn, slime's names: the response lengths with the tool and environment tokens
+    (raw) and without them (loss-mask sums), and the rounds from metadata["round_number"]."""
+    raw = [len(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples]
+    trained = [s.effective_response_length for s in samples]
+    out = {
+        "raw_response_length/response_length_clip_ratio": sum(n >= max_response_len for n in raw) / len(raw)
+    }
+    series = {"raw_response_length/response_length": raw, "wo_obs_response_length/response_length": trained}
+    rounds = [s.metadata["round_number"] for s in samples if "round_number" in (s.metadata or {})]
+    if rounds:
+        series["multi_turn_metric/round_number"] = rounds
+    for name, values in series.items():
+        out.update(
+            {f"{name}_mean": statistics.fmean(values), f"{name}_max": max(values), f"{name}_min": min(values)}
+        )
+    return out
