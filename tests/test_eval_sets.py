@@ -89,8 +89,8 @@ eval:
         ("datasets:\n  - name: a\n", "datasets[0] needs a `name` and a `path`"),
         ("datasets:\n  - {name: a, path: P, tempreature: 1}\n", "unknown key `tempreature`"),
         (
-            "datasets:\n  - {name: a, path: P, tool_key: tools}\n",
-            "`tool_key` is slime's, for a feature not built",
+            "datasets:\n  - {name: a, path: P, multimodal_keys: images}\n",
+            "`multimodal_keys` is slime's, for a feature not built",
         ),
         ("datasets:\n  - {name: a, path: P}\n  - {name: a, path: P}\n", "repeat a name"),
         ("[1, 2", "not valid YAML"),

@@ -62,6 +62,30 @@ def test_chat_template_and_length_filter(tmp_path, tokenizer, caplog):
     assert "dropped 1 of 2 prompts" in caplog.text
 
 
+def test_tools_go_to_the_chat_template_and_metadata_with_its_kwargs(tmp_path, tokenizer):
+    tool = {"type": "function", "function": {"name": "calc", "description": "add", "parameters": {}}}
+    rows = [{"prompt": "1+1=", "label": "2", "tools": json.dumps([tool])}, {"prompt": "2+2=", "label": "4"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    seen = []
+    real = tokenizer.apply_chat_template
+
+    def spy(messages, **kw):
+        seen.append(kw)
+        return real(messages, **{k: v for k, v in kw.items() if k != "flavour"})
+
+    tokenizer.apply_chat_template = spy
+    try:
+        ds = PromptDataset(DataConfig(path, apply_chat_template=True, apply_chat_template_kwargs={"flavour": 1}),
+                           tokenizer)  # fmt: skip
+    finally:
+        del tokenizer.apply_chat_template
+    assert seen[0]["tools"] == [tool] and seen[1]["tools"] is None and seen[0]["flavour"] == 1
+    assert ds.prompts[0].metadata["tools"] == [tool] and "tools" not in ds.prompts[1].metadata
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "x", "label": "y", "tools": "{oops"}])
+    with pytest.raises(DataError, match=r"b.jsonl:1: field 'tools' \(--tool-key\) is not JSON"):
+        PromptDataset(DataConfig(bad), tokenizer)
+
+
 @pytest.mark.parametrize(
     "rows, raw, message",
     [

@@ -67,6 +67,8 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
         (["--teacher-port", "7999"], "megatron_server.py"),
         (["--ref-ckpt-step", "100"], "Hugging Face directory"),
         (["--ref-update-interval", "2"], "no loss term uses"),
+        (["--eval-min-new-tokens", "5"], "the torch engine does not apply"),
+        (["--apply-chat-template-kwargs", "enable_thinking=False"], "--apply-chat-template-kwargs"),
     ],
 )
 def test_slime_flags_this_run_cannot_honour_exit_2_naming_them(base, capsys, extra, words):
@@ -77,3 +79,11 @@ def test_neutral_values_of_refused_flags_are_accepted(base):
     cfg = parse_args([*base, "--rollout-data-transport", "object-store", "--qwen-gdn-backend", "fla",
                       "--sglang-pp-size", "1", "--min-batch-collection-ratio", "0.5", "--http-proxy", "http://p:1"])  # fmt: skip
     assert cfg.rollout.num_rollout == 2
+
+
+def test_the_torch_engine_refuses_min_new_tokens_it_would_not_apply():
+    from slime.utils.sampling_params import FieldError, SamplingParams
+
+    assert SamplingParams.from_json({"min_new_tokens": 0}).max_new_tokens == 128
+    with pytest.raises(FieldError, match="min_new_tokens"):
+        SamplingParams.from_json({"min_new_tokens": 4})

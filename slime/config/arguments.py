@@ -123,6 +123,10 @@ def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-input-key", default=None, help="default: --input-key")
     g.add_argument("--eval-label-key", default=None, help="default: --label-key")
     g.add_argument("--eval-max-prompt-len", type=int, default=None, help="drop longer eval prompts (tokens)")
+    g.add_argument("--eval-tool-key", default=None, help="default: --tool-key")
+    g.add_argument("--eval-min-new-tokens", type=int, default=None,
+                   help="evaluation requests may not stop before this many new tokens (SGLang's min_new_tokens; "
+                   "SGLang engines only)")  # fmt: skip
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
     g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")

@@ -76,6 +76,8 @@ def _layout(ns: argparse.Namespace) -> Iterator[str]:
         yield "--sglang-router-ip and --sglang-router-port go together: give both, or neither"
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
         yield "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
+    if ns.rollout_backend == "torch" and ns.eval_min_new_tokens:
+        yield "--eval-min-new-tokens is SGLang's min_new_tokens, which the torch engine does not apply: use --rollout-backend sglang"
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
     if ns.debug_disable_sharding and train_ranks != 1 and not ns.debug_rollout_only:
         yield (

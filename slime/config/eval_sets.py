@@ -28,6 +28,8 @@ DATA_KEYS = {
     "label_key": ("eval_label_key", "label_key"),
     "metadata_key": ("metadata_key",),
     "apply_chat_template": ("apply_chat_template",),
+    "apply_chat_template_kwargs": ("apply_chat_template_kwargs",),
+    "tool_key": ("eval_tool_key", "tool_key"),
 }
 SAMPLING_KEYS = {
     "n_samples_per_eval_prompt": ("n_samples_per_eval_prompt",),
@@ -37,11 +39,12 @@ SAMPLING_KEYS = {
     "max_response_len": ("eval_max_response_len", "rollout_max_response_len"),
     "stop": ("rollout_stop",),
     "stop_token_ids": ("rollout_stop_token_ids",),
+    "min_new_tokens": ("eval_min_new_tokens",),
 }
 PLUGIN_KEYS = ("rm_type", "custom_rm_path", "custom_generate_function_path")
 # slime's keys for what is not built here: refused by name rather than ignored.
 NOT_HERE = (
-    "tool_key", "multimodal_keys", "apply_chat_template_kwargs", "min_new_tokens", "repetition_penalty",
+    "multimodal_keys", "repetition_penalty",
     "skip_special_tokens", "no_stop_trim", "metadata_overrides",
     "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
     "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment",
@@ -181,6 +184,7 @@ def _dataset(ns: argparse.Namespace, defaults: dict[str, Any], entry: dict[str, 
         max_response_len=int(values["max_response_len"]),
         stop=tuple(values["stop"] or ()),
         stop_token_ids=tuple(values["stop_token_ids"] or ()),
+        min_new_tokens=None if values["min_new_tokens"] is None else int(values["min_new_tokens"]),
     )
     name = entry.get("name")
     refused = sampling.refused()

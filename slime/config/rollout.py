@@ -4,6 +4,7 @@ heavy imports). The rule "`tensor` on CUDA is CUDA IPC" lives here and nowhere e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,22 @@ def needs_reward_key(rm_type: str | None) -> bool:
     return (rm_type or "").removeprefix(BOXED_PREFIX) == "dapo"
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (argparse type)."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"give a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """How prompt rows become prompts (slime's flag names)."""
@@ -36,6 +53,18 @@ class DataConfig:
     """`--metadata-key`: optional field passed through to reward functions."""
     apply_chat_template: bool = flag("--apply-chat-template", False)
     """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
+    apply_chat_template_kwargs: Mapping[str, Any] | None = flag(
+        "--apply-chat-template-kwargs", None, type=json_object, metavar="JSON",
+        help="with --apply-chat-template: more arguments of the tokenizer's apply_chat_template, a JSON object "
+        "(e.g. '{\"enable_thinking\": false}')",
+    )  # fmt: skip
+    """`--apply-chat-template-kwargs`: keyword arguments of `tokenizer.apply_chat_template`."""
+    tool_key: str | None = flag(
+        "--tool-key", "tools",
+        help="the field holding a row's tool schemas (a list, or its JSON text): given to the chat template "
+        "(tools=...) and to rollout functions as metadata['tools']",
+    )  # fmt: skip
+    """`--tool-key`: the row's tool schemas (slime.rollout.data.row_tools)."""
     max_prompt_len: int | None = flag("--rollout-max-prompt-len", None, type=int, group="rollout")
     """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
     shuffle: bool = flag("--rollout-shuffle", False)
@@ -66,6 +95,8 @@ class SamplingConfig:
     """`--rollout-stop`: stop strings."""
     stop_token_ids: tuple[int, ...] = flag("--rollout-stop-token-ids", [], nargs="*", type=int)
     """`--rollout-stop-token-ids`."""
+    min_new_tokens: int | None = None
+    """An evaluation set's `min_new_tokens` (--eval-min-new-tokens): SGLang engines only."""
 
     def params(self) -> dict[str, Any]:
         """A request's `sampling_params` (SGLang's names; slime.utils.sampling_params)."""
@@ -76,13 +107,14 @@ class SamplingConfig:
             "max_new_tokens": self.max_response_len,
             "stop": list(self.stop),
             "stop_token_ids": list(self.stop_token_ids),
+            **({"min_new_tokens": self.min_new_tokens} if self.min_new_tokens is not None else {}),
         }
 
     def refused(self) -> FieldError | None:
         """What an engine would refuse in every request of these settings (the engines' own
         check), its `field` the record's (`max_response_len`, `top_p`, ...); None if nothing."""
         try:
-            SamplingParams.from_json(self.params())
+            SamplingParams.from_json({k: v for k, v in self.params().items() if k != "min_new_tokens"})
         except FieldError as e:
             name = e.field.removeprefix("sampling_params.").removesuffix("[]")
             return FieldError({"max_new_tokens": "max_response_len"}.get(name, name), e.reason)

@@ -8,6 +8,7 @@ error naming file:line before any process starts. Prompts longer than
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import dataclass, field
@@ -45,6 +46,24 @@ def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[An
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     raise DataError(f"{where}: field {cfg.input_key!r} must be a string or a list of messages")
+
+
+def row_tools(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[Any] | None:
+    """The row's tool schemas under --tool-key (a list, or its JSON text; parquet's arrays as
+    lists), as slime reads them; None when the row has none."""
+    if cfg.tool_key is None or row.get(cfg.tool_key) is None:
+        return None
+    tools = row[cfg.tool_key]
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field {cfg.tool_key!r} (--tool-key) is not JSON ({e})") from None
+    if hasattr(tools, "tolist"):
+        tools = tools.tolist()
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: field {cfg.tool_key!r} (--tool-key) must be a list of tool schemas")
+    return tools
 
 
 def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data") -> int:
@@ -92,21 +111,26 @@ class PromptDataset:
         cfg = self.cfg
         messages = prompt_messages(cfg, where, row)
         raw = row[cfg.input_key]
+        tools = row_tools(cfg, where, row)
         if cfg.apply_chat_template:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 **(cfg.apply_chat_template_kwargs or {}))  # fmt: skip
         elif isinstance(raw, str):
             text = raw
         else:  # messages kept as they are (cfg.messages_as_is): the rollout function tokenizes them
             text = ""
         ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
+        metadata = dict(metadata) if isinstance(metadata, dict) else {}
+        if tools is not None:
+            metadata["tools"] = tools
         return Prompt(
             index=position,
             prompt=raw,
             text=text,
             token_ids=ids,
             label=row.get(cfg.label_key) if cfg.label_key else None,
-            metadata=dict(metadata) if isinstance(metadata, dict) else {},
+            metadata=metadata,
         )
 
     def _epoch_order(self, epoch: int) -> list[int]:

@@ -57,7 +57,7 @@ def as_str_list(value: Any, field: str) -> list[str]:
 
 
 _IGNORED = frozenset(
-    ("n", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    ("n", "frequency_penalty", "presence_penalty", "repetition_penalty",
      "spaces_between_special_tokens", "regex", "json_schema", "ebnf", "custom_params", "stream_interval",
      "logit_bias", "seed")
 )  # fmt: skip
@@ -103,6 +103,12 @@ class SamplingParams:
         raw = dict(raw)
         if "seed" in raw and "sampling_seed" not in raw:  # OpenAI-style clients send `seed`
             raw["sampling_seed"] = raw.pop("seed")
+        if raw.pop("min_new_tokens", None) not in (None, 0):  # SGLang's masks the stop tokens until then
+            expect(
+                False,
+                "sampling_params.min_new_tokens",
+                "is not applied by the torch engine: use SGLang engines",
+            )
         unknown = sorted(set(raw) - known - _IGNORED)
         expect(not unknown, "sampling_params", f"has unknown field(s) {unknown}; supported: {sorted(known)}")
         kw: dict[str, Any] = {}
