@@ -87,3 +87,51 @@ def test_the_torch_engine_refuses_min_new_tokens_it_would_not_apply():
     assert SamplingParams.from_json({"min_new_tokens": 0}).max_new_tokens == 128
     with pytest.raises(FieldError, match="min_new_tokens"):
         SamplingParams.from_json({"min_new_tokens": 4})
+
+
+def test_without_the_global_dataset_a_rollout_function_gets_numbered_blank_groups(base, capsys):
+    from slime.rollout.user_rollout import DataSource
+
+    source = DataSource(None, 2, blank=True)
+    first, second = source.get_samples(2), source.get_samples(1)
+    groups = [g[0].group_index for g in first + second]
+    assert groups == sorted(set(groups)) and [len(g) for g in first] == [2, 2]
+    assert first[0][0].prompt == "" and first[0][1].index == first[0][0].index + 1
+    cfg = parse_args([*base, "--disable-rollout-global-dataset", "--rollout-function-path", "m.f"])
+    assert cfg.rollout.global_dataset is False
+    assert "--rollout-function-path" in error(capsys, [*base, "--disable-rollout-global-dataset"])
+
+
+def test_dump_details_puts_every_dump_under_one_directory(base, capsys, tmp_path):
+    cfg = parse_args([*base, "--dump-details", str(tmp_path / "d")])
+    assert cfg.debug.save_rollout_data == str(tmp_path / "d" / "rollout_data" / "{rollout_id}.pt")
+    assert cfg.debug.save_eval_data == str(tmp_path / "d" / "rollout_data" / "eval_{rollout_id}.pt")
+    assert cfg.train.save_debug_train_data == str(tmp_path / "d" / "train_data" / "{rollout_id}_{rank}.pt")
+    argv = [*base, "--dump-details", "d", "--save-debug-rollout-data", "x_{rollout_id}.pt"]
+    assert "drop --save-debug-rollout-data" in error(capsys, argv)
+
+
+def test_release_train_gives_the_trainers_memory_up_during_rollouts(base):
+    assert parse_args([*base, "--release-train"]).cluster.offload
+    assert not parse_args(base).cluster.offload
+
+
+def test_forge_load_replays_dumps_by_rollout_id_with_rollout_0_as_the_fallback(tmp_path):
+    import argparse
+
+    from slime.rollout import forge_load
+    from slime.rollout.dump import save_dump
+    from slime.utils.errors import UsageError
+    from slime.utils.sample import Sample
+
+    template = str(tmp_path / "r_{rollout_id}.pt")
+    for rid, reward in ((0, 0.0), (1, 1.0)):
+        s = Sample(prompt="p", tokens=[1, 2, 3], response="r", response_length=1, reward=reward, index=rid)
+        save_dump(template, rid, [s.to_dict()], {})
+    args = argparse.Namespace(load_forge_rollout_data=template)
+    assert forge_load.generate_rollout(args, 1, None).samples[0].reward == 1.0
+    assert forge_load.generate_rollout(args, 7, None).samples[0].reward == 0.0  # no r_7.pt: rollout 0's
+    single = argparse.Namespace(load_forge_rollout_data=str(tmp_path / "r_1.pt"))
+    assert forge_load.generate_rollout(single, 5, None).samples[0].reward == 1.0
+    with pytest.raises(UsageError, match="--load-forge-rollout-data"):
+        forge_load.generate_rollout(argparse.Namespace(load_forge_rollout_data=None), 0, None)

@@ -38,7 +38,8 @@ def rule_problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type, check_async):
+    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type, check_async,
+                  check_global_dataset):  # fmt: skip
         problem = group(ns)
         if problem:
             yield problem
@@ -165,6 +166,22 @@ def check_async(ns: argparse.Namespace) -> str | None:
             "them (a per-sample --custom-generate-function-path works with --fully-async)"
         )
     return check_update_interval(ns)
+
+
+def check_global_dataset(ns: argparse.Namespace) -> str | None:
+    """--disable-rollout-global-dataset: only a rollout function that brings its own data runs without one."""
+    if ns.rollout_global_dataset:
+        return None
+    if ns.rollout_function_path is None:
+        return (
+            "--disable-rollout-global-dataset leaves the built-in rollout without prompts: give a --rollout-function-path "
+            "that brings its own data, or drop the flag"
+        )
+    if ns.num_rollout is None:
+        return (
+            "--disable-rollout-global-dataset: --num-epoch counts passes over the dataset; give --num-rollout"
+        )
+    return None
 
 
 def check_update_interval(ns: argparse.Namespace) -> str | None:

@@ -78,6 +78,11 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
         from slime.config.rollout import default_transport
 
         ns.update_weight_transport = default_transport(ns.device, ns.colocate)
+    if ns.release_train:  # slime restarts the trainer's processes; here it gives its memory up
+        ns.offload_train = True
+    if ns.eval_max_context_len is None:
+        ns.eval_max_context_len = ns.rollout_max_context_len
+    out += dump_details(ns)
     if ns.no_offload_train and (ns.offload or ns.offload_train):
         asked = "--offload" if ns.offload else "--offload-train"
         out.append(f"{asked} and --no-offload-train contradict each other: give one")
@@ -114,6 +119,27 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
                 f"--rollout-max-context-len {ctx}: make it at most {ctx - 1}"
             )
     return out
+
+
+def dump_details(ns: argparse.Namespace) -> list[str]:
+    """--dump-details DIR: slime's layout of every dump under DIR (rollout_data/{rollout_id}.pt,
+    rollout_data/eval_{rollout_id}.pt, train_data/{rollout_id}_{rank}.pt; the tokenizer in DIR/tokenizer)."""
+    root = ns.dump_details
+    if root is None:
+        return []
+    given = [
+        f
+        for f in ("save_debug_rollout_data", "save_debug_eval_data", "save_debug_train_data")
+        if getattr(ns, f)
+    ]
+    if given:
+        return [
+            f"--dump-details names every dump's path; drop --{given[0].replace('_', '-')} (or --dump-details)"
+        ]
+    ns.save_debug_rollout_data = os.path.join(root, "rollout_data", "{rollout_id}.pt")
+    ns.save_debug_eval_data = os.path.join(root, "rollout_data", "eval_{rollout_id}.pt")
+    ns.save_debug_train_data = os.path.join(root, "train_data", "{rollout_id}_{rank}.pt")
+    return []
 
 
 def train_iters(ns: argparse.Namespace) -> int | None:

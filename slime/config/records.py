@@ -150,6 +150,12 @@ class RolloutConfig:
     custom_rm_path: str | None = flag("--custom-rm-path", None, help="package.module.function")
     group_rm: bool = flag("--group-rm", False)
     reward_key: str | None = flag("--reward-key", None, help="key of a dict reward to train on")
+    global_dataset: bool = flag(
+        "--disable-rollout-global-dataset", True, dest="rollout_global_dataset", action="store_false",
+        help="no prompt dataset: the --rollout-function-path brings its own data (its data_source hands out "
+        "groups of blank samples, numbered), and checkpoints carry no data position",
+    )  # fmt: skip
+    """Off with `--disable-rollout-global-dataset`: no prompt dataset (slime.rollout.user_rollout.DataSource)."""
     eval_reward_key: str | None = flag(
         "--eval-reward-key", None, help="the key of a dict reward that evaluation reports (default: --reward-key)"
     )  # fmt: skip
@@ -317,6 +323,14 @@ class DebugConfig:
         help="write every eval rollout to this template ({rollout_id}; -1 = before training)",
     )
     """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
+    dump_details: str | None = flag(
+        "--dump-details",
+        None,
+        metavar="DIR",
+        help="every rollout, evaluation and train-data dump under DIR in slime's layout (rollout_data/, "
+        "train_data/) and the tokenizer in DIR/tokenizer, for post-hoc analysis",
+    )
+    """`--dump-details DIR`: the dump paths set under DIR (slime.config.derived.dump_details)."""
     load_rollout_data: str | None = flag(
         "--load-debug-rollout-data",
         None,

@@ -291,6 +291,28 @@ SPECS += (
         "read from args by custom generate functions in evaluation (slime's own rollout reads it nowhere); "
         "default: --rollout-max-context-len",
     ),
+    _same(
+        "--rollout-skip-special-tokens",
+        store_true(),
+        APPLIED,
+        "responses decoded without special tokens: the built-in rollout always decodes so (SGLang's default); "
+        "slime.rollout.sglang_rollout's default_sampling_params (custom generate functions) keeps them unless "
+        "this flag, as slime",
+    ),
+    _same(
+        "--load-forge-rollout-data",
+        {"default": None},
+        APPLIED,
+        "the dump path or {rollout_id} template that --rollout-function-path "
+        "slime.rollout.forge_load.generate_rollout replays, with engines and pushes running as usual",
+    ),
+    _same(
+        "--release-train",
+        store_true(),
+        APPLIED,
+        "the trainer gives its device memory up while the engines generate (as --offload-train), keeping its "
+        "processes: slime kills them and reloads a checkpoint, with the same results",
+    ),
     _refused(
         "--rollout-data-transport",
         {"default": None, "choices": ["object-store", "nixl"]},

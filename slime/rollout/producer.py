@@ -16,6 +16,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,7 +89,11 @@ class RolloutProducer:
         )
         r = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
-        self.dataset = PromptDataset(r.data, self.tokenizer) if r.data is not None else None
+        if config.debug.dump_details:  # the tokenizer beside the dumps, as slime leaves it
+            self.tokenizer.save_pretrained(os.path.join(config.debug.dump_details, "tokenizer"))
+        self.dataset = (
+            PromptDataset(r.data, self.tokenizer) if r.data is not None and r.global_dataset else None
+        )
         self.reward = (
             RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
             if r.rm_type or r.custom_rm_path
@@ -346,7 +351,8 @@ def _rollout_fn_samples(
             "custom_rm_path": eval_ds.custom_rm_path,
             "generate_function_path": eval_ds.custom_generate_function_path,
         }
-    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields)
+    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields,
+                        blank=not producer.config.rollout.global_dataset and not evaluation)  # fmt: skip
     result = producer.rollout_fn(producer.config.args, rollout_id, source, evaluation=evaluation)
     if inspect.isawaitable(result):
         result = run(result)

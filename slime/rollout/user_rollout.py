@@ -3,6 +3,7 @@ draws prompts from, and the built-in rollout it may call (slime.rollout.sglang_r
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ class BuiltInRollout:
         return RolloutFnTrainOutput(samples=group_samples(samples), metrics=metrics)
 
 
+_BLANK_GROUPS = itertools.count()
+
+
+def _blank_groups(n: int) -> list[int]:
+    """The next `n` group numbers of --disable-rollout-global-dataset's blank samples (per process)."""
+    return [next(_BLANK_GROUPS) for _ in range(n)]
+
+
 class DataSource:
     """What a `--rollout-function-path` function draws prompts from (slime's `data_source`)."""
 
@@ -57,17 +66,23 @@ class DataSource:
         n_samples_per_prompt: int,
         default_rollout: BuiltInRollout | None = None,
         sample_fields: dict[str, Any] | None = None,
+        blank: bool = False,
     ):
         """`sample_fields`: set on every sample drawn (an evaluation set's own `custom_rm_path`
-        and `generate_function_path`, as slime sets them)."""
+        and `generate_function_path`, as slime sets them). `blank` (--disable-rollout-global-dataset):
+        no dataset, groups of blank samples numbered across the job, as slime hands them out."""
         self.dataset = dataset
         self.n_samples_per_prompt = n_samples_per_prompt
         self.default_rollout = default_rollout
         self.sample_fields = {k: v for k, v in (sample_fields or {}).items() if v is not None}
+        self.blank = blank
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
         (prompt ids in `tokens`, `metadata["prompt_index"]` set)."""
+        if self.blank:
+            return [[Sample(group_index=g, index=g * self.n_samples_per_prompt + i, **self.sample_fields)
+                     for i in range(self.n_samples_per_prompt)] for g in _blank_groups(num_prompts)]  # fmt: skip
         if self.dataset is None:
             raise RuntimeError(
                 "this job has no --prompt-data: the rollout function must bring its own prompts"
