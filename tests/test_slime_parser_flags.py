@@ -135,3 +135,46 @@ def test_forge_load_replays_dumps_by_rollout_id_with_rollout_0_as_the_fallback(t
     assert forge_load.generate_rollout(single, 5, None).samples[0].reward == 1.0
     with pytest.raises(UsageError, match="--load-forge-rollout-data"):
         forge_load.generate_rollout(argparse.Namespace(load_forge_rollout_data=None), 0, None)
+
+
+def _ci_step(rollout_id, steps, rollout):
+    from slime.loop.parts import Step
+    from slime.utils.batch import TrainOutput
+
+    step = Step(rollout_id)
+    step.output = TrainOutput(steps=steps, rollout=rollout)
+    return step
+
+
+def test_ci_checks_end_the_job_on_slimes_conditions(base, tmp_path):
+    from slime.loop.ci_checks import CICheckFailed, CIChecks
+
+    debug = parse_args([*base, "--ci-test"]).debug
+    good = {"log_probs": -0.5, "ref_log_probs": -0.5, "train_rollout_logprob_abs_diff": 0.01}
+    CIChecks(debug, False).after_train(
+        None, _ci_step(0, [{"ppo_kl": 0.0, "pg_clipfrac": 0.0, "kl_loss": 0.0}], good)
+    )
+    for steps, rollout, words in (
+        ([{"ppo_kl": 1e-3, "pg_clipfrac": 0.0}], good, "train/ppo_kl"),
+        ([{"kl_loss": 1e-3}], good, "train/kl_loss"),
+        ([], {**good, "ref_log_probs": -0.6}, "rollout/ref_log_probs"),
+        ([], {**good, "log_probs": -1.5, "ref_log_probs": -1.5}, "not in (-1, 0)"),
+        ([], {**good, "train_rollout_logprob_abs_diff": 0.5}, "threshold 0.1"),
+    ):
+        with pytest.raises(CICheckFailed, match=words.replace("(", r"\(").replace(")", r"\)")):
+            CIChecks(debug, False).after_train(None, _ci_step(0, steps, rollout))
+    relaxed = parse_args([*base, "--ci-test", "--ci-disable-kl-checker"]).debug
+    CIChecks(relaxed, False).after_train(None, _ci_step(0, [{"ppo_kl": 1e-3, "pg_clipfrac": 0.0}], good))
+
+
+def test_ci_grad_norms_are_saved_and_compared(base, tmp_path):
+    from slime.loop.ci_checks import CICheckFailed, CIChecks
+
+    template = str(tmp_path / "gn" / "{role}_{rollout_id}_{step_id}.pt")
+    save = parse_args([*base, "--ci-save-grad-norm", template]).debug
+    CIChecks(save, False).after_train(None, _ci_step(3, [{"grad_norm": 2.0}, {"grad_norm": 1.0}], {}))
+    assert sorted(os.listdir(tmp_path / "gn")) == ["actor_3_0.pt", "actor_3_1.pt"]
+    load = parse_args([*base, "--ci-load-grad-norm", template]).debug
+    CIChecks(load, False).after_train(None, _ci_step(3, [{"grad_norm": 2.015}, {"grad_norm": 1.005}], {}))
+    with pytest.raises(CICheckFailed, match=r"grad norm 2\.5 against 2\.0"):
+        CIChecks(load, False).after_train(None, _ci_step(3, [{"grad_norm": 2.5}], {}))

@@ -398,6 +398,28 @@ class DebugConfig:
         "receive the first push, and must equal the snapshot exactly",
     )
     """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
+    ci_test: bool = flag(
+        "--ci-test", False, group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="end the job when slime's CI checks fail: KL exactly 0 at step 0, -1 < rollout/log_probs < 0, "
+        "0 < rollout/entropy < 1, the trainer-engine log-prob gap under its threshold",
+    )  # fmt: skip
+    ci_disable_kl_checker: bool = flag(
+        "--ci-disable-kl-checker", False, group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="--ci-test without the step-0 KL checks",
+    )  # fmt: skip
+    ci_train_rollout_logprob_abs_diff_threshold: float = flag(
+        "--ci-train-rollout-logprob-abs-diff-threshold", 0.1, group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="--ci-test's bound on rollout/train_rollout_logprob_abs_diff (0.1)",
+    )  # fmt: skip
+    ci_save_grad_norm: str | None = flag(
+        "--ci-save-grad-norm", None, metavar="TEMPLATE", group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="save every optimizer step's grad norm to TEMPLATE ({role}, {rollout_id}, {step_id})",
+    )  # fmt: skip
+    ci_load_grad_norm: str | None = flag(
+        "--ci-load-grad-norm", None, metavar="TEMPLATE", group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="end the job when a step's grad norm differs from the one saved there by more than 0.01 "
+        "(relative or absolute)",
+    )  # fmt: skip
     hang_timeout: float | None = flag(
         "--hang-timeout",
         None,

@@ -73,6 +73,10 @@ def make_hooks(
             out.append(hooks.FirstPush(why))
     if d.check_precision and train:
         out.append(hooks.PrecisionGates(config, log_dir, replay.temperature if replay is not None else None))
+    if train and (d.ci_test or d.ci_save_grad_norm or d.ci_load_grad_norm):
+        from slime.loop.ci_checks import CIChecks
+
+        out.append(CIChecks(d, config.train.moe.use_rollout_routing_replay))
     if config.eval.interval is not None and evaluator is not None:
         out.append(hooks.Evaluate(evaluator, config.eval.interval, config.eval.before_train, tracker.log))
     if train and (config.checkpoint.save or config.checkpoint.save_hf):
