@@ -299,3 +299,17 @@ def test_reward_post_process_must_give_one_reward_per_sample():
         ValueError, match="--custom-reward-post-process-path returned 2 rewards for 3 samples"
     ):
         package_rollout(0, _samples([1.0, 0.0, 1.0], 3), None, (BatchConfig(), 1), lambda p: p, {}, post)
+
+
+def test_mismatch_metrics_come_from_the_tis_hook_without_use_tis():
+    """--get-mismatch-metrics: the hook runs and reports (train/ois, its own metrics); a hook that
+    returns the loss unchanged (slime's mis.py without --use-tis) leaves the training as it was."""
+    t = _terms()
+    plain = _loss(LossConfig(), t)
+    cfg = LossConfig(get_mismatch_metrics=True, custom_tis_function_path=f"{HOOKS}.report_only_tis")
+    measured = _loss(cfg, t, _hooks("report_only_tis"))
+    torch.testing.assert_close(measured[0], plain[0])
+    torch.testing.assert_close(measured[2], plain[2])
+    assert "ois" in measured[1] and "mis_log_ppl_diff" in measured[1] and "ois" not in plain[1]
+    with pytest.raises(ValueError, match="--get-mismatch-metrics"):
+        LossConfig(get_mismatch_metrics=True)

@@ -69,7 +69,7 @@ def micro_batch_loss(
     )
     pg_tokens = _off_policy_corrections(cfg, t, pg_tokens, metrics)
     kept_mask: torch.Tensor | None = None  # the TIS hook's masks (slime's rejection sampling)
-    if cfg.use_tis:
+    if cfg.use_tis or cfg.get_mismatch_metrics:  # the latter: the hook's metrics (and its loss, as slime)
         pg_tokens, kept_mask = _importance_sampling(cfg, t, hooks, pg_tokens, ppo_kl, metrics)
         if kept_mask is not None and torch.equal(kept_mask, t.mask.to(kept_mask.dtype)):
             kept_mask = None  # nothing rejected: the weights stay as given, not rescaled with rounding

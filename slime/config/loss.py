@@ -62,6 +62,13 @@ class LossConfig:
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
     use_tis: bool = flag("--use-tis", False)
     """`--use-tis`: truncated importance sampling against the engine's log-probs."""
+    get_mismatch_metrics: bool = flag(
+        "--get-mismatch-metrics", False,
+        help="with --custom-tis-function-path: call it on every micro-batch for its train/rollout mismatch metrics "
+        "(train/ois and the function's, e.g. slime's mis.py: train/mis_*), without --use-tis; the loss is what "
+        "the function returns (slime's mis.py leaves it unchanged without --use-tis)",
+    )  # fmt: skip
+    """`--get-mismatch-metrics`: the TIS hook's metrics without --use-tis (slime.algo.objective)."""
     tis_clip: float = flag("--tis-clip", 2.0)
     """`--tis-clip`: upper bound of the TIS weight."""
     tis_clip_low: float = flag("--tis-clip-low", 0.0)
@@ -163,7 +170,17 @@ class LossConfig:
                 "--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it with "
                 "--loss-type sft_loss"
             )
-        if self.custom_tis_function_path is not None and not self.use_tis:
+        if self.get_mismatch_metrics and self.custom_tis_function_path is None:
+            raise ValueError(
+                "--get-mismatch-metrics reports what --custom-tis-function-path computes (slime's "
+                "examples/train_infer_mismatch_helper/mis.py): give the function"
+            )
+        if self.get_mismatch_metrics and self.use_rollout_logprobs:
+            raise ValueError(
+                "--get-mismatch-metrics compares the trainer's recomputed log-probs with the engine's, which "
+                "--use-rollout-logprobs skips: drop one of them"
+            )
+        if self.custom_tis_function_path is not None and not (self.use_tis or self.get_mismatch_metrics):
             raise ValueError(
                 "--custom-tis-function-path is called only with --use-tis (as in slime): add --use-tis, or drop "
                 "the function"
@@ -247,5 +264,5 @@ class LossConfig:
     @property
     def needs_rollout_log_probs(self) -> bool:
         return self.loss_type == "policy_loss" and (
-            self.use_tis or self.use_rollout_logprobs or self.use_decoupled_loss
+            self.use_tis or self.use_rollout_logprobs or self.use_decoupled_loss or self.get_mismatch_metrics
         )
