@@ -369,6 +369,23 @@ SPECS += (
         "(convert that iteration with slime.tools.convert_megatron_to_hf)",
     ),
     _refused(
+        "--keep-old-actor",
+        store_true(),
+        "not built yet: the old policy's log-probs are the trainer's weights at training time (the weights "
+        "that generated the rollout, except one step off-policy, where --use-rollout-logprobs or "
+        "--use-decoupled-loss take the engine's)",
+    ),
+    _refused(
+        "--use-rollout-entropy",
+        store_true(),
+        "not built yet: the entropy is measured in the training steps (train/entropy), not in the log-prob passes",
+    ),
+    _refused(
+        "--balance-by-flops",
+        store_true(),
+        "not built yet: micro-batches are cut by token budget (--max-tokens-per-gpu with --use-dynamic-batch-size)",
+    ),
+    _refused(
         "--ref-micro-batch-size",
         {"type": int, "default": None},
         "slime's parser does not define it either (one of its example scripts passes it); the reference "
