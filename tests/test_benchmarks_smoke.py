@@ -69,6 +69,11 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         True,
     ),
     "bench_job_start": (["--repeats", "1", "--ranks", "1"], "ratio", True),
+    "bench_delta_sync": (
+        ["--shapes", "demo", "--pushes", "1", "--lrs", "1e-6", "--threads", "1"],
+        "xor+zstd / full",
+        True,
+    ),
 }
 # Run by their own tests, with more to check: tests/test_bench_agent_adapter.py, tests/test_bench_families.py.
 OWN_TESTS = ("bench_agent_adapter", "bench_families")

@@ -50,9 +50,15 @@ def make_transport(topology: PushTopology, hf_checkpoint: str, timeout_s: float 
         assert topology.backend is not None
         return DistributedTransport(topology.backend, topology.master_address, timeout_s, topology.tp_sizes)
     if kind == "disk":
+        d = topology.disk
+        if d.mode == "delta":
+            from slime.bridge.delta import DeltaDiskTransport
+
+            assert d.disk_dir is not None and d.local_dir is not None  # the flags' rules
+            return DeltaDiskTransport(hf_checkpoint, d.disk_dir, d.local_dir, d.encoding, d.checksum)
         from slime.bridge.disk import DiskTransport
 
-        return DiskTransport(hf_checkpoint)
+        return DiskTransport(hf_checkpoint, root=d.disk_dir, keep_files=d.keep_files)
     raise ValueError(f"unknown transport kind {kind!r}")
 
 

@@ -23,9 +23,14 @@ class DiskTransport:
     name = "disk"
     session = False
 
-    def __init__(self, hf_checkpoint: str, root: str | None = None):
+    def __init__(self, hf_checkpoint: str, root: str | None = None, keep_files: bool = False):
+        """`root`: --update-weight-disk-dir (default: the system's temporary directory);
+        `keep_files`: --update-weight-disk-keep-files, no directory is removed."""
         self.hf_checkpoint = hf_checkpoint
         self.root = root
+        self.keep_files = keep_files
+        if root is not None:
+            os.makedirs(root, exist_ok=True)
         self.current: str | None = None
         self.pending: str | None = None
         self.count = 0
@@ -58,7 +63,7 @@ class DiskTransport:
         await asyncio.gather(
             *(e.update_weights_from_disk(path, weight_version=weight_version) for e in engines)
         )
-        if self.current is not None:
+        if self.current is not None and not self.keep_files:
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = path
 
@@ -67,6 +72,6 @@ class DiskTransport:
 
     async def close(self, engines: list[EngineClient]) -> None:
         for path in (self.current, self.pending):
-            if path is not None:
+            if path is not None and not (self.keep_files and path == self.current):
                 shutil.rmtree(path, ignore_errors=True)
         self.current = self.pending = None

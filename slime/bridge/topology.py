@@ -75,6 +75,20 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class DiskSettings:
+    """The disk transport's flags: --update-weight-mode, --update-weight-disk-dir,
+    --update-weight-local-checkpoint-dir, --update-weight-delta-encoding / -checksum,
+    --update-weight-disk-keep-files."""
+
+    mode: str = "full"
+    disk_dir: str | None = None
+    local_dir: str | None = None
+    encoding: str = "xor"
+    checksum: str = "xxh3-128"
+    keep_files: bool = False
+
+
+@dataclass(frozen=True)
 class PushTopology:
     """Engines, train ranks and transport of the weight push; validated when built."""
 
@@ -93,6 +107,8 @@ class PushTopology:
     pause_mode: str = "in_place"
     """How a push pauses the requests in flight (SGLang's /pause_generation modes): only the
     continuous schedule pushes with requests in flight (--pause-generation-mode)."""
+    disk: DiskSettings = DiskSettings()
+    """The disk transport's settings (full or delta, its directories)."""
     kind: str = field(init=False)
     """The transport as it runs (KINDS), resolved from `transport` and `device`."""
 
@@ -122,6 +138,8 @@ class PushTopology:
             return "cuda_ipc" if self.device == "cuda" else "cpu_ipc"
         if self.kind == "distributed":
             return f"distributed_{self.backend}"
+        if self.kind == "disk" and self.disk.mode == "delta":
+            return "disk_delta"
         return self.kind
 
     @property
@@ -170,7 +188,7 @@ class PushTopology:
             return self._ipc_problem()
         master = self.master_address
         away = [(j, e) for j, e in enumerate(self.engines) if not same_node(e.node, master)]
-        if not away:
+        if not away or (self.kind == "disk" and self.disk.disk_dir):  # a directory every host reads
             return None
         j, e = away[0]
         where = f"{e.name(j)} runs on node {e.node}, not on train rank 0's node {master}"
@@ -182,7 +200,8 @@ class PushTopology:
         if self.kind == "disk":
             return (
                 f"--update-weight-transport disk writes the weights to a temporary directory on train rank 0's "
-                f"node: {where}; use --update-weight-transport distributed"
+                f"node: {where}; give --update-weight-disk-dir on a filesystem every node shares, or use "
+                "--update-weight-transport distributed"
             )
         if master in (LOOPBACK, "localhost"):  # "this machine": no node address was given
             return (
@@ -222,6 +241,7 @@ def build_topology(
     sglang: bool = False,
     colocated: bool = False,
     pause_mode: str = "in_place",
+    disk: DiskSettings | None = None,
 ) -> PushTopology:
     """The push topology from plain values; TopologyError when it cannot work.
 
@@ -250,4 +270,6 @@ def build_topology(
         if len(nodes) != len(urls):
             raise TopologyError(f"{len(nodes)} engine nodes for {len(urls)} engines")
     engines = tuple(EngineSpec(u, s, n) for u, s, n in zip(urls, sizes, nodes, strict=True))
-    return PushTopology(transport, device, engines, train, sglang, colocated, pause_mode)
+    return PushTopology(
+        transport, device, engines, train, sglang, colocated, pause_mode, disk or DiskSettings()
+    )

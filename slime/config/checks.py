@@ -39,7 +39,7 @@ def rule_problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[
             "would never run: give one of them"
         )
     for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type, check_async,
-                  check_global_dataset):  # fmt: skip
+                  check_global_dataset, check_delta):  # fmt: skip
         problem = group(ns)
         if problem:
             yield problem
@@ -181,6 +181,35 @@ def check_global_dataset(ns: argparse.Namespace) -> str | None:
         return (
             "--disable-rollout-global-dataset: --num-epoch counts passes over the dataset; give --num-rollout"
         )
+    return None
+
+
+def check_delta(ns: argparse.Namespace) -> str | None:
+    """--update-weight-mode delta and the disk transport's directories."""
+    if ns.update_weight_mode != "delta":
+        if ns.update_weight_local_checkpoint_dir:
+            return (
+                "--update-weight-local-checkpoint-dir is the engine hosts' checkpoint of --update-weight-mode delta; "
+                "full disk pushes are read from --update-weight-disk-dir directly: drop it, or add "
+                "--update-weight-mode delta"
+            )
+        return None
+    if ns.update_weight_transport != "disk":
+        return f"--update-weight-mode delta publishes to disk: use --update-weight-transport disk, not {ns.update_weight_transport}"
+    if ns.colocate:
+        return (
+            "--update-weight-mode delta: colocated engines take the weights in place through CUDA IPC, where a delta "
+            "saves nothing: drop --update-weight-mode delta or --colocate"
+        )
+    missing = [f for f, v in (("--update-weight-disk-dir", ns.update_weight_disk_dir),
+                              ("--update-weight-local-checkpoint-dir", ns.update_weight_local_checkpoint_dir)) if not v]  # fmt: skip
+    if missing:
+        return (
+            f"--update-weight-mode delta needs {' and '.join(missing)}: where versions are published (a directory "
+            "every engine host reads) and each host's own checkpoint (local disk)"
+        )
+    if ns.lora_rank:
+        return "--update-weight-mode delta pushes full weights' changes; with --lora-rank push the adapters or merged weights"
     return None
 
 

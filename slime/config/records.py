@@ -215,6 +215,37 @@ class BridgeConfig:
         "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else tensor",
     )  # fmt: skip
     buffer_size: int = flag("--update-weight-buffer-size", 512 << 20, help="bytes per bucket")
+    mode: str = flag(
+        "--update-weight-mode", "full", choices=["full", "delta"],
+        help="full: every push sends all the weights; delta (with --update-weight-transport disk): only the bytes "
+        "that changed, published under --update-weight-disk-dir and pulled into each engine host's "
+        "--update-weight-local-checkpoint-dir (docs/weight-sync.md)",
+    )  # fmt: skip
+    """`--update-weight-mode`: full, or delta (slime.bridge.delta)."""
+    disk_dir: str | None = flag(
+        "--update-weight-disk-dir", None, metavar="DIR",
+        help="the disk transport's directory, shared with every engine host (default, full mode: a temporary "
+        "directory on train rank 0's node)",
+    )  # fmt: skip
+    """`--update-weight-disk-dir`: where disk pushes are written (delta: weight_v{N:06d}/ versions)."""
+    local_dir: str | None = flag(
+        "--update-weight-local-checkpoint-dir", None, metavar="DIR",
+        help="delta mode: each engine host's own full checkpoint, patched in place by every push and reloaded",
+    )  # fmt: skip
+    """`--update-weight-local-checkpoint-dir`: an engine host's checkpoint (slime.utils.weight_delta)."""
+    delta_encoding: str = flag(
+        "--update-weight-delta-encoding", "xor", choices=["xor", "overwrite"],
+        help="xor (new ^ old: smallest, applied exactly once) or overwrite (positions and new bytes: larger, "
+        "idempotent); both are checked per tensor, so a re-applied version converges either way",
+    )  # fmt: skip
+    delta_checksum: str = flag(
+        "--update-weight-delta-checksum", "xxh3-128", choices=["xxh3-128", "blake3", "adler32"],
+        help="each changed tensor's integrity check (xxh3-128: fast, 128 bits; blake3: cryptographic; adler32: 32 bits)",
+    )  # fmt: skip
+    disk_keep_files: bool = flag(
+        "--update-weight-disk-keep-files", False,
+        help="full disk pushes: keep every pushed directory (by default each is removed once the next is loaded)",
+    )  # fmt: skip
     update_weights_interval: int = flag(
         "--update-weights-interval", 1,
         help="push the weights to the engines after every N trained rollouts (train.py and train_async.py alike; "

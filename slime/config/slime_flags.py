@@ -101,28 +101,6 @@ SPECS: tuple[Spec, ...] = (
         {"default": None},
         "slime's multi-model engine YAML is not supported: one model, --rollout-num-gpus engines",
     ),
-    _refused(
-        "--update-weight-mode",
-        {"choices": ["full", "delta"], "default": None},
-        "delta weight updates are not built: every push sends the full weights",
-        neutral="full",
-    ),
-    _refused("--update-weight-delta-encoding", {"default": None}, "delta weight updates are not built"),
-    _refused("--update-weight-delta-checksum", {"default": None}, "delta weight updates are not built"),
-    _refused(
-        "--update-weight-local-checkpoint-dir",
-        {"default": None},
-        "host-local checkpoints for weight pulls are not built",
-    ),
-    _refused(
-        "--update-weight-disk-dir",
-        {"default": None},
-        "the disk transport writes into a directory of its own on the train node; a shared directory "
-        "(engines on other nodes) is not built",
-    ),
-    _refused(
-        "--update-weight-disk-keep-files", store_true(), "the disk transport removes each version once read"
-    ),
     _same(
         "--allgather-cp",
         store_true(),

@@ -264,6 +264,19 @@ class EngineClient:
         self.parameter_names = list(result.get("slime_parameter_names") or [])
         return result
 
+    async def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int) -> Any:
+        """SGLang's /pull_weights: this engine's hosts bring their local checkpoint to
+        `target_version` of the versions under `source_dir` (slime.utils.weight_delta)."""
+        body = {
+            "local_checkpoint_dir": local_checkpoint_dir,
+            "source_dir": source_dir,
+            "target_version": target_version,
+        }
+        result = await self.request("POST", "/pull_weights", body)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(f"/pull_weights: {_error_message(result)}", None, self.base_url)
+        return result
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
         # flush_cache false, as on every update: SGLang's default (true) fails the update while
         # paused requests hold KV cache; the bridge flushes before the push where it can.

@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.bridge.topology import PushTopology, build_topology
+from slime.bridge.topology import DiskSettings, PushTopology, build_topology
 from slime.config.arguments import Config, describe
 from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
@@ -183,11 +183,12 @@ class Job:
     def _topology(
         self, urls: list[str], tp_sizes: list[int], engine_nodes: list[str] | None, train_nodes: list[str]
     ) -> PushTopology:
-        c = self.config
+        c, b = self.config, self.config.bridge
         return build_topology(
             c.bridge.transport, c.cluster.device, urls, tp_sizes, engine_nodes, train_nodes,
             sglang=c.cluster.rollout_backend == "sglang", colocated=c.cluster.colocate,
             pause_mode=c.rollout.asynchrony.pause_mode if c.rollout.asynchrony.fully_async else "in_place",
+            disk=DiskSettings(b.mode, b.disk_dir, b.local_dir, b.delta_encoding, b.delta_checksum, b.disk_keep_files),
         )  # fmt: skip
 
     def _check_planned_push(self) -> None:

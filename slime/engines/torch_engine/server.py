@@ -40,6 +40,7 @@ from slime.engines.torch_engine.http_util import (
 )
 from slime.engines.torch_engine.lora_api import LoRAAPI
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
+from slime.engines.torch_engine.pull_api import PullAPI
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
 from slime.utils.device_memory import cuda_memory_held, release_device_memory
@@ -83,6 +84,7 @@ def make_app(
     app.on_startup.append(api.on_startup)
     WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
     LoRAAPI(engine).register(app.router)
+    PullAPI(engine.config.model_path).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
