@@ -68,6 +68,15 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
         (["--ref-ckpt-step", "100"], "Hugging Face directory"),
         (["--ref-update-interval", "2"], "no loss term uses"),
         (["--eval-min-new-tokens", "5"], "the torch engine does not apply"),
+        (["--update-weight-mode", "delta"], "use --update-weight-transport disk"),
+        (
+            ["--update-weight-mode", "delta", "--update-weight-transport", "disk"],
+            "needs --update-weight-disk-dir and --update-weight-local-checkpoint-dir",
+        ),
+        (
+            ["--update-weight-local-checkpoint-dir", "/x"],
+            "full disk pushes are read from --update-weight-disk-dir",
+        ),
         (["--apply-chat-template-kwargs", "enable_thinking=False"], "--apply-chat-template-kwargs"),
     ],
 )
@@ -178,3 +187,24 @@ def test_ci_grad_norms_are_saved_and_compared(base, tmp_path):
     CIChecks(load, False).after_train(None, _ci_step(3, [{"grad_norm": 2.015}, {"grad_norm": 1.005}], {}))
     with pytest.raises(CICheckFailed, match=r"grad norm 2\.5 against 2\.0"):
         CIChecks(load, False).after_train(None, _ci_step(3, [{"grad_norm": 2.5}], {}))
+
+
+def test_delta_mode_flags_reach_the_push_topology(base, tmp_path):
+    argv = [*base, "--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir",
+            str(tmp_path / "shared"), "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+            "--update-weight-delta-encoding", "overwrite", "--update-weight-delta-checksum", "adler32"]  # fmt: skip
+    b = parse_args(argv).bridge
+    assert (b.mode, b.delta_encoding, b.delta_checksum) == ("delta", "overwrite", "adler32")
+    from slime.bridge.bridge import make_transport
+    from slime.bridge.delta import DeltaDiskTransport
+    from slime.bridge.topology import DiskSettings, build_topology
+
+    disk = DiskSettings(b.mode, b.disk_dir, b.local_dir, b.delta_encoding, b.delta_checksum)
+    topology = build_topology("disk", "cpu", ["http://10.0.0.9:1"], disk=disk)  # another node: a shared dir
+    transport = make_transport(topology, "/m")
+    assert isinstance(transport, DeltaDiskTransport) and topology.label == "disk_delta"
+    assert (transport.encoding, transport.checksum, transport.local_dir) == (
+        "overwrite",
+        "adler32",
+        b.local_dir,
+    )

@@ -219,7 +219,7 @@ class BridgeConfig:
         "--update-weight-mode", "full", choices=["full", "delta"],
         help="full: every push sends all the weights; delta (with --update-weight-transport disk): only the bytes "
         "that changed, published under --update-weight-disk-dir and pulled into each engine host's "
-        "--update-weight-local-checkpoint-dir (docs/weight-sync.md)",
+        "--update-weight-local-checkpoint-dir (docs/engine.md)",
     )  # fmt: skip
     """`--update-weight-mode`: full, or delta (slime.bridge.delta)."""
     disk_dir: str | None = flag(
