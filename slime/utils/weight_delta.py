@@ -54,7 +54,7 @@ def version_dir(root: str, version: int) -> str:
 
 def checksum(algorithm: str, data: Any) -> str:
     """The hex digest of `data` (bytes or a uint8 array)."""
-    buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
+    buf = np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data
     if algorithm == "xxh3-128":
         import xxhash
 
