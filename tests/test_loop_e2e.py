@@ -116,6 +116,7 @@ def test_bad_flags_exit_2_before_starting_anything(tiny_model, prompts, tmp_path
     assert proc.returncode == 2 and "--global-batch-size 3" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # ~60 s; resume is tested in process (test_loop_core, the actors' checkpoint tests) and by test_chaos
 def test_resume_after_a_crash_continues_from_the_saved_rollout(tiny_model, prompts, tmp_path):
     # The reward function crashes once it has scored 3 rollouts' worth of samples (8 each).
     (tmp_path / "flaky_rm.py").write_text(
