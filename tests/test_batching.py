@@ -176,3 +176,30 @@ def test_the_per_sample_loss_counts_each_execution_once():
         assert all(abs(v - 0.2) < 1e-7 for v in totals.values()), (dp, totals)
     # Without several samples per execution the weights are those of plain samples.
     assert batching.execution_normalisers([0, 1], [3, 2], None, {0: 0, 1: 1}) == (2, None)
+
+
+def test_balance_by_flops_cuts_the_token_budgets_count_and_evens_the_flops():
+    lengths = [100, 90, 10, 10, 10, 10, 10, 10, 10, 10, 30, 30]
+    indices = list(range(len(lengths)))
+    batches = batching.flops_micro_batches(indices, lengths, max_tokens=120, coefficient=50.0)
+    assert len(batches) == 3  # ceil(330 / 120)
+    assert sorted(i for b in batches for i in b) == indices and all(b == sorted(b) for b in batches)
+
+    def loads(bs):
+        return [sum(lengths[i] * (50 + lengths[i]) for i in b) for b in bs]
+
+    # the heaviest micro-batch is the longest sample alone (no split can do better); packing by
+    # tokens gives three micro-batches too, two of them that heavy: [15000, 15000, 7200]
+    assert loads(batches) == [15000, 12600, 9600]
+    packed = batching.pack_micro_batches(indices, lengths, 120, packed=True)
+    assert sorted(loads(packed), reverse=True) == [15000, 15000, 7200]
+    assert batching.flops_micro_batches([0, 1], lengths, max_tokens=10, coefficient=1.0) == [[0], [1]]
+
+
+def test_flops_coefficient_from_the_model_shape():
+    from types import SimpleNamespace
+
+    dense = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=128, vocab_size=100)  # fmt: skip
+    linear = 2 * (2 * 64 * (4 + 4) * 16 + 2 * 64 * 64 + 6 * 64 * 128) + 2 * 64 * 100
+    assert batching.flops_coefficient(dense) == pytest.approx(linear / (2 * 4 * 16 * 2))

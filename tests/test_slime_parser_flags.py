@@ -68,6 +68,7 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
         (["--ref-ckpt-step", "100"], "Hugging Face directory"),
         (["--ref-update-interval", "2"], "no loss term uses"),
         (["--eval-min-new-tokens", "5"], "the torch engine does not apply"),
+        (["--balance-by-flops"], "add --use-dynamic-batch-size"),
         (["--update-weight-mode", "delta"], "use --update-weight-transport disk"),
         (
             ["--update-weight-mode", "delta", "--update-weight-transport", "disk"],
@@ -208,3 +209,8 @@ def test_delta_mode_flags_reach_the_push_topology(base, tmp_path):
         "adler32",
         b.local_dir,
     )
+
+
+def test_balance_by_flops_reaches_the_batch_config(base):
+    cfg = parse_args([*base, "--balance-by-flops", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
+    assert cfg.train.batch.balance_by_flops

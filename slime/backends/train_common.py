@@ -257,8 +257,8 @@ class TrainActorBase(TrainRecords):
                 f"the rollout was split for {part.dp_size} data-parallel replicas, but this job trains on "
                 f"{self.dp_size}; the rollout manager and the train ranks disagree on the layout"
             )
-        local = {g: k for k, g in enumerate(part.positions)}
-        plans = []
+        local, plans = {g: k for k, g in enumerate(part.positions)}, []
+        flops = batching.flops_coefficient(self.hf_config) if b.balance_by_flops else None
         for step, shares in zip(
             batching.split_steps(part.num_samples, global_batch, part.executions),
             batching.step_shares(lengths, global_batch, self.dp_size, part.executions),
@@ -267,9 +267,8 @@ class TrainActorBase(TrainRecords):
                 budget = max_tokens or b.max_tokens_per_gpu
                 assert budget is not None
                 budget *= self.context_parallel  # slime's rule: each GPU holds 1 / CP of a micro-batch
-                per_rank = [
-                    batching.pack_micro_batches(s, lengths, budget, self.packs_sequences) for s in shares
-                ]
+                per_rank = [batching.pack_micro_batches(s, lengths, budget, self.packs_sequences) if flops is None
+                            else batching.flops_micro_batches(s, lengths, budget, flops) for s in shares]  # fmt: skip
             else:
                 per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
             per_rank, merged = batching.rank_micro_batches(per_rank, shares, lengths)

@@ -214,7 +214,10 @@ def check_delta(ns: argparse.Namespace) -> str | None:
 
 
 def check_update_interval(ns: argparse.Namespace) -> str | None:
-    """--update-weights-interval against the layouts where engines must get every version."""
+    """--update-weights-interval against the layouts where engines must get every version (and
+    --balance-by-flops, which cuts dynamic micro-batches)."""
+    if ns.balance_by_flops and not ns.use_dynamic_batch_size:
+        return "--balance-by-flops balances dynamic micro-batches: add --use-dynamic-batch-size (and --max-tokens-per-gpu)"
     n = ns.update_weights_interval
     if n < 1:
         return f"--update-weights-interval must be >= 1 (got {n})"

@@ -358,10 +358,13 @@ SPECS += (
         store_true(),
         "not built yet: the entropy is measured in the training steps (train/entropy), not in the log-prob passes",
     ),
-    _refused(
+    _same(
         "--balance-by-flops",
         store_true(),
-        "not built yet: micro-batches are cut by token budget (--max-tokens-per-gpu with --use-dynamic-batch-size)",
+        APPLIED,
+        "with --use-dynamic-batch-size: each step's samples go into ceil(tokens / --max-tokens-per-gpu) "
+        "micro-batches of balanced estimated FLOPs (L x (c + L), c from the model's shape) instead of packed "
+        "by tokens; a micro-batch may then pass the token budget (as in slime)",
     ),
     _refused(
         "--ref-micro-batch-size",

@@ -17,6 +17,7 @@ import heapq
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,38 @@ def pack_micro_batches(
         else:
             batches.append([i])
     return batches
+
+
+def flops_coefficient(hf_config: Any) -> float:
+    """--balance-by-flops: c in a sequence's forward FLOPs ~ L x (c + L), from the model's shape
+    (slime's estimate: per layer 2Lh(a+2g)d + 2Lh^2 + 6Lh x ffn linear, 2aL^2d attention; the
+    output layer 2LhV; a mixture of experts counts its routed and shared experts' width)."""
+    c = hf_config
+    h, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    groups = getattr(c, "num_key_value_heads", None) or heads
+    d = getattr(c, "head_dim", None) or h // heads
+    ffn = c.intermediate_size
+    if getattr(c, "num_experts_per_tok", None) and getattr(c, "moe_intermediate_size", None):
+        ffn = c.moe_intermediate_size * c.num_experts_per_tok + (
+            getattr(c, "shared_expert_intermediate_size", 0) or 0
+        )
+    linear = layers * (2 * h * (heads + 2 * groups) * d + 2 * h * h + 6 * h * ffn) + 2 * h * c.vocab_size
+    return linear / (2 * heads * d * layers)
+
+
+def flops_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                        coefficient: float) -> list[list[int]]:  # fmt: skip
+    """--balance-by-flops: as many micro-batches as the token budget needs (ceil(tokens /
+    `max_tokens`), at most one per sample), filled longest-FLOPs first into the lightest (LPT:
+    within 4/3 of the best split; slime uses Karmarkar-Karp), each keeping rollout order."""
+    count = min(len(indices), max(1, -(-sum(lengths[i] for i in indices) // max_tokens)))
+    heap = [(0.0, k) for k in range(count)]
+    batches: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        load, k = heapq.heappop(heap)
+        batches[k].append(i)
+        heapq.heappush(heap, (load + lengths[i] * (coefficient + lengths[i]), k))
+    return [sorted(b) for b in batches if b]
 
 
 def split_to_count(batches: list[list[int]], count: int) -> list[list[int]]:
