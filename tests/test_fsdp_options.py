@@ -132,6 +132,11 @@ def run_options(rank, world_size, init_method, model, save_dir):
         actor.train(0, batch)
         out[key] = sorted(k for k, v in actor._snapshot().items() if not torch.equal(before[k], v))
         out[key + "_all"] = sorted(before)
+    for key, flops in (("tokens", False), ("flops", True)):
+        dynamic = BatchConfig(global_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=24,
+                              balance_by_flops=flops)  # fmt: skip
+        out[f"dynamic_{key}"] = _actor(dataclasses.replace(base, batch=dynamic), rank, world_size,
+                                       init_method).train(0, batch).steps  # fmt: skip
     typo = OptimizerConfig(freeze_params_name_list=["embed_tokens", "no_such_layer"])
     try:
         _actor(dataclasses.replace(base, optimizer=typo), rank, world_size, init_method)
@@ -337,6 +342,12 @@ def test_optimizer_states_reset_before_each_rollout_and_stateless_adam_keeps_non
 def test_ref_update_interval_makes_the_trained_weights_the_reference(options):
     # rollout 1's first step: the reference is rollout 0's result, the weights being trained
     assert options["refreshed_kl_1"] == 0.0 and options["plain_kl_1"] != 0.0
+
+
+def test_micro_batches_balanced_by_flops_train_the_same_steps(options):
+    for a, b in zip(options["dynamic_tokens"], options["dynamic_flops"], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
 
 
 def test_parameters_freeze_by_name_patterns(options):
