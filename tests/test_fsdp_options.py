@@ -113,12 +113,16 @@ def run_options(rank, world_size, init_method, model, save_dir):
     out["sgd_type"] = type(sgd.optimizer).__name__
     reset = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, reset_optimizer_states=True)),
                    rank, world_size, init_method)  # fmt: skip
-    out["plain_kl_1"] = plain.train(1, batch).steps[0]["kl_loss"]
+    plain_1 = plain.train(1, batch)
+    out["plain_kl_1"], out["plain_rollout_1"] = plain_1.steps[0]["kl_loss"], plain_1.rollout
     reset.train(1, batch)
     every = dataclasses.replace(base, loss=dataclasses.replace(base.loss, ref_update_interval=1))
     refreshed = _actor(every, rank, world_size, init_method)
     refreshed.train(0, batch)
     out["refreshed_kl_1"] = refreshed.train(1, batch).steps[0]["kl_loss"]
+    measured = dataclasses.replace(base, loss=dataclasses.replace(base.loss, use_rollout_entropy=True))
+    out["entropy_rollout"] = _actor(measured, rank, world_size, init_method).train(0, batch).rollout
+    out["entropy_step0"] = out["plain"][0]["entropy"]
     out["adam_steps"] = [int(next(iter(a.optimizer.state.values()))["step"]) for a in (plain, reset)]
     out["steps_per_rollout"] = len(reset.train(2, batch).steps)
     stateless = _actor(dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4, use_stateless_adam=True)),
@@ -348,6 +352,15 @@ def test_micro_batches_balanced_by_flops_train_the_same_steps(options):
     for a, b in zip(options["dynamic_tokens"], options["dynamic_flops"], strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+
+
+def test_rollout_entropy_is_measured_in_the_log_prob_passes(options):
+    got = options["entropy_rollout"]
+    # at step 0 the actor and the reference are the same weights; the log-prob pass's entropy is the
+    # first training forward's, over the same tokens (train/entropy weighs samples, not tokens)
+    assert got["entropy"] == got["ref_entropy"] > 0
+    assert math.isclose(got["entropy"], options["entropy_step0"], rel_tol=0.05)
+    assert "entropy" not in options["plain_rollout_1"]  # only when asked for
 
 
 def test_parameters_freeze_by_name_patterns(options):

@@ -32,6 +32,8 @@ PROBE = 7  # a batch no run trains on: log-probs of the weights after rollout 0
 
 def config(model: str, tp: int = 1, pp: int = 1, **over):
     cfg = base_config(model, micro_batch_size=2)
+    # --use-rollout-entropy: the log-prob passes' entropy is compared with FSDP's with every rollout metric
+    cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, use_rollout_entropy=True))
     if over.get("backend", "megatron") == "megatron":
         cfg = dataclasses.replace(
             cfg,
@@ -131,6 +133,7 @@ def assert_trains_like(fsdp, ranks, only_rank0_exports=True):
             bad = {m: (a[m], b[m]) for m in a if not math.isclose(a[m], b[m], rel_tol=2e-5, abs_tol=2e-6)}
             assert not bad, f"step {k}: {bad}"
         for out_a, out_b in zip(fsdp["outputs"], result["outputs"]):
+            assert {"entropy", "ref_entropy"} <= out_a.rollout.keys()
             for key, value in out_a.rollout.items():
                 assert math.isclose(value, out_b.rollout[key], rel_tol=1e-5, abs_tol=1e-6), key
         for name in ("lp", "probe"):  # each rank: its data-parallel share, keyed by sample index

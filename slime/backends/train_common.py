@@ -85,6 +85,7 @@ class TrainActorBase(TrainRecords):
     """Routing replay during one `train` or `compute_log_probs` call: per batch position, the experts
     each token is routed to, [tokens, layers, top-k] (-1: the router's own); R3's or R2's."""
     recorded_routing: dict[int, torch.Tensor] | None = None  # R2: the next log-prob pass fills it
+    pass_entropy: dict[int, torch.Tensor] | None = None  # --use-rollout-entropy: the next pass fills it
 
     routing: RouterHooks | None = None
     """The router hooks of a mixture-of-experts model (None: a dense model)."""
@@ -201,25 +202,6 @@ class TrainActorBase(TrainRecords):
         for name, value in metrics.items():
             sums[name] += value.double().cpu()
         return loss, gap
-
-    @staticmethod
-    def _uncovered(batch: RolloutBatch, mine: list[int], index: list[int],
-                   per_sample: dict[int, list[float]]) -> int | None:  # fmt: skip
-        """The first of this rank's positions whose per-token list (keyed by sample index) is
-        missing or not one entry per response token; None when all are there."""
-        return next((p for p in mine if len(per_sample.get(index[p], ())) != batch.response_lengths[p]), None)
-
-    @staticmethod
-    def _raise_agreed(problem: str | None) -> None:
-        """BatchError on every rank with the first rank's `problem` (collective: a problem only one
-        rank sees must not leave the others waiting in the next collective)."""
-        everyone: list[Any] = [problem]
-        if dist.is_initialized():
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, problem)
-        first = next((e for e in everyone if e), None)
-        if first:
-            raise BatchError(first)
 
     # ---- colocation -------------------------------------------------------------------------
     def sleep(self, keep_params: bool = False) -> None:
@@ -382,18 +364,26 @@ class TrainActorBase(TrainRecords):
         compute = loss_cfg.compute_advantages_and_returns
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
             lp_plans = self._log_prob_plans(part, plans)
+            entropies: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy: each pass fills one
             if loss_cfg.use_rollout_logprobs:  # the engine's log-probs are the old policy
                 assert batch.rollout_log_probs is not None  # validate() checked
                 old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
             else:
+                self.pass_entropy = (
+                    entropies.setdefault("entropy", {}) if loss_cfg.use_rollout_entropy else None
+                )
                 old = self._log_prob_pass(batch, lp_plans)
                 if self.recorded_routing is not None:  # R2: the passes below replay this routing
                     self.routing_tables, self.recorded_routing = self.recorded_routing, None
             if loss_cfg.needs_ref:
+                self.pass_entropy = (
+                    entropies.setdefault("ref_entropy", {}) if loss_cfg.use_rollout_entropy else None
+                )
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
+            self.pass_entropy = None
             teacher = self._teacher_log_probs(batch, mine, lp_plans)
-            output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher))
+            output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher, entropies))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))
         advantages = returns = None

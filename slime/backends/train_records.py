@@ -13,7 +13,7 @@ import torch.distributed as dist
 from slime.algo.losses import approx_kl
 from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
-from slime.utils.batch import RolloutBatch, RolloutPart
+from slime.utils.batch import BatchError, RolloutBatch, RolloutPart
 
 
 def nan_max(a: float, b: float) -> float:
@@ -117,11 +117,13 @@ class TrainRecords:
         old: dict[int, torch.Tensor],
         ref: dict[int, torch.Tensor] | None,
         teacher: dict[int, torch.Tensor] | None = None,
+        entropies: dict[str, dict[int, torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         """Token means over the loss mask, over all ranks: the trainer's log-probs, the
         reference's, the OPD teacher's and the engine's, the KL to the reference and to the
-        teacher (slime's opd_reverse_kl) and the trainer-engine gap."""
-        names = ["log_probs"]
+        teacher (slime's opd_reverse_kl), the trainer-engine gap, and `entropies` by name
+        (--use-rollout-entropy: the log-prob passes' entropy and ref_entropy)."""
+        names = ["log_probs", *(entropies or {})]
         if ref is not None:
             names += ["ref_log_probs", "kl"]
         if teacher is not None:
@@ -132,7 +134,7 @@ class TrainRecords:
         worst = torch.zeros(1, dtype=torch.float64)
         for p in mine:
             mask = self._loss_mask(batch, p).bool()
-            values = {"log_probs": old[p]}
+            values = {"log_probs": old[p], **{name: e[p] for name, e in (entropies or {}).items()}}
             if ref is not None:
                 values["ref_log_probs"] = ref[p]
                 values["kl"] = approx_kl(old[p], ref[p], self.cfg.loss.kl_loss_type)
@@ -186,3 +188,22 @@ class TrainRecords:
             out["ref_max_abs_diff"] = 0.0 if worst == -float("inf") else worst  # NaN stays NaN
             out["ref_tokens_differ"] = float(counts[1])
         return out
+
+    @staticmethod
+    def _uncovered(batch: RolloutBatch, mine: list[int], index: list[int],
+                   per_sample: dict[int, list[float]]) -> int | None:  # fmt: skip
+        """The first of this rank's positions whose per-token list (keyed by sample index) is
+        missing or not one entry per response token; None when all are there."""
+        return next((p for p in mine if len(per_sample.get(index[p], ())) != batch.response_lengths[p]), None)
+
+    @staticmethod
+    def _raise_agreed(problem: str | None) -> None:
+        """BatchError on every rank with the first rank's `problem` (collective: a problem only one
+        rank sees must not leave the others waiting in the next collective)."""
+        everyone: list[Any] = [problem]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, problem)
+        first = next((e for e in everyone if e), None)
+        if first:
+            raise BatchError(first)

@@ -60,6 +60,12 @@ class LossConfig:
     """`--value-clip`: the critic's value loss clips V - V_old to [-value_clip, value_clip]."""
     entropy_coef: float = flag("--entropy-coef", 0.0)
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
+    use_rollout_entropy: bool = flag(
+        "--use-rollout-entropy", False,
+        help="the log-prob passes also measure each token's entropy (at --rollout-temperature): rollout/entropy "
+        "and rollout/ref_entropy, token means over the loss mask",
+    )  # fmt: skip
+    """`--use-rollout-entropy`: entropy in the log-prob passes (TrainActorBase.pass_entropy)."""
     use_tis: bool = flag("--use-tis", False)
     """`--use-tis`: truncated importance sampling against the engine's log-probs."""
     get_mismatch_metrics: bool = flag(

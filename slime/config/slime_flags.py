@@ -353,11 +353,6 @@ SPECS += (
         "that generated the rollout, except one step off-policy, where --use-rollout-logprobs or "
         "--use-decoupled-loss take the engine's)",
     ),
-    _refused(
-        "--use-rollout-entropy",
-        store_true(),
-        "not built yet: the entropy is measured in the training steps (train/entropy), not in the log-prob passes",
-    ),
     _same(
         "--balance-by-flops",
         store_true(),

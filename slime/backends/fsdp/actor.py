@@ -314,11 +314,11 @@ class FSDPTrainActor(TrainActorBase):
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
                     with self._routing_state(mb, record=record) as state:
-                        log_probs, _ = response_log_probs(
+                        log_probs, entropy = response_log_probs(
                             self.model,
                             mb,
                             self.cfg.rollout_temperature,
-                            False,
+                            self.pass_entropy is not None,
                             self.cfg.batch.log_probs_chunk_size,
                         )
                     if record:
@@ -329,6 +329,8 @@ class FSDPTrainActor(TrainActorBase):
                     log_probs = log_probs.cpu()
                     for row, p in enumerate(mb.positions):
                         out[p] = log_probs[row, : mb.response_lengths[row]].clone()
+                        if entropy is not None and self.pass_entropy is not None:
+                            self.pass_entropy[p] = entropy[row, : mb.response_lengths[row]].float().cpu()
         finally:
             self.model.train()
         model_init.reshard(self.model)

@@ -1,16 +1,11 @@
 """The Megatron-core train actor: one rank of a TP x PP x DP layout.
 
-megatron-core supplies the parallel state (tensor-, pipeline- and data-parallel groups), the
-GPTModel (this rank's TP shard of its pipeline stage's layers) and the pipeline schedules
-(`get_forward_backward_func`: 1F1B over the pipeline, plain forward/backward without one). slime
-supplies what the FSDP actor also does (slime.backends.train_common: planning over the data-
-parallel replicas, advantages, metrics), the loss (slime.algo), the optimizer (slime's AdamW and
-LR schedule, so both backends step identically), and the gradient reduction and clipping
-(slime.backends.megatron.grads). Log-probs are computed on the last stage from the
-vocabulary-parallel logits (slime.backends.megatron.logprobs: padded vocabulary rows excluded)
-and broadcast to the other stages, so every rank of a replica holds them.
-
-On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim; on CUDA nothing is patched.
+megatron-core supplies the parallel state, the GPTModel (this rank's TP shard of its stage's layers)
+and the pipeline schedules; slime supplies what the FSDP actor also does (slime.backends.train_common),
+the loss (slime.algo), the optimizer (the same AdamW and schedule) and the gradient reduction and
+clipping (slime.backends.megatron.grads). Log-probs are computed on the last stage from the
+vocabulary-parallel logits (slime.backends.megatron.logprobs) and broadcast to the other stages.
+On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim.
 """
 
 from __future__ import annotations
@@ -66,8 +61,6 @@ class MegatronTrainActor(TrainActorBase):
         self._dist_args = (rank, world_size, init_method)
         self.rank, self.world_size = 0, 1
         self.model: Any = None
-        self.optimizer: torch.optim.Optimizer
-        self.schedule: LRSchedule
         self.masters = MasterWeights()  # --bf16: parameter -> float32 master weight
         self.rollout_id = -1
         self.resumed_extra: dict[str, Any] = {}
@@ -237,8 +230,7 @@ class MegatronTrainActor(TrainActorBase):
         self._copy_in(self._read_hf_shard(hf_dir), masters=True)
 
     def _copy_in(self, state: State, masters: bool = False) -> None:
-        """Write `state` into the model (and, with `masters`, into --bf16's master weights):
-        slime.backends.megatron.masters.copy_in."""
+        """`state` into the model (with `masters`, --bf16's master weights too: masters.copy_in)."""
         copy_in(self.model, self.masters if masters else None, state)
 
     def _snapshot(self) -> State:
@@ -250,9 +242,8 @@ class MegatronTrainActor(TrainActorBase):
 
     # ---- forward ----------------------------------------------------------------------------
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
-        # Sequence parallelism splits the sequence over TP ranks: its length must divide by TP
-        # (packed: the padding is a segment of its own; padded: causal attention keeps the
-        # padding after a sample out of its logits).
+        # Sequence parallelism splits the sequence over TP ranks: its length must divide by TP (the
+        # padding a segment of its own when packed; after a sample, out of its logits, when padded).
         multiple = self.tp if self.cfg.megatron.sequence_parallel else 1
         return make_micro_batch(positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device,
                                 self.packs_sequences, multiple)  # fmt: skip
@@ -263,10 +254,8 @@ class MegatronTrainActor(TrainActorBase):
         """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns of the
         [rows, tokens, padded vocabulary / TP] logits."""
 
-        def stats(
-            rows_logits: torch.Tensor, rows_targets: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return vocab_parallel_log_probs(rows_logits, rows_targets, self.layout.vocab_size, self.mesh.tp_rank,
+        def stats(logits_: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return vocab_parallel_log_probs(logits_, targets, self.layout.vocab_size, self.mesh.tp_rank,
                                             self.tp, self.mesh.tp_group, with_entropy)  # fmt: skip
 
         def at(index: torch.Tensor | None, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -350,7 +339,13 @@ class MegatronTrainActor(TrainActorBase):
         mbs = self._micro_batches(batch, plans)
         record = self.recorded_routing is not None
         states = self._routing_states(mbs, record=record)
-        out = self._collect(mbs, lambda logits, mb: self._response_log_probs(logits, mb, False)[0], states)
+        want = self.pass_entropy is not None  # --use-rollout-entropy: [log-prob, entropy] per token
+
+        def per_token(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+            log_probs, entropy = self._response_log_probs(logits, mb, want)
+            return log_probs if entropy is None else torch.stack((log_probs, entropy), -1)
+
+        out = self._collect(mbs, per_token, states)
         if record and self.routing is not None:  # R2: each stage keeps its own layers' routing
             assert self.recorded_routing is not None
             for mb, state in zip(mbs, states):
@@ -358,11 +353,15 @@ class MegatronTrainActor(TrainActorBase):
                 routed = self.routing.recorded(state, mb.input_ids.numel(), mb.input_ids.shape[0])
                 for start, p in zip(mb.token_starts(), mb.positions):
                     self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
-        if self.pp == 1:
-            return out
-        positions = [p for mb in mbs for p in mb.positions]  # the last stage's values, to every stage
-        sizes = [batch.response_lengths[p] for p in positions]
-        return from_last_stage(out, positions, sizes, self.last_stage, self.device, self.mesh.pp_group)
+        if self.pp > 1:  # the last stage's values, to every stage
+            positions = [p for mb in mbs for p in mb.positions]
+            sizes = [batch.response_lengths[p] * (1 + want) for p in positions]
+            flat = {p: v.reshape(-1) for p, v in out.items()}
+            out = from_last_stage(flat, positions, sizes, self.last_stage, self.device, self.mesh.pp_group)
+        if want:
+            assert self.pass_entropy is not None
+            self.pass_entropy.update({p: v.reshape(-1, 2)[:, 1].clone() for p, v in out.items()})
+        return {p: v.reshape(-1, 2)[:, 0].clone() for p, v in out.items()} if want else out
 
     # ---- training ---------------------------------------------------------------------------
     def _train_step(
