@@ -23,6 +23,7 @@ from slime.algo import advantages as adv
 from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
+from slime.backends import old_actor
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import move_state, reset_states
 from slime.backends.routing import RouterHooks
@@ -86,6 +87,7 @@ class TrainActorBase(TrainRecords):
     each token is routed to, [tokens, layers, top-k] (-1: the router's own); R3's or R2's."""
     recorded_routing: dict[int, torch.Tensor] | None = None  # R2: the next log-prob pass fills it
     pass_entropy: dict[int, torch.Tensor] | None = None  # --use-rollout-entropy: the next pass fills it
+    kept: dict[str, dict[str, torch.Tensor]]  # --keep-old-actor: pushed versions' weights (old_actor.py)
 
     routing: RouterHooks | None = None
     """The router hooks of a mixture-of-experts model (None: a dense model)."""
@@ -364,25 +366,25 @@ class TrainActorBase(TrainRecords):
         compute = loss_cfg.compute_advantages_and_returns
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
             lp_plans = self._log_prob_plans(part, plans)
-            entropies: dict[str, dict[int, torch.Tensor]] = {}  # --use-rollout-entropy: each pass fills one
+            # --use-rollout-entropy: each log-prob pass fills its own
+            entropies: dict[str, dict[int, torch.Tensor]] = {"entropy": {}, "ref_entropy": {}}
+            want = loss_cfg.use_rollout_entropy
             if loss_cfg.use_rollout_logprobs:  # the engine's log-probs are the old policy
                 assert batch.rollout_log_probs is not None  # validate() checked
                 old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
             else:
-                self.pass_entropy = (
-                    entropies.setdefault("entropy", {}) if loss_cfg.use_rollout_entropy else None
-                )
-                old = self._log_prob_pass(batch, lp_plans)
+                self.pass_entropy = entropies["entropy"] if want else None
+                with old_actor.generating_weights(self, batch, mine):  # --keep-old-actor
+                    old = self._log_prob_pass(batch, lp_plans)
                 if self.recorded_routing is not None:  # R2: the passes below replay this routing
                     self.routing_tables, self.recorded_routing = self.recorded_routing, None
             if loss_cfg.needs_ref:
-                self.pass_entropy = (
-                    entropies.setdefault("ref_entropy", {}) if loss_cfg.use_rollout_entropy else None
-                )
+                self.pass_entropy = entropies["ref_entropy"] if want else None
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
             self.pass_entropy = None
             teacher = self._teacher_log_probs(batch, mine, lp_plans)
+            entropies = {k: v for k, v in entropies.items() if v or (want and k == "entropy")}
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher, entropies))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))

@@ -60,6 +60,13 @@ class LossConfig:
     """`--value-clip`: the critic's value loss clips V - V_old to [-value_clip, value_clip]."""
     entropy_coef: float = flag("--entropy-coef", 0.0)
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
+    keep_old_actor: bool = flag(
+        "--keep-old-actor", False,
+        help="the old policy's log-probs come from the weights that generated the rollout (kept in host memory at "
+        "every push), not the weights being trained: they differ one step off-policy (train_async.py) and with "
+        "--update-weights-interval",
+    )  # fmt: skip
+    """`--keep-old-actor`: the log-prob pass with the generating version's weights (TrainActorBase.keep_weights)."""
     use_rollout_entropy: bool = flag(
         "--use-rollout-entropy", False,
         help="the log-prob passes also measure each token's entropy (at --rollout-temperature): rollout/entropy "
@@ -180,6 +187,11 @@ class LossConfig:
             raise ValueError(
                 "--get-mismatch-metrics reports what --custom-tis-function-path computes (slime's "
                 "examples/train_infer_mismatch_helper/mis.py): give the function"
+            )
+        if self.keep_old_actor and self.use_rollout_logprobs:
+            raise ValueError(
+                "--keep-old-actor recomputes the old policy's log-probs with the generating weights, which "
+                "--use-rollout-logprobs replaces with the engine's: give one of them"
             )
         if self.get_mismatch_metrics and self.use_rollout_logprobs:
             raise ValueError(

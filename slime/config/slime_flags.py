@@ -346,13 +346,6 @@ SPECS += (
         "it picks an iteration of a Megatron --ref-load checkpoint; --ref-load is a Hugging Face directory here "
         "(convert that iteration with slime.tools.convert_megatron_to_hf)",
     ),
-    _refused(
-        "--keep-old-actor",
-        store_true(),
-        "not built yet: the old policy's log-probs are the trainer's weights at training time (the weights "
-        "that generated the rollout, except one step off-policy, where --use-rollout-logprobs or "
-        "--use-decoupled-loss take the engine's)",
-    ),
     _same(
         "--balance-by-flops",
         store_true(),

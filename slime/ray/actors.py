@@ -119,7 +119,16 @@ class TrainRank:
         """Join the train process group at `rendezvous` (address, port), then build the model."""
         master_addr, master_port = rendezvous
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        return {**self.actor.init(), "node_ip": node_ip()}
+        info = {**self.actor.init(), "node_ip": node_ip()}
+        if self._keeps_old_actor():  # the engines' weights until the first push (SGLang's name for them)
+            from slime.backends.old_actor import keep_weights
+
+            keep_weights(self.actor, "default")
+        return info
+
+    def _keeps_old_actor(self) -> bool:
+        loss = getattr(getattr(self.actor, "cfg", None), "loss", None)
+        return bool(getattr(loss, "keep_old_actor", False))
 
     def train(
         self, rollout_id: int, batch: RolloutBatch, values: list[Any] | None = None, update: bool = True
@@ -200,8 +209,11 @@ class TrainRank:
     ) -> dict[str, float | str] | None:
         """One push (every rank): the statistics on rank 0, with the transport's label under
         "transport"; None elsewhere."""
+        from slime.backends.old_actor import keep_weights
         from slime.bridge.push import push_actor_weights
 
+        if self._keeps_old_actor():  # --keep-old-actor: the weights the engines generate with from now
+            keep_weights(self.actor, weight_version)
         with self._watch(f"the weight push of version {weight_version}"):
             return push_actor_weights(
                 self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.topology

@@ -48,6 +48,9 @@ class RolloutBatch:
     rollout_ids: list[int | None] | None = None
     """slime's field: per sample, the execution (one run of the generate function) it came from.
     A step takes --global-batch-size executions, and the per-sample loss is a mean over them."""
+    weight_versions: list[str | None] | None = None
+    """The engine weight version each sample was generated with (None: several, or none reported);
+    --keep-old-actor takes the old policy's log-probs with those weights."""
     rewards_normalized: bool = False
     """`rewards` came from --custom-reward-post-process-path: the advantages start from them as
     they are (no group baseline on the train side)."""
@@ -104,6 +107,7 @@ class RolloutBatch:
             teacher_log_probs=pick(self.teacher_log_probs),
             sample_indices=[base[i] for i in indices],
             rollout_ids=pick(self.rollout_ids),
+            weight_versions=pick(self.weight_versions),
             rewards_normalized=self.rewards_normalized,
         )
 

@@ -459,4 +459,5 @@ def samples_to_batch(
         rollout_ids=[s.rollout_id for s in samples]
         if any(s.rollout_id is not None for s in samples)
         else None,
+        weight_versions=[s.weight_versions[0] if len(set(s.weight_versions)) == 1 else None for s in samples],
     )
