@@ -69,6 +69,7 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
         (["--ref-update-interval", "2"], "no loss term uses"),
         (["--eval-min-new-tokens", "5"], "the torch engine does not apply"),
         (["--balance-by-flops"], "add --use-dynamic-batch-size"),
+        (["--keep-old-actor", "--partial-rollout", "--fully-async"], "mixes versions within a rollout"),
         (["--update-weight-mode", "delta"], "use --update-weight-transport disk"),
         (
             ["--update-weight-mode", "delta", "--update-weight-transport", "disk"],

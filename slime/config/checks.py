@@ -216,6 +216,11 @@ def check_delta(ns: argparse.Namespace) -> str | None:
 def check_update_interval(ns: argparse.Namespace) -> str | None:
     """--update-weights-interval against the layouts where engines must get every version (and
     --balance-by-flops, which cuts dynamic micro-batches)."""
+    if ns.keep_old_actor and (ns.fully_async or ns.partial_rollout):
+        return (
+            f"--keep-old-actor takes each rollout's old log-probs with the one weight version that generated it; "
+            f"{'--fully-async' if ns.fully_async else '--partial-rollout'} mixes versions within a rollout: drop one of them"
+        )
     if ns.balance_by_flops and not ns.use_dynamic_batch_size:
         return "--balance-by-flops balances dynamic micro-batches: add --use-dynamic-batch-size (and --max-tokens-per-gpu)"
     n = ns.update_weights_interval
