@@ -168,3 +168,14 @@ def test_a_host_seeds_from_the_newest_full_version(tiny_model, tmp_path):
         json.dump(index, f)
     done = wd.pull_weights(str(tmp_path / "host"), disk, 3, "/nonexistent")
     assert done["seeded_from"] == 3 and wd.local_version(str(tmp_path / "host")) == 3
+
+
+def test_a_local_checkpoint_never_overwrites_files_it_did_not_write(tiny_model, tmp_path):
+    with pytest.raises(wd.DeltaError, match="is the engine's model"):
+        wd.pull_weights(tiny_model, str(tmp_path / "shared"), 0, tiny_model)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "model.safetensors").write_bytes(b"precious")
+    with pytest.raises(wd.DeltaError, match="did not write"):
+        wd.pull_weights(str(occupied), str(tmp_path / "shared"), 0, tiny_model)
+    assert (occupied / "model.safetensors").read_bytes() == b"precious"

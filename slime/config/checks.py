@@ -210,6 +210,13 @@ def check_delta(ns: argparse.Namespace) -> str | None:
         )
     if ns.lora_rank:
         return "--update-weight-mode delta pushes full weights' changes; with --lora-rank push the adapters or merged weights"
+    local = os.path.realpath(ns.update_weight_local_checkpoint_dir)
+    for other, flag in (
+        (ns.hf_checkpoint, "--hf-checkpoint"),
+        (ns.update_weight_disk_dir, "--update-weight-disk-dir"),
+    ):
+        if other and (local == os.path.realpath(other) or local.startswith(os.path.realpath(other) + os.sep)):
+            return f"--update-weight-local-checkpoint-dir is patched in place by every push: it must not be {flag} or inside it"
     return None
 
 

@@ -39,6 +39,8 @@ import numpy as np
 INDEX = "model.safetensors.index.json"
 STATE = "slime_weight_version.json"
 """In a local checkpoint: the version its files hold, written last (a commit marker)."""
+OWNED = ".slime_local_checkpoint"
+"""In a local checkpoint: made by /pull_weights, which may replace its files (never removed)."""
 ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
 _MODEL_FILES = ("config.json", "generation_config.json")
@@ -196,6 +198,12 @@ def pull_weights(local_dir: str, source_dir: str, target: int, base_dir: str) ->
     the newest full version at or below `target` (`base_dir`, the engine's own model, is version 0)
     when it holds none, an older run's, or a newer one; then each delta applied in turn, every
     tensor checked against its checksum. Returns what was done."""
+    real = os.path.realpath(local_dir)
+    for other, what in ((base_dir, "the engine's model"), (source_dir, "the published versions")):
+        if real == os.path.realpath(other) or real.startswith(os.path.realpath(other) + os.sep):
+            raise DeltaError(
+                f"the local checkpoint directory {local_dir} is {what} ({other}): give a directory of its own"
+            )
     os.makedirs(local_dir, exist_ok=True)
     with _host_lock(local_dir):
         current = local_version(local_dir)
@@ -230,13 +238,20 @@ def _materialize(local_dir: str, full_dir: str, version: int) -> None:
     """Copy a full checkpoint into `local_dir`; the version marker goes first, and comes back last."""
     if not os.path.isdir(full_dir):
         raise DeltaError(f"{full_dir}: the full checkpoint to seed from does not exist")
+    foreign = [n for n in os.listdir(local_dir) if n != ".pull.lock"]
+    if foreign and not os.path.exists(os.path.join(local_dir, OWNED)):
+        raise DeltaError(
+            f"{local_dir} holds files /pull_weights did not write ({', '.join(sorted(foreign)[:3])}): give an empty "
+            "directory (its files are replaced)"
+        )
+    open(os.path.join(local_dir, OWNED), "a").close()
     _set_local_version(local_dir, None)
     for name in os.listdir(local_dir):
         if name.endswith(".safetensors"):  # a previous run's shards may be named otherwise
             os.remove(os.path.join(local_dir, name))
     for name in os.listdir(full_dir):
         src = os.path.join(full_dir, name)
-        if os.path.isfile(src) and not name.startswith("."):
+        if os.path.isfile(src) and not name.startswith(".") and name != STATE:
             shutil.copyfile(src, os.path.join(local_dir, name))
     _set_local_version(local_dir, version)
 

@@ -8,6 +8,7 @@ serving. The file work runs in a thread, off the event loop and off the engine's
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
@@ -17,9 +18,9 @@ from slime.utils import weight_delta
 
 
 class PullAPI:
-    def __init__(self, model_path: str):
-        self.model_path = model_path
-        """Version 0: the checkpoint the engine started from."""
+    def __init__(self, engine: Any):
+        self.engine = engine
+        """Its model (`config.model_path`) is version 0: the checkpoint the engine started from."""
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_post("/pull_weights", self.pull_weights)
@@ -36,7 +37,8 @@ class PullAPI:
         if not isinstance(target, int) or isinstance(target, bool) or target < 0:
             raise ProtocolError("'target_version' must be an integer >= 0")
         try:
-            done = await asyncio.to_thread(weight_delta.pull_weights, local, source, target, self.model_path)
+            base = self.engine.config.model_path
+            done = await asyncio.to_thread(weight_delta.pull_weights, local, source, target, base)
         except (weight_delta.DeltaError, OSError) as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": f"at version {target}", **done})

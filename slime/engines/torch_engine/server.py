@@ -84,7 +84,7 @@ def make_app(
     app.on_startup.append(api.on_startup)
     WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
     LoRAAPI(engine).register(app.router)
-    PullAPI(engine.config.model_path).register(app.router)
+    PullAPI(engine).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
