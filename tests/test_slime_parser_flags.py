@@ -79,6 +79,19 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
             ["--update-weight-local-checkpoint-dir", "/x"],
             "full disk pushes are read from --update-weight-disk-dir",
         ),
+        (
+            [
+                "--update-weight-mode",
+                "delta",
+                "--update-weight-transport",
+                "disk",
+                "--update-weight-disk-dir",
+                "/s",
+                "--update-weight-local-checkpoint-dir",
+                "/s/local",
+            ],
+            "must not be --update-weight-disk-dir or inside it",
+        ),
         (["--apply-chat-template-kwargs", "enable_thinking=False"], "--apply-chat-template-kwargs"),
     ],
 )
