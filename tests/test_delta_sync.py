@@ -179,3 +179,31 @@ def test_a_local_checkpoint_never_overwrites_files_it_did_not_write(tiny_model, 
     with pytest.raises(wd.DeltaError, match="did not write"):
         wd.pull_weights(str(occupied), str(tmp_path / "shared"), 0, tiny_model)
     assert (occupied / "model.safetensors").read_bytes() == b"precious"
+
+
+def test_pushed_tensors_take_the_checkpoints_dtype_and_a_stream_removes_only_its_own_files(
+    tiny_model, tmp_path
+):
+    from safetensors.torch import save_file
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model, bf16)
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(bf16 / "model.safetensors")).items()}
+    save_file(state, str(bf16 / "model.safetensors"), {"format": "pt"})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("someone else's")
+    transport = DeltaDiskTransport(str(bf16), str(shared), str(tmp_path / "host"))
+    trained = {k: v.float() + 0.01 for k, v in state.items()}  # a float32 trainer's weights
+    asyncio.run(transport.setup([]))
+    asyncio.run(transport.send([], list(trained.items()), "1"))
+    asyncio.run(transport.finish([], "1"))
+    wd.pull_weights(str(tmp_path / "host"), str(shared), 1, str(bf16))
+    host = load_file(str(tmp_path / "host" / "model.safetensors"))
+    assert all(torch.equal(host[k], v.to(torch.bfloat16)) for k, v in trained.items())
+    assert (shared / "notes.txt").read_text() == "someone else's"
+    fresh = DeltaDiskTransport(str(bf16), str(shared), str(tmp_path / "host"))
+    asyncio.run(fresh.setup([]))  # a new stream: the old versions go, the other files stay
+    assert sorted(os.listdir(shared)) == ["notes.txt"]
+    with pytest.raises(wd.DeltaError, match="has shape"):
+        asyncio.run(fresh.send([], [(next(iter(state)), torch.zeros(3))], "2"))

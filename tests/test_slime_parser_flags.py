@@ -90,7 +90,7 @@ def test_train_env_vars_is_a_json_object_of_strings(base, capsys):
                 "--update-weight-local-checkpoint-dir",
                 "/s/local",
             ],
-            "must not be --update-weight-disk-dir or inside it",
+            "must be apart from --hf-checkpoint and --update-weight-disk-dir",
         ),
         (["--apply-chat-template-kwargs", "enable_thinking=False"], "--apply-chat-template-kwargs"),
     ],

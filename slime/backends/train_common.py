@@ -384,7 +384,9 @@ class TrainActorBase(TrainRecords):
                     ref = self._log_prob_pass(batch, lp_plans)
             self.pass_entropy = None
             teacher = self._teacher_log_probs(batch, mine, lp_plans)
-            entropies = {k: v for k, v in entropies.items() if v or (want and k == "entropy")}
+            entropies = {
+                k: v for k, v in entropies.items() if want and (k == "entropy" or loss_cfg.needs_ref)
+            }
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher, entropies))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))

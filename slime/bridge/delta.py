@@ -43,6 +43,8 @@ class DeltaDiskTransport:
         self.version = 0
         """The newest version published."""
         self.snapshot: dict[str, np.ndarray] | None = None
+        self.kinds: dict[str, tuple[str, tuple[int, ...]]] = {}
+        """Each checkpoint tensor's dtype and shape: the pushed tensors are cast to it."""
         self.staged: dict[str, np.ndarray] = {}
         self.pending: str | None = None
         self.files: list[tuple[str, list[str]]] = []
@@ -51,9 +53,11 @@ class DeltaDiskTransport:
 
     async def setup(self, engines: list[EngineClient]) -> None:
         if self.snapshot is None:  # a fresh stream: an older run's versions had another base
-            shutil.rmtree(self.disk_dir, ignore_errors=True)
             os.makedirs(self.disk_dir, exist_ok=True)
+            for name in wd.owned_entries(self.disk_dir):  # only what a stream wrote: never other files
+                shutil.rmtree(os.path.join(self.disk_dir, name), ignore_errors=True)
             self.snapshot = await asyncio.to_thread(wd.seed_snapshot, self.hf_checkpoint)
+            self.kinds = wd.tensor_kinds(self.hf_checkpoint)
         # Every host seeds its checkpoint now, so the first push pays only the delta.
         await asyncio.gather(*(e.pull_weights(self.local_dir, self.disk_dir, self.version) for e in engines))
 
@@ -85,15 +89,22 @@ class DeltaDiskTransport:
 
         def one(item: tuple[str, torch.Tensor]) -> tuple[str, np.ndarray, bytes | None, str]:
             name, tensor = item
-            new = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
-            old = snapshot.get(name)
-            if old is None or old.size != new.size:
-                where = "is not in" if old is None else f"has {old.size} bytes in"
+            old, kind = snapshot.get(name), self.kinds.get(name)
+            if old is None or kind is None or tuple(tensor.shape) != kind[1]:
+                where = "is not in" if kind is None else f"has shape {list(kind[1])} in"
                 raise wd.DeltaError(
-                    f"--update-weight-mode delta: tensor {name} ({tuple(tensor.shape)}, {tensor.dtype}) {where} "
-                    f"--hf-checkpoint {self.hf_checkpoint}; deltas are taken against the checkpoint the engines start "
-                    "from, so the trainer must push its tensors with the checkpoint's names and dtype"
+                    f"--update-weight-mode delta: tensor {name} {list(tensor.shape)} {where} --hf-checkpoint "
+                    f"{self.hf_checkpoint}; deltas are taken against the checkpoint the engines start from, so the "
+                    "trainer must push the checkpoint's tensors"
                 )
+            # The engines' host checkpoint keeps the checkpoint's dtype: what they load from it (a
+            # full disk push is cast the same way when the engine loads it).
+            dtype = getattr(torch, wd.SAFETENSORS_DTYPES.get(kind[0], ""), None)
+            if dtype is None:
+                raise wd.DeltaError(
+                    f"--update-weight-mode delta: tensor {name}'s dtype {kind[0]} is not supported"
+                )
+            new = tensor.detach().to("cpu", dtype).contiguous().view(-1).view(torch.uint8).numpy().copy()
             blob = wd.encode(self.encoding, old, new)
             return name, new, blob, "" if blob is None else wd.checksum(self.checksum, new)
 
@@ -138,8 +149,9 @@ class DeltaDiskTransport:
         try:
             await asyncio.gather(*(e.pull_weights(self.local_dir, self.disk_dir, version) for e in engines))
         except BaseException:
-            # An engine refused the version (a checksum failed: the storage corrupted it) and keeps
-            # serving the previous one; the next push starts a fresh stream from --hf-checkpoint.
+            # An engine refused the version (a checksum failed twice, the second time on a fresh
+            # copy: the storage corrupted it) and keeps serving the previous one; the push fails,
+            # and a push after it starts a fresh stream from --hf-checkpoint.
             self.snapshot, self.version = None, 0
             raise
         self.stats["apply_seconds"] = time.perf_counter() - start

@@ -210,13 +210,28 @@ def check_delta(ns: argparse.Namespace) -> str | None:
         )
     if ns.lora_rank:
         return "--update-weight-mode delta pushes full weights' changes; with --lora-rank push the adapters or merged weights"
-    local = os.path.realpath(ns.update_weight_local_checkpoint_dir)
-    for other, flag in (
-        (ns.hf_checkpoint, "--hf-checkpoint"),
-        (ns.update_weight_disk_dir, "--update-weight-disk-dir"),
-    ):
-        if other and (local == os.path.realpath(other) or local.startswith(os.path.realpath(other) + os.sep)):
-            return f"--update-weight-local-checkpoint-dir is patched in place by every push: it must not be {flag} or inside it"
+    return delta_dirs_problem(
+        ns.hf_checkpoint, ns.update_weight_disk_dir, ns.update_weight_local_checkpoint_dir
+    )
+
+
+def delta_dirs_problem(hf_checkpoint: str | None, disk_dir: str, local_dir: str) -> str | None:
+    """The delta stream's directories apart: each host's checkpoint is patched in place, and a new
+    stream removes its versions from the disk directory."""
+
+    def within(a: str | None, b: str | None) -> bool:
+        if not a or not b:
+            return False
+        a, b = os.path.realpath(a), os.path.realpath(b)
+        return a == b or a.startswith(b + os.sep)
+
+    if within(local_dir, hf_checkpoint) or within(local_dir, disk_dir) or within(disk_dir, local_dir):
+        return (
+            "--update-weight-local-checkpoint-dir is patched in place by every push: it must be apart from "
+            "--hf-checkpoint and --update-weight-disk-dir (neither inside the other)"
+        )
+    if within(hf_checkpoint, disk_dir):
+        return "--update-weight-disk-dir must not hold --hf-checkpoint: a delta stream removes the versions it wrote there"
     return None
 
 

@@ -78,6 +78,12 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
         from slime.config.rollout import default_transport
 
         ns.update_weight_transport = default_transport(ns.device, ns.colocate)
+    for name in (
+        "update_weight_disk_dir",
+        "update_weight_local_checkpoint_dir",
+    ):  # one path for every process
+        if getattr(ns, name):
+            setattr(ns, name, os.path.abspath(getattr(ns, name)))
     if ns.release_train:  # slime restarts the trainer's processes; here it gives its memory up
         ns.offload_train = True
     if ns.eval_max_context_len is None:

@@ -188,6 +188,11 @@ class LossConfig:
                 "--get-mismatch-metrics reports what --custom-tis-function-path computes (slime's "
                 "examples/train_infer_mismatch_helper/mis.py): give the function"
             )
+        if self.use_rollout_entropy and self.use_rollout_logprobs:
+            raise ValueError(
+                "--use-rollout-entropy measures the entropy in the trainer's log-prob pass, which "
+                "--use-rollout-logprobs skips: drop one of them"
+            )
         if self.keep_old_actor and self.use_rollout_logprobs:
             raise ValueError(
                 "--keep-old-actor recomputes the old policy's log-probs with the generating weights, which "

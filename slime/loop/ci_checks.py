@@ -32,7 +32,6 @@ class CIChecks(Hook):
     def __init__(self, debug: Any, routing_replay: bool):
         self.cfg = debug
         self.kl = debug.ci_test and not debug.ci_disable_kl_checker and not routing_replay
-        self.first_step = True
 
     def after_train(self, loop: Loop, step: Step) -> None:
         assert step.output is not None
@@ -42,9 +41,8 @@ class CIChecks(Hook):
         for k, metrics in enumerate(out.steps):
             if self.kl and k == 0 and "pg_clipfrac" in metrics:
                 bound("train/ppo_kl", metrics.get("ppo_kl", 0.0), KL_BOUND, step.rollout_id)
-            if self.kl and self.first_step and "kl_loss" in metrics:
+            if self.kl and step.rollout_id == 0 and k == 0 and "kl_loss" in metrics:  # the run's step 0
                 bound("train/kl_loss", metrics["kl_loss"], KL_BOUND, step.rollout_id)
-            self.first_step = False
             self._grad_norm(step.rollout_id, k, metrics.get("grad_norm"))
 
     def _check_rollout(self, rollout_id: int, rollout: dict[str, float]) -> None:

@@ -112,10 +112,13 @@ class Loop:
     def run(self) -> None:
         if self.train is not None and self.resumed:
             self.source.restore(self.train.resumed_data_state)
-            self.push()  # the engines loaded --hf-checkpoint: give them the resumed weights
             logger.info(
                 "resumed after rollout %d (data position %s)", self.start - 1, self.train.resumed_data_state
             )
+        if (
+            self.train is not None and self.version
+        ):  # resumed, or --start-rollout-id: the engines hold version 0
+            self.push()
         if any(hook.before_loop(self) for hook in self.hooks):
             return
         started = None

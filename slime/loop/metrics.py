@@ -43,8 +43,10 @@ class Metrics(Hook):
         else:
             record.update(train_record(step, loop.schedule.lookahead > 0))
             mode = ""
-            if self.train_steps and step.output.steps:
-                self.sink.steps_per_rollout = len(step.output.steps)
+            if self.train_steps and step.output.steps and self.sink.steps_per_rollout is None:
+                self.sink.steps_per_rollout = len(
+                    step.output.steps
+                )  # the first rollout's: steps never go back
         self.sink.log(record, step.rollout_id + 1)
         summary = short_summary(record)
         if self.progress is not None:

@@ -120,10 +120,10 @@ class TrainRank:
         master_addr, master_port = rendezvous
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         info = {**self.actor.init(), "node_ip": node_ip()}
-        if self._keeps_old_actor():  # the engines' weights until the first push (SGLang's name for them)
+        if self._keeps_old_actor():  # the engines' weights until the first push (the job starts them at "0")
             from slime.backends.old_actor import keep_weights
 
-            keep_weights(self.actor, "default")
+            keep_weights(self.actor, "0")
         return info
 
     def _keeps_old_actor(self) -> bool:

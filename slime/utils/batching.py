@@ -150,15 +150,14 @@ def flops_coefficient(hf_config: Any) -> float:
     """--balance-by-flops: c in a sequence's forward FLOPs ~ L x (c + L), from the model's shape
     (slime's estimate: per layer 2Lh(a+2g)d + 2Lh^2 + 6Lh x ffn linear, 2aL^2d attention; the
     output layer 2LhV; a mixture of experts counts its routed and shared experts' width)."""
-    c = hf_config
+    c = getattr(hf_config, "text_config", None) or hf_config  # a vision-language model's text half
     h, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
     groups = getattr(c, "num_key_value_heads", None) or heads
     d = getattr(c, "head_dim", None) or h // heads
     ffn = c.intermediate_size
-    if getattr(c, "num_experts_per_tok", None) and getattr(c, "moe_intermediate_size", None):
-        ffn = c.moe_intermediate_size * c.num_experts_per_tok + (
-            getattr(c, "shared_expert_intermediate_size", 0) or 0
-        )
+    if getattr(c, "num_experts_per_tok", None):  # routed experts (Mixtral's are intermediate_size wide)
+        width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        ffn = width * c.num_experts_per_tok + (getattr(c, "shared_expert_intermediate_size", 0) or 0)
     linear = layers * (2 * h * (heads + 2 * groups) * d + 2 * h * h + 6 * h * ffn) + 2 * h * c.vocab_size
     return linear / (2 * heads * d * layers)
 

@@ -66,7 +66,7 @@ class Tracker:
             run_dir = cfg.wandb_dir or log_dir
             os.makedirs(run_dir, exist_ok=True)
             group = cfg.wandb_group
-            if group and cfg.wandb_random_suffix:  # slime's: runs of one group kept apart
+            if group and cfg.wandb_random_suffix and not cfg.wandb_run_id:  # slime's: runs of a group apart
                 import secrets
                 import string
 

@@ -118,22 +118,31 @@ def apply(encoding: str, current: np.ndarray, blob: bytes) -> np.ndarray:
     raise DeltaError(f"unknown delta encoding {encoding!r}")
 
 
-def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
-    """Each tensor of the directory's safetensors files: (file, byte offset, byte count), from the
-    files' headers (8-byte little-endian length, then JSON: the safetensors format)."""
-    out: dict[str, tuple[str, int, int]] = {}
+def _headers(ckpt_dir: str) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(file, header size, header) of each safetensors file (8-byte little-endian length, then JSON)."""
     for name in sorted(os.listdir(ckpt_dir)):
-        if not name.endswith(".safetensors"):
-            continue
-        path = os.path.join(ckpt_dir, name)
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+        if name.endswith(".safetensors"):
+            path = os.path.join(ckpt_dir, name)
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                yield path, size, json.loads(f.read(size))
+
+
+def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
+    """Each tensor of the directory's safetensors files: (file, byte offset, byte count)."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for path, size, header in _headers(ckpt_dir):
         for tensor, info in header.items():
             if tensor != "__metadata__":
                 begin, end = info["data_offsets"]
                 out[tensor] = (path, 8 + size + begin, end - begin)
     return out
+
+
+def tensor_kinds(ckpt_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (safetensors dtype: BF16, F32, ...; shape)."""
+    return {t: (info["dtype"], tuple(info["shape"])) for _, _, header in _headers(ckpt_dir)
+            for t, info in header.items() if t != "__metadata__"}  # fmt: skip
 
 
 def read_tensor_bytes(location: tuple[str, int, int]) -> np.ndarray:
@@ -171,13 +180,15 @@ def local_version(local_dir: str) -> int | None:
         return None
 
 
-def _set_local_version(local_dir: str, version: int | None) -> None:
+def _set_local_version(local_dir: str, version: int | None, base: str | None = None) -> None:
+    """The marker: the version the files hold (and the model they were seeded from)."""
     path = os.path.join(local_dir, STATE)
     if version is None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
         return
-    write_atomic(path, json.dumps({"version": version}).encode())
+    base = base or _local_base(local_dir)
+    write_atomic(path, json.dumps({"version": version, "base": base}).encode())
 
 
 @contextlib.contextmanager
@@ -206,22 +217,48 @@ def pull_weights(local_dir: str, source_dir: str, target: int, base_dir: str) ->
             )
     os.makedirs(local_dir, exist_ok=True)
     with _host_lock(local_dir):
-        current = local_version(local_dir)
+        current, base = local_version(local_dir), os.path.realpath(base_dir)
         seeded = None
-        if current is None or current > target or target == 0:
-            seeded = _newest_full(source_dir, target)
-            _materialize(local_dir, base_dir if seeded == 0 else version_dir(source_dir, seeded), seeded)
+        if (
+            current is None
+            or current > target
+            or (target == 0 and (current != 0 or _local_base(local_dir) != base))
+        ):
+            seeded = _seed(local_dir, source_dir, target, base)
             current = seeded
         applied = skipped = 0
-        for v in range(current + 1, target + 1):
-            done, already = _apply_version(local_dir, version_dir(source_dir, v), v)
-            applied, skipped = applied + done, skipped + already
+        for attempt in range(2):
+            try:
+                for v in range(current + 1, target + 1):
+                    done, already = _apply_version(local_dir, version_dir(source_dir, v), v)
+                    applied, skipped = applied + done, skipped + already
+                break
+            except DeltaError:
+                if attempt or seeded is not None:  # a fresh copy failed too: the version is corrupt
+                    raise
+                # The local copy may be what is wrong (a write torn by a crash): seed it afresh once.
+                current = seeded = _seed(local_dir, source_dir, target, base)
         return {
             "version": target,
             "seeded_from": seeded,
             "tensors_applied": applied,
             "tensors_already": skipped,
         }
+
+
+def _seed(local_dir: str, source_dir: str, target: int, base: str) -> int:
+    """A fresh copy of the newest full version at or below `target` (0: the engine's model)."""
+    seeded = _newest_full(source_dir, target)
+    _materialize(local_dir, base if seeded == 0 else version_dir(source_dir, seeded), seeded, base)
+    return seeded
+
+
+def _local_base(local_dir: str) -> str | None:
+    try:
+        with open(os.path.join(local_dir, STATE)) as f:
+            return str(json.load(f).get("base"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _newest_full(source_dir: str, target: int) -> int:
@@ -234,7 +271,7 @@ def _newest_full(source_dir: str, target: int) -> int:
     return 0
 
 
-def _materialize(local_dir: str, full_dir: str, version: int) -> None:
+def _materialize(local_dir: str, full_dir: str, version: int, base: str | None = None) -> None:
     """Copy a full checkpoint into `local_dir`; the version marker goes first, and comes back last."""
     if not os.path.isdir(full_dir):
         raise DeltaError(f"{full_dir}: the full checkpoint to seed from does not exist")
@@ -253,7 +290,7 @@ def _materialize(local_dir: str, full_dir: str, version: int) -> None:
         src = os.path.join(full_dir, name)
         if os.path.isfile(src) and not name.startswith(".") and name != STATE:
             shutil.copyfile(src, os.path.join(local_dir, name))
-    _set_local_version(local_dir, version)
+    _set_local_version(local_dir, version, base)
 
 
 def _apply_version(local_dir: str, vdir: str, version: int) -> tuple[int, int]:
@@ -284,7 +321,12 @@ def _apply_version(local_dir: str, vdir: str, version: int) -> tuple[int, int]:
                 if checksum(algorithm, current) == expected:
                     already += 1  # applied before (a pull that stopped half way, or twice)
                     continue
-                new = apply(encoding, current, f.get_tensor(name).tobytes())
+                try:
+                    new = apply(encoding, current, f.get_tensor(name).tobytes())
+                except DeltaError:
+                    raise
+                except Exception as e:  # zstd's or safetensors': the file is damaged
+                    raise DeltaError(f"{path}: {name} cannot be decoded ({type(e).__name__}: {e})") from None
                 if checksum(algorithm, new) != expected:
                     raise DeltaError(
                         f"{path}: {name} does not match its {algorithm} checksum after the delta: the version is "
@@ -294,6 +336,8 @@ def _apply_version(local_dir: str, vdir: str, version: int) -> tuple[int, int]:
                 with open(file_path, "r+b") as out:
                     out.seek(offset)
                     out.write(new.tobytes())
+                    out.flush()
+                    os.fsync(out.fileno())  # on disk before the marker says so
                 applied += 1
     _set_local_version(local_dir, version)
     return applied, already
@@ -304,6 +348,20 @@ def seed_snapshot(hf_checkpoint: str) -> dict[str, np.ndarray]:
     """The raw bytes of every tensor of the checkpoint the engines start from: what version 1 is
     a delta against."""
     return {name: read_tensor_bytes(loc) for name, loc in tensor_locations(hf_checkpoint).items()}
+
+
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+"""safetensors' dtype names, as torch names them."""
+
+
+def owned_entries(disk_dir: str) -> list[str]:
+    """What a delta stream wrote in --update-weight-disk-dir (versions, unfinished ones): all that a
+    fresh stream removes."""
+    if not os.path.isdir(disk_dir):
+        return []
+    return [n for n in os.listdir(disk_dir) if n.startswith(("weight_v", ".weight_v"))]
 
 
 def copy_model_files(src: str, dst: str) -> None:
