@@ -116,12 +116,13 @@ def run_options(rank, world_size, init_method, model, save_dir):
     plain_1 = plain.train(1, batch)
     out["plain_kl_1"], out["plain_rollout_1"] = plain_1.steps[0]["kl_loss"], plain_1.rollout
     reset.train(1, batch)
-    every = dataclasses.replace(base, loss=dataclasses.replace(base.loss, ref_update_interval=1))
+    # --ref-update-interval and --use-rollout-entropy, in one actor
+    every = dataclasses.replace(
+        base, loss=dataclasses.replace(base.loss, ref_update_interval=1, use_rollout_entropy=True)
+    )
     refreshed = _actor(every, rank, world_size, init_method)
-    refreshed.train(0, batch)
+    out["entropy_rollout"] = refreshed.train(0, batch).rollout
     out["refreshed_kl_1"] = refreshed.train(1, batch).steps[0]["kl_loss"]
-    measured = dataclasses.replace(base, loss=dataclasses.replace(base.loss, use_rollout_entropy=True))
-    out["entropy_rollout"] = _actor(measured, rank, world_size, init_method).train(0, batch).rollout
     out["entropy_step0"] = out["plain"][0]["entropy"]
     out["adam_steps"] = [int(next(iter(a.optimizer.state.values()))["step"]) for a in (plain, reset)]
     out["steps_per_rollout"] = len(reset.train(2, batch).steps)

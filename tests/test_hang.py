@@ -72,6 +72,7 @@ if os.environ.get("HANG_RANK") and "default_worker.py" in " ".join(sys.argv):
 """
 
 
+@pytest.mark.slow  # ~40 s; the watchdog and the driver's wait are tested in process above
 @pytest.mark.e2e
 def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(tiny_model, prompts, tmp_path):  # noqa: F811
     """Rank 1 stops in Python at rollout 1; rank 0 waits for it inside an FSDP collective. Both

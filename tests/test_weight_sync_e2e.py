@@ -43,3 +43,15 @@ def test_online_check_stops_the_job_at_a_dropped_tensor(tiny_model, prompts, tmp
     assert "--check-weight-sync: after the weight push of version 1" in proc.stderr
     assert "not pushed: model.norm.weight (the engine holds it, the push never wrote it)" in proc.stderr
     assert "rollout 2/2" not in proc.stderr
+
+
+@pytest.mark.slow  # ~30 s; the delta transport and /pull_weights are tested in process in test_delta_sync.py
+def test_a_delta_sync_job_keeps_the_engines_equal_to_the_trainer(tiny_model, prompts, tmp_path):  # noqa: F811
+    shared, local = tmp_path / "shared", tmp_path / "host"
+    proc = run_job("train_async.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-weight-sync",
+                   "--update-weight-transport", "disk", "--update-weight-mode", "delta", "--update-weight-disk-dir",
+                   str(shared), "--update-weight-local-checkpoint-dir", str(local), "--keep-old-actor")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "via disk_delta" in proc.stderr and "rollout 2/2" in proc.stderr
+    assert sorted(p.name for p in shared.iterdir()) == ["weight_v000001", "weight_v000002"]
+    assert (local / "slime_weight_version.json").exists()
