@@ -367,26 +367,25 @@ class TrainActorBase(TrainRecords):
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
             lp_plans = self._log_prob_plans(part, plans)
             # --use-rollout-entropy: each log-prob pass fills its own
-            entropies: dict[str, dict[int, torch.Tensor]] = {"entropy": {}, "ref_entropy": {}}
-            want = loss_cfg.use_rollout_entropy
+            names = ("entropy", "ref_entropy") if loss_cfg.needs_ref else ("entropy",)
+            entropies: dict[str, dict[int, torch.Tensor]] = {
+                n: {} for n in names if loss_cfg.use_rollout_entropy
+            }
             if loss_cfg.use_rollout_logprobs:  # the engine's log-probs are the old policy
                 assert batch.rollout_log_probs is not None  # validate() checked
                 old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
             else:
-                self.pass_entropy = entropies["entropy"] if want else None
+                self.pass_entropy = entropies.get("entropy")
                 with old_actor.generating_weights(self, batch, mine):  # --keep-old-actor
                     old = self._log_prob_pass(batch, lp_plans)
                 if self.recorded_routing is not None:  # R2: the passes below replay this routing
                     self.routing_tables, self.recorded_routing = self.recorded_routing, None
             if loss_cfg.needs_ref:
-                self.pass_entropy = entropies["ref_entropy"] if want else None
+                self.pass_entropy = entropies.get("ref_entropy")
                 with self._reference_weights():
                     ref = self._log_prob_pass(batch, lp_plans)
             self.pass_entropy = None
             teacher = self._teacher_log_probs(batch, mine, lp_plans)
-            entropies = {
-                k: v for k, v in entropies.items() if want and (k == "entropy" or loss_cfg.needs_ref)
-            }
             output.rollout.update(self._rollout_metrics(batch, mine, old, ref, teacher, entropies))
             if self.cfg.check_precision:
                 output.precision.update(self._precision_stats(batch, mine, old, ref))

@@ -56,8 +56,7 @@ class DeltaDiskTransport:
             os.makedirs(self.disk_dir, exist_ok=True)
             for name in wd.owned_entries(self.disk_dir):  # only what a stream wrote: never other files
                 shutil.rmtree(os.path.join(self.disk_dir, name), ignore_errors=True)
-            self.snapshot = await asyncio.to_thread(wd.seed_snapshot, self.hf_checkpoint)
-            self.kinds = wd.tensor_kinds(self.hf_checkpoint)
+            self.snapshot, self.kinds = await asyncio.to_thread(wd.seed_snapshot, self.hf_checkpoint)
         # Every host seeds its checkpoint now, so the first push pays only the delta.
         await asyncio.gather(*(e.pull_weights(self.local_dir, self.disk_dir, self.version) for e in engines))
 

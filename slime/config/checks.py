@@ -218,12 +218,7 @@ def check_delta(ns: argparse.Namespace) -> str | None:
 def delta_dirs_problem(hf_checkpoint: str | None, disk_dir: str, local_dir: str) -> str | None:
     """The delta stream's directories apart: each host's checkpoint is patched in place, and a new
     stream removes its versions from the disk directory."""
-
-    def within(a: str | None, b: str | None) -> bool:
-        if not a or not b:
-            return False
-        a, b = os.path.realpath(a), os.path.realpath(b)
-        return a == b or a.startswith(b + os.sep)
+    from slime.utils.weight_delta import within
 
     if within(local_dir, hf_checkpoint) or within(local_dir, disk_dir) or within(disk_dir, local_dir):
         return (

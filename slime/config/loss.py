@@ -66,7 +66,7 @@ class LossConfig:
         "every push), not the weights being trained: they differ one step off-policy (train_async.py) and with "
         "--update-weights-interval",
     )  # fmt: skip
-    """`--keep-old-actor`: the log-prob pass with the generating version's weights (TrainActorBase.keep_weights)."""
+    """`--keep-old-actor`: the log-prob pass with the generating version's weights (slime.backends.old_actor)."""
     use_rollout_entropy: bool = flag(
         "--use-rollout-entropy", False,
         help="the log-prob passes also measure each token's entropy (at --rollout-temperature): rollout/entropy "

@@ -12,19 +12,14 @@ from slime.config.critic import CriticConfig
 from slime.config.eval_sets import EvalDataset
 from slime.config.flags import flag
 from slime.config.opd import OPDConfig
-from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig
+from slime.config.rollout import TRANSPORTS, DataConfig, SamplingConfig, json_object
 from slime.config.train import TrainConfig
 
 
 def env_object(text: str) -> dict[str, str]:
     """--train-env-vars: a JSON object of names to values (numbers and booleans as JSON writes them)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f'not JSON ({e}); give an object, e.g. \'{{"NCCL_DEBUG": "INFO"}}\''
-        ) from None
-    if not isinstance(value, dict) or any(isinstance(v, (dict, list)) or v is None for v in value.values()):
+    value = json_object(text)
+    if any(isinstance(v, (dict, list)) or v is None for v in value.values()):
         raise argparse.ArgumentTypeError(
             'give a JSON object of names to strings, e.g. \'{"NCCL_DEBUG": "INFO"}\''
         )

@@ -31,9 +31,7 @@ def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'"
-        ) from None
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give a JSON object") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"give a JSON object, got {type(value).__name__}")
     return value

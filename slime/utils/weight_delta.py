@@ -50,6 +50,14 @@ class DeltaError(RuntimeError):
     """A version that cannot be applied: missing, of another base, or failing its checksum."""
 
 
+def within(path: str | None, root: str | None) -> bool:
+    """`path` is `root` or lies inside it (symlinks resolved); False when either is not given."""
+    if not path or not root:
+        return False
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root + os.sep)
+
+
 def version_dir(root: str, version: int) -> str:
     return os.path.join(root, f"weight_v{version:06d}")
 
@@ -139,12 +147,6 @@ def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def tensor_kinds(ckpt_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor's (safetensors dtype: BF16, F32, ...; shape)."""
-    return {t: (info["dtype"], tuple(info["shape"])) for _, _, header in _headers(ckpt_dir)
-            for t, info in header.items() if t != "__metadata__"}  # fmt: skip
-
-
 def read_tensor_bytes(location: tuple[str, int, int]) -> np.ndarray:
     path, offset, count = location
     return np.fromfile(path, dtype=np.uint8, count=count, offset=offset)
@@ -209,9 +211,8 @@ def pull_weights(local_dir: str, source_dir: str, target: int, base_dir: str) ->
     the newest full version at or below `target` (`base_dir`, the engine's own model, is version 0)
     when it holds none, an older run's, or a newer one; then each delta applied in turn, every
     tensor checked against its checksum. Returns what was done."""
-    real = os.path.realpath(local_dir)
     for other, what in ((base_dir, "the engine's model"), (source_dir, "the published versions")):
-        if real == os.path.realpath(other) or real.startswith(os.path.realpath(other) + os.sep):
+        if within(local_dir, other):
             raise DeltaError(
                 f"the local checkpoint directory {local_dir} is {what} ({other}): give a directory of its own"
             )
@@ -344,10 +345,17 @@ def _apply_version(local_dir: str, vdir: str, version: int) -> tuple[int, int]:
 
 
 # ---- the trainer's side --------------------------------------------------------------------------
-def seed_snapshot(hf_checkpoint: str) -> dict[str, np.ndarray]:
-    """The raw bytes of every tensor of the checkpoint the engines start from: what version 1 is
-    a delta against."""
-    return {name: read_tensor_bytes(loc) for name, loc in tensor_locations(hf_checkpoint).items()}
+def seed_snapshot(hf_checkpoint: str) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...]]]]:
+    """The raw bytes of every tensor of the checkpoint the engines start from (what version 1 is a
+    delta against), and each tensor's safetensors dtype and shape, from one read of its headers."""
+    snapshot, kinds = {}, {}
+    for path, size, header in _headers(hf_checkpoint):
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                snapshot[name] = read_tensor_bytes((path, 8 + size + begin, end - begin))
+                kinds[name] = (info["dtype"], tuple(info["shape"]))
+    return snapshot, kinds
 
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
