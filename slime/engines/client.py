@@ -146,10 +146,15 @@ class EngineClient:
         timeout_s: float | None = None,
         return_routed_experts: bool = False,
         lora_path: str | None = None,
+        image_data: Any = None,
     ) -> Any:
+        """SGLang's /generate. `image_data`: the prompt's images (SGLang's field: a list of data
+        URLs, paths or URLs; for a batch, one such list per prompt)."""
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if lora_path is not None:
             payload["lora_path"] = lora_path
+        if image_data:
+            payload["image_data"] = image_data
         if input_ids is not None:
             payload["input_ids"] = input_ids
         if text is not None:

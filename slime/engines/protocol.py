@@ -100,6 +100,9 @@ class GenerateRequest:
     """SGLang's field: each log-prob entry carries its token's text (else null)."""
     lora_path: str | None = None
     """SGLang's field: the name of the loaded LoRA adapter this prompt runs with (None: the base model)."""
+    image_data: tuple[str, ...] = ()
+    """SGLang's field: this prompt's images, in the order of its image placeholders (paths, data
+    URLs, base64 or URLs); vision-language models only."""
 
 
 @_refusing
@@ -111,7 +114,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     """
     _expect(isinstance(body, dict), "request body must be a JSON object")
     _expect(not body.get("stream"), "'stream': true is not supported by this engine; omit it")
-    for unsupported in ("image_data", "audio_data", "video_data", "input_embeds"):
+    for unsupported in ("audio_data", "video_data", "input_embeds"):
         _expect(body.get(unsupported) is None, f"'{unsupported}' is not supported by this engine")
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     _expect(has_ids != has_text, "give exactly one of 'input_ids' or 'text'")
@@ -140,6 +143,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     routed = _per_prompt(body.get("return_routed_experts", False), n, "return_routed_experts")
     starts = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
     loras = _per_prompt(body.get("lora_path"), n, "lora_path")
+    images = _images_per_prompt(body.get("image_data"), n, is_batch)
     with_text = body.get("return_text_in_logprobs", False)
     _expect(isinstance(with_text, bool), "'return_text_in_logprobs' must be true or false")
     requests = []
@@ -166,10 +170,28 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
                 logprob_start_len=start,
                 return_text_in_logprobs=with_text,
                 lora_path=loras[i],
+                image_data=images[i],
             )
         )
     _expect(len({r.rid for r in requests}) == n, "'rid' values in one batch must be distinct")
     return requests, is_batch
+
+
+def _images_per_prompt(value: Any, n: int, is_batch: bool) -> list[tuple[str, ...]]:
+    """SGLang's `image_data`: one image (a string) or a list of them for a single prompt; for a
+    batch, one entry (a string, a list, or null) per prompt."""
+    if value is None:
+        return [()] * n
+    what = "'image_data' must be an image (a path, data URL, base64 text or URL) or a list of them"
+    if not is_batch:
+        value = [value]
+    _expect(isinstance(value, list) and len(value) == n, f"{what}, one entry per prompt of the batch")
+    out = []
+    for entry in value:
+        entry = [] if entry is None else [entry] if isinstance(entry, str) else entry
+        _expect(isinstance(entry, list) and all(isinstance(x, str) and x for x in entry), what)
+        out.append(tuple(entry))
+    return out
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

@@ -5,9 +5,10 @@
         [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (mixture of experts)
         [--mtp-layers N]   (multi-token prediction modules: glm4_moe, deepseek_v3, glm4_moe_lite)
 
-ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, and the families in
+ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, the families in
 slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5,
-qwen3_5_moe.
+qwen3_5_moe, and the vision-language qwen3_vl (slime.tools.tiny_vision: a vision tower, an image
+processor and a chat template with images; [--vision-depth 2] [--vision-hidden-size 64]).
 
 `qwen3_moe` is Hugging Face's Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): every layer's
 MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their
@@ -31,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from slime.tools import tiny_vision
 from slime.tools.tiny_families import (
     MOE_FAMILIES,
     MTP_FAMILIES,
@@ -104,7 +106,9 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
+def build_config(
+    args: argparse.Namespace, vocab_size: int, tokenizer, vision_ids: dict[str, int] | None = None
+):
     from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -124,6 +128,8 @@ def build_config(args: argparse.Namespace, vocab_size: int, tokenizer):
     )
     if args.arch in NEW_FAMILIES:
         return family_config(args, common)
+    if vision_ids is not None:
+        return tiny_vision.vision_config(args, common, vision_ids)
     if args.arch == "qwen3":
         return Qwen3Config(head_dim=args.hidden_size // args.num_heads, **common)
     if args.arch == "qwen3_moe":
@@ -188,20 +194,24 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
 
 def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
     tokenizer = build_tokenizer()
+    vision = args.arch in tiny_vision.VISION_FAMILIES
+    vision_ids = tiny_vision.add_vision_tokens(tokenizer, CHAT_TEMPLATE) if vision else None
     validate(args, parser, len(tokenizer))
+    tiny_vision.validate(args, parser)
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     vocab_size = args.vocab if args.vocab is not None else len(tokenizer)
-    config = build_config(args, vocab_size, tokenizer)
+    config = build_config(args, vocab_size, tokenizer, vision_ids)
 
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.eval()
     seed_family_state(model, args.seed)
     generation_config = GenerationConfig(
-        eos_token_id=[config.eos_token_id, config.pad_token_id],
-        pad_token_id=config.pad_token_id,
+        eos_token_id=[config.get_text_config().eos_token_id, config.get_text_config().pad_token_id],
+        pad_token_id=config.get_text_config().pad_token_id,
         do_sample=True,
         temperature=1.0,
     )
@@ -220,6 +230,8 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                       metadata={"format": "pt"})  # fmt: skip
         generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if vision:
+            tiny_vision.save_image_processor(staging)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -236,7 +248,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
-    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES], default="qwen3")
+    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES, *tiny_vision.VISION_FAMILIES],
+                        default="qwen3")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -259,6 +272,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--mtp-layers", type=int, default=0,
                         help="multi-token prediction modules after the decoder (num_nextn_predict_layers; "
                         "glm4_moe, deepseek_v3, glm4_moe_lite)")  # fmt: skip
+    tiny_vision.add_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     return args, parser
@@ -279,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 "out": str(out),
                 "model_type": config["model_type"],
                 "num_parameters": num_params,
-                "vocab_size": config["vocab_size"],
+                "vocab_size": config.get("vocab_size", config.get("text_config", {}).get("vocab_size")),
             }
         )
         + "\n"

@@ -8,6 +8,7 @@ a family, `megatron` holds the reason it is refused, which the Megatron backend 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 BATCHED, PER_SEQUENCE = "batched", "per-sequence"
 
@@ -50,6 +51,10 @@ class Family:
     fused_experts: bool = False
     """transformers fuses the experts of a layer into `mlp.experts.gate_up_proj` / `down_proj`
     (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
+    vision: bool = False
+    """A vision-language model (transformers' *ForConditionalGeneration: a vision tower before
+    the language model): images in prompts (--multimodal-keys, the engine's `image_data`), built
+    with AutoModelForImageTextToText."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -132,6 +137,16 @@ FAMILIES: dict[str, Family] = {
             fused_experts=True,
             packs=False,
         ),
+        Family(
+            "qwen3_vl",
+            "qwen3_vl",
+            "Qwen3-VL dense (2B-32B)",
+            PER_SEQUENCE,
+            megatron="vision-language models train with --train-backend fsdp (the vision tower is not converted "
+            "to Megatron)",
+            lora=False,
+            vision=True,
+        ),
     )
 }
 
@@ -142,6 +157,24 @@ _BY_TYPE = {name: f for f in FAMILIES.values() for name in (f.model_type, *f.ali
 def family(model_type: str | None) -> Family | None:
     """The family of a config.json's model_type (its own or an alias), None for one not listed."""
     return _BY_TYPE.get(model_type or "")
+
+
+def is_vision(model_type: str | None) -> bool:
+    """A vision-language family (images in prompts)."""
+    f = family(model_type)
+    return f is not None and f.vision
+
+
+def auto_model_class(config: object) -> Any:
+    """transformers' Auto class that builds `config`'s model with its output head: the causal LM,
+    or the image-text-to-text model of a vision-language family."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return (
+        AutoModelForImageTextToText
+        if is_vision(getattr(config, "model_type", None))
+        else AutoModelForCausalLM
+    )
 
 
 def packable(model_type: str | None, backend: str = "fsdp") -> bool:

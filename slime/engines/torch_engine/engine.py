@@ -30,7 +30,9 @@ from slime.engines.torch_engine.overlap import OverlapSchedule
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
+from slime.engines.torch_engine.vision import ImagePreparer
 from slime.engines.torch_engine.weights import WeightStore
+from slime.utils.model_families import is_vision
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +101,15 @@ class TorchEngine:
         dtype = getattr(torch, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.model: Any = load_model(config.model_path, dtype, self.device)
-        model_config = self.model.config
+        model_config = self.model.config.get_text_config()
         self.vocab_size = int(model_config.vocab_size)
         self.context_length = int(
             config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
+        self._tokenizer_lock = threading.Lock()
+        self.images: ImagePreparer | None = None
+        if is_vision(self.model.config.model_type):
+            self.images = ImagePreparer(config.model_path, self.model.config, self._tokenizer_lock)
         self.runner = make_runner(
             self.model,
             config.max_running_requests,
@@ -135,7 +141,6 @@ class TorchEngine:
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
-        self._tokenizer_lock = threading.Lock()
         # Guards the hand-over between call() and a dying thread: a command is either queued
         # before the queue is drained for good, or refused.
         self._commands_lock = threading.Lock()
@@ -337,7 +342,19 @@ class TorchEngine:
 
     def make_sequence(self, req: GenerateRequest, on_finish: Callable[[Sequence], None]) -> Sequence:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
-        if req.input_ids is not None:
+        images = None
+        if req.image_data:
+            if self.images is None:
+                raise ProtocolError(
+                    f"'image_data': model_type {self.model.config.model_type!r} is a text model"
+                )
+            if req.return_logprob and req.logprob_start_len >= 0:
+                raise ProtocolError(
+                    "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
+                )
+            given = list(req.input_ids) if req.input_ids is not None else None
+            ids, images = self.images.prepare(req.image_data, req.text, given)
+        elif req.input_ids is not None:
             ids = list(req.input_ids)
         else:
             ids = self.encode(req.text) if req.text else []
@@ -364,6 +381,7 @@ class TorchEngine:
             return_routed_experts=req.return_routed_experts,
             on_finish=on_finish,
             lora_name=req.lora_path,
+            images=images,
         )
         if params.sampling_seed is not None and not params.greedy:
             seq.runner_state["generator"] = torch.Generator(device=self.device).manual_seed(

@@ -38,7 +38,7 @@ from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
 from slime.utils import hf_experts
-from slime.utils.model_families import BATCHED, FAMILIES
+from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class, is_vision
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,10 @@ _LLAMA_LIKE = {f.model_type for f in FAMILIES.values() if f.engine == BATCHED}
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    auto = auto_model_class(AutoConfig.from_pretrained(model_path))
+    model: Any = auto.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -80,6 +81,10 @@ def make_runner(model: Any, max_running: int, context_length: int, deterministic
         return BatchedRunner(
             model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs
         )
+    if is_vision(model.config.model_type):
+        from slime.engines.torch_engine.vision import VisionRunner
+
+        return VisionRunner(model)
     logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
     return GenericRunner(model)
 

@@ -56,6 +56,9 @@ class Sequence:
     """The LoRA adapter the request asked for (`lora_path`); None: the base model."""
     lora: Any = None
     """Its slime.engines.torch_engine.lora.Adapter while the sequence is in flight."""
+    images: Any = None
+    """A vision-language prompt's images: the processor's tensors
+    (slime.engines.torch_engine.vision.ImageInputs), read once, at the first prefill."""
     weight_version: str = ""
     """The engine's weight version when the sequence finished (SGLang's meta_info field)."""
     version_spans: list[list[Any]] = field(default_factory=list)

@@ -159,7 +159,7 @@ class EngineAPI:
             return [self.engine.make_sequence(r, finisher(f)) for r, f in zip(requests, futures)]
 
         # Tokenizing a long text takes a while: do it in a worker thread, never on the event loop.
-        if any(r.text is not None for r in requests):
+        if any(r.text is not None or r.image_data for r in requests):
             seqs = await asyncio.to_thread(make_sequences)
         else:
             seqs = make_sequences()
@@ -214,7 +214,7 @@ class EngineAPI:
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.engine.weight_version,
-                "has_image_understanding": False,
+                "has_image_understanding": self.engine.images is not None,
                 "has_audio_understanding": False,
                 "model_type": getattr(self.engine.model.config, "model_type", None),
                 "architectures": getattr(self.engine.model.config, "architectures", None),

@@ -1,0 +1,133 @@
+"""Images in the torch engine: a request's `image_data` turned into the model's inputs, and the
+runner of vision-language models.
+
+A request gives its images with either
+- `text`: the prompt with one image placeholder per image (`<|vision_start|><|image_pad|><|vision_end|>`,
+  what the chat template writes); the checkpoint's processor expands each placeholder to the
+  image's number of tokens, as SGLang does; or
+- `input_ids`: already expanded (what the processor gave the rollout): each image's run of pad
+  tokens must have exactly that image's number of tokens, or the request is refused naming both.
+
+`VisionRunner` is the generic runner (one cache per sequence, the model's own forward) with the
+vision tower run once, at the prefill that first feeds the prompt, and the multimodal rotary
+positions (Qwen-VL's mrope) computed by the model's own `get_rope_index`: the positions of a
+sequence's later tokens follow from the offset saved then, so a decode step feeds no pixels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime.engines.protocol import ProtocolError
+from slime.engines.torch_engine.model_runner import GenericRunner
+from slime.engines.torch_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ImageInputs:
+    """The processor's tensors of one request's images."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor  # [images, 3]: temporal, height, width in patches
+
+
+class ImagePreparer:
+    """Decodes a request's images and lays out its token ids (the checkpoint's processor)."""
+
+    def __init__(self, model_path: str, model_config: Any, lock: threading.Lock):
+        from slime.utils.processing_utils import load_processor
+
+        self.processor = load_processor(model_path)
+        if self.processor is None:
+            raise ValueError(f"{model_path}: a vision-language model without an image processor "
+                             "(preprocessor_config.json)")  # fmt: skip
+        self.image_token_id = int(model_config.image_token_id)
+        self.merge = int(self.processor.image_processor.merge_size)
+        self.lock = lock  # the engine's tokenizer lock: the processor tokenizes with the same tokenizer
+
+    def prepare(
+        self, images: tuple[str, ...], text: str | None, ids: list[int] | None
+    ) -> tuple[list[int], ImageInputs]:
+        from slime.utils.processing_utils import ImageError, load_image
+
+        decoded = []
+        for i, source in enumerate(images):
+            try:
+                decoded.append(load_image(source))
+            except ImageError as e:
+                raise ProtocolError(f"'image_data'[{i}]: {e}") from None
+        with self.lock:
+            if text is not None:
+                out = self.processor(text=[text], images=decoded, return_tensors="pt")
+                ids = [int(t) for t in out["input_ids"][0]]
+            else:
+                out = self.processor.image_processor(images=decoded, return_tensors="pt")
+        assert ids is not None
+        inputs = ImageInputs(out["pixel_values"], out["image_grid_thw"])
+        self._check_runs(ids, inputs.image_grid_thw)
+        return ids, inputs
+
+    def _check_runs(self, ids: list[int], grid: torch.Tensor) -> None:
+        """Each image's run of pad tokens has that image's number of tokens."""
+        expected = [int(g.prod()) // self.merge**2 for g in grid]
+        runs: list[int] = []
+        for i, token in enumerate(ids):
+            if token == self.image_token_id:
+                if i and ids[i - 1] == self.image_token_id:
+                    runs[-1] += 1
+                else:
+                    runs.append(1)
+        if runs != expected:
+            raise ProtocolError(
+                f"the prompt's image placeholders do not fit 'image_data': {len(expected)} image(s) of {expected} "
+                f"tokens, but the prompt holds {len(runs)} run(s) of image tokens {runs} (give 'text' with one "
+                "placeholder per image, or 'input_ids' as the checkpoint's processor expands them)"
+            )
+
+
+class VisionRunner(GenericRunner):
+    """A vision-language model: the generic runner with pixels at prefill and mrope positions."""
+
+    def __init__(self, model: Any):
+        super().__init__(model)
+        self.num_images_encoded = 0
+        """Images through the vision tower since start (one per image of each request)."""
+        self.image_token_id = int(model.config.image_token_id)
+        self.video_token_id = int(getattr(model.config, "video_token_id", -1))
+
+    def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache = seq.runner_state.setdefault("hf_cache", DynamicCache(config=self.model.config))
+        tokens = torch.tensor([ids], device=self.device)
+        extra: dict[str, Any] = {}
+        if seq.num_cached == 0:
+            images: ImageInputs | None = seq.images
+            grid = images.image_grid_thw.to(self.device) if images is not None else None
+            token_types = (tokens == self.image_token_id).int() + 2 * (tokens == self.video_token_id).int()
+            positions, delta = self.model.model.get_rope_index(tokens, token_types, image_grid_thw=grid)
+            seq.runner_state["rope_delta"] = int(delta.reshape(-1)[0])
+            if images is not None:
+                extra = {
+                    "pixel_values": images.pixel_values.to(self.device, self.model.dtype),
+                    "image_grid_thw": grid,
+                }
+                self.num_images_encoded += int(grid.shape[0])  # type: ignore[union-attr]
+        else:
+            start = seq.num_cached + seq.runner_state["rope_delta"]
+            positions = (
+                torch.arange(start, start + len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
+            )
+        out = self.model(
+            input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+        )
+        seq.runner_state["hf_cache"] = out.past_key_values
+        seq.num_cached += len(ids)
+        return out.logits[0, -1].float()
