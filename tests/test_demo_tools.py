@@ -57,7 +57,7 @@ def _loss_on(model_dir, examples):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     total = 0.0
     with torch.no_grad():
-        for tokens, n in examples:
+        for tokens, n, _ in examples:
             logits = model(torch.tensor([tokens])).logits[0, :-1]
             lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
             total += float(-lp[-n:].mean())

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from slime.utils.errors import UsageError
+from slime.utils.model_families import is_vision
 
 
 class CheckpointError(UsageError):
@@ -30,7 +31,7 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool 
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises many types for bad configs
         raise CheckpointError(f"{flag} {path!r}: config.json cannot be read ({e})") from e
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not is_vision(config.model_type):
         raise CheckpointError(
             f"{flag} {path!r}: model_type {config.model_type!r} is not a causal language model "
             "(AutoModelForCausalLM cannot build it)"
@@ -40,10 +41,11 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool 
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if len(tokenizer) > config.vocab_size:
+        vocab_size = config.get_text_config().vocab_size
+        if len(tokenizer) > vocab_size:
             raise CheckpointError(
                 f"{flag} {path!r}: the tokenizer has {len(tokenizer)} tokens but config.json says "
-                f"vocab_size={config.vocab_size}; token ids past {config.vocab_size - 1} would index "
+                f"vocab_size={vocab_size}; token ids past {vocab_size - 1} would index "
                 "outside the embedding (use the tokenizer that belongs to these weights)"
             )
     return config

@@ -49,6 +49,9 @@ class MicroBatch:
     """Packed: [1, total tokens], restarting at 0 for each sample (None when padded)."""
     offsets: list[int] | None = None
     """Packed: where each sample starts in the row."""
+    vision: dict[str, torch.Tensor] | None = None
+    """A vision-language micro-batch: its images' `pixel_values` and `image_grid_thw`, and the
+    multimodal rotary `position_ids` of its tokens (slime.backends.fsdp.vision)."""
     cp: object = None
     """Megatron with context parallelism: this rank's share, set by its forward
     (slime.backends.megatron.context_parallel.CPView)."""

@@ -291,7 +291,7 @@ class TrainActorBase(TrainRecords):
     ) -> dict[int, list[float]]:
         part = RolloutPart.of(data)
         batch = part.batch
-        batch.validate(self.hf_config.vocab_size)
+        batch.validate(self.hf_config.get_text_config().vocab_size)
         plans = self._log_prob_plans(part, self.plan(part))
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
         with self._routing_replay(batch, mine):
@@ -329,7 +329,8 @@ class TrainActorBase(TrainRecords):
         part = RolloutPart.of(data)
         batch = part.batch
         batch.validate(
-            self.hf_config.vocab_size, need_rollout_log_probs=self.cfg.loss.needs_rollout_log_probs
+            self.hf_config.get_text_config().vocab_size,
+            need_rollout_log_probs=self.cfg.loss.needs_rollout_log_probs,
         )
         if (values is None) != (self.cfg.loss.advantage_estimator != "ppo"):
             raise BatchError(

@@ -15,8 +15,7 @@ import tempfile
 
 from slime.bridge.base import Bucket
 from slime.engines.client import EngineClient
-
-_MODEL_FILES = ("config.json", "generation_config.json")
+from slime.utils.weight_delta import copy_model_files
 
 
 class DiskTransport:
@@ -40,9 +39,7 @@ class DiskTransport:
 
     def _new_dir(self) -> str:
         path = tempfile.mkdtemp(prefix="slime-weights-", dir=self.root)
-        for name in os.listdir(self.hf_checkpoint):
-            if name in _MODEL_FILES or name.startswith(("tokenizer", "special_tokens", "chat_template")):
-                shutil.copy2(os.path.join(self.hf_checkpoint, name), path)
+        copy_model_files(self.hf_checkpoint, path)
         return path
 
     async def send(self, engines: list[EngineClient], bucket: Bucket, weight_version: str) -> None:

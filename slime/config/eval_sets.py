@@ -30,6 +30,7 @@ DATA_KEYS = {
     "apply_chat_template": ("apply_chat_template",),
     "apply_chat_template_kwargs": ("apply_chat_template_kwargs",),
     "tool_key": ("eval_tool_key", "tool_key"),
+    "multimodal_keys": ("multimodal_keys",),
 }
 SAMPLING_KEYS = {
     "n_samples_per_eval_prompt": ("n_samples_per_eval_prompt",),
@@ -44,7 +45,7 @@ SAMPLING_KEYS = {
 PLUGIN_KEYS = ("rm_type", "custom_rm_path", "custom_generate_function_path")
 # slime's keys for what is not built here: refused by name rather than ignored.
 NOT_HERE = (
-    "multimodal_keys", "repetition_penalty",
+    "repetition_penalty",
     "skip_special_tokens", "no_stop_trim", "metadata_overrides",
     "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
     "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment",

@@ -63,6 +63,14 @@ class DataConfig:
         "(tools=...) and to rollout functions as metadata['tools']",
     )  # fmt: skip
     """`--tool-key`: the row's tool schemas (slime.rollout.data.row_tools)."""
+    multimodal_keys: Mapping[str, str] | None = flag(
+        "--multimodal-keys", None, type=json_object, metavar="JSON",
+        help="vision-language prompts: a JSON object from a modality to the row field holding its list of "
+        "items, e.g. '{\"image\": \"images\"}'; each <image> in the prompt's text takes the next image "
+        "(a path, data URL, base64 or URL). Needs --apply-chat-template",
+    )  # fmt: skip
+    """`--multimodal-keys`: {"image": field} (slime's flag); the images of a row, in the order of
+    the `<image>` placeholders of its prompt (slime.rollout.vision)."""
     max_prompt_len: int | None = flag("--rollout-max-prompt-len", None, type=int, group="rollout")
     """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
     shuffle: bool = flag("--rollout-shuffle", False)

@@ -9,7 +9,6 @@ from typing import Any
 from slime.config.surface import APPLIED, NO_EFFECT, REFUSED, Spec, store_true
 
 CRITIC = "slime has no such flag either (its docs name it): the critic is on with --advantage-estimator ppo"
-MULTIMODAL = "multimodal (vision / audio) prompts are not supported: text models only"
 
 
 def _refused(flag: str, kwargs: dict[str, Any], why: str, neutral: Any = None) -> Spec:
@@ -90,7 +89,6 @@ SPECS: tuple[Spec, ...] = (
         {"default": None},
         "per-role Megatron overrides (actor / critic YAML) are not supported",
     ),
-    _refused("--multimodal-keys", {"default": None}, MULTIMODAL),
     _refused(
         "--prefill-num-servers",
         {"type": int, "default": None},

@@ -210,21 +210,18 @@ class FSDPConfig:
     """Sharding, precision and memory options of the FSDP2 backend."""
 
     param_dtype: str = flag("--fsdp-param-dtype", "float32", choices=DTYPES)
-    """`--fsdp-param-dtype`: dtype of the gathered parameters in forward/backward (master
-    weights and optimizer states stay float32)."""
+    """`--fsdp-param-dtype`: the gathered parameters' dtype (masters and optimizer states: float32)."""
     reduce_dtype: str = flag("--fsdp-reduce-dtype", "float32", choices=DTYPES)
     """`--fsdp-reduce-dtype`: dtype of the gradient reduce-scatter."""
     cpu_offload: bool = flag("--fsdp-cpu-offload", False)
-    """`--fsdp-cpu-offload`: keep sharded parameters, gradients and optimizer states in CPU
-    memory (GPU only)."""
+    """`--fsdp-cpu-offload`: sharded parameters, gradients and optimizer states in CPU memory."""
     gradient_checkpointing: bool = flag(
         "--gradient-checkpointing",
         False,
         help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
         "checkpointing; Megatron: megatron-core's full recompute)",
     )
-    """`--gradient-checkpointing`: recompute decoder-layer activations in backward (read by the
-    Megatron actor too: megatron-core's full recompute)."""
+    """`--gradient-checkpointing`: recompute decoder-layer activations in backward (both backends)."""
     attn_implementation: str = flag("--attn-implementation", "sdpa")
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
     disable_sharding: bool = flag(
@@ -233,8 +230,12 @@ class FSDPConfig:
         help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
         "to step through the model in a debugger",
     )
-    """`--debug-disable-sharding`: one rank, the plain Hugging Face module without fully_shard
-    (plain tensors, no FSDP hooks or collectives in forward/backward) for stepping through."""
+    """`--debug-disable-sharding`: one rank, the plain module without fully_shard (for a debugger)."""
+    train_vision_model: bool = flag(
+        "--train-vision-model", False,
+        help="vision-language models: train the vision tower too (default: frozen, the language model trains)",
+    )  # fmt: skip
+    """`--train-vision-model`: the vision tower's parameters train (slime.backends.fsdp.vision)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):

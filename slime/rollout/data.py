@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.config.rollout import DataConfig
+from slime.rollout.vision import expanded_prompt_ids, messages_with_images
 from slime.utils.data_files import DataError, read_rows
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ class Prompt:
     token_ids: list[int]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: tuple[Any, ...] = ()
+    """--multimodal-keys: the prompt's images (RGB PIL), in the order of its placeholders;
+    `token_ids` has each placeholder expanded to its image's tokens."""
 
 
 def prompt_messages(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[Any]:
@@ -71,15 +75,23 @@ def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data") -> int:
     this before any process starts); returns the number of rows."""
     rows = read_rows(cfg.prompt_data, flag)
     for where, row in rows:
-        prompt_messages(cfg, where, row)
+        messages = prompt_messages(cfg, where, row)
+        if cfg.multimodal_keys:
+            messages_with_images(where, messages, row, cfg.multimodal_keys)
     return len(rows)
 
 
 class PromptDataset:
     """Prompts in epoch order; `next_batch(n)` crosses epoch boundaries."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, flag: str = "--prompt-data"):
+    def __init__(self, cfg: DataConfig, tokenizer: Any, flag: str = "--prompt-data", processor: Any = None):
+        """`processor`: the checkpoint's multimodal processor (slime.utils.processing_utils),
+        needed with --multimodal-keys."""
         self.cfg = cfg
+        self.processor = processor
+        if cfg.multimodal_keys and processor is None:
+            raise DataError("--multimodal-keys: the checkpoint has no image processor (preprocessor_config.json); "
+                            "is it a vision-language model?")  # fmt: skip
         self.prompts: list[Prompt] = []
         dropped = 0
         for position, (where, row) in enumerate(read_rows(cfg.prompt_data, flag)):
@@ -112,6 +124,13 @@ class PromptDataset:
         messages = prompt_messages(cfg, where, row)
         raw = row[cfg.input_key]
         tools = row_tools(cfg, where, row)
+        images: list[Any] = []
+        if cfg.multimodal_keys:
+            if not cfg.apply_chat_template:
+                raise DataError(
+                    "--multimodal-keys needs --apply-chat-template (the chat template places the images)"
+                )
+            messages, images = messages_with_images(where, messages, row, cfg.multimodal_keys)
         if cfg.apply_chat_template:
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                                  **(cfg.apply_chat_template_kwargs or {}))  # fmt: skip
@@ -119,7 +138,10 @@ class PromptDataset:
             text = raw
         else:  # messages kept as they are (cfg.messages_as_is): the rollout function tokenizes them
             text = ""
-        ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if images:
+            ids = expanded_prompt_ids(self.processor, text, images)
+        else:
+            ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key else None
         metadata = dict(metadata) if isinstance(metadata, dict) else {}
         if tools is not None:
@@ -131,6 +153,7 @@ class PromptDataset:
             token_ids=ids,
             label=row.get(cfg.label_key) if cfg.label_key else None,
             metadata=metadata,
+            images=tuple(images),
         )
 
     def _epoch_order(self, epoch: int) -> list[int]:

@@ -54,15 +54,22 @@ async def generate(
     prompt_ids: list[int],
     sampling_params: dict[str, Any],
     args: Any = None,
+    image_data: list[str] | None = None,
 ) -> Sample:
-    """Generate one response for `sample` with the engine's log-probs."""
+    """Generate one response for `sample` with the engine's log-probs. `image_data`: the prompt's
+    images (SGLang's field), with `prompt_ids` holding each image's tokens."""
     output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True,
-                                   return_routed_experts=_routed(args), lora_path=lora_path(args))  # fmt: skip
+                                   return_routed_experts=_routed(args), lora_path=lora_path(args),
+                                   image_data=image_data)  # fmt: skip
     return apply_response(sample, prompt_ids, output, args)
 
 
 async def continue_sample(
-    client: EngineClient, sample: Sample, sampling_params: dict[str, Any], args: Any = None
+    client: EngineClient,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    args: Any = None,
+    image_data: list[str] | None = None,
 ) -> Sample:
     """Go on with an aborted sample (--partial-rollout): its prompt and response so far are the
     input, the rest of its max_new_tokens the budget; the new tokens are appended with their
@@ -74,7 +81,8 @@ async def continue_sample(
         return sample
     # Still ABORTED if the request fails: a retry on another engine continues it again.
     output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True,
-                                   return_routed_experts=_routed(args), lora_path=lora_path(args))  # fmt: skip
+                                   return_routed_experts=_routed(args), lora_path=lora_path(args),
+                                   image_data=image_data)  # fmt: skip
     sample.status = Status.PENDING
     meta = output.get("meta_info", {})
     ids = list(output.get("output_ids", []))

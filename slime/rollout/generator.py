@@ -26,6 +26,7 @@ from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
+from slime.rollout.vision import prompt_images
 from slime.utils.net import host_port
 from slime.utils.sample import Sample, Status
 
@@ -213,6 +214,10 @@ class RolloutGenerator:
 
             for k, p in enumerate(params):
                 p["sampling_seed"] = sample_seed(*self.seed_keys, draw, k)
+        # --multimodal-keys: the images go to the engine with the expanded ids, their tensors to
+        # the trainer; made once for the group, shared by its samples.
+        images = prompt_images(self.dataset.processor, list(prompt.images)) if prompt.images else None
+        image_data = images.image_data if images is not None else None
         if partial is None:
             samples = [
                 Sample(
@@ -220,18 +225,20 @@ class RolloutGenerator:
                     prompt=prompt.prompt,
                     label=prompt.label,
                     metadata=dict(prompt.metadata, prompt_index=prompt.index),
+                    multimodal_inputs={"images": list(prompt.images)} if images is not None else None,
+                    multimodal_train_inputs=images.train_inputs if images is not None else None,
                 )
                 for k in range(n)
             ]
             calls = [
-                generate(client, s, prompt.token_ids, p, self.args)
+                generate(client, s, prompt.token_ids, p, self.args, image_data)
                 if self.generate_fn is None
                 else self._custom(s, prompt, p, client)
                 for s, p in zip(samples, params)
             ]
         else:
             samples = partial
-            calls = [self._continue(s, p, client) for s, p in zip(samples, params)]
+            calls = [self._continue(s, p, client, image_data) for s, p in zip(samples, params)]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every request of the group has ended: none is left running
@@ -256,7 +263,11 @@ class RolloutGenerator:
         return samples
 
     async def _continue(
-        self, sample: Sample, params: dict[str, Any], client: EngineClient
+        self,
+        sample: Sample,
+        params: dict[str, Any],
+        client: EngineClient,
+        image_data: list[str] | None = None,
     ) -> Sample | list[Sample]:
         """--partial-rollout: an aborted sample goes on from its tokens (a finished one is kept).
         With --mask-offpolicy-in-partial-rollout its tokens so far leave the loss first."""
@@ -265,7 +276,7 @@ class RolloutGenerator:
         if self.mask_offpolicy and sample.response_length:
             sample.loss_mask = [0] * sample.response_length
         if self.generate_fn is None:
-            return await continue_sample(client, sample, params, self.args)
+            return await continue_sample(client, sample, params, self.args, image_data)
         return await self._custom(
             sample, None, params, client
         )  # slime's: the function sees the partial sample

@@ -43,6 +43,7 @@ from slime.rollout.summary import (
 )
 from slime.rollout.teacher import TeacherScorer
 from slime.rollout.user_rollout import BuiltInRollout, DataSource
+from slime.rollout.vision import vision_processor
 from slime.utils.async_utils import run
 from slime.utils.batch import Evaluation, Rollout
 from slime.utils.misc import load_function
@@ -91,8 +92,10 @@ class RolloutProducer:
         self.tokenizer = AutoTokenizer.from_pretrained(config.train.hf_checkpoint)
         if config.debug.dump_details:  # the tokenizer beside the dumps, as slime leaves it
             self.tokenizer.save_pretrained(os.path.join(config.debug.dump_details, "tokenizer"))
+        self.processor = vision_processor(config)  # --multimodal-keys: the checkpoint's processor
+        data = r.data if r.global_dataset else None
         self.dataset = (
-            PromptDataset(r.data, self.tokenizer) if r.data is not None and r.global_dataset else None
+            PromptDataset(data, self.tokenizer, processor=self.processor) if data is not None else None
         )
         self.reward = (
             RewardModel(r.rm_type, r.custom_rm_path, r.group_rm, config.args)
@@ -131,7 +134,8 @@ class RolloutProducer:
         """--use-opd --opd-type sglang: the teacher engine that scores each training sample."""
         # Per evaluation set: (set, prompts, reward, generate function); its own ones replace the rollout's.
         self.eval_sets = [
-            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds)), self._set_reward(ds), self._set_generate(ds))
+            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds), self.processor), self._set_reward(ds),
+             self._set_generate(ds))
             for ds in config.eval.datasets
         ]  # fmt: skip
 

@@ -18,8 +18,10 @@ import.
   built-in rollout (over-sampling, the dynamic filter, deterministic seeds, fault tolerance) and
   returns `RolloutFnTrainOutput` / `RolloutFnEvalOutput`.
 
-Not here: multimodal inputs (`GenerateState.processor` is None) and SGLang's data-parallel
-attention routing (`dp_rank_context` only counts).
+Images (`--multimodal-keys`): `GenerateState.processor` is the checkpoint's processor, and
+`generate` sends a sample's `multimodal_inputs["images"]` as `image_data` with token ids that hold
+each image's tokens (it sets `multimodal_train_inputs` when it tokenizes the prompt itself).
+Not here: SGLang's data-parallel attention routing (`dp_rank_context` only counts).
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ class GenerateState(metaclass=SingletonMeta):
 
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-        self.processor = None  # multimodal inputs are not built here
+        from slime.utils.processing_utils import load_processor
+
+        self.processor = (
+            load_processor(args.hf_checkpoint) if getattr(args, "multimodal_keys", None) else None
+        )
         self.semaphore = asyncio.Semaphore(
             int(args.sglang_server_concurrency) * max(1, cluster_config(args).num_engines)
         )
@@ -122,6 +128,16 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"generate: sample {sample.index} is {sample.status.value}; only pending or aborted "
                          "samples are generated")  # fmt: skip
+    images = (sample.multimodal_inputs or {}).get("images") or []
+    if images and not sample.tokens:
+        if state.processor is None or not isinstance(sample.prompt, str):
+            raise ValueError(f"generate: sample {sample.index} has images: it needs --multimodal-keys and a text "
+                             "prompt with the chat template applied (or set sample.tokens)")  # fmt: skip
+        from slime.rollout.vision import expanded_prompt_ids, prompt_images
+
+        sample.tokens = expanded_prompt_ids(state.processor, sample.prompt, images)
+        if sample.multimodal_train_inputs is None:
+            sample.multimodal_train_inputs = prompt_images(state.processor, images).train_inputs
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise ValueError(
@@ -144,6 +160,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         "sampling_params": params,
         "return_logprob": True,
     }
+    if images:
+        from slime.utils.processing_utils import encode_image_for_rollout_engine
+
+        payload["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
     if getattr(args, "use_rollout_routing_replay", False):
         payload["return_routed_experts"] = True
     from slime.rollout.generate import lora_path

@@ -209,6 +209,8 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     model = auto.from_config(config, dtype=torch.float32)
     model.eval()
     seed_family_state(model, args.seed)
+    if vision:
+        tiny_vision.scale_vision_tower(model, args.seed)
     generation_config = GenerationConfig(
         eos_token_id=[config.get_text_config().eos_token_id, config.get_text_config().pad_token_id],
         pad_token_id=config.get_text_config().pad_token_id,

@@ -14,6 +14,7 @@ with the tokenizer, ready for `train.py --hf-checkpoint`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-key", default="prompt")
     g.add_argument("--response-key", default="response")
     g.add_argument("--apply-chat-template", action="store_true", help="wrap the prompt as a user turn")
+    g.add_argument("--multimodal-keys", type=json.loads, default=None, metavar="JSON",
+                   help="vision-language models: '{\"image\": FIELD}', the row's images for its <image> placeholders "
+                   "(as train.py reads them; needs --apply-chat-template)")  # fmt: skip
     g.add_argument("--num-epoch", type=int, default=1)
     g.add_argument("--save-hf", required=True, help="output Hugging Face checkpoint directory")
     g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
@@ -47,25 +51,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_examples(
-    path: str, tokenizer, input_key: str, response_key: str, chat: bool
-) -> list[tuple[list[int], int]]:
-    """(tokens, response length) per row; the response ends with the tokenizer's eos token."""
+    path: str, tokenizer, input_key: str, response_key: str, chat: bool, multimodal_keys=None, processor=None
+) -> list[tuple[list[int], int, dict | None]]:
+    """(tokens, response length, the images' processor tensors or None) per row; the response ends
+    with the tokenizer's eos token."""
     from slime.rollout.data import DataError, read_rows
+    from slime.rollout.vision import expanded_prompt_ids, messages_with_images, prompt_images
 
+    if multimodal_keys and not chat:
+        raise DataError("--multimodal-keys needs --apply-chat-template (the chat template places the images)")
     examples = []
     for where, row in read_rows(path, "--data"):
         for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
             if not isinstance(row.get(key), str):
                 raise DataError(f"{where}: no text field {key!r} ({flag}); the row has {sorted(row)}")
         prompt = row[input_key]
+        images: list = []
         if chat:
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            messages = [{"role": "user", "content": prompt}]
+            if multimodal_keys:
+                messages, images = messages_with_images(where, messages, row, multimodal_keys)
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if images:
+            prompt_ids = expanded_prompt_ids(processor, prompt, images)
+        else:
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         response_ids = tokenizer(row[response_key], add_special_tokens=False)["input_ids"]
         response_ids.append(tokenizer.eos_token_id)
-        examples.append((prompt_ids + response_ids, len(response_ids)))
+        train_inputs = prompt_images(processor, images).train_inputs if images else None
+        examples.append((prompt_ids + response_ids, len(response_ids), train_inputs))
     return examples
 
 
@@ -123,8 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     from slime.utils.batch import RolloutBatch
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    processor = None
+    if ns.multimodal_keys:
+        from slime.utils.processing_utils import load_processor
+
+        processor = load_processor(cfg.hf_checkpoint)
+        if processor is None:
+            parser.error(
+                f"--multimodal-keys: {cfg.hf_checkpoint} has no image processor (preprocessor_config.json)"
+            )
     try:
-        examples = load_examples(ns.data, tokenizer, ns.input_key, ns.response_key, ns.apply_chat_template)
+        examples = load_examples(ns.data, tokenizer, ns.input_key, ns.response_key, ns.apply_chat_template,
+                                 ns.multimodal_keys, processor)  # fmt: skip
     except DataError as e:
         parser.error(str(e))
     batch_size = cfg.batch.global_batch_size or len(examples)
@@ -149,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             for lo in range(0, len(order) - batch_size + 1, batch_size):  # drops the last partial batch
                 chosen = [examples[i] for i in order[lo : lo + batch_size]]
                 batch = RolloutBatch(
-                    tokens=[t for t, _ in chosen],
-                    response_lengths=[n for _, n in chosen],
+                    tokens=[t for t, _, _ in chosen],
+                    response_lengths=[n for _, n, _ in chosen],
                     rewards=[0.0] * len(chosen),
                     group_indices=list(range(len(chosen))),
+                    multimodal_train_inputs=[m for _, _, m in chosen] if processor is not None else None,
                 )
                 out = actor.train(step, batch)
                 losses.extend(s["loss"] for s in out.steps)

@@ -90,6 +90,22 @@ def vision_config(args: argparse.Namespace, common: dict[str, Any], token_ids: d
     )
 
 
+def scale_vision_tower(model: Any, seed: int) -> None:
+    """Draw the vision tower's matrices with std 1 / sqrt(fan-in). At transformers' own init (std
+    0.02) a tiny tower's merger passes almost nothing of the image on (two different images give
+    features equal to within 3%), so a model could not learn to see; a trained tower's features
+    do depend on the image."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for name, param in model.model.visual.named_parameters():
+            if param.dim() >= 2 and "pos_embed" not in name:
+                param.copy_(torch.randn(param.shape, generator=g) / math.sqrt(param[0].numel()))
+
+
 def save_image_processor(path: Any) -> None:
     """Qwen2-VL's image processor (PIL backend: no torchvision needed) with the tiny bounds."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

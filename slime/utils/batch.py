@@ -51,6 +51,10 @@ class RolloutBatch:
     weight_versions: list[str | None] | None = None
     """The engine weight version each sample was generated with (None: several, or none reported);
     --keep-old-actor takes the old policy's log-probs with those weights."""
+    multimodal_train_inputs: list[dict[str, Any] | None] | None = None
+    """Vision-language prompts (slime's field): per sample, the processor's tensors of its images
+    (`pixel_values`, `image_grid_thw`) that the trainer's forward takes with `tokens`; None for a
+    sample without images (None overall: a text-only rollout)."""
     rewards_normalized: bool = False
     """`rewards` came from --custom-reward-post-process-path: the advantages start from them as
     they are (no group baseline on the train side)."""
@@ -64,7 +68,7 @@ class RolloutBatch:
         if n == 0:
             raise BatchError("rollout batch is empty")
         for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs",
-                     "rollout_routed_experts", "teacher_log_probs", "rollout_ids"):  # fmt: skip
+                     "rollout_routed_experts", "teacher_log_probs", "rollout_ids", "multimodal_train_inputs"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
@@ -108,6 +112,7 @@ class RolloutBatch:
             sample_indices=[base[i] for i in indices],
             rollout_ids=pick(self.rollout_ids),
             weight_versions=pick(self.weight_versions),
+            multimodal_train_inputs=pick(self.multimodal_train_inputs),
             rewards_normalized=self.rewards_normalized,
         )
 

@@ -198,4 +198,4 @@ def tensor_to_image(pixels: Any) -> Any:
     """The PIL image of `image_to_tensor`'s tensor."""
     from PIL import Image
 
-    return Image.fromarray(pixels.numpy(), mode="RGB")
+    return Image.fromarray(pixels.numpy())

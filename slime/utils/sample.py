@@ -44,6 +44,22 @@ def int32_meta_array(meta_info: dict[str, Any], keys: str | Iterable[str]) -> An
     return torch.as_tensor(value, dtype=torch.int32).reshape(-1)
 
 
+def _images_as(inputs: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """`multimodal_inputs` with its images as uint8 pixel tensors [H, W, 3] (`kind` "tensor": what a
+    dump keeps, read with weights_only=True) or as RGB PIL images ("image": what a sample holds)."""
+    if not inputs or not inputs.get("images"):
+        return inputs
+    from slime.utils.processing_utils import image_to_tensor, tensor_to_image
+
+    def convert(image: Any) -> Any:
+        is_tensor = hasattr(image, "numpy") and getattr(image, "dim", lambda: 0)() == 3
+        if kind == "tensor":
+            return image if is_tensor else image_to_tensor(image)
+        return tensor_to_image(image) if is_tensor else image
+
+    return {**inputs, "images": [convert(image) for image in inputs["images"]]}
+
+
 def _ints(values: Any) -> list[int]:
     if values is None:
         return []
@@ -185,6 +201,7 @@ class Sample:
         d["status"] = Sample.Status(self.status).value
         d["spec_info"] = self.spec_info.to_dict()
         d["prefix_cache_info"] = self.prefix_cache_info.to_dict()
+        d["multimodal_inputs"] = _images_as(d["multimodal_inputs"], "tensor")
         return d
 
     @staticmethod
@@ -198,6 +215,7 @@ class Sample:
         data["status"] = Sample.Status(data.get("status", "pending"))
         data["spec_info"] = Sample.SpecInfo.from_dict(data.get("spec_info"))
         data["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(data.get("prefix_cache_info"))
+        data["multimodal_inputs"] = _images_as(data.get("multimodal_inputs"), "image")
         names = {f.name for f in fields(Sample)}
         sample = Sample(**{k: v for k, v in data.items() if k in names})
         for key, value in data.items():
@@ -460,4 +478,7 @@ def samples_to_batch(
         if any(s.rollout_id is not None for s in samples)
         else None,
         weight_versions=[s.weight_versions[0] if len(set(s.weight_versions)) == 1 else None for s in samples],
+        multimodal_train_inputs=[s.multimodal_train_inputs for s in samples]
+        if any(s.multimodal_train_inputs for s in samples)
+        else None,
     )

@@ -43,7 +43,8 @@ OWNED = ".slime_local_checkpoint"
 """In a local checkpoint: made by /pull_weights, which may replace its files (never removed)."""
 ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
-_MODEL_FILES = ("config.json", "generation_config.json")
+_MODEL_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                "processor_config.json")  # fmt: skip
 
 
 class DeltaError(RuntimeError):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from slime.backends import hf_checkpoint
 from slime.backends.expert_bias import TokenCounts
 from slime.backends.fsdp import checkpoint as ckpt
-from slime.backends.fsdp import lora, model_init, moe
+from slime.backends.fsdp import lora, model_init, moe, vision
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, state_bytes
@@ -102,6 +102,8 @@ class FSDPTrainActor(TrainActorBase):
         self.routing = self._install_routing()
         self.bias_counts = self._install_bias_counts()
         freeze_parameters(self.model, cfg.optimizer, strict=not self.value_head)
+        if not cfg.fsdp.train_vision_model:
+            vision.freeze_vision_tower(self.model)
         # With LoRA only the adapters train (PEFT froze the rest): the optimizer holds them alone.
         self.optimizer = make_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
@@ -294,7 +296,7 @@ class FSDPTrainActor(TrainActorBase):
         return name
 
     def _micro_batch(self, batch: RolloutBatch, positions: list[int]) -> MicroBatch:
-        return make_micro_batch(
+        mb = make_micro_batch(
             positions,
             batch.tokens,
             batch.response_lengths,
@@ -302,6 +304,8 @@ class FSDPTrainActor(TrainActorBase):
             self.device,
             self.packs_sequences,
         )
+        vision.attach_images(self.model, mb, batch)
+        return mb
 
     # ---- log-probs --------------------------------------------------------------------------
     @torch.no_grad()

@@ -267,7 +267,17 @@ def _finish_hf_dir(
     source = actor.cfg.hf_checkpoint
     for name in os.listdir(source):
         if name.startswith(
-            ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")
+            (
+                "tokenizer",
+                "special_tokens",
+                "vocab",
+                "merges",
+                "chat_template",
+                "generation_config",
+                "preprocessor_config",
+                "video_preprocessor_config",
+                "processor_config",
+            )  # a VLM's processor
         ):
             shutil.copy2(os.path.join(source, name), os.path.join(partial, name))
     if os.path.exists(final):

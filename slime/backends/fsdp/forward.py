@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from slime.backends.fsdp.vision import forward_kwargs
 from slime.backends.micro_batch import MicroBatch, response_token_stats, softmax_stats
 
 
@@ -25,10 +26,13 @@ def response_log_probs(
     layout of `mb.response_mask` (values past a sample's response are 0). `chunk_size`:
     --log-probs-chunk-size (slime.backends.micro_batch.response_token_stats)."""
     rows, cols, targets = mb.predictions()
+    images = forward_kwargs(model, mb)  # a vision-language micro-batch's images and rotary positions
     if mb.packed:
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=cols, use_cache=False,
-                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+        position_ids = images.pop("position_ids", mb.position_ids)
+        out = model(input_ids=mb.input_ids, position_ids=position_ids, logits_to_keep=cols, use_cache=False,
+                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+                    **images)  # fmt: skip
         # [response tokens, V] in `predictions` order (a view: no copy in backward)
         logits = out.logits.flatten(0, 1)
         index = None
@@ -36,7 +40,11 @@ def response_log_probs(
         first = min(mb.prompt_lengths) - 1  # no response token is predicted before this position
         keep = mb.input_ids.shape[1] - first
         out = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep, use_cache=False
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            logits_to_keep=keep,
+            use_cache=False,
+            **images,
         )
         # [batch * keep, V]: position j of row b is sequence position first + j
         logits = out.logits.flatten(0, 1)

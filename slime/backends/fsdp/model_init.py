@@ -62,7 +62,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def build_meta_model(config: Any, attn_implementation: str, value_head: bool = False) -> Any:
     """The model on the meta device: the causal LM, or (`value_head`) a value model, Hugging
     Face's *ForTokenClassification with one output (its `score` head) on the same transformer."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
+
+    from slime.utils.model_families import auto_model_class, is_vision
 
     if value_head:
         config = copy.deepcopy(config)
@@ -70,9 +72,12 @@ def build_meta_model(config: Any, attn_implementation: str, value_head: bool = F
         # Hugging Face puts a dropout of 0.1 before the head unless told; a value head has none
         # (slime's is a plain linear), and train-mode dropout would make values random.
         config.classifier_dropout = 0.0
-    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if value_head else auto_model_class(config)
+    attention: Any = attn_implementation
+    if is_vision(config.model_type):  # the vision tower attends over its patches, never as packed text
+        attention = {"text_config": attn_implementation, "vision_config": "sdpa"}
     with parameters_on_meta():
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
     return model
 
 
@@ -245,9 +250,11 @@ def _read_experts(
 
 
 def _shards_via_from_pretrained(path: str, params: dict[str, Any], rank: int, world_size: int):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from slime.utils.model_families import auto_model_class
+
+    full = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
     state = dict(full.named_parameters())
     unknown = [n for n in params if n not in state]
     if unknown:

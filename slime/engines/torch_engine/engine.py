@@ -32,7 +32,6 @@ from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
 from slime.engines.torch_engine.vision import ImagePreparer
 from slime.engines.torch_engine.weights import WeightStore
-from slime.utils.model_families import is_vision
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +106,9 @@ class TorchEngine:
             config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
         self._tokenizer_lock = threading.Lock()
-        self.images: ImagePreparer | None = None
-        if is_vision(self.model.config.model_type):
-            self.images = ImagePreparer(config.model_path, self.model.config, self._tokenizer_lock)
+        # A vision-language model: its images' processor, and its placeholders, never sampled.
+        self.images = ImagePreparer.of(config.model_path, self.model.config, self._tokenizer_lock)
+        self.never_sampled = self.images.placeholder_ids if self.images is not None else None
         self.runner = make_runner(
             self.model,
             config.max_running_requests,
@@ -293,7 +292,7 @@ class TorchEngine:
             seqs, logits = self.runner.decode()
         gens = [s.runner_state.get("generator") for s in seqs]
         top_n = [s.top_logprobs_num for s in seqs]
-        out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n)
+        out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n, self.never_sampled)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
         for s in seqs:
             s.record_versions(self.weight_version)
@@ -344,16 +343,7 @@ class TorchEngine:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
         images = None
         if req.image_data:
-            if self.images is None:
-                raise ProtocolError(
-                    f"'image_data': model_type {self.model.config.model_type!r} is a text model"
-                )
-            if req.return_logprob and req.logprob_start_len >= 0:
-                raise ProtocolError(
-                    "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
-                )
-            given = list(req.input_ids) if req.input_ids is not None else None
-            ids, images = self.images.prepare(req.image_data, req.text, given)
+            ids, images = ImagePreparer.prepare_request(self.images, req, self.model.config.model_type)
         elif req.input_ids is not None:
             ids = list(req.input_ids)
         else:

@@ -49,6 +49,7 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     top_logprobs_nums: list[int] | None = None,
+    never: list[int] | None = None,
 ) -> SampleOutput:
     """Pick one token per row and bring the tokens and their log-probs to the host.
 
@@ -58,8 +59,12 @@ def sample(
         generators: per-row generator for seeded requests (None: use `default_generator`).
         top_logprobs_nums: per row, how many most likely (logprob, token) pairs to return
             (0: none, and that row costs no top-k).
+        never: token ids never picked (a vision-language model's image placeholders); like top-k's
+            truncation, this shapes what is sampled, not the reported log-probs.
     """
-    tokens_B, chosen_B, logprobs_BV = sample_on_device(logits_BV, params, generators, default_generator)
+    tokens_B, chosen_B, logprobs_BV = sample_on_device(
+        logits_BV, params, generators, default_generator, never
+    )
     host = transfer.to_host(pack(tokens_B, chosen_B))
     tokens, logprobs = unpack(host)
     return SampleOutput(tokens, logprobs, _top_logprobs(logprobs_BV, top_logprobs_nums))
@@ -70,6 +75,7 @@ def sample_on_device(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
+    never: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample` without the copy down: token ids [B] (int64), their log-probs [B] and the
     log-probs of every token [B, V], all where the logits are."""
@@ -77,13 +83,16 @@ def sample_on_device(
     device = logits_BV.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits_BV.dtype)
     logprobs_BV = torch.log_softmax(logits_BV / transfer.to_device(temps, device)[:, None], dim=-1)
-    tokens_B = logits_BV.argmax(dim=-1)
+    allowed_BV = logprobs_BV
+    if never:
+        allowed_BV = logprobs_BV.index_fill(1, transfer.to_device(torch.tensor(never), device), float("-inf"))
+    tokens_B = allowed_BV.argmax(dim=-1)
 
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         every_row = len(sampled_rows) == len(params)
         rows = None if every_row else transfer.to_device(torch.tensor(sampled_rows), device)
-        probs = (logprobs_BV if rows is None else logprobs_BV.index_select(0, rows)).exp()
+        probs = (allowed_BV if rows is None else allowed_BV.index_select(0, rows)).exp()
         row_params = [params[i] for i in sampled_rows]
         if any(p.needs_truncation for p in row_params):
             probs = truncate_probs(probs, row_params)

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from slime.engines.protocol import ProtocolError
+from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.model_runner import GenericRunner
 from slime.engines.torch_engine.sequence import Sequence
+from slime.utils.model_families import is_vision
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,28 @@ class ImagePreparer:
             raise ValueError(f"{model_path}: a vision-language model without an image processor "
                              "(preprocessor_config.json)")  # fmt: skip
         self.image_token_id = int(model_config.image_token_id)
+        video = getattr(model_config, "video_token_id", None)
+        self.placeholder_ids = [self.image_token_id] + ([int(video)] if video is not None else [])
         self.merge = int(self.processor.image_processor.merge_size)
         self.lock = lock  # the engine's tokenizer lock: the processor tokenizes with the same tokenizer
+
+    @staticmethod
+    def of(model_path: str, model_config: Any, lock: threading.Lock) -> ImagePreparer | None:
+        """The preparer of a vision-language model; None for a text model."""
+        return ImagePreparer(model_path, model_config, lock) if is_vision(model_config.model_type) else None
+
+    @staticmethod
+    def prepare_request(preparer: ImagePreparer | None, req: GenerateRequest,
+                        model_type: str) -> tuple[list[int], ImageInputs]:  # fmt: skip
+        """A request with `image_data`: its token ids and images (ProtocolError for a text model)."""
+        if preparer is None:
+            raise ProtocolError(f"'image_data': model_type {model_type!r} is a text model")
+        if req.return_logprob and req.logprob_start_len >= 0:
+            raise ProtocolError(
+                "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
+            )
+        given = list(req.input_ids) if req.input_ids is not None else None
+        return preparer.prepare(req.image_data, req.text, given)
 
     def prepare(
         self, images: tuple[str, ...], text: str | None, ids: list[int] | None

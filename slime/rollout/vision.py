@@ -1,0 +1,109 @@
+"""Images in prompts (`--multimodal-keys`, as slime reads it).
+
+A row names its images in the fields `--multimodal-keys` maps each modality to
+(`{"image": "images"}`: `row["images"]`, a list). Each `<image>` placeholder of the prompt's text
+takes the next image, in order, and becomes an image content item of its message
+(`{"type": "image", "image": ...}`); an item that is already a dict (Qwen-VL's rich form, with
+`min_pixels` ...) is kept as it is. The counts must agree. Every image is decoded when the data is
+read, so a missing or corrupt file is one error naming the row and the file before anything
+starts.
+
+`PromptImages` is what generation needs of a prompt's images: the data URLs the engine is sent
+(`image_data`) and the processor's tensors the trainer's forward takes
+(`Sample.multimodal_train_inputs`), both made once per prompt and shared by its samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slime.utils.data_files import DataError
+
+PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+
+
+def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any],
+                         keys: Mapping[str, str]) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """`messages` with each `<image>` replaced by the row's next image as a content item, and the
+    decoded images in order. DataError names the row, the field and the file."""
+    from slime.utils.processing_utils import ImageError, load_image
+
+    for modality in keys:
+        if modality != "image":
+            raise DataError(f"--multimodal-keys: modality {modality!r} is not supported (images only)")
+    field = keys.get("image")
+    items = row.get(field) if field is not None else None
+    if items is None:
+        items = []
+    if isinstance(items, str | dict) or not hasattr(items, "__iter__"):
+        items = [items]
+    items = list(items.tolist() if hasattr(items, "tolist") else items)
+    messages = copy.deepcopy(list(messages))
+    remaining = list(items)
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str):
+            continue
+        parts: list[dict[str, Any]] = []
+        for piece in re.split(f"({re.escape(PLACEHOLDERS['image'])})", content):
+            if piece == PLACEHOLDERS["image"]:
+                if not remaining:
+                    raise DataError(f"{where}: the prompt has more <image> placeholders than field {field!r} "
+                                    f"has images ({len(items)}) (--multimodal-keys)")  # fmt: skip
+                item = remaining.pop(0)
+                parts.append(dict(item) if isinstance(item, dict) else {"type": "image", "image": item})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        message["content"] = parts
+    if remaining:
+        raise DataError(f"{where}: field {field!r} has {len(items)} images but the prompt has only "
+                        f"{len(items) - len(remaining)} <image> placeholders (--multimodal-keys)")  # fmt: skip
+    images = []
+    for i, item in enumerate(items):
+        try:
+            images.append(load_image(item))
+        except ImageError as e:
+            raise DataError(f"{where}: field {field!r}[{i}]: {e}") from None
+    return messages, images
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images as generation sends and trains them."""
+
+    image_data: list[str]
+    """PNG data URLs, the engine request's `image_data`."""
+    train_inputs: dict[str, Any]
+    """The processor's tensors: `pixel_values`, `image_grid_thw`."""
+
+
+def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
+    from slime.utils.processing_utils import encode_image_for_rollout_engine
+
+    out = processor.image_processor(images=list(images), return_tensors="pt")
+    return PromptImages(
+        image_data=[encode_image_for_rollout_engine(image) for image in images],
+        train_inputs={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
+    )
+
+
+def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:
+    """The prompt's token ids with each image placeholder expanded to its image's tokens (what the
+    engine and the trainer see)."""
+    out = processor(text=[text], images=list(images), return_tensors="pt")
+    return [int(t) for t in out["input_ids"][0]]
+
+
+def vision_processor(config: Any) -> Any:
+    """The checkpoint's processor when the job's prompt data or an evaluation set has
+    --multimodal-keys; else None (text prompts need only the tokenizer). `config`: the JobConfig."""
+    data = [config.rollout.data, *(d.data for d in config.eval.datasets)]
+    if not any(d is not None and d.multimodal_keys for d in data):
+        return None
+    from slime.utils.processing_utils import load_processor
+
+    return load_processor(config.train.hf_checkpoint)
