@@ -46,6 +46,24 @@ def tiny_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> str:
+    """A tiny Qwen3-VL checkpoint (a 2-block vision tower, 2 language-model layers of width 64; seed 0)."""
+    path = str(tmp_path_factory.mktemp("models") / "tiny-qwen3-vl")
+    return make_model(path, 0, "--arch", "qwen3_vl", "--hidden-size", "64", "--num-layers", "2")
+
+
+@pytest.fixture(scope="session")
+def dot_images():
+    """Four 64 x 64 images of the vision task (1 to 4 dots), RGB PIL."""
+    import random
+
+    from slime.tools.make_vision_task import draw_dots
+
+    rng = random.Random(0)
+    return [draw_dots(n, 64, rng) for n in (1, 2, 3, 4)]
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -90,7 +90,7 @@ eval:
         ("datasets:\n  - {name: a, path: P, tempreature: 1}\n", "unknown key `tempreature`"),
         (
             "datasets:\n  - {name: a, path: P, multimodal_keys: images}\n",
-            "`multimodal_keys` is slime's, for a feature not built",
+            "--multimodal-keys must map a modality to a field name",
         ),
         ("datasets:\n  - {name: a, path: P}\n  - {name: a, path: P}\n", "repeat a name"),
         ("[1, 2", "not valid YAML"),

@@ -82,6 +82,17 @@ class DataConfig:
     may have no label (set when a `--rollout-function-path` handles the rows itself, as slime's
     SFT rollout does)."""
 
+    def __post_init__(self) -> None:
+        keys = self.multimodal_keys
+        if keys is None:
+            return
+        if not isinstance(keys, Mapping) or not all(isinstance(v, str) for v in keys.values()):
+            raise ValueError(f"--multimodal-keys must map a modality to a field name, e.g. {{\"image\": \"images\"}}; "
+                             f"got {keys!r}")  # fmt: skip
+        if set(keys) - {"image"}:
+            raise ValueError(f"--multimodal-keys: {sorted(set(keys) - {'image'})} not supported (images only: "
+                             "'{\"image\": FIELD}')")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -86,6 +86,10 @@ class ImagePreparer:
                 raise ProtocolError(f"'image_data'[{i}]: {e}") from None
         with self.lock:
             if text is not None:
+                held = text.count(self.processor.image_token)
+                if held != len(decoded):
+                    raise ProtocolError(f"'text' holds {held} image placeholder(s) ({self.processor.image_token}) for "
+                                        f"{len(decoded)} image(s) in 'image_data': one placeholder per image")  # fmt: skip
                 out = self.processor(text=[text], images=decoded, return_tensors="pt")
                 ids = [int(t) for t in out["input_ids"][0]]
             else:
@@ -122,6 +126,9 @@ class VisionRunner(GenericRunner):
         """Images through the vision tower since start (one per image of each request)."""
         self.image_token_id = int(model.config.image_token_id)
         self.video_token_id = int(getattr(model.config, "video_token_id", -1))
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "num_images_encoded": self.num_images_encoded}
 
     def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
         from transformers import DynamicCache

@@ -1,0 +1,163 @@
+"""The torch engine serving a vision-language model (tiny Qwen3-VL): SGLang's `image_data` on
+/generate, a real server on loopback, compared with transformers' own model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from slime.engines.client import EngineClient, EngineError
+from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+from tests.conftest import start_engine
+
+TEXT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(tiny_vlm, tmp_path_factory):
+    proc = start_engine(tiny_vlm, tmp_path_factory.mktemp("engine-logs"))
+    yield proc
+    assert proc.stop() in (0, -15)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_vlm):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval(), load_processor(
+        tiny_vlm
+    )
+
+
+def _inputs(processor, image):
+    return processor(text=[TEXT], images=[image], return_tensors="pt")
+
+
+def _teacher_forced(model, processor, image, output_ids, temperature):
+    out = _inputs(processor, image)
+    ids = torch.cat([out["input_ids"], torch.tensor([output_ids])], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits[0].float()  # fmt: skip
+    start = out["input_ids"].shape[1]
+    logp = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def _run(url, fn):
+    async def go():
+        async with EngineClient(url) as c:
+            return await fn(c)
+
+    return asyncio.run(go())
+
+
+def test_image_requests_sample_like_the_model_and_see_their_image(vlm_engine, reference, dot_images):
+    model, processor = reference
+    urls = [encode_image_for_rollout_engine(image) for image in dot_images]
+    expanded = [[int(t) for t in _inputs(processor, image)["input_ids"][0]] for image in dot_images]
+    sampling = {"max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True}
+
+    async def scenario(c):
+        before = (await c.get_server_info())["internal_states"][0]["num_images_encoded"]
+        by_text = await c.generate(text=[TEXT] * 4, image_data=[[u] for u in urls], sampling_params=sampling,
+                                   return_logprob=True)  # fmt: skip
+        by_ids = await c.generate(input_ids=expanded[0], image_data=[urls[0]], return_logprob=True,
+                                  sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})  # fmt: skip
+        after = (await c.get_server_info())["internal_states"][0]["num_images_encoded"]
+        info = await c.request("GET", "/model_info")
+        return by_text, by_ids, after - before, info
+
+    by_text, by_ids, encoded, info = _run(vlm_engine.url, scenario)
+    assert encoded == 5  # the vision tower ran once per image, not per step
+    assert info["has_image_understanding"] is True
+    for image, ids, res in zip(dot_images, expanded, by_text, strict=True):
+        assert res["meta_info"]["prompt_tokens"] == len(ids)  # the processor's expansion
+        got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+        ref = _teacher_forced(model, processor, image, res["output_ids"], 0.8)
+        assert (got - ref).abs().max().item() < 1e-5
+        other = _teacher_forced(
+            model, processor, dot_images[(dot_images.index(image) + 1) % 4], res["output_ids"], 0.8
+        )
+        assert (
+            got - other
+        ).abs().max().item() > 1e-3  # another image gives other log-probs: the image is seen
+    with torch.no_grad():
+        out = _inputs(processor, dot_images[0])
+        greedy = model.generate(**out, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert by_ids["output_ids"] == greedy[0, out["input_ids"].shape[1] :].tolist()
+
+
+def test_bad_image_requests_are_refused_with_the_reason(vlm_engine, reference, dot_images, tmp_path):
+    _, processor = reference
+    url = encode_image_for_rollout_engine(dot_images[0])
+    sp = {"max_new_tokens": 2}
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    cases = [
+        (
+            dict(text=TEXT, image_data=[url, url]),
+            r"'text' holds 1 image placeholder\(s\) .* for 2 image\(s\)",
+        ),
+        (
+            dict(input_ids=[5, pad, pad, 6], image_data=[url]),
+            r"1 image\(s\) of \[4\] tokens, but the prompt holds 1 run",
+        ),
+        (
+            dict(text=TEXT, image_data=[str(tmp_path / "none.png")]),
+            r"'image_data'\[0\]: image file .* does not exist",
+        ),
+        (
+            dict(text=TEXT, image_data=["data:image/png;base64,AAAA"]),
+            r"'image_data'\[0\]: image .* cannot be decoded",
+        ),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(EngineError, match=message) as err:
+            _run(vlm_engine.url, lambda c, kw=kwargs: c.generate(sampling_params=sp, **kw))
+        assert err.value.status == 400
+
+
+def test_image_data_to_a_text_model_is_refused(engine, dot_images):
+    with pytest.raises(EngineError, match="'image_data': model_type 'qwen3' is a text model"):
+        _run(engine.url, lambda c: c.generate(text="hi", image_data=[encode_image_for_rollout_engine(dot_images[0])],
+                                              sampling_params={"max_new_tokens": 2}))  # fmt: skip
+
+
+def test_the_engine_never_samples_image_placeholders_yet_reports_full_log_probs(tiny_vlm, dot_images):
+    """At temperature 5 a near-uniform tiny model would draw a placeholder every few dozen
+    tokens; none is drawn, and each log-prob is still over the whole vocabulary."""
+    from slime.engines.torch_engine.sampling import sample
+    from slime.utils.sampling_params import SamplingParams
+
+    logits = torch.zeros(64, 10)
+    logits[:, 7] = 5.0  # the placeholder is the favourite
+    params = [SamplingParams(max_new_tokens=1, temperature=1.0)] * 32 + [
+        SamplingParams(max_new_tokens=1, temperature=0)
+    ] * 32
+    out = sample(logits, params, [None] * 64, torch.Generator().manual_seed(0), never=[7])
+    assert 7 not in out.tokens
+    full = torch.log_softmax(logits[0], -1)
+    assert all(abs(lp - float(full[t])) < 1e-6 for t, lp in zip(out.tokens, out.logprobs))
+
+
+def test_abort_with_images_in_flight(vlm_engine, dot_images):
+    url = encode_image_for_rollout_engine(dot_images[1])
+
+    async def scenario(c):
+        sp = {"max_new_tokens": 400, "ignore_eos": True}
+        task = asyncio.create_task(c.generate(text=TEXT, image_data=[url], sampling_params=sp, rid="img-victim",
+                                              return_logprob=True))  # fmt: skip
+        while (await c.get_server_info())["internal_states"][0]["num_running_reqs"] < 1:
+            await asyncio.sleep(0.01)
+        assert (await c.abort_request("img-victim"))["num_aborted"] == 1
+        aborted = await task
+        again = await c.generate(
+            text=TEXT, image_data=[url], sampling_params={"max_new_tokens": 3, "temperature": 0}
+        )
+        return aborted, again
+
+    aborted, again = _run(vlm_engine.url, scenario)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and len(aborted["output_ids"]) < 400
+    assert len(again["output_ids"]) == 3  # the engine goes on serving images
