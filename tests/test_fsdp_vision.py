@@ -128,6 +128,6 @@ def test_megatron_refuses_a_vision_language_model_by_name(tiny_vlm):
     from slime.backends.megatron.convert import ConversionError, Layout
 
     with pytest.raises(
-        ConversionError, match="'qwen3_vl'.*vision-language models train with --train-backend fsdp"
+        ConversionError, match=r"'qwen3_vl'.*vision-language models train with --train-backend fsdp"
     ):
         Layout.from_hf_config(AutoConfig.from_pretrained(tiny_vlm))

@@ -94,9 +94,9 @@ def test_load_image_reads_every_form_and_names_what_is_wrong(dot_images, tmp_pat
     with pytest.raises(ImageError, match="does not exist"):
         load_image(str(tmp_path / "missing.png"))
     (tmp_path / "bad.png").write_bytes(b"not a png at all")
-    with pytest.raises(ImageError, match="bad.png.*cannot be decoded"):
+    with pytest.raises(ImageError, match=r"bad.png.*cannot be decoded"):
         load_image(str(tmp_path / "bad.png"))
-    with pytest.raises(ImageError, match="cannot be fetched.*give its path or base64"):
+    with pytest.raises(ImageError, match=r"cannot be fetched.*give its path or base64"):
         load_image("http://127.0.0.1:9/nothing-listens-here.png")
 
 
