@@ -14,6 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (smallest arguments, a line its table prints, slow)
+VISION_ARGS = ["--requests", "2", "--new-tokens", "2", "--image-sizes", "64", "--hidden-size", "64",
+               "--num-layers", "1", "--threads", "1"]  # fmt: skip
 BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
     "bench_push": (
         ["--hidden-size", "64", "--num-layers", "1", "--bucket-mb", "1", "--repeats", "1", "--threads", "1"],
@@ -21,6 +23,11 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "bench_weight_sync": (["--repeats", "1"], "overhead", True),
+    "bench_vision": (
+        VISION_ARGS,
+        "| 64x64 (4 tokens) |",
+        True,
+    ),
     "bench_rollout_transfer": (
         ["--samples", "4", "--response-len", "8", "--ranks", "1"],
         "(bytes by value / by reference)",
