@@ -13,9 +13,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name: (smallest arguments, a line its table prints, slow)
 VISION_ARGS = ["--requests", "2", "--new-tokens", "2", "--image-sizes", "64", "--hidden-size", "64",
                "--num-layers", "1", "--threads", "1"]  # fmt: skip
+# name: (smallest arguments, a line its table prints, slow)
 BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
     "bench_push": (
         ["--hidden-size", "64", "--num-layers", "1", "--bucket-mb", "1", "--repeats", "1", "--threads", "1"],
