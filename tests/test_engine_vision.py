@@ -112,6 +112,7 @@ def test_bad_image_requests_are_refused_with_the_reason(vlm_engine, reference, d
             dict(text=TEXT, image_data=["data:image/png;base64,AAAA"]),
             r"'image_data'\[0\]: image .* cannot be decoded",
         ),
+        (dict(input_ids=[5, pad, 6]), r"holds image tokens .* but the request has no 'image_data'"),
     ]
     for kwargs, message in cases:
         with pytest.raises(EngineError, match=message) as err:

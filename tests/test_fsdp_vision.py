@@ -131,3 +131,13 @@ def test_megatron_refuses_a_vision_language_model_by_name(tiny_vlm):
         ConversionError, match=r"'qwen3_vl'.*vision-language models train with --train-backend fsdp"
     ):
         Layout.from_hf_config(AutoConfig.from_pretrained(tiny_vlm))
+
+
+def test_a_critic_of_a_vision_language_model_is_refused_by_name(tiny_vlm):
+    from transformers import AutoConfig
+
+    from slime.backends.fsdp.model_init import build_meta_model
+    from slime.backends.hf_checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"value model .* of a vision-language model is not built"):
+        build_meta_model(AutoConfig.from_pretrained(tiny_vlm), "sdpa", value_head=True)

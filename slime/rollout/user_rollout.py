@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.rollout.data import PromptDataset
+from slime.rollout.vision import prompt_images
 from slime.utils.sample import Sample, Status, group_samples
 
 
@@ -87,16 +88,19 @@ class DataSource:
             raise RuntimeError(
                 "this job has no --prompt-data: the rollout function must bring its own prompts"
             )
-        return [
-            [
-                Sample(
-                    prompt=p.prompt,
-                    tokens=list(p.token_ids),
-                    label=p.label,
-                    metadata=dict(p.metadata, prompt_index=p.index),
-                    **self.sample_fields,
-                )
-                for _ in range(self.n_samples_per_prompt)
-            ]
-            for p in self.dataset.next_batch(num_prompts)
-        ]
+        groups = []
+        for p in self.dataset.next_batch(num_prompts):
+            # --multimodal-keys: the images (slime's multimodal_inputs) and their tensors for the trainer
+            images = prompt_images(self.dataset.processor, list(p.images)) if p.images else None
+            vision = (
+                {
+                    "multimodal_inputs": {"images": list(p.images)},
+                    "multimodal_train_inputs": images.train_inputs,
+                }
+                if images is not None
+                else {}
+            )
+            groups.append([Sample(prompt=p.prompt, tokens=list(p.token_ids), label=p.label,
+                                  metadata=dict(p.metadata, prompt_index=p.index), **vision, **self.sample_fields)
+                           for _ in range(self.n_samples_per_prompt)])  # fmt: skip
+        return groups

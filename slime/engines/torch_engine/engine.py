@@ -358,6 +358,8 @@ class TorchEngine:
         check_request(
             req, ids, self.vocab_size, self.context_length, self.config, routed, self.adapters is not None
         )
+        if images is None and self.images is not None:
+            self.images.check_no_images(ids)
         params = req.sampling_params
         seq = Sequence(
             rid=req.rid,

@@ -60,6 +60,12 @@ class ImagePreparer:
         """The preparer of a vision-language model; None for a text model."""
         return ImagePreparer(model_path, model_config, lock) if is_vision(model_config.model_type) else None
 
+    def check_no_images(self, ids: list[int]) -> None:
+        """A request without `image_data` must not hold image tokens (they would have no pixels)."""
+        if self.image_token_id in ids:
+            raise ProtocolError(f"the prompt holds image tokens (id {self.image_token_id}) but the request has no "
+                                "'image_data': send the images with the prompt")  # fmt: skip
+
     @staticmethod
     def prepare_request(preparer: ImagePreparer | None, req: GenerateRequest,
                         model_type: str) -> tuple[list[int], ImageInputs]:  # fmt: skip
