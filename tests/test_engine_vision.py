@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from PIL import Image
 
 from slime.engines.client import EngineClient, EngineError
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
@@ -113,6 +114,11 @@ def test_bad_image_requests_are_refused_with_the_reason(vlm_engine, reference, d
             r"'image_data'\[0\]: image .* cannot be decoded",
         ),
         (dict(input_ids=[5, pad, 6]), r"holds image tokens .* but the request has no 'image_data'"),
+        (dict(text="a <|video_pad|> b"), "video tokens .*: videos are not supported"),
+        (
+            dict(text=TEXT, image_data=[encode_image_for_rollout_engine(Image.new("RGB", (1000, 4)))]),
+            "the model's processor refuses an image .*aspect ratio",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(EngineError, match=message) as err:
@@ -126,9 +132,22 @@ def test_image_data_to_a_text_model_is_refused(engine, dot_images):
                                               sampling_params={"max_new_tokens": 2}))  # fmt: skip
 
 
-def test_the_engine_never_samples_image_placeholders_yet_reports_full_log_probs(tiny_vlm, dot_images):
-    """At temperature 5 a near-uniform tiny model would draw a placeholder every few dozen
-    tokens; none is drawn, and each log-prob is still over the whole vocabulary."""
+def test_the_engine_never_samples_image_placeholders(vlm_engine, reference, dot_images):
+    """At temperature 4 the tiny model is near uniform over its 105 tokens: in 1,536 tokens an
+    unbanned placeholder would come up about 30 times (each its log-prob: the whole vocabulary)."""
+    model, processor = reference
+    url = encode_image_for_rollout_engine(dot_images[2])
+    sp = {"max_new_tokens": 96, "temperature": 4.0, "ignore_eos": True}
+    out = _run(vlm_engine.url, lambda c: c.generate(text=[TEXT] * 16, image_data=[[url]] * 16, sampling_params=sp,
+                                                    return_logprob=True))  # fmt: skip
+    banned = {model.config.image_token_id, model.config.video_token_id}
+    assert not banned & {t for r in out for t in r["output_ids"]}
+    ref = _teacher_forced(model, processor, dot_images[2], out[0]["output_ids"], 4.0)
+    got = torch.tensor([lp for lp, _, _ in out[0]["meta_info"]["output_token_logprobs"]])
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_sampling_leaves_out_the_never_sampled_ids_only():
     from slime.engines.torch_engine.sampling import sample
     from slime.utils.sampling_params import SamplingParams
 
@@ -141,6 +160,31 @@ def test_the_engine_never_samples_image_placeholders_yet_reports_full_log_probs(
     assert 7 not in out.tokens
     full = torch.log_softmax(logits[0], -1)
     assert all(abs(lp - float(full[t])) < 1e-6 for t, lp in zip(out.tokens, out.logprobs))
+
+
+def test_a_partial_sample_with_images_goes_on_like_one_request(vlm_engine, reference, dot_images):
+    """--partial-rollout: an aborted sample continues from its tokens with its images."""
+    from slime.rollout.generate import continue_sample
+    from slime.utils.sample import Sample, Status
+
+    model, processor = reference
+    url = encode_image_for_rollout_engine(dot_images[3])
+    prompt = [int(t) for t in _inputs(processor, dot_images[3])["input_ids"][0]]
+    sp = {"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}
+
+    async def scenario(c):
+        first = await c.generate(input_ids=prompt, image_data=[url], return_logprob=True,
+                                 sampling_params={**sp, "max_new_tokens": 3})  # fmt: skip
+        sample = Sample(tokens=list(prompt), status=Status.ABORTED)
+        sample.append_response_tokens(None, tokens=first["output_ids"],
+                                      log_probs=[lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]])  # fmt: skip
+        sample.status = Status.ABORTED
+        return await continue_sample(c, sample, sp, image_data=[url])
+
+    sample = _run(vlm_engine.url, scenario)
+    assert sample.response_length == 8 and len(sample.rollout_log_probs) == 8
+    ref = _teacher_forced(model, processor, dot_images[3], sample.tokens[len(prompt) :], 0.7)
+    assert (torch.tensor(sample.rollout_log_probs) - ref).abs().max().item() < 1e-5
 
 
 def test_abort_with_images_in_flight(vlm_engine, dot_images):

@@ -46,10 +46,10 @@ def vision_batch(model: str, n: int = 8) -> RolloutBatch:
                         [[1] * r for r in lengths], [[-4.0] * r for r in lengths], multimodal_train_inputs=inputs)  # fmt: skip
 
 
-def run(rank, world_size, init_method, model, padded, train_vision):
+def run(rank, world_size, init_method, model, padded, train_vision, micro_batch_size=2):
     from slime.backends.fsdp.actor import FSDPTrainActor
 
-    cfg = base_config(model, micro_batch_size=2, padded_micro_batches=padded)
+    cfg = base_config(model, micro_batch_size=micro_batch_size, padded_micro_batches=padded)
     cfg = dataclasses.replace(cfg, fsdp=FSDPConfig(train_vision_model=train_vision))
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
@@ -73,7 +73,9 @@ def runs(tiny_vlm):
         "packed": run_ranks(1, run, tiny_vlm, False, False)[0],
         "padded": run_ranks(1, run, tiny_vlm, True, False)[0],
         "two": run_ranks(2, run, tiny_vlm, False, False),
-        "vision": run_ranks(1, run, tiny_vlm, False, True)[0],
+        # one sample per micro-batch: some hold no image, on one rank while the other's does
+        "vision": run_ranks(1, run, tiny_vlm, False, True, 1)[0],
+        "vision_two": run_ranks(2, run, tiny_vlm, False, True, 1),
     }
 
 
@@ -119,6 +121,13 @@ def test_the_vision_tower_is_frozen_unless_asked_and_every_weight_is_pushed(runs
     assert visual <= trained["moved"]  # --train-vision-model
     for r in (frozen, trained):
         assert r["pushed"] == r["names"]  # the push covers the vision tower's weights
+    # a trained tower on two ranks, one of them on a micro-batch with no image: the ranks agree
+    # on their gradient reductions (FSDP reduces zeros for the tower there) and train like one
+    for rank in runs["vision_two"]:
+        assert rank["moved"] == trained["moved"]
+        for a, b in zip(trained["steps"], rank["steps"], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
 
 
 def test_megatron_refuses_a_vision_language_model_by_name(tiny_vlm):

@@ -32,7 +32,7 @@ RUN_SCRIPTS = {
     "run-qwen3-30B-A3B.sh": ("qwen3-30B-A3B", "megatron"),
 }
 # Launch scripts that run a whole job rather than describing a cluster run (not dry-run here).
-NOT_CLUSTER_SCRIPTS = {"run-tiny-cpu.sh", "run-agent-cpu.sh"}
+NOT_CLUSTER_SCRIPTS = {"run-tiny-cpu.sh", "run-agent-cpu.sh", "run-vision-cpu.sh"}
 
 # Flags every model script gives (the scripts describe the model completely: an absent size is
 # not compared by the architecture check, so its absence is caught here).

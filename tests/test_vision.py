@@ -179,11 +179,66 @@ def test_bad_image_rows_name_the_row_and_the_file_before_anything_starts(dot_ima
         check_prompt_file(_data(tmp_path, [good, row]))
 
 
+def test_parquet_image_records_and_bytes_are_images(tiny_vlm, dot_images, tmp_path):
+    """Hugging Face datasets store an image column as {"bytes", "path"} records (geo3k's parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from slime.config.rollout import DataConfig
+
+    record = {"bytes": _png(dot_images[1]), "path": None}
+    table = pa.table({"prompt": ["<image>How many?"], "images": [[record]], "label": ["2"]})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    cfg = DataConfig(prompt_data=str(tmp_path / "rows.parquet"), multimodal_keys={"image": "images"},
+                     apply_chat_template=True)  # fmt: skip
+    processor = processing_utils.load_processor(tiny_vlm)
+    assert check_prompt_file(cfg, processor=processor) == 1
+    prompt = PromptDataset(cfg, AutoTokenizer.from_pretrained(tiny_vlm), processor=processor).prompts[0]
+    assert torch.equal(
+        processing_utils.image_to_tensor(prompt.images[0]), processing_utils.image_to_tensor(dot_images[1])
+    )
+    assert torch.equal(
+        processing_utils.image_to_tensor(_png(dot_images[1])), processing_utils.image_to_tensor(dot_images[1])
+    )
+
+
+def test_images_the_processor_refuses_and_per_image_sizes_stop_the_start(tiny_vlm, tmp_path):
+    from PIL import Image
+
+    processor = processing_utils.load_processor(tiny_vlm)
+    Image.new("RGB", (1000, 4)).save(tmp_path / "strip.png")
+    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    strip = {"prompt": "<image>", "images": [str(tmp_path / "strip.png")], "label": "1"}
+    with pytest.raises(DataError, match=r"rows.jsonl:1: field 'images'\[0\]: .*aspect ratio"):
+        check_prompt_file(_data(tmp_path, [strip]), processor=processor)
+    sized = {"prompt": "<image>", "images": [{"type": "image", "image": str(tmp_path / "ok.png"), "max_pixels": 4096}],
+             "label": "1"}  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"\['max_pixels'\] \(Qwen-VL's per-image sizes\) are not applied here"
+    ):
+        check_prompt_file(_data(tmp_path, [sized]))
+    with pytest.raises(ImageError, match="'img/0001': no such file, and not base64 of an image"):
+        load_image("img/0001")
+
+
+def test_the_driver_checks_images_with_the_checkpoints_processor(tiny_model, tiny_vlm, dot_images, tmp_path):
+    from slime.ray.inputs import _check_prompts
+
+    dot_images[0].save(tmp_path / "a.png")
+    cfg = _data(tmp_path, [{"prompt": "<image>", "images": [str(tmp_path / "a.png")], "label": "1"}])
+    _check_prompts(cfg, "--prompt-data", tiny_vlm)
+    with pytest.raises(DataError, match=r"has no image processor .*is it a vision-language model"):
+        _check_prompts(cfg, "--prompt-data", tiny_model)
+
+
 def test_multimodal_keys_is_checked_when_parsed(tmp_path):
     with pytest.raises(ValueError, match="images only"):
         _data(tmp_path, [], multimodal_keys={"video": "clips"})
     with pytest.raises(ValueError, match="must map a modality to a field name"):
         _data(tmp_path, [], multimodal_keys="images")
+    with pytest.raises(ValueError, match="--multimodal-keys needs --apply-chat-template"):
+        _data(tmp_path, [], apply_chat_template=False)
 
 
 def test_a_dump_keeps_images_as_pixels_and_loads_with_weights_only(tiny_vlm, dot_images, tmp_path):

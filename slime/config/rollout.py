@@ -89,6 +89,10 @@ class DataConfig:
         if not isinstance(keys, Mapping) or not all(isinstance(v, str) for v in keys.values()):
             raise ValueError(f"--multimodal-keys must map a modality to a field name, e.g. {{\"image\": \"images\"}}; "
                              f"got {keys!r}")  # fmt: skip
+        if not self.apply_chat_template:
+            raise ValueError(
+                "--multimodal-keys needs --apply-chat-template (the chat template places the images)"
+            )
         if set(keys) - {"image"}:
             raise ValueError(f"--multimodal-keys: {sorted(set(keys) - {'image'})} not supported (images only: "
                              "'{\"image\": FIELD}')")  # fmt: skip

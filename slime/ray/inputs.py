@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from slime.config.arguments import Config
 from slime.utils.errors import UsageError
@@ -65,7 +66,6 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     from slime.algo.plugins import REDUCER_FLAG, TIS_FLAG
     from slime.backends.hf_checkpoint import check_hf_checkpoint
     from slime.config.eval_sets import eval_flag
-    from slime.rollout.data import check_prompt_file
     from slime.rollout.rewards import RewardModel
     from slime.utils.misc import load_function
 
@@ -92,9 +92,9 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     if config.debug.load_rollout_data is not None and config.debug.train_only:
         return  # replayed: the dumps are checked by the replay source; nothing generates
     if r.data is not None:
-        yield functools.partial(check_prompt_file, r.data)
+        yield functools.partial(_check_prompts, r.data, "--prompt-data", t.hf_checkpoint)
     for ds in config.eval.datasets:
-        yield functools.partial(check_prompt_file, ds.data, eval_flag(ds))
+        yield functools.partial(_check_prompts, ds.data, eval_flag(ds), t.hf_checkpoint)
         if ds.rm_type or ds.custom_rm_path:
             yield functools.partial(RewardModel, ds.rm_type, ds.custom_rm_path, False, config.args)
         if ds.custom_generate_function_path:
@@ -109,6 +109,15 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
         yield functools.partial(load_function, sample_filter, "--rollout-sample-filter-path")
     if r.rm_type and not r.custom_rm_path:
         yield functools.partial(RewardModel, r.rm_type, None, r.group_rm, config.args)
+
+
+def _check_prompts(data: Any, flag: str, hf_checkpoint: str) -> None:
+    """Every row of a prompt file; with --multimodal-keys every image too, by the checkpoint's
+    own image processor."""
+    from slime.rollout.data import check_prompt_file
+    from slime.rollout.vision import checked_processor
+
+    check_prompt_file(data, flag, checked_processor(hf_checkpoint) if data.multimodal_keys else None)
 
 
 def _router_answers(ip: str, port: int) -> None:

@@ -70,14 +70,15 @@ def row_tools(cfg: DataConfig, where: str, row: dict[str, Any]) -> list[Any] | N
     return tools
 
 
-def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data") -> int:
+def check_prompt_file(cfg: DataConfig, flag: str = "--prompt-data", processor: Any = None) -> int:
     """Read every row of the file and check its fields, without tokenizing (the driver does
-    this before any process starts); returns the number of rows."""
+    this before any process starts); returns the number of rows. `processor`: with
+    --multimodal-keys, the checkpoint's, which checks every image too."""
     rows = read_rows(cfg.prompt_data, flag)
     for where, row in rows:
         messages = prompt_messages(cfg, where, row)
         if cfg.multimodal_keys:
-            messages_with_images(where, messages, row, cfg.multimodal_keys)
+            messages_with_images(where, messages, row, cfg.multimodal_keys, processor)
     return len(rows)
 
 
@@ -126,10 +127,6 @@ class PromptDataset:
         tools = row_tools(cfg, where, row)
         images: list[Any] = []
         if cfg.multimodal_keys:
-            if not cfg.apply_chat_template:
-                raise DataError(
-                    "--multimodal-keys needs --apply-chat-template (the chat template places the images)"
-                )
             messages, images = messages_with_images(where, messages, row, cfg.multimodal_keys)
         if cfg.apply_chat_template:
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,

@@ -61,7 +61,19 @@ async def generate(
     output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True,
                                    return_routed_experts=_routed(args), lora_path=lora_path(args),
                                    image_data=image_data)  # fmt: skip
+    if image_data:
+        check_prompt_tokens(client, sample, len(prompt_ids), output)
     return apply_response(sample, prompt_ids, output, args)
+
+
+def check_prompt_tokens(client: EngineClient, sample: Sample, sent: int, output: dict[str, Any]) -> None:
+    """A request with images: the engine ran as many prompt tokens as were sent (an engine that
+    expanded the images its own way would have run another prompt than the trainer will see)."""
+    ran = (output.get("meta_info") or {}).get("prompt_tokens")
+    if ran is not None and int(ran) != sent:
+        raise ValueError(f"sample {sample.index}: the engine at {client.base_url} ran {ran} prompt tokens for the "
+                         f"{sent} sent with its images: it expanded the image placeholders another way than the "
+                         "checkpoint's processor did (the trainer would see other ids)")  # fmt: skip
 
 
 async def continue_sample(
@@ -83,6 +95,8 @@ async def continue_sample(
     output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True,
                                    return_routed_experts=_routed(args), lora_path=lora_path(args),
                                    image_data=image_data)  # fmt: skip
+    if image_data:
+        check_prompt_tokens(client, sample, len(sample.tokens), output)
     sample.status = Status.PENDING
     meta = output.get("meta_info", {})
     ids = list(output.get("output_ids", []))

@@ -216,7 +216,9 @@ class RolloutGenerator:
                 p["sampling_seed"] = sample_seed(*self.seed_keys, draw, k)
         # --multimodal-keys: the images go to the engine with the expanded ids, their tensors to
         # the trainer; made once for the group, shared by its samples.
-        images = prompt_images(self.dataset.processor, list(prompt.images)) if prompt.images else None
+        images = None
+        if prompt.images:  # image work (resize, PNG) off the event loop
+            images = await asyncio.to_thread(prompt_images, self.dataset.processor, list(prompt.images))
         image_data = images.image_data if images is not None else None
         if partial is None:
             samples = [

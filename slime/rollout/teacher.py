@@ -108,6 +108,12 @@ class TeacherScorer:
         todo = [s for s in samples if s.teacher_log_probs is None]
         if not todo:
             return 0
+        if any((s.multimodal_inputs or {}).get("images") for s in todo):
+            from slime.utils.errors import UsageError
+
+            raise UsageError("--use-opd --opd-type sglang with images (--multimodal-keys) is not built: the teacher "
+                             "engine scores input-token log-probs, which the engines do not give for prompts with "
+                             "images; use --opd-type megatron (the teacher's weights in the train pass)")  # fmt: skip
         ids = [list(s.tokens) for s in todo]
         starts = [len(s.tokens) - s.response_length - 1 for s in todo]
         answer = await self.client.request("POST", "/generate", self._payload(ids, starts))

@@ -92,7 +92,7 @@ class DataSource:
         for p in self.dataset.next_batch(num_prompts):
             # --multimodal-keys: the images (slime's multimodal_inputs) and their tensors for the trainer
             images = prompt_images(self.dataset.processor, list(p.images)) if p.images else None
-            vision = (
+            vision: dict[str, Any] = (
                 {
                     "multimodal_inputs": {"images": list(p.images)},
                     "multimodal_train_inputs": images.train_inputs,

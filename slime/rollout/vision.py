@@ -3,8 +3,10 @@
 A row names its images in the fields `--multimodal-keys` maps each modality to
 (`{"image": "images"}`: `row["images"]`, a list). Each `<image>` placeholder of the prompt's text
 takes the next image, in order, and becomes an image content item of its message
-(`{"type": "image", "image": ...}`); an item that is already a dict (Qwen-VL's rich form, with
-`min_pixels` ...) is kept as it is. The counts must agree. Every image is decoded when the data is
+(`{"type": "image", "image": ...}`); an item may be a path, a URL, base64, a data URL, or a dict:
+Qwen-VL's own item (`{"type": "image", "image": ...}`, kept as it is; its per-image sizes
+`min_pixels` ... are refused, not applied) or Hugging Face datasets' image record
+(`{"bytes": ..., "path": ...}`, how parquet stores an image column). The counts must agree. Every image is decoded when the data is
 read, so a missing or corrupt file is one error naming the row and the file before anything
 starts.
 
@@ -24,12 +26,14 @@ from typing import Any
 from slime.utils.data_files import DataError
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+RESIZE_KEYS = {"min_pixels", "max_pixels", "resized_height", "resized_width"}
 
 
-def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any],
-                         keys: Mapping[str, str]) -> tuple[list[Any], list[Any]]:  # fmt: skip
+def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any], keys: Mapping[str, str],
+                         processor: Any = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
     """`messages` with each `<image>` replaced by the row's next image as a content item, and the
-    decoded images in order. DataError names the row, the field and the file."""
+    decoded images in order (`processor`: also checked by the model's image processor). DataError
+    names the row, the field and the file."""
     from slime.utils.processing_utils import ImageError, load_image
 
     for modality in keys:
@@ -55,7 +59,8 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
                     raise DataError(f"{where}: the prompt has more <image> placeholders than field {field!r} "
                                     f"has images ({len(items)}) (--multimodal-keys)")  # fmt: skip
                 item = remaining.pop(0)
-                parts.append(dict(item) if isinstance(item, dict) else {"type": "image", "image": item})
+                qwen_item = isinstance(item, dict) and item.get("type") == "image"
+                parts.append(dict(item) if qwen_item else {"type": "image", "image": item})
             elif piece:
                 parts.append({"type": "text", "text": piece})
         message["content"] = parts
@@ -64,9 +69,17 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
                         f"{len(items) - len(remaining)} <image> placeholders (--multimodal-keys)")  # fmt: skip
     images = []
     for i, item in enumerate(items):
+        sizing = (
+            sorted(RESIZE_KEYS & set(item)) if isinstance(item, dict) and item.get("type") == "image" else []
+        )
+        if sizing:
+            raise DataError(f"{where}: field {field!r}[{i}]: {sizing} (Qwen-VL's per-image sizes) are not applied here: "
+                            "give the image alone (the checkpoint's processor sizes it) or resize it beforehand")  # fmt: skip
         try:
             images.append(load_image(item))
-        except ImageError as e:
+            if processor is not None:  # the checks it makes (aspect ratio, size), now rather than mid-run
+                processor.image_processor(images=[images[-1]], return_tensors="pt")
+        except (ImageError, ValueError) as e:
             raise DataError(f"{where}: field {field!r}[{i}]: {e}") from None
     return messages, images
 
@@ -98,12 +111,21 @@ def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[in
     return [int(t) for t in out["input_ids"][0]]
 
 
+def checked_processor(hf_checkpoint: str) -> Any:
+    """The checkpoint's processor, which --multimodal-keys needs (DataError when it has none)."""
+    from slime.utils.processing_utils import load_processor
+
+    processor = load_processor(hf_checkpoint)
+    if processor is None:
+        raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no image processor "
+                        "(preprocessor_config.json): is it a vision-language model?")  # fmt: skip
+    return processor
+
+
 def vision_processor(config: Any) -> Any:
     """The checkpoint's processor when the job's prompt data or an evaluation set has
     --multimodal-keys; else None (text prompts need only the tokenizer). `config`: the JobConfig."""
     data = [config.rollout.data, *(d.data for d in config.eval.datasets)]
     if not any(d is not None and d.multimodal_keys for d in data):
         return None
-    from slime.utils.processing_utils import load_processor
-
-    return load_processor(config.train.hf_checkpoint)
+    return checked_processor(config.train.hf_checkpoint)

@@ -133,45 +133,63 @@ def encode_image_for_rollout_engine(image: Any) -> str:
 
 
 def load_image(source: Any) -> Any:
-    """An RGB PIL image from a PIL image, a path, a data URL, base64 text or an http(s) URL (a
-    dict item {"image": ...} of Qwen-VL's message format too)."""
-    from PIL import Image, UnidentifiedImageError
+    """An RGB PIL image from a PIL image, encoded bytes, a path, a data URL, base64 text or an
+    http(s) URL; or from a dict item: Qwen-VL's message item {"image": ...} (or {"url": ...}), or
+    the Hugging Face datasets' image record {"bytes": ..., "path": ...} (parquet's image columns)."""
+    from PIL import Image
 
     if isinstance(source, dict):
-        source = source.get("image", source.get("url"))
+        keys = sorted(source)
+        source = next(
+            (source[k] for k in ("image", "bytes", "url", "path") if source.get(k) is not None), None
+        )
+        if source is None:
+            raise ImageError(f"an image item needs one of 'image', 'bytes', 'url' or 'path'; it has {keys}")
     if isinstance(source, Image.Image):
         return source if source.mode == "RGB" else source.convert("RGB")
+    if isinstance(source, bytes | bytearray | memoryview):
+        return _decode(bytes(source), f"of {len(source)} bytes")
     if not isinstance(source, str) or not source:
         raise ImageError(
-            f"an image must be a path, a data URL, base64 text or a URL, not {type(source).__name__}"
+            f"an image must be a path, bytes, a data URL, base64 text or a URL, not {type(source).__name__}"
         )
     what = _describe(source)
+    if source.startswith(("http://", "https://")):
+        return _decode(_fetch(source), what)
+    if source.startswith("data:"):
+        try:
+            return _decode(base64.b64decode(source.split(",", 1)[1], validate=True), what)
+        except (binascii.Error, IndexError):
+            raise ImageError(f"image {what}: not valid base64 after 'data:...,'") from None
+    if os.path.isfile(source):
+        with open(source, "rb") as f:
+            return _decode(f.read(), f"file {what}")
+    try:  # not a file: base64, or a path that does not exist
+        data = base64.b64decode(source, validate=True)
+    except binascii.Error:
+        raise ImageError(f"image file {what} does not exist") from None
     try:
-        if source.startswith(("http://", "https://")):
-            data = _fetch(source)
-        elif source.startswith("data:"):
-            data = base64.b64decode(source.split(",", 1)[1], validate=True)
-        elif os.path.exists(source) or (len(source) < 256 and not _looks_base64(source)):
-            with open(source, "rb") as f:
-                data = f.read()
-        else:
-            data = base64.b64decode(source, validate=True)
+        return _decode(data, what)
+    except ImageError:
+        raise ImageError(f"image {what}: no such file, and not base64 of an image") from None
+
+
+def _decode(data: bytes, what: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except FileNotFoundError:
-        raise ImageError(f"image file {what} does not exist") from None
-    except (binascii.Error, IndexError):
-        raise ImageError(f"image {what}: not valid base64") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image {what} is too large to decode ({e})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"image {what} cannot be decoded ({e})") from None
 
 
-def _looks_base64(text: str) -> bool:
-    return len(text) % 4 == 0 and all(c.isalnum() or c in "+/=" for c in text)
-
-
 def _describe(source: str) -> str:
-    return repr(source if len(source) <= 80 else source[:60] + f"... ({len(source)} characters)")
+    """A path or URL as it is; inline data (a data URL, base64) cut short."""
+    inline = source.startswith("data:") or len(source) > 1024
+    return repr(source[:60] + f"... ({len(source)} characters)" if inline and len(source) > 80 else source)
 
 
 def _fetch(url: str) -> bytes:

@@ -102,8 +102,7 @@ class FSDPTrainActor(TrainActorBase):
         self.routing = self._install_routing()
         self.bias_counts = self._install_bias_counts()
         freeze_parameters(self.model, cfg.optimizer, strict=not self.value_head)
-        if not cfg.fsdp.train_vision_model:
-            vision.freeze_vision_tower(self.model)
+        vision.set_up_vision_tower(self.model, cfg.fsdp.train_vision_model)
         # With LoRA only the adapters train (PEFT froze the rest): the optimizer holds them alone.
         self.optimizer = make_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer

@@ -29,15 +29,20 @@ def vision_tower(model: Any) -> torch.nn.Module | None:
     return getattr(inner, "visual", None)
 
 
-def freeze_vision_tower(model: Any) -> int:
-    """Freeze the vision tower's parameters; how many."""
+def set_up_vision_tower(model: Any, train: bool) -> None:
+    """Freeze the vision tower (`train` False: --train-vision-model not given). A trained one
+    gets no gradient on a rank whose micro-batch has no image while another rank's has: FSDP
+    then reduce-scatters zeros for it, so every rank joins the same collectives."""
+    from slime.backends.fsdp.model_init import fsdp_modules
+
     tower = vision_tower(model)
     if tower is None:
-        return 0
-    params = [p for p in tower.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    return len(params)
+        return
+    if not train:
+        tower.requires_grad_(False)
+        return
+    for module in fsdp_modules(model):
+        module.set_reduce_scatter_unused_params(True, recurse=False)
 
 
 def attach_images(model: Any, mb: MicroBatch, batch: RolloutBatch) -> None:
@@ -51,8 +56,9 @@ def attach_images(model: Any, mb: MicroBatch, batch: RolloutBatch) -> None:
     per_sample = [inputs[p] for p in mb.positions]
     pixels = [s["pixel_values"] for s in per_sample if s]
     grids = [s["image_grid_thw"] for s in per_sample if s]
-    positions = [_rope_positions(model, config, ids, s["image_grid_thw"] if s else None)
-                 for ids, s in zip(tokens, per_sample)]  # fmt: skip
+    names = batch.sample_indices or list(range(len(batch)))
+    positions = [_rope_positions(model, config, ids, s["image_grid_thw"] if s else None, names[p])
+                 for p, ids, s in zip(mb.positions, tokens, per_sample)]  # fmt: skip
     device = mb.input_ids.device
     if mb.packed:
         tail = mb.input_ids.shape[1] - sum(len(t) for t in tokens)
@@ -70,16 +76,23 @@ def attach_images(model: Any, mb: MicroBatch, batch: RolloutBatch) -> None:
         mb.vision["image_grid_thw"] = torch.cat(grids).to(device)
 
 
-def _rope_positions(model: Any, config: Any, ids: list[int], grid: torch.Tensor | None) -> torch.Tensor:
-    """[3, len(ids)]: the model's multimodal rotary positions of one sample."""
+def _rope_positions(
+    model: Any, config: Any, ids: list[int], grid: torch.Tensor | None, name: int
+) -> torch.Tensor:
+    """[3, len(ids)]: the model's multimodal rotary positions of one sample (`name`: its index)."""
     t = torch.tensor([ids])
     merge = int(config.vision_config.spatial_merge_size) ** 2
     needed = int(sum(int(g.prod()) // merge for g in grid)) if grid is not None else 0
     held = int((t == config.image_token_id).sum())
-    if held != needed:  # the placeholder in a response (an engine that samples it), or ids and images apart
-        raise BatchError(f"a sample holds {held} image placeholder tokens (id {config.image_token_id}) but its images "
-                         f"fill {needed}: its token ids and multimodal_train_inputs do not belong together, or the "
-                         "response holds the placeholder (the torch engine never samples it)")  # fmt: skip
+    video = int((t == getattr(config, "video_token_id", -1)).sum())
+    if (
+        held != needed or video
+    ):  # the placeholder in a response (an engine that samples it), or ids and images apart
+        raise BatchError(f"sample {name} holds {held} image and {video} video placeholder tokens (ids "
+                         f"{config.image_token_id}, {getattr(config, 'video_token_id', None)}) but its images fill "
+                         f"{needed} and videos are not built: its token ids and multimodal_train_inputs do not belong "
+                         "together, or its response holds a placeholder (the torch engine never samples one; an "
+                         "SGLang engine may)")  # fmt: skip
     types = (t == config.image_token_id).int() + 2 * (t == getattr(config, "video_token_id", -1)).int()
     positions, _ = model.model.get_rope_index(t, types, image_grid_thw=grid)
     return positions[:, 0]

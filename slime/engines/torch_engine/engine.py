@@ -107,7 +107,7 @@ class TorchEngine:
         )
         self._tokenizer_lock = threading.Lock()
         # A vision-language model: its images' processor, and its placeholders, never sampled.
-        self.images = ImagePreparer.of(config.model_path, self.model.config, self._tokenizer_lock)
+        self.images = ImagePreparer.of(config.model_path, self.model.config)
         self.never_sampled = self.images.placeholder_ids if self.images is not None else None
         self.runner = make_runner(
             self.model,

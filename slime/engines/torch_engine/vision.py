@@ -42,7 +42,7 @@ class ImageInputs:
 class ImagePreparer:
     """Decodes a request's images and lays out its token ids (the checkpoint's processor)."""
 
-    def __init__(self, model_path: str, model_config: Any, lock: threading.Lock):
+    def __init__(self, model_path: str, model_config: Any):
         from slime.utils.processing_utils import load_processor
 
         self.processor = load_processor(model_path)
@@ -53,18 +53,29 @@ class ImagePreparer:
         video = getattr(model_config, "video_token_id", None)
         self.placeholder_ids = [self.image_token_id] + ([int(video)] if video is not None else [])
         self.merge = int(self.processor.image_processor.merge_size)
-        self.lock = lock  # the engine's tokenizer lock: the processor tokenizes with the same tokenizer
+        # The processor has its own tokenizer: its own lock, so preparing an image in a worker
+        # thread never holds up the engine thread's detokenizing.
+        self.lock = threading.Lock()
 
     @staticmethod
-    def of(model_path: str, model_config: Any, lock: threading.Lock) -> ImagePreparer | None:
+    def of(model_path: str, model_config: Any) -> ImagePreparer | None:
         """The preparer of a vision-language model; None for a text model."""
-        return ImagePreparer(model_path, model_config, lock) if is_vision(model_config.model_type) else None
+        return ImagePreparer(model_path, model_config) if is_vision(model_config.model_type) else None
 
     def check_no_images(self, ids: list[int]) -> None:
-        """A request without `image_data` must not hold image tokens (they would have no pixels)."""
+        """A request without `image_data` must not hold image tokens (they would have no pixels),
+        nor any request video tokens (videos are not built)."""
         if self.image_token_id in ids:
             raise ProtocolError(f"the prompt holds image tokens (id {self.image_token_id}) but the request has no "
                                 "'image_data': send the images with the prompt")  # fmt: skip
+        self._check_no_video(ids)
+
+    def _check_no_video(self, ids: list[int]) -> None:
+        videos = [t for t in self.placeholder_ids[1:] if t in ids]
+        if videos:
+            raise ProtocolError(
+                f"the prompt holds video tokens (id {videos[0]}): videos are not supported by this engine"
+            )
 
     @staticmethod
     def prepare_request(preparer: ImagePreparer | None, req: GenerateRequest,
@@ -90,17 +101,22 @@ class ImagePreparer:
                 decoded.append(load_image(source))
             except ImageError as e:
                 raise ProtocolError(f"'image_data'[{i}]: {e}") from None
-        with self.lock:
+        if text is not None:
+            held = text.count(self.processor.image_token)
+            if held != len(decoded):
+                raise ProtocolError(f"'text' holds {held} image placeholder(s) ({self.processor.image_token}) for "
+                                    f"{len(decoded)} image(s) in 'image_data': one placeholder per image")  # fmt: skip
+        try:
             if text is not None:
-                held = text.count(self.processor.image_token)
-                if held != len(decoded):
-                    raise ProtocolError(f"'text' holds {held} image placeholder(s) ({self.processor.image_token}) for "
-                                        f"{len(decoded)} image(s) in 'image_data': one placeholder per image")  # fmt: skip
-                out = self.processor(text=[text], images=decoded, return_tensors="pt")
+                with self.lock:
+                    out = self.processor(text=[text], images=decoded, return_tensors="pt")
                 ids = [int(t) for t in out["input_ids"][0]]
             else:
                 out = self.processor.image_processor(images=decoded, return_tensors="pt")
+        except ValueError as e:  # an image the processor refuses (an extreme aspect ratio, ...)
+            raise ProtocolError(f"'image_data': the model's processor refuses an image ({e})") from None
         assert ids is not None
+        self._check_no_video(ids)
         inputs = ImageInputs(out["pixel_values"], out["image_grid_thw"])
         self._check_runs(ids, inputs.image_grid_thw)
         return ids, inputs
@@ -159,9 +175,10 @@ class VisionRunner(GenericRunner):
             positions = (
                 torch.arange(start, start + len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
             )
-        out = self.model(
-            input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, **extra
-        )
+        with self._lora([seq]):
+            out = self.model(
+                input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+            )
         seq.runner_state["hf_cache"] = out.past_key_values
         seq.num_cached += len(ids)
         return out.logits[0, -1].float()
