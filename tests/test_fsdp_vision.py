@@ -1,5 +1,6 @@
 """The FSDP actor training a vision-language model (tiny Qwen3-VL) on real gloo ranks: packed and
-padded micro-batches, one rank and two, the frozen and the trained vision tower."""
+padded micro-batches, the frozen and the trained vision tower, one rank and two (with a
+micro-batch holding no image on one of them)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,6 @@ def runs(tiny_vlm):
     return {
         "packed": run_ranks(1, run, tiny_vlm, False, False)[0],
         "padded": run_ranks(1, run, tiny_vlm, True, False)[0],
-        "two": run_ranks(2, run, tiny_vlm, False, False),
         # one sample per micro-batch: some hold no image, on one rank while the other's does
         "vision": run_ranks(1, run, tiny_vlm, False, True, 1)[0],
         "vision_two": run_ranks(2, run, tiny_vlm, False, True, 1),
@@ -102,12 +102,12 @@ def test_log_probs_equal_the_model_packed_or_padded(runs, tiny_vlm):
             assert (got - ref).abs().max().item() < 1e-5, (layout, i)
 
 
-def test_step0_kl_is_exactly_zero_and_layouts_and_ranks_train_alike(runs):
+def test_step0_kl_is_exactly_zero_and_layouts_train_alike(runs):
     packed = runs["packed"]
     for i, lp in packed["log_probs"].items():
         assert torch.equal(torch.as_tensor(lp), torch.as_tensor(packed["ref"][i]))
     assert packed["steps"][0]["kl_loss"] == 0.0
-    for other in (runs["padded"], runs["two"][0], runs["two"][1]):
+    for other in (runs["padded"],):
         for a, b in zip(packed["steps"], other["steps"], strict=True):
             for key in ("loss", "pg_loss", "grad_norm", "entropy"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key

@@ -51,6 +51,7 @@ def test_a_vision_language_job_trains_with_engine_and_trainer_agreeing(job):
     assert sample["multimodal_train_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
+@pytest.mark.slow  # about 15 s; the replay's layers (dumps with images, their batch) are tested in process
 def test_train_only_replays_the_multimodal_dump(job, tiny_vlm, task, tmp_path):
     _, template, proc = job
     assert proc.returncode == 0, proc.stderr[-3000:]
