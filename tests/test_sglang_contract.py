@@ -155,6 +155,10 @@ def test_every_request_slime_sends_uses_sglang_field_names(tmp_path, tiny_model)
             sampling = SamplingConfig(4, 0.7, 0.9, 20, 3, ("\n",), (151645,)).params()
             sampling["sampling_seed"] = sample_seed(1234, "rollout", 0, 0, 0)
             await generate(c, Sample(prompt="p"), [1, 2, 3, 4], sampling)
+            # A vision-language prompt: the ids with the image's tokens and SGLang's image_data.
+            await generate(
+                c, Sample(prompt="p"), [1, 2, 3, 4], sampling, image_data=["data:image/png;base64,AA=="]
+            )
             await c.health_generate()
             await c.abort_request(rid="x")
             await c.abort_request(abort_all=True)
@@ -314,5 +318,21 @@ def test_sglang_answers_are_read_as_slime_expects():
                 await c.weights_checker("compare")
             assert e.value.message == "HTTP 400: name=model.norm.weight max_abs_err=0.5 mean_abs_err=0.01"
             assert await c.health_generate() is False  # 503
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_expands_images_its_own_way_is_caught():
+    """SGLang answers prompt_tokens 4: a request with images that sent 5 ids ran another prompt
+    than the trainer will see."""
+
+    async def scenario() -> None:
+        async with ReplayServer() as url, EngineClient(url) as c:
+            sample = Sample(prompt="p", index=7)
+            with pytest.raises(
+                ValueError, match=r"sample 7: the engine at .* ran 4 prompt tokens for the 5 sent"
+            ):
+                await generate(c, sample, [1, 2, 3, 4, 5], {"max_new_tokens": 3}, image_data=["data:,"])
+            await generate(c, Sample(prompt="p"), [1, 2, 3, 4, 5], {"max_new_tokens": 3})  # text: not checked
 
     asyncio.run(scenario())
