@@ -49,6 +49,10 @@ class TurnRecord:
     output_log_probs: list[float] = field(default_factory=list)
     ill_formed: bool = False
     weight_versions: list[str | None] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
+    """A vision-language prompt's images (RGB PIL), in order (ours)."""
+    multimodal_train_inputs: dict[str, Any] | None = None
+    """Their processor tensors (`pixel_values`, `image_grid_thw`), what the trainer takes with the ids."""
 
 
 class DriftKind(enum.Enum):
@@ -129,6 +133,9 @@ class _SampleTokens:
         self.last_response: int | None = None
         """Where the last response starts in `ids`."""
         self.realigned = 0
+        self.images: list[Any] = []
+        self.train_inputs: dict[str, Any] | None = None
+        """The images of the last turn added (its prompt holds every earlier image's tokens)."""
 
     def drift(self, turn: TurnRecord) -> DriftKind:
         agree = common_prefix_len(self.ids, turn.prompt_ids)
@@ -147,6 +154,7 @@ class _SampleTokens:
             del self.log_probs[self.last_response :], self.versions[self.last_response :]
             self.realigned += 1
         self._extend(turn.prompt_ids[len(self.ids) :], 0, None, None)
+        self.images, self.train_inputs = list(turn.images), turn.multimodal_train_inputs
         self.last_response = len(self.ids)
         self._extend(
             turn.output_ids,
@@ -193,6 +201,8 @@ class _SampleTokens:
             status=Sample.Status.COMPLETED,
             metadata={**metadata, "realigned_turns": self.realigned},
             session_id=base.session_id,
+            multimodal_inputs={"images": list(self.images)} if self.images else None,
+            multimodal_train_inputs=self.train_inputs if self.images else None,
         )
 
 

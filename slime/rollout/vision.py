@@ -10,9 +10,10 @@ Qwen-VL's own item (`{"type": "image", "image": ...}`, kept as it is; its per-im
 read, so a missing or corrupt file is one error naming the row and the file before anything
 starts.
 
-`PromptImages` is what generation needs of a prompt's images: the data URLs the engine is sent
-(`image_data`) and the processor's tensors the trainer's forward takes
-(`Sample.multimodal_train_inputs`), both made once per prompt and shared by its samples.
+`PromptImages` (slime.utils.processing_utils) is what generation needs of a prompt's images: the
+data URLs the engine is sent (`image_data`) and the processor's tensors the trainer's forward
+takes (`Sample.multimodal_train_inputs`), both made once per prompt group and shared by its
+samples.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from slime.utils.data_files import DataError
+from slime.utils.processing_utils import PromptImages, expanded_prompt_ids, prompt_images
+
+__all__ = ["PromptImages", "checked_processor", "expanded_prompt_ids", "messages_with_images", "prompt_images",
+           "vision_processor"]  # fmt: skip
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 RESIZE_KEYS = {"min_pixels", "max_pixels", "resized_height", "resized_width"}
@@ -82,33 +86,6 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
         except (ImageError, ValueError) as e:
             raise DataError(f"{where}: field {field!r}[{i}]: {e}") from None
     return messages, images
-
-
-@dataclass(frozen=True)
-class PromptImages:
-    """A prompt's images as generation sends and trains them."""
-
-    image_data: list[str]
-    """PNG data URLs, the engine request's `image_data`."""
-    train_inputs: dict[str, Any]
-    """The processor's tensors: `pixel_values`, `image_grid_thw`."""
-
-
-def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
-    from slime.utils.processing_utils import encode_image_for_rollout_engine
-
-    out = processor.image_processor(images=list(images), return_tensors="pt")
-    return PromptImages(
-        image_data=[encode_image_for_rollout_engine(image) for image in images],
-        train_inputs={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
-    )
-
-
-def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:
-    """The prompt's token ids with each image placeholder expanded to its image's tokens (what the
-    engine and the trainer see)."""
-    out = processor(text=[text], images=list(images), return_tensors="pt")
-    return [int(t) for t in out["input_ids"][0]]
 
 
 def checked_processor(hf_checkpoint: str) -> Any:

@@ -20,6 +20,7 @@ import binascii
 import io
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -217,3 +218,28 @@ def tensor_to_image(pixels: Any) -> Any:
     from PIL import Image
 
     return Image.fromarray(pixels.numpy())
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images as generation sends and trains them."""
+
+    image_data: list[str]
+    """PNG data URLs, the engine request's `image_data`."""
+    train_inputs: dict[str, Any]
+    """The processor's tensors: `pixel_values`, `image_grid_thw`."""
+
+
+def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
+    out = processor.image_processor(images=list(images), return_tensors="pt")
+    return PromptImages(
+        image_data=[encode_image_for_rollout_engine(image) for image in images],
+        train_inputs={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
+    )
+
+
+def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:
+    """The prompt's token ids with each image placeholder expanded to its image's tokens (what the
+    engine and the trainer see)."""
+    out = processor(text=[text], images=list(images), return_tensors="pt")
+    return [int(t) for t in out["input_ids"][0]]

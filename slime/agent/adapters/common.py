@@ -36,8 +36,10 @@ from aiohttp import web
 from slime.agent.adapters.errors import AdapterError
 from slime.agent.adapters.generate import call_sglang_generate, check_int
 from slime.agent.adapters.history import ChatHistory, Held
+from slime.agent.adapters.images import load_images
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
+from slime.utils.processing_utils import prompt_images
 
 __all__ = ["AdapterError", "BaseAdapter", "Reply", "Session", "TurnRecord", "flatten_content"]
 
@@ -163,7 +165,10 @@ class BaseAdapter:
         reuse_tokens: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         engine_api_key: str | None = None,
+        processor: Any = None,
     ) -> None:
+        """`processor`: a vision-language model's (slime.utils.processing_utils.load_processor):
+        image content parts then reach the model (slime.agent.adapters.images)."""
         check_parser_names(tool_parser, reasoning_parser)
         self.tokenizer = tokenizer
         self.sglang_url = sglang_url.rstrip("/")
@@ -171,7 +176,7 @@ class BaseAdapter:
         self.max_turns_per_sid = max_turns_per_sid
         self.debug_callback = debug_callback
         self.auto_open = auto_open
-        self.history = ChatHistory(tokenizer, reuse_tokens, chat_template_kwargs)
+        self.history = ChatHistory(tokenizer, reuse_tokens, chat_template_kwargs, processor)
         self.engine_api_key = engine_api_key
         self.manager = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
         self.store: dict[str, Session] = {}
@@ -357,12 +362,17 @@ class BaseAdapter:
                 check_int(body, key)
         with self._lock:
             held = list(session.held)
-        prompt_ids, reused = self.history.prompt_ids(held, translated, tools)
+        images = load_images(translated) if self.history.processor is not None else []
+        prompt_ids, reused = self.history.prompt_ids(held, translated, tools, images)
         if reused is None and session.requests:  # not the first turn, yet rendered whole
             session.rendered_in_full += 1
         self._count_request(sid, session)
+        vision = prompt_images(self.history.processor, images) if images else None
         prepared = time.perf_counter()
-        turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid)
+        turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid,
+                                          image_data=vision.image_data if vision else None)  # fmt: skip
+        if vision is not None:
+            turn = dataclasses.replace(turn, images=images, multimodal_train_inputs=vision.train_inputs)
         generated = time.perf_counter()
         raw = self.history.visible_text(turn.output_ids)
         parsed = parse_model_output(raw, tools_schema=tools, tool_parser_name=self.tool_parser,

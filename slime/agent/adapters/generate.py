@@ -59,6 +59,7 @@ async def call_sglang_generate(
     *,
     adapter: BaseAdapter,
     session_id: str | None = None,
+    image_data: list[str] | None = None,
 ) -> TurnRecord:
     """One /generate of a turn (module-level, as slime's, so a test can replace it). A prompt
     over the session's context budget generates nothing and ends with finish_reason "length"."""
@@ -76,9 +77,12 @@ async def call_sglang_generate(
     rid = uuid.uuid4().hex
     # slime's routing key: a router keeps a session's turns on one engine (its prefix cache).
     headers = {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else None
-    body = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
+    payload: dict[str, Any] = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params,
+                               "return_logprob": True}  # fmt: skip
+    if image_data:  # a vision-language prompt: its images, their tokens in the ids (SGLang's field)
+        payload["image_data"] = image_data
     try:
-        out = await client.request("POST", "/generate", body, headers=headers)
+        out = await client.request("POST", "/generate", payload, headers=headers)
     except EngineError as e:  # the engine may still be generating it (a timeout): free its slot
         _abort_soon(client, rid)
         status = 400 if e.status is not None and 400 <= e.status < 500 else 502

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.agent.adapters.errors import AdapterError
+from slime.agent.adapters.images import image_items
 
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
@@ -33,9 +34,15 @@ class ChatHistory:
     """The served model's chat template and tokenizer, and the reuse of held tokens."""
 
     def __init__(
-        self, tokenizer: Any, reuse: bool = True, chat_template_kwargs: dict[str, Any] | None = None
+        self,
+        tokenizer: Any,
+        reuse: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        processor: Any = None,
     ):
         self.tokenizer = tokenizer
+        self.processor = processor
+        """A vision-language model's processor: it expands each image placeholder to the image's tokens."""
         self.reuse = reuse
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._special_ids = set(tokenizer.all_special_ids)
@@ -50,7 +57,16 @@ class ChatHistory:
         except Exception as e:  # jinja's errors: a template that refuses the messages
             raise AdapterError(400, f"the chat template cannot render these messages: {e}") from None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, images: list[Any] | None = None) -> list[int]:
+        if images:
+            from slime.utils.processing_utils import expanded_prompt_ids
+
+            try:
+                return expanded_prompt_ids(self.processor, text, images)
+            except ValueError as e:  # an image the processor refuses (an extreme aspect ratio, ...)
+                raise AdapterError(
+                    400, f"the model's processor refuses an image of the messages: {e}"
+                ) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def visible_text(self, output_ids: list[int]) -> str:
@@ -61,8 +77,12 @@ class ChatHistory:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
-    def prompt_ids(self, held: list[Held], messages: Messages, tools: Tools) -> tuple[list[int], Held | None]:
-        """The prompt's token ids, and the held turn they continue (None: rendered whole)."""
+    def prompt_ids(self, held: list[Held], messages: Messages, tools: Tools,
+                   images: list[Any] | None = None) -> tuple[list[int], Held | None]:  # fmt: skip
+        """The prompt's token ids, and the held turn they continue (None: rendered whole).
+        `images`: the messages' images in order (a vision-language model), each placeholder of
+        the rendered text expanded to its image's tokens (a held history's are already)."""
+        images = images or []
         full = self.render(messages, tools, True)
         if self.reuse:
             for turn in sorted(held, key=lambda h: -len(h.messages)):  # the longest history first
@@ -73,9 +93,12 @@ class ChatHistory:
                     except AdapterError:  # the template refuses a part on its own: render it all
                         tail = None
                     if tail is not None:
-                        return turn.prompt_ids + turn.output_ids + self.encode(tail), turn
+                        new = len(image_items(messages[k:]))  # the images after the held history
+                        return turn.prompt_ids + turn.output_ids + self.encode(
+                            tail, images[len(images) - new :]
+                        ), turn
                     break  # the template writes this history otherwise in context: render it all
-        return self.encode(full), None
+        return self.encode(full, images), None
 
     def _tail(self, held: Held, messages: Messages, tools: Tools, full: str) -> str | None:
         """The text after the model's output: the end of its turn as the template closes it, then

@@ -32,6 +32,7 @@ from slime.agent.adapters.common import (
     tool_call_dict,
     tool_specs,
 )
+from slime.agent.adapters.images import content_with_images
 from slime.agent.parsing import ParsedModelOutput
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ class OpenAIAdapter(BaseAdapter):
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise AdapterError(400, "'messages' must be a list of messages")
-        return _translate_messages(messages), _tools_to_chat_tools(body.get("tools"))
+        return _translate_messages(messages, self.history.processor is not None), _tools_to_chat_tools(
+            body.get("tools")
+        )
 
     def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
                      tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
@@ -101,10 +104,11 @@ def _arguments_as_dict(arguments: Any) -> dict[str, Any]:
     return {"_raw_arguments": str(arguments)}
 
 
-def _translate_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _translate_messages(messages: list[Any], vision: bool = False) -> list[dict[str, Any]]:
     """OpenAI messages → chat-template messages: `developer` is `system`, content flattened to
-    text, tool_call ids dropped and arguments mappings. A message of an unknown role or shape is
-    refused (slime drops it)."""
+    text (image parts kept as image items for a vision-language model, `vision`), tool_call ids
+    dropped and arguments mappings. A message of an unknown role or shape is refused (slime
+    drops it)."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
@@ -117,7 +121,8 @@ def _translate_messages(messages: list[Any]) -> list[dict[str, Any]]:
             )
         role = "system" if msg["role"] == "developer" else msg["role"]
         if role != "assistant":
-            out.append({"role": role, "content": flatten_content(content)})
+            out.append({"role": role, "content": content_with_images(content, flatten_content) if vision
+                        else flatten_content(content)})  # fmt: skip
             continue
         # Its reasoning_content is not kept (slime keeps it): the recorded reply has none, so an echo
         # with it (the SDK's model_dump() keeps it) would never match; the held tokens have it.

@@ -30,7 +30,7 @@ from slime.engines.torch_engine.overlap import OverlapSchedule
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
-from slime.engines.torch_engine.vision import ImagePreparer
+from slime.engines.torch_engine.vision import ImagePreparer, VisionRunner
 from slime.engines.torch_engine.weights import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,10 @@ class TorchEngine:
         # A vision-language model: its images' processor, and its placeholders, never sampled.
         self.images = ImagePreparer.of(config.model_path, self.model.config)
         self.never_sampled = self.images.placeholder_ids if self.images is not None else None
-        self.runner = make_runner(
-            self.model,
-            config.max_running_requests,
-            self.context_length,
-            config.deterministic,
+        self.runner = VisionRunner(self.model) if self.images is not None else make_runner(
+            self.model, config.max_running_requests, self.context_length, config.deterministic,
             cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
-        )
+        )  # fmt: skip
         self.weights = WeightStore(self.model)
         overlap = config.overlap_schedule
         if overlap is None:

@@ -38,7 +38,7 @@ from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
 from slime.utils import hf_experts
-from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class, is_vision
+from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ def make_runner(model: Any, max_running: int, context_length: int, deterministic
         return BatchedRunner(
             model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs
         )
-    if is_vision(model.config.model_type):
-        from slime.engines.torch_engine.vision import VisionRunner
-
-        return VisionRunner(model)
     logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
     return GenericRunner(model)
 

@@ -1,0 +1,72 @@
+"""OpenAI image content parts through the agent adapter to a vision-language model (tiny
+Qwen3-VL on a real torch engine): the turn's images reach the engine, the held tokens are reused
+with images in the history, and the session's sample trains with its images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.agent.adapters import OpenAIAdapter
+from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+from tests.test_agent_adapters import Served, chat
+from tests.test_engine_vision import vlm_engine  # noqa: F401 - a fixture
+
+openai = pytest.importorskip("openai")
+
+SAMPLING = {"temperature": 1.0, "max_new_tokens": 6}
+
+
+@pytest.fixture
+def served_vlm(vlm_engine, tiny_vlm):  # noqa: F811
+    processor = load_processor(tiny_vlm)
+    s = Served(OpenAIAdapter(tokenizer=processor.tokenizer, sglang_url=vlm_engine.url, processor=processor))
+    yield s
+    s.close()
+
+
+def _part(image):
+    return {"type": "image_url", "image_url": {"url": encode_image_for_rollout_engine(image)}}
+
+
+def test_image_parts_reach_the_model_and_the_sample_trains_with_them(served_vlm, tiny_vlm, dot_images):
+    from transformers import AutoModelForImageTextToText
+
+    s = served_vlm
+    s.adapter.open_session("v1", sampling_defaults=SAMPLING)
+    messages = [{"role": "user", "content": [_part(dot_images[0]), {"type": "text", "text": "How many dots?"}]}]
+    first = chat(s.url, "v1", messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": [{"type": "text", "text": "And here?"}, _part(dot_images[2])]}]  # fmt: skip
+    chat(s.url, "v1", messages, max_tokens=6)
+    turns = s.turns
+    pad = s.adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [t.prompt_ids.count(pad) for t in turns] == [4, 8]  # each image's 4 tokens, in place
+    assert [len(t.images) for t in turns] == [1, 2]
+    # the second turn continues the first one's tokens (held, with its image), no re-rendering
+    assert turns[1].prompt_ids[: len(turns[0].prompt_ids) + len(turns[0].output_ids)] == (
+        turns[0].prompt_ids + turns[0].output_ids
+    )
+    (sample,) = s.finish("v1", reward=1.0)
+    assert sample.metadata["rendered_in_full"] == 0
+    assert len(sample.multimodal_inputs["images"]) == 2
+    assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
+    # the engine saw the images: its log-probs are a teacher-forced forward's with them
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    ids = torch.tensor([sample.tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **sample.multimodal_train_inputs).logits[0]
+    logp = torch.log_softmax(logits.float(), -1)
+    start = len(sample.tokens) - sample.response_length
+    trained = [i for i, m in enumerate(sample.loss_mask) if m]
+    ref = torch.stack([logp[start + i - 1, sample.tokens[start + i]] for i in trained])
+    got = torch.tensor([sample.rollout_log_probs[i] for i in trained])
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_a_bad_image_part_is_a_400_naming_it(served_vlm):
+    s = served_vlm
+    s.adapter.open_session("v2", sampling_defaults=SAMPLING)
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="image 0 of the messages: image .* cannot be decoded"):
+        chat(s.url, "v2", [{"role": "user", "content": [bad, {"type": "text", "text": "?"}]}], max_tokens=2)
