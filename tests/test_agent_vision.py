@@ -34,7 +34,9 @@ def test_image_parts_reach_the_model_and_the_sample_trains_with_them(served_vlm,
 
     s = served_vlm
     s.adapter.open_session("v1", sampling_defaults=SAMPLING)
-    messages = [{"role": "user", "content": [_part(dot_images[0]), {"type": "text", "text": "How many dots?"}]}]
+    messages = [
+        {"role": "user", "content": [_part(dot_images[0]), {"type": "text", "text": "How many dots?"}]}
+    ]
     first = chat(s.url, "v1", messages, max_tokens=6)
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
                  {"role": "user", "content": [{"type": "text", "text": "And here?"}, _part(dot_images[2])]}]  # fmt: skip
@@ -55,7 +57,9 @@ def test_image_parts_reach_the_model_and_the_sample_trains_with_them(served_vlm,
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
     ids = torch.tensor([sample.tokens])
     with torch.no_grad():
-        logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **sample.multimodal_train_inputs).logits[0]
+        logits = model(
+            input_ids=ids, mm_token_type_ids=(ids == pad).int(), **sample.multimodal_train_inputs
+        ).logits[0]
     logp = torch.log_softmax(logits.float(), -1)
     start = len(sample.tokens) - sample.response_length
     trained = [i for i, m in enumerate(sample.loss_mask) if m]
@@ -68,5 +72,5 @@ def test_a_bad_image_part_is_a_400_naming_it(served_vlm):
     s = served_vlm
     s.adapter.open_session("v2", sampling_defaults=SAMPLING)
     bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    with pytest.raises(openai.BadRequestError, match="image 0 of the messages: image .* cannot be decoded"):
+    with pytest.raises(openai.BadRequestError, match=r"image 0 of the messages: image .* cannot be decoded"):
         chat(s.url, "v2", [{"role": "user", "content": [bad, {"type": "text", "text": "?"}]}], max_tokens=2)
