@@ -228,7 +228,9 @@ def test_the_driver_checks_images_with_the_checkpoints_processor(tiny_model, tin
     dot_images[0].save(tmp_path / "a.png")
     cfg = _data(tmp_path, [{"prompt": "<image>", "images": [str(tmp_path / "a.png")], "label": "1"}])
     _check_prompts(cfg, "--prompt-data", tiny_vlm)
-    with pytest.raises(DataError, match=r"has no image processor .*is it a vision-language model"):
+    with pytest.raises(
+        DataError, match=r"model_type 'qwen3', which runs as a text model here; images are built for qwen3_vl"
+    ):
         _check_prompts(cfg, "--prompt-data", tiny_model)
 
 

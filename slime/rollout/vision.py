@@ -89,9 +89,18 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
 
 
 def checked_processor(hf_checkpoint: str) -> Any:
-    """The checkpoint's processor, which --multimodal-keys needs (DataError when it has none)."""
+    """The checkpoint's processor, which --multimodal-keys needs (DataError when it has none, or
+    when its model is not a vision-language family this project runs with images)."""
+    from transformers import AutoConfig
+
+    from slime.utils.model_families import FAMILIES, is_vision
     from slime.utils.processing_utils import load_processor
 
+    model_type = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    if not is_vision(model_type):
+        built = ", ".join(f.model_type for f in FAMILIES.values() if f.vision)
+        raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} is model_type {model_type!r}, which runs "
+                        f"as a text model here; images are built for {built} (docs/vlm.md)")  # fmt: skip
     processor = load_processor(hf_checkpoint)
     if processor is None:
         raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no image processor "
