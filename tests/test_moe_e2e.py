@@ -17,7 +17,9 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize(
     "backend",
     [
-        [],
+        # ~40 s: routing replay's parts are tested in process (tests/test_routing.py, the engine's
+        # routed experts in tests/test_engine_moe.py, FSDP's replay in tests/test_fsdp_moe.py)
+        pytest.param([], marks=pytest.mark.slow),
         # ~25 s: the Megatron actor at EP 2 with the weight checks; its parts are tested in process
         # (tests/test_megatron_moe_actor.py, the EP 2 push in tests/test_actor_push.py)
         pytest.param(
