@@ -10,7 +10,7 @@ positions first (what transformers' Qwen-VL models read the samples' boundaries 
 
 The vision tower runs inside the model's forward (FSDP gathers its parameters there); its own
 attention is plain sdpa over each image's patches, never the packed text attention. It is frozen
-unless `--train-vision-model` (its activations then keep no graph).
+(its activations keep no graph) unless `--train-vision-model`.
 """
 
 from __future__ import annotations
@@ -85,9 +85,8 @@ def _rope_positions(
     needed = int(sum(int(g.prod()) // merge for g in grid)) if grid is not None else 0
     held = int((t == config.image_token_id).sum())
     video = int((t == getattr(config, "video_token_id", -1)).sum())
-    if (
-        held != needed or video
-    ):  # the placeholder in a response (an engine that samples it), or ids and images apart
+    # The placeholder in a response (an engine that samples it), or ids and images that do not belong together.
+    if held != needed or video:
         raise BatchError(f"sample {name} holds {held} image and {video} video placeholder tokens (ids "
                          f"{config.image_token_id}, {getattr(config, 'video_token_id', None)}) but its images fill "
                          f"{needed} and videos are not built: its token ids and multimodal_train_inputs do not belong "
