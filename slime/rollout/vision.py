@@ -6,9 +6,9 @@ takes the next image, in order, and becomes an image content item of its message
 (`{"type": "image", "image": ...}`); an item may be a path, a URL, base64, a data URL, or a dict:
 Qwen-VL's own item (`{"type": "image", "image": ...}`, kept as it is; its per-image sizes
 `min_pixels` ... are refused, not applied) or Hugging Face datasets' image record
-(`{"bytes": ..., "path": ...}`, how parquet stores an image column). The counts must agree. Every image is decoded when the data is
-read, so a missing or corrupt file is one error naming the row and the file before anything
-starts.
+(`{"bytes": ..., "path": ...}`, how parquet stores an image column). The counts must agree.
+The driver decodes every image and passes it through the checkpoint's image processor before
+anything starts, so a missing, corrupt or refused image is one error naming the row and the file.
 
 `PromptImages` (slime.utils.processing_utils) is what generation needs of a prompt's images: the
 data URLs the engine is sent (`image_data`) and the processor's tensors the trainer's forward
