@@ -9,6 +9,7 @@ import torch
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+from slime.utils.sample import Sample
 from tests.test_agent_adapters import Served, chat
 from tests.test_engine_vision import vlm_engine  # noqa: F401 - a fixture
 
@@ -74,3 +75,38 @@ def test_a_bad_image_part_is_a_400_naming_it(served_vlm):
     bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match=r"image 0 of the messages: image .* cannot be decoded"):
         chat(s.url, "v2", [{"role": "user", "content": [bad, {"type": "text", "text": "?"}]}], max_tokens=2)
+
+
+def test_an_image_arriving_later_in_a_tool_message_and_a_cut_sample_keep_ids_and_images_together(
+    served_vlm, dot_images
+):
+    s = served_vlm
+    s.adapter.open_session("v3", sampling_defaults=SAMPLING)
+    messages = [{"role": "user", "content": "Look at the screen."}]
+    first = chat(s.url, "v3", messages, max_tokens=4)  # no image yet
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "tool", "content": [{"type": "text", "text": "screen:"}, _part(dot_images[1])]}]  # fmt: skip
+    chat(s.url, "v3", messages, max_tokens=4)
+    turns = s.turns
+    pad = s.adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [len(t.images) for t in turns] == [0, 1] and turns[1].prompt_ids.count(pad) == 4
+    # cut inside the image's tokens: the sample keeps neither the run's start nor the image
+    cut = turns[1].prompt_ids.index(pad) + 2
+    # (finish_session cuts at the session's max_context_tokens: the manager's own cut, directly)
+    (sample,) = s.adapter.manager.get_trajectory(
+        "v3", base_sample=Sample(index=0, prompt="p"), max_sample_tokens=cut
+    )
+    assert (
+        pad not in sample.tokens
+        and sample.multimodal_inputs is None
+        and sample.multimodal_train_inputs is None
+    )
+
+
+def test_image_parts_must_be_data_or_http_urls(served_vlm, tmp_path, dot_images):
+    s = served_vlm
+    s.adapter.open_session("v4", sampling_defaults=SAMPLING)
+    dot_images[0].save(tmp_path / "host.png")
+    part = {"type": "image_url", "image_url": {"url": str(tmp_path / "host.png")}}
+    with pytest.raises(openai.BadRequestError, match="give a data URL or an http"):
+        chat(s.url, "v4", [{"role": "user", "content": [part]}], max_tokens=2)

@@ -228,6 +228,12 @@ def test_the_driver_checks_images_with_the_checkpoints_processor(tiny_model, tin
     dot_images[0].save(tmp_path / "a.png")
     cfg = _data(tmp_path, [{"prompt": "<image>", "images": [str(tmp_path / "a.png")], "label": "1"}])
     _check_prompts(cfg, "--prompt-data", tiny_vlm)
+    from PIL import Image
+
+    Image.new("RGB", (1000, 4)).save(tmp_path / "strip.png")  # only the image processor refuses it
+    strip = _data(tmp_path, [{"prompt": "<image>", "images": [str(tmp_path / "strip.png")], "label": "1"}])
+    with pytest.raises(DataError, match="aspect ratio"):
+        _check_prompts(strip, "--prompt-data", tiny_vlm)
     with pytest.raises(
         DataError, match=r"model_type 'qwen3', which runs as a text model here; images are built for qwen3_vl"
     ):

@@ -50,9 +50,9 @@ class TurnRecord:
     ill_formed: bool = False
     weight_versions: list[str | None] = field(default_factory=list)
     images: list[Any] = field(default_factory=list)
-    """A vision-language prompt's images (RGB PIL), in order (ours)."""
-    multimodal_train_inputs: dict[str, Any] | None = None
-    """Their processor tensors (`pixel_values`, `image_grid_thw`), what the trainer takes with the ids."""
+    """A vision-language prompt's images, in order (ours): each with `image` (RGB PIL), `inputs`
+    (its processor tensors: `pixel_values`, `image_grid_thw`), `num_tokens` and `token_id` (its run
+    of placeholder tokens in `prompt_ids`); shared with the session's other turns, not copied."""
 
 
 class DriftKind(enum.Enum):
@@ -134,7 +134,6 @@ class _SampleTokens:
         """Where the last response starts in `ids`."""
         self.realigned = 0
         self.images: list[Any] = []
-        self.train_inputs: dict[str, Any] | None = None
         """The images of the last turn added (its prompt holds every earlier image's tokens)."""
 
     def drift(self, turn: TurnRecord) -> DriftKind:
@@ -154,7 +153,7 @@ class _SampleTokens:
             del self.log_probs[self.last_response :], self.versions[self.last_response :]
             self.realigned += 1
         self._extend(turn.prompt_ids[len(self.ids) :], 0, None, None)
-        self.images, self.train_inputs = list(turn.images), turn.multimodal_train_inputs
+        self.images = list(turn.images)
         self.last_response = len(self.ids)
         self._extend(
             turn.output_ids,
@@ -176,6 +175,7 @@ class _SampleTokens:
 
     def sample(self, base: Sample, metadata: dict[str, Any], max_tokens: int) -> Sample:
         end = min(len(self.ids), max_tokens) if max_tokens else len(self.ids)
+        images, end = _whole_images(self.ids, self.images, end)
         start = min(self.prompt_len, end)
         spans: list[list[Any]] = []
         for version in self.versions[start:end]:
@@ -201,9 +201,34 @@ class _SampleTokens:
             status=Sample.Status.COMPLETED,
             metadata={**metadata, "realigned_turns": self.realigned},
             session_id=base.session_id,
-            multimodal_inputs={"images": list(self.images)} if self.images else None,
-            multimodal_train_inputs=self.train_inputs if self.images else None,
+            multimodal_inputs={"images": [im.image for im in images]} if images else None,
+            multimodal_train_inputs=_train_inputs(images),
         )
+
+
+def _whole_images(ids: list[int], images: list[Any], end: int) -> tuple[list[Any], int]:
+    """The images whose placeholder runs lie whole before `end` (a sample cut at max_sample_tokens),
+    and `end` moved back to the start of a run it would split."""
+    if not images or end >= len(ids):
+        return images, end
+    kept: list[Any] = []
+    at = 0
+    for image in images:
+        start = ids.index(image.token_id, at)  # the runs appear in order
+        if start + image.num_tokens > end:
+            return kept, min(end, start)
+        kept.append(image)
+        at = start + image.num_tokens
+    return kept, end
+
+
+def _train_inputs(images: list[Any]) -> dict[str, Any] | None:
+    """The processor tensors of `images` together, as a sample carries them."""
+    if not images:
+        return None
+    import torch
+
+    return {key: torch.cat([im.inputs[key] for im in images]) for key in ("pixel_values", "image_grid_thw")}
 
 
 def _version_order(version: str) -> tuple[int, str]:

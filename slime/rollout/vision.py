@@ -96,7 +96,12 @@ def checked_processor(hf_checkpoint: str) -> Any:
     from slime.utils.model_families import FAMILIES, is_vision
     from slime.utils.processing_utils import load_processor
 
-    model_type = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    try:
+        model_type = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    except (OSError, ValueError) as e:  # the checkpoint's own check names the problem too
+        raise DataError(
+            f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no readable config ({e})"
+        ) from None
     if not is_vision(model_type):
         built = ", ".join(f.model_type for f in FAMILIES.values() if f.vision)
         raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} is model_type {model_type!r}, which runs "

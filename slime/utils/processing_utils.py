@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import logging
 import os
@@ -165,8 +166,12 @@ def load_image(source: Any) -> Any:
         except (binascii.Error, IndexError):
             raise ImageError(f"image {what}: not valid base64 after 'data:...,'") from None
     if os.path.isfile(source):
-        with open(source, "rb") as f:
-            return _decode(f.read(), f"file {what}")
+        try:
+            with open(source, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ImageError(f"image file {what} cannot be read ({e.strerror})") from None
+        return _decode(data, f"file {what}")
     try:  # not a file: base64, or a path that does not exist
         data = base64.b64decode(source, validate=True)
     except binascii.Error:
@@ -202,7 +207,9 @@ def _fetch(url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as response:
             return bytes(response.read())
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
+    # every way a URL fails (unreachable, malformed: http.client's InvalidURL, a bad IPv6 host, a
+    # truncated body) is the image's problem, one message
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError, http.client.HTTPException) as e:
         raise ImageError(f"image URL {url!r} cannot be fetched ({e}); with no network, download it and give its "
                          "path or base64 instead") from None  # fmt: skip
 
@@ -245,5 +252,5 @@ def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
 def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:
     """The prompt's token ids with each image placeholder expanded to its image's tokens (what the
     engine and the trainer see)."""
-    out = processor(text=[text], images=list(images), return_tensors="pt")
+    out = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
     return [int(t) for t in out["input_ids"][0]]

@@ -36,10 +36,9 @@ from aiohttp import web
 from slime.agent.adapters.errors import AdapterError
 from slime.agent.adapters.generate import call_sglang_generate, check_int
 from slime.agent.adapters.history import ChatHistory, Held
-from slime.agent.adapters.images import load_images
+from slime.agent.adapters.images import SessionImage, session_images
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
-from slime.utils.processing_utils import prompt_images
 
 __all__ = ["AdapterError", "BaseAdapter", "Reply", "Session", "TurnRecord", "flatten_content"]
 
@@ -60,6 +59,8 @@ class Session:
     rendered_in_full: int = 0
     """Turns after the first whose prompt was rendered whole (the history was not repeated as
     recorded): where drift can arise."""
+    images: dict[str, SessionImage] = dataclasses.field(default_factory=dict)
+    """A vision-language session's images by source, each decoded and processed once."""
 
 
 @dataclasses.dataclass
@@ -362,17 +363,21 @@ class BaseAdapter:
                 check_int(body, key)
         with self._lock:
             held = list(session.held)
-        images = load_images(translated) if self.history.processor is not None else []
-        prompt_ids, reused = self.history.prompt_ids(held, translated, tools, images)
+        if self.history.processor is None:
+            images: list[SessionImage] = []
+            prompt_ids, reused = self.history.prompt_ids(held, translated, tools)
+        else:  # decoding, fetching and processing images: off the event loop
+            images, prompt_ids, reused = await asyncio.to_thread(
+                self._vision_prompt, session, held, translated, tools
+            )
         if reused is None and session.requests:  # not the first turn, yet rendered whole
             session.rendered_in_full += 1
         self._count_request(sid, session)
-        vision = prompt_images(self.history.processor, images) if images else None
         prepared = time.perf_counter()
         turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid,
-                                          image_data=vision.image_data if vision else None)  # fmt: skip
-        if vision is not None:
-            turn = dataclasses.replace(turn, images=images, multimodal_train_inputs=vision.train_inputs)
+                                          image_data=[im.url for im in images] or None)  # fmt: skip
+        if images:
+            turn = dataclasses.replace(turn, images=images)
         generated = time.perf_counter()
         raw = self.history.visible_text(turn.output_ids)
         parsed = parse_model_output(raw, tools_schema=tools, tool_parser_name=self.tool_parser,
@@ -409,6 +414,11 @@ class BaseAdapter:
                                               turn.output_ids))  # fmt: skip
         self.latency_s.append((prepared - started) + (time.perf_counter() - generated))
         return response
+
+    def _vision_prompt(self, session: Session, held: list[Held], messages: list[dict[str, Any]],
+                       tools: Any) -> tuple[list[SessionImage], list[int], Held | None]:  # fmt: skip
+        images = session_images(session.images, messages, self.history.processor)
+        return (images, *self.history.prompt_ids(held, messages, tools, [im.image for im in images]))
 
     def _count_request(self, sid: str, session: Session) -> None:
         """A request about to reach the engine counts against max_turns_per_sid (429 past it:

@@ -91,6 +91,11 @@ async def call_sglang_generate(
         _abort_soon(client, rid)
         raise
     meta = out.get("meta_info") or {}
+    ran = meta.get("prompt_tokens")
+    if image_data and ran is not None and int(ran) != len(prompt_ids):  # images expanded another way
+        raise AdapterError(502, f"session {session_id}: the engine ran {ran} prompt tokens for the {len(prompt_ids)} sent "
+                                "with the turn's images: it expanded the image placeholders another way than the "
+                                "checkpoint's processor (the trainer would see other ids)", "api_error")  # fmt: skip
     pairs = meta.get("output_token_logprobs") or []
     ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids", [])]
     return TurnRecord(

@@ -61,6 +61,11 @@ class ChatHistory:
         if images:
             from slime.utils.processing_utils import expanded_prompt_ids
 
+            placed = text.count(self.processor.image_token)
+            if placed != len(images):
+                raise AdapterError(400, f"the chat template writes {placed} image placeholder(s) for the {len(images)} "
+                                        "image(s) of these messages: it leaves out images in some roles (Qwen3-VL's writes "
+                                        "none in system messages)")  # fmt: skip
             try:
                 return expanded_prompt_ids(self.processor, text, images)
             except ValueError as e:  # an image the processor refuses (an extreme aspect ratio, ...)

@@ -12,6 +12,7 @@ model) images stay "[image omitted]" text (slime.agent.adapters.common.flatten_c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from slime.agent.adapters.errors import AdapterError
@@ -47,14 +48,46 @@ def image_items(messages: list[dict[str, Any]]) -> list[str]:
             for item in m["content"] if isinstance(item, dict) and item.get("type") == "image"]  # fmt: skip
 
 
-def load_images(messages: list[dict[str, Any]]) -> list[Any]:
-    """The messages' images decoded (RGB PIL), in order; 400 naming the one that cannot be read."""
-    from slime.utils.processing_utils import ImageError, load_image
+@dataclass
+class SessionImage:
+    """One image of a session, decoded and processed once (every later turn that repeats it takes
+    these, so a turn's cost and a session's memory grow with its images, not its turns)."""
+
+    image: Any
+    """RGB PIL."""
+    url: str
+    """The PNG data URL the engine gets (it never fetches anything itself)."""
+    inputs: dict[str, Any]
+    """The processor's `pixel_values` and `image_grid_thw` of this image alone."""
+    num_tokens: int
+    token_id: int
+
+
+def session_images(
+    cache: dict[str, SessionImage], messages: list[dict[str, Any]], processor: Any
+) -> list[SessionImage]:
+    """The messages' images in order, from `cache` (by source) or decoded, processed and cached.
+    A client may send data URLs and http(s) URLs, not the adapter host's paths; 400 naming the image
+    that cannot be read. Blocking (decoding, fetching): call it off the event loop."""
+    from slime.utils.processing_utils import ImageError, encode_image_for_rollout_engine, load_image
 
     out = []
     for i, source in enumerate(image_items(messages)):
-        try:
-            out.append(load_image(source))
-        except ImageError as e:
-            raise AdapterError(400, f"image {i} of the messages: {e}") from None
+        if source not in cache:
+            if not source.startswith(("data:", "http://", "https://")):
+                raise AdapterError(400, f"image {i} of the messages: give a data URL or an http(s) URL (the adapter "
+                                        "does not read paths on its host)")  # fmt: skip
+            try:
+                image = load_image(source)
+                processed = processor.image_processor(images=[image], return_tensors="pt")
+            except (ImageError, ValueError) as e:
+                raise AdapterError(400, f"image {i} of the messages: {e}") from None
+            grid = processed["image_grid_thw"]
+            cache[source] = SessionImage(
+                image, encode_image_for_rollout_engine(image),
+                {"pixel_values": processed["pixel_values"], "image_grid_thw": grid},
+                int(grid.prod()) // int(processor.image_processor.merge_size) ** 2,
+                int(processor.tokenizer.convert_tokens_to_ids(processor.image_token)),
+            )  # fmt: skip
+        out.append(cache[source])
     return out
