@@ -51,11 +51,10 @@ _LLAMA_LIKE = {f.model_type for f in FAMILIES.values() if f.engine == BATCHED}
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
     from transformers import AutoConfig
 
-    auto = auto_model_class(AutoConfig.from_pretrained(model_path))
-    model: Any = auto.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
+    config = AutoConfig.from_pretrained(model_path)
+    model: Any = auto_model_class(config).from_pretrained(model_path, config=config, dtype=dtype,
+                                                          attn_implementation="sdpa")  # fmt: skip
+    model.to(device).eval().requires_grad_(False)
     return model
 
 
@@ -464,16 +463,17 @@ class GenericRunner(Runner):
     def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
         from transformers import DynamicCache
 
-        # From the config: a hybrid model (Qwen3-Next, Qwen3.5) keeps each linear-attention
-        # layer's convolution and recurrent state in it beside the attention layers' keys/values.
+        # From the config: a hybrid model (Qwen3-Next, Qwen3.5) keeps its linear-attention state in it too.
         cache = seq.runner_state.setdefault("hf_cache", DynamicCache(config=self.model.config))
         with self._lora([seq]):
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
-            )
+            out = self.model(**self._inputs(seq, ids), past_key_values=cache, use_cache=True)
         seq.runner_state["hf_cache"] = out.past_key_values
         seq.num_cached += len(ids)
         return out.logits[0, -1].float()
+
+    def _inputs(self, seq: Sequence, ids: list[int]) -> dict[str, Any]:
+        """The forward's inputs for `seq`'s next `ids` (the vision runner adds pixels and positions)."""
+        return {"input_ids": torch.tensor([ids], device=self.device)}
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:

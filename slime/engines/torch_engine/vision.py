@@ -152,33 +152,25 @@ class VisionRunner(GenericRunner):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "num_images_encoded": self.num_images_encoded}
 
-    def _step(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        cache = seq.runner_state.setdefault("hf_cache", DynamicCache(config=self.model.config))
+    def _inputs(self, seq: Sequence, ids: list[int]) -> dict[str, Any]:
+        """The first feed of a sequence (its prompt) gets its pixels and the model's rotary positions;
+        later tokens continue from the offset saved then, with no pixels."""
         tokens = torch.tensor([ids], device=self.device)
-        extra: dict[str, Any] = {}
-        if seq.num_cached == 0:
-            images: ImageInputs | None = seq.images
-            grid = images.image_grid_thw.to(self.device) if images is not None else None
-            token_types = (tokens == self.image_token_id).int() + 2 * (tokens == self.video_token_id).int()
-            positions, delta = self.model.model.get_rope_index(tokens, token_types, image_grid_thw=grid)
-            seq.runner_state["rope_delta"] = int(delta.reshape(-1)[0])
-            if images is not None:
-                extra = {
-                    "pixel_values": images.pixel_values.to(self.device, self.model.dtype),
-                    "image_grid_thw": grid,
-                }
-                self.num_images_encoded += int(grid.shape[0])  # type: ignore[union-attr]
-        else:
+        if seq.num_cached:
             start = seq.num_cached + seq.runner_state["rope_delta"]
             positions = (
                 torch.arange(start, start + len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
             )
-        with self._lora([seq]):
-            out = self.model(
-                input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+            return {"input_ids": tokens, "position_ids": positions}
+        images: ImageInputs | None = seq.images
+        grid = images.image_grid_thw.to(self.device) if images is not None else None
+        token_types = (tokens == self.image_token_id).int() + 2 * (tokens == self.video_token_id).int()
+        positions, delta = self.model.model.get_rope_index(tokens, token_types, image_grid_thw=grid)
+        seq.runner_state["rope_delta"] = int(delta.reshape(-1)[0])
+        inputs = {"input_ids": tokens, "position_ids": positions}
+        if images is not None:
+            inputs.update(
+                pixel_values=images.pixel_values.to(self.device, self.model.dtype), image_grid_thw=grid
             )
-        seq.runner_state["hf_cache"] = out.past_key_values
-        seq.num_cached += len(ids)
-        return out.logits[0, -1].float()
+            self.num_images_encoded += int(images.image_grid_thw.shape[0])
+        return inputs
