@@ -23,8 +23,7 @@ def vision_batch(model: str, n: int = 8) -> RolloutBatch:
     import numpy as np
     from PIL import Image
 
-    from slime.rollout.vision import expanded_prompt_ids, prompt_images
-    from slime.utils.processing_utils import load_processor
+    from slime.utils.processing_utils import expanded_prompt_ids, image_train_inputs, load_processor
 
     processor = load_processor(model)
     g = torch.Generator().manual_seed(0)
@@ -37,7 +36,7 @@ def vision_batch(model: str, n: int = 8) -> RolloutBatch:
             image = Image.fromarray(pixels)
             ids, train = (
                 expanded_prompt_ids(processor, TEXT, [image]),
-                prompt_images(processor, [image]).train_inputs,
+                image_train_inputs(processor, [image]),
             )
         r = 3 + i
         tokens.append(ids + torch.randint(4, 100, (r,), generator=g).tolist())

@@ -251,7 +251,7 @@ def test_multimodal_keys_is_checked_when_parsed(tmp_path):
 
 def test_a_dump_keeps_images_as_pixels_and_loads_with_weights_only(tiny_vlm, dot_images, tmp_path):
     from slime.rollout.dump import load_dump, save_dump
-    from slime.rollout.vision import prompt_images
+    from slime.utils.processing_utils import prompt_images
     from slime.utils.sample import Sample, samples_to_batch
 
     processor = processing_utils.load_processor(tiny_vlm)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.config.rollout import DataConfig
-from slime.rollout.vision import expanded_prompt_ids, messages_with_images
+from slime.rollout.vision import messages_with_images
 from slime.utils.data_files import DataError, read_rows
+from slime.utils.processing_utils import expanded_prompt_ids
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
-from slime.rollout.vision import prompt_images
 from slime.utils.net import host_port
+from slime.utils.processing_utils import prompt_images
 from slime.utils.sample import Sample, Status
 
 logger = logging.getLogger(__name__)

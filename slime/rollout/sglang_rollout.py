@@ -133,11 +133,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         if state.processor is None or not isinstance(sample.prompt, str):
             raise ValueError(f"generate: sample {sample.index} has images: it needs --multimodal-keys and a text "
                              "prompt with the chat template applied (or set sample.tokens)")  # fmt: skip
-        from slime.rollout.vision import expanded_prompt_ids, prompt_images
+        from slime.utils.processing_utils import expanded_prompt_ids, image_train_inputs
 
         sample.tokens = expanded_prompt_ids(state.processor, sample.prompt, images)
         if sample.multimodal_train_inputs is None:
-            sample.multimodal_train_inputs = prompt_images(state.processor, images).train_inputs
+            sample.multimodal_train_inputs = image_train_inputs(state.processor, images)
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise ValueError(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.rollout.data import PromptDataset
-from slime.rollout.vision import prompt_images
+from slime.utils.processing_utils import image_train_inputs
 from slime.utils.sample import Sample, Status, group_samples
 
 
@@ -91,15 +91,10 @@ class DataSource:
         groups = []
         for p in self.dataset.next_batch(num_prompts):
             # --multimodal-keys: the images (slime's multimodal_inputs) and their tensors for the trainer
-            images = prompt_images(self.dataset.processor, list(p.images)) if p.images else None
-            vision: dict[str, Any] = (
-                {
-                    "multimodal_inputs": {"images": list(p.images)},
-                    "multimodal_train_inputs": images.train_inputs,
-                }
-                if images is not None
-                else {}
-            )
+            vision: dict[str, Any] = {}
+            if p.images:
+                vision = {"multimodal_inputs": {"images": list(p.images)},
+                          "multimodal_train_inputs": image_train_inputs(self.dataset.processor, list(p.images))}  # fmt: skip
             groups.append([Sample(prompt=p.prompt, tokens=list(p.token_ids), label=p.label,
                                   metadata=dict(p.metadata, prompt_index=p.index), **vision, **self.sample_fields)
                            for _ in range(self.n_samples_per_prompt)])  # fmt: skip

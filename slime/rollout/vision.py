@@ -10,10 +10,9 @@ Qwen-VL's own item (`{"type": "image", "image": ...}`, kept as it is; its per-im
 The driver decodes every image and passes it through the checkpoint's image processor before
 anything starts, so a missing, corrupt or refused image is one error naming the row and the file.
 
-`PromptImages` (slime.utils.processing_utils) is what generation needs of a prompt's images: the
-data URLs the engine is sent (`image_data`) and the processor's tensors the trainer's forward
-takes (`Sample.multimodal_train_inputs`), both made once per prompt group and shared by its
-samples.
+What generation then needs of a prompt's images (the engine's `image_data`, the trainer's
+tensors, the expanded ids) is slime.utils.processing_utils's `prompt_images` and
+`expanded_prompt_ids`, made once per prompt group and shared by its samples.
 """
 
 from __future__ import annotations
@@ -24,10 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from slime.utils.data_files import DataError
-from slime.utils.processing_utils import PromptImages, expanded_prompt_ids, prompt_images
-
-__all__ = ["PromptImages", "checked_processor", "expanded_prompt_ids", "messages_with_images", "prompt_images",
-           "vision_processor"]  # fmt: skip
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 RESIZE_KEYS = {"min_pixels", "max_pixels", "resized_height", "resized_width"}

@@ -56,7 +56,8 @@ def load_examples(
     """(tokens, response length, the images' processor tensors or None) per row; the response ends
     with the tokenizer's eos token."""
     from slime.rollout.data import DataError, read_rows
-    from slime.rollout.vision import expanded_prompt_ids, messages_with_images, prompt_images
+    from slime.rollout.vision import messages_with_images
+    from slime.utils.processing_utils import expanded_prompt_ids, image_train_inputs
 
     if multimodal_keys and not chat:
         raise DataError("--multimodal-keys needs --apply-chat-template (the chat template places the images)")
@@ -78,7 +79,7 @@ def load_examples(
             prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         response_ids = tokenizer(row[response_key], add_special_tokens=False)["input_ids"]
         response_ids.append(tokenizer.eos_token_id)
-        train_inputs = prompt_images(processor, images).train_inputs if images else None
+        train_inputs = image_train_inputs(processor, images) if images else None
         examples.append((prompt_ids + response_ids, len(response_ids), train_inputs))
     return examples
 

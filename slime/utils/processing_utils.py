@@ -6,8 +6,8 @@ image loading the data, the engine and the dumps share.
 An image reaches us as a file path, a `data:image/...;base64,` URL, bare base64, an http(s) URL,
 or a PIL image; `load_image` turns each into an RGB PIL image or raises `ImageError` naming the
 source. A dump keeps images as uint8 tensors (`image_to_tensor`), which `torch.load(weights_only=True)`
-reads, and gets the same pixels back (`tensor_to_image`). `prompt_images` and
-`expanded_prompt_ids` are what the rollout, the SFT tool and the agent adapters need of a
+reads, and gets the same pixels back (`tensor_to_image`). `prompt_images`, `image_train_inputs`
+and `expanded_prompt_ids` are what the rollout, the SFT tool and the agent adapters need of a
 prompt's images: the engine's `image_data`, the trainer's tensors, the ids with each image's tokens.
 
 transformers builds a processor's video processor with torchvision only. Where torchvision is
@@ -239,14 +239,18 @@ class PromptImages:
     """The processor's tensors: `pixel_values`, `image_grid_thw`."""
 
 
+def image_train_inputs(processor: Any, images: list[Any]) -> dict[str, Any]:
+    """The image processor's tensors of `images`, in order: what the trainer's forward takes
+    (`Sample.multimodal_train_inputs`)."""
+    out = processor.image_processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
 def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
     """What generation needs of a prompt's images (one call per prompt group: the PNG encoding and
     the image processor are the costly part)."""
-    out = processor.image_processor(images=list(images), return_tensors="pt")
-    return PromptImages(
-        image_data=[encode_image_for_rollout_engine(image) for image in images],
-        train_inputs={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
-    )
+    return PromptImages([encode_image_for_rollout_engine(image) for image in images],
+                        image_train_inputs(processor, images))  # fmt: skip
 
 
 def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:

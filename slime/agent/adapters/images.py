@@ -69,7 +69,7 @@ def session_images(
     """The messages' images in order, from `cache` (by source) or decoded, processed and cached.
     A client may send data URLs and http(s) URLs, not the adapter host's paths; 400 naming the image
     that cannot be read. Blocking (decoding, fetching): call it off the event loop."""
-    from slime.utils.processing_utils import ImageError, encode_image_for_rollout_engine, load_image
+    from slime.utils.processing_utils import ImageError, load_image, prompt_images
 
     out = []
     for i, source in enumerate(image_items(messages)):
@@ -79,13 +79,12 @@ def session_images(
                                         "does not read paths on its host)")  # fmt: skip
             try:
                 image = load_image(source)
-                processed = processor.image_processor(images=[image], return_tensors="pt")
+                processed = prompt_images(processor, [image])
             except (ImageError, ValueError) as e:
                 raise AdapterError(400, f"image {i} of the messages: {e}") from None
-            grid = processed["image_grid_thw"]
+            grid = processed.train_inputs["image_grid_thw"]
             cache[source] = SessionImage(
-                image, encode_image_for_rollout_engine(image),
-                {"pixel_values": processed["pixel_values"], "image_grid_thw": grid},
+                image, processed.image_data[0], processed.train_inputs,
                 int(grid.prod()) // int(processor.image_processor.merge_size) ** 2,
                 int(processor.tokenizer.convert_tokens_to_ids(processor.image_token)),
             )  # fmt: skip

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from slime.backends.fsdp.vision import forward_kwargs
 from slime.backends.micro_batch import MicroBatch, response_token_stats, softmax_stats
 
 
@@ -26,7 +25,8 @@ def response_log_probs(
     layout of `mb.response_mask` (values past a sample's response are 0). `chunk_size`:
     --log-probs-chunk-size (slime.backends.micro_batch.response_token_stats)."""
     rows, cols, targets = mb.predictions()
-    images = forward_kwargs(model, mb)  # a vision-language micro-batch's images and rotary positions
+    # a vision-language micro-batch's images and rotary positions (the model casts the pixels itself)
+    images = dict(mb.vision or {})
     if mb.packed:
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
         position_ids = images.pop("position_ids", mb.position_ids)

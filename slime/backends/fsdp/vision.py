@@ -95,20 +95,3 @@ def _rope_positions(
     types = (t == config.image_token_id).int() + 2 * (t == getattr(config, "video_token_id", -1)).int()
     positions, _ = model.model.get_rope_index(t, types, image_grid_thw=grid)
     return positions[:, 0]
-
-
-def forward_kwargs(model: Any, mb: MicroBatch) -> dict[str, Any]:
-    """The model's keyword arguments for `mb`'s images ({} for a text micro-batch). The features
-    are computed in the model's forward; without `--train-vision-model` the tower is frozen and
-    `pixel_values` carry no gradient anyway."""
-    if mb.vision is None:
-        return {}
-    out = dict(mb.vision)
-    if "pixel_values" in out:
-        tower = vision_tower(model)
-        dtype = next(tower.parameters()).dtype if tower is not None else out["pixel_values"].dtype
-        out["pixel_values"] = out["pixel_values"].to(dtype)
-        ids = mb.input_ids
-        config = model.config
-        out["mm_token_type_ids"] = (ids == config.image_token_id).int()
-    return out
