@@ -57,13 +57,4 @@ OMP_NUM_THREADS=2 "$PYTHON" -m slime.tools.sft --hf-checkpoint "$OUT/base" --dat
     --save "$OUT/ckpt" --save-hf "$OUT/final" --seed "$SEED" \
     --update-weight-transport tensor "$@"
 
-"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --title "${TITLE:-tiny model, a+b, GRPO on CPU}"
-"$PYTHON" - "$SLIME_LOG_DIR/metrics.jsonl" "$start" <<'EOF'
-import json, sys, time
-evals = [r for r in map(json.loads, open(sys.argv[1])) if "eval/accuracy" in r]
-first, last = evals[0], evals[-1]
-print(f"held-out accuracy: {first['eval/accuracy']:.3f} at step {first['step']} (before RL) -> "
-      f"{last['eval/accuracy']:.3f} at step {last['step']} "
-      f"({100 * (last['eval/accuracy'] - first['eval/accuracy']):+.1f} points); "
-      f"whole demo {time.time() - float(sys.argv[2]):.0f} s")
-EOF
+"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --since "$start" --title "${TITLE:-tiny model, a+b, GRPO on CPU}"

@@ -142,3 +142,21 @@ def test_plot_writes_a_png_from_metrics(tmp_path):
     assert (tmp_path / "c.png").read_bytes() != png
     with pytest.raises(SystemExit):
         main([f"A={metrics}", f"B={tmp_path / 'missing.jsonl'}"])
+
+
+def test_the_demos_last_line(tmp_path, capsys):
+    """`--since`: the line run-tiny-cpu.sh and run-vision-cpu.sh end with."""
+    import time
+
+    pytest.importorskip("matplotlib")
+    from slime.tools.plot_metrics import main
+
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 0, "eval/accuracy": 0.25}, {"step": 5, "rollout/reward_mean": 0.5},
+               {"step": 10, "eval/accuracy": 0.8}]  # fmt: skip
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(metrics), "--since", str(time.time() - 42)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(
+        "held-out accuracy: 0.250 at step 0 (before RL) -> 0.800 at step 10 (+55.0 points); whole demo 4"
+    )

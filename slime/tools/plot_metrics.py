@@ -3,11 +3,14 @@
     python -m slime.tools.plot_metrics LOG_DIR/metrics.jsonl [--out PLOT.png]
         [--keys rollout/reward_mean eval/accuracy]
     python -m slime.tools.plot_metrics GRPO=runs/a/logs/metrics.jsonl OPD=runs/b/logs/metrics.jsonl --out cmp.png
+    python -m slime.tools.plot_metrics LOG_DIR/metrics.jsonl --since START   (the demos' last line)
 
 One line per key (and run) against `step` (rollouts trained so far; the eval before training is
 step 0). A run given as LABEL=PATH is named LABEL in the legend. The PNG goes next to the first
-metrics file unless `--out` says otherwise. Needs matplotlib (`pip install matplotlib`, part of
-the `demo` extra).
+metrics file unless `--out` says otherwise. With `--since` (a Unix time: when the run began) it
+also prints the first and the last held-out accuracy (`eval/accuracy`) and the seconds since,
+the line the demo scripts end with. Needs matplotlib (`pip install matplotlib`, part of the
+`demo` extra).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy"]
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="PNG path (default: reward_accuracy.png beside it)")
     parser.add_argument("--keys", nargs="+", default=DEFAULT_KEYS)
     parser.add_argument("--title", default="reward and accuracy per step")
+    parser.add_argument("--since", type=float, default=None, metavar="UNIX_TIME",
+                        help="print the held-out accuracy before and after, and the whole run's seconds since then")  # fmt: skip
     args = parser.parse_args(argv)
     series: dict[str, list[tuple[int, float]]] = {}
     paths = []
@@ -88,7 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "reward_accuracy.png")
     plot(series, out, args.title)
     print(out)
+    if args.since is not None:
+        print(accuracy_line(read_series(paths[0], ["eval/accuracy"])["eval/accuracy"], args.since))
     return 0
+
+
+def accuracy_line(evals: list[tuple[int, float]], since: float) -> str:
+    """The first and the last held-out accuracy of a run, and the seconds since `since`."""
+    if not evals:
+        return f"no eval/accuracy recorded; whole demo {time.time() - since:.0f} s"
+    (first_step, first), (last_step, last) = evals[0], evals[-1]
+    return (f"held-out accuracy: {first:.3f} at step {first_step} (before RL) -> {last:.3f} at step {last_step} "
+            f"({100 * (last - first):+.1f} points); whole demo {time.time() - since:.0f} s")  # fmt: skip
 
 
 if __name__ == "__main__":
