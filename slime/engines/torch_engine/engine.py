@@ -105,7 +105,6 @@ class TorchEngine:
         self.context_length = int(
             config.context_length or getattr(model_config, "max_position_embeddings", None) or 4096
         )
-        self._tokenizer_lock = threading.Lock()
         # A vision-language model: its images' processor, and its placeholders, never sampled.
         self.images = ImagePreparer.of(config.model_path, self.model.config)
         self.never_sampled = self.images.placeholder_ids if self.images is not None else None
@@ -137,6 +136,7 @@ class TorchEngine:
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
+        self._tokenizer_lock = threading.Lock()
         # Guards the hand-over between call() and a dying thread: a command is either queued
         # before the queue is drained for good, or refused.
         self._commands_lock = threading.Lock()
@@ -340,7 +340,11 @@ class TorchEngine:
         """Tokenize and validate one request; raise ProtocolError for bad input."""
         images = None
         if req.image_data:
-            ids, images = ImagePreparer.prepare_request(self.images, req, self.model.config.model_type)
+            if self.images is None:
+                raise ProtocolError(
+                    f"'image_data': model_type {self.model.config.model_type!r} is a text model"
+                )
+            ids, images = self.images.prepare_request(req)
         elif req.input_ids is not None:
             ids = list(req.input_ids)
         else:

@@ -77,18 +77,14 @@ class ImagePreparer:
                 f"the prompt holds video tokens (id {videos[0]}): videos are not supported by this engine"
             )
 
-    @staticmethod
-    def prepare_request(preparer: ImagePreparer | None, req: GenerateRequest,
-                        model_type: str) -> tuple[list[int], ImageInputs]:  # fmt: skip
-        """A request with `image_data`: its token ids and images (ProtocolError for a text model)."""
-        if preparer is None:
-            raise ProtocolError(f"'image_data': model_type {model_type!r} is a text model")
+    def prepare_request(self, req: GenerateRequest) -> tuple[list[int], ImageInputs]:
+        """A request with `image_data`: its token ids and images."""
         if req.return_logprob and req.logprob_start_len >= 0:
             raise ProtocolError(
                 "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
             )
         given = list(req.input_ids) if req.input_ids is not None else None
-        return preparer.prepare(req.image_data, req.text, given)
+        return self.prepare(req.image_data, req.text, given)
 
     def prepare(
         self, images: tuple[str, ...], text: str | None, ids: list[int] | None
