@@ -1,8 +1,9 @@
-"""The torch engine serving a vision-language model (tiny Qwen3-VL) against Hugging Face
-`generate` on the same multimodal requests, measured in the same run.
+"""The torch engine serving a vision-language model (tiny Qwen3-VL, or Qwen3.5 with --arch
+qwen3_5_vl) against Hugging Face `generate` on the same multimodal requests, measured in the same
+run.
 
-    python benchmarks/bench_vision.py [--requests 16] [--new-tokens 16] [--image-sizes 64,128]
-        [--hidden-size 128] [--num-layers 4] [--threads 2]
+    python benchmarks/bench_vision.py [--arch qwen3_vl] [--requests 16] [--new-tokens 16]
+        [--image-sizes 64,128] [--hidden-size 128] [--num-layers 4] [--threads 2]
 
 For each image size, --requests prompts each carry one image of the vision task (dots on black,
 every image different) and ask for --new-tokens greedy tokens (ignore_eos). The engine gets them
@@ -70,6 +71,7 @@ def hf_run(path: str, images: list, new_tokens: int) -> tuple[float, list[list[i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl"])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--image-sizes", default="64,128", help="image widths in pixels, multiples of 32")
@@ -81,7 +83,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "vlm")
-        make_tiny_model(["--out", path, "--arch", "qwen3_vl", "--hidden-size", str(args.hidden_size),
+        make_tiny_model(["--out", path, "--arch", args.arch, "--hidden-size", str(args.hidden_size),
                          "--num-layers", str(args.num_layers)])  # fmt: skip
         with start_torch_engine(
             path, ["--num-threads", str(args.threads)], log_path=os.path.join(tmp, "e.log")
@@ -94,7 +96,7 @@ def main() -> int:
                 hf_seconds, want = hf_run(path, images, args.new_tokens)
                 rows.append((size, seconds, hf_seconds, got == want))
     n, tokens = args.requests, args.requests * args.new_tokens
-    print(f"\n{n} requests of one image x {args.new_tokens} greedy tokens, hidden {args.hidden_size}, "
+    print(f"\n{args.arch}: {n} requests of one image x {args.new_tokens} greedy tokens, hidden {args.hidden_size}, "
           f"{args.num_layers} layers, {args.threads} threads\n")  # fmt: skip
     print(
         "| image | engine images/s | HF images/s | engine tok/s | HF generate tok/s | ratio | tokens equal HF's |"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The vision demo: a tiny vision-language model (Qwen3-VL's architecture) learns to count the dots
-# in small generated images with GRPO, on a CPU-only machine.
+# The vision demo: a tiny vision-language model (Qwen3-VL's architecture; ARCH=qwen3_5_vl for
+# Qwen3.5's) learns to count the dots in small generated images with GRPO, on a CPU-only machine.
 #
 #   bash scripts/run-vision-cpu.sh [OUT_DIR [TRAIN FLAGS...]]   (default: runs/vision-cpu)
 #
 # Flags after OUT_DIR go to train_async.py after the ones below, so they override them.
 #
-# 1. builds a tiny Qwen3-VL model (a 2-block vision tower, frozen; a 4-layer language model) and
+# 1. builds a tiny model of $ARCH (a 2-block vision tower, frozen; a 4-layer language model) and
 #    the task (64 x 64 images with 1 to 4 dots; prompt "<image>How many dots?", label "3"; a
 #    held-out set of other images),
 # 2. warm-starts it with a short SFT phase (the answer's format, a little counting),
@@ -25,6 +25,7 @@ NUM_ROLLOUT=${NUM_ROLLOUT:-60}
 EVAL_INTERVAL=${EVAL_INTERVAL:-10}
 SFT_EPOCHS=${SFT_EPOCHS:-4}
 SEED=${SEED:-1234}
+ARCH=${ARCH:-qwen3_vl}
 PYTHON=${PYTHON:-python}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -33,7 +34,7 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 start=$(date +%s)
 
-"$PYTHON" -m slime.tools.make_tiny_model --arch qwen3_vl --out "$OUT/base" --hidden-size 128 --num-layers 4 \
+"$PYTHON" -m slime.tools.make_tiny_model --arch "$ARCH" --out "$OUT/base" --hidden-size 128 --num-layers 4 \
     --num-heads 4 --num-kv-heads 2 --seed "$SEED"
 "$PYTHON" -m slime.tools.make_vision_task --out "$OUT/task" --train-size 2000 --eval-size 200 --sft-size 200 --seed 0
 
@@ -58,4 +59,4 @@ OMP_NUM_THREADS=2 "$PYTHON" -m slime.tools.sft --hf-checkpoint "$OUT/base" --dat
     --save-hf "$OUT/final" --seed "$SEED" \
     --update-weight-transport tensor "$@"
 
-"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --since "$start" --title "${TITLE:-tiny Qwen3-VL, count the dots, GRPO on CPU}"
+"$PYTHON" -m slime.tools.plot_metrics "$SLIME_LOG_DIR/metrics.jsonl" --since "$start" --title "${TITLE:-tiny $ARCH, count the dots, GRPO on CPU}"

@@ -362,14 +362,17 @@ def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, ar
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
 
 
-def test_a_released_qwen3_5_checkpoint_is_its_family_by_its_alias():
-    """Qwen3.5's released config.json says model_type qwen3_5 (qwen3_5_moe): the same family as
-    the text model, so FSDP never packs its gated delta-net layers (Megatron does) and its
-    refusals hold."""
-    from slime.utils.model_families import family, packable, refusal
+def test_a_released_qwen3_5_checkpoint_is_the_vision_language_family():
+    """Qwen3.5's released config.json says model_type qwen3_5 (qwen3_5_moe): the vision-language
+    model, its own family (tests/test_qwen3_5_vl.py runs it), apart from the text model the
+    Megatron backend builds; FSDP never packs either's gated delta-net layers (Megatron does)."""
+    from slime.utils.model_families import family, is_vision, megatron_refusal, packable, refusal
 
-    for alias, own in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
-        assert family(alias) is FAMILIES[own] and not packable(alias) and packable(alias, "megatron")
+    for released, text in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
+        assert family(released) is not family(text) and is_vision(released) and not is_vision(text)
+        assert not packable(released) and not packable(text) and packable(text, "megatron")
+        assert f"its text model (`{text}`) is built" in (megatron_refusal(released) or "")
+        assert megatron_refusal(text) is None
     assert refusal("qwen3_5_moe", "router_hooks") and refusal("qwen3_5_moe", "lora")
     assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
 

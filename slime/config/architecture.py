@@ -135,7 +135,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
 
 # Families by what their layers are (transformers' model_type; slime.utils.model_families).
 # The gated delta-net families are the ones that cannot pack (the registry says it once).
-_HYBRID = {t for f in FAMILIES.values() if not f.packs for t in (f.model_type, *f.aliases)}
+_HYBRID = {f.model_type for f in FAMILIES.values() if not f.packs}
 _EXPERT_BIAS = {"deepseek_v3", "glm4_moe", "glm4_moe_lite"}
 _QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
 _SHARED_EXPERT = {"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}

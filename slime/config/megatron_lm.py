@@ -35,6 +35,7 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
         "qwen3_5_moe_text",
         "qwen3_5_moe",
     ),
+    ("slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"): ("qwen3_5", "qwen3_5_moe"),
 }
 """slime's layer specs (--spec MODULE FUNCTION) that the flags accept, as the backends build those
 layers themselves: the model_types each describes (slime.config.architecture.spec_problems)."""
@@ -152,7 +153,9 @@ SPECS: tuple[Spec, ...] = (
         "transformers modeling, which the spec describes. slime's specs for GLM-4 (slime_plugins.models.glm4 "
         "get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next get_qwen3_next_spec) and Qwen3.5 "
         "(slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by both backends: the Megatron backend "
-        "builds those families' layers itself",
+        "builds those families' layers itself; slime's Qwen3.5 vision-language provider "
+        "(slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider) with FSDP, which builds the released "
+        "checkpoint's own model",
         neutral=tuple(list(spec) for spec in SLIME_SPECS),
         group="architecture",
         refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "

@@ -7,8 +7,9 @@
 
 ARCH is transformers' model_type: qwen3 (default), qwen2, qwen3_moe, the families in
 slime.tools.tiny_families: glm4, glm4_moe, deepseek_v3, glm4_moe_lite, qwen3_next, qwen3_5,
-qwen3_5_moe, and the vision-language qwen3_vl (slime.tools.tiny_vision: a vision tower, an image
-processor and a chat template with images; [--vision-depth 2] [--vision-hidden-size 64]).
+qwen3_5_moe, and the vision-language qwen3_vl, qwen3_5_vl and qwen3_5_moe_vl (Qwen3.5 as released:
+model_type qwen3_5 / qwen3_5_moe; slime.tools.tiny_vision: a vision tower, an image processor and a
+chat template with images; [--vision-depth 2] [--vision-hidden-size 64]).
 
 `qwen3_moe` is Hugging Face's Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): every layer's
 MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their
@@ -165,11 +166,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
         parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
     moe = {"num_experts": args.num_experts, "num_experts_per_tok": args.num_experts_per_tok,
            "moe_intermediate_size": args.moe_intermediate_size}  # fmt: skip
-    if args.arch not in MOE_FAMILIES:
+    if tiny_vision.TEXT_ARCH.get(args.arch, args.arch) not in MOE_FAMILIES:
         given = [name for name, value in moe.items() if value is not None]
         if given:
             parser.error(f"--{given[0].replace('_', '-')} applies to the mixture-of-experts archs only "
-                         f"(--arch {', '.join(MOE_FAMILIES)})")  # fmt: skip
+                         f"(--arch {', '.join(MOE_FAMILIES)}, qwen3_5_moe_vl)")  # fmt: skip
     else:
         args.num_experts = args.num_experts or 4
         args.num_experts_per_tok = args.num_experts_per_tok or 2

@@ -36,10 +36,11 @@ MTP_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 layers (`model.layers.{num_hidden_layers + k}.*`: DeepSeek-V3's layer 61, GLM-4.5's 92)."""
 
 
-def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
-    """The config of `args.arch` (one of NEW_FAMILIES) with the `common` size fields."""
+def family_config(args: argparse.Namespace, common: dict[str, Any], arch: str | None = None) -> Any:
+    """The config of `arch` (default `args.arch`; one of NEW_FAMILIES) with the `common` size fields."""
     import transformers
 
+    arch = arch or args.arch
     head_dim = args.hidden_size // args.num_heads
     common = {**common, "tie_word_embeddings": False}  # every one of these families unties
     # Fields some config classes take through **kwargs (so typed loosely here): head_dim where it
@@ -50,20 +51,20 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
     }
     glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     moe: dict[str, Any] = {}
-    if args.arch in MOE_FAMILIES:
+    if arch in MOE_FAMILIES:
         moe = dict(num_experts_per_tok=args.num_experts_per_tok,
                    moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2)  # fmt: skip
-    if args.arch == "glm4":
+    if arch == "glm4":
         return transformers.Glm4Config(
             head_dim=head_dim, attention_bias=True, rope_parameters=glm_rope, **common
         )
-    if args.arch == "glm4_moe":
+    if arch == "glm4_moe":
         return transformers.Glm4MoeConfig(
             attention_bias=True, rope_parameters=glm_rope, n_routed_experts=args.num_experts, n_shared_experts=1,
             first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
             use_qk_norm=True, **loose, **moe, **common,
         )  # fmt: skip
-    if args.arch == "deepseek_v3":
+    if arch == "deepseek_v3":
         rope = max(2, head_dim // 2)
         common = {**common, "num_key_value_heads": args.num_heads}  # MLA: every head reads the latent
         loose["head_dim"] = rope  # transformers rotates head_dim channels: the rotary part's width
@@ -74,7 +75,7 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
             n_group=2 if args.num_experts % 2 == 0 else 1, topk_group=1, norm_topk_prob=True,
             routed_scaling_factor=2.5, **loose, **moe, **common,
         )  # fmt: skip
-    if args.arch == "glm4_moe_lite":
+    if arch == "glm4_moe_lite":
         rope = max(2, head_dim // 2)
         common = {**common, "num_key_value_heads": args.num_heads}
         loose.pop("head_dim")  # the config maps head_dim to qk_rope_head_dim
@@ -93,14 +94,14 @@ def family_config(args: argparse.Namespace, common: dict[str, Any]) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     )  # fmt: skip
     experts = dict(num_experts=args.num_experts, shared_expert_intermediate_size=args.hidden_size // 2)
-    if args.arch == "qwen3_next":
+    if arch == "qwen3_next":
         return transformers.Qwen3NextConfig(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
                                             **linear, **experts, **moe, **common)  # fmt: skip
-    if args.arch == "qwen3_5":
+    if arch == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**linear, **common)
-    if args.arch == "qwen3_5_moe":
+    if arch == "qwen3_5_moe":
         return transformers.Qwen3_5MoeTextConfig(**linear, **experts, **moe, **common)
-    raise ValueError(f"unknown --arch {args.arch!r}")
+    raise ValueError(f"unknown --arch {arch!r}")
 
 
 def seed_family_state(model: Any, seed: int) -> None:

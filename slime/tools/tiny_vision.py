@@ -1,10 +1,16 @@
-"""The vision-language side of `make_tiny_model --arch qwen3_vl`: Qwen3-VL's own transformers
-classes at a tiny size, with the files a released Qwen3-VL checkpoint carries for its processor.
+"""The vision-language side of `make_tiny_model --arch qwen3_vl | qwen3_5_vl | qwen3_5_moe_vl`:
+transformers' own Qwen3-VL and Qwen3.5 classes at a tiny size, with the files a released
+checkpoint carries for its processor.
 
-- The model is `Qwen3VLForConditionalGeneration`: a vision tower (16-pixel patches, 2 frames per
+- qwen3_vl is `Qwen3VLForConditionalGeneration`: a vision tower (16-pixel patches, 2 frames per
   temporal patch, 2 x 2 patches merged into one language-model token, learned position
   embeddings, DeepStack features added to the first decoder layer) and a Qwen3 language model
   with interleaved multimodal rotary positions (mrope_section split like Qwen3-VL's 24/20/20).
+- qwen3_5_vl / qwen3_5_moe_vl are `Qwen3_5ForConditionalGeneration` /
+  `Qwen3_5MoeForConditionalGeneration`, what Qwen3.5's released checkpoints are (model_type
+  `qwen3_5` / `qwen3_5_moe`): the same kind of vision tower without DeepStack, before the tiny
+  qwen3_5 / qwen3_5_moe text model (gated delta-net and gated attention layers, a quarter of the
+  head dim rotated), its rotary frequencies split like Qwen3.5's 11/11/10.
 - The tokenizer is make_tiny_model's character-level one plus Qwen-VL's vision markers
   (`<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>`), ids after the
   others, so a text model's ids are unchanged.
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-VISION_FAMILIES = ("qwen3_vl",)
+VISION_FAMILIES = ("qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl")
+TEXT_ARCH = {"qwen3_5_vl": "qwen3_5", "qwen3_5_moe_vl": "qwen3_5_moe"}
+"""The Qwen3.5 archs' language models: tiny_families' text archs."""
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -53,12 +61,21 @@ def add_vision_tokens(tokenizer: Any, text_template: str) -> dict[str, int]:
     return {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
 
 
+def mrope_section(frequencies: int) -> list[int]:
+    """Qwen3.5's split of the rotary frequencies, interleaved t, h, w, t, h, w, ...: index i goes
+    to height when i % 3 == 1, to width when i % 3 == 2 (32 frequencies: 11 / 11 / 10, as released)."""
+    height, width = (frequencies + 1) // 3, frequencies // 3
+    return [frequencies - height - width, height, width]
+
+
 def vision_config(args: argparse.Namespace, common: dict[str, Any], token_ids: dict[str, int]) -> Any:
-    """Qwen3-VL's config: `common` (make_tiny_model's size fields) for the language model, a
-    vision tower of --vision-depth blocks of --vision-hidden-size."""
+    """The vision-language config: `common` (make_tiny_model's size fields) for the language model,
+    a vision tower of --vision-depth blocks of --vision-hidden-size."""
     from transformers import Qwen3VLConfig
 
     head_dim = args.hidden_size // args.num_heads
+    if args.arch in TEXT_ARCH:
+        return _qwen3_5_config(args, common, token_ids, head_dim)
     half = head_dim // 2
     spatial = half * 5 // 16  # Qwen3-VL splits 64 rotary frequencies 24 / 20 / 20 (t / h / w)
     text = {key: value for key, value in common.items() if key not in ("torch_dtype", "bos_token_id")}
@@ -67,7 +84,47 @@ def vision_config(args: argparse.Namespace, common: dict[str, Any], token_ids: d
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": [half - 2 * spatial, spatial, spatial], "mrope_interleaved": True},
     )  # fmt: skip
-    vision = dict(
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config={**_tower(args), "deepstack_visual_indexes": [0]},
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )
+
+
+def _qwen3_5_config(
+    args: argparse.Namespace, common: dict[str, Any], token_ids: dict[str, int], head_dim: int
+) -> Any:
+    """Qwen3.5's vision-language config around tiny_families' text model of the same name."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    from slime.tools.tiny_families import family_config
+
+    text = family_config(args, common, TEXT_ARCH[args.arch])
+    rope = dict(text.rope_parameters)
+    rope.update(
+        mrope_section=mrope_section(int(head_dim * rope["partial_rotary_factor"]) // 2),
+        mrope_interleaved=True,
+    )
+    text.rope_parameters = rope
+    config_class = Qwen3_5MoeConfig if args.arch == "qwen3_5_moe_vl" else Qwen3_5Config
+    return config_class(
+        text_config=text.to_dict(),
+        vision_config=_tower(args),
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _tower(args: argparse.Namespace) -> dict[str, Any]:
+    """The vision tower's fields (--vision-depth blocks of --vision-hidden-size)."""
+    return dict(
         depth=args.vision_depth,
         hidden_size=args.vision_hidden_size,
         intermediate_size=args.vision_hidden_size * 2,
@@ -77,16 +134,6 @@ def vision_config(args: argparse.Namespace, common: dict[str, Any], token_ids: d
         temporal_patch_size=2,
         out_hidden_size=args.hidden_size,
         num_position_embeddings=64,  # an 8 x 8 grid of learned positions, interpolated per image
-        deepstack_visual_indexes=[0],
-    )
-    return Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=token_ids["<|image_pad|>"],
-        video_token_id=token_ids["<|video_pad|>"],
-        vision_start_token_id=token_ids["<|vision_start|>"],
-        vision_end_token_id=token_ids["<|vision_end|>"],
-        tie_word_embeddings=common["tie_word_embeddings"],
     )
 
 
@@ -122,8 +169,12 @@ def save_image_processor(path: Any) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vision-depth", type=int, default=2, help="qwen3_vl: vision transformer blocks")
-    parser.add_argument("--vision-hidden-size", type=int, default=64, help="qwen3_vl: vision tower width")
+    parser.add_argument(
+        "--vision-depth", type=int, default=2, help="vision-language archs: vision transformer blocks"
+    )
+    parser.add_argument(
+        "--vision-hidden-size", type=int, default=64, help="vision-language archs: vision tower width"
+    )
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -131,6 +182,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         return
     if args.vision_depth <= 0 or args.vision_hidden_size <= 0:
         parser.error("--vision-depth and --vision-hidden-size must be positive")
-    if (args.hidden_size // args.num_heads) % 4:
-        parser.error(f"--arch {args.arch}: the head dim ({args.hidden_size // args.num_heads}) must be a multiple "
+    head_dim = args.hidden_size // args.num_heads
+    if args.arch in TEXT_ARCH and (head_dim < 24 or head_dim % 8):
+        parser.error(f"--arch {args.arch}: the head dim (--hidden-size / --num-heads = {head_dim}) must be a multiple "
+                     "of 8 and at least 24: a quarter of it is rotated, in pairs, and its rotary frequencies split "
+                     "three ways (time, height, width)")  # fmt: skip
+    if head_dim % 4:
+        parser.error(f"--arch {args.arch}: the head dim ({head_dim}) must be a multiple "
                      "of 4 (its rotary frequencies split three ways)")  # fmt: skip

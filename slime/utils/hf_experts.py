@@ -30,7 +30,7 @@ from slime.utils.model_families import FAMILIES
 # test shows its fused layout is this one (gpt-oss, for one, fuses differently: interleaved
 # gate/up and transposed).
 FUSED_EXPERT_FAMILIES = frozenset(
-    {"qwen2_moe", *(t for f in FAMILIES.values() if f.fused_experts for t in (f.model_type, *f.aliases))}
+    {"qwen2_moe", *(f.model_type for f in FAMILIES.values() if f.fused_experts)}
 )
 
 # fused parameter suffix -> the per-expert projections stacked along its rows, in order

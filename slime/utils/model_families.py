@@ -45,9 +45,6 @@ class Family:
     delta-net keeps packed samples apart only with the flash-linear-attention kernels (CUDA), so
     FSDP trains the hybrid families on padded rows, one sample per row; the Megatron actor packs
     them (slime.backends.megatron.linear_attention runs each packed sequence apart)."""
-    aliases: tuple[str, ...] = ()
-    """Other model_types of the same layers (Qwen3.5's released checkpoints say `qwen3_5`, their
-    text model `qwen3_5_text`)."""
     fused_experts: bool = False
     """transformers fuses the experts of a layer into `mlp.experts.gate_up_proj` / `down_proj`
     (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
@@ -56,6 +53,10 @@ class Family:
     the language model): images in prompts (--multimodal-keys, the engine's `image_data`), built
     with AutoModelForImageTextToText."""
 
+
+VISION_ON_FSDP = (
+    "vision-language models train with --train-backend fsdp (the vision tower is not converted to Megatron)"
+)
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -117,22 +118,12 @@ FAMILIES: dict[str, Family] = {
             fused_experts=True,
             packs=False,
         ),
-        Family(
-            "qwen3_5_text",
-            "qwen3_5",
-            "Qwen3.5 dense (text)",
-            PER_SEQUENCE,
-            megatron_scope="the text model (`qwen3_5_text`); the vision-language `qwen3_5` checkpoints: FSDP",
-            aliases=("qwen3_5",),
-            packs=False,
-        ),
+        Family("qwen3_5_text", "qwen3_5", "Qwen3.5 dense, its text model", PER_SEQUENCE, packs=False),
         Family(
             "qwen3_5_moe_text",
             "qwen3_5_moe",
-            "Qwen3.5 MoE (text)",
+            "Qwen3.5 MoE, its text model",
             PER_SEQUENCE,
-            megatron_scope="the text model (`qwen3_5_moe_text`); the vision-language `qwen3_5_moe` checkpoints: FSDP",
-            aliases=("qwen3_5_moe",),
             lora=False,
             fused_experts=True,
             packs=False,
@@ -142,21 +133,38 @@ FAMILIES: dict[str, Family] = {
             "qwen3_vl",
             "Qwen3-VL dense (2B-32B)",
             PER_SEQUENCE,
-            megatron="vision-language models train with --train-backend fsdp (the vision tower is not converted "
-            "to Megatron)",
+            megatron=VISION_ON_FSDP,
             lora=False,
+            vision=True,
+        ),
+        Family(
+            "qwen3_5",
+            "qwen3_5_vl",
+            "Qwen3.5 dense as released (0.8B-27B: the vision-language model)",
+            PER_SEQUENCE,
+            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`) is built",
+            lora=False,
+            packs=False,
+            vision=True,
+        ),
+        Family(
+            "qwen3_5_moe",
+            "qwen3_5_moe_vl",
+            "Qwen3.5 MoE as released (35B-A3B: the vision-language model)",
+            PER_SEQUENCE,
+            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_moe_text`) is built",
+            lora=False,
+            fused_experts=True,
+            packs=False,
             vision=True,
         ),
     )
 }
 
 
-_BY_TYPE = {name: f for f in FAMILIES.values() for name in (f.model_type, *f.aliases)}
-
-
 def family(model_type: str | None) -> Family | None:
-    """The family of a config.json's model_type (its own or an alias), None for one not listed."""
-    return _BY_TYPE.get(model_type or "")
+    """The family of a config.json's model_type, None for one not listed."""
+    return FAMILIES.get(model_type or "")
 
 
 def is_vision(model_type: str | None) -> bool:
@@ -218,7 +226,7 @@ def models_table() -> str:
     ]
     for f in FAMILIES.values():
         lines.append(
-            f"| {', '.join(f'`{t}`' for t in (f.model_type, *f.aliases))} | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
+            f"| `{f.model_type}` | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
             f"{megatron_cell(f)} | {yes[f.router_hooks]} | "
             f"{yes[f.router_hooks or f.aux_loss]} | {yes[f.lora]} |"

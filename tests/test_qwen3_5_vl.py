@@ -1,0 +1,219 @@
+"""Qwen3.5 as released: a vision-language model (model_type qwen3_5 / qwen3_5_moe,
+`Qwen3_5ForConditionalGeneration`) whose language model is the gated delta-net hybrid. The tiny
+checkpoint in the released layout, the torch engine serving it with and without images against
+transformers' own model, and the FSDP actor training it on padded rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from slime.tools.tiny_vision import mrope_section
+from slime.utils.model_families import FAMILIES, family, is_vision, packable
+from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+from tests.conftest import make_model, start_engine
+from tests.dist_helpers import run_ranks
+from tests.test_engine_vision import TEXT, _inputs, _teacher_forced
+from tests.test_fsdp_vision import _hf_log_probs, run, vision_batch
+
+SIZE = ["--hidden-size", "64", "--num-heads", "2", "--num-kv-heads", "1", "--num-layers", "2"]
+PLAIN = "<|im_start|>user\nHow many dots?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_vl(tmp_path_factory) -> str:
+    """A tiny Qwen3.5 vision-language checkpoint: a gated delta-net layer, then a gated attention
+    layer, of width 64 (head dim 32), behind a 2-block vision tower; seed 0."""
+    return make_model(str(tmp_path_factory.mktemp("models") / "qwen3_5_vl"), 0, "--arch", "qwen3_5_vl", *SIZE)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_5_vl):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        qwen3_5_vl, dtype=torch.float32
+    ).eval(), load_processor(qwen3_5_vl)
+
+
+def test_the_tiny_checkpoint_is_the_released_layout_and_its_own_family(qwen3_5_vl, tmp_path):
+    from safetensors import safe_open
+
+    again = make_model(str(tmp_path / "again"), 0, "--arch", "qwen3_5_vl", *SIZE)
+    for name in ("model.safetensors", "config.json", "preprocessor_config.json", "tokenizer.json"):
+        assert (tmp_path / "again" / name).read_bytes() == open(f"{qwen3_5_vl}/{name}", "rb").read(), name
+    config = json.load(open(f"{again}/config.json"))
+    assert config["model_type"] == "qwen3_5" and config["architectures"] == [
+        "Qwen3_5ForConditionalGeneration"
+    ]
+    text = config["text_config"]
+    assert text["model_type"] == "qwen3_5_text"
+    assert text["layer_types"] == ["linear_attention", "full_attention"]
+    assert text["rope_parameters"]["mrope_section"] == [2, 1, 1]  # 32 x 0.25 / 2 frequencies, interleaved
+    assert mrope_section(32) == [11, 11, 10]  # Qwen3.5-9B's: head dim 256, a quarter rotated
+    with safe_open(f"{again}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in keys
+    assert "model.visual.merger.linear_fc2.weight" in keys and "lm_head.weight" in keys
+    assert not any("deepstack" in k for k in keys)
+    # the released model_types are vision-language families; their text models are text families
+    for released, text_type in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
+        assert is_vision(released) and not is_vision(text_type)
+        assert family(released) is FAMILIES[released] and not packable(released)
+    processor = load_processor(again)
+    assert type(processor).__name__.startswith("Qwen3VLProcessor")
+
+
+def test_make_tiny_model_names_a_head_dim_too_small_to_split(tmp_path, capsys):
+    from slime.tools.make_tiny_model import main
+
+    with pytest.raises(SystemExit) as e:
+        main(
+            ["--out", str(tmp_path / "m"), "--arch", "qwen3_5_vl", "--hidden-size", "64", "--num-heads", "4"]
+        )
+    assert e.value.code == 2
+    assert (
+        "--arch qwen3_5_vl: the head dim (--hidden-size / --num-heads = 16) must be"
+        in capsys.readouterr().err
+    )
+
+
+def _run(url, fn):
+    from slime.engines.client import EngineClient
+
+    async def go():
+        async with EngineClient(url) as c:
+            return await fn(c)
+
+    return asyncio.run(go())
+
+
+def test_the_engine_serves_it_like_the_model_with_and_without_images(
+    qwen3_5_vl, reference, dot_images, tmp_path
+):
+    model, processor = reference
+    urls = [encode_image_for_rollout_engine(image) for image in dot_images[:2]]
+    expanded = [int(t) for t in _inputs(processor, dot_images[0])["input_ids"][0]]
+    plain = processor.tokenizer.encode(PLAIN)
+    sampling = {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def scenario(c):
+        by_text = await c.generate(text=[TEXT] * 2, image_data=[[u] for u in urls], sampling_params=sampling,
+                                   return_logprob=True)  # fmt: skip
+        by_ids = await c.generate(input_ids=expanded, image_data=[urls[0]], sampling_params=greedy)
+        text_only = await c.generate(input_ids=plain, sampling_params=sampling, return_logprob=True)
+        stats = (await c.get_server_info())["internal_states"][0]
+        return by_text, by_ids, text_only, stats
+
+    proc = start_engine(qwen3_5_vl, tmp_path)
+    try:
+        by_text, by_ids, text_only, stats = _run(proc.url, scenario)
+    finally:
+        assert proc.stop() in (0, -15)
+    assert stats["num_images_encoded"] == 3  # once per image, not per decoded token
+    for i, res in enumerate(by_text):
+        got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+        ref = _teacher_forced(model, processor, dot_images[i], res["output_ids"], 0.8)
+        assert (got - ref).abs().max().item() < 1e-5, i
+        other = _teacher_forced(model, processor, dot_images[1 - i], res["output_ids"], 0.8)
+        assert (got - other).abs().max().item() > 1e-3  # the image is seen
+    with torch.no_grad():
+        out = _inputs(processor, dot_images[0])
+        hf = model.generate(**out, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert by_ids["output_ids"] == hf[0, out["input_ids"].shape[1] :].tolist()
+    # a prompt without an image (text RL on a released checkpoint): transformers' text positions
+    ids = torch.tensor([plain + text_only["output_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(plain) - 1 : -1].float()
+    ref = torch.log_softmax(logits / 0.8, -1).gather(-1, torch.tensor(text_only["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in text_only["meta_info"]["output_token_logprobs"]])
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_fsdp_trains_it_on_padded_rows_like_the_model(qwen3_5_vl):
+    # packed micro-batches asked for: the family's gated delta-net layers take padded rows
+    result = run_ranks(1, run, qwen3_5_vl, False, False)[0]
+    reference = _hf_log_probs(qwen3_5_vl, vision_batch(qwen3_5_vl))
+    for i, ref in enumerate(reference):
+        got = torch.as_tensor(result["log_probs"][i])
+        assert (got - ref).abs().max().item() < 1e-5, i
+        assert torch.equal(got, torch.as_tensor(result["ref"][i]))
+    assert result["steps"][0]["kl_loss"] == 0.0
+    visual = {n for n in result["names"] if ".visual." in n}
+    assert visual and not result["moved"] & visual and result["moved"]  # the tower frozen by default
+    assert result["pushed"] == result["names"]
+
+
+@pytest.mark.slow  # two gloo jobs; the same case of Qwen3-VL runs by default (test_fsdp_vision)
+def test_a_trained_tower_on_two_ranks_trains_like_one(qwen3_5_vl):
+    one = run_ranks(1, run, qwen3_5_vl, False, True, 1)[0]
+    visual = {n for n in one["names"] if ".visual." in n}
+    assert visual <= one["moved"]
+    for rank in run_ranks(2, run, qwen3_5_vl, False, True, 1):
+        assert rank["moved"] == one["moved"]
+        for a, b in zip(one["steps"], rank["steps"], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
+
+
+@pytest.mark.slow  # an engine and a gloo job (about 8 s); the dense model's cases run by default
+def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
+    """Qwen3.5-MoE as released (its experts fused, as transformers keeps them)."""
+    from transformers import AutoModelForImageTextToText
+
+    path = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_5_moe_vl", *SIZE)
+    assert json.load(open(f"{path}/config.json"))["model_type"] == "qwen3_5_moe"
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor = load_processor(path)
+    url = encode_image_for_rollout_engine(dot_images[2])
+
+    async def scenario(c):
+        return await c.generate(text=TEXT, image_data=[url], return_logprob=True,
+                                sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})  # fmt: skip
+
+    proc = start_engine(path, tmp_path)
+    try:
+        res = _run(proc.url, scenario)
+    finally:
+        assert proc.stop() in (0, -15)
+    got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+    assert (got - _teacher_forced(model, processor, dot_images[2], res["output_ids"], 1.0)).abs().max() < 1e-5
+    result = run_ranks(1, run, path, True, False)[0]
+    for i, ref in enumerate(_hf_log_probs(path, vision_batch(path))):
+        assert (torch.as_tensor(result["log_probs"][i]) - ref).abs().max().item() < 1e-5, i
+
+
+def test_megatron_refuses_the_released_checkpoint_and_names_its_text_model(qwen3_5_vl):
+    pytest.importorskip("megatron.core")
+    from transformers import AutoConfig
+
+    from slime.backends.megatron.convert import ConversionError, Layout
+
+    with pytest.raises(
+        ConversionError, match=r"'qwen3_5' is Qwen3.5's vision-language checkpoint.*qwen3_5_text"
+    ):
+        Layout.from_hf_config(AutoConfig.from_pretrained(qwen3_5_vl))
+
+
+@pytest.mark.slow  # a whole job, about 30 s; the Qwen3-VL job runs by default (test_vision_e2e)
+@pytest.mark.e2e
+def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path):
+    """train.py with --multimodal-keys on the released layout: real Ray, a torch engine, a gloo
+    train rank; the trainer's log-probs of rollout 0 are the engine's, images included."""
+    from slime.tools.make_vision_task import main
+    from tests.test_loop_e2e import run_job
+    from tests.test_vision_e2e import KEYS
+
+    task = str(tmp_path / "task")
+    assert main(["--out", task, "--train-size", "8", "--eval-size", "4", "--sft-size", "0"]) == 0
+    proc = run_job("train.py", qwen3_5_vl, f"{task}/train.jsonl", tmp_path, *KEYS, "--rm-type", "exact",
+                   "--rollout-max-response-len", "2", "--check-precision")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--check-precision: passed at rollout 0" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] >= 1]
+    assert len(steps) == 2 and steps[0]["rollout/train_rollout_logprob_abs_diff_max"] < 1e-5
