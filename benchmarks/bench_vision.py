@@ -9,7 +9,8 @@ For each image size, --requests prompts each carry one image of the vision task 
 every image different) and ask for --new-tokens greedy tokens (ignore_eos). The engine gets them
 all at once as SGLang requests (`text` with the image placeholder, `image_data` as PNG data URLs:
 it decodes, preprocesses and encodes each image); HF runs the processor and `generate` on one
-request after another in this process (batch 1, the exact reference). Reported: images/s and
+request after another in this process (batch 1, the exact reference; the image and video
+placeholders suppressed, as the engine never samples them). Reported: images/s and
 output tokens/s of both, their ratio, and whether the engine's tokens equal HF's. An image of
 64 pixels is 4 language-model tokens, of 128 pixels 16.
 """
@@ -56,10 +57,13 @@ def hf_run(path: str, images: list, new_tokens: int) -> tuple[float, list[list[i
     processor = load_processor(path)
     outputs = []
 
+    # the engine never samples the image and video placeholders: HF's generate leaves them out too
+    placeholders = [model.config.image_token_id, model.config.video_token_id]
+
     def one(image, n):
         inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)  # fmt: skip
+                             pad_token_id=0, suppress_tokens=placeholders)  # fmt: skip
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     with torch.no_grad():

@@ -176,6 +176,14 @@ def test_a_released_qwen3_5_checkpoint_is_checked_against_its_text_model(
     assert "architecture flags agree with it" in out
     code, out = dry_run(capsys, [*args, "--train-backend", "megatron"])
     assert code == 2 and "vision-language checkpoint" in out, out
+    # slime's script for the vision-language model swaps in its provider: FSDP builds the checkpoint's model
+    vl_spec = ["--spec", "slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"]
+    code, out = dry_run(capsys, [*args, *vl_spec, "--train-backend", "fsdp"])
+    assert code == 0, out
+    text_dir = write_config("qwen3.5-9B", tmp_path / "text")
+    code, out = dry_run(capsys, [*model_args("qwen3.5-9B"), *base_flags(text_dir, prompt_file), *vl_spec,
+                                 "--train-backend", "fsdp"])  # fmt: skip
+    assert code == 2 and "is slime's layer spec for model_type qwen3_5, qwen3_5_moe" in out, out
 
 
 def test_model_script_for_another_model_lists_every_disagreement(tmp_path, prompt_file, capsys, no_gpu_here):

@@ -116,6 +116,10 @@ def opd_config(ns: argparse.Namespace) -> OPDConfig:
         raise ValueError(
             "--opd-teacher-load starts a teacher engine and --opd-teacher-url names a running one: give one of them"
         )
+    elif getattr(ns, "multimodal_keys", None) and (ns.opd_teacher_load or ns.opd_teacher_url):
+        raise ValueError("--opd-type sglang with --multimodal-keys is not built: the teacher engine scores "
+                         "input-token log-probs, which the engines do not give for prompts with images; use "
+                         "--opd-type megatron (the teacher's weights in the train pass)")  # fmt: skip
     elif ns.opd_teacher_load is None and ns.opd_teacher_url is None and not _own_functions(ns):
         raise ValueError(
             "--opd-type sglang needs a teacher: --opd-teacher-load DIR (the job starts an engine on it), "
