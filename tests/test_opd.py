@@ -211,10 +211,18 @@ def _parse(tiny_model, prompts, *flags):
         ),
         (["--opd-teacher-ckpt-step", "3"], "it picks a step of a Megatron teacher checkpoint"),
         (
-            ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://h:1", "--apply-chat-template",
-             "--multimodal-keys", '{"image": "images"}'],
+            [
+                "--use-opd",
+                "--opd-type",
+                "sglang",
+                "--opd-teacher-url",
+                "http://h:1",
+                "--apply-chat-template",
+                "--multimodal-keys",
+                '{"image": "images"}',
+            ],
             "--opd-type sglang with --multimodal-keys is not built",
-        ),  # fmt: skip
+        ),
         (
             ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://h:1", "--opd-kl-coef", "-1"],
             "--opd-kl-coef must be >= 0",

@@ -121,9 +121,10 @@ def test_the_engine_serves_it_like_the_model_with_and_without_images(
         assert (got - ref).abs().max().item() < 1e-5, i
         other = _teacher_forced(model, processor, dot_images[1 - i], res["output_ids"], 0.8)
         assert (got - other).abs().max().item() > 1e-3  # the image is seen
-    with torch.no_grad():
+    with torch.no_grad():  # the engine never samples the image placeholders: HF leaves them out too
         out = _inputs(processor, dot_images[0])
-        hf = model.generate(**out, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        hf = model.generate(**out, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            suppress_tokens=[model.config.image_token_id, model.config.video_token_id])  # fmt: skip
     assert by_ids["output_ids"] == hf[0, out["input_ids"].shape[1] :].tolist()
     # a prompt without an image (text RL on a released checkpoint): transformers' text positions
     ids = torch.tensor([plain + text_only["output_ids"]])
@@ -146,6 +147,62 @@ def test_fsdp_trains_it_on_padded_rows_like_the_model(qwen3_5_vl):
     visual = {n for n in result["names"] if ".visual." in n}
     assert visual and not result["moved"] & visual and result["moved"]  # the tower frozen by default
     assert result["pushed"] == result["names"]
+
+
+def test_a_checkpoint_saved_without_its_image_processor_serves_text_and_refuses_images(qwen3_5_vl, tmp_path):
+    """A fine-tune saved with the model and tokenizer only: the engine starts (text prompts run as
+    on the whole checkpoint) and a request with images is refused naming what is missing."""
+    import os
+    import shutil
+
+    from transformers import AutoConfig
+
+    from slime.engines.protocol import ProtocolError, parse_generate
+    from slime.engines.torch_engine.vision import ImagePreparer
+
+    path = str(tmp_path / "no-processor")
+    shutil.copytree(qwen3_5_vl, path)
+    os.remove(os.path.join(path, "preprocessor_config.json"))
+    preparer = ImagePreparer.of(path, AutoConfig.from_pretrained(path))
+    assert preparer is not None and preparer.processor is None
+    preparer.check_no_images([5, 6, 7])
+    with pytest.raises(ProtocolError, match="image tokens"):
+        preparer.check_no_images([5, preparer.image_token_id])
+    requests, _ = parse_generate({"text": TEXT, "image_data": ["data:image/png;base64,AAAA"]})
+    with pytest.raises(ProtocolError, match=r"has no image processor \(preprocessor_config.json\)"):
+        preparer.prepare_request(requests[0])
+
+
+def _text_only(rank, world_size, init_method, model):
+    """The FSDP actor's log-probs of samples without images (no multimodal_train_inputs at all:
+    text RL on a vision-language checkpoint)."""
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from tests.test_fsdp_actor import base_config, make_batch
+
+    actor = FSDPTrainActor(base_config(model, micro_batch_size=2), rank, world_size, init_method)
+    actor.init()
+    batch = make_batch(0)
+    out = {"batch": batch, "log_probs": actor.compute_log_probs(batch), "steps": actor.train(0, batch).steps}
+    actor.close()
+    return out
+
+
+def test_fsdp_trains_prompts_without_images_like_the_model(qwen3_5_vl):
+    from transformers import AutoModelForImageTextToText
+
+    result = run_ranks(1, _text_only, qwen3_5_vl)[0]
+    model = AutoModelForImageTextToText.from_pretrained(qwen3_5_vl, dtype=torch.float32).eval()
+    batch = result["batch"]
+    assert batch.multimodal_train_inputs is None
+    for i, (ids, r) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        n = len(ids)
+        ref = torch.log_softmax(logits[n - r - 1 : n - 1], -1).gather(
+            -1, torch.tensor(ids[n - r :])[:, None]
+        )[:, 0]
+        assert (torch.as_tensor(result["log_probs"][i]) - ref).abs().max().item() < 1e-5, i
+    assert result["steps"][0]["kl_loss"] == 0.0 and result["steps"][0]["grad_norm"] > 0
 
 
 @pytest.mark.slow  # two gloo jobs; the same case of Qwen3-VL runs by default (test_fsdp_vision)
@@ -217,3 +274,25 @@ def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] >= 1]
     assert len(steps) == 2 and steps[0]["rollout/train_rollout_logprob_abs_diff_max"] < 1e-5
+
+
+def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, tmp_path, capsys):
+    """PPO's critic, LoRA and (for the MoE) routing replay: exit 2 naming the model, before
+    anything starts; the MoE's experts are read from its language model's config."""
+    from tests.test_flag_surface import base, error
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    err = error(capsys, base(qwen3_5_vl, str(prompts), "--advantage-estimator", "ppo"))
+    assert (
+        "--advantage-estimator ppo: the critic starts from" in err
+        and "a value model of one is not built" in err
+    )
+    err = error(capsys, base(qwen3_5_vl, str(prompts), "--lora-rank", "4", "--target-modules", "all-linear"))
+    assert "--lora-rank 4: LoRA is not built for model_type 'qwen3_5'" in err
+    moe = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_5_moe_vl", *SIZE)
+    err = error(capsys, base(moe, str(prompts), "--use-rollout-routing-replay"))
+    assert (
+        "--use-rollout-routing-replay: routing replay and the router's aux loss are not built for model_type "
+        "'qwen3_5_moe'" in err
+    )

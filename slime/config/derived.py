@@ -14,7 +14,7 @@ from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
-from slime.utils.model_families import family, refusal, routes_in_fp32
+from slime.utils.model_families import family, is_vision, refusal, routes_in_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +258,17 @@ def flag_problems(
 
 
 def family_problems(ns: argparse.Namespace) -> list[str]:
-    """LoRA with a family it is not built for (slime.utils.model_families), and an expert-bias
-    update rate for a model whose routers have no bias, refused by name."""
+    """LoRA with a family it is not built for (slime.utils.model_families), PPO's critic of a
+    vision-language model, and an expert-bias update rate for a model whose routers have no bias,
+    refused by name."""
     out = []
+    if getattr(ns, "advantage_estimator", None) == "ppo":
+        critic = getattr(ns, "critic_load", None) or ns.hf_checkpoint
+        model_type = getattr(_hf_config(critic), "model_type", None)
+        if is_vision(model_type):
+            out.append(f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
+                       "vision-language model, and a value model of one is not built; use grpo (or another "
+                       "critic-free estimator), or --critic-load a text model's checkpoint")  # fmt: skip
     if (getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0) > 0:
         from slime.config.architecture import hf_moe
         from slime.config.flags import from_flags
@@ -308,10 +316,11 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     config = _hf_config(path)
     if config is None:
         return []
-    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    text = config.get_text_config()  # a vision-language model's experts are its language model's
+    experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
     why = refusal(config.model_type, "router_hooks") if experts else None
     if (
-        experts and not why and not getattr(config, "num_experts", None)
+        experts and not why and not getattr(text, "num_experts", None)
     ):  # a family not listed, routed otherwise
         why = (
             f"routing replay and the router's aux loss are not built for model_type {config.model_type!r} yet"
@@ -324,14 +333,14 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
             and refusal(config.model_type, "aux_loss") is None,
         )
         return [f"{hooked}: {why}"] if hooked else []
-    if not experts or not getattr(config, "num_experts_per_tok", None):
+    if not experts or not getattr(text, "num_experts_per_tok", None):
         return [
             f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"
         ]
     if not r3:
         return []
     if ns.num_layers is None:
-        ns.num_layers = config.num_hidden_layers
+        ns.num_layers = text.num_hidden_layers
     if ns.moe_router_topk is None:
-        ns.moe_router_topk = config.num_experts_per_tok
+        ns.moe_router_topk = text.num_experts_per_tok
     return []

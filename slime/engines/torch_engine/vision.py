@@ -45,14 +45,14 @@ class ImagePreparer:
     def __init__(self, model_path: str, model_config: Any):
         from slime.utils.processing_utils import load_processor
 
+        self.model_path = model_path
         self.processor = load_processor(model_path)
-        if self.processor is None:
-            raise ValueError(f"{model_path}: a vision-language model without an image processor "
-                             "(preprocessor_config.json)")  # fmt: skip
+        if self.processor is None:  # text prompts still run (a fine-tune saved without it)
+            logger.warning("%s: a vision-language model without an image processor (preprocessor_config.json): "
+                           "requests with 'image_data' are refused", model_path)  # fmt: skip
         self.image_token_id = int(model_config.image_token_id)
         video = getattr(model_config, "video_token_id", None)
         self.placeholder_ids = [self.image_token_id] + ([int(video)] if video is not None else [])
-        self.merge = int(self.processor.image_processor.merge_size)
         # The processor has its own tokenizer: its own lock, so preparing an image in a worker
         # thread never holds up the engine thread's detokenizing.
         self.lock = threading.Lock()
@@ -79,6 +79,9 @@ class ImagePreparer:
 
     def prepare_request(self, req: GenerateRequest) -> tuple[list[int], ImageInputs]:
         """A request with `image_data`: its token ids and images."""
+        if self.processor is None:
+            raise ProtocolError(f"'image_data': {self.model_path} has no image processor (preprocessor_config.json); "
+                                "this engine serves its text prompts only")  # fmt: skip
         if req.return_logprob and req.logprob_start_len >= 0:
             raise ProtocolError(
                 "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
@@ -119,7 +122,8 @@ class ImagePreparer:
 
     def _check_runs(self, ids: list[int], grid: torch.Tensor) -> None:
         """Each image's run of pad tokens has that image's number of tokens."""
-        expected = [int(g.prod()) // self.merge**2 for g in grid]
+        merge = int(self.processor.image_processor.merge_size)
+        expected = [int(g.prod()) // merge**2 for g in grid]
         runs: list[int] = []
         for i, token in enumerate(ids):
             if token == self.image_token_id:
