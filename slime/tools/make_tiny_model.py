@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from slime.tools import tiny_vision
@@ -42,6 +39,7 @@ from slime.tools.tiny_families import (
     mtp_tensors,
     seed_family_state,
 )
+from slime.utils.files import staged_directory
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -220,10 +218,9 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     )
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a sibling temp dir and rename, so a crash never leaves a half-written checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    # Written into a sibling directory and renamed, so a crash never leaves a half-written checkpoint.
+    with staged_directory(str(out)) as staging_dir:
+        staging = Path(staging_dir)
         model.save_pretrained(staging, safe_serialization=True)
         if args.mtp_layers:  # transformers has no MTP modules: their tensors join the file
             from safetensors.torch import load_file, save_file
@@ -235,12 +232,6 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         tokenizer.save_pretrained(staging)
         if vision:
             tiny_vision.save_image_processor(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 from typing import Any
+
+from slime.utils.files import staged_directory
 
 PROMPT = "<image>How many dots?"
 
@@ -53,11 +53,8 @@ def draw_dots(count: int, size: int, rng: random.Random) -> Any:
 def write_task(out: str, max_dots: int, size: int, train_size: int, eval_size: int, sft_size: int,
                seed: int) -> None:  # fmt: skip
     rng = random.Random(seed)
-    final = os.path.abspath(out)
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=parent)
-    try:
+    final = os.path.abspath(out)  # the rows name the images where they will be
+    with staged_directory(out) as staging:
         os.makedirs(os.path.join(staging, "images"))
         rows: list[dict[str, Any]] = []
         for i in range(train_size + eval_size):
@@ -74,12 +71,6 @@ def write_task(out: str, max_dots: int, size: int, train_size: int, eval_size: i
         for name, part in (("train", train), ("eval", held_out), ("sft", sft)):
             with open(os.path.join(staging, f"{name}.jsonl"), "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in part)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import string
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -40,6 +43,23 @@ def atomic_torch_save(obj: object, path: str) -> None:
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def staged_directory(out: str) -> Iterator[str]:
+    """A new directory beside `out` to write into; when the body completes it replaces `out`
+    (renamed into place), and when it fails it is removed: a reader never sees half of one."""
+    final = os.path.abspath(out)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=os.path.dirname(final))
+    try:
+        yield staging
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
 
 

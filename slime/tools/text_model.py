@@ -1,0 +1,217 @@
+"""Take the text model out of a released Qwen3.5 checkpoint, and put a trained one back.
+
+    python -m slime.tools.text_model extract --hf-checkpoint Qwen3.5-9B --out Qwen3.5-9B-text
+    python -m slime.tools.text_model merge --text TRAINED --hf-checkpoint Qwen3.5-9B --out Qwen3.5-9B-trained
+
+Qwen3.5's released checkpoints are the vision-language model (model_type `qwen3_5` /
+`qwen3_5_moe`: the vision tower under `model.visual`, the language model under
+`model.language_model`). The Megatron backend and LoRA build the text model (`qwen3_5_text` /
+`qwen3_5_moe_text`), so a text-only run with them starts from the checkpoint `extract` writes:
+config.json is the checkpoint's `text_config` (architectures `Qwen3_5ForCausalLM`), the weights
+are the language model's with `model.` names, `lm_head` and any other top-level tensors
+(`mtp.*`) as they are, the vision tower's left out, and the other files (tokenizer, chat
+template, generation config) copied. `merge` writes the vision-language checkpoint again with
+the trained text model's weights: the vision tower's (and any tensor the text checkpoint does
+not hold, such as `mtp.*` a trainer did not save) come from --hf-checkpoint, and every tensor of
+it must be there, with its shape.
+
+Shards are read and written one at a time, so memory holds one shard. The output is written
+beside --out and renamed into place when complete: an error leaves no half-written directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+from slime.utils.files import staged_directory
+
+TEXT_MODELS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+               "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}  # fmt: skip
+"""A vision-language model_type -> its text model's model_type and transformers class."""
+
+LANGUAGE, VISION = "model.language_model.", "model.visual."
+NOT_COPIED = ("model.safetensors.index.json", "preprocessor_config.json", "video_preprocessor_config.json",
+              "processor_config.json")  # fmt: skip
+"""Files `extract` does not copy (the weights' index is written anew; the processors read images)."""
+
+
+class TextModelError(Exception):
+    """Bad input, said in one line naming the file and the fix."""
+
+
+def _config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise TextModelError(
+            f"{file} cannot be read ({e}): give a Hugging Face checkpoint directory"
+        ) from None
+
+
+def _vision_config(path: str) -> dict[str, Any]:
+    config = _config(path)
+    if config.get("model_type") not in TEXT_MODELS or "text_config" not in config:
+        raise TextModelError(f"--hf-checkpoint {path} is model_type {config.get('model_type')!r}: this tool takes "
+                             f"the vision-language checkpoints {', '.join(TEXT_MODELS)} (their text_config)")  # fmt: skip
+    return config
+
+
+def _shards(path: str) -> list[str]:
+    from slime.backends.hf_checkpoint import weight_files
+
+    files = [f for f in weight_files(path) if f.endswith(".safetensors")]
+    if not files:
+        raise TextModelError(f"{path} has no *.safetensors weights")
+    return files
+
+
+class _ShardWriter:
+    """Writes each non-empty group of tensors as the next shard; `close` names them
+    model-XXXXX-of-YYYYY.safetensors and writes the index."""
+
+    def __init__(self, folder: str):
+        self.folder, self.total = folder, 0
+        self.groups: list[list[str]] = []  # each shard's tensor names
+
+    def write(self, tensors: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        save_file(tensors, os.path.join(self.folder, f".shard-{len(self.groups)}"), metadata={"format": "pt"})
+        self.groups.append(sorted(tensors))
+        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self) -> None:
+        weight_map = {}
+        for i, names in enumerate(self.groups):
+            name = f"model-{i + 1:05d}-of-{len(self.groups):05d}.safetensors"
+            os.replace(os.path.join(self.folder, f".shard-{i}"), os.path.join(self.folder, name))
+            weight_map.update(dict.fromkeys(names, name))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def _copy_files(src: str, dst: str, leave: tuple[str, ...]) -> None:
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors") and name not in leave:
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
+    """Write the text model of `hf_checkpoint` to `out`; the counts of tensors kept and left out."""
+    from safetensors.torch import load_file
+
+    config = _vision_config(hf_checkpoint)
+    text_type, architecture = TEXT_MODELS[config["model_type"]]
+    text = dict(config["text_config"], model_type=text_type, architectures=[architecture])
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype", "transformers_version"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    shards = _shards(hf_checkpoint)
+    counts = {"kept": 0, "vision tower": 0}
+    with staged_directory(out) as staging:
+        writer = _ShardWriter(staging)
+        for shard in shards:
+            tensors = load_file(shard)
+            kept = {("model." + k[len(LANGUAGE) :] if k.startswith(LANGUAGE) else k): v
+                    for k, v in tensors.items() if not k.startswith(VISION)}  # fmt: skip
+            counts["vision tower"] += len(tensors) - len(kept)
+            counts["kept"] += len(kept)
+            writer.write(kept)
+        writer.close()
+        _copy_files(hf_checkpoint, staging, ("config.json", *NOT_COPIED))
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(text, f, indent=2)
+    return counts
+
+
+def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
+    """Write `hf_checkpoint` to `out` with the language model's tensors (and any other it holds)
+    taken from the text checkpoint `text`; the counts of tensors by where they came from."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    config = _vision_config(hf_checkpoint)
+    text_type = TEXT_MODELS[config["model_type"]][0]
+    if _config(text).get("model_type") != text_type:
+        raise TextModelError(f"--text {text} is model_type {_config(text).get('model_type')!r}; --hf-checkpoint "
+                             f"{hf_checkpoint}'s text model is {text_type!r}")  # fmt: skip
+    wanted: dict[str, tuple[list[int], str]] = {}  # the checkpoint's name -> its shape and shard
+    for shard in _shards(hf_checkpoint):
+        with safe_open(shard, "pt") as f:
+            wanted.update({k: (list(f.get_slice(k).get_shape()), shard) for k in f.keys()})
+    counts = {"from the text model": 0, "vision tower": 0, "other, kept": 0}
+    taken: set[str] = set()
+    text_shards = _shards(text)
+    with staged_directory(out) as staging:
+        writer = _ShardWriter(staging)
+        for shard in text_shards:
+            renamed = {}
+            for name, tensor in load_file(shard).items():
+                full = LANGUAGE + name[len("model.") :] if name.startswith("model.") else name
+                if full not in wanted:
+                    raise TextModelError(f"--text {text}: tensor {name!r} ({full!r} in the vision-language model) is "
+                                         f"not in --hf-checkpoint {hf_checkpoint}: a text model of another shape")  # fmt: skip
+                if list(tensor.shape) != wanted[full][0]:
+                    raise TextModelError(f"--text {text}: tensor {name!r} is {list(tensor.shape)}, --hf-checkpoint "
+                                         f"{hf_checkpoint}'s {full!r} is {wanted[full][0]}")  # fmt: skip
+                renamed[full] = tensor
+            writer.write(renamed)
+            taken.update(renamed)
+            counts["from the text model"] += len(renamed)
+        missing = [k for k in wanted if k not in taken and k.startswith(LANGUAGE)]
+        if missing:
+            raise TextModelError(f"--text {text} lacks {len(missing)} tensor(s) of the language model, e.g. "
+                                 f"{'model.' + missing[0][len(LANGUAGE):]!r}: give a whole checkpoint of it")  # fmt: skip
+        rest: dict[str, Any] = {}
+        for shard in sorted({wanted[k][1] for k in wanted if k not in taken}):
+            with safe_open(shard, "pt") as f:
+                rest.update({k: f.get_tensor(k) for k in f.keys() if k not in taken})
+        counts["vision tower"] = sum(k.startswith(VISION) for k in rest)
+        counts["other, kept"] = len(rest) - counts["vision tower"]
+        writer.write(rest)
+        writer.close()
+        _copy_files(hf_checkpoint, staging, ("model.safetensors.index.json",))
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slime.tools.text_model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("extract", help="write the text model of a vision-language checkpoint")
+    e.add_argument("--hf-checkpoint", required=True, help="the released vision-language checkpoint")
+    e.add_argument("--out", required=True, help="the text model's directory (replaced if it exists)")
+    m = sub.add_parser("merge", help="write the vision-language checkpoint with a trained text model")
+    m.add_argument("--text", required=True, help="the trained text model (e.g. a --save-hf directory)")
+    m.add_argument(
+        "--hf-checkpoint", required=True, help="the vision-language checkpoint it was extracted from"
+    )
+    m.add_argument("--out", required=True, help="the new vision-language checkpoint (replaced if it exists)")
+    args = p.parse_args(argv)
+    for flag, path in (("--hf-checkpoint", args.hf_checkpoint), ("--text", getattr(args, "text", None))):
+        if path is not None and os.path.abspath(path) == os.path.abspath(args.out):
+            p.error(f"{flag} and --out are the same directory: write the result elsewhere")
+    try:
+        if args.command == "extract":
+            counts = extract(args.hf_checkpoint, args.out)
+        else:
+            counts = merge(args.text, args.hf_checkpoint, args.out)
+    except TextModelError as err:
+        p.error(str(err))
+    sys.stdout.write(json.dumps({"out": args.out, "tensors": counts}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
