@@ -211,6 +211,9 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     err = error(capsys, base(family_models["qwen3_5_moe"], str(prompts), "--train-backend", "megatron",
                              "--use-routing-replay"))  # fmt: skip
     assert "--use-routing-replay: routing replay" in err and "'qwen3_5_moe_text'" in err
+    # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
+    err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
+    assert "'qwen3_5_text': a value model (PPO's critic) of this model is not built with FSDP" in err
 
 
 @pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])

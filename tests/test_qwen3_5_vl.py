@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 import torch
@@ -205,6 +206,33 @@ def test_fsdp_trains_prompts_without_images_like_the_model(qwen3_5_vl):
     assert result["steps"][0]["kl_loss"] == 0.0 and result["steps"][0]["grad_norm"] > 0
 
 
+def test_ppo_s_critic_on_prompts_without_images_is_transformers_token_classifier(qwen3_5_vl):
+    """Text RL with PPO on a released checkpoint: the critic is Qwen3_5ForTokenClassification (the
+    vision tower in it, frozen) with slime's fresh value head; its values equal transformers' and
+    the value loss trains it."""
+    from transformers import AutoModelForTokenClassification
+
+    from tests.test_critic import critic_run
+    from tests.test_fsdp_actor import base_config, make_batch
+
+    result = run_ranks(1, critic_run, qwen3_5_vl)[0]
+    hf = AutoModelForTokenClassification.from_pretrained(qwen3_5_vl, num_labels=1, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3_5ForTokenClassification"
+    text = hf.config.get_text_config()
+    g = torch.Generator().manual_seed(base_config(qwen3_5_vl).seed)
+    with torch.no_grad():
+        hf.score.weight.copy_(torch.randn(1, text.hidden_size, generator=g) * text.initializer_range)
+        hf.score.bias.zero_()
+    batch = make_batch(0)
+    for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        with torch.no_grad():
+            out = hf(torch.tensor([tokens])).logits[0, len(tokens) - n - 1 : len(tokens) - 1, 0]
+        assert (torch.tensor(result["values"][i]) - out).abs().max().item() < 1e-5, i
+    steps = [s for o in result["outputs"] for s in o.steps]
+    assert all(math.isfinite(s["value_loss"]) and s["grad_norm"] > 0 for s in steps)
+    assert result["after"] != result["values"]  # it trained
+
+
 @pytest.mark.slow  # two gloo jobs; the same case of Qwen3-VL runs by default (test_fsdp_vision)
 def test_a_trained_tower_on_two_ranks_trains_like_one(qwen3_5_vl):
     one = run_ranks(1, run, qwen3_5_vl, False, True, 1)[0]
@@ -277,20 +305,29 @@ def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path):
 
 
 def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, tmp_path, capsys):
-    """PPO's critic, LoRA and (for the MoE) routing replay: exit 2 naming the model, before
-    anything starts; the MoE's experts are read from its language model's config."""
+    """PPO's critic on prompts with images or of the MoE (transformers has no token classifier of
+    it), LoRA and (for the MoE) routing replay: exit 2 naming the model, before anything starts;
+    the MoE's experts are read from its language model's config."""
     from tests.test_flag_surface import base, error
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    err = error(capsys, base(qwen3_5_vl, str(prompts), "--advantage-estimator", "ppo"))
+    images = ["--apply-chat-template", "--multimodal-keys", '{"image": "images"}', "--input-key", "prompt"]
+    err = error(capsys, base(qwen3_5_vl, str(prompts), "--advantage-estimator", "ppo", *images))
     assert (
-        "--advantage-estimator ppo: the critic starts from" in err
-        and "a value model of one is not built" in err
+        "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is not built"
+        in err
     )
     err = error(capsys, base(qwen3_5_vl, str(prompts), "--lora-rank", "4", "--target-modules", "all-linear"))
     assert "--lora-rank 4: LoRA is not built for model_type 'qwen3_5'" in err
+    assert "take its text model (qwen3_5_text) out: python -m slime.tools.text_model extract" in err
     moe = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_5_moe_vl", *SIZE)
+    capsys.readouterr()
+    err = error(capsys, base(moe, str(prompts), "--advantage-estimator", "ppo"))
+    assert (
+        "the critic starts from" in err
+        and "not built with FSDP (transformers has no token classifier of it)" in err
+    )
     err = error(capsys, base(moe, str(prompts), "--use-rollout-routing-replay"))
     assert (
         "--use-rollout-routing-replay: routing replay and the router's aux loss are not built for model_type "

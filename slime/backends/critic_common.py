@@ -34,7 +34,7 @@ from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.train_common import TrainActorBase
-from slime.utils.batch import RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.batching import StepPlan
 
 PerSample = dict[int, list[float]]
@@ -47,8 +47,9 @@ def fresh_value_head(hf_config: Any, seed: int) -> dict[str, torch.Tensor]:
     """slime's value head for a checkpoint without one: N(0, initializer_range) weights, a zero
     bias, drawn on the CPU from `seed` (--seed), so every rank of either backend builds the same."""
     g = torch.Generator().manual_seed(seed)
-    std = float(getattr(hf_config, "initializer_range", 0.02))
-    weight = torch.randn(1, int(hf_config.hidden_size), generator=g) * std
+    text = hf_config.get_text_config()
+    std = float(getattr(text, "initializer_range", 0.02))
+    weight = torch.randn(1, int(text.hidden_size), generator=g) * std
     return {"score.weight": weight, "score.bias": torch.zeros(1)}
 
 
@@ -57,8 +58,11 @@ def value_model_config(hf_config: Any) -> Any:
     dropout before the head, which AutoModelForTokenClassification (and --critic-load) loads."""
     config = copy.deepcopy(hf_config)
     config.num_labels, config.classifier_dropout = 1, 0.0
-    config.architectures = [
-        a.replace("ForCausalLM", "ForTokenClassification") for a in config.architectures or []
+    config.architectures = [  # the causal LM's, or a vision-language model's (transformers' names)
+        a.replace("ForCausalLM", "ForTokenClassification").replace(
+            "ForConditionalGeneration", "ForTokenClassification"
+        )
+        for a in config.architectures or []
     ]
     return config
 
@@ -80,6 +84,12 @@ class ValueModel(TrainActorBase):
         over the loss mask (--check-precision's gate reads the first step's)."""
         raise NotImplementedError
 
+    def _check_batch(self, batch: RolloutBatch) -> None:
+        batch.validate(self.hf_config.get_text_config().vocab_size)
+        if any(batch.multimodal_train_inputs or ()):
+            raise BatchError("PPO's critic on samples with images is not built (its forward takes no pixels): use "
+                             "--advantage-estimator grpo (or another critic-free one) with images")  # fmt: skip
+
     # ---- values -----------------------------------------------------------------------------
     @torch.no_grad()
     def compute_values(self, data: RolloutBatch | RolloutPart) -> PerSample:
@@ -87,7 +97,7 @@ class ValueModel(TrainActorBase):
         job merges the answers of a data-parallel replica's ranks)."""
         part = RolloutPart.of(data)
         batch = part.batch
-        batch.validate(self.hf_config.vocab_size)
+        self._check_batch(batch)
         out = self._value_pass(batch, self._log_prob_plans(part, self.plan(part)))
         index = batch.sample_indices or part.positions
         return {index[p]: v.tolist() for p, v in out.items()}
@@ -100,7 +110,7 @@ class ValueModel(TrainActorBase):
         `returns` are keyed by sample index and must cover this rank's samples."""
         part = RolloutPart.of(data)
         batch = part.batch
-        batch.validate(self.hf_config.vocab_size)
+        self._check_batch(batch)
         index = batch.sample_indices or part.positions
         plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]

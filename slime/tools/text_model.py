@@ -29,10 +29,10 @@ import sys
 from typing import Any
 
 from slime.utils.files import staged_directory
+from slime.utils.model_families import FAMILIES
 
-TEXT_MODELS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
-               "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}  # fmt: skip
-"""A vision-language model_type -> its text model's model_type and transformers class."""
+TEXT_MODELS = {f.model_type: f.text_model for f in FAMILIES.values() if f.text_model}
+"""A vision-language model_type -> its text model's (slime.utils.model_families)."""
 
 LANGUAGE, VISION = "model.language_model.", "model.visual."
 NOT_COPIED = ("model.safetensors.index.json", "preprocessor_config.json", "video_preprocessor_config.json",
@@ -110,10 +110,15 @@ def _copy_files(src: str, dst: str, leave: tuple[str, ...]) -> None:
 def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
     """Write the text model of `hf_checkpoint` to `out`; the counts of tensors kept and left out."""
     from safetensors.torch import load_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = _vision_config(hf_checkpoint)
-    text_type, architecture = TEXT_MODELS[config["model_type"]]
-    text = dict(config["text_config"], model_type=text_type, architectures=[architecture])
+    text_type = TEXT_MODELS[config["model_type"]]
+    text = dict(
+        config["text_config"],
+        model_type=text_type,
+        architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text_type]],
+    )
     for key in ("tie_word_embeddings", "torch_dtype", "dtype", "transformers_version"):
         if key in config and key not in text:
             text[key] = config[key]
@@ -142,7 +147,7 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
     from safetensors.torch import load_file
 
     config = _vision_config(hf_checkpoint)
-    text_type = TEXT_MODELS[config["model_type"]][0]
+    text_type = TEXT_MODELS[config["model_type"]]
     if _config(text).get("model_type") != text_type:
         raise TextModelError(f"--text {text} is model_type {_config(text).get('model_type')!r}; --hf-checkpoint "
                              f"{hf_checkpoint}'s text model is {text_type!r}")  # fmt: skip

@@ -52,6 +52,10 @@ class Family:
     """A vision-language model (transformers' *ForConditionalGeneration: a vision tower before
     the language model): images in prompts (--multimodal-keys, the engine's `image_data`), built
     with AutoModelForImageTextToText."""
+    text_model: str | None = None
+    """A vision-language family's language model as a family of its own (its model_type):
+    `python -m slime.tools.text_model extract` writes it from a checkpoint, for what only the
+    text model has (Megatron, LoRA, PPO's critic)."""
 
 
 VISION_ON_FSDP = (
@@ -146,6 +150,7 @@ FAMILIES: dict[str, Family] = {
             lora=False,
             packs=False,
             vision=True,
+            text_model="qwen3_5_text",
         ),
         Family(
             "qwen3_5_moe",
@@ -157,6 +162,7 @@ FAMILIES: dict[str, Family] = {
             fused_experts=True,
             packs=False,
             vision=True,
+            text_model="qwen3_5_moe_text",
         ),
     )
 }
@@ -200,7 +206,40 @@ def refusal(model_type: str | None, feature: str) -> str | None:
         return None
     hooks = "routing replay is" if f.aux_loss else "routing replay and the router's aux loss are"
     what = {"router_hooks": hooks, "lora": "LoRA is", "aux_loss": "the router's aux loss is"}[feature]
-    return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
+    text = family(f.text_model)
+    own = refused_text_hint(model_type) if text is not None and getattr(text, feature) else ""
+    return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md){own}"
+
+
+def value_model_refusal(model_type: str | None) -> str | None:
+    """Why the FSDP backend's PPO critic (transformers' *ForTokenClassification on the model) is
+    not built for `model_type` (None: it is, or the family is not listed): transformers has no
+    token classifier of GLM-4.5+, the Qwen3.5 text models, Qwen3-VL or Qwen3.5-MoE (it has one of
+    Qwen3.5 as released). The Megatron backend's critic is its own."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    f = family(model_type)
+    if f is None or model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        return None
+    hint = (
+        refused_text_hint(model_type) if f.text_model in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES else ""
+    )
+    return (
+        f"model_type {model_type!r}: a value model (PPO's critic) of this model is not built with FSDP "
+        "(transformers has no token classifier of it); use --advantage-estimator grpo (or another critic-free "
+        "one)" + hint
+    )
+
+
+def refused_text_hint(model_type: str | None) -> str:
+    """What to do with a vision-language checkpoint whose text model has what it lacks."""
+    f = family(model_type)
+    if f is None or f.text_model is None:
+        return ""
+    return (
+        f"; for text-only training take its text model ({f.text_model}) out: python -m "
+        "slime.tools.text_model extract --hf-checkpoint DIR --out TEXT_DIR"
+    )
 
 
 def routes_in_fp32(model_type: str | None, param_dtype: str) -> bool:

@@ -64,11 +64,10 @@ def build_meta_model(config: Any, attn_implementation: str, value_head: bool = F
     Face's *ForTokenClassification with one output (its `score` head) on the same transformer."""
     from transformers import AutoModelForTokenClassification
 
-    from slime.utils.model_families import auto_model_class, is_vision
+    from slime.utils.model_families import auto_model_class, is_vision, value_model_refusal
 
-    if value_head and is_vision(config.model_type):
-        raise CheckpointError(f"model_type {config.model_type!r}: a value model (PPO's critic) of a vision-language "
-                              "model is not built; use --advantage-estimator grpo (or another critic-free one)")  # fmt: skip
+    if value_head and (problem := value_model_refusal(config.model_type)):
+        raise CheckpointError(problem)
     if value_head:
         config = copy.deepcopy(config)
         config.num_labels = 1
