@@ -258,9 +258,9 @@ def flag_problems(
 
 
 def family_problems(ns: argparse.Namespace) -> list[str]:
-    """LoRA with a family it is not built for (slime.utils.model_families), PPO's critic of a
-    vision-language model, and an expert-bias update rate for a model whose routers have no bias,
-    refused by name."""
+    """LoRA with a family it is not built for (slime.utils.model_families), PPO's critic where
+    the FSDP backend cannot build it or on prompts with images, and an expert-bias update rate for
+    a model whose routers have no bias, refused by name."""
     out = []
     if getattr(ns, "advantage_estimator", None) == "ppo":
         critic = getattr(ns, "critic_load", None) or ns.hf_checkpoint

@@ -146,7 +146,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_vl",
             "Qwen3.5 dense as released (0.8B-27B: the vision-language model)",
             PER_SEQUENCE,
-            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`) is built",
+            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`, slime.tools.text_model) is built",
             lora=False,
             packs=False,
             vision=True,
@@ -157,7 +157,8 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_moe_vl",
             "Qwen3.5 MoE as released (35B-A3B: the vision-language model)",
             PER_SEQUENCE,
-            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_moe_text`) is built",
+            megatron=VISION_ON_FSDP
+            + "; its text model (`qwen3_5_moe_text`, slime.tools.text_model) is built",
             lora=False,
             fused_experts=True,
             packs=False,

@@ -165,7 +165,8 @@ class Layout:
             raise ConversionError(
                 f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
                 "model.language_model): the Megatron backend builds the text model only (model_type "
-                f"{model_type}_text); train this one with --train-backend fsdp"
+                f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out with "
+                "python -m slime.tools.text_model extract"
             )
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
