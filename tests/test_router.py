@@ -29,6 +29,16 @@ def two_engines(tiny_model, tmp_path_factory):
         e.stop()
 
 
+async def _listed(client) -> object:
+    """The router's answer to GET /workers (or /list_workers before that API); None until it answers."""
+    for path in ("/workers", "/list_workers"):
+        try:
+            return await client.request("GET", path)
+        except Exception:
+            continue
+    return None
+
+
 def test_generate_through_router(two_engines, tmp_path):
     port = free_port("127.0.0.1")
     log = open(tmp_path / "router.log", "wb")
@@ -56,6 +66,14 @@ def test_generate_through_router(two_engines, tmp_path):
     async def scenario():
         async with EngineClient(url) as c:
             deadline = time.monotonic() + 90
+            # the router adds its --worker-urls in the background, each after its health check:
+            # until both are listed, round robin has one worker to choose from
+            while True:
+                listed = str(await _listed(c))
+                if all(e.url in listed for e in two_engines):
+                    break
+                assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-3000:]
+                await asyncio.sleep(0.2)
             while True:
                 assert proc.poll() is None, (tmp_path / "router.log").read_text()[-3000:]
                 try:
