@@ -110,3 +110,52 @@ def test_image_parts_must_be_data_or_http_urls(served_vlm, tmp_path, dot_images)
     part = {"type": "image_url", "image_url": {"url": str(tmp_path / "host.png")}}
     with pytest.raises(openai.BadRequestError, match="give a data URL or an http"):
         chat(s.url, "v4", [{"role": "user", "content": [part]}], max_tokens=2)
+
+
+def test_anthropic_image_blocks_in_user_messages_and_tool_results_reach_the_model(
+    vlm_engine,  # noqa: F811 - the fixture
+    tiny_vlm,
+    dot_images,
+):
+    """Claude-style clients send base64 image blocks (a screenshot tool returns one in its
+    tool_result): the same images as OpenAI parts, counted by count_tokens as the engine runs them."""
+    import base64
+    import io
+
+    anthropic = pytest.importorskip("anthropic")
+    from slime.agent.adapters import AnthropicAdapter
+
+    def block(image):
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(png.getvalue()).decode()}}  # fmt: skip
+
+    processor = load_processor(tiny_vlm)
+    s = Served(
+        AnthropicAdapter(tokenizer=processor.tokenizer, sglang_url=vlm_engine.url, processor=processor)
+    )
+    try:
+        s.adapter.open_session("a1", sampling_defaults=SAMPLING)
+        client = anthropic.Anthropic(base_url=s.url, api_key="a1", max_retries=0)
+        messages = [
+            {"role": "user", "content": [block(dot_images[0]), {"type": "text", "text": "How many dots?"}]}
+        ]
+        first = client.messages.create(model="tiny", max_tokens=4, messages=messages)
+        messages += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [{"type": "text", "text": "screen:"}, block(dot_images[3])]}]},
+        ]  # fmt: skip
+        count = client.messages.count_tokens(model="tiny", messages=messages).input_tokens
+        client.messages.create(model="tiny", max_tokens=4, messages=messages)
+        turns = s.turns
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert first.usage.input_tokens == len(turns[0].prompt_ids)
+        assert [t.prompt_ids.count(pad) for t in turns] == [4, 8] and [len(t.images) for t in turns] == [1, 2]
+        assert count == len(turns[1].prompt_ids)  # the images' tokens counted as the engine runs them
+        with pytest.raises(anthropic.BadRequestError, match="source of type 'file'"):
+            client.messages.create(model="tiny", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f1"}}]}])  # fmt: skip
+    finally:
+        s.close()

@@ -6,14 +6,18 @@ The session is the bearer token, else the X-Api-Key header (where an Anthropic c
 key), else "default" (slime's order). As slime does, a system message in the middle of the list
 (which many chat templates refuse) is folded into the user message before it (or after it) as a
 <system-reminder> block, and each block of a user message becomes a message of its own (text:
-user, tool_result: tool).
+user, tool_result: tool). With a vision-language model's processor, image blocks (base64 or url
+sources) in user messages and tool results are images (slime.agent.adapters.images); without
+one they are "[image omitted]".
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +33,7 @@ from slime.agent.adapters.common import (
     tool_call_dict,
     tool_specs,
 )
+from slime.agent.adapters.images import content_with_images, image_items, session_images
 from slime.agent.parsing import ParsedModelOutput
 
 logger = logging.getLogger(__name__)
@@ -56,7 +61,9 @@ class AnthropicAdapter(BaseAdapter):
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise AdapterError(400, "'messages' must be a list of messages")
-        return _translate_messages(messages, body.get("system")), _tools_to_chat_tools(body.get("tools"))
+        return _translate_messages(
+            messages, body.get("system"), self.history.processor is not None
+        ), _tools_to_chat_tools(body.get("tools"))
 
     def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
                      tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
@@ -83,15 +90,27 @@ class AnthropicAdapter(BaseAdapter):
             self._preprocess_body(body)
             messages, tools = self._translate(body)
             ids = self.history.encode(self.history.render(messages, tools, True)) if messages else []
+            extra = 0
+            if self.history.processor is not None and image_items(messages):
+                # each image's one placeholder token becomes its tokens (decoded and processed off the loop)
+                images = await asyncio.get_running_loop().run_in_executor(
+                    None, session_images, {}, messages, self.history.processor
+                )
+                extra = sum(image.num_tokens - 1 for image in images)
         except ValueError as e:
             return self._error(AdapterError(400, f"the request body is not JSON: {e}"))
         except AdapterError as e:
             return self._error(e)
-        return web.json_response({"input_tokens": len(ids)})
+        return web.json_response({"input_tokens": len(ids) + extra})
 
 
 def _request_session_id(request: web.Request) -> str:
     return sid_from_bearer(request) or (request.headers.get("X-Api-Key") or "").strip() or "default"
+
+
+def _content(blocks: Any, vision: bool) -> Any:
+    """Blocks as chat-template content: text, or text and image items for a vision-language model."""
+    return content_with_images(blocks, flatten_content) if vision else flatten_content(blocks)
 
 
 def _blocks(content: Any, where: str) -> list[Any]:
@@ -102,8 +121,10 @@ def _blocks(content: Any, where: str) -> list[Any]:
     raise AdapterError(400, f"{where}.content must be a string or a list of content blocks")
 
 
-def _translate_messages(messages: list[Any], system: Any) -> list[dict[str, Any]]:
-    """Anthropic messages and system → chat-template messages."""
+def _translate_messages(messages: list[Any], system: Any, vision: bool = False) -> list[dict[str, Any]]:
+    """Anthropic messages and system → chat-template messages (image blocks, in user messages and
+    tool results, kept as image items for a vision-language model, `vision`)."""
+    content = partial(_content, vision=vision)
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": flatten_content(system)})
@@ -117,11 +138,11 @@ def _translate_messages(messages: list[Any], system: Any) -> list[dict[str, Any]
         elif msg["role"] == "user":
             for block in blocks:
                 if isinstance(block, dict) and block.get("type") == "tool_result":
-                    out.append({"role": "tool", "content": flatten_content(block.get("content"))})
+                    out.append({"role": "tool", "content": content(block.get("content"))})
                 elif isinstance(block, dict) and block.get("type") == "text":
                     out.append({"role": "user", "content": str(block.get("text") or "")})
                 else:
-                    out.append({"role": "user", "content": flatten_content([block])})
+                    out.append({"role": "user", "content": content([block])})
         else:
             texts, thinking, calls = [], [], []
             for j, block in enumerate(blocks):

@@ -2,7 +2,9 @@
 checkpoint's processor).
 
 OpenAI's image content parts (`{"type": "image_url", "image_url": {"url": ...}}`, a data URL, a
-path or an http(s) URL; the Responses API's `input_image`) become chat-template image items
+path or an http(s) URL; the Responses API's `input_image`) and Anthropic's image blocks
+(`{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}}` or a `url`
+source) become chat-template image items
 (`{"type": "image", "image": url}`) in place, beside the text parts, so the template writes the
 model's placeholder where each image stood. The turn's images, in the order of the messages, go
 to the engine as `image_data` with the prompt's ids (each placeholder expanded by the processor)
@@ -19,8 +21,21 @@ from slime.agent.adapters.errors import AdapterError
 
 
 def image_source(block: Any) -> str | None:
-    """The URL of an OpenAI image content part; None for any other part."""
-    if not isinstance(block, dict) or block.get("type") not in ("image_url", "input_image"):
+    """The URL of an OpenAI image content part or an Anthropic image block (its base64 data as a
+    data URL); None for any other part. An Anthropic source of another kind (a Files API id) is
+    refused: the adapter has no files to read it from."""
+    if not isinstance(block, dict):
+        return None
+    if block.get("type") == "image" and isinstance(block.get("source"), dict):
+        source = block["source"]
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+        if source.get("type") == "url" and isinstance(source.get("url"), str) and source["url"]:
+            return source["url"]
+        raise AdapterError(
+            400, f"an image block's source of type {source.get('type')!r}: give base64 data or a url"
+        )
+    if block.get("type") not in ("image_url", "input_image"):
         return None
     url = block.get("image_url")
     url = url.get("url") if isinstance(url, dict) else url
