@@ -72,7 +72,9 @@ def test_generate_through_router(two_engines, tmp_path):
                 listed = str(await _listed(c))
                 if all(e.url in listed for e in two_engines):
                     break
-                assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-3000:]
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "router.log"
+                ).read_text()[-3000:]
                 await asyncio.sleep(0.2)
             while True:
                 assert proc.poll() is None, (tmp_path / "router.log").read_text()[-3000:]

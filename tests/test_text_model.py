@@ -44,7 +44,23 @@ def released(tmp_path_factory) -> str:
         if not name.endswith(".safetensors") and not os.path.exists(os.path.join(path, name)):
             shutil.copy(os.path.join(one, name), os.path.join(path, name))
     save_file({"mtp.fc.weight": torch.randn(64, 128)}, os.path.join(path, "mtp.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    index["weight_map"]["mtp.fc.weight"] = "mtp.safetensors"  # as the released index lists its MTP shard
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
     return path
+
+
+def _tensors_of(file) -> dict[str, torch.Tensor]:
+    with safe_open(str(file), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def original_model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _text_logits(model, ids):
@@ -99,7 +115,10 @@ def test_merge_puts_a_trained_text_model_back(released, tmp_path, capsys):
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    trained.save_pretrained(str(tmp_path / "trained"))  # as --save-hf writes it: no mtp.* tensors
+    trained.to(torch.bfloat16).save_pretrained(str(tmp_path / "trained"))  # as --save-hf writes it: no mtp.*
+    save_file(
+        {"x": torch.zeros(1)}, str(tmp_path / "trained" / "adapter_model.safetensors")
+    )  # not its weights
     capsys.readouterr()
     out = str(tmp_path / "merged")
     assert (
@@ -108,13 +127,18 @@ def test_merge_puts_a_trained_text_model_back(released, tmp_path, capsys):
     counts = json.loads(capsys.readouterr().out)["tensors"]
     merged, original = _tensors(out), _tensors(released)
     assert merged.keys() == original.keys() and counts["other, kept"] == 1  # mtp.fc.weight, from the original
+    assert all(
+        merged[k].dtype == original[k].dtype for k in original
+    )  # bfloat16 weights, float32 as the original
     assert torch.equal(merged["mtp.fc.weight"], original["mtp.fc.weight"])
     assert all(torch.equal(merged[k], original[k]) for k in original if k.startswith("model.visual."))
     assert json.load(open(f"{out}/config.json")) == json.load(open(f"{released}/config.json"))
     assert os.path.exists(f"{out}/preprocessor_config.json")
     vlm = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).eval()
     ids = [5, 17, 33, 2, 60, 41, 9]
-    assert (_text_logits(vlm, ids) - _text_logits(trained.eval(), ids)).abs().max().item() < 1e-5
+    assert (_text_logits(vlm, ids) - _text_logits(saved, ids)).abs().max().item() < 1e-5
+    assert (_text_logits(vlm, ids) - _text_logits(original_model(released), ids)).abs().max().item() > 1e-3
 
 
 def test_bad_input_exits_2_naming_it_and_writes_nothing(released, tiny_model, tmp_path, capsys):
@@ -140,5 +164,18 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(released, tiny_model, tm
     assert re.search(
         r"tensor '[a-z_.]+weight' is \[\d+, 96\], --hf-checkpoint .*'s '[a-z_.]+' is \[\d+, 64\]", err
     )
-    err = refused(["extract", "--hf-checkpoint", released, "--out", released])
-    assert "--hf-checkpoint and --out are the same directory" in err
+    for target in (released, os.path.dirname(released)):  # --out is replaced: never an input or above one
+        with pytest.raises(SystemExit) as e:
+            main(["extract", "--hf-checkpoint", released, "--out", target])
+        assert e.value.code == 2 and "or holds it, and --out is replaced" in capsys.readouterr().err
+    assert os.path.exists(os.path.join(released, "config.json"))
+    # a text model without its untied lm_head: the original's would stay untrained
+    text = tmp_path / "text"
+    assert main(["extract", "--hf-checkpoint", released, "--out", str(text)]) == 0
+    shards = [n for n in os.listdir(text) if n.startswith("model-")]
+    for name in shards:
+        tensors = {k: v for k, v in _tensors_of(text / name).items() if k != "lm_head.weight"}
+        save_file(tensors, str(text / name))
+    capsys.readouterr()
+    err = refused(["merge", "--text", str(text), "--hf-checkpoint", released, "--out", str(out)])
+    assert "lacks 1 tensor(s) of the text model, e.g. 'lm_head.weight'" in err

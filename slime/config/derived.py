@@ -14,7 +14,7 @@ from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv
 from slime.config.surface import no_effect_given, refused_problems
-from slime.utils.model_families import family, refusal, routes_in_fp32, value_model_refusal
+from slime.utils.model_families import family, is_vision, refusal, routes_in_fp32, value_model_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +267,9 @@ def family_problems(ns: argparse.Namespace) -> list[str]:
         model_type = getattr(_hf_config(critic), "model_type", None)
         if ns.train_backend == "fsdp" and (why := value_model_refusal(model_type)):
             out.append(f"--advantage-estimator ppo: the critic starts from {critic}, {why}")
+        elif ns.train_backend != "fsdp" and is_vision(model_type):
+            out.append(f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
+                       "vision-language model, which the Megatron backend does not build")  # fmt: skip
         elif getattr(ns, "multimodal_keys", None):
             out.append("--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is not "
                        "built (its forward takes no pixels); use grpo (or another critic-free estimator)")  # fmt: skip

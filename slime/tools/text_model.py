@@ -64,12 +64,26 @@ def _vision_config(path: str) -> dict[str, Any]:
 
 
 def _shards(path: str) -> list[str]:
-    from slime.backends.hf_checkpoint import weight_files
+    """The checkpoint's weight files: those its index names (other *.safetensors files beside
+    them, an adapter's, are not its weights), else its one model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        raise TextModelError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    return [os.path.join(path, name) for name in names]
 
-    files = [f for f in weight_files(path) if f.endswith(".safetensors")]
-    if not files:
-        raise TextModelError(f"{path} has no *.safetensors weights")
-    return files
+
+def _add(into: dict[str, Any], tensors: dict[str, Any], shard: str) -> None:
+    """`tensors` into `into`, refusing a name two shards hold."""
+    twice = next((name for name in tensors if name in into), None)
+    if twice is not None:
+        raise TextModelError(f"tensor {twice!r} is in two shards ({shard} and another): a checkpoint written twice "
+                             "into one directory?")  # fmt: skip
+    into.update(tensors)
 
 
 class _ShardWriter:
@@ -119,15 +133,19 @@ def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
         model_type=text_type,
         architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text_type]],
     )
-    for key in ("tie_word_embeddings", "torch_dtype", "dtype", "transformers_version"):
+    for key in ("torch_dtype", "dtype", "transformers_version"):
         if key in config and key not in text:
             text[key] = config[key]
+    if "tie_word_embeddings" in config:  # the vision-language model ties (or not) by its own key
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
     shards = _shards(hf_checkpoint)
     counts = {"kept": 0, "vision tower": 0}
     with staged_directory(out) as staging:
         writer = _ShardWriter(staging)
+        seen: dict[str, Any] = {}
         for shard in shards:
             tensors = load_file(shard)
+            _add(seen, dict.fromkeys(tensors), shard)
             kept = {("model." + k[len(LANGUAGE) :] if k.startswith(LANGUAGE) else k): v
                     for k, v in tensors.items() if not k.startswith(VISION)}  # fmt: skip
             counts["vision tower"] += len(tensors) - len(kept)
@@ -142,7 +160,8 @@ def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
 
 def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
     """Write `hf_checkpoint` to `out` with the language model's tensors (and any other it holds)
-    taken from the text checkpoint `text`; the counts of tensors by where they came from."""
+    taken from the text checkpoint `text`, each cast to the original's dtype; the counts of
+    tensors by where they came from."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -151,43 +170,58 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
     if _config(text).get("model_type") != text_type:
         raise TextModelError(f"--text {text} is model_type {_config(text).get('model_type')!r}; --hf-checkpoint "
                              f"{hf_checkpoint}'s text model is {text_type!r}")  # fmt: skip
-    wanted: dict[str, tuple[list[int], str]] = {}  # the checkpoint's name -> its shape and shard
+    wanted: dict[str, tuple[list[int], str, str]] = {}  # the checkpoint's name -> shape, dtype, shard
     for shard in _shards(hf_checkpoint):
         with safe_open(shard, "pt") as f:
-            wanted.update({k: (list(f.get_slice(k).get_shape()), shard) for k in f.keys()})
+            found = {
+                k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype(), shard) for k in f.keys()
+            }
+        _add(wanted, found, shard)
     counts = {"from the text model": 0, "vision tower": 0, "other, kept": 0}
-    taken: set[str] = set()
-    text_shards = _shards(text)
+    taken: dict[str, Any] = {}
     with staged_directory(out) as staging:
         writer = _ShardWriter(staging)
-        for shard in text_shards:
+        for shard in _shards(text):
             renamed = {}
             for name, tensor in load_file(shard).items():
-                full = LANGUAGE + name[len("model.") :] if name.startswith("model.") else name
+                full = name  # a name already the vision-language model's (transformers' save of one) stays
+                if name.startswith("model.") and not name.startswith(LANGUAGE):
+                    full = LANGUAGE + name[len("model.") :]
                 if full not in wanted:
                     raise TextModelError(f"--text {text}: tensor {name!r} ({full!r} in the vision-language model) is "
                                          f"not in --hf-checkpoint {hf_checkpoint}: a text model of another shape")  # fmt: skip
-                if list(tensor.shape) != wanted[full][0]:
+                shape, dtype, _ = wanted[full]
+                if list(tensor.shape) != shape:
                     raise TextModelError(f"--text {text}: tensor {name!r} is {list(tensor.shape)}, --hf-checkpoint "
-                                         f"{hf_checkpoint}'s {full!r} is {wanted[full][0]}")  # fmt: skip
-                renamed[full] = tensor
+                                         f"{hf_checkpoint}'s {full!r} is {shape}")  # fmt: skip
+                renamed[full] = _cast(tensor, dtype)
+            _add(taken, dict.fromkeys(renamed), shard)
             writer.write(renamed)
-            taken.update(renamed)
             counts["from the text model"] += len(renamed)
-        missing = [k for k in wanted if k not in taken and k.startswith(LANGUAGE)]
+        # Everything but the vision tower and the MTP modules is the text model's to give (an
+        # untied lm_head included): one missing would silently stay untrained.
+        missing = [k for k in wanted if k not in taken and not k.startswith((VISION, "mtp."))]
         if missing:
-            raise TextModelError(f"--text {text} lacks {len(missing)} tensor(s) of the language model, e.g. "
-                                 f"{'model.' + missing[0][len(LANGUAGE):]!r}: give a whole checkpoint of it")  # fmt: skip
-        rest: dict[str, Any] = {}
-        for shard in sorted({wanted[k][1] for k in wanted if k not in taken}):
+            name = "model." + missing[0][len(LANGUAGE) :] if missing[0].startswith(LANGUAGE) else missing[0]
+            raise TextModelError(f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {name!r}: "
+                                 "give a whole checkpoint of it")  # fmt: skip
+        for shard in sorted({wanted[k][2] for k in wanted if k not in taken}):  # one shard at a time
             with safe_open(shard, "pt") as f:
-                rest.update({k: f.get_tensor(k) for k in f.keys() if k not in taken})
-        counts["vision tower"] = sum(k.startswith(VISION) for k in rest)
-        counts["other, kept"] = len(rest) - counts["vision tower"]
-        writer.write(rest)
+                rest = {k: f.get_tensor(k) for k in f.keys() if k not in taken}
+            counts["vision tower"] += sum(k.startswith(VISION) for k in rest)
+            counts["other, kept"] += sum(not k.startswith(VISION) for k in rest)
+            writer.write(rest)
         writer.close()
         _copy_files(hf_checkpoint, staging, ("model.safetensors.index.json",))
     return counts
+
+
+def _cast(tensor: Any, dtype: str) -> Any:
+    """`tensor` in the original's floating-point dtype (safetensors' name of it); others as they are."""
+    import torch
+
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+    return tensor.to(floats[dtype]) if dtype in floats and tensor.is_floating_point() else tensor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     m.add_argument("--out", required=True, help="the new vision-language checkpoint (replaced if it exists)")
     args = p.parse_args(argv)
+    out = os.path.realpath(args.out)
     for flag, path in (("--hf-checkpoint", args.hf_checkpoint), ("--text", getattr(args, "text", None))):
-        if path is not None and os.path.abspath(path) == os.path.abspath(args.out):
-            p.error(f"{flag} and --out are the same directory: write the result elsewhere")
+        if path is not None and os.path.commonpath([out, os.path.realpath(path)]) == out:
+            p.error(
+                f"--out {args.out} is {flag} {path} or holds it, and --out is replaced: write the result elsewhere"
+            )
     try:
         if args.command == "extract":
             counts = extract(args.hf_checkpoint, args.out)

@@ -55,9 +55,13 @@ def staged_directory(out: str) -> Iterator[str]:
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=os.path.dirname(final))
     try:
         yield staging
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        old = None
+        if os.path.exists(final):  # aside first: a crash now leaves it there, not deleted
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old.", dir=os.path.dirname(final))
+            os.replace(final, os.path.join(old, "was"))
         os.replace(staging, final)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -26,20 +26,30 @@ def image_source(block: Any) -> str | None:
     refused: the adapter has no files to read it from."""
     if not isinstance(block, dict):
         return None
-    if block.get("type") == "image" and isinstance(block.get("source"), dict):
-        source = block["source"]
-        if source.get("type") == "base64" and isinstance(source.get("data"), str):
-            return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
-        if source.get("type") == "url" and isinstance(source.get("url"), str) and source["url"]:
-            return source["url"]
-        raise AdapterError(
-            400, f"an image block's source of type {source.get('type')!r}: give base64 data or a url"
-        )
+    if block.get("type") == "image":
+        return _anthropic_source(block.get("source"))
     if block.get("type") not in ("image_url", "input_image"):
         return None
     url = block.get("image_url")
     url = url.get("url") if isinstance(url, dict) else url
     return url if isinstance(url, str) and url else None
+
+
+def _anthropic_source(source: Any) -> str:
+    """An Anthropic image block's source as a URL (base64 data as a data URL); 400 for any other."""
+    if not isinstance(source, dict):
+        raise AdapterError(400, "an image block needs a 'source': {'type': 'base64', 'media_type': ..., 'data': ...} "
+                                "or {'type': 'url', 'url': ...}")  # fmt: skip
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) and source["data"]:
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str) and source["url"]:
+        return source["url"]
+    if kind in ("base64", "url"):
+        field = "data" if kind == "base64" else "url"
+        raise AdapterError(400, f"an image block's {kind} source needs its {field!r} as a non-empty string")
+    raise AdapterError(400, f"an image block's source of type {kind!r}: give base64 data or a url (the adapter "
+                            "reads no Files API ids)")  # fmt: skip
 
 
 def content_with_images(content: Any, flatten: Any) -> Any:
