@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from slime.agent.adapters.errors import AdapterError
 from slime.agent.trajectory import TurnRecord
 
-if TYPE_CHECKING:
-    from slime.agent.adapters.common import BaseAdapter, Session
+
+class Session(Protocol):
+    """What a turn reads of its session (slime.agent.adapters.common.Session)."""
+
+    sampling_defaults: dict[str, Any]
+    ignored_sampling: set[str]
+    max_context_tokens: int
+    engine_url: str | None
+
+
+class Adapter(Protocol):
+    """What a turn reads of its adapter (slime.agent.adapters.common.BaseAdapter): named here, not
+    imported, so this module sits below the adapters that call it."""
+
+    max_token_keys: tuple[str, ...]
+    stop_keys: tuple[str, ...]
+    logger: logging.Logger
+    log_prefix: str
+    sglang_url: str
+
+    def _client(self, url: str) -> Any: ...
+
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 """slime's: a turn's budget when neither the session nor the request gives one."""
@@ -57,7 +78,7 @@ async def call_sglang_generate(
     session: Session,
     body: dict[str, Any],
     *,
-    adapter: BaseAdapter,
+    adapter: Adapter,
     session_id: str | None = None,
     image_data: list[str] | None = None,
 ) -> TurnRecord:
