@@ -233,6 +233,82 @@ def test_ppo_s_critic_on_prompts_without_images_is_transformers_token_classifier
     assert result["after"] != result["values"]  # it trained
 
 
+def test_lora_adapts_the_language_model_only_and_pushes_peft_s_merge(qwen3_5_vl):
+    """All-linear LoRA on the released layout: adapters on the language model's layers (none on the
+    vision tower), only they train, step 0 is the base model exactly, and the push is PEFT's own
+    merge of the same adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_lora import lora_run
+
+    result = run_ranks(1, lora_run, qwen3_5_vl)[0]
+    first = result["outputs"][0]
+    assert first.steps[0]["kl_loss"] == 0.0 and first.precision["ref_max_abs_diff"] == 0.0
+    assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
+    assert not any(".visual." in n for n in result["trainable"])
+    assert any(".linear_attn." in n for n in result["trainable"])  # the gated delta-nets are adapted too
+    hf = AutoModelForImageTextToText.from_pretrained(qwen3_5_vl, dtype=torch.float32)
+    base = {n: t.clone() for n, t in hf.state_dict().items()}
+    tower = [
+        n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")
+    ]
+    peft_model = get_peft_model(
+        hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=tower)
+    )
+    peft_model.load_state_dict({"base_model.model." + n: t for n, t in result["after"].items()}, strict=False)
+    merged = peft_model.merge_and_unload().state_dict()
+    assert result["exported"].keys() == merged.keys()
+    for name, tensor in result["exported"].items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+    moved = {n for n, t in result["exported"].items() if not torch.equal(t, base[n])}
+    assert moved and not any(n.startswith("model.visual.") for n in moved)  # trained; the tower as it was
+
+
+def test_the_engine_serves_a_lora_adapter_with_images_like_peft(qwen3_5_vl, reference, dot_images, tmp_path):
+    """A PEFT adapter of the language model (the engine's --enable-lora): a request with an image
+    and the adapter samples what PEFT's model with that image gives, within 1e-5."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    _, processor = reference
+    hf = AutoModelForImageTextToText.from_pretrained(qwen3_5_vl, dtype=torch.float32)
+    tower = [
+        n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")
+    ]
+    torch.manual_seed(3)
+    peft_model = get_peft_model(
+        hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=tower)
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
+    url = encode_image_for_rollout_engine(dot_images[1])
+
+    async def scenario(c):
+        return await c.generate(text=[TEXT, TEXT], image_data=[[url], [url]], lora_path=["a1", None],
+                                return_logprob=True, sampling_params={"max_new_tokens": 6, "temperature": 1.0,
+                                                                      "ignore_eos": True})  # fmt: skip
+
+    proc = start_engine(qwen3_5_vl, tmp_path, "--enable-lora", "--lora-paths", f"a1={adapter}")
+    try:
+        with_adapter, base = _run(proc.url, scenario)
+    finally:
+        assert proc.stop() in (0, -15)
+    peft_model.eval()
+    for res, model in ((with_adapter, peft_model), (base, reference[0])):
+        got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+        assert (
+            got - _teacher_forced(model, processor, dot_images[1], res["output_ids"], 1.0)
+        ).abs().max() < 1e-5
+    without = _teacher_forced(reference[0], processor, dot_images[1], with_adapter["output_ids"], 1.0)
+    got = torch.tensor([lp for lp, _, _ in with_adapter["meta_info"]["output_token_logprobs"]])
+    assert (got - without).abs().max() > 1e-3  # the adapter changes the model
+
+
 @pytest.mark.slow  # two gloo jobs; the same case of Qwen3-VL runs by default (test_fsdp_vision)
 def test_a_trained_tower_on_two_ranks_trains_like_one(qwen3_5_vl):
     one = run_ranks(1, run, qwen3_5_vl, False, True, 1)[0]
@@ -318,10 +394,15 @@ def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, t
         "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is not built"
         in err
     )
-    err = error(capsys, base(qwen3_5_vl, str(prompts), "--lora-rank", "4", "--target-modules", "all-linear"))
-    assert "--lora-rank 4: LoRA is not built for model_type 'qwen3_5'" in err
-    assert "take its text model (qwen3_5_text) out: python -m slime.tools.text_model extract" in err
+    lora = ["--lora-rank", "4", "--target-modules", "all-linear"]
+    err = error(
+        capsys, base(qwen3_5_vl, str(prompts), *lora, "--train-vision-model", "--train-backend", "fsdp")
+    )
+    assert "--train-vision-model with --lora-rank: the adapters are the language model's" in err
     moe = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_5_moe_vl", *SIZE)
+    capsys.readouterr()
+    err = error(capsys, base(moe, str(prompts), *lora))
+    assert "--lora-rank 4: LoRA is not built for model_type 'qwen3_5_moe'" in err
     capsys.readouterr()
     err = error(capsys, base(moe, str(prompts), "--advantage-estimator", "ppo"))
     assert (

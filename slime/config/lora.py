@@ -151,6 +151,9 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
             f"--lora-rank with --train-backend {ns.train_backend}: LoRA is built for the FSDP backend only so far "
             "(use --train-backend fsdp)"
         )
+    if getattr(ns, "train_vision_model", False):
+        raise ValueError("--train-vision-model with --lora-rank: the adapters are the language model's and only they "
+                         "train, the vision tower stays frozen; drop one of the flags")  # fmt: skip
     ref_load = getattr(ns, "ref_load", None)
     if ref_load and os.path.realpath(ref_load) != os.path.realpath(ns.hf_checkpoint):
         raise ValueError(

@@ -5,8 +5,8 @@
 
 Qwen3.5's released checkpoints are the vision-language model (model_type `qwen3_5` /
 `qwen3_5_moe`: the vision tower under `model.visual`, the language model under
-`model.language_model`). The Megatron backend and LoRA build the text model (`qwen3_5_text` /
-`qwen3_5_moe_text`), so a text-only run with them starts from the checkpoint `extract` writes:
+`model.language_model`). The Megatron backend builds the text model (`qwen3_5_text` /
+`qwen3_5_moe_text`), so a text-only run with it starts from the checkpoint `extract` writes:
 config.json is the checkpoint's `text_config` (architectures `Qwen3_5ForCausalLM`), the weights
 are the language model's with `model.` names, `lm_head` and any other top-level tensors
 (`mtp.*`) as they are, the vision tower's left out, and the other files (tokenizer, chat

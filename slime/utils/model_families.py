@@ -36,7 +36,8 @@ class Family:
     aux_loss or seq_aux_loss) act without the other router hooks: the routers' scores are read,
     their routing is left as the model computes it (sigmoid routers with a bias and groups)."""
     lora: bool = True
-    """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused."""
+    """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused.
+    A vision-language model's adapters are its language model's (the vision tower gets none)."""
     router_fp32: bool = False
     """transformers' modeling computes the router's logits in float32 whatever the parameters'
     dtype (so --moe-router-dtype fp32 asks for what happens anyway)."""
@@ -55,7 +56,7 @@ class Family:
     text_model: str | None = None
     """A vision-language family's language model as a family of its own (its model_type):
     `python -m slime.tools.text_model extract` writes it from a checkpoint, for what only the
-    text model has (Megatron, LoRA, PPO's critic)."""
+    text model has (the Megatron backend)."""
 
 
 VISION_ON_FSDP = (
@@ -138,7 +139,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3-VL dense (2B-32B)",
             PER_SEQUENCE,
             megatron=VISION_ON_FSDP,
-            lora=False,
             vision=True,
         ),
         Family(
@@ -147,7 +147,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5 dense as released (0.8B-27B: the vision-language model)",
             PER_SEQUENCE,
             megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`, slime.tools.text_model) is built",
-            lora=False,
             packs=False,
             vision=True,
             text_model="qwen3_5_text",
@@ -207,9 +206,7 @@ def refusal(model_type: str | None, feature: str) -> str | None:
         return None
     hooks = "routing replay is" if f.aux_loss else "routing replay and the router's aux loss are"
     what = {"router_hooks": hooks, "lora": "LoRA is", "aux_loss": "the router's aux loss is"}[feature]
-    text = family(f.text_model)
-    own = refused_text_hint(model_type) if text is not None and getattr(text, feature) else ""
-    return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md){own}"
+    return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
 
 
 def value_model_refusal(model_type: str | None) -> str | None:
@@ -222,24 +219,10 @@ def value_model_refusal(model_type: str | None) -> str | None:
     f = family(model_type)
     if f is None or model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
         return None
-    hint = (
-        refused_text_hint(model_type) if f.text_model in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES else ""
-    )
     return (
         f"model_type {model_type!r}: a value model (PPO's critic) of this model is not built with FSDP "
         "(transformers has no token classifier of it); use --advantage-estimator grpo (or another critic-free "
-        "one)" + hint
-    )
-
-
-def refused_text_hint(model_type: str | None) -> str:
-    """What to do with a vision-language checkpoint whose text model has what it lacks."""
-    f = family(model_type)
-    if f is None or f.text_model is None:
-        return ""
-    return (
-        f"; for text-only training take its text model ({f.text_model}) out: python -m "
-        "slime.tools.text_model extract --hf-checkpoint DIR --out TEXT_DIR"
+        "one)"
     )
 
 

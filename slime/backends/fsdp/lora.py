@@ -37,12 +37,15 @@ _ADAPTER_PARAM = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_config(cfg: LoRAConfig) -> Any:
+def peft_config(cfg: LoRAConfig, also_excluded: list[str] | None = None) -> Any:
+    """PEFT's LoraConfig of the flags; `also_excluded`: whole module names left without adapters
+    besides --exclude-modules (a vision-language model's vision tower)."""
     from peft import LoraConfig
 
     targets: Any = ALL_LINEAR if cfg.target_modules == (ALL_LINEAR,) else list(cfg.target_modules)
+    excluded = [*cfg.exclude_modules, *(also_excluded or [])]
     return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                      exclude_modules=list(cfg.exclude_modules) or None, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+                      exclude_modules=excluded or None, bias="none", task_type="CAUSAL_LM")  # fmt: skip
 
 
 def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
@@ -67,7 +70,14 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             "--target-modules lm_head: this model ties its LM head to the embedding, whose weight an adapter "
             "would then change twice; leave lm_head out"
         )
-    model = inject_adapter_in_model(peft_config(cfg), model)
+    # A vision-language model's adapters are its language model's: the vision tower stays as it is
+    # (frozen), its linear layers named whole, as PEFT matches a name or a name's last parts.
+    from slime.backends.fsdp.vision import vision_tower
+
+    tower = vision_tower(model)
+    prefix = next((n + "." for n, m in model.named_modules() if tower is not None and m is tower), None)
+    tower_linear = [n for n in linear if prefix is not None and n.startswith(prefix)]
+    model = inject_adapter_in_model(peft_config(cfg, tower_linear), model)
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
     return model
