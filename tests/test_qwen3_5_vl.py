@@ -360,11 +360,14 @@ def test_megatron_refuses_the_released_checkpoint_and_names_its_text_model(qwen3
         Layout.from_hf_config(AutoConfig.from_pretrained(qwen3_5_vl))
 
 
-@pytest.mark.slow  # a whole job, about 30 s; the Qwen3-VL job runs by default (test_vision_e2e)
+@pytest.mark.slow  # a whole job, about 30 s each; the Qwen3-VL job runs by default (test_vision_e2e)
 @pytest.mark.e2e
-def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path):
-    """train.py with --multimodal-keys on the released layout: real Ray, a torch engine, a gloo
-    train rank; the trainer's log-probs of rollout 0 are the engine's, images included."""
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4", "--target-modules", "all-linear", "--lr", "1e-3"]],
+                         ids=["full", "lora"])  # fmt: skip
+def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path, lora):
+    """train.py with --multimodal-keys on the released layout, fully or with LoRA (the merged
+    push): real Ray, a torch engine, a gloo train rank; the trainer's log-probs of rollout 0 are
+    the engine's, images included."""
     from slime.tools.make_vision_task import main
     from tests.test_loop_e2e import run_job
     from tests.test_vision_e2e import KEYS
@@ -372,7 +375,7 @@ def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path):
     task = str(tmp_path / "task")
     assert main(["--out", task, "--train-size", "8", "--eval-size", "4", "--sft-size", "0"]) == 0
     proc = run_job("train.py", qwen3_5_vl, f"{task}/train.jsonl", tmp_path, *KEYS, "--rm-type", "exact",
-                   "--rollout-max-response-len", "2", "--check-precision")  # fmt: skip
+                   "--rollout-max-response-len", "2", "--check-precision", *lora)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--check-precision: passed at rollout 0" in proc.stderr
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
