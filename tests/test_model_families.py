@@ -79,7 +79,7 @@ def test_the_engine_caches_deepseek_v3s_compressed_latent_not_full_keys_and_valu
     latent into every head's keys and values."""
     from transformers import AutoModelForCausalLM
 
-    from slime.engines.torch_engine.model_runner import GenericRunner
+    from slime.engines.torch_engine.runner import GenericRunner
     from slime.engines.torch_engine.sequence import Sequence
     from slime.utils.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from slime.engines.protocol import GenerateRequest, ProtocolError
-from slime.engines.torch_engine.model_runner import GenericRunner
+from slime.engines.torch_engine.runner import GenericRunner
 from slime.engines.torch_engine.sequence import Sequence
 from slime.utils.model_families import is_vision
 
