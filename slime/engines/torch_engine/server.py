@@ -5,7 +5,8 @@ Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "
 4xx code for client mistakes (malformed JSON, wrong types, out-of-range values); nothing a client
 sends can stop the server. With an API key every route but /health* needs
 `Authorization: Bearer <key>` (401 otherwise), as in SGLang. The weight-debugging routes are in
-debug_api.py, the LoRA routes in lora_api.py.
+debug_api.py, the LoRA routes in lora_api.py, the weight updates and memory release in
+weights_api.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from slime.engines.protocol import (
     GenerateRequest,
     ProtocolError,
     parse_generate,
-    parse_tensor_specs,
 )
 from slime.engines.torch_engine.debug_api import WeightsDebugAPI
 from slime.engines.torch_engine.engine import TorchEngine
@@ -35,7 +35,6 @@ from slime.engines.torch_engine.http_util import (
     error_response,
     is_open_path,
     json_object,
-    optional_str,
     read_json,
 )
 from slime.engines.torch_engine.lora_api import LoRAAPI
@@ -43,13 +42,13 @@ from slime.engines.torch_engine.openai_api import completion_requests, completio
 from slime.engines.torch_engine.pull_api import PullAPI
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
-from slime.utils.device_memory import cuda_memory_held, release_device_memory
+from slime.engines.torch_engine.weights_api import WeightsAPI
+from slime.utils.device_memory import cuda_memory_held
 from slime.utils.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags
 
 
 def make_app(
@@ -85,6 +84,7 @@ def make_app(
     WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
     LoRAAPI(engine).register(app.router)
     PullAPI(engine).register(app.router)
+    WeightsAPI(engine).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
@@ -98,14 +98,6 @@ def make_app(
     r.add_post("/continue_generation", api.continue_generation)
     r.add_post("/abort_request", api.abort_request)
     r.add_route("*", "/flush_cache", api.flush_cache)
-    r.add_post("/update_weights_from_disk", api.update_weights_from_disk)
-    r.add_post("/update_weights_from_tensor", api.update_weights_from_tensor)
-    r.add_post("/init_weights_update_group", api.init_weights_update_group)
-    r.add_post("/destroy_weights_update_group", api.destroy_weights_update_group)
-    r.add_post("/update_weights_from_distributed", api.update_weights_from_distributed)
-    r.add_post("/release_memory_occupation", api.release_memory_occupation)
-    r.add_post("/update_weight_version", api.update_weight_version)
-    r.add_post("/resume_memory_occupation", api.resume_memory_occupation)
     r.add_post("/v1/completions", api.completions)
     r.add_get("/v1/models", api.models)
     return app
@@ -320,150 +312,6 @@ class EngineAPI:
             )
         return web.Response(text="Cache flushed.")
 
-    # ---- weights ------------------------------------------------------------------------------
-    async def _update(
-        self, request: web.Request, body: dict[str, Any], apply: Callable[[], int]
-    ) -> web.Response:
-        version = body.get("weight_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
-            raise ProtocolError("'weight_version' must be a string")
-
-        # slime extension: fingerprints of the parameters this update wrote, in the answer
-        # (--check-weight-sync without a second request), and every parameter name.
-        fingerprints = bool(body.get("slime_fingerprints"))
-        store = self.engine.weights
-
-        def _run() -> tuple[int, str, dict[str, Any] | None]:
-            store.applied_fingerprints = {} if fingerprints else None
-            try:
-                count = apply()
-                prints = store.applied_fingerprints
-            finally:
-                store.applied_fingerprints = None
-            # As SGLang: the version changes only when the update names one.
-            if version is not None:
-                self.engine.weight_version = str(version)
-            return count, self.engine.weight_version, prints
-
-        start = time.perf_counter()
-        try:
-            count, new_version, prints = await self._on_engine(_run)
-        except ProtocolError as e:
-            return web.json_response({"success": False, "message": e.message}, status=e.status)
-        logger.info(
-            "%s: %d tensors in %.3f s, weight_version=%s",
-            request.path,
-            count,
-            time.perf_counter() - start,
-            new_version,
-        )
-        return web.json_response(
-            {
-                "success": True,
-                "message": f"updated {count} tensors",
-                "weight_version": new_version,
-                "num_paused_requests": 0,
-                **(
-                    {"slime_fingerprints": prints, "slime_parameter_names": store.canonical_names()}
-                    if prints is not None
-                    else {}
-                ),
-            }
-        )
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request))
-        return await self._update(
-            request, body, lambda: self.engine.weights.update_from_disk(body.get("model_path", ""))
-        )
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request))
-        return await self._update(
-            request,
-            body,
-            lambda: self.engine.weights.update_from_tensor(
-                body.get("serialized_named_tensors"), body.get("load_format")
-            ),
-        )
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request))
-        specs = parse_tensor_specs(body)
-        group = optional_str(body, "group_name", "weight_update_group")
-        return await self._update(
-            request,
-            body,
-            lambda: self.engine.weights.update_from_distributed(specs, group, self.engine.device),
-        )
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request))
-        # Rendezvous blocks until the trainer joins: keep it off both the event loop and the engine thread.
-        try:
-            await asyncio.to_thread(self.engine.weights.init_group, body, self.engine.device)
-        except ProtocolError as e:
-            return web.json_response({"success": False, "message": e.message}, status=e.status)
-        return web.json_response({"success": True, "message": "weight-update group initialised"})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = json_object(await read_json(request, required=False))
-        name = optional_str(body, "group_name", "weight_update_group")
-        await self._on_engine(lambda: self.engine.weights.destroy_group(name))
-        return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        """SGLang's route: the weight_version reported from now on (an adapter push sets it).
-        As in SGLang, every request is aborted first unless `abort_all_requests` is false."""
-        body = json_object(await read_json(request))
-        version = body.get("new_version")
-        if isinstance(version, bool) or not isinstance(version, (str, int)):
-            raise ProtocolError("'new_version' must be a string")
-        abort = body.get("abort_all_requests", True)
-        if not isinstance(abort, bool):
-            raise ProtocolError("'abort_all_requests' must be true or false")
-        if abort:
-            await asyncio.wrap_future(self.engine.abort(None))
-
-        def _set() -> None:
-            self.engine.weight_version = str(version)
-
-        await self._on_engine(_set)
-        return web.json_response({"success": True, "message": f"weight_version {version}"})
-
-    async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags(json_object(await read_json(request, required=False)))
-
-        def _release() -> None:
-            if self.engine.scheduler.has_work():
-                raise ProtocolError(
-                    f"{self.engine.scheduler.num_in_flight} request(s) in flight; abort them or "
-                    "let them finish before releasing memory",
-                    409,
-                )
-            if "kv_cache" in tags:
-                self.engine.runner.free_cache()
-            if "weights" in tags or "cuda_graph" in tags:
-                self.engine.runner.forget_graphs()  # they hold the parameters' addresses
-            if "weights" in tags:
-                self.engine.weights.release()
-            release_device_memory()  # back to the driver, for the colocated trainer
-
-        await self._on_engine(_release)
-        logger.info("memory released %s", list(tags))
-        return web.json_response({"success": True, "message": f"released {list(tags)}"})
-
-    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags(json_object(await read_json(request, required=False)))
-
-        def _resume() -> None:
-            if "weights" in tags:
-                self.engine.weights.resume()
-
-        await self._on_engine(_resume)
-        logger.info("memory resumed %s", list(tags))
-        return web.json_response({"success": True, "message": f"resumed {list(tags)}"})
-
     # ---- OpenAI ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
         body = CompletionRequest.from_json(await read_json(request))
@@ -487,12 +335,3 @@ def _resolve(fut: asyncio.Future, result: Any) -> None:
 def _fail(fut: asyncio.Future, error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)
-
-
-def _tags(body: dict[str, Any]) -> tuple[str, ...]:
-    tags = body.get("tags")
-    if tags is None:
-        return _MEMORY_TAGS
-    if not isinstance(tags, list) or any(t not in _MEMORY_TAGS for t in tags):
-        raise ProtocolError(f"'tags' must be a list drawn from {list(_MEMORY_TAGS)}")
-    return tuple(tags)
