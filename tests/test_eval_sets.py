@@ -11,7 +11,7 @@ from slime.config.eval_sets import EvalDataset
 from slime.config.records import RolloutConfig
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.ray.cli import parse_args
-from slime.rollout.producer import eval_metrics
+from slime.rollout.summary import eval_metrics
 from slime.utils.errors import UsageError
 from slime.utils.sample import Sample, Status
 

@@ -23,7 +23,6 @@ from typing import Any
 
 from slime.config.arguments import Config
 from slime.config.eval_sets import EvalDataset, eval_flag
-from slime.config.records import RolloutConfig
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.base_types import unwrap
@@ -34,10 +33,9 @@ from slime.rollout.generator import GenerationProgress, RolloutGenerator, number
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
 from slime.rollout.summary import (
-    multi_turn_metrics,
+    eval_metrics,
+    flag_metrics,
     package_rollout,
-    pass_at_k,
-    reward_categories,
     reward_post_process,
     rollout_metrics,
 )
@@ -454,46 +452,3 @@ async def _generate(
         return result.samples, metrics
     finally:
         await asyncio.gather(*(c.close() for c in clients))
-
-
-def flag_metrics(cfg: RolloutConfig, samples: list[Sample], prefix: str) -> dict[str, float]:
-    """The metrics flags ask for: --log-passrate, --log-reward-category, --log-multi-turn
-    (a rollout's; an evaluation set's with its `prefix`, and its reward key)."""
-    out: dict[str, float] = {}
-    key = cfg.reward_key if prefix == "rollout" else cfg.eval_reward_key or cfg.reward_key
-    if cfg.log_passrate:
-        head = "passrate/" if prefix == "rollout" else f"{prefix}-"
-        out.update({head + k: v for k, v in pass_at_k(samples, key).items()})
-    if cfg.log_reward_category:
-        out.update(
-            {
-                f"{prefix}/{k}": v
-                for k, v in reward_categories(samples, cfg.log_reward_category, prefix).items()
-            }
-        )
-    if cfg.log_multi_turn and prefix == "rollout":
-        out.update(
-            {
-                f"multi_turn/{k}": v
-                for k, v in multi_turn_metrics(samples, cfg.sampling.max_response_len).items()
-            }
-        )
-    return out
-
-
-def eval_metrics(ds: EvalDataset, samples: list[Sample], cfg: RolloutConfig) -> dict[str, float]:
-    """eval/<metric> for the unnamed set; a named set's as slime logs them: eval/<name> (mean reward),
-    eval/<name>-truncated_ratio, and the rest under eval/<name>/. The reward reported: --eval-reward-key's
-    entry of a dict reward (default: --reward-key's)."""
-    reward_key = cfg.eval_reward_key or cfg.reward_key
-    metrics = {
-        **rollout_metrics(samples, reward_key, prefix=ds.prefix),
-        **flag_metrics(cfg, samples, ds.prefix),
-    }
-    if ds.name is not None:
-        if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
-            raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
-                             "to report with --reward-key")  # fmt: skip
-        metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
-        metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
-    return metrics

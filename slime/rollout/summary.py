@@ -9,6 +9,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from slime.config.eval_sets import EvalDataset
+from slime.config.records import RolloutConfig
 from slime.utils.batch import Rollout, split_rollout
 from slime.utils.errors import UsageError
 from slime.utils.sample import Sample, Status, samples_to_batch
@@ -164,3 +166,46 @@ def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str
             {f"{name}_mean": statistics.fmean(values), f"{name}_max": max(values), f"{name}_min": min(values)}
         )
     return out
+
+
+def flag_metrics(cfg: RolloutConfig, samples: list[Sample], prefix: str) -> dict[str, float]:
+    """The metrics flags ask for: --log-passrate, --log-reward-category, --log-multi-turn
+    (a rollout's; an evaluation set's with its `prefix`, and its reward key)."""
+    out: dict[str, float] = {}
+    key = cfg.reward_key if prefix == "rollout" else cfg.eval_reward_key or cfg.reward_key
+    if cfg.log_passrate:
+        head = "passrate/" if prefix == "rollout" else f"{prefix}-"
+        out.update({head + k: v for k, v in pass_at_k(samples, key).items()})
+    if cfg.log_reward_category:
+        out.update(
+            {
+                f"{prefix}/{k}": v
+                for k, v in reward_categories(samples, cfg.log_reward_category, prefix).items()
+            }
+        )
+    if cfg.log_multi_turn and prefix == "rollout":
+        out.update(
+            {
+                f"multi_turn/{k}": v
+                for k, v in multi_turn_metrics(samples, cfg.sampling.max_response_len).items()
+            }
+        )
+    return out
+
+
+def eval_metrics(ds: EvalDataset, samples: list[Sample], cfg: RolloutConfig) -> dict[str, float]:
+    """eval/<metric> for the unnamed set; a named set's as slime logs them: eval/<name> (mean reward),
+    eval/<name>-truncated_ratio, and the rest under eval/<name>/. The reward reported: --eval-reward-key's
+    entry of a dict reward (default: --reward-key's)."""
+    reward_key = cfg.eval_reward_key or cfg.reward_key
+    metrics = {
+        **rollout_metrics(samples, reward_key, prefix=ds.prefix),
+        **flag_metrics(cfg, samples, ds.prefix),
+    }
+    if ds.name is not None:
+        if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
+            raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
+                             "to report with --reward-key")  # fmt: skip
+        metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
+        metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
+    return metrics
