@@ -150,3 +150,21 @@ def test_a_critic_of_a_vision_language_model_is_refused_by_name(tiny_vlm):
     with pytest.raises(CheckpointError, match=r"'qwen3_vl': a value model .* of this model is not "
                        "built with FSDP \\(transformers has no token classifier of it\\)"):  # fmt: skip
         build_meta_model(AutoConfig.from_pretrained(tiny_vlm), "sdpa", value_head=True)
+
+
+def test_lora_on_qwen3_vl_adapts_its_language_model_only(tiny_vlm):
+    """All-linear LoRA on Qwen3-VL: adapters on every linear layer of the language model, none on
+    the vision tower (its DeepStack mergers included) or the LM head (the training and the push
+    are tested on Qwen3.5: tests/test_qwen3_5_vl.py)."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.fsdp.lora import inject, tower_linear
+    from slime.config.lora import LoRAConfig
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    tower = tower_linear(model)
+    assert tower and any("deepstack" in n for n in tower)
+    language = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in tower]
+    model = inject(model, LoRAConfig(rank=4, alpha=8, target_modules=("all-linear",)))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {n for n in language if n != "lm_head"}

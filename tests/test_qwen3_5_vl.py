@@ -233,16 +233,20 @@ def test_ppo_s_critic_on_prompts_without_images_is_transformers_token_classifier
     assert result["after"] != result["values"]  # it trained
 
 
-def test_lora_adapts_the_language_model_only_and_pushes_peft_s_merge(qwen3_5_vl):
+def test_lora_adapts_the_language_model_only_and_pushes_peft_s_merge(qwen3_5_vl, tmp_path):
     """All-linear LoRA on the released layout: adapters on the language model's layers (none on the
     vision tower), only they train, step 0 is the base model exactly, and the push is PEFT's own
-    merge of the same adapters."""
-    from peft import LoraConfig, get_peft_model
+    merge of the adapter directory --save-hf writes (loaded by PEFT as it is)."""
+    from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from tests.test_lora import lora_run
+    from slime.backends.fsdp.lora import inject
+    from slime.config.lora import LoRAConfig
+    from slime.utils.errors import UsageError
+    from tests.test_lora import ALL, lora_run
 
-    result = run_ranks(1, lora_run, qwen3_5_vl)[0]
+    adapter = str(tmp_path / "adapter")
+    result = run_ranks(1, lora_run, qwen3_5_vl, ALL, (), None, None, 2, adapter)[0]  # --save-hf: the adapter
     first = result["outputs"][0]
     assert first.steps[0]["kl_loss"] == 0.0 and first.precision["ref_max_abs_diff"] == 0.0
     assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
@@ -250,21 +254,20 @@ def test_lora_adapts_the_language_model_only_and_pushes_peft_s_merge(qwen3_5_vl)
     assert any(".linear_attn." in n for n in result["trainable"])  # the gated delta-nets are adapted too
     hf = AutoModelForImageTextToText.from_pretrained(qwen3_5_vl, dtype=torch.float32)
     base = {n: t.clone() for n, t in hf.state_dict().items()}
-    tower = [
-        n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")
-    ]
-    peft_model = get_peft_model(
-        hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=tower)
-    )
-    peft_model.load_state_dict({"base_model.model." + n: t for n, t in result["after"].items()}, strict=False)
+    peft_model = PeftModel.from_pretrained(hf, adapter)  # the saved config keeps the tower out
+    assert not any("lora_A" in n and ".visual." in n for n, _ in peft_model.named_parameters())
     merged = peft_model.merge_and_unload().state_dict()
     assert result["exported"].keys() == merged.keys()
     for name, tensor in result["exported"].items():
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
     moved = {n for n, t in result["exported"].items() if not torch.equal(t, base[n])}
     assert moved and not any(n.startswith("model.visual.") for n in moved)  # trained; the tower as it was
+    with pytest.raises(UsageError, match="a vision-language model's vision tower takes no adapters"):
+        inject(AutoModelForImageTextToText.from_pretrained(qwen3_5_vl),
+               LoRAConfig(rank=4, alpha=8, target_modules=("linear_fc1",)))  # fmt: skip
 
 
+@pytest.mark.slow  # an engine (about 8 s); the engine's LoRA runs by default on text (test_engine_lora)
 def test_the_engine_serves_a_lora_adapter_with_images_like_peft(qwen3_5_vl, reference, dot_images, tmp_path):
     """A PEFT adapter of the language model (the engine's --enable-lora): a request with an image
     and the adapter samples what PEFT's model with that image gives, within 1e-5."""

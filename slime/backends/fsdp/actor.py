@@ -438,7 +438,10 @@ class FSDPTrainActor(TrainActorBase):
     def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """LoRA: the adapters as full tensors under PEFT's names, and their PEFT config (every
         rank takes part; --lora-push adapter sends them)."""
-        return lora.full_adapters(self.model), lora.adapter_config_dict(self.cfg.lora, self.cfg.hf_checkpoint)
+        config = lora.adapter_config_dict(
+            self.cfg.lora, self.cfg.hf_checkpoint, lora.tower_linear(self.model)
+        )
+        return lora.full_adapters(self.model), config
 
     def _merge_adapters(
         self, named: Iterator[tuple[str, torch.Tensor]]

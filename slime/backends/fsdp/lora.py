@@ -53,7 +53,10 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     --exclude-modules that names no linear layer is refused, naming it and the model's."""
     from peft import inject_adapter_in_model
 
-    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # A vision-language model's adapters are its language model's: the vision tower stays as it is
+    # (frozen), its linear layers named whole, as PEFT matches a name or a name's last parts.
+    tower = tower_linear(model)
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in tower]
     for flag, names in (("--target-modules", cfg.target_modules), ("--exclude-modules", cfg.exclude_modules)):
         # PEFT's rule for a plain name: the module's name is it, or ends with "." + it.
         unknown = [
@@ -63,6 +66,7 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             raise UsageError(
                 f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear layers are "
                 f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
+                + ("; a vision-language model's vision tower takes no adapters" if tower else "")
             )
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head" in cfg.target_modules:
@@ -70,17 +74,22 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             "--target-modules lm_head: this model ties its LM head to the embedding, whose weight an adapter "
             "would then change twice; leave lm_head out"
         )
-    # A vision-language model's adapters are its language model's: the vision tower stays as it is
-    # (frozen), its linear layers named whole, as PEFT matches a name or a name's last parts.
-    from slime.backends.fsdp.vision import vision_tower
-
-    tower = vision_tower(model)
-    prefix = next((n + "." for n, m in model.named_modules() if tower is not None and m is tower), None)
-    tower_linear = [n for n in linear if prefix is not None and n.startswith(prefix)]
-    model = inject_adapter_in_model(peft_config(cfg, tower_linear), model)
+    model = inject_adapter_in_model(peft_config(cfg, tower), model)
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
     return model
+
+
+def tower_linear(model: nn.Module) -> list[str]:
+    """The full names of a vision-language model's vision-tower linear layers (none for a text
+    model): the layers PEFT is told to leave alone, in the model and in its adapter_config.json."""
+    from slime.backends.fsdp.vision import vision_tower
+
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    prefix = next(n for n, m in model.named_modules() if m is tower) + "."
+    return [prefix + n for n, m in tower.named_modules() if isinstance(m, nn.Linear)]
 
 
 def is_adapter(name: str) -> bool:
@@ -193,13 +202,15 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterato
     assert not held, f"LoRA layers without their adapters: {sorted(held)[:3]}"
 
 
-def adapter_config_dict(cfg: LoRAConfig, base: str) -> dict[str, Any]:
-    """The adapter's PEFT config as JSON data (adapter_config.json; SGLang's `config_dict`)."""
-    config = peft_config(cfg)
+def adapter_config_dict(cfg: LoRAConfig, base: str, also_excluded: list[str] | None = None) -> dict[str, Any]:
+    """The adapter's PEFT config as JSON data (adapter_config.json; SGLang's `config_dict`);
+    `also_excluded`: as for `peft_config` (the vision tower's layers), so PEFT loads it as trained."""
+    config = peft_config(cfg, also_excluded)
     config.base_model_name_or_path = base
     data = config.to_dict()
-    if isinstance(data.get("target_modules"), set):
-        data["target_modules"] = sorted(data["target_modules"])
+    for key, value in data.items():  # PEFT holds module names as sets: JSON lists (not a str of a set)
+        if isinstance(value, set):
+            data[key] = sorted(value)
     return json.loads(json.dumps(data, default=str))
 
 
