@@ -372,3 +372,22 @@ def test_the_adapter_push_shares_each_ranks_copy_with_the_engine_on_its_gpu(tiny
             assert torch.equal(held, tensor.to(held.dtype)), name
         moved += bool(m.group(2) == "B" and tensor.abs().sum() > 0)
     assert moved == 28  # every B left zero by the step: the engines hold the trained adapter
+
+
+def test_the_adapter_config_keeps_module_names_as_lists():
+    """adapter_config.json (and the config an adapter push sends) holds --target-modules and
+    --exclude-modules as JSON lists, which PEFT reads back; the str of a Python set it held
+    before matched no module, so PEFT excluded nothing on loading."""
+    from peft import LoraConfig
+
+    from slime.backends.fsdp.lora import adapter_config_dict
+    from slime.config.lora import LoRAConfig
+
+    cfg = LoRAConfig(
+        rank=4, alpha=8, target_modules=("q_proj", "v_proj"), exclude_modules=("layers.0.self_attn.q_proj",)
+    )
+    data = adapter_config_dict(cfg, "base", ["model.visual.blocks.0.attn.qkv"])
+    assert data["target_modules"] == ["q_proj", "v_proj"]
+    assert data["exclude_modules"] == ["layers.0.self_attn.q_proj", "model.visual.blocks.0.attn.qkv"]
+    back = LoraConfig(**{k: v for k, v in data.items() if k in LoraConfig.__dataclass_fields__})
+    assert back.exclude_modules == {"layers.0.self_attn.q_proj", "model.visual.blocks.0.attn.qkv"}
