@@ -12,12 +12,10 @@ write either: nothing is created outside it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -48,16 +46,13 @@ class WeightsDebugAPI:
         router.add_route("*", "/slime/weights_fingerprint", self.weights_fingerprint)
         router.add_post("/slime/dump_parameters", self.dump_parameters)
 
-    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     async def weights_checksum(self, request: web.Request) -> web.Response:
         """slime extension: {"names": [...]?} -> {"weight_version", "checksums": {name: sha256}}."""
         body = {} if request.method == "GET" else json_object(await read_json(request, required=False))
         names = body.get("names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise ProtocolError("'names' must be a list of parameter names")
-        result = await self._on_engine(lambda: self.engine.weights.checksums(names))
+        result = await self.engine.run(lambda: self.engine.weights.checksums(names))
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": result})
 
     async def weights_checker(self, request: web.Request) -> web.Response:
@@ -71,7 +66,7 @@ class WeightsDebugAPI:
         if not isinstance(action, str) or action not in actions:
             raise ProtocolError(f"'action' must be one of {', '.join(actions)}, got {_short(action)}")
         try:
-            result = await self._on_engine(actions[action])
+            result = await self.engine.run(actions[action])
         except ProtocolError as e:
             return web.json_response({"success": False, "message": e.message}, status=400)
         if action == "compare":
@@ -86,7 +81,7 @@ class WeightsDebugAPI:
     async def weights_fingerprint(self, request: web.Request) -> web.Response:
         """slime extension: {"weight_version", "fingerprints": {name: {dtype, shape, fingerprint}}}
         for every parameter (slime.utils.checksum.tensor_fingerprint)."""
-        result = await self._on_engine(self.engine.weights.fingerprints)
+        result = await self.engine.run(self.engine.weights.fingerprints)
         return web.json_response({"weight_version": self.engine.weight_version, "fingerprints": result})
 
     async def dump_parameters(self, request: web.Request) -> web.Response:
@@ -111,7 +106,7 @@ class WeightsDebugAPI:
             finally:
                 os.close(dir_fd)
 
-        count = await self._on_engine(_dump)
+        count = await self.engine.run(_dump)
         return web.json_response({"success": True, "num_parameters": count, "path": target})
 
     def dump_target(self, path: str) -> str:

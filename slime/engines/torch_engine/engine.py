@@ -12,6 +12,7 @@ so no caller waits forever on a thread that is gone.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -124,6 +125,10 @@ class TorchEngine:
             self._commands.put((fn, fut))
         self._wakeup.set()
         return fut
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """`call` awaited from the HTTP event loop: `fn`'s result, run on the engine thread."""
+        return await asyncio.wrap_future(self.call(fn))
 
     def add_death_listener(self, listener: Callable[[str], None]) -> None:
         """Call `listener(reason)` (from the dying thread) when the engine thread stops."""

@@ -26,15 +26,12 @@ class LoRAAPI:
         router.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
         router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
 
-    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     async def _answer(self, error: str | None = None) -> web.Response:
         """SGLang's answer: {success, error_message, loaded_adapters}, 400 with an error."""
         adapters = self.engine.adapters
         if adapters is None:
             error = "LoRA is not enabled: start the engine with --enable-lora"
-        loaded = {} if adapters is None else await self._on_engine(adapters.loaded)
+        loaded = {} if adapters is None else await self.engine.run(adapters.loaded)
         return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
                                  status=400 if error else 200)  # fmt: skip
 
@@ -44,7 +41,7 @@ class LoRAAPI:
         if adapters is None:
             return await self._answer()
         try:
-            await self._on_engine(lambda: change(adapters))
+            await self.engine.run(lambda: change(adapters))
         except ProtocolError as e:
             if e.status == 503:  # the engine stopped: not the adapter's fault
                 raise
@@ -106,7 +103,7 @@ class LoRAAPI:
         started = await self._lora(lambda a: a.start_unload(name))  # no new request takes it
         if adapters is None or started.status != 200:
             return started
-        while not await self._on_engine(lambda: adapters.unload(name)):
+        while not await self.engine.run(lambda: adapters.unload(name)):
             await asyncio.sleep(0.01)
         return await self._answer()
 

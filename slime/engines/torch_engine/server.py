@@ -125,9 +125,6 @@ class EngineAPI:
             if not fut.done():
                 fut.set_exception(ProtocolError(f"the engine is not running: {reason}", 503))
 
-    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     # ---- generation ---------------------------------------------------------------------------
     async def run_requests(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
         """Submit requests, wait for all; abort them if the client goes away."""
@@ -275,7 +272,7 @@ class EngineAPI:
                 self.engine.retract_all()
             return 0
 
-        aborted = await self._on_engine(_pause)
+        aborted = await self.engine.run(_pause)
         return web.json_response(
             {"success": True, "message": f"generation paused (mode={mode})", "num_aborted_requests": aborted}
         )
@@ -284,7 +281,7 @@ class EngineAPI:
         def _continue() -> None:
             self.engine.paused = False
 
-        await self._on_engine(_continue)
+        await self.engine.run(_continue)
         return web.json_response({"success": True, "message": "generation continued"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -306,7 +303,7 @@ class EngineAPI:
             self.engine.runner.free_cache()
             return True
 
-        if not await self._on_engine(_flush):
+        if not await self.engine.run(_flush):
             raise ProtocolError(
                 "Cache not flushed because there are pending requests; abort or wait for them"
             )

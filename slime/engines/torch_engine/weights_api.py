@@ -35,9 +35,6 @@ class WeightsAPI:
         router.add_post("/update_weight_version", self.update_weight_version)
         router.add_post("/resume_memory_occupation", self.resume_memory_occupation)
 
-    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     async def _update(
         self, request: web.Request, body: dict[str, Any], apply: Callable[[], int]
     ) -> web.Response:
@@ -64,7 +61,7 @@ class WeightsAPI:
 
         start = time.perf_counter()
         try:
-            count, new_version, prints = await self._on_engine(_run)
+            count, new_version, prints = await self.engine.run(_run)
         except ProtocolError as e:
             return web.json_response({"success": False, "message": e.message}, status=e.status)
         logger.info(
@@ -126,7 +123,7 @@ class WeightsAPI:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = json_object(await read_json(request, required=False))
         name = optional_str(body, "group_name", "weight_update_group")
-        await self._on_engine(lambda: self.engine.weights.destroy_group(name))
+        await self.engine.run(lambda: self.engine.weights.destroy_group(name))
         return web.json_response({"success": True, "message": f"group {name!r} destroyed"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -145,7 +142,7 @@ class WeightsAPI:
         def _set() -> None:
             self.engine.weight_version = str(version)
 
-        await self._on_engine(_set)
+        await self.engine.run(_set)
         return web.json_response({"success": True, "message": f"weight_version {version}"})
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -166,7 +163,7 @@ class WeightsAPI:
                 self.engine.weights.release()
             release_device_memory()  # back to the driver, for the colocated trainer
 
-        await self._on_engine(_release)
+        await self.engine.run(_release)
         logger.info("memory released %s", list(tags))
         return web.json_response({"success": True, "message": f"released {list(tags)}"})
 
@@ -177,7 +174,7 @@ class WeightsAPI:
             if "weights" in tags:
                 self.engine.weights.resume()
 
-        await self._on_engine(_resume)
+        await self.engine.run(_resume)
         logger.info("memory resumed %s", list(tags))
         return web.json_response({"success": True, "message": f"resumed {list(tags)}"})
 
