@@ -220,8 +220,11 @@ def _cast(tensor: Any, dtype: str) -> Any:
     """`tensor` in the original's floating-point dtype (safetensors' name of it); others as they are."""
     import torch
 
-    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-    return tensor.to(floats[dtype]) if dtype in floats and tensor.is_floating_point() else tensor
+    from slime.utils.weight_delta import SAFETENSORS_DTYPES
+
+    if not tensor.is_floating_point() or dtype not in SAFETENSORS_DTYPES:
+        return tensor
+    return tensor.to(getattr(torch, SAFETENSORS_DTYPES[dtype]))
 
 
 def main(argv: list[str] | None = None) -> int:

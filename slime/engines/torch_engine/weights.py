@@ -386,19 +386,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _safetensors_dtype(code: str) -> str:
-    table = {
-        "F32": "float32",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "F64": "float64",
-        "I64": "int64",
-        "I32": "int32",
-        "I16": "int16",
-        "I8": "int8",
-        "U8": "uint8",
-        "BOOL": "bool",
-    }
-    return table.get(code, code.lower())
+    from slime.utils.weight_delta import SAFETENSORS_DTYPES
+
+    return SAFETENSORS_DTYPES.get(code, code.lower())
 
 
 def _group_settings(body: dict[str, Any], device: torch.device) -> tuple[str, int, int, int, str, str, float]:
