@@ -5,7 +5,6 @@ transformers' own model, and the FSDP actor training it on padded rows."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -17,7 +16,7 @@ from slime.utils.model_families import FAMILIES, family, is_vision, packable
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
 from tests.conftest import make_model, start_engine
 from tests.dist_helpers import run_ranks
-from tests.test_engine_vision import TEXT, _inputs, _teacher_forced
+from tests.test_engine_vision import TEXT, _inputs, _run, _teacher_forced
 from tests.test_fsdp_vision import _hf_log_probs, run, vision_batch
 
 SIZE = ["--hidden-size", "64", "--num-heads", "2", "--num-kv-heads", "1", "--num-layers", "2"]
@@ -80,16 +79,6 @@ def test_make_tiny_model_names_a_head_dim_too_small_to_split(tmp_path, capsys):
         "--arch qwen3_5_vl: the head dim (--hidden-size / --num-heads = 16) must be"
         in capsys.readouterr().err
     )
-
-
-def _run(url, fn):
-    from slime.engines.client import EngineClient
-
-    async def go():
-        async with EngineClient(url) as c:
-            return await fn(c)
-
-    return asyncio.run(go())
 
 
 def test_the_engine_serves_it_like_the_model_with_and_without_images(
