@@ -3,6 +3,7 @@
     python benchmarks/bench_engine.py [--model-path DIR] [--threads 2] [--leak-requests 1000]
         [--compare-src DIR]
     python benchmarks/bench_engine.py --device cuda [--requests 256] [--hf-requests 64]
+    python benchmarks/bench_engine.py --null-model [--batch 256] [--new-tokens 128] [--compare-src DIR]
 
 CPU (default). Workload: 64 requests, prompt lengths 8-64 and max_new_tokens 16-128 drawn with a
 fixed seed, all submitted at once; every request generates exactly its max_new_tokens
@@ -20,7 +21,19 @@ engine runs as configured by default (CUDA graphs, overlapped decode steps), the
 --disable-overlap-schedule and with --disable-cuda-graph; HF `generate` runs on the first
 --hf-requests requests in left-padded batches of 64 (its tokens/s per batch does not depend on
 how many batches run). GPU busy: nvidia-smi's utilization sampled every 100 ms while the engine
-decodes."""
+decodes.
+
+Host overhead (`--null-model`, any machine): the engine's own work per decode step (scheduling,
+building the step's inputs, sampling's bookkeeping, booking tokens, stop checks) with the model's
+forward replaced by a no-op that returns zero logits, so what is left is what the host spends per
+step, in microseconds. --batch sequences (prompts 32-95 tokens) decode --new-tokens tokens each,
+ignore_eos, temperature 1, all in one batch; the engine runs in process, stepped by this script.
+Configurations: one step per host round trip, booked before the next launch; overlapped (the
+default on CUDA); rounds of 4 and 8 steps (`--num-continuous-decode-steps`), overlapped. With
+--compare-src DIR the same is measured on another source tree (a `git worktree` of an earlier
+commit: the before), in the same run. On CPU the no-op's zero logits still go through sampling on
+the CPU (a small vocabulary keeps that cheap), so the figure is an upper bound of the host's part.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +50,10 @@ import time
 import psutil
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The tree whose `slime` is measured: this one, or --compare-src's in a --null-model worker.
+sys.path.insert(
+    0, os.environ.get("BENCH_SLIME_SRC") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 from slime.engines.client import ClientConfig, EngineClient
 from slime.engines.torch_engine.launcher import start_torch_engine
@@ -128,9 +144,18 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="default: 64 (cpu), 256 (cuda)")
     ap.add_argument("--hf-requests", type=int, default=64, help="CUDA: requests HF generate runs")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--null-model", action="store_true", help="the host's time per decode step (see above)")
+    ap.add_argument("--batch", type=int, default=256, help="--null-model: sequences decoding at once")
+    ap.add_argument("--new-tokens", type=int, default=128, help="--null-model: tokens each sequence decodes")
+    ap.add_argument("--repeats", type=int, default=3, help="--null-model: runs per configuration (median)")
+    ap.add_argument("--null-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.null_worker:
+        return null_worker(args)
     tmp = tempfile.mkdtemp(prefix="bench_engine_")
+    if args.null_model:
+        return bench_null(args, tmp)
     if args.device == "cuda":
         return bench_cuda(args, tmp)
     return bench_cpu(args, tmp)
@@ -247,6 +272,94 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     verdict = "n/a" if busy_pct is None else ("PASS" if busy_pct >= 60 else "FAIL")
     print(f"GPU busy while the engine decodes: {_pct(busy_pct)} (target >= 60%: {verdict})")
     return 1 if ratio < 10 or verdict == "FAIL" else 0  # scripts/gpu-check.sh reports a missed target
+
+
+NULL_CONFIGS = (
+    ("one step per round trip", {"overlap_schedule": False}),
+    ("overlapped (the CUDA default)", {"overlap_schedule": True}),
+    ("4 steps per round, overlapped", {"overlap_schedule": True, "num_continuous_decode_steps": 4}),
+    ("8 steps per round, overlapped", {"overlap_schedule": True, "num_continuous_decode_steps": 8}),
+)
+
+
+def bench_null(args: argparse.Namespace, tmp: str) -> int:
+    """The host's time per decode step with a no-op model, this tree (and --compare-src's)."""
+    import json
+
+    model_path = os.path.join(tmp, "tiny")
+    make_tiny_model(["--out", model_path, "--num-layers", "1", "--hidden-size", "64"])
+    trees = [("this tree", None)] + (
+        [(args.compare_src, os.path.abspath(args.compare_src))] if args.compare_src else []
+    )
+    rows = []
+    for label, src in trees:
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        if src is not None:
+            env["BENCH_SLIME_SRC"] = src
+        argv = [sys.executable, os.path.abspath(__file__), "--null-worker", model_path, "--threads", str(args.threads),
+                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+        for name, micros in json.loads(out.strip().splitlines()[-1]).items():
+            rows.append((f"{label}: {name}", f"{micros:,.0f}"))
+    print(f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
+          f"temperature 1, {args.threads} thread(s), median of {args.repeats}")  # fmt: skip
+    _table(rows, ("us per decode step",))
+    ours = {name: float(v.replace(",", "")) for name, v in rows if name.startswith("this tree")}
+    best = min(ours.values())
+    print(f"\nhost time per decode step at batch {args.batch}: {best:,.0f} us, best configuration "
+          f"(target <= 1000 us: {'PASS' if best <= 1000 else 'FAIL'})")  # fmt: skip
+    if args.compare_src:
+        theirs = [float(v.replace(",", "")) for name, v in rows if not name.startswith("this tree")]
+        print(f"ratio {args.compare_src} / this tree (best of each): {min(theirs) / best:.2f}x")
+    return 0
+
+
+def null_worker(args: argparse.Namespace) -> int:
+    """Measure NULL_CONFIGS with whatever `slime` is on the path (this tree or --compare-src's)."""
+    import dataclasses
+    import json
+    import statistics
+
+    from slime.engines.protocol import parse_generate
+    from slime.engines.torch_engine.config import EngineConfig
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    result = {}
+    for name, overrides in NULL_CONFIGS:
+        if not set(overrides) <= known:
+            continue  # a setting this tree does not have
+        config = EngineConfig(model_path=args.null_worker, max_running_requests=args.batch,
+                              max_prefill_tokens=1 << 30, num_threads=args.threads, **overrides)  # fmt: skip
+        result[name] = statistics.median(_null_run(config, args, parse_generate) for _ in range(args.repeats))
+    print(json.dumps(result))
+    return 0
+
+
+def _null_run(config, args: argparse.Namespace, parse_generate) -> float:
+    """Microseconds per decode step of one batch through an engine whose forward is a no-op."""
+    from slime.engines.torch_engine.engine import TorchEngine
+
+    engine = TorchEngine(config)
+    runner = engine.runner
+    logits = torch.zeros((args.batch, engine.vocab_size))
+    runner._forward = lambda ids, *rest: logits[: ids.shape[0]]
+    prompts = [[4 + (i * 7 + j) % 90 for j in range(32 + i % 64)] for i in range(args.batch)]
+    body = {"input_ids": prompts, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+    finished = []
+    seqs = [engine.make_sequence(req, finished.append) for req in parse_generate(body)[0]]
+    added = engine.add(seqs)
+    engine._run_commands()
+    added.result()
+    engine._step()  # the prefill: the first token of each
+    runner.cache.ensure(args.batch, 96 + args.new_tokens)  # its growth is not a per-step cost
+    start = time.perf_counter()
+    while engine.scheduler.has_work():
+        engine._step()
+    engine._book_in_flight()
+    elapsed = time.perf_counter() - start
+    assert len(finished) == args.batch and all(len(s.output_ids) == args.new_tokens for s in finished)
+    return elapsed / (args.new_tokens - 1) * 1e6
 
 
 class GpuBusy:

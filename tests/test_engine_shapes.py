@@ -62,12 +62,14 @@ shapes: list = []  # the last _serve's decode forwards: (rows, key length)
 
 
 def _serve(
-    model: str, bucketed: bool, reqs, overlap: bool = False, **params
+    model: str, bucketed: bool, reqs, overlap: bool = False, steps: int = 1, **params
 ) -> tuple[list, BatchedRunner, int, int]:
     """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
-    shapes (and does or not overlap its decode steps); returns the results, the runner, the
-    engine's steps and the host transfers made."""
-    server = InProcessServer(model, max_running_requests=16, overlap_schedule=overlap)
+    shapes (and does or not overlap its decode rounds of at most `steps` steps); returns the
+    results, the runner, the engine's steps and the host transfers made."""
+    server = InProcessServer(
+        model, max_running_requests=16, overlap_schedule=overlap, num_continuous_decode_steps=steps
+    )
     engine = server.engine
     engine.runner = runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
     shapes.clear()
@@ -190,6 +192,81 @@ def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
     assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["booked", "overlapped"])
+def test_decode_rounds_give_the_same_answers(tiny_model, overlap):
+    """Rounds of up to 4 decode steps per host round trip: every request gets the tokens,
+    log-probs and finish reason it gets one step at a time (seeded rows draw the same noise),
+    with length stops (rounds shrink so no request passes its max_new_tokens, one at the context
+    limit) and with stop tokens and stop strings inside a round (the tokens after them dropped);
+    a round copies down once."""
+    reqs = _requests(24, seed=3)
+    context = 64
+    reqs[2] = (reqs[2][0], context - len(reqs[2][0]))
+    reqs[7] = (reqs[7][0], 1)
+    plain, _, _, _ = _serve(tiny_model, False, reqs)
+    rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4)
+    _assert_same(rounds, plain)
+    assert rounds[2]["meta_info"]["completion_tokens"] == context - len(reqs[2][0])
+    stops = {"ignore_eos": False, "stop": ["a", "7"], "stop_token_ids": [40, 41, 42]}
+    plain, _, _, _ = _serve(tiny_model, False, reqs, **stops)
+    rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4, **stops)
+    _assert_same(rounds, plain)
+    assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5
+    ids_only = {"ignore_eos": False, "stop_token_ids": [40, 41, 42, 43, 44]}
+    plain, _, _, _ = _serve(tiny_model, False, reqs, **ids_only)
+    rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4, **ids_only)
+    _assert_same(rounds, plain)
+    assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5
+
+
+@pytest.mark.parametrize(("overlap", "launched"), [(False, [4, 4, 4, 4]), (True, [4, 4, 4, 4, 1])])
+def test_a_round_copies_down_once(tiny_model, overlap, launched):
+    """8 requests of 17 tokens, prefilled together: 16 decode steps in rounds of 4, one copy down
+    each; overlapped, a last one-step round runs while the fourth is booked (its tokens dropped,
+    as one-step overlap drops one)."""
+    from slime.engines.protocol import parse_generate
+    from slime.engines.torch_engine.config import EngineConfig
+    from slime.engines.torch_engine.engine import TorchEngine
+
+    engine = TorchEngine(EngineConfig(tiny_model, num_threads=1, overlap_schedule=overlap,
+                                      num_continuous_decode_steps=4))  # fmt: skip
+    body = {"input_ids": [[5 + i] * (3 + i) for i in range(8)],
+            "sampling_params": {"max_new_tokens": 17, "ignore_eos": True, "temperature": 1.0}}  # fmt: skip
+    done: list = []
+    added = engine.add([engine.make_sequence(r, done.append) for r in parse_generate(body)[0]])
+    engine._run_commands()
+    added.result()
+    assert engine.rounds is not None
+    sizes, copies = [], []
+    size, to_host_async = engine.rounds.round_size, transfer.to_host_async
+    engine.rounds.round_size = lambda seqs: sizes.append(size(seqs)) or sizes[-1]  # type: ignore[method-assign]
+    transfer.to_host_async = lambda t: copies.append(t.shape) or to_host_async(t)
+    try:
+        while engine.scheduler.has_work():
+            engine._step()
+        engine._book_in_flight()
+    finally:
+        transfer.to_host_async = to_host_async
+    assert sizes == launched and copies == [(2, k, 8) for k in launched]
+    assert sorted(len(s.output_ids) for s in done) == [17] * 8
+
+
+def test_a_round_never_takes_a_sequence_past_its_max_new_tokens():
+    from slime.engines.torch_engine.rounds import DecodeRounds, PendingRound
+    from slime.engines.torch_engine.sequence import Sequence
+    from slime.utils.sampling_params import SamplingParams
+
+    def seq(max_new: int, made: int) -> Sequence:
+        return Sequence("r", [1, 2], SamplingParams(max_new_tokens=max_new), output_ids=[5] * made)
+
+    rounds = DecodeRounds(None, steps=4, overlap=True)
+    assert rounds.round_size([seq(100, 0), seq(100, 90)]) == 4
+    assert rounds.round_size([seq(100, 0), seq(100, 97)]) == 3  # its last 3 tokens
+    rounds.pending = PendingRound([], torch.zeros(0), transfer.to_host_async(torch.zeros(1)), 2)
+    assert rounds.round_size([seq(100, 0), seq(100, 96)]) == 2  # 2 more are in flight
+    assert rounds.round_size([seq(100, 0), seq(100, 98)]) == 1  # all in flight: one step, as overlap does
+
+
 def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):  # noqa: F811
     """LoRA rows in a batch padded to a bucket (3 rows -> 4): each real row keeps its adapter,
     the same answers as exact shapes."""
@@ -223,7 +300,7 @@ def _watch_overlap(tiny_model, probe: bool) -> tuple[list, list[bool], list[bool
 
     def watched_plan():
         if engine.scheduler.admits():
-            admitted.append(engine.overlap.pending is not None)
+            admitted.append(engine.rounds.pending is not None)
         return plan()
 
     engine.scheduler.plan = watched_plan  # type: ignore[method-assign]
@@ -237,9 +314,7 @@ def _watch_overlap(tiny_model, probe: bool) -> tuple[list, list[bool], list[bool
             ])  # fmt: skip
             seen = []
             while probe and not jobs.done():
-                seen.append(
-                    await asyncio.wrap_future(engine.call(lambda: engine.overlap.pending is not None))
-                )
+                seen.append(await asyncio.wrap_future(engine.call(lambda: engine.rounds.pending is not None)))
                 await asyncio.sleep(0.001)
             return await jobs, seen
 

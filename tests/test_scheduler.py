@@ -101,3 +101,35 @@ def test_abort_by_identity_spares_a_namesake():
     assert s.abort_sequences([gone], "client left again") == []
     assert s.is_in_flight("same") and namesake.status == SeqStatus.WAITING
     assert s.abort("same", "x") == [namesake] and not s.is_in_flight("same")
+
+
+def test_a_run_of_tokens_is_kept_up_to_the_one_that_finishes_it():
+    """Several decode steps' tokens at once (decode rounds): each sequence keeps its run up to its
+    stop token, its stop string or its max_new_tokens, and drops what was sampled after."""
+    s = make(max_running=8)
+    eos, ids, length, text, free, ignore = (
+        seq("eos"),
+        seq("ids", stop_token_ids=(7,)),
+        seq("length", max_new_tokens=3),
+        seq("text", stop=["cd"]),
+        seq("free"),
+        seq("ignore", ignore_eos=True),
+    )
+    for x in (eos, ids, length, text, free, ignore):
+        s.add(x)
+    s.plan()
+    run = [1, 99, 4, 5]
+    done = s.append_runs(
+        [eos, ids, length, text, free, ignore],
+        [run, [1, 7, 7, 2], [1, 2, 3, 4], [0, 2, 3, 4], [1, 2, 3, 4], run],
+        [[-0.5, -1.0, -1.5, -2.0]] * 6,
+    )
+    assert done == [eos, ids, length, text]
+    assert eos.output_ids == [1, 99] and eos.output_logprobs == [-0.5, -1.0]
+    assert eos.finish_reason.to_json()["matched"] == 99
+    assert ids.output_ids == [1, 7] and ids.finish_reason.to_json()["matched"] == 7
+    assert length.output_ids == [1, 2, 3] and length.finish_reason.to_json()["type"] == "length"
+    assert text.output_ids == [0, 2, 3] and text.finish_reason.to_json()["matched"] == "cd"  # "acd"
+    assert free.output_ids == [1, 2, 3, 4] and not free.is_finished
+    assert ignore.output_ids == run and not ignore.is_finished and len(ignore.output_logprobs) == 4
+    assert [x.rid for x in s.running] == ["free", "ignore"]

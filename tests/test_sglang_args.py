@@ -84,3 +84,24 @@ def test_without_sglang_the_flags_pass_through_as_written(tiny_model, tmp_path, 
         parse_args([*base, "--rollout-backend", "torch", "--sglang-mem-fraction-static", "0.7"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--sglang-mem-fraction-static configures SGLang engines" in err
+
+
+def test_the_torch_engine_takes_the_sglang_options_it_shares(tiny_model, tmp_path, capsys):
+    """With --rollout-backend torch, `--sglang-<name>` of an option the torch engine has too (its
+    dtype, batch, CUDA graphs, decode rounds) reaches its command line; a value it has no choice
+    for is refused at parse, naming the flag."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "exact", "--rollout-backend", "torch"]  # fmt: skip
+    given = ["--sglang-dtype", "bfloat16", "--sglang-max-running-requests", "512",
+             "--sglang-num-continuous-decode-steps", "4", "--sglang-disable-overlap-schedule"]  # fmt: skip
+    config = parse_args([*base, *given])
+    assert list(config.cluster.sglang_server_args) == [
+        "--dtype", "bfloat16", "--max-running-requests", "512", "--num-continuous-decode-steps", "4",
+        "--disable-overlap-schedule",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        parse_args([*base, "--sglang-dtype", "auto"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--sglang-dtype auto: the torch engine takes float32 | bfloat16" in err

@@ -12,7 +12,7 @@ from typing import Any
 from slime.config import architecture, megatron_lm, slime_flags
 from slime.config.checks import rule_problems
 from slime.config.resolve import Resolution, package_problems
-from slime.config.sglang_args import reserved_problem, server_argv
+from slime.config.sglang_args import reserved_problem, server_argv, torch_engine_problem
 from slime.config.surface import no_effect_given, refused_problems
 from slime.utils.model_families import family, is_vision, refusal, routes_in_fp32, value_model_refusal
 
@@ -239,11 +239,10 @@ def flag_problems(
     if reserved:
         out.append(reserved)
     ns.sglang_server_args = server_argv(ns, mirrored)
-    if ns.sglang_server_args and ns.rollout_backend == "torch":
-        out.append(
-            f"{ns.sglang_server_args[0].replace('--', '--sglang-', 1)} configures SGLang engines, and "
-            "--rollout-backend is torch: drop the --sglang-* flags (or use --rollout-backend sglang)"
-        )
+    if ns.rollout_backend == "torch":  # the options the torch engine shares with SGLang reach it
+        problem = torch_engine_problem(ns.sglang_server_args)
+        if problem:
+            out.append(problem)
     out += fill_defaults(ns)
     packages = package_problems(ns)
     if resolution.planning_elsewhere:

@@ -35,6 +35,21 @@ RESERVED = {
 OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config",
              "--sglang-router-request-timeout-secs", "--sglang-pp-size", "--sglang-pipeline-parallel-size"}  # fmt: skip
 
+# The SGLang server options the built-in torch engine takes too, with the same meaning
+# (slime.engines.torch_engine.cli): with --rollout-backend torch, `--sglang-<name>` of these is
+# passed to the torch engines; any other is refused. Value: the choices a value must be in, or
+# None (any value, or none for a switch; the engine's own parser checks the rest at start).
+TORCH_ENGINE_OPTIONS: dict[str, tuple[str, ...] | None] = {
+    "--dtype": ("float32", "bfloat16", "float16"),
+    "--max-running-requests": None,
+    "--max-prefill-tokens": None,
+    "--context-length": None,
+    "--disable-cuda-graph": None,
+    "--cuda-graph-max-bs": None,
+    "--disable-overlap-schedule": None,
+    "--num-continuous-decode-steps": None,
+}
+
 AddCliArgs = Callable[[argparse.ArgumentParser], None]
 
 
@@ -96,6 +111,24 @@ def server_argv(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]]) ->
         else:
             argv += [option, str(value)]
     return argv
+
+
+def torch_engine_problem(argv: list[str]) -> str | None:
+    """Why SGLang's arguments `argv` (server_argv's) cannot go to torch engines, or None."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        if arg not in TORCH_ENGINE_OPTIONS:
+            takes = ", ".join("--sglang-" + o[2:] for o in TORCH_ENGINE_OPTIONS)
+            return (
+                f"--sglang-{arg[2:]} configures SGLang engines, and --rollout-backend is torch, whose engines "
+                f"take only {takes}: drop it (or use --rollout-backend sglang)"
+            )
+        choices = TORCH_ENGINE_OPTIONS[arg]
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if choices is not None and value not in choices:
+            return f"--sglang-{arg[2:]} {value}: the torch engine takes {' | '.join(choices)}"
+    return None
 
 
 def reserved_problem(ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]]) -> str | None:

@@ -76,6 +76,8 @@ class Job:
         if config.train.moe.use_rollout_routing_replay:  # R3: engines report each token's experts
             engine_args.append("--enable-return-routed-experts")
         engine_args += engine_launch_args(config.train.lora, sglang=False)  # they serve the pushed adapter
+        # The --sglang-* options the torch engine shares with SGLang (checked at parse).
+        engine_args += c.sglang_server_args
         self.engine_args = engine_args
         # Engines slime launches on a node address get a key of their own (never logged); on
         # loopback they need none, and users' plugins keep posting to them as they always did.

@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)")  # fmt: skip
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on CUDA, book each decode step before launching the next (SGLang's flag)")  # fmt: skip
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="most decode steps launched per host round trip, their tokens brought down in one "
+        "copy; requests that arrive meanwhile wait for the round to end (SGLang's flag; default 1)",
+    )
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
                    "--max-running-requests; 0: none)")  # fmt: skip
@@ -117,6 +124,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-running-requests must be >= 1")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 0:
         parser.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} must be >= 0 (0: no CUDA graphs)")
+    if args.num_continuous_decode_steps < 1:
+        parser.error(f"--num-continuous-decode-steps {args.num_continuous_decode_steps} must be >= 1")
     if args.max_prefill_tokens < 1:
         parser.error("--max-prefill-tokens must be >= 1")
     if args.max_top_logprobs_num < 0:
@@ -178,6 +187,7 @@ async def serve(args: argparse.Namespace) -> None:
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         overlap_schedule=False if args.disable_overlap_schedule else None,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,

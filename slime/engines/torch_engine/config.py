@@ -48,6 +48,10 @@ class EngineConfig:
     """`--cuda-graph-max-bs` (SGLang's): the largest decode batch replayed as a CUDA graph
     (default: --max-running-requests)."""
     overlap_schedule: bool | None = None
-    """Launch each decode step before booking the previous one (slime.engines.torch_engine.overlap);
+    """Launch each decode round before booking the previous one (slime.engines.torch_engine.rounds);
     None: on CUDA with the batched runner, unless deterministic (`--disable-overlap-schedule`,
     SGLang's flag, turns it off)."""
+    num_continuous_decode_steps: int = 1
+    """`--num-continuous-decode-steps` (SGLang's): the most decode steps launched per host round
+    trip, their tokens brought down in one copy (slime.engines.torch_engine.rounds); requests that
+    arrive meanwhile wait for the round's end."""

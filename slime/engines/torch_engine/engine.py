@@ -27,7 +27,7 @@ from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.config import EngineConfig
 from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
-from slime.engines.torch_engine.overlap import OverlapSchedule
+from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
@@ -70,8 +70,11 @@ class TorchEngine:
         overlap = config.overlap_schedule
         if overlap is None:
             overlap = self.device.type == "cuda" and not config.deterministic
+        steps = config.num_continuous_decode_steps
         batched = isinstance(self.runner, BatchedRunner) and not config.deterministic
-        self.overlap = OverlapSchedule(self) if overlap and batched else None
+        if steps > 1 and not batched:
+            logger.warning("--num-continuous-decode-steps %d: this runner decodes one step at a time", steps)
+        self.rounds = DecodeRounds(self, steps, overlap) if batched and (overlap or steps > 1) else None
         self.adapters: ServedAdapters | None = None
         if config.enable_lora:
             self.adapters = ServedAdapters(self.model, config.max_loaded_loras)
@@ -170,19 +173,19 @@ class TorchEngine:
                 self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
 
     def _book_in_flight(self) -> None:
-        """Book the overlapped step in flight, if any (a failure fails the requests, as a step's)."""
-        if self.overlap is None or self.overlap.pending is None:
+        """Book the decode round in flight, if any (a failure fails the requests, as a step's)."""
+        if self.rounds is None or self.rounds.pending is None:
             return
         try:
-            self.overlap.drain()
+            self.rounds.drain()
         except Exception as e:
             logger.exception("engine step failed; aborting in-flight requests")
             self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
 
     def _fail_in_flight(self, message: str) -> None:
         """Abort every request and start the runner afresh (its KV state is not trusted)."""
-        if self.overlap is not None:
-            self.overlap.drop()
+        if self.rounds is not None:
+            self.rounds.drop()
         victims = self.scheduler.abort(None, message)
         self.runner.reset()
         self._runner_suspect = False
@@ -221,19 +224,19 @@ class TorchEngine:
                 fut.set_exception(e)
 
     def _step(self) -> None:
-        if self.overlap is not None and self.overlap.pending is not None and self.scheduler.admits():
-            self.overlap.drain()  # admissions see every launched step booked (room, aborts)
+        if self.rounds is not None and self.rounds.pending is not None and self.scheduler.admits():
+            self.rounds.drain()  # admissions see every launched step booked (room, aborts)
         plan = self.scheduler.plan()
         if plan is None:
             return
         t0 = time.perf_counter()
         try:
-            overlap = self.overlap
-            if overlap is not None and plan.kind == "decode" and overlap.takes(plan.seqs):
-                overlap.step()
+            rounds = self.rounds
+            if rounds is not None and plan.kind == "decode" and rounds.takes(plan.seqs):
+                rounds.step()
                 return
-            if overlap is not None and overlap.pending is not None:
-                overlap.drain()
+            if rounds is not None and rounds.pending is not None:
+                rounds.drain()
                 if plan.kind == "decode" and not self.runner.active:
                     return  # the booked step finished every sequence
             self._run_plan(plan)

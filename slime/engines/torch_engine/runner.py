@@ -42,7 +42,7 @@ class Runner:
     def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
         """One token for every active sequence; return them (in row order) and logits (B, V).
         `tokens_from`: the input tokens are still on the device (overlapped decoding,
-        slime.engines.torch_engine.overlap): the previous step's token ids and, per active
+        slime.engines.torch_engine.rounds): the previous step's token ids and, per active
         sequence in row order, its index there. Only the batched runner takes it."""
         raise NotImplementedError
 

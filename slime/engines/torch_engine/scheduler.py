@@ -43,7 +43,7 @@ class Scheduler:
     ):
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -53,6 +53,10 @@ class Scheduler:
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        params = seq.params
+        seq.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
         self.waiting.append(seq)
         self._by_rid[seq.rid] = seq
 
@@ -108,22 +112,55 @@ class Scheduler:
         top_logprobs: list[list[tuple[float, int]]] | None,
     ) -> list[Sequence]:
         """Record one sampled token per sequence; return those that finished with it."""
+        if top_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if seq.top_logprobs_num:
+                    seq.output_top_logprobs.append(top_logprobs[i][: seq.top_logprobs_num])
+        return self.append_runs(seqs, [[t] for t in tokens], [[lp] for lp in logprobs])
+
+    def append_runs(
+        self, seqs: list[Sequence], runs: list[list[int]], logprobs: list[list[float]]
+    ) -> list[Sequence]:
+        """Record a run of sampled tokens per sequence (several decode steps' worth, in order)
+        and return the sequences that finished. A sequence keeps its run up to the token that
+        finishes it; the rest was sampled past its end and is dropped."""
         finished = []
-        for i, seq in enumerate(seqs):
-            seq.output_ids.append(tokens[i])
-            seq.output_logprobs.append(logprobs[i])
-            if seq.top_logprobs_num and top_logprobs is not None:
-                seq.output_top_logprobs.append(top_logprobs[i][: seq.top_logprobs_num])
-            reason = self._finish_reason(seq)
+        for seq, run, values in zip(seqs, runs, logprobs):
+            reason = self._append_run(seq, run, values)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
+    def _append_run(self, seq: Sequence, run: list[int], logprobs: list[float]) -> FinishReason | None:
+        params = seq.params
+        if params.stop:  # stop strings: the text must be checked after every token
+            for token, value in zip(run, logprobs):
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(value)
+                reason = self._finish_reason(seq)
+                if reason is not None:
+                    return reason
+            return None
+        # Token ids and length only: cut the run where it ends, with list operations (this runs
+        # for every sequence after every decode round, so per-token Python is what it avoids).
+        n = min(len(run), params.max_new_tokens - len(seq.output_ids))
+        stop_at = None
+        if not seq.stop_ids.isdisjoint(run[:n]):
+            stop_at = next(j for j in range(n) if run[j] in seq.stop_ids)
+            n = stop_at + 1
+        seq.output_ids.extend(run[:n])
+        seq.output_logprobs.extend(logprobs[:n])
+        if stop_at is not None:
+            return FinishReason("stop", matched=run[stop_at])
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return FinishReason("length", length=len(seq.output_ids))
+        return None
+
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
         token = seq.output_ids[-1]
         params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in seq.stop_ids:
             return FinishReason("stop", matched=token)
         if params.stop:
             text = self.detokenize(seq.output_ids, params.skip_special_tokens)

@@ -48,6 +48,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    """The token ids that end it: its `stop_token_ids`, and the model's EOS ids unless `ignore_eos`
+    (set by the scheduler when it is queued)."""
     # Where the stop string starts in the decoded text (for trimming), when one matched.
     stop_text_end: int | None = None
     # Per-backend state (e.g. the generic runner's per-sequence HF cache, a torch.Generator).
@@ -65,12 +68,15 @@ class Sequence:
     """[weight version, tokens] runs covering `output_ids` in order: which weights produced each
     token (a request that spans a weight update has several runs)."""
 
+    num_versioned: int = 0
+    """How many output tokens `version_spans` covers (kept, not summed: this runs every step)."""
+
     def record_versions(self, version: str) -> None:
         """Attribute the output tokens not yet covered by a run to `version`."""
-        covered = sum(n for _, n in self.version_spans)
-        new = len(self.output_ids) - covered
+        new = len(self.output_ids) - self.num_versioned
         if new <= 0:
             return
+        self.num_versioned += new
         if self.version_spans and self.version_spans[-1][0] == version:
             self.version_spans[-1][1] += new
         else:
