@@ -1,7 +1,8 @@
 """Write a small Hugging Face causal-LM checkpoint, built locally with no network.
 
     python -m slime.tools.make_tiny_model --out DIR [--arch ARCH] [--hidden-size 256]
-        [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--vocab N] [--seed 0]
+        [--num-layers 4] [--num-heads 4] [--num-kv-heads 2] [--head-dim N] [--vocab N]
+        [--rope-theta T] [--dtype float32] [--seed 0]
         [--num-experts 4 --num-experts-per-tok 2 --moe-intermediate-size N]   (mixture of experts)
         [--mtp-layers N]   (multi-token prediction modules: glm4_moe, deepseek_v3, glm4_moe_lite)
 
@@ -15,6 +16,11 @@ chat template with images; [--vision-depth 2] [--vision-hidden-size 64]).
 MLP is a router over `--num-experts` experts, `--num-experts-per-tok` of them per token, their
 weights renormalised (norm_topk_prob, as Qwen3-MoE's checkpoints set it); the checkpoint stores
 one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...), the hub's layout.
+
+`--preset qwen3-0.6b | qwen2.5-0.5b | qwen3-1.7b` takes a released model's shape (its config.json:
+arch, vocabulary, widths, layers, heads, head dim, rope theta, bfloat16) with random weights; a
+flag given beside it overrides the preset (`--preset qwen3-0.6b --num-layers 2`). The vocabulary
+keeps its published 151936 rows, of which the tokenizer below uses the first ids.
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files
 that `AutoTokenizer.from_pretrained(DIR)` loads offline. The tokenizer is character level over
@@ -78,6 +84,21 @@ CHAT_TEMPLATE = (
 )
 
 
+# Released shapes, from each model's config.json on the Hugging Face hub. Tied embeddings and
+# rms_norm_eps 1e-6 are this tool's fixed values for qwen2 / qwen3, and these models' too; Qwen2's
+# head dim is hidden / heads (its config has no head_dim).
+# fmt: off
+PRESET_FLAGS = ("arch", "vocab", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "max_position_embeddings", "rope_theta", "dtype")
+PRESETS: dict[str, dict[str, object]] = {name: dict(zip(PRESET_FLAGS, row)) for name, row in {
+    #                arch     vocab   hidden  inter  layers heads kv  head_dim  max_pos rope_theta dtype
+    "qwen3-0.6b":   ("qwen3", 151936, 1024,   3072,  28,    16,   8,  128,      40960,  1e6,       "bfloat16"),
+    "qwen2.5-0.5b": ("qwen2", 151936, 896,    4864,  24,    14,   2,  None,     32768,  1e6,       "bfloat16"),
+    "qwen3-1.7b":   ("qwen3", 151936, 2048,   6144,  28,    16,   8,  128,      40960,  1e6,       "bfloat16"),
+}.items()}
+# fmt: on
+
+
 def tokenizer_alphabet() -> list[str]:
     """Printable ASCII plus newline and tab, in a fixed order."""
     return ["\n", "\t"] + [chr(c) for c in range(32, 127)]
@@ -123,14 +144,17 @@ def build_config(
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-        torch_dtype="float32",
+        torch_dtype=args.dtype,
     )
     if args.arch in NEW_FAMILIES:
         return family_config(args, common)
     if vision_ids is not None:
         return tiny_vision.vision_config(args, common, vision_ids)
+    head_dim = args.head_dim or args.hidden_size // args.num_heads
+    if args.rope_theta is not None:
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.arch == "qwen3":
-        return Qwen3Config(head_dim=args.hidden_size // args.num_heads, **common)
+        return Qwen3Config(head_dim=head_dim, **common)
     if args.arch == "qwen3_moe":
         config = Qwen3MoeConfig(
             num_experts=args.num_experts,
@@ -143,7 +167,7 @@ def build_config(
         )
         # Not a declared field of transformers' Qwen3MoeConfig, but Qwen3-MoE checkpoints carry it
         # (config.json) and the model reads it.
-        config.head_dim = args.hidden_size // args.num_heads
+        config.head_dim = head_dim
         return config
     return Qwen2Config(**common)
 
@@ -153,12 +177,23 @@ def _default_intermediate(hidden_size: int) -> int:
     return int(hidden_size * 8 / 3 + 15) // 16 * 16
 
 
+# The archs whose rope theta and head dim the flags set (the other families set their own); Qwen2's
+# config has no head_dim (its head dim is hidden / heads).
+FLAG_ARCHS = {"rope_theta": ("qwen3", "qwen2", "qwen3_moe"), "head_dim": ("qwen3", "qwen3_moe")}
+
+
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer_size: int) -> None:
     """Exit 2 naming the flag (torch is imported only after these checks pass)."""
     for flag in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
-    if args.hidden_size % args.num_heads:
+    for flag, archs in FLAG_ARCHS.items():
+        value = getattr(args, flag)
+        if value is not None and args.arch not in archs:
+            parser.error(f"--{flag.replace('_', '-')} applies to --arch {', '.join(archs)}")
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.head_dim is None and args.hidden_size % args.num_heads:
         parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-heads {args.num_heads}")
     if args.num_heads % args.num_kv_heads:
         parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
@@ -210,6 +245,11 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     seed_family_state(model, args.seed)
     if vision:
         tiny_vision.scale_vision_tower(model, args.seed)
+    mtp = mtp_tensors(model, args.mtp_layers, args.seed) if args.mtp_layers else {}
+    # Built and seeded in float32 whatever --dtype says, so a bfloat16 checkpoint holds the float32
+    # one's weights rounded.
+    dtype = getattr(torch, args.dtype)
+    model.to(dtype)
     generation_config = GenerationConfig(
         eos_token_id=[config.get_text_config().eos_token_id, config.get_text_config().pad_token_id],
         pad_token_id=config.get_text_config().pad_token_id,
@@ -222,12 +262,12 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     with staged_directory(str(out)) as staging_dir:
         staging = Path(staging_dir)
         model.save_pretrained(staging, safe_serialization=True)
-        if args.mtp_layers:  # transformers has no MTP modules: their tensors join the file
+        if mtp:  # transformers has no MTP modules: their tensors join the file
             from safetensors.torch import load_file, save_file
 
             weights = staging / "model.safetensors"
-            save_file({**load_file(weights), **mtp_tensors(model, args.mtp_layers, args.seed)}, weights,
-                      metadata={"format": "pt"})  # fmt: skip
+            mtp = {name: tensor.to(dtype) for name, tensor in mtp.items()}
+            save_file({**load_file(weights), **mtp}, weights, metadata={"format": "pt"})
         generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if vision:
@@ -242,6 +282,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=None,
+        help="a released model's shape with random weights (the flags it sets default to its "
+        "values; a flag given overrides). Weights are built in float32 first: qwen3-1.7b "
+        "peaks at ~8 GB of memory",
+    )
     parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES, *tiny_vision.VISION_FAMILIES],
                         default="qwen3")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -250,12 +298,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="qwen3, qwen3_moe: each head's width (default: hidden size / heads)",
+    )
+    parser.add_argument(
         "--vocab",
         type=int,
         default=None,
         help="embedding rows; default: the tokenizer size. Larger values pad the vocabulary",
     )
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument(
+        "--rope-theta",
+        type=float,
+        default=None,
+        help="qwen3, qwen2, qwen3_moe: the rotary base (default: transformers' 10000)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the saved weights (built in float32, then cast)",
+    )
     parser.add_argument(
         "--num-experts", type=int, default=None, help="MoE archs: experts per layer (default 4)"
     )
@@ -269,6 +335,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     tiny_vision.add_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.preset is not None:
+        # The preset's values become the defaults, so a flag given on the command line still wins.
+        preset = PRESETS[args.preset]
+        parser.set_defaults(**preset)
+        args = parser.parse_args(argv)
+        if args.arch != preset["arch"]:
+            parser.error(
+                f"--preset {args.preset} is --arch {preset['arch']}, not --arch {args.arch}: "
+                "drop one of the two flags"
+            )
     return args, parser
 
 
