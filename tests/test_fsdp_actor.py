@@ -12,6 +12,7 @@ Three runs share one tiny model and one sequence of rollouts:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -25,6 +26,7 @@ from tests.dist_helpers import run_ranks
 
 NUM_ROLLOUTS = 5
 SAVE_AFTER = 2
+PEAK = 0.5  # --peak-tflops of the padded run
 
 
 def make_batch(seed: int, num_samples: int = 8, group: int = 4, vocab: int = 101) -> RolloutBatch:
@@ -81,10 +83,11 @@ def full_params(actor) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
 
 
-def run_single(rank, world_size, init_method, model, padded=False):
+def run_single(rank, world_size, init_method, model, padded=False, peak=None):
     from slime.backends.fsdp.actor import FSDPTrainActor
 
     cfg = base_config(model, micro_batch_size=2, padded_micro_batches=padded)
+    cfg = dataclasses.replace(cfg, peak_tflops=peak)  # --peak-tflops: MFU on a CPU too
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
     initial = full_params(actor)
@@ -148,7 +151,7 @@ def runs(tiny_model, tmp_path_factory):
     single = run_ranks(1, run_single, tiny_model)[0]
     sharded = run_ranks(2, run_sharded, tiny_model, save_dir, hf_dir)
     resumed = run_ranks(1, run_resumed, tiny_model, save_dir)[0]
-    padded = run_ranks(1, run_single, tiny_model, True)[0]
+    padded = run_ranks(1, run_single, tiny_model, True, PEAK)[0]
     return dict(
         single=single, sharded=sharded, resumed=resumed, padded=padded, save_dir=save_dir, hf_dir=hf_dir
     )
@@ -294,3 +297,32 @@ def test_export_buckets_cover_every_parameter_once_within_budget(runs):
         for name, tensor in bucket:
             assert torch.equal(tensor, rank0["final"][name])
     assert [n for b in runs["sharded"][1]["buckets"] for n, _ in b] == names
+
+
+def assert_perf(outputs, batches, model: str, num_gpus: int, peak: float | None = None) -> None:
+    """slime's perf/* of each train call: tokens trained per second over all ranks, TFLOPS per
+    GPU from the model's FLOPs count (their ratio is the count per token and GPU, whatever the
+    time), MFU only with a peak."""
+    from slime.utils import flops
+
+    counted = flops.from_config(json.load(open(os.path.join(model, "config.json"))))
+    for output, batch in zip(outputs, batches, strict=True):
+        perf = output.perf
+        keys = {"actor_train_tok_per_s", "actor_train_tflops", "log_probs_tflops", "ref_log_probs_tflops"}
+        assert perf.keys() == keys | ({"actor_train_mfu"} if peak else set()), perf
+        assert perf["actor_train_tok_per_s"] > 0 and perf["log_probs_tflops"] > 0
+        lengths = [len(t) for t in batch.tokens]  # every sample of the rollout, prompt and response
+        per_token = counted.train_flops(lengths) / num_gpus / 1e12 / sum(lengths)
+        assert math.isclose(
+            perf["actor_train_tflops"] / perf["actor_train_tok_per_s"], per_token, rel_tol=1e-9
+        )
+        if peak:
+            assert perf["actor_train_mfu"] == perf["actor_train_tflops"] / peak
+
+
+def test_each_train_call_reports_slimes_perf_metrics(runs, tiny_model):
+    """On CPU: no MFU (no known peak) unless --peak-tflops gives one; two ranks share the FLOPs."""
+    batches = [rollout_batch(r) for r in range(NUM_ROLLOUTS)]
+    assert_perf(runs["single"]["outputs"], batches, tiny_model, 1)
+    assert_perf(runs["sharded"][0]["outputs"], batches, tiny_model, 2)  # odd rollouts came as parts
+    assert_perf(runs["padded"]["outputs"], batches, tiny_model, 1, PEAK)

@@ -50,7 +50,10 @@ class FakeTrain:
     def train(self, rollout):
         self.log.append(("train", rollout.rollout_id))
         return TrainOutput(
-            steps=[{"loss": 1.0}], rollout={"log_probs": -1.0}, timings={"log_probs": 0.0, "train": 0.0}
+            steps=[{"loss": 1.0}],
+            rollout={"log_probs": -1.0},
+            timings={"log_probs": 0.0, "train": 0.0},
+            perf={"actor_train_tok_per_s": 100.0},
         )
 
     def push_weights(self, version):
@@ -202,10 +205,17 @@ def test_sync_generates_trains_and_pushes_each_rollout_in_turn():
     assert (
         record["push/bytes"] == 64.0 and record["train/loss"] == 1.0 and record["rollout/log_probs"] == -1.0
     )
+    assert record["perf/actor_train_tok_per_s"] == 100.0  # the train rank's perf/* as they came
     assert record["time/generate"] == 0.25 and "time/generate" not in {
         k for k in record if k.startswith("rollout/")
     }
     assert 0 <= record["time/idle_ratio"] <= 1 and record["time/step"] >= record["time/push"]
+    # The phases' parts, inside them (slime's perf/*_time names, and the engines' memory).
+    parts = {k: record[f"perf/{k}_time"] for k in ("sleep", "wake_up", "update_weights", "rollout_offload",
+                                                    "rollout_onload")}  # fmt: skip
+    assert all(v >= 0 for v in parts.values())
+    assert parts["sleep"] + parts["update_weights"] + parts["rollout_onload"] <= record["time/push"]
+    assert parts["wake_up"] + parts["rollout_offload"] <= record["time/colocate"]
 
 
 def test_one_step_off_starts_the_next_rollout_before_training_and_pushes_when_it_is_done():

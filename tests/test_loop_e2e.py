@@ -97,8 +97,11 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
         for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/rollout_log_probs", "rollout/kl",
                     "rollout/train_rollout_logprob_abs_diff", "rollout/response_length_mean",
                     "rollout/truncated_ratio", "train/entropy", "train/pg_clipfrac", "train/kl_loss",
-                    "time/generate", "time/reward", "time/log_probs", "time/train", "time/push", "time/idle"):  # fmt: skip
+                    "time/generate", "time/reward", "time/log_probs", "time/train", "time/push", "time/idle",
+                    "perf/actor_train_tok_per_s", "perf/actor_train_tflops", "perf/log_probs_tflops",
+                    "perf/ref_log_probs_tflops"):  # fmt: skip
             assert key in r, key
+        assert "perf/actor_train_mfu" not in r  # no peak known for a CPU
         assert r["rollout/log_probs"] < 0
         assert 0 <= r["time/idle_ratio"] < 1 and r["time/step"] >= r["time/train"] + r["time/push"]
     assert steps[0]["rollout/kl"] == 0.0  # the first rollout: actor == reference

@@ -176,6 +176,13 @@ def test_uneven_pipeline_stages_train_like_one_fsdp_rank(fsdp, tiny_model):
     assert_trains_like(fsdp, ranks)
 
 
+def test_tp2_reports_the_perf_metrics_per_gpu(tp2, tiny_model):
+    """slime's perf/* from the Megatron actor: the two tensor-parallel ranks share the FLOPs."""
+    from tests.test_fsdp_actor import assert_perf
+
+    assert_perf(tp2[1][0]["outputs"], [make_batch(r) for r in range(ROLLOUTS)], tiny_model, 2)
+
+
 def test_step0_reference_equals_actor_bitwise(tp2):
     for result in tp2[1]:
         assert result["lp"] == result["ref_lp"]

@@ -44,11 +44,17 @@ def test_flags_fill_typed_configs():
         (["--hf-checkpoint", "m", "--fsdp-cpu-offload"], "--fsdp-cpu-offload"),
         (["--hf-checkpoint", "m", "--eps-clip-c", "0.9"], "--eps-clip-c"),
         (["--hf-checkpoint", "m", "--micro-batch-size", "0"], "--micro-batch-size"),
+        (["--hf-checkpoint", "m", "--peak-tflops", "0"], "--peak-tflops"),
     ],
 )
 def test_bad_combinations_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         parse(*argv)
+
+
+def test_peak_tflops_is_the_gpus_unless_given():
+    assert parse("--hf-checkpoint", "/m").peak_tflops is None  # the GPU table's (slime.utils.flops)
+    assert parse("--hf-checkpoint", "/m", "--peak-tflops", "989.5").peak_tflops == 989.5
 
 
 def test_global_batch_must_split_over_micro_batches_and_ranks():

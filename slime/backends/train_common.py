@@ -23,7 +23,7 @@ from slime.algo import advantages as adv
 from slime.algo.losses import approx_kl, token_weights
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
-from slime.backends import old_actor
+from slime.backends import old_actor, perf
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import move_state, reset_states
 from slime.backends.routing import RouterHooks
@@ -113,6 +113,11 @@ class TrainActorBase(TrainRecords):
         the backend cannot keep the model's packed samples apart (slime.utils.model_families)."""
         model_type = getattr(getattr(self, "hf_config", None), "model_type", None)  # None: planning only
         return not self.cfg.batch.padded_micro_batches and packable(model_type, self.cfg.backend)
+
+    @functools.cached_property
+    def step_perf(self) -> perf.StepPerf:
+        """The perf/* metrics' FLOPs count and peak (--peak-tflops), made at the first train call."""
+        return perf.StepPerf(self.hf_config, self.device, self.cfg.peak_tflops, self.rank)
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:
@@ -363,6 +368,7 @@ class TrainActorBase(TrainRecords):
         batch = part.batch
         output = TrainOutput()
         old = ref = teacher = None
+        clock = perf.PassClock(self.device)  # slime's perf/*: each pass's time, its device work included
         start = time.perf_counter()
         compute = loss_cfg.compute_advantages_and_returns
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
@@ -377,13 +383,13 @@ class TrainActorBase(TrainRecords):
                 old = {p: torch.tensor(batch.rollout_log_probs[p], dtype=torch.float32) for p in mine}
             else:
                 self.pass_entropy = entropies.get("entropy")
-                with old_actor.generating_weights(self, batch, mine):  # --keep-old-actor
+                with old_actor.generating_weights(self, batch, mine), clock("log_probs"):  # --keep-old-actor
                     old = self._log_prob_pass(batch, lp_plans)
                 if self.recorded_routing is not None:  # R2: the passes below replay this routing
                     self.routing_tables, self.recorded_routing = self.recorded_routing, None
             if loss_cfg.needs_ref:
                 self.pass_entropy = entropies.get("ref_entropy")
-                with self._reference_weights():
+                with self._reference_weights(), clock("ref_log_probs"):
                     ref = self._log_prob_pass(batch, lp_plans)
             self.pass_entropy = None
             teacher = self._teacher_log_probs(batch, mine, lp_plans)
@@ -407,10 +413,11 @@ class TrainActorBase(TrainRecords):
             reset_states(self.optimizer)
         for k, step in enumerate(plans if update else []):
             compare = old if k == 0 and self.cfg.check_precision else None
-            output.steps.append(
-                self._train_step(batch, step, old, ref, advantages, compare, output.precision)
-            )
+            with clock("actor_train"):
+                result = self._train_step(batch, step, old, ref, advantages, compare, output.precision)
+            output.steps.append(result)
         output.timings.update(log_probs=logprob_done - start, train=time.perf_counter() - logprob_done)
+        output.perf = self.step_perf.metrics(part.lengths, self.world_size, clock.seconds)
         every = self.cfg.loss.ref_update_interval  # the reference becomes the weights trained so far
         if every and update and self.ref_state is not None and (rollout_id + 1) % every == 0:
             self.ref_state = self._snapshot()

@@ -256,6 +256,17 @@ class TrainConfig:
     """`--override-opt-param-scheduler`: on resume, use the flags' LR schedule, not the saved one."""
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
+    peak_tflops: float | None = flag(
+        "--peak-tflops",
+        None,
+        type=float,
+        metavar="TFLOPS",
+        help="a train GPU's peak TFLOPS, for perf/actor_train_mfu (perf/actor_train_tflops / this); default: the "
+        "dense BF16 peak of a known NVIDIA GPU (slime.utils.flops.PEAK_BF16_TFLOPS); on a CPU or another GPU "
+        "without it, no MFU is reported",
+    )
+    """`--peak-tflops` (ours): the peak perf/actor_train_mfu divides by (None: the GPU's, from
+    slime.utils.flops.PEAK_BF16_TFLOPS, and no MFU where it is not listed)."""
     save_debug_train_data: str | None = flag(
         "--save-debug-train-data",
         None,
@@ -298,6 +309,8 @@ class TrainConfig:
             raise ValueError(f"--train-backend must be fsdp or megatron, got {self.backend!r}")
         if self.rollout_temperature <= 0:
             raise ValueError("--rollout-temperature must be > 0")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0 (a GPU's peak TFLOPS), got {self.peak_tflops}")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(
                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"

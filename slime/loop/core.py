@@ -8,6 +8,7 @@ evaluation, checkpoints and metrics around the steps. Nothing here knows about R
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -149,8 +150,10 @@ class Loop:
             self.schedule.check_staleness(step.rollout, self.version)
         with step.timed("colocate"):
             if self.engines is not None and not ahead:  # never while a generation runs on them
-                self.engines.release_memory()
-            self.train.wake()
+                with step.timed("rollout_offload", part=True):
+                    self.engines.release_memory()
+            with step.timed("wake_up", part=True):
+                self.train.wake()
         t0 = time.perf_counter()
         step.output = self.train.train(step.rollout)
         step.train_call = time.perf_counter() - t0
@@ -162,11 +165,13 @@ class Loop:
         if ahead:
             self._wait(step, step.rollout_id + 1)  # the engines must be idle before the push
         with step.timed("push"):
-            step.push_stats = self.push()
+            step.push_stats = self.push(step)
 
-    def push(self) -> dict[str, Any]:
+    def push(self, step: Step | None = None) -> dict[str, Any]:
         """The weights of `version` into the engines; colocated engines take their memory back
         in two halves (weights before, KV cache after), with --offload the trainer gives its up.
+        `step`: the step whose parts are timed (the trainer's sleep, the engines' onload, the
+        transfer).
 
         Engines restarted after a fault (--use-fault-tolerance) are pushed to with the others and
         admitted after it; an engine that fails during the push is marked down, and the push is
@@ -174,23 +179,29 @@ class Loop:
         if self.train is None or self.engines is None:
             return {}
         self.phase("push", version=self.version, engines=self.engines.up_urls())
-        self.train.sleep(keep_params=True)
+        timed = step.timed if step is not None else lambda name, part: contextlib.nullcontext()
+        with timed("sleep", True):
+            self.train.sleep(keep_params=True)
         self.engines.pause_checks()  # a paused engine's /health_generate may time out
         try:
             for attempt in range(len(self.engines.urls) + 1):
                 joining = self.engines.heal(wait=True)
-                self.engines.resume_memory(WEIGHT_TAGS)  # may find an engine down: connect after it
+                with timed("rollout_onload", True):
+                    self.engines.resume_memory(WEIGHT_TAGS)  # may find an engine down: connect after it
                 self.train.ensure_connected(self.engines)
                 try:
-                    stats = self.train.push_weights(self.version)
+                    with timed("update_weights", True):
+                        stats = self.train.push_weights(self.version)
                     break
                 except Exception as e:
                     if not self._engine_fault(e) or attempt == len(self.engines.urls):
                         raise
         finally:
             self.engines.resume_checks()
-        self.train.sleep()
-        self.engines.resume_memory(CACHE_TAGS)
+        with timed("sleep", True):
+            self.train.sleep()
+        with timed("rollout_onload", True):
+            self.engines.resume_memory(CACHE_TAGS)
         self.engines.admit(joining)
         return stats
 

@@ -116,7 +116,8 @@ class ActorCritic:
 def merge(actor: TrainOutput, critic: TrainOutput) -> TrainOutput:
     """The actor's output with the critic's: its step metrics as `critic-<name>` (slime's
     train/critic-* names) beside the actor's step for step, its rollout metrics (values, returns,
-    explained_variance) with the actor's, its timings as `critic_train`."""
+    explained_variance) with the actor's, its timings as `critic_train`; the perf metrics are the
+    actor's."""
     steps = []
     for k in range(max(len(actor.steps), len(critic.steps))):
         step = dict(actor.steps[k]) if k < len(actor.steps) else {}
@@ -125,4 +126,4 @@ def merge(actor: TrainOutput, critic: TrainOutput) -> TrainOutput:
         steps.append(step)
     timings = {**actor.timings, "critic_train": critic.timings.get("train", 0.0)}
     return TrainOutput(steps=steps, rollout={**actor.rollout, **critic.rollout}, timings=timings,
-                       precision={**actor.precision, **critic.precision})  # fmt: skip
+                       precision={**actor.precision, **critic.precision}, perf=actor.perf)  # fmt: skip

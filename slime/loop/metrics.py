@@ -67,6 +67,8 @@ def train_record(step: Step, ahead: bool) -> dict[str, Any]:
     if "transport" in step.push_stats:  # the transport as it ran (shared_memory, cuda_ipc, ...)
         record["push/transport"] = step.push_stats["transport"]
     record.update({f"train/{k}": v for k, v in (output.steps[-1] if output.steps else {}).items()})
+    record.update({f"perf/{k}": v for k, v in output.perf.items()})  # train rank 0's (slime's perf/*)
+    record.update({f"perf/{k}_time": v for k, v in step.parts.items()})  # parts of the phases below
     record.update(step.record)
     inside = {f"time/{k}": v for k, v in output.timings.items()}
     inside.setdefault("time/log_probs", 0.0)

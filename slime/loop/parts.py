@@ -152,6 +152,11 @@ class Step:
     """The metrics record hooks add to; the metrics hook logs it last."""
     phases: dict[str, float] = field(default_factory=dict)
     """Wall seconds of the phases the driver ran (colocate, push, eval, save, save_debug_data)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of parts of those phases, recorded as `perf/<part>_time` beside them (inside
+    their time, not added to it): slime's `sleep`, `wake_up` (the trainer's offload and reload)
+    and `update_weights` (the push's transfer), and ours `rollout_offload`, `rollout_onload` (the
+    engines giving their memory up and taking it back)."""
     waited: float = 0.0
     """Seconds the step waited for generation."""
     train_call: float = 0.0
@@ -159,9 +164,11 @@ class Step:
     started: float = field(default_factory=time.perf_counter)
 
     @contextlib.contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
+    def timed(self, phase: str, part: bool = False) -> Iterator[None]:
+        """Time a phase (or, `part`, a part of one) into `phases` (`parts`), summed by name."""
+        into = self.parts if part else self.phases
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+            into[phase] = into.get(phase, 0.0) + time.perf_counter() - t0

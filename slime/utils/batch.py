@@ -209,6 +209,10 @@ class TrainOutput:
     rollout: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     """Wall seconds on this rank: `log_probs` (old and reference passes), `train` (optimizer steps)."""
+    perf: dict[str, float] = field(default_factory=dict)
+    """slime's perf/* throughput (slime.utils.flops.step_perf): `actor_train_tok_per_s`,
+    `actor_train_tflops`, `log_probs_tflops`, `ref_log_probs_tflops`, `actor_train_mfu`, where
+    the passes ran and the numbers are known."""
     returns: Any = None
     """PPO: the returns of this rank's samples, keyed by sample index (the critic's targets); a
     Ray job sends them on by reference."""
