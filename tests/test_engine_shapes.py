@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from slime.engines.client import EngineClient
 from slime.engines.torch_engine import transfer
@@ -62,16 +63,19 @@ shapes: list = []  # the last _serve's decode forwards: (rows, key length)
 
 
 def _serve(
-    model: str, bucketed: bool, reqs, overlap: bool = False, steps: int = 1, **params
+    model: str, bucketed: bool, reqs, overlap: bool = False, steps: int = 1, live_keys=None, **params
 ) -> tuple[list, BatchedRunner, int, int]:
     """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
-    shapes (and does or not overlap its decode rounds of at most `steps` steps); returns the
-    results, the runner, the engine's steps and the host transfers made."""
+    shapes (and does or not overlap its decode rounds of at most `steps` steps; `live_keys`: its
+    live-key decode kernel); returns the results, the runner, the engine's steps and the host
+    transfers made."""
     server = InProcessServer(
         model, max_running_requests=16, overlap_schedule=overlap, num_continuous_decode_steps=steps
     )
     engine = server.engine
-    engine.runner = runner = BatchedRunner(engine.model, 16, engine.context_length, bucket_shapes=bucketed)
+    engine.runner = runner = BatchedRunner(
+        engine.model, 16, engine.context_length, bucket_shapes=bucketed, live_keys=live_keys
+    )
     shapes.clear()
     forward = runner._decode_forward
     runner._decode_forward = lambda inputs, key_len, first_row=0: (  # type: ignore[method-assign]
@@ -249,6 +253,45 @@ def test_a_round_copies_down_once(tiny_model, overlap, launched):
         transfer.to_host_async = to_host_async
     assert sizes == launched and copies == [(2, k, 8) for k in launched]
     assert sorted(len(s.output_ids) for s in done) == [17] * 8
+
+
+def poisoning_flash_contract(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, scale):
+    """What the flash varlen kernel computes (row i's queries over keys cu_k[i] + [0, seqused_k[i]),
+    grouped-query heads), on any device; first it writes NaN into every key and value past each
+    row's live ones, so a caller that relied on any of them would get NaN."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        start, live = int(cu_k[i]), int(seqused_k[i])
+        assert 0 < live <= max_k and int(cu_q[i + 1]) - int(cu_q[i]) <= max_q
+        end = int(cu_k[i + 1]) if i + 1 < len(cu_k) else k.shape[0]
+        k[start + live : end] = float("nan")
+        v[start + live : end] = float("nan")
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        qi, ki, vi = (
+            t.transpose(0, 1)[None] for t in (q[rows], k[start : start + live], v[start : start + live])
+        )
+        out[rows] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=groups > 1)[
+            0
+        ].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_live_key_decoding_gives_the_same_answers(tiny_model, bucketed):
+    """Decode attention over each row's live keys alone (the token-major cache and the arguments
+    the flash kernel is called with, the kernel replaced by its contract on CPU): every request
+    gets the tokens and log-probs of the padded-key kernels, through row moves as requests finish,
+    cache regrowth, padding rows, and rounds, though every key past a row's live ones is NaN."""
+    reqs = _requests(24, seed=4)
+    plain, _, _, _ = _serve(tiny_model, bucketed, reqs)
+    live, runner, _, _ = _serve(tiny_model, bucketed, reqs, live_keys=poisoning_flash_contract)
+    assert runner.cache.token_major and runner.stats()["decode_attention"] == "live keys"
+    _assert_same(live, plain)
+    rounds, _, _, _ = _serve(
+        tiny_model, bucketed, reqs, overlap=True, steps=4, live_keys=poisoning_flash_contract
+    )
+    _assert_same(rounds, plain)
 
 
 def test_a_round_never_takes_a_sequence_past_its_max_new_tokens():

@@ -48,6 +48,7 @@ TORCH_ENGINE_OPTIONS: dict[str, tuple[str, ...] | None] = {
     "--cuda-graph-max-bs": None,
     "--disable-overlap-schedule": None,
     "--num-continuous-decode-steps": None,
+    "--attention-backend": ("auto", "flash", "torch_native"),
 }
 
 AddCliArgs = Callable[[argparse.ArgumentParser], None]

@@ -13,11 +13,17 @@ that was most of the time (docs/gpu.md). So:
 * prefill (right-padded prompts from position 0): causal SDPA with no mask (causality alone keeps
   the right padding away from real positions), restricted to the flash / memory-efficient / math
   backends.
+* decode reading only the live keys (`live_decode_attention`, where `live_keys_kernel` finds the
+  flash kernel): the cache is token-major, each row a key sequence of its own in one flat buffer
+  (`cu_seq_k` = row x length), and the kernel reads `seqused_k` = position + 1 keys of each row:
+  no key is read for padding, however long the longest row. Its shapes never change with the
+  rows' lengths, so one CUDA graph serves a bucket of rows for the whole cache length.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +85,65 @@ def prefill_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
+
+
+# The kernel's call, as the flash kernels take it: query [B, H, D] (one query per row), keys and
+# values [N, KV, D] with row i's at cu_seq_k[i] + [0, seqused_k[i]), -> [B, H, D].
+LiveKernel = Callable[..., torch.Tensor]
+
+
+def live_decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    first_row: int,
+    seqused_k: torch.Tensor,
+    scale: float,
+    kernel: LiveKernel,
+) -> torch.Tensor:
+    """One query per row over that row's live keys: q [B, H, 1, D]; k_buf, v_buf a token-major
+    layer buffer [rows, length, KV, D] (slime.engines.torch_engine.kv_cache) whose row first_row
+    + i holds sequence i, `seqused_k[i]` (int32, on the device) of its positions live -> [B, H, 1, D].
+    No host synchronisation (CUDA-graph safe)."""
+    B, length = q.shape[0], k_buf.shape[1]
+    k = k_buf[first_row : first_row + B].flatten(0, 1)  # rows are `length` apart: a view
+    v = v_buf[first_row : first_row + B].flatten(0, 1)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    out = kernel(q[:, :, 0], k, v, cu_q, cu_q * length, 1, length, seqused_k, scale)
+    return out[:, :, None]
+
+
+def _flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seqused_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    # The aten op rather than torch.nn.attention.varlen.varlen_attn: the wrapper's keywords moved
+    # from release to release (torch 2.11's has no seqused_k), the op's have not since it took
+    # seqused_k; grouped-query heads are native to it (num_heads a multiple of KV heads).
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=seqused_k
+    )[0]
+
+
+def live_keys_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> LiveKernel | None:
+    """The flash kernel that reads only each row's live keys, where it runs: CUDA, Ampere or
+    newer, half precision, head dimension up to 256, and a torch whose flash op takes seqused_k.
+    None elsewhere (the padded-key kernels above run instead)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
+        return None
+    if torch.cuda.get_device_capability(device) < (8, 0) or not _takes_seqused_k():
+        return None
+    return _flash_varlen
+
+
+@functools.cache
+def _takes_seqused_k() -> bool:
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and "seqused_k" in str(op.default._schema)

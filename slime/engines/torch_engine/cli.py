@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on CUDA, book each decode step before launching the next (SGLang's flag)")  # fmt: skip
     p.add_argument(
+        "--attention-backend",
+        choices=["auto", "flash", "torch_native"],
+        default="auto",
+        help="decode attention: flash reads only each sequence's live keys (torch's flash kernel: CUDA, "
+        "bfloat16/float16, Ampere or newer); torch_native attends over keys padded to the longest; "
+        "auto: flash where it runs (SGLang's flag, our choices)",
+    )
+    p.add_argument(
         "--num-continuous-decode-steps",
         type=int,
         default=1,
@@ -188,6 +196,7 @@ async def serve(args: argparse.Namespace) -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         overlap_schedule=False if args.disable_overlap_schedule else None,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
+        attention_backend=args.attention_backend,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,
@@ -205,10 +214,16 @@ async def serve(args: argparse.Namespace) -> None:
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
     logger.info(
-        "torch engine %s ready at %s (%s, API key %s, parameter dumps %s)",
+        "torch engine %s ready at %s (%s, %s, %d running at most, %s, decode rounds of up to %d step(s)%s; "
+        "API key %s, parameter dumps %s)",
         args.model_path,
         url,
         type(engine.runner).__name__,
+        args.dtype,
+        args.max_running_requests,
+        engine.runner.stats().get("decode_attention", "transformers' attention"),
+        args.num_continuous_decode_steps,
+        ", overlapped" if engine.rounds is not None and engine.rounds.overlap else "",
         "required" if args.api_key else "off",
         f"under {os.path.realpath(args.debug_dump_dir)}" if args.debug_dump_dir else "off",
     )

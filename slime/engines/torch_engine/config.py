@@ -51,6 +51,10 @@ class EngineConfig:
     """Launch each decode round before booking the previous one (slime.engines.torch_engine.rounds);
     None: on CUDA with the batched runner, unless deterministic (`--disable-overlap-schedule`,
     SGLang's flag, turns it off)."""
+    attention_backend: str = "auto"
+    """`--attention-backend` (SGLang's flag, our choices): decode attention over each row's live
+    keys with torch's flash kernel (`flash`), over keys padded to the batch's longest (`torch_native`),
+    or the first where it runs (`auto`: CUDA, half precision, Ampere or newer)."""
     num_continuous_decode_steps: int = 1
     """`--num-continuous-decode-steps` (SGLang's): the most decode steps launched per host round
     trip, their tokens brought down in one copy (slime.engines.torch_engine.rounds); requests that

@@ -65,6 +65,7 @@ class TorchEngine:
         self.runner = VisionRunner(self.model) if self.images is not None else make_runner(
             self.model, config.max_running_requests, self.context_length, config.deterministic,
             cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+            attention_backend=config.attention_backend,
         )  # fmt: skip
         self.weights = WeightStore(self.model)
         overlap = config.overlap_schedule

@@ -1,5 +1,14 @@
 """The batched runner's slot KV cache: one row per running sequence, per layer (no tensor math
-beyond copies; the runner in slime.engines.torch_engine.model_runner reads and writes it)."""
+beyond copies; the runner in slime.engines.torch_engine.model_runner reads and writes it).
+
+Two layouts of a layer's buffer, chosen once:
+* head-major (rows, kv_heads, length, head_dim): a row's keys of one head are contiguous, what the
+  batched-matmul and scaled_dot_product_attention decode kernels read (slime.engines.torch_engine
+  .attention);
+* token-major (rows, length, kv_heads, head_dim): a row's tokens follow each other, so the whole
+  buffer is one variable-length key sequence per row, `length` apart, and the flash kernel reads
+  each row's live keys alone (`live_decode_attention`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ import torch
 
 
 class SlotKVCache:
-    """Per-layer K/V buffers of shape (rows, kv_heads, length, head_dim), grown by doubling."""
+    """Per-layer K/V buffers, grown by doubling (see the module docstring for the layouts)."""
 
     def __init__(
         self,
@@ -18,16 +27,27 @@ class SlotKVCache:
         device: torch.device,
         max_rows: int,
         max_len: int,
+        token_major: bool = False,
     ):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.max_rows, self.max_len = max_rows, max_len
+        self.token_major = token_major
         self.rows = 0
         self.length = 0
         self.generation = 0
         """Bumped whenever the buffers are replaced (CUDA graphs hold their addresses)."""
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+
+    def _shape(self, rows: int, length: int) -> tuple[int, ...]:
+        if self.token_major:
+            return (rows, length, self.num_kv_heads, self.head_dim)
+        return (rows, self.num_kv_heads, length, self.head_dim)
+
+    def _index(self, rows: slice | int | torch.Tensor, tokens: slice | torch.Tensor) -> tuple:
+        """The index of `tokens` of `rows` (every head) in a layer's buffer."""
+        return (rows, tokens) if self.token_major else (rows, slice(None), tokens)
 
     def ensure(self, rows: int, length: int) -> None:
         if rows <= self.rows and length <= self.length:
@@ -39,26 +59,50 @@ class SlotKVCache:
                 f"KV cache request {rows} rows x {length} tokens exceeds the limit "
                 f"{self.max_rows} x {self.max_len}"
             )
-        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
         # Build every new buffer before touching the old ones: if an allocation fails (OOM)
         # half way, the cache keeps its old buffers and sizes and the running sequences'
         # keys/values stay valid. The price is holding old and new buffers at once.
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
+        old_part = self._index(slice(0, self.rows), slice(0, self.length))
         for old, new in ((self.k, new_k), (self.v, new_v)):
             for i in range(self.num_layers):
-                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                fresh = torch.zeros(self._shape(new_rows, new_len), dtype=self.dtype, device=self.device)
                 if i < len(old):
-                    fresh[: self.rows, :, : self.length] = old[i]
+                    fresh[old_part] = old[i]
                 new.append(fresh)
         self.k, self.v = new_k, new_v
         self.rows, self.length = new_rows, new_len
         self.generation += 1
 
+    def write_prefill(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New rows' keys/values from position 0: k, v [rows, kv_heads, T, head_dim]."""
+        T = k.shape[2]
+        if self.token_major:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        index = self._index(rows, slice(0, T))
+        self.k[layer][index] = k
+        self.v[layer][index] = v
+
+    def write_decode(
+        self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """One new position per row: k, v [rows, kv_heads, 1, head_dim] at `positions` [rows]."""
+        index = self._index(rows, positions)
+        self.k[layer][index] = k[:, :, 0]
+        self.v[layer][index] = v[:, :, 0]
+
+    def view(self, layer: int, rows: slice, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `rows`' first `key_len` positions, [rows, kv_heads, key_len,
+        head_dim] (a view, strided in the token-major layout)."""
+        index = self._index(rows, slice(0, key_len))
+        k, v = self.k[layer][index], self.v[layer][index]
+        return (k.transpose(1, 2), v.transpose(1, 2)) if self.token_major else (k, v)
+
     def move_row(self, src: int, dst: int, length: int) -> None:
         for store in (self.k, self.v):
             for buf in store:
-                buf[dst, :, :length] = buf[src, :, :length]
+                buf[self._index(dst, slice(0, length))] = buf[self._index(src, slice(0, length))]
 
     def free(self) -> None:
         self.k, self.v = [], []

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from slime.engines.torch_engine import transfer
-from slime.engines.torch_engine.attention import decode_attention, prefill_attention_cuda, sdpa_masked
+from slime.engines.torch_engine.attention import (
+    LiveKernel,
+    decode_attention,
+    live_decode_attention,
+    live_keys_kernel,
+    prefill_attention_cuda,
+    sdpa_masked,
+)
 from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
 from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.runner import GenericRunner, Runner, TokenSource, lora_rows
@@ -74,15 +81,24 @@ def is_llama_like(model: Any) -> bool:
 
 
 def make_runner(model: Any, max_running: int, context_length: int, deterministic: bool = False,
-                cuda_graph_max_bs: int | None = None) -> Runner:  # fmt: skip
+                cuda_graph_max_bs: int | None = None, attention_backend: str = "auto") -> Runner:  # fmt: skip
     """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
-    None: every batch)."""
-    if is_llama_like(model):
-        return BatchedRunner(
-            model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs
+    None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run)."""
+    if not is_llama_like(model):
+        if attention_backend == "flash":
+            raise ValueError(f"--attention-backend flash: model_type {model.config.model_type!r} runs on the "
+                             "per-sequence runner, whose attention is transformers'; use auto")  # fmt: skip
+        logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
+        return GenericRunner(model)
+    runner = BatchedRunner(model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs,
+                           live_keys=False if attention_backend == "torch_native" else None)  # fmt: skip
+    if attention_backend == "flash" and runner.live_keys is None:
+        raise ValueError(
+            "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a head "
+            "dimension up to 256, a torch whose flash kernel takes seqused_k, and no "
+            "--enable-deterministic-inference; use auto or torch_native"
         )
-    logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
-    return GenericRunner(model)
+    return runner
 
 
 @torch.inference_mode()
@@ -151,7 +167,11 @@ class BatchedRunner(Runner):
     """
 
     def __init__(self, model: Any, max_running: int, context_length: int, deterministic: bool = False,
-                 bucket_shapes: bool | None = None, cuda_graph_max_bs: int | None = None):  # fmt: skip
+                 bucket_shapes: bool | None = None, cuda_graph_max_bs: int | None = None,
+                 live_keys: LiveKernel | bool | None = None):  # fmt: skip
+        """`live_keys`: decode attention reads only each row's live keys with this kernel
+        (slime.engines.torch_engine.attention.live_decode_attention) over a token-major cache;
+        None: the flash kernel where it runs (never in deterministic mode); False: padded keys."""
         self.model = model
         self.deterministic = deterministic
         self.inner: Any = model.model
@@ -163,6 +183,9 @@ class BatchedRunner(Runner):
         self.scaling = getattr(first_attn, "scaling", self.head_dim**-0.5)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if live_keys is None and not deterministic:
+            live_keys = live_keys_kernel(self.device, self.dtype, self.head_dim)
+        self.live_keys: LiveKernel | None = live_keys if callable(live_keys) else None
         self.cache = SlotKVCache(
             len(self.inner.layers),
             self.num_kv_heads,
@@ -171,6 +194,7 @@ class BatchedRunner(Runner):
             self.device,
             max_running,
             context_length,
+            token_major=self.live_keys is not None,
         )
         self.active: list[Sequence] = []
         on_cuda = self.device.type == "cuda"
@@ -222,14 +246,14 @@ class BatchedRunner(Runner):
         self,
         ids_BT: torch.Tensor,
         pos_BT: torch.Tensor,
-        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Callable[..., torch.Tensor],
         rows: slice,
         write_pos_B: torch.Tensor | None,
-        key_len: int,
         last_index_B: torch.Tensor,
     ) -> torch.Tensor:
-        """The decoder stack over `ids_BT`, keys/values into cache `rows`; `attend(q, keys,
-        values)` is the attention kernel with its mask. Returns float32 logits at `last_index_B`."""
+        """The decoder stack over `ids_BT`, keys/values into cache `rows`. Prefill (`write_pos_B`
+        None): `attend(q, keys, values)` over the prompts' own keys; decode: `attend(q, layer)`
+        over the layer's cache. Returns float32 logits at `last_index_B`."""
         h = self.inner.embed_tokens(ids_BT)
         cos, sin = self.inner.rotary_emb(h, pos_BT)
         B, T = ids_BT.shape
@@ -238,14 +262,12 @@ class BatchedRunner(Runner):
             attn = layer.self_attn
             q, k, v = self._attention_inputs(attn, layer.input_layernorm(h))
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            k_cache, v_cache = self.cache.k[li], self.cache.v[li]
             if write_pos_B is None:  # prefill: fresh rows, positions [0, T)
-                k_cache[rows, :, :T] = k
-                v_cache[rows, :, :T] = v
+                self.cache.write_prefill(li, rows, k, v)
+                out = attend(q, k, v)
             else:  # decode: one new position per row
-                k_cache[row_index, :, write_pos_B] = k[:, :, 0]
-                v_cache[row_index, :, write_pos_B] = v[:, :, 0]
-            out = attend(q, k_cache[rows, :, :key_len], v_cache[rows, :, :key_len])
+                self.cache.write_decode(li, row_index, write_pos_B, k, v)
+                out = attend(q, li)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(B, device=self.device), last_index_B]
@@ -278,7 +300,7 @@ class BatchedRunner(Runner):
             attend = functools.partial(sdpa_masked, mask=mask[:, None], scale=self.scaling)
         with self._lora(seqs):
             logits = self._forward(ids, pos[None].expand(len(seqs), T), attend,
-                                   slice(start, start + len(seqs)), None, T, lens - 1)  # fmt: skip
+                                   slice(start, start + len(seqs)), None, lens - 1)  # fmt: skip
         if record:
             routed = self._routed_rows(len(seqs), T)
             for s, row, n in zip(seqs, routed, lengths):
@@ -313,7 +335,8 @@ class BatchedRunner(Runner):
         # (Overlapped decoding feeds a sequence once more after its last token; that position is
         # still inside the context: prompt + max_new_tokens <= context length.)
         positions = [s.num_cached for s in seqs]
-        key_len = self.shapes.keys(max(positions) + 1)
+        # Live keys: the kernel reads each row's own; the graph's shape is the cache's length.
+        key_len = self.cache.length if self.live_keys else self.shapes.keys(max(positions) + 1)
         # Row 0: token ids (or, with tokens_from, their index in the previous step's); row 1:
         # positions. Padding rows: token 0 (index 0) at position 0.
         host = torch.zeros((2, rows), dtype=torch.long)
@@ -343,12 +366,27 @@ class BatchedRunner(Runner):
         """inputs [2, rows]: token ids and positions. No host synchronisation (CUDA-graph safe)."""
         rows = inputs.shape[1]
         ids, positions = inputs[0], inputs[1]
-        mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        kernel = decode_attention if self.device.type == "cuda" else sdpa_masked
-        attend = functools.partial(kernel, mask=mask, scale=self.scaling)
+        cache, live = self.cache, self.live_keys
+        if live is not None:
+            seqused = (positions + 1).to(torch.int32)
+
+            def attend(q: torch.Tensor, li: int) -> torch.Tensor:
+                return live_decode_attention(
+                    q, cache.k[li], cache.v[li], first_row, seqused, self.scaling, live
+                )
+        else:
+            mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[
+                :, None, None, :
+            ]
+            kernel = decode_attention if self.device.type == "cuda" else sdpa_masked
+
+            def attend(q: torch.Tensor, li: int) -> torch.Tensor:
+                k, v = cache.view(li, slice(first_row, first_row + rows), key_len)
+                return kernel(q, k, v, mask=mask, scale=self.scaling)
+
         zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
         return self._forward(ids[:, None], positions[:, None], attend, slice(first_row, first_row + rows),
-                             positions, key_len, zeros)  # fmt: skip
+                             positions, zeros)  # fmt: skip
 
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
         return self._decode_forward(inputs, key_len)
@@ -392,6 +430,7 @@ class BatchedRunner(Runner):
         out: dict[str, Any] = {
             "decode_shapes": len(self.decode_shapes),
             "bucketed_shapes": self.shapes.bucketed,
+            "decode_attention": "live keys" if self.live_keys is not None else "padded keys",
         }
         if self.graphs is not None:
             out.update(cuda_graphs=self.graphs.num_graphs, cuda_graph_replays=self.graphs.num_replays,
