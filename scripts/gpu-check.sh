@@ -2,33 +2,39 @@
 # One command for a GPU machine without network (torch with CUDA and the project's dependencies
 # installed; source .gpu/setup.sh first where Ray/transformers/megatron-core come from there):
 #
-#   bash scripts/gpu-check.sh [PART...]    parts: gpu-tests grpo-fsdp grpo-megatron bench-engine (default: all)
+#   bash scripts/gpu-check.sh [PART...]    parts: gpu-tests grpo-fsdp grpo-megatron bench-engine bench-step
+#                                          (default: all)
 #
 #   gpu-tests      pytest -m gpu on every tests/test_*gpu*.py (the output is also shown)
 #   grpo-fsdp      train.py: 2 GRPO rollouts, colocated, FSDP + torch engine, CUDA-IPC push,
 #                  --offload --check-precision --check-weight-sync, on a tiny model built here
 #   grpo-megatron  the same with --train-backend megatron --transformer-impl local
 #   bench-engine   benchmarks/bench_engine.py --device cuda
+#   bench-step     benchmarks/bench_grpo_step.py --device cuda --preset qwen3-0.6b: a whole GRPO step,
+#                  512 samples x up to 512 tokens, colocated on the one GPU, against its limits
 #
 # Prints PASS / FAIL / SKIP per part with its figure, then a summary; exits 1 if a part failed,
 # else 0. A part whose dependency is missing is SKIP with the reason, never PASS; without a CUDA
 # GPU every part is SKIP (exit 0). Environment: PYTHON (python3); GPU_CHECK_OUT, the folder for
 # the logs (default: a new mktemp folder); each part's limit in seconds, GPU_CHECK_TIMEOUT_TESTS
-# (480), GPU_CHECK_TIMEOUT_JOB (60, each job), GPU_CHECK_TIMEOUT_BENCH (130) (a part still running
+# (480), GPU_CHECK_TIMEOUT_JOB (60, each job), GPU_CHECK_TIMEOUT_BENCH (130), GPU_CHECK_TIMEOUT_STEP
+# (540) (a part still running
 # at its limit gets SIGINT, which lets pytest print its summary and train.py shut Ray down, then
 # SIGKILL 10 s later). On an H100 the model-family and Megatron GPU tests alone took 345 s, so
-# all four parts no longer fit one 10-minute command: run `gpu-tests` in one, the rest in another.
+# the parts no longer fit one 10-minute command: run `gpu-tests` in one, `bench-step` in another,
+# the rest in a third.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 PY=${PYTHON:-python3}
-ALL=(gpu-tests grpo-fsdp grpo-megatron bench-engine)
+ALL=(gpu-tests grpo-fsdp grpo-megatron bench-engine bench-step)
 PARTS=("$@")
 [ $# -gt 0 ] || PARTS=("${ALL[@]}")
 for p in "${PARTS[@]}"; do
     [[ " ${ALL[*]} " == *" $p "* ]] || { echo "unknown part '$p'; parts: ${ALL[*]}" >&2; exit 2; }
 done
 T_TESTS=${GPU_CHECK_TIMEOUT_TESTS:-480} T_JOB=${GPU_CHECK_TIMEOUT_JOB:-60} T_BENCH=${GPU_CHECK_TIMEOUT_BENCH:-130}
+T_STEP=${GPU_CHECK_TIMEOUT_STEP:-540}
 # Hidden: GPU_CHECK_DEVICE=cpu exists only to rehearse the command lines on a machine without a
 # GPU (the jobs and the benchmark get --device cpu, the CUDA check is not made). Every flag below
 # is accepted on CPU too, so the rehearsal runs the GPU command lines with only the device changed.
@@ -137,6 +143,18 @@ for part in "${PARTS[@]}"; do
         if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_BENCH")${figure:+: $figure} (see $log)"
         elif [ "$(grep -cE '^(ratio torch engine / HF generate:|GPU busy)' "$log")" -lt 2 ]; then
             report FAIL "$part" "exit 0 but the 'ratio torch engine / HF generate:' or 'GPU busy' line is missing (see $log)"
+        else report PASS "$part" "$figure ($secs s)"; fi
+        ;;
+    bench-step)
+        # Exit 1 from the benchmark: a target missed (its "target ..." lines say which).
+        if [ -n "${NO_RAY:-}" ]; then report SKIP "$part" "$NO_RAY"; continue; fi
+        preset=(--preset qwen3-0.6b)
+        [ "$DEVICE" = cuda ] || preset=()  # the CPU rehearsal runs the demo model
+        limited "$T_STEP" "$PY" benchmarks/bench_grpo_step.py --device "$DEVICE" "${preset[@]}" --out "$OUT/bench-step" >"$log" 2>&1
+        rc=$? secs=$((SECONDS - start))
+        figure=$(grep -E '^(ratio engine / HF generate:|target )' "$log" | awk 'NR > 1 {printf "; "} {printf "%s", $0}')
+        if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_STEP")${figure:+: $figure} (see $log)"
+        elif [ -z "$figure" ]; then report FAIL "$part" "exit 0 but the 'ratio engine / HF generate:' line is missing (see $log)"
         else report PASS "$part" "$figure ($secs s)"; fi
         ;;
     esac

@@ -38,6 +38,11 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         "ratio torch engine / HF generate",
         True,
     ),
+    "bench_grpo_step": (
+        ["--device", "cpu", "--steps", "2", "--bandwidth-gbs", "20", "--peak-tflops", "1", "--hf-samples", "2"],
+        "ratio engine / HF generate",
+        True,
+    ),
     "bench_routing_replay": (["--threads", "1", "--requests", "1", "--new-tokens", "2"], "bfloat16 ", True),
     "bench_moe": (["--threads", "1", "--rollouts", "1"], "ratio MoE / dense, train tokens/s", True),
     "bench_train": (["--threads", "1", "--rollouts", "1"], "overhead ratio", True),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["gpu-tests", "grpo-fsdp", "grpo-megatron", "bench-engine"]
+PARTS = ["gpu-tests", "grpo-fsdp", "grpo-megatron", "bench-engine", "bench-step"]
 NO_GPU = "no CUDA GPU (torch.cuda.is_available() is false)"
 
 
@@ -42,7 +42,7 @@ def test_without_a_gpu_every_part_is_skipped_and_the_exit_code_is_0(tmp_path):
         assert line.startswith("SKIP ") and line.endswith(NO_GPU), line
     assert "PASS" not in proc.stdout and "FAIL" not in proc.stdout
     assert f"logs in {tmp_path / 'out'}" in proc.stdout
-    assert "summary: 0 passed, 0 failed, 4 skipped" in proc.stdout
+    assert "summary: 0 passed, 0 failed, 5 skipped" in proc.stdout
 
 
 def test_the_caller_chooses_the_parts_and_an_unknown_part_exits_2(tmp_path):

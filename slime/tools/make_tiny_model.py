@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        num_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+        num_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     sys.stdout.write(
         json.dumps(
             {
@@ -369,13 +370,6 @@ def main(argv: list[str] | None = None) -> int:
         + "\n"
     )
     return 0
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 if __name__ == "__main__":
