@@ -17,8 +17,10 @@ requests, for a before/after figure in one run.
 CUDA (`--device cuda`): a Qwen3 shape of hidden 1024 x 16 layers (16 heads, 8 KV heads, ~190M
 parameters with the tiny model's character vocabulary) in bfloat16 unless --model-path; 256
 requests in flight (prompt 32-256 tokens, 64-512 new tokens, ignore_eos, temperature 1). The
-engine runs as configured by default (CUDA graphs, overlapped decode steps), then with
---disable-overlap-schedule and with --disable-cuda-graph; HF `generate` runs on the first
+engine runs as configured by default (CUDA graphs, overlapped decode steps, attention over each
+sequence's live keys), then in rounds of 4 decode steps per host round trip, with attention over
+padded keys (the kernel before live keys), with --disable-overlap-schedule and with
+--disable-cuda-graph; HF `generate` runs on the first
 --hf-requests requests in left-padded batches of 64 (its tokens/s per batch does not depend on
 how many batches run). GPU busy: nvidia-smi's utilization sampled every 100 ms while the engine
 decodes.
@@ -241,7 +243,10 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     flags = ["--device", "cuda", "--dtype", "bfloat16", "--max-running-requests", str(n),
              "--max-prefill-tokens", "16384", "--num-threads", str(args.threads)]  # fmt: skip
     results = {}
-    configs = (("CUDA graphs, overlap", []), ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
+    configs = (("CUDA graphs, overlap", []),
+               ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
+               ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
+               ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
                ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"]))  # fmt: skip
     for name, extra in configs:
         log = os.path.join(tmp, f"engine-{len(results)}.log")
@@ -390,7 +395,7 @@ def _server_stats(url: str) -> dict:
 
     with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
         state = json.load(r)["internal_states"][0]
-    keys = ("num_steps", "busy_seconds", "decode_shapes", "cuda_graphs", "cuda_graph_replays",
+    keys = ("num_steps", "busy_seconds", "decode_attention", "decode_shapes", "cuda_graphs", "cuda_graph_replays",
             "cuda_graph_capture_seconds")  # fmt: skip
     return {k: state[k] for k in keys if k in state}
 

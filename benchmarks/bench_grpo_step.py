@@ -10,7 +10,8 @@ trainer taking turns on the device, the weights pushed over CUDA IPC (shared mem
 every step. Each rollout is --prompts prompts (random text, --prompt-len tokens, seeded) x
 --samples-per-prompt samples of up to --max-new-tokens tokens at temperature 1; the train step is
 one optimizer step over the whole rollout (packed micro-batches under --max-tokens-per-gpu). On
-CUDA the engine and the trainer compute in bfloat16 and the engine runs every sample at once.
+CUDA the engine and the trainer compute in bfloat16, the engine runs every sample at once, and the
+log-probs' float32 softmax runs 1,024 tokens at a time (`--log-probs-chunk-size`).
 
 Per phase, the median over the steps after the first (the first warms kernels and CUDA graphs):
 - rollout: generated tokens/s and its share of the memory roofline: an ideal engine's time, each
@@ -104,8 +105,8 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         "--sglang-max-running-requests", str(samples), "--sglang-max-prefill-tokens", "65536",
         "--save-debug-rollout-data", os.path.join(out, "rollout_{rollout_id}.pt"),
     ]  # fmt: skip
-    if cuda:
-        argv += ["--sglang-dtype", "bfloat16"]
+    if cuda:  # bfloat16 compute; the log-probs' float32 softmax a chunk of tokens at a time
+        argv += ["--sglang-dtype", "bfloat16", "--log-probs-chunk-size", "1024"]
         argv += ["--bf16", "--transformer-impl", "local"] if args.train_backend == "megatron" else [
             "--fsdp-param-dtype", "bfloat16"]  # fmt: skip
     if args.peak_tflops:
