@@ -29,7 +29,8 @@ Host overhead (`--null-model`, any machine): the engine's own work per decode st
 building the step's inputs, sampling's bookkeeping, booking tokens, stop checks) with the model's
 forward replaced by a no-op that returns zero logits, so what is left is what the host spends per
 step, in microseconds. --batch sequences (prompts 32-95 tokens) decode --new-tokens tokens each,
-ignore_eos, temperature 1, all in one batch; the engine runs in process, stepped by this script.
+ignore_eos, temperature 1 (--temperature), all in one batch; the engine runs in process, stepped
+by this script.
 Configurations: one step per host round trip, booked before the next launch; overlapped (the
 default on CUDA); rounds of 4 and 8 steps (`--num-continuous-decode-steps`), overlapped. With
 --compare-src DIR the same is measured on another source tree (a `git worktree` of an earlier
@@ -150,6 +151,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256, help="--null-model: sequences decoding at once")
     ap.add_argument("--new-tokens", type=int, default=128, help="--null-model: tokens each sequence decodes")
     ap.add_argument("--repeats", type=int, default=3, help="--null-model: runs per configuration (median)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="--null-model: 0 leaves sampling's noise out (on CPU most of what is left is that)")  # fmt: skip
     ap.add_argument("--null-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -302,12 +305,13 @@ def bench_null(args: argparse.Namespace, tmp: str) -> int:
         if src is not None:
             env["BENCH_SLIME_SRC"] = src
         argv = [sys.executable, os.path.abspath(__file__), "--null-worker", model_path, "--threads", str(args.threads),
-                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                "--temperature", str(args.temperature)]  # fmt: skip
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
         for name, micros in json.loads(out.strip().splitlines()[-1]).items():
             rows.append((f"{label}: {name}", f"{micros:,.0f}"))
     print(f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
-          f"temperature 1, {args.threads} thread(s), median of {args.repeats}")  # fmt: skip
+          f"temperature {args.temperature:g}, {args.threads} thread(s), median of {args.repeats}")  # fmt: skip
     _table(rows, ("us per decode step",))
     ours = {name: float(v.replace(",", "")) for name, v in rows if name.startswith("this tree")}
     best = min(ours.values())
@@ -350,7 +354,7 @@ def _null_run(config, args: argparse.Namespace, parse_generate) -> float:
     runner._forward = lambda ids, *rest: logits[: ids.shape[0]]
     prompts = [[4 + (i * 7 + j) % 90 for j in range(32 + i % 64)] for i in range(args.batch)]
     body = {"input_ids": prompts, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": args.temperature, "ignore_eos": True}}  # fmt: skip
     finished = []
     seqs = [engine.make_sequence(req, finished.append) for req in parse_generate(body)[0]]
     added = engine.add(seqs)

@@ -86,7 +86,7 @@ class TorchEngine:
             config.max_running_requests, config.max_prefill_tokens, self._eos_token_ids(), self._detokenize
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.random_seed)
-        self.weight_version = config.weight_version
+        self._weight_version = config.weight_version
         self.paused = False
         self.busy_seconds = 0.0
         """Wall seconds spent in forward steps since start (an engine busy share is its rate)."""
@@ -253,8 +253,6 @@ class TorchEngine:
         top_n = [s.top_logprobs_num for s in seqs]
         out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n, self.never_sampled)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
-        for s in seqs:
-            s.record_versions(self.weight_version)
         self.num_steps += 1
         self.num_generated_tokens += len(seqs)
         self._finish(finished)
@@ -269,6 +267,7 @@ class TorchEngine:
                 except Exception:
                     logger.exception("releasing the KV state of request %s failed", seq.rid)
                     self._runner_suspect = True
+            seq.record_versions(self.weight_version)
             seq.weight_version = self.weight_version
             if seq.lora is not None:  # the adapter may be unloaded once no sequence uses it
                 seq.lora.users -= 1
@@ -283,6 +282,19 @@ class TorchEngine:
             # _run_commands (e.g. the one a client sends as soon as its answer arrived) must not
             # be aborted for a failure that happened before it existed.
             self._fail_in_flight("engine error: KV state was lost and reset")
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights served (SGLang's weight_version)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        """Engine thread only: the tokens made so far are the old version's (each sequence's
+        `version_spans` is brought up to date here and when it finishes, not at every step)."""
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            seq.record_versions(self._weight_version)
+        self._weight_version = version
 
     # ---- requests (called from the HTTP side: event loop or worker threads) ------------------
     def check_available(self) -> None:

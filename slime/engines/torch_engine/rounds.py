@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from slime.engines.torch_engine import transfer
-from slime.engines.torch_engine.sampling import pack, sample_on_device
-from slime.engines.torch_engine.sequence import Sequence
+from slime.engines.torch_engine.sampling import BatchSampling, pack, sample_on_device
+from slime.engines.torch_engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -59,6 +59,8 @@ class DecodeRounds:
         self.steps = steps
         self.overlap = overlap
         self.pending: PendingRound | None = None
+        self._sampling: tuple[list[Sequence], BatchSampling] | None = None
+        """The last batch's sampling settings, reused while the batch is the same."""
 
     @staticmethod
     def takes(seqs: list[Sequence]) -> bool:
@@ -69,6 +71,8 @@ class DecodeRounds:
     def round_size(self, seqs: list[Sequence]) -> int:
         """How many steps the next round over `seqs` runs: at most `steps`, and no sequence past
         its max_new_tokens, counting the tokens of the round in flight."""
+        if self.steps == 1:
+            return 1
         in_flight = self.pending.num_steps if self.pending is not None else 0
         room = min(s.params.max_new_tokens - len(s.output_ids) for s in seqs) - in_flight
         return max(1, min(self.steps, room))
@@ -79,17 +83,16 @@ class DecodeRounds:
         engine, prev = self.engine, self.pending
         seqs = list(engine.runner.active)
         num_steps = self.round_size(seqs)
-        source = None
-        if prev is not None:
-            index = {id(s): i for i, s in enumerate(prev.seqs)}
-            source = (prev.last_tokens, [index[id(s)] for s in seqs])
-        params = [s.params for s in seqs]
-        gens = [s.runner_state.get("generator") for s in seqs]
         same_rows = list(range(len(seqs)))
+        source = None
+        if prev is not None:  # the rows of the round before, where the batch changed since
+            index = same_rows if prev.seqs == seqs else {id(s): i for i, s in enumerate(prev.seqs)}
+            source = (prev.last_tokens, same_rows if index is same_rows else [index[id(s)] for s in seqs])
+        batch = self._batch_sampling(seqs)
         tokens_steps, logprob_steps = [], []
         for _ in range(num_steps):
             _, logits = engine.runner.decode(source)
-            tokens, chosen, _ = sample_on_device(logits, params, gens, engine.generator)
+            tokens, chosen, _ = sample_on_device(logits, batch, engine.generator)
             tokens_steps.append(tokens)
             logprob_steps.append(chosen)
             source = (tokens, same_rows)
@@ -99,6 +102,14 @@ class DecodeRounds:
             self._book(prev)
         if not self.overlap:
             self.drain()
+
+    def _batch_sampling(self, seqs: list[Sequence]) -> BatchSampling:
+        if self._sampling is None or self._sampling[0] != seqs:
+            engine = self.engine
+            gens = [s.runner_state.get("generator") for s in seqs]
+            batch = BatchSampling.of([s.params for s in seqs], gens, engine.device, engine.vocab_size)
+            self._sampling = (seqs, batch)
+        return self._sampling[1]
 
     def drain(self) -> None:
         """Book the round in flight, if any."""
@@ -115,14 +126,18 @@ class DecodeRounds:
         host = step.copy.wait()
         tokens = host[0].long().t().tolist()  # per sequence, its run of tokens
         logprobs = host[1].t().tolist()
-        # A sequence that finished (stopped, or was aborted) after this round was launched: its
-        # tokens are dropped.
-        live = [i for i, s in enumerate(step.seqs) if not s.is_finished]
-        seqs = [step.seqs[i] for i in live]
-        before = sum(len(s.output_ids) for s in seqs)
-        finished = engine.scheduler.append_runs(seqs, [tokens[i] for i in live], [logprobs[i] for i in live])
-        for s in seqs:
-            s.record_versions(engine.weight_version)
+        seqs = step.seqs
+        if any(s.status is SeqStatus.FINISHED for s in seqs):
+            # Finished (stopped, or aborted) after this round was launched: their tokens are dropped.
+            live = [i for i, s in enumerate(seqs) if s.status is not SeqStatus.FINISHED]
+            seqs, tokens, logprobs = (
+                [seqs[i] for i in live],
+                [tokens[i] for i in live],
+                [logprobs[i] for i in live],
+            )
+        scheduler = engine.scheduler
+        before = scheduler.num_appended
+        finished = scheduler.append_runs(seqs, tokens, logprobs)
         engine.num_steps += step.num_steps
-        engine.num_generated_tokens += sum(len(s.output_ids) for s in seqs) - before
+        engine.num_generated_tokens += scheduler.num_appended - before
         engine._finish(finished)

@@ -24,14 +24,61 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
+@dataclass(frozen=True)
+class BatchSampling:
+    """A batch's sampling settings, turned into what the device needs once per batch: a decode
+    round (slime.engines.torch_engine.rounds) samples every one of its steps with one of these,
+    so the host's per-row work is done once per round, not once per step."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    """Per row, a seeded request's own generator (None: the engine's)."""
+    temperatures: torch.Tensor
+    """[B, 1] on the device: each row's temperature (1 for greedy rows, whose log-probs are plain)."""
+    sampled: list[int]
+    """The rows that sample (the others take the argmax)."""
+    sampled_index: torch.Tensor | None
+    """`sampled` on the device (None: every row samples, or none)."""
+    limits: torch.Tensor | None
+    """[len(sampled), 3] float64 on the device: top-k (the vocabulary for none), top-p, min-p of the
+    sampled rows, where any truncates (None: none does)."""
+    unseeded: list[int]
+    """Positions in `sampled` of the rows that draw from the engine's generator."""
+    unseeded_index: torch.Tensor | None
+    never: torch.Tensor | None
+    """Token ids never picked (a vision-language model's image placeholders), on the device."""
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device,
+           vocab: int, never: list[int] | None = None) -> BatchSampling:  # fmt: skip
+        temps = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params])
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        partial = 0 < len(sampled) < len(params)
+        limits = None
+        if any(params[i].needs_truncation for i in sampled):
+            rows = [params[i] for i in sampled]
+            values = [[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in rows]
+            limits = transfer.to_device(torch.tensor(values, dtype=torch.float64), device)
+        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
+        return cls(
+            params, generators, transfer.to_device(temps, device), sampled,
+            transfer.to_device(torch.tensor(sampled), device) if partial else None, limits, unseeded,
+            transfer.to_device(torch.tensor(unseeded), device) if 0 < len(unseeded) < len(sampled) else None,
+            transfer.to_device(torch.tensor(never), device) if never else None,
+        )  # fmt: skip
+
+
 def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities that top-k / top-p / min-p exclude, row by row (no renormalising)."""
-    device = probs_BV.device
     vocab = probs_BV.shape[-1]
     limits = torch.tensor(
         [[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params], dtype=torch.float64
     )
-    limits = transfer.to_device(limits, device)
+    return _truncate(probs_BV, transfer.to_device(limits, probs_BV.device))
+
+
+def _truncate(probs_BV: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    device = probs_BV.device
     top_k, top_p, min_p = limits[:, 0], limits[:, 1].to(probs_BV.dtype), limits[:, 2].to(probs_BV.dtype)
     sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
     ranks = torch.arange(probs_BV.shape[-1], device=device)[None, :]
@@ -62,55 +109,43 @@ def sample(
         never: token ids never picked (a vision-language model's image placeholders); like top-k's
             truncation, this shapes what is sampled, not the reported log-probs.
     """
-    tokens_B, chosen_B, logprobs_BV = sample_on_device(
-        logits_BV, params, generators, default_generator, never
-    )
+    batch = BatchSampling.of(params, generators, logits_BV.device, logits_BV.shape[-1], never)
+    tokens_B, chosen_B, logprobs_BV = sample_on_device(logits_BV, batch, default_generator)
     host = transfer.to_host(pack(tokens_B, chosen_B))
     tokens, logprobs = unpack(host)
     return SampleOutput(tokens, logprobs, _top_logprobs(logprobs_BV, top_logprobs_nums))
 
 
 def sample_on_device(
-    logits_BV: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
-    never: list[int] | None = None,
+    logits_BV: torch.Tensor, batch: BatchSampling, default_generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample` without the copy down: token ids [B] (int64), their log-probs [B] and the
     log-probs of every token [B, V], all where the logits are."""
     logits_BV = logits_BV.float()
-    device = logits_BV.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits_BV.dtype)
-    logprobs_BV = torch.log_softmax(logits_BV / transfer.to_device(temps, device)[:, None], dim=-1)
+    logprobs_BV = torch.log_softmax(logits_BV / batch.temperatures, dim=-1)
     allowed_BV = logprobs_BV
-    if never:
-        allowed_BV = logprobs_BV.index_fill(1, transfer.to_device(torch.tensor(never), device), float("-inf"))
+    if batch.never is not None:
+        allowed_BV = logprobs_BV.index_fill(1, batch.never, float("-inf"))
     tokens_B = allowed_BV.argmax(dim=-1)
-
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        every_row = len(sampled_rows) == len(params)
-        rows = None if every_row else transfer.to_device(torch.tensor(sampled_rows), device)
+    if batch.sampled:
+        rows = batch.sampled_index
         probs = (allowed_BV if rows is None else allowed_BV.index_select(0, rows)).exp()
-        row_params = [params[i] for i in sampled_rows]
-        if any(p.needs_truncation for p in row_params):
-            probs = truncate_probs(probs, row_params)
+        if batch.limits is not None:
+            probs = _truncate(probs, batch.limits)
         noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if len(unseeded) == len(sampled_rows):
+        if len(batch.unseeded) == len(batch.sampled):
             noise.exponential_(generator=default_generator)
-        elif unseeded:
-            draws = torch.empty((len(unseeded), probs.shape[-1]), device=device, dtype=probs.dtype)
-            noise.index_copy_(0, transfer.to_device(torch.tensor(unseeded), device),
-                              draws.exponential_(generator=default_generator))  # fmt: skip
-        for j, i in enumerate(sampled_rows):
-            gen = generators[i]
+        elif batch.unseeded_index is not None:
+            draws = torch.empty(
+                (len(batch.unseeded), probs.shape[-1]), device=probs.device, dtype=probs.dtype
+            )
+            noise.index_copy_(0, batch.unseeded_index, draws.exponential_(generator=default_generator))
+        for j, i in enumerate(batch.sampled):
+            gen = batch.generators[i]
             if gen is not None:
                 noise[j].exponential_(generator=gen)
         picked = (probs / noise).argmax(dim=-1)
         tokens_B = picked if rows is None else tokens_B.index_copy(0, rows, picked)
-
     chosen_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
     return tokens_B, chosen_B, logprobs_BV
 

@@ -49,6 +49,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         # In-flight sequences by rid: the engine refuses a second request with a rid in here.
         self._by_rid: dict[str, Sequence] = {}
+        self.num_appended = 0
+        """Tokens recorded by append_runs so far (the decode rounds' count)."""
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,11 +114,17 @@ class Scheduler:
         top_logprobs: list[list[tuple[float, int]]] | None,
     ) -> list[Sequence]:
         """Record one sampled token per sequence; return those that finished with it."""
-        if top_logprobs is not None:
-            for i, seq in enumerate(seqs):
-                if seq.top_logprobs_num:
-                    seq.output_top_logprobs.append(top_logprobs[i][: seq.top_logprobs_num])
-        return self.append_runs(seqs, [[t] for t in tokens], [[lp] for lp in logprobs])
+        finished = []
+        for i, seq in enumerate(seqs):
+            seq.output_ids.append(tokens[i])
+            seq.output_logprobs.append(logprobs[i])
+            if seq.top_logprobs_num and top_logprobs is not None:
+                seq.output_top_logprobs.append(top_logprobs[i][: seq.top_logprobs_num])
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
 
     def append_runs(
         self, seqs: list[Sequence], runs: list[list[int]], logprobs: list[list[float]]
@@ -138,22 +146,26 @@ class Scheduler:
             for token, value in zip(run, logprobs):
                 seq.output_ids.append(token)
                 seq.output_logprobs.append(value)
+                self.num_appended += 1
                 reason = self._finish_reason(seq)
                 if reason is not None:
                     return reason
             return None
         # Token ids and length only: cut the run where it ends, with list operations (this runs
         # for every sequence after every decode round, so per-token Python is what it avoids).
-        n = min(len(run), params.max_new_tokens - len(seq.output_ids))
+        room = params.max_new_tokens - len(seq.output_ids)
+        if len(run) > room:
+            run, logprobs = run[:room], logprobs[:room]
         stop_at = None
-        if not seq.stop_ids.isdisjoint(run[:n]):
-            stop_at = next(j for j in range(n) if run[j] in seq.stop_ids)
-            n = stop_at + 1
-        seq.output_ids.extend(run[:n])
-        seq.output_logprobs.extend(logprobs[:n])
+        if not seq.stop_ids.isdisjoint(run):
+            stop_at = next(j for j, token in enumerate(run) if token in seq.stop_ids)
+            run, logprobs = run[: stop_at + 1], logprobs[: stop_at + 1]
+        seq.output_ids += run
+        seq.output_logprobs += logprobs
+        self.num_appended += len(run)
         if stop_at is not None:
             return FinishReason("stop", matched=run[stop_at])
-        if len(seq.output_ids) >= params.max_new_tokens:
+        if len(run) == room:
             return FinishReason("length", length=len(seq.output_ids))
         return None
 
