@@ -91,7 +91,12 @@ def test_live_key_attention_equals_the_padded_kernel_on_cuda():
     """The flash kernel over each row's live keys (token-major cache) against the batched-matmul
     kernel over padded keys (head-major, masked), bfloat16: the same attention within bfloat16's
     rounding, and NaN past a row's live keys changes nothing (they are never read)."""
-    from slime.engines.torch_engine.attention import decode_attention, live_decode_attention, live_keys_kernel
+    from slime.engines.torch_engine.attention import (
+        LiveRows,
+        decode_attention,
+        live_decode_attention,
+        live_keys_kernel,
+    )
 
     device = torch.device("cuda")
     kernel = live_keys_kernel(device, torch.bfloat16, 64)
@@ -102,7 +107,8 @@ def test_live_key_attention_equals_the_padded_kernel_on_cuda():
     cache = torch.randn(2, B + 2, L, KV, D, generator=g, device=device, dtype=torch.bfloat16)  # K, V
     live = torch.tensor([1, 17, 256, 100, 2, 64], device=device)
     first_row = 2  # the batch's rows start past others'
-    got = live_decode_attention(q, cache[0], cache[1], first_row, live.to(torch.int32), D**-0.5, kernel)
+    layout = LiveRows.of(live - 1, first_row, L)  # positions: each row's last live key
+    got = live_decode_attention(q, cache[0], cache[1], layout, D**-0.5, kernel)
     rows = cache[:, first_row : first_row + B].transpose(2, 3)  # head-major views
     mask = (torch.arange(L, device=device)[None, :] < live[:, None])[:, None, None, :]
     want = decode_attention(q, rows[0], rows[1], mask, D**-0.5)
@@ -111,7 +117,7 @@ def test_live_key_attention_equals_the_padded_kernel_on_cuda():
     assert err < 2e-2
     for i, n in enumerate(live.tolist()):
         cache[:, first_row + i, n:] = float("nan")
-    poisoned = live_decode_attention(q, cache[0], cache[1], first_row, live.to(torch.int32), D**-0.5, kernel)
+    poisoned = live_decode_attention(q, cache[0], cache[1], layout, D**-0.5, kernel)
     assert torch.equal(poisoned, got)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -92,24 +93,43 @@ def prefill_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 LiveKernel = Callable[..., torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LiveRows:
+    """Where a decode step's sequences keep their keys in a token-major layer buffer [rows, length,
+    KV, D] (slime.engines.torch_engine.kv_cache): sequence i in row first_row + i, its first
+    `seqused_k[i]` positions live. Made once per step, on the device, for every layer."""
+
+    first_row: int
+    length: int
+    seqused_k: torch.Tensor
+    """[B] int32."""
+    cu_q: torch.Tensor
+    """[B + 1] int32: one query per sequence."""
+    cu_k: torch.Tensor
+    """[B + 1] int32: each sequence's keys start `length` after the one before."""
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, first_row: int, length: int) -> LiveRows:
+        """`positions` [B]: where each sequence's new token goes (its keys up to there are live)."""
+        cu_q = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
+        return cls(first_row, length, (positions + 1).to(torch.int32), cu_q, cu_q * length)
+
+
 def live_decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
-    first_row: int,
-    seqused_k: torch.Tensor,
+    rows: LiveRows,
     scale: float,
     kernel: LiveKernel,
 ) -> torch.Tensor:
-    """One query per row over that row's live keys: q [B, H, 1, D]; k_buf, v_buf a token-major
-    layer buffer [rows, length, KV, D] (slime.engines.torch_engine.kv_cache) whose row first_row
-    + i holds sequence i, `seqused_k[i]` (int32, on the device) of its positions live -> [B, H, 1, D].
-    No host synchronisation (CUDA-graph safe)."""
-    B, length = q.shape[0], k_buf.shape[1]
-    k = k_buf[first_row : first_row + B].flatten(0, 1)  # rows are `length` apart: a view
-    v = v_buf[first_row : first_row + B].flatten(0, 1)
-    cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-    out = kernel(q[:, :, 0], k, v, cu_q, cu_q * length, 1, length, seqused_k, scale)
+    """One query per sequence over its live keys alone: q [B, H, 1, D]; k_buf, v_buf a token-major
+    layer buffer laid out as `rows` says -> [B, H, 1, D]. No host synchronisation (CUDA-graph
+    safe)."""
+    B = q.shape[0]
+    k = k_buf[rows.first_row : rows.first_row + B].flatten(0, 1)  # rows are `length` apart: a view
+    v = v_buf[rows.first_row : rows.first_row + B].flatten(0, 1)
+    out = kernel(q[:, :, 0], k, v, rows.cu_q, rows.cu_k, 1, rows.length, rows.seqused_k, scale)
     return out[:, :, None]
 
 

@@ -34,6 +34,7 @@ import torch
 from slime.engines.torch_engine import transfer
 from slime.engines.torch_engine.attention import (
     LiveKernel,
+    LiveRows,
     decode_attention,
     live_decode_attention,
     live_keys_kernel,
@@ -368,12 +369,10 @@ class BatchedRunner(Runner):
         ids, positions = inputs[0], inputs[1]
         cache, live = self.cache, self.live_keys
         if live is not None:
-            seqused = (positions + 1).to(torch.int32)
+            live_rows = LiveRows.of(positions, first_row, cache.length)
 
             def attend(q: torch.Tensor, li: int) -> torch.Tensor:
-                return live_decode_attention(
-                    q, cache.k[li], cache.v[li], first_row, seqused, self.scaling, live
-                )
+                return live_decode_attention(q, cache.k[li], cache.v[li], live_rows, self.scaling, live)
         else:
             mask = (torch.arange(key_len, device=self.device)[None, :] <= positions[:, None])[
                 :, None, None, :
