@@ -1,5 +1,5 @@
 """The torch engine's CUDA decode path, held on CPU: bucketed decode shapes (counted per step), the
-plan-free decode attention, and one host transfer per step."""
+plan-free decode attention, live-key attention, decode rounds, and one host transfer per round."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from slime.engines.torch_engine.model_runner import BatchedRunner
 from slime.engines.torch_engine.shapes import DecodeShapes, bucket
 from tests.inprocess import InProcessServer
 from tests.test_engine_lora import adapters  # noqa: F401 - a fixture
+from tests.test_engine_server import teacher_forced_logprobs
 
 
 def test_buckets_cover_every_size_with_little_padding():
@@ -197,7 +198,7 @@ def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["booked", "overlapped"])
-def test_decode_rounds_give_the_same_answers(tiny_model, overlap):
+def test_decode_rounds_give_the_same_answers(tiny_model, hf_model, overlap):
     """Rounds of up to 4 decode steps per host round trip: every request gets the tokens,
     log-probs and finish reason it gets one step at a time (seeded rows draw the same noise),
     with length stops (rounds shrink so no request passes its max_new_tokens, one at the context
@@ -211,6 +212,10 @@ def test_decode_rounds_give_the_same_answers(tiny_model, overlap):
     rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4)
     _assert_same(rounds, plain)
     assert rounds[2]["meta_info"]["completion_tokens"] == context - len(reqs[2][0])
+    for (prompt, _), result in list(zip(reqs, rounds))[:6]:  # and the model's own numbers
+        got = torch.tensor([x[0] for x in result["meta_info"]["output_token_logprobs"]])
+        want = teacher_forced_logprobs(hf_model, prompt, result["output_ids"], 1.0)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     stops = {"ignore_eos": False, "stop": ["a", "7"], "stop_token_ids": [40, 41, 42]}
     plain, _, _, _ = _serve(tiny_model, False, reqs, **stops)
     rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4, **stops)
