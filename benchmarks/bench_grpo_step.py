@@ -103,6 +103,8 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         "--device", args.device, "--colocate", "--offload", "--rollout-backend", "torch",
         "--update-weight-transport", "tensor", "--train-backend", args.train_backend,
         "--sglang-max-running-requests", str(samples), "--sglang-max-prefill-tokens", "65536",
+        # the KV cache no longer than a sample can be (it grows by doubling up to this)
+        "--sglang-context-length", str(args.prompt_len[1] + args.max_new_tokens + 16),
         "--save-debug-rollout-data", os.path.join(out, "rollout_{rollout_id}.pt"),
     ]  # fmt: skip
     if cuda:  # bfloat16 compute; the log-probs' float32 softmax a chunk of tokens at a time

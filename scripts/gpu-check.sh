@@ -150,7 +150,8 @@ for part in "${PARTS[@]}"; do
         if [ -n "${NO_RAY:-}" ]; then report SKIP "$part" "$NO_RAY"; continue; fi
         preset=(--preset qwen3-0.6b)
         [ "$DEVICE" = cuda ] || preset=()  # the CPU rehearsal runs the demo model
-        limited "$T_STEP" "$PY" benchmarks/bench_grpo_step.py --device "$DEVICE" "${preset[@]}" --out "$OUT/bench-step" >"$log" 2>&1
+        limited "$T_STEP" "$PY" benchmarks/bench_grpo_step.py --device "$DEVICE" ${preset[@]+"${preset[@]}"} \
+            --out "$OUT/bench-step" >"$log" 2>&1
         rc=$? secs=$((SECONDS - start))
         figure=$(grep -E '^(ratio engine / HF generate:|target )' "$log" | awk 'NR > 1 {printf "; "} {printf "%s", $0}')
         if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_STEP")${figure:+: $figure} (see $log)"

@@ -64,14 +64,25 @@ shapes: list = []  # the last _serve's decode forwards: (rows, key length)
 
 
 def _serve(
-    model: str, bucketed: bool, reqs, overlap: bool = False, steps: int = 1, live_keys=None, **params
+    model: str,
+    bucketed: bool,
+    reqs,
+    overlap: bool = False,
+    steps: int = 1,
+    live_keys=None,
+    context: int | None = None,
+    **params,
 ) -> tuple[list, BatchedRunner, int, int]:
     """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
     shapes (and does or not overlap its decode rounds of at most `steps` steps; `live_keys`: its
-    live-key decode kernel); returns the results, the runner, the engine's steps and the host
-    transfers made."""
+    live-key decode kernel; `context`: its context length); returns the results, the runner, the
+    engine's steps and the host transfers made."""
     server = InProcessServer(
-        model, max_running_requests=16, overlap_schedule=overlap, num_continuous_decode_steps=steps
+        model,
+        max_running_requests=16,
+        overlap_schedule=overlap,
+        num_continuous_decode_steps=steps,
+        context_length=context,
     )
     engine = server.engine
     engine.runner = runner = BatchedRunner(
@@ -180,19 +191,19 @@ def test_overlapped_decoding_gives_the_same_answers(tiny_model, bucketed):
     request per step finishing at the context limit) and without it (EOS and stop-string stops
     found one step late on the host), and each step still copies down once."""
     reqs = _requests(24, seed=1)
-    context = 64  # the tiny model's max_position_embeddings: the longest request ends there
+    context = 72  # the engines' context length (every request fits): the longest request ends there
     reqs[3] = (reqs[3][0], context - len(reqs[3][0]))
     reqs[5] = (reqs[5][0], 1)
-    plain, _, _, _ = _serve(tiny_model, bucketed, reqs)
-    overlapped, _, steps, transfers = _serve(tiny_model, bucketed, reqs, overlap=True)
+    plain, _, _, _ = _serve(tiny_model, bucketed, reqs, context=context)
+    overlapped, _, steps, transfers = _serve(tiny_model, bucketed, reqs, overlap=True, context=context)
     _assert_same(overlapped, plain)
     assert overlapped[3]["meta_info"]["completion_tokens"] == context - len(reqs[3][0])
     # One copy per launched step; the steps counted are the booked ones, and the last launch
     # (its sequences all finished a step earlier) may still be in flight when the engine stops.
     assert steps <= transfers <= steps + 1 and asynchronous.count("async") > steps / 2
     stops = {"ignore_eos": False, "stop": ["a", "7"], "stop_token_ids": [40, 41, 42]}
-    plain, _, _, _ = _serve(tiny_model, bucketed, reqs, **stops)
-    overlapped, _, _, _ = _serve(tiny_model, bucketed, reqs, overlap=True, **stops)
+    plain, _, _, _ = _serve(tiny_model, bucketed, reqs, context=context, **stops)
+    overlapped, _, _, _ = _serve(tiny_model, bucketed, reqs, overlap=True, context=context, **stops)
     _assert_same(overlapped, plain)
     assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in plain) >= 5
 
@@ -205,11 +216,11 @@ def test_decode_rounds_give_the_same_answers(tiny_model, hf_model, overlap):
     limit) and with stop tokens and stop strings inside a round (the tokens after them dropped);
     a round copies down once."""
     reqs = _requests(24, seed=3)
-    context = 64
+    context = 72  # the engines' context length (every request fits): the longest request ends there
     reqs[2] = (reqs[2][0], context - len(reqs[2][0]))
     reqs[7] = (reqs[7][0], 1)
-    plain, _, _, _ = _serve(tiny_model, False, reqs)
-    rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4)
+    plain, _, _, _ = _serve(tiny_model, False, reqs, context=context)
+    rounds, _, _, _ = _serve(tiny_model, False, reqs, overlap=overlap, steps=4, context=context)
     _assert_same(rounds, plain)
     assert rounds[2]["meta_info"]["completion_tokens"] == context - len(reqs[2][0])
     for (prompt, _), result in list(zip(reqs, rounds))[:6]:  # and the model's own numbers

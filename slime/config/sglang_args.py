@@ -48,7 +48,9 @@ TORCH_ENGINE_OPTIONS: dict[str, tuple[str, ...] | None] = {
     "--cuda-graph-max-bs": None,
     "--disable-overlap-schedule": None,
     "--num-continuous-decode-steps": None,
-    "--attention-backend": ("auto", "flash", "torch_native"),
+    # SGLang's own choices hold where SGLang is installed; torch_native is the one both share (the
+    # torch engine's padded-key kernels; its default takes the flash kernel where it runs).
+    "--attention-backend": ("torch_native",),
 }
 
 AddCliArgs = Callable[[argparse.ArgumentParser], None]
@@ -153,10 +155,11 @@ def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dic
         add_cli_args = load_server_cli()
     except Exception as e:  # not installed, or not importable on this machine
         if given:
-            logger.warning(
-                "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through unchecked; SGLang "
-                "checks them when the engines start", type(e).__name__, e, len(set(given)),
-            )  # fmt: skip
+            if known.rollout_backend != "torch":  # torch engines' options are checked at parse
+                logger.warning(
+                    "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through unchecked; "
+                    "SGLang checks them when the engines start", type(e).__name__, e, len(set(given)),
+                )  # fmt: skip
             return pass_through(parser, given)
         return {}  # --rollout-backend sglang with external engines needs no local SGLang
     return add_sglang_arguments(parser, add_cli_args)

@@ -17,7 +17,7 @@ that was most of the time (docs/gpu.md). So:
   flash kernel): the cache is token-major, each row a key sequence of its own in one flat buffer
   (`cu_seq_k` = row x length), and the kernel reads `seqused_k` = position + 1 keys of each row:
   no key is read for padding, however long the longest row. Its shapes never change with the
-  rows' lengths, so one CUDA graph serves a bucket of rows for the whole cache length.
+  rows' lengths: a bucket of rows keeps its CUDA graph until the cache grows.
 """
 
 from __future__ import annotations
@@ -154,9 +154,15 @@ def _flash_varlen(
 
 def live_keys_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> LiveKernel | None:
     """The flash kernel that reads only each row's live keys, where it runs: CUDA, Ampere or
-    newer, half precision, head dimension up to 256, and a torch whose flash op takes seqused_k.
-    None elsewhere (the padded-key kernels above run instead)."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
+    newer, half precision, a head dimension that is a multiple of 8 up to 256 (the op pads
+    nothing itself), and a torch whose flash op takes seqused_k. None elsewhere (the padded-key
+    kernels above run instead)."""
+    if (
+        device.type != "cuda"
+        or dtype not in (torch.float16, torch.bfloat16)
+        or head_dim > 256
+        or head_dim % 8
+    ):
         return None
     if torch.cuda.get_device_capability(device) < (8, 0) or not _takes_seqused_k():
         return None

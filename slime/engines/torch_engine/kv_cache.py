@@ -59,19 +59,25 @@ class SlotKVCache:
                 f"KV cache request {rows} rows x {length} tokens exceeds the limit "
                 f"{self.max_rows} x {self.max_len}"
             )
-        # Build every new buffer before touching the old ones: if an allocation fails (OOM)
-        # half way, the cache keeps its old buffers and sizes and the running sequences'
-        # keys/values stay valid. The price is holding old and new buffers at once.
-        new_k: list[torch.Tensor] = []
-        new_v: list[torch.Tensor] = []
+        # One layer at a time, each old buffer dropped once copied: growing costs the new cache
+        # plus one old layer at the peak, not both caches (on a GPU, with hundreds of rows of long
+        # sequences, both would not fit; the allocator hands freed blocks back when short). An
+        # allocation that fails part way leaves the cache empty: the engine fails the requests it
+        # held and resets the runner, as after any failed step (TorchEngine._fail_in_flight).
         old_part = self._index(slice(0, self.rows), slice(0, self.length))
-        for old, new in ((self.k, new_k), (self.v, new_v)):
-            for i in range(self.num_layers):
-                fresh = torch.zeros(self._shape(new_rows, new_len), dtype=self.dtype, device=self.device)
-                if i < len(old):
-                    fresh[old_part] = old[i]
-                new.append(fresh)
-        self.k, self.v = new_k, new_v
+        shape = self._shape(new_rows, new_len)
+        try:
+            for store in (self.k, self.v):
+                for i in range(self.num_layers):
+                    fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    if i < len(store):
+                        fresh[old_part] = store[i]
+                        store[i] = fresh
+                    else:
+                        store.append(fresh)
+        except BaseException:
+            self.free()
+            raise
         self.rows, self.length = new_rows, new_len
         self.generation += 1
 

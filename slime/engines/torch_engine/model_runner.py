@@ -96,7 +96,7 @@ def make_runner(model: Any, max_running: int, context_length: int, deterministic
     if attention_backend == "flash" and runner.live_keys is None:
         raise ValueError(
             "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a head "
-            "dimension up to 256, a torch whose flash kernel takes seqused_k, and no "
+            "dimension that is a multiple of 8 up to 256, a torch whose flash kernel takes seqused_k, and no "
             "--enable-deterministic-inference; use auto or torch_native"
         )
     return runner

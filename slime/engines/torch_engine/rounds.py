@@ -70,7 +70,9 @@ class DecodeRounds:
 
     def round_size(self, seqs: list[Sequence]) -> int:
         """How many steps the next round over `seqs` runs: at most `steps`, and no sequence past
-        its max_new_tokens, counting the tokens of the round in flight."""
+        its max_new_tokens, counting the tokens of the round in flight; one where a sequence has
+        all of its tokens in flight already (fed once more, as overlap does: still inside the
+        context, and the token dropped)."""
         if self.steps == 1:
             return 1
         in_flight = self.pending.num_steps if self.pending is not None else 0
@@ -107,7 +109,7 @@ class DecodeRounds:
         if self._sampling is None or self._sampling[0] != seqs:
             engine = self.engine
             gens = [s.runner_state.get("generator") for s in seqs]
-            batch = BatchSampling.of([s.params for s in seqs], gens, engine.device, engine.vocab_size)
+            batch = BatchSampling.of([s.params for s in seqs], gens, engine.device)
             self._sampling = (seqs, batch)
         return self._sampling[1]
 

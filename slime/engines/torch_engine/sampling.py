@@ -9,6 +9,7 @@ p and lets each seeded request draw its noise from its own generator.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ class BatchSampling:
     sampled_index: torch.Tensor | None
     """`sampled` on the device (None: every row samples, or none)."""
     limits: torch.Tensor | None
-    """[len(sampled), 3] float64 on the device: top-k (the vocabulary for none), top-p, min-p of the
+    """[len(sampled), 3] float64 on the device: top-k (infinite for none), top-p, min-p of the
     sampled rows, where any truncates (None: none does)."""
     unseeded: list[int]
     """Positions in `sampled` of the rows that draw from the engine's generator."""
@@ -50,15 +51,14 @@ class BatchSampling:
 
     @classmethod
     def of(cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device,
-           vocab: int, never: list[int] | None = None) -> BatchSampling:  # fmt: skip
+           never: list[int] | None = None) -> BatchSampling:  # fmt: skip
         temps = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params])
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         partial = 0 < len(sampled) < len(params)
         limits = None
         if any(params[i].needs_truncation for i in sampled):
             rows = [params[i] for i in sampled]
-            values = [[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in rows]
-            limits = transfer.to_device(torch.tensor(values, dtype=torch.float64), device)
+            limits = transfer.to_device(_limits(rows), device)
         unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
         return cls(
             params, generators, transfer.to_device(temps, device), sampled,
@@ -70,11 +70,13 @@ class BatchSampling:
 
 def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities that top-k / top-p / min-p exclude, row by row (no renormalising)."""
-    vocab = probs_BV.shape[-1]
-    limits = torch.tensor(
-        [[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params], dtype=torch.float64
-    )
-    return _truncate(probs_BV, transfer.to_device(limits, probs_BV.device))
+    return _truncate(probs_BV, transfer.to_device(_limits(params), probs_BV.device))
+
+
+def _limits(params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, 3] float64: top-k (infinite for none), top-p, min-p."""
+    return torch.tensor([[p.top_k if p.top_k > 0 else math.inf, p.top_p, p.min_p] for p in params],
+                        dtype=torch.float64)  # fmt: skip
 
 
 def _truncate(probs_BV: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
@@ -109,7 +111,7 @@ def sample(
         never: token ids never picked (a vision-language model's image placeholders); like top-k's
             truncation, this shapes what is sampled, not the reported log-probs.
     """
-    batch = BatchSampling.of(params, generators, logits_BV.device, logits_BV.shape[-1], never)
+    batch = BatchSampling.of(params, generators, logits_BV.device, never)
     tokens_B, chosen_B, logprobs_BV = sample_on_device(logits_BV, batch, default_generator)
     host = transfer.to_host(pack(tokens_B, chosen_B))
     tokens, logprobs = unpack(host)
