@@ -151,8 +151,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256, help="--null-model: sequences decoding at once")
     ap.add_argument("--new-tokens", type=int, default=128, help="--null-model: tokens each sequence decodes")
     ap.add_argument("--repeats", type=int, default=3, help="--null-model: runs per configuration (median)")
-    ap.add_argument("--temperature", type=float, default=1.0,
-                    help="--null-model: 0 leaves sampling's noise out (on CPU most of what is left is that)")  # fmt: skip
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="--null-model: 0 leaves sampling's noise out (on CPU most of what is left is that)",
+    )
     ap.add_argument("--null-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -304,19 +308,36 @@ def bench_null(args: argparse.Namespace, tmp: str) -> int:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         if src is not None:
             env["BENCH_SLIME_SRC"] = src
-        argv = [sys.executable, os.path.abspath(__file__), "--null-worker", model_path, "--threads", str(args.threads),
-                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                "--temperature", str(args.temperature)]  # fmt: skip
+        argv = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--null-worker",
+            model_path,
+            "--threads",
+            str(args.threads),
+            "--batch",
+            str(args.batch),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--repeats",
+            str(args.repeats),
+            "--temperature",
+            str(args.temperature),
+        ]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
         for name, micros in json.loads(out.strip().splitlines()[-1]).items():
             rows.append((f"{label}: {name}", f"{micros:,.0f}"))
-    print(f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
-          f"temperature {args.temperature:g}, {args.threads} thread(s), median of {args.repeats}")  # fmt: skip
+    print(
+        f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
+        f"temperature {args.temperature:g}, {args.threads} thread(s), median of {args.repeats}"
+    )
     _table(rows, ("us per decode step",))
     ours = {name: float(v.replace(",", "")) for name, v in rows if name.startswith("this tree")}
     best = min(ours.values())
-    print(f"\nhost time per decode step at batch {args.batch}: {best:,.0f} us, best configuration "
-          f"(target <= 1000 us: {'PASS' if best <= 1000 else 'FAIL'})")  # fmt: skip
+    print(
+        f"\nhost time per decode step at batch {args.batch}: {best:,.0f} us, best configuration "
+        f"(target <= 1000 us: {'PASS' if best <= 1000 else 'FAIL'})"
+    )
     if args.compare_src:
         theirs = [float(v.replace(",", "")) for name, v in rows if not name.startswith("this tree")]
         print(f"ratio {args.compare_src} / this tree (best of each): {min(theirs) / best:.2f}x")
@@ -337,8 +358,13 @@ def null_worker(args: argparse.Namespace) -> int:
     for name, overrides in NULL_CONFIGS:
         if not set(overrides) <= known:
             continue  # a setting this tree does not have
-        config = EngineConfig(model_path=args.null_worker, max_running_requests=args.batch,
-                              max_prefill_tokens=1 << 30, num_threads=args.threads, **overrides)  # fmt: skip
+        config = EngineConfig(
+            model_path=args.null_worker,
+            max_running_requests=args.batch,
+            max_prefill_tokens=1 << 30,
+            num_threads=args.threads,
+            **overrides,
+        )
         result[name] = statistics.median(_null_run(config, args, parse_generate) for _ in range(args.repeats))
     print(json.dumps(result))
     return 0
@@ -353,8 +379,15 @@ def _null_run(config, args: argparse.Namespace, parse_generate) -> float:
     logits = torch.zeros((args.batch, engine.vocab_size))
     runner._forward = lambda ids, *rest: logits[: ids.shape[0]]
     prompts = [[4 + (i * 7 + j) % 90 for j in range(32 + i % 64)] for i in range(args.batch)]
-    body = {"input_ids": prompts, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": args.temperature, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": args.new_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+        },
+    }
     finished = []
     seqs = [engine.make_sequence(req, finished.append) for req in parse_generate(body)[0]]
     added = engine.add(seqs)

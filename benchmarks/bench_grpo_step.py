@@ -77,8 +77,12 @@ def make_inputs(args: argparse.Namespace, out: str) -> tuple[str, str]:
     """The model (a preset's shape, or the demo's on CPU) and the prompt file under `out`."""
     model = os.path.join(out, "model")
     shape = ["--preset", args.preset] if args.preset else DEMO_SHAPE
-    subprocess.run([sys.executable, "-m", "slime.tools.make_tiny_model", "--out", model, *shape],
-                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "slime.tools.make_tiny_model", "--out", model, *shape],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     rng = random.Random(args.seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 +-*="
     prompts = os.path.join(out, "prompts.jsonl")
@@ -94,23 +98,62 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
     cuda = args.device == "cuda"
     samples = args.prompts * args.samples_per_prompt
     argv = [
-        sys.executable, os.path.join(ROOT, "train.py"), "--hf-checkpoint", model, "--prompt-data", prompts,
-        "--rm-type", "exact", "--advantage-estimator", "grpo", "--num-rollout", str(args.steps),
-        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples_per_prompt),
-        "--rollout-max-response-len", str(args.max_new_tokens), "--rollout-temperature", "1.0",
-        "--global-batch-size", str(samples), "--use-dynamic-batch-size",
-        "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6", "--seed", str(args.seed),
-        "--device", args.device, "--colocate", "--offload", "--rollout-backend", "torch",
-        "--update-weight-transport", "tensor", "--train-backend", args.train_backend,
-        "--sglang-max-running-requests", str(samples), "--sglang-max-prefill-tokens", "65536",
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        prompts,
+        "--rm-type",
+        "exact",
+        "--advantage-estimator",
+        "grpo",
+        "--num-rollout",
+        str(args.steps),
+        "--rollout-batch-size",
+        str(args.prompts),
+        "--n-samples-per-prompt",
+        str(args.samples_per_prompt),
+        "--rollout-max-response-len",
+        str(args.max_new_tokens),
+        "--rollout-temperature",
+        "1.0",
+        "--global-batch-size",
+        str(samples),
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        str(args.max_tokens_per_gpu),
+        "--lr",
+        "1e-6",
+        "--seed",
+        str(args.seed),
+        "--device",
+        args.device,
+        "--colocate",
+        "--offload",
+        "--rollout-backend",
+        "torch",
+        "--update-weight-transport",
+        "tensor",
+        "--train-backend",
+        args.train_backend,
+        "--sglang-max-running-requests",
+        str(samples),
+        "--sglang-max-prefill-tokens",
+        "65536",
         # the KV cache no longer than a sample can be (it grows by doubling up to this)
-        "--sglang-context-length", str(args.prompt_len[1] + args.max_new_tokens + 16),
-        "--save-debug-rollout-data", os.path.join(out, "rollout_{rollout_id}.pt"),
-    ]  # fmt: skip
+        "--sglang-context-length",
+        str(args.prompt_len[1] + args.max_new_tokens + 16),
+        "--save-debug-rollout-data",
+        os.path.join(out, "rollout_{rollout_id}.pt"),
+    ]
     if cuda:  # bfloat16 compute; the log-probs' float32 softmax a chunk of tokens at a time
         argv += ["--sglang-dtype", "bfloat16", "--log-probs-chunk-size", "1024"]
-        argv += ["--bf16", "--transformer-impl", "local"] if args.train_backend == "megatron" else [
-            "--fsdp-param-dtype", "bfloat16"]  # fmt: skip
+        argv += (
+            ["--bf16", "--transformer-impl", "local"]
+            if args.train_backend == "megatron"
+            else ["--fsdp-param-dtype", "bfloat16"]
+        )
     if args.peak_tflops:
         argv += ["--peak-tflops", str(args.peak_tflops)]
     log_dir = os.path.join(out, "logs")
@@ -226,8 +269,12 @@ def median(records: list[dict], key: str) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--preset", default=None, choices=["qwen3-0.6b", "qwen2.5-0.5b", "qwen3-1.7b"],
-                    help="the model's shape (default: qwen3-0.6b on CUDA, the demo model on CPU)")  # fmt: skip
+    ap.add_argument(
+        "--preset",
+        default=None,
+        choices=["qwen3-0.6b", "qwen2.5-0.5b", "qwen3-1.7b"],
+        help="the model's shape (default: qwen3-0.6b on CUDA, the demo model on CPU)",
+    )
     ap.add_argument("--train-backend", default="fsdp", choices=["fsdp", "megatron"])
     ap.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default: 32; CPU 2)")
     ap.add_argument("--samples-per-prompt", type=int, default=None, help="default: 16; CPU 2")
@@ -246,8 +293,12 @@ def main() -> int:
         ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
     if cuda and args.preset is None:
         args.preset = "qwen3-0.6b"
-    defaults = {"prompts": (32, 2), "samples_per_prompt": (16, 2), "max_new_tokens": (512, 8),
-                "max_tokens_per_gpu": (8192, 4096)}  # fmt: skip
+    defaults = {
+        "prompts": (32, 2),
+        "samples_per_prompt": (16, 2),
+        "max_new_tokens": (512, 8),
+        "max_tokens_per_gpu": (8192, 4096),
+    }
     for name, (gpu, cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
@@ -279,59 +330,102 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
 
     first = load_rollout(out, steady[0]["rollout_id"])  # the baselines' workload
     seq_lens = [len(s["tokens"]) for s in first]
-    hf = [(s["tokens"][: len(s["tokens"]) - int(s["response_length"])], int(s["response_length"]))
-          for s in first[: args.hf_samples]]  # fmt: skip
-    hf_tps = bench_hf_generate(model, hf, batch_size=64 if cuda else 32, device=args.device,
-                               dtype=torch.bfloat16 if cuda else torch.float32)  # fmt: skip
+    hf = [
+        (s["tokens"][: len(s["tokens"]) - int(s["response_length"])], int(s["response_length"]))
+        for s in first[: args.hf_samples]
+    ]
+    hf_tps = bench_hf_generate(
+        model,
+        hf,
+        batch_size=64 if cuda else 32,
+        device=args.device,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+    )
     plain_lp, plain_s = plain_train(model, first, args.device, args.max_tokens_per_gpu)
     model_flops = flops.from_config(config)
     plain_tflops = model_flops.train_flops(seq_lens) / plain_s / 1e12 if model_flops else None
     plain_tps = sum(seq_lens) / plain_s
 
-    m = {key: median(steady, key) for key in (
-        "time/generate", "time/log_probs", "time/train", "time/push", "time/step", "push/bytes",
-        "perf/log_probs_tflops", "perf/actor_train_tok_per_s", "perf/actor_train_tflops", "perf/actor_train_mfu",
-        "perf/update_weights_time", "perf/sleep_time", "perf/wake_up_time", "perf/rollout_offload_time",
-        "perf/rollout_onload_time")}  # fmt: skip
+    m = {
+        key: median(steady, key)
+        for key in (
+            "time/generate",
+            "time/log_probs",
+            "time/train",
+            "time/push",
+            "time/step",
+            "push/bytes",
+            "perf/log_probs_tflops",
+            "perf/actor_train_tok_per_s",
+            "perf/actor_train_tflops",
+            "perf/actor_train_mfu",
+            "perf/update_weights_time",
+            "perf/sleep_time",
+            "perf/wake_up_time",
+            "perf/rollout_offload_time",
+            "perf/rollout_onload_time",
+        )
+    }
     share = f", {100 * rollout / roof:.1f}% of the roofline {roof:,.0f}" if roof else ""
     mfu = m["perf/actor_train_mfu"]
     rows = [
         ("rollout", _f(m["time/generate"]), f"{rollout:,.0f} tok/s{share}"),
         ("  HF generate, same prompts", "", f"{hf_tps:,.0f} tok/s"),
         ("log-prob pass", _f(m["time/log_probs"]), f"{_f(m['perf/log_probs_tflops'], '{:.3g}')} TFLOPS"),
-        ("train step", _f(m["time/train"]),
-         f"{_f(m['perf/actor_train_tok_per_s'], '{:,.0f}')} tok/s, "
-         f"{_f(m['perf/actor_train_tflops'], '{:.3g}')} TFLOPS" + (f", MFU {100 * mfu:.1f}%" if mfu else "")),
-        ("  plain PyTorch: log-probs + train", f"{plain_lp:.2f} + {plain_s:.2f}",
-         f"{plain_tps:,.0f} tok/s, {_f(plain_tflops, '{:.3g}')} TFLOPS"
-         + (f", MFU {100 * plain_tflops / peak:.1f}%" if plain_tflops and peak else "")),
-        ("push: the transfer", _f(m["perf/update_weights_time"], "{:.3f}"), f"{m['push/bytes'] or 0:,.0f} bytes"),
+        (
+            "train step",
+            _f(m["time/train"]),
+            f"{_f(m['perf/actor_train_tok_per_s'], '{:,.0f}')} tok/s, "
+            f"{_f(m['perf/actor_train_tflops'], '{:.3g}')} TFLOPS"
+            + (f", MFU {100 * mfu:.1f}%" if mfu else ""),
+        ),
+        (
+            "  plain PyTorch: log-probs + train",
+            f"{plain_lp:.2f} + {plain_s:.2f}",
+            f"{plain_tps:,.0f} tok/s, {_f(plain_tflops, '{:.3g}')} TFLOPS"
+            + (f", MFU {100 * plain_tflops / peak:.1f}%" if plain_tflops and peak else ""),
+        ),
+        (
+            "push: the transfer",
+            _f(m["perf/update_weights_time"], "{:.3f}"),
+            f"{m['push/bytes'] or 0:,.0f} bytes",
+        ),
         ("push: the whole phase", _f(m["time/push"]), "trainer offload, engines' memory back, transfer"),
         ("trainer offload (sleep)", _f(m["perf/sleep_time"], "{:.3f}"), ""),
         ("trainer reload (wake_up)", _f(m["perf/wake_up_time"], "{:.3f}"), ""),
         ("engines' memory: release", _f(m["perf/rollout_offload_time"], "{:.3f}"), ""),
         ("engines' memory: resume", _f(m["perf/rollout_onload_time"], "{:.3f}"), ""),
-        ("whole step", _f(m["time/step"]),
-         f"{len(first)} samples, {sum(lengths(first)[1]):,} generated, {sum(seq_lens):,} trained tokens"),
-    ]  # fmt: skip
-    print(f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "
-          f"{device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, prompts "
-          f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; medians of steps "
-          f"2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS")  # fmt: skip
+        (
+            "whole step",
+            _f(m["time/step"]),
+            f"{len(first)} samples, {sum(lengths(first)[1]):,} generated, {sum(seq_lens):,} trained tokens",
+        ),
+    ]
+    print(
+        f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "
+        f"{device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; medians of steps "
+        f"2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS"
+    )
     width = max(len(r[0]) for r in rows)
     print(f"{'phase'.ljust(width)} | {'seconds':>11} | rate")
     print(f"{'-' * width}-|-{'-' * 11}-|-----")
     for name, seconds, rate in rows:
         print(f"{name.ljust(width)} | {seconds:>11} | {rate}")
     train_tps = m["perf/actor_train_tok_per_s"]
-    print(f"\nratio engine / HF generate: {rollout / hf_tps:.2f}x; trainer / plain PyTorch (train tokens/s): "
-          f"{_f(train_tps / plain_tps if train_tps else None)}x")  # fmt: skip
+    print(
+        f"\nratio engine / HF generate: {rollout / hf_tps:.2f}x; trainer / plain PyTorch (train tokens/s): "
+        f"{_f(train_tps / plain_tps if train_tps else None)}x"
+    )
     met = True
     if cuda and args.preset == "qwen3-0.6b":
         push_ms = 1000 * m["perf/update_weights_time"] if m["perf/update_weights_time"] else None
-        targets = [("rollout share of its roofline", 100 * rollout / roof if roof else None, ">=", 40, "%"),
-                   ("train MFU", 100 * mfu if mfu else None, ">=", 25, "%"),
-                   ("push", push_ms, "<=", 100, " ms"), ("whole step", m["time/step"], "<=", 20, " s")]  # fmt: skip
+        targets = [
+            ("rollout share of its roofline", 100 * rollout / roof if roof else None, ">=", 40, "%"),
+            ("train MFU", 100 * mfu if mfu else None, ">=", 25, "%"),
+            ("push", push_ms, "<=", 100, " ms"),
+            ("whole step", m["time/step"], "<=", 20, " s"),
+        ]
         for name, value, op, limit, unit in targets:
             ok = value is not None and (value >= limit if op == ">=" else value <= limit)
             met = met and ok

@@ -63,9 +63,12 @@ def test_cuda_graphs_replay_what_eager_decoding_computes(tiny_model, tmp_path):
         ([rng.randrange(4, 90) for _ in range(rng.randint(3, 30))], rng.randint(4, 30)) for _ in range(20)
     ]
     runs = {}
-    for name, flags in (("graphs", []), ("eager", ["--disable-cuda-graph"]),
-                        ("booked", ["--disable-overlap-schedule"]),
-                        ("rounds", ["--num-continuous-decode-steps", "4"])):  # fmt: skip
+    for name, flags in (
+        ("graphs", []),
+        ("eager", ["--disable-cuda-graph"]),
+        ("booked", ["--disable-overlap-schedule"]),
+        ("rounds", ["--num-continuous-decode-steps", "4"]),
+    ):
         with start_engine(tiny_model, tmp_path, "--device", "cuda", *flags) as eng:
             runs[name] = (_seeded_run(eng.url, reqs), _server_state(eng.url))
     graphs, eager = runs["graphs"], runs["eager"]
@@ -138,10 +141,15 @@ def test_live_key_engine_stays_as_close_to_transformers_as_the_padded_kernels(ti
             results, state = _seeded_run(eng.url, reqs), _server_state(eng.url)
         assert state["decode_attention"] == ("live keys" if backend == "flash" else "padded keys")
         gaps[backend] = max(
-            (torch.tensor([x[0] for x in r["meta_info"]["output_token_logprobs"]])
-             - teacher_forced_logprobs(hf_model, p, r["output_ids"], 1.0)).abs().max().item()
+            (
+                torch.tensor([x[0] for x in r["meta_info"]["output_token_logprobs"]])
+                - teacher_forced_logprobs(hf_model, p, r["output_ids"], 1.0)
+            )
+            .abs()
+            .max()
+            .item()
             for (p, _), r in zip(reqs, results, strict=True)
-        )  # fmt: skip
+        )
     print(f"max |engine - transformers float32| log-prob, bfloat16: {gaps}")
     assert gaps["flash"] <= max(2 * gaps["torch_native"], 0.05)
 

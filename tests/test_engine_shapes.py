@@ -248,10 +248,13 @@ def test_a_round_copies_down_once(tiny_model, overlap, launched):
     from slime.engines.torch_engine.config import EngineConfig
     from slime.engines.torch_engine.engine import TorchEngine
 
-    engine = TorchEngine(EngineConfig(tiny_model, num_threads=1, overlap_schedule=overlap,
-                                      num_continuous_decode_steps=4))  # fmt: skip
-    body = {"input_ids": [[5 + i] * (3 + i) for i in range(8)],
-            "sampling_params": {"max_new_tokens": 17, "ignore_eos": True, "temperature": 1.0}}  # fmt: skip
+    engine = TorchEngine(
+        EngineConfig(tiny_model, num_threads=1, overlap_schedule=overlap, num_continuous_decode_steps=4)
+    )
+    body = {
+        "input_ids": [[5 + i] * (3 + i) for i in range(8)],
+        "sampling_params": {"max_new_tokens": 17, "ignore_eos": True, "temperature": 1.0},
+    }
     done: list = []
     added = engine.add([engine.make_sequence(r, done.append) for r in parse_generate(body)[0]])
     engine._run_commands()

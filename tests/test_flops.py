@@ -16,16 +16,31 @@ from tests.fixtures.hf_configs import HF_CONFIGS
 # A tiny Qwen3: heads x head_dim (4 x 32 = 128) differs from hidden (64), as in the released
 # Qwen3 models, so q and o must be counted with 128, not 64.
 TINY_QWEN3 = {
-    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": 101,
-    "tie_word_embeddings": True, "use_sliding_window": False,
-}  # fmt: skip
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 96,
+    "vocab_size": 101,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+}
 
 TINY_QWEN3_MOE = {
-    **TINY_QWEN3, "model_type": "qwen3_moe", "num_hidden_layers": 3, "head_dim": 16,
-    "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-    "mlp_only_layers": [1], "decoder_sparse_step": 1, "tie_word_embeddings": False,
-}  # fmt: skip
+    **TINY_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "mlp_only_layers": [1],
+    "decoder_sparse_step": 1,
+    "tie_word_embeddings": False,
+}
 
 
 def meta_model(config: dict):
@@ -58,9 +73,18 @@ def test_tiny_qwen3_matches_the_linear_layers_of_the_transformers_model():
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2.5-7B", "qwen3-4B", "llama3.2-1B", "glm4-9B", "qwen3-30B-A3B", "deepseek-v3",
-             "glm4.5-106B-A12B", "glm4.7-30B-A3B"],
-)  # fmt: skip
+    "name",
+    [
+        "qwen2.5-7B",
+        "qwen3-4B",
+        "llama3.2-1B",
+        "glm4-9B",
+        "qwen3-30B-A3B",
+        "deepseek-v3",
+        "glm4.5-106B-A12B",
+        "glm4.7-30B-A3B",
+    ],
+)
 def test_published_configs_match_their_models_active_weights(name):
     """Dense (tied and untied), Qwen3-MoE, DeepSeek-V3's latent attention and shared experts,
     GLM-4.5's and GLM-4.7-Flash's layer kinds: the count from config.json equals the weights of
@@ -134,11 +158,21 @@ def test_an_unknown_family_falls_back_to_its_active_parameters():
 
 @pytest.mark.parametrize(
     "name, peak",
-    [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
-     ("NVIDIA H200", 989.0), ("NVIDIA H20", 148.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-     ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0),
-     ("NVIDIA GeForce RTX 4090", None), ("", None), (None, None)],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H20", 148.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GB200", 2500.0),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_peak_by_device_name(name, peak):
     assert flops.peak_tflops(name) == peak
 

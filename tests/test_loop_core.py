@@ -211,8 +211,10 @@ def test_sync_generates_trains_and_pushes_each_rollout_in_turn():
     }
     assert 0 <= record["time/idle_ratio"] <= 1 and record["time/step"] >= record["time/push"]
     # The phases' parts, inside them (slime's perf/*_time names, and the engines' memory).
-    parts = {k: record[f"perf/{k}_time"] for k in ("sleep", "wake_up", "update_weights", "rollout_offload",
-                                                    "rollout_onload")}  # fmt: skip
+    parts = {
+        k: record[f"perf/{k}_time"]
+        for k in ("sleep", "wake_up", "update_weights", "rollout_offload", "rollout_onload")
+    }
     assert all(v >= 0 for v in parts.values())
     assert parts["sleep"] + parts["update_weights"] + parts["rollout_onload"] <= record["time/push"]
     assert parts["wake_up"] + parts["rollout_offload"] <= record["time/colocate"]

@@ -94,12 +94,28 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     steps = records[1:]
     assert all("rollout/reward_mean" in r and "train/grad_norm" in r and r["push/bytes"] > 0 for r in steps)
     for r in steps:
-        for key in ("rollout/log_probs", "rollout/ref_log_probs", "rollout/rollout_log_probs", "rollout/kl",
-                    "rollout/train_rollout_logprob_abs_diff", "rollout/response_length_mean",
-                    "rollout/truncated_ratio", "train/entropy", "train/pg_clipfrac", "train/kl_loss",
-                    "time/generate", "time/reward", "time/log_probs", "time/train", "time/push", "time/idle",
-                    "perf/actor_train_tok_per_s", "perf/actor_train_tflops", "perf/log_probs_tflops",
-                    "perf/ref_log_probs_tflops"):  # fmt: skip
+        for key in (
+            "rollout/log_probs",
+            "rollout/ref_log_probs",
+            "rollout/rollout_log_probs",
+            "rollout/kl",
+            "rollout/train_rollout_logprob_abs_diff",
+            "rollout/response_length_mean",
+            "rollout/truncated_ratio",
+            "train/entropy",
+            "train/pg_clipfrac",
+            "train/kl_loss",
+            "time/generate",
+            "time/reward",
+            "time/log_probs",
+            "time/train",
+            "time/push",
+            "time/idle",
+            "perf/actor_train_tok_per_s",
+            "perf/actor_train_tflops",
+            "perf/log_probs_tflops",
+            "perf/ref_log_probs_tflops",
+        ):
             assert key in r, key
         assert "perf/actor_train_mfu" not in r  # no peak known for a CPU
         assert r["rollout/log_probs"] < 0

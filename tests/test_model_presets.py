@@ -17,13 +17,37 @@ from tests.conftest import make_model
 # From each model's config.json on the Hugging Face hub (Qwen/Qwen3-0.6B, Qwen/Qwen2.5-0.5B,
 # Qwen/Qwen3-1.7B). Qwen2's config has no head_dim: its head dim is hidden / heads (896 / 14).
 PUBLISHED = {
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768),
-    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
-}  # fmt: skip
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+    ),
+    "qwen3-1.7b": dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+    ),
+}
 SHARED = dict(
     vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="bfloat16"
 )
@@ -114,7 +138,12 @@ def test_flags_override_the_preset():
 
     args, _ = parse_args(["--out", "x", "--preset", "qwen3-0.6b", "--num-layers", "2", "--dtype", "float32"])
     assert (args.num_layers, args.dtype, args.hidden_size, args.head_dim, args.vocab) == (
-        2, "float32", 1024, 128, 151936)  # fmt: skip
+        2,
+        "float32",
+        1024,
+        128,
+        151936,
+    )
     args, _ = parse_args(["--out", "x", "--preset", "qwen2.5-0.5b", "--arch", "qwen2"])  # the same arch: fine
     assert (args.arch, args.num_layers, args.head_dim, args.rope_theta) == ("qwen2", 24, None, 1e6)
     args, _ = parse_args(["--out", "x"])  # no preset: the tool's own defaults

@@ -92,18 +92,47 @@ def test_the_torch_engine_takes_the_sglang_options_it_shares(tiny_model, tmp_pat
     for is refused at parse, naming the flag."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "exact", "--rollout-backend", "torch"]  # fmt: skip
-    given = ["--sglang-dtype", "bfloat16", "--sglang-max-running-requests", "512",
-             "--sglang-num-continuous-decode-steps", "4", "--sglang-disable-overlap-schedule",
-             "--sglang-attention-backend", "torch_native"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+        "--rollout-backend",
+        "torch",
+    ]
+    given = [
+        "--sglang-dtype",
+        "bfloat16",
+        "--sglang-max-running-requests",
+        "512",
+        "--sglang-num-continuous-decode-steps",
+        "4",
+        "--sglang-disable-overlap-schedule",
+        "--sglang-attention-backend",
+        "torch_native",
+    ]
     config = parse_args([*base, *given])
     assert list(config.cluster.sglang_server_args) == [
-        "--dtype", "bfloat16", "--max-running-requests", "512", "--num-continuous-decode-steps", "4",
-        "--disable-overlap-schedule", "--attention-backend", "torch_native",
-    ]  # fmt: skip
-    for flag, value, message in (("--sglang-dtype", "auto", "the torch engine takes float32 | bfloat16"),
-                                 ("--sglang-attention-backend", "fa3", "the torch engine takes torch_native")):  # fmt: skip
+        "--dtype",
+        "bfloat16",
+        "--max-running-requests",
+        "512",
+        "--num-continuous-decode-steps",
+        "4",
+        "--disable-overlap-schedule",
+        "--attention-backend",
+        "torch_native",
+    ]
+    for flag, value, message in (
+        ("--sglang-dtype", "auto", "the torch engine takes float32 | bfloat16"),
+        ("--sglang-attention-backend", "fa3", "the torch engine takes torch_native"),
+    ):
         with pytest.raises(SystemExit) as e:
             parse_args([*base, flag, value])
         err = capsys.readouterr().err

@@ -158,8 +158,11 @@ def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dic
             if known.rollout_backend != "torch":  # torch engines' options are checked at parse
                 logger.warning(
                     "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through unchecked; "
-                    "SGLang checks them when the engines start", type(e).__name__, e, len(set(given)),
-                )  # fmt: skip
+                    "SGLang checks them when the engines start",
+                    type(e).__name__,
+                    e,
+                    len(set(given)),
+                )
             return pass_through(parser, given)
         return {}  # --rollout-backend sglang with external engines needs no local SGLang
     return add_sglang_arguments(parser, add_cli_args)

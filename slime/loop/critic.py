@@ -125,5 +125,10 @@ def merge(actor: TrainOutput, critic: TrainOutput) -> TrainOutput:
             step.update({f"critic-{name}": value for name, value in critic.steps[k].items()})
         steps.append(step)
     timings = {**actor.timings, "critic_train": critic.timings.get("train", 0.0)}
-    return TrainOutput(steps=steps, rollout={**actor.rollout, **critic.rollout}, timings=timings,
-                       precision={**actor.precision, **critic.precision}, perf=actor.perf)  # fmt: skip
+    return TrainOutput(
+        steps=steps,
+        rollout={**actor.rollout, **critic.rollout},
+        timings=timings,
+        precision={**actor.precision, **critic.precision},
+        perf=actor.perf,
+    )

@@ -81,18 +81,32 @@ def is_llama_like(model: Any) -> bool:
     return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
 
 
-def make_runner(model: Any, max_running: int, context_length: int, deterministic: bool = False,
-                cuda_graph_max_bs: int | None = None, attention_backend: str = "auto") -> Runner:  # fmt: skip
+def make_runner(
+    model: Any,
+    max_running: int,
+    context_length: int,
+    deterministic: bool = False,
+    cuda_graph_max_bs: int | None = None,
+    attention_backend: str = "auto",
+) -> Runner:
     """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
     None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run)."""
     if not is_llama_like(model):
         if attention_backend == "flash":
-            raise ValueError(f"--attention-backend flash: model_type {model.config.model_type!r} runs on the "
-                             "per-sequence runner, whose attention is transformers'; use auto")  # fmt: skip
+            raise ValueError(
+                f"--attention-backend flash: model_type {model.config.model_type!r} runs on the "
+                "per-sequence runner, whose attention is transformers'; use auto"
+            )
         logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
         return GenericRunner(model)
-    runner = BatchedRunner(model, max_running, context_length, deterministic, cuda_graph_max_bs=cuda_graph_max_bs,
-                           live_keys=False if attention_backend == "torch_native" else None)  # fmt: skip
+    runner = BatchedRunner(
+        model,
+        max_running,
+        context_length,
+        deterministic,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        live_keys=False if attention_backend == "torch_native" else None,
+    )
     if attention_backend == "flash" and runner.live_keys is None:
         raise ValueError(
             "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a head "
@@ -167,9 +181,16 @@ class BatchedRunner(Runner):
     overrides the bucketing choice (tests run the CUDA shapes on CPU).
     """
 
-    def __init__(self, model: Any, max_running: int, context_length: int, deterministic: bool = False,
-                 bucket_shapes: bool | None = None, cuda_graph_max_bs: int | None = None,
-                 live_keys: LiveKernel | bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        max_running: int,
+        context_length: int,
+        deterministic: bool = False,
+        bucket_shapes: bool | None = None,
+        cuda_graph_max_bs: int | None = None,
+        live_keys: LiveKernel | bool | None = None,
+    ):
         """`live_keys`: decode attention reads only each row's live keys with this kernel
         (slime.engines.torch_engine.attention.live_decode_attention) over a token-major cache;
         None: the flash kernel where it runs (never in deterministic mode); False: padded keys."""
@@ -300,8 +321,9 @@ class BatchedRunner(Runner):
             mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
             attend = functools.partial(sdpa_masked, mask=mask[:, None], scale=self.scaling)
         with self._lora(seqs):
-            logits = self._forward(ids, pos[None].expand(len(seqs), T), attend,
-                                   slice(start, start + len(seqs)), None, lens - 1)  # fmt: skip
+            logits = self._forward(
+                ids, pos[None].expand(len(seqs), T), attend, slice(start, start + len(seqs)), None, lens - 1
+            )
         if record:
             routed = self._routed_rows(len(seqs), T)
             for s, row, n in zip(seqs, routed, lengths):
@@ -384,8 +406,9 @@ class BatchedRunner(Runner):
                 return kernel(q, k, v, mask=mask, scale=self.scaling)
 
         zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
-        return self._forward(ids[:, None], positions[:, None], attend, slice(first_row, first_row + rows),
-                             positions, zeros)  # fmt: skip
+        return self._forward(
+            ids[:, None], positions[:, None], attend, slice(first_row, first_row + rows), positions, zeros
+        )
 
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
         return self._decode_forward(inputs, key_len)

@@ -50,8 +50,13 @@ class BatchSampling:
     """Token ids never picked (a vision-language model's image placeholders), on the device."""
 
     @classmethod
-    def of(cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device,
-           never: list[int] | None = None) -> BatchSampling:  # fmt: skip
+    def of(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device,
+        never: list[int] | None = None,
+    ) -> BatchSampling:
         temps = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params])
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         partial = 0 < len(sampled) < len(params)
@@ -61,11 +66,16 @@ class BatchSampling:
             limits = transfer.to_device(_limits(rows), device)
         unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
         return cls(
-            params, generators, transfer.to_device(temps, device), sampled,
-            transfer.to_device(torch.tensor(sampled), device) if partial else None, limits, unseeded,
+            params,
+            generators,
+            transfer.to_device(temps, device),
+            sampled,
+            transfer.to_device(torch.tensor(sampled), device) if partial else None,
+            limits,
+            unseeded,
             transfer.to_device(torch.tensor(unseeded), device) if 0 < len(unseeded) < len(sampled) else None,
             transfer.to_device(torch.tensor(never), device) if never else None,
-        )  # fmt: skip
+        )
 
 
 def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -75,8 +85,9 @@ def truncate_probs(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torc
 
 def _limits(params: list[SamplingParams]) -> torch.Tensor:
     """[rows, 3] float64: top-k (infinite for none), top-p, min-p."""
-    return torch.tensor([[p.top_k if p.top_k > 0 else math.inf, p.top_p, p.min_p] for p in params],
-                        dtype=torch.float64)  # fmt: skip
+    return torch.tensor(
+        [[p.top_k if p.top_k > 0 else math.inf, p.top_p, p.min_p] for p in params], dtype=torch.float64
+    )
 
 
 def _truncate(probs_BV: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
