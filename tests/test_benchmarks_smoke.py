@@ -119,3 +119,33 @@ def test_benchmark_runs_with_its_smallest_arguments(name):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert line in proc.stdout, proc.stdout[-3000:]
+
+
+def test_bench_engine_null_model_measures_this_tree_and_another():
+    """`bench_engine.py --null-model`: the host's time per decode step, this tree's and (here, the
+    same tree again as --compare-src) another's, from worker processes that import each tree."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_engine.py",
+            "--null-model",
+            "--threads",
+            "1",
+            "--batch",
+            "8",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--compare-src",
+            ROOT,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    ours, theirs = (sum(line.startswith(tree) for line in lines) for tree in ("this tree: ", f"{ROOT}: "))
+    assert ours == theirs == 4, proc.stdout
+    assert "host time per decode step at batch 8:" in proc.stdout and "ratio " in proc.stdout
