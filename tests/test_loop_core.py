@@ -218,6 +218,13 @@ def test_sync_generates_trains_and_pushes_each_rollout_in_turn():
     assert all(v >= 0 for v in parts.values())
     assert parts["sleep"] + parts["update_weights"] + parts["rollout_onload"] <= record["time/push"]
     assert parts["wake_up"] + parts["rollout_offload"] <= record["time/colocate"]
+    # slime's train wait: from the loop's start (then the last train call's end) to this call.
+    second = sink.records[1][1]
+    for r in (record, second):
+        assert r["perf/step_time"] == pytest.approx(r["perf/train_wait_time"] + r["perf/train_time"])
+        assert r["perf/wait_time_ratio"] == pytest.approx(r["perf/train_wait_time"] / r["perf/step_time"])
+    # The second wait spans the first step's push (and the second generation).
+    assert second["perf/train_wait_time"] >= record["time/push"] and 0 < second["perf/wait_time_ratio"] < 1
 
 
 def test_one_step_off_starts_the_next_rollout_before_training_and_pushes_when_it_is_done():

@@ -108,6 +108,8 @@ class Loop:
         self.resumed = resumed is not None
         self.start = start if start is not None else 0 if resumed is None else resumed + 1
         self.version = self.start
+        self._trained_at: float | None = None
+        """When the last train call returned (the trainer's wait for the next is measured from it)."""
         """The trainer's weight version: the number of rollouts trained."""
 
     def run(self) -> None:
@@ -123,6 +125,7 @@ class Loop:
         if any(hook.before_loop(self) for hook in self.hooks):
             return
         started = None
+        self._trained_at = time.perf_counter()  # slime's train_wait starts once the trainer is up
         for rollout_id in range(self.start, self.total):
             step = Step(rollout_id)
             if started != rollout_id:
@@ -157,6 +160,9 @@ class Loop:
         t0 = time.perf_counter()
         step.output = self.train.train(step.rollout)
         step.train_call = time.perf_counter() - t0
+        if self._trained_at is not None:
+            step.train_wait = t0 - self._trained_at
+        self._trained_at = t0 + step.train_call
         self.version += 1  # the trainer's weights now (a restarted engine given them while waiting gets this)
         for hook in self.hooks:
             hook.after_train(self, step)

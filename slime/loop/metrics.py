@@ -69,6 +69,12 @@ def train_record(step: Step, ahead: bool) -> dict[str, Any]:
     record.update({f"train/{k}": v for k, v in (output.steps[-1] if output.steps else {}).items()})
     record.update({f"perf/{k}": v for k, v in output.perf.items()})  # train rank 0's (slime's perf/*)
     record.update({f"perf/{k}_time": v for k, v in step.parts.items()})  # parts of the phases below
+    if step.train_wait is not None:  # slime's: how long the trainer waited, against its train calls
+        record["perf/train_wait_time"], record["perf/train_time"] = step.train_wait, step.train_call
+        record["perf/step_time"] = step.train_wait + step.train_call
+        record["perf/wait_time_ratio"] = (
+            step.train_wait / record["perf/step_time"] if record["perf/step_time"] else 0.0
+        )
     record.update(step.record)
     inside = {f"time/{k}": v for k, v in output.timings.items()}
     inside.setdefault("time/log_probs", 0.0)

@@ -161,6 +161,9 @@ class Step:
     """Seconds the step waited for generation."""
     train_call: float = 0.0
     """Seconds of the train call as the driver saw it (the ranks' own time plus the overhead)."""
+    train_wait: float | None = None
+    """Seconds the trainer waited between the previous train call and this one (slime's
+    train_wait: generation, pushes, evaluation, saving; the first from the loop's start)."""
     started: float = field(default_factory=time.perf_counter)
 
     @contextlib.contextmanager
