@@ -417,3 +417,13 @@ def test_samples_without_a_weight_version_are_not_checked_for_staleness(caplog):
     assert "rollout 4 has samples without a weight version" in caplog.text
     with pytest.raises(RuntimeError, match="weight_version 2 while the trainer is at 3"):
         SYNC.check_staleness(Rollout(4, {}, 2, (None, "2")), 3)
+
+
+def test_the_progress_line_shows_the_steps_throughput():
+    from slime.loop.hooks import short_summary
+
+    line = short_summary(
+        {"time/step": 2.0, "perf/actor_train_tok_per_s": 1500.0, "perf/actor_train_mfu": 0.25}
+    )
+    assert line == "step=2 train_tok/s=1500 mfu=0.25"
+    assert "mfu" not in short_summary({"time/step": 2.0, "perf/actor_train_tok_per_s": 1500.0})  # CPU: none

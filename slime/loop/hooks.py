@@ -207,13 +207,24 @@ class Save(Hook):
 def short_summary(record: dict[str, Any]) -> str:
     """The few numbers of a record worth a log line."""
     keys = (
-        "rollout/reward_mean", "rollout/accuracy", "eval/accuracy", "train/loss", "train/grad_norm",
-        "time/step", "time/generate", "time/train", "time/push",
-    )  # fmt: skip
+        "rollout/reward_mean",
+        "rollout/accuracy",
+        "eval/accuracy",
+        "train/loss",
+        "train/grad_norm",
+        "time/step",
+        "time/generate",
+        "time/train",
+        "time/push",
+        "perf/actor_train_tok_per_s",
+        "perf/actor_train_mfu",
+    )
 
     def label(key: str) -> str:
         if key.startswith("eval/") or key == "rollout/accuracy":
             return key.replace("/", "_")
-        return key.split("/")[-1]
+        return {"perf/actor_train_tok_per_s": "train_tok/s", "perf/actor_train_mfu": "mfu"}.get(
+            key, key.split("/")[-1]
+        )
 
     return " ".join(f"{label(k)}={record[k]:.4g}" for k in keys if k in record)
