@@ -26,6 +26,7 @@ import torch
 from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.config import EngineConfig
 from slime.engines.torch_engine.lora import ServedAdapters
+from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics
 from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
 from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.sampling import sample
@@ -106,6 +107,8 @@ class TorchEngine:
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.metrics = EngineMetrics(config.model_path, self.current_load)
+        """This engine's Prometheus metrics (GET /metrics; the HTTP front observes its requests)."""
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -245,6 +248,7 @@ class TorchEngine:
             self.busy_seconds += time.perf_counter() - t0
 
     def _run_plan(self, plan: Any) -> None:
+        started = time.perf_counter()  # a prefill's: when its sequences were admitted
         if plan.kind == "prefill":
             seqs, logits = plan.seqs, self.runner.prefill(plan.seqs)
         else:
@@ -252,6 +256,10 @@ class TorchEngine:
         gens = [s.runner_state.get("generator") for s in seqs]
         top_n = [s.top_logprobs_num for s in seqs]
         out = sample(logits, [s.params for s in seqs], gens, self.generator, top_n, self.never_sampled)
+        if plan.kind == "prefill":  # per request: a first token is always a prefill's
+            sampled = time.perf_counter()
+            for seq in seqs:
+                seq.times.mark_prefill(started, sampled)
         finished = self.scheduler.append_tokens(seqs, out.tokens, out.logprobs, out.top_logprobs)
         self.num_steps += 1
         self.num_generated_tokens += len(seqs)
@@ -260,7 +268,9 @@ class TorchEngine:
     def _finish(self, seqs: list[Sequence]) -> None:
         # Each sequence on its own: one failing release or callback must not leave the others'
         # clients waiting, nor escape into the loop and take the engine thread down.
+        now = time.perf_counter()
         for seq in seqs:
+            seq.times.finished = now
             if seq in self.runner.active:
                 try:
                     self.runner.release(seq)
@@ -295,6 +305,20 @@ class TorchEngine:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             seq.record_versions(self._weight_version)
         self._weight_version = version
+
+    def current_load(self) -> EngineLoad:
+        """What the engine holds now, read from any thread without a lock (the engine thread is
+        never made to wait for a scrape): counts copied between two of its steps' changes, so
+        at most one step stale. The KV capacity is the slot cache's bound: a row of
+        `context_length` positions for each of `max_running_requests` sequences."""
+        active = list(self.runner.active)  # one C-level copy: the engine thread changes the list
+        return EngineLoad(
+            num_running_reqs=len(self.scheduler.running),
+            num_queue_reqs=len(self.scheduler.waiting),
+            num_used_tokens=sum(seq.num_cached for seq in active),
+            max_total_num_tokens=self.config.max_running_requests * self.context_length,
+            num_generated_tokens=self.num_generated_tokens,
+        )
 
     # ---- requests (called from the HTTP side: event loop or worker threads) ------------------
     def check_available(self) -> None:
@@ -379,7 +403,9 @@ class TorchEngine:
                 raise
             for seq in named:  # counted once admitted: _finish gives each back exactly once
                 seq.lora.users += 1
+            queued = time.perf_counter()
             for seq in seqs:
+                seq.times.queued = queued
                 if seq.params.max_new_tokens == 0:
                     self.scheduler.finish_without_decoding(seq)
                     self._finish([seq])

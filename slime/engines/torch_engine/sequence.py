@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,35 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    """When one request reached each stage, in `time.perf_counter()` seconds (0.0: not reached).
+    Set once per request (never per token): the server, the engine's add, its prefill and its
+    finish each stamp one; SGLang's per-request timing fields and the Prometheus histograms are
+    differences of these (slime.engines.torch_engine.results, .metrics)."""
+
+    created: float = field(default_factory=time.perf_counter)
+    """Received by the HTTP server, before tokenization (SGLang's `created_time`)."""
+    queued: float = 0.0
+    """Entered the engine's waiting queue (SGLang's `wait_queue_entry_time`)."""
+    admitted: float = 0.0
+    """First taken into a prefill (SGLang's `forward_entry_time`); a retracted request keeps it."""
+    first_token: float = 0.0
+    """Its first output token was sampled: the end of its first prefill."""
+    finished: float = 0.0
+    """The engine finished it (a stop, its length, or an abort)."""
+    responded: float = 0.0
+    """The server built its answer (where SGLang's `e2e_latency` ends)."""
+
+    def mark_prefill(self, admitted: float, first_token: float) -> None:
+        """A prefill that started at `admitted` sampled a token at `first_token`; only the first
+        counts (a retracted request is prefilled again)."""
+        if not self.admitted:
+            self.admitted = admitted
+        if not self.first_token:
+            self.first_token = first_token
 
 
 @dataclass(eq=False)
@@ -70,6 +100,7 @@ class Sequence:
 
     num_versioned: int = 0
     """How many output tokens `version_spans` covers (kept, not summed: this runs every step)."""
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     def record_versions(self, version: str) -> None:
         """Attribute the output tokens not yet covered by a run to `version`."""

@@ -4,9 +4,9 @@ Handlers parse and validate on the event loop, hand work to the engine thread an
 Every error is a JSON object `{"object": "error", "message": ..., "type": ..., "code": N}` with a
 4xx code for client mistakes (malformed JSON, wrong types, out-of-range values); nothing a client
 sends can stop the server. With an API key every route but /health* needs
-`Authorization: Bearer <key>` (401 otherwise), as in SGLang. The weight-debugging routes are in
-debug_api.py, the LoRA routes in lora_api.py, the weight updates and memory release in
-weights_api.py.
+`Authorization: Bearer <key>` (401 otherwise), as in SGLang; /metrics too. The weight-debugging
+routes are in debug_api.py, the LoRA routes in lora_api.py, the weight updates and memory release
+in weights_api.py; the metrics /metrics serves in metrics.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import slime
 from slime.engines.protocol import (
@@ -81,6 +82,7 @@ def make_app(
     app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
     app.on_startup.append(api.on_startup)
+    app.on_cleanup.append(api.on_cleanup)
     WeightsDebugAPI(engine, debug_dump_dir).register(app.router)
     LoRAAPI(engine).register(app.router)
     PullAPI(engine).register(app.router)
@@ -93,6 +95,7 @@ def make_app(
     for path in ("/get_server_info", "/server_info"):
         r.add_get(path, api.server_info)
     r.add_get("/get_weight_version", api.weight_version)
+    r.add_get("/metrics", api.metrics)
     r.add_post("/generate", api.generate)
     r.add_post("/pause_generation", api.pause_generation)
     r.add_post("/continue_generation", api.continue_generation)
@@ -110,6 +113,7 @@ class EngineAPI:
         self.engine = engine
         # Result futures of the requests in flight, failed together if the engine thread dies.
         self._pending: set[asyncio.Future] = set()
+        self._sampler: asyncio.Task | None = None
 
     async def on_startup(self, app: web.Application) -> None:
         loop = asyncio.get_running_loop()
@@ -119,6 +123,19 @@ class EngineAPI:
                 loop.call_soon_threadsafe(self._fail_pending, reason)
 
         self.engine.add_death_listener(on_engine_death)
+        self._sampler = asyncio.create_task(self._sample_throughput())
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+
+    async def _sample_throughput(self) -> None:
+        """Once a second, the generated-token total behind `sglang:gen_throughput`."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.engine.metrics.sample_throughput(self.engine.num_generated_tokens)
 
     def _fail_pending(self, reason: str) -> None:
         for fut in list(self._pending):
@@ -126,8 +143,11 @@ class EngineAPI:
                 fut.set_exception(ProtocolError(f"the engine is not running: {reason}", 503))
 
     # ---- generation ---------------------------------------------------------------------------
-    async def run_requests(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
-        """Submit requests, wait for all; abort them if the client goes away."""
+    async def run_requests(
+        self, requests: list[GenerateRequest], observe: bool = True
+    ) -> list[dict[str, Any]]:
+        """Submit requests, wait for all; abort them if the client goes away. `observe`: book
+        them in the request metrics (health checks are not, as in SGLang)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         futures: list[asyncio.Future] = [loop.create_future() for _ in requests]
@@ -135,17 +155,25 @@ class EngineAPI:
         def finisher(fut: asyncio.Future) -> Callable[[Sequence], None]:
             def on_finish(seq: Sequence) -> None:  # on the engine thread
                 try:
-                    result = result_of(self.engine, seq, started)
+                    result = result_of(self.engine, seq)
                 except Exception as e:  # this request fails; it must not hang
                     logger.exception("building the response of request %s failed", seq.rid)
                     loop.call_soon_threadsafe(_fail, fut, e)
                     return
+                if observe:  # before the answer goes: a client that has it finds it counted
+                    try:
+                        self.engine.metrics.observe_finished(seq)
+                    except Exception:  # the metrics never fail a request
+                        logger.exception("booking request %s in the metrics failed", seq.rid)
                 loop.call_soon_threadsafe(_resolve, fut, result)
 
             return on_finish
 
         def make_sequences() -> list[Sequence]:
-            return [self.engine.make_sequence(r, finisher(f)) for r, f in zip(requests, futures)]
+            seqs = [self.engine.make_sequence(r, finisher(f)) for r, f in zip(requests, futures)]
+            for seq in seqs:
+                seq.times.created = started  # before tokenizing, as SGLang's created_time
+            return seqs
 
         # Tokenizing a long text takes a while: do it in a worker thread, never on the event loop.
         if any(r.text is not None or r.image_data for r in requests):
@@ -188,7 +216,7 @@ class EngineAPI:
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
         try:
-            await asyncio.wait_for(self.run_requests([req]), timeout=20)
+            await asyncio.wait_for(self.run_requests([req], observe=False), timeout=20)
         except asyncio.TimeoutError:
             raise ProtocolError("health generation did not finish in 20 s", 503) from None
         return web.Response(status=200)
@@ -248,6 +276,10 @@ class EngineAPI:
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus' text format: SGLang's metric names (slime.engines.torch_engine.metrics)."""
+        return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
