@@ -310,6 +310,25 @@ def main() -> int:
     return 0 if report(args, out, model, records) else 1  # 1: a target missed (scripts/gpu-check.sh)
 
 
+METRICS = (
+    "time/generate",
+    "time/log_probs",
+    "time/train",
+    "time/push",
+    "time/step",
+    "push/bytes",
+    "perf/log_probs_tflops",
+    "perf/actor_train_tok_per_s",
+    "perf/actor_train_tflops",
+    "perf/actor_train_mfu",
+    "perf/update_weights_time",
+    "perf/sleep_time",
+    "perf/wake_up_time",
+    "perf/rollout_offload_time",
+    "perf/rollout_onload_time",
+)
+
+
 def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) -> bool:
     """Print the phase table, the baselines and (Qwen3-0.6B on CUDA) the targets; False if one
     was missed."""
@@ -325,14 +344,39 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
         rollout_tps.append(sum(responses) / r["time/generate"])
         if bandwidth:
             roof_tps.append(sum(responses) / roofline_seconds(config, prompts, responses, bandwidth))
-    rollout = statistics.median(rollout_tps)
-    roof = statistics.median(roof_tps) if roof_tps else None
-
+    m = {key: median(steady, key) for key in METRICS}
+    m["rollout_tps"] = statistics.median(rollout_tps)
+    m["roofline_tps"] = statistics.median(roof_tps) if roof_tps else None
     first = load_rollout(out, steady[0]["rollout_id"])  # the baselines' workload
-    seq_lens = [len(s["tokens"]) for s in first]
+    m.update(baselines(args, model, config, first, peak))
+    print(
+        f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "
+        f"{device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; medians of steps "
+        f"2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS"
+    )
+    rows = phase_rows(m, first)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'phase'.ljust(width)} | {'seconds':>11} | rate")
+    print(f"{'-' * width}-|-{'-' * 11}-|-----")
+    for name, seconds, rate in rows:
+        print(f"{name.ljust(width)} | {seconds:>11} | {rate}")
+    train_tps = m["perf/actor_train_tok_per_s"]
+    print(
+        f"\nratio engine / HF generate: {m['rollout_tps'] / m['hf_tps']:.2f}x; trainer / plain PyTorch (train "
+        f"tokens/s): {_f(train_tps / m['plain_tps'] if train_tps else None)}x"
+    )
+    return check_targets(m) if cuda and args.preset == "qwen3-0.6b" else True
+
+
+def baselines(
+    args: argparse.Namespace, model: str, config: dict, samples: list[dict], peak: float | None
+) -> dict:
+    """HF `generate` and the plain PyTorch loop on `samples` (a rollout of the job's)."""
+    cuda = args.device == "cuda"
     hf = [
         (s["tokens"][: len(s["tokens"]) - int(s["response_length"])], int(s["response_length"]))
-        for s in first[: args.hf_samples]
+        for s in samples[: args.hf_samples]
     ]
     hf_tps = bench_hf_generate(
         model,
@@ -341,95 +385,71 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
         device=args.device,
         dtype=torch.bfloat16 if cuda else torch.float32,
     )
-    plain_lp, plain_s = plain_train(model, first, args.device, args.max_tokens_per_gpu)
+    log_probs_s, train_s = plain_train(model, samples, args.device, args.max_tokens_per_gpu)
+    seq_lens = [len(s["tokens"]) for s in samples]
     model_flops = flops.from_config(config)
-    plain_tflops = model_flops.train_flops(seq_lens) / plain_s / 1e12 if model_flops else None
-    plain_tps = sum(seq_lens) / plain_s
-
-    m = {
-        key: median(steady, key)
-        for key in (
-            "time/generate",
-            "time/log_probs",
-            "time/train",
-            "time/push",
-            "time/step",
-            "push/bytes",
-            "perf/log_probs_tflops",
-            "perf/actor_train_tok_per_s",
-            "perf/actor_train_tflops",
-            "perf/actor_train_mfu",
-            "perf/update_weights_time",
-            "perf/sleep_time",
-            "perf/wake_up_time",
-            "perf/rollout_offload_time",
-            "perf/rollout_onload_time",
-        )
+    tflops = model_flops.train_flops(seq_lens) / train_s / 1e12 if model_flops else None
+    return {
+        "hf_tps": hf_tps,
+        "plain_log_probs_s": log_probs_s,
+        "plain_train_s": train_s,
+        "plain_tps": sum(seq_lens) / train_s,
+        "plain_tflops": tflops,
+        "plain_mfu": tflops / peak if tflops and peak else None,
     }
-    share = f", {100 * rollout / roof:.1f}% of the roofline {roof:,.0f}" if roof else ""
-    mfu = m["perf/actor_train_mfu"]
-    rows = [
-        ("rollout", _f(m["time/generate"]), f"{rollout:,.0f} tok/s{share}"),
-        ("  HF generate, same prompts", "", f"{hf_tps:,.0f} tok/s"),
+
+
+def phase_rows(m: dict, first: list[dict]) -> list[tuple[str, str, str]]:
+    """The table's rows: (phase, seconds, rate) from the medians and baselines in `m`."""
+    roof, mfu, plain_mfu = m["roofline_tps"], m["perf/actor_train_mfu"], m["plain_mfu"]
+    share = f", {100 * m['rollout_tps'] / roof:.1f}% of the roofline {roof:,.0f}" if roof else ""
+    train = (
+        f"{_f(m['perf/actor_train_tok_per_s'], '{:,.0f}')} tok/s, "
+        f"{_f(m['perf/actor_train_tflops'], '{:.3g}')} TFLOPS" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
+    )
+    plain = f"{m['plain_tps']:,.0f} tok/s, {_f(m['plain_tflops'], '{:.3g}')} TFLOPS" + (
+        f", MFU {100 * plain_mfu:.1f}%" if plain_mfu else ""
+    )
+    seconds = {key: _f(m[key], "{:.3f}") for key in METRICS if key.endswith("_time")}
+    generated, trained = sum(lengths(first)[1]), sum(len(s["tokens"]) for s in first)
+    return [
+        ("rollout", _f(m["time/generate"]), f"{m['rollout_tps']:,.0f} tok/s{share}"),
+        ("  HF generate, same prompts", "", f"{m['hf_tps']:,.0f} tok/s"),
         ("log-prob pass", _f(m["time/log_probs"]), f"{_f(m['perf/log_probs_tflops'], '{:.3g}')} TFLOPS"),
-        (
-            "train step",
-            _f(m["time/train"]),
-            f"{_f(m['perf/actor_train_tok_per_s'], '{:,.0f}')} tok/s, "
-            f"{_f(m['perf/actor_train_tflops'], '{:.3g}')} TFLOPS"
-            + (f", MFU {100 * mfu:.1f}%" if mfu else ""),
-        ),
+        ("train step", _f(m["time/train"]), train),
         (
             "  plain PyTorch: log-probs + train",
-            f"{plain_lp:.2f} + {plain_s:.2f}",
-            f"{plain_tps:,.0f} tok/s, {_f(plain_tflops, '{:.3g}')} TFLOPS"
-            + (f", MFU {100 * plain_tflops / peak:.1f}%" if plain_tflops and peak else ""),
+            f"{m['plain_log_probs_s']:.2f} + {m['plain_train_s']:.2f}",
+            plain,
         ),
-        (
-            "push: the transfer",
-            _f(m["perf/update_weights_time"], "{:.3f}"),
-            f"{m['push/bytes'] or 0:,.0f} bytes",
-        ),
+        ("push: the transfer", seconds["perf/update_weights_time"], f"{m['push/bytes'] or 0:,.0f} bytes"),
         ("push: the whole phase", _f(m["time/push"]), "trainer offload, engines' memory back, transfer"),
-        ("trainer offload (sleep)", _f(m["perf/sleep_time"], "{:.3f}"), ""),
-        ("trainer reload (wake_up)", _f(m["perf/wake_up_time"], "{:.3f}"), ""),
-        ("engines' memory: release", _f(m["perf/rollout_offload_time"], "{:.3f}"), ""),
-        ("engines' memory: resume", _f(m["perf/rollout_onload_time"], "{:.3f}"), ""),
+        ("trainer offload (sleep)", seconds["perf/sleep_time"], ""),
+        ("trainer reload (wake_up)", seconds["perf/wake_up_time"], ""),
+        ("engines' memory: release", seconds["perf/rollout_offload_time"], ""),
+        ("engines' memory: resume", seconds["perf/rollout_onload_time"], ""),
         (
             "whole step",
             _f(m["time/step"]),
-            f"{len(first)} samples, {sum(lengths(first)[1]):,} generated, {sum(seq_lens):,} trained tokens",
+            f"{len(first)} samples, {generated:,} generated, {trained:,} trained tokens",
         ),
     ]
-    print(
-        f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "
-        f"{device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, prompts "
-        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; medians of steps "
-        f"2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS"
-    )
-    width = max(len(r[0]) for r in rows)
-    print(f"{'phase'.ljust(width)} | {'seconds':>11} | rate")
-    print(f"{'-' * width}-|-{'-' * 11}-|-----")
-    for name, seconds, rate in rows:
-        print(f"{name.ljust(width)} | {seconds:>11} | {rate}")
-    train_tps = m["perf/actor_train_tok_per_s"]
-    print(
-        f"\nratio engine / HF generate: {rollout / hf_tps:.2f}x; trainer / plain PyTorch (train tokens/s): "
-        f"{_f(train_tps / plain_tps if train_tps else None)}x"
-    )
+
+
+def check_targets(m: dict) -> bool:
+    """The issue's targets for Qwen3-0.6B on one GPU, one line each; False if one was missed."""
+    roof, mfu, push = m["roofline_tps"], m["perf/actor_train_mfu"], m["perf/update_weights_time"]
+    targets = [
+        ("rollout share of its roofline", 100 * m["rollout_tps"] / roof if roof else None, ">=", 40, "%"),
+        ("train MFU", 100 * mfu if mfu else None, ">=", 25, "%"),
+        ("push", 1000 * push if push else None, "<=", 100, " ms"),
+        ("whole step", m["time/step"], "<=", 20, " s"),
+    ]
     met = True
-    if cuda and args.preset == "qwen3-0.6b":
-        push_ms = 1000 * m["perf/update_weights_time"] if m["perf/update_weights_time"] else None
-        targets = [
-            ("rollout share of its roofline", 100 * rollout / roof if roof else None, ">=", 40, "%"),
-            ("train MFU", 100 * mfu if mfu else None, ">=", 25, "%"),
-            ("push", push_ms, "<=", 100, " ms"),
-            ("whole step", m["time/step"], "<=", 20, " s"),
-        ]
-        for name, value, op, limit, unit in targets:
-            ok = value is not None and (value >= limit if op == ">=" else value <= limit)
-            met = met and ok
-            print(f"target {name} {op} {limit}{unit}: {_f(value, '{:.1f}')}{unit} {'PASS' if ok else 'FAIL'}")
+    for name, value, op, limit, unit in targets:
+        ok = value is not None and (value >= limit if op == ">=" else value <= limit)
+        met = met and ok
+        print(f"target {name} {op} {limit}{unit}: {_f(value, '{:.1f}')}{unit} {'PASS' if ok else 'FAIL'}")
     return met
 
 
