@@ -148,6 +148,29 @@ def test_an_openai_agent_that_appends_trains_on_exactly_the_engines_tokens(serve
     )
 
 
+def test_a_traced_sessions_turns_are_sglang_generate_spans_in_the_samples_trace(served):
+    from slime.observability.trace_utils import trace_span
+
+    s = served()
+    base = Sample(index=3, prompt="p")
+    with trace_span(base, "generate_and_rm") as rollout_span:  # where a rollout opens the session
+        s.adapter.open_session("tr", sampling_defaults=SAMPLING, trace=base)
+    messages = [{"role": "user", "content": "1+1="}]
+    for _ in range(2):
+        reply = chat(s.url, "tr", messages, max_tokens=4)
+        answer = {"role": "assistant", "content": reply.choices[0].message.content or ""}
+        messages += [answer, {"role": "user", "content": "and?"}]
+    (sample,) = run_sync(s.adapter.finish_session("tr", base_sample=base))
+    assert sample.trace is base.trace  # the execution's trace, with its turns
+    events = [e for e in sample.trace["events"] if e["name"] == "sglang_generate"]
+    starts, ends = events[::2], events[1::2]
+    assert [e["type"] for e in events] == ["span_start", "span_end"] * 2
+    assert all(e["parent_span_id"] == rollout_span.span_records[0][1] for e in starts)
+    for end, turn in zip(ends, s.turns):
+        assert end["attrs"]["completion_tokens"] == len(turn.output_ids) and end["attrs"]["e2e_latency"] > 0
+        assert end["attrs"]["prompt_tokens"] == len(turn.prompt_ids) and "queue_time" in end["attrs"]
+
+
 def test_an_anthropic_agent_streams_and_is_recorded_the_same_way(served, hf_model):
     s = served(AnthropicAdapter)
     s.adapter.open_session("a1", sampling_defaults=SAMPLING)

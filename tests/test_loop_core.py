@@ -25,7 +25,8 @@ class FakeSource:
     def wait(self, rollout_id):
         self.log.append(("wait", rollout_id))
         return Rollout(
-            rollout_id, {"rollout/reward_mean": 0.5, "time/generate": 0.25}, 4,
+            rollout_id, {"rollout/reward_mean": 0.5, "time/generate": 0.25,
+                         "perf/request/e2e_latency/mean": 0.125}, 4,
             (None if self.replayed else str(self.versions[rollout_id]),),
             data_state=None if self.replayed else {"offset": rollout_id + 1},
             parts=("part0",), replayed=self.replayed,
@@ -206,6 +207,7 @@ def test_sync_generates_trains_and_pushes_each_rollout_in_turn():
         record["push/bytes"] == 64.0 and record["train/loss"] == 1.0 and record["rollout/log_probs"] == -1.0
     )
     assert record["perf/actor_train_tok_per_s"] == 100.0  # the train rank's perf/* as they came
+    assert record["perf/request/e2e_latency/mean"] == 0.125  # the rollout's (from its traces), too
     assert record["time/generate"] == 0.25 and "time/generate" not in {
         k for k in record if k.startswith("rollout/")
     }

@@ -51,6 +51,27 @@ def test_round_trip_is_weights_only_and_atomic(tmp_path):
     assert back[1].reward == {"acc": 1.0, "len": 1} and back[0].status == Status.COMPLETED
 
 
+def test_traces_are_saved_and_loaded_back_weights_only(tmp_path):
+    import numpy as np
+
+    from slime.observability.trace_utils import build_sglang_meta_trace_attrs, trace_event, trace_span
+
+    traced = [Sample.from_dict(d) for d in samples()]
+    with trace_span(traced[:2], "generate_and_rm_group", attrs={"group_size": 2}):
+        for s in traced[:2]:
+            with trace_span(s, "sglang_generate", attrs={"max_new_tokens": 4}) as span:
+                meta = {"e2e_latency": np.float64(0.25), "finish_reason": {"type": "stop"}, "id": "r"}
+                span.update(build_sglang_meta_trace_attrs(meta))
+            trace_event(s, "scored", attrs={"reward": s.reward})
+    path = save_dump(str(tmp_path / "r_{rollout_id}.pt"), 0, [s.to_dict() for s in traced], {})
+    rows = torch.load(path, weights_only=True)["samples"]
+    assert rows[0]["trace"] == traced[0].trace and rows[2]["trace"] is None
+    back = [Sample.from_dict(d) for d in load_dump(path)["samples"]]
+    (scored,) = [e for e in back[1].trace["events"] if e["name"] == "scored"]
+    assert back == traced and scored["attrs"] == {"reward": {"acc": 1.0, "len": 1}}
+    assert back[0].trace["events"][2]["attrs"]["e2e_latency"] == 0.25
+
+
 def test_bad_dumps_name_the_file_and_the_problem(tmp_path):
     with pytest.raises(DumpError, match="does not exist"):
         load_dump(str(tmp_path / "nope.pt"))
@@ -121,8 +142,10 @@ def test_a_dump_slime_wrote_loads_with_a_warning_and_keeps_every_field(tmp_path,
     assert s.an_attribute_a_plugin_set == [1]  # kept as an attribute, as slime's from_dict does
     again = s.to_dict()
     original = slime_written()["samples"][1]
-    # our one extra field (per-token versions, docs/async.md); slime's from_dict keeps unknown keys
-    assert set(again) == set(original) | {"weight_version_spans"} and again["weight_version_spans"] == []
+    # our extra field (per-token versions, docs/async.md) and the trace slime sets as an attribute
+    # (None: never traced); slime's from_dict keeps unknown keys
+    assert set(again) == set(original) | {"weight_version_spans", "trace"}
+    assert again["weight_version_spans"] == [] and again["trace"] is None
     assert all(again[k] == original[k] for k in original if k != "rollout_routed_experts")
 
 

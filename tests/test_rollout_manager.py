@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 
 import pytest
 
@@ -76,6 +77,158 @@ def test_over_sampling_discards_the_surplus(engine, tokenizer, tmp_path):
     r = result
     assert len({s.group_index for s in r.samples}) == 2 and r.num_prompts_started == 8
     assert 2 + r.num_groups_filtered + r.num_groups_aborted + r.num_groups_surplus == r.num_prompts_started
+
+
+class RecordingClient(EngineClient):
+    """An engine client that keeps the meta_info of every /generate answer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.metas: list[dict] = []
+
+    async def generate(self, *args, **kwargs):
+        out = await super().generate(*args, **kwargs)
+        self.metas.append(out["meta_info"])
+        return out
+
+
+def spans_of(sample):
+    """name -> (start, end) of each span in the sample's trace (names occur once here)."""
+    ends = {e["span_id"]: e for e in sample.trace["events"] if e["type"] == "span_end"}
+    return {e["name"]: (e, ends[e["span_id"]]) for e in sample.trace["events"] if e["type"] == "span_start"}
+
+
+def stats(values):
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "min": min(values),
+    }
+
+
+def test_samples_carry_slimes_traces_and_the_request_metrics_come_from_them(engine, tokenizer, tmp_path):
+    from slime.observability.trace_utils import build_sglang_meta_trace_attrs
+    from slime.rollout.summary import request_perf_metrics
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
+
+    async def go():
+        async with RecordingClient(engine.url) as client:
+            ds = PromptDataset(DataConfig(str(path)), tokenizer)
+            sampling = SamplingConfig(n_samples_per_prompt=2, max_response_len=4)
+            reward = RewardModel("exact", None, False, None)
+            gen = RolloutGenerator(ds, [client], reward, sampling, rollout_batch_size=2)
+            return await gen.generate_rollout(), client.metas
+
+    result, metas = asyncio.run(go())
+    assert len(result.samples) == len(metas) == 4
+    by_id = {m["id"]: m for m in metas}
+    for s in result.samples:
+        spans = spans_of(s)
+        assert set(spans) == {"generate_and_rm_group", "generate_and_rm", "sglang_generate", "reward_model"}
+        group, gen_rm = (spans[k][0]["span_id"] for k in ("generate_and_rm_group", "generate_and_rm"))
+        assert spans["generate_and_rm_group"][0]["attrs"] == {"group_size": 2}
+        assert spans["generate_and_rm"][0]["parent_span_id"] == group
+        assert spans["reward_model"][0]["parent_span_id"] == group  # the group is scored at once
+        start, end = spans["sglang_generate"]
+        assert start["parent_span_id"] == gen_rm and start["attrs"] == {"max_new_tokens": 4}
+        meta = by_id[end["attrs"]["sglang_request_id"]]
+        assert end["attrs"] == build_sglang_meta_trace_attrs(meta)
+        assert {"e2e_latency", "queue_time", "prompt_tokens", "completion_tokens", "cached_tokens"} <= set(
+            end["attrs"]
+        )
+        assert end["attrs"]["completion_tokens"] == s.response_length
+    metrics = request_perf_metrics(result.samples)
+    expected = {}
+    fields = {"request/e2e_latency": "e2e_latency", "request/queue_time": "queue_time"}
+    for metric, key in {**fields, "decode/throughput": "decode_throughput"}.items():
+        values = [m[key] for m in metas if key in m]
+        if values:
+            expected.update({f"perf/{metric}/{name}": v for name, v in stats(values).items()})
+    assert metrics == pytest.approx(expected) and "perf/request/e2e_latency/median" in metrics
+
+
+def test_the_producers_rollout_metrics_and_dump_carry_the_traces(engine, tiny_model, tmp_path):
+    from slime.ray.cli import parse_args
+    from slime.rollout.dump import load_dump
+    from slime.rollout.producer import RolloutProducer
+    from slime.rollout.summary import request_perf_metrics
+    from slime.utils.sample import Sample
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
+    dump = str(tmp_path / "rollout_{rollout_id}.pt")
+    flags = {
+        "--hf-checkpoint": tiny_model,
+        "--prompt-data": str(path),
+        "--rollout-batch-size": "2",
+        "--n-samples-per-prompt": "2",
+        "--rollout-max-response-len": "4",
+        "--num-rollout": "1",
+        "--rm-type": "exact",
+        "--rollout-backend": "torch",
+        "--save-debug-rollout-data": dump,
+    }
+    cfg = parse_args([part for flag in flags.items() for part in flag])
+    producer = RolloutProducer(cfg)
+    producer.connect([engine.url])
+    try:
+        rollout = producer.generate(0)
+    finally:
+        producer.close()
+    samples = [Sample.from_dict(d) for d in load_dump(rollout.dump_path)["samples"]]  # weights_only=True
+    assert all("sglang_generate" in spans_of(s) for s in samples)
+    perf = {k: v for k, v in rollout.metrics.items() if k.startswith("perf/")}
+    assert perf == request_perf_metrics(samples)
+    assert {
+        "perf/request/e2e_latency/mean",
+        "perf/request/queue_time/max",
+        "perf/decode/throughput/min",
+    } <= set(perf)
+
+
+def test_slimes_plugin_functions_trace_as_slimes_do(engine, tiny_model, tmp_path):
+    """slime.rollout.sglang_rollout.generate_and_rm_group > generate_and_rm > sglang_generate,
+    reward_model, through the engine at args.sglang_router_ip/port."""
+    from slime.ray.cli import parse_args
+    from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+    from slime.utils.async_utils import run
+    from slime.utils.net import host_port
+    from slime.utils.sample import Sample
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    flags = {
+        "--hf-checkpoint": tiny_model,
+        "--prompt-data": str(path),
+        "--rm-type": "exact",
+        "--rollout-max-response-len": "4",
+        "--rollout-batch-size": "1",
+        "--num-rollout": "1",
+    }
+    args = parse_args([part for flag in flags.items() for part in flag]).args
+    args.sglang_router_ip, args.sglang_router_port = host_port(engine.url)
+    GenerateState.clear_instances()
+    try:
+        group = [Sample(index=i, prompt="1+1=", label="2") for i in range(2)]
+        run(generate_and_rm_group(args, group, GenerateState(args).sampling_params))
+    finally:
+        GenerateState.clear_instances()
+    for s in group:
+        spans = spans_of(s)
+        assert set(spans) == {"generate_and_rm_group", "generate_and_rm", "sglang_generate", "reward_model"}
+        assert spans["generate_and_rm_group"][0]["attrs"] == {"group_size": 2}
+        gen_rm = spans["generate_and_rm"][0]["span_id"]
+        assert spans["generate_and_rm"][0]["parent_span_id"] == spans["generate_and_rm_group"][0]["span_id"]
+        assert (
+            spans["sglang_generate"][0]["parent_span_id"]
+            == spans["reward_model"][0]["parent_span_id"]
+            == gen_rm
+        )
+        end_attrs = spans["sglang_generate"][1]["attrs"]
+        assert end_attrs["completion_tokens"] == s.response_length and end_attrs["e2e_latency"] > 0
 
 
 async def custom_generate(args, sample, sampling_params):

@@ -106,10 +106,12 @@ def test_round_trip_keeps_fields_and_attributes_and_copies():
                status=Status.TRUNCATED, weight_versions=["1", "2"], train_metadata={"t": 1})  # fmt: skip
     s.spec_info.add({"spec_accept_token_num": 3, "spec_draft_token_num": 4})
     s.extra = {"plugin": True}  # slime keeps attributes a plugin sets
+    s.trace = {"version": 1, "trace_id": "t", "events": [{"type": "event", "name": "e", "ts": 1.0}]}
     d = s.to_dict()
     assert d["status"] == "truncated" and d["spec_info"]["spec_accept_token_num"] == 3 and d["extra"]
     d["tokens"].append(99)
-    assert s.tokens == [1, 2]  # a deep copy
+    d["trace"]["events"].append({})
+    assert s.tokens == [1, 2] and len(s.trace["events"]) == 1  # a deep copy
     back = Sample.from_dict(s.to_dict())
     assert back == s and back.extra == {"plugin": True} and back.spec_info.spec_accept_rate == 0.75
 

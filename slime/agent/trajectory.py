@@ -201,6 +201,7 @@ class _SampleTokens:
             status=Sample.Status.COMPLETED,
             metadata={**metadata, "realigned_turns": self.realigned},
             session_id=base.session_id,
+            trace=base.trace,  # one execution's trace, shared by the samples split out of it
             multimodal_inputs={"images": [im.image for im in images]} if images else None,
             multimodal_train_inputs=_train_inputs(images),
         )

@@ -4,8 +4,8 @@ A dump is `torch.save` of
 
     {"format_version": 2, "rollout_id": int, "samples": [Sample.to_dict(), ...], "meta": {...}}
 
-with only numbers, strings, lists, dicts, tensors and None inside, so `torch.load(path,
-weights_only=True)` reads it. Samples are saved after reward and before any normalisation, so a
+with only numbers, strings, lists, dicts, tensors and None inside (a sample's `trace`, slime's
+per-sample spans, is such a dict too), so `torch.load(path, weights_only=True)` reads it. Samples are saved after reward and before any normalisation, so a
 replay runs the whole train side. `meta` holds what a replay must match: the tokenizer's and the
 model's fingerprints and the flags that shaped the rollout.
 

@@ -1,10 +1,13 @@
-"""The default generate function: one sample through the engine client, with log-probs."""
+"""The default generate function: one sample through the engine client, with log-probs. Each
+engine call is the sample's `sglang_generate` span (slime.observability.trace_utils), ending with
+the answer's meta_info (token counts, latency, queue time, decode throughput)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from slime.engines.client import EngineClient
+from slime.observability.trace_utils import build_sglang_meta_trace_attrs, trace_span
 from slime.utils.sample import Sample, Status
 
 
@@ -48,6 +51,30 @@ def lora_path(args: Any) -> str | None:
     )
 
 
+async def _call_engine(
+    client: EngineClient,
+    sample: Sample,
+    input_ids: list[int],
+    params: dict[str, Any],
+    args: Any,
+    image_data: list[str] | None,
+) -> Any:
+    """One /generate for `sample`, traced as slime traces it."""
+    with trace_span(
+        sample, "sglang_generate", attrs={"max_new_tokens": params.get("max_new_tokens")}
+    ) as span:
+        output = await client.generate(
+            input_ids=input_ids,
+            sampling_params=params,
+            return_logprob=True,
+            return_routed_experts=_routed(args),
+            lora_path=lora_path(args),
+            image_data=image_data,
+        )
+        span.update(build_sglang_meta_trace_attrs(output.get("meta_info") or {}))
+    return output
+
+
 async def generate(
     client: EngineClient,
     sample: Sample,
@@ -58,9 +85,7 @@ async def generate(
 ) -> Sample:
     """Generate one response for `sample` with the engine's log-probs. `image_data`: the prompt's
     images (SGLang's field), with `prompt_ids` holding each image's tokens."""
-    output = await client.generate(input_ids=prompt_ids, sampling_params=sampling_params, return_logprob=True,
-                                   return_routed_experts=_routed(args), lora_path=lora_path(args),
-                                   image_data=image_data)  # fmt: skip
+    output = await _call_engine(client, sample, prompt_ids, sampling_params, args, image_data)
     if image_data:
         check_prompt_tokens(client, sample, len(prompt_ids), output)
     return apply_response(sample, prompt_ids, output, args)
@@ -92,9 +117,7 @@ async def continue_sample(
         sample.status = Status.TRUNCATED
         return sample
     # Still ABORTED if the request fails: a retry on another engine continues it again.
-    output = await client.generate(input_ids=list(sample.tokens), sampling_params=params, return_logprob=True,
-                                   return_routed_experts=_routed(args), lora_path=lora_path(args),
-                                   image_data=image_data)  # fmt: skip
+    output = await _call_engine(client, sample, list(sample.tokens), params, args, image_data)
     if image_data:
         check_prompt_tokens(client, sample, len(sample.tokens), output)
     sample.status = Status.PENDING

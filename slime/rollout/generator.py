@@ -6,6 +6,12 @@ sampling filter, groups the filter rejects are dropped and more prompts are draw
 `rollout_batch_size` groups are kept. Once enough groups are kept, the requests still running
 are aborted and their groups discarded. Every sample keeps the weight version it was generated
 with.
+
+Each sample is traced as slime's default rollout traces it (slime.observability.trace_utils): a
+`generate_and_rm_group` span over its group, its `generate_and_rm` around the generate function
+and its `sglang_generate` engine calls. The group is scored at once when its samples are done, so
+its `reward_model` (or `group_reward_model`) span follows the samples' `generate_and_rm` inside
+the group's span, where slime's, per sample, ends each `generate_and_rm`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
+from slime.observability.trace_utils import trace_span
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import continue_sample, generate
@@ -223,6 +230,7 @@ class RolloutGenerator:
         if partial is None:
             samples = [
                 Sample(
+                    group_index=draw,  # numbered again, in the order the groups are kept
                     index=draw * n + k,  # unique in the rollout, as slime's data source numbers them
                     prompt=prompt.prompt,
                     label=prompt.label,
@@ -241,7 +249,14 @@ class RolloutGenerator:
         else:
             samples = partial
             calls = [self._continue(s, p, client, image_data) for s, p in zip(samples, params)]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        with trace_span(samples, "generate_and_rm_group", attrs={"group_size": len(samples)}):
+            return await self._run_group(samples, calls)
+
+    async def _run_group(self, samples: list[Sample], calls: list[Any]) -> list[Sample]:
+        """The group's generate calls (one per sample), then its reward (and the teacher's)."""
+        results = await asyncio.gather(
+            *(_traced(s, c) for s, c in zip(samples, calls)), return_exceptions=True
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # every request of the group has ended: none is left running
             raise errors[0]
@@ -451,6 +466,12 @@ def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sam
     return samples
 
 
+async def _traced(sample: Sample, call: Any) -> Any:
+    """One sample's generate call as slime's `generate_and_rm` span."""
+    with trace_span(sample, "generate_and_rm"):
+        return await call
+
+
 async def score_unscored(reward: RewardModel | None, group: list[Sample], flag: str) -> None:
     """Score one prompt group as slime does: a sample a custom function (`flag`) already gave a
     reward keeps it; a group reward (--group-rm) scores the whole group."""
@@ -461,4 +482,5 @@ async def score_unscored(reward: RewardModel | None, group: list[Sample], flag: 
         raise ValueError(
             f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
         )
-    await reward.score_group(todo)
+    with trace_span(todo, "group_reward_model" if reward.group else "reward_model"):
+        await reward.score_group(todo)

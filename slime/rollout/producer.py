@@ -36,6 +36,7 @@ from slime.rollout.summary import (
     eval_metrics,
     flag_metrics,
     package_rollout,
+    request_perf_metrics,
     reward_post_process,
     rollout_metrics,
 )
@@ -236,6 +237,7 @@ class RolloutProducer:
                 extra["time/teacher"] = time.perf_counter() - start_teacher
         metrics = {**rollout_metrics(samples, self.config.rollout.reward_key), **extra}
         metrics.update(flag_metrics(self.config.rollout, samples, "rollout"))
+        metrics.update(request_perf_metrics(samples))  # from the samples' traces
         metrics["time/generate"] = time.perf_counter() - start
         metrics["time/reward"] = self.progress.reward_seconds
         dump_path = None

@@ -21,6 +21,9 @@ import.
 Images (`--multimodal-keys`): `GenerateState.processor` is the checkpoint's processor, and
 `generate` sends a sample's `multimodal_inputs["images"]` as `image_data` with token ids that hold
 each image's tokens (it sets `multimodal_train_inputs` when it tokenizes the prompt itself).
+Traced as slime traces them (slime.observability.trace_utils): `generate_and_rm_group` (with
+`group_size`) around `generate_and_rm` around `sglang_generate` (ending with the answer's meta_info)
+and `reward_model`, or `group_reward_model` with `--group-rm`.
 Not here: SGLang's data-parallel attention routing (`dp_rank_context` only counts).
 """
 
@@ -33,6 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+from slime.observability.trace_utils import build_sglang_meta_trace_attrs, trace_function, trace_span
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.sample import Sample
@@ -171,7 +175,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     adapter = lora_path(args)
     if adapter is not None:  # --lora-push adapter: the engines serve the policy as an adapter
         payload["lora_path"] = adapter
-    output = await post(get_model_url(args), payload)
+    with trace_span(sample, "sglang_generate", attrs={"max_new_tokens": params["max_new_tokens"]}) as span:
+        output = await post(get_model_url(args), payload)
+        span.update(build_sglang_meta_trace_attrs(output["meta_info"]))
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     sample.append_response_tokens(
@@ -194,6 +200,7 @@ async def _custom_or_default(args: Any, sample: Sample, params: dict[str, Any], 
     return await result if inspect.isawaitable(result) else result
 
 
+@trace_function("generate_and_rm", target="sample")
 async def generate_and_rm(
     args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
 ) -> Sample | list[Sample]:
@@ -220,14 +227,22 @@ async def generate_and_rm(
     if isinstance(result, list):
         todo = [s for s in result if s.reward is None]
         if todo and not any(s.status == Sample.Status.ABORTED for s in result):
-            for s, reward in zip(todo, await batched_async_rm(args, todo)):
+            with trace_span(todo, "reward_model"):
+                rewards = await batched_async_rm(args, todo)
+            for s, reward in zip(todo, rewards):
                 s.reward = reward
         return result
     if result.status != Sample.Status.ABORTED and result.reward is None:
-        result.reward = await async_rm(args, result)
+        with trace_span(result, "reward_model"):
+            result.reward = await async_rm(args, result)
     return result
 
 
+@trace_function(
+    "generate_and_rm_group",
+    target="group",
+    attrs_getter=lambda args, group, sampling_params, evaluation=False: {"group_size": len(group)},
+)
 async def generate_and_rm_group(
     args: Any, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
 ) -> list[Any]:
@@ -251,7 +266,9 @@ async def generate_and_rm_group(
         await asyncio.gather(*(generate_and_rm(args, s, p, evaluation) for s, p in zip(group, params)))
     )
     if getattr(args, "group_rm", False) and not state.aborted:
-        for s, reward in zip(out, await batched_async_rm(args, out)):
+        with trace_span(out, "group_reward_model"):
+            rewards = await batched_async_rm(args, out)
+        for s, reward in zip(out, rewards):
             cast(Sample, s).reward = reward
     return out
 

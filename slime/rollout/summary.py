@@ -5,6 +5,7 @@ replica, put where the train ranks fetch it."""
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,53 @@ def rollout_metrics(
     if lps and prefix != "rollout":  # a rollout's are reported by the trainer, over its loss mask
         out[f"{prefix}/rollout_log_probs"] = statistics.fmean(lps)
     return out
+
+
+def compute_statistics(values: list[float]) -> dict[str, float]:
+    """slime's statistics of a metric series (metric_utils.compute_statistics), by its names."""
+    return {
+        "mean": statistics.fmean(values),
+        "median": float(statistics.median(values)),
+        "max": float(max(values)),
+        "min": float(min(values)),
+    }
+
+
+REQUEST_PERF_FIELDS = (
+    ("request/e2e_latency", "e2e_latency"),
+    ("request/queue_time", "queue_time"),
+    ("decode/throughput", "decode_throughput"),
+)
+"""slime's perf/<metric> series and the `sglang_generate` end attr (SGLang's meta_info) each reads."""
+
+
+def request_perf_metrics(samples: list[Sample]) -> dict[str, float]:
+    """slime's perf/request/e2e_latency/*, perf/request/queue_time/* and perf/decode/throughput/*
+    (mean, median, max, min over the engine requests) from the `sglang_generate` spans that ended
+    in the samples' traces; {} when none did. Each span counts once (the samples split out of one
+    execution share its trace); a sample continued from an earlier rollout (--partial-rollout)
+    brings its earlier requests too, as in slime."""
+    series: dict[str, list[float]] = {metric: [] for metric, _ in REQUEST_PERF_FIELDS}
+    seen: set[Any] = set()
+    for sample in samples:
+        events = sample.trace.get("events") if isinstance(sample.trace, dict) else None
+        for event in events or ():
+            if event.get("type") != "span_end" or event.get("name") != "sglang_generate":
+                continue
+            if event.get("span_id") in seen:
+                continue
+            seen.add(event.get("span_id"))
+            attrs = event.get("attrs") or {}
+            for metric, key in REQUEST_PERF_FIELDS:
+                value = attrs.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                    series[metric].append(float(value))
+    return {
+        f"perf/{metric}/{name}": stat
+        for metric, values in series.items()
+        if values
+        for name, stat in compute_statistics(values).items()
+    }
 
 
 POST_PROCESS_FLAG = "--custom-reward-post-process-path"

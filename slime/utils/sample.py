@@ -187,6 +187,10 @@ class Sample:
     non_generation_time: float = 0.0
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+    trace: dict[str, Any] | None = None
+    """The sample's trace (slime.observability.trace_utils: spans and events of its generation,
+    reward and agent turns, as plain values); None until something traces it. slime sets it as an
+    attribute beyond its fields; its to_dict and from_dict carry it alike."""
     # Ours, beyond slime's fields:
     weight_version_spans: list[list[Any]] = field(default_factory=list)
     """[weight version, tokens] runs over the response tokens in order: the weights that made

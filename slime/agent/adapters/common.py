@@ -18,6 +18,12 @@ A subclass supplies the wire: `_register_routes`, `_session_id`, `_translate`, `
 Sessions: `open_session(sid)` before the agent's first request (a request for a session never
 opened is refused, 404, unless the adapter was made with `auto_open=True`); `finish_session`
 returns the samples and closes it (later requests: 410); `drop_session` discards it.
+
+Traces (ours: slime's agent layer records none): a session opened with `trace=sample` records
+each turn's engine call as an `sglang_generate` span in that sample's trace (see
+slime.observability.trace_utils), nested under the span open where the session was opened (the
+rollout's `generate_and_rm`); the samples `finish_session` makes from a `base_sample` carry its
+trace.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from slime.agent.adapters.history import ChatHistory, Held
 from slime.agent.adapters.images import SessionImage, session_images
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
+from slime.observability.trace_utils import TraceHandle, bind_trace, export_trace, import_trace
 
 __all__ = ["AdapterError", "BaseAdapter", "Reply", "Session", "TurnRecord", "flatten_content"]
 
@@ -61,6 +68,8 @@ class Session:
     recorded): where drift can arise."""
     images: dict[str, SessionImage] = dataclasses.field(default_factory=dict)
     """A vision-language session's images by source, each decoded and processed once."""
+    trace: TraceHandle | None = None
+    """Ours: where the turns' `sglang_generate` spans go (open_session's `trace`); None: untraced."""
 
 
 @dataclasses.dataclass
@@ -230,13 +239,21 @@ class BaseAdapter:
         sampling_defaults: dict[str, Any] | None = None,
         max_context_tokens: int = 0,
         engine_url: str | None = None,
+        trace: Any = None,
     ) -> None:
         """Start session `sid` (unique per agent run): its sampling defaults (the rollout's
-        sampling_params), context budget (0: none) and, ours, the engine its turns go to."""
+        sampling_params), context budget (0: none) and, ours, the engine its turns go to and the
+        Sample (or TraceHandle) whose trace records its turns."""
+        handle = None
+        if trace is not None:  # the parent is the span open here; the turns run on the app's thread
+            bound = trace if isinstance(trace, TraceHandle) else bind_trace(trace)
+            handle = import_trace(export_trace(bound), bound.carrier)
         with self._lock:
             if sid in self.store or sid in self.closed:
                 raise ValueError(f"session_id {sid!r} already exists; sids must be unique per agent run")
-            self.store[sid] = Session(dict(sampling_defaults or {}), int(max_context_tokens or 0), engine_url)
+            self.store[sid] = Session(
+                dict(sampling_defaults or {}), int(max_context_tokens or 0), engine_url, trace=handle
+            )
 
     async def shutdown_session(self, sid: str, *, wait_timeout: float = 5.0) -> None:
         """Refuse the session's new requests and wait (up to `wait_timeout`) for those in flight;

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from slime.agent.adapters.errors import AdapterError
 from slime.agent.trajectory import TurnRecord
+from slime.observability.trace_utils import TraceHandle, build_sglang_meta_trace_attrs, trace_span
 
 
 class Session(Protocol):
@@ -19,6 +20,7 @@ class Session(Protocol):
     ignored_sampling: set[str]
     max_context_tokens: int
     engine_url: str | None
+    trace: TraceHandle | None
 
 
 class Adapter(Protocol):
@@ -102,16 +104,20 @@ async def call_sglang_generate(
                                "return_logprob": True}  # fmt: skip
     if image_data:  # a vision-language prompt: its images, their tokens in the ids (SGLang's field)
         payload["image_data"] = image_data
-    try:
-        out = await client.request("POST", "/generate", payload, headers=headers)
-    except EngineError as e:  # the engine may still be generating it (a timeout): free its slot
-        _abort_soon(client, rid)
-        status = 400 if e.status is not None and 400 <= e.status < 500 else 502
-        raise AdapterError(status, f"the engine refused or failed the turn: {e}", "api_error") from None
-    except asyncio.CancelledError:  # the client left or the session was shut down: free the engine's slot
-        _abort_soon(client, rid)
-        raise
-    meta = out.get("meta_info") or {}
+    with trace_span(
+        session.trace, "sglang_generate", attrs={"max_new_tokens": params["max_new_tokens"]}
+    ) as span:
+        try:
+            out = await client.request("POST", "/generate", payload, headers=headers)
+        except EngineError as e:  # the engine may still be generating it (a timeout): free its slot
+            _abort_soon(client, rid)
+            status = 400 if e.status is not None and 400 <= e.status < 500 else 502
+            raise AdapterError(status, f"the engine refused or failed the turn: {e}", "api_error") from None
+        except asyncio.CancelledError:  # the client left or the session was shut down: free the engine's slot
+            _abort_soon(client, rid)
+            raise
+        meta = out.get("meta_info") or {}
+        span.update(build_sglang_meta_trace_attrs(meta))
     ran = meta.get("prompt_tokens")
     if image_data and ran is not None and int(ran) != len(prompt_ids):  # images expanded another way
         raise AdapterError(502, f"session {session_id}: the engine ran {ran} prompt tokens for the {len(prompt_ids)} sent "

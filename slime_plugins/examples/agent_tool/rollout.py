@@ -58,7 +58,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     service = AdapterService(args)
     sid = f"agent-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
     engine = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-    service.adapter.open_session(sid, sampling_defaults=sampling_params, engine_url=engine)
+    service.adapter.open_session(sid, sampling_defaults=sampling_params, engine_url=engine, trace=sample)
     question = sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt[-1]["content"])
     try:
         async with LocalSandbox(memory_mb=512, max_output_bytes=4096) as sandbox:

@@ -1,0 +1,2 @@
+"""What a run records about itself beyond its metrics, at slime's paths: per-sample traces
+(`trace_utils`)."""
