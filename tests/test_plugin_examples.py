@@ -249,8 +249,10 @@ def test_an_evaluation_sets_own_generate_function_and_reward_in_the_built_in_rol
         "    custom_rm_path: tests.test_plugin_examples.minus_one\n"
         "    custom_generate_function_path: slime_plugins.examples.calculator_tool.generate\n"
     )
+    # Greedy: whether a turn ends on a stop token (and so calls no tool) must not depend on the
+    # shared engine's sampling state, which the module's other tests and their timing move.
     m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-config", str(config),
-                "--save-debug-eval-data", str(tmp_path / "eval_{rollout_id}.pt"))  # fmt: skip
+                "--save-debug-eval-data", str(tmp_path / "eval_{rollout_id}.pt"), "--eval-temperature", "0")  # fmt: skip
     evaluation = m.evaluate(0)
     assert evaluation.metrics["eval/calc"] == -1.0
     from slime.rollout.dump import load_dump
