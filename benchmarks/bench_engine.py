@@ -303,7 +303,7 @@ def bench_null(args: argparse.Namespace, tmp: str) -> int:
     trees = [("this tree", None)] + (
         [(args.compare_src, os.path.abspath(args.compare_src))] if args.compare_src else []
     )
-    rows = []
+    measured: dict[str, dict[str, float]] = {}  # tree -> configuration -> us per step
     for label, src in trees:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         if src is not None:
@@ -325,22 +325,23 @@ def bench_null(args: argparse.Namespace, tmp: str) -> int:
             str(args.temperature),
         ]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-        for name, micros in json.loads(out.strip().splitlines()[-1]).items():
-            rows.append((f"{label}: {name}", f"{micros:,.0f}"))
+        measured[label] = json.loads(out.strip().splitlines()[-1])
     print(
         f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
         f"temperature {args.temperature:g}, {args.threads} thread(s), median of {args.repeats}"
     )
+    rows = [
+        (f"{label}: {name}", f"{us:,.0f}") for label, runs in measured.items() for name, us in runs.items()
+    ]
     _table(rows, ("us per decode step",))
-    ours = {name: float(v.replace(",", "")) for name, v in rows if name.startswith("this tree")}
-    best = min(ours.values())
+    best = min(measured["this tree"].values())
     print(
         f"\nhost time per decode step at batch {args.batch}: {best:,.0f} us, best configuration "
         f"(target <= 1000 us: {'PASS' if best <= 1000 else 'FAIL'})"
     )
     if args.compare_src:
-        theirs = [float(v.replace(",", "")) for name, v in rows if not name.startswith("this tree")]
-        print(f"ratio {args.compare_src} / this tree (best of each): {min(theirs) / best:.2f}x")
+        theirs = min(measured[args.compare_src].values())
+        print(f"ratio {args.compare_src} / this tree (best of each): {theirs / best:.2f}x")
     return 0
 
 

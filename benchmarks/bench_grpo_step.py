@@ -338,16 +338,17 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
     bandwidth = args.bandwidth_gbs or (bandwidth_gbs(device_name) if cuda else None)
     peak = args.peak_tflops or (flops.peak_tflops(device_name) if cuda else None)
     steady = records[1:]
+    rollouts = [load_rollout(out, r["rollout_id"]) for r in steady]
     rollout_tps, roof_tps = [], []
-    for r in steady:
-        prompts, responses = lengths(load_rollout(out, r["rollout_id"]))
+    for r, samples in zip(steady, rollouts):
+        prompts, responses = lengths(samples)
         rollout_tps.append(sum(responses) / r["time/generate"])
         if bandwidth:
             roof_tps.append(sum(responses) / roofline_seconds(config, prompts, responses, bandwidth))
     m = {key: median(steady, key) for key in METRICS}
     m["rollout_tps"] = statistics.median(rollout_tps)
     m["roofline_tps"] = statistics.median(roof_tps) if roof_tps else None
-    first = load_rollout(out, steady[0]["rollout_id"])  # the baselines' workload
+    first = rollouts[0]  # the baselines' workload
     m.update(baselines(args, model, config, first, peak))
     print(
         f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "

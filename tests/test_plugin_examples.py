@@ -251,8 +251,19 @@ def test_an_evaluation_sets_own_generate_function_and_reward_in_the_built_in_rol
     )
     # Greedy: whether a turn ends on a stop token (and so calls no tool) must not depend on the
     # shared engine's sampling state, which the module's other tests and their timing move.
-    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-config", str(config),
-                "--save-debug-eval-data", str(tmp_path / "eval_{rollout_id}.pt"), "--eval-temperature", "0")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--eval-config",
+        str(config),
+        "--save-debug-eval-data",
+        str(tmp_path / "eval_{rollout_id}.pt"),
+        "--eval-temperature",
+        "0",
+    )
     evaluation = m.evaluate(0)
     assert evaluation.metrics["eval/calc"] == -1.0
     from slime.rollout.dump import load_dump
