@@ -31,7 +31,6 @@ class BatchSampling:
     round (slime.engines.torch_engine.rounds) samples every one of its steps with one of these,
     so the host's per-row work is done once per round, not once per step."""
 
-    params: list[SamplingParams]
     generators: list[torch.Generator | None]
     """Per row, a seeded request's own generator (None: the engine's)."""
     temperatures: torch.Tensor
@@ -43,9 +42,10 @@ class BatchSampling:
     limits: torch.Tensor | None
     """[len(sampled), 3] float64 on the device: top-k (infinite for none), top-p, min-p of the
     sampled rows, where any truncates (None: none does)."""
-    unseeded: list[int]
-    """Positions in `sampled` of the rows that draw from the engine's generator."""
+    num_unseeded: int
+    """How many of the `sampled` rows draw from the engine's generator."""
     unseeded_index: torch.Tensor | None
+    """Their positions in `sampled`, on the device (None: all of them, or none)."""
     never: torch.Tensor | None
     """Token ids never picked (a vision-language model's image placeholders), on the device."""
 
@@ -66,13 +66,12 @@ class BatchSampling:
             limits = transfer.to_device(_limits(rows), device)
         unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
         return cls(
-            params,
             generators,
             transfer.to_device(temps, device),
             sampled,
             transfer.to_device(torch.tensor(sampled), device) if partial else None,
             limits,
-            unseeded,
+            len(unseeded),
             transfer.to_device(torch.tensor(unseeded), device) if 0 < len(unseeded) < len(sampled) else None,
             transfer.to_device(torch.tensor(never), device) if never else None,
         )
@@ -146,12 +145,10 @@ def sample_on_device(
         if batch.limits is not None:
             probs = _truncate(probs, batch.limits)
         noise = torch.empty_like(probs)
-        if len(batch.unseeded) == len(batch.sampled):
+        if batch.num_unseeded == len(batch.sampled):
             noise.exponential_(generator=default_generator)
         elif batch.unseeded_index is not None:
-            draws = torch.empty(
-                (len(batch.unseeded), probs.shape[-1]), device=probs.device, dtype=probs.dtype
-            )
+            draws = torch.empty((batch.num_unseeded, probs.shape[-1]), device=probs.device, dtype=probs.dtype)
             noise.index_copy_(0, batch.unseeded_index, draws.exponential_(generator=default_generator))
         for j, i in enumerate(batch.sampled):
             gen = batch.generators[i]
