@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from slime.observability.job_trace import RECORDER
 from slime.utils import flops
 
 logger = logging.getLogger(__name__)
@@ -35,11 +36,13 @@ class PassClock:
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        """Time pass `name` (also a span of the job's timeline, category "pass")."""
         self._wait()
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), RECORDER.now_ns()
         yield
         self._wait()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        RECORDER.complete(name, start_ns, RECORDER.now_ns(), cat="pass")
 
 
 class StepPerf:

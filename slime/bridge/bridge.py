@@ -23,6 +23,7 @@ from slime.bridge.base import Bucket, Transport
 from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import EngineClient, EngineError
+from slime.observability.job_trace import span
 from slime.utils.async_utils import run_sync
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class WeightBridge:
             self._ready = True
         start = time.perf_counter()
         total = count = 0
-        await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
+        with span("pause generation", cat="push", mode=self.pause_mode):
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
         sessions: list[EngineClient] = []
         try:
             await asyncio.gather(*(_flush(e) for e in engines))
@@ -153,8 +155,10 @@ class WeightBridge:
                 sessions = [e for e, ok in zip(engines, opened, strict=True) if ok]
             try:
                 for bucket in buckets:
-                    await self.transport.send(engines, bucket, weight_version)
-                    total += sum(t.numel() * t.element_size() for _, t in bucket)
+                    size = sum(t.numel() * t.element_size() for _, t in bucket)
+                    with span(f"bucket {count}", cat="bucket", bytes=size, tensors=len(bucket)):
+                        await self.transport.send(engines, bucket, weight_version)
+                    total += size
                     count += 1
                     self.phase("push_bucket", version=weight_version, bucket=count - 1,
                                engines=list(self.engine_urls), transport=self.label)  # fmt: skip
@@ -167,7 +171,8 @@ class WeightBridge:
             try:
                 await _all(sessions, "end_weight_update")
             finally:
-                await _all(engines, "continue_generation")
+                with span("continue generation", cat="push"):
+                    await _all(engines, "continue_generation")
         seconds = time.perf_counter() - start
         logger.info(
             "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",

@@ -457,6 +457,16 @@ class DebugConfig:
     )
     """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
     to <log dir>/hang/ and ends the job (slime.debug.hang)."""
+    trace_dir: str | None = flag(
+        "--trace-dir",
+        None,
+        group="debug: the job's timeline (docs/observability.md, The job's timeline)",
+        metavar="DIR",
+        help="write a timeline of the whole job into DIR (trace-<date>-<time>-<pid>.json, Chrome's trace-event "
+        "format: open it in Perfetto or chrome://tracing): a track per process with its phases, the "
+        "engines' requests as counters; and end the job with a 'where the time went' table in the log",
+    )
+    """`--trace-dir DIR`: the job's timeline (slime.ray.tracing, slime.observability.timeline)."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,10 @@ class SGLangLaunch:
 class SGLangProcess(EngineProcess):
     """A server and every process it started (its process group): SIGTERM, then SIGKILL."""
 
+    def trace_events(self, timeout_s: float = 60.0) -> list[dict]:
+        """SGLang records nothing for the job's timeline (its own tracing is OpenTelemetry's)."""
+        return []
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)

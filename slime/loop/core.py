@@ -26,6 +26,7 @@ from slime.loop.parts import (
     TrainGroup,
     TrainRankDied,
 )
+from slime.observability.job_trace import span
 from slime.utils.batch import Rollout
 
 logger = logging.getLogger(__name__)
@@ -128,14 +129,15 @@ class Loop:
         self._trained_at = time.perf_counter()  # slime's train_wait starts once the trainer is up
         for rollout_id in range(self.start, self.total):
             step = Step(rollout_id)
-            if started != rollout_id:
-                self.source.start(rollout_id, self.version)
-            step.rollout = self._wait(step, rollout_id)
-            started = self._start_ahead(rollout_id)
-            if self.train is not None:
-                self._train(step, ahead=started is not None)
-            for hook in self.hooks:
-                hook.after_step(self, step)
+            with span(f"rollout {rollout_id}", "loop", "step"):
+                if started != rollout_id:
+                    self.source.start(rollout_id, self.version)
+                step.rollout = self._wait(step, rollout_id)
+                started = self._start_ahead(rollout_id)
+                if self.train is not None:
+                    self._train(step, ahead=started is not None)
+                for hook in self.hooks:
+                    hook.after_step(self, step)
         for hook in self.hooks:
             hook.after_loop(self)
 
@@ -158,7 +160,8 @@ class Loop:
             with step.timed("wake_up", part=True):
                 self.train.wake()
         t0 = time.perf_counter()
-        step.output = self.train.train(step.rollout)
+        with span("train", "loop", rollout_id=step.rollout_id):
+            step.output = self.train.train(step.rollout)
         step.train_call = time.perf_counter() - t0
         if self._trained_at is not None:
             step.train_wait = t0 - self._trained_at
@@ -251,7 +254,8 @@ class Loop:
 
     def _wait(self, step: Step, rollout_id: int) -> Rollout:
         t0 = time.perf_counter()
-        rollout = self.source.wait(rollout_id)
+        with span("wait_generate", "loop", rollout_id=rollout_id):
+            rollout = self.source.wait(rollout_id)
         step.waited += time.perf_counter() - t0
         if self.engines is not None:
             self.phase("rollout_done", rollout_id=rollout_id, engines=self.engines.up_urls())

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from slime.observability.job_trace import span
 from slime.utils.batch import Evaluation, Rollout, TrainOutput
 
 # SGLang's memory tags (GPU_MEMORY_TYPE_*): colocated engines take back the memory of their weights
@@ -168,10 +169,12 @@ class Step:
 
     @contextlib.contextmanager
     def timed(self, phase: str, part: bool = False) -> Iterator[None]:
-        """Time a phase (or, `part`, a part of one) into `phases` (`parts`), summed by name."""
+        """Time a phase (or, `part`, a part of one) into `phases` (`parts`), summed by name (and
+        a span of the job's timeline)."""
         into = self.parts if part else self.phases
         t0 = time.perf_counter()
         try:
-            yield
+            with span(phase, "loop", "part" if part else "phase"):
+                yield
         finally:
             into[phase] = into.get(phase, 0.0) + time.perf_counter() - t0

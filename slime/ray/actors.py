@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from slime.config.train import TrainConfig
+from slime.observability.job_trace import RECORDER, span
 from slime.utils.async_utils import run_sync
 from slime.utils.batch import RolloutBatch, TrainOutput
 
@@ -66,7 +67,21 @@ def _quiet_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
-class TrainRank:
+class Traced:
+    """What the driver asks every process it started for the job's timeline (--trace-dir;
+    slime.ray.tracing): its node, its clock, and its events since the last time."""
+
+    def trace_node(self) -> str:
+        return node_ip()
+
+    def trace_clock(self) -> int:
+        return RECORDER.now_ns()
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        return RECORDER.drain()
+
+
+class TrainRank(Traced):
     """One data-parallel rank of the trainer (a Ray actor)."""
 
     def __init__(
@@ -136,7 +151,10 @@ class TrainRank:
         """One rollout's steps. PPO: `values` are the critic ranks' `values` answers (object
         references, fetched here, never in the driver); the returns go back by reference too."""
         self.phase("train", rank=self.rank, rollout_id=rollout_id)
-        with self._watch(f"the train step of rollout {rollout_id}"):
+        with (
+            self._watch(f"the train step of rollout {rollout_id}"),
+            span("train", cat="call", rollout_id=rollout_id),
+        ):
             if values is None and update:  # every actor's call (a plugin actor may take no more)
                 output = self.actor.train(rollout_id, batch)
             else:
@@ -148,19 +166,20 @@ class TrainRank:
     def values(self, rollout_id: int, batch: RolloutBatch) -> Any:
         """The critic: the values of this rank's samples, by reference (an ObjectRef of
         {sample index: values})."""
-        with self._watch(f"the critic's values of rollout {rollout_id}"):
+        with self._watch(f"the critic's values of rollout {rollout_id}"), span("values", cat="call"):
             return ray.put(self.actor.compute_values(batch))
 
     def train_values(
         self, rollout_id: int, batch: RolloutBatch, values: list[Any], returns: list[Any]
     ) -> TrainOutput:
         """The critic's steps on the returns the actor ranks computed (references, fetched here)."""
-        with self._watch(f"the critic's train step of rollout {rollout_id}"):
+        with self._watch(f"the critic's train step of rollout {rollout_id}"), span("train", cat="call"):
             return self.actor.train_values(rollout_id, batch, _merged(values), _merged(returns))
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
         self.phase("save", rank=self.rank, rollout_id=rollout_id)
-        return self.actor.save(rollout_id, path, extra)
+        with span("save", cat="save", rollout_id=rollout_id):
+            return self.actor.save(rollout_id, path, extra)
 
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
@@ -214,7 +233,7 @@ class TrainRank:
 
         if self._keeps_old_actor():  # --keep-old-actor: the weights the engines generate with from now
             keep_weights(self.actor, weight_version)
-        with self._watch(f"the weight push of version {weight_version}"):
+        with self._watch(f"the weight push of version {weight_version}"), span("push", cat="push"):
             return push_actor_weights(
                 self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.topology
             )
@@ -241,10 +260,12 @@ class TrainRank:
         return len(named)
 
     def sleep(self, keep_params: bool = False) -> None:
-        self.actor.sleep(keep_params)
+        with span("offload", cat="memory", keep_params=keep_params):
+            self.actor.sleep(keep_params)
 
     def wake(self) -> None:
-        self.actor.wake()
+        with span("reload", cat="memory"):
+            self.actor.wake()
 
     def close(self) -> None:
         if self.bridge is not None:
@@ -273,7 +294,7 @@ def engine_host() -> str:
     return node_ip() if engines_leave_loopback() else "127.0.0.1"
 
 
-class EngineActor:
+class EngineActor(Traced):
     """Owns one torch-engine server process on this actor's node (a Ray actor)."""
 
     def __init__(
@@ -298,6 +319,10 @@ class EngineActor:
 
     def node_ip(self) -> str:
         return node_ip()
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """This actor's events and its server's (the same node: the same clock)."""
+        return [*super().trace_events(), *self.proc.trace_events()]
 
     def stop(self) -> int:
         return self.proc.stop()

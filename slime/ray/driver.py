@@ -14,6 +14,7 @@ from slime.debug.phases import load_phase_hook
 from slime.loop import hooks
 from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
+from slime.observability.job_trace import RECORDER
 from slime.ray.inputs import check_inputs
 from slime.ray.job import Job
 from slime.ray.placement import data_parallel_size, job_placement
@@ -100,10 +101,18 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
     replay = None
     if config.debug.load_rollout_data:  # every dump is checked before any process starts
         replay = ReplayedRollouts(config, None if config.debug.rollout_only else data_parallel_size(config))
+    tracing = None
+    if config.debug.trace_dir is not None:  # checked writable above
+        from slime.ray.tracing import JobTracing
+
+        tracing = JobTracing(config.debug.trace_dir)
+    started = RECORDER.now_ns()
     start_ray(config)
     job = tracker = progress = None
     try:
         job = Job(config, log_dir)
+        if tracing is not None:
+            tracing.attach(job)
         logger.info(job.banner())
         tracker = Tracker(log_dir, config.logging, describe(config))
         if job.manager is not None:
@@ -133,16 +142,21 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         loop_hooks = make_hooks(
             config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
         )
+        if tracing is not None:
+            loop_hooks.append(tracing)
         logger.info("schedule: %s", schedule.name)
         loop = Loop(source, train, engines, schedule, loop_hooks, total, phase,
                     config.bridge.update_weights_interval, config.checkpoint.start_rollout_id)  # fmt: skip
         if generated is not None and config.rollout.fault_tolerance:
             generated.idle = loop.heal
+        RECORDER.complete("startup", started, RECORDER.now_ns(), "loop")  # Ray, the processes, the models
         loop.run()
         return 0
     finally:
         if progress is not None:
             progress.close()
+        if tracing is not None:  # before the processes go: their last events
+            tracing.finish()
         if tracker is not None:
             tracker.close()
         if job is not None:

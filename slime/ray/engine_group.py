@@ -20,6 +20,7 @@ from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import ClientConfig, EngineClient, EngineError
 from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS
+from slime.observability.job_trace import RECORDER, instant
 from slime.rollout.health import engine_down
 from slime.utils.async_utils import run_sync
 from slime.utils.errors import UsageError
@@ -145,6 +146,7 @@ class RayEngineGroup:
         ray.kill(old, no_restart=True)
         self.restarts += 1
         self.changes += 1
+        instant("restart", "faults", cat="fault", track=f"engine {j}", reason=reason)
         actor = self.launch(j, f"engine{j}-restart{self.restarts}.log")
         self.actors[j] = actor
         self.restarting[j] = (actor, actor.url.remote(), time.monotonic())
@@ -180,6 +182,9 @@ class RayEngineGroup:
                     self._restart(j, f"its restart failed: {e}")
                     continue
                 self.joining[j] = url
+                now = RECORDER.now_ns()  # the restart, on the engine's track
+                began = now - int((time.monotonic() - started) * 1e9)
+                RECORDER.complete("restarting", began, now, "faults", "fault", track=f"engine {j}", url=url)
                 logger.warning("engine %d restarted at %s in %.1f s; it takes requests once it has the weights",
                                j, url, time.monotonic() - started)  # fmt: skip
             if not wait or self.joining or self.up():

@@ -43,6 +43,14 @@ def input_problems(config: Config, weights: bool = True, reach: bool = True) -> 
     return out
 
 
+def _check_trace_dir(path: str) -> None:
+    from slime.observability.timeline import trace_dir_problem
+
+    problem = trace_dir_problem(path)
+    if problem is not None:
+        raise UsageError(problem)
+
+
 def _teacher_checks(config: Config, weights: bool) -> Iterator[Callable[[], object]]:
     """--opd-teacher-load: the student's architecture (in the train ranks), or its tokenizer (an
     engine), where the mode uses the teacher (a train-only replay takes the dumps' log-probs)."""
@@ -73,6 +81,8 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
     yield functools.partial(check_hf_checkpoint, t.hf_checkpoint, weights=weights)
     if config.debug.phase_hook:
         yield functools.partial(load_function, config.debug.phase_hook, "--debug-phase-hook")
+    if config.debug.trace_dir is not None:
+        yield functools.partial(_check_trace_dir, config.debug.trace_dir)
     if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
         yield functools.partial(check_hf_checkpoint, t.ref_load, "--ref-load", weights=weights)
     yield from _teacher_checks(config, weights)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from slime.config.arguments import Config, describe
 from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
 from slime.engines.protocol import new_api_key
+from slime.observability.job_trace import ENV
 from slime.ray.actors import (
     EngineActor,
     SGLangEngineActor,
@@ -79,6 +81,8 @@ class Job:
         # The --sglang-* options the torch engine shares with SGLang (checked at parse).
         engine_args += c.sglang_server_args
         self.engine_args = engine_args
+        # --trace-dir: every process records its events (slime.observability.job_trace).
+        self.env_vars = {ENV: "1"} if config.debug.trace_dir is not None else {}
         # Engines slime launches on a node address get a key of their own (never logged); on
         # loopback they need none, and users' plugins keep posting to them as they always did.
         self.api_key = new_api_key() if engines_leave_loopback() and not c.external_engine_addrs else None
@@ -134,14 +138,14 @@ class Job:
         if self.with_engines or self.config.debug.load_rollout_data is None:
             self.manager = (
                 ray.remote(with_init_errors(RolloutManager))
-                .options(num_cpus=0, max_concurrency=2)
+                .options(num_cpus=0, max_concurrency=2, **self._env())
                 .remote(self.config, self.log_dir, self.dp_size, self.api_key)
             )
         readies = [e.ready.remote() for e in self._engine_processes()]
         if c.colocate and res == "GPU":  # engines size their memory from what is free: before the trainer
             wait_refs(readies)
         world, d = c.num_train_ranks, self.config.debug
-        env = {"runtime_env": {"env_vars": dict(c.train_env_vars)}} if c.train_env_vars else {}
+        env = self._env(c.train_env_vars)
         for rank, slot in enumerate(self.placement.train):
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res, **env))
             self.train.append(
@@ -268,7 +272,7 @@ class Job:
     def _start_engine(self, slot: Slot, j: int, model_path: str, log_name: str, dump: bool = True) -> Any:
         """An engine on `model_path` in `slot` (`j`: its index in `_engine_gpus`); `dump`: it
         writes --debug-sync-parameters dumps (the rollout engines do, the teacher does not)."""
-        options = _in(self.pg, slot, self.placement.resource)
+        options = _in(self.pg, slot, self.placement.resource, **self._env())
         log_path = os.path.join(self.log_dir, log_name)
         c, t = self.config.cluster, self.config.train
         if c.rollout_backend == "sglang":
@@ -289,6 +293,11 @@ class Job:
             .options(**options)
             .remote(model_path, self.engine_args, log_path, self.api_key, self.dump_dir if dump else None)
         )
+
+    def _env(self, env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Ray options giving a process `env_vars` and the job's own (none: no options)."""
+        merged = {**(env_vars or {}), **self.env_vars}
+        return {"runtime_env": {"env_vars": merged}} if merged else {}
 
     def _engine_processes(self) -> list[Any]:
         """The engines slime started: the rollout's, and the OPD teacher's."""

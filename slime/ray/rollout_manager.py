@@ -17,6 +17,8 @@ from typing import Any
 
 from slime.config.arguments import Config
 from slime.engines.router_front import RouterFront
+from slime.observability.job_trace import span
+from slime.ray.actors import Traced
 from slime.rollout.health import HealthMonitor
 from slime.rollout.producer import RolloutProducer
 from slime.utils.batch import Evaluation, Rollout
@@ -29,7 +31,7 @@ def _put(part: Any) -> Any:
     return ray.put(part)
 
 
-class RolloutManager:
+class RolloutManager(Traced):
     """Produces rollouts and evaluations for the job (a Ray actor). Built without the engines,
     then `connect(engine_urls)` once they answer.
 
@@ -109,14 +111,17 @@ class RolloutManager:
     def generate(self, rollout_id: int, weight_version: int = 0) -> Rollout:
         """Rollout `rollout_id` for the trainer at `weight_version`; its parts go to the object
         store, its dump to --save-debug-rollout-data; the summary comes back."""
-        return self.producer.generate(rollout_id, weight_version)
+        with span("generate", "rollout", rollout_id=rollout_id):
+            return self.producer.generate(rollout_id, weight_version)
 
     def take(self, rollout_id: int, weight_version: int) -> Rollout:
         """--fully-async: rollout `rollout_id` from the continuous pool."""
-        return self.producer.take(rollout_id, weight_version)
+        with span("take", "rollout", rollout_id=rollout_id):
+            return self.producer.take(rollout_id, weight_version)
 
     def evaluate(self, rollout_id: int) -> Evaluation:
-        return self.producer.evaluate(rollout_id)
+        with span("evaluate", "eval", rollout_id=rollout_id):
+            return self.producer.evaluate(rollout_id)
 
     def progress_counts(self) -> tuple[int, int]:
         """(samples finished, samples wanted) of the generation running now (a concurrent call)."""

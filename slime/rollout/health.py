@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 from slime.engines.client import ClientConfig, EngineClient, EngineError
+from slime.observability.job_trace import instant, span
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ class HealthMonitor:
                 if not self._running.is_set():
                     continue
                 try:
-                    asyncio.run(self.check_round())
+                    live = len(self.health.live())
+                    with span("health check", "checks", track="health checks", engines=live):
+                        asyncio.run(self.check_round())
                     if self.also is not None:
                         self.also()
                 except Exception as e:  # a round that failed as a whole: the next one tries again
@@ -138,6 +141,7 @@ class HealthMonitor:
         down = [u for u, ok in zip(urls, answers, strict=True) if not ok]
         for url in down:
             self.health.mark_down(url, f"/health_generate did not answer 200 within {self.timeout_s:g} s")
+            instant("engine down", "checks", cat="fault", track="health checks", url=url)
         return down
 
     def pause(self) -> None:

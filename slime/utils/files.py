@@ -8,17 +8,26 @@ import string
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write `text` to a temporary file beside `path`, fsync it, then rename it over `path`
     (creating the directory if needed)."""
+    with atomic_text_file(path) as f:
+        f.write(text)
+
+
+@contextmanager
+def atomic_text_file(path: str) -> Iterator[TextIO]:
+    """A text file to write in pieces that appears at `path` whole (fsynced, renamed into place)
+    when the block ends, and not at all if it fails."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(text)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from slime.observability.job_trace import instant
+
 T = TypeVar("T")
 
 
@@ -66,6 +68,7 @@ async def retrying(
             if failures >= policy.attempts or not retryable(e):
                 raise
             wait = policy.wait(failures)
+            instant("retry", "retries", cat="fault", failures=failures, wait_s=wait, error=str(e)[:200])
             if on_retry is not None:
                 on_retry(failures, e, wait)
             await asyncio.sleep(wait)

@@ -26,7 +26,7 @@ import torch
 from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.config import EngineConfig
 from slime.engines.torch_engine.lora import ServedAdapters
-from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics
+from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics, EngineTimeline
 from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
 from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.sampling import sample
@@ -109,6 +109,7 @@ class TorchEngine:
         self.num_generated_tokens = 0
         self.metrics = EngineMetrics(config.model_path, self.current_load)
         """This engine's Prometheus metrics (GET /metrics; the HTTP front observes its requests)."""
+        self.timeline = EngineTimeline()  # its row of the job's timeline (--trace-dir)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +167,7 @@ class TorchEngine:
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
             self._run_commands()
+            self.timeline.look(self)
             if self.paused or self.weights.released or not self.scheduler.has_work():
                 self._book_in_flight()  # a last launched step whose sequences had all finished
                 self._wakeup.wait(timeout=1.0)

@@ -53,6 +53,16 @@ class EngineProcess:
             self.stdout_reader.join(timeout=5)  # EOF follows the exit, unless a grandchild holds the pipe
         return self.proc.returncode
 
+    def trace_events(self, timeout_s: float = 60.0) -> list[dict]:
+        """The server's events for the job's timeline since the last call (GET
+        /slime/trace_events; slime.observability.job_trace): none unless it records."""
+        import urllib.request
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(self.url + "/slime/trace_events", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return list(json.load(answer)["events"])
+
     def __enter__(self) -> EngineProcess:
         return self
 

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
+    from slime.engines.torch_engine.engine import TorchEngine
     from slime.engines.torch_engine.sequence import Sequence
 
 
@@ -236,3 +237,29 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The text exposition of every metric (on the event loop: it shares `throughput`)."""
         return generate_latest(self.registry)
+
+
+class EngineTimeline:
+    """The engine's row of the job's timeline (--trace-dir; slime.observability.job_trace): its
+    state as spans (busy, paused, memory released; idle is the gaps) and its running and queued
+    requests as a counter, looked at once per turn of the engine thread (nothing when the
+    process does not record)."""
+
+    COUNTER_INTERVAL_NS = 10_000_000
+    """A busy engine's request counts are recorded at most every 10 ms (a count that comes to or
+    leaves 0 at once)."""
+
+    def __init__(self) -> None:
+        from slime.observability.job_trace import RECORDER, StateRow
+
+        self.recorder = RECORDER
+        self.row = StateRow("scheduler")
+
+    def look(self, engine: TorchEngine) -> None:
+        if not self.recorder.enabled:
+            return
+        scheduler = engine.scheduler
+        busy = "busy" if scheduler.has_work() else "idle"
+        self.row.set("paused" if engine.paused else "memory released" if engine.weights.released else busy)
+        counts = {"running": len(scheduler.running), "queued": len(scheduler.waiting)}
+        self.recorder.counter("requests", counts, "scheduler", self.COUNTER_INTERVAL_NS)

@@ -44,12 +44,28 @@ from slime.engines.torch_engine.pull_api import PullAPI
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.weights_api import WeightsAPI
+from slime.observability.job_trace import RECORDER
 from slime.utils.device_memory import cuda_memory_held
 from slime.utils.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+UNTRACED = ("/generate", "/v1/", "/slime/trace_events")
+"""Routes that get no span on the job's timeline: requests (the engine's row and counters show
+them) and the timeline's own."""
+
+
+@web.middleware
+async def timeline_spans(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """--trace-dir: each control call (pause, memory release, a weight update, ...) as a span on
+    the engine's timeline, concurrent calls on rows of their own. GETs are not recorded."""
+    unknown = request.match_info.http_exception is not None  # a 404 or 405 is no call
+    if not RECORDER.enabled or unknown or request.method == "GET" or request.path.startswith(UNTRACED):
+        return await handler(request)
+    with RECORDER.lane("control") as row, RECORDER.span(request.path.lstrip("/"), row, cat="control"):
+        return await handler(request)
 
 
 def make_app(
@@ -79,7 +95,7 @@ def make_app(
             logger.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=512 * 1024**2)
+    app = web.Application(middlewares=[errors_and_auth, timeline_spans], client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
     app.on_startup.append(api.on_startup)
     app.on_cleanup.append(api.on_cleanup)
@@ -96,6 +112,7 @@ def make_app(
         r.add_get(path, api.server_info)
     r.add_get("/get_weight_version", api.weight_version)
     r.add_get("/metrics", api.metrics)
+    r.add_get("/slime/trace_events", api.trace_events)
     r.add_post("/generate", api.generate)
     r.add_post("/pause_generation", api.pause_generation)
     r.add_post("/continue_generation", api.continue_generation)
@@ -280,6 +297,11 @@ class EngineAPI:
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus' text format: SGLang's metric names (slime.engines.torch_engine.metrics)."""
         return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def trace_events(self, request: web.Request) -> web.Response:
+        """The job's timeline (--trace-dir): this process's events since the last call, each given
+        out once (slime.observability.job_trace); none unless it records."""
+        return web.json_response({"recording": RECORDER.enabled, "events": RECORDER.drain()})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
