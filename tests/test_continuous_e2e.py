@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.test_job_timeline import check_job_trace
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401  (the module's prompt file fixture)
 
 pytestmark = pytest.mark.e2e
@@ -16,6 +17,20 @@ async def last_token_parity(args, sample):
     """A reward that varies within a group (the tiny model's answers are never right), so every
     step has a gradient for the replay to reproduce."""
     return float(sample.tokens[-1] % 2)
+
+
+def check_continuous_timeline(trace_dir, log):
+    """--trace-dir of a fully async job: every process's track, the rollout manager taking each
+    rollout from the pool while the engine generates across the steps, the table in the log."""
+    tracks = check_job_trace(trace_dir, {"driver", "rollout manager", "engine 0", "train rank 0"})
+    driver = [e["name"] for e in tracks["driver"] if e.get("cat") == "step"]
+    assert driver == [f"rollout {k}" for k in range(4)]
+    assert [e["args"]["rollout_id"] for e in tracks["rollout manager"] if e["name"] == "take"] == [0, 1, 2, 3]
+    engine = {e["name"] for e in tracks["engine 0"]}
+    assert {"busy", "requests", "update_weights_from_tensor", "pause_generation"} <= engine
+    rank = [e["name"] for e in tracks["train rank 0"]]
+    assert rank.count("log_probs") == 4 and rank.count("save") == 2 and "bucket 0" in rank
+    assert "where the time went" in log and "generation and training overlapped" in log
 
 
 def _train_metrics(log_dir):
@@ -33,10 +48,11 @@ def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_mod
         "tests.test_continuous_e2e.last_token_parity", "--num-rollout", "4",
         "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
         "--max-policy-version-lag", "1", "--rollout-max-response-len", "8", "--save-debug-rollout-data", str(dumps),
-        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--trace-dir", str(tmp_path / "trace"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "schedule: continuous" in proc.stderr
+    check_continuous_timeline(tmp_path / "trace", proc.stderr)
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["rollout_id"] >= 0]
     assert len(steps) == 4
