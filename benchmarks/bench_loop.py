@@ -10,6 +10,10 @@ generation and training take similar time, the case train_async.py is for.
 Prints, per schedule, the mean seconds per step of each phase with its share of the step (the
 idle/orchestration share is what no component measured: Ray calls, scheduling, waiting), the
 steps per minute after --warmup steps, and the ratio async / sync (target >= 1.4).
+
+Then the cost of the job's timeline: train.py again with --trace-dir, its mean step time against
+the untraced run's, and the driver's drain of the processes' events after each step (the part of
+tracing on the step's path, read from the trace itself) as a share of the step (target <= 2%).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def main() -> int:
     for p in [*PHASES, "step"]:
         cells = "".join(f"{r[p]:>12.3f} ({100 * r[p] / r['step']:>5.1f}%)" for r in results.values())
         print(f"{p:<18}{cells}")
+    traced = tracing_cost(out, model, task, args.num_rollout, args.warmup, results["train.py"]["step"])
     sync, off = results["train.py"]["steps_per_min"], results["train_async.py"]["steps_per_min"]
     print(f"{'steps/min':<18}{sync:>22.1f}{off:>22.1f}")
     print(f"idle share: sync {100 * results['train.py']['idle'] / results['train.py']['step']:.1f}%, "
@@ -93,7 +98,28 @@ def main() -> int:
     print(f"train_async / train = {off / sync:.2f}x steps per minute (target >= 1.4x)")
     print("(generate runs concurrently with training in train_async.py: its share there is not on the")
     print(" critical path; wait_generate is the part of it the step waited for)")
+    print(traced)
     return 0
+
+
+def tracing_cost(out: str, model: str, task: str, num_rollout: int, warmup: int, untraced_step: float) -> str:
+    """train.py with --trace-dir: its step time against `untraced_step`, and its drains' share."""
+    trace_dir = os.path.join(out, "trace")
+    records = run("train.py", out, model, task, num_rollout, ("--trace-dir", trace_dir), tag="-traced")
+    step = summarize(records, warmup)["step"]
+    (name,) = os.listdir(trace_dir)
+    with open(os.path.join(trace_dir, name)) as f:
+        events = json.load(f)["traceEvents"]
+    drains = [e["dur"] / 1e6 for e in events if e.get("name") == "drain timeline"][warmup:]
+    drain = statistics.fmean(drains) if drains else 0.0
+    return "\n".join(
+        [
+            f"tracing (--trace-dir, train.py): {step:.3f} s/step traced, {untraced_step:.3f} untraced: "
+            f"{100 * (step - untraced_step) / untraced_step:+.1f}% (two runs: their noise included)",
+            f"tracing on the step's path (the driver's drain, from the trace): {1e3 * drain:.1f} ms/step = "
+            f"{100 * drain / step:.2f}% of the step (target <= 2%)",
+        ]
+    )
 
 
 if __name__ == "__main__":

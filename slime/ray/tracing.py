@@ -60,7 +60,8 @@ class JobTracing(Hook):
         return out
 
     def after_step(self, loop: Loop, step: Step) -> None:
-        self.collect()
+        with RECORDER.span("drain timeline", "loop", "tracing"):  # its own cost, on the driver's path
+            self.collect()
 
     def collect(self) -> None:
         sources = self.sources()
