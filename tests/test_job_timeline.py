@@ -344,3 +344,30 @@ def test_a_colocated_job_with_health_checks_has_a_track_for_every_process(tiny_m
     assert {"startup", "colocate", "rollout_offload", "wake_up", "push", "update_weights"} <= phases
     assert any(e["name"] == "health check" for e in tracks["health checks"])
     assert "engine 0" in proc.stderr and "(no request running)" in proc.stderr
+
+
+def test_plot_timeline_draws_a_trace_and_refuses_what_is_not_one(tmp_path, capsys):
+    from PIL import Image
+
+    from slime.tools.plot_timeline import main as plot
+
+    trace = TraceFile(str(tmp_path), 0, name="trace.json")
+    trace.add("driver", [event("startup", 0, 10), event("rollout 0", 10, 60, "step"), event("train", 20, 50)])
+    counts = [
+        {"ph": "C", "name": "requests", "ts": t * MS, "tid": "scheduler", "args": {"running": n}}
+        for t, n in ((12, 0), (15, 8), (40, 0))
+    ]
+    trace.add("engine 0", [event("busy", 15, 40, "state", "scheduler"), *counts])
+    path = trace.close()
+    out = tmp_path / "timeline.png"
+    assert plot([path, "--out", str(out), "--width", "8"]) == 0
+    with Image.open(out) as image:
+        assert image.width == 8 * 150 and image.height > 200
+    assert plot([path, "--from", "1.0"]) == 2  # nothing after 1 s
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("not json")
+    no_events = tmp_path / "other.json"
+    no_events.write_text('{"rows": []}')
+    assert plot([str(not_json)]) == 2 and plot([str(no_events)]) == 2
+    err = capsys.readouterr().err
+    assert "notes.json: not a readable JSON trace" in err and "other.json: no Chrome trace events" in err
