@@ -189,3 +189,65 @@ def test_the_router_requires_the_key_and_forwards_it(keyed_engine, tmp_path):
     finally:
         router.stop()
     assert KEY not in log.read_text()
+
+
+def test_the_engines_key_a_job_chooses(monkeypatch):
+    """SLIME_ENGINE_API_KEY is the key of the engines a job starts, on loopback too; without it
+    they get a random key off loopback and none on it; engines given by address get none."""
+    from slime.ray.job import engine_api_key
+
+    monkeypatch.delenv("SLIME_ENGINE_API_KEY", raising=False)
+    assert engine_api_key(external=False, off_loopback=False) is None
+    first, second = engine_api_key(False, True), engine_api_key(False, True)
+    assert first and second and first != second  # a job's own
+    monkeypatch.setenv("SLIME_ENGINE_API_KEY", KEY)
+    assert engine_api_key(False, False) == KEY and engine_api_key(False, True) == KEY
+    assert engine_api_key(external=True, off_loopback=True) is None
+
+
+def scrape_metrics(phase, info):
+    """--debug-phase-hook of the job below: after a rollout, each engine's /metrics without and
+    with the key the job was given, the answers' codes appended to $SCRAPES."""
+    import urllib.error
+    import urllib.request
+
+    if phase != "rollout_done":
+        return
+    for url in info["engines"]:
+        for headers in ({}, {"Authorization": f"Bearer {os.environ['SLIME_ENGINE_API_KEY']}"}):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers)) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            with open(os.environ["SCRAPES"], "a") as f:
+                f.write(f"{code}\n")
+
+
+@pytest.mark.slow  # ~20 s
+@pytest.mark.e2e
+def test_a_job_gives_its_engines_the_key_it_was_given(tiny_model, tmp_path):
+    """On loopback, with SLIME_ENGINE_API_KEY: the engines require that key (a Prometheus scrape
+    without it is refused, with it answered), and the job, which sends it, runs."""
+    from tests.test_loop_e2e import run_job
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n' * 4)
+    scrapes = tmp_path / "scrapes.txt"
+    env = {"SLIME_ENGINE_API_KEY": KEY, "SCRAPES": str(scrapes)}
+    hook = "tests.test_engine_auth.scrape_metrics"
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        str(prompts),
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--debug-phase-hook",
+        hook,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert scrapes.read_text().split() == ["401", "200"] * 2  # two rollouts, one engine
+    assert "API key required" in (tmp_path / "logs" / "engine0.log").read_text()
+    assert KEY not in proc.stderr and KEY not in proc.stdout

@@ -95,8 +95,9 @@ class Router:
         port = port or free_port(host)
         # Its Prometheus exporter would bind 0.0.0.0:29000: every interface, and one router per
         # machine (a second job's router died on the port). Beside the router, on a free port.
-        options = ["--host", host, "--port", str(port), "--prometheus-host", host,
-                   "--prometheus-port", str(free_port(host))]  # fmt: skip
+        metrics_port = free_port(host)
+        options = ["--host", host, "--port", str(port)]
+        options += ["--prometheus-host", host, "--prometheus-port", str(metrics_port)]
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         if api_key is None:
             argv = [sys.executable, "-m", "sglang_router.launch_router", *options]
@@ -113,6 +114,12 @@ class Router:
                 raise RouterError(f"the sglang-router exited with code {proc.returncode}; see {log_path}")
             try:
                 router.workers()
+                logger.info(
+                    "sglang-router at %s; its Prometheus metrics at http://%s:%d/metrics (no key)",
+                    router.url,
+                    host,
+                    metrics_port,
+                )
                 return router
             except (OSError, RouterError):
                 if time.monotonic() > deadline:

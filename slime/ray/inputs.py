@@ -4,10 +4,12 @@ and exit code 2 (slime.utils.errors.UsageError), not a traceback from inside an 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from slime.config.arguments import Config
+from slime.engines.protocol import API_KEY_ENV
 from slime.utils.errors import UsageError
 
 FUNCTION_FLAGS = {
@@ -41,6 +43,16 @@ def input_problems(config: Config, weights: bool = True, reach: bool = True) -> 
         except (UsageError, ValueError) as e:
             out.append(str(e))
     return out
+
+
+def _check_engine_key() -> None:
+    """SLIME_ENGINE_API_KEY, the key of the engines the job starts: one that fits a header."""
+    from slime.engines.protocol import check_api_key
+
+    try:
+        check_api_key(os.environ[API_KEY_ENV])
+    except ValueError as e:
+        raise UsageError(f"{API_KEY_ENV} (the key of the engines the job starts): {e}") from e
 
 
 def _check_trace_dir(path: str) -> None:
@@ -83,6 +95,8 @@ def _checks(config: Config, weights: bool, reach: bool) -> Iterator[Callable[[],
         yield functools.partial(load_function, config.debug.phase_hook, "--debug-phase-hook")
     if config.debug.trace_dir is not None:
         yield functools.partial(_check_trace_dir, config.debug.trace_dir)
+    if os.environ.get(API_KEY_ENV) and not config.cluster.external_engine_addrs:
+        yield _check_engine_key
     if t.ref_load and t.loss.needs_ref and not config.debug.rollout_only:
         yield functools.partial(check_hf_checkpoint, t.ref_load, "--ref-load", weights=weights)
     yield from _teacher_checks(config, weights)

@@ -17,7 +17,7 @@ from slime.bridge.topology import DiskSettings, PushTopology, build_topology
 from slime.config.arguments import Config, describe
 from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
-from slime.engines.protocol import new_api_key
+from slime.engines.protocol import API_KEY_ENV, new_api_key
 from slime.observability.job_trace import ENV
 from slime.ray.actors import (
     EngineActor,
@@ -53,6 +53,18 @@ def bundle_nodes(pg: Any) -> list[str]:
     return [address[by_bundle[i]] for i in range(len(by_bundle))]
 
 
+def engine_api_key(external: bool, off_loopback: bool) -> str | None:
+    """The key of the engines a job starts (None: none; engines given by address get none from
+    slime). SLIME_ENGINE_API_KEY in the driver's environment is used wherever the engines are,
+    so that you know it (a Prometheus scrape of their /metrics); otherwise engines on a node
+    address get a random key of the job's own (never logged), and on loopback none, where users'
+    plugins keep posting to them as they always did."""
+    if external:
+        return None
+    chosen = os.environ.get(API_KEY_ENV) or None
+    return chosen or (new_api_key() if off_loopback else None)
+
+
 class Job:
     """The processes of one run."""
 
@@ -83,9 +95,7 @@ class Job:
         self.engine_args = engine_args
         # --trace-dir: every process records its events (slime.observability.job_trace).
         self.env_vars = {ENV: "1"} if config.debug.trace_dir is not None else {}
-        # Engines slime launches on a node address get a key of their own (never logged); on
-        # loopback they need none, and users' plugins keep posting to them as they always did.
-        self.api_key = new_api_key() if engines_leave_loopback() and not c.external_engine_addrs else None
+        self.api_key = engine_api_key(bool(c.external_engine_addrs), engines_leave_loopback())
         self.dump_dir = (
             os.path.abspath(config.debug.sync_parameters_path) if config.debug.sync_parameters_path else None
         )
