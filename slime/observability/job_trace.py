@@ -96,8 +96,8 @@ class Recorder:
         self, name: str, values: Mapping[str, float], thread: str = "main", min_interval_ns: int = 0
     ) -> None:
         """Counter values, recorded only when they changed, and at most once per
-        `min_interval_ns` unless one of them comes to or leaves 0 (so that idle periods are
-        exact while a busy engine's counts are thinned out)."""
+        `min_interval_ns` unless they all come to 0 or leave it (so that idle periods are exact
+        while a busy engine's counts are thinned out). One thread per (thread, name)."""
         if not self.enabled:
             return
         now = self.now_ns()
@@ -107,8 +107,8 @@ class Recorder:
             when, before = last
             if before == values:
                 return
-            zero = any((before.get(k, 0) == 0) != (v == 0) for k, v in values.items())
-            if not zero and now - when < min_interval_ns:
+            idle_changed = any(before.values()) != any(values.values())
+            if not idle_changed and now - when < min_interval_ns:
                 return
         self._counters[key] = (now, dict(values))
         self._events.append(
@@ -159,6 +159,13 @@ class StateRow:
         if self.state is not None and self.state not in self.quiet:
             self.recorder.complete(self.state, self.since, now, self.thread, cat="state")
         self.state, self.since = state, now
+
+    def cut(self) -> None:
+        """End the current state's span now and start it again (a drain takes what happened up
+        to now; a span left open until the state changes would be lost if it never did)."""
+        if self.state is not None and self.recorder.enabled:
+            state, self.state = self.state, None
+            self.set(state)
 
 
 def _with(

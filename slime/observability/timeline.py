@@ -15,9 +15,9 @@ Times are microseconds from the driver's start, each event moved by its node's c
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -92,13 +92,26 @@ def clip(intervals: list[Interval], window: Interval) -> list[Interval]:
     return intersect(union(intervals), [window])
 
 
+def _keep(intervals: list[Interval], interval: Interval, bound: int = 4096) -> None:
+    """Add `interval`, merging the list whenever it grows past `bound` (a long job's thousands of
+    busy spans take the room of the gaps between them)."""
+    intervals.append(interval)
+    if len(intervals) > bound:
+        intervals[:] = union(intervals)
+
+
+ENGINE_TRACKS = ("engine ", "teacher engine")
+RANK_TRACKS = ("train rank ", "critic rank ")
+
+
 @dataclass
 class TimeAccount:
     """What the table needs, gathered from the events as they pass (a few spans per step)."""
 
     phases: dict[str, int] = field(default_factory=dict)
     """Nanoseconds of each of the driver's phases (its spans of category "phase")."""
-    steps: list[Interval] = field(default_factory=list)
+    loop: Interval | None = None
+    """From the start of the first step to the end of the last."""
     trains: list[Interval] = field(default_factory=list)
     """The driver's train calls."""
     generating: list[Interval] = field(default_factory=list)
@@ -114,6 +127,9 @@ class TimeAccount:
         end = start + int(event.get("dur", 0))
         self.first = start if self.first is None else min(self.first, start)
         self.last = end if self.last is None else max(self.last, end)
+        engine, rank = track.startswith(ENGINE_TRACKS), track.startswith(RANK_TRACKS)
+        if engine or rank:  # every one gets its line, a never busy one too
+            (self.engine_busy if engine else self.rank_busy).setdefault(track, [])
         if event["ph"] != "X":
             return
         name, cat = event["name"], event.get("cat")
@@ -121,15 +137,15 @@ class TimeAccount:
             if cat == "phase":
                 self.phases[name] = self.phases.get(name, 0) + end - start
                 if name == "train":
-                    self.trains.append((start, end))
+                    _keep(self.trains, (start, end))
             elif cat == "step":
-                self.steps.append((start, end))
-        elif track.startswith(("engine", "teacher")) and name == "busy":
-            self.engine_busy.setdefault(track, []).append((start, end))
+                self.loop = (min(start, self.loop[0]), max(end, self.loop[1])) if self.loop else (start, end)
+        elif engine and name == "busy":
+            _keep(self.engine_busy[track], (start, end))
         elif track == "rollout manager" and name == "generate":
-            self.generating.append((start, end))
-        elif track.startswith(("train rank", "critic rank")) and cat in ("pass", "push"):
-            self.rank_busy.setdefault(track, []).append((start, end))
+            _keep(self.generating, (start, end))
+        elif rank and cat in ("pass", "push"):
+            _keep(self.rank_busy[track], (start, end))
 
     def table(self) -> list[str]:
         """The "where the time went" lines: each driver phase's share of the job's wall time,
@@ -142,9 +158,9 @@ class TimeAccount:
         named = sorted(self.phases.items(), key=lambda kv: -kv[1])
         for name, ns in [*named, ("other", max(0, wall - sum(self.phases.values())))]:
             lines.append(f"  {name:<24}{ns / 1e9:>10.2f} s {100 * ns / wall:>6.1f}%")
-        if not self.steps:
+        loop = self.loop
+        if loop is None:
             return lines
-        loop = (min(a for a, _ in self.steps), max(b for _, b in self.steps))
         span = max(1, loop[1] - loop[0])
         lines.append(f"  idle during the loop ({span / 1e9:.1f} s, its first step to its last):")
         for track, busy in sorted({**self.engine_busy, **self.rank_busy}.items()):
@@ -170,7 +186,11 @@ class _Track:
 
 class TraceFile:
     """The trace under construction: `add(track, events, offset_ns)` as they are drained,
-    `close()` at the end (returns the trace's path)."""
+    `close()` at the end (returns the trace's path).
+
+    The spool is itself a trace in Chrome's JSON-array form, whose closing bracket the format
+    allows to be missing, with each track's and row's name written where it first appears: the
+    spool of a driver that was killed opens in Perfetto as it is."""
 
     def __init__(self, trace_dir: str, start_ns: int, name: str | None = None):
         """`start_ns`: time 0 of the trace (the driver's clock); `name`: the file's name (default
@@ -178,17 +198,39 @@ class TraceFile:
         os.makedirs(trace_dir, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.path = os.path.join(trace_dir, name or f"trace-{stamp}-{os.getpid()}.json")
-        self.spool_path = self.path + ".events"
+        self.spool_path = os.path.splitext(self.path)[0] + ".partial.json"
         self._spool: TextIO | None = open(self.spool_path, "w")  # noqa: SIM115 - open until close()
+        self._spool.write("[\n")
         self.start_ns = start_ns
         self.tracks: dict[str, _Track] = {}
         self.account = TimeAccount()
         self.offsets: dict[str, int] = {}
 
     def track(self, name: str) -> _Track:
+        """Track `name`, numbered in the order they appear (its name written then)."""
         if name not in self.tracks:
-            self.tracks[name] = _Track(len(self.tracks) + 1)
+            t = self.tracks[name] = _Track(len(self.tracks) + 1)
+            self._write({"ph": "M", "name": "process_name", "pid": t.pid, "tid": 0, "args": {"name": name}})
+            self._write(
+                {
+                    "ph": "M",
+                    "name": "process_sort_index",
+                    "pid": t.pid,
+                    "tid": 0,
+                    "args": {"sort_index": t.pid},
+                }
+            )
         return self.tracks[name]
+
+    def _row(self, t: _Track, row: str) -> int:
+        if row not in t.rows:
+            tid = t.rows[row] = len(t.rows) + 1
+            self._write({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": tid, "args": {"name": row}})
+        return t.rows[row]
+
+    def _write(self, event: dict[str, Any]) -> None:
+        assert self._spool is not None, "the trace is closed"
+        self._spool.write(json.dumps(event, separators=(",", ":")) + ",\n")
 
     def add(self, track: str, events: list[dict[str, Any]], offset_ns: int = 0) -> None:
         """Events of one process (job_trace's form: absolute nanoseconds on its own clock, rows
@@ -202,16 +244,16 @@ class TraceFile:
             name = str(event.pop("track", track))
             t = self.track(name)
             self.account.add(name, event)
-            row = str(event.pop("tid", "main"))
-            out = {**event, "pid": t.pid, "tid": t.rows.setdefault(row, len(t.rows) + 1)}
+            row = self._row(t, str(event.pop("tid", "main")))
+            out = {**event, "pid": t.pid, "tid": row}
             out["ts"] = round((event["ts"] - self.start_ns) / 1e3, 3)
             if "dur" in out:
                 out["dur"] = round(int(out["dur"]) / 1e3, 3)
-            self._spool.write(json.dumps(out, separators=(",", ":")) + "\n")
+            self._write(out)
         self._spool.flush()
 
     def close(self) -> str:
-        """Write the trace (the spool's events after the tracks' names) and remove the spool."""
+        """Write the trace (the spool's events, in the JSON object form) and remove the spool."""
         if self._spool is None:
             return self.path
         self._spool.close()
@@ -219,28 +261,10 @@ class TraceFile:
         other = {"clock_start_unix_ns": self.start_ns, "clock_offsets_ns": self.offsets}
         with atomic_text_file(self.path) as out, open(self.spool_path) as spool:
             out.write('{"displayTimeUnit":"ms","otherData":' + json.dumps(other) + ',"traceEvents":[\n')
-            lines = (json.dumps(e, separators=(",", ":")) + "\n" for e in self._metadata())
-            for k, line in enumerate(itertools.chain(lines, spool)):
-                out.write(("," if k else "") + line)
+            next(spool)  # its opening bracket
+            for k, line in enumerate(spool):
+                out.write(("," if k else "") + line.rstrip().removesuffix(",") + "\n")
             out.write("]}\n")
+        os.chmod(self.path, stat.S_IMODE(os.stat(self.spool_path).st_mode))  # as the spool: the umask's
         os.remove(self.spool_path)
         return self.path
-
-    def _metadata(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for name, t in self.tracks.items():
-            out.append({"ph": "M", "name": "process_name", "pid": t.pid, "tid": 0, "args": {"name": name}})
-            out.append(
-                {
-                    "ph": "M",
-                    "name": "process_sort_index",
-                    "pid": t.pid,
-                    "tid": 0,
-                    "args": {"sort_index": t.pid},
-                }
-            )
-            for row, tid in t.rows.items():
-                out.append(
-                    {"ph": "M", "name": "thread_name", "pid": t.pid, "tid": tid, "args": {"name": row}}
-                )
-        return out

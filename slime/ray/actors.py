@@ -322,7 +322,8 @@ class EngineActor(Traced):
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This actor's events and its server's (the same node: the same clock)."""
-        return [*super().trace_events(), *self.proc.trace_events()]
+        server = self.proc.trace_events()  # first: a failed call loses none of this process's
+        return [*super().trace_events(), *server]
 
     def stop(self) -> int:
         return self.proc.stop()

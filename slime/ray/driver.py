@@ -101,15 +101,14 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
     replay = None
     if config.debug.load_rollout_data:  # every dump is checked before any process starts
         replay = ReplayedRollouts(config, None if config.debug.rollout_only else data_parallel_size(config))
-    tracing = None
-    if config.debug.trace_dir is not None:  # checked writable above
-        from slime.ray.tracing import JobTracing
-
-        tracing = JobTracing(config.debug.trace_dir)
-    started = RECORDER.now_ns()
-    start_ray(config)
-    job = tracker = progress = None
+    job = tracker = progress = tracing = None
     try:
+        if config.debug.trace_dir is not None:  # checked writable above
+            from slime.ray.tracing import JobTracing
+
+            tracing = JobTracing(config.debug.trace_dir)
+        started = RECORDER.now_ns()
+        start_ray(config)
         job = Job(config, log_dir)
         if tracing is not None:
             tracing.attach(job)
@@ -142,8 +141,8 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         loop_hooks = make_hooks(
             config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
         )
-        if tracing is not None:
-            loop_hooks.append(tracing)
+        if tracing is not None:  # before the metrics: a step's time includes its drain
+            loop_hooks.insert(len(loop_hooks) - 1, tracing)
         logger.info("schedule: %s", schedule.name)
         loop = Loop(source, train, engines, schedule, loop_hooks, total, phase,
                     config.bridge.update_weights_interval, config.checkpoint.start_rollout_id)  # fmt: skip
@@ -155,10 +154,12 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
     finally:
         if progress is not None:
             progress.close()
-        if tracing is not None:  # before the processes go: their last events
-            tracing.finish()
-        if tracker is not None:
-            tracker.close()
-        if job is not None:
-            job.close()
-        ray.shutdown()
+        try:
+            if tracing is not None:  # before the processes go: their last events
+                tracing.finish()
+        finally:  # a second Ctrl-C during it still shuts the job down
+            if tracker is not None:
+                tracker.close()
+            if job is not None:
+                job.close()
+            ray.shutdown()

@@ -49,10 +49,13 @@ def _check_engine_key() -> None:
     """SLIME_ENGINE_API_KEY, the key of the engines the job starts: one that fits a header."""
     from slime.engines.protocol import check_api_key
 
+    key = os.environ[API_KEY_ENV]
     try:
-        check_api_key(os.environ[API_KEY_ENV])
+        check_api_key(key)
     except ValueError as e:
         raise UsageError(f"{API_KEY_ENV} (the key of the engines the job starts): {e}") from e
+    if key.startswith("-"):  # SGLang's command line would read it as an option
+        raise UsageError(f"{API_KEY_ENV} (the key of the engines the job starts) must not begin with '-'")
 
 
 def _check_trace_dir(path: str) -> None:

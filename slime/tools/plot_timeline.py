@@ -89,10 +89,14 @@ def _fill(row: Row, events: list[dict[str, Any]], start: float | None, end: floa
             if inside(t, t_end):
                 row.spans.append((t, t_end, str(e["name"]), len(stack)))
             stack.append(t_end)
-        elif e["ph"] == "C" and inside(t, t):
+        elif e["ph"] == "C" and (end is None or t <= end):
             for series, value in (e.get("args") or {}).items():
                 if isinstance(value, int | float):
-                    row.counters.setdefault(f"{e['name']}.{series}", []).append((t, float(value)))
+                    points = row.counters.setdefault(f"{e['name']}.{series}", [])
+                    if start is not None and t < start:  # the value the window starts with
+                        points[:] = [(start, float(value))]
+                    else:
+                        points.append((t, float(value)))
         elif inside(t, t):
             row.instants.append((t, str(e["name"])))
 
@@ -112,8 +116,8 @@ def palette(rows: list[Row]) -> dict[str, Any]:
         for a, b, name, _ in row.spans:
             totals[kind(name)] += b - a
     ranked = sorted(totals, key=lambda n: -totals[n])
-    colours = colormaps["tab20"].colors
-    out: dict[str, Any] = {n: colours[k] if k < len(colours) else "0.6" for k, n in enumerate(ranked)}
+    tab20 = colormaps["tab20"]
+    out: dict[str, Any] = {n: tab20(k) if k < tab20.N else "0.6" for k, n in enumerate(ranked)}
     return out | {name: "0.2" for row in rows for name in row.counters}
 
 

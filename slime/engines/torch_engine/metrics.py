@@ -263,3 +263,7 @@ class EngineTimeline:
         self.row.set("paused" if engine.paused else "memory released" if engine.weights.released else busy)
         counts = {"running": len(scheduler.running), "queued": len(scheduler.waiting)}
         self.recorder.counter("requests", counts, "scheduler", self.COUNTER_INTERVAL_NS)
+
+    def cut(self) -> None:
+        """On the engine thread, before a drain: the state it is in so far, as a span."""
+        self.row.cut()

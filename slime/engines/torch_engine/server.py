@@ -60,9 +60,10 @@ them) and the timeline's own."""
 @web.middleware
 async def timeline_spans(request: web.Request, handler: Handler) -> web.StreamResponse:
     """--trace-dir: each control call (pause, memory release, a weight update, ...) as a span on
-    the engine's timeline, concurrent calls on rows of their own. GETs are not recorded."""
+    the engine's timeline, concurrent calls on rows of their own. GETs are not recorded.
+    Installed only in an engine that records."""
     unknown = request.match_info.http_exception is not None  # a 404 or 405 is no call
-    if not RECORDER.enabled or unknown or request.method == "GET" or request.path.startswith(UNTRACED):
+    if request.method == "GET" or request.path.startswith(UNTRACED) or unknown:
         return await handler(request)
     with RECORDER.lane("control") as row, RECORDER.span(request.path.lstrip("/"), row, cat="control"):
         return await handler(request)
@@ -95,7 +96,8 @@ def make_app(
             logger.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
-    app = web.Application(middlewares=[errors_and_auth, timeline_spans], client_max_size=512 * 1024**2)
+    middlewares = [errors_and_auth, *([timeline_spans] if RECORDER.enabled else [])]
+    app = web.Application(middlewares=middlewares, client_max_size=512 * 1024**2)
     api = EngineAPI(engine)
     app.on_startup.append(api.on_startup)
     app.on_cleanup.append(api.on_cleanup)
@@ -301,6 +303,9 @@ class EngineAPI:
     async def trace_events(self, request: web.Request) -> web.Response:
         """The job's timeline (--trace-dir): this process's events since the last call, each given
         out once (slime.observability.job_trace); none unless it records."""
+        if RECORDER.enabled:
+            with contextlib.suppress(Exception):  # a dead engine thread: its events so far
+                await self.engine.run(self.engine.timeline.cut)
         return web.json_response({"recording": RECORDER.enabled, "events": RECORDER.drain()})
 
     async def models(self, request: web.Request) -> web.Response:
