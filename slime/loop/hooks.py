@@ -15,6 +15,7 @@ from typing import Any
 
 from slime.loop.core import Hook, Loop
 from slime.loop.parts import Evaluator, Step
+from slime.observability.job_trace import span
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +200,11 @@ class Save(Hook):
     def after_loop(self, loop: Loop) -> None:
         assert loop.train is not None
         if self.save and loop.start < loop.total and self.saved != loop.total - 1:
-            loop.train.save(loop.total - 1, self.data_state)
+            with span("save", "loop"):
+                loop.train.save(loop.total - 1, self.data_state)
         if self.save_hf:
-            loop.train.save_hf()
+            with span("save_hf", "loop"):
+                loop.train.save_hf()
 
 
 def short_summary(record: dict[str, Any]) -> str:

@@ -152,7 +152,7 @@ class Step:
     record: dict[str, Any] = field(default_factory=dict)
     """The metrics record hooks add to; the metrics hook logs it last."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Wall seconds of the phases the driver ran (colocate, push, eval, save, save_debug_data)."""
+    """Wall seconds of the phases the driver ran (colocate, push, eval, save)."""
     parts: dict[str, float] = field(default_factory=dict)
     """Wall seconds of parts of those phases, recorded as `perf/<part>_time` beside them (inside
     their time, not added to it): slime's `sleep`, `wake_up` (the trainer's offload and reload)
