@@ -219,6 +219,27 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, content, expected):
     assert not os.path.exists(timeline_paths(path).html) and not os.path.exists(timeline_paths(path).cache)
 
 
+def test_a_retry_is_no_part_of_the_attempt_it_replaced():
+    """Attempt 0 left its span open (its engine died); attempt 1's spans, recorded after, are its
+    siblings, not its children, and the open span is drawn up to where attempt 1 began."""
+    from slime.tools.trace_timeline_viewer import build_row
+
+    events = [
+        {"type": "span_start", "name": "generate_and_rm", "ts": T0, "span_id": "a0", "attempt": 0},
+        {"type": "span_start", "name": "generate_and_rm", "ts": T0 + 0.3, "span_id": "a1", "attempt": 1},
+        {"type": "event", "name": "retried", "ts": T0 + 0.35, "attempt": 1},
+        {"type": "span_end", "name": "generate_and_rm", "ts": T0 + 0.5, "span_id": "a1", "attempt": 1},
+    ]
+    row = build_row({"trace": {"events": events}}, 0)
+    assert row is not None
+    spans = {(i["attempt"], i["name"]): i for i in row["items"] if i["type"] == "span"}
+    assert spans[(1, "generate_and_rm")]["parent_span_id"] is None
+    assert spans[(0, "generate_and_rm")]["display_end_ts"] == pytest.approx(T0 + 0.3)
+    assert spans[(0, "generate_and_rm")]["attrs"]["end_attrs"] == {"clipped_by": "next_sibling_start"}
+    [point] = [i for i in row["items"] if i["type"] == "event"]
+    assert point["parent_span_id"] == "a1"
+
+
 def test_serves_the_page_on_loopback_until_interrupted(dump):
     proc = subprocess.Popen(
         [sys.executable, "-m", "slime.tools.trace_timeline_viewer", dump, "--port", "0"],
@@ -237,6 +258,14 @@ def test_serves_the_page_on_loopback_until_interrupted(dump):
         with urllib.request.urlopen(url, timeout=30) as response:
             page = response.read().decode()
         assert response.status == 200 and '"e2e_latency":0.5' in page
+        for other in (
+            "rollout_0.pt",
+            "rollout_0.trace_timeline_cache.json",
+            "",
+        ):  # the dump's folder stays private
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url.rsplit("/", 1)[0] + "/" + other, timeout=30)
+            assert refused.value.code == 404
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=30) == 0
     finally:

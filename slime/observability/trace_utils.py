@@ -12,9 +12,10 @@ A trace is a plain dict on `Sample.trace` (the "carrier"), saved with the sample
 
 A span is a `span_start` and a `span_end` with one `span_id`; the start carries the attrs given
 when it opened, the end those set while it ran (`span.update(...)`), plus `error_type` and
-`error_message` when its block raised. `sample_id` / `group_id` are the sample's numbers when it
-was first traced (in the built-in rollout: its draw order, before the rollout numbers its kept
-groups). Attr values are stored as plain values (numbers, strings, lists, dicts; anything else as
+`error_message` when its block raised. `sample_id` / `group_id` are the sample's numbers when the
+trace was last bound to it, and each event carries those of its own time, as slime's do (in the
+built-in rollout: the draw order while it generates, the final numbers once the kept groups are
+numbered again). Attr values are stored as plain values (numbers, strings, lists, dicts; anything else as
 its `item()` or `str`), so a dump still loads with `torch.load(weights_only=True)`.
 
 The current span of each trace lives in a contextvar, so spans nest across `await` and the tasks

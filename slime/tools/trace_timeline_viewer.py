@@ -7,8 +7,8 @@ sample's spans and events laid out for drawing, and `<stem>.trace_timeline_viewe
 self-contained page (the data embedded in it; no network) with one row per sample: spans as bars,
 nested spans one lane below their parent, instant events as points, a time axis, and a details
 panel that shows what was recorded with a span or an event when it is clicked. Then, unless
-`--no-serve`, it serves the folder on H (default loopback) with Python's http.server and prints
-the page's URL; Ctrl-C stops it (`--port 0` takes a free port).
+`--no-serve`, it serves that page alone (not the rest of the folder) on H (default loopback) with
+Python's http.server and prints its URL; Ctrl-C stops it (`--port 0` takes a free port).
 
 A trace is the `trace` payload of a sample (slime.observability.trace_utils): `{"version",
 "trace_id", "sample_id", "group_id", "attempt", "events"}`, each event `{"type": "span_start" |
@@ -124,7 +124,7 @@ def _timestamp(event: dict[str, Any]) -> float | None:
 
 def _pair_events(events: list[Any]) -> tuple[list[dict], list[dict], list[dict]]:
     """(spans, point events, orphan ends) in record order. A parent missing from an event is the
-    innermost span open when it was recorded (what trace_utils would have named)."""
+    innermost span of its attempt open when it was recorded (what trace_utils would have named)."""
     spans: list[dict] = []
     points: list[dict] = []
     orphans: list[dict] = []
@@ -134,13 +134,11 @@ def _pair_events(events: list[Any]) -> tuple[list[dict], list[dict], list[dict]]
         ts = _timestamp(raw) if isinstance(raw, dict) else None
         if ts is None:
             continue
-        kind, span_id = raw.get("type"), raw.get("span_id")
-        parent = raw.get("parent_span_id") or (stack[-1] if stack else None)
-        base = {
-            "name": str(raw.get("name") or kind),
-            "attempt": int(raw.get("attempt") or 0),
-            "parent": parent,
-        }
+        kind, span_id, attempt = raw.get("type"), raw.get("span_id"), int(raw.get("attempt") or 0)
+        # Never a span of another attempt: a retry is no part of the attempt it replaced.
+        same = [s for s in stack if s in started and started[s]["attempt"] == attempt]
+        parent = raw.get("parent_span_id") or (same[-1] if same else None)
+        base = {"name": str(raw.get("name") or kind), "attempt": attempt, "parent": parent}
         attrs = _plain(raw.get("attrs") or {})
         if kind == "span_start" and span_id:
             started[span_id] = {**base, "span_id": span_id, "start": ts, "end": None, "start_attrs": attrs}
@@ -381,14 +379,25 @@ def render_html(cache: dict[str, Any]) -> str:
     )
 
 
-class _QuietHandler(SimpleHTTPRequestHandler):
+class _PageHandler(SimpleHTTPRequestHandler):
+    """The page alone (its data is in it): nothing else of the dump's folder is served, which may
+    hold the dumps and other files of the user's."""
+
+    page = ""
+
+    def send_head(self) -> Any:
+        if self.path.split("?", 1)[0].split("#", 1)[0] != "/" + self.page:
+            self.send_error(404, "only the timeline page is served here")
+            return None
+        return super().send_head()
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would bury the URL
 
 
 def serve(directory: str, host: str, port: int, page: str) -> None:
-    """Serve `directory` until Ctrl-C, printing the page's URL (with the port actually bound)."""
-    handler = functools.partial(_QuietHandler, directory=directory)
+    """Serve `page` of `directory` until Ctrl-C, printing its URL (with the port actually bound)."""
+    handler = functools.partial(type("Handler", (_PageHandler,), {"page": page}), directory=directory)
     with ThreadingHTTPServer((host, port), handler) as server:
         bound_port = server.server_address[1]
         print(f"serving http://{host}:{bound_port}/{page}  (Ctrl-C stops)", flush=True)
