@@ -25,7 +25,9 @@ def check_continuous_timeline(trace_dir, log):
     tracks = check_job_trace(trace_dir, {"driver", "rollout manager", "engine 0", "train rank 0"})
     driver = [e["name"] for e in tracks["driver"] if e.get("cat") == "step"]
     assert driver == [f"rollout {k}" for k in range(4)]
-    assert [e["args"]["rollout_id"] for e in tracks["rollout manager"] if e["name"] == "take"] == [0, 1, 2, 3]
+    manager = tracks["rollout manager"]
+    assert [e["args"]["rollout_id"] for e in manager if e["name"] == "take"] == [0, 1, 2, 3]
+    assert any(e["name"] == "reward_model" for e in manager)
     engine = {e["name"] for e in tracks["engine 0"]}
     assert {"busy", "requests", "update_weights_from_tensor", "pause_generation"} <= engine
     rank = [e["name"] for e in tracks["train rank 0"]]

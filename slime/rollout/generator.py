@@ -27,6 +27,7 @@ from typing import Any
 
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
+from slime.observability.job_trace import RECORDER
 from slime.observability.trace_utils import trace_span
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
@@ -482,5 +483,6 @@ async def score_unscored(reward: RewardModel | None, group: list[Sample], flag: 
         raise ValueError(
             f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
         )
-    with trace_span(todo, "group_reward_model" if reward.group else "reward_model"):
-        await reward.score_group(todo)
+    name = "group_reward_model" if reward.group else "reward_model"
+    with trace_span(todo, name), RECORDER.lane("reward") as row, RECORDER.span(name, row, samples=len(todo)):
+        await reward.score_group(todo)  # a span of the job's timeline too (--trace-dir)
