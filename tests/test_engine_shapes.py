@@ -141,8 +141,9 @@ def test_bucketed_decode_shapes_repeat_and_change_no_result(tiny_model):
     _assert_same(bucketed, exact)
     decode_steps = sum(runner.decode_shapes.values())
     assert decode_steps == len(shapes) > 30 and sorted(runner.decode_shapes.elements()) == sorted(shapes)
-    # Exact shapes: nearly every decode step is a shape of its own (keys grow by one per step).
-    assert len(exact_shapes) == decode_steps and len(set(exact_shapes)) > 0.8 * decode_steps
+    # Exact shapes: nearly every decode step is a shape of its own (keys grow by one per step). The
+    # two runs may batch the requests differently (they arrive over HTTP), so their step counts differ.
+    assert len(exact_shapes) > 30 and len(set(exact_shapes)) > 0.8 * len(exact_shapes)
     assert not exact_runner.decode_shapes  # counted only when bucketed (bounded)
     # Bucketed: a few shapes, each a bucket of rows x a bucket of keys, most steps on a repeat.
     assert len(runner.decode_shapes) < decode_steps / 3
