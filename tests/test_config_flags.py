@@ -108,3 +108,30 @@ def test_a_flag_decided_later_keeps_its_own_default_and_the_record_its():
     ns.later_gpus, ns.later_backend = 4, "fsdp"  # what resolution decided
     assert from_flags(Later, ns) == Later(4, "fsdp")
     assert parser.parse_args(["--later-gpus", "2"]).later_gpus == 2  # the type from the record's default
+
+
+@dataclass(frozen=True)
+class Documented:
+    rate: float = flag("--doc-rate", 0.5)
+    """`--doc-rate R`: how fast, in
+    % per step."""
+    size: int = flag("--doc-size", 1, help="the help= text")
+    """A docstring the help= text wins over."""
+    named: int = flag("--doc-named", 1)
+    """`--doc-named`."""
+
+
+def test_a_fields_docstring_is_its_help_text():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Documented, "doc")
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert helps["--doc-rate"] == "how fast, in %% per step."  # one paragraph, % escaped for argparse
+    assert helps["--doc-size"] == "the help= text"
+    assert helps["--doc-named"] is None  # only its own name: nothing said
+    assert "how fast, in % per step." in parser.format_help()
+
+
+def test_every_flag_of_train_py_says_what_it_does():
+    parser = build_parser()
+    silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not (a.help or "").strip()]
+    assert silent == [], "give these flags a docstring on their field (or help=)"

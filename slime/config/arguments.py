@@ -127,7 +127,9 @@ def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-min-new-tokens", type=int, default=None,
                    help="evaluation requests may not stop before this many new tokens (SGLang's min_new_tokens; "
                    "SGLang engines only)")  # fmt: skip
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument(
+        "--n-samples-per-eval-prompt", type=int, default=1, help="responses sampled per evaluation prompt"
+    )
     g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
     g.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
@@ -161,7 +163,12 @@ def _debug_and_logging_flags(p: argparse.ArgumentParser) -> None:
                    "every engine holds; a difference stops the job (on with --check-precision)")  # fmt: skip
 
     g = add_flags(p, LoggingConfig, "logging")["logging"]
-    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    g.add_argument(
+        "--wandb-mode",
+        choices=["online", "offline", "disabled"],
+        default=None,
+        help="default: online with a --wandb-key or WANDB_API_KEY, else offline",
+    )
 
 
 def _train_config(ns: argparse.Namespace) -> TrainConfig:

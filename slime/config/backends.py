@@ -63,12 +63,17 @@ class MegatronConfig:
     """`--train-backend megatron`'s model parallelism (megatron-core's argument names)."""
 
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", 1)
+    """Megatron: ranks each layer's matrices are split over (TP)."""
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", 1)
+    """Megatron: stages the layers are split into (PP)."""
     context_parallel_size: int = flag("--context-parallel-size", 1)
+    """Megatron: ranks each sequence is split over (CP)."""
     expert_model_parallel_size: int = flag("--expert-model-parallel-size", 1)
+    """Megatron: ranks the experts of an MoE layer are spread over (EP)."""
     expert_tensor_parallel_size: int | None = None
     """Megatron-LM's default: None, the tensor-parallel size."""
     sequence_parallel: bool = flag("--sequence-parallel", False)
+    """Megatron: with TP, the activations outside attention and MLP split along the sequence too."""
     make_vocab_size_divisible_by: int = flag(
         "--make-vocab-size-divisible-by",
         128,

@@ -15,7 +15,13 @@ plus the code that reads it. A field without a flag is set by the code that buil
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
+import re
+import textwrap
 from dataclasses import MISSING, dataclass, field
 from typing import Any, TypeVar
 
@@ -109,14 +115,49 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> dict[st
         return groups[where]
 
     made = {title: group(title)}
+    docs = field_docs(cls)
     for f, spec in flags_of(cls):
         where = spec.group or title
         made[where] = group(where)
         options = _argparse_options(f, spec)
-        if spec.help is not None:
-            options["help"] = spec.help
+        text = spec.help if spec.help is not None else help_text(docs.get(f.name, ""))
+        if text:
+            options["help"] = text
         made[where].add_argument(spec.name, **options)
     return made
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings of `cls`'s fields (the string under each annotated field in its source), by
+    field name; {} where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        text = (
+            after.value.value
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            else None
+        )
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(text, str):
+            docs[node.target.id] = text
+    return docs
+
+
+FLAG_PREFIX = re.compile(r"^`--[\w/-]+(?: [^`]*)?`(?: \([^)]*\))?(?:: |\.$)")
+"""A docstring's "`--flag ARG`: " (or "`--flag` (or ENV): ", "`--a/--b`: ") before what it says
+the flag does; a docstring that is only the flag's name says nothing."""
+
+
+def help_text(doc: str) -> str:
+    """A field's docstring as --help shows it: one paragraph, without the flag's own name in
+    front, `%` escaped for argparse."""
+    text = " ".join(doc.split())
+    return FLAG_PREFIX.sub("", text, count=1).replace("%", "%%")
 
 
 def from_flags(cls: type[R], ns: argparse.Namespace, **values: Any) -> R:

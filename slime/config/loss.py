@@ -34,7 +34,7 @@ class LossConfig:
     use_kl_loss: bool = flag("--use-kl-loss", False)
     """`--use-kl-loss`: add kl_loss_coef * KL(actor || reference) to the loss."""
     kl_loss_coef: float = flag("--kl-loss-coef", 0.0)
-    """`--kl-loss-coef`."""
+    """`--kl-loss-coef`: the weight of the KL term (--use-kl-loss)."""
     kl_loss_type: str = flag("--kl-loss-type", "k1", choices=KL_TYPES)
     """`--kl-loss-type`: k1, k2, k3, low_var_kl."""
     use_unbiased_kl: bool = flag(

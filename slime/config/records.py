@@ -31,11 +31,14 @@ class ClusterConfig:
     """Where processes go. Without GPUs every "GPU" is one CPU process (a train rank or an engine)."""
 
     actor_num_nodes: int = flag("--actor-num-nodes", 1)
+    """Nodes the train ranks span."""
     actor_num_gpus_per_node: int = flag("--actor-num-gpus-per-node", 1)
+    """Train ranks per node, a GPU each (on a machine without GPUs, a CPU process each)."""
     rollout_num_gpus: int = flag(
         "--rollout-num-gpus", 1, unset=None, type=int, help="default: 1, or the trainer's with --colocate"
     )
     rollout_num_gpus_per_engine: int = flag("--rollout-num-gpus-per-engine", 1)
+    """GPUs of one engine, on one node: its tensor-parallel size (SGLang's --tp-size)."""
     colocate: bool = flag("--colocate", False, help="trainer and engines share devices")
     offload: bool = flag(
         "--offload", False,
@@ -132,11 +135,17 @@ class RolloutConfig:
     sampling: SamplingConfig
     rollout_batch_size: int = flag("--rollout-batch-size", type=int, help="prompts per rollout")
     num_rollout: int | None = flag("--num-rollout", type=int, group="data")
+    """Rollouts to train on, one weight version each (or give --num-epoch)."""
     num_epoch: int | None = flag("--num-epoch", type=int, group="data")
+    """Passes over the prompts, where --num-rollout is not given: the rollouts are the epochs' prompts over --rollout-batch-size."""
     over_sampling_batch_size: int | None = flag("--over-sampling-batch-size", None, type=int)
+    """Prompts started at a time when a --dynamic-sampling-filter-path drops groups (default: --rollout-batch-size): more are started until the rollout has its --rollout-batch-size kept groups."""
     dynamic_sampling_filter_path: str | None = flag("--dynamic-sampling-filter-path", None)
+    """A function (package.module.function) that keeps or drops each finished group, slime's dynamic sampling (slime.rollout.filter_hub has slime's)."""
     custom_generate_function_path: str | None = flag("--custom-generate-function-path", None)
+    """A function (package.module.function) that generates one sample in place of the built-in request to the engines (agents, tools, multi-turn)."""
     rollout_function_path: str | None = flag("--rollout-function-path", None)
+    """A function (package.module.function) that makes a whole rollout in place of the built-in one (slime.rollout.fully_async_rollout.generate_rollout_fully_async, the SFT rollout, your own)."""
     rm_type: str | None = flag(
         "--rm-type", None,
         help="slime's rule rewards (slime.rollout.rm_hub): deepscaler, dapo, math, f1, gpqa, random, "
@@ -144,6 +153,7 @@ class RolloutConfig:
     )  # fmt: skip
     custom_rm_path: str | None = flag("--custom-rm-path", None, help="package.module.function")
     group_rm: bool = flag("--group-rm", False)
+    """Score each prompt group with one reward call over its samples, not one call per sample."""
     reward_key: str | None = flag("--reward-key", None, help="key of a dict reward to train on")
     global_dataset: bool = flag(
         "--disable-rollout-global-dataset", True, dest="rollout_global_dataset", action="store_false",
@@ -254,8 +264,11 @@ class BridgeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save: str | None = flag("--save", None)
+    """Where checkpoints go (iter_NNNNNNN/ per save) and, unless SLIME_LOG_DIR says otherwise, the logs."""
     save_interval: int | None = flag("--save-interval", None, type=int)
+    """A checkpoint every this many rollouts (and after the last); without it, only after the last."""
     save_hf: str | None = flag("--save-hf", None)
+    """At the end, the trained weights as a Hugging Face directory here (LoRA: a PEFT adapter directory)."""
     start_rollout_id: int | None = flag(
         "--start-rollout-id", None, type=int,
         help="the first rollout of the loop (default: the one after the checkpoint --load resumes from, or 0)",
@@ -276,10 +289,14 @@ class EvalConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     use_wandb: bool = flag("--use-wandb", False)
+    """Log every step's metrics to Weights & Biases (offline unless a key or --wandb-mode online)."""
     wandb_mode: str = "offline"
     wandb_project: str = flag("--wandb-project", "slime")
+    """The wandb project."""
     wandb_group: str | None = flag("--wandb-group", None)
+    """The wandb group (with a random suffix unless --disable-wandb-random-suffix)."""
     use_tensorboard: bool = flag("--use-tensorboard", False)
+    """Log every step's metrics to TensorBoard (see --tb-dir)."""
     wandb_team: str | None = flag("--wandb-team", None, help="the wandb entity")
     """`--wandb-team`: the wandb entity."""
     wandb_key: str | None = flag(
@@ -296,6 +313,8 @@ class LoggingConfig:
     )
     """`--wandb-dir`: where the run's files go (default: the log directory)."""
     tb_dir: str | None = flag("--tb-dir", None)
+    """TensorBoard's directory (default: TENSORBOARD_DIR, else tensorboard_log/PROJECT/EXPERIMENT with
+    --tb-project-name, else <log dir>/tensorboard)."""
     tb_project_name: str | None = flag(
         "--tb-project-name", None,
         help="TensorBoard's directory is tensorboard_log/PROJECT/EXPERIMENT (slime's layout) unless --tb-dir or "

@@ -76,7 +76,7 @@ class DataConfig:
     shuffle: bool = flag("--rollout-shuffle", False)
     """`--rollout-shuffle`: reshuffle the prompts at every epoch."""
     seed: int = flag("--rollout-seed", 42)
-    """`--rollout-seed`."""
+    """`--rollout-seed`: the seed of the prompts' order (--rollout-shuffle)."""
     messages_as_is: bool = False
     """List prompts without `--apply-chat-template` are kept as messages, untokenized, and a row
     may have no label (set when a `--rollout-function-path` handles the rows itself, as slime's
@@ -103,19 +103,19 @@ class SamplingConfig:
     """How responses are sampled (slime's flag names)."""
 
     n_samples_per_prompt: int = flag("--n-samples-per-prompt", 1)
-    """`--n-samples-per-prompt`."""
+    """`--n-samples-per-prompt`: responses sampled for each prompt (a group: GRPO's baseline)."""
     temperature: float = 1.0
     """`--rollout-temperature`."""
     top_p: float = flag("--rollout-top-p", 1.0)
-    """`--rollout-top-p`."""
+    """`--rollout-top-p`: nucleus sampling's probability mass (1: off)."""
     top_k: int = flag("--rollout-top-k", -1)
-    """`--rollout-top-k` (-1: off)."""
+    """`--rollout-top-k`: sample among the k likeliest tokens (-1: off)."""
     max_response_len: int = flag("--rollout-max-response-len", 1024)
     """`--rollout-max-response-len`: max new tokens per response."""
     stop: tuple[str, ...] = flag("--rollout-stop", [], nargs="*")
     """`--rollout-stop`: stop strings."""
     stop_token_ids: tuple[int, ...] = flag("--rollout-stop-token-ids", [], nargs="*", type=int)
-    """`--rollout-stop-token-ids`."""
+    """`--rollout-stop-token-ids`: token ids that end a response (besides the tokenizer's EOS)."""
     min_new_tokens: int | None = None
     """An evaluation set's `min_new_tokens` (--eval-min-new-tokens): SGLang engines only."""
 

@@ -39,10 +39,13 @@ class OptimizerConfig:
     """`--lr-decay-iters`: the optimizer step at which linear/cosine decay reaches --min-lr, counted
     from the first step (warm-up included), as in Megatron-LM."""
     weight_decay: float = flag("--weight-decay", 0.0)
-    """`--weight-decay`."""
+    """`--weight-decay`: AdamW's decoupled weight decay."""
     adam_beta1: float = flag("--adam-beta1", 0.9)
+    """AdamW's first-moment decay."""
     adam_beta2: float = flag("--adam-beta2", 0.999)
+    """AdamW's second-moment decay."""
     adam_eps: float = flag("--adam-eps", 1e-8)
+    """AdamW's epsilon."""
     clip_grad: float = flag("--clip-grad", 1.0)
     """`--clip-grad`: max global gradient norm; 0 disables clipping."""
     optimizer: str = "adam"
@@ -247,7 +250,7 @@ class TrainConfig:
     device: str = "cpu"
     """`--device`: cpu (gloo) or cuda (NCCL)."""
     seed: int = flag("--seed", 1234)
-    """`--seed`."""
+    """`--seed`: the trainer's random seed (and the engines' with --deterministic-mode)."""
     rollout_temperature: float = flag("--rollout-temperature", 1.0)
     """`--rollout-temperature`: log-probs and entropy are computed at this temperature."""
     load: str | None = flag("--load", None, help="checkpoint root to resume from")
