@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass
 import pytest
 
 from slime.config.arguments import build_parser
+from slime.config.debug import DebugConfig
 from slime.config.flags import NO_UNSET, add_flags, flag, flags_of, from_flags
 from slime.config.loss import LossConfig
 from slime.config.records import (
@@ -16,7 +17,6 @@ from slime.config.records import (
     BridgeConfig,
     CheckpointConfig,
     ClusterConfig,
-    DebugConfig,
     LoggingConfig,
     RolloutConfig,
 )

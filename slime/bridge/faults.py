@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from slime.config.checks import parse_push_fault
+from slime.config.debug import parse_push_fault
 from slime.utils.buckets import iter_buckets
 
 if TYPE_CHECKING:  # the driver imports this module (PushFault.parse), and never needs torch itself
@@ -36,7 +36,7 @@ class PushFault:
 
     @staticmethod
     def parse(spec: str) -> PushFault:
-        """`KIND:NAME` or `swap:NAME1,NAME2` (slime.config.checks.parse_push_fault: the flag's
+        """`KIND:NAME` or `swap:NAME1,NAME2` (slime.config.debug.parse_push_fault: the flag's
         grammar); ValueError names the flag and the forms."""
         return PushFault(*parse_push_fault(spec))
 

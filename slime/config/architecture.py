@@ -58,8 +58,62 @@ def spec_problems(spec: list[str] | None, config: Any, where: str) -> list[str]:
     model_type = getattr(config, "model_type", "")
     if spec is None or families is None or model_type in families:
         return []
-    return [f"--spec {' '.join(spec)} is slime's layer spec for model_type {', '.join(families)}; {where} is "
-            f"{model_type!r} (drop --spec, or give the spec of this model)"]  # fmt: skip
+    return [
+        f"--spec {' '.join(spec)} is slime's layer spec for model_type {', '.join(families)}; {where} is "
+        f"{model_type!r} (drop --spec, or give the spec of this model)"
+    ]
+
+
+# Where each value of hf_architecture comes from in the HF config (shown with a mismatch).
+HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "group_query_attention": "num_key_value_heads",
+    "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "swiglu": "hidden_act",
+    "normalization": "rms_norm_eps",
+    "norm_epsilon": "rms_norm_eps",
+    "add_bias_linear": "attention_bias/mlp_bias",
+    "add_qkv_bias": "model_type/attention_bias",
+    "qk_layernorm": "model_type",
+    "untie_embeddings_and_output_weights": "tie_word_embeddings",
+    "rotary_base": "rope_theta",
+    "rotary_percent": "partial_rotary_factor",
+    "use_rope_scaling": "rope_scaling.rope_type",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "num_experts": "num_experts",
+    "moe_layer_freq": "decoder_sparse_step/mlp_only_layers",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "moe_router_score_function": "model_type",
+    "moe_router_pre_softmax": "norm_topk_prob",
+    "moe_router_topk_scaling_factor": "routed_scaling_factor",
+    "rotary_interleaved": "model_type",
+    "apply_layernorm_1p": "model_type",
+    "post_self_attn_layernorm": "model_type",
+    "post_mlp_layernorm": "model_type",
+    "attention_output_gate": "model_type",
+    "use_gated_attention": "model_type",
+    "multi_latent_attention": "kv_lora_rank",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_head_dim": "qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "mscale": "rope_parameters.mscale",
+    "mscale_all_dim": "rope_parameters.mscale_all_dim",
+    "rotary_scaling_factor": "rope_parameters.factor (yarn)",
+    "moe_router_num_groups": "n_group",
+    "moe_router_group_topk": "topk_group",
+    "moe_router_enable_expert_bias": "model_type",
+    "moe_shared_expert_gate": "model_type",
+}
 
 
 def hf_architecture(config: Any) -> HFArchitecture:
@@ -101,35 +155,15 @@ def hf_architecture(config: Any) -> HFArchitecture:
         **hf_moe(config),
         **_family_values(config),
     }
-    keys = {
-        "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
-        "num_attention_heads": "num_attention_heads", "group_query_attention": "num_key_value_heads",
-        "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "vocab_size": "vocab_size",
-        "max_position_embeddings": "max_position_embeddings", "swiglu": "hidden_act",
-        "normalization": "rms_norm_eps", "norm_epsilon": "rms_norm_eps", "add_bias_linear": "attention_bias/mlp_bias",
-        "add_qkv_bias": "model_type/attention_bias", "qk_layernorm": "model_type",
-        "untie_embeddings_and_output_weights": "tie_word_embeddings", "rotary_base": "rope_theta",
-        "rotary_percent": "partial_rotary_factor", "use_rope_scaling": "rope_scaling.rope_type",
-        "rope_scaling_factor": "rope_scaling.factor", "num_experts": "num_experts",
-        "moe_layer_freq": "decoder_sparse_step/mlp_only_layers", "moe_ffn_hidden_size": "moe_intermediate_size",
-        "moe_router_topk": "num_experts_per_tok", "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
-        "moe_router_score_function": "model_type", "moe_router_pre_softmax": "norm_topk_prob",
-        "moe_router_topk_scaling_factor": "routed_scaling_factor", "rotary_interleaved": "model_type",
-        "apply_layernorm_1p": "model_type", "post_self_attn_layernorm": "model_type",
-        "post_mlp_layernorm": "model_type", "attention_output_gate": "model_type",
-        "use_gated_attention": "model_type", "multi_latent_attention": "kv_lora_rank",
-        "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
-        "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "mscale": "rope_parameters.mscale",
-        "mscale_all_dim": "rope_parameters.mscale_all_dim",
-        "rotary_scaling_factor": "rope_parameters.factor (yarn)", "moe_router_num_groups": "n_group",
-        "moe_router_group_topk": "topk_group", "moe_router_enable_expert_bias": "model_type",
-        "moe_shared_expert_gate": "model_type",
-    }  # fmt: skip
+    keys = dict(HF_KEYS)
     if values["multi_latent_attention"]:
         keys["kv_channels"] = "qk_nope_head_dim"
     if getattr(config, "n_routed_experts", None):
-        keys.update(num_experts="n_routed_experts", moe_layer_freq="first_k_dense_replace/mlp_layer_types",
-                    moe_shared_expert_intermediate_size="n_shared_experts x moe_intermediate_size")  # fmt: skip
+        keys.update(
+            num_experts="n_routed_experts",
+            moe_layer_freq="first_k_dense_replace/mlp_layer_types",
+            moe_shared_expert_intermediate_size="n_shared_experts x moe_intermediate_size",
+        )
     return HFArchitecture(values, keys)
 
 
@@ -259,8 +293,10 @@ def moe_layer_freq(value: Any, num_layers: int) -> list[int] | None:
 
     try:  # Megatron-LM evaluates the string; only literals and list arithmetic are taken here
         tree = ast.parse(str(value), mode="eval")
-        if not all(isinstance(n, (ast.Expression, ast.List, ast.Constant, ast.BinOp, ast.Add, ast.Mult,
-                                  ast.Load)) for n in ast.walk(tree)):  # fmt: skip
+        if not all(
+            isinstance(n, (ast.Expression, ast.List, ast.Constant, ast.BinOp, ast.Add, ast.Mult, ast.Load))
+            for n in ast.walk(tree)
+        ):
             return None
         freq = eval(compile(tree, "<--moe-layer-freq>", "eval"), {"__builtins__": {}})
     except (SyntaxError, ValueError, TypeError):
@@ -294,8 +330,15 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
     """The model the flags describe, in Megatron-LM's meaning (its defaults for what is absent).
     Only keys with a definite value are returned: a size not given is not compared."""
     out: dict[str, Any] = _megatron_moe(ns)
-    for dest in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
-                 "max_position_embeddings", "kv_channels"):  # fmt: skip
+    for dest in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "kv_channels",
+    ):
         if getattr(ns, dest) is not None:
             out[dest] = getattr(ns, dest)
     if ns.num_attention_heads is not None:
@@ -327,8 +370,15 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
     out["rotary_percent"] = 1.0 if ns.rotary_percent is None else ns.rotary_percent
     for dest in _FAMILY_BOOLEANS:
         out[dest] = bool(getattr(ns, dest))
-    for dest in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
-                 "mscale_all_dim"):  # fmt: skip
+    for dest in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "mscale",
+        "mscale_all_dim",
+    ):
         if getattr(ns, dest) is not None:
             out[dest] = getattr(ns, dest)
     out["use_rope_scaling"] = bool(ns.use_rope_scaling)
@@ -339,8 +389,15 @@ def megatron_architecture(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-_FAMILY_BOOLEANS = ("rotary_interleaved", "apply_layernorm_1p", "post_self_attn_layernorm", "post_mlp_layernorm",
-                    "attention_output_gate", "use_gated_attention", "multi_latent_attention")  # fmt: skip
+_FAMILY_BOOLEANS = (
+    "rotary_interleaved",
+    "apply_layernorm_1p",
+    "post_self_attn_layernorm",
+    "post_mlp_layernorm",
+    "attention_output_gate",
+    "use_gated_attention",
+    "multi_latent_attention",
+)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -352,13 +409,18 @@ def _same(a: Any, b: Any) -> bool:
 def _flag_text(dest: str, value: Any, ns: argparse.Namespace) -> str:
     """How the flags said it, for a message."""
     booleans = {
-        "swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
+        "swiglu": "--swiglu",
+        "add_qkv_bias": "--add-qkv-bias",
+        "qk_layernorm": "--qk-layernorm",
         "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-        "group_query_attention": "--group-query-attention", "use_rope_scaling": "--use-rope-scaling",
+        "group_query_attention": "--group-query-attention",
+        "use_rope_scaling": "--use-rope-scaling",
         "add_bias_linear": "--disable-bias-linear",
-        **{d: "--" + d.replace("_", "-") for d in (*_FAMILY_BOOLEANS, "moe_router_enable_expert_bias",
-                                                  "moe_shared_expert_gate")},
-    }  # fmt: skip
+        **{
+            d: "--" + d.replace("_", "-")
+            for d in (*_FAMILY_BOOLEANS, "moe_router_enable_expert_bias", "moe_shared_expert_gate")
+        },
+    }
     if dest == "add_bias_linear":
         return "no --disable-bias-linear (biases on)" if value else "--disable-bias-linear"
     if dest in booleans:
@@ -394,7 +456,10 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
         elif dest == "use_rope_scaling":
             shown = rope_scaling(config)[0]
         elif dest in ("qk_layernorm", "add_qkv_bias"):
-            shown = f"{getattr(config, 'model_type', '?')} (attention_bias={getattr(config, 'attention_bias', None)})"
+            shown = (
+                f"{getattr(config, 'model_type', '?')} "
+                f"(attention_bias={getattr(config, 'attention_bias', None)})"
+            )
         elif dest == "multi_latent_attention":
             shown = getattr(config, "kv_lora_rank", None)
         elif key == "model_type":
@@ -409,7 +474,7 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
         and not ns.multi_latent_attention
     ):
         out.append(
-            f"--rotary-scaling-factor {ns.rotary_scaling_factor} without --use-rope-scaling: scaled RoPE other than "
-            "Llama 3's, and YaRN with --multi-latent-attention, is not supported"
+            f"--rotary-scaling-factor {ns.rotary_scaling_factor} without --use-rope-scaling: scaled RoPE "
+            "other than Llama 3's, and YaRN with --multi-latent-attention, is not supported"
         )
     return out

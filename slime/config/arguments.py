@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from slime.config import megatron_lm, slime_flags
 from slime.config.critic import add_critic_arguments, critic_config
+from slime.config.debug import TOLERANCES, DebugConfig, lower_precision
 from slime.config.derived import custom_config, flag_problems, no_effect_lines
 from slime.config.eval_sets import eval_datasets
 from slime.config.flags import add_flags, flag_name, from_flags
@@ -25,17 +26,14 @@ from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
     PAUSE_MODES,
     STALE_ACTIONS,
-    TOLERANCES,
     AsyncConfig,
     BridgeConfig,
     CheckpointConfig,
     ClusterConfig,
     Config,
-    DebugConfig,
     EvalConfig,
     LoggingConfig,
     RolloutConfig,
-    lower_precision,
 )
 from slime.config.resolve import Resolution, resolve
 from slime.config.rollout import DataConfig, SamplingConfig
@@ -68,12 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     """Processes and devices, the engines to use, fault tolerance."""
     g = add_flags(p, ClusterConfig, "cluster")["cluster"]  # and the flags that fill no record field:
-    g.add_argument("--dry-run", action="store_true",
-                   help="check the flags, the HF config, the inputs and the layout, print the resolved configuration "
-                   "and the placement plan, and exit (0, or 2 listing every problem); starts nothing, loads no "
-                   "weights. Without a GPU here it plans for GPUs unless --device cpu is given")  # fmt: skip
-    g.add_argument("--sglang-server-concurrency", type=int, default=256,
-                   help="requests in flight per engine (slime's default: 512)")  # fmt: skip
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the flags, the HF config, the inputs and the layout, print the resolved configuration "
+        "and the placement plan, and exit (0, or 2 listing every problem); starts nothing, loads no "
+        "weights. Without a GPU here it plans for GPUs unless --device cpu is given",
+    )
+    g.add_argument(
+        "--sglang-server-concurrency",
+        type=int,
+        default=256,
+        help="requests in flight per engine (slime's default: 512)",
+    )
 
 
 def _data_and_rollout_flags(p: argparse.ArgumentParser) -> None:
@@ -81,12 +86,20 @@ def _data_and_rollout_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, DataConfig, "data")
     add_flags(p, RolloutConfig, "rollout")
     g = add_flags(p, SamplingConfig, "rollout")["rollout"]  # and the flags that fill no record field:
-    g.add_argument("--rollout-max-context-len", type=int, default=None,
-                   help="slime's context budget: --rollout-max-prompt-len defaults to this - 1; responses stay "
-                   "within --rollout-max-response-len")  # fmt: skip
-    g.add_argument("--custom-config-path", default=None, metavar="YAML",
-                   help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
-                   "functions to read from args: KEY: VALUE with the flag's name in underscores")  # fmt: skip
+    g.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="slime's context budget: --rollout-max-prompt-len defaults to this - 1; responses stay "
+        "within --rollout-max-response-len",
+    )
+    g.add_argument(
+        "--custom-config-path",
+        default=None,
+        metavar="YAML",
+        help="a mapping of settings set on the parsed arguments (overriding the command line), for custom "
+        "functions to read from args: KEY: VALUE with the flag's name in underscores",
+    )
 
 
 def _async_flags(p: argparse.ArgumentParser) -> None:
@@ -94,18 +107,31 @@ def _async_flags(p: argparse.ArgumentParser) -> None:
     g = add_flags(p, AsyncConfig, "asynchronous rollouts (docs/async.md)")[
         "asynchronous rollouts (docs/async.md)"
     ]
-    g.add_argument("--max-policy-version-lag", type=int, default=None, metavar="N",
-                   help="--fully-async: a group whose oldest trained token is more than N weight versions behind the "
-                   "trainer is not trained on (see --stale-group-action); admission keeps most groups within it; "
-                   "0 is the synchronous loop. Default: no bound (the lag is still logged)")  # fmt: skip
-    g.add_argument("--stale-group-action", choices=STALE_ACTIONS, default=None,
-                   help="what happens to a group beyond --max-policy-version-lag: requeue its prompt (default; it is "
-                   "generated again with the current weights) or drop it")  # fmt: skip
-    g.add_argument("--pause-generation-mode", choices=PAUSE_MODES, default=None,
-                   help="--fully-async: how a push treats requests in flight (SGLang's modes): retract (default: "
-                   "they continue with the new weights, their KV cache recomputed), in_place (their KV cache kept), "
-                   "abort (they end; with --partial-rollout continued as new requests, else generated again; the "
-                   "default with --partial-rollout)")  # fmt: skip
+    g.add_argument(
+        "--max-policy-version-lag",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--fully-async: a group whose oldest trained token is more than N weight versions behind the "
+        "trainer is not trained on (see --stale-group-action); admission keeps most groups within it; "
+        "0 is the synchronous loop. Default: no bound (the lag is still logged)",
+    )
+    g.add_argument(
+        "--stale-group-action",
+        choices=STALE_ACTIONS,
+        default=None,
+        help="what happens to a group beyond --max-policy-version-lag: requeue its prompt (default; it is "
+        "generated again with the current weights) or drop it",
+    )
+    g.add_argument(
+        "--pause-generation-mode",
+        choices=PAUSE_MODES,
+        default=None,
+        help="--fully-async: how a push treats requests in flight (SGLang's modes): retract (default: "
+        "they continue with the new weights, their KV cache recomputed), in_place (their KV cache kept), "
+        "abort (they end; with --partial-rollout continued as new requests, else generated again; the "
+        "default with --partial-rollout)",
+    )
 
 
 def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -115,18 +141,31 @@ def _bridge_and_eval_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, CheckpointConfig, "save and load")
 
     g = add_flags(p, EvalConfig, "eval")["eval"]  # and the flags of its datasets (slime.config.eval_sets):
-    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="[NAME] PATH",
-                   help="one PATH, or NAME PATH pairs: each set's metrics are logged as eval/NAME/...")  # fmt: skip
-    g.add_argument("--eval-config", default=None, metavar="YAML",
-                   help="evaluation sets with slime's schema (defaults + datasets, each with name, path, keys, "
-                   "rm_type and sampling); wins over --eval-prompt-data")  # fmt: skip
+    g.add_argument(
+        "--eval-prompt-data",
+        nargs="+",
+        default=None,
+        metavar="[NAME] PATH",
+        help="one PATH, or NAME PATH pairs: each set's metrics are logged as eval/NAME/...",
+    )
+    g.add_argument(
+        "--eval-config",
+        default=None,
+        metavar="YAML",
+        help="evaluation sets with slime's schema (defaults + datasets, each with name, path, keys, "
+        "rm_type and sampling); wins over --eval-prompt-data",
+    )
     g.add_argument("--eval-input-key", default=None, help="default: --input-key")
     g.add_argument("--eval-label-key", default=None, help="default: --label-key")
     g.add_argument("--eval-max-prompt-len", type=int, default=None, help="drop longer eval prompts (tokens)")
     g.add_argument("--eval-tool-key", default=None, help="default: --tool-key")
-    g.add_argument("--eval-min-new-tokens", type=int, default=None,
-                   help="evaluation requests may not stop before this many new tokens (SGLang's min_new_tokens; "
-                   "SGLang engines only)")  # fmt: skip
+    g.add_argument(
+        "--eval-min-new-tokens",
+        type=int,
+        default=None,
+        help="evaluation requests may not stop before this many new tokens (SGLang's min_new_tokens; "
+        "SGLang engines only)",
+    )
     g.add_argument(
         "--n-samples-per-eval-prompt", type=int, default=1, help="responses sampled per evaluation prompt"
     )
@@ -145,22 +184,41 @@ def _debug_and_logging_flags(p: argparse.ArgumentParser) -> None:
     """docs/debugging.md's modes and checks, and where metrics go."""
     debug = add_flags(p, DebugConfig, "debug: decoupled modes and dumps (docs/debugging.md)")
     g = debug["debug: decoupled modes and dumps (docs/debugging.md)"]
-    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None, metavar="R",
-                   help="replay a deterministic fraction R of each dump's prompt groups")  # fmt: skip
+    g.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        metavar="R",
+        help="replay a deterministic fraction R of each dump's prompt groups",
+    )
 
     g = debug["debug: precision checks (docs/debugging.md, Precision)"]
-    g.add_argument("--precision-logprob-tol", type=float, default=None,
-                   help="mean |trainer - engine| log-prob allowed (default by dtype: 1e-4 float32, 5e-2 bfloat16)")  # fmt: skip
-    g.add_argument("--precision-logprob-max-tol", type=float, default=None,
-                   help="largest single-token |trainer - engine| log-prob allowed (default 1e-3 float32, 2 bfloat16)")  # fmt: skip
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="reproducible runs: everything seeded from --seed, torch.use_deterministic_algorithms, "
-                   "a sampling_seed per sample, batch-invariant engines (slower; docs/debugging.md)")  # fmt: skip
+    g.add_argument(
+        "--precision-logprob-tol",
+        type=float,
+        default=None,
+        help="mean |trainer - engine| log-prob allowed (default by dtype: 1e-4 float32, 5e-2 bfloat16)",
+    )
+    g.add_argument(
+        "--precision-logprob-max-tol",
+        type=float,
+        default=None,
+        help="largest single-token |trainer - engine| log-prob allowed (default 1e-3 float32, 2 bfloat16)",
+    )
+    g.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="reproducible runs: everything seeded from --seed, torch.use_deterministic_algorithms, "
+        "a sampling_seed per sample, batch-invariant engines (slower; docs/debugging.md)",
+    )
 
     g = debug["debug: parameter sync (docs/debugging.md, Parameter sync)"]
-    g.add_argument("--check-weight-sync", action="store_true",
-                   help="after every push, compare per-tensor fingerprints of what the trainer exported with what "
-                   "every engine holds; a difference stops the job (on with --check-precision)")  # fmt: skip
+    g.add_argument(
+        "--check-weight-sync",
+        action="store_true",
+        help="after every push, compare per-tensor fingerprints of what the trainer exported with what "
+        "every engine holds; a difference stops the job (on with --check-precision)",
+    )
 
     g = add_flags(p, LoggingConfig, "logging")["logging"]
     g.add_argument(
@@ -211,9 +269,12 @@ def async_config(ns: argparse.Namespace) -> AsyncConfig:
     # Rollout only: no push ever comes, every token is of the first weights (lag 0).
     lag = None if ns.debug_rollout_only else ns.max_policy_version_lag
     return from_flags(
-        AsyncConfig, ns, max_lag=lag, stale_action=ns.stale_group_action or "requeue",
+        AsyncConfig,
+        ns,
+        max_lag=lag,
+        stale_action=ns.stale_group_action or "requeue",
         pause_mode=ns.pause_generation_mode or ("abort" if partial else "retract"),
-    )  # fmt: skip
+    )
 
 
 def sampling_config(ns: argparse.Namespace) -> SamplingConfig:
@@ -239,9 +300,13 @@ def _configs(ns: argparse.Namespace) -> Config:
             DataConfig, ns, messages_as_is=ns.rollout_function_path is not None and not ns.apply_chat_template
         )
     rollout = from_flags(
-        RolloutConfig, ns, data=data, sampling=sampling_config(ns), rollout_batch_size=ns.rollout_batch_size or 0,
+        RolloutConfig,
+        ns,
+        data=data,
+        sampling=sampling_config(ns),
+        rollout_batch_size=ns.rollout_batch_size or 0,
         asynchrony=async_config(ns),
-    )  # fmt: skip
+    )
     dtype, tol, max_tol = _precision_defaults(ns)
     wandb_mode = ns.wandb_mode or ("online" if ns.wandb_key or os.environ.get("WANDB_API_KEY") else "offline")
     return Config(

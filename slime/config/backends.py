@@ -38,9 +38,11 @@ class FSDPConfig:
     )
     """`--debug-disable-sharding`: one rank, the plain module without fully_shard (for a debugger)."""
     train_vision_model: bool = flag(
-        "--train-vision-model", False,
-        help="vision-language models: train the vision tower too (default: frozen, the language model trains)",
-    )  # fmt: skip
+        "--train-vision-model",
+        False,
+        help="vision-language models: train the vision tower too (default: frozen, the language model "
+        "trains)",
+    )
     """`--train-vision-model`: the vision tower's parameters train (slime.backends.fsdp.vision)."""
 
     def __post_init__(self) -> None:
@@ -111,8 +113,13 @@ class MegatronConfig:
         return self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size", "make_vocab_size_divisible_by"):  # fmt: skip
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:

@@ -8,8 +8,8 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+from slime.config.debug import check_debug, check_debug_checks
 from slime.config.rollout import needs_reward_key
-from slime.utils.files import template_problem
 from slime.utils.tracking import check_available
 
 
@@ -25,11 +25,23 @@ def rule_problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[
     """The problems with the flags, one message each. A problem with the sizes ends the list (the
     rules after it divide by them); `sizes_only`: only those."""
     problem = positive(
-        ns, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-        "n_samples_per_prompt", "rollout_batch_size", "num_rollout", "num_epoch", "save_interval", "eval_interval",
-        "update_weight_buffer_size", "rollout_max_response_len", "over_sampling_batch_size",
-        "n_samples_per_eval_prompt", "eval_max_response_len",
-    )  # fmt: skip
+        ns,
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+        "rollout_num_gpus",
+        "rollout_num_gpus_per_engine",
+        "n_samples_per_prompt",
+        "rollout_batch_size",
+        "num_rollout",
+        "num_epoch",
+        "save_interval",
+        "eval_interval",
+        "update_weight_buffer_size",
+        "rollout_max_response_len",
+        "over_sampling_batch_size",
+        "n_samples_per_eval_prompt",
+        "eval_max_response_len",
+    )
     if problem or sizes_only:
         yield from [problem] if problem else []
         return
@@ -38,8 +50,16 @@ def rule_problems(ns: argparse.Namespace, sizes_only: bool = False) -> Iterator[
             "--rollout-function-path replaces the whole rollout, so --custom-generate-function-path "
             "would never run: give one of them"
         )
-    for group in (check_debug, check_precision_flags, check_external, check_loss_mask_type, check_async,
-                  check_global_dataset, check_delta):  # fmt: skip
+    for group in (
+        check_debug,
+        check_debug_checks,
+        check_fault_tolerance,
+        check_external,
+        check_loss_mask_type,
+        check_async,
+        check_global_dataset,
+        check_delta,
+    ):
         problem = group(ns)
         if problem:
             yield problem
@@ -78,7 +98,10 @@ def _layout(ns: argparse.Namespace) -> Iterator[str]:
     if ns.rollout_backend == "torch" and ns.rollout_num_gpus_per_engine != 1:
         yield "--rollout-backend torch runs tensor-parallel size 1: use --rollout-num-gpus-per-engine 1"
     if ns.rollout_backend == "torch" and ns.eval_min_new_tokens:
-        yield "--eval-min-new-tokens is SGLang's min_new_tokens, which the torch engine does not apply: use --rollout-backend sglang"
+        yield (
+            "--eval-min-new-tokens is SGLang's min_new_tokens, which the torch engine does not "
+            "apply: use --rollout-backend sglang"
+        )
     train_ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
     if ns.debug_disable_sharding and train_ranks != 1 and not ns.debug_rollout_only:
         yield (
@@ -100,9 +123,15 @@ def _rewards_and_schedule(ns: argparse.Namespace) -> Iterator[str]:
     replay = ns.load_debug_rollout_data is not None
     scored_by_plugin = ns.rollout_function_path or ns.custom_generate_function_path  # may set rewards itself
     if ns.rm_type is None and ns.custom_rm_path is None and not scored_by_plugin and not replay:
-        yield "choose a reward: --rm-type TYPE (math, deepscaler, dapo, ...) or --custom-rm-path package.module.function"
+        yield (
+            "choose a reward: --rm-type TYPE (math, deepscaler, dapo, ...) or --custom-rm-path "
+            "package.module.function"
+        )
     if needs_reward_key(ns.rm_type) and not ns.custom_rm_path and ns.reward_key is None:
-        yield f"--rm-type {ns.rm_type} returns a dict {{score, acc, pred}}: add --reward-key score (as slime's scripts do)"
+        yield (
+            f"--rm-type {ns.rm_type} returns a dict {{score, acc, pred}}: add --reward-key score (as "
+            "slime's scripts do)"
+        )
     if ns.save_interval is not None and ns.save is None:
         yield "--save-interval needs --save DIR"
     if ns.eval_interval is not None and ns.eval_prompt_data is None and ns.eval_config is None:
@@ -116,7 +145,10 @@ def _rewards_and_schedule(ns: argparse.Namespace) -> Iterator[str]:
             f"not a multiple of --global-batch-size {ns.global_batch_size}"
         )
     elif ns.num_steps_per_rollout is not None and rollout_samples % ns.num_steps_per_rollout:
-        yield f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout {ns.num_steps_per_rollout}"
+        yield (
+            f"{rollout_samples} samples per rollout cannot be split into --num-steps-per-rollout "
+            f"{ns.num_steps_per_rollout}"
+        )
     if ns.train_backend == "megatron" or not _megatron_defaults(ns):
         problem = check_megatron(ns)
         if problem:
@@ -137,12 +169,15 @@ def check_async(ns: argparse.Namespace) -> str | None:
     """The asynchronous-rollout flags (docs/async.md)."""
     lag = ns.max_policy_version_lag
     if not ns.fully_async:
-        for given, flag in ((lag is not None, "--max-policy-version-lag"), (ns.stale_group_action, "--stale-group-action"),
-                            (ns.pause_generation_mode, "--pause-generation-mode")):  # fmt: skip
+        for given, flag in (
+            (lag is not None, "--max-policy-version-lag"),
+            (ns.stale_group_action, "--stale-group-action"),
+            (ns.pause_generation_mode, "--pause-generation-mode"),
+        ):
             if given:
                 return (
-                    f"{flag} applies to the continuous schedule only (train.py is synchronous, train_async.py one "
-                    f"step off: their lag is 0 and 1): add --fully-async or drop {flag}"
+                    f"{flag} applies to the continuous schedule only (train.py is synchronous, "
+                    f"train_async.py one step off: their lag is 0 and 1): add --fully-async or drop {flag}"
                 )
     if lag is not None and lag < 0:
         return f"--max-policy-version-lag must be >= 0 (got {lag})"
@@ -150,11 +185,15 @@ def check_async(ns: argparse.Namespace) -> str | None:
         return "--stale-group-action says what happens beyond --max-policy-version-lag: give the bound too"
     if ns.partial_rollout and getattr(ns, "deterministic_mode", False):
         return (
-            "--partial-rollout continues requests from wherever a push or the over-sampling cut them off, which "
-            "depends on timing, so two runs would differ: drop --partial-rollout or --deterministic-mode"
+            "--partial-rollout continues requests from wherever a push or the over-sampling cut them off, "
+            "which depends on timing, so two runs would differ: drop --partial-rollout or "
+            "--deterministic-mode"
         )
     if ns.mask_offpolicy_in_partial_rollout and not ns.partial_rollout:
-        return "--mask-offpolicy-in-partial-rollout masks the tokens of continued requests: add --partial-rollout"
+        return (
+            "--mask-offpolicy-in-partial-rollout masks the tokens of continued requests: add "
+            "--partial-rollout"
+        )
     if ns.fully_async and ns.colocate:
         return (
             "--fully-async generates while the trainer trains, so the engines need GPUs of their own: drop "
@@ -162,8 +201,8 @@ def check_async(ns: argparse.Namespace) -> str | None:
         )
     if ns.fully_async and ns.rollout_function_path is not None:
         return (
-            "--fully-async runs the built-in rollout continuously; --rollout-function-path replaces it: give one of "
-            "them (a per-sample --custom-generate-function-path works with --fully-async)"
+            "--fully-async runs the built-in rollout continuously; --rollout-function-path replaces it: "
+            "give one of them (a per-sample --custom-generate-function-path works with --fully-async)"
         )
     return check_update_interval(ns)
 
@@ -174,8 +213,8 @@ def check_global_dataset(ns: argparse.Namespace) -> str | None:
         return None
     if ns.rollout_function_path is None:
         return (
-            "--disable-rollout-global-dataset leaves the built-in rollout without prompts: give a --rollout-function-path "
-            "that brings its own data, or drop the flag"
+            "--disable-rollout-global-dataset leaves the built-in rollout without prompts: give a "
+            "--rollout-function-path that brings its own data, or drop the flag"
         )
     if ns.num_rollout is None:
         return (
@@ -189,27 +228,39 @@ def check_delta(ns: argparse.Namespace) -> str | None:
     if ns.update_weight_mode != "delta":
         if ns.update_weight_local_checkpoint_dir:
             return (
-                "--update-weight-local-checkpoint-dir is the engine hosts' checkpoint of --update-weight-mode delta; "
-                "full disk pushes are read from --update-weight-disk-dir directly: drop it, or add "
-                "--update-weight-mode delta"
+                "--update-weight-local-checkpoint-dir is the engine hosts' checkpoint of "
+                "--update-weight-mode delta; full disk pushes are read from --update-weight-disk-dir "
+                "directly: drop it, or add --update-weight-mode delta"
             )
         return None
     if ns.update_weight_transport != "disk":
-        return f"--update-weight-mode delta publishes to disk: use --update-weight-transport disk, not {ns.update_weight_transport}"
+        return (
+            "--update-weight-mode delta publishes to disk: use --update-weight-transport disk, not "
+            f"{ns.update_weight_transport}"
+        )
     if ns.colocate:
         return (
-            "--update-weight-mode delta: colocated engines take the weights in place through CUDA IPC, where a delta "
-            "saves nothing: drop --update-weight-mode delta or --colocate"
+            "--update-weight-mode delta: colocated engines take the weights in place through CUDA IPC, "
+            "where a delta saves nothing: drop --update-weight-mode delta or --colocate"
         )
-    missing = [f for f, v in (("--update-weight-disk-dir", ns.update_weight_disk_dir),
-                              ("--update-weight-local-checkpoint-dir", ns.update_weight_local_checkpoint_dir)) if not v]  # fmt: skip
+    missing = [
+        f
+        for f, v in (
+            ("--update-weight-disk-dir", ns.update_weight_disk_dir),
+            ("--update-weight-local-checkpoint-dir", ns.update_weight_local_checkpoint_dir),
+        )
+        if not v
+    ]
     if missing:
         return (
-            f"--update-weight-mode delta needs {' and '.join(missing)}: where versions are published (a directory "
-            "every engine host reads) and each host's own checkpoint (local disk)"
+            f"--update-weight-mode delta needs {' and '.join(missing)}: where versions are published (a "
+            "directory every engine host reads) and each host's own checkpoint (local disk)"
         )
     if ns.lora_rank:
-        return "--update-weight-mode delta pushes full weights' changes; with --lora-rank push the adapters or merged weights"
+        return (
+            "--update-weight-mode delta pushes full weights' changes; with --lora-rank push the "
+            "adapters or merged weights"
+        )
     return delta_dirs_problem(
         ns.hf_checkpoint, ns.update_weight_disk_dir, ns.update_weight_local_checkpoint_dir
     )
@@ -226,7 +277,10 @@ def delta_dirs_problem(hf_checkpoint: str | None, disk_dir: str, local_dir: str)
             "--hf-checkpoint and --update-weight-disk-dir (neither inside the other)"
         )
     if within(hf_checkpoint, disk_dir):
-        return "--update-weight-disk-dir must not hold --hf-checkpoint: a delta stream removes the versions it wrote there"
+        return (
+            "--update-weight-disk-dir must not hold --hf-checkpoint: a delta stream removes the "
+            "versions it wrote there"
+        )
     return None
 
 
@@ -235,23 +289,28 @@ def check_update_interval(ns: argparse.Namespace) -> str | None:
     --balance-by-flops, which cuts dynamic micro-batches)."""
     if ns.keep_old_actor and (ns.fully_async or ns.partial_rollout):
         return (
-            f"--keep-old-actor takes each rollout's old log-probs with the one weight version that generated it; "
-            f"{'--fully-async' if ns.fully_async else '--partial-rollout'} mixes versions within a rollout: drop one of them"
+            "--keep-old-actor takes each rollout's old log-probs with the one weight version that "
+            f"generated it; {'--fully-async' if ns.fully_async else '--partial-rollout'} mixes versions "
+            "within a rollout: drop one of them"
         )
     if ns.balance_by_flops and not ns.use_dynamic_batch_size:
-        return "--balance-by-flops balances dynamic micro-batches: add --use-dynamic-batch-size (and --max-tokens-per-gpu)"
+        return (
+            "--balance-by-flops balances dynamic micro-batches: add --use-dynamic-batch-size (and "
+            "--max-tokens-per-gpu)"
+        )
     n = ns.update_weights_interval
     if n < 1:
         return f"--update-weights-interval must be >= 1 (got {n})"
     if n > 1 and ns.colocate:
         return (
-            "--update-weights-interval: colocated engines give their weights' memory up while the trainer trains and "
-            "take it back with each push, so every rollout must push: drop --update-weights-interval or --colocate"
+            "--update-weights-interval: colocated engines give their weights' memory up while the trainer "
+            "trains and take it back with each push, so every rollout must push: drop "
+            "--update-weights-interval or --colocate"
         )
     if n > 1 and ns.fully_async:
         return (
-            "--update-weights-interval: --fully-async bounds staleness with --max-policy-version-lag and pushes "
-            "after every step; drop --update-weights-interval"
+            "--update-weights-interval: --fully-async bounds staleness with --max-policy-version-lag and "
+            "pushes after every step; drop --update-weights-interval"
         )
     if ns.start_rollout_id is not None and ns.start_rollout_id < 0:
         return f"--start-rollout-id must be >= 0 (got {ns.start_rollout_id})"
@@ -263,49 +322,9 @@ def check_loss_mask_type(ns: argparse.Namespace) -> str | None:
 
     if ns.loss_mask_type not in SUPPORTED:
         return (
-            f"--loss-mask-type {ns.loss_mask_type} is not supported here: its chat templates rewrite earlier turns, "
-            f"which the mask generator does not follow; use one of {', '.join(SUPPORTED)}"
+            f"--loss-mask-type {ns.loss_mask_type} is not supported here: its chat templates rewrite "
+            f"earlier turns, which the mask generator does not follow; use one of {', '.join(SUPPORTED)}"
         )
-    return None
-
-
-def check_debug(ns: argparse.Namespace) -> str | None:
-    """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
-
-    for flag in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
-        template = getattr(ns, flag)
-        if template is not None:
-            problem = template_problem(template, "--" + flag.replace("_", "-"))
-            if problem:
-                return problem
-    if ns.load_debug_rollout_data is not None:
-        ns.debug_train_only = True
-    elif ns.load_debug_rollout_data_subsample is not None:
-        return "--load-debug-rollout-data-subsample needs --load-debug-rollout-data"
-    r = ns.load_debug_rollout_data_subsample
-    if r is not None and not 0 < r <= 1:
-        return f"--load-debug-rollout-data-subsample must be in (0, 1], got {r}"
-    if ns.debug_rollout_only and ns.debug_train_only:
-        return (
-            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each "
-            "other: the first runs no trainer, the second no engine"
-        )
-    if not ns.debug_train_only:
-        return None
-    if ns.load_debug_rollout_data is None and ns.rollout_function_path is None:
-        return (
-            "--debug-train-only starts no engine: give --load-debug-rollout-data TEMPLATE, or a "
-            "--rollout-function-path that needs no engine"
-        )
-    if ns.load_debug_rollout_data is not None and ns.num_rollout is None:
-        return "--load-debug-rollout-data replays rollout ids 0 .. --num-rollout - 1: give --num-rollout"
-    if ns.eval_interval is not None and ns.rollout_function_path is None:
-        return (
-            "--eval-interval generates with an engine, and --debug-train-only starts none: drop "
-            "--eval-interval (or evaluate with a --rollout-function-path that needs no engine)"
-        )
-    if ns.save_debug_rollout_data is not None and ns.load_debug_rollout_data is not None:
-        return "--save-debug-rollout-data with --load-debug-rollout-data would copy the dumps: give one"
     return None
 
 
@@ -324,17 +343,22 @@ def check_external(ns: argparse.Namespace) -> str | None:
     if len(set(normalized)) != len(normalized):
         return "--rollout-external-engine-addrs names an engine twice"
     if ns.colocate:
-        return "--colocate places launched engines beside the trainer; external engines run elsewhere: drop --colocate"
+        return (
+            "--colocate places launched engines beside the trainer; external engines run "
+            "elsewhere: drop --colocate"
+        )
     if ns.debug_train_only:
-        return "--rollout-external-engine-addrs with --debug-train-only: the mode uses no engine; give one of them"
+        return (
+            "--rollout-external-engine-addrs with --debug-train-only: the mode uses no engine; "
+            "give one of them"
+        )
     ns.rollout_external_engine_addrs = normalized
     return None
 
 
-def check_precision_flags(ns: argparse.Namespace) -> str | None:
-
-    for flag in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout",
-                 "rollout_health_check_interval", "rollout_health_check_timeout"):  # fmt: skip
+def check_fault_tolerance(ns: argparse.Namespace) -> str | None:
+    """--use-fault-tolerance and its engine health checks."""
+    for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
         value = getattr(ns, flag)
         if value is not None and not value > 0:
             return f"--{flag.replace('_', '-')} must be > 0, got {value}"
@@ -342,8 +366,9 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
         return f"--rollout-health-check-first-wait must be >= 0, got {ns.rollout_health_check_first_wait}"
     if ns.use_fault_tolerance and ns.colocate and ns.device != "cpu":
         return (
-            "--use-fault-tolerance with --colocate on GPUs is not built yet: a restarted engine would take its GPU "
-            "memory while the trainer holds it, and the CUDA-IPC push reaches every engine or none; drop one of them"
+            "--use-fault-tolerance with --colocate on GPUs is not built yet: a restarted engine would "
+            "take its GPU memory while the trainer holds it, and the CUDA-IPC push reaches every engine "
+            "or none; drop one of them"
         )
     given = [
         f
@@ -352,45 +377,10 @@ def check_precision_flags(ns: argparse.Namespace) -> str | None:
     ]
     if given and not ns.use_fault_tolerance:
         flag = "--rollout-health-check-" + given[0].replace("_", "-")
-        return f"{flag} sets the engine health checks, which run only with --use-fault-tolerance: add it (or drop {flag})"
-    if ns.check_precision and ns.use_rollout_logprobs:
         return (
-            "--check-precision gates the first step on ppo_kl == 0, and --use-rollout-logprobs measures the ratio "
-            "against the engine's log-probs (ppo_kl is the trainer-engine gap): give one of them"
+            f"{flag} sets the engine health checks, which run only with --use-fault-tolerance: add "
+            f"it (or drop {flag})"
         )
-    if ns.check_precision and ns.debug_rollout_only:
-        return "--check-precision checks the trainer against the engines, and --debug-rollout-only starts no trainer"
-    if ns.debug_sync_parameters_path is None:
-        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
-    checks = {"--debug-sync-parameters-path": ns.debug_sync_parameters_path is not None,
-              "--check-weight-sync": ns.check_weight_sync, "--check-weight-update-equal": ns.check_weight_update_equal}  # fmt: skip
-    for flag, on in checks.items():
-        if on and (ns.debug_rollout_only or ns.debug_train_only):
-            return f"{flag} checks the weight push from the trainer to the engines, which --debug-rollout-only / --debug-train-only never run"
-    adapter_push = bool(getattr(ns, "lora_rank", 0)) and getattr(ns, "lora_push", None) == "adapter"
-    for flag in ("--debug-sync-parameters-path", "--check-weight-sync"):
-        if flag == "--check-weight-sync" and adapter_push:
-            continue  # the adapter's check is SGLang's own expected_checksums (slime.bridge.adapter)
-        if checks[flag] and ns.rollout_backend == "sglang":
-            return (
-                f"{flag} needs engines that report what they wrote (the torch engine's slime extensions); SGLang "
-                "does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang engines"
-            )
-    root = ns.debug_sync_parameters_path
-    if root is not None:
-        for part in ("before_sync_parameter", "after_sync_parameter"):
-            if os.path.isdir(os.path.join(root, part)) and os.listdir(os.path.join(root, part)):
-                return (
-                    f"--debug-sync-parameters-path {root!r} already holds {part}/ from an earlier run: "
-                    "choose an empty directory or remove it (nothing is overwritten)"
-                )
-    if ns.debug_push_fault is not None:
-        if ns.debug_rollout_only or ns.debug_train_only:
-            return "--debug-push-fault breaks the weight push, which --debug-rollout-only / --debug-train-only never run"
-        try:
-            parse_push_fault(ns.debug_push_fault)
-        except ValueError as e:
-            return str(e)
     return None
 
 
@@ -423,7 +413,10 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     flags = megatron_flags()
     given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if getattr(ns, k) != v]
     if ns.train_backend != "megatron":
-        return f"{', '.join(given)} configure --train-backend megatron; with --train-backend {ns.train_backend} drop them"
+        return (
+            f"{', '.join(given)} configure --train-backend megatron; with --train-backend "
+            f"{ns.train_backend} drop them"
+        )
     from slime.config.flags import from_flags
     from slime.config.train import MegatronConfig
 
@@ -435,39 +428,33 @@ def check_megatron(ns: argparse.Namespace) -> str | None:
     tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
     uneven = [end for end, v in zip(("first", "last"), megatron.stage_layers, strict=True) if v is not None]
     if uneven and pp < 2:
-        return f"--decoder-{uneven[0]}-pipeline-num-layers sets a pipeline stage's layers: give --pipeline-model-parallel-size > 1"
+        return (
+            f"--decoder-{uneven[0]}-pipeline-num-layers sets a pipeline stage's layers: give "
+            "--pipeline-model-parallel-size > 1"
+        )
     if ranks % (tp * pp * cp):
         return (
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} "
-            f"= {tp * pp * cp} does not divide the {ranks} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+            f"--context-parallel-size {cp} = {tp * pp * cp} does not divide the {ranks} train ranks "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
         )
     ep, etp = megatron.expert_model_parallel_size, megatron.etp
     if ranks % (ep * etp * pp):
         return (
-            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
-            f"{pp} = {ep * etp * pp} does not divide the {ranks} train ranks (megatron-core's expert layout)"
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
+            f"--pipeline-model-parallel-size {pp} = {ep * etp * pp} does not divide the {ranks} train "
+            "ranks (megatron-core's expert layout)"
         )
-    fsdp_only = [f"--{d.replace('_', '-')}" for d in ("debug_disable_sharding", "fsdp_cpu_offload")
-                 if getattr(ns, d, False)]  # fmt: skip
-    fsdp_only += [f"--{d.replace('_', '-')}" for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")
-                  if getattr(ns, d, "float32") != "float32"]  # fmt: skip
+    fsdp_only = [
+        f"--{d.replace('_', '-')}"
+        for d in ("debug_disable_sharding", "fsdp_cpu_offload")
+        if getattr(ns, d, False)
+    ]
+    fsdp_only += [
+        f"--{d.replace('_', '-')}"
+        for d in ("fsdp_param_dtype", "fsdp_reduce_dtype")
+        if getattr(ns, d, "float32") != "float32"
+    ]
     if fsdp_only:
         return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
     return None
-
-
-PUSH_FAULT_KINDS = ("perturb", "noise", "transpose", "drop", "swap")
-
-
-def parse_push_fault(spec: str) -> tuple[str, tuple[str, ...]]:
-    """--debug-push-fault's grammar (slime.bridge.faults applies it): `KIND:NAME` or
-    `swap:NAME1,NAME2` -> (kind, names); ValueError names the flag and the forms."""
-    kind, _, rest = spec.partition(":")
-    names = tuple(n for n in rest.split(",") if n)
-    want = 2 if kind == "swap" else 1
-    if kind not in PUSH_FAULT_KINDS or len(names) != want:
-        raise ValueError(
-            f"--debug-push-fault {spec!r}: expected KIND:NAME with KIND one of "
-            f"{', '.join(k for k in PUSH_FAULT_KINDS if k != 'swap')}, or swap:NAME1,NAME2 (HF parameter names)"
-        )
-    return kind, names

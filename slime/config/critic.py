@@ -63,11 +63,19 @@ def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
 
 def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | None:
     """The critic of a PPO run (None for the other estimators; its flags are then refused)."""
-    given = [f for f, v in (("--critic-load", ns.critic_load), ("--critic-save", ns.critic_save),
-                            ("--critic-lr", ns.critic_lr), ("--critic-num-nodes", ns.critic_num_nodes),
-                            ("--critic-lr-warmup-iters", ns.critic_lr_warmup_iters or None),
-                            ("--critic-num-gpus-per-node", ns.critic_num_gpus_per_node),
-                            ("--num-critic-only-steps", ns.num_critic_only_steps or None)) if v is not None]  # fmt: skip
+    given = [
+        f
+        for f, v in (
+            ("--critic-load", ns.critic_load),
+            ("--critic-save", ns.critic_save),
+            ("--critic-lr", ns.critic_lr),
+            ("--critic-num-nodes", ns.critic_num_nodes),
+            ("--critic-lr-warmup-iters", ns.critic_lr_warmup_iters or None),
+            ("--critic-num-gpus-per-node", ns.critic_num_gpus_per_node),
+            ("--num-critic-only-steps", ns.num_critic_only_steps or None),
+        )
+        if v is not None
+    ]
     if actor.loss.advantage_estimator != "ppo":
         if given:
             raise ValueError(f"{given[0]} sets the critic, which only --advantage-estimator ppo has")
@@ -82,9 +90,9 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
     per_node = ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node
     if nodes * per_node != ns.actor_num_nodes * ns.actor_num_gpus_per_node:
         raise ValueError(
-            f"--critic-num-nodes x --critic-num-gpus-per-node = {nodes * per_node} critic ranks: the critic trains "
-            f"the actor's data-parallel parts of each rollout, so it needs as many ranks as the actor "
-            f"({ns.actor_num_nodes * ns.actor_num_gpus_per_node})"
+            f"--critic-num-nodes x --critic-num-gpus-per-node = {nodes * per_node} critic ranks: the "
+            "critic trains the actor's data-parallel parts of each rollout, so it needs as many ranks as "
+            f"the actor ({ns.actor_num_nodes * ns.actor_num_gpus_per_node})"
         )
     if ns.critic_save and not ns.save:
         raise ValueError("--critic-save needs --save: the critic saves when the actor does")
@@ -92,8 +100,8 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         os.path.realpath(ns.critic_save) == os.path.realpath(d) for d in (ns.save, ns.load) if d
     ):
         raise ValueError(
-            f"--critic-save {ns.critic_save!r} is the actor's --save / --load: the critic's checkpoints would replace "
-            "the actor's; give it a directory of its own (the default is <--save>/critic)"
+            f"--critic-save {ns.critic_save!r} is the actor's --save / --load: the critic's checkpoints "
+            "would replace the actor's; give it a directory of its own (the default is <--save>/critic)"
         )
     save = ns.critic_save or (os.path.join(ns.save, "critic") if ns.save else None)
     # A resumed run (--load) resumes its critic from where the critic saved: <--load>/critic unless

@@ -1,6 +1,7 @@
-"""What `parse` (slime.config.arguments) does between argparse and the configs: the settings whose default depends on
-other flags, slime's spellings of ours, --custom-config-path, and the architecture flags against
-the HF config. Each function fills `ns` in place and returns the problems it found."""
+"""What `parse` (slime.config.arguments) does between argparse and the configs: the settings
+whose default depends on other flags, slime's spellings of ours, --custom-config-path, and the
+architecture flags against the HF config. Each function fills `ns` in place and returns the
+problems it found."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def custom_config(ns: argparse.Namespace, types: dict[str, Any]) -> list[str]:
                 value = kind(value)
             except (TypeError, ValueError):
                 return [
-                    f"--custom-config-path {path}: {key}: {value!r} is not a valid {getattr(kind, '__name__', kind)}"
+                    f"--custom-config-path {path}: {key}: {value!r} is not a valid "
+                    f"{getattr(kind, '__name__', kind)}"
                 ]
         if getattr(ns, key, value) != value:
             logger.info("--custom-config-path %s sets %s = %r (was %r)", path, key, value, getattr(ns, key))
@@ -63,8 +65,8 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
     external = ns.rollout_external_engine_addrs
     if external is not None and ns.rollout_num_gpus is not None:
         out.append(
-            "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs none is "
-            "launched: drop --rollout-num-gpus"
+            "--rollout-num-gpus sizes the engines slime launches; with --rollout-external-engine-addrs "
+            "none is launched: drop --rollout-num-gpus"
         )
     if ns.rollout_num_gpus is None:
         ns.rollout_num_gpus = (
@@ -110,8 +112,8 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
         ns.gradient_checkpointing = True  # every decoder layer, as FSDP's checkpointing does
     if ns.accumulate_allreduce_grads_in_fp32 and ns.fsdp_reduce_dtype != "float32":
         out.append(
-            f"--accumulate-allreduce-grads-in-fp32 asks for float32 gradient reductions, and --fsdp-reduce-dtype is "
-            f"{ns.fsdp_reduce_dtype}: drop one of them"
+            "--accumulate-allreduce-grads-in-fp32 asks for float32 gradient reductions, and "
+            f"--fsdp-reduce-dtype is {ns.fsdp_reduce_dtype}: drop one of them"
         )
     ctx = ns.rollout_max_context_len
     if ctx is not None:
@@ -188,8 +190,10 @@ def schedule_defaults(ns: argparse.Namespace) -> list[str]:
     if not 0.0 <= fraction <= 1.0:
         return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
     if decay is None:
-        return ["--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, from "
-                "--num-rollout or --num-epoch): give one of them"]  # fmt: skip
+        return [
+            "--lr-warmup-fraction is a fraction of --lr-decay-iters (default: the run's optimizer steps, "
+            "from --num-rollout or --num-epoch): give one of them"
+        ]
     ns.lr_warmup_iters = round(fraction * decay)
     return []
 
@@ -210,7 +214,8 @@ def checkpoint_architecture_problems(ns: argparse.Namespace) -> list[str]:
 
 
 def _hf_config(path: str | None) -> Any:
-    """--hf-checkpoint's config, or None where it cannot be read here: a missing or bad checkpoint is reported by the input checks, with the reason."""
+    """--hf-checkpoint's config, or None where it cannot be read here: a missing or bad checkpoint is reported
+    by the input checks, with the reason."""
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return None
     from transformers import AutoConfig
@@ -267,11 +272,15 @@ def family_problems(ns: argparse.Namespace) -> list[str]:
         if ns.train_backend == "fsdp" and (why := value_model_refusal(model_type)):
             out.append(f"--advantage-estimator ppo: the critic starts from {critic}, {why}")
         elif ns.train_backend != "fsdp" and is_vision(model_type):
-            out.append(f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
-                       "vision-language model, which the Megatron backend does not build")  # fmt: skip
+            out.append(
+                f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
+                "vision-language model, which the Megatron backend does not build"
+            )
         elif getattr(ns, "multimodal_keys", None):
-            out.append("--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is not "
-                       "built (its forward takes no pixels); use grpo (or another critic-free estimator)")  # fmt: skip
+            out.append(
+                "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is "
+                "not built (its forward takes no pixels); use grpo (or another critic-free estimator)"
+            )
     if (getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0) > 0:
         from slime.config.architecture import hf_moe
         from slime.config.flags import from_flags
@@ -338,7 +347,8 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
         return [f"{hooked}: {why}"] if hooked else []
     if not experts or not getattr(text, "num_experts_per_tok", None):
         return [
-            f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has no routed experts"
+            f"{flag} needs a mixture-of-experts model; --hf-checkpoint {path} ({config.model_type}) has "
+            "no routed experts"
         ]
     if not r3:
         return []

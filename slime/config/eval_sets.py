@@ -46,10 +46,18 @@ PLUGIN_KEYS = ("rm_type", "custom_rm_path", "custom_generate_function_path")
 # slime's keys for what is not built here: refused by name rather than ignored.
 NOT_HERE = (
     "repetition_penalty",
-    "skip_special_tokens", "no_stop_trim", "metadata_overrides",
-    "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
-    "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment",
-)  # fmt: skip
+    "skip_special_tokens",
+    "no_stop_trim",
+    "metadata_overrides",
+    "app_service",
+    "eval_task_timeout",
+    "min_eval_samples",
+    "eval_early_stop_remaining",
+    "eval_early_stop_idle_timeout",
+    "message_processor",
+    "reward_model",
+    "remote_environment",
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,8 @@ def eval_datasets(ns: argparse.Namespace) -> tuple[EvalDataset, ...]:
         values = list(ns.eval_prompt_data)
         if len(values) > 1 and len(values) % 2:
             raise ValueError(
-                f"--eval-prompt-data takes one PATH or NAME PATH pairs; got {len(values)} values: {' '.join(values)}"
+                f"--eval-prompt-data takes one PATH or NAME PATH pairs; got {len(values)} values: "
+                f"{' '.join(values)}"
             )
         defaults, entries = {}, [{"name": n, "path": p} for n, p in name_path_pairs(values)]
     else:
@@ -155,8 +164,8 @@ def eval_datasets(ns: argparse.Namespace) -> tuple[EvalDataset, ...]:
     for ds in datasets:
         if needs_reward_key(ds.rm_type) and ns.reward_key is None:
             raise ValueError(
-                f"evaluation set {ds.name or ds.data.prompt_data}: rm_type {ds.rm_type} returns a dict {{score, acc, "
-                "pred}: add --reward-key score"
+                f"evaluation set {ds.name or ds.data.prompt_data}: rm_type {ds.rm_type} returns a dict "
+                "{score, acc, pred}: add --reward-key score"
             )
     return datasets
 

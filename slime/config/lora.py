@@ -87,9 +87,14 @@ def dump_record(lora: LoRAConfig) -> dict[str, object] | None:
     engines served ADAPTER_NAME, whose version is the samples' weight_version (each push sets it)."""
     if not lora.enabled:
         return None
-    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
-            "push": lora.push, "adapter": ADAPTER_NAME if lora.pushes_adapter else None,
-            "adapter_path": lora.adapter_path}  # fmt: skip
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": list(lora.target_modules),
+        "push": lora.push,
+        "adapter": ADAPTER_NAME if lora.pushes_adapter else None,
+        "adapter_path": lora.adapter_path,
+    }
 
 
 def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
@@ -108,7 +113,8 @@ def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     title = "LoRA (Miles's flags; the FSDP backend)"
     for action in add_flags(parser, LoRAConfig, title)[title]._group_actions:
-        action.backends = ("fsdp",)  # type: ignore[attr-defined]  # slime.tools.flag_table: refused with megatron
+        # slime.tools.flag_table shows them refused with megatron
+        action.backends = ("fsdp",)  # type: ignore[attr-defined]
 
 
 def _names(value: str | None) -> tuple[str, ...]:
@@ -118,11 +124,17 @@ def _names(value: str | None) -> tuple[str, ...]:
 def lora_config(ns: argparse.Namespace) -> LoRAConfig:
     """The LoRA settings of parsed flags; ValueError names the flag on bad input."""
     rank = getattr(ns, "lora_rank", 0) or 0
-    given = [f for f, v in (("--target-modules", getattr(ns, "target_modules", None)),
-                            ("--lora-push", getattr(ns, "lora_push", None)),
-                            ("--exclude-modules", getattr(ns, "exclude_modules", None)),
-                            ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None)),
-                            ("--lora-save-merged", getattr(ns, "lora_save_merged", False))) if v]  # fmt: skip
+    given = [
+        f
+        for f, v in (
+            ("--target-modules", getattr(ns, "target_modules", None)),
+            ("--lora-push", getattr(ns, "lora_push", None)),
+            ("--exclude-modules", getattr(ns, "exclude_modules", None)),
+            ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None)),
+            ("--lora-save-merged", getattr(ns, "lora_save_merged", False)),
+        )
+        if v
+    ]
     if rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0: no LoRA), got {rank}")
     if rank == 0:
@@ -136,7 +148,8 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
     targets = _names(ns.target_modules)
     if not targets:
         raise ValueError(
-            f"--lora-rank {rank} needs --target-modules: Hugging Face module names (q_proj,v_proj,...) or {ALL_LINEAR}"
+            f"--lora-rank {rank} needs --target-modules: Hugging Face module names (q_proj,v_proj,...) or "
+            f"{ALL_LINEAR}"
         )
     if ALL_LINEAR in targets and len(targets) > 1:
         raise ValueError(f"--target-modules {ALL_LINEAR} names every linear layer: give it alone")
@@ -148,22 +161,24 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
         )
     if getattr(ns, "train_backend", "fsdp") != "fsdp":
         raise ValueError(
-            f"--lora-rank with --train-backend {ns.train_backend}: LoRA is built for the FSDP backend only so far "
-            "(use --train-backend fsdp)"
+            f"--lora-rank with --train-backend {ns.train_backend}: LoRA is built for the FSDP backend only "
+            "so far (use --train-backend fsdp)"
         )
     if getattr(ns, "train_vision_model", False):
-        raise ValueError("--train-vision-model with --lora-rank: the adapters are the language model's and only they "
-                         "train, the vision tower stays frozen; drop one of the flags")  # fmt: skip
+        raise ValueError(
+            "--train-vision-model with --lora-rank: the adapters are the language model's and only they "
+            "train, the vision tower stays frozen; drop one of the flags"
+        )
     ref_load = getattr(ns, "ref_load", None)
     if ref_load and os.path.realpath(ref_load) != os.path.realpath(ns.hf_checkpoint):
         raise ValueError(
-            f"--ref-load {ref_load!r} with --lora-rank: a LoRA run's reference is its base model (--hf-checkpoint) "
-            "with the adapters off; drop --ref-load"
+            f"--ref-load {ref_load!r} with --lora-rank: a LoRA run's reference is its base model "
+            "(--hf-checkpoint) with the adapters off; drop --ref-load"
         )
     if getattr(ns, "use_opd", False) and getattr(ns, "opd_type", None) == "megatron":
         raise ValueError(
-            "--opd-type megatron with --lora-rank: the teacher's weights cannot replace a LoRA model's in the train "
-            "pass yet; use --opd-type sglang (a teacher engine)"
+            "--opd-type megatron with --lora-rank: the teacher's weights cannot replace a LoRA model's in "
+            "the train pass yet; use --opd-type sglang (a teacher engine)"
         )
     if getattr(ns, "lora_save_merged", False) and not getattr(ns, "save_hf", None):
         raise ValueError(
@@ -188,9 +203,9 @@ def adapter_push_problem(ns: argparse.Namespace) -> str | None:
     kind = resolve_kind("tensor" if transport == "nccl" else transport, device)
     if kind in ("distributed", "disk"):
         return (
-            f"--lora-push adapter with --update-weight-transport {transport}: the adapter is handed over as tensors "
-            "on the trainer's node (shared memory, or CUDA IPC with --colocate); no engine route takes an adapter "
-            "through a process group. Use --colocate on GPU, or --lora-push merged"
+            f"--lora-push adapter with --update-weight-transport {transport}: the adapter is handed over "
+            "as tensors on the trainer's node (shared memory, or CUDA IPC with --colocate); no engine "
+            "route takes an adapter through a process group. Use --colocate on GPU, or --lora-push merged"
         )
     if getattr(ns, "rollout_backend", "torch") == "sglang" and getattr(ns, "fully_async", False):
         return sglang_async_problem("--fully-async")
@@ -199,9 +214,9 @@ def adapter_push_problem(ns: argparse.Namespace) -> str | None:
 
 def sglang_async_problem(schedule: str) -> str:
     return (
-        f"--lora-push adapter to SGLang engines with {schedule}: upstream SGLang replaces an adapter only by unloading "
-        "it, which waits for the requests using it, and this schedule pushes while requests run (they would never "
-        "finish); use train.py, or --lora-push merged"
+        f"--lora-push adapter to SGLang engines with {schedule}: upstream SGLang replaces an adapter only "
+        "by unloading it, which waits for the requests using it, and this schedule pushes while requests "
+        "run (they would never finish); use train.py, or --lora-push merged"
     )
 
 

@@ -43,12 +43,15 @@ class LossConfig:
         help="with --use-kl-loss: each token's KL estimate times p / p_old (the importance ratio to the "
         "policy that generated it; gradient through it), DeepSeek-V3.2's unbiased estimator",
     )
-    """`--use-unbiased-kl`: the KL loss per token times exp(log p - log p_old) (slime.algo.losses.approx_kl)."""
+    """`--use-unbiased-kl`: the KL loss per token times exp(log p - log p_old)
+    (slime.algo.losses.approx_kl)."""
     ref_update_interval: int | None = flag(
-        "--ref-update-interval", None, type=int,
-        help="every N rollouts, after training, the reference model becomes the actor's weights (as slime; kept "
-        "in memory, not in checkpoints: a resumed run starts from --ref-load again)",
-    )  # fmt: skip
+        "--ref-update-interval",
+        None,
+        type=int,
+        help="every N rollouts, after training, the reference model becomes the actor's weights (as "
+        "slime; kept in memory, not in checkpoints: a resumed run starts from --ref-load again)",
+    )
     """`--ref-update-interval N`: the reference refreshed from the actor after every N rollouts."""
     kl_coef: float = flag("--kl-coef", 0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)")
     """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
@@ -61,26 +64,31 @@ class LossConfig:
     entropy_coef: float = flag("--entropy-coef", 0.0)
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
     keep_old_actor: bool = flag(
-        "--keep-old-actor", False,
-        help="the old policy's log-probs come from the weights that generated the rollout (kept in host memory at "
-        "every push), not the weights being trained: they differ one step off-policy (train_async.py) and with "
-        "--update-weights-interval",
-    )  # fmt: skip
-    """`--keep-old-actor`: the log-prob pass with the generating version's weights (slime.backends.old_actor)."""
+        "--keep-old-actor",
+        False,
+        help="the old policy's log-probs come from the weights that generated the rollout (kept in host "
+        "memory at every push), not the weights being trained: they differ one step off-policy "
+        "(train_async.py) and with --update-weights-interval",
+    )
+    """`--keep-old-actor`: the log-prob pass with the generating version's weights
+    (slime.backends.old_actor)."""
     use_rollout_entropy: bool = flag(
-        "--use-rollout-entropy", False,
-        help="the log-prob passes also measure each token's entropy (at --rollout-temperature): rollout/entropy "
-        "and rollout/ref_entropy, token means over the loss mask",
-    )  # fmt: skip
+        "--use-rollout-entropy",
+        False,
+        help="the log-prob passes also measure each token's entropy (at --rollout-temperature): "
+        "rollout/entropy and rollout/ref_entropy, token means over the loss mask",
+    )
     """`--use-rollout-entropy`: entropy in the log-prob passes (TrainActorBase.pass_entropy)."""
     use_tis: bool = flag("--use-tis", False)
     """`--use-tis`: truncated importance sampling against the engine's log-probs."""
     get_mismatch_metrics: bool = flag(
-        "--get-mismatch-metrics", False,
-        help="with --custom-tis-function-path: call it on every micro-batch for its train/rollout mismatch metrics "
-        "(train/ois and the function's, e.g. slime's mis.py: train/mis_*), without --use-tis; the loss is what "
-        "the function returns (slime's mis.py leaves it unchanged without --use-tis)",
-    )  # fmt: skip
+        "--get-mismatch-metrics",
+        False,
+        help="with --custom-tis-function-path: call it on every micro-batch for its train/rollout "
+        "mismatch metrics (train/ois and the function's, e.g. slime's mis.py: train/mis_*), without "
+        "--use-tis; the loss is what the function returns (slime's mis.py leaves it unchanged "
+        "without --use-tis)",
+    )
     """`--get-mismatch-metrics`: the TIS hook's metrics without --use-tis (slime.algo.objective)."""
     tis_clip: float = flag("--tis-clip", 2.0)
     """`--tis-clip`: upper bound of the TIS weight."""
@@ -175,13 +183,13 @@ class LossConfig:
             raise ValueError(f"--eps-clip-c must be > 1, got {self.eps_clip_c}")
         if self.use_rollout_logprobs and self.use_tis:
             raise ValueError(
-                "--use-rollout-logprobs makes the engine's log-probs the old policy, so --use-tis (which weights by "
-                "old / engine) would be 1 everywhere: give one of them"
+                "--use-rollout-logprobs makes the engine's log-probs the old policy, so --use-tis (which "
+                "weights by old / engine) would be 1 everywhere: give one of them"
             )
         if not self.compute_advantages_and_returns and self.loss_type == "policy_loss":
             raise ValueError(
-                "--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it with "
-                "--loss-type sft_loss"
+                "--disable-compute-advantages-and-returns leaves the policy loss without advantages: use "
+                "it with --loss-type sft_loss"
             )
         if self.get_mismatch_metrics and self.custom_tis_function_path is None:
             raise ValueError(
@@ -205,8 +213,8 @@ class LossConfig:
             )
         if self.custom_tis_function_path is not None and not (self.use_tis or self.get_mismatch_metrics):
             raise ValueError(
-                "--custom-tis-function-path is called only with --use-tis (as in slime): add --use-tis, or drop "
-                "the function"
+                "--custom-tis-function-path is called only with --use-tis (as in slime): add --use-tis, "
+                "or drop the function"
             )
         if self.custom_pg_loss_reducer_function_path is not None and self.loss_type != "policy_loss":
             raise ValueError(
@@ -225,8 +233,8 @@ class LossConfig:
             )
         if self.use_unbiased_kl and not self.use_kl_loss:
             raise ValueError(
-                "--use-unbiased-kl weights the KL loss, which is off: add --use-kl-loss, or drop --use-unbiased-kl "
-                "(slime ignores it without --use-kl-loss)"
+                "--use-unbiased-kl weights the KL loss, which is off: add --use-kl-loss, or drop "
+                "--use-unbiased-kl (slime ignores it without --use-kl-loss)"
             )
         self._check_off_policy_corrections()
 
@@ -239,8 +247,8 @@ class LossConfig:
             )
         if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
             raise ValueError(
-                "--behav-imp-weight-cap masks tokens of the decoupled loss: add --use-decoupled-loss, or drop "
-                "--behav-imp-weight-cap"
+                "--behav-imp-weight-cap masks tokens of the decoupled loss: add --use-decoupled-loss, or "
+                "drop --behav-imp-weight-cap"
             )
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(

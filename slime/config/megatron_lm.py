@@ -56,8 +56,15 @@ def _moe_arch(flag: str, kwargs: dict[str, Any], note: str) -> Spec:
     return Spec(flag, kwargs, CHECKED, CHECKED, note, group="architecture")
 
 
-def _moe(flag: str, kwargs: dict[str, Any], fsdp: str, megatron: str, note: str, neutral: Any = None,
-         refused_note: str | None = None) -> Spec:  # fmt: skip
+def _moe(
+    flag: str,
+    kwargs: dict[str, Any],
+    fsdp: str,
+    megatron: str,
+    note: str,
+    neutral: Any = None,
+    refused_note: str | None = None,
+) -> Spec:
     """A mixture-of-experts training flag."""
     return Spec(flag, kwargs, fsdp, megatron, note, neutral, group="training", refused_note=refused_note)
 
@@ -80,7 +87,8 @@ SPECS: tuple[Spec, ...] = (
     _arch(
         "--kv-channels",
         {"type": int},
-        "head_dim (default hidden_size / num_attention_heads); with --multi-latent-attention, qk_nope_head_dim",
+        "head_dim (default hidden_size / num_attention_heads); with --multi-latent-attention, "
+        "qk_nope_head_dim",
     ),
     _arch("--vocab-size", {"type": int}, "vocab_size"),
     _arch("--max-position-embeddings", {"type": int}, "max_position_embeddings"),
@@ -102,8 +110,8 @@ SPECS: tuple[Spec, ...] = (
     _arch(
         "--add-qkv-bias",
         store_true(),
-        "q/k/v projections with bias (Qwen2, attention_bias); not compared with --multi-latent-attention, whose "
-        "latent projections have none in Megatron-LM (slime's GLM-4.7-Flash script gives it)",
+        "q/k/v projections with bias (Qwen2, attention_bias); not compared with --multi-latent-attention, "
+        "whose latent projections have none in Megatron-LM (slime's GLM-4.7-Flash script gives it)",
     ),
     _arch("--qk-layernorm", store_true(), "per-head RMSNorm on queries and keys (Qwen3)"),
     _arch("--untie-embeddings-and-output-weights", store_true(), "tie_word_embeddings false"),
@@ -149,17 +157,18 @@ SPECS: tuple[Spec, ...] = (
         {"nargs": "+", "default": None},
         NO_EFFECT,
         REFUSED,
-        "a custom Megatron layer spec (--spec MODULE FUNCTION); FSDP builds the model from --hf-checkpoint's "
-        "transformers modeling, which the spec describes. slime's specs for GLM-4 (slime_plugins.models.glm4 "
-        "get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next get_qwen3_next_spec) and Qwen3.5 "
-        "(slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by both backends: the Megatron backend "
-        "builds those families' layers itself; slime's Qwen3.5 vision-language provider "
-        "(slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider) with FSDP, which builds the released "
-        "checkpoint's own model",
+        "a custom Megatron layer spec (--spec MODULE FUNCTION); FSDP builds the model from "
+        "--hf-checkpoint's transformers modeling, which the spec describes. slime's specs for GLM-4 "
+        "(slime_plugins.models.glm4 get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next "
+        "get_qwen3_next_spec) and Qwen3.5 (slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by "
+        "both backends: the Megatron backend builds those families' layers itself; slime's Qwen3.5 "
+        "vision-language provider (slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider) with "
+        "FSDP, which builds the released checkpoint's own model",
         neutral=tuple(list(spec) for spec in SLIME_SPECS),
         group="architecture",
-        refused_note="custom Megatron layer specs are not supported: the Megatron backend builds megatron-core's "
-        "own specs from --hf-checkpoint (and GLM-4's, Qwen3-Next's and Qwen3.5's for slime's specs of them)",
+        refused_note="custom Megatron layer specs are not supported: the Megatron backend builds "
+        "megatron-core's own specs from --hf-checkpoint (and GLM-4's, Qwen3-Next's and "
+        "Qwen3.5's for slime's specs of them)",
     ),
     _arch("--multi-latent-attention", store_true(), "multi-latent attention (DeepSeek-V3: kv_lora_rank)"),
     _arch("--q-lora-rank", {"type": int, "default": None}, "q_lora_rank (none: queries without a latent)"),
@@ -214,8 +223,8 @@ SPECS: tuple[Spec, ...] = (
         APPLIED,
         "aux-loss-free balancing: after each optimizer step every router's expert bias moves by this rate "
         "towards the experts that got fewer than the mean of the step's real training tokens (all ranks "
-        "counted), as megatron-core updates it; only for routers with an expert bias (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash). "
-        "0: the bias stays as the checkpoint has it (slime's scripts)",
+        "counted), as megatron-core updates it; only for routers with an expert bias (DeepSeek-V3, "
+        "GLM-4.5+, GLM-4.7-Flash). 0: the bias stays as the checkpoint has it (slime's scripts)",
         neutral=0.0,
     ),
     _moe_arch(
@@ -237,9 +246,9 @@ SPECS: tuple[Spec, ...] = (
         {"choices": ["aux_loss", "seq_aux_loss", "none"], "default": None},
         APPLIED,
         APPLIED,
-        "aux_loss (megatron-core's, over each micro-batch's tokens), seq_aux_loss (megatron-core's per-sequence "
-        "loss: each sequence's own, averaged over the step's sequences) or none (no load-balancing loss whatever "
-        "--moe-aux-loss-coeff says)",
+        "aux_loss (megatron-core's, over each micro-batch's tokens), seq_aux_loss (megatron-core's "
+        "per-sequence loss: each sequence's own, averaged over the step's sequences) or none (no "
+        "load-balancing loss whatever --moe-aux-loss-coeff says)",
     ),
     _moe(
         "--moe-router-dtype",
@@ -278,8 +287,8 @@ SPECS: tuple[Spec, ...] = (
         {"type": int, "default": None},
         NO_EFFECT,
         APPLIED,
-        "megatron: each expert split over this many ranks (default: the tensor-parallel size, as Megatron-LM); "
-        "FSDP shards each MoE layer's experts over the ranks instead",
+        "megatron: each expert split over this many ranks (default: the tensor-parallel size, as "
+        "Megatron-LM); FSDP shards each MoE layer's experts over the ranks instead",
         neutral=1,
         group="training",
     ),
@@ -288,8 +297,9 @@ SPECS: tuple[Spec, ...] = (
         {"type": int, "default": None},
         REFUSED,
         APPLIED,
-        "megatron: build the checkpoint's first N multi-token prediction modules (num_nextn_predict_layers: "
-        "DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); saved and exported with the model, left out of the weight push",
+        "megatron: build the checkpoint's first N multi-token prediction modules "
+        "(num_nextn_predict_layers: DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); saved and exported with the "
+        "model, left out of the weight push",
         neutral=0,
         group="training",
         refused_note=MTP,
@@ -309,8 +319,8 @@ SPECS: tuple[Spec, ...] = (
         store_true(),
         REFUSED,
         APPLIED,
-        "megatron: train the MTP modules (cross entropy of token i + k + 1 on the response tokens, averaged as "
-        "slime does); without it they are kept as loaded",
+        "megatron: train the MTP modules (cross entropy of token i + k + 1 on the response tokens, "
+        "averaged as slime does); without it they are kept as loaded",
         group="training",
         refused_note=MTP,
     ),
@@ -335,16 +345,16 @@ SPECS: tuple[Spec, ...] = (
         {"type": float, "default": 0.0},
         APPLIED,
         APPLIED,
-        "dropout on attention probabilities in training steps (0 here and in slime; Megatron-LM's default is 0.1); "
-        "log-prob passes run without dropout",
+        "dropout on attention probabilities in training steps (0 here and in slime; Megatron-LM's default "
+        "is 0.1); log-prob passes run without dropout",
     ),
     Spec(
         "--hidden-dropout",
         {"type": float, "default": 0.0},
         REFUSED,
         APPLIED,
-        "dropout after attention and MLP in training steps (0 by default); the Hugging Face Llama/Qwen modules "
-        "the FSDP backend trains have no such dropout, so a non-zero value is refused there",
+        "dropout after attention and MLP in training steps (0 by default); the Hugging Face Llama/Qwen "
+        "modules the FSDP backend trains have no such dropout, so a non-zero value is refused there",
         neutral=0.0,
     ),
     Spec(
@@ -360,16 +370,16 @@ SPECS: tuple[Spec, ...] = (
         store_true(),
         APPLIED,
         APPLIED,
-        "always on here: gradients accumulate and reduce in float32 (megatron --bf16: float32 main grads; FSDP: "
-        "--fsdp-reduce-dtype float32, which this flag requires)",
+        "always on here: gradients accumulate and reduce in float32 (megatron --bf16: float32 main grads; "
+        "FSDP: --fsdp-reduce-dtype float32, which this flag requires)",
     ),
     Spec(
         "--recompute-granularity",
         {"choices": ["full", "selective"], "default": None},
         APPLIED,
         APPLIED,
-        "megatron: megatron-core's recompute; FSDP: full = --gradient-checkpointing (every layer), selective has "
-        "no counterpart and no effect",
+        "megatron: megatron-core's recompute; FSDP: full = --gradient-checkpointing (every layer), "
+        "selective has no counterpart and no effect",
     ),
     Spec(
         "--recompute-method",

@@ -34,14 +34,17 @@ class MoEOptions:
             )
         if self.use_routing_replay and self.use_rollout_routing_replay:
             raise ValueError(
-                "--use-routing-replay (R2) and --use-rollout-routing-replay (R3) replay different routings: give one"
+                "--use-routing-replay (R2) and --use-rollout-routing-replay (R3) replay different "
+                "routings: give one"
             )
 
     def no_expert_bias(self, model: str) -> str:
         """The refusal of a bias update rate for `model` (the checkpoint, named), whose routers have
         no expert bias."""
-        return (f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate} needs routers with an expert "
-                f"bias (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); {model} has none")  # fmt: skip
+        return (
+            f"--moe-router-bias-update-rate {self.moe_router_bias_update_rate} needs routers with an expert "
+            f"bias (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash); {model} has none"
+        )
 
     @property
     def aux_loss_coeff(self) -> float:

@@ -87,9 +87,16 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
 
 def opd_config(ns: argparse.Namespace) -> OPDConfig:
     """The OPD settings of parsed flags; ValueError names the flag on bad input."""
-    given = [f for f, v in (("--opd-type", ns.opd_type), ("--opd-kl-coef", ns.opd_kl_coef),
-                            ("--opd-teacher-load", ns.opd_teacher_load),
-                            ("--opd-teacher-url", ns.opd_teacher_url)) if v is not None]  # fmt: skip
+    given = [
+        f
+        for f, v in (
+            ("--opd-type", ns.opd_type),
+            ("--opd-kl-coef", ns.opd_kl_coef),
+            ("--opd-teacher-load", ns.opd_teacher_load),
+            ("--opd-teacher-url", ns.opd_teacher_url),
+        )
+        if v is not None
+    ]
     if not ns.use_opd:
         if given:
             raise ValueError(f"{given[0]} sets on-policy distillation: add --use-opd (or drop the flag)")
@@ -114,23 +121,33 @@ def opd_config(ns: argparse.Namespace) -> OPDConfig:
             )
     elif ns.opd_teacher_load is not None and ns.opd_teacher_url is not None:
         raise ValueError(
-            "--opd-teacher-load starts a teacher engine and --opd-teacher-url names a running one: give one of them"
+            "--opd-teacher-load starts a teacher engine and --opd-teacher-url names a running one: give "
+            "one of them"
         )
     elif getattr(ns, "multimodal_keys", None) and (ns.opd_teacher_load or ns.opd_teacher_url):
-        raise ValueError("--opd-type sglang with --multimodal-keys is not built: the teacher engine scores "
-                         "input-token log-probs, which the engines do not give for prompts with images; use "
-                         "--opd-type megatron (the teacher's weights in the train pass)")  # fmt: skip
+        raise ValueError(
+            "--opd-type sglang with --multimodal-keys is not built: the teacher engine scores "
+            "input-token log-probs, which the engines do not give for prompts with images; use "
+            "--opd-type megatron (the teacher's weights in the train pass)"
+        )
     elif ns.opd_teacher_load is None and ns.opd_teacher_url is None and not _own_functions(ns):
         raise ValueError(
             "--opd-type sglang needs a teacher: --opd-teacher-load DIR (the job starts an engine on it), "
             "--opd-teacher-url URL (a running engine), or slime's recipe (--custom-rm-path "
-            f"{SLIME_RECIPE}.reward_func --custom-reward-post-process-path {SLIME_RECIPE}.post_process_rewards "
-            "--rm-url URL)"
+            f"{SLIME_RECIPE}.reward_func --custom-reward-post-process-path "
+            f"{SLIME_RECIPE}.post_process_rewards --rm-url URL)"
         )
     return from_flags(OPDConfig, ns)
 
 
 def _own_functions(ns: argparse.Namespace) -> bool:
     """User functions that may set `teacher_log_probs` themselves (slime's recipe is one)."""
-    return any(getattr(ns, name, None) for name in ("custom_rm_path", "custom_reward_post_process_path",
-                                                     "rollout_function_path", "custom_generate_function_path"))  # fmt: skip
+    return any(
+        getattr(ns, name, None)
+        for name in (
+            "custom_rm_path",
+            "custom_reward_post_process_path",
+            "rollout_function_path",
+            "custom_generate_function_path",
+        )
+    )

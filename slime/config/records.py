@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from slime.config.critic import CriticConfig
+from slime.config.debug import DebugConfig
 from slime.config.eval_sets import EvalDataset
 from slime.config.flags import flag
 from slime.config.opd import OPDConfig
@@ -41,39 +42,54 @@ class ClusterConfig:
     """GPUs of one engine, on one node: its tensor-parallel size (SGLang's --tp-size)."""
     colocate: bool = flag("--colocate", False, help="trainer and engines share devices")
     offload: bool = flag(
-        "--offload", False,
+        "--offload",
+        False,
         help="--offload-train and --offload-rollout: the trainer and the engines each give their device "
         "memory up while the other works (the default with --colocate)",
-    )  # fmt: skip
+    )
     train_backend: str = flag(
-        "--train-backend", "fsdp", unset="auto", choices=["auto", "fsdp", "megatron"],
+        "--train-backend",
+        "fsdp",
+        unset="auto",
+        choices=["auto", "fsdp", "megatron"],
         help="auto: megatron on GPUs (as in slime), fsdp on CPU (slime.config.resolve)",
-    )  # fmt: skip
+    )
     rollout_backend: str = flag(
-        "--rollout-backend", "torch", unset="auto", choices=["auto", "torch", "sglang"],
+        "--rollout-backend",
+        "torch",
+        unset="auto",
+        choices=["auto", "torch", "sglang"],
         help="auto: sglang on GPUs (as in slime), the built-in torch engine on CPU",
-    )  # fmt: skip
+    )
     device: str = "cpu"
     """`--device` (the trainer's flag: slime.config.train), resolved from `auto`."""
     external_engine_addrs: tuple[str, ...] = flag(
-        "--rollout-external-engine-addrs", [], unset=None, nargs="+", metavar="HOST:PORT",
+        "--rollout-external-engine-addrs",
+        [],
+        unset=None,
+        nargs="+",
+        metavar="HOST:PORT",
         help="attach these already-running engines (torch engine or SGLang servers) instead of launching "
         "any; the trainer's weights are pushed to them before the first rollout",
-    )  # fmt: skip
+    )
     """`--rollout-external-engine-addrs`: running servers (http://host:port) used instead of launching."""
     sglang_server_args: tuple[str, ...] = ()
     """SGLang command-line arguments from the `--sglang-*` flags given (slime.config.sglang_args)."""
     router_ip: str | None = flag(
-        "--sglang-router-ip", None,
+        "--sglang-router-ip",
+        None,
         help="a running sglang-router to register the engines with (--rollout-backend sglang starts one "
         "otherwise); custom rollout functions post to it",
-    )  # fmt: skip
+    )
     router_port: int | None = flag("--sglang-router-port", None, type=int)
     """`--sglang-router-ip/--sglang-router-port`: a running sglang-router to register the engines with."""
     train_env_vars: Mapping[str, str] | None = flag(
-        "--train-env-vars", None, type=env_object, metavar="JSON",
+        "--train-env-vars",
+        None,
+        type=env_object,
+        metavar="JSON",
         help='environment variables of the train ranks\' processes, a JSON object ({"NCCL_DEBUG": "INFO"})',
-    )  # fmt: skip
+    )
     """`--train-env-vars`: the train and critic ranks' environment (Ray's runtime_env)."""
     offload_rollout: bool = False
     """Colocated engines release their memory while the trainer trains (slime's default with
@@ -110,7 +126,8 @@ class AsyncConfig:
     max_lag: int | None = None
     """`--max-policy-version-lag`: the most weight versions a trained token may be behind (None: no bound)."""
     stale_action: str = "requeue"
-    """`--stale-group-action`: a group beyond the bound is requeued (its prompt generated again) or dropped."""
+    """`--stale-group-action`: a group beyond the bound is requeued (its prompt generated again) or
+    dropped."""
     partial: bool = flag(
         "--partial-rollout",
         False,
@@ -137,76 +154,109 @@ class RolloutConfig:
     num_rollout: int | None = flag("--num-rollout", type=int, group="data")
     """Rollouts to train on, one weight version each (or give --num-epoch)."""
     num_epoch: int | None = flag("--num-epoch", type=int, group="data")
-    """Passes over the prompts, where --num-rollout is not given: the rollouts are the epochs' prompts over --rollout-batch-size."""
+    """Passes over the prompts, where --num-rollout is not given: the rollouts are the epochs' prompts over
+    --rollout-batch-size."""
     over_sampling_batch_size: int | None = flag("--over-sampling-batch-size", None, type=int)
-    """Prompts started at a time when a --dynamic-sampling-filter-path drops groups (default: --rollout-batch-size): more are started until the rollout has its --rollout-batch-size kept groups."""
+    """Prompts started at a time when a --dynamic-sampling-filter-path drops groups (default:
+    --rollout-batch-size): more are started until the rollout has its --rollout-batch-size kept groups."""
     dynamic_sampling_filter_path: str | None = flag("--dynamic-sampling-filter-path", None)
-    """A function (package.module.function) that keeps or drops each finished group, slime's dynamic sampling (slime.rollout.filter_hub has slime's)."""
+    """A function (package.module.function) that keeps or drops each finished group, slime's dynamic sampling
+    (slime.rollout.filter_hub has slime's)."""
     custom_generate_function_path: str | None = flag("--custom-generate-function-path", None)
-    """A function (package.module.function) that generates one sample in place of the built-in request to the engines (agents, tools, multi-turn)."""
+    """A function (package.module.function) that generates one sample in place of the built-in request to the
+    engines (agents, tools, multi-turn)."""
     rollout_function_path: str | None = flag("--rollout-function-path", None)
-    """A function (package.module.function) that makes a whole rollout in place of the built-in one (slime.rollout.fully_async_rollout.generate_rollout_fully_async, the SFT rollout, your own)."""
+    """A function (package.module.function) that makes a whole rollout in place of the built-in one
+    (slime.rollout.fully_async_rollout.generate_rollout_fully_async, the SFT rollout, your own)."""
     rm_type: str | None = flag(
-        "--rm-type", None,
+        "--rm-type",
+        None,
         help="slime's rule rewards (slime.rollout.rm_hub): deepscaler, dapo, math, f1, gpqa, random, "
         "boxed_<type>, remote_rm (with --rm-url); or exact",
-    )  # fmt: skip
+    )
     custom_rm_path: str | None = flag("--custom-rm-path", None, help="package.module.function")
     group_rm: bool = flag("--group-rm", False)
     """Score each prompt group with one reward call over its samples, not one call per sample."""
     reward_key: str | None = flag("--reward-key", None, help="key of a dict reward to train on")
     global_dataset: bool = flag(
-        "--disable-rollout-global-dataset", True, dest="rollout_global_dataset", action="store_false",
+        "--disable-rollout-global-dataset",
+        True,
+        dest="rollout_global_dataset",
+        action="store_false",
         help="no prompt dataset: the --rollout-function-path brings its own data (its data_source hands out "
         "groups of blank samples, numbered), and checkpoints carry no data position",
-    )  # fmt: skip
-    """Off with `--disable-rollout-global-dataset`: no prompt dataset (slime.rollout.user_rollout.DataSource)."""
+    )
+    """Off with `--disable-rollout-global-dataset`: no prompt dataset
+    (slime.rollout.user_rollout.DataSource)."""
     eval_reward_key: str | None = flag(
-        "--eval-reward-key", None, help="the key of a dict reward that evaluation reports (default: --reward-key)"
-    )  # fmt: skip
+        "--eval-reward-key",
+        None,
+        help="the key of a dict reward that evaluation reports (default: --reward-key)",
+    )
     log_passrate: bool = flag(
-        "--log-passrate", False,
+        "--log-passrate",
+        False,
         help="log pass@k (k = 1, 2, 4, ... up to the group size; a sample passes with reward exactly 1): "
         "passrate/pass@k per rollout, eval/<name>-pass@k per evaluation",
-    )  # fmt: skip
+    )
     log_reward_category: str | None = flag(
-        "--log-reward-category", None, metavar="KEY",
+        "--log-reward-category",
+        None,
+        metavar="KEY",
         help="log the share of samples per value of reward[KEY] (dict rewards): rollout/error_cat/<value>, "
         "eval/<name>/error_cat/<value>",
-    )  # fmt: skip
+    )
     log_multi_turn: bool = flag(
-        "--log-multi-turn", False,
+        "--log-multi-turn",
+        False,
         help="log multi_turn/*: response lengths with and without the tool tokens (loss mask), rounds from "
         "metadata['round_number']",
-    )  # fmt: skip
+    )
     fault_tolerance: bool = flag(
-        "--use-fault-tolerance", False, group="cluster",
+        "--use-fault-tolerance",
+        False,
+        group="cluster",
         help="check the engines' health: an engine that is down (health check, failed request or control "
         "call) has its groups generated again elsewhere, is restarted on its bundle and given the current "
         "weights before it takes requests again (docs/engine.md)",
-    )  # fmt: skip
+    )
     """`--use-fault-tolerance`: engines found down are replaced, their groups generated elsewhere."""
     health_check_interval: float = flag(
-        "--rollout-health-check-interval", 30.0, unset=None, group="cluster", metavar="SECONDS",
+        "--rollout-health-check-interval",
+        30.0,
+        unset=None,
+        group="cluster",
+        metavar="SECONDS",
         help="with --use-fault-tolerance: seconds between two rounds of /health_generate checks (30)",
-    )  # fmt: skip
+    )
     """`--rollout-health-check-interval S`: seconds between two rounds of /health_generate checks."""
     health_check_timeout: float = flag(
-        "--rollout-health-check-timeout", 30.0, unset=None, group="cluster", metavar="SECONDS",
-        help="with --use-fault-tolerance: an engine whose /health_generate does not answer within this is down (30)",
-    )  # fmt: skip
+        "--rollout-health-check-timeout",
+        30.0,
+        unset=None,
+        group="cluster",
+        metavar="SECONDS",
+        help="with --use-fault-tolerance: an engine whose /health_generate does not answer within this "
+        "is down (30)",
+    )
     """`--rollout-health-check-timeout S`: an engine that does not answer within this is down."""
     health_check_first_wait: float = flag(
-        "--rollout-health-check-first-wait", 0.0, unset=None, group="cluster", metavar="SECONDS",
+        "--rollout-health-check-first-wait",
+        0.0,
+        unset=None,
+        group="cluster",
+        metavar="SECONDS",
         help="with --use-fault-tolerance: the wait before the first round of checks, and after colocated "
         "engines take their memory back (0)",
-    )  # fmt: skip
+    )
     """`--rollout-health-check-first-wait S`: the grace before the first round (and after a resume)."""
     reward_post_process_path: str | None = flag(
-        "--custom-reward-post-process-path", None, metavar="module.function",
+        "--custom-reward-post-process-path",
+        None,
+        metavar="module.function",
         help="slime's f(args, samples) -> (raw_rewards, rewards): the rewards the advantages start from, "
         "in place of the group normalisation",
-    )  # fmt: skip
+    )
     """`--custom-reward-post-process-path`: slime's f(args, samples) -> (raw_rewards, rewards), whose
     rewards the advantages start from instead of the group-normalised ones."""
     asynchrony: AsyncConfig = AsyncConfig()
@@ -215,47 +265,67 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class BridgeConfig:
     transport: str = flag(
-        "--update-weight-transport", "tensor", unset=None, choices=(*TRANSPORTS, "nccl"),
+        "--update-weight-transport",
+        "tensor",
+        unset=None,
+        choices=(*TRANSPORTS, "nccl"),
         help="tensor (shared memory on CPU, CUDA IPC with --colocate on GPU), distributed (a gloo/NCCL "
-        "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, else tensor",
-    )  # fmt: skip
+        "group) or disk; default (and slime's nccl): distributed for GPU engines on their own GPUs, "
+        "else tensor",
+    )
     buffer_size: int = flag("--update-weight-buffer-size", 512 << 20, help="bytes per bucket")
     mode: str = flag(
-        "--update-weight-mode", "full", choices=["full", "delta"],
-        help="full: every push sends all the weights; delta (with --update-weight-transport disk): only the bytes "
-        "that changed, published under --update-weight-disk-dir and pulled into each engine host's "
-        "--update-weight-local-checkpoint-dir (docs/engine.md)",
-    )  # fmt: skip
+        "--update-weight-mode",
+        "full",
+        choices=["full", "delta"],
+        help="full: every push sends all the weights; delta (with --update-weight-transport disk): only "
+        "the bytes that changed, published under --update-weight-disk-dir and pulled into each "
+        "engine host's --update-weight-local-checkpoint-dir (docs/engine.md)",
+    )
     """`--update-weight-mode`: full, or delta (slime.bridge.delta)."""
     disk_dir: str | None = flag(
-        "--update-weight-disk-dir", None, metavar="DIR",
+        "--update-weight-disk-dir",
+        None,
+        metavar="DIR",
         help="the disk transport's directory, shared with every engine host (default, full mode: a temporary "
         "directory on train rank 0's node)",
-    )  # fmt: skip
+    )
     """`--update-weight-disk-dir`: where disk pushes are written (delta: weight_v{N:06d}/ versions)."""
     local_dir: str | None = flag(
-        "--update-weight-local-checkpoint-dir", None, metavar="DIR",
-        help="delta mode: each engine host's own full checkpoint, patched in place by every push and reloaded",
-    )  # fmt: skip
+        "--update-weight-local-checkpoint-dir",
+        None,
+        metavar="DIR",
+        help="delta mode: each engine host's own full checkpoint, patched in place by every push and "
+        "reloaded",
+    )
     """`--update-weight-local-checkpoint-dir`: an engine host's checkpoint (slime.utils.weight_delta)."""
     delta_encoding: str = flag(
-        "--update-weight-delta-encoding", "xor", choices=["xor", "overwrite"],
+        "--update-weight-delta-encoding",
+        "xor",
+        choices=["xor", "overwrite"],
         help="xor (new ^ old: smallest, applied exactly once) or overwrite (positions and new bytes: larger, "
         "idempotent); both are checked per tensor, so a re-applied version converges either way",
-    )  # fmt: skip
+    )
     delta_checksum: str = flag(
-        "--update-weight-delta-checksum", "xxh3-128", choices=["xxh3-128", "blake3", "adler32"],
-        help="each changed tensor's integrity check (xxh3-128: fast, 128 bits; blake3: cryptographic; adler32: 32 bits)",
-    )  # fmt: skip
+        "--update-weight-delta-checksum",
+        "xxh3-128",
+        choices=["xxh3-128", "blake3", "adler32"],
+        help="each changed tensor's integrity check (xxh3-128: fast, 128 bits; blake3: cryptographic; "
+        "adler32: 32 bits)",
+    )
     disk_keep_files: bool = flag(
-        "--update-weight-disk-keep-files", False,
-        help="full disk pushes: keep every pushed directory (by default each is removed once the next is loaded)",
-    )  # fmt: skip
+        "--update-weight-disk-keep-files",
+        False,
+        help="full disk pushes: keep every pushed directory (by default each is removed once the next is "
+        "loaded)",
+    )
     update_weights_interval: int = flag(
-        "--update-weights-interval", 1,
-        help="push the weights to the engines after every N trained rollouts (train.py and train_async.py alike; "
-        "slime's train.py pushes every rollout whatever it says): samples may then be N - 1 versions older",
-    )  # fmt: skip
+        "--update-weights-interval",
+        1,
+        help="push the weights to the engines after every N trained rollouts (train.py and train_async.py "
+        "alike; slime's train.py pushes every rollout whatever it says): samples may then be N - 1 "
+        "versions older",
+    )
     """`--update-weights-interval N`: a push after every N trained rollouts (slime.loop.core.Loop)."""
     verify: bool = False
     """`--check-weight-sync` (or `--check-precision`): fingerprints compared after every push."""
@@ -270,9 +340,12 @@ class CheckpointConfig:
     save_hf: str | None = flag("--save-hf", None)
     """At the end, the trained weights as a Hugging Face directory here (LoRA: a PEFT adapter directory)."""
     start_rollout_id: int | None = flag(
-        "--start-rollout-id", None, type=int,
-        help="the first rollout of the loop (default: the one after the checkpoint --load resumes from, or 0)",
-    )  # fmt: skip
+        "--start-rollout-id",
+        None,
+        type=int,
+        help="the first rollout of the loop (default: the one after the checkpoint --load resumes from, "
+        "or 0)",
+    )
     """`--start-rollout-id`: the loop's first rollout, in place of the resumed one's next."""
 
 
@@ -316,176 +389,33 @@ class LoggingConfig:
     """TensorBoard's directory (default: TENSORBOARD_DIR, else tensorboard_log/PROJECT/EXPERIMENT with
     --tb-project-name, else <log dir>/tensorboard)."""
     tb_project_name: str | None = flag(
-        "--tb-project-name", None,
-        help="TensorBoard's directory is tensorboard_log/PROJECT/EXPERIMENT (slime's layout) unless --tb-dir or "
-        "TENSORBOARD_DIR names one",
-    )  # fmt: skip
+        "--tb-project-name",
+        None,
+        help="TensorBoard's directory is tensorboard_log/PROJECT/EXPERIMENT (slime's layout) unless "
+        "--tb-dir or TENSORBOARD_DIR names one",
+    )
     tb_experiment_name: str | None = flag(
-        "--tb-experiment-name", None, help="with --tb-project-name (default: the start time, %%Y%%m%%d_%%H%%M%%S)"
-    )  # fmt: skip
+        "--tb-experiment-name",
+        None,
+        help="with --tb-project-name (default: the start time, %%Y%%m%%d_%%H%%M%%S)",
+    )
     wandb_run_id: str | None = flag(
         "--wandb-run-id", None, help="log into this wandb run (resumed if it exists) instead of a new one"
-    )  # fmt: skip
+    )
     wandb_random_suffix: bool = flag(
-        "--disable-wandb-random-suffix", True, dest="wandb_random_suffix", action="store_false",
+        "--disable-wandb-random-suffix",
+        True,
+        dest="wandb_random_suffix",
+        action="store_false",
         help="the wandb group and run name are --wandb-group as given (by default, as slime, an 8-character "
         "random suffix keeps runs of one group apart)",
-    )  # fmt: skip
+    )
     wandb_always_use_train_step: bool = flag(
-        "--wandb-always-use-train-step", False,
-        help="every record's step is the optimizer steps taken so far (rollouts x steps per rollout), not the "
-        "rollouts trained (metrics.jsonl, TensorBoard and wandb alike)",
-    )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DebugConfig:
-    """The decoupled debug modes (docs/debugging.md)."""
-
-    rollout_only: bool = flag(
-        "--debug-rollout-only",
+        "--wandb-always-use-train-step",
         False,
-        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
+        help="every record's step is the optimizer steps taken so far (rollouts x steps per rollout), not "
+        "the rollouts trained (metrics.jsonl, TensorBoard and wandb alike)",
     )
-    """`--debug-rollout-only`: engines and rollout manager only; no trainer, no weight push."""
-    train_only: bool = flag(
-        "--debug-train-only",
-        False,
-        help="start only the trainer; rollouts come from --load-debug-rollout-data or a --rollout-function-path",
-    )
-    """`--debug-train-only` (implied by `--load-debug-rollout-data`): trainer only; no engine."""
-    save_rollout_data: str | None = flag(
-        "--save-debug-rollout-data",
-        None,
-        metavar="TEMPLATE",
-        help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt",
-    )
-    """`--save-debug-rollout-data TEMPLATE` with {rollout_id}."""
-    save_eval_data: str | None = flag(
-        "--save-debug-eval-data",
-        None,
-        metavar="TEMPLATE",
-        help="write every eval rollout to this template ({rollout_id}; -1 = before training)",
-    )
-    """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
-    dump_details: str | None = flag(
-        "--dump-details",
-        None,
-        metavar="DIR",
-        help="every rollout, evaluation and train-data dump under DIR in slime's layout (rollout_data/, "
-        "train_data/) and the tokenizer in DIR/tokenizer, for post-hoc analysis",
-    )
-    """`--dump-details DIR`: the dump paths set under DIR (slime.config.derived.dump_details)."""
-    load_rollout_data: str | None = flag(
-        "--load-debug-rollout-data",
-        None,
-        metavar="TEMPLATE",
-        help="train on saved rollouts instead of generating (implies --debug-train-only)",
-    )
-    """`--load-debug-rollout-data TEMPLATE` with {rollout_id}."""
-    subsample: float = 1.0
-    """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
-    allow_tokenizer_mismatch: bool = flag(
-        "--allow-tokenizer-mismatch",
-        False,
-        help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's",
-    )
-    """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
-    check_precision: bool = flag(
-        "--check-precision",
-        False,
-        group="debug: precision checks (docs/debugging.md, Precision)",
-        help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
-        "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane",
-    )
-    """`--check-precision`: the step-0 gates (slime.debug.precision)."""
-    precision_dtype: str = "float32"
-    """The lower precision of engines and trainer, which the tolerances below default for."""
-    precision_logprob_tol: float = 1e-4
-    """`--precision-logprob-tol`: largest mean |trainer - engine| log-prob at the first rollout."""
-    precision_logprob_max_tol: float = 1e-3
-    """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
-    push_fault: str | None = flag(
-        "--debug-push-fault",
-        None,
-        group="debug: precision checks (docs/debugging.md, Precision)",
-        metavar="SPEC",
-        help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
-        "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)",
-    )
-    """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
-    phase_hook: str | None = flag(
-        "--debug-phase-hook",
-        None,
-        group="debug: precision checks (docs/debugging.md, Precision)",
-        metavar="MODULE.FUNCTION",
-        help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
-        "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
-        "(docs/debugging.md, Fault tolerance)",
-    )
-    """`--debug-phase-hook PATH`: f(phase, info) at the named phases of a step (slime.debug.phases)."""
-    sync_parameters_path: str | None = flag(
-        "--debug-sync-parameters-path",
-        None,
-        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
-        metavar="DIR",
-        help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to DIR/before_sync_parameter/<rank>/, "
-        "push the trainer's weights once, dump to DIR/after_sync_parameter/<rank>/, exit; compare with "
-        "python -m slime.tools.check_sync_parameter --root_dir DIR",
-    )
-    """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
-    parameters before and after the first push, then exit."""
-    check_weight_update_equal: bool = flag(
-        "--check-weight-update-equal",
-        False,
-        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
-        help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
-        "receive the first push, and must equal the snapshot exactly",
-    )
-    """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
-    ci_test: bool = flag(
-        "--ci-test", False, group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="end the job when slime's CI checks fail: KL exactly 0 at step 0, -1 < rollout/log_probs < 0, "
-        "0 < rollout/entropy < 1, the trainer-engine log-prob gap under its threshold",
-    )  # fmt: skip
-    ci_disable_kl_checker: bool = flag(
-        "--ci-disable-kl-checker", False, group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="--ci-test without the step-0 KL checks",
-    )  # fmt: skip
-    ci_train_rollout_logprob_abs_diff_threshold: float = flag(
-        "--ci-train-rollout-logprob-abs-diff-threshold", 0.1, group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="--ci-test's bound on rollout/train_rollout_logprob_abs_diff (0.1)",
-    )  # fmt: skip
-    ci_save_grad_norm: str | None = flag(
-        "--ci-save-grad-norm", None, metavar="TEMPLATE", group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="save every optimizer step's grad norm to TEMPLATE ({role}, {rollout_id}, {step_id})",
-    )  # fmt: skip
-    ci_load_grad_norm: str | None = flag(
-        "--ci-load-grad-norm", None, metavar="TEMPLATE", group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="end the job when a step's grad norm differs from the one saved there by more than 0.01 "
-        "(relative or absolute)",
-    )  # fmt: skip
-    hang_timeout: float | None = flag(
-        "--hang-timeout",
-        None,
-        group="debug: hangs (docs/debugging.md, Hangs and breakpoints)",
-        type=float,
-        metavar="SECONDS",
-        help="when a train step or weight push runs longer, every train rank writes its Python stacks "
-        "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1",
-    )
-    """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
-    to <log dir>/hang/ and ends the job (slime.debug.hang)."""
-    trace_dir: str | None = flag(
-        "--trace-dir",
-        None,
-        group="debug: the job's timeline (docs/observability.md, The job's timeline)",
-        metavar="DIR",
-        help="write a timeline of the whole job into DIR (trace-<date>-<time>-<pid>.json, Chrome's trace-event "
-        "format: open it in Perfetto or chrome://tracing): a track per process with its phases, the "
-        "engines' requests as counters; and end the job with a 'where the time went' table in the log",
-    )
-    """`--trace-dir DIR`: the job's timeline (slime.ray.tracing, slime.observability.timeline)."""
 
 
 @dataclass(frozen=True)
@@ -503,14 +433,3 @@ class Config:
     """PPO's critic (--advantage-estimator ppo; slime.config.critic)."""
     opd: OPDConfig = field(default_factory=OPDConfig)
     """On-policy distillation (--use-opd; slime.config.opd)."""
-
-
-# (mean, max) |trainer - engine| log-prob tolerances by the lower precision of engine and
-# trainer. float32: measured 1.4e-07 mean, 2.4e-06 max on the demo model (docs/debugging.md);
-# bf16/fp16 are starting points for GPU runs, where slime users see ~1e-2 means.
-TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-2, 2.0), "float16": (2e-2, 1.0)}
-_RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
-
-
-def lower_precision(*dtypes: str) -> str:
-    return max(dtypes, key=lambda d: _RANK[d])

@@ -62,7 +62,10 @@ def resolve(ns: argparse.Namespace) -> Resolution:
     out.lines.append(f"device: {ns.device} ({why})")
     if getattr(ns, "rollout_backend", None) == "auto":
         ns.rollout_backend = "sglang" if ns.device == "cuda" else "torch"
-        why = f"auto: {'SGLang engines on GPUs, as in slime' if ns.device == 'cuda' else 'the built-in engine on CPU'}"
+        engines = (
+            "SGLang engines on GPUs, as in slime" if ns.device == "cuda" else "the built-in engine on CPU"
+        )
+        why = f"auto: {engines}"
         out.lines.append(f"rollout backend: {ns.rollout_backend} ({why})")
     elif hasattr(ns, "rollout_backend"):
         out.lines.append(f"rollout backend: {ns.rollout_backend} (given)")
@@ -100,7 +103,8 @@ def package_problems(ns: argparse.Namespace) -> list[str]:
     out = []
     if ns.train_backend == "megatron" and importlib.util.find_spec("megatron") is None:
         out.append(
-            "--train-backend megatron needs megatron-core: pip install megatron-core (or --train-backend fsdp)"
+            "--train-backend megatron needs megatron-core: pip install megatron-core (or --train-backend "
+            "fsdp)"
         )
     te = transformer_engine_problem(ns.transformer_impl)
     return out + ([te] if te else [])

@@ -14,7 +14,8 @@ from slime.utils.sampling_params import FieldError, SamplingParams
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 BOXED_PREFIX = "boxed_"
-"""`--rm-type boxed_<type>`: <type>'s reward on the response's last \\boxed{} answer (slime.rollout.rm_hub)."""
+"""`--rm-type boxed_<type>`: <type>'s reward on the response's last \\boxed{} answer
+(slime.rollout.rm_hub)."""
 
 
 def needs_reward_key(rm_type: str | None) -> bool:
@@ -52,23 +53,30 @@ class DataConfig:
     apply_chat_template: bool = flag("--apply-chat-template", False)
     """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
     apply_chat_template_kwargs: Mapping[str, Any] | None = flag(
-        "--apply-chat-template-kwargs", None, type=json_object, metavar="JSON",
-        help="with --apply-chat-template: more arguments of the tokenizer's apply_chat_template, a JSON object "
-        "(e.g. '{\"enable_thinking\": false}')",
-    )  # fmt: skip
+        "--apply-chat-template-kwargs",
+        None,
+        type=json_object,
+        metavar="JSON",
+        help="with --apply-chat-template: more arguments of the tokenizer's apply_chat_template, a JSON "
+        "object (e.g. '{\"enable_thinking\": false}')",
+    )
     """`--apply-chat-template-kwargs`: keyword arguments of `tokenizer.apply_chat_template`."""
     tool_key: str | None = flag(
-        "--tool-key", "tools",
+        "--tool-key",
+        "tools",
         help="the field holding a row's tool schemas (a list, or its JSON text): given to the chat template "
         "(tools=...) and to rollout functions as metadata['tools']",
-    )  # fmt: skip
+    )
     """`--tool-key`: the row's tool schemas (slime.rollout.data.row_tools)."""
     multimodal_keys: Mapping[str, str] | None = flag(
-        "--multimodal-keys", None, type=json_object, metavar="JSON",
+        "--multimodal-keys",
+        None,
+        type=json_object,
+        metavar="JSON",
         help="vision-language prompts: a JSON object from a modality to the row field holding its list of "
-        "items, e.g. '{\"image\": \"images\"}'; each <image> in the prompt's text takes the next image "
+        'items, e.g. \'{"image": "images"}\'; each <image> in the prompt\'s text takes the next image '
         "(a path, data URL, base64 or URL). Needs --apply-chat-template",
-    )  # fmt: skip
+    )
     """`--multimodal-keys`: {"image": field} (slime's flag); the images of a row, in the order of
     the `<image>` placeholders of its prompt (slime.rollout.vision)."""
     max_prompt_len: int | None = flag("--rollout-max-prompt-len", None, type=int, group="rollout")
@@ -87,15 +95,19 @@ class DataConfig:
         if keys is None:
             return
         if not isinstance(keys, Mapping) or not all(isinstance(v, str) for v in keys.values()):
-            raise ValueError(f"--multimodal-keys must map a modality to a field name, e.g. {{\"image\": \"images\"}}; "
-                             f"got {keys!r}")  # fmt: skip
+            raise ValueError(
+                f'--multimodal-keys must map a modality to a field name, e.g. {{"image": "images"}}; '
+                f"got {keys!r}"
+            )
         if not self.apply_chat_template:
             raise ValueError(
                 "--multimodal-keys needs --apply-chat-template (the chat template places the images)"
             )
         if set(keys) - {"image"}:
-            raise ValueError(f"--multimodal-keys: {sorted(set(keys) - {'image'})} not supported (images only: "
-                             "'{\"image\": FIELD}')")  # fmt: skip
+            raise ValueError(
+                f"--multimodal-keys: {sorted(set(keys) - {'image'})} not supported (images only: "
+                "'{\"image\": FIELD}')"
+            )
 
 
 @dataclass(frozen=True)
@@ -170,8 +182,9 @@ def transport_problem(transport: str, device: str, colocate: bool) -> str | None
         return str(e)
     if kind == "ipc" and device == "cuda" and not colocate:
         return (
-            f"--update-weight-transport {transport} on GPU shares CUDA-IPC handles, which only engines on the "
-            "train ranks' own GPUs can open: add --colocate, or use --update-weight-transport distributed"
+            f"--update-weight-transport {transport} on GPU shares CUDA-IPC handles, which only engines on "
+            "the train ranks' own GPUs can open: add --colocate, or use --update-weight-transport "
+            "distributed"
         )
     if kind == "distributed" and device == "cuda" and colocate:
         return (

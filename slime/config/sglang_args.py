@@ -32,8 +32,15 @@ RESERVED = {
 }
 
 # slime's own flags in the --sglang- namespace (an SGLang option of the same name is not mirrored).
-OWN_FLAGS = {"--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency", "--sglang-config",
-             "--sglang-router-request-timeout-secs", "--sglang-pp-size", "--sglang-pipeline-parallel-size"}  # fmt: skip
+OWN_FLAGS = {
+    "--sglang-router-ip",
+    "--sglang-router-port",
+    "--sglang-server-concurrency",
+    "--sglang-config",
+    "--sglang-router-request-timeout-secs",
+    "--sglang-pp-size",
+    "--sglang-pipeline-parallel-size",
+}
 
 # The SGLang server options the built-in torch engine takes too, with the same meaning
 # (slime.engines.torch_engine.cli): with --rollout-backend torch, `--sglang-<name>` of these is
@@ -124,8 +131,8 @@ def torch_engine_problem(argv: list[str]) -> str | None:
         if arg not in TORCH_ENGINE_OPTIONS:
             takes = ", ".join("--sglang-" + o[2:] for o in TORCH_ENGINE_OPTIONS)
             return (
-                f"--sglang-{arg[2:]} configures SGLang engines, and --rollout-backend is torch, whose engines "
-                f"take only {takes}: drop it (or use --rollout-backend sglang)"
+                f"--sglang-{arg[2:]} configures SGLang engines, and --rollout-backend is torch, whose "
+                f"engines take only {takes}: drop it (or use --rollout-backend sglang)"
             )
         choices = TORCH_ENGINE_OPTIONS[arg]
         value = argv[i + 1] if i + 1 < len(argv) else None
@@ -157,8 +164,8 @@ def mirror_sglang_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dic
         if given:
             if known.rollout_backend != "torch":  # torch engines' options are checked at parse
                 logger.warning(
-                    "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through unchecked; "
-                    "SGLang checks them when the engines start",
+                    "SGLang cannot be imported here (%s: %s): %d --sglang-* flag(s) are passed through "
+                    "unchecked; SGLang checks them when the engines start",
                     type(e).__name__,
                     e,
                     len(set(given)),

@@ -31,8 +31,8 @@ SPECS: tuple[Spec, ...] = (
         "--balance-data",
         store_true(),
         APPLIED,
-        "always on here: each step's samples go to the data-parallel ranks in equal counts with balanced tokens "
-        "(the loss is normalised over the whole step, so the split does not change results)",
+        "always on here: each step's samples go to the data-parallel ranks in equal counts with balanced "
+        "tokens (the loss is normalised over the whole step, so the split does not change results)",
     ),
     _same(
         "--sglang-router-request-timeout-secs",
@@ -75,13 +75,14 @@ SPECS: tuple[Spec, ...] = (
         "--no-offload-rollout",
         store_true(),
         APPLIED,
-        "colocated engines keep their memory while the trainer trains (engines and trainer must fit together)",
+        "colocated engines keep their memory while the trainer trains (engines and trainer must fit "
+        "together)",
     ),
     _refused(
         "--opd-teacher-ckpt-step",
         {"type": int, "default": None},
-        "it picks a step of a Megatron teacher checkpoint; --opd-teacher-load is a Hugging Face directory here "
-        "(convert a Megatron teacher with slime.tools.convert_megatron_to_hf)",
+        "it picks a step of a Megatron teacher checkpoint; --opd-teacher-load is a Hugging Face directory "
+        "here (convert a Megatron teacher with slime.tools.convert_megatron_to_hf)",
     ),
     _refused("--use-critic", store_true(), CRITIC),
     _refused(
@@ -202,20 +203,23 @@ SPECS: tuple[Spec, ...] = (
 )
 
 SERVER = (
-    "a flag of slime's Megatron teacher server (megatron_server.py), not of train.py; that server is not built here: "
-    "--opd-type megatron runs the teacher inside the trainer"
+    "a flag of slime's Megatron teacher server (megatron_server.py), not of train.py; that server is not "
+    "built here: --opd-type megatron runs the teacher inside the trainer"
 )
 DEEPGEMM = (
-    "DeepGEMM's block-FP8 forward in Transformer Engine linears needs Hopper GPUs with DeepGEMM and Transformer "
-    "Engine, which this project does not use"
+    "DeepGEMM's block-FP8 forward in Transformer Engine linears needs Hopper GPUs with DeepGEMM and "
+    "Transformer Engine, which this project does not use"
 )
 NOT_READ = "slime defines it and reads it nowhere (its plugins neither)"
 MEMORY = (
-    "configures Megatron-LM's --record-memory-history (a CUDA memory recorder), which is not built here; with "
-    "--device cuda, PYTORCH_CUDA_ALLOC_CONF and torch.cuda.memory._record_memory_history in a --debug-phase-hook "
-    "do the same"
+    "configures Megatron-LM's --record-memory-history (a CUDA memory recorder), which is not built here; "
+    "with --device cuda, PYTORCH_CUDA_ALLOC_CONF and torch.cuda.memory._record_memory_history in a "
+    "--debug-phase-hook do the same"
 )
-PLUGIN = "read from args by slime's rollout-buffer plugin (slime_plugins.rollout_buffer), a --rollout-function-path"
+PLUGIN = (
+    "read from args by slime's rollout-buffer plugin (slime_plugins.rollout_buffer), a "
+    "--rollout-function-path"
+)
 
 SPECS += (
     _same("--min-batch-collection-ratio", {"type": float, "default": None}, NO_EFFECT, NOT_READ),
@@ -224,16 +228,16 @@ SPECS += (
         "--use-distributed-post",
         store_true(),
         NO_EFFECT,
-        "spreads slime's HTTP posts over Ray actors on every node; here the rollout manager's client posts to the "
-        "engines itself (a transport for requests: the same requests, the same answers)",
+        "spreads slime's HTTP posts over Ray actors on every node; here the rollout manager's client "
+        "posts to the engines itself (a transport for requests: the same requests, the same answers)",
     ),
     _same(
         "--recompute-loss-function",
         store_true(),
         NO_EFFECT,
-        "slime recomputes its loss function's activations (the [tokens, vocabulary] log-softmax) in the backward "
-        "pass to save memory; here the loss takes log-probs already gathered, and the vocabulary-wide log-softmax "
-        "runs in chunks with --log-probs-chunk-size",
+        "slime recomputes its loss function's activations (the [tokens, vocabulary] log-softmax) in the "
+        "backward pass to save memory; here the loss takes log-probs already gathered, and the "
+        "vocabulary-wide log-softmax runs in chunks with --log-probs-chunk-size",
     ),
     _same(
         "--profile-target",
@@ -249,8 +253,8 @@ SPECS += (
         "--log-correct-samples",
         store_true(),
         NO_EFFECT,
-        "slime computes length and entropy statistics of the samples with reward 1 and attaches them to the train "
-        "data after the metrics are sent, so they are never logged",
+        "slime computes length and entropy statistics of the samples with reward 1 and attaches them to "
+        "the train data after the metrics are sent, so they are never logged",
     ),
     _same("--rollout-buffer-url", {"default": None}, APPLIED, PLUGIN),
     _same(
@@ -271,9 +275,9 @@ SPECS += (
         "--rollout-skip-special-tokens",
         store_true(),
         APPLIED,
-        "responses decoded without special tokens: the built-in rollout always decodes so (SGLang's default); "
-        "slime.rollout.sglang_rollout's default_sampling_params (custom generate functions) keeps them unless "
-        "this flag, as slime",
+        "responses decoded without special tokens: the built-in rollout always decodes so (SGLang's "
+        "default); slime.rollout.sglang_rollout's default_sampling_params (custom generate functions) "
+        "keeps them unless this flag, as slime",
     ),
     _same(
         "--load-forge-rollout-data",
@@ -292,15 +296,16 @@ SPECS += (
     _refused(
         "--rollout-data-transport",
         {"default": None, "choices": ["object-store", "nixl"]},
-        "nixl moves rollout tensors with Ray's NIXL transport (RDMA NICs and the NIXL library); here rollouts go by "
-        "reference through Ray's object store (object-store)",
+        "nixl moves rollout tensors with Ray's NIXL transport (RDMA NICs and the NIXL library); here "
+        "rollouts go by reference through Ray's object store (object-store)",
         neutral="object-store",
     ),
     _refused(
         "--qwen-gdn-backend",
         {"default": None, "choices": ["fla", "flashqla"]},
-        "flashqla is FlashQLA's Hopper-only kernel (CUDA 12.8, compute capability 9.0), not installed here; the "
-        "gated delta-net layers run transformers' kernels: flash-linear-attention's where installed (fla)",
+        "flashqla is FlashQLA's Hopper-only kernel (CUDA 12.8, compute capability 9.0), not installed "
+        "here; the gated delta-net layers run transformers' kernels: flash-linear-attention's where "
+        "installed (fla)",
         neutral="fla",
     ),
     *(
@@ -332,8 +337,8 @@ SPECS += (
         _refused(
             flag,
             {"type": int, "default": None},
-            "SGLang's pipeline parallelism in the engines is not built: the weight push addresses each engine's "
-            "tensor-parallel ranks (--rollout-num-gpus-per-engine)",
+            "SGLang's pipeline parallelism in the engines is not built: the weight push addresses each "
+            "engine's tensor-parallel ranks (--rollout-num-gpus-per-engine)",
             neutral=1,
         )
         for flag in ("--sglang-pp-size", "--sglang-pipeline-parallel-size")
@@ -341,8 +346,8 @@ SPECS += (
     _refused(
         "--ref-ckpt-step",
         {"type": int, "default": None},
-        "it picks an iteration of a Megatron --ref-load checkpoint; --ref-load is a Hugging Face directory here "
-        "(convert that iteration with slime.tools.convert_megatron_to_hf)",
+        "it picks an iteration of a Megatron --ref-load checkpoint; --ref-load is a Hugging Face "
+        "directory here (convert that iteration with slime.tools.convert_megatron_to_hf)",
     ),
     _same(
         "--balance-by-flops",

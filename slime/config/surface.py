@@ -90,8 +90,11 @@ def refused_problems(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: s
 
 def no_effect_given(ns: argparse.Namespace, specs: tuple[Spec, ...], backend: str) -> list[str]:
     """The no-effect flags given with a value that asks for something, for the banner."""
-    return [s.flag for s in specs if s.effect(backend) == NO_EFFECT and given(ns, s)
-            and not is_neutral(s, getattr(ns, s.dest))]  # fmt: skip
+    return [
+        s.flag
+        for s in specs
+        if s.effect(backend) == NO_EFFECT and given(ns, s) and not is_neutral(s, getattr(ns, s.dest))
+    ]
 
 
 def is_neutral(spec: Spec, value: Any) -> bool:

@@ -67,16 +67,23 @@ class OptimizerConfig:
     )
     """`--use-stateless-adam`: every step is a fresh Adam's first (slime.backends.optim.StatelessAdamW)."""
     only_train_params_name_list: tuple[str, ...] | None = flag(
-        "--only-train-params-name-list", None, nargs="*", metavar="REGEX",
-        help="train only the parameters whose name matches one of these (re.search), freeze the rest; names are "
-        "the backend's own: Megatron's (decoder.layers.3.mlp.linear_fc1.weight) or Hugging Face's with fsdp",
-    )  # fmt: skip
+        "--only-train-params-name-list",
+        None,
+        nargs="*",
+        metavar="REGEX",
+        help="train only the parameters whose name matches one of these (re.search), freeze the rest; "
+        "names are the backend's own: Megatron's (decoder.layers.3.mlp.linear_fc1.weight) or Hugging "
+        "Face's with fsdp",
+    )
     """`--only-train-params-name-list`: the parameters that train (slime.backends.optim.freeze_parameters)."""
     freeze_params_name_list: tuple[str, ...] | None = flag(
-        "--freeze-params-name-list", None, nargs="*", metavar="REGEX",
+        "--freeze-params-name-list",
+        None,
+        nargs="*",
+        metavar="REGEX",
         help="freeze the parameters whose name matches one of these (re.search); names as "
         "--only-train-params-name-list's",
-    )  # fmt: skip
+    )
     """`--freeze-params-name-list`: the parameters that do not train."""
 
     def __post_init__(self) -> None:
@@ -94,8 +101,8 @@ class OptimizerConfig:
             raise ValueError(f"--lr-warmup-init ({self.lr_warmup_init}) must be in [0, --lr ({self.lr})]")
         if self.lr_decay_iters and self.lr_decay_iters <= self.lr_warmup_iters:
             raise ValueError(
-                f"--lr-decay-iters ({self.lr_decay_iters}) counts from the first step, warm-up included (Megatron-LM's "
-                f"rule), so it must exceed --lr-warmup-iters ({self.lr_warmup_iters})"
+                f"--lr-decay-iters ({self.lr_decay_iters}) counts from the first step, warm-up included "
+                f"(Megatron-LM's rule), so it must exceed --lr-warmup-iters ({self.lr_warmup_iters})"
             )
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
@@ -103,7 +110,8 @@ class OptimizerConfig:
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.only_train_params_name_list is not None and self.freeze_params_name_list is not None:
             raise ValueError(
-                "give one of --only-train-params-name-list (what trains) and --freeze-params-name-list (what does not)"
+                "give one of --only-train-params-name-list (what trains) and --freeze-params-name-list "
+                "(what does not)"
             )
         for name in ("only_train_params_name_list", "freeze_params_name_list"):
             for pattern in getattr(self, name) or ():
@@ -264,9 +272,9 @@ class TrainConfig:
         None,
         type=float,
         metavar="TFLOPS",
-        help="a train GPU's peak TFLOPS, for perf/actor_train_mfu (perf/actor_train_tflops / this); default: the "
-        "dense BF16 peak of a known NVIDIA GPU (slime.utils.flops.PEAK_BF16_TFLOPS); on a CPU or another GPU "
-        "without it, no MFU is reported",
+        help="a train GPU's peak TFLOPS, for perf/actor_train_mfu (perf/actor_train_tflops / this); "
+        "default: the dense BF16 peak of a known NVIDIA GPU (slime.utils.flops.PEAK_BF16_TFLOPS); on "
+        "a CPU or another GPU without it, no MFU is reported",
     )
     """`--peak-tflops` (ours): the peak perf/actor_train_mfu divides by (None: the GPU's, from
     slime.utils.flops.PEAK_BF16_TFLOPS, and no MFU where it is not listed)."""
@@ -301,10 +309,14 @@ class TrainConfig:
         if self.moe.use_routing_replay and (
             self.loss.use_rollout_logprobs or self.loss.loss_type != "policy_loss"
         ):
+            skipper = (
+                "--use-rollout-logprobs"
+                if self.loss.use_rollout_logprobs
+                else f"--loss-type {self.loss.loss_type}"
+            )
             raise ValueError(
                 "--use-routing-replay (R2) replays the routing of the trainer's log-prob pass, which "
-                f"{'--use-rollout-logprobs' if self.loss.use_rollout_logprobs else '--loss-type ' + self.loss.loss_type} "
-                "skips: drop one of them (or use --use-rollout-routing-replay)"
+                f"{skipper} skips: drop one of them (or use --use-rollout-routing-replay)"
             )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
@@ -331,8 +343,9 @@ class TrainConfig:
             o.only_train_params_name_list or o.freeze_params_name_list or self.loss.ref_update_interval
         ):
             raise ValueError(
-                "--lora-rank trains the adapters alone, the base weights frozen and the reference (adapters off): drop "
-                "--only-train-params-name-list / --freeze-params-name-list / --ref-update-interval"
+                "--lora-rank trains the adapters alone, the base weights frozen and the reference "
+                "(adapters off): drop --only-train-params-name-list / --freeze-params-name-list / "
+                "--ref-update-interval"
             )
         if self.fsdp.cpu_offload and self.device != "cuda":
             raise ValueError(
@@ -344,18 +357,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the trainer's flags on `parser` (each declared on its config field), grouped as
     they appear in --help."""
     add_flags(parser, TrainConfig, "train: model and devices")["train: model and devices"].add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
         help='auto: cuda when a GPU is visible, else cpu (every "GPU" is then one CPU process)',
-    )  # fmt: skip
+    )
     add_flags(parser, LossConfig, "train: loss")
     add_flags(parser, OptimizerConfig, "train: optimizer")
     add_flags(parser, BatchConfig, "train: batching")
     add_flags(parser, FSDPConfig, "train: FSDP")
     megatron = "megatron (--train-backend megatron; docs/megatron.md)"
     add_flags(parser, MegatronConfig, megatron)[megatron].add_argument(
-        "--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
-        help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch layers) on CPU",
-    )  # fmt: skip
+        "--transformer-impl",
+        choices=["auto", "local", "transformer_engine"],
+        default="auto",
+        help="auto: transformer_engine on GPUs (Megatron-LM's default), local (megatron-core's torch "
+        "layers) on CPU",
+    )
 
 
 def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:

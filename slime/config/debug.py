@@ -1,0 +1,308 @@
+"""The debug modes' and checks' flags (docs/debugging.md): their record, the precision
+tolerances, and the rules between them and the other flags (each returns the first problem as one
+message naming the flag and the fix, or None)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from slime.config.flags import flag
+from slime.utils.files import template_problem
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """The decoupled debug modes (docs/debugging.md)."""
+
+    rollout_only: bool = flag(
+        "--debug-rollout-only",
+        False,
+        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
+    )
+    """`--debug-rollout-only`: engines and rollout manager only; no trainer, no weight push."""
+    train_only: bool = flag(
+        "--debug-train-only",
+        False,
+        help="start only the trainer; rollouts come from --load-debug-rollout-data or a "
+        "--rollout-function-path",
+    )
+    """`--debug-train-only` (implied by `--load-debug-rollout-data`): trainer only; no engine."""
+    save_rollout_data: str | None = flag(
+        "--save-debug-rollout-data",
+        None,
+        metavar="TEMPLATE",
+        help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt",
+    )
+    """`--save-debug-rollout-data TEMPLATE` with {rollout_id}."""
+    save_eval_data: str | None = flag(
+        "--save-debug-eval-data",
+        None,
+        metavar="TEMPLATE",
+        help="write every eval rollout to this template ({rollout_id}; -1 = before training)",
+    )
+    """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
+    dump_details: str | None = flag(
+        "--dump-details",
+        None,
+        metavar="DIR",
+        help="every rollout, evaluation and train-data dump under DIR in slime's layout (rollout_data/, "
+        "train_data/) and the tokenizer in DIR/tokenizer, for post-hoc analysis",
+    )
+    """`--dump-details DIR`: the dump paths set under DIR (slime.config.derived.dump_details)."""
+    load_rollout_data: str | None = flag(
+        "--load-debug-rollout-data",
+        None,
+        metavar="TEMPLATE",
+        help="train on saved rollouts instead of generating (implies --debug-train-only)",
+    )
+    """`--load-debug-rollout-data TEMPLATE` with {rollout_id}."""
+    subsample: float = 1.0
+    """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
+    allow_tokenizer_mismatch: bool = flag(
+        "--allow-tokenizer-mismatch",
+        False,
+        help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's",
+    )
+    """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
+    check_precision: bool = flag(
+        "--check-precision",
+        False,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
+        "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane",
+    )
+    """`--check-precision`: the step-0 gates (slime.debug.precision)."""
+    precision_dtype: str = "float32"
+    """The lower precision of engines and trainer, which the tolerances below default for."""
+    precision_logprob_tol: float = 1e-4
+    """`--precision-logprob-tol`: largest mean |trainer - engine| log-prob at the first rollout."""
+    precision_logprob_max_tol: float = 1e-3
+    """`--precision-logprob-max-tol`: largest single-token |trainer - engine| log-prob."""
+    push_fault: str | None = flag(
+        "--debug-push-fault",
+        None,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        metavar="SPEC",
+        help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
+        "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)",
+    )
+    """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
+    phase_hook: str | None = flag(
+        "--debug-phase-hook",
+        None,
+        group="debug: precision checks (docs/debugging.md, Precision)",
+        metavar="MODULE.FUNCTION",
+        help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
+        "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
+        "(docs/debugging.md, Fault tolerance)",
+    )
+    """`--debug-phase-hook PATH`: f(phase, info) at the named phases of a step (slime.debug.phases)."""
+    sync_parameters_path: str | None = flag(
+        "--debug-sync-parameters-path",
+        None,
+        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
+        metavar="DIR",
+        help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to "
+        "DIR/before_sync_parameter/<rank>/, push the trainer's weights once, dump to "
+        "DIR/after_sync_parameter/<rank>/, exit; compare with python -m "
+        "slime.tools.check_sync_parameter --root_dir DIR",
+    )
+    """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
+    parameters before and after the first push, then exit."""
+    check_weight_update_equal: bool = flag(
+        "--check-weight-update-equal",
+        False,
+        group="debug: parameter sync (docs/debugging.md, Parameter sync)",
+        help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
+        "receive the first push, and must equal the snapshot exactly",
+    )
+    """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
+    ci_test: bool = flag(
+        "--ci-test",
+        False,
+        group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="end the job when slime's CI checks fail: KL exactly 0 at step 0, -1 < rollout/log_probs < 0, "
+        "0 < rollout/entropy < 1, the trainer-engine log-prob gap under its threshold",
+    )
+    ci_disable_kl_checker: bool = flag(
+        "--ci-disable-kl-checker",
+        False,
+        group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="--ci-test without the step-0 KL checks",
+    )
+    ci_train_rollout_logprob_abs_diff_threshold: float = flag(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        0.1,
+        group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="--ci-test's bound on rollout/train_rollout_logprob_abs_diff (0.1)",
+    )
+    ci_save_grad_norm: str | None = flag(
+        "--ci-save-grad-norm",
+        None,
+        metavar="TEMPLATE",
+        group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="save every optimizer step's grad norm to TEMPLATE ({role}, {rollout_id}, {step_id})",
+    )
+    ci_load_grad_norm: str | None = flag(
+        "--ci-load-grad-norm",
+        None,
+        metavar="TEMPLATE",
+        group="debug: slime's CI checks (slime.loop.ci_checks)",
+        help="end the job when a step's grad norm differs from the one saved there by more than 0.01 "
+        "(relative or absolute)",
+    )
+    hang_timeout: float | None = flag(
+        "--hang-timeout",
+        None,
+        group="debug: hangs (docs/debugging.md, Hangs and breakpoints)",
+        type=float,
+        metavar="SECONDS",
+        help="when a train step or weight push runs longer, every train rank writes its Python stacks "
+        "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1",
+    )
+    """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
+    to <log dir>/hang/ and ends the job (slime.debug.hang)."""
+    trace_dir: str | None = flag(
+        "--trace-dir",
+        None,
+        group="debug: the job's timeline (docs/observability.md, The job's timeline)",
+        metavar="DIR",
+        help="write a timeline of the whole job into DIR (trace-<date>-<time>-<pid>.json, Chrome's "
+        "trace-event format: open it in Perfetto or chrome://tracing): a track per process with its "
+        "phases, the engines' requests as counters; and end the job with a 'where the time went' "
+        "table in the log",
+    )
+    """`--trace-dir DIR`: the job's timeline (slime.ray.tracing, slime.observability.timeline)."""
+
+
+# (mean, max) |trainer - engine| log-prob tolerances by the lower precision of engine and
+# trainer. float32: measured 1.4e-07 mean, 2.4e-06 max on the demo model (docs/debugging.md);
+# bf16/fp16 are starting points for GPU runs, where slime users see ~1e-2 means.
+TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-2, 2.0), "float16": (2e-2, 1.0)}
+_RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def lower_precision(*dtypes: str) -> str:
+    return max(dtypes, key=lambda d: _RANK[d])
+
+
+def check_debug(ns: argparse.Namespace) -> str | None:
+    """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
+
+    for dest in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
+        template = getattr(ns, dest)
+        if template is not None:
+            problem = template_problem(template, "--" + dest.replace("_", "-"))
+            if problem:
+                return problem
+    if ns.load_debug_rollout_data is not None:
+        ns.debug_train_only = True
+    elif ns.load_debug_rollout_data_subsample is not None:
+        return "--load-debug-rollout-data-subsample needs --load-debug-rollout-data"
+    r = ns.load_debug_rollout_data_subsample
+    if r is not None and not 0 < r <= 1:
+        return f"--load-debug-rollout-data-subsample must be in (0, 1], got {r}"
+    if ns.debug_rollout_only and ns.debug_train_only:
+        return (
+            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each "
+            "other: the first runs no trainer, the second no engine"
+        )
+    if not ns.debug_train_only:
+        return None
+    if ns.load_debug_rollout_data is None and ns.rollout_function_path is None:
+        return (
+            "--debug-train-only starts no engine: give --load-debug-rollout-data TEMPLATE, or a "
+            "--rollout-function-path that needs no engine"
+        )
+    if ns.load_debug_rollout_data is not None and ns.num_rollout is None:
+        return "--load-debug-rollout-data replays rollout ids 0 .. --num-rollout - 1: give --num-rollout"
+    if ns.eval_interval is not None and ns.rollout_function_path is None:
+        return (
+            "--eval-interval generates with an engine, and --debug-train-only starts none: drop "
+            "--eval-interval (or evaluate with a --rollout-function-path that needs no engine)"
+        )
+    if ns.save_debug_rollout_data is not None and ns.load_debug_rollout_data is not None:
+        return "--save-debug-rollout-data with --load-debug-rollout-data would copy the dumps: give one"
+    return None
+
+
+def check_debug_checks(ns: argparse.Namespace) -> str | None:
+    """The precision, weight-sync and hang checks' rules."""
+
+    for dest in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout"):
+        value = getattr(ns, dest)
+        if value is not None and not value > 0:
+            return f"--{dest.replace('_', '-')} must be > 0, got {value}"
+    if ns.check_precision and ns.use_rollout_logprobs:
+        return (
+            "--check-precision gates the first step on ppo_kl == 0, and --use-rollout-logprobs measures "
+            "the ratio against the engine's log-probs (ppo_kl is the trainer-engine gap): give one of "
+            "them"
+        )
+    if ns.check_precision and ns.debug_rollout_only:
+        return (
+            "--check-precision checks the trainer against the engines, and --debug-rollout-only "
+            "starts no trainer"
+        )
+    if ns.debug_sync_parameters_path is None:
+        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
+    checks = {
+        "--debug-sync-parameters-path": ns.debug_sync_parameters_path is not None,
+        "--check-weight-sync": ns.check_weight_sync,
+        "--check-weight-update-equal": ns.check_weight_update_equal,
+    }
+    for name, on in checks.items():
+        if on and (ns.debug_rollout_only or ns.debug_train_only):
+            return (
+                f"{name} checks the weight push from the trainer to the engines, which "
+                "--debug-rollout-only / --debug-train-only never run"
+            )
+    adapter_push = bool(getattr(ns, "lora_rank", 0)) and getattr(ns, "lora_push", None) == "adapter"
+    for name in ("--debug-sync-parameters-path", "--check-weight-sync"):
+        if name == "--check-weight-sync" and adapter_push:
+            continue  # the adapter's check is SGLang's own expected_checksums (slime.bridge.adapter)
+        if checks[name] and ns.rollout_backend == "sglang":
+            return (
+                f"{name} needs engines that report what they wrote (the torch engine's slime extensions); "
+                "SGLang does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang "
+                "engines"
+            )
+    root = ns.debug_sync_parameters_path
+    if root is not None:
+        for part in ("before_sync_parameter", "after_sync_parameter"):
+            if os.path.isdir(os.path.join(root, part)) and os.listdir(os.path.join(root, part)):
+                return (
+                    f"--debug-sync-parameters-path {root!r} already holds {part}/ from an earlier run: "
+                    "choose an empty directory or remove it (nothing is overwritten)"
+                )
+    if ns.debug_push_fault is not None:
+        if ns.debug_rollout_only or ns.debug_train_only:
+            return (
+                "--debug-push-fault breaks the weight push, which --debug-rollout-only / "
+                "--debug-train-only never run"
+            )
+        try:
+            parse_push_fault(ns.debug_push_fault)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+PUSH_FAULT_KINDS = ("perturb", "noise", "transpose", "drop", "swap")
+
+
+def parse_push_fault(spec: str) -> tuple[str, tuple[str, ...]]:
+    """--debug-push-fault's grammar (slime.bridge.faults applies it): `KIND:NAME` or
+    `swap:NAME1,NAME2` -> (kind, names); ValueError names the flag and the forms."""
+    kind, _, rest = spec.partition(":")
+    names = tuple(n for n in rest.split(",") if n)
+    want = 2 if kind == "swap" else 1
+    if kind not in PUSH_FAULT_KINDS or len(names) != want:
+        raise ValueError(
+            f"--debug-push-fault {spec!r}: expected KIND:NAME with KIND one of "
+            f"{', '.join(k for k in PUSH_FAULT_KINDS if k != 'swap')}, or swap:NAME1,NAME2 (HF parameter "
+            "names)"
+        )
+    return kind, names
