@@ -122,16 +122,18 @@ def tool_names(tools_schema: list[dict[str, Any]] | None) -> set[str]:
 
 def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Raise ValueError naming a parser that is neither built here nor SGLang's (installed)."""
-    for kind, name, built in (("tool-call", tool_parser, TOOL_PARSERS), ("reasoning", reasoning_parser,
-                                                                          REASONING_PARSERS)):  # fmt: skip
+    for kind, name, built in (
+        ("tool-call", tool_parser, TOOL_PARSERS),
+        ("reasoning", reasoning_parser, REASONING_PARSERS),
+    ):
         if name is None or name in built:
             continue
         try:
             import sglang  # noqa: F401
         except ImportError:
             raise ValueError(
-                f"{kind} parser {name!r} is not built here (built: {', '.join(sorted(built))}) and SGLang, whose "
-                "parser it would be, is not installed"
+                f"{kind} parser {name!r} is not built here (built: {', '.join(sorted(built))}) and SGLang, "
+                "whose parser it would be, is not installed"
             ) from None
 
 

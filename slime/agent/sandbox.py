@@ -50,8 +50,16 @@ class Sandbox(Protocol):
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
 
-    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
-                   check: bool = False, idempotent: bool = True) -> ExecResult: ...  # fmt: skip
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+        idempotent: bool = True,
+    ) -> ExecResult: ...
 
     async def write_file(self, sandbox_path: str, content: FileContent, *, user: str = "root") -> None: ...
 
@@ -84,9 +92,14 @@ async def exec_and_wait(
     await sb.write_file(launcher, body, user=user)
     await sb.exec(f"rm -rf {guard}; rm -f {out_file} {done} {pid_file}", user=user, timeout=30, check=True)
     # The guard (slime's): a spawn sent again after a lost answer (a backend's retry) starts nothing.
-    await sb.exec(f"chmod +x {launcher}; mkdir {guard} 2>/dev/null || exit 0; "
-                  f"setsid bash {launcher} < /dev/null > {out_file} 2>&1 &", user=user, env=env, timeout=30,
-                  check=True)  # fmt: skip
+    await sb.exec(
+        f"chmod +x {launcher}; mkdir {guard} 2>/dev/null || exit 0; "
+        f"setsid bash {launcher} < /dev/null > {out_file} 2>&1 &",
+        user=user,
+        env=env,
+        timeout=30,
+        check=True,
+    )
 
     interval = float(getattr(sb, "poll_interval_s", 5.0))
     deadline = time.monotonic() + time_budget_sec
@@ -113,10 +126,12 @@ async def ensure_agent_user(sb: Sandbox, workdir: str) -> None:
     if getattr(sb, "single_user", False):
         return
     await sb.exec(
-        f"id agent >/dev/null 2>&1 || useradd -m -s /bin/bash agent && chown -R agent:agent /home/agent {workdir} && "
-        "git config --system --add safe.directory '*' && id agent",
-        user="root", check=True, timeout=60,
-    )  # fmt: skip
+        "id agent >/dev/null 2>&1 || useradd -m -s /bin/bash agent && chown -R agent:agent /home/agent "
+        f"{workdir} && git config --system --add safe.directory '*' && id agent",
+        user="root",
+        check=True,
+        timeout=60,
+    )
 
 
 _NAMESPACES: bool | None = None
@@ -172,9 +187,9 @@ class LocalSandbox:
         self._namespaces = _namespaces_work()
         if not self.network and not self._namespaces:
             raise RuntimeError(
-                "LocalSandbox(network=False) needs unprivileged user namespaces (`unshare -rnm true` fails here): "
-                "enable them (sysctl kernel.unprivileged_userns_clone=1) or pass network=True to run commands "
-                "without network isolation (and without a /tmp of their own)"
+                "LocalSandbox(network=False) needs unprivileged user namespaces (`unshare -rnm true` "
+                "fails here): enable them (sysctl kernel.unprivileged_userns_clone=1) or pass "
+                "network=True to run commands without network isolation (and without a /tmp of their own)"
             )
         parent = self._parent or _sandbox_parent()
         if self._namespaces and (os.path.realpath(parent) + "/").startswith("/tmp/"):
@@ -233,20 +248,41 @@ class LocalSandbox:
         flags = "-rm" if self.network else "-rnm"
         return ["unshare", flags, "bash", "-c", f"mount --bind {tmp} /tmp && {limits}; {cmd}"]
 
-    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
-                   check: bool = False, idempotent: bool = True) -> ExecResult:  # fmt: skip
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+        idempotent: bool = True,
+    ) -> ExecResult:
         """Run `cmd` with bash in the sandbox's root: (exit code, stdout, stderr). At `timeout` s
         the command and its process group are killed (exit code 124). `user` is not switched:
         every command runs as this machine's user."""
-        base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.root, "TMPDIR": self.tmp_dir,
-                "LANG": "C.UTF-8"}  # fmt: skip
+        base = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": self.root,
+            "TMPDIR": self.tmp_dir,
+            "LANG": "C.UTF-8",
+        }
         command = uuid.uuid4().hex  # marks every process of this command, detached ones included
         proc = await asyncio.create_subprocess_exec(
-            *self._argv(cmd), cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            env={**base, **self.env, **(env or {}), "SLIME_SANDBOX_ID": self.sandbox_id,
-                 "SLIME_SANDBOX_COMMAND": command},
-        )  # fmt: skip
+            *self._argv(cmd),
+            cwd=self.root,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            env={
+                **base,
+                **self.env,
+                **(env or {}),
+                "SLIME_SANDBOX_ID": self.sandbox_id,
+                "SLIME_SANDBOX_COMMAND": command,
+            },
+        )
         assert proc.stdout is not None and proc.stderr is not None
         reads = asyncio.gather(self._read(proc.stdout), self._read(proc.stderr))
         try:
@@ -363,18 +399,43 @@ class E2BSandbox:
     default_size = "md"
     rpc_backoff_base_sec = 1.0
     rpc_backoff_cap_sec = 32.0
-    _TRANSIENT = frozenset({"ProtocolError", "LocalProtocolError", "WriteError", "ReadError", "ConnectError",
-                            "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "RemoteProtocolError",
-                            "SSLError"})  # fmt: skip
+    _TRANSIENT = frozenset(
+        {
+            "ProtocolError",
+            "LocalProtocolError",
+            "WriteError",
+            "ReadError",
+            "ConnectError",
+            "ConnectTimeout",
+            "ReadTimeout",
+            "WriteTimeout",
+            "PoolTimeout",
+            "RemoteProtocolError",
+            "SSLError",
+        }
+    )
 
-    def __init__(self, image: str, *, timeout: int | None = None, image_metadata_key: str | None = None,
-                 rpc_retries: int | None = None, size: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        image: str,
+        *,
+        timeout: int | None = None,
+        image_metadata_key: str | None = None,
+        rpc_retries: int | None = None,
+        size: str | None = None,
+    ) -> None:
         self.image = image
-        self.timeout = timeout if timeout is not None else int(_getenv(*self.lifetime_sec_env,
-                                                                        default=str(self.default_lifetime_sec)))  # fmt: skip
+        self.timeout = (
+            timeout
+            if timeout is not None
+            else int(_getenv(*self.lifetime_sec_env, default=str(self.default_lifetime_sec)))
+        )
         self.image_metadata_key = image_metadata_key or _getenv(*self.image_metadata_key_env) or None
-        self.rpc_retries = rpc_retries if rpc_retries is not None else int(
-            _getenv(*self.rpc_retries_env, default=str(self.default_rpc_retries)))  # fmt: skip
+        self.rpc_retries = (
+            rpc_retries
+            if rpc_retries is not None
+            else int(_getenv(*self.rpc_retries_env, default=str(self.default_rpc_retries)))
+        )
         self.size = size if size is not None else _getenv(*self.size_env, default=self.default_size)
         self._sb: Any = None
         self.sandbox_id = ""
@@ -409,8 +470,8 @@ class E2BSandbox:
             ) from None
         if self.image_metadata_key is None:
             raise RuntimeError(
-                "E2BSandbox: set SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY to the metadata key your E2B gateway routes "
-                "images by (SWE_SANDBOX_IMAGE_METADATA_KEY is read too)"
+                "E2BSandbox: set SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY to the metadata key your E2B "
+                "gateway routes images by (SWE_SANDBOX_IMAGE_METADATA_KEY is read too)"
             )
         metadata = {self.image_metadata_key: self.image}
         if self.size:
@@ -429,14 +490,31 @@ class E2BSandbox:
             except Exception as e:
                 logger.warning("[agent.sandbox] killing %s failed: %s", self.sandbox_id[:8], e)
 
-    async def exec(self, cmd: str, *, user: str = "root", env: dict[str, str] | None = None, timeout: int = 120,
-                   check: bool = False, idempotent: bool = True) -> ExecResult:  # fmt: skip
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        env: dict[str, str] | None = None,
+        timeout: int = 120,
+        check: bool = False,
+        idempotent: bool = True,
+    ) -> ExecResult:
         from e2b.sandbox.commands.command_handle import CommandExitException
 
         try:
-            res = await self._rpc(f"exec({cmd[:60]!r})", lambda: self._sb.commands.run(
-                cmd, user=user, envs=env, timeout=timeout, on_stdout=lambda s: None, on_stderr=lambda s: None,
-            ), idempotent=idempotent)  # fmt: skip
+            res = await self._rpc(
+                f"exec({cmd[:60]!r})",
+                lambda: self._sb.commands.run(
+                    cmd,
+                    user=user,
+                    envs=env,
+                    timeout=timeout,
+                    on_stdout=lambda s: None,
+                    on_stderr=lambda s: None,
+                ),
+                idempotent=idempotent,
+            )
             return res.exit_code, res.stdout or "", res.stderr or ""
         except CommandExitException as e:
             if check:

@@ -302,8 +302,11 @@ class TrajectoryManager:
         assistants = [c for c in node.children if c.role == "assistant"]
         if len(assistants) != 1:
             if assistants:
-                logger.warning("session %s: %d assistant replies where a rewritten one comes back: a new branch",
-                               sid, len(assistants))  # fmt: skip
+                logger.warning(
+                    "session %s: %d assistant replies where a rewritten one comes back: a new branch",
+                    sid,
+                    len(assistants),
+                )
             return node, depth
         (old,) = assistants
         if old.children or old.turn is None or len(old.turn.output_ids) >= self.fork_threshold:
@@ -357,9 +360,10 @@ class TrajectoryManager:
                 built.append(_SampleTokens(self.fork_threshold))
                 kind = DriftKind.CLEAN
             built[-1].add(node.turn, kind, trained)
+        last = generated[-1].turn if generated else None
         metadata = {
             **(extra or {}),
-            "truncated": bool(generated) and generated[-1].turn.finish_reason == "length",  # type: ignore[union-attr]
+            "truncated": last is not None and last.finish_reason == "length",
             "use_tool": any((n.message or {}).get("tool_calls") for n in generated),
             "ill_formed": any(n.turn.ill_formed for n in generated),  # type: ignore[union-attr]
             "forked_turns": forks,

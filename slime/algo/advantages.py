@@ -268,8 +268,9 @@ def opd_penalty(
     return out
 
 
-def explained_variance(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor],
-                       masks: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+def explained_variance(
+    values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
+) -> torch.Tensor:
     """Local sums for 1 - Var(R - V) / Var(R) over the masked tokens of a rollout: [n, sum R,
     sum R^2, sum (R - V), sum (R - V)^2], float64, to all-reduce before `explained_variance_of`."""
     stats = torch.zeros(5, dtype=torch.float64)

@@ -80,9 +80,14 @@ def micro_batch_loss(
     if hooks is not None and hooks.pg_loss_reducer is not None:
         assert t.ragged is not None
         pg_loss = reduce_pg_loss(
-            hooks, t.ragged, pg_tokens, t.mask if kept_mask is None else kept_mask,
-            cfg.calculate_per_token_loss, t.normaliser, given=kept_mask is None,
-        )  # fmt: skip
+            hooks,
+            t.ragged,
+            pg_tokens,
+            t.mask if kept_mask is None else kept_mask,
+            cfg.calculate_per_token_loss,
+            t.normaliser,
+            given=kept_mask is None,
+        )
     else:
         pg_loss = losses.weighted_sum(pg_tokens, w)
     loss = pg_loss

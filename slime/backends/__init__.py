@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def make_train_actor(cfg: Any, rank: int | None = None, world_size: int | None = None,
-                     init_method: str | None = None, critic: bool = False) -> Any:  # fmt: skip
+def make_train_actor(
+    cfg: Any,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    critic: bool = False,
+) -> Any:
     """The train actor of `cfg.backend` (imported lazily: megatron-core is optional); with
     `critic`, PPO's value model (slime.backends.critic_common)."""
     if critic and cfg.backend == "megatron":

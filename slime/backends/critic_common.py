@@ -78,8 +78,9 @@ class ValueModel(TrainActorBase):
         replica (Megatron's other TP and pipeline ranks) may return none."""
         raise NotImplementedError
 
-    def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
-                    ret: dict[int, torch.Tensor]) -> tuple[dict[str, float], float]:  # fmt: skip
+    def _value_step(
+        self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
+    ) -> tuple[dict[str, float], float]:
         """One optimizer step; its metrics, and this rank's largest |step forward - value pass|
         over the loss mask (--check-precision's gate reads the first step's)."""
         raise NotImplementedError
@@ -87,8 +88,10 @@ class ValueModel(TrainActorBase):
     def _check_batch(self, batch: RolloutBatch) -> None:
         batch.validate(self.hf_config.get_text_config().vocab_size)
         if any(batch.multimodal_train_inputs or ()):
-            raise BatchError("PPO's critic on samples with images is not built (its forward takes no pixels): use "
-                             "--advantage-estimator grpo (or another critic-free one) with images")  # fmt: skip
+            raise BatchError(
+                "PPO's critic on samples with images is not built (its forward takes no pixels): use "
+                "--advantage-estimator grpo (or another critic-free one) with images"
+            )
 
     # ---- values -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -114,8 +117,10 @@ class ValueModel(TrainActorBase):
         index = batch.sample_indices or part.positions
         plans = self.plan(part)
         mine = [p for step in plans for mb in step.micro_batches for p in mb]
-        self._raise_agreed(self._missing(batch, mine, index, old_values, "values")
-                           or self._missing(batch, mine, index, returns, "returns"))  # fmt: skip
+        self._raise_agreed(
+            self._missing(batch, mine, index, old_values, "values")
+            or self._missing(batch, mine, index, returns, "returns")
+        )
         old = {p: torch.tensor(old_values[index[p]], dtype=torch.float32) for p in mine}
         ret = {p: torch.tensor(returns[index[p]], dtype=torch.float32) for p in mine}
         output = TrainOutput()
@@ -133,16 +138,18 @@ class ValueModel(TrainActorBase):
         return output
 
     @classmethod
-    def _missing(cls, batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample,
-                 what: str) -> str | None:  # fmt: skip
+    def _missing(
+        cls, batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample, what: str
+    ) -> str | None:
         p = cls._uncovered(batch, mine, index, per_sample)
         if p is None:
             return None
         got = f"{len(per_sample[index[p]])}" if index[p] in per_sample else "none"
         return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
 
-    def _value_metrics(self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor],
-                       ret: dict[int, torch.Tensor]) -> dict[str, float]:  # fmt: skip
+    def _value_metrics(
+        self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
+    ) -> dict[str, float]:
         """Token means over the loss mask, over the replicas (one rank of each counts): the values
         and returns, and the explained variance of the returns by the values."""
         masks = [self._loss_mask(batch, p) for p in mine]
@@ -160,8 +167,15 @@ class ValueModel(TrainActorBase):
             out["explained_variance"] = explained
         return out
 
-    def _value_loss(self, step: StepPlan, mb: MicroBatch, values: torch.Tensor, old: dict[int, torch.Tensor],
-                    ret: dict[int, torch.Tensor], sums: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:  # fmt: skip
+    def _value_loss(
+        self,
+        step: StepPlan,
+        mb: MicroBatch,
+        values: torch.Tensor,
+        old: dict[int, torch.Tensor],
+        ret: dict[int, torch.Tensor],
+        sums: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, float]:
         """A micro-batch's share of the step's value loss from its `values` ([batch, max
         response], with grad), its metric sums added to `sums`, and its largest |values - V_old|
         over the loss mask: on the weights of the value pass the step's forward gives its values
@@ -171,8 +185,13 @@ class ValueModel(TrainActorBase):
         old_values = mb.response_tensor([old[p] for p in mb.positions]).to(dev)
         gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
         gap = float(gaps.double().max()) if gaps.numel() else 0.0
-        weights = token_weights(mb.loss_mask, self.cfg.loss.calculate_per_token_loss, step.num_executions,
-                                step.num_tokens, step.row_denominators(mb.positions)).to(dev)  # fmt: skip
+        weights = token_weights(
+            mb.loss_mask,
+            self.cfg.loss.calculate_per_token_loss,
+            step.num_executions,
+            step.num_tokens,
+            step.row_denominators(mb.positions),
+        ).to(dev)
         returns = mb.response_tensor([ret[p] for p in mb.positions]).to(dev)
         loss, clipped = value_loss(values, old_values, returns, self.cfg.loss.value_clip)
         total = weighted_sum(loss, weights)

@@ -33,8 +33,9 @@ def updated_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch
 
 
 @torch.no_grad()
-def update_biases(biases: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], rate: float,
-                  group: Any = None) -> None:  # fmt: skip
+def update_biases(
+    biases: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], rate: float, group: Any = None
+) -> None:
     """Sum each layer's counts over `group` (when a process group is up) and update its bias in place."""
     if not biases:
         return

@@ -53,11 +53,27 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", weights: bool 
 
 # config.json fields that change neither a parameter nor the forward's math on trained weights
 # (attention_dropout: --attention-dropout replaces the checkpoint's).
-NOT_ARCHITECTURE = frozenset({"_name_or_path", "name_or_path", "architectures", "torch_dtype", "dtype",
-                              "transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
-                              "_attn_implementation_autoset", "output_attentions", "output_hidden_states",
-                              "return_dict", "initializer_range", "max_position_embeddings",
-                              "attention_dropout"})  # fmt: skip
+NOT_ARCHITECTURE = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "_attn_implementation_autoset",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "initializer_range",
+        "max_position_embeddings",
+        "attention_dropout",
+    }
+)
 
 
 def check_same_architecture(config: Any, path: str, flag: str, why: str) -> Any:
@@ -71,8 +87,8 @@ def check_same_architecture(config: Any, path: str, flag: str, why: str) -> Any:
         mine, theirs = a.get(name), b.get(name)
         if mine != theirs:
             raise CheckpointError(
-                f"{flag} {path!r}: {name} is {theirs!r}, --hf-checkpoint's is {mine!r}; the weights load into the "
-                f"student's model, so the architecture must be the same ({why})"
+                f"{flag} {path!r}: {name} is {theirs!r}, --hf-checkpoint's is {mine!r}; the weights load "
+                f"into the student's model, so the architecture must be the same ({why})"
             )
     return other
 

@@ -45,8 +45,9 @@ def generating_weights(
     versions = set().union(*everyone)
     if len(versions) != 1 or None in versions or next(iter(versions)) not in kept:
         raise BatchError(
-            f"--keep-old-actor: the rollout's samples come from weight version(s) {sorted(map(str, versions))}, "
-            f"the versions kept are {sorted(kept)}: each rollout must come from one pushed version (not with "
-            "--fully-async or --partial-rollout, nor from a replayed dump)"
+            "--keep-old-actor: the rollout's samples come from weight version(s) "
+            f"{sorted(map(str, versions))}, the versions kept are {sorted(kept)}: each rollout must come "
+            "from one pushed version (not with --fully-async or --partial-rollout, nor from a replayed "
+            "dump)"
         )
     return actor._weights_of(kept[next(iter(versions))])  # type: ignore[no-any-return]

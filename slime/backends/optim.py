@@ -70,14 +70,15 @@ class LRSchedule:
         current = _config_dict(self.cfg)
         if saved.get("optimizer", current["optimizer"]) != current["optimizer"]:
             raise ValueError(
-                f"the checkpoint's optimizer is {saved['optimizer']}, --optimizer is {current['optimizer']}: its "
-                "states cannot be carried over; resume with --optimizer " + saved["optimizer"]
+                f"the checkpoint's optimizer is {saved['optimizer']}, --optimizer is "
+                f"{current['optimizer']}: its states cannot be carried over; resume with --optimizer "
+                + saved["optimizer"]
             )
         if state.get("rule", 1) != SCHEDULE_RULE and not override:
             raise ValueError(
-                "the checkpoint was written with the previous learning-rate schedule (warm-up from lr / W, decay "
-                "counted after warm-up); this version follows Megatron-LM's: pass --override-opt-param-scheduler "
-                "to resume with it"
+                "the checkpoint was written with the previous learning-rate schedule (warm-up from lr / "
+                "W, decay counted after warm-up); this version follows Megatron-LM's: pass "
+                "--override-opt-param-scheduler to resume with it"
             )
         changed = {k: (saved[k], current[k]) for k in current if k in saved and saved[k] != current[k]}
         if changed and not override:
@@ -150,8 +151,8 @@ def freeze_parameters(model: torch.nn.Module, cfg: OptimizerConfig, strict: bool
     unmatched = [p for p, h in zip(patterns, hits) if not h and strict]
     if unmatched:
         raise ValueError(
-            f"{flag}: {', '.join(map(repr, unmatched))} matches no parameter of the model; its names look like "
-            f"{', '.join(names[:3])}"
+            f"{flag}: {', '.join(map(repr, unmatched))} matches no parameter of the model; its names look "
+            f"like {', '.join(names[:3])}"
         )
     count = 0
     for name, param in model.named_parameters():

@@ -149,15 +149,22 @@ def _varlen_call(kernel: Callable[..., Any], grouped: bool, custom_scale: bool) 
     if custom_scale and "scale" not in parameters:
         missing.append("scale")
     if missing:
-        logger.info("packed attention: the per-segment loop (torch %s's varlen_attn lacks %s)",
-                    torch.__version__, " and ".join(missing))  # fmt: skip
+        logger.info(
+            "packed attention: the per-segment loop (torch %s's varlen_attn lacks %s)",
+            torch.__version__,
+            " and ".join(missing),
+        )
         return None
     takes_gqa = grouped and "enable_gqa" in parameters
     if takes_gqa:
         keywords.append(("enable_gqa", True))
     call = _VarlenCall(tuple(keywords), "scale" in parameters, grouped and not takes_gqa)
-    logger.info("packed attention: torch %s's varlen_attn with %s%s", torch.__version__, dict(keywords),
-                ", grouped-query heads repeated" if call.repeat_kv else "")  # fmt: skip
+    logger.info(
+        "packed attention: torch %s's varlen_attn with %s%s",
+        torch.__version__,
+        dict(keywords),
+        ", grouped-query heads repeated" if call.repeat_kv else "",
+    )
     return call
 
 
@@ -208,11 +215,19 @@ def segment_attention(
     unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
     if unsupported:
         raise NotImplementedError(
-            f"packed micro-batches with slime_segments attention do not support {', '.join(unsupported)} (this "
-            "model uses it): use --padded-micro-batches, or --attn-implementation eager/flash_attention_2"
+            f"packed micro-batches with slime_segments attention do not support {', '.join(unsupported)} "
+            "(this model uses it): use --padded-micro-batches, or --attn-implementation "
+            "eager/flash_attention_2"
         )
-    out = causal_per_segment(query, key, value, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"), scaling,
-                             dropout if module.training else 0.0)  # fmt: skip
+    out = causal_per_segment(
+        query,
+        key,
+        value,
+        kwargs.get("cu_seq_lens_q"),
+        kwargs.get("max_length_q"),
+        scaling,
+        dropout if module.training else 0.0,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -73,7 +73,10 @@ class StepPerf:
         how = "from the config"
         if counted is None:
             counted = _count_parameters(self.hf_config)
-            how = "from its parameters (a family whose shapes are not counted: attention only in full-attention layers)"
+            how = (
+                "from its parameters (a family whose shapes are not counted: attention only in "
+                "full-attention layers)"
+            )
         if self.rank == 0 and counted is not None:
             logger.info("perf: %.3gB matmul weights per token, counted %s", counted.matmul_params / 1e9, how)
         return counted

@@ -86,8 +86,9 @@ def sigmoid_aux_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     return scores, routed
 
 
-def sequence_balancing_loss(probs: torch.Tensor, routed: torch.Tensor, seq: torch.Tensor, num_seqs: int,
-                            top_k: int, group: Any = None) -> torch.Tensor:  # fmt: skip
+def sequence_balancing_loss(
+    probs: torch.Tensor, routed: torch.Tensor, seq: torch.Tensor, num_seqs: int, top_k: int, group: Any = None
+) -> torch.Tensor:
     """megatron-core's `seq_aux_loss` of one layer, summed over the sequences (megatron-core then
     divides by their count): each sequence's `load_balancing_loss` over its own tokens,
     E / (k T_s^2) * sum_e (sum_{t in s} p_te) * (tokens of s routed to e). `seq` [T]: each

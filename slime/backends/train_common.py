@@ -189,8 +189,13 @@ class TrainActorBase(TrainRecords):
             )
 
         old, ref, advantages = values
-        weights = token_weights(mb.loss_mask, cfg.calculate_per_token_loss, step.num_executions, step.num_tokens,
-                                step.row_denominators(mb.positions)).to(dev)  # fmt: skip
+        weights = token_weights(
+            mb.loss_mask,
+            cfg.calculate_per_token_loss,
+            step.num_executions,
+            step.num_tokens,
+            step.row_denominators(mb.positions),
+        ).to(dev)
         terms = MicroBatchTerms(
             log_probs=log_probs,
             mask=mask,
@@ -256,8 +261,12 @@ class TrainActorBase(TrainRecords):
                 budget = max_tokens or b.max_tokens_per_gpu
                 assert budget is not None
                 budget *= self.context_parallel  # slime's rule: each GPU holds 1 / CP of a micro-batch
-                per_rank = [batching.pack_micro_batches(s, lengths, budget, self.packs_sequences) if flops is None
-                            else batching.flops_micro_batches(s, lengths, budget, flops) for s in shares]  # fmt: skip
+                per_rank = [
+                    batching.pack_micro_batches(s, lengths, budget, self.packs_sequences)
+                    if flops is None
+                    else batching.flops_micro_batches(s, lengths, budget, flops)
+                    for s in shares
+                ]
             else:
                 per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
             per_rank, merged = batching.rank_micro_batches(per_rank, shares, lengths)
@@ -348,22 +357,35 @@ class TrainActorBase(TrainRecords):
         if values is not None:  # every rank raises the first rank's error: none waits in a collective
             index = batch.sample_indices or part.positions
             wrong = self._uncovered(batch, mine, index, values)
-            problem = None if wrong is None else (
-                f"sample {index[wrong]}: the critic's values do not cover its {batch.response_lengths[wrong]} response "
-                f"tokens ({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)")  # fmt: skip
+            problem = (
+                None
+                if wrong is None
+                else (
+                    f"sample {index[wrong]}: the critic's values do not cover its "
+                    f"{batch.response_lengths[wrong]} response tokens "
+                    f"({len(values[index[wrong]]) if index[wrong] in values else 'none'} given)"
+                )
+            )
             self._raise_agreed(problem)
         opd = self.cfg.opd
         if opd.on_samples and batch.teacher_log_probs is None:  # every part alike
             raise BatchError(
-                "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs', or not all of them "
-                "(the teacher engine scores them during the rollout; a custom rollout, reward or post-process "
-                "function must set them; a replayed dump must have been made with OPD)"
+                "--use-opd --opd-type sglang: the rollout's samples carry no 'teacher_log_probs', or not "
+                "all of them (the teacher engine scores them during the rollout; a custom rollout, reward "
+                "or post-process function must set them; a replayed dump must have been made with OPD)"
             )
         with self._routing_replay(batch, mine):
             return self._train(rollout_id, part, plans, mine, values, update)
 
-    def _train(self, rollout_id: int, part: RolloutPart, plans: list[StepPlan], mine: list[int],
-               critic_values: dict[int, list[float]] | None = None, update: bool = True) -> TrainOutput:  # fmt: skip
+    def _train(
+        self,
+        rollout_id: int,
+        part: RolloutPart,
+        plans: list[StepPlan],
+        mine: list[int],
+        critic_values: dict[int, list[float]] | None = None,
+        update: bool = True,
+    ) -> TrainOutput:
         loss_cfg = self.cfg.loss
         batch = part.batch
         output = TrainOutput()
@@ -424,8 +446,9 @@ class TrainActorBase(TrainRecords):
         self.rollout_id = rollout_id
         return output
 
-    def _teacher_log_probs(self, batch: RolloutBatch, mine: list[int],
-                           plans: list[StepPlan]) -> dict[int, torch.Tensor] | None:  # fmt: skip
+    def _teacher_log_probs(
+        self, batch: RolloutBatch, mine: list[int], plans: list[StepPlan]
+    ) -> dict[int, torch.Tensor] | None:
         """OPD's teacher log-probs of this rank's samples: from the train pass with the teacher's
         weights (--opd-type megatron), or as the rollout's teacher engine gave them (None: no OPD)."""
         opd = self.cfg.opd
@@ -437,8 +460,14 @@ class TrainActorBase(TrainRecords):
         assert batch.teacher_log_probs is not None  # train() checked
         return {p: torch.tensor(batch.teacher_log_probs[p], dtype=torch.float32) for p in mine}
 
-    def _opd(self, advantages: list[torch.Tensor], mine: list[int], old: Any, teacher: Any,
-             masks: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+    def _opd(
+        self,
+        advantages: list[torch.Tensor],
+        mine: list[int],
+        old: Any,
+        teacher: Any,
+        masks: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
         """The OPD penalty on the estimator's advantages (before whitening, as slime): the student
         is the old policy (the engine's log-probs with --use-rollout-logprobs, as slime's)."""
         if teacher is None:
@@ -446,9 +475,15 @@ class TrainActorBase(TrainRecords):
         student = [old[p] for p in mine]
         return adv.opd_penalty(advantages, student, [teacher[p] for p in mine], self.cfg.opd.kl_coef, masks)
 
-    def _ppo_advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any,
-                        critic_values: dict[int, list[float]],
-                        teacher: Any = None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
+    def _ppo_advantages(
+        self,
+        part: RolloutPart,
+        mine: list[int],
+        old: Any,
+        ref: Any,
+        critic_values: dict[int, list[float]],
+        teacher: Any = None,
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """PPO: GAE over the critic's values (slime.algo.advantages.ppo_advantages), whitened
         with --normalize-advantages; and the returns (the critic's targets)."""
         cfg = self.cfg.loss
@@ -468,8 +503,9 @@ class TrainActorBase(TrainRecords):
             advantages = adv.whiten(advantages, masks, stats)
         return dict(zip(mine, advantages)), dict(zip(mine, returns))
 
-    def _advantages(self, part: RolloutPart, mine: list[int], old: Any, ref: Any,
-                    teacher: Any = None) -> dict[int, torch.Tensor]:  # fmt: skip
+    def _advantages(
+        self, part: RolloutPart, mine: list[int], old: Any, ref: Any, teacher: Any = None
+    ) -> dict[int, torch.Tensor]:
         cfg = self.cfg.loss
         # Groups are normalised over the whole rollout: a group's samples may sit on other replicas.
         if part.rewards_normalized or not cfg.rewards_normalization:

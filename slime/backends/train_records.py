@@ -99,9 +99,13 @@ class TrainRecords:
         if not self.writes_train_data:
             return
         payload = {
-            "format_version": TRAIN_FORMAT_VERSION, "rollout_id": rollout_id, "rank": self.dp_rank,
-            "world_size": self.dp_size, "samples": rows, "lora": dump_record(self.cfg.lora),
-        }  # fmt: skip
+            "format_version": TRAIN_FORMAT_VERSION,
+            "rollout_id": rollout_id,
+            "rank": self.dp_rank,
+            "world_size": self.dp_size,
+            "samples": rows,
+            "lora": dump_record(self.cfg.lora),
+        }
         write_atomic(self.cfg.save_debug_train_data.format(rollout_id=rollout_id, rank=self.dp_rank), payload)
 
     @staticmethod
@@ -190,8 +194,9 @@ class TrainRecords:
         return out
 
     @staticmethod
-    def _uncovered(batch: RolloutBatch, mine: list[int], index: list[int],
-                   per_sample: dict[int, list[float]]) -> int | None:  # fmt: skip
+    def _uncovered(
+        batch: RolloutBatch, mine: list[int], index: list[int], per_sample: dict[int, list[float]]
+    ) -> int | None:
         """The first of this rank's positions whose per-token list (keyed by sample index) is
         missing or not one entry per response token; None when all are there."""
         return next((p for p in mine if len(per_sample.get(index[p], ())) != batch.response_lengths[p]), None)

@@ -45,8 +45,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: str,
-                       topology: PushTopology | None, checksums: bool) -> PushStats | None:  # fmt: skip
+def push_actor_adapter(
+    actor: Any,
+    bridge: WeightBridge | None,
+    weight_version: str,
+    topology: PushTopology | None,
+    checksums: bool,
+) -> PushStats | None:
     """Every train rank: the adapter gathered whole (every rank takes part); rank 0, the one
     holding the bridge, sends it. Returns the push statistics on rank 0, None elsewhere."""
     named, config = actor.export_adapter()
@@ -72,9 +77,15 @@ def push_actor_adapter(actor: Any, bridge: WeightBridge | None, weight_version: 
     return stats
 
 
-async def push_adapter(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
-                       payloads: list[str] | None = None, checksums: bool = False,
-                       name: str | None = None) -> PushStats:  # fmt: skip
+async def push_adapter(
+    bridge: WeightBridge,
+    named: list[tuple[str, Any]],
+    config: dict[str, Any],
+    weight_version: str,
+    payloads: list[str] | None = None,
+    checksums: bool = False,
+    name: str | None = None,
+) -> PushStats:
     """--lora-push adapter: the policy's LoRA adapter alone into every
     engine. `payloads`: every train rank's shared copy (the IPC topology); None: this rank
     copies the adapter into its shared-memory file, one payload for every engine."""
@@ -99,8 +110,15 @@ async def push_adapter(bridge: WeightBridge, named: list[tuple[str, Any]], confi
     return await push(bridge, named, config, weight_version, per_engine, checksums, name or ADAPTER_NAME)
 
 
-async def load_into(engine: EngineClient, name: str, config: dict[str, Any], payloads: list[str], sglang: bool,
-                    expected: dict[str, str] | None, weight_version: str) -> None:  # fmt: skip
+async def load_into(
+    engine: EngineClient,
+    name: str,
+    config: dict[str, Any],
+    payloads: list[str],
+    sglang: bool,
+    expected: dict[str, str] | None,
+    weight_version: str,
+) -> None:
     """The adapter's new version into one engine, in place of the old (loaded fresh the first
     time). SGLang: unloaded first (a 400 means none was loaded: the first push, or an engine that
     restarted)."""
@@ -113,21 +131,29 @@ async def load_into(engine: EngineClient, name: str, config: dict[str, Any], pay
             if e.status != 400:
                 raise
     try:
-        await engine.load_lora_adapter_from_tensors(name, config, payloads, load_format=LOAD_FORMAT,
-                                                    expected_checksums=expected, upsert=not sglang)  # fmt: skip
+        await engine.load_lora_adapter_from_tensors(
+            name, config, payloads, load_format=LOAD_FORMAT, expected_checksums=expected, upsert=not sglang
+        )
     except EngineError as e:
         if expected is not None and e.status == 400 and "MISMATCH" in e.message:
             from slime.bridge.verify import WeightSyncError
 
             raise WeightSyncError(
-                f"--check-weight-sync: the LoRA adapter push of version {weight_version}: engine {engine.base_url} "
-                f"did not receive the trainer's tensors: {e.message}"
+                f"--check-weight-sync: the LoRA adapter push of version {weight_version}: engine "
+                f"{engine.base_url} did not receive the trainer's tensors: {e.message}"
             ) from None
         raise
 
 
-async def push(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[str, Any], weight_version: str,
-               per_engine: list[list[str]], checksums: bool, name: str) -> PushStats:  # fmt: skip
+async def push(
+    bridge: WeightBridge,
+    named: list[tuple[str, Any]],
+    config: dict[str, Any],
+    weight_version: str,
+    per_engine: list[list[str]],
+    checksums: bool,
+    name: str,
+) -> PushStats:
     """Rank 0: pause, load into every engine, set the version, continue."""
     from slime.utils.checksum import bytes_sha256
 
@@ -137,8 +163,12 @@ async def push(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[
     try:
         await asyncio.gather(*(e.pause_generation(bridge.pause_mode) for e in engines))
         try:
-            await asyncio.gather(*(load_into(e, name, config, p, bridge.sglang, expected, weight_version)
-                                   for e, p in zip(engines, per_engine, strict=True)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    load_into(e, name, config, p, bridge.sglang, expected, weight_version)
+                    for e, p in zip(engines, per_engine, strict=True)
+                )
+            )
             await asyncio.gather(*(e.update_weight_version(weight_version) for e in engines))
         finally:
             await asyncio.gather(*(e.continue_generation() for e in engines))
@@ -147,8 +177,15 @@ async def push(bridge: WeightBridge, named: list[tuple[str, Any]], config: dict[
     total = sum(t.numel() * t.element_size() for _, t in named)
     seconds = time.perf_counter() - start
     checked = f", {len(named)} sha256 checked by every engine" if checksums else ""
-    logger.info("pushed the LoRA adapter %r, %.2f MB in %d tensors, weight_version %s in %.3f s%s",
-                name, total / 1e6, len(named), weight_version, seconds, checked)  # fmt: skip
+    logger.info(
+        "pushed the LoRA adapter %r, %.2f MB in %d tensors, weight_version %s in %.3f s%s",
+        name,
+        total / 1e6,
+        len(named),
+        weight_version,
+        seconds,
+        checked,
+    )
     return {
         "bytes": float(total),
         "seconds": seconds,

@@ -160,8 +160,13 @@ class WeightBridge:
                         await self.transport.send(engines, bucket, weight_version)
                     total += size
                     count += 1
-                    self.phase("push_bucket", version=weight_version, bucket=count - 1,
-                               engines=list(self.engine_urls), transport=self.label)  # fmt: skip
+                    self.phase(
+                        "push_bucket",
+                        version=weight_version,
+                        bucket=count - 1,
+                        engines=list(self.engine_urls),
+                        transport=self.label,
+                    )
                 await self.transport.finish(engines, weight_version)
             except BaseException:
                 await self.transport.abort()
@@ -176,8 +181,12 @@ class WeightBridge:
         seconds = time.perf_counter() - start
         logger.info(
             "pushed %d buckets, %.1f MB, weight_version %s via %s in %.3f s",
-            count, total / 1e6, weight_version, self.label, seconds,
-        )  # fmt: skip
+            count,
+            total / 1e6,
+            weight_version,
+            self.label,
+            seconds,
+        )
         return {"bytes": float(total), "seconds": seconds, "buckets": float(count), "transport": self.label}
 
     def engine_dtype_once(self) -> Any:

@@ -36,8 +36,14 @@ class DeltaDiskTransport:
     name = "disk"
     session = False
 
-    def __init__(self, hf_checkpoint: str, disk_dir: str, local_dir: str, encoding: str = "xor",
-                 checksum: str = "xxh3-128"):  # fmt: skip
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        disk_dir: str,
+        local_dir: str,
+        encoding: str = "xor",
+        checksum: str = "xxh3-128",
+    ):
         self.hf_checkpoint, self.disk_dir, self.local_dir = hf_checkpoint, disk_dir, local_dir
         self.encoding, self.checksum = encoding, checksum
         self.version = 0
@@ -92,9 +98,9 @@ class DeltaDiskTransport:
             if old is None or kind is None or tuple(tensor.shape) != kind[1]:
                 where = "is not in" if kind is None else f"has shape {list(kind[1])} in"
                 raise wd.DeltaError(
-                    f"--update-weight-mode delta: tensor {name} {list(tensor.shape)} {where} --hf-checkpoint "
-                    f"{self.hf_checkpoint}; deltas are taken against the checkpoint the engines start from, so the "
-                    "trainer must push the checkpoint's tensors"
+                    f"--update-weight-mode delta: tensor {name} {list(tensor.shape)} {where} "
+                    f"--hf-checkpoint {self.hf_checkpoint}; deltas are taken against the checkpoint the "
+                    "engines start from, so the trainer must push the checkpoint's tensors"
                 )
             # The engines' host checkpoint keeps the checkpoint's dtype: what they load from it (a
             # full disk push is cast the same way when the engine loads it).

@@ -69,12 +69,16 @@ class DistributedTransport:
         joins = [
             asyncio.create_task(
                 e.init_weights_update_group(
-                    self.master_address, port, rank_offset=offset, world_size=world_size,
-                    group_name=GROUP_NAME, backend=self.backend,
+                    self.master_address,
+                    port,
+                    rank_offset=offset,
+                    world_size=world_size,
+                    group_name=GROUP_NAME,
+                    backend=self.backend,
                 )
             )
             for e, offset in zip(engines, offsets, strict=True)
-        ]  # fmt: skip
+        ]
         try:
             self.group = await asyncio.to_thread(
                 sdist.new_group, self.backend, self.master_address, port, 0, world_size, self.timeout_s
@@ -141,7 +145,8 @@ async def _check_tp_size(engine: EngineClient, expected: int) -> None:
     reported = info.get("tp_size") if isinstance(info, dict) else None
     if reported is not None and int(reported) != expected:
         raise TopologyError(
-            f"engine {engine.base_url} reports tensor-parallel size {reported}, but the push topology gives it "
-            f"{expected}: its TP workers would join a weight-update group sized for {expected}; set "
-            f"--rollout-num-gpus-per-engine {reported} (or launch the engine with tensor-parallel size {expected})"
+            f"engine {engine.base_url} reports tensor-parallel size {reported}, but the push topology "
+            f"gives it {expected}: its TP workers would join a weight-update group sized for {expected}; "
+            f"set --rollout-num-gpus-per-engine {reported} (or launch the engine with tensor-parallel size "
+            f"{expected})"
         )

@@ -81,8 +81,8 @@ def split_by_engine(payloads: list[str], tp_sizes: Sequence[int], what: str) -> 
     (engine j gets those of ranks o_j .. o_j+tp_j-1)."""
     if len(payloads) < sum(tp_sizes):
         raise RuntimeError(
-            f"{len(payloads)} train ranks shared {what}, but {len(tp_sizes)} engines of tensor-parallel sizes "
-            f"{list(tp_sizes)} need one per engine GPU (the CUDA-IPC push is for --colocate)"
+            f"{len(payloads)} train ranks shared {what}, but {len(tp_sizes)} engines of tensor-parallel "
+            f"sizes {list(tp_sizes)} need one per engine GPU (the CUDA-IPC push is for --colocate)"
         )
     starts = itertools.accumulate(tp_sizes, initial=0)
     return [payloads[o : o + tp] for o, tp in zip(starts, tp_sizes)]
@@ -108,10 +108,12 @@ class IpcTransport:
             raise RuntimeError(f"{len(sizes)} tensor-parallel sizes for {len(engines)} engines")
         per_engine = split_by_engine(self.payloads, sizes, "the bucket")
         self.payloads = []
-        await asyncio.gather(*(
-            e.update_weights_from_tensor(p, load_format=LOAD_FORMAT, weight_version=weight_version)
-            for e, p in zip(engines, per_engine)
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                e.update_weights_from_tensor(p, load_format=LOAD_FORMAT, weight_version=weight_version)
+                for e, p in zip(engines, per_engine)
+            )
+        )
 
     async def finish(self, engines: list[EngineClient], weight_version: str) -> None:
         return None

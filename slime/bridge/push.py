@@ -87,6 +87,9 @@ def push_actor_weights(
         stats.update(
             verify_trainer_seconds=prints.seconds, verify_compare_seconds=time.perf_counter() - start
         )
-        logger.info("--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
-                    len(prints.entries), prints.seconds)  # fmt: skip
+        logger.info(
+            "--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
+            len(prints.entries),
+            prints.seconds,
+        )
     return stats

@@ -199,14 +199,14 @@ class PushTopology:
             )
         if self.kind == "disk":
             return (
-                f"--update-weight-transport disk writes the weights to a temporary directory on train rank 0's "
-                f"node: {where}; give --update-weight-disk-dir on a filesystem every node shares, or use "
-                "--update-weight-transport distributed"
+                "--update-weight-transport disk writes the weights to a temporary directory on train rank "
+                f"0's node: {where}; give --update-weight-disk-dir on a filesystem every node shares, or "
+                "use --update-weight-transport distributed"
             )
         if master in (LOOPBACK, "localhost"):  # "this machine": no node address was given
             return (
-                f"--update-weight-transport distributed: the group's master address {master} is loopback, which "
-                f"{where} cannot reach; give train rank 0's node IP address as its node"
+                f"--update-weight-transport distributed: the group's master address {master} is loopback, "
+                f"which {where} cannot reach; give train rank 0's node IP address as its node"
             )
         return None
 
@@ -215,18 +215,20 @@ class PushTopology:
         num_gpus = sum(self.tp_sizes)
         if len(self.train_nodes) < num_gpus:
             return (
-                f"--update-weight-transport {self.transport} ({self.label}) feeds every engine GPU from the train "
-                f"rank on that GPU: the engines have {num_gpus} GPUs (tensor-parallel sizes {list(self.tp_sizes)}) "
-                f"but there are {len(self.train_nodes)} train ranks; with --colocate give the engines as many GPUs "
-                "as train ranks, or use --update-weight-transport distributed"
+                f"--update-weight-transport {self.transport} ({self.label}) feeds every engine GPU from "
+                f"the train rank on that GPU: the engines have {num_gpus} GPUs (tensor-parallel sizes "
+                f"{list(self.tp_sizes)}) but there are {len(self.train_nodes)} train ranks; with "
+                "--colocate give the engines as many GPUs as train ranks, or use "
+                "--update-weight-transport distributed"
             )
         for j, (e, offset) in enumerate(zip(self.engines, group_layout(self.tp_sizes)[1], strict=True)):
             for rank in range(offset - 1, offset - 1 + e.tp_size):
                 if not same_node(self.train_nodes[rank], e.node):
                     return (
-                        f"--update-weight-transport {self.transport} ({self.label}) needs each engine on the node "
-                        f"of the train ranks that feed it: {e.name(j)} runs on node {e.node}, but train "
-                        f"rank {rank} runs on node {self.train_nodes[rank]}; use --update-weight-transport distributed"
+                        f"--update-weight-transport {self.transport} ({self.label}) needs each engine on "
+                        f"the node of the train ranks that feed it: {e.name(j)} runs on node {e.node}, but "
+                        f"train rank {rank} runs on node {self.train_nodes[rank]}; use "
+                        "--update-weight-transport distributed"
                     )
         return None
 

@@ -90,8 +90,10 @@ def compare(
         elif want is None:
             lines.append(f"unexpected: {name} (the engine was sent it, the trainer exported no such tensor)")
         elif (want["dtype"], list(want["shape"])) != (got["dtype"], list(got["shape"])):
-            lines.append(f"shape/dtype: {name} exported {want['dtype']}{list(want['shape'])}, engine holds "
-                         f"{got['dtype']}{list(got['shape'])}")  # fmt: skip
+            lines.append(
+                f"shape/dtype: {name} exported {want['dtype']}{list(want['shape'])}, engine holds "
+                f"{got['dtype']}{list(got['shape'])}"
+            )
         elif list(want["fingerprint"]) != list(got["fingerprint"]):
             lines.append(
                 f"differs: {name} (fingerprint {want['fingerprint']} exported, {got['fingerprint']} held)"
@@ -103,6 +105,8 @@ def report(version: str, url: str, lines: list[str], limit: int = 20) -> str:
     more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
     return (
         f"--check-weight-sync: after the weight push of version {version}, engine {url} disagrees with the "
-        f"trainer on {len(lines)} tensor(s):\n  " + "\n  ".join(lines[:limit]) + more +
-        '\nSee docs/debugging.md "Parameter sync" (dump both sides with --debug-sync-parameters-path).'
-    )  # fmt: skip
+        f"trainer on {len(lines)} tensor(s):\n  "
+        + "\n  ".join(lines[:limit])
+        + more
+        + '\nSee docs/debugging.md "Parameter sync" (dump both sides with --debug-sync-parameters-path).'
+    )

@@ -98,13 +98,22 @@ def gates(
     if not ctx.first:
         return checks
     if ctx.resumed or ctx.lora_adapter:
-        why = ("resumed from --load: the actor has trained away from the reference" if ctx.resumed else
-               f"--lora-adapter-path {ctx.lora_adapter}: the adapters start trained, the reference is the base model")  # fmt: skip
-        checks += [Check("actor log-probs == reference log-probs (bitwise)", None, "-", detail=why),
-                   Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why)]  # fmt: skip
+        why = (
+            "resumed from --load: the actor has trained away from the reference"
+            if ctx.resumed
+            else f"--lora-adapter-path {ctx.lora_adapter}: the adapters start trained, the reference is "
+            "the base model"
+        )
+        checks += [
+            Check("actor log-probs == reference log-probs (bitwise)", None, "-", detail=why),
+            Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why),
+        ]
     else:
-        kl = (Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why) if critic_only
-              else _kl_loss(ctx, first_step))  # fmt: skip
+        kl = (
+            Check("kl_loss == 0 on the first optimizer step", None, "-", detail=why)
+            if critic_only
+            else _kl_loss(ctx, first_step)
+        )
         checks += [_actor_vs_ref(ctx, precision), kl]
     if "log_probs" in rollout:
         checks += [_engine_gap(ctx, rollout), _log_probs_valid(precision, rollout)]
@@ -140,8 +149,8 @@ def _ppo_kl(ctx: Context, precision: dict[str, float], step: dict[str, float]) -
 
 
 _CRITIC_DROPOUT = (
-    "dropout is active in training (--attention-dropout or --hidden-dropout; on FSDP also hidden_dropout > 0 in "
-    "the critic's config.json)"
+    "dropout is active in training (--attention-dropout or --hidden-dropout; on FSDP also hidden_dropout "
+    "> 0 in the critic's config.json)"
 )
 
 
@@ -170,9 +179,14 @@ def _actor_vs_ref(ctx: Context, precision: dict[str, float]) -> Check:
         causes.insert(0, f"--ref-load {ctx.ref_load} is another checkpoint than --hf-checkpoint")
     causes.append("the reference was loaded in another dtype or from a checkpoint saved differently")
     return Check(
-        name, diff == 0.0, f"max |diff| {_fmt(diff)} over {count} differing tokens", "exactly 0",
-        "KL is not 0 before any training", tuple(causes), "actor == reference bitwise",
-    )  # fmt: skip
+        name,
+        diff == 0.0,
+        f"max |diff| {_fmt(diff)} over {count} differing tokens",
+        "exactly 0",
+        "KL is not 0 before any training",
+        tuple(causes),
+        "actor == reference bitwise",
+    )
 
 
 def _kl_loss(ctx: Context, step: dict[str, float]) -> Check:
@@ -182,9 +196,15 @@ def _kl_loss(ctx: Context, step: dict[str, float]) -> Check:
     causes = [_KERNEL_CAUSE]
     if ctx.ref_load:
         causes.insert(0, f"--ref-load {ctx.ref_load} is another checkpoint than --hf-checkpoint")
-    return Check(name, step["kl_loss"] == 0.0, f"kl_loss {_fmt(step['kl_loss'])}", "exactly 0",
-                 "the actor moved away from the reference before its first update", tuple(causes),
-                 "kl_loss 0")  # fmt: skip
+    return Check(
+        name,
+        step["kl_loss"] == 0.0,
+        f"kl_loss {_fmt(step['kl_loss'])}",
+        "exactly 0",
+        "the actor moved away from the reference before its first update",
+        tuple(causes),
+        "kl_loss 0",
+    )
 
 
 def _engine_gap(ctx: Context, rollout: dict[str, float]) -> Check:
@@ -206,8 +226,8 @@ def _engine_gap(ctx: Context, rollout: dict[str, float]) -> Check:
         )
     else:
         causes.append(
-            f"temperature: the trainer computes log-probs at --rollout-temperature {ctx.trainer_temperature:g}; "
-            "the engine must sample (and report log-probs) at the same one"
+            "temperature: the trainer computes log-probs at --rollout-temperature "
+            f"{ctx.trainer_temperature:g}; the engine must sample (and report log-probs) at the same one"
         )
     causes.append(
         f"precision: the tolerances are for {ctx.dtype}; if the gap is expected, raise "
@@ -222,7 +242,8 @@ def _engine_gap(ctx: Context, rollout: dict[str, float]) -> Check:
         name,
         mean <= ctx.mean_tol and worst <= ctx.max_tol,
         f"mean {_fmt(mean)}, max {_fmt(worst)}",
-        f"mean <= {ctx.mean_tol:g} (--precision-logprob-tol), max <= {ctx.max_tol:g} (--precision-logprob-max-tol)",
+        f"mean <= {ctx.mean_tol:g} (--precision-logprob-tol), max <= {ctx.max_tol:g} "
+        "(--precision-logprob-max-tol)",
         "the trainer and the engines disagree on the tokens the engines sampled",
         tuple(causes),
         f"|trainer - engine| mean {_fmt(mean)} max {_fmt(worst)} (tol {ctx.mean_tol:g} / {ctx.max_tol:g})",

@@ -56,7 +56,8 @@ class _RankPdb(pdb.Pdb):
     def do_continue(self, arg: str) -> bool:
         return self._leave("continue")
 
-    do_c = do_cont = do_next = do_n = do_step = do_s = do_return = do_r = do_continue  # type: ignore[assignment]
+    do_c = do_cont = do_next = do_n = do_continue  # type: ignore[assignment]
+    do_step = do_s = do_return = do_r = do_continue  # type: ignore[assignment]
 
     def do_quit(self, arg: str) -> bool:
         return self._leave("quit")
@@ -84,8 +85,14 @@ def _interact(frame: FrameType) -> str:
     host = os.environ.get("SLIME_PDB_HOST", "127.0.0.1")
     with socket.create_server((host, int(os.environ.get("SLIME_PDB_PORT", "0")))) as server:
         port = server.getsockname()[1]
-        logger.warning("rank %d stopped in pdb at %s:%d; attach with: nc %s %d",
-                       _rank(), frame.f_code.co_filename, frame.f_lineno, host, port)  # fmt: skip
+        logger.warning(
+            "rank %d stopped in pdb at %s:%d; attach with: nc %s %d",
+            _rank(),
+            frame.f_code.co_filename,
+            frame.f_lineno,
+            host,
+            port,
+        )
         conn, _ = server.accept()
     with conn, conn.makefile("r") as rfile, conn.makefile("w") as wfile:
         dbg = _RankPdb(stdin=rfile, stdout=wfile)

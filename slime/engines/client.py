@@ -261,8 +261,8 @@ class EngineClient:
         result = await self.request("POST", path, {**body, "slime_fingerprints": True})
         if not (isinstance(result, dict) and isinstance(result.get("slime_fingerprints"), dict)):
             raise EngineError(
-                f"{path} answered without 'slime_fingerprints': --check-weight-sync needs engines that report "
-                "what they wrote (the torch engine does; SGLang does not)",
+                f"{path} answered without 'slime_fingerprints': --check-weight-sync needs engines that "
+                "report what they wrote (the torch engine does; SGLang does not)",
                 url=self.base_url,
             )
         self.update_fingerprints.update(result["slime_fingerprints"])
@@ -305,10 +305,16 @@ class EngineClient:
         tensor's bytes, checked by the engine on what it received; `upsert` (Miles's SGLang
         field, and the torch engine's; upstream SGLang ignores it) replaces a loaded adapter's
         weights in place."""
-        body = _drop_none({
-            "lora_name": lora_name, "config_dict": config_dict, "serialized_named_tensors": serialized_named_tensors,
-            "load_format": load_format, "expected_checksums": expected_checksums, "upsert": True if upsert else None,
-        })  # fmt: skip
+        body = _drop_none(
+            {
+                "lora_name": lora_name,
+                "config_dict": config_dict,
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "expected_checksums": expected_checksums,
+                "upsert": True if upsert else None,
+            }
+        )
         return await self.request("POST", "/load_lora_adapter_from_tensors", body)
 
     async def unload_lora_adapter(self, lora_name: str) -> Any:
@@ -317,8 +323,11 @@ class EngineClient:
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
         """SGLang's route: the weight_version reported from now on. SGLang aborts every request
         first unless told not to; the push has paused them to go on with the new version."""
-        return await self.request("POST", "/update_weight_version",
-                                  {"new_version": new_version, "abort_all_requests": abort_all_requests})  # fmt: skip
+        return await self.request(
+            "POST",
+            "/update_weight_version",
+            {"new_version": new_version, "abort_all_requests": abort_all_requests},
+        )
 
     async def update_weights_from_tensor(
         self,

@@ -156,8 +156,11 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
         _expect(top >= 0, f"'top_logprobs_num' must be >= 0, got {top}")
         start = as_int(-1 if starts[i] is None else starts[i], "logprob_start_len")
         _expect(start >= -1, f"'logprob_start_len' must be >= -1, got {start}")
-        _expect(loras[i] is None or (isinstance(loras[i], str) and loras[i] != ""),
-                "'lora_path' must name a loaded LoRA adapter (a string, or a list with one per prompt; null: none)")  # fmt: skip
+        _expect(
+            loras[i] is None or (isinstance(loras[i], str) and loras[i] != ""),
+            "'lora_path' must name a loaded LoRA adapter (a string, or a list with one per prompt; null: "
+            "none)",
+        )
         requests.append(
             GenerateRequest(
                 rid=rid,

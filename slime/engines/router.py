@@ -72,7 +72,10 @@ class Router:
         self._api_key = api_key
 
     def __repr__(self) -> str:
-        return f"Router({self.url!r}, started={self.proc is not None}, api_key={'set' if self._api_key else None})"
+        return (
+            f"Router({self.url!r}, started={self.proc is not None}, "
+            f"api_key={'set' if self._api_key else None})"
+        )
 
     @classmethod
     def start(
@@ -89,8 +92,8 @@ class Router:
             import sglang_router  # noqa: F401 - only to fail early with an install hint
         except ImportError as e:
             raise RouterError(
-                "--rollout-backend sglang starts an sglang-router, which is not installed "
-                "(pip install sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
+                "--rollout-backend sglang starts an sglang-router, which is not installed (pip install "
+                "sglang-router), or give a running one with --sglang-router-ip/--sglang-router-port"
             ) from e
         port = port or free_port(host)
         # Its Prometheus exporter would bind 0.0.0.0:29000: every interface, and one router per
@@ -181,8 +184,9 @@ class Router:
             raise RouterError(f"router {self.url} refused worker {worker_url} ({status}): {answer}")
         if not self._wait_listed(worker_url, True, timeout_s):
             raise RouterError(
-                f"router {self.url} accepted worker {worker_url} but did not list it within {timeout_s:.0f} s "
-                f"(its health check of the worker fails?); see {self.log_path or 'the router log'}"
+                f"router {self.url} accepted worker {worker_url} but did not list it within "
+                f"{timeout_s:.0f} s (its health check of the worker fails?); see "
+                f"{self.log_path or 'the router log'}"
             )
 
     def _wait_listed(self, worker_url: str, listed: bool, timeout_s: float) -> bool:

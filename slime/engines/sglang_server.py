@@ -68,15 +68,24 @@ class SGLangLaunch:
 
     def command(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--tp-size", str(self.tp_size),
-            "--host", self.host,
-            "--port", str(self.port),
-            "--nccl-port", str(self.nccl_port),
-            "--random-seed", str(self.seed),
-            "--weight-version", self.weight_version,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--tp-size",
+            str(self.tp_size),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--nccl-port",
+            str(self.nccl_port),
+            "--random-seed",
+            str(self.seed),
+            "--weight-version",
+            self.weight_version,
+        ]
         if self.deterministic:
             argv.append("--enable-deterministic-inference")
         if self.memory_saver:

@@ -63,8 +63,8 @@ class CIChecks(Hook):
             limit = self.cfg.ci_train_rollout_logprob_abs_diff_threshold
             if not diff <= limit:
                 raise CICheckFailed(
-                    f"--ci-test: rollout {rollout_id}: rollout/train_rollout_logprob_abs_diff = {diff} exceeds "
-                    f"--ci-train-rollout-logprob-abs-diff-threshold {limit}"
+                    f"--ci-test: rollout {rollout_id}: rollout/train_rollout_logprob_abs_diff = {diff} "
+                    f"exceeds --ci-train-rollout-logprob-abs-diff-threshold {limit}"
                 )
 
     def _grad_norm(self, rollout_id: int, step_id: int, value: float | None) -> None:
@@ -85,8 +85,8 @@ class CIChecks(Hook):
         expected = float(torch.load(path, weights_only=True))
         if not math.isclose(value, expected, rel_tol=0.01, abs_tol=0.01):
             raise CICheckFailed(
-                f"--ci-load-grad-norm: rollout {rollout_id} step {step_id}: grad norm {value} against {expected} "
-                f"saved in {path} (relative or absolute tolerance 0.01)"
+                f"--ci-load-grad-norm: rollout {rollout_id} step {step_id}: grad norm {value} against "
+                f"{expected} saved in {path} (relative or absolute tolerance 0.01)"
             )
 
 

@@ -51,8 +51,10 @@ class Schedule:
         if self.max_lag is None:
             return
         if None in rollout.weight_versions:
-            logger.warning("rollout %d has samples without a weight version: their staleness is not checked",
-                           rollout.rollout_id)  # fmt: skip
+            logger.warning(
+                "rollout %d has samples without a weight version: their staleness is not checked",
+                rollout.rollout_id,
+            )
         for v in rollout.weight_versions:
             if v is not None and version - int(v) > self.max_lag:
                 raise RuntimeError(
@@ -224,8 +226,12 @@ class Loop:
         if not down and not moved:
             return False
         cause = getattr(e, "cause", None) or e  # a Ray task error's original exception
-        logger.warning("the push of version %d failed (%s): engines %s are down; pushing again to the others",
-                       self.version, cause, sorted(down) or "found down before it")  # fmt: skip
+        logger.warning(
+            "the push of version %d failed (%s): engines %s are down; pushing again to the others",
+            self.version,
+            cause,
+            sorted(down) or "found down before it",
+        )
         return True
 
     def heal(self) -> None:

@@ -14,11 +14,10 @@ actor's keeps the critic's targets and the actor's advantages one computation
 (docs/ppo.md). With --num-critic-only-steps N the actor takes no step in the first N rollouts
 (it still computes the returns; its unchanged weights are pushed as usual).
 
-Values and returns travel between the ranks by reference (object references in a Ray job), by
-data-parallel part, so each rank fetches only its own part's: the driver holds none of them. With --offload (colocated on GPUs) one side is awake at a time: the
-critic for its values, the actor for its steps, the critic for its own, then the actor again for
-the weight push.
-"""
+Values and returns travel between the ranks by reference (object references in a Ray job), by data-parallel
+part, so each rank fetches only its own part's: the driver holds none of them. With --offload (colocated on
+GPUs) one side is awake at a time: the critic for its values, the actor for its steps, the critic for its own,
+then the actor again for the weight push."""
 
 from __future__ import annotations
 
@@ -46,12 +45,15 @@ class ActorCritic:
                 actor.resumed_rollout_id is not None
                 and (critic.resumed_rollout_id or -1) > actor.resumed_rollout_id
             ):
-                fix = (f" (a job that stopped between the two saves: the critic's iter_{actor.resumed_rollout_id:07d} is "
-                       "still there; write that rollout id into its latest_checkpointed_iteration.txt)")  # fmt: skip
+                fix = (
+                    " (a job that stopped between the two saves: the critic's "
+                    f"iter_{actor.resumed_rollout_id:07d} is still there; write that rollout id into its "
+                    "latest_checkpointed_iteration.txt)"
+                )
             raise RuntimeError(
-                f"the actor resumes after rollout {actor.resumed_rollout_id} but the critic's checkpoint is of rollout "
-                f"{critic.resumed_rollout_id}: resume both from one save (--load, and --critic-save if it was given)"
-                + fix
+                f"the actor resumes after rollout {actor.resumed_rollout_id} but the critic's checkpoint "
+                f"is of rollout {critic.resumed_rollout_id}: resume both from one save (--load, and "
+                "--critic-save if it was given)" + fix
             )
 
     # ---- the step ---------------------------------------------------------------------------

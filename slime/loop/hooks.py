@@ -42,14 +42,22 @@ class SyncParametersDump(Hook):
         if self.adapter:
             assert loop.train is not None
             n = loop.train.dump_adapter([os.path.join(before, str(j)) for j in range(len(counts))])
-            logger.info("--debug-sync-parameters-path: the trainer wrote the %d adapter tensors it pushed into each "
-                        "engine's folder of %s/", n, before)  # fmt: skip
+            logger.info(
+                "--debug-sync-parameters-path: the trainer wrote the %d adapter tensors it pushed into each "
+                "engine's folder of %s/",
+                n,
+                before,
+            )
         logger.info(
-            "--debug-sync-parameters-path: %d engine rank(s) dumped %s parameters to %s/ and %s/ (one torch.save "
-            "file per HF parameter name); the trainer loaded the same checkpoint, so they must be equal. Check "
-            "with:\n  python -m slime.tools.check_sync_parameter --root_dir %s",
-            len(counts), "/".join(map(str, counts)), before, after, self.root,
-        )  # fmt: skip
+            "--debug-sync-parameters-path: %d engine rank(s) dumped %s parameters to %s/ and %s/ (one "
+            "torch.save file per HF parameter name); the trainer loaded the same checkpoint, so they must "
+            "be equal. Check with:\n  python -m slime.tools.check_sync_parameter --root_dir %s",
+            len(counts),
+            "/".join(map(str, counts)),
+            before,
+            after,
+            self.root,
+        )
         return True
 
 
@@ -78,7 +86,8 @@ class WeightUpdateEqualCheck(Hook):
         # rounded to bfloat16 and notes it ("N compared with the snapshot rounded to bfloat16, ...").
         notes = sorted(set(loop.engines.compare_weights()))
         logger.info(
-            "--check-weight-update-equal: after the first push every engine parameter equals the checkpoint%s%s",
+            "--check-weight-update-equal: after the first push every engine parameter equals the "
+            "checkpoint%s%s",
             " (the base weights, untouched by the adapter push) and every engine received the trainer's "
             "adapter bit for bit (sha256)"
             if self.adapter
@@ -99,8 +108,11 @@ class FirstPush(Hook):
     def before_loop(self, loop: Loop) -> bool:
         if not loop.resumed:
             stats = loop.push()
-            logger.info("%s: pushed the trainer's weights before the first rollout (%d bytes)",
-                        self.why, int(stats.get("bytes", 0)))  # fmt: skip
+            logger.info(
+                "%s: pushed the trainer's weights before the first rollout (%d bytes)",
+                self.why,
+                int(stats.get("bytes", 0)),
+            )
         return False
 
 

@@ -220,8 +220,14 @@ class TrainRank(Traced):
                 if topology.kind == "distributed"
                 else ""
             )
-            logger.info("weight push: %s to %d engines on nodes %s (tensor-parallel sizes %s)%s", topology.label,
-                        len(topology.engines), [e.node for e in topology.engines], list(topology.tp_sizes), group)  # fmt: skip
+            logger.info(
+                "weight push: %s to %d engines on nodes %s (tensor-parallel sizes %s)%s",
+                topology.label,
+                len(topology.engines),
+                [e.node for e in topology.engines],
+                list(topology.tp_sizes),
+                group,
+            )
 
     def push_weights(
         self, weight_version: str, bucket_bytes: int, verify: bool = False
@@ -310,9 +316,12 @@ class EngineActor(Traced):
         from slime.engines.torch_engine.launcher import start_torch_engine
 
         self.proc = start_torch_engine(
-            model_path, ["--host", engine_host(), *extra_args], log_path=log_path, api_key=api_key,
+            model_path,
+            ["--host", engine_host(), *extra_args],
+            log_path=log_path,
+            api_key=api_key,
             debug_dump_dir=debug_dump_dir,
-        )  # fmt: skip
+        )
 
     def url(self) -> str:
         return self.proc.url

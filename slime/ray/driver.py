@@ -69,8 +69,13 @@ def make_hooks(
         if d.check_weight_update_equal:
             out.append(hooks.WeightUpdateEqualCheck(adapter))
         elif d.check_precision or config.cluster.external_engine_addrs or config.train.lora.pushes_adapter:
-            why = ("--check-precision" if d.check_precision else "external engines" if config.cluster.external_engine_addrs
-                   else "--lora-push adapter (the engines serve the adapter once it is pushed)")  # fmt: skip
+            why = (
+                "--check-precision"
+                if d.check_precision
+                else "external engines"
+                if config.cluster.external_engine_addrs
+                else "--lora-push adapter (the engines serve the adapter once it is pushed)"
+            )
             out.append(hooks.FirstPush(why))
     if d.check_precision and train:
         out.append(hooks.PrecisionGates(config, log_dir, replay.temperature if replay is not None else None))
@@ -144,8 +149,17 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         if tracing is not None:  # before the metrics: a step's time includes its drain
             loop_hooks.insert(len(loop_hooks) - 1, tracing)
         logger.info("schedule: %s", schedule.name)
-        loop = Loop(source, train, engines, schedule, loop_hooks, total, phase,
-                    config.bridge.update_weights_interval, config.checkpoint.start_rollout_id)  # fmt: skip
+        loop = Loop(
+            source,
+            train,
+            engines,
+            schedule,
+            loop_hooks,
+            total,
+            phase,
+            config.bridge.update_weights_interval,
+            config.checkpoint.start_rollout_id,
+        )
         if generated is not None and config.rollout.fault_tolerance:
             generated.idle = loop.heal
         RECORDER.complete("startup", started, RECORDER.now_ns(), "loop")  # Ray, the processes, the models

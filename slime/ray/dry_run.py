@@ -95,8 +95,8 @@ def plan(config: Config, ns: argparse.Namespace) -> list[str]:
             else f"{r.num_epoch} epochs of --prompt-data"
         )
         out.append(
-            f"  rollout: {r.rollout_batch_size} prompts x {r.sampling.n_samples_per_prompt} samples = {samples} "
-            f"samples per rollout; {total}"
+            f"  rollout: {r.rollout_batch_size} prompts x {r.sampling.n_samples_per_prompt} samples = "
+            f"{samples} samples per rollout; {total}"
         )
         if not config.debug.rollout_only:
             out += [f"  {line}" for line in _train_lines(config, samples)]
@@ -123,8 +123,9 @@ def _model_lines(config: Config, ns: argparse.Namespace) -> list[str]:
     arch = architecture.hf_architecture(hf).values
     given = architecture.count_architecture_flags(ns)
     lines = [
-        f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "
-        f"{arch['num_attention_heads']} heads / {arch['num_query_groups']} key-value, vocab {arch['vocab_size']}"
+        f"model: {t.hf_checkpoint} ({hf.model_type}: {arch['num_layers']} layers, hidden "
+        f"{arch['hidden_size']}, {arch['num_attention_heads']} heads / {arch['num_query_groups']} "
+        f"key-value, vocab {arch['vocab_size']}"
         + (
             f", {arch['num_experts']} experts, {arch['moe_router_topk']} per token"
             if arch["num_experts"]
@@ -173,8 +174,8 @@ def _train_lines(config: Config, samples: int) -> list[str]:
     o = t.optimizer
     lines = [
         f"train: {t.backend}, {layout}",
-        f"  global batch {gbs} samples -> {steps} optimizer step(s) per rollout{total}; each data-parallel rank "
-        f"takes {per_rank} samples per step in {micro}",
+        f"  global batch {gbs} samples -> {steps} optimizer step(s) per rollout{total}; each data-parallel "
+        f"rank takes {per_rank} samples per step in {micro}",
         f"  optimizer: {o.optimizer}, lr {o.lr:g} ({o.lr_decay_style}; warm-up {o.lr_warmup_iters} steps"
         + (f", decay over {o.lr_decay_iters}" if o.lr_decay_iters else "")
         + ")",
@@ -207,8 +208,10 @@ def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
         b = slot.bundles[0]
         nodes.setdefault(b // per_node, []).append(f"critic rank {rank}: {unit} {b % per_node}")
     units = "GPUs" if c.device == "cuda" else "CPU processes"
-    out = [f"{placement.num_bundles} {units} in bundles of one, {per_node} per node; "
-           f"{'colocated' if c.colocate else 'disaggregated'}"]  # fmt: skip
+    out = [
+        f"{placement.num_bundles} {units} in bundles of one, {per_node} per node; "
+        f"{'colocated' if c.colocate else 'disaggregated'}"
+    ]
     for node in sorted(nodes):
         out.append(f"node {node}: " + "; ".join(nodes[node]))
     if c.external_engine_addrs:
@@ -225,7 +228,7 @@ def placement_lines(config: Config, ns: argparse.Namespace) -> list[str]:
             else "train (engines keep their memory: --no-offload-rollout) -> push"
         )
         out.append(
-            "order: engines start first (they size their memory from what is free), then the train ranks; every "
-            f"step: {engines}; {trainer}"
+            "order: engines start first (they size their memory from what is free), then the train ranks; "
+            f"every step: {engines}; {trainer}"
         )
     return out

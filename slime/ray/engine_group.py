@@ -136,7 +136,8 @@ class RayEngineGroup:
             return
         if not self.actors:
             raise RuntimeError(
-                f"external engine {self.urls[j]} is down ({reason}); slime did not start it and cannot restart it"
+                f"external engine {self.urls[j]} is down ({reason}); slime did not start it and cannot "
+                "restart it"
             )
         old = self.actors[j]
         try:
@@ -185,8 +186,12 @@ class RayEngineGroup:
                 now = RECORDER.now_ns()  # the restart, on the engine's track
                 began = now - int((time.monotonic() - started) * 1e9)
                 RECORDER.complete("restarting", began, now, "faults", "fault", track=f"engine {j}", url=url)
-                logger.warning("engine %d restarted at %s in %.1f s; it takes requests once it has the weights",
-                               j, url, time.monotonic() - started)  # fmt: skip
+                logger.warning(
+                    "engine %d restarted at %s in %.1f s; it takes requests once it has the weights",
+                    j,
+                    url,
+                    time.monotonic() - started,
+                )
             if not wait or self.joining or self.up():
                 return sorted(self.joining)
             if time.monotonic() > deadline:
@@ -284,9 +289,10 @@ class RayEngineGroup:
             answers = self._each(lambda j, c: c.weights_checker("compare"), strict=True)
         except EngineError as e:
             raise WeightSyncError(
-                "--check-weight-update-equal: after the first push an engine's weights differ from the checkpoint "
-                f"it loaded ({e.url}):\n{e.message}\nEvery parameter was overwritten with noise before the "
-                'push, so a parameter listed here was sent wrong or never sent. See docs/debugging.md "Parameter sync".'
+                "--check-weight-update-equal: after the first push an engine's weights differ from the "
+                f"checkpoint it loaded ({e.url}):\n{e.message}\nEvery parameter was overwritten with noise "
+                "before the push, so a parameter listed here was sent wrong or never sent. See "
+                'docs/debugging.md "Parameter sync".'
             ) from None
         return [a["note"] for a in answers if isinstance(a, dict) and a.get("note")]
 
@@ -317,6 +323,11 @@ def attach_external(urls: list[str], timeout_s: float) -> list[int]:
 
     infos = run_sync(probe_all())
     for url, info in zip(urls, infos):
-        logger.info("attached external engine %s: model_path %s, weight_version %s, tp_size %s",
-                    url, info.get("model_path"), info.get("weight_version"), info.get("tp_size"))  # fmt: skip
+        logger.info(
+            "attached external engine %s: model_path %s, weight_version %s, tp_size %s",
+            url,
+            info.get("model_path"),
+            info.get("weight_version"),
+            info.get("tp_size"),
+        )
     return [int(info.get("tp_size") or 1) for info in infos]

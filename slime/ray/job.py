@@ -165,8 +165,18 @@ class Job:
         for rank, slot in enumerate(self.placement.critic):
             assert critic is not None
             cls = ray.remote(TrainRank).options(**_in(self.pg, slot, res, **env))
-            self.critic.append(cls.remote(critic.train, rank, critic.num_ranks, 1, d.hang_timeout, self.log_dir,
-                                          d.phase_hook, critic=True))  # fmt: skip
+            self.critic.append(
+                cls.remote(
+                    critic.train,
+                    rank,
+                    critic.num_ranks,
+                    1,
+                    d.hang_timeout,
+                    self.log_dir,
+                    d.phase_hook,
+                    critic=True,
+                )
+            )
         # The train ranks rendezvous on rank 0's node (its address as Ray knows it), whichever
         # node that is; each rank gets the address by reference, without a round trip here. The
         # critic's ranks form a process group of their own.
@@ -201,11 +211,19 @@ class Job:
     ) -> PushTopology:
         c, b = self.config, self.config.bridge
         return build_topology(
-            c.bridge.transport, c.cluster.device, urls, tp_sizes, engine_nodes, train_nodes,
-            sglang=c.cluster.rollout_backend == "sglang", colocated=c.cluster.colocate,
+            c.bridge.transport,
+            c.cluster.device,
+            urls,
+            tp_sizes,
+            engine_nodes,
+            train_nodes,
+            sglang=c.cluster.rollout_backend == "sglang",
+            colocated=c.cluster.colocate,
             pause_mode=c.rollout.asynchrony.pause_mode if c.rollout.asynchrony.fully_async else "in_place",
-            disk=DiskSettings(b.mode, b.disk_dir, b.local_dir, b.delta_encoding, b.delta_checksum, b.disk_keep_files),
-        )  # fmt: skip
+            disk=DiskSettings(
+                b.mode, b.disk_dir, b.local_dir, b.delta_encoding, b.delta_checksum, b.disk_keep_files
+            ),
+        )
 
     def _check_planned_push(self) -> None:
         """Refuse a weight push that cannot reach an engine from where the placement group put the
@@ -243,11 +261,17 @@ class Job:
         engines = None
         if self.engine_urls:
             engines = RayEngineGroup(
-                self.engine_urls, self.engines, self._launch_engine, self.manager,
+                self.engine_urls,
+                self.engines,
+                self._launch_engine,
+                self.manager,
                 ClientConfig(timeout_s=c.train.distributed_timeout_minutes * 60, api_key=self.api_key),
-                c.cluster.offload_rollout, c.rollout.fault_tolerance, self.topology, phase,
+                c.cluster.offload_rollout,
+                c.rollout.fault_tolerance,
+                self.topology,
+                phase,
                 keep_weights=c.train.lora.pushes_adapter,
-            )  # fmt: skip
+            )
         if train is not None and engines is not None:
             train.connect(engines)
         self.train_group = train
@@ -259,11 +283,17 @@ class Job:
         if self.placement.resource != "GPU":
             return {j: None for j in range(len(slots))}
         bundles = sorted({b for s in slots for b in s.bundles})
-        probes = ray.get([
-            bundle_device.options(num_gpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=b)).remote()
-            for b in bundles
-        ])  # fmt: skip
+        probes = ray.get(
+            [
+                bundle_device.options(
+                    num_gpus=0.01,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=b
+                    ),
+                ).remote()
+                for b in bundles
+            ]
+        )
         where = dict(zip(bundles, probes, strict=True))
         gpus: dict[int, list[str] | None] = {}
         for j, slot in enumerate(slots):
@@ -287,11 +317,18 @@ class Job:
         c, t = self.config.cluster, self.config.train
         if c.rollout_backend == "sglang":
             launch = {
-                "model_path": model_path, "tp_size": c.rollout_num_gpus_per_engine, "seed": t.seed,
-                "deterministic": t.deterministic, "memory_saver": c.offload_rollout, "weight_version": "0",
-                "extra_args": (*c.sglang_server_args, *engine_launch_args(t.lora, True, tuple(c.sglang_server_args))),
+                "model_path": model_path,
+                "tp_size": c.rollout_num_gpus_per_engine,
+                "seed": t.seed,
+                "deterministic": t.deterministic,
+                "memory_saver": c.offload_rollout,
+                "weight_version": "0",
+                "extra_args": (
+                    *c.sglang_server_args,
+                    *engine_launch_args(t.lora, True, tuple(c.sglang_server_args)),
+                ),
                 "api_key": self.api_key,
-            }  # fmt: skip
+            }
             timeout_s = self.config.train.distributed_timeout_minutes * 60
             return (
                 ray.remote(with_init_errors(SGLangEngineActor))

@@ -60,8 +60,13 @@ class Placement:
         return lines
 
 
-def plan_placement(cluster: ClusterConfig, with_trainer: bool = True, with_engines: bool = True,
-                   num_critic: int = 0, teacher: bool = False) -> Placement:  # fmt: skip
+def plan_placement(
+    cluster: ClusterConfig,
+    with_trainer: bool = True,
+    with_engines: bool = True,
+    num_critic: int = 0,
+    teacher: bool = False,
+) -> Placement:
     """The bundles and slots for a layout (either side can be left out, as the debug modes do).
     `num_critic`: PPO's critic ranks: with --colocate in the train ranks' bundles (critic rank r
     with train rank r), else in bundles of their own after the engines'. `teacher`: the OPD
@@ -84,8 +89,9 @@ def _plan(cluster: ClusterConfig, with_trainer: bool, with_engines: bool, num_cr
     if cluster.colocate and with_trainer and with_engines:
         if num_critic > num_train:
             raise ValueError(
-                f"--colocate puts each critic rank with a train rank: {num_critic} critic ranks for {num_train} "
-                "train ranks (give --critic-num-nodes / --critic-num-gpus-per-node at most the actor's)"
+                f"--colocate puts each critic rank with a train rank: {num_critic} critic ranks for "
+                f"{num_train} train ranks (give --critic-num-nodes / --critic-num-gpus-per-node at most "
+                "the actor's)"
             )
         train_share, critic_share, engine_share = (
             CRITIC_SHARES if num_critic else (TRAIN_SHARE, 0.0, ENGINE_SHARE)
@@ -106,8 +112,13 @@ def _plan(cluster: ClusterConfig, with_trainer: bool, with_engines: bool, num_cr
 def job_placement(config: Config) -> Placement:
     """The placement of a job's processes, from its configuration."""
     d = config.debug
-    return plan_placement(config.cluster, not d.rollout_only, not d.train_only,
-                          config.critic.num_ranks if config.critic else 0, config.opd.teacher_engine)  # fmt: skip
+    return plan_placement(
+        config.cluster,
+        not d.rollout_only,
+        not d.train_only,
+        config.critic.num_ranks if config.critic else 0,
+        config.opd.teacher_engine,
+    )
 
 
 def data_parallel_size(config: Config) -> int:

@@ -69,9 +69,12 @@ class RolloutManager(Traced):
         # them and gives them the weights before they are replaced here.
         if p.health is not None:
             self.monitor = HealthMonitor(
-                p.health, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait,
+                p.health,
+                r.health_check_interval,
+                r.health_check_timeout,
+                r.health_check_first_wait,
                 also=self._check_router,
-            )  # fmt: skip
+            )
 
     def _publish(self) -> None:
         """Where plugins post: slime's custom functions post to

@@ -101,8 +101,9 @@ class ReplayedRollouts:
         ]
         if missing:
             raise DumpError(
-                f"--load-debug-rollout-data: {len(missing)} of the {config.rollout.num_rollout} rollout dumps "
-                f"(--num-rollout) do not exist, first {missing[0]!r}; lower --num-rollout or save them first"
+                f"--load-debug-rollout-data: {len(missing)} of the {config.rollout.num_rollout} rollout "
+                f"dumps (--num-rollout) do not exist, first {missing[0]!r}; lower --num-rollout or save "
+                "them first"
             )
         # Dump 0's format and tokenizer fingerprint, checked before any process starts (kept for
         # its replay).
@@ -140,10 +141,18 @@ class ReplayedRollouts:
         split = (self.config.train.batch, self.dp_size) if self.dp_size else None
         self.loaded = {
             rollout_id: package_rollout(
-                rollout_id, samples, self.config.rollout.reward_key, split, ray.put, metrics, self.post_process,
-                self.config.opd.on_samples, dump_path=dump_path, replayed=True,
+                rollout_id,
+                samples,
+                self.config.rollout.reward_key,
+                split,
+                ray.put,
+                metrics,
+                self.post_process,
+                self.config.opd.on_samples,
+                dump_path=dump_path,
+                replayed=True,
             )
-        }  # fmt: skip
+        }
 
     def wait(self, rollout_id: int) -> Rollout:
         return self.loaded[rollout_id]

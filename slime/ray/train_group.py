@@ -72,9 +72,11 @@ class RayTrainGroup:
         (references by part), for the critic."""
         self._check_parts(rollout)
         refs = [
-            rank.train.remote(rollout.rollout_id, rollout.parts[d], None if values is None else values.get(d, []), update)
+            rank.train.remote(
+                rollout.rollout_id, rollout.parts[d], None if values is None else values.get(d, []), update
+            )
             for rank, d in zip(self.ranks, self.dp_ranks)
-        ]  # fmt: skip
+        ]
         outputs = self._wait(refs, f"the train step of rollout {rollout.rollout_id}", "train")
         output = outputs[0]
         if values is not None:
@@ -101,8 +103,12 @@ class RayTrainGroup:
 
     def train_values(self, rollout: Rollout, values: ByPart, returns: ByPart) -> TrainOutput:
         """The critic's steps (rank 0's output); each rank fetches its own part's values and returns."""
-        refs = [rank.train_values.remote(rollout.rollout_id, rollout.parts[d], values.get(d, []), returns.get(d, []))
-                for rank, d in zip(self.ranks, self.dp_ranks)]  # fmt: skip
+        refs = [
+            rank.train_values.remote(
+                rollout.rollout_id, rollout.parts[d], values.get(d, []), returns.get(d, [])
+            )
+            for rank, d in zip(self.ranks, self.dp_ranks)
+        ]
         return self._wait(refs, f"the critic's train step of rollout {rollout.rollout_id}", "train_values")[0]
 
     def _check_parts(self, rollout: Rollout) -> None:
@@ -125,7 +131,8 @@ class RayTrainGroup:
 
     def connect(self, engines: EngineGroup, only: list[int] | None = None) -> None:
         """Push to the engines up or joining (`only`: to those engines alone)."""
-        topology = engines.topology if only is None else engines.topology_of(only)  # type: ignore[attr-defined]
+        group: Any = engines  # RayEngineGroup: the topology of the engines it names
+        topology = group.topology if only is None else group.topology_of(only)
         key = engines.client_config.api_key  # type: ignore[attr-defined]
         push_fault = self.config.debug.push_fault
         refs = [rank.connect_engines.remote(topology, push_fault, key) for rank in self.ranks]
@@ -200,8 +207,9 @@ class RayTrainGroup:
         hang_dir = os.path.join(self.log_dir, "hang")
         found = wait_for_dumps(hang_dir, len(self.ranks), prefix="critic" if self.critic else "")
         raise HangError(
-            f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of "
-            f"{len(found)} of {len(self.ranks)} {'critic' if self.critic else 'train'} ranks are in {hang_dir}/ ({', '.join(found) or 'none written'})"
+            f"{what} has run longer than --hang-timeout {timeout:g} s: the Python stacks of {len(found)} "
+            f"of {len(self.ranks)} {'critic' if self.critic else 'train'} ranks are in {hang_dir}/ "
+            f"({', '.join(found) or 'none written'})"
         ) from None
 
     def _resume_hint(self) -> str:
@@ -215,5 +223,7 @@ class RayTrainGroup:
                 last = f.read().strip()
         except OSError:
             return f"No checkpoint was completed in {root} yet: a new run starts from the beginning."
-        return (f"The last complete checkpoint in {root} is of rollout {last}; continue with "
-                f"--load {root} (a save cut short is left as *.partial and never loaded).")  # fmt: skip
+        return (
+            f"The last complete checkpoint in {root} is of rollout {last}; continue with "
+            f"--load {root} (a save cut short is left as *.partial and never loaded)."
+        )

@@ -49,7 +49,8 @@ def unwrap(result: Any, evaluation: bool, eval_set: str | None = None) -> tuple[
             (entry,) = data.values()
         else:
             raise ValueError(
-                f"{FLAG} returned evaluation data for {sorted(data)}, not for the set being evaluated ({eval_set})"
+                f"{FLAG} returned evaluation data for {sorted(data)}, not for the set being evaluated "
+                f"({eval_set})"
             )
         if not isinstance(entry, dict) or "samples" not in entry:
             raise TypeError(f"{FLAG}: each RolloutFnEvalOutput.data entry needs its 'samples'")

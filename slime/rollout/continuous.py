@@ -264,8 +264,11 @@ class ContinuousPool:
                 "prompt %d went stale %d times in a row (lag %d > --max-policy-version-lag %d): dropped. Its "
                 "responses take longer to generate than the bound allows, so long responses are "
                 "under-represented in training; raise --max-policy-version-lag to keep them",
-                prompt.index, MAX_REQUEUES + 1, lag, self.cfg.max_lag,
-            )  # fmt: skip
+                prompt.index,
+                MAX_REQUEUES + 1,
+                lag,
+                self.cfg.max_lag,
+            )
 
     def _metrics(self, lags: list[int], in_flight: int) -> dict[str, float]:
         m: dict[str, float] = {

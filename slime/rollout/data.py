@@ -92,8 +92,10 @@ class PromptDataset:
         self.cfg = cfg
         self.processor = processor
         if cfg.multimodal_keys and processor is None:
-            raise DataError("--multimodal-keys: the checkpoint has no image processor (preprocessor_config.json); "
-                            "is it a vision-language model?")  # fmt: skip
+            raise DataError(
+                "--multimodal-keys: the checkpoint has no image processor (preprocessor_config.json); "
+                "is it a vision-language model?"
+            )
         self.prompts: list[Prompt] = []
         dropped = 0
         for position, (where, row) in enumerate(read_rows(cfg.prompt_data, flag)):
@@ -130,8 +132,13 @@ class PromptDataset:
         if cfg.multimodal_keys:
             messages, images = messages_with_images(where, messages, row, cfg.multimodal_keys)
         if cfg.apply_chat_template:
-            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                 **(cfg.apply_chat_template_kwargs or {}))  # fmt: skip
+            text = tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(cfg.apply_chat_template_kwargs or {}),
+            )
         elif isinstance(raw, str):
             text = raw
         else:  # messages kept as they are (cfg.messages_as_is): the rollout function tokenizes them

@@ -4,10 +4,10 @@ A dump is `torch.save` of
 
     {"format_version": 2, "rollout_id": int, "samples": [Sample.to_dict(), ...], "meta": {...}}
 
-with only numbers, strings, lists, dicts, tensors and None inside (a sample's `trace`, slime's
-per-sample spans, is such a dict too), so `torch.load(path, weights_only=True)` reads it. Samples are saved after reward and before any normalisation, so a
-replay runs the whole train side. `meta` holds what a replay must match: the tokenizer's and the
-model's fingerprints and the flags that shaped the rollout.
+with only numbers, strings, lists, dicts, tensors and None inside (a sample's `trace`, slime's per-sample
+spans, is such a dict too), so `torch.load(path, weights_only=True)` reads it. Samples are saved after reward
+and before any normalisation, so a replay runs the whole train side. `meta` holds what a replay must match:
+the tokenizer's and the model's fingerprints and the flags that shaped the rollout.
 
 slime's `--save-debug-rollout-data` writes `{"rollout_id", "samples"}` only; slime's loader reads
 the "samples" of ours (their keys are slime's field names). Ours reads slime's as format
@@ -34,12 +34,31 @@ READABLE_VERSIONS = (1, 2)
 SLIME_FORMAT = "slime"  # the format_version given to a dump slime wrote
 TRAIN_FORMAT_VERSION = 1  # --save-debug-train-data
 ROLLOUT_FLAGS = (
-    "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed",
-    "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
-    "rollout_max_prompt_len", "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids",
-    "rm_type", "custom_rm_path", "group_rm", "reward_key", "custom_generate_function_path",
-    "rollout_function_path", "over_sampling_batch_size", "dynamic_sampling_filter_path", "hf_checkpoint",
-)  # fmt: skip
+    "prompt_data",
+    "input_key",
+    "label_key",
+    "apply_chat_template",
+    "rollout_shuffle",
+    "rollout_seed",
+    "rollout_batch_size",
+    "n_samples_per_prompt",
+    "rollout_temperature",
+    "rollout_top_p",
+    "rollout_top_k",
+    "rollout_max_prompt_len",
+    "rollout_max_response_len",
+    "rollout_stop",
+    "rollout_stop_token_ids",
+    "rm_type",
+    "custom_rm_path",
+    "group_rm",
+    "reward_key",
+    "custom_generate_function_path",
+    "rollout_function_path",
+    "over_sampling_batch_size",
+    "dynamic_sampling_filter_path",
+    "hf_checkpoint",
+)
 
 
 class DumpError(UsageError):
@@ -150,8 +169,10 @@ def _from_slime(dump: dict[str, Any], path: str, flag: str) -> dict[str, Any]:
     logger.warning(
         "%s: %s was written by slime: it has no format_version and no tokenizer fingerprint, so "
         "nothing checks that --hf-checkpoint's tokenizer made its token ids; its log-probs are taken "
-        "at --rollout-temperature", flag, path,
-    )  # fmt: skip
+        "at --rollout-temperature",
+        flag,
+        path,
+    )
     return {**dump, "format_version": SLIME_FORMAT, "meta": {"written_by": "slime"}}
 
 

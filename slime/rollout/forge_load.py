@@ -3,11 +3,10 @@ rollout dumps (--load-forge-rollout-data) while the whole job runs as usual: the
 the weights are pushed after every step, colocated memory moves as it would. Unlike
 --load-debug-rollout-data (train only, no engines), it exercises the real loop on known data.
 
-The path is a file, or a template with {rollout_id}: rollout N reads TEMPLATE.format(rollout_id=N),
-falling back to rollout 0's file when N's is missing (a short dump series replayed over a long
-run); evaluation reads eval_N's file (a template is needed; slime skips evaluation without one). Dumps are ours or slime's
-(--save-debug-rollout-data, --dump-details).
-"""
+The path is a file, or a template with {rollout_id}: rollout N reads TEMPLATE.format(rollout_id=N), falling
+back to rollout 0's file when N's is missing (a short dump series replayed over a long run); evaluation reads
+eval_N's file (a template is needed; slime skips evaluation without one). Dumps are ours or slime's
+(--save-debug-rollout-data, --dump-details)."""
 
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ def forge_path(template: str | None, rollout_id: int, evaluation: bool) -> str:
     if "{rollout_id}" not in template:
         if evaluation:
             raise UsageError(
-                f"{FLAG} {template}: evaluation replays eval_<rollout_id> files; give a {{rollout_id}} template"
+                f"{FLAG} {template}: evaluation replays eval_<rollout_id> files; give a {{rollout_id}} "
+                "template"
             )
         return template
     path = template.format(rollout_id=("eval_" if evaluation else "") + str(rollout_id))

@@ -17,6 +17,7 @@ def generate_rollout_fully_async(
     args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False
 ) -> Any:
     raise RuntimeError(
-        "slime.rollout.fully_async_rollout.generate_rollout_fully_async is the continuous schedule here: name it "
-        "with --rollout-function-path (or pass --fully-async) instead of calling it from a rollout function"
+        "slime.rollout.fully_async_rollout.generate_rollout_fully_async is the continuous schedule here: "
+        "name it with --rollout-function-path (or pass --fully-async) instead of calling it from a "
+        "rollout function"
     )

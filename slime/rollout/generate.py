@@ -96,9 +96,11 @@ def check_prompt_tokens(client: EngineClient, sample: Sample, sent: int, output:
     expanded the images its own way would have run another prompt than the trainer will see)."""
     ran = (output.get("meta_info") or {}).get("prompt_tokens")
     if ran is not None and int(ran) != sent:
-        raise ValueError(f"sample {sample.index}: the engine at {client.base_url} ran {ran} prompt tokens for the "
-                         f"{sent} sent with its images: it expanded the image placeholders another way than the "
-                         "checkpoint's processor did (the trainer would see other ids)")  # fmt: skip
+        raise ValueError(
+            f"sample {sample.index}: the engine at {client.base_url} ran {ran} prompt tokens for the "
+            f"{sent} sent with its images: it expanded the image placeholders another way than the "
+            "checkpoint's processor did (the trainer would see other ids)"
+        )
 
 
 async def continue_sample(
@@ -128,9 +130,11 @@ async def continue_sample(
         raise ValueError(f"the engine at {client.base_url} returned no log-probs for a continued sample")
     sample.append_response_tokens(
         args,
-        tokens=ids, log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
-        meta_info=meta, text=output.get("text", ""),
-    )  # fmt: skip
+        tokens=ids,
+        log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
+        meta_info=meta,
+        text=output.get("text", ""),
+    )
     if str((meta.get("finish_reason") or {}).get("type")) not in ("stop", "length", "abort"):
         sample.status = Status.FAILED
     return sample

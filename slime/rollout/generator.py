@@ -146,11 +146,16 @@ class RolloutGenerator:
             loop = asyncio.get_running_loop()
             if deadline is None:
                 deadline = loop.time() + self.clients[0].config.timeout_s
-                logger.warning("every engine is down (%s); waiting up to %.0f s for a restart",
-                               self.health.down(), self.clients[0].config.timeout_s)  # fmt: skip
+                logger.warning(
+                    "every engine is down (%s); waiting up to %.0f s for a restart",
+                    self.health.down(),
+                    self.clients[0].config.timeout_s,
+                )
             elif loop.time() > deadline:
-                raise RuntimeError(f"every engine has been down for {self.clients[0].config.timeout_s:.0f} s "
-                                   f"({self.health.down()}); the rollout cannot go on")  # fmt: skip
+                raise RuntimeError(
+                    f"every engine has been down for {self.clients[0].config.timeout_s:.0f} s "
+                    f"({self.health.down()}); the rollout cannot go on"
+                )
             await asyncio.sleep(0.2)
 
     def _client(self, url: str) -> EngineClient:
@@ -182,8 +187,9 @@ class RolloutGenerator:
                 if self.on_group is not None:
                     self.on_group(client.base_url)
                 return group
-            logger.warning("prompt %d: engine %s went down; its group is generated again",
-                           prompt.index, client.base_url)  # fmt: skip
+            logger.warning(
+                "prompt %d: engine %s went down; its group is generated again", prompt.index, client.base_url
+            )
         raise AssertionError("unreachable")
 
     async def _attempt(
@@ -212,8 +218,8 @@ class RolloutGenerator:
     ) -> list[Sample]:
         if not prompt.token_ids:
             raise ValueError(
-                f"prompt {prompt.index} has no token ids: a list of chat messages reaches the built-in rollout "
-                "only with --apply-chat-template"
+                f"prompt {prompt.index} has no token ids: a list of chat messages reaches the built-in "
+                "rollout only with --apply-chat-template"
             )
         n = self.sampling.n_samples_per_prompt
         params = [self.sampling.params() for _ in range(n)]
@@ -321,13 +327,14 @@ class RolloutGenerator:
         if isinstance(result, list):
             if not result or not all(isinstance(s, Sample) and s.rollout_id is not None for s in result):
                 raise TypeError(
-                    "--custom-generate-function-path returned a list: it must be non-empty Samples that all set "
-                    "rollout_id (the one execution they came from), as slime requires"
+                    "--custom-generate-function-path returned a list: it must be non-empty Samples that "
+                    "all set rollout_id (the one execution they came from), as slime requires"
                 )
             if len({s.rollout_id for s in result}) > 1:
                 raise ValueError(
-                    "--custom-generate-function-path returned samples of one execution with different rollout_ids "
-                    f"{sorted({s.rollout_id for s in result})}: siblings must share one (slime's rule)"
+                    "--custom-generate-function-path returned samples of one execution with different "
+                    f"rollout_ids {sorted({s.rollout_id for s in result})}: siblings must share one "
+                    "(slime's rule)"
                 )
             return result
         if not isinstance(result, Sample):
@@ -415,9 +422,15 @@ class RolloutGenerator:
             )
         carrying = self.carry is not None
         return RolloutResult(
-            samples, started, filtered, aborted, surplus, reasons,
-            len(carried) if carrying else None, len(self.carry or ()) if carrying else None,
-        )  # fmt: skip
+            samples,
+            started,
+            filtered,
+            aborted,
+            surplus,
+            reasons,
+            len(carried) if carrying else None,
+            len(self.carry or ()) if carrying else None,
+        )
 
     async def _abort_all(self) -> None:
         await asyncio.gather(
@@ -451,7 +464,8 @@ def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sam
     if all(isinstance(s, Sample) for s in result):
         if len(result) % n_samples_per_prompt:
             raise ValueError(
-                f"{flag} returned {len(result)} samples, not groups of --n-samples-per-prompt {n_samples_per_prompt}"
+                f"{flag} returned {len(result)} samples, not groups of --n-samples-per-prompt "
+                f"{n_samples_per_prompt}"
             )
         result = [result[i : i + n_samples_per_prompt] for i in range(0, len(result), n_samples_per_prompt)]
     samples: list[Sample] = []

@@ -133,10 +133,14 @@ class RolloutProducer:
         """--use-opd --opd-type sglang: the teacher engine that scores each training sample."""
         # Per evaluation set: (set, prompts, reward, generate function); its own ones replace the rollout's.
         self.eval_sets = [
-            (ds, PromptDataset(ds.data, self.tokenizer, eval_flag(ds), self.processor), self._set_reward(ds),
-             self._set_generate(ds))
+            (
+                ds,
+                PromptDataset(ds.data, self.tokenizer, eval_flag(ds), self.processor),
+                self._set_reward(ds),
+                self._set_generate(ds),
+            )
             for ds in config.eval.datasets
-        ]  # fmt: skip
+        ]
 
     def _set_reward(self, ds: EvalDataset) -> RewardModel | None:
         """An evaluation set's reward: its custom_rm_path, else its rm_type, else the rollout's."""
@@ -187,11 +191,17 @@ class RolloutProducer:
                 raise RuntimeError("the built-in rollout needs --prompt-data")
             samples, metrics = run(
                 _generate(
-                    self, self.dataset, self.config.rollout.rollout_batch_size, self.config.rollout.sampling,
-                    self.filter, self._seed_keys("rollout", rollout_id), (rollout_id, False), self.reward,
+                    self,
+                    self.dataset,
+                    self.config.rollout.rollout_batch_size,
+                    self.config.rollout.sampling,
+                    self.filter,
+                    self._seed_keys("rollout", rollout_id),
+                    (rollout_id, False),
+                    self.reward,
                     self.generate_fn,
                 )
-            )  # fmt: skip
+            )
             if self.sample_filter is not None:  # slime's --rollout-sample-filter-path: sets remove_sample
                 self.sample_filter(self.config.args, group_samples(samples))
                 metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
@@ -243,14 +253,24 @@ class RolloutProducer:
         dump_path = None
         if self.config.debug.save_rollout_data:
             dump_path = save_dump(
-                self.config.debug.save_rollout_data, rollout_id, [s.to_dict() for s in samples],
+                self.config.debug.save_rollout_data,
+                rollout_id,
+                [s.to_dict() for s in samples],
                 {**self._meta(False), "weight_version": weight_version},
-            )  # fmt: skip
+            )
         split = (self.config.train.batch, self.dp_size) if self.dp_size else None
         return package_rollout(
-            rollout_id, samples, self.config.rollout.reward_key, split, self.put, metrics, self.post_process,
-            self.config.opd.on_samples, data_state=self.state_dict(), dump_path=dump_path,
-        )  # fmt: skip
+            rollout_id,
+            samples,
+            self.config.rollout.reward_key,
+            split,
+            self.put,
+            metrics,
+            self.post_process,
+            self.config.opd.on_samples,
+            data_state=self.state_dict(),
+            dump_path=dump_path,
+        )
 
     def evaluate(self, rollout_id: int) -> Evaluation:
         """Metrics of every evaluation set; their samples to --save-debug-eval-data when set."""
@@ -272,9 +292,11 @@ class RolloutProducer:
         dump_path = None
         if self.config.debug.save_eval_data:
             dump_path = save_dump(
-                self.config.debug.save_eval_data, rollout_id, [s.to_dict() for s in every],
+                self.config.debug.save_eval_data,
+                rollout_id,
+                [s.to_dict() for s in every],
                 {**self._meta(True), "weight_version": -1, "eval_sets": counts},
-            )  # fmt: skip
+            )
         return Evaluation(metrics, dump_path)
 
     def _evaluate_set(
@@ -289,10 +311,17 @@ class RolloutProducer:
         key = ("eval", rollout_id) if ds.name is None else ("eval", ds.name, rollout_id)
         samples, _ = run(
             _generate(
-                self, dataset, len(dataset), ds.sampling, None, self._seed_keys(*key), (rollout_id, True), reward,
+                self,
+                dataset,
+                len(dataset),
+                ds.sampling,
+                None,
+                self._seed_keys(*key),
+                (rollout_id, True),
+                reward,
                 generate_fn,
             )
-        )  # fmt: skip
+        )
         return samples, {}
 
     def _meta(self, evaluation: bool) -> dict[str, Any]:
@@ -355,8 +384,13 @@ def _rollout_fn_samples(
             "custom_rm_path": eval_ds.custom_rm_path,
             "generate_function_path": eval_ds.custom_generate_function_path,
         }
-    source = DataSource(dataset, n, BuiltInRollout(rollout_id, evaluation, eval_set, built_in), fields,
-                        blank=not producer.config.rollout.global_dataset and not evaluation)  # fmt: skip
+    source = DataSource(
+        dataset,
+        n,
+        BuiltInRollout(rollout_id, evaluation, eval_set, built_in),
+        fields,
+        blank=not producer.config.rollout.global_dataset and not evaluation,
+    )
     result = producer.rollout_fn(producer.config.args, rollout_id, source, evaluation=evaluation)
     if inspect.isawaitable(result):
         result = run(result)
@@ -377,17 +411,34 @@ async def _start_pool(producer: RolloutProducer, version: int) -> ContinuousPool
     r = producer.config.rollout
     clients = [EngineClient(u, producer.client_config) for u in producer.engine_urls]
     gen = RolloutGenerator(
-        producer.dataset, clients, producer.reward, r.sampling, r.rollout_batch_size, None, None, producer.config.args,
-        producer.generate_fn, GenerationProgress(), producer._seed_keys("continuous"), producer.health, None,
+        producer.dataset,
+        clients,
+        producer.reward,
+        r.sampling,
+        r.rollout_batch_size,
+        None,
+        None,
+        producer.config.args,
+        producer.generate_fn,
+        GenerationProgress(),
+        producer._seed_keys("continuous"),
+        producer.health,
+        None,
         route_to_engine=producer.router_url is None,
-    )  # fmt: skip
+    )
     gen.mask_offpolicy, gen.teacher = r.asynchrony.mask_offpolicy, producer.teacher
     concurrency = producer.config.args.sglang_server_concurrency * max(1, len(clients))
     cap = -(-concurrency // r.sampling.n_samples_per_prompt)
     pool = ContinuousPool(
-        gen, producer.dataset, r.asynchrony, r.rollout_batch_size, cap, version, producer.filter,
+        gen,
+        producer.dataset,
+        r.asynchrony,
+        r.rollout_batch_size,
+        cap,
+        version,
+        producer.filter,
         exact_versions=producer.config.cluster.rollout_backend == "torch",
-    )  # fmt: skip
+    )
     await producer.busy.read(clients)
     pool.top_up()
     logger.info("continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag)
@@ -424,16 +475,34 @@ async def _generate(
         groups += 1
         live = producer.health.live() if producer.health is not None else list(producer.engine_urls)
         router = producer.router_url
-        producer.phase("group_generated", rollout_id=which[0], evaluation=which[1], groups=groups,
-                      engine=engine, engines=live, router=router)  # fmt: skip
+        producer.phase(
+            "group_generated",
+            rollout_id=which[0],
+            evaluation=which[1],
+            groups=groups,
+            engine=engine,
+            engines=live,
+            router=router,
+        )
 
     clients = [EngineClient(u, producer.client_config) for u in producer.engine_urls]  # health's slots too
     try:
         gen = RolloutGenerator(
-            dataset, clients, reward, sampling, num_prompts,
-            producer.config.rollout.over_sampling_batch_size, group_filter, producer.config.args, generate_fn,
-            producer.progress, seed_keys, producer.health, on_group, route_to_engine=producer.router_url is None,
-        )  # fmt: skip
+            dataset,
+            clients,
+            reward,
+            sampling,
+            num_prompts,
+            producer.config.rollout.over_sampling_batch_size,
+            group_filter,
+            producer.config.args,
+            generate_fn,
+            producer.progress,
+            seed_keys,
+            producer.health,
+            on_group,
+            route_to_engine=producer.router_url is None,
+        )
         asynchrony = producer.config.rollout.asynchrony
         if asynchrony.partial and not which[1]:
             gen.carry, gen.mask_offpolicy = producer.carried, asynchrony.mask_offpolicy

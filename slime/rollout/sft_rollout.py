@@ -42,14 +42,15 @@ def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: b
         for sample in group:
             if not isinstance(sample.prompt, list):
                 raise ValueError(
-                    f"sft_rollout: prompt {sample.metadata.get('prompt_index')} is not a list of chat messages "
-                    "(--input-key must name a field holding the conversation)"
+                    f"sft_rollout: prompt {sample.metadata.get('prompt_index')} is not a list of chat "
+                    "messages (--input-key must name a field holding the conversation)"
                 )
             token_ids, loss_mask = masks.get_loss_mask(sample.prompt, tools=sample.metadata.get("tools"))
             response_length = masks.get_response_lengths([loss_mask])[0]
             if response_length == 0:
                 raise ValueError(
-                    f"sft_rollout: conversation {sample.metadata.get('prompt_index')} has no assistant message to learn"
+                    f"sft_rollout: conversation {sample.metadata.get('prompt_index')} has no assistant "
+                    "message to learn"
                 )
             sample.tokens = token_ids
             sample.response_length = response_length
@@ -58,6 +59,10 @@ def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: b
             sample.reward = 0
             sample.status = sample.Status.COMPLETED
             if k == 0 and rollout_id == 0:
-                logger.info("sft_rollout: %d tokens, %d in the response, %d trained on",
-                            len(token_ids), response_length, sum(sample.loss_mask))  # fmt: skip
+                logger.info(
+                    "sft_rollout: %d tokens, %d in the response, %d trained on",
+                    len(token_ids),
+                    response_length,
+                    sum(sample.loss_mask),
+                )
     return groups

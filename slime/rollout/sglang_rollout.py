@@ -130,13 +130,17 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 
     state = GenerateState(args)
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
-        raise ValueError(f"generate: sample {sample.index} is {sample.status.value}; only pending or aborted "
-                         "samples are generated")  # fmt: skip
+        raise ValueError(
+            f"generate: sample {sample.index} is {sample.status.value}; only pending or aborted "
+            "samples are generated"
+        )
     images = (sample.multimodal_inputs or {}).get("images") or []
     if images and not sample.tokens:
         if state.processor is None or not isinstance(sample.prompt, str):
-            raise ValueError(f"generate: sample {sample.index} has images: it needs --multimodal-keys and a text "
-                             "prompt with the chat template applied (or set sample.tokens)")  # fmt: skip
+            raise ValueError(
+                f"generate: sample {sample.index} has images: it needs --multimodal-keys and a text "
+                "prompt with the chat template applied (or set sample.tokens)"
+            )
         from slime.utils.processing_utils import expanded_prompt_ids, image_train_inputs
 
         sample.tokens = expanded_prompt_ids(state.processor, sample.prompt, images)
@@ -153,8 +157,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
     if params["max_new_tokens"] < 0:
         raise ValueError(
-            f"generate: sample {sample.index} already has {sample.response_length} response tokens, more than "
-            f"max_new_tokens {sampling_params['max_new_tokens']}"
+            f"generate: sample {sample.index} already has {sample.response_length} response tokens, more "
+            f"than max_new_tokens {sampling_params['max_new_tokens']}"
         )
     if params["max_new_tokens"] == 0:
         sample.status = Sample.Status.TRUNCATED

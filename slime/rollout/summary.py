@@ -101,7 +101,8 @@ def post_processed_rewards(fn: Callable[..., Any], args: Any, samples: list[Samp
     rewards = rewards.tolist() if hasattr(rewards, "tolist") else list(rewards)
     if len(rewards) != len(samples):
         raise ValueError(
-            f"{POST_PROCESS_FLAG} returned {len(rewards)} rewards for {len(samples)} samples: give one per sample"
+            f"{POST_PROCESS_FLAG} returned {len(rewards)} rewards for {len(samples)} samples: give one "
+            "per sample"
         )
     try:
         return [float(r) for r in rewards]
@@ -148,10 +149,10 @@ def package_rollout(
         lacking = next((s for s in samples if s.teacher_log_probs is None), None) if need_teacher else None
         if lacking is not None:
             raise UsageError(
-                f"--use-opd --opd-type sglang: sample {lacking.index} (group {lacking.group_index}) carries no "
-                "'teacher_log_probs': the teacher engine (--opd-teacher-load / --opd-teacher-url) scores every sample; "
-                "without one a custom rollout, reward or post-process function must set them, and a replayed dump "
-                "must have been made with OPD"
+                f"--use-opd --opd-type sglang: sample {lacking.index} (group {lacking.group_index}) "
+                "carries no 'teacher_log_probs': the teacher engine (--opd-teacher-load / "
+                "--opd-teacher-url) scores every sample; without one a custom rollout, reward or "
+                "post-process function must set them, and a replayed dump must have been made with OPD"
             )
         batch = samples_to_batch(samples, reward_key, rewards)
         parts = tuple(put(p) for p in split_rollout(batch, batch_cfg, dp_size))
@@ -189,8 +190,8 @@ def reward_categories(samples: list[Sample], key: str, where: str) -> dict[str, 
     for s in samples:
         if not isinstance(s.reward, dict) or key not in s.reward:
             raise UsageError(
-                f"--log-reward-category {key}: {where} sample {s.index} has reward {s.reward!r}; the reward function "
-                f"must return a dict with the key {key!r}"
+                f"--log-reward-category {key}: {where} sample {s.index} has reward {s.reward!r}; the "
+                f"reward function must return a dict with the key {key!r}"
             )
         value = str(s.reward[key])
         counts[value] = counts.get(value, 0) + 1
@@ -252,8 +253,10 @@ def eval_metrics(ds: EvalDataset, samples: list[Sample], cfg: RolloutConfig) -> 
     }
     if ds.name is not None:
         if f"{ds.prefix}/reward_mean" not in metrics:  # rollout_metrics leaves it out for dict rewards
-            raise ValueError(f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
-                             "to report with --reward-key")  # fmt: skip
+            raise ValueError(
+                f"{ds.prefix}: the rewards are dicts (a reward function's raw answers); name the one "
+                "to report with --reward-key"
+            )
         metrics[ds.prefix] = metrics[f"{ds.prefix}/reward_mean"]
         metrics[f"{ds.prefix}-truncated_ratio"] = metrics[f"{ds.prefix}/truncated_ratio"]
     return metrics

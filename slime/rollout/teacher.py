@@ -38,8 +38,11 @@ def check_same_tokenizer(student: str, teacher: str, flag: str = "--opd-teacher-
         return
     by_id_a, by_id_b = {i: t for t, i in a.items()}, {i: t for t, i in b.items()}
     differ = next((i for i in sorted(by_id_a) if by_id_a[i] != by_id_b.get(i)), None)
-    example = (f"; id {differ} is {by_id_a[differ]!r} in the student's and {by_id_b.get(differ)!r} in the teacher's"
-               if differ is not None else "")  # fmt: skip
+    example = (
+        f"; id {differ} is {by_id_a[differ]!r} in the student's and {by_id_b.get(differ)!r} in the teacher's"
+        if differ is not None
+        else ""
+    )
     raise UsageError(
         f"{flag} {teacher!r}: its tokenizer ({len(b)} tokens) is not --hf-checkpoint {student!r}'s ({len(a)} "
         f"tokens){example}. The teacher scores the student's token ids, so both need one vocabulary"
@@ -81,8 +84,8 @@ class TeacherScorer:
             answer = await self.client.request("POST", "/generate", self._payload([ids], [0], True))
         except EngineError as e:
             raise UsageError(
-                f"the OPD teacher at {self.url} cannot score the student's token ids 0..{size - 1} ({e.message}): "
-                f"is its vocabulary --hf-checkpoint {student!r}'s?"
+                f"the OPD teacher at {self.url} cannot score the student's token ids 0..{size - 1} "
+                f"({e.message}): is its vocabulary --hf-checkpoint {student!r}'s?"
             ) from e
         entries = _entries(answer[0] if isinstance(answer, list) else answer)
         texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
@@ -91,13 +94,15 @@ class TeacherScorer:
                 continue
             if token != mine or (text is not None and text != expected):
                 raise UsageError(
-                    f"the OPD teacher at {self.url} has another tokenizer than --hf-checkpoint {student!r}: token id "
-                    f"{mine} is {text!r} there and {expected!r} here. The teacher scores the student's token ids, "
-                    "so both need one vocabulary"
+                    f"the OPD teacher at {self.url} has another tokenizer than --hf-checkpoint "
+                    f"{student!r}: token id {mine} is {text!r} there and {expected!r} here. The teacher "
+                    "scores the student's token ids, so both need one vocabulary"
                 )
         if len(entries) != len(ids):
-            raise UsageError(f"the OPD teacher at {self.url} answered {len(entries)} input log-probs for {len(ids)} "
-                             "tokens: it does not speak SGLang's logprob_start_len")  # fmt: skip
+            raise UsageError(
+                f"the OPD teacher at {self.url} answered {len(entries)} input log-probs for {len(ids)} "
+                "tokens: it does not speak SGLang's logprob_start_len"
+            )
 
     async def score(self, samples: list[Sample]) -> int:
         """Set `teacher_log_probs` on every sample that has none (one request for all of them);
@@ -111,9 +116,11 @@ class TeacherScorer:
         if any((s.multimodal_inputs or {}).get("images") for s in todo):
             from slime.utils.errors import UsageError
 
-            raise UsageError("--use-opd --opd-type sglang with images (--multimodal-keys) is not built: the teacher "
-                             "engine scores input-token log-probs, which the engines do not give for prompts with "
-                             "images; use --opd-type megatron (the teacher's weights in the train pass)")  # fmt: skip
+            raise UsageError(
+                "--use-opd --opd-type sglang with images (--multimodal-keys) is not built: the teacher "
+                "engine scores input-token log-probs, which the engines do not give for prompts with "
+                "images; use --opd-type megatron (the teacher's weights in the train pass)"
+            )
         ids = [list(s.tokens) for s in todo]
         starts = [len(s.tokens) - s.response_length - 1 for s in todo]
         answer = await self.client.request("POST", "/generate", self._payload(ids, starts))
@@ -137,8 +144,9 @@ def response_log_probs(answer: Any, sample: Sample, teacher: str) -> list[float]
     values = [lp for lp, _, _ in entries][len(entries) - n :] if len(entries) >= n else []
     if len(values) != n or any(v is None for v in values):
         raise RuntimeError(
-            f"{teacher} gave {sum(v is not None for v in values)} log-probs for sample {sample.index}'s {n} response "
-            "tokens (input_token_logprobs from logprob_start_len, the first entry None, as SGLang answers)"
+            f"{teacher} gave {sum(v is not None for v in values)} log-probs for sample {sample.index}'s "
+            f"{n} response tokens (input_token_logprobs from logprob_start_len, the first entry None, as "
+            "SGLang answers)"
         )
     return [float(v) for v in values]
 

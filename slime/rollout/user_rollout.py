@@ -31,8 +31,8 @@ class BuiltInRollout:
 
         if threading.current_thread() is get_async_loop().thread:
             raise RuntimeError(
-                "slime.rollout.sglang_rollout.generate_rollout is synchronous: call it from a plain (not async) "
-                "--rollout-function-path function"
+                "slime.rollout.sglang_rollout.generate_rollout is synchronous: call it from a plain (not "
+                "async) --rollout-function-path function"
             )
         if (rollout_id, evaluation) != (self.rollout_id, self.evaluation):
             raise ValueError(
@@ -43,10 +43,15 @@ class BuiltInRollout:
         if evaluation:
             name = self.eval_set or "eval"
             return RolloutFnEvalOutput(
-                data={name: {"rewards": [s.reward for s in samples],
-                             "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}},
+                data={
+                    name: {
+                        "rewards": [s.reward for s in samples],
+                        "truncated": [s.status == Status.TRUNCATED for s in samples],
+                        "samples": samples,
+                    }
+                },
                 metrics=metrics,
-            )  # fmt: skip
+            )
         return RolloutFnTrainOutput(samples=group_samples(samples), metrics=metrics)
 
 
@@ -82,8 +87,13 @@ class DataSource:
         """The next `num_prompts` prompts, each as a group of n-samples-per-prompt fresh Samples
         (prompt ids in `tokens`, `metadata["prompt_index"]` set)."""
         if self.blank:
-            return [[Sample(group_index=g, index=g * self.n_samples_per_prompt + i, **self.sample_fields)
-                     for i in range(self.n_samples_per_prompt)] for g in _blank_groups(num_prompts)]  # fmt: skip
+            return [
+                [
+                    Sample(group_index=g, index=g * self.n_samples_per_prompt + i, **self.sample_fields)
+                    for i in range(self.n_samples_per_prompt)
+                ]
+                for g in _blank_groups(num_prompts)
+            ]
         if self.dataset is None:
             raise RuntimeError(
                 "this job has no --prompt-data: the rollout function must bring its own prompts"
@@ -93,9 +103,21 @@ class DataSource:
             # --multimodal-keys: the images (slime's multimodal_inputs) and their tensors for the trainer
             vision: dict[str, Any] = {}
             if p.images:
-                vision = {"multimodal_inputs": {"images": list(p.images)},
-                          "multimodal_train_inputs": image_train_inputs(self.dataset.processor, list(p.images))}  # fmt: skip
-            groups.append([Sample(prompt=p.prompt, tokens=list(p.token_ids), label=p.label,
-                                  metadata=dict(p.metadata, prompt_index=p.index), **vision, **self.sample_fields)
-                           for _ in range(self.n_samples_per_prompt)])  # fmt: skip
+                vision = {
+                    "multimodal_inputs": {"images": list(p.images)},
+                    "multimodal_train_inputs": image_train_inputs(self.dataset.processor, list(p.images)),
+                }
+            groups.append(
+                [
+                    Sample(
+                        prompt=p.prompt,
+                        tokens=list(p.token_ids),
+                        label=p.label,
+                        metadata=dict(p.metadata, prompt_index=p.index),
+                        **vision,
+                        **self.sample_fields,
+                    )
+                    for _ in range(self.n_samples_per_prompt)
+                ]
+            )
         return groups

@@ -28,8 +28,9 @@ PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 RESIZE_KEYS = {"min_pixels", "max_pixels", "resized_height", "resized_width"}
 
 
-def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any], keys: Mapping[str, str],
-                         processor: Any = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
+def messages_with_images(
+    where: str, messages: list[Any], row: Mapping[str, Any], keys: Mapping[str, str], processor: Any = None
+) -> tuple[list[Any], list[Any]]:
     """`messages` with each `<image>` replaced by the row's next image as a content item, and the
     decoded images in order (`processor`: also checked by the model's image processor). DataError
     names the row, the field and the file."""
@@ -55,8 +56,10 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
         for piece in re.split(f"({re.escape(PLACEHOLDERS['image'])})", content):
             if piece == PLACEHOLDERS["image"]:
                 if not remaining:
-                    raise DataError(f"{where}: the prompt has more <image> placeholders than field {field!r} "
-                                    f"has images ({len(items)}) (--multimodal-keys)")  # fmt: skip
+                    raise DataError(
+                        f"{where}: the prompt has more <image> placeholders than field {field!r} "
+                        f"has images ({len(items)}) (--multimodal-keys)"
+                    )
                 item = remaining.pop(0)
                 qwen_item = isinstance(item, dict) and item.get("type") == "image"
                 parts.append(dict(item) if qwen_item else {"type": "image", "image": item})
@@ -64,16 +67,20 @@ def messages_with_images(where: str, messages: list[Any], row: Mapping[str, Any]
                 parts.append({"type": "text", "text": piece})
         message["content"] = parts
     if remaining:
-        raise DataError(f"{where}: field {field!r} has {len(items)} images but the prompt has only "
-                        f"{len(items) - len(remaining)} <image> placeholders (--multimodal-keys)")  # fmt: skip
+        raise DataError(
+            f"{where}: field {field!r} has {len(items)} images but the prompt has only "
+            f"{len(items) - len(remaining)} <image> placeholders (--multimodal-keys)"
+        )
     images = []
     for i, item in enumerate(items):
         sizing = (
             sorted(RESIZE_KEYS & set(item)) if isinstance(item, dict) and item.get("type") == "image" else []
         )
         if sizing:
-            raise DataError(f"{where}: field {field!r}[{i}]: {sizing} (Qwen-VL's per-image sizes) are not applied here: "
-                            "give the image alone (the checkpoint's processor sizes it) or resize it beforehand")  # fmt: skip
+            raise DataError(
+                f"{where}: field {field!r}[{i}]: {sizing} (Qwen-VL's per-image sizes) are not applied here: "
+                "give the image alone (the checkpoint's processor sizes it) or resize it beforehand"
+            )
         try:
             images.append(load_image(item))
             if processor is not None:  # the checks it makes (aspect ratio, size), now rather than mid-run
@@ -99,12 +106,16 @@ def checked_processor(hf_checkpoint: str) -> Any:
         ) from None
     if not is_vision(model_type):
         built = ", ".join(f.model_type for f in FAMILIES.values() if f.vision)
-        raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} is model_type {model_type!r}, which runs "
-                        f"as a text model here; images are built for {built} (docs/vlm.md)")  # fmt: skip
+        raise DataError(
+            f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} is model_type {model_type!r}, which runs "
+            f"as a text model here; images are built for {built} (docs/vlm.md)"
+        )
     processor = load_processor(hf_checkpoint)
     if processor is None:
-        raise DataError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no image processor "
-                        "(preprocessor_config.json): is it a vision-language model?")  # fmt: skip
+        raise DataError(
+            f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no image processor "
+            "(preprocessor_config.json): is it a vision-language model?"
+        )
     return processor
 
 

@@ -35,12 +35,20 @@ def compare(samples: list[dict[str, Any]], trainer: dict[int, list[float]], wors
             continue
         diffs.extend(gaps)
         top = max(range(len(gaps)), key=gaps.__getitem__)
-        per_sample.append({"sample": s["index"], "max_abs_diff": gaps[top], "position": top,
-                           "mean_abs_diff": sum(gaps) / len(gaps)})  # fmt: skip
+        per_sample.append(
+            {
+                "sample": s["index"],
+                "max_abs_diff": gaps[top],
+                "position": top,
+                "mean_abs_diff": sum(gaps) / len(gaps),
+            }
+        )
     if not diffs:
         raise ValueError("the dump has no engine log-probs (rollout_log_probs) to compare with")
-    histogram = {f"<{b:g}": sum(d < b for d in diffs) - sum(d < p for d in diffs)
-                 for p, b in zip((0.0, *BUCKETS), BUCKETS)}  # fmt: skip
+    histogram = {
+        f"<{b:g}": sum(d < b for d in diffs) - sum(d < p for d in diffs)
+        for p, b in zip((0.0, *BUCKETS), BUCKETS)
+    }
     histogram[f">={BUCKETS[-1]:g}"] = sum(d >= BUCKETS[-1] for d in diffs)
     per_sample.sort(key=lambda r: -r["max_abs_diff"])
     return {
@@ -64,8 +72,12 @@ def trainer_log_probs(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    actor = FSDPTrainActor(TrainConfig(hf_checkpoint=hf_checkpoint, rollout_temperature=temperature),
-                           0, 1, f"tcp://127.0.0.1:{port}")  # fmt: skip
+    actor = FSDPTrainActor(
+        TrainConfig(hf_checkpoint=hf_checkpoint, rollout_temperature=temperature),
+        0,
+        1,
+        f"tcp://127.0.0.1:{port}",
+    )
     actor.init()
     try:
         return actor.compute_log_probs(batch)
@@ -109,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{report['samples']} samples, {report['tokens']} response tokens, temperature {temperature:g}")
         print(
-            f"|trainer - engine| log-prob: mean {report['mean_abs_diff']:.3e}  max {report['max_abs_diff']:.3e}"
+            f"|trainer - engine| log-prob: mean {report['mean_abs_diff']:.3e}  max "
+            f"{report['max_abs_diff']:.3e}"
         )
         for w in report["worst_samples"]:
-            print(f"  sample {w['sample']}: max {w['max_abs_diff']:.3e} at response token {w['position']}, "
-                  f"mean {w['mean_abs_diff']:.3e}")  # fmt: skip
+            print(
+                f"  sample {w['sample']}: max {w['max_abs_diff']:.3e} at response token {w['position']}, "
+                f"mean {w['mean_abs_diff']:.3e}"
+            )
         print("histogram: " + "  ".join(f"{k}: {v}" for k, v in report["histogram"].items()))
     if args.tol is not None and report["max_abs_diff"] > args.tol:
         print(f"max |diff| {report['max_abs_diff']:.3e} exceeds --tol {args.tol:g}", file=sys.stderr)

@@ -60,8 +60,9 @@ def _load(path: str) -> torch.Tensor:
     return value
 
 
-def compare_tensors(after: torch.Tensor, before: torch.Tensor, atol: float, rtol: float,
-                    chunk: int = CHUNK_ELEMENTS) -> dict[str, Any]:  # fmt: skip
+def compare_tensors(
+    after: torch.Tensor, before: torch.Tensor, atol: float, rtol: float, chunk: int = CHUNK_ELEMENTS
+) -> dict[str, Any]:
     """Chunked comparison: max |after - before|, the first flat index out of tolerance, and
     both means (float64 accumulation)."""
     a, b = after.reshape(-1), before.reshape(-1)
@@ -98,12 +99,20 @@ def check(
                 yield {"status": "MISSING_BEFORE", "rank": rank, "name": name}
                 continue
             a, b = _load(os.path.join(after_dir, name)), _load(os.path.join(before_dir, name))
-            row: dict[str, Any] = {"rank": rank, "name": name, "after_shape": list(a.shape),
-                                   "before_shape": list(b.shape)}  # fmt: skip
+            row: dict[str, Any] = {
+                "rank": rank,
+                "name": name,
+                "after_shape": list(a.shape),
+                "before_shape": list(b.shape),
+            }
             if a.shape != b.shape:
-                row.update(status="DIFF", max_abs=None, first_index=None,
-                           after_mean=float(a.double().mean()) if a.numel() else 0.0,
-                           before_mean=float(b.double().mean()) if b.numel() else 0.0)  # fmt: skip
+                row.update(
+                    status="DIFF",
+                    max_abs=None,
+                    first_index=None,
+                    after_mean=float(a.double().mean()) if a.numel() else 0.0,
+                    before_mean=float(b.double().mean()) if b.numel() else 0.0,
+                )
             else:
                 row.update(compare_tensors(a, b, atol, rtol, chunk))
                 row["status"] = "PASS" if row["first_index"] < 0 and a.dtype == b.dtype else "DIFF"
@@ -135,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--root_dir", "--root-dir", dest="root_dir", required=True,
-                        help="the --debug-sync-parameters-path directory")  # fmt: skip
+    parser.add_argument(
+        "--root_dir",
+        "--root-dir",
+        dest="root_dir",
+        required=True,
+        help="the --debug-sync-parameters-path directory",
+    )
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default: exact)")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default: exact)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of lines")

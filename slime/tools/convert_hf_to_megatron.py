@@ -31,8 +31,11 @@ MODEL_ARGS = {  # Megatron argument -> Layout field
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slime.tools.convert_hf_to_megatron", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m slime.tools.convert_hf_to_megatron",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--hf-checkpoint", required=True, help="HF checkpoint directory (config.json + safetensors)"
     )
@@ -40,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="mixture-of-experts models")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="mixture-of-experts models (default: the tensor-parallel size, as in Megatron-LM)")  # fmt: skip
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="mixture-of-experts models (default: the tensor-parallel size, as in Megatron-LM)",
+    )
     p.add_argument(
         "--decoder-first-pipeline-num-layers",
         type=int,
@@ -55,18 +62,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="the last pipeline stage's layers (uneven stages; default: an even split)",
     )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    p.add_argument("--mtp-num-layers", type=int, default=0,
-                   help="the checkpoint's multi-token prediction modules to convert (as the job's --mtp-num-layers)")  # fmt: skip
-    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / linear_fc1)")  # fmt: skip
+    p.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=0,
+        help="the checkpoint's multi-token prediction modules to convert (as the job's --mtp-num-layers)",
+    )
+    p.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="the layer spec the checkpoint is for (transformer_engine folds the norms into linear_qkv / "
+        "linear_fc1)",
+    )
     g = p.add_argument_group("model arguments, checked against the HF config when given")
     for arg in MODEL_ARGS:
         g.add_argument("--" + arg.replace("_", "-"), type=int, default=None)
     return p
 
 
-def hf_layout(hf_checkpoint: str, divisible_by: int, fold_norms: bool, first: int | None = None,
-              last: int | None = None, mtp_layers: int = 0) -> Layout:  # fmt: skip
+def hf_layout(
+    hf_checkpoint: str,
+    divisible_by: int,
+    fold_norms: bool,
+    first: int | None = None,
+    last: int | None = None,
+    mtp_layers: int = 0,
+) -> Layout:
     from transformers import AutoConfig
 
     try:
@@ -101,13 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     par = Parallel(tp, pp, ns.expert_model_parallel_size, ns.expert_tensor_parallel_size)
     if pp < 2 and (ns.decoder_first_pipeline_num_layers or ns.decoder_last_pipeline_num_layers):
-        parser.error("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
-                     "--pipeline-model-parallel-size > 1 (or drop them)")  # fmt: skip
+        parser.error(
+            "--decoder-first/last-pipeline-num-layers set a pipeline stage's layers: give "
+            "--pipeline-model-parallel-size > 1 (or drop them)"
+        )
     try:
         layout = hf_layout(
-            ns.hf_checkpoint, ns.make_vocab_size_divisible_by, ns.transformer_impl == "transformer_engine",
-            ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers, ns.mtp_num_layers,
-        )  # fmt: skip
+            ns.hf_checkpoint,
+            ns.make_vocab_size_divisible_by,
+            ns.transformer_impl == "transformer_engine",
+            ns.decoder_first_pipeline_num_layers,
+            ns.decoder_last_pipeline_num_layers,
+            ns.mtp_num_layers,
+        )
         check_model_args(ns, layout)
         par.check(layout)
         check_target(ns.save_dir)
@@ -115,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as e:
         parser.error(str(e))
     save_megatron(parts, layout, ns.save_dir, par)
-    print(f"wrote {ns.save_dir}: {describe(par, layout)}, vocabulary {layout.vocab_size} padded to "
-          f"{layout.padded_vocab_size(tp)} ({layout.padded_vocab_size(tp) // tp} rows per TP rank)")  # fmt: skip
+    print(
+        f"wrote {ns.save_dir}: {describe(par, layout)}, vocabulary {layout.vocab_size} padded to "
+        f"{layout.padded_vocab_size(tp)} ({layout.padded_vocab_size(tp) // tp} rows per TP rank)"
+    )
     return 0
 
 

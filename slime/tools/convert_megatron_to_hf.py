@@ -27,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from slime.tools.convert_hf_to_megatron import describe, hf_layout
 
-    p = argparse.ArgumentParser(prog="python -m slime.tools.convert_megatron_to_hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m slime.tools.convert_megatron_to_hf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (slime's layout)")
     p.add_argument(
         "--hf-checkpoint", required=True, help="HF directory whose config and tokenizer describe the model"
@@ -40,12 +43,20 @@ def main(argv: list[str] | None = None) -> int:
         parts, args = load_megatron(ns.load_dir)
         layout = stored_layout(args, ns.load_dir)
         # the pipeline stages are the checkpoint's layout, not the model's: taken from it
-        expected = hf_layout(ns.hf_checkpoint, layout.make_vocab_size_divisible_by, layout.fold_norms,
-                             layout.first_stage_layers, layout.last_stage_layers, layout.mtp_layers)  # fmt: skip
+        expected = hf_layout(
+            ns.hf_checkpoint,
+            layout.make_vocab_size_divisible_by,
+            layout.fold_norms,
+            layout.first_stage_layers,
+            layout.last_stage_layers,
+            layout.mtp_layers,
+        )
         # (a checkpoint written before layouts named their model_type stores "")
-        differ = [f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
-                  for k, v in layout.__dict__.items()
-                  if getattr(expected, k) != v and not (k == "model_type" and v == "")]  # fmt: skip
+        differ = [
+            f"{k}: checkpoint {v}, --hf-checkpoint config {getattr(expected, k)}"
+            for k, v in layout.__dict__.items()
+            if getattr(expected, k) != v and not (k == "model_type" and v == "")
+        ]
         if differ:
             raise ConversionError(
                 "--hf-checkpoint describes another model than --load-dir: " + "; ".join(differ)
@@ -56,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     save_hf(state, ns.hf_checkpoint, ns.save_dir)
     print(
-        f"wrote {ns.save_dir}: {len(state)} tensors from {describe(source, layout)}, vocabulary {layout.vocab_size}"
+        f"wrote {ns.save_dir}: {len(state)} tensors from {describe(source, layout)}, vocabulary "
+        f"{layout.vocab_size}"
     )
     return 0
 

@@ -58,11 +58,41 @@ from slime.tools.dry_run_recorder import RECORDER as _RECORDER
 
 ENTRIES = ("train.py", "train_async.py")
 SLIME_HOME = "/root/slime"
-NOOPS = ("pkill", "killall", "kill", "nvidia-smi", "sleep", "rm", "cp", "mv", "ln", "mkdir", "touch", "chmod",
-         "chown", "ssh", "scp", "rsync", "curl", "wget", "git", "hf", "huggingface-cli", "docker", "sudo", "apt",
-         "apt-get", "systemctl")  # fmt: skip
+NOOPS = (
+    "pkill",
+    "killall",
+    "kill",
+    "nvidia-smi",
+    "sleep",
+    "rm",
+    "cp",
+    "mv",
+    "ln",
+    "mkdir",
+    "touch",
+    "chmod",
+    "chown",
+    "ssh",
+    "scp",
+    "rsync",
+    "curl",
+    "wget",
+    "git",
+    "hf",
+    "huggingface-cli",
+    "docker",
+    "sudo",
+    "apt",
+    "apt-get",
+    "systemctl",
+)
 RECORDERS = ("python", "python3", "ray", "torchrun")
-RUN_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+RUN_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "RAY_AUTH_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # A dry-run problem that only says an input is absent on this machine.
 MISSING = re.compile(r"no such file|is not a directory|does not exist|not found")
 # With --num-epoch the run's optimizer steps (the learning-rate schedule's length) are counted from
@@ -85,8 +115,9 @@ class Row:
 
     @property
     def only_missing_inputs(self) -> bool:
-        counted = "--num-epoch" in self.args and any(p.startswith("--prompt-data") and MISSING.search(p)
-                                                     for p in self.problems)  # fmt: skip
+        counted = "--num-epoch" in self.args and any(
+            p.startswith("--prompt-data") and MISSING.search(p) for p in self.problems
+        )
         return (
             self.exit_code == 2
             and bool(self.problems)
@@ -127,13 +158,15 @@ def write_shims(folder: Path, records: Path, python: str, tmp: Path) -> None:
     # mktemp makes its file in the script's own temporary folder, whatever folder it names.
     mktemp = shutil.which("mktemp") or "/bin/mktemp"
     (folder / "mktemp").write_text(
-        f'#!/bin/sh\nd=; t=tmp.XXXXXXXXXX\nfor a in "$@"; do case "$a" in -d) d=-d;; -*) ;; *) t=$(basename "$a");; esac; done\n'
+        '#!/bin/sh\nd=; t=tmp.XXXXXXXXXX\nfor a in "$@"; do case "$a" in -d) d=-d;; -*) ;; *) '
+        't=$(basename "$a");; esac; done\n'
         f'exec {mktemp} $d -p "{tmp}" "$t"\n'
     )
     (folder / "nohup").write_text('#!/bin/sh\nexec "$@"\n')
     for name in ("pip", "pip3"):  # what is installed may be read, nothing installed
         (folder / name).write_text(
-            f'#!/bin/sh\ncase "$1" in list|show|freeze) exec "{python}" -m pip "$@" 2>/dev/null;; esac\nexit 0\n'
+            f'#!/bin/sh\ncase "$1" in list|show|freeze) exec "{python}" -m pip "$@" 2>/dev/null;; '
+            "esac\nexit 0\n"
         )
     for p in folder.iterdir():
         p.chmod(0o755)
@@ -143,8 +176,17 @@ def write_shims(folder: Path, records: Path, python: str, tmp: Path) -> None:
 def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str, str]:
     """(exit code or None on timeout, stdout, stderr); the whole process group goes at the timeout."""
     pipe = subprocess.PIPE
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, text=True,
-                            errors="replace", start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -200,8 +242,11 @@ def run_script(o: Options, script: Path, work: Path, extra: dict[str, str]) -> S
         target.write_text(home.sub(str(slime_dir).replace("\\", "\\\\"), text))
         notes.append(f"ran with {SLIME_HOME} read as the slime dir")
     # Not the caller's interpreter variables ($PYTHON would start a real train.py) nor HOME.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("BASH_ENV", "ENV", "VIRTUAL_ENV", "PYTHONPATH", "HOME") and not k.startswith("PYTHON")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("BASH_ENV", "ENV", "VIRTUAL_ENV", "PYTHONPATH", "HOME") and not k.startswith("PYTHON")
+    }
     env.update(extra)
     env.update(
         PATH=f"{shims}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -285,7 +330,9 @@ def measure_script(o: Options, script: Path) -> list[Row]:
         # The folder stays until the dry runs end: they may read files the script made in it (mktemp).
         with tempfile.TemporaryDirectory(prefix="dry-run-script-") as tmp:
             run = run_script(o, script, Path(tmp), extra)
-            notes = run.notes + ([f"set for the script: {' '.join(f'{k}={v}' for k, v in extra.items())}"] if extra else [])  # fmt: skip
+            notes = run.notes + (
+                [f"set for the script: {' '.join(f'{k}={v}' for k, v in extra.items())}"] if extra else []
+            )
             if not run.calls:
                 need = asked_for(run) - extra.keys()
                 if not need or run.rc is None:
@@ -358,8 +405,10 @@ def summary(rows: list[Row]) -> str:
         scripts.setdefault(_script_of(row), []).append(row)
     ok = sum(1 for rs in scripts.values() if all(r.exit_code == 0 for r in rs))
     missing = sum(
-        1 for rs in scripts.values() if any(r.exit_code for r in rs) and all(r.exit_code == 0 or r.only_missing_inputs for r in rs)
-    )  # fmt: skip
+        1
+        for rs in scripts.values()
+        if any(r.exit_code for r in rs) and all(r.exit_code == 0 or r.only_missing_inputs for r in rs)
+    )
     line = f"{ok} of {len(scripts)} scripts exit 0"
     if missing:
         line += f"; {missing} more fail only for inputs absent on this machine (checkpoints, data)"
@@ -389,20 +438,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slime-dir", required=True, type=Path, help="a checkout of THUDM/slime's files")
     p.add_argument("--json", type=Path, help="write the rows here")
-    p.add_argument("--project-dir", type=Path, default=Path(__file__).resolve().parents[2],
-                   help="the checkout whose train.py runs (default: this one)")  # fmt: skip
+    p.add_argument(
+        "--project-dir",
+        type=Path,
+        default=Path(__file__).resolve().parents[2],
+        help="the checkout whose train.py runs (default: this one)",
+    )
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs train.py")
     p.add_argument("--script-timeout", type=float, default=20, help="seconds per launch script")
     p.add_argument("--train-timeout", type=float, default=60, help="seconds per dry run")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="scripts run at once")
     p.add_argument("--only", help="glob on the script's path in --slime-dir")
     p.add_argument("--width", type=int, default=160, help="trim reasons to this many characters")
-    p.add_argument("--set", action="append", default=[], metavar="VAR=VALUE",
-                   help="set this variable for every script (repeatable)")  # fmt: skip
-    p.add_argument("--as-job", action="store_true",
-                   help="dry-run in the folder the script called train.py from, with the PYTHONPATH of its "
-                        "--runtime-env-json and that folder, as its Ray job would (default: in --project-dir, "
-                        "no PYTHONPATH)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="set this variable for every script (repeatable)",
+    )
+    p.add_argument(
+        "--as-job",
+        action="store_true",
+        help="dry-run in the folder the script called train.py from, with the PYTHONPATH of its "
+        "--runtime-env-json and that folder, as its Ray job would (default: in --project-dir, "
+        "no PYTHONPATH)",
+    )
     a = p.parse_args(argv)
     given = {}
     for item in a.set:

@@ -25,8 +25,19 @@ from typing import Any
 
 from slime.rollout.dump import DumpError, load_dump
 
-DIFF_FIELDS = ("prompt", "tokens", "response_length", "response", "label", "reward", "loss_mask",
-               "rollout_log_probs", "status", "weight_versions", "group_index")  # fmt: skip
+DIFF_FIELDS = (
+    "prompt",
+    "tokens",
+    "response_length",
+    "response",
+    "label",
+    "reward",
+    "loss_mask",
+    "rollout_log_probs",
+    "status",
+    "weight_versions",
+    "group_index",
+)
 
 
 def _scalar(reward: Any) -> float | None:
@@ -94,10 +105,15 @@ def sample_view(dump: dict[str, Any], n: int, tokenizer: Any) -> dict[str, Any]:
     log_probs = s.get("rollout_log_probs") or [None] * length
     mask = s.get("loss_mask") or [1] * length
     tokens = [
-        {"position": i, "id": t, "text": tokenizer.decode([t]) if tokenizer is not None else None,
-         "log_prob": log_probs[i] if i < len(log_probs) else None, "loss_mask": mask[i] if i < len(mask) else None}
+        {
+            "position": i,
+            "id": t,
+            "text": tokenizer.decode([t]) if tokenizer is not None else None,
+            "log_prob": log_probs[i] if i < len(log_probs) else None,
+            "loss_mask": mask[i] if i < len(mask) else None,
+        }
         for i, t in enumerate(response_ids)
-    ]  # fmt: skip
+    ]
     keys = (
         "index",
         "group_index",
@@ -159,13 +175,15 @@ def _load_tokenizer(path: str | None) -> Any:
 
 def _print_summary(s: dict[str, Any]) -> None:
     print(
-        f"rollout {s['rollout_id']} (format {s['format_version']}): {s['samples']} samples in {s['groups']} groups"
+        f"rollout {s['rollout_id']} (format {s['format_version']}): {s['samples']} samples in "
+        f"{s['groups']} groups"
     )
     r = s["reward"]
     if r:
         counts = f"  counts {r['counts']}" if "counts" in r else ""
         print(
-            f"reward: mean {r['mean']:.4f}  min {r['min']:.4g}  p50 {r['p50']:.4g}  max {r['max']:.4g}{counts}"
+            f"reward: mean {r['mean']:.4f}  min {r['min']:.4g}  p50 {r['p50']:.4g}  max "
+            f"{r['max']:.4g}{counts}"
         )
     if s["dict_rewards"]:
         print(f"dict rewards: {s['dict_rewards']} samples")
@@ -177,14 +195,17 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"weight versions: {s['weight_versions']}")
     lp = s["rollout_log_probs"]
     if lp.get("tokens"):
-        print(f"rollout log-probs: {lp['tokens']} tokens, mean {lp['mean']:.4f}  min {lp['min']:.4f}  "
-              f"max {lp['max']:.4f}  non-finite {lp['non_finite']}")  # fmt: skip
+        print(
+            f"rollout log-probs: {lp['tokens']} tokens, mean {lp['mean']:.4f}  min {lp['min']:.4f}  "
+            f"max {lp['max']:.4f}  non-finite {lp['non_finite']}"
+        )
     print(f"meta: {s['meta']}")
 
 
 def _print_sample(v: dict[str, Any]) -> None:
     print(
-        f"sample {v['index']} (group {v['group_index']}), status {v['status']}, weight_versions {v['weight_versions']}"
+        f"sample {v['index']} (group {v['group_index']}), status {v['status']}, weight_versions "
+        f"{v['weight_versions']}"
     )
     print(f"prompt ({v['prompt_tokens']} tokens): {v['prompt']!r}")
     print(f"response: {v['response']!r}")

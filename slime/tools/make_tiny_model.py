@@ -198,13 +198,18 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
         parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-heads {args.num_heads}")
     if args.num_heads % args.num_kv_heads:
         parser.error(f"--num-heads {args.num_heads} must be divisible by --num-kv-heads {args.num_kv_heads}")
-    moe = {"num_experts": args.num_experts, "num_experts_per_tok": args.num_experts_per_tok,
-           "moe_intermediate_size": args.moe_intermediate_size}  # fmt: skip
+    moe = {
+        "num_experts": args.num_experts,
+        "num_experts_per_tok": args.num_experts_per_tok,
+        "moe_intermediate_size": args.moe_intermediate_size,
+    }
     if tiny_vision.TEXT_ARCH.get(args.arch, args.arch) not in MOE_FAMILIES:
         given = [name for name, value in moe.items() if value is not None]
         if given:
-            parser.error(f"--{given[0].replace('_', '-')} applies to the mixture-of-experts archs only "
-                         f"(--arch {', '.join(MOE_FAMILIES)}, qwen3_5_moe_vl)")  # fmt: skip
+            parser.error(
+                f"--{given[0].replace('_', '-')} applies to the mixture-of-experts archs only "
+                f"(--arch {', '.join(MOE_FAMILIES)}, qwen3_5_moe_vl)"
+            )
     else:
         args.num_experts = args.num_experts or 4
         args.num_experts_per_tok = args.num_experts_per_tok or 2
@@ -218,8 +223,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenize
         if args.mtp_layers < 0:
             parser.error("--mtp-layers must be >= 0")
         if args.arch not in MTP_FAMILIES:
-            parser.error(f"--mtp-layers applies to --arch {', '.join(MTP_FAMILIES)} (the families whose checkpoints "
-                         "carry multi-token prediction modules)")  # fmt: skip
+            parser.error(
+                f"--mtp-layers applies to --arch {', '.join(MTP_FAMILIES)} (the families whose checkpoints "
+                "carry multi-token prediction modules)"
+            )
     if args.vocab is not None and args.vocab < tokenizer_size:
         parser.error(
             f"--vocab {args.vocab} is smaller than the tokenizer ({tokenizer_size} tokens); "
@@ -291,8 +298,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         "values; a flag given overrides). Weights are built in float32 first: qwen3-1.7b "
         "peaks at ~8 GB of memory",
     )
-    parser.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES, *tiny_vision.VISION_FAMILIES],
-                        default="qwen3")  # fmt: skip
+    parser.add_argument(
+        "--arch",
+        choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES, *tiny_vision.VISION_FAMILIES],
+        default="qwen3",
+    )
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -326,13 +336,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument(
         "--num-experts", type=int, default=None, help="MoE archs: experts per layer (default 4)"
     )
-    parser.add_argument("--num-experts-per-tok", type=int, default=None,
-                        help="MoE archs: experts each token is routed to (default 2)")  # fmt: skip
-    parser.add_argument("--moe-intermediate-size", type=int, default=None,
-                        help="MoE archs: each expert's MLP width (default: half the hidden size)")  # fmt: skip
-    parser.add_argument("--mtp-layers", type=int, default=0,
-                        help="multi-token prediction modules after the decoder (num_nextn_predict_layers; "
-                        "glm4_moe, deepseek_v3, glm4_moe_lite)")  # fmt: skip
+    parser.add_argument(
+        "--num-experts-per-tok",
+        type=int,
+        default=None,
+        help="MoE archs: experts each token is routed to (default 2)",
+    )
+    parser.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        default=None,
+        help="MoE archs: each expert's MLP width (default: half the hidden size)",
+    )
+    parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        help="multi-token prediction modules after the decoder (num_nextn_predict_layers; "
+        "glm4_moe, deepseek_v3, glm4_moe_lite)",
+    )
     tiny_vision.add_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

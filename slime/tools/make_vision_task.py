@@ -50,8 +50,9 @@ def draw_dots(count: int, size: int, rng: random.Random) -> Any:
     return image
 
 
-def write_task(out: str, max_dots: int, size: int, train_size: int, eval_size: int, sft_size: int,
-               seed: int) -> None:  # fmt: skip
+def write_task(
+    out: str, max_dots: int, size: int, train_size: int, eval_size: int, sft_size: int, seed: int
+) -> None:
     rng = random.Random(seed)
     final = os.path.abspath(out)  # the rows name the images where they will be
     with staged_directory(out) as staging:
@@ -74,8 +75,11 @@ def write_task(out: str, max_dots: int, size: int, train_size: int, eval_size: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slime.tools.make_vision_task", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m slime.tools.make_vision_task",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, help="output directory (replaced if it exists)")
     parser.add_argument("--max-dots", type=int, default=4)
     parser.add_argument("--size", type=int, default=64, help="image width and height in pixels")
@@ -89,13 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.size < CELL or args.size % CELL:
         parser.error(f"--size must be a multiple of {CELL} pixels")
     if args.max_dots > (args.size // CELL) ** 2:
-        parser.error(f"--max-dots {args.max_dots}: a {args.size}-pixel image has {(args.size // CELL) ** 2} cells of "
-                     f"{CELL} pixels, one dot each (raise --size)")  # fmt: skip
+        parser.error(
+            f"--max-dots {args.max_dots}: a {args.size}-pixel image has {(args.size // CELL) ** 2} cells of "
+            f"{CELL} pixels, one dot each (raise --size)"
+        )
     if args.train_size < 1 or args.eval_size < 0 or not 0 <= args.sft_size <= args.train_size:
         parser.error("--train-size must be >= 1, --eval-size >= 0, and --sft-size within --train-size")
     write_task(args.out, args.max_dots, args.size, args.train_size, args.eval_size, args.sft_size, args.seed)
-    sys.stdout.write(json.dumps({"out": os.path.abspath(args.out), "train": args.train_size,
-                                 "eval": args.eval_size, "sft": args.sft_size}) + "\n")  # fmt: skip
+    sys.stdout.write(
+        json.dumps(
+            {
+                "out": os.path.abspath(args.out),
+                "train": args.train_size,
+                "eval": args.eval_size,
+                "sft": args.sft_size,
+            }
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -2,7 +2,8 @@
 
     python -m slime.tools.plot_metrics LOG_DIR/metrics.jsonl [--out PLOT.png]
         [--keys rollout/reward_mean eval/accuracy]
-    python -m slime.tools.plot_metrics GRPO=runs/a/logs/metrics.jsonl OPD=runs/b/logs/metrics.jsonl --out cmp.png
+    python -m slime.tools.plot_metrics GRPO=runs/a/logs/metrics.jsonl OPD=runs/b/logs/metrics.jsonl \\
+        --out cmp.png
     python -m slime.tools.plot_metrics LOG_DIR/metrics.jsonl --since START   (the demos' last line)
 
 One line per key (and run) against `step` (rollouts trained so far; the eval before training is
@@ -68,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="PNG path (default: reward_accuracy.png beside it)")
     parser.add_argument("--keys", nargs="+", default=DEFAULT_KEYS)
     parser.add_argument("--title", default="reward and accuracy per step")
-    parser.add_argument("--since", type=float, default=None, metavar="UNIX_TIME",
-                        help="print the held-out accuracy before and after, and the whole run's seconds since then")  # fmt: skip
+    parser.add_argument(
+        "--since",
+        type=float,
+        default=None,
+        metavar="UNIX_TIME",
+        help="print the held-out accuracy before and after, and the whole run's seconds since then",
+    )
     args = parser.parse_args(argv)
     series: dict[str, list[tuple[int, float]]] = {}
     paths = []
@@ -104,8 +110,10 @@ def accuracy_line(evals: list[tuple[int, float]], since: float) -> str:
     if not evals:
         return f"no eval/accuracy recorded; whole demo {time.time() - since:.0f} s"
     (first_step, first), (last_step, last) = evals[0], evals[-1]
-    return (f"held-out accuracy: {first:.3f} at step {first_step} (before RL) -> {last:.3f} at step {last_step} "
-            f"({100 * (last - first):+.1f} points); whole demo {time.time() - since:.0f} s")  # fmt: skip
+    return (
+        f"held-out accuracy: {first:.3f} at step {first_step} (before RL) -> {last:.3f} at step {last_step} "
+        f"({100 * (last - first):+.1f} points); whole demo {time.time() - since:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -38,13 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-key", default="prompt")
     g.add_argument("--response-key", default="response")
     g.add_argument("--apply-chat-template", action="store_true", help="wrap the prompt as a user turn")
-    g.add_argument("--multimodal-keys", type=json.loads, default=None, metavar="JSON",
-                   help="vision-language models: '{\"image\": FIELD}', the row's images for its <image> placeholders "
-                   "(as train.py reads them; needs --apply-chat-template)")  # fmt: skip
+    g.add_argument(
+        "--multimodal-keys",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="vision-language models: '{\"image\": FIELD}', the row's images for its <image> placeholders "
+        "(as train.py reads them; needs --apply-chat-template)",
+    )
     g.add_argument("--num-epoch", type=int, default=1)
     g.add_argument("--save-hf", required=True, help="output Hugging Face checkpoint directory")
-    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
-                   help="megatron: the Megatron actor; its layout flags below (TP x PP must divide the ranks)")  # fmt: skip
+    g.add_argument(
+        "--train-backend",
+        choices=["fsdp", "megatron"],
+        default="fsdp",
+        help="megatron: the Megatron actor; its layout flags below (TP x PP must divide the ranks)",
+    )
     add_train_arguments(parser)
     parser.set_defaults(loss_type="sft_loss", lr=1e-3, global_batch_size=64)
     return parser
@@ -96,8 +105,10 @@ def _megatron_problem(cfg, world_size: int) -> str | None:
     m = cfg.megatron
     model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
     if world_size % model_parallel:
-        return (f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size = "
-                f"{model_parallel} does not divide the {world_size} ranks")  # fmt: skip
+        return (
+            f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size = "
+            f"{model_parallel} does not divide the {world_size} ranks"
+        )
     try:
         layout = Layout.from_hf_config(
             AutoConfig.from_pretrained(cfg.hf_checkpoint), m.make_vocab_size_divisible_by
@@ -148,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"--multimodal-keys: {cfg.hf_checkpoint} has no image processor (preprocessor_config.json)"
             )
     try:
-        examples = load_examples(ns.data, tokenizer, ns.input_key, ns.response_key, ns.apply_chat_template,
-                                 ns.multimodal_keys, processor)  # fmt: skip
+        examples = load_examples(
+            ns.data,
+            tokenizer,
+            ns.input_key,
+            ns.response_key,
+            ns.apply_chat_template,
+            ns.multimodal_keys,
+            processor,
+        )
     except DataError as e:
         parser.error(str(e))
     batch_size = cfg.batch.global_batch_size or len(examples)
@@ -186,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             if actor.rank == 0:
                 logger.info(
                     "epoch %d/%d: %d steps, loss %.4f (last %.4f), %.1f s",
-                    epoch + 1, ns.num_epoch, len(losses), sum(losses) / len(losses), losses[-1],
+                    epoch + 1,
+                    ns.num_epoch,
+                    len(losses),
+                    sum(losses) / len(losses),
+                    losses[-1],
                     time.perf_counter() - start,
-                )  # fmt: skip
+                )
         actor.save_hf(ns.save_hf)  # atomic: written beside it and renamed; with the tokenizer
         if actor.rank == 0:
             logger.info("wrote %s after %d steps", ns.save_hf, step)

@@ -35,8 +35,12 @@ TEXT_MODELS = {f.model_type: f.text_model for f in FAMILIES.values() if f.text_m
 """A vision-language model_type -> its text model's (slime.utils.model_families)."""
 
 LANGUAGE, VISION = "model.language_model.", "model.visual."
-NOT_COPIED = ("model.safetensors.index.json", "preprocessor_config.json", "video_preprocessor_config.json",
-              "processor_config.json")  # fmt: skip
+NOT_COPIED = (
+    "model.safetensors.index.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
 """Files `extract` does not copy (the weights' index is written anew; the processors read images)."""
 
 
@@ -58,8 +62,10 @@ def _config(path: str) -> dict[str, Any]:
 def _vision_config(path: str) -> dict[str, Any]:
     config = _config(path)
     if config.get("model_type") not in TEXT_MODELS or "text_config" not in config:
-        raise TextModelError(f"--hf-checkpoint {path} is model_type {config.get('model_type')!r}: this tool takes "
-                             f"the vision-language checkpoints {', '.join(TEXT_MODELS)} (their text_config)")  # fmt: skip
+        raise TextModelError(
+            f"--hf-checkpoint {path} is model_type {config.get('model_type')!r}: this tool takes "
+            f"the vision-language checkpoints {', '.join(TEXT_MODELS)} (their text_config)"
+        )
     return config
 
 
@@ -81,8 +87,10 @@ def _add(into: dict[str, Any], tensors: dict[str, Any], shard: str) -> None:
     """`tensors` into `into`, refusing a name two shards hold."""
     twice = next((name for name in tensors if name in into), None)
     if twice is not None:
-        raise TextModelError(f"tensor {twice!r} is in two shards ({shard} and another): a checkpoint written twice "
-                             "into one directory?")  # fmt: skip
+        raise TextModelError(
+            f"tensor {twice!r} is in two shards ({shard} and another): a checkpoint written twice "
+            "into one directory?"
+        )
     into.update(tensors)
 
 
@@ -146,8 +154,11 @@ def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
         for shard in shards:
             tensors = load_file(shard)
             _add(seen, dict.fromkeys(tensors), shard)
-            kept = {("model." + k[len(LANGUAGE) :] if k.startswith(LANGUAGE) else k): v
-                    for k, v in tensors.items() if not k.startswith(VISION)}  # fmt: skip
+            kept = {
+                ("model." + k[len(LANGUAGE) :] if k.startswith(LANGUAGE) else k): v
+                for k, v in tensors.items()
+                if not k.startswith(VISION)
+            }
             counts["vision tower"] += len(tensors) - len(kept)
             counts["kept"] += len(kept)
             writer.write(kept)
@@ -168,8 +179,10 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
     config = _vision_config(hf_checkpoint)
     text_type = TEXT_MODELS[config["model_type"]]
     if _config(text).get("model_type") != text_type:
-        raise TextModelError(f"--text {text} is model_type {_config(text).get('model_type')!r}; --hf-checkpoint "
-                             f"{hf_checkpoint}'s text model is {text_type!r}")  # fmt: skip
+        raise TextModelError(
+            f"--text {text} is model_type {_config(text).get('model_type')!r}; --hf-checkpoint "
+            f"{hf_checkpoint}'s text model is {text_type!r}"
+        )
     wanted: dict[str, tuple[list[int], str, str]] = {}  # the checkpoint's name -> shape, dtype, shard
     for shard in _shards(hf_checkpoint):
         with safe_open(shard, "pt") as f:
@@ -188,12 +201,16 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
                 if name.startswith("model.") and not name.startswith(LANGUAGE):
                     full = LANGUAGE + name[len("model.") :]
                 if full not in wanted:
-                    raise TextModelError(f"--text {text}: tensor {name!r} ({full!r} in the vision-language model) is "
-                                         f"not in --hf-checkpoint {hf_checkpoint}: a text model of another shape")  # fmt: skip
+                    raise TextModelError(
+                        f"--text {text}: tensor {name!r} ({full!r} in the vision-language model) is "
+                        f"not in --hf-checkpoint {hf_checkpoint}: a text model of another shape"
+                    )
                 shape, dtype, _ = wanted[full]
                 if list(tensor.shape) != shape:
-                    raise TextModelError(f"--text {text}: tensor {name!r} is {list(tensor.shape)}, --hf-checkpoint "
-                                         f"{hf_checkpoint}'s {full!r} is {shape}")  # fmt: skip
+                    raise TextModelError(
+                        f"--text {text}: tensor {name!r} is {list(tensor.shape)}, --hf-checkpoint "
+                        f"{hf_checkpoint}'s {full!r} is {shape}"
+                    )
                 renamed[full] = _cast(tensor, dtype)
             _add(taken, dict.fromkeys(renamed), shard)
             writer.write(renamed)
@@ -203,8 +220,10 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
         missing = [k for k in wanted if k not in taken and not k.startswith((VISION, "mtp."))]
         if missing:
             name = "model." + missing[0][len(LANGUAGE) :] if missing[0].startswith(LANGUAGE) else missing[0]
-            raise TextModelError(f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {name!r}: "
-                                 "give a whole checkpoint of it")  # fmt: skip
+            raise TextModelError(
+                f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {name!r}: "
+                "give a whole checkpoint of it"
+            )
         for shard in sorted({wanted[k][2] for k in wanted if k not in taken}):  # one shard at a time
             with safe_open(shard, "pt") as f:
                 rest = {k: f.get_tensor(k) for k in f.keys() if k not in taken}
@@ -228,8 +247,11 @@ def _cast(tensor: Any, dtype: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slime.tools.text_model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m slime.tools.text_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("extract", help="write the text model of a vision-language checkpoint")
     e.add_argument("--hf-checkpoint", required=True, help="the released vision-language checkpoint")
@@ -245,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--hf-checkpoint", args.hf_checkpoint), ("--text", getattr(args, "text", None))):
         if path is not None and os.path.commonpath([out, os.path.realpath(path)]) == out:
             p.error(
-                f"--out {args.out} is {flag} {path} or holds it, and --out is replaced: write the result elsewhere"
+                f"--out {args.out} is {flag} {path} or holds it, and --out is replaced: write the result "
+                "elsewhere"
             )
     try:
         if args.command == "extract":

@@ -52,51 +52,95 @@ def family_config(args: argparse.Namespace, common: dict[str, Any], arch: str | 
     glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     moe: dict[str, Any] = {}
     if arch in MOE_FAMILIES:
-        moe = dict(num_experts_per_tok=args.num_experts_per_tok,
-                   moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2)  # fmt: skip
+        moe = dict(
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2,
+        )
     if arch == "glm4":
         return transformers.Glm4Config(
             head_dim=head_dim, attention_bias=True, rope_parameters=glm_rope, **common
         )
     if arch == "glm4_moe":
         return transformers.Glm4MoeConfig(
-            attention_bias=True, rope_parameters=glm_rope, n_routed_experts=args.num_experts, n_shared_experts=1,
-            first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-            use_qk_norm=True, **loose, **moe, **common,
-        )  # fmt: skip
+            attention_bias=True,
+            rope_parameters=glm_rope,
+            n_routed_experts=args.num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            **loose,
+            **moe,
+            **common,
+        )
     if arch == "deepseek_v3":
         rope = max(2, head_dim // 2)
         common = {**common, "num_key_value_heads": args.num_heads}  # MLA: every head reads the latent
         loose["head_dim"] = rope  # transformers rotates head_dim channels: the rotary part's width
         return transformers.DeepseekV3Config(
-            q_lora_rank=args.hidden_size // 2, kv_lora_rank=args.hidden_size // 4, qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope, v_head_dim=head_dim, rope_interleave=True,
-            n_routed_experts=args.num_experts, n_shared_experts=1, first_k_dense_replace=1,
-            n_group=2 if args.num_experts % 2 == 0 else 1, topk_group=1, norm_topk_prob=True,
-            routed_scaling_factor=2.5, **loose, **moe, **common,
-        )  # fmt: skip
+            q_lora_rank=args.hidden_size // 2,
+            kv_lora_rank=args.hidden_size // 4,
+            qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=rope,
+            v_head_dim=head_dim,
+            rope_interleave=True,
+            n_routed_experts=args.num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2 if args.num_experts % 2 == 0 else 1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            **loose,
+            **moe,
+            **common,
+        )
     if arch == "glm4_moe_lite":
         rope = max(2, head_dim // 2)
         common = {**common, "num_key_value_heads": args.num_heads}
         loose.pop("head_dim")  # the config maps head_dim to qk_rope_head_dim
         return transformers.Glm4MoeLiteConfig(
             # values wider than the keys' non-rotary part, as GLM-4.7-Flash's (256 against 192)
-            q_lora_rank=args.hidden_size // 2, kv_lora_rank=args.hidden_size // 4, qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope, v_head_dim=head_dim + head_dim // 2, rope_interleave=True,
-            n_routed_experts=args.num_experts, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+            q_lora_rank=args.hidden_size // 2,
+            kv_lora_rank=args.hidden_size // 4,
+            qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=rope,
+            v_head_dim=head_dim + head_dim // 2,
+            rope_interleave=True,
+            n_routed_experts=args.num_experts,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
             routed_scaling_factor=1.8,
-            **loose, **moe, **common,
-        )  # fmt: skip
+            **loose,
+            **moe,
+            **common,
+        )
     linear: dict[str, Any] = dict(
-        head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        linear_num_key_heads=max(1, args.num_kv_heads), linear_num_value_heads=args.num_heads,
+        head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=max(1, args.num_kv_heads),
+        linear_num_value_heads=args.num_heads,
         full_attention_interval=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    )  # fmt: skip
+    )
     experts = dict(num_experts=args.num_experts, shared_expert_intermediate_size=args.hidden_size // 2)
     if arch == "qwen3_next":
-        return transformers.Qwen3NextConfig(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
-                                            **linear, **experts, **moe, **common)  # fmt: skip
+        return transformers.Qwen3NextConfig(
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            **linear,
+            **experts,
+            **moe,
+            **common,
+        )
     if arch == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**linear, **common)
     if arch == "qwen3_5_moe":

@@ -81,9 +81,13 @@ def vision_config(args: argparse.Namespace, common: dict[str, Any], token_ids: d
     text = {key: value for key, value in common.items() if key not in ("torch_dtype", "bos_token_id")}
     text.update(
         head_dim=head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "mrope_section": [half - 2 * spatial, spatial, spatial], "mrope_interleaved": True},
-    )  # fmt: skip
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [half - 2 * spatial, spatial, spatial],
+            "mrope_interleaved": True,
+        },
+    )
     return Qwen3VLConfig(
         text_config=text,
         vision_config={**_tower(args), "deepstack_visual_indexes": [0]},
@@ -184,9 +188,13 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--vision-depth and --vision-hidden-size must be positive")
     head_dim = args.hidden_size // args.num_heads
     if args.arch in TEXT_ARCH and (head_dim < 24 or head_dim % 8):
-        parser.error(f"--arch {args.arch}: the head dim (--hidden-size / --num-heads = {head_dim}) must be a multiple "
-                     "of 8 and at least 24: a quarter of it is rotated, in pairs, and its rotary frequencies split "
-                     "three ways (time, height, width)")  # fmt: skip
+        parser.error(
+            f"--arch {args.arch}: the head dim (--hidden-size / --num-heads = {head_dim}) must be a multiple "
+            "of 8 and at least 24: a quarter of it is rotated, in pairs, and its rotary frequencies split "
+            "three ways (time, height, width)"
+        )
     if head_dim % 4:
-        parser.error(f"--arch {args.arch}: the head dim ({head_dim}) must be a multiple "
-                     "of 4 (its rotary frequencies split three ways)")  # fmt: skip
+        parser.error(
+            f"--arch {args.arch}: the head dim ({head_dim}) must be a multiple "
+            "of 4 (its rotary frequencies split three ways)"
+        )

@@ -362,8 +362,9 @@ def no_trace_notice(cache: dict[str, Any]) -> str | None:
     if cache["rows"]:
         return None
     return (
-        f"No traces in {os.path.basename(cache['pt_path'])}: none of its {cache.get('dump_sample_count', '?')} "
-        "samples carries trace events (the rollout recorded no `trace` payloads)"
+        f"No traces in {os.path.basename(cache['pt_path'])}: none of its "
+        f"{cache.get('dump_sample_count', '?')} samples carries trace events (the rollout recorded no "
+        "`trace` payloads)"
     )
 
 

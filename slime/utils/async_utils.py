@@ -71,7 +71,8 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def run(coro: Awaitable[T]) -> T:
-    """Run `coro` (any awaitable) on the background loop and wait for its result (its exception is raised here)."""
+    """Run `coro` (any awaitable) on the background loop and wait for its result (its exception is raised
+    here)."""
     return get_async_loop().run(coro)
 
 

@@ -67,15 +67,25 @@ class RolloutBatch:
         n = len(self.tokens)
         if n == 0:
             raise BatchError("rollout batch is empty")
-        for name in ("response_lengths", "rewards", "group_indices", "loss_masks", "rollout_log_probs",
-                     "rollout_routed_experts", "teacher_log_probs", "rollout_ids", "multimodal_train_inputs"):  # fmt: skip
+        for name in (
+            "response_lengths",
+            "rewards",
+            "group_indices",
+            "loss_masks",
+            "rollout_log_probs",
+            "rollout_routed_experts",
+            "teacher_log_probs",
+            "rollout_ids",
+            "multimodal_train_inputs",
+        ):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise BatchError(f"batch field '{name}' has {len(value)} entries for {n} samples")
         if need_rollout_log_probs and self.rollout_log_probs is None:
             raise BatchError(
-                "--use-tis / --use-rollout-logprobs / --use-decoupled-loss need the engine's log-probs, but the "
-                "batch has no 'rollout_log_probs' (generate with return_logprob, or drop the flag)"
+                "--use-tis / --use-rollout-logprobs / --use-decoupled-loss need the engine's log-probs, "
+                "but the batch has no 'rollout_log_probs' (generate with return_logprob, or drop the "
+                "flag)"
             )
         for i in range(n):
             length, r_len = len(self.tokens[i]), self.response_lengths[i]
@@ -194,10 +204,16 @@ def split_rollout(batch: RolloutBatch, batch_cfg: Any, dp_size: int) -> list[Rol
         positions = sorted(p for step in shares for p in step[d])
         parts.append(
             RolloutPart(
-                batch.subset(positions), positions, whole.lengths, whole.loss_tokens, whole.rewards,
-                whole.group_indices, whole.executions, dp_size,
+                batch.subset(positions),
+                positions,
+                whole.lengths,
+                whole.loss_tokens,
+                whole.rewards,
+                whole.group_indices,
+                whole.executions,
+                dp_size,
             )
-        )  # fmt: skip
+        )
     return parts
 
 

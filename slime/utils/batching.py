@@ -71,9 +71,14 @@ def split_steps(
     runs = list(members.values())
     size = global_batch_size or len(runs)
     if len(runs) % size:
-        what = f"{len(runs)} samples" if len(runs) == num_samples else (
-            f"{len(runs)} executions (in {num_samples} samples: a rollout id with several samples counts once)"
-        )  # fmt: skip
+        what = (
+            f"{len(runs)} samples"
+            if len(runs) == num_samples
+            else (
+                f"{len(runs)} executions (in {num_samples} samples: a rollout id with several samples "
+                "counts once)"
+            )
+        )
         raise ValueError(
             f"the rollout has {what}, not a multiple of --global-batch-size {size} "
             "(rollout-batch-size × n-samples-per-prompt must be divisible by it)"
@@ -162,8 +167,9 @@ def flops_coefficient(hf_config: Any) -> float:
     return linear / (2 * heads * d * layers)
 
 
-def flops_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int,
-                        coefficient: float) -> list[list[int]]:  # fmt: skip
+def flops_micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int, coefficient: float
+) -> list[list[int]]:
     """--balance-by-flops: as many micro-batches as the token budget needs (ceil(tokens /
     `max_tokens`), at most one per sample), filled longest-FLOPs first into the lightest (LPT:
     within 4/3 of the best split; slime uses Karmarkar-Karp), each keeping rollout order."""
@@ -201,8 +207,9 @@ def merge_to_count(batches: list[list[int]], count: int, lengths: Sequence[int])
     return out
 
 
-def rank_micro_batches(per_rank: list[list[list[int]]], shares: list[list[int]],
-                       lengths: Sequence[int]) -> tuple[list[list[list[int]]], bool]:  # fmt: skip
+def rank_micro_batches(
+    per_rank: list[list[list[int]]], shares: list[list[int]], lengths: Sequence[int]
+) -> tuple[list[list[list[int]]], bool]:
     """Every rank's micro-batches brought to one count: the most any rank packed, unless a rank
     holds fewer samples than that (a step whose sample count the ranks do not divide: several
     samples per execution); then the smallest share's size, the ranks with more micro-batches
@@ -220,12 +227,15 @@ def warn_merged(num_samples: int, dp_size: int, dynamic: bool) -> None:
     logger.warning(
         "a step of %d samples (several per execution) does not split evenly over %d data-parallel ranks: "
         "micro-batches were merged to keep the ranks in step, and may exceed %s",
-        num_samples, dp_size, "--max-tokens-per-gpu" if dynamic else "--micro-batch-size",
-    )  # fmt: skip
+        num_samples,
+        dp_size,
+        "--max-tokens-per-gpu" if dynamic else "--micro-batch-size",
+    )
 
 
-def execution_normalisers(step: Sequence[int], loss_tokens: Sequence[int], executions: Sequence[int] | None,
-                          local: dict[int, int]) -> tuple[int, dict[int, int] | None]:  # fmt: skip
+def execution_normalisers(
+    step: Sequence[int], loss_tokens: Sequence[int], executions: Sequence[int] | None, local: dict[int, int]
+) -> tuple[int, dict[int, int] | None]:
     """A step's executions count and, when some execution has several samples, each of this
     rank's samples' execution loss-mask tokens keyed by its position in the part (`local`:
     rollout position -> part position), as `StepPlan` holds them."""
@@ -237,8 +247,9 @@ def execution_normalisers(step: Sequence[int], loss_tokens: Sequence[int], execu
     return len(totals), {local[g]: totals[executions[g]] for g in step if g in local}
 
 
-def step_shares(lengths: Sequence[int], global_batch: int, dp_size: int,
-                executions: Sequence[int] | None = None) -> list[list[list[int]]]:  # fmt: skip
+def step_shares(
+    lengths: Sequence[int], global_batch: int, dp_size: int, executions: Sequence[int] | None = None
+) -> list[list[list[int]]]:
     """For each optimizer step, every data-parallel rank's sample positions (`balanced_shares` of
     the step). The rollout manager splits a rollout with it and every rank plans with it, so the
     part a rank receives is the part it would have picked from the whole rollout."""

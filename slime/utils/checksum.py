@@ -69,5 +69,8 @@ def _wrap(value: int) -> int:
 
 def fingerprint_entry(tensor: torch.Tensor) -> dict[str, object]:
     """What --check-weight-sync compares for one tensor: dtype, shape and tensor_fingerprint."""
-    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-            "fingerprint": tensor_fingerprint(tensor)}  # fmt: skip
+    return {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "fingerprint": tensor_fingerprint(tensor),
+    }

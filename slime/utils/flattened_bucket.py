@@ -45,8 +45,16 @@ def flatten(
         start = -(-end // ALIGN) * ALIGN
         end = start + tensor.numel() * tensor.element_size()
         flat[start:end].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
-                                              start_idx=start, end_idx=end, numel=end - start))  # fmt: skip
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=start,
+                end_idx=end,
+                numel=end - start,
+            )
+        )
     return flat, metadata
 
 
@@ -92,7 +100,8 @@ def _patch_sglang_reductions() -> None:
         except ImportError as e:
             raise RuntimeError(
                 "the CUDA-IPC push to SGLang engines uses SGLang's torch reductions (device UUIDs in the "
-                "handles): install sglang in the trainer's environment, or use --update-weight-transport distributed"
+                "handles): install sglang in the trainer's environment, or use --update-weight-transport "
+                "distributed"
             ) from e
     monkey_patch_torch_reductions()
 
@@ -100,11 +109,29 @@ def _patch_sglang_reductions() -> None:
 # What a payload may contain (engine side): torch's rebuild functions, dtypes, sizes, metadata.
 _ALLOWED = {
     ("torch.multiprocessing.reductions", n)
-    for n in ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_filename",
-              "rebuild_typed_storage", "rebuild_typed_storage_child", "rebuild_storage_empty", "rebuild_event")
-} | {("torch._utils", "_rebuild_tensor_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "uint8"), ("types", "SimpleNamespace"),
-     ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-     ("builtins", "slice"), ("collections", "OrderedDict"), ("slime.utils.flattened_bucket", "open_shared")}  # fmt: skip
+    for n in (
+        "rebuild_tensor",
+        "rebuild_cuda_tensor",
+        "rebuild_storage_fd",
+        "rebuild_storage_filename",
+        "rebuild_typed_storage",
+        "rebuild_typed_storage_child",
+        "rebuild_storage_empty",
+        "rebuild_event",
+    )
+} | {
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "uint8"),
+    ("types", "SimpleNamespace"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("slime.utils.flattened_bucket", "open_shared"),
+}
 
 
 class _Unpickler(pickle.Unpickler):

@@ -89,9 +89,11 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
             body = await response.read()
             if response.status >= 400:
                 raise aiohttp.ClientResponseError(
-                    response.request_info, (), status=response.status,
+                    response.request_info,
+                    (),
+                    status=response.status,
                     message=body.decode(errors="replace")[:500],
-                )  # fmt: skip
+                )
             return _decode(body)
 
     def retryable(e: BaseException) -> bool:  # no answer, a timeout, an error status

@@ -34,8 +34,9 @@ class MultiTurnLossMaskGenerator:
     def __init__(self, tokenizer: Any, tokenizer_type: str = "qwen"):
         if tokenizer_type not in SUPPORTED:
             raise ValueError(
-                f"--loss-mask-type {tokenizer_type!r} is not supported here; supported: {', '.join(SUPPORTED)} "
-                "(templates that write each message independently of the later ones)"
+                f"--loss-mask-type {tokenizer_type!r} is not supported here; supported: "
+                f"{', '.join(SUPPORTED)} (templates that write each message independently of the later "
+                "ones)"
             )
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: multi-turn loss masks need one")

@@ -221,8 +221,8 @@ def value_model_refusal(model_type: str | None) -> str | None:
         return None
     return (
         f"model_type {model_type!r}: a value model (PPO's critic) of this model is not built with FSDP "
-        "(transformers has no token classifier of it); use --advantage-estimator grpo (or another critic-free "
-        "one)"
+        "(transformers has no token classifier of it); use --advantage-estimator grpo (or another "
+        "critic-free one)"
     )
 
 
@@ -244,7 +244,8 @@ def models_table() -> str:
     """docs/models.md's table, from the registry."""
     yes = {True: "yes", False: "no"}
     lines = [
-        "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and conversion | routing replay | aux loss | LoRA |",
+        "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and "
+        "conversion | routing replay | aux loss | LoRA |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES.values():

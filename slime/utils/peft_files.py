@@ -48,8 +48,11 @@ def write_adapter_dir(path: str, config: dict[str, Any], tensors: dict[str, torc
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, os.path.join(partial, WEIGHTS),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {n: t.detach().cpu().contiguous() for n, t in tensors.items()},
+        os.path.join(partial, WEIGHTS),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(partial, CONFIG), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if os.path.exists(final):

@@ -80,14 +80,22 @@ def _images_only_processor(name_or_path: str, config: Any, **kwargs: Any) -> Any
 
     # transformers reads a processor's parts from its __init__'s parameter names: without
     # `video_processor` there it neither asks for one nor checks its class.
-    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
-                 **init_kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self: Any,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: Any = None,
+        **init_kwargs: Any,
+    ) -> None:
         cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **init_kwargs)
         self.video_processor = None
 
     images_only = type(f"{cls.__name__}ImagesOnly", (cls,), {"__init__": __init__})
-    return images_only(image_processor=image_processor, tokenizer=tokenizer,
-                       chat_template=getattr(tokenizer, "chat_template", None))  # fmt: skip
+    return images_only(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=getattr(tokenizer, "chat_template", None),
+    )
 
 
 def build_processor_kwargs(multimodal_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -124,8 +132,13 @@ def process_vision_info(prompt: Any, processor: Any) -> dict[str, Any]:
 def _content_items(prompt: Any, kind: str) -> list[dict[str, Any]]:
     if not isinstance(prompt, list):
         return []
-    return [item for message in prompt if isinstance(message, dict) and isinstance(message.get("content"), list)
-            for item in message["content"] if isinstance(item, dict) and item.get("type") == kind]  # fmt: skip
+    return [
+        item
+        for message in prompt
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for item in message["content"]
+        if isinstance(item, dict) and item.get("type") == kind
+    ]
 
 
 def encode_image_for_rollout_engine(image: Any) -> str:
@@ -210,8 +223,10 @@ def _fetch(url: str) -> bytes:
     # every way a URL fails (unreachable, malformed: http.client's InvalidURL, a bad IPv6 host, a
     # truncated body) is the image's problem, one message
     except (urllib.error.URLError, TimeoutError, OSError, ValueError, http.client.HTTPException) as e:
-        raise ImageError(f"image URL {url!r} cannot be fetched ({e}); with no network, download it and give its "
-                         "path or base64 instead") from None  # fmt: skip
+        raise ImageError(
+            f"image URL {url!r} cannot be fetched ({e}); with no network, download it and give its "
+            "path or base64 instead"
+        ) from None
 
 
 def image_to_tensor(image: Any) -> Any:
@@ -249,8 +264,9 @@ def image_train_inputs(processor: Any, images: list[Any]) -> dict[str, Any]:
 def prompt_images(processor: Any, images: list[Any]) -> PromptImages:
     """What generation needs of a prompt's images (one call per prompt group: the PNG encoding and
     the image processor are the costly part)."""
-    return PromptImages([encode_image_for_rollout_engine(image) for image in images],
-                        image_train_inputs(processor, images))  # fmt: skip
+    return PromptImages(
+        [encode_image_for_rollout_engine(image) for image in images], image_train_inputs(processor, images)
+    )
 
 
 def expanded_prompt_ids(processor: Any, text: str, images: list[Any]) -> list[int]:

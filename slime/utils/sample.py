@@ -128,9 +128,11 @@ class Sample:
         spec_verify_ct: int = 0
         completion_token_num: int = 0
         _META: ClassVar[dict[str, str]] = {
-            "spec_accept_token_num": "spec_accept_token_num", "spec_draft_token_num": "spec_draft_token_num",
-            "spec_verify_ct": "spec_verify_ct", "completion_tokens": "completion_token_num",
-        }  # fmt: skip
+            "spec_accept_token_num": "spec_accept_token_num",
+            "spec_draft_token_num": "spec_draft_token_num",
+            "spec_verify_ct": "spec_verify_ct",
+            "completion_tokens": "completion_token_num",
+        }
 
         @property
         def spec_accept_rate(self) -> float:
@@ -339,7 +341,8 @@ class Sample:
             if offsets is not None:
                 if offsets.numel() != count + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel():
                     raise ValueError(
-                        f"meta_info: top-p offsets ({offsets.numel()}, from {int(offsets[0]) if offsets.numel() else None}"
+                        f"meta_info: top-p offsets ({offsets.numel()}, from "
+                        f"{int(offsets[0]) if offsets.numel() else None}"
                         f" to {int(offsets[-1]) if offsets.numel() else None}) do not fit {count} tokens "
                         f"and {ids.numel()} ids"
                     )
@@ -403,14 +406,18 @@ class Sample:
             self.weight_version_spans
             and sum(int(n) for _, n in self.weight_version_spans) != self.response_length
         ):
-            raise ValueError(f"sample {self.index}: weight_version_spans cover "
-                             f"{sum(int(n) for _, n in self.weight_version_spans)} tokens, response_length is "
-                             f"{self.response_length}")  # fmt: skip
+            raise ValueError(
+                f"sample {self.index}: weight_version_spans cover "
+                f"{sum(int(n) for _, n in self.weight_version_spans)} tokens, response_length is "
+                f"{self.response_length}"
+            )
         for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
             value = getattr(self, name)
             if value is not None and len(value) != self.response_length:
-                raise ValueError(f"sample {self.index}: {name} has {len(value)} entries, response_length is "
-                                 f"{self.response_length}")  # fmt: skip
+                raise ValueError(
+                    f"sample {self.index}: {name} has {len(value)} entries, response_length is "
+                    f"{self.response_length}"
+                )
         if (self.rollout_top_p_token_ids is None) != (self.rollout_top_p_token_offsets is None):
             raise ValueError(f"sample {self.index}: top-p replay needs both token ids and offsets")
         if self.rollout_top_p_token_offsets is not None:
@@ -418,8 +425,10 @@ class Sample:
             if len(offsets) != self.response_length + 1 or offsets[-1] != len(
                 _ints(self.rollout_top_p_token_ids)
             ):
-                raise ValueError(f"sample {self.index}: {len(offsets)} top-p offsets for {self.response_length} "
-                                 "response tokens")  # fmt: skip
+                raise ValueError(
+                    f"sample {self.index}: {len(offsets)} top-p offsets for {self.response_length} "
+                    "response tokens"
+                )
 
     def scalar_reward(self, reward_key: str | None = None) -> float:
         """The reward the advantage estimator uses (a dict reward needs `reward_key`)."""

@@ -51,16 +51,30 @@ def as_str_list(value: Any, field: str) -> list[str]:
         return []
     if isinstance(value, str):
         return [value] if value else []
-    expect(isinstance(value, list) and all(isinstance(v, str) for v in value), field,
-           "must be a string or a list of strings")  # fmt: skip
+    expect(
+        isinstance(value, list) and all(isinstance(v, str) for v in value),
+        field,
+        "must be a string or a list of strings",
+    )
     return [v for v in value if v]
 
 
 _IGNORED = frozenset(
-    ("n", "frequency_penalty", "presence_penalty", "repetition_penalty",
-     "spaces_between_special_tokens", "regex", "json_schema", "ebnf", "custom_params", "stream_interval",
-     "logit_bias", "seed")
-)  # fmt: skip
+    (
+        "n",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "spaces_between_special_tokens",
+        "regex",
+        "json_schema",
+        "ebnf",
+        "custom_params",
+        "stream_interval",
+        "logit_bias",
+        "seed",
+    )
+)
 """SGLang's fields the torch engine accepts and does not apply."""
 
 

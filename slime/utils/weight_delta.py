@@ -43,8 +43,13 @@ OWNED = ".slime_local_checkpoint"
 """In a local checkpoint: made by /pull_weights, which may replace its files (never removed)."""
 ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
-_MODEL_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                "processor_config.json")  # fmt: skip
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
 
 
 class DeltaError(RuntimeError):
@@ -280,8 +285,8 @@ def _materialize(local_dir: str, full_dir: str, version: int, base: str | None =
     foreign = [n for n in os.listdir(local_dir) if n != ".pull.lock"]
     if foreign and not os.path.exists(os.path.join(local_dir, OWNED)):
         raise DeltaError(
-            f"{local_dir} holds files /pull_weights did not write ({', '.join(sorted(foreign)[:3])}): give an empty "
-            "directory (its files are replaced)"
+            f"{local_dir} holds files /pull_weights did not write ({', '.join(sorted(foreign)[:3])}): give "
+            "an empty directory (its files are replaced)"
         )
     open(os.path.join(local_dir, OWNED), "a").close()
     _set_local_version(local_dir, None)
@@ -331,8 +336,8 @@ def _apply_version(local_dir: str, vdir: str, version: int) -> tuple[int, int]:
                     raise DeltaError(f"{path}: {name} cannot be decoded ({type(e).__name__}: {e})") from None
                 if checksum(algorithm, new) != expected:
                     raise DeltaError(
-                        f"{path}: {name} does not match its {algorithm} checksum after the delta: the version is "
-                        "corrupt, or the local checkpoint is not at the version it is based on"
+                        f"{path}: {name} does not match its {algorithm} checksum after the delta: the "
+                        "version is corrupt, or the local checkpoint is not at the version it is based on"
                     )
                 file_path, offset, _ = locations[name]
                 with open(file_path, "r+b") as out:
@@ -359,9 +364,20 @@ def seed_snapshot(hf_checkpoint: str) -> tuple[dict[str, np.ndarray], dict[str, 
     return snapshot, kinds
 
 
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 """safetensors' dtype names, as torch names them."""
 
 

@@ -65,21 +65,34 @@ class AnthropicAdapter(BaseAdapter):
             messages, body.get("system"), self.history.processor is not None
         ), _tools_to_chat_tools(body.get("tools"))
 
-    def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
-                     tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
+    def _build_reply(
+        self,
+        parsed: ParsedModelOutput,
+        raw_finish: str,
+        translated: list[dict[str, Any]],
+        tools_schema: list[dict[str, Any]] | None,
+    ) -> Reply:
         blocks, stop_reason, recorded = _build_reply_parts(parsed, raw_finish)
         return Reply(recorded, manager_finish_reason(parsed.tool_uses, raw_finish), (blocks, stop_reason))
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], reply: Reply, in_tok: int, out_tok: int,
-                       stream: bool) -> web.StreamResponse:  # fmt: skip
+    async def _respond(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        reply: Reply,
+        in_tok: int,
+        out_tok: int,
+        stream: bool,
+    ) -> web.StreamResponse:
         blocks, stop_reason = reply.wire
         if stream:
             return await _render_stream(request, body, blocks, stop_reason, in_tok, out_tok)
         return web.json_response(_render_response(body, blocks, stop_reason, in_tok, out_tok))
 
     def _error(self, error: AdapterError) -> web.Response:
-        return web.json_response({"type": "error", "error": {"type": error.kind, "message": error.message}},
-                                 status=error.status)  # fmt: skip
+        return web.json_response(
+            {"type": "error", "error": {"type": error.kind, "message": error.message}}, status=error.status
+        )
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """The request's prompt length in tokens, rendered as a turn would be (slime answers 0)."""
@@ -189,8 +202,14 @@ def _build_reply_parts(
         blocks.append({"type": "text", "text": parsed.text})
     calls = []
     for use in parsed.tool_uses:
-        blocks.append({"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}", "name": use["name"],
-                       "input": use["input"]})  # fmt: skip
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": f"toolu_{secrets.token_hex(12)}",
+                "name": use["name"],
+                "input": use["input"],
+            }
+        )
         calls.append(tool_call_dict(use["name"], use.get("input")))
     if not blocks:
         blocks.append({"type": "text", "text": ""})
@@ -203,17 +222,29 @@ def _build_reply_parts(
     return blocks, stop_reason, recorded
 
 
-def _render_response(body: dict[str, Any], blocks: list[dict[str, Any]], stop_reason: str, in_tok: int,
-                     out_tok: int) -> dict[str, Any]:  # fmt: skip
+def _render_response(
+    body: dict[str, Any], blocks: list[dict[str, Any]], stop_reason: str, in_tok: int, out_tok: int
+) -> dict[str, Any]:
     return {
-        "id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant",
-        "model": body.get("model") or "slime-actor", "content": blocks, "stop_reason": stop_reason,
-        "stop_sequence": None, "usage": {"input_tokens": in_tok, "output_tokens": out_tok},
-    }  # fmt: skip
+        "id": f"msg_{secrets.token_hex(12)}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model") or "slime-actor",
+        "content": blocks,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {"input_tokens": in_tok, "output_tokens": out_tok},
+    }
 
 
-async def _render_stream(request: web.Request, body: dict[str, Any], blocks: list[dict[str, Any]], stop_reason: str,
-                         in_tok: int, out_tok: int) -> web.StreamResponse:  # fmt: skip
+async def _render_stream(
+    request: web.Request,
+    body: dict[str, Any],
+    blocks: list[dict[str, Any]],
+    stop_reason: str,
+    in_tok: int,
+    out_tok: int,
+) -> web.StreamResponse:
     """The turn as Anthropic's events: message_start, each block's start / delta / stop,
     message_delta with the stop reason and usage, message_stop."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -245,8 +276,13 @@ async def _render_stream(request: web.Request, body: dict[str, Any], blocks: lis
         await send("content_block_start", {"index": index, "content_block": start})
         await send("content_block_delta", {"index": index, "delta": delta})
         await send("content_block_stop", {"index": index})
-    await send("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": None},
-                                 "usage": {"input_tokens": in_tok, "output_tokens": out_tok}})  # fmt: skip
+    await send(
+        "message_delta",
+        {
+            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+            "usage": {"input_tokens": in_tok, "output_tokens": out_tok},
+        },
+    )
     await send("message_stop", {})
     await out.write_eof()
     return out

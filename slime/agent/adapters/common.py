@@ -119,8 +119,14 @@ def tool_call_dict(name: str, arguments: dict[str, Any] | None) -> dict[str, Any
 
 def function_tool(name: str, description: Any, parameters: Any) -> dict[str, Any]:
     """A tool as the chat template takes it (a function with a JSON-schema of parameters)."""
-    return {"type": "function", "function": {"name": name, "description": description or "",
-                                             "parameters": parameters or {"type": "object", "properties": {}}}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description or "",
+            "parameters": parameters or {"type": "object", "properties": {}},
+        },
+    }
 
 
 def tool_specs(tools: Any) -> list[dict[str, Any]]:
@@ -218,12 +224,24 @@ class BaseAdapter:
         """(chat-template messages, tools schema) of the body; AdapterError (400) for bad input."""
         raise NotImplementedError
 
-    def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
-                     tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
+    def _build_reply(
+        self,
+        parsed: ParsedModelOutput,
+        raw_finish: str,
+        translated: list[dict[str, Any]],
+        tools_schema: list[dict[str, Any]] | None,
+    ) -> Reply:
         raise NotImplementedError
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], reply: Reply, in_tok: int, out_tok: int,
-                       stream: bool) -> web.StreamResponse:  # fmt: skip
+    async def _respond(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        reply: Reply,
+        in_tok: int,
+        out_tok: int,
+        stream: bool,
+    ) -> web.StreamResponse:
         raise NotImplementedError
 
     def _error(self, error: AdapterError) -> web.Response:
@@ -304,9 +322,12 @@ class BaseAdapter:
                 if session.ignored_sampling:
                     extra["agent_sampling_ignored"] = sorted(session.ignored_sampling)
             samples = self.manager.get_trajectory(
-                sid, base_sample=base_sample, reward=reward, extra_metadata=extra,
+                sid,
+                base_sample=base_sample,
+                reward=reward,
+                extra_metadata=extra,
                 max_sample_tokens=session.max_context_tokens if session is not None else 0,
-            )  # fmt: skip
+            )
         for s in samples:
             n = s.response_length
             s.response = self.tokenizer.decode(s.tokens[-n:], skip_special_tokens=False) if n else ""
@@ -362,8 +383,12 @@ class BaseAdapter:
             session = self.store.get(sid)
             if session is None:
                 if not self.auto_open:
-                    raise AdapterError(404, f"no open session {sid!r}: the rollout opens one per agent run "
-                                       "(adapter.open_session) and the agent sends it as its API key", "not_found_error")  # fmt: skip
+                    raise AdapterError(
+                        404,
+                        f"no open session {sid!r}: the rollout opens one per agent run "
+                        "(adapter.open_session) and the agent sends it as its API key",
+                        "not_found_error",
+                    )
                 session = self.store[sid] = Session()
             self.inflight.setdefault(sid, set()).add(task)
             return session
@@ -391,14 +416,24 @@ class BaseAdapter:
             session.rendered_in_full += 1
         self._count_request(sid, session)
         prepared = time.perf_counter()
-        turn = await call_sglang_generate(prompt_ids, session, body, adapter=self, session_id=sid,
-                                          image_data=[im.url for im in images] or None)  # fmt: skip
+        turn = await call_sglang_generate(
+            prompt_ids,
+            session,
+            body,
+            adapter=self,
+            session_id=sid,
+            image_data=[im.url for im in images] or None,
+        )
         if images:
             turn = dataclasses.replace(turn, images=images)
         generated = time.perf_counter()
         raw = self.history.visible_text(turn.output_ids)
-        parsed = parse_model_output(raw, tools_schema=tools, tool_parser_name=self.tool_parser,
-                                    reasoning_parser_name=self.reasoning_parser)  # fmt: skip
+        parsed = parse_model_output(
+            raw,
+            tools_schema=tools,
+            tool_parser_name=self.tool_parser,
+            reasoning_parser_name=self.reasoning_parser,
+        )
         reply = self._build_reply(parsed, turn.finish_reason, translated, tools)
         turn = dataclasses.replace(turn, ill_formed=parsed.ill_formed)
         stream = body.get("stream") is True or "text/event-stream" in request.headers.get("Accept", "")
@@ -422,18 +457,25 @@ class BaseAdapter:
                 self.logger.exception("[%s] debug_callback failed (session %s)", self.log_prefix, sid)
         with self._lock:
             if sid in self.store:  # not dropped meanwhile
-                self.manager.record_turn(sid, turn=turn, prompt_messages=translated,
-                                         response_message=reply.manager_message, metadata={"sid": sid})  # fmt: skip
+                self.manager.record_turn(
+                    sid,
+                    turn=turn,
+                    prompt_messages=translated,
+                    response_message=reply.manager_message,
+                    metadata={"sid": sid},
+                )
                 if reused is not None and reused in session.held:  # this turn's history supersedes it
                     session.held.remove(reused)
                 if reply.complete:  # the recorded reply says all the output did: a history to reuse
-                    session.held.append(Held([*translated, reply.manager_message], tools, turn.prompt_ids,
-                                              turn.output_ids))  # fmt: skip
+                    session.held.append(
+                        Held([*translated, reply.manager_message], tools, turn.prompt_ids, turn.output_ids)
+                    )
         self.latency_s.append((prepared - started) + (time.perf_counter() - generated))
         return response
 
-    def _vision_prompt(self, session: Session, held: list[Held], messages: list[dict[str, Any]],
-                       tools: Any) -> tuple[list[SessionImage], list[int], Held | None]:  # fmt: skip
+    def _vision_prompt(
+        self, session: Session, held: list[Held], messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[list[SessionImage], list[int], Held | None]:
         images = session_images(session.images, messages, self.history.processor)
         return (images, *self.history.prompt_ids(held, messages, tools, [im.image for im in images]))
 
@@ -442,10 +484,17 @@ class BaseAdapter:
         slime's way of ending a run that loops)."""
         with self._lock:
             if self.max_turns_per_sid is not None and session.requests >= self.max_turns_per_sid:
-                self.logger.warning("[%s] session %s is over max_turns_per_sid=%d", self.log_prefix, sid,
-                                    self.max_turns_per_sid)  # fmt: skip
-                raise AdapterError(429, f"session {sid!r} exceeded max_turns_per_sid={self.max_turns_per_sid}",
-                                   "rate_limit_error")  # fmt: skip
+                self.logger.warning(
+                    "[%s] session %s is over max_turns_per_sid=%d",
+                    self.log_prefix,
+                    sid,
+                    self.max_turns_per_sid,
+                )
+                raise AdapterError(
+                    429,
+                    f"session {sid!r} exceeded max_turns_per_sid={self.max_turns_per_sid}",
+                    "rate_limit_error",
+                )
             session.requests += 1
 
     # -- engine clients ------------------------------------------------------------------------

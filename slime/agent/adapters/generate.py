@@ -40,16 +40,21 @@ DEFAULT_MAX_NEW_TOKENS = 4096
 """slime's: a turn's budget when neither the session nor the request gives one."""
 
 
-def sampling_params(session: Session, body: dict[str, Any], max_token_keys: tuple[str, ...],
-                     stop_keys: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
+def sampling_params(
+    session: Session, body: dict[str, Any], max_token_keys: tuple[str, ...], stop_keys: tuple[str, ...]
+) -> dict[str, Any]:
     """The engine's sampling_params: the session's defaults (the rollout's), a request's
     max-tokens as a cap below them, its stop sequences, and its temperature / top_p / top_k where
     the session sets none. Where it does, the session's stay (slime takes the request's): the
     trainer computes log-probs at the rollout's temperature, and an agent's own would make them
     silently wrong; the session notes the values it kept out (`ignored_sampling`)."""
-    params: dict[str, Any] = {"skip_special_tokens": False, "spaces_between_special_tokens": False,
-                              "no_stop_trim": True, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-                              **session.sampling_defaults}  # fmt: skip
+    params: dict[str, Any] = {
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+        "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+        **session.sampling_defaults,
+    }
     for key in max_token_keys:
         if body.get(key) is not None:
             params["max_new_tokens"] = min(int(params["max_new_tokens"]), check_int(body, key))
@@ -92,16 +97,25 @@ async def call_sglang_generate(
     if session.max_context_tokens > 0:
         room = session.max_context_tokens - len(prompt_ids)
         if room <= 0:
-            adapter.logger.warning("[%s] session %s: the prompt (%d tokens) fills max_context_tokens %d",
-                                   adapter.log_prefix, session_id, len(prompt_ids), session.max_context_tokens)  # fmt: skip
+            adapter.logger.warning(
+                "[%s] session %s: the prompt (%d tokens) fills max_context_tokens %d",
+                adapter.log_prefix,
+                session_id,
+                len(prompt_ids),
+                session.max_context_tokens,
+            )
             return TurnRecord(list(prompt_ids), [], "length")
         params["max_new_tokens"] = min(int(params["max_new_tokens"]), room)
     client = adapter._client(session.engine_url or adapter.sglang_url)
     rid = uuid.uuid4().hex
     # slime's routing key: a router keeps a session's turns on one engine (its prefix cache).
     headers = {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else None
-    payload: dict[str, Any] = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": params,
-                               "return_logprob": True}  # fmt: skip
+    payload: dict[str, Any] = {
+        "rid": rid,
+        "input_ids": list(prompt_ids),
+        "sampling_params": params,
+        "return_logprob": True,
+    }
     if image_data:  # a vision-language prompt: its images, their tokens in the ids (SGLang's field)
         payload["image_data"] = image_data
     with trace_span(
@@ -120,9 +134,13 @@ async def call_sglang_generate(
         span.update(build_sglang_meta_trace_attrs(meta))
     ran = meta.get("prompt_tokens")
     if image_data and ran is not None and int(ran) != len(prompt_ids):  # images expanded another way
-        raise AdapterError(502, f"session {session_id}: the engine ran {ran} prompt tokens for the {len(prompt_ids)} sent "
-                                "with the turn's images: it expanded the image placeholders another way than the "
-                                "checkpoint's processor (the trainer would see other ids)", "api_error")  # fmt: skip
+        raise AdapterError(
+            502,
+            f"session {session_id}: the engine ran {ran} prompt tokens for the {len(prompt_ids)} sent "
+            "with the turn's images: it expanded the image placeholders another way than the "
+            "checkpoint's processor (the trainer would see other ids)",
+            "api_error",
+        )
     pairs = meta.get("output_token_logprobs") or []
     ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids", [])]
     return TurnRecord(

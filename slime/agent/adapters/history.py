@@ -52,8 +52,13 @@ class ChatHistory:
 
     def render(self, messages: Messages, tools: Tools, generation: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=generation, **self.chat_template_kwargs)  # fmt: skip
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation,
+                **self.chat_template_kwargs,
+            )
         except Exception as e:  # jinja's errors: a template that refuses the messages
             raise AdapterError(400, f"the chat template cannot render these messages: {e}") from None
 
@@ -63,9 +68,12 @@ class ChatHistory:
 
             placed = text.count(self.processor.image_token)
             if placed != len(images):
-                raise AdapterError(400, f"the chat template writes {placed} image placeholder(s) for the {len(images)} "
-                                        "image(s) of these messages: it leaves out images in some roles (Qwen3-VL's writes "
-                                        "none in system messages)")  # fmt: skip
+                raise AdapterError(
+                    400,
+                    f"the chat template writes {placed} image placeholder(s) for the {len(images)} "
+                    "image(s) of these messages: it leaves out images in some roles (Qwen3-VL's writes "
+                    "none in system messages)",
+                )
             try:
                 return expanded_prompt_ids(self.processor, text, images)
             except ValueError as e:  # an image the processor refuses (an extreme aspect ratio, ...)
@@ -82,8 +90,9 @@ class ChatHistory:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
-    def prompt_ids(self, held: list[Held], messages: Messages, tools: Tools,
-                   images: list[Any] | None = None) -> tuple[list[int], Held | None]:  # fmt: skip
+    def prompt_ids(
+        self, held: list[Held], messages: Messages, tools: Tools, images: list[Any] | None = None
+    ) -> tuple[list[int], Held | None]:
         """The prompt's token ids, and the held turn they continue (None: rendered whole).
         `images`: the messages' images in order (a vision-language model), each placeholder of
         the rendered text expanded to its image's tokens (a held history's are already)."""

@@ -38,8 +38,11 @@ def image_source(block: Any) -> str | None:
 def _anthropic_source(source: Any) -> str:
     """An Anthropic image block's source as a URL (base64 data as a data URL); 400 for any other."""
     if not isinstance(source, dict):
-        raise AdapterError(400, "an image block needs a 'source': {'type': 'base64', 'media_type': ..., 'data': ...} "
-                                "or {'type': 'url', 'url': ...}")  # fmt: skip
+        raise AdapterError(
+            400,
+            "an image block needs a 'source': {'type': 'base64', 'media_type': ..., 'data': ...} "
+            "or {'type': 'url', 'url': ...}",
+        )
     kind = source.get("type")
     if kind == "base64" and isinstance(source.get("data"), str) and source["data"]:
         return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
@@ -48,8 +51,11 @@ def _anthropic_source(source: Any) -> str:
     if kind in ("base64", "url"):
         field = "data" if kind == "base64" else "url"
         raise AdapterError(400, f"an image block's {kind} source needs its {field!r} as a non-empty string")
-    raise AdapterError(400, f"an image block's source of type {kind!r}: give base64 data or a url (the adapter "
-                            "reads no Files API ids)")  # fmt: skip
+    raise AdapterError(
+        400,
+        f"an image block's source of type {kind!r}: give base64 data or a url (the adapter "
+        "reads no Files API ids)",
+    )
 
 
 def content_with_images(content: Any, flatten: Any) -> Any:
@@ -69,8 +75,13 @@ def content_with_images(content: Any, flatten: Any) -> Any:
 
 def image_items(messages: list[dict[str, Any]]) -> list[str]:
     """The image sources of chat-template messages, in order."""
-    return [item["image"] for m in messages if isinstance(m.get("content"), list)
-            for item in m["content"] if isinstance(item, dict) and item.get("type") == "image"]  # fmt: skip
+    return [
+        item["image"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for item in m["content"]
+        if isinstance(item, dict) and item.get("type") == "image"
+    ]
 
 
 @dataclass
@@ -100,8 +111,11 @@ def session_images(
     for i, source in enumerate(image_items(messages)):
         if source not in cache:
             if not source.startswith(("data:", "http://", "https://")):
-                raise AdapterError(400, f"image {i} of the messages: give a data URL or an http(s) URL (the adapter "
-                                        "does not read paths on its host)")  # fmt: skip
+                raise AdapterError(
+                    400,
+                    f"image {i} of the messages: give a data URL or an http(s) URL (the adapter "
+                    "does not read paths on its host)",
+                )
             try:
                 image = load_image(source)
                 processed = prompt_images(processor, [image])
@@ -109,9 +123,11 @@ def session_images(
                 raise AdapterError(400, f"image {i} of the messages: {e}") from None
             grid = processed.train_inputs["image_grid_thw"]
             cache[source] = SessionImage(
-                image, processed.image_data[0], processed.train_inputs,
+                image,
+                processed.image_data[0],
+                processed.train_inputs,
                 int(grid.prod()) // int(processor.image_processor.merge_size) ** 2,
                 int(processor.tokenizer.convert_tokens_to_ids(processor.image_token)),
-            )  # fmt: skip
+            )
         out.append(cache[source])
     return out

@@ -62,14 +62,30 @@ class OpenAIAdapter(BaseAdapter):
             body.get("tools")
         )
 
-    def _build_reply(self, parsed: ParsedModelOutput, raw_finish: str, translated: list[dict[str, Any]],
-                     tools_schema: list[dict[str, Any]] | None) -> Reply:  # fmt: skip
+    def _build_reply(
+        self,
+        parsed: ParsedModelOutput,
+        raw_finish: str,
+        translated: list[dict[str, Any]],
+        tools_schema: list[dict[str, Any]] | None,
+    ) -> Reply:
         wire_message, manager_message, wire_finish = _build_reply_parts(parsed, raw_finish)
-        return Reply(manager_message, manager_finish_reason(parsed.tool_uses, raw_finish),
-                     (wire_message, wire_finish), complete=len(parsed.tool_uses) <= 1)  # fmt: skip
+        return Reply(
+            manager_message,
+            manager_finish_reason(parsed.tool_uses, raw_finish),
+            (wire_message, wire_finish),
+            complete=len(parsed.tool_uses) <= 1,
+        )
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], reply: Reply, in_tok: int, out_tok: int,
-                       stream: bool) -> web.StreamResponse:  # fmt: skip
+    async def _respond(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        reply: Reply,
+        in_tok: int,
+        out_tok: int,
+        stream: bool,
+    ) -> web.StreamResponse:
         wire_message, wire_finish = reply.wire
         if stream:
             return await _render_stream(request, body, wire_message, wire_finish, in_tok, out_tok)
@@ -121,8 +137,14 @@ def _translate_messages(messages: list[Any], vision: bool = False) -> list[dict[
             )
         role = "system" if msg["role"] == "developer" else msg["role"]
         if role != "assistant":
-            out.append({"role": role, "content": content_with_images(content, flatten_content) if vision
-                        else flatten_content(content)})  # fmt: skip
+            out.append(
+                {
+                    "role": role,
+                    "content": content_with_images(content, flatten_content)
+                    if vision
+                    else flatten_content(content),
+                }
+            )
             continue
         # Its reasoning_content is not kept (slime keeps it): the recorded reply has none, so an echo
         # with it (the SDK's model_dump() keeps it) would never match; the held tokens have it.
@@ -176,10 +198,16 @@ def _build_reply_parts(parsed: ParsedModelOutput, finish: str) -> tuple[dict[str
             if isinstance(use.get("input"), dict)
             else {"_raw_arguments": str(use.get("input"))}
         )
-        wire["tool_calls"] = [{
-            "id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": use["name"], "arguments": json.dumps(arguments, ensure_ascii=False, sort_keys=True)},
-        }]  # fmt: skip
+        wire["tool_calls"] = [
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {
+                    "name": use["name"],
+                    "arguments": json.dumps(arguments, ensure_ascii=False, sort_keys=True),
+                },
+            }
+        ]
         recorded["tool_calls"] = [tool_call_dict(use["name"], arguments)]
     wire_finish = "tool_calls" if parsed.tool_uses else ("length" if finish == "length" else "stop")
     return wire, recorded, wire_finish
@@ -202,15 +230,25 @@ def _render_response(
     }
 
 
-async def _render_stream(request: web.Request, body: dict[str, Any], message: dict[str, Any], finish: str,
-                         in_tok: int, out_tok: int) -> web.StreamResponse:  # fmt: skip
+async def _render_stream(
+    request: web.Request,
+    body: dict[str, Any],
+    message: dict[str, Any],
+    finish: str,
+    in_tok: int,
+    out_tok: int,
+) -> web.StreamResponse:
     """The turn as OpenAI's server-sent events: the role, the reasoning, the content and the tool
     calls in one delta each (the turn is generated whole before it is sent), the finish with the
     usage, then [DONE]."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
-    head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": body.get("model") or "slime-actor"}  # fmt: skip
+    head = {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.get("model") or "slime-actor",
+    }
 
     async def send(
         delta: dict[str, Any], finish_reason: str | None = None, usage: dict[str, int] | None = None

@@ -19,8 +19,10 @@ class ClaudeCodeHarness(BaseHarness):
     cli_tarball_env = "SLIME_AGENT_CC_TARBALL"
     extra_args_env = "SLIME_AGENT_CC_EXTRA_ARGS"
     extra_envs_env = "SLIME_AGENT_CC_EXTRA_ENVS"
-    launch_flags = ("--permission-mode bypassPermissions --output-format stream-json --include-partial-messages "
-                    "--include-hook-events --verbose")  # fmt: skip
+    launch_flags = (
+        "--permission-mode bypassPermissions --output-format stream-json --include-partial-messages "
+        "--include-hook-events --verbose"
+    )
     static_env: ClassVar[dict[str, str]] = {
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS": "1",
@@ -30,8 +32,12 @@ class ClaudeCodeHarness(BaseHarness):
     async def install_cli(self, sb: Sandbox) -> None:
         node = required_file(self.node_tarball_env, "Node 22", self.name)
         cli = required_file(self.cli_tarball_env, "the @anthropic-ai/claude-code npm package", self.name)
-        await install_npm_cli(sb, node_runtime=node, npm_package=cli,
-                              check_cmd="ls -la /usr/local/bin/claude && /usr/local/bin/claude --version")  # fmt: skip
+        await install_npm_cli(
+            sb,
+            node_runtime=node,
+            npm_package=cli,
+            check_cmd="ls -la /usr/local/bin/claude && /usr/local/bin/claude --version",
+        )
 
     async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None:
         """Onboarding and bypass-permissions acknowledged, so the CLI starts headless."""
@@ -42,16 +48,27 @@ class ClaudeCodeHarness(BaseHarness):
             f"mkdir -p /home/agent/.claude && echo {settings} | tee /home/agent/.claude.json "
             "/home/agent/.claude/settings.json > /dev/null && chown -R agent:agent /home/agent/.claude "
             "/home/agent/.claude.json",
-            user="root", check=True, timeout=60,
-        )  # fmt: skip
+            user="root",
+            check=True,
+            timeout=60,
+        )
 
     async def launch_and_wait(
         self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int
     ) -> int:
         cmd = f"/usr/local/bin/claude -p {shlex.quote(prompt)} {self.launch_flags}"
         extra = os.environ.get(self.extra_args_env, "").strip()
-        env = {"ANTHROPIC_BASE_URL": ctx.adapter_url, "ANTHROPIC_AUTH_TOKEN": ctx.session_id,
-               "ANTHROPIC_MODEL": ctx.model_label, **self.static_env,
-               **json.loads(os.environ.get(self.extra_envs_env, "").strip() or "{}")}  # fmt: skip
-        return await run_agent(sb, workdir=ctx.workdir, start_cmd=f"{cmd} {extra}".strip(), env=env,
-                               time_budget_sec=time_budget_sec)  # fmt: skip
+        env = {
+            "ANTHROPIC_BASE_URL": ctx.adapter_url,
+            "ANTHROPIC_AUTH_TOKEN": ctx.session_id,
+            "ANTHROPIC_MODEL": ctx.model_label,
+            **self.static_env,
+            **json.loads(os.environ.get(self.extra_envs_env, "").strip() or "{}"),
+        }
+        return await run_agent(
+            sb,
+            workdir=ctx.workdir,
+            start_cmd=f"{cmd} {extra}".strip(),
+            env=env,
+            time_budget_sec=time_budget_sec,
+        )

@@ -61,8 +61,16 @@ class BaseHarness(ABC, metaclass=SingletonABCMeta):
     ) -> int:
         """Run the agent to completion: its exit code (EXIT_TIME_BUDGET_EXCEEDED past the budget)."""
 
-    async def run(self, sb: Sandbox, *, workdir: str, session_id: str, adapter_url: str, time_budget_sec: int,
-                  prompt: str) -> int:  # fmt: skip
+    async def run(
+        self,
+        sb: Sandbox,
+        *,
+        workdir: str,
+        session_id: str,
+        adapter_url: str,
+        time_budget_sec: int,
+        prompt: str,
+    ) -> int:
         """The agent user, the config, the run: the agent's exit code. The workspace must be
         prepared before."""
         await _sandbox.ensure_agent_user(sb, workdir)
@@ -78,8 +86,16 @@ async def run_agent(
     meta = f"{workdir}/.harness"
     own = "" if getattr(sb, "single_user", False) else f" && chown agent:agent {meta}"
     await sb.exec(f"mkdir -p {meta}{own}", user="root", check=True, timeout=30)
-    code, _ = await exec_and_wait(sb, cmd=start_cmd, user="agent", env=env, workdir=workdir,
-                                  out_file=f"{meta}/trajectory.jsonl", time_budget_sec=time_budget_sec, tag="run")  # fmt: skip
+    code, _ = await exec_and_wait(
+        sb,
+        cmd=start_cmd,
+        user="agent",
+        env=env,
+        workdir=workdir,
+        out_file=f"{meta}/trajectory.jsonl",
+        time_budget_sec=time_budget_sec,
+        tag="run",
+    )
     return code
 
 
@@ -130,6 +146,9 @@ async def install_node22(sb: Sandbox, host_tarball: Path) -> None:
     await sb.write_file("/tmp/node22.tar", host_tarball)
     await sb.exec(
         "set -e && mkdir -p /opt/node22 && tar xf /tmp/node22.tar -C /opt/node22 --strip-components=1 && "
-        "for b in node npm npx; do ln -sf /opt/node22/bin/$b /usr/local/bin/$b; done && node --version && npm --version",
-        user="root", timeout=180, check=True,
-    )  # fmt: skip
+        "for b in node npm npx; do ln -sf /opt/node22/bin/$b /usr/local/bin/$b; done && node --version && "
+        "npm --version",
+        user="root",
+        timeout=180,
+        check=True,
+    )

@@ -76,8 +76,9 @@ class FSDPTrainActor(TrainActorBase):
             hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
         if cfg.opd.in_train:
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
-                                              OTHER_ARCHITECTURE)  # fmt: skip
+            hf_checkpoint.check_same_architecture(
+                self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load", OTHER_ARCHITECTURE
+            )
         self.rank, self.world_size = init_train_group(
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
@@ -85,8 +86,8 @@ class FSDPTrainActor(TrainActorBase):
         cfg.batch.check_layout(self.world_size)
         if cfg.fsdp.disable_sharding and self.world_size != 1:
             raise ValueError(
-                f"--debug-disable-sharding runs one unsharded rank, but the job has {self.world_size} train ranks: "
-                "use --actor-num-nodes 1 --actor-num-gpus-per-node 1"
+                f"--debug-disable-sharding runs one unsharded rank, but the job has {self.world_size} "
+                "train ranks: use --actor-num-nodes 1 --actor-num-gpus-per-node 1"
             )
         if cfg.deterministic:
             from slime.utils.seed import enable_deterministic
@@ -161,8 +162,14 @@ class FSDPTrainActor(TrainActorBase):
         model = model_init.shard_model(model, mesh, self.device, mp, offload, shard=not fsdp.disable_sharding)
         if fsdp.disable_sharding:
             logger.warning("--debug-disable-sharding: training the plain module on one rank (no FSDP)")
-        shards = model_init.read_local_shards(model, self.cfg.hf_checkpoint, self.rank, self.world_size,
-                                              self._fresh_parameters(model), lora.checkpoint_name)  # fmt: skip
+        shards = model_init.read_local_shards(
+            model,
+            self.cfg.hf_checkpoint,
+            self.rank,
+            self.world_size,
+            self._fresh_parameters(model),
+            lora.checkpoint_name,
+        )
         model_init.copy_into_shards(model, shards)
         del shards
         model_init.load_buffers(model, self.cfg.hf_checkpoint)
@@ -252,8 +259,9 @@ class FSDPTrainActor(TrainActorBase):
             return contextlib.nullcontext(None)
         replay = None
         if self.routing_tables is not None:
-            replay = self.routing.replay_rows(self.routing_tables, mb.positions, mb.token_starts(),
-                                              mb.input_ids.numel()).to(self.device)  # fmt: skip
+            replay = self.routing.replay_rows(
+                self.routing_tables, mb.positions, mb.token_starts(), mb.input_ids.numel()
+            ).to(self.device)
         return self.routing.micro_batch(replay, record=record, aux=aux)
 
     @property
@@ -261,8 +269,9 @@ class FSDPTrainActor(TrainActorBase):
         """--moe-aux-loss-coeff where the model has routers (0 otherwise)."""
         return self.cfg.moe.aux_loss_coeff if self.routing is not None else 0.0
 
-    def _with_aux_loss(self, loss: torch.Tensor, state: Any, mb: MicroBatch, step: StepPlan,
-                       sums: dict[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def _with_aux_loss(
+        self, loss: torch.Tensor, state: Any, mb: MicroBatch, step: StepPlan, sums: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """`loss` plus --moe-aux-loss-coeff x megatron-core's aux_loss of this micro-batch (the
         routing `state` captured it), weighted by its share of the step's samples (so
         micro-batches of one sample give the same loss however the step is split over ranks)."""
@@ -371,8 +380,9 @@ class FSDPTrainActor(TrainActorBase):
                     self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
                 )
                 assert entropy is not None
-                loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages),
-                                                   sums, compare)  # fmt: skip
+                loss, gap = self._micro_batch_loss(
+                    batch, step, mb, log_probs, entropy, (old, ref, advantages), sums, compare
+                )
                 loss = self._with_aux_loss(loss, state, mb, step, sums)
                 worst = nan_max(worst, gap)
                 loss.backward()
@@ -449,8 +459,11 @@ class FSDPTrainActor(TrainActorBase):
         return lora.merged(named, self.cfg.lora.scaling)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {lora.checkpoint_name(name): tuple(p.shape) for name, p in self.model.named_parameters()
-                  if not lora.is_adapter(name)}  # fmt: skip
+        shapes = {
+            lora.checkpoint_name(name): tuple(p.shape)
+            for name, p in self.model.named_parameters()
+            if not lora.is_adapter(name)
+        }
         return hf_experts.checkpoint_shapes(self.hf_config.model_type, shapes)
 
     def close(self) -> None:

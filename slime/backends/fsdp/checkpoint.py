@@ -110,8 +110,8 @@ def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
     if state.get("lora") != _lora_shape(actor):
         raise ValueError(
             f"--load {root!r} was saved with LoRA {state.get('lora') or 'off'}, this run has "
-            f"{_lora_shape(actor) or 'no LoRA'}: resume with the flags it was saved with (--lora-rank, --lora-alpha, "
-            "--target-modules, --exclude-modules)"
+            f"{_lora_shape(actor) or 'no LoRA'}: resume with the flags it was saved with (--lora-rank, "
+            "--lora-alpha, --target-modules, --exclude-modules)"
         )
     base = state.get("hf_checkpoint")
     if (
@@ -130,8 +130,13 @@ def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
     dcp.load(
         {"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, "model_optim")
     )
-    set_state_dict(actor.model, actor.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=options)  # fmt: skip
+    set_state_dict(
+        actor.model,
+        actor.optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
     apply_optimizer_flags(actor)
     rng = state["rng"]
     if state["world_size"] == actor.world_size:
@@ -177,8 +182,12 @@ def _lora_shape(actor: TrainActorBase) -> dict[str, Any] | None:
     lo = actor.cfg.lora
     if not lo.enabled:
         return None
-    return {"rank": lo.rank, "alpha": lo.alpha, "target_modules": list(lo.target_modules),
-            "exclude_modules": list(lo.exclude_modules)}  # fmt: skip
+    return {
+        "rank": lo.rank,
+        "alpha": lo.alpha,
+        "target_modules": list(lo.target_modules),
+        "exclude_modules": list(lo.exclude_modules),
+    }
 
 
 # ---- weights out ------------------------------------------------------------------------------
@@ -216,8 +225,12 @@ def export_weight_buckets(
     return iter_buckets(hf_experts.checkpoint_tensors(model_type, tensors), bucket_bytes)
 
 
-def save_hf_checkpoint(actor: TrainActorBase, path: str, shard_bytes: int = 2 << 30,
-                       merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None) -> None:  # fmt: skip
+def save_hf_checkpoint(
+    actor: TrainActorBase,
+    path: str,
+    shard_bytes: int = 2 << 30,
+    merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None,
+) -> None:
     """A plain Hugging Face directory: safetensors (sharded past `shard_bytes`), config, tokenizer;
     `merge`: the LoRA adapters merged into their base weights (--lora-save-merged).
 

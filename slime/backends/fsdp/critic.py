@@ -43,8 +43,9 @@ class FSDPCritic(ValueModel, FSDPTrainActor):
         model_init.reshard(self.model)
         return out
 
-    def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
-                    ret: dict[int, torch.Tensor]) -> tuple[dict[str, float], float]:  # fmt: skip
+    def _value_step(
+        self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
+    ) -> tuple[dict[str, float], float]:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         gap = 0.0

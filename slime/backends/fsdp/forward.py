@@ -30,9 +30,17 @@ def response_log_probs(
     if mb.packed:
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
         position_ids = images.pop("position_ids", mb.position_ids)
-        out = model(input_ids=mb.input_ids, position_ids=position_ids, logits_to_keep=cols, use_cache=False,
-                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-                    **images)  # fmt: skip
+        out = model(
+            input_ids=mb.input_ids,
+            position_ids=position_ids,
+            logits_to_keep=cols,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=longest,
+            max_length_k=longest,
+            **images,
+        )
         # [response tokens, V] in `predictions` order (a view: no copy in backward)
         logits = out.logits.flatten(0, 1)
         index = None
@@ -63,8 +71,15 @@ def response_values(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     rows, cols, _ = mb.predictions()
     if mb.packed:
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=cu,
-                    cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+        out = model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
     else:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
     return mb.scatter(out.logits[rows, cols, 0].float())

@@ -44,8 +44,15 @@ def peft_config(cfg: LoRAConfig, also_excluded: list[str] | None = None) -> Any:
 
     targets: Any = ALL_LINEAR if cfg.target_modules == (ALL_LINEAR,) else list(cfg.target_modules)
     excluded = [*cfg.exclude_modules, *(also_excluded or [])]
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                      exclude_modules=excluded or None, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        exclude_modules=excluded or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
@@ -64,8 +71,8 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
         ]
         if unknown:
             raise UsageError(
-                f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear layers are "
-                f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
+                f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear "
+                f"layers are {', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
                 + ("; a vision-language model's vision tower takes no adapters" if tower else "")
             )
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
@@ -132,14 +139,26 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
         saved, stored = read_adapter_dir(path)
     except Exception as e:  # a missing or truncated file, bad JSON
         raise UsageError(f"--lora-adapter-path {path!r} cannot be read: {type(e).__name__}: {e}") from None
-    wrong = [f"{key} {saved.get(key)} (the flags: {flag} {want})" for key, flag, want in
-             (("r", "--lora-rank", cfg.rank), ("lora_alpha", "--lora-alpha", cfg.alpha)) if saved.get(key) != want]  # fmt: skip
-    unsupported = [f"{key} {saved[key]!r}" for key, plain in (("peft_type", "LORA"), ("use_rslora", False),
-                   ("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {})) if saved.get(key, plain) not in (plain, None)]  # fmt: skip
+    wrong = [
+        f"{key} {saved.get(key)} (the flags: {flag} {want})"
+        for key, flag, want in (("r", "--lora-rank", cfg.rank), ("lora_alpha", "--lora-alpha", cfg.alpha))
+        if saved.get(key) != want
+    ]
+    unsupported = [
+        f"{key} {saved[key]!r}"
+        for key, plain in (
+            ("peft_type", "LORA"),
+            ("use_rslora", False),
+            ("use_dora", False),
+            ("rank_pattern", {}),
+            ("alpha_pattern", {}),
+        )
+        if saved.get(key, plain) not in (plain, None)
+    ]
     if unsupported:
         raise UsageError(
-            f"--lora-adapter-path {path!r} has {', '.join(unsupported)}: only plain LoRA (one rank and alpha, "
-            "scaling alpha / r) is trained here"
+            f"--lora-adapter-path {path!r} has {', '.join(unsupported)}: only plain LoRA (one rank and "
+            "alpha, scaling alpha / r) is trained here"
         )
     if wrong:
         raise UsageError(
@@ -216,5 +235,8 @@ def adapter_config_dict(cfg: LoRAConfig, base: str, also_excluded: list[str] | N
 
 def full_adapters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every adapter as a full tensor under PEFT's name (collective: each is all-gathered)."""
-    return [(peft_name(n), (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
-            for n, p in model.named_parameters() if is_adapter(n)]  # fmt: skip
+    return [
+        (peft_name(n), (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+        for n, p in model.named_parameters()
+        if is_adapter(n)
+    ]

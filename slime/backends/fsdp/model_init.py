@@ -172,9 +172,14 @@ def load_buffers(model: nn.Module, path: str) -> int:
     return count
 
 
-def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
-                      fresh: dict[str, torch.Tensor] | None = None,
-                      checkpoint_name: Callable[[str], str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def read_local_shards(
+    model: nn.Module,
+    path: str,
+    rank: int,
+    world_size: int,
+    fresh: dict[str, torch.Tensor] | None = None,
+    checkpoint_name: Callable[[str], str] | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's rows of every parameter of `model`, read from checkpoint dir `path`; those in
     `fresh` (whole tensors: a new value head, LoRA's adapters) come from there when the
     checkpoint lacks them. `checkpoint_name` maps a parameter's name to the checkpoint's (LoRA:
@@ -202,8 +207,9 @@ def read_local_shards(model: nn.Module, path: str, rank: int, world_size: int,
     return shards
 
 
-def _read_shards(reader: _CheckpointReader, model: nn.Module, params: dict[str, Any], path: str, rank: int,
-                 world_size: int) -> dict[str, torch.Tensor]:  # fmt: skip
+def _read_shards(
+    reader: _CheckpointReader, model: nn.Module, params: dict[str, Any], path: str, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
     keys = reader.keys()
     # Fused expert parameters (MoE) are stored one tensor per expert: read this rank's experts.
     model_type = getattr(getattr(model, "config", None), "model_type", None)

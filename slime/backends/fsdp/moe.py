@@ -62,8 +62,13 @@ class _State:
 class Routing(RouterHooks):
     """The hooks on one model's routers (module docstring)."""
 
-    def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None, norm_topk_prob: bool,
-                 score_function: str = "softmax"):  # fmt: skip
+    def __init__(
+        self,
+        layers: list[torch.nn.Module],
+        router_dtype: str | None,
+        norm_topk_prob: bool,
+        score_function: str = "softmax",
+    ):
         self.routers = find_routers(layers)  # slime.utils.hf_experts
         if not self.routers:
             raise UsageError("the model has no mixture-of-experts layers")
@@ -128,8 +133,9 @@ class Routing(RouterHooks):
             out[:, li] = experts
         return out
 
-    def aux_loss(self, state: _State, real: torch.Tensor, samples: torch.Tensor | None = None,
-                 num_samples: int = 0) -> torch.Tensor:  # fmt: skip
+    def aux_loss(
+        self, state: _State, real: torch.Tensor, samples: torch.Tensor | None = None, num_samples: int = 0
+    ) -> torch.Tensor:
         """megatron-core's `aux_loss` summed over the MoE layers, over the tokens where `real` is
         true (slime.backends.routing.load_balancing_loss); with `samples` (each token's sample,
         of `num_samples`) its `seq_aux_loss`, summed over the samples."""

@@ -57,8 +57,10 @@ def attach_images(model: Any, mb: MicroBatch, batch: RolloutBatch) -> None:
     pixels = [s["pixel_values"] for s in per_sample if s]
     grids = [s["image_grid_thw"] for s in per_sample if s]
     names = batch.sample_indices or list(range(len(batch)))
-    positions = [_rope_positions(model, config, ids, s["image_grid_thw"] if s else None, names[p])
-                 for p, ids, s in zip(mb.positions, tokens, per_sample)]  # fmt: skip
+    positions = [
+        _rope_positions(model, config, ids, s["image_grid_thw"] if s else None, names[p])
+        for p, ids, s in zip(mb.positions, tokens, per_sample)
+    ]
     device = mb.input_ids.device
     if mb.packed:
         tail = mb.input_ids.shape[1] - sum(len(t) for t in tokens)
@@ -85,13 +87,16 @@ def _rope_positions(
     needed = int(sum(int(g.prod()) // merge for g in grid)) if grid is not None else 0
     held = int((t == config.image_token_id).sum())
     video = int((t == getattr(config, "video_token_id", -1)).sum())
-    # The placeholder in a response (an engine that samples it), or ids and images that do not belong together.
+    # The placeholder in a response (an engine that samples it), or ids and images that do not
+    # belong together.
     if held != needed or video:
-        raise BatchError(f"sample {name} holds {held} image and {video} video placeholder tokens (ids "
-                         f"{config.image_token_id}, {getattr(config, 'video_token_id', None)}) but its images fill "
-                         f"{needed} and videos are not built: its token ids and multimodal_train_inputs do not belong "
-                         "together, or its response holds a placeholder (the torch engine never samples one; an "
-                         "SGLang engine may)")  # fmt: skip
+        raise BatchError(
+            f"sample {name} holds {held} image and {video} video placeholder tokens (ids "
+            f"{config.image_token_id}, {getattr(config, 'video_token_id', None)}) but its images fill "
+            f"{needed} and videos are not built: its token ids and multimodal_train_inputs do not belong "
+            "together, or its response holds a placeholder (the torch engine never samples one; an "
+            "SGLang engine may)"
+        )
     types = (t == config.image_token_id).int() + 2 * (t == getattr(config, "video_token_id", -1)).int()
     positions, _ = model.model.get_rope_index(t, types, image_grid_thw=grid)
     return positions[:, 0]

@@ -73,8 +73,9 @@ class MegatronTrainActor(TrainActorBase):
             hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
         if cfg.opd.in_train:
             assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            hf_checkpoint.check_same_architecture(self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load",
-                                              OTHER_ARCHITECTURE)  # fmt: skip
+            hf_checkpoint.check_same_architecture(
+                self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load", OTHER_ARCHITECTURE
+            )
         unsupported = check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
@@ -90,9 +91,13 @@ class MegatronTrainActor(TrainActorBase):
         )
         from megatron.core import parallel_state as ps
 
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-                                     context_parallel_size=m.context_parallel_size)  # fmt: skip
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            context_parallel_size=m.context_parallel_size,
+        )
         self.mesh = Mesh.from_parallel_state()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
@@ -114,8 +119,9 @@ class MegatronTrainActor(TrainActorBase):
             torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         )
         self.model, self.config = self._build_model()
-        self.routing = MegatronRouting.install(self.model, self.layout, self.hf_config, recompute_settings(cfg),
-                                               self.mesh, m.sequence_parallel)  # fmt: skip
+        self.routing = MegatronRouting.install(
+            self.model, self.layout, self.hf_config, recompute_settings(cfg), self.mesh, m.sequence_parallel
+        )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._forward_backward = get_forward_backward_func()
@@ -154,9 +160,13 @@ class MegatronTrainActor(TrainActorBase):
 
     def _model_layout(self) -> Layout:
         m = self.cfg.megatron
-        return Layout.from_hf_config(self.hf_config, m.make_vocab_size_divisible_by,
-                                     m.transformer_impl == "transformer_engine", m.stage_layers,
-                                     m.mtp_num_layers or 0)  # fmt: skip
+        return Layout.from_hf_config(
+            self.hf_config,
+            m.make_vocab_size_divisible_by,
+            m.transformer_impl == "transformer_engine",
+            m.stage_layers,
+            m.mtp_num_layers or 0,
+        )
 
     def _build_model(self) -> tuple[Any, Any]:
         from megatron.core import tensor_parallel
@@ -168,9 +178,15 @@ class MegatronTrainActor(TrainActorBase):
         if not on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
         config = transformer_config(
-            self.layout, self.hf_config, torch.bfloat16 if m.bf16 else torch.float32, cpu_init=on_cpu, bf16=m.bf16,
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+            self.layout,
+            self.hf_config,
+            torch.bfloat16 if m.bf16 else torch.float32,
+            cpu_init=on_cpu,
+            bf16=m.bf16,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
             context_parallel_size=m.context_parallel_size,
             router_dtype=self.cfg.moe.moe_router_dtype,
             sequence_parallel=m.sequence_parallel,
@@ -183,15 +199,19 @@ class MegatronTrainActor(TrainActorBase):
             attention_dropout=self.cfg.model.attention_dropout,
             hidden_dropout=self.cfg.model.hidden_dropout,
             attention_softmax_in_fp32=self.cfg.model.attention_softmax_in_fp32,
-        )  # fmt: skip
+        )
         if on_cpu:
             from megatron.core import parallel_state
 
             from slime.backends.megatron import cpu_shim
 
             cpu_shim.enable()
-            cpu_shim.seed(self.cfg.seed, parallel_state.get_tensor_model_parallel_rank(),
-                          self.mesh.ep_rank, self.mesh.etp_rank)  # fmt: skip
+            cpu_shim.seed(
+                self.cfg.seed,
+                parallel_state.get_tensor_model_parallel_rank(),
+                self.mesh.ep_rank,
+                self.mesh.etp_rank,
+            )
         model = self._build_gpt(config)
         if self.layout.mtp_layers:  # trained (--enable-mtp-training) or kept as loaded
             mtp.attach(model, self.layout, self.mesh, m.enable_mtp_training, self._cp and self._cp[2])
@@ -208,8 +228,9 @@ class MegatronTrainActor(TrainActorBase):
 
         return build_gpt_model(self.layout, self.hf_config, config, self.tp)
 
-    def _routing_states(self, mbs: list[MicroBatch], record: bool = False,
-                        step: StepPlan | None = None) -> list[MicroBatchRouting | None]:  # fmt: skip
+    def _routing_states(
+        self, mbs: list[MicroBatch], record: bool = False, step: StepPlan | None = None
+    ) -> list[MicroBatchRouting | None]:
         """The router hooks' state for each micro-batch (`step`: a training step's, with the aux loss)."""
         if self.routing is None:
             return [None] * len(mbs)
@@ -222,8 +243,19 @@ class MegatronTrainActor(TrainActorBase):
         one layer at a time (without `lm_head`: no output layer, the critic has its own; `own_mtp`:
         the MTP modules from this model, not the checkpoint, for the passes that never run them)."""
         mesh, layout = self.mesh, mtp.without_modules(self.layout) if own_mtp else self.layout
-        state = hf_to_megatron_shard(mckpt.LazyHFState(hf_dir), layout, self.tp, self.pp, mesh.tp_rank,
-                                     mesh.pp_rank, self.ep, self.etp, mesh.ep_rank, mesh.etp_rank, lm_head)  # fmt: skip
+        state = hf_to_megatron_shard(
+            mckpt.LazyHFState(hf_dir),
+            layout,
+            self.tp,
+            self.pp,
+            mesh.tp_rank,
+            mesh.pp_rank,
+            self.ep,
+            self.etp,
+            mesh.ep_rank,
+            mesh.etp_rank,
+            lm_head,
+        )
         return {**state, **mtp.module_state(self.model)} if own_mtp else state
 
     def _load_hf(self, hf_dir: str) -> None:
@@ -245,8 +277,15 @@ class MegatronTrainActor(TrainActorBase):
         # Sequence parallelism splits the sequence over TP ranks: its length must divide by TP (the
         # padding a segment of its own when packed; after a sample, out of its logits, when padded).
         multiple = self.tp if self.cfg.megatron.sequence_parallel else 1
-        return make_micro_batch(positions, batch.tokens, batch.response_lengths, batch.loss_masks, self.device,
-                                self.packs_sequences, multiple)  # fmt: skip
+        return make_micro_batch(
+            positions,
+            batch.tokens,
+            batch.response_lengths,
+            batch.loss_masks,
+            self.device,
+            self.packs_sequences,
+            multiple,
+        )
 
     def _response_log_probs(
         self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
@@ -255,12 +294,25 @@ class MegatronTrainActor(TrainActorBase):
         [rows, tokens, padded vocabulary / TP] logits."""
 
         def stats(logits_: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return vocab_parallel_log_probs(logits_, targets, self.layout.vocab_size, self.mesh.tp_rank,
-                                            self.tp, self.mesh.tp_group, with_entropy)  # fmt: skip
+            return vocab_parallel_log_probs(
+                logits_,
+                targets,
+                self.layout.vocab_size,
+                self.mesh.tp_rank,
+                self.tp,
+                self.mesh.tp_group,
+                with_entropy,
+            )
 
         def at(index: torch.Tensor | None, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return response_token_stats(logits.flatten(0, 1), index, targets, self.cfg.rollout_temperature, stats,
-                                        self.cfg.batch.log_probs_chunk_size)  # fmt: skip
+            return response_token_stats(
+                logits.flatten(0, 1),
+                index,
+                targets,
+                self.cfg.rollout_temperature,
+                stats,
+                self.cfg.batch.log_probs_chunk_size,
+            )
 
         if mb.cp is not None:  # context parallelism: every local token's, gathered over the CP ranks
             return cp_response_stats(mb, at)
@@ -268,8 +320,13 @@ class MegatronTrainActor(TrainActorBase):
         log_probs, entropy = at(rows * logits.shape[1] + cols, targets)
         return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn: Any, forward_only: bool,
-             routing: list[MicroBatchRouting | None] | None = None) -> None:  # fmt: skip
+    def _run(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: Any,
+        forward_only: bool,
+        routing: list[MicroBatchRouting | None] | None = None,
+    ) -> None:
         """megatron-core's schedule over the micro-batches; `loss_fn(mb, logits)` runs on the
         last stage and returns the micro-batch's loss (a share of the global loss). `routing`:
         the router hooks' state of each micro-batch."""
@@ -315,8 +372,9 @@ class MegatronTrainActor(TrainActorBase):
     def _micro_batches(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[MicroBatch]:
         return [self._micro_batch(batch, pos) for step in plans for pos in step.micro_batches if pos]
 
-    def _collect(self, mbs: list[MicroBatch], per_token: Any,
-                 states: list[MicroBatchRouting | None]) -> dict[int, torch.Tensor]:  # fmt: skip
+    def _collect(
+        self, mbs: list[MicroBatch], per_token: Any, states: list[MicroBatchRouting | None]
+    ) -> dict[int, torch.Tensor]:
         """A forward-only pass in eval mode; on the last stage `per_token(output, mb)` gives each
         micro-batch's [batch, max response] values, kept per sample position (other stages: none)."""
         out: dict[int, torch.Tensor] = {}
@@ -383,15 +441,21 @@ class MegatronTrainActor(TrainActorBase):
             nonlocal worst
             log_probs, entropy = self._response_log_probs(logits, mb, True)
             assert entropy is not None
-            loss, gap = self._micro_batch_loss(batch, step, mb, log_probs, entropy, (old, ref, advantages), sums,
-                                               compare)  # fmt: skip
+            loss, gap = self._micro_batch_loss(
+                batch, step, mb, log_probs, entropy, (old, ref, advantages), sums, compare
+            )
             worst = nan_max(worst, gap)
             return loss
 
         mbs = self._micro_batches(batch, [step])
         states = self._routing_states(mbs, step=step)
-        objective = mtp.begin_step(self.model, mbs, self.cfg.megatron.mtp_loss_scaling_factor,
-                                   self.dp_group if self.dp_size > 1 else None, self.device)  # fmt: skip
+        objective = mtp.begin_step(
+            self.model,
+            mbs,
+            self.cfg.megatron.mtp_loss_scaling_factor,
+            self.dp_group if self.dp_size > 1 else None,
+            self.device,
+        )
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if objective is not None:
             sums.update(objective.end())
@@ -433,9 +497,16 @@ class MegatronTrainActor(TrainActorBase):
         return result
 
     def _reduce_gradients(self) -> None:
-        grads.reduce_gradients(self.model, self.mesh, self.grad_group, self.layout.qk_norm,
-                               self.layout.tied_embeddings or bool(self.layout.mtp_layers), self.device,
-                               self.masters.grad_of, ensure_grad=self.masters.ensure_grad)  # fmt: skip
+        grads.reduce_gradients(
+            self.model,
+            self.mesh,
+            self.grad_group,
+            self.layout.qk_norm,
+            self.layout.tied_embeddings or bool(self.layout.mtp_layers),
+            self.device,
+            self.masters.grad_of,
+            ensure_grad=self.masters.ensure_grad,
+        )
 
     def _clip_gradients(self) -> float:
         return grads.clip_gradients(
@@ -458,8 +529,9 @@ class MegatronTrainActor(TrainActorBase):
         return rollout_id
 
     def save_hf(self, path: str) -> None:  # with the MTP modules built (a push leaves them out)
-        tensors = export_hf_tensors({k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh,
-                                    with_mtp=True)  # fmt: skip
+        tensors = export_hf_tensors(
+            {k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh, with_mtp=True
+        )
         mckpt.save_hf_from_actor(
             self, path, tensors=tensors, config=mtp.saved_config(self.hf_config, self.layout)
         )

@@ -82,15 +82,28 @@ class SegmentDotProductAttention(DotProductAttention):
         return _packed(query, key, value, packed_seq_params, scale, dropout)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Any, longest: Any, scale: float | None,
-            dropout: float) -> torch.Tensor:  # fmt: skip
+def _causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: Any,
+    longest: Any,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
     """causal_per_segment on [batch, heads, tokens, dim], dropout drawn from megatron-core's tracker."""
     with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
         return causal_per_segment(q, k, v, cu, longest, scale, dropout)
 
 
-def _packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, scale: float | None,
-            dropout: float) -> torch.Tensor:  # fmt: skip
+def _packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    params: Any,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
     """Causal attention within each packed sequence: [tokens, heads, dim] in (THD), [tokens,
     heads * dim] out (megatron-core adds the batch axis back)."""
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, tokens, dim]

@@ -31,12 +31,22 @@ from slime.backends.checkpointing import TRACKER
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.megatron.rank_files import Key, Parallel
 
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
-def megatron_args(layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None = None,
-                  value_head: bool = False) -> dict[str, Any]:  # fmt: skip
+def megatron_args(
+    layout: Layout, tp: int, pp: int, ep: int = 1, etp: int | None = None, value_head: bool = False
+) -> dict[str, Any]:
     """Megatron-LM's argument names for the model and layout; `value_head` (slime's): a PPO
     critic's, whose output layer is its value head (one row and a bias) instead of the vocabulary."""
     return {
@@ -107,8 +117,9 @@ def _publish(partial: str, final: str) -> None:
     os.replace(partial, final)
 
 
-def save_megatron(parts: Mapping[Key, State], layout: Layout, save_dir: str, par: Parallel,
-                  iteration: str = "release") -> None:  # fmt: skip
+def save_megatron(
+    parts: Mapping[Key, State], layout: Layout, save_dir: str, par: Parallel, iteration: str = "release"
+) -> None:
     """Write every (TP rank, stage, EP rank) shard of `par` (rank_files.split_ranks) as one file."""
     check_target(save_dir)
     final = os.path.abspath(save_dir)
@@ -118,9 +129,15 @@ def save_megatron(parts: Mapping[Key, State], layout: Layout, save_dir: str, par
     for (t, s, e), state in sorted(parts.items()):
         folder = os.path.join(partial, iteration, rank_dir(t, s, par.pp, e if par.ep > 1 else None))
         os.makedirs(folder)
-        torch.save({"model": {k: v.contiguous() for k, v in state.items()}, "checkpoint_version": 3.0,
-                    "iteration": 0 if iteration == "release" else int(iteration), "args": args},
-                   os.path.join(folder, "model_optim_rng.pt"))  # fmt: skip
+        torch.save(
+            {
+                "model": {k: v.contiguous() for k, v in state.items()},
+                "checkpoint_version": 3.0,
+                "iteration": 0 if iteration == "release" else int(iteration),
+                "args": args,
+            },
+            os.path.join(folder, "model_optim_rng.pt"),
+        )
     with open(os.path.join(partial, TRACKER), "w") as f:
         f.write(iteration + "\n")
     _publish(partial, final)
@@ -143,9 +160,9 @@ def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
         args = blob.get("args") or {}
         if args.get("value_head"):  # refused at the first file, before reading them all
             raise ConversionError(
-                f"--load-dir {load_dir!r} is a PPO critic's checkpoint (its output layer is a value head): the "
-                "conversion tools take language models; the critic's --save-hf export (<--save-hf>/critic) is its "
-                "Hugging Face directory"
+                f"--load-dir {load_dir!r} is a PPO critic's checkpoint (its output layer is a value head): "
+                "the conversion tools take language models; the critic's --save-hf export "
+                "(<--save-hf>/critic) is its Hugging Face directory"
             )
         name = os.path.basename(os.path.dirname(path))
         ranks = [int(x) for x in re.findall(r"_(\d+)", name)]
@@ -161,8 +178,12 @@ def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
 def stored_parallel(args: dict[str, Any]) -> Parallel:
     """The layout a checkpoint was written with (Megatron-LM's argument names)."""
     tp = args.get("tensor_model_parallel_size") or 1
-    return Parallel(tp, args.get("pipeline_model_parallel_size") or 1, args.get("expert_model_parallel_size") or 1,
-                    args.get("expert_tensor_parallel_size") or tp)  # fmt: skip
+    return Parallel(
+        tp,
+        args.get("pipeline_model_parallel_size") or 1,
+        args.get("expert_model_parallel_size") or 1,
+        args.get("expert_tensor_parallel_size") or tp,
+    )
 
 
 def stored_layout(args: dict[str, Any], load_dir: str) -> Layout:
@@ -236,8 +257,10 @@ def save_hf(
     if len(shards) == 1:
         save_file(shards[0], os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
     else:
-        index: dict[str, Any] = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                                 "weight_map": {}}  # fmt: skip
+        index: dict[str, Any] = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {},
+        }
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, os.path.join(partial, fname), metadata={"format": "pt"})
@@ -309,8 +332,10 @@ def save_train_checkpoint(actor: Any, rollout_id: int, root: str, extra: dict[st
         expected = sorted({rank_dir(t, s, actor.pp, e if actor.ep > 1 else None) for t, s, e, _ in written})
         missing = [d for d in expected if not os.path.isfile(os.path.join(partial, d, "model_optim_rng.pt"))]
         if missing:
-            error = (f"--save {root!r}: shards {missing} are not in {partial} (is --save on a filesystem every "
-                     "node shares?); the checkpoint is not published")  # fmt: skip
+            error = (
+                f"--save {root!r}: shards {missing} are not in {partial} (is --save on a filesystem every "
+                "node shares?); the checkpoint is not published"
+            )
     broadcast_error(error)
     if actor.rank == 0:
         if os.path.exists(final):
@@ -327,17 +352,25 @@ def _write_shard(actor: Any, folder: str, rollout_id: int, extra: dict[str, Any]
     blob = {
         "model": {k: v.detach().cpu() for k, v in actor.model_state().items()},
         # --bf16: the float32 master weights the optimizer steps (the model holds them rounded).
-        "main_params": {n: actor.masters[p].detach().cpu() for n, p in actor.model.named_parameters()
-                        if p in actor.masters} or None,
+        "main_params": {
+            n: actor.masters[p].detach().cpu()
+            for n, p in actor.model.named_parameters()
+            if p in actor.masters
+        }
+        or None,
         "optimizer": actor.optimizer.state_dict(),
         "opt_param_scheduler": actor.schedule.state_dict(),
         "rng_state": rng_state(),
         "iteration": rollout_id,
         "checkpoint_version": 3.0,
         "args": megatron_args(actor.layout, actor.tp, actor.pp, actor.ep, actor.etp, actor.value_head),
-        "slime": {"format_version": TRAIN_FORMAT_VERSION, "extra": extra or {},
-                  "hf_checkpoint": actor.cfg.hf_checkpoint, "data_parallel_size": actor.dp_size},
-    }  # fmt: skip
+        "slime": {
+            "format_version": TRAIN_FORMAT_VERSION,
+            "extra": extra or {},
+            "hf_checkpoint": actor.cfg.hf_checkpoint,
+            "data_parallel_size": actor.dp_size,
+        },
+    }
     os.makedirs(folder, exist_ok=True)
     torch.save(blob, os.path.join(folder, "model_optim_rng.pt"))
 
@@ -353,8 +386,10 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     tracker = os.path.join(root, TRACKER)
     seen = _gather(os.path.isfile(tracker))
     if any(seen) and not all(seen):
-        raise ConversionError(f"--load {root!r}: ranks {[r for r, s in enumerate(seen) if not s]} do not see "
-                              f"{TRACKER} (is --load on a filesystem every node shares?)")  # fmt: skip
+        raise ConversionError(
+            f"--load {root!r}: ranks {[r for r, s in enumerate(seen) if not s]} do not see "
+            f"{TRACKER} (is --load on a filesystem every node shares?)"
+        )
     if not seen[0]:
         return None
     with open(tracker) as f:
@@ -389,23 +424,36 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
 
     folder = os.path.join(root, "release") if tag == "release" else iteration_dir(root, int(tag))
     path = os.path.join(folder, _own_dir(actor), "model_optim_rng.pt")
-    stages = "".join(f" --target-decoder-{end}-pipeline-num-layers {n}" for end, n in
-                     zip(("first", "last"), (actor.layout.first_stage_layers, actor.layout.last_stage_layers)) if n)  # fmt: skip
-    convert = (f"convert it with python -m slime.tools.convert_checkpoint --target-tensor-parallel-size {actor.tp} "
-               f"--target-pipeline-parallel-size {actor.pp}{stages}")  # fmt: skip
+    stages = "".join(
+        f" --target-decoder-{end}-pipeline-num-layers {n}"
+        for end, n in zip(
+            ("first", "last"), (actor.layout.first_stage_layers, actor.layout.last_stage_layers)
+        )
+        if n
+    )
+    convert = (
+        f"convert it with python -m slime.tools.convert_checkpoint --target-tensor-parallel-size {actor.tp} "
+        f"--target-pipeline-parallel-size {actor.pp}{stages}"
+    )
     if actor.value_head:  # the tools take language models only
-        convert = ("a critic's checkpoint is not converted: resume at the layout it was saved with, or start the "
-                   "critic afresh from its --save-hf export (--critic-load; its optimizer state starts over)")  # fmt: skip
+        convert = (
+            "a critic's checkpoint is not converted: resume at the layout it was saved with, or start the "
+            "critic afresh from its --save-hf export (--critic-load; its optimizer state starts over)"
+        )
     if not os.path.isfile(path):
         stored = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         return {}, (
-            f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the checkpoint holds "
-            f"{', '.join(stored) or 'nothing'}); {convert}"
+            f"--load {root!r}: no {os.path.relpath(path, root)} for TP {actor.tp} x PP {actor.pp} (the "
+            f"checkpoint holds {', '.join(stored) or 'nothing'}); {convert}"
         )
     blob = torch.load(path, map_location="cpu", weights_only=False)
     args = blob.get("args") or {}
-    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"),
-             args.get("expert_model_parallel_size", 1), args.get("expert_tensor_parallel_size") or args.get("tensor_model_parallel_size"))  # fmt: skip
+    saved = (
+        args.get("tensor_model_parallel_size"),
+        args.get("pipeline_model_parallel_size"),
+        args.get("expert_model_parallel_size", 1),
+        args.get("expert_tensor_parallel_size") or args.get("tensor_model_parallel_size"),
+    )
     try:
         saved_layout = stored_layout(args, root)
 
@@ -420,13 +468,15 @@ def _read_shard(actor: Any, root: str, tag: str) -> tuple[dict[str, Any], str | 
         return {}, f"--load {root!r}: {e}"
     if bool(args.get("value_head")) != actor.value_head:
         kinds = ("an actor's", "a critic's") if actor.value_head else ("a critic's", "an actor's")
-        return {}, (f"--load {root!r} holds {kinds[0]} checkpoint (its output layer), not {kinds[1]}: the critic "
-                    "resumes from <--load>/critic or --critic-save, the actor from --load")  # fmt: skip
+        return {}, (
+            f"--load {root!r} holds {kinds[0]} checkpoint (its output layer), not {kinds[1]}: the critic "
+            "resumes from <--load>/critic or --critic-save, the actor from --load"
+        )
     if saved != (actor.tp, actor.pp, actor.ep, actor.etp) or not same_model:
         return {}, (
-            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} x EP {saved[2]} x ETP {saved[3]} or for "
-            f"another model layout than {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x PP {actor.pp} x EP {actor.ep} "
-            f"x ETP {actor.etp}: {convert}"
+            f"--load {root!r} was saved with TP {saved[0]} x PP {saved[1]} x EP {saved[2]} x ETP "
+            f"{saved[3]} or for another model layout than {actor.cfg.hf_checkpoint!r} at TP {actor.tp} x "
+            f"PP {actor.pp} x EP {actor.ep} x ETP {actor.etp}: {convert}"
         )
     return blob, None
 
@@ -447,8 +497,13 @@ def _agree(error: str | None) -> None:
         raise ConversionError(first)
 
 
-def save_hf_from_actor(actor: Any, path: str, shard_bytes: int = 2 << 30,
-                       tensors: Iterable[tuple[str, torch.Tensor]] | None = None, config: Any = None) -> None:  # fmt: skip
+def save_hf_from_actor(
+    actor: Any,
+    path: str,
+    shard_bytes: int = 2 << 30,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    config: Any = None,
+) -> None:
     """The actor's weights as a Hugging Face directory (rank 0 writes; every rank takes part).
     `tensors`: the (HF name, full tensor) pairs to write instead of the actor's export (they come
     on rank 0), `config`: the config to write instead of --hf-checkpoint's (both: the critic's)."""

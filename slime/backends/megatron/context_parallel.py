@@ -113,12 +113,26 @@ def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1) -
     positions = torch.cat([chunk_positions(b - a, cp, rank) for a, b in itertools.pairwise(cu)])
     bounds = torch.tensor(cu, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in itertools.pairwise(cu))
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
-                             max_seqlen_kv=longest)  # fmt: skip
+    packed = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
     mine = torch.full((cu[-1],), -1, dtype=torch.long)
     mine[order] = torch.arange(order.numel())
-    return CPView(ids[order].unsqueeze(0).to(device), positions.unsqueeze(0).to(device), packed, where.to(device),
-                  nxt[order].to(device), real_t[order].unsqueeze(0).to(device), cp, group, mine.to(device))  # fmt: skip
+    return CPView(
+        ids[order].unsqueeze(0).to(device),
+        positions.unsqueeze(0).to(device),
+        packed,
+        where.to(device),
+        nxt[order].to(device),
+        real_t[order].unsqueeze(0).to(device),
+        cp,
+        group,
+        mine.to(device),
+    )
 
 
 class _GatherKeepOwn(torch.autograd.Function):
@@ -194,8 +208,15 @@ def _sequence_order(cu: tuple[int, ...], cp: int) -> torch.Tensor:
     return inverse
 
 
-def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, group: Any,
-                 scale: float | None, dropout: float) -> torch.Tensor:  # fmt: skip
+def cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: Any,
+    group: Any,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
     """Causal attention of this rank's tokens ([local tokens, heads, dim], THD) over their whole
     sequences, the keys and values all-gathered over the CP group -> [local tokens, heads * dim]."""
     from megatron.core import tensor_parallel
@@ -217,15 +238,28 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
         at += mine.numel()
         allowed = mine[:, None] >= torch.arange(b - a, device=query.device)[None, :]
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                                 attn_mask=allowed, dropout_p=dropout, scale=scale, **gqa)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                q,
+                k[a:b].transpose(0, 1),
+                v[a:b].transpose(0, 1),
+                attn_mask=allowed,
+                dropout_p=dropout,
+                scale=scale,
+                **gqa,
+            )
         outs.append(out.transpose(0, 1))
     out = torch.cat(outs)
     return out.reshape(out.shape[0], -1)
 
 
-def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mask: bool, scatter: bool,
-                    cp: tuple[int, int, Any] | None) -> torch.Tensor:  # fmt: skip
+def run_micro_batch(
+    model: Any,
+    mb: MicroBatch,
+    extra: dict[str, Any],
+    count_mask: bool,
+    scatter: bool,
+    cp: tuple[int, int, Any] | None,
+) -> torch.Tensor:
     """The model's forward on `mb`: right-padded rows, packed rows (THD), or with `cp` (size,
     rank, group) this CP rank's share (`mb.cp` is set to its CPView, which the log-probs read).
     `count_mask`: give the routers megatron-core's padding mask (the expert-bias update counts only
@@ -248,8 +282,9 @@ def run_micro_batch(model: Any, mb: MicroBatch, extra: dict[str, Any], count_mas
     ids = mb.input_ids
     if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
         cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)  # fmt: skip
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         return model(ids, mb.position_ids, None, packed_seq_params=packed, **extra)
     positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     return model(ids, positions, None, **extra)

@@ -11,11 +11,11 @@ embedding). A mixture-of-experts layer's experts are megatron-core's SequentialM
 (`mlp.experts.local_experts.{e}.linear_fc1 / fc2.weight`) or, with `Layout.grouped_experts`, its
 TEGroupedMLP (`mlp.experts.linear_fc1.weight{e}`).
 
-Experts are split over expert-parallel (EP) ranks, E / EP consecutive experts each, numbered
-from 0 on every rank, and each expert over expert-tensor-parallel (ETP) ranks as a dense MLP over
-TP ranks ([gate_r; up_r] rows of fc1, columns of fc2). The TP split leaves experts whole
-(slime.backends.megatron.sharding: `split_tp`; `split_experts` / `merge_experts` do EP and ETP). The shards of whole checkpoints
-(one per file) are slime.backends.megatron.rank_files'.
+Experts are split over expert-parallel (EP) ranks, E / EP consecutive experts each, numbered from 0 on every
+rank, and each expert over expert-tensor-parallel (ETP) ranks as a dense MLP over TP ranks ([gate_r; up_r]
+rows of fc1, columns of fc2). The TP split leaves experts whole (slime.backends.megatron.sharding: `split_tp`;
+`split_experts` / `merge_experts` do EP and ETP). The shards of whole checkpoints (one per file) are
+slime.backends.megatron.rank_files'.
 
 Fused QKV layout (megatron-core's): for each of the `num_query_groups` (= HF num_key_value_heads)
 groups, its `heads / groups` query heads, then its key head, then its value head, each head_dim
@@ -154,9 +154,13 @@ class Layout:
 
     @classmethod
     def from_hf_config(
-        cls, config: Any, make_vocab_size_divisible_by: int = 128, fold_norms: bool = False,
-        stages: tuple[int | None, int | None] = (None, None), mtp_layers: int = 0,
-    ) -> Layout:  # fmt: skip
+        cls,
+        config: Any,
+        make_vocab_size_divisible_by: int = 128,
+        fold_norms: bool = False,
+        stages: tuple[int | None, int | None] = (None, None),
+        mtp_layers: int = 0,
+    ) -> Layout:
         """A config of one of the SUPPORTED families (SiLU-gated MLPs, RMSNorm); `stages`: the
         first and last pipeline stage's layers (uneven stages; None: as the others); `mtp_layers`:
         the multi-token prediction modules to build, at most the checkpoint's."""
@@ -165,8 +169,8 @@ class Layout:
             raise ConversionError(
                 f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
                 "model.language_model): the Megatron backend builds the text model only (model_type "
-                f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out with "
-                "python -m slime.tools.text_model extract"
+                f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out "
+                "with python -m slime.tools.text_model extract"
             )
         if model_type not in SUPPORTED:
             from slime.utils.model_families import megatron_refusal
@@ -179,8 +183,9 @@ class Layout:
         if quantized:
             method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
             raise ConversionError(
-                f"model_type {model_type!r} with quantization_config ({method}): its weights are stored quantized "
-                "(FP8 blocks with separate scales), which the conversion does not read; convert a bfloat16 copy"
+                f"model_type {model_type!r} with quantization_config ({method}): its weights are stored "
+                "quantized (FP8 blocks with separate scales), which the conversion does not read; convert "
+                "a bfloat16 copy"
             )
         rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -189,7 +194,8 @@ class Layout:
         bias = bool(getattr(config, "attention_bias", False))
         if bias and family.get("output_bias"):
             raise ConversionError(
-                f"model_type {model_type!r} with attention_bias: the output projection's bias is not converted"
+                f"model_type {model_type!r} with attention_bias: the output projection's bias is not "
+                "converted"
             )
         from slime.config.architecture import partial_rotary
 
@@ -255,14 +261,18 @@ class Layout:
         if (rest and (left < len(rest) or left % len(rest))) or (not rest and left):
             if not uneven:
                 raise ConversionError(
-                    f"PP {pp} must divide the model's {self.num_layers} layers (or set the first / last stage's "
-                    "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
+                    f"PP {pp} must divide the model's {self.num_layers} layers (or set the first / last "
+                    "stage's with --decoder-first-pipeline-num-layers / "
+                    "--decoder-last-pipeline-num-layers)"
                 )
-            split = f"{left} layers are left for {len(rest)} stages, which must split them evenly" if rest else (
-                f"the two stages hold {self.num_layers - left}")  # fmt: skip
+            split = (
+                f"{left} layers are left for {len(rest)} stages, which must split them evenly"
+                if rest
+                else (f"the two stages hold {self.num_layers - left}")
+            )
             raise ConversionError(
-                f"PP {pp} with --decoder-first/last-pipeline-num-layers {sizes[0]}/{sizes[-1]} does not split the "
-                f"model's {self.num_layers} layers: {split}"
+                f"PP {pp} with --decoder-first/last-pipeline-num-layers {sizes[0]}/{sizes[-1]} does not "
+                f"split the model's {self.num_layers} layers: {split}"
             )
         for k in rest:
             sizes[k] = left // len(rest)
@@ -297,15 +307,21 @@ class Layout:
             raise ConversionError(
                 f"TP {tp} must divide the shared experts' MLP size {self.shared_ffn_hidden_size}"
             )
-        latent = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank + qk_rope_head_dim":
-                  self.kv_lora_rank + self.qk_rope_head_dim} if self.kv_lora_rank and not self.fold_norms else {}  # fmt: skip
+        latent = (
+            {
+                "q_lora_rank": self.q_lora_rank,
+                "kv_lora_rank + qk_rope_head_dim": self.kv_lora_rank + self.qk_rope_head_dim,
+            }
+            if self.kv_lora_rank and not self.fold_norms
+            else {}
+        )
         for what, n in latent.items():  # megatron-core's local spec splits MLA's latent projections
             if n % tp:
                 raise ConversionError(f"TP {tp} must divide multi-latent attention's {what} ({n})")
         if self.mtp_layers and self.tied_embeddings and pp > 1:
             raise ConversionError(
-                f"PP {pp} with multi-token prediction and tied embeddings is not built (megatron-core keeps the "
-                "tied weight in the MTP stage's embedding, not its output layer); use PP 1"
+                f"PP {pp} with multi-token prediction and tied embeddings is not built (megatron-core "
+                "keeps the tied weight in the MTP stage's embedding, not its output layer); use PP 1"
             )
         self.stages(pp)  # the layers each stage holds (uneven stages: the flags that set them)
 
@@ -360,8 +376,9 @@ def final_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, l
     return out
 
 
-def layer_to_megatron(hf: Mapping[str, torch.Tensor], layout: Layout, i: int,
-                       experts: range | None = None) -> State:  # fmt: skip
+def layer_to_megatron(
+    hf: Mapping[str, torch.Tensor], layout: Layout, i: int, experts: range | None = None
+) -> State:
     """Layer i, unsharded; of a MoE layer only `experts` (global ids; None: all)."""
     return {
         p.mc: p.to_megatron(

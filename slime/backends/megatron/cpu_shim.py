@@ -1,17 +1,16 @@
 """Run megatron-core's model and pipeline schedules on CPU (gloo), for `--device cpu`.
 
-megatron-core (0.16) is written for CUDA: its modules allocate with
-`device=torch.cuda.current_device()` or `device="cuda"` (the rotary table, the default causal
-mask, the attention's scratch buffer, the pipeline's shape exchange, the schedules' token count),
-call `torch.cuda.synchronize()`, fork dropout's random state on the CUDA generator, and move a
-tied embedding's pipeline copy with `Tensor.cuda()`. None of it
-is a GPU kernel: every operation has a CPU equivalent. `enable()` therefore gives each loaded
-`megatron.core` module a view of torch in which those allocations land on the CPU and the CUDA
-calls are no-ops, replaces the CUDA random-state tracker with one that keeps its named states for
-the CPU generator (`seed` seeds them as megatron-core does on a GPU; activation recompute saves
-and restores the CPU generator and those states), and makes
-`Tensor.cuda()` the identity while the model ties its embeddings. Nothing outside `megatron.core` changes, nothing changes on a machine with CUDA (the
-actor calls this only for `--device cpu`), and the numerics are megatron-core's own.
+megatron-core (0.16) is written for CUDA: its modules allocate with `device=torch.cuda.current_device()` or
+`device="cuda"` (the rotary table, the default causal mask, the attention's scratch buffer, the pipeline's
+shape exchange, the schedules' token count), call `torch.cuda.synchronize()`, fork dropout's random state on
+the CUDA generator, and move a tied embedding's pipeline copy with `Tensor.cuda()`. None of it is a GPU
+kernel: every operation has a CPU equivalent. `enable()` therefore gives each loaded `megatron.core` module a
+view of torch in which those allocations land on the CPU and the CUDA calls are no-ops, replaces the CUDA
+random-state tracker with one that keeps its named states for the CPU generator (`seed` seeds them as
+megatron-core does on a GPU; activation recompute saves and restores the CPU generator and those states), and
+makes `Tensor.cuda()` the identity while the model ties its embeddings. Nothing outside `megatron.core`
+changes, nothing changes on a machine with CUDA (the actor calls this only for `--device cpu`), and the
+numerics are megatron-core's own.
 
 What this cannot give: anything that really needs a GPU (Transformer Engine, fused kernels,
 megatron-core's own optimizer and DDP buffers, which check tensor types by their CUDA names).

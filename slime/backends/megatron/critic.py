@@ -81,8 +81,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         # megatron-core built the vocabulary's output layer (on the GPU with CUDA: transient memory
         # until it is dropped here).
         if self.last_stage:
-            model.output_layer = ValueHead(self.layout.hidden_size, self.cfg.megatron.sequence_parallel,
-                                           self.mesh.tp_group)  # fmt: skip
+            model.output_layer = ValueHead(
+                self.layout.hidden_size, self.cfg.megatron.sequence_parallel, self.mesh.tp_group
+            )
         return model
 
     def _load_hf(self, hf_dir: str) -> None:
@@ -107,9 +108,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         ]
         if wrong:
             raise ConversionError(
-                f"the critic's checkpoint {hf_dir!r} (--critic-load, else --hf-checkpoint): its value head has "
-                f"{', '.join(wrong)}; a critic's head is score.weight "
-                f"[1, {self.layout.hidden_size}] and score.bias [1] (a token classifier with num_labels 1)"
+                f"the critic's checkpoint {hf_dir!r} (--critic-load, else --hf-checkpoint): its value head "
+                f"has {', '.join(wrong)}; a critic's head is score.weight [1, {self.layout.hidden_size}] "
+                "and score.bias [1] (a token classifier with num_labels 1)"
             )
         return {"output_layer.weight": head["score.weight"], "output_layer.bias": head["score.bias"]}
 
@@ -133,8 +134,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         return out if self.writes_train_data else {}
 
     # ---- training ---------------------------------------------------------------------------
-    def _value_step(self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor],
-                    ret: dict[int, torch.Tensor]) -> tuple[dict[str, float], float]:  # fmt: skip
+    def _value_step(
+        self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
+    ) -> tuple[dict[str, float], float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
@@ -163,8 +165,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
             export_hf_tensors(local, dataclasses.replace(self.layout, tied_embeddings=True), self.mesh)
         )
         head = self._head_from_last_stage()
-        mckpt.save_hf_from_actor(self, path, tensors=trunk + list(head.items()),
-                                 config=value_model_config(self.hf_config))  # fmt: skip
+        mckpt.save_hf_from_actor(
+            self, path, tensors=trunk + list(head.items()), config=value_model_config(self.hf_config)
+        )
 
     def _head_from_last_stage(self) -> State:
         """The head's weight and bias on every stage (collective over the pipeline group)."""

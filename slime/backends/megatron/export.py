@@ -65,7 +65,8 @@ class Mesh:
     expert_dp_group: Any = None
     """Experts are replicated over this group (megatron-core's expert data-parallel group)."""
     expert_mp_group: Any = None
-    """ETP x EP x PP: every expert tensor of the model once (megatron-core's expert-tensor-model-pipeline group)."""
+    """ETP x EP x PP: every expert tensor of the model once (megatron-core's expert-tensor-model-pipeline
+    group)."""
     cp_rank: int = 0
     """Context parallelism: the CP ranks of a replica hold the same weights (CP rank 0 exports them)."""
 
@@ -74,16 +75,25 @@ class Mesh:
         from megatron.core import parallel_state as ps
 
         return cls(
-            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
-            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
-            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(),
-            ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size(),
-            ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
-            ps.get_expert_data_parallel_group(), ps.get_expert_tensor_model_pipeline_parallel_group(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_data_parallel_rank(),
+            ps.get_tensor_model_parallel_group(),
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_data_parallel_rank(),
+            ps.get_expert_data_parallel_world_size(),
+            ps.get_expert_model_parallel_group(),
+            ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_data_parallel_group(),
+            ps.get_expert_tensor_model_pipeline_parallel_group(),
             ps.get_context_parallel_rank(),
-        )  # fmt: skip
+        )
 
 
 def full_shapes(layout: Layout, tp: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -221,8 +231,14 @@ def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix
         if mesh.etp > 1:
             parts = [torch.empty_like(stacked) for _ in range(mesh.etp)]
             dist.all_gather(parts, stacked.contiguous(), group=mesh.etp_group)
-            stacked = torch.stack([merge_fc1([p[j] for p in parts]) if which == 0
-                                   else torch.cat([p[j] for p in parts], dim=1) for j in range(per)])  # fmt: skip
+            stacked = torch.stack(
+                [
+                    merge_fc1([p[j] for p in parts])
+                    if which == 0
+                    else torch.cat([p[j] for p in parts], dim=1)
+                    for j in range(per)
+                ]
+            )
         ranks = [stacked]
         if mesh.ep > 1:
             ranks = [torch.empty_like(stacked) for _ in range(mesh.ep)]

@@ -24,8 +24,8 @@ def rope_theta(config: Any) -> float:
         mla_yarn(config)  # refuses a YaRN variant megatron-core computes otherwise
     elif kind != "default":
         raise ConversionError(
-            f"rope_type {kind!r}: the Megatron backend builds plain RoPE, and YaRN with multi-latent attention "
-            "only (the config's rope scaling is not converted)"
+            f"rope_type {kind!r}: the Megatron backend builds plain RoPE, and YaRN with multi-latent "
+            "attention only (the config's rope scaling is not converted)"
         )
     return theta
 
@@ -88,8 +88,8 @@ def mla_fields(config: Any, bias: bool) -> dict[str, Any]:
         )
     if getattr(config, "rope_interleave", True) is not True:
         raise ConversionError(
-            "multi-latent attention with rope_interleave false: megatron-core's MLA rotates interleaved pairs "
-            "(DeepSeek-V3's layout), so this config is not converted"
+            "multi-latent attention with rope_interleave false: megatron-core's MLA rotates interleaved "
+            "pairs (DeepSeek-V3's layout), so this config is not converted"
         )
     return {
         "num_query_groups": config.num_attention_heads,  # every head reads the one latent
@@ -138,20 +138,21 @@ def moe_fields(config: Any) -> dict[str, Any]:
         norm = bool(getattr(config, "norm_topk_prob", True))
         if topk > 1 and not norm:
             raise ConversionError(
-                "sigmoid routing without norm_topk_prob: megatron-core always renormalises the top-k sigmoid scores"
+                "sigmoid routing without norm_topk_prob: megatron-core always renormalises the top-k "
+                "sigmoid scores"
             )
         if topk == 1 and norm:
             raise ConversionError(
-                "sigmoid routing to one expert with norm_topk_prob: transformers weighs it 1, megatron-core by its "
-                "sigmoid score"
+                "sigmoid routing to one expert with norm_topk_prob: transformers weighs it 1, "
+                "megatron-core by its sigmoid score"
             )
     elif moe["moe_router_topk_scaling_factor"] != 1.0:
         raise ConversionError("a routed scaling factor other than 1 with softmax routing is not converted")
     if groups > 1 and topk // group_topk != 2:
         raise ConversionError(
-            f"n_group {groups} with num_experts_per_tok {topk} and topk_group {group_topk}: the HF model scores each "
-            f"group by its best 2 experts, megatron-core by its best num_experts_per_tok / topk_group "
-            f"= {topk // group_topk}; not converted"
+            f"n_group {groups} with num_experts_per_tok {topk} and topk_group {group_topk}: the HF model "
+            "scores each group by its best 2 experts, megatron-core by its best num_experts_per_tok / "
+            f"topk_group = {topk // group_topk}; not converted"
         )
     return {
         "num_experts": moe["num_experts"],

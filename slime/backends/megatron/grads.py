@@ -44,13 +44,21 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad
 
 
-def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied: bool, device: torch.device,
-                     grad_of: GradOf = _grad,
-                     *, ensure_grad: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
+def reduce_gradients(
+    model: Any,
+    mesh: Mesh,
+    dp_group: Any,
+    qk_norm: bool,
+    tied: bool,
+    device: torch.device,
+    grad_of: GradOf = _grad,
+    *,
+    ensure_grad: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
     """Sum what must be summed (see the module's text); `dp_group` None: one replica. `grad_of`
     maps a parameter to the gradient to reduce (--bf16: its float32 master's); `ensure_grad`
-    too, making it zeros where there is none (MasterWeights.ensure_grad). `tied`: the last stage holds a copy of the
-    embedding (tied embeddings, or MTP modules)."""
+    too, making it zeros where there is none (MasterWeights.ensure_grad). `tied`: the last stage
+    holds a copy of the embedding (tied embeddings, or MTP modules)."""
     from megatron.core import parallel_state as ps
 
     named = [(n, g) for n, p in model.named_parameters() if (g := grad_of(p)) is not None]
@@ -60,9 +68,12 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
         all_reduce_coalesced([g for n, g in named if is_expert(n)], mesh.expert_dp_group, device)
     if mesh.tp > 1:
         params = dict(model.named_parameters())
-        partial = [g for n, g in named
-                   if (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
-                   or getattr(params[n], "sequence_parallel", False)]  # fmt: skip
+        partial = [
+            g
+            for n, g in named
+            if (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
+            or getattr(params[n], "sequence_parallel", False)
+        ]
         all_reduce_coalesced(partial, mesh.tp_group, device)
         replicated = [g for n, g in named if getattr(params[n], "average_over_tp", False)]
         all_reduce_coalesced(replicated, mesh.tp_group, device)
@@ -73,8 +84,9 @@ def reduce_gradients(model: Any, mesh: Mesh, dp_group: Any, qk_norm: bool, tied:
         all_reduce_coalesced([grad], ps.get_embedding_group(), device)
 
 
-def counted_once(model: Any, tp_rank: int, grad_of: GradOf = _grad, experts: bool = False,
-                 etp_rank: int = 0) -> list[torch.Tensor]:  # fmt: skip
+def counted_once(
+    model: Any, tp_rank: int, grad_of: GradOf = _grad, experts: bool = False, etp_rank: int = 0
+) -> list[torch.Tensor]:
     """Gradients that enter the norm: each dense tensor of the full model exactly once (or with
     `experts`, each expert tensor)."""
     grads = []

@@ -106,8 +106,10 @@ def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pa
     pairs = attention + _mlp(layout, i, src, dst, experts)
     h = (layout.hidden_size,)
     attn_norm, mlp_norm = norm_names(layout, i)
-    pairs += [Pair(attn_norm, (src + "input_layernorm.weight",), (h,)),
-              Pair(mlp_norm, (src + "post_attention_layernorm.weight",), (h,))]  # fmt: skip
+    pairs += [
+        Pair(attn_norm, (src + "input_layernorm.weight",), (h,)),
+        Pair(mlp_norm, (src + "post_attention_layernorm.weight",), (h,)),
+    ]
     if layout.post_norms:
         pairs += [
             Pair(dst + "post_self_attn_layernorm.weight", (src + "post_self_attn_layernorm.weight",), (h,)),
@@ -115,19 +117,27 @@ def layer_pairs(layout: Layout, i: int, experts: range | None = None) -> list[Pa
         ]
     if i >= layout.num_layers:  # the MTP module around the layer
         m = f"mtp.layers.{i - layout.num_layers}."
-        pairs += [Pair(m + "enorm.weight", (src + "enorm.weight",), (h,)),
-                  Pair(m + "hnorm.weight", (src + "hnorm.weight",), (h,)),
-                  # [embedding; hidden] -> hidden, in that order in both
-                  Pair(m + "eh_proj.weight", (src + "eh_proj.weight",), ((layout.hidden_size, 2 * layout.hidden_size),)),
-                  Pair(m + "final_layernorm.weight", (src + "shared_head.norm.weight",), (h,))]  # fmt: skip
+        pairs += [
+            Pair(m + "enorm.weight", (src + "enorm.weight",), (h,)),
+            Pair(m + "hnorm.weight", (src + "hnorm.weight",), (h,)),
+            # [embedding; hidden] -> hidden, in that order in both
+            Pair(
+                m + "eh_proj.weight",
+                (src + "eh_proj.weight",),
+                ((layout.hidden_size, 2 * layout.hidden_size),),
+            ),
+            Pair(m + "final_layernorm.weight", (src + "shared_head.norm.weight",), (h,)),
+        ]
     return pairs
 
 
 def mtp_shared_copies(layout: Layout, i: int) -> dict[str, str]:
     """MTP layer i's HF copies of the model's embedding and output head (HF name -> the model's)."""
     head = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
-    return {f"model.layers.{i}.embed_tokens.weight": "model.embed_tokens.weight",
-            f"model.layers.{i}.shared_head.head.weight": head}  # fmt: skip
+    return {
+        f"model.layers.{i}.embed_tokens.weight": "model.embed_tokens.weight",
+        f"model.layers.{i}.shared_head.head.weight": head,
+    }
 
 
 def norm_names(layout: Layout, i: int) -> tuple[str, str]:
@@ -155,20 +165,25 @@ def _attention(L: Layout, src: str, dst: str) -> list[Pair]:
         q_dim = L.head_dim + L.qk_rope_head_dim
         if L.q_lora_rank:
             q_norm = a + ("linear_q_up_proj.layer_norm_weight" if L.fold_norms else "q_layernorm.weight")
-            out += [Pair(a + "linear_q_down_proj.weight", (s + "q_a_proj.weight",), ((L.q_lora_rank, h),)),
-                    Pair(q_norm, (s + "q_a_layernorm.weight",), ((L.q_lora_rank,),)),
-                    Pair(a + "linear_q_up_proj.weight", (s + "q_b_proj.weight",), ((nq * q_dim, L.q_lora_rank),))]  # fmt: skip
+            out += [
+                Pair(a + "linear_q_down_proj.weight", (s + "q_a_proj.weight",), ((L.q_lora_rank, h),)),
+                Pair(q_norm, (s + "q_a_layernorm.weight",), ((L.q_lora_rank,),)),
+                Pair(a + "linear_q_up_proj.weight", (s + "q_b_proj.weight",), ((nq * q_dim, L.q_lora_rank),)),
+            ]
         else:
             out.append(Pair(a + "linear_q_proj.weight", (s + "q_proj.weight",), ((nq * q_dim, h),)))
         kv_norm = a + ("linear_kv_up_proj.layer_norm_weight" if L.fold_norms else "kv_layernorm.weight")
         kv_up = (nq * (L.head_dim + L.v_head_dim), L.kv_lora_rank)
         return [
             *out,
-            Pair(a + "linear_kv_down_proj.weight", (s + "kv_a_proj_with_mqa.weight",),
-                 ((L.kv_lora_rank + L.qk_rope_head_dim, h),)),
+            Pair(
+                a + "linear_kv_down_proj.weight",
+                (s + "kv_a_proj_with_mqa.weight",),
+                ((L.kv_lora_rank + L.qk_rope_head_dim, h),),
+            ),
             Pair(kv_norm, (s + "kv_a_layernorm.weight",), ((L.kv_lora_rank,),)),
             Pair(a + "linear_kv_up_proj.weight", (s + "kv_b_proj.weight",), (kv_up,)),
-        ]  # fmt: skip
+        ]
     d, ng = L.head_dim, L.num_query_groups
     gate = 2 if L.gated_attention else 1
     q, kv, kind = (gate * nq * d, h), (ng * d, h), "gated_qkv" if L.gated_attention else "qkv"
@@ -178,8 +193,10 @@ def _attention(L: Layout, src: str, dst: str) -> list[Pair]:
         biases = tuple(s + f"{x}_proj.bias" for x in "qkv")
         out.append(Pair(a + "linear_qkv.bias", biases, ((gate * nq * d,), (ng * d,), (ng * d,)), kind))
     if L.qk_norm:
-        out += [Pair(a + "q_layernorm.weight", (s + "q_norm.weight",), ((d,),)),
-                Pair(a + "k_layernorm.weight", (s + "k_norm.weight",), ((d,),))]  # fmt: skip
+        out += [
+            Pair(a + "q_layernorm.weight", (s + "q_norm.weight",), ((d,),)),
+            Pair(a + "k_layernorm.weight", (s + "k_norm.weight",), ((d,),)),
+        ]
     return out
 
 
@@ -188,11 +205,22 @@ def _linear_attention(L: Layout, src: str, dst: str) -> list[Pair]:
     h = L.hidden_size
     nk, nv, dk, dv, kernel = L.linear_shape
     conv = 2 * nk * dk + nv * dv
-    shapes: dict[str, tuple[int, ...]] = {"conv1d.weight": (conv, 1, kernel), "dt_bias": (nv,), "A_log": (nv,),
-                                          "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {
+        "conv1d.weight": (conv, 1, kernel),
+        "dt_bias": (nv,),
+        "A_log": (nv,),
+        "norm.weight": (dv,),
+        "out_proj.weight": (h, nv * dv),
+    }
     if L.linear_split_proj:  # Qwen3.5
-        shapes.update({"in_proj_qkv.weight": (conv, h), "in_proj_z.weight": (nv * dv, h),
-                       "in_proj_b.weight": (nv, h), "in_proj_a.weight": (nv, h)})  # fmt: skip
+        shapes.update(
+            {
+                "in_proj_qkv.weight": (conv, h),
+                "in_proj_z.weight": (nv * dv, h),
+                "in_proj_b.weight": (nv, h),
+                "in_proj_a.weight": (nv, h),
+            }
+        )
     else:  # Qwen3-Next: per key head [q, k, v, z] rows, and [b, a]
         shapes.update({"in_proj_qkvz.weight": (conv + nv * dv, h), "in_proj_ba.weight": (2 * nv, h)})
     a, s = dst + "self_attention.linear_attn.", src + "linear_attn."
@@ -213,8 +241,10 @@ def _mlp(L: Layout, i: int, src: str, dst: str, experts: range | None) -> list[P
     for e in range(L.num_experts) if experts is None else experts:
         fc1, fc2 = expert_names(L, i, e)
         x = m + f"experts.{e}."
-        out += [Pair(fc1, (x + "gate_proj.weight", x + "up_proj.weight"), ((f, h), (f, h)), "cat"),
-                Pair(fc2, (x + "down_proj.weight",), ((h, f),))]  # fmt: skip
+        out += [
+            Pair(fc1, (x + "gate_proj.weight", x + "up_proj.weight"), ((f, h), (f, h)), "cat"),
+            Pair(fc2, (x + "down_proj.weight",), ((h, f),)),
+        ]
     if L.shared_ffn_hidden_size:
         shared = m + L.shared_expert_name + "."
         out += _dense(shared, dst + "mlp.shared_experts.", h, L.shared_ffn_hidden_size, False)
@@ -238,8 +268,13 @@ def _dense(src: str, dst: str, h: int, f: int, fused: bool) -> list[Pair]:
     fc1 = (
         Pair(dst + "linear_fc1.weight", (src + "gate_up_proj.weight",), ((2 * f, h),))
         if fused  # GLM-4 stores [gate; up] as one tensor, in megatron-core's order
-        else Pair(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), ((f, h), (f, h)), "cat")
-    )  # fmt: skip
+        else Pair(
+            dst + "linear_fc1.weight",
+            (src + "gate_proj.weight", src + "up_proj.weight"),
+            ((f, h), (f, h)),
+            "cat",
+        )
+    )
     return [fc1, Pair(dst + "linear_fc2.weight", (src + "down_proj.weight",), ((h, f),))]
 
 

@@ -66,8 +66,14 @@ class LinearAttention(MegatronModule):
         for p in self.parameters():  # replicated over TP: their gradients averaged there (grads.py)
             p.average_over_tp = True  # type: ignore[attr-defined]
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any,
-                packed_seq_params: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Any = None,
+        *args: Any,
+        packed_seq_params: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         from megatron.core import parallel_state, tensor_parallel
 
         x = hidden_states  # [tokens, rows, hidden] (THD: rows 1)

@@ -85,8 +85,14 @@ def vocab_parallel_log_probs(
     return log_probs, entropy
 
 
-def from_last_stage(values: dict[int, torch.Tensor], positions: list[int], sizes: list[int], last_stage: bool,
-                    device: torch.device, pp_group: Any) -> dict[int, torch.Tensor]:  # fmt: skip
+def from_last_stage(
+    values: dict[int, torch.Tensor],
+    positions: list[int],
+    sizes: list[int],
+    last_stage: bool,
+    device: torch.device,
+    pp_group: Any,
+) -> dict[int, torch.Tensor]:
     """Per-sample values (`sizes` long, at `positions`) that the last pipeline stage computed,
     broadcast to every stage of the pipeline (the others pass nothing in `values`)."""
     from megatron.core import parallel_state as ps

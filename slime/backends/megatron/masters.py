@@ -96,7 +96,8 @@ def copy_in(model: torch.nn.Module, masters: MasterWeights | None, state: State)
     for name in buffers.keys() & state.keys():
         if tuple(state[name].shape) != tuple(buffers[name].shape):
             raise ConversionError(
-                f"buffer {name}: checkpoint shard {tuple(state[name].shape)}, model {tuple(buffers[name].shape)}"
+                f"buffer {name}: checkpoint shard {tuple(state[name].shape)}, model "
+                f"{tuple(buffers[name].shape)}"
             )
         buffers[name].copy_(state[name])
     extra = sorted(set(state) - set(params) - set(buffers))

@@ -75,8 +75,14 @@ def mla_settings(layout: Layout, hf_config: Any) -> dict[str, Any]:
     }
 
 
-def transformer_config(layout: Layout, hf_config: Any, params_dtype: torch.dtype = torch.float32,
-                       cpu_init: bool = False, router_dtype: str | None = None, **parallel: Any) -> Any:  # fmt: skip
+def transformer_config(
+    layout: Layout,
+    hf_config: Any,
+    params_dtype: torch.dtype = torch.float32,
+    cpu_init: bool = False,
+    router_dtype: str | None = None,
+    **parallel: Any,
+) -> Any:
     """megatron-core's TransformerConfig for the layout (plus TP/PP/CP/EP sizes in `parallel`);
     its MLATransformerConfig for multi-latent attention."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -157,8 +163,9 @@ def layer_spec(layout: Layout, moe: bool = False, linear: Any = None) -> Any:
 
     from slime.backends.megatron.attention import LatentCoreAttention, SegmentDotProductAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm or mla, multi_latent_attention=mla,
-                                    normalization="RMSNorm", **experts)  # fmt: skip
+    spec = get_gpt_layer_local_spec(
+        qk_layernorm=layout.qk_norm or mla, multi_latent_attention=mla, normalization="RMSNorm", **experts
+    )
     # megatron-core's local attention, plus packed sequences (slime.backends.megatron.attention);
     # for MLA's narrower values, torch's attention
     spec.submodules.self_attention.submodules.core_attention = (

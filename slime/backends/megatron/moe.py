@@ -97,9 +97,19 @@ class MicroBatchRouting:
 class MegatronRouting(RouterHooks):
     """The hooks on one pipeline stage's routers (module docstring)."""
 
-    def __init__(self, model: Any, num_layers: int, top_k: int, num_experts: int, renormalize: bool,
-                 recompute: dict[str, Any], sp_group: Any = None, sp_rank: int = 0, sp_size: int = 1,
-                 score_function: str = "softmax"):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        num_layers: int,
+        top_k: int,
+        num_experts: int,
+        renormalize: bool,
+        recompute: dict[str, Any],
+        sp_group: Any = None,
+        sp_rank: int = 0,
+        sp_size: int = 1,
+        score_function: str = "softmax",
+    ):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
@@ -137,8 +147,15 @@ class MegatronRouting(RouterHooks):
                 router.register_forward_hook(self._hook(num_layers + k, False))
 
     @classmethod
-    def install(cls, model: Any, layout: Any, hf_config: Any, recompute: dict[str, Any], mesh: Any,
-                sequence_parallel: bool) -> MegatronRouting | None:  # fmt: skip
+    def install(
+        cls,
+        model: Any,
+        layout: Any,
+        hf_config: Any,
+        recompute: dict[str, Any],
+        mesh: Any,
+        sequence_parallel: bool,
+    ) -> MegatronRouting | None:
         """The hooks on a mixture-of-experts model's routers (None for a dense model, and for a
         family whose routing they do not follow: megatron-core's router routes it, untouched)."""
         from slime.backends.megatron.settings import aux_hooks, router_hooks
@@ -149,10 +166,18 @@ class MegatronRouting(RouterHooks):
 
         moe = hf_moe(hf_config)
         sp = mesh.tp if sequence_parallel else 1
-        return cls(model, layout.num_layers, moe["moe_router_topk"], layout.num_experts,
-                   renormalize=not moe["moe_router_pre_softmax"], recompute=recompute, sp_group=mesh.tp_group,
-                   sp_rank=mesh.tp_rank if sp > 1 else 0, sp_size=sp,
-                   score_function=moe["moe_router_score_function"])  # fmt: skip
+        return cls(
+            model,
+            layout.num_layers,
+            moe["moe_router_topk"],
+            layout.num_experts,
+            renormalize=not moe["moe_router_pre_softmax"],
+            recompute=recompute,
+            sp_group=mesh.tp_group,
+            sp_rank=mesh.tp_rank if sp > 1 else 0,
+            sp_size=sp,
+            score_function=moe["moe_router_score_function"],
+        )
 
     # ---- per micro-batch --------------------------------------------------------------------
     def router_order(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -165,9 +190,15 @@ class MegatronRouting(RouterHooks):
         """The next forward is of the micro-batch `state` describes (None: nothing to do)."""
         self.current = state
 
-    def states(self, mbs: list[MicroBatch], tables: dict[int, torch.Tensor] | None, record: bool = False,
-               aux_coeff: float = 0.0, step_samples: int = 0,
-               per_sequence: bool = False) -> list[MicroBatchRouting | None]:  # fmt: skip
+    def states(
+        self,
+        mbs: list[MicroBatch],
+        tables: dict[int, torch.Tensor] | None,
+        record: bool = False,
+        aux_coeff: float = 0.0,
+        step_samples: int = 0,
+        per_sequence: bool = False,
+    ) -> list[MicroBatchRouting | None]:
         """The hooks' state for each micro-batch (None when nothing is asked): replay of `tables`
         (R2/R3), recording (R2's log-prob pass), the aux loss (a training step of `step_samples`;
         `per_sequence`: seq_aux_loss)."""
@@ -251,8 +282,12 @@ class MegatronRouting(RouterHooks):
                 routed = routing_map if routed is None else routed
                 if state.samples is not None:  # seq_aux_loss: each sample's own, over the step's samples
                     seq = state.samples.to(scores.device)[real]
-                    loss = sequence_balancing_loss(scores[real], routed[real], seq, state.num_samples, self.top_k,
-                                                   group) / state.step_samples  # fmt: skip
+                    loss = (
+                        sequence_balancing_loss(
+                            scores[real], routed[real], seq, state.num_samples, self.top_k, group
+                        )
+                        / state.step_samples
+                    )
                 else:
                     loss = (
                         load_balancing_loss(scores[real], routed[real], self.top_k, group) * state.aux_share
@@ -298,7 +333,11 @@ def update_expert_bias(model: Any, rate: float) -> None:
 
         from slime.backends.expert_bias import update_biases
 
-        update_biases([r.expert_bias for r in routers], [r.local_tokens_per_expert for r in routers], rate,
-                      ps.get_tensor_and_data_parallel_group(with_context_parallel=True))  # fmt: skip
+        update_biases(
+            [r.expert_bias for r in routers],
+            [r.local_tokens_per_expert for r in routers],
+            rate,
+            ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        )
     for router in routers:
         router.local_tokens_per_expert.zero_()

@@ -127,8 +127,15 @@ def target_counts(mbs: list[Any], depths: int) -> torch.Tensor:
     return counts
 
 
-def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], labels: torch.Tensor,
-                mask: torch.Tensor, packed: Any, output_weight: Any) -> torch.Tensor:  # fmt: skip
+def _mtp_losses(
+    model: Any,
+    hidden: torch.Tensor,
+    depths: list[torch.Tensor],
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    packed: Any,
+    output_weight: Any,
+) -> torch.Tensor:
     """The decoder's hidden states with each depth's weighted loss attached (its backward)."""
     from megatron.core.transformer.multi_token_prediction import roll_tensor
 
@@ -146,8 +153,14 @@ def _mtp_losses(model: Any, hidden: torch.Tensor, depths: list[torch.Tensor], la
         head = output_weight if output_weight is not None else model.output_layer.weight
         logits, _ = model.output_layer(states, weight=head.detach())  # [s, b, padded vocab / TP]
         rows, cols = (mask > 0).nonzero(as_tuple=True)  # the weighted targets only, in float32
-        log_probs, _ = vocab_parallel_log_probs(logits[cols, rows].float(), labels[rows, cols], objective.vocab_size,
-                                                objective.tp_rank, objective.tp, objective.tp_group)  # fmt: skip
+        log_probs, _ = vocab_parallel_log_probs(
+            logits[cols, rows].float(),
+            labels[rows, cols],
+            objective.vocab_size,
+            objective.tp_rank,
+            objective.tp,
+            objective.tp_group,
+        )
         loss = -(log_probs * mask[rows, cols]).sum()
         objective.record(depth, loss)
         hidden = _AttachLoss.apply(hidden, objective.scales[depth] * loss)
@@ -164,11 +177,23 @@ def mtp_model_class() -> type:
     class MTPGPTModel(GPTModel):  # type: ignore[misc, valid-type]
         mtp_objective: MTPObjective | None = None
 
-        def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                         labels: torch.Tensor | None, rotary_pos_emb: Any, rotary_pos_cos: Any, rotary_pos_sin: Any,
-                         mtp_in_postprocess: Any = None, loss_mask: torch.Tensor | None = None,
-                         attention_mask: Any = None, packed_seq_params: Any = None, sequence_len_offset: Any = None,
-                         extra_block_kwargs: Any = None, **_: Any) -> torch.Tensor:  # fmt: skip
+        def _postprocess(
+            self,
+            hidden_states: torch.Tensor,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            labels: torch.Tensor | None,
+            rotary_pos_emb: Any,
+            rotary_pos_cos: Any,
+            rotary_pos_sin: Any,
+            mtp_in_postprocess: Any = None,
+            loss_mask: torch.Tensor | None = None,
+            attention_mask: Any = None,
+            packed_seq_params: Any = None,
+            sequence_len_offset: Any = None,
+            extra_block_kwargs: Any = None,
+            **_: Any,
+        ) -> torch.Tensor:
             output_weight = (
                 self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
             )
@@ -177,16 +202,23 @@ def mtp_model_class() -> type:
                 # As slime's megatron-core: the block reads the decoder's hidden states and the
                 # embedding detached, so its loss reaches the MTP modules and nothing else.
                 stacked = self.mtp(
-                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states.detach(),
-                    attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                    rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                    sequence_len_offset=sequence_len_offset, embedding=lambda **kw: self.embedding(**kw).detach(),
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    hidden_states=hidden_states.detach(),
+                    attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin,
+                    packed_seq_params=packed_seq_params,
+                    sequence_len_offset=sequence_len_offset,
+                    embedding=lambda **kw: self.embedding(**kw).detach(),
                     **(extra_block_kwargs or {}),
-                )  # fmt: skip
+                )
                 _main, *depths = torch.chunk(stacked, 1 + len(self.mtp.layers), dim=0)
                 assert loss_mask is not None
-                hidden_states = _mtp_losses(self, hidden_states, depths, labels, loss_mask, packed_seq_params,
-                                            output_weight)  # fmt: skip
+                hidden_states = _mtp_losses(
+                    self, hidden_states, depths, labels, loss_mask, packed_seq_params, output_weight
+                )
             if not self.post_process:
                 return hidden_states
             logits, _ = self.output_layer(hidden_states, weight=output_weight)
@@ -257,8 +289,11 @@ def module_state(model: Any) -> dict[str, torch.Tensor]:
     """Copies of the model's MTP tensors (none without MTP modules), with a later pipeline stage's
     copy of the embedding that only they read."""
     copy = "embedding.word_embeddings.weight" if not model.pre_process else None
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if (k.startswith("mtp.") or k == copy) and not k.endswith("._extra_state")}  # fmt: skip
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if (k.startswith("mtp.") or k == copy) and not k.endswith("._extra_state")
+    }
 
 
 def saved_config(config: Any, layout: Any) -> Any:

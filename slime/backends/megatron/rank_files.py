@@ -51,8 +51,9 @@ class Parallel:
         layout.check_parallel(self.tp, self.pp, self.ep, self.expert_tp)
         if layout.num_experts and self.tp % self.expert_tp:
             raise ConversionError(
-                f"ETP {self.expert_tp} with TP {self.tp}: Megatron-LM's file names (mp_rank_TT[_PPP]_EEE) do not "
-                "say a rank's ETP rank unless ETP divides TP; use ETP 1 or the tensor-parallel size"
+                f"ETP {self.expert_tp} with TP {self.tp}: Megatron-LM's file names (mp_rank_TT[_PPP]_EEE) "
+                "do not say a rank's ETP rank unless ETP divides TP; use ETP 1 or the tensor-parallel "
+                "size"
             )
 
     def etp_rank(self, tp_rank: int) -> int:
@@ -91,8 +92,14 @@ def merge_ranks(parts: Mapping[Key, State], layout: Layout, par: Parallel) -> St
         if layout.num_experts:
             for e in range(par.ep):
                 for x in range(par.expert_tp):
-                    found = next((p for (pt, ps, pe), p in parts.items()
-                                  if (ps, pe) == (s, e) and par.etp_rank(pt) == x), None)  # fmt: skip
+                    found = next(
+                        (
+                            p
+                            for (pt, ps, pe), p in parts.items()
+                            if (ps, pe) == (s, e) and par.etp_rank(pt) == x
+                        ),
+                        None,
+                    )
                     if found is None:
                         raise ConversionError(f"no shard of EP rank {e}, ETP rank {x}, pipeline stage {s}")
                     experts[(e, x)] = {k: v for k, v in found.items() if is_expert(k)}

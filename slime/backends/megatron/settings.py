@@ -18,8 +18,11 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
     if model.recompute_granularity == "selective":
         return {"recompute_granularity": "selective"}
     if model.recompute_granularity == "full":
-        return {"recompute_granularity": "full", "recompute_method": model.recompute_method or "uniform",
-                "recompute_num_layers": model.recompute_num_layers or 1}  # fmt: skip
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": model.recompute_method or "uniform",
+            "recompute_num_layers": model.recompute_num_layers or 1,
+        }
     if cfg.fsdp.gradient_checkpointing:
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return {}
@@ -29,7 +32,10 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     """What megatron-core's MoE layer does not train, and a MoE option given with a dense model
     (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
     if moe is not None and not layout.num_experts and moe.needs_moe:
-        return f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no routed experts"
+        return (
+            f"{moe.needs_moe} needs a mixture-of-experts model; the --hf-checkpoint model has no "
+            "routed experts"
+        )
     if moe is not None and moe.moe_router_bias_update_rate > 0 and not layout.expert_bias:
         return moe.no_expert_bias(f"the --hf-checkpoint model ({layout.model_type})")
     if moe is not None and layout.num_experts and not router_hooks(layout):
@@ -49,11 +55,15 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
 
         flag = dataclasses.replace(moe, moe_router_dtype=None).needs_router_hooks(router_fp32=False)
         if flag:
-            return (f"{flag} with --context-parallel-size {m.context_parallel_size} is not built: the router hooks "
-                    "record and replay whole sequences, which a CP rank does not hold")  # fmt: skip
+            return (
+                f"{flag} with --context-parallel-size {m.context_parallel_size} is not built: the router "
+                "hooks record and replay whole sequences, which a CP rank does not hold"
+            )
     if layout.num_experts and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
-        return (f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model needs "
-                "--sequence-parallel (megatron-core trains MoE layers under TP only with it)")  # fmt: skip
+        return (
+            f"--tensor-model-parallel-size {m.tensor_model_parallel_size} with a mixture-of-experts model "
+            "needs --sequence-parallel (megatron-core trains MoE layers under TP only with it)"
+        )
     return None
 
 
@@ -84,8 +94,10 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
         if problem:
             return problem
     if m.sequence_parallel and m.transformer_impl == "local":
-        return ("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
-                "normalises with torch's norms, which cannot split the sequence")  # fmt: skip
+        return (
+            "--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer "
+            "spec normalises with torch's norms, which cannot split the sequence"
+        )
     return None
 
 
@@ -112,9 +124,11 @@ def layout_problem(ns: argparse.Namespace) -> str | None:
                 mtp_layers=megatron.mtp_num_layers or 0,
             )
             layout.check_parallel(
-                megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                megatron.expert_model_parallel_size, megatron.etp,
-            )  # fmt: skip
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+                megatron.expert_model_parallel_size,
+                megatron.etp,
+            )
         except (ConversionError, ValueError) as e:
             return f"--hf-checkpoint {ns.hf_checkpoint}: {e}"
         from slime.config.moe import MoEOptions

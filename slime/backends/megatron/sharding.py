@@ -59,7 +59,8 @@ def split_tp(state: State, layout: Layout, tp: int) -> list[State]:
             raise ConversionError(
                 f"{name}: {t.shape[0]} vocabulary rows, but TP {tp} with --make-vocab-size-divisible-by "
                 f"{layout.make_vocab_size_divisible_by} needs {layout.padded_vocab_size(tp)} "
-                f"({layout.padded_vocab_size(tp) // tp} per rank); re-pad the vocabulary for this TP (repad_vocab)"
+                f"({layout.padded_vocab_size(tp) // tp} per rank); re-pad the vocabulary for this TP "
+                "(repad_vocab)"
             )
         if _rows(name, layout):
             # QKV rows are whole query groups per rank (the grouped layout keeps each group together).
@@ -145,8 +146,16 @@ def merge_experts(parts: Mapping[tuple[int, int], State], layout: Layout) -> Sta
     return out
 
 
-def rank_shard(stage: State, layout: Layout, tp: int, tp_rank: int, ep: int = 1, etp: int = 1, ep_rank: int = 0,
-               etp_rank: int = 0) -> State:  # fmt: skip
+def rank_shard(
+    stage: State,
+    layout: Layout,
+    tp: int,
+    tp_rank: int,
+    ep: int = 1,
+    etp: int = 1,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
+) -> State:
     """One rank's tensors of an unsharded pipeline stage: its TP part of the dense tensors and its
     EP x ETP part of the experts (`stage` may hold only some experts, with global ids)."""
     dense = {k: v for k, v in stage.items() if not is_expert(k)}
@@ -226,9 +235,19 @@ def _grid(parts: Mapping[tuple[int, int], Any], what: str, keys: str) -> tuple[i
     return rows, cols
 
 
-def hf_to_megatron_shard(hf: Mapping[str, torch.Tensor], layout: Layout, tp: int, pp: int, tp_rank: int,
-                         pp_rank: int, ep: int = 1, etp: int = 1, ep_rank: int = 0,
-                         etp_rank: int = 0, lm_head: bool = True) -> State:  # fmt: skip
+def hf_to_megatron_shard(
+    hf: Mapping[str, torch.Tensor],
+    layout: Layout,
+    tp: int,
+    pp: int,
+    tp_rank: int,
+    pp_rank: int,
+    ep: int = 1,
+    etp: int = 1,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
+    lm_head: bool = True,
+) -> State:
     """One rank's shard, equal to `rank_shard(shard(hf_to_megatron(hf, layout, tp), layout, tp,
     pp)[(tp_rank, pp_rank)], ...)` with its EP / ETP part of the experts, but reading only the HF
     tensors of its stage (and only its own experts) and converting one layer at a time (with a

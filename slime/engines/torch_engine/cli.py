@@ -77,28 +77,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests ask for the experts each token was routed to ('return_routed_experts'; "
         "mixture-of-experts models; SGLang's flag of the same name)",
     )
-    p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters: /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter "
-                   "and the 'lora_path' field of /generate (SGLang's flag)")  # fmt: skip
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter "
+        "and the 'lora_path' field of /generate (SGLang's flag)",
+    )
     p.add_argument(
         "--max-loaded-loras",
         type=int,
         default=None,
         help="most LoRA adapters loaded at once (SGLang's flag; default: no limit)",
     )
-    p.add_argument("--lora-paths", nargs="*", default=[], metavar="[NAME=]PATH",
-                   help="PEFT adapter directories to load at start, each named NAME or by its path (SGLang's flag; "
-                   "implies --enable-lora)")  # fmt: skip
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="PEFT adapter directories to load at start, each named NAME or by its path (SGLang's flag; "
+        "implies --enable-lora)",
+    )
     p.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
         "log-probs whatever else the engine runs (slower; SGLang's flag of the same name)",
     )
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)")  # fmt: skip
-    p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="on CUDA, book each decode step before launching the next (SGLang's flag)")  # fmt: skip
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="on CUDA, book each decode step before launching the next (SGLang's flag)",
+    )
     p.add_argument(
         "--attention-backend",
         choices=["auto", "flash", "torch_native"],
@@ -114,9 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most decode steps launched per host round trip, their tokens brought down in one "
         "copy; requests that arrive meanwhile wait for the round to end (SGLang's flag; default 1)",
     )
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
-                   "--max-running-requests; 0: none)")  # fmt: skip
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
+        "--max-running-requests; 0: none)",
+    )
     return p
 
 

@@ -94,8 +94,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         result = warm.clone()
         if self._out is None or self._out.shape[1] != result.shape[1]:
-            self._out = torch.empty((max(self.max_rows, rows), result.shape[1]), dtype=result.dtype,
-                                    device=result.device)  # fmt: skip
+            self._out = torch.empty(
+                (max(self.max_rows, rows), result.shape[1]), dtype=result.dtype, device=result.device
+            )
         out = self._out[:rows]
         graph = torch.cuda.CUDAGraph()
         try:

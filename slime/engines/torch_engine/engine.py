@@ -63,11 +63,18 @@ class TorchEngine:
         # A vision-language model: its images' processor, and its placeholders, never sampled.
         self.images = ImagePreparer.of(config.model_path, self.model.config)
         self.never_sampled = self.images.placeholder_ids if self.images is not None else None
-        self.runner = VisionRunner(self.model) if self.images is not None else make_runner(
-            self.model, config.max_running_requests, self.context_length, config.deterministic,
-            cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
-            attention_backend=config.attention_backend,
-        )  # fmt: skip
+        self.runner = (
+            VisionRunner(self.model)
+            if self.images is not None
+            else make_runner(
+                self.model,
+                config.max_running_requests,
+                self.context_length,
+                config.deterministic,
+                cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+                attention_backend=config.attention_backend,
+            )
+        )
         self.weights = WeightStore(self.model)
         overlap = config.overlap_schedule
         if overlap is None:
@@ -424,11 +431,19 @@ class TorchEngine:
             return
         t0 = time.perf_counter()
         try:
-            for seq, values in zip(scored, input_log_probs(
-                self.model, [s.prompt_ids for s in scored], [s.logprob_start_len for s in scored],
-                [s.params.temperature for s in scored], self.config.max_prefill_tokens,
-                self.config.deterministic, self.adapters, [s.lora for s in scored],
-            )):  # fmt: skip
+            for seq, values in zip(
+                scored,
+                input_log_probs(
+                    self.model,
+                    [s.prompt_ids for s in scored],
+                    [s.logprob_start_len for s in scored],
+                    [s.params.temperature for s in scored],
+                    self.config.max_prefill_tokens,
+                    self.config.deterministic,
+                    self.adapters,
+                    [s.lora for s in scored],
+                ),
+            ):
                 seq.input_logprobs = values
         finally:
             self.busy_seconds += time.perf_counter() - t0

@@ -56,8 +56,13 @@ class Adapter:
     """/unload_lora_adapter is waiting for its users: no new request may take it."""
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "rank": self.rank, "scaling": self.scaling,
-                "num_layers": len(self.weights)}  # fmt: skip
+        return {
+            "name": self.name,
+            "path": self.path,
+            "rank": self.rank,
+            "scaling": self.scaling,
+            "num_layers": len(self.weights),
+        }
 
 
 @dataclass
@@ -82,8 +87,14 @@ class ServedAdapters:
                 self.linear[m.group(1)] = (name, module)
 
     # ---- loading ------------------------------------------------------------------------------
-    def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], path: str,
-             upsert: bool = False) -> None:  # fmt: skip
+    def load(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        path: str,
+        upsert: bool = False,
+    ) -> None:
         """Register adapter `name` (refused if the name is taken: unload it first, as in SGLang).
         With `upsert` (the field of Miles's SGLang) a loaded adapter's weights are replaced in
         place: the requests running with it go on with the new ones (as paused requests do with
@@ -119,8 +130,8 @@ class ServedAdapters:
             a, b = ab["A"], ab["B"]
             if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
                 raise ProtocolError(
-                    f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; rank {rank} "
-                    f"needs A ({rank}, {layer.in_features}) and B ({layer.out_features}, {rank})",
+                    f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; rank "
+                    f"{rank} needs A ({rank}, {layer.in_features}) and B ({layer.out_features}, {rank})",
                     400,
                 )
             w = layer.weight
@@ -176,8 +187,12 @@ class ServedAdapters:
     def dump_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every loaded adapter's A and B as held (the model's dtype), under dump_name's names
         (--debug-sync-parameters-path)."""
-        return [(dump_name(a.name, module, which), t) for a in self.adapters.values()
-                for module, pair in sorted(a.weights.items()) for which, t in zip("AB", pair)]  # fmt: skip
+        return [
+            (dump_name(a.name, module, which), t)
+            for a in self.adapters.values()
+            for module, pair in sorted(a.weights.items())
+            for which, t in zip("AB", pair)
+        ]
 
     # ---- serving ------------------------------------------------------------------------------
     def resolve(self, name: str) -> Adapter:

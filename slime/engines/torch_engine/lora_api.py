@@ -32,8 +32,10 @@ class LoRAAPI:
         if adapters is None:
             error = "LoRA is not enabled: start the engine with --enable-lora"
         loaded = {} if adapters is None else await self.engine.run(adapters.loaded)
-        return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
-                                 status=400 if error else 200)  # fmt: skip
+        return web.json_response(
+            {"success": error is None, "error_message": error, "loaded_adapters": loaded},
+            status=400 if error else 200,
+        )
 
     async def _lora(self, change: Callable[[ServedAdapters], Any]) -> web.Response:
         """Run `change` on the engine thread; SGLang's answer."""

@@ -61,8 +61,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    model: Any = auto_model_class(config).from_pretrained(model_path, config=config, dtype=dtype,
-                                                          attn_implementation="sdpa")  # fmt: skip
+    model: Any = auto_model_class(config).from_pretrained(
+        model_path, config=config, dtype=dtype, attn_implementation="sdpa"
+    )
     model.to(device).eval().requires_grad_(False)
     return model
 
@@ -109,17 +110,24 @@ def make_runner(
     )
     if attention_backend == "flash" and runner.live_keys is None:
         raise ValueError(
-            "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a head "
-            "dimension that is a multiple of 8 up to 256, a torch whose flash kernel takes seqused_k, and no "
-            "--enable-deterministic-inference; use auto or torch_native"
+            "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a "
+            "head dimension that is a multiple of 8 up to 256, a torch whose flash kernel takes "
+            "seqused_k, and no --enable-deterministic-inference; use auto or torch_native"
         )
     return runner
 
 
 @torch.inference_mode()
-def input_log_probs(model: Any, prompts: list[list[int]], starts: list[int], temperatures: list[float],
-                    max_tokens: int, one_by_one: bool = False, adapters: Any = None,
-                    loras: list[Any] | None = None) -> list[list[float | None]]:  # fmt: skip
+def input_log_probs(
+    model: Any,
+    prompts: list[list[int]],
+    starts: list[int],
+    temperatures: list[float],
+    max_tokens: int,
+    one_by_one: bool = False,
+    adapters: Any = None,
+    loras: list[Any] | None = None,
+) -> list[list[float | None]]:
     """Each prompt's input-token log-probs from position `starts[i]` on, in SGLang's layout: the
     first entry is None whatever the start (SGLang reports no value there), then log
     softmax(logits / temperature) of each later token given the tokens before it (plain log
@@ -455,8 +463,11 @@ class BatchedRunner(Runner):
             "decode_attention": "live keys" if self.live_keys is not None else "padded keys",
         }
         if self.graphs is not None:
-            out.update(cuda_graphs=self.graphs.num_graphs, cuda_graph_replays=self.graphs.num_replays,
-                       cuda_graph_capture_seconds=round(self.graphs.capture_seconds, 3))  # fmt: skip
+            out.update(
+                cuda_graphs=self.graphs.num_graphs,
+                cuda_graph_replays=self.graphs.num_replays,
+                cuda_graph_capture_seconds=round(self.graphs.capture_seconds, 3),
+            )
             if self.graphs.failed:
                 out["cuda_graph_failed"] = self.graphs.failed
         return out

@@ -161,8 +161,8 @@ def sample_on_device(
 
 
 def pack(tokens_B: torch.Tensor, chosen_B: torch.Tensor) -> torch.Tensor:
-    """Token ids and their log-probs (any equal shapes) stacked, for one copy down (float64 holds both exactly:
-    ids below 2**53, float32 log-probs)."""
+    """Token ids and their log-probs (any equal shapes) stacked, for one copy down (float64 holds
+    both exactly: ids below 2**53, float32 log-probs)."""
     return torch.stack((tokens_B.to(torch.float64), chosen_B.to(torch.float64)))
 
 

@@ -184,5 +184,6 @@ def check_request(
         raise ProtocolError("'lora_path' needs an engine started with --enable-lora")
     if req.return_logprob and req.logprob_start_len >= len(ids):
         raise ProtocolError(
-            f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} tokens)"
+            f"'logprob_start_len' {req.logprob_start_len} must be below the input's length ({len(ids)} "
+            "tokens)"
         )

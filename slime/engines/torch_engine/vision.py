@@ -48,8 +48,11 @@ class ImagePreparer:
         self.model_path = model_path
         self.processor = load_processor(model_path)
         if self.processor is None:  # text prompts still run (a fine-tune saved without it)
-            logger.warning("%s: a vision-language model without an image processor (preprocessor_config.json): "
-                           "requests with 'image_data' are refused", model_path)  # fmt: skip
+            logger.warning(
+                "%s: a vision-language model without an image processor (preprocessor_config.json): "
+                "requests with 'image_data' are refused",
+                model_path,
+            )
         self.image_token_id = int(model_config.image_token_id)
         video = getattr(model_config, "video_token_id", None)
         self.placeholder_ids = [self.image_token_id] + ([int(video)] if video is not None else [])
@@ -66,8 +69,10 @@ class ImagePreparer:
         """A request without `image_data` must not hold image tokens (they would have no pixels),
         nor any request video tokens (videos are not built)."""
         if self.image_token_id in ids:
-            raise ProtocolError(f"the prompt holds image tokens (id {self.image_token_id}) but the request has no "
-                                "'image_data': send the images with the prompt")  # fmt: skip
+            raise ProtocolError(
+                f"the prompt holds image tokens (id {self.image_token_id}) but the request has no "
+                "'image_data': send the images with the prompt"
+            )
         self._check_no_video(ids)
 
     def _check_no_video(self, ids: list[int]) -> None:
@@ -80,8 +85,10 @@ class ImagePreparer:
     def prepare_request(self, req: GenerateRequest) -> tuple[list[int], ImageInputs]:
         """A request with `image_data`: its token ids and images."""
         if self.processor is None:
-            raise ProtocolError(f"'image_data': {self.model_path} has no image processor (preprocessor_config.json); "
-                                "this engine serves its text prompts only")  # fmt: skip
+            raise ProtocolError(
+                f"'image_data': {self.model_path} has no image processor (preprocessor_config.json); "
+                "this engine serves its text prompts only"
+            )
         if req.return_logprob and req.logprob_start_len >= 0:
             raise ProtocolError(
                 "'logprob_start_len' (input-token log-probs) is not built for prompts with images"
@@ -103,8 +110,10 @@ class ImagePreparer:
         if text is not None:
             held = text.count(self.processor.image_token)
             if held != len(decoded):
-                raise ProtocolError(f"'text' holds {held} image placeholder(s) ({self.processor.image_token}) for "
-                                    f"{len(decoded)} image(s) in 'image_data': one placeholder per image")  # fmt: skip
+                raise ProtocolError(
+                    f"'text' holds {held} image placeholder(s) ({self.processor.image_token}) for "
+                    f"{len(decoded)} image(s) in 'image_data': one placeholder per image"
+                )
         try:
             if text is not None:
                 with self.lock:
@@ -133,9 +142,10 @@ class ImagePreparer:
                     runs.append(1)
         if runs != expected:
             raise ProtocolError(
-                f"the prompt's image placeholders do not fit 'image_data': {len(expected)} image(s) of {expected} "
-                f"tokens, but the prompt holds {len(runs)} run(s) of image tokens {runs} (give 'text' with one "
-                "placeholder per image, or 'input_ids' as the checkpoint's processor expands them)"
+                f"the prompt's image placeholders do not fit 'image_data': {len(expected)} image(s) of "
+                f"{expected} tokens, but the prompt holds {len(runs)} run(s) of image tokens {runs} (give "
+                "'text' with one placeholder per image, or 'input_ids' as the checkpoint's processor "
+                "expands them)"
             )
 
 

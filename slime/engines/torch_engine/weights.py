@@ -344,12 +344,16 @@ class WeightStore:
                 through = f" (snapshot rounded to {_dtype_name(sent)}, the dtype the update arrived in)"
                 rounded[_dtype_name(sent)] += 1
             if expected.shape != actual.shape or expected.dtype != actual.dtype:
-                problems.append(f"name={name} shape/dtype {tuple(actual.shape)} {actual.dtype} != "
-                                f"{tuple(expected.shape)} {expected.dtype}")  # fmt: skip
+                problems.append(
+                    f"name={name} shape/dtype {tuple(actual.shape)} {actual.dtype} != "
+                    f"{tuple(expected.shape)} {expected.dtype}"
+                )
             elif not torch.equal(expected, actual):
                 err = (expected.double() - actual.double()).abs()
-                problems.append(f"name={name} max_abs_err={err.max().item():.6g} mean_abs_err={err.mean().item():.6g} "
-                                f"first_index={int((err != 0).view(-1).nonzero()[0])}{through}")  # fmt: skip
+                problems.append(
+                    f"name={name} max_abs_err={err.max().item():.6g} mean_abs_err={err.mean().item():.6g} "
+                    f"first_index={int((err != 0).view(-1).nonzero()[0])}{through}"
+                )
         note = "; ".join(
             f"{n} compared with the snapshot rounded to {dtype}, the dtype their update arrived in"
             for dtype, n in sorted(rounded.items())

@@ -96,12 +96,18 @@ class RemoteRewardClient:
         def on_retry(failures: int, e: BaseException, wait: float) -> None:
             logger.info(
                 "remote_rm: POST %s failed (%s: %s), retry %d/%d in %.1fs",
-                cfg.url, type(e).__name__, e, failures, cfg.max_retries - 1, wait,
-            )  # fmt: skip
+                cfg.url,
+                type(e).__name__,
+                e,
+                failures,
+                cfg.max_retries - 1,
+                wait,
+            )
 
         try:
             return await retrying(once, cfg.policy, retryable, on_retry)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise RemoteRewardError(
-                f"remote_rm: POST {cfg.url} failed {cfg.max_retries} times; last error: {type(e).__name__}: {e}"
+                f"remote_rm: POST {cfg.url} failed {cfg.max_retries} times; last error: "
+                f"{type(e).__name__}: {e}"
             ) from e

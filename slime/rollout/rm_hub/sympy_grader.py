@@ -24,14 +24,35 @@ from slime.rollout.rm_hub.deps import require
 _WRAPPED_IN_TEXT = re.compile(r"^\\text\{(?P<inner>.+?)\}$")
 # Literal edits, in order: currency and percent signs, "or"/"and" lists, scale words.
 _LITERAL_EDITS: tuple[tuple[str, str], ...] = (
-    ("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
-    ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"),
-)  # fmt: skip
+    ("\\%", "%"),
+    ("\\$", "$"),
+    ("$", ""),
+    ("%", ""),
+    (" or ", " , "),
+    (" and ", " , "),
+    ("million", "*10^6"),
+    ("billion", "*10^9"),
+    ("trillion", "*10^12"),
+)
 # Unit words deleted one after the other (plural, a space and a power with them).
 _UNITS = (
-    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
-    "year", "foot", "feet", "inch", "yard",
-)  # fmt: skip
+    "degree",
+    "cm",
+    "centimeter",
+    "meter",
+    "mile",
+    "second",
+    "minute",
+    "hour",
+    "day",
+    "week",
+    "month",
+    "year",
+    "foot",
+    "feet",
+    "inch",
+    "yard",
+)
 _UNIT_PATTERNS = tuple(re.compile(unit + r"(es)?(s)? *(\^[0-9]+)?") for unit in _UNITS)
 _DEGREE_SIGN = re.compile(r"\^ *\\circ")
 _THIN_SPACE_COMMA = re.compile(r",\\! *")
