@@ -49,8 +49,12 @@ async def run(
     async with aiohttp.ClientSession() as http:
         for k in range(args.sessions):
             sid = f"bench-{tag}-{k}"
-            defaults = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
-                        "sampling_seed": 1000 + k}  # fmt: skip
+            defaults = {
+                "temperature": 1.0,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": True,
+                "sampling_seed": 1000 + k,
+            }
             adapter.open_session(sid, sampling_defaults=defaults)
             messages = [
                 {"role": "system", "content": "you are terse"},
@@ -59,8 +63,11 @@ async def run(
             for t in range(args.turns):
                 body = {"model": "m", "messages": messages}
                 start = time.perf_counter()
-                async with http.post(f"{adapter_url}/v1/chat/completions", json=body,
-                                     headers={"Authorization": f"Bearer {sid}"}) as r:  # fmt: skip
+                async with http.post(
+                    f"{adapter_url}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {sid}"},
+                ) as r:
                     reply = await r.json()
                     assert r.status == 200, reply
                 via.append(time.perf_counter() - start)
@@ -68,13 +75,21 @@ async def run(
                     await asyncio.sleep(0.001)
                 params = sampling_params(adapter.store[sid], body, adapter.max_token_keys, adapter.stop_keys)
                 start = time.perf_counter()
-                async with http.post(f"{engine_url}/generate", json={"input_ids": turns[-1].prompt_ids,
-                                     "sampling_params": params, "return_logprob": True}) as r:  # fmt: skip
+                async with http.post(
+                    f"{engine_url}/generate",
+                    json={
+                        "input_ids": turns[-1].prompt_ids,
+                        "sampling_params": params,
+                        "return_logprob": True,
+                    },
+                ) as r:
                     out = await r.json()
                 direct.append(time.perf_counter() - start)
                 assert [p[1] for p in out["meta_info"]["output_token_logprobs"]] == turns[-1].output_ids
-                messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""},
-                             {"role": "user", "content": f"and then {t}"}]  # fmt: skip
+                messages += [
+                    {"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""},
+                    {"role": "user", "content": f"and then {t}"},
+                ]
             samples += await adapter.finish_session(sid, base_sample=Sample(index=k))
     return {"via": via, "direct": direct, "own": list(adapter.latency_s), "samples": samples}
 
@@ -109,20 +124,27 @@ def main() -> int:
     own = [1000 * x for x in result["own"]]
     n = len(via)
     print(
-        f"{args.sessions} sessions x {args.turns} turns, {args.max_new_tokens} new tokens a turn, one request at a time\n"
+        f"{args.sessions} sessions x {args.turns} turns, {args.max_new_tokens} new tokens a turn, one "
+        "request at a time\n"
     )
     print("| path | p50 ms | p90 ms | mean ms | p50 ratio |")
     print("|---|---|---|---|---|")
     for name, xs in (("direct /generate (baseline)", direct), ("through the adapter", via)):
-        print(f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.9):.2f} | {statistics.fmean(xs):.2f} | "
-              f"{pct(xs, 0.5) / pct(direct, 0.5):.2f}x |")  # fmt: skip
-    print(f"\nadded per turn: p50 {pct(via, 0.5) - pct(direct, 0.5):.2f} ms "
-          f"(the adapter's own work: p50 {pct(own, 0.5):.2f} ms, p90 {pct(own, 0.9):.2f} ms over {len(own)} turns)")  # fmt: skip
+        print(
+            f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.9):.2f} | {statistics.fmean(xs):.2f} | "
+            f"{pct(xs, 0.5) / pct(direct, 0.5):.2f}x |"
+        )
+    print(
+        f"\nadded per turn: p50 {pct(via, 0.5) - pct(direct, 0.5):.2f} ms (the adapter's own work: p50 "
+        f"{pct(own, 0.5):.2f} ms, p90 {pct(own, 0.9):.2f} ms over {len(own)} turns)"
+    )
     samples = result["samples"]
     full = sum(s.metadata["rendered_in_full"] for s in samples)
     drifted = sum(1 for s in samples if s.metadata["forked_turns"] or s.metadata["realigned_turns"])
-    print(f"turns rendered in full: {full} of {n - args.sessions}; samples that forked or realigned: "
-          f"{drifted} of {len(samples)} ({len(samples)} samples for {args.sessions} sessions)")  # fmt: skip
+    print(
+        f"turns rendered in full: {full} of {n - args.sessions}; samples that forked or realigned: "
+        f"{drifted} of {len(samples)} ({len(samples)} samples for {args.sessions} sessions)"
+    )
     return 0
 
 

@@ -81,19 +81,51 @@ def run(
 ) -> list[dict]:
     log_dir = os.path.join(out, "logs-" + tag)
     env = {
-        **os.environ, "SLIME_LOG_DIR": log_dir, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        **os.environ,
+        "SLIME_LOG_DIR": log_dir,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join([out, ROOT, os.environ.get("PYTHONPATH", "")]),
-    }  # fmt: skip
+    }
     argv = [
-        sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model,
-        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--prompt-data", prompts, "--metadata-key", "metadata", "--rollout-shuffle", "--rm-type", "exact",
-        "--custom-generate-function-path", "longtail_plugin.generate",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(n),
-        "--rollout-max-response-len", str(longest), "--global-batch-size", str(BATCH * n),
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048",
-        "--lr", "5e-4", "--update-weight-transport", "tensor", "--seed", "1", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(ROOT, script),
+        "--hf-checkpoint",
+        model,
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        prompts,
+        "--metadata-key",
+        "metadata",
+        "--rollout-shuffle",
+        "--rm-type",
+        "exact",
+        "--custom-generate-function-path",
+        "longtail_plugin.generate",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        str(BATCH),
+        "--n-samples-per-prompt",
+        str(n),
+        "--rollout-max-response-len",
+        str(longest),
+        "--global-batch-size",
+        str(BATCH * n),
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "2048",
+        "--lr",
+        "5e-4",
+        "--update-weight-transport",
+        "tensor",
+        "--seed",
+        "1",
+        *extra,
+    ]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=out)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -175,8 +207,10 @@ def main() -> int:
             args.n_samples_per_prompt,
         )
 
-    print(f"long-tail workload (response {SHORT} tokens, 1 prompt in 8 4-8x longer), {args.num_rollout} rollouts "
-          f"per schedule, means over steps {args.warmup + 1}+; logs in {out}")  # fmt: skip
+    print(
+        f"long-tail workload (response {SHORT} tokens, 1 prompt in 8 4-8x longer), {args.num_rollout} "
+        f"rollouts per schedule, means over steps {args.warmup + 1}+; logs in {out}"
+    )
     rows = [
         ("generate (s/step)", "generate", "{:.3f}"),
         ("waited for generation", "wait_generate", "{:.3f}"),
@@ -196,8 +230,10 @@ def main() -> int:
     print(f"{'':<24}" + "".join(f"{n:>{width}}" for n in results))
     for label, key, fmt in rows:
         if key is None:
-            cells = [f"{r['lag_mean']:.2f} / {r['lag_max']:.0f}" if r["lag_mean"] == r["lag_mean"] else "-"
-                     for r in results.values()]  # fmt: skip
+            cells = [
+                f"{r['lag_mean']:.2f} / {r['lag_max']:.0f}" if r["lag_mean"] == r["lag_mean"] else "-"
+                for r in results.values()
+            ]
         else:
             cells = [fmt.format(r[key]) if r[key] == r[key] else "-" for r in results.values()]
         print(f"{label:<24}" + "".join(f"{c:>{width}}" for c in cells))

@@ -31,33 +31,118 @@ def build(out: str, seed: int) -> tuple[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     base, task, sft = (os.path.join(out, d) for d in ("base", "task", "sft"))
     for argv in (
-        ["-m", "slime.tools.make_tiny_model", "--out", base, "--hidden-size", "128", "--num-layers", "4",
-         "--num-heads", "4", "--num-kv-heads", "2", "--seed", str(seed)],
+        [
+            "-m",
+            "slime.tools.make_tiny_model",
+            "--out",
+            base,
+            "--hidden-size",
+            "128",
+            "--num-layers",
+            "4",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--seed",
+            str(seed),
+        ],
         ["-m", "slime.tools.make_demo_task", "--out", task, "--seed", "0"],
-        ["-m", "slime.tools.sft", "--hf-checkpoint", base, "--data", os.path.join(task, "sft.jsonl"),
-         "--save-hf", sft, "--num-epoch", "30", "--lr", "2e-3", "--global-batch-size", "30",
-         "--micro-batch-size", "30", "--seed", str(seed)],
-    ):  # fmt: skip
+        [
+            "-m",
+            "slime.tools.sft",
+            "--hf-checkpoint",
+            base,
+            "--data",
+            os.path.join(task, "sft.jsonl"),
+            "--save-hf",
+            sft,
+            "--num-epoch",
+            "30",
+            "--lr",
+            "2e-3",
+            "--global-batch-size",
+            "30",
+            "--micro-batch-size",
+            "30",
+            "--seed",
+            str(seed),
+        ],
+    ):
         subprocess.run([py, *argv], check=True, capture_output=True, cwd=ROOT, env=env)
     return sft, task
 
 
-def run(script: str, out: str, tag: str, model: str, task: str, num_rollout: int, seed: int,
-        extra: tuple[str, ...]) -> tuple[list[dict], float]:  # fmt: skip
+def run(
+    script: str,
+    out: str,
+    tag: str,
+    model: str,
+    task: str,
+    num_rollout: int,
+    seed: int,
+    extra: tuple[str, ...],
+) -> tuple[list[dict], float]:
     log_dir = os.path.join(out, "logs-" + tag)
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [
-        sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--device", "cpu",
-        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--prompt-data", os.path.join(task, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-        "--rollout-shuffle", "--rm-type", "exact", "--num-rollout", str(num_rollout),
-        "--rollout-batch-size", "16", "--n-samples-per-prompt", "16", "--rollout-max-response-len", "4",
-        "--rollout-temperature", "1.0", "--advantage-estimator", "grpo", "--global-batch-size", "64",
-        "--micro-batch-size", "64", "--lr", "5e-4", "--lr-warmup-iters", str(min(10, num_rollout)), "--lr-decay-style", "cosine",
-        "--lr-decay-iters", str(num_rollout * 4), "--min-lr", "5e-5", "--eval-interval", "25",
-        "--eval-prompt-data", os.path.join(task, "eval.jsonl"), "--eval-temperature", "0", "--seed", str(seed),
-        "--update-weight-transport", "tensor", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(ROOT, script),
+        "--hf-checkpoint",
+        model,
+        "--device",
+        "cpu",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        os.path.join(task, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-shuffle",
+        "--rm-type",
+        "exact",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "16",
+        "--rollout-max-response-len",
+        "4",
+        "--rollout-temperature",
+        "1.0",
+        "--advantage-estimator",
+        "grpo",
+        "--global-batch-size",
+        "64",
+        "--micro-batch-size",
+        "64",
+        "--lr",
+        "5e-4",
+        "--lr-warmup-iters",
+        str(min(10, num_rollout)),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-decay-iters",
+        str(num_rollout * 4),
+        "--min-lr",
+        "5e-5",
+        "--eval-interval",
+        "25",
+        "--eval-prompt-data",
+        os.path.join(task, "eval.jsonl"),
+        "--eval-temperature",
+        "0",
+        "--seed",
+        str(seed),
+        "--update-weight-transport",
+        "tensor",
+        *extra,
+    ]
     start = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
     seconds = time.monotonic() - start
@@ -119,11 +204,13 @@ def main() -> int:
         ]
         lags = [r["rollout/policy_lag_mean"] for r in records if "rollout/policy_lag_mean" in r]
         stale = sum(r.get("rollout/stale_groups_requeued", 0.0) for r in records)
-        summary[name] = f"{seconds:.0f} s" + (f", lag mean {sum(lags) / len(lags):.2f}, {stale:.0f} groups requeued"
-                                               if lags else "")  # fmt: skip
+        summary[name] = f"{seconds:.0f} s" + (
+            f", lag mean {sum(lags) / len(lags):.2f}, {stale:.0f} groups requeued" if lags else ""
+        )
     points = sorted({x for c in curves.values() for x, _ in c})
     print(
-        f"held-out accuracy by samples trained on ({args.num_rollout} rollouts of {SAMPLES_PER_ROLLOUT} samples)"
+        f"held-out accuracy by samples trained on ({args.num_rollout} rollouts of {SAMPLES_PER_ROLLOUT} "
+        "samples)"
     )
     print(f"{'samples':>8}" + "".join(f"{n:>18}" for n in curves))
     for x in points:

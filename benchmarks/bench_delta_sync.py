@@ -36,9 +36,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {  # make_tiny_model arguments
     "demo": ["--hidden-size", "128", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2"],
-    "0.5b": ["--hidden-size", "896", "--intermediate-size", "4864", "--num-layers", "24", "--num-heads", "14",
-             "--num-kv-heads", "2", "--vocab", "151936"],  # Qwen2.5-0.5B's shape
-}  # fmt: skip
+    "0.5b": [
+        "--hidden-size",
+        "896",
+        "--intermediate-size",
+        "4864",
+        "--num-layers",
+        "24",
+        "--num-heads",
+        "14",
+        "--num-kv-heads",
+        "2",
+        "--vocab",
+        "151936",
+    ],  # Qwen2.5-0.5B's shape
+}
 
 
 def make_model(out: str, shape: str) -> tuple[str, str]:
@@ -98,13 +110,19 @@ def main() -> int:
         )
         for lr in map(float, args.lrs.split(",")):
             run = os.path.join(tmp, f"lr{lr:g}")
-            cfg = TrainConfig(hf_checkpoint=fp32, loss=LossConfig(), optimizer=OptimizerConfig(lr=lr),
-                              batch=BatchConfig(global_batch_size=8, micro_batch_size=8))  # fmt: skip
+            cfg = TrainConfig(
+                hf_checkpoint=fp32,
+                loss=LossConfig(),
+                optimizer=OptimizerConfig(lr=lr),
+                batch=BatchConfig(global_batch_size=8, micro_batch_size=8),
+            )
             actor = FSDPTrainActor(cfg, 0, 1, f"file://{run}-rendezvous")
             actor.init()
             vocab = actor.hf_config.vocab_size
-            delta = {e: DeltaDiskTransport(bf16, os.path.join(run, e), os.path.join(run, e + "-host"), e)
-                     for e in wd.ENCODINGS}  # fmt: skip
+            delta = {
+                e: DeltaDiskTransport(bf16, os.path.join(run, e), os.path.join(run, e + "-host"), e)
+                for e in wd.ENCODINGS
+            }
             full = DiskTransport(bf16, root=os.path.join(run, "full"))
             times: dict[str, dict[str, list[float]]] = {
                 k: {"bytes": [], "publish": [], "apply": []} for k in ("full", *delta)
@@ -121,8 +139,13 @@ def main() -> int:
                 asyncio.run(full.finish([], str(step)))
                 times["full"]["publish"].append(time.perf_counter() - start)
                 assert path is not None
-                times["full"]["bytes"].append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-                                                  if f.endswith(".safetensors")))  # fmt: skip
+                times["full"]["bytes"].append(
+                    sum(
+                        os.path.getsize(os.path.join(path, f))
+                        for f in os.listdir(path)
+                        if f.endswith(".safetensors")
+                    )
+                )
                 times["full"]["apply"].append(0.0)  # the engine loads it as it is
                 for encoding, t in delta.items():
                     start = time.perf_counter()
@@ -136,14 +159,26 @@ def main() -> int:
             actor.close()
             params = sum(t.numel() for _, t in weights) / 1e6
             for kind, m in times.items():
-                rows.append((shape, lr, params, kind, statistics.fmean(m["bytes"]) / full_bytes,
-                             statistics.fmean(m["publish"]), statistics.fmean(m["apply"])))  # fmt: skip
+                rows.append(
+                    (
+                        shape,
+                        lr,
+                        params,
+                        kind,
+                        statistics.fmean(m["bytes"]) / full_bytes,
+                        statistics.fmean(m["publish"]),
+                        statistics.fmean(m["apply"]),
+                    )
+                )
             shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{args.pushes} RL steps per run (GRPO, random rollouts), bfloat16 weights, one push of each kind after "
-          f"every step; threads {args.threads}")  # fmt: skip
     print(
-        f"{'shape':<6} {'lr':>7} {'params M':>9} {'push':<10} {'bytes / full':>12} {'publish s':>10} {'apply s':>8}"
+        f"{args.pushes} RL steps per run (GRPO, random rollouts), bfloat16 weights, one push of each kind "
+        f"after every step; threads {args.threads}"
+    )
+    print(
+        f"{'shape':<6} {'lr':>7} {'params M':>9} {'push':<10} {'bytes / full':>12} {'publish s':>10} "
+        f"{'apply s':>8}"
     )
     for shape, lr, params, kind, ratio, publish, apply_s in rows:
         print(

@@ -37,11 +37,21 @@ from slime.tools.make_tiny_model import main as make_tiny_model
 async def generate_all(url: str, reqs, concurrency: int) -> tuple[float, list[list[float]]]:
     async with EngineClient(url, ClientConfig(max_concurrency=concurrency)) as c:
         start = time.perf_counter()
-        results = await asyncio.gather(*[
-            c.generate(p, sampling_params={"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True,
-                                           "sampling_seed": 1000 + i}, return_logprob=True)
-            for i, (p, m) in enumerate(reqs)
-        ])  # fmt: skip
+        results = await asyncio.gather(
+            *[
+                c.generate(
+                    p,
+                    sampling_params={
+                        "max_new_tokens": m,
+                        "temperature": 1.0,
+                        "ignore_eos": True,
+                        "sampling_seed": 1000 + i,
+                    },
+                    return_logprob=True,
+                )
+                for i, (p, m) in enumerate(reqs)
+            ]
+        )
         elapsed = time.perf_counter() - start
     tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     return tokens / elapsed, [[x[0] for x in r["meta_info"]["output_token_logprobs"]] for r in results]
@@ -52,8 +62,9 @@ def bench_engine(model: str, threads: int, tmp: str) -> dict[str, dict]:
     reqs = make_workload(64, 1234, vocab)
     out: dict[str, dict] = {}
     for mode, extra in (("default", []), ("deterministic", ["--enable-deterministic-inference"])):
-        engine = start_torch_engine(model, ["--num-threads", str(threads), *extra],
-                                    log_path=os.path.join(tmp, f"engine-{mode}.log"))  # fmt: skip
+        engine = start_torch_engine(
+            model, ["--num-threads", str(threads), *extra], log_path=os.path.join(tmp, f"engine-{mode}.log")
+        )
         try:
             asyncio.run(generate_all(engine.url, reqs[:8], 8))  # warm-up
             rates, logprobs = {}, {}
@@ -74,8 +85,12 @@ def bench_trainer(model: str, tmp: str, rollouts: int = 3) -> dict[str, float]:
     out = {}
     # Deterministic last: torch.use_deterministic_algorithms is process-wide.
     for mode, deterministic in (("default", False), ("deterministic", True)):
-        cfg = TrainConfig(hf_checkpoint=model, deterministic=deterministic, optimizer=OptimizerConfig(lr=1e-5),
-                          batch=BatchConfig(global_batch_size=32, micro_batch_size=8))  # fmt: skip
+        cfg = TrainConfig(
+            hf_checkpoint=model,
+            deterministic=deterministic,
+            optimizer=OptimizerConfig(lr=1e-5),
+            batch=BatchConfig(global_batch_size=32, micro_batch_size=8),
+        )
         actor = FSDPTrainActor(cfg, 0, 1, f"file://{os.path.join(tmp, 'rdzv-' + mode)}")
         actor.init()
         tokens = sum(len(t) for t in make_rollout(0, 101).tokens)
@@ -113,15 +128,18 @@ def main() -> int:
     for c in (1, 8, 64):
         d, x = engine["default"]["rates"][c], engine["deterministic"]["rates"][c]
         print(f"{c:<14}{d:>12,.0f}{x:>16,.0f}{x / d:>8.2f}")
-    print(f"log-probs at concurrency 64 == at concurrency 1, bit for bit: default "
-          f"{engine['default']['invariant']}, deterministic {engine['deterministic']['invariant']}")  # fmt: skip
+    print(
+        f"log-probs at concurrency 64 == at concurrency 1, bit for bit: default "
+        f"{engine['default']['invariant']}, deterministic {engine['deterministic']['invariant']}"
+    )
 
     train = bench_trainer(tiny, out)
     print(
         f"\n2. FSDP actor, 1 rank: tokens/s (median of 3 rollouts)\n{'default':<14}{train['default']:>12,.0f}"
     )
     print(
-        f"{'deterministic':<14}{train['deterministic']:>12,.0f}  ratio {train['deterministic'] / train['default']:.2f}"
+        f"{'deterministic':<14}{train['deterministic']:>12,.0f}  ratio "
+        f"{train['deterministic'] / train['default']:.2f}"
     )
 
     model, task = make_demo(out)

@@ -72,8 +72,9 @@ def make_workload(n: int, seed: int, vocab: int, max_new=(16, 128), prompt=(8, 6
     return reqs
 
 
-def bench_hf_generate(model_path: str, reqs, batch_size: int = 32, device: str = "cpu",
-                      dtype: torch.dtype = torch.float32) -> float:  # fmt: skip
+def bench_hf_generate(
+    model_path: str, reqs, batch_size: int = 32, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
@@ -222,11 +223,13 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
     )
     _table(rows)
     print(
-        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: {'PASS' if ratio >= 1.5 else 'FAIL'})"
+        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: "
+        f"{'PASS' if ratio >= 1.5 else 'FAIL'})"
     )
     if before_tps is not None:
         print(
-            f"ratio this tree / {args.compare_src}: {engine_tps / before_tps:.2f}x (target >= 1.0x within noise)"
+            f"ratio this tree / {args.compare_src}: {engine_tps / before_tps:.2f}x (target >= 1.0x within "
+            "noise)"
         )
     if args.leak_requests:
         print(
@@ -240,21 +243,47 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
 def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     model_path = args.model_path or os.path.join(tmp, "qwen3-190m")
     if not args.model_path:
-        make_tiny_model(["--out", model_path, "--hidden-size", "1024", "--num-layers", "16", "--num-heads", "16",
-                         "--num-kv-heads", "8", "--max-position-embeddings", "4096"])  # fmt: skip
+        make_tiny_model(
+            [
+                "--out",
+                model_path,
+                "--hidden-size",
+                "1024",
+                "--num-layers",
+                "16",
+                "--num-heads",
+                "16",
+                "--num-kv-heads",
+                "8",
+                "--max-position-embeddings",
+                "4096",
+            ]
+        )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     reqs = make_workload(args.requests or 256, args.seed, vocab, max_new=(64, 512), prompt=(32, 256))
     n = len(reqs)
-    flags = ["--device", "cuda", "--dtype", "bfloat16", "--max-running-requests", str(n),
-             "--max-prefill-tokens", "16384", "--num-threads", str(args.threads)]  # fmt: skip
+    flags = [
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--max-running-requests",
+        str(n),
+        "--max-prefill-tokens",
+        "16384",
+        "--num-threads",
+        str(args.threads),
+    ]
     results = {}
-    configs = (("CUDA graphs, overlap", []),
-               ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
-               ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
-               ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
-               ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"]))  # fmt: skip
+    configs = (
+        ("CUDA graphs, overlap", []),
+        ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
+        ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
+        ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
+        ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"]),
+    )
     for name, extra in configs:
         log = os.path.join(tmp, f"engine-{len(results)}.log")
         engine = start_torch_engine(model_path, flags + extra, log_path=log)
@@ -271,15 +300,18 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     rows = [(f"HF generate (padded batches of 64, {len(hf)} requests)", f"{hf_tps:,.0f}", "")]
     for name, (tps, busy_pct, _) in results.items():
         rows.append((f"torch engine, {name}", f"{tps:,.0f}", _pct(busy_pct)))
-    print(f"\nworkload: {n} requests in flight, prompt 32-256, max_new_tokens 64-512 (seed {args.seed}), "
-          f"{sum(m for _, m in reqs)} tokens, bfloat16, {torch.cuda.get_device_name()}")  # fmt: skip
+    print(
+        f"\nworkload: {n} requests in flight, prompt 32-256, max_new_tokens 64-512 (seed {args.seed}), "
+        f"{sum(m for _, m in reqs)} tokens, bfloat16, {torch.cuda.get_device_name()}"
+    )
     _table(rows, ("tokens/s", "GPU busy"))
     for name, (_, _, stats) in results.items():
         print(f"{name}: engine stats {stats}")
     tps, busy_pct, _ = results["CUDA graphs, overlap"]
     ratio = tps / hf_tps
     print(
-        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 10x: {'PASS' if ratio >= 10 else 'FAIL'})"
+        f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 10x: "
+        f"{'PASS' if ratio >= 10 else 'FAIL'})"
     )
     verdict = "n/a" if busy_pct is None else ("PASS" if busy_pct >= 60 else "FAIL")
     print(f"GPU busy while the engine decodes: {_pct(busy_pct)} (target >= 60%: {verdict})")
@@ -411,8 +443,15 @@ class GpuBusy:
     def __enter__(self) -> GpuBusy:
         self.proc = None
         if shutil.which("nvidia-smi"):
-            cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100",
-                   "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]  # fmt: skip
+            cmd = [
+                "nvidia-smi",
+                "--query-gpu=utilization.gpu",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "100",
+                "-i",
+                os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+            ]
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
 
@@ -433,8 +472,15 @@ def _server_stats(url: str) -> dict:
 
     with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
         state = json.load(r)["internal_states"][0]
-    keys = ("num_steps", "busy_seconds", "decode_attention", "decode_shapes", "cuda_graphs", "cuda_graph_replays",
-            "cuda_graph_capture_seconds")  # fmt: skip
+    keys = (
+        "num_steps",
+        "busy_seconds",
+        "decode_attention",
+        "decode_shapes",
+        "cuda_graphs",
+        "cuda_graph_replays",
+        "cuda_graph_capture_seconds",
+    )
     return {k: state[k] for k in keys if k in state}
 
 

@@ -36,8 +36,10 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 def prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(5, 100, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]  # fmt: skip
+    return [
+        torch.randint(5, 100, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 async def engine_run(url: str, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], str]:
@@ -58,8 +60,14 @@ def hf_run(path: str, batch: list[list[int]], new_tokens: int) -> tuple[float, l
         model.generate(torch.tensor([batch[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         start = time.perf_counter()
         for p in batch:
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             outputs.append(out[0, len(p) :].tolist())
         return time.perf_counter() - start, outputs
 
@@ -80,21 +88,34 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             path = os.path.join(tmp, arch)
-            make_tiny_model(["--out", path, "--arch", arch, "--hidden-size", str(args.hidden_size),
-                             "--num-layers", str(args.num_layers)])  # fmt: skip
+            make_tiny_model(
+                [
+                    "--out",
+                    path,
+                    "--arch",
+                    arch,
+                    "--hidden-size",
+                    str(args.hidden_size),
+                    "--num-layers",
+                    str(args.num_layers),
+                ]
+            )
             with start_torch_engine(
                 path, ["--num-threads", str(args.threads)], log_path=os.path.join(tmp, f"{arch}.log")
             ) as eng:
                 seconds, got, runner = asyncio.run(engine_run(eng.url, batch, args.new_tokens))
             hf_seconds, want = hf_run(path, batch, args.new_tokens)
             rows.append((arch, runner, tokens / seconds, tokens / hf_seconds, got == want))
-    print(f"\n{args.requests} greedy requests x {args.new_tokens} tokens, hidden {args.hidden_size}, "
-          f"{args.num_layers} layers, {args.threads} threads\n")  # fmt: skip
+    print(
+        f"\n{args.requests} greedy requests x {args.new_tokens} tokens, hidden {args.hidden_size}, "
+        f"{args.num_layers} layers, {args.threads} threads\n"
+    )
     print("| arch | engine runner | engine tok/s | HF generate tok/s | ratio | tokens equal HF's |")
     print("|---|---|---|---|---|---|")
     for arch, runner, ours, theirs, same in rows:
         print(
-            f"| {arch} | {runner} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | {'yes' if same else 'NO'} |"
+            f"| {arch} | {runner} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | "
+            f"{'yes' if same else 'NO'} |"
         )
     return 0 if all(r[4] for r in rows) else 1
 

@@ -85,8 +85,11 @@ def main() -> int:
     before = statistics.median(r["time/step"] for r in killed[args.warmup : args.kill_at])
     after = [r["time/step"] for r in killed if r.get("rollout_id", -1) >= args.kill_at]
     lost = sum(t - before for t in after)
-    print(f"a kill at rollout {args.kill_at}: median step before it {before:.2f} s; the {len(after)} steps from it "
-          f"took {sum(after):.2f} s, {lost:+.2f} s against that median ({', '.join(f'{t:.2f}' for t in after)})")  # fmt: skip
+    print(
+        f"a kill at rollout {args.kill_at}: median step before it {before:.2f} s; the {len(after)} steps "
+        f"from it took {sum(after):.2f} s, {lost:+.2f} s against that median "
+        f"({', '.join(f'{t:.2f}' for t in after)})"
+    )
     print("(the engine restarts in the background: the steps meanwhile run on one engine, and its start-up")
     print(" competes for the CPU; every rollout of the run was generated and trained)")
     return 0

@@ -351,10 +351,11 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
     first = rollouts[0]  # the baselines' workload
     m.update(baselines(args, model, config, first, peak))
     print(
-        f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), {args.train_backend}, "
-        f"{device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, prompts "
-        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; medians of steps "
-        f"2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS"
+        f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), "
+        f"{args.train_backend}, {device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, "
+        f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; "
+        f"medians of steps 2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak "
+        f"{_f(peak, '{:,.0f}')} TFLOPS"
     )
     rows = phase_rows(m, first)
     width = max(len(r[0]) for r in rows)
@@ -364,8 +365,8 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
         print(f"{name.ljust(width)} | {seconds:>11} | {rate}")
     train_tps = m["perf/actor_train_tok_per_s"]
     print(
-        f"\nratio engine / HF generate: {m['rollout_tps'] / m['hf_tps']:.2f}x; trainer / plain PyTorch (train "
-        f"tokens/s): {_f(train_tps / m['plain_tps'] if train_tps else None)}x"
+        f"\nratio engine / HF generate: {m['rollout_tps'] / m['hf_tps']:.2f}x; trainer / plain PyTorch "
+        f"(train tokens/s): {_f(train_tps / m['plain_tps'] if train_tps else None)}x"
     )
     return check_targets(m) if cuda and args.preset == "qwen3-0.6b" else True
 

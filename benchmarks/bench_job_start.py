@@ -30,12 +30,39 @@ sys.path.insert(0, ROOT)
 
 
 def run_once(tree: str, model: str, prompts: str, ranks: int, address: str, work: str) -> tuple[float, float]:
-    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1",
-           "RAY_AUTH_MODE": "disabled", "SLIME_LOG_DIR": os.path.join(work, "logs")}  # fmt: skip
-    argv = [sys.executable, "-u", os.path.join(tree, "train.py"), "--hf-checkpoint", model, "--prompt-data", prompts,
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "2",
-            "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4",
-            "--rm-type", "exact", "--actor-num-gpus-per-node", str(ranks)]  # fmt: skip
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": address,
+        "PYTHONPATH": tree,
+        "OMP_NUM_THREADS": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "SLIME_LOG_DIR": os.path.join(work, "logs"),
+    }
+    argv = [
+        sys.executable,
+        "-u",
+        os.path.join(tree, "train.py"),
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        prompts,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "2",
+        "--rollout-max-response-len",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--rm-type",
+        "exact",
+        "--actor-num-gpus-per-node",
+        str(ranks),
+    ]
     start = time.monotonic()
     banner = None
     proc = subprocess.Popen(
@@ -68,8 +95,11 @@ def main() -> int:
         with open(prompts, "w") as f:
             f.writelines(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(10))
         old = os.path.join(tmp, "baseline")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, args.baseline], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", ROOT, "worktree", "add", "--detach", old, args.baseline],
+            check=True,
+            capture_output=True,
+        )
         cluster = RayCluster(head_cpus=8)
         try:
             times: dict[str, list[tuple[float, float]]] = {"baseline": [], "this checkout": []}
@@ -81,8 +111,10 @@ def main() -> int:
             cluster.stop()
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], check=False)
     medians = {name: [statistics.median(t[i] for t in runs) for i in (0, 1)] for name, runs in times.items()}
-    print(f"job: {args.ranks} FSDP ranks + 1 torch engine, 2 rollouts; median of {args.repeats}; "
-          f"baseline = {args.baseline}")  # fmt: skip
+    print(
+        f"job: {args.ranks} FSDP ranks + 1 torch engine, 2 rollouts; median of {args.repeats}; "
+        f"baseline = {args.baseline}"
+    )
     print(f"{'tree':<16}{'to banner (s)':>16}{'to exit (s)':>14}")
     for name, (banner, total) in medians.items():
         print(f"{name:<16}{banner:>16.1f}{total:>14.1f}")

@@ -36,13 +36,37 @@ def run(
     log_dir = os.path.join(out, script.removesuffix(".py") + tag)
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [
-        sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model,
-        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--prompt-data", os.path.join(task, "train.jsonl"), "--rollout-shuffle", "--rm-type", "exact",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "16",
-        "--rollout-max-response-len", "4", "--global-batch-size", "64", "--micro-batch-size", "64",
-        "--lr", "5e-4", "--update-weight-transport", "tensor", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(ROOT, script),
+        "--hf-checkpoint",
+        model,
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        os.path.join(task, "train.jsonl"),
+        "--rollout-shuffle",
+        "--rm-type",
+        "exact",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "16",
+        "--rollout-max-response-len",
+        "4",
+        "--global-batch-size",
+        "64",
+        "--micro-batch-size",
+        "64",
+        "--lr",
+        "5e-4",
+        "--update-weight-transport",
+        "tensor",
+        *extra,
+    ]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -63,9 +87,26 @@ def make_demo(out: str) -> tuple[str, str]:
     """The demo's base model and task under `out`: (model dir, task dir)."""
     model, task = os.path.join(out, "model"), os.path.join(out, "task")
     py = sys.executable
-    subprocess.run([py, "-m", "slime.tools.make_tiny_model", "--out", model, "--hidden-size", "128",
-                    "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2"],
-                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "slime.tools.make_tiny_model",
+            "--out",
+            model,
+            "--hidden-size",
+            "128",
+            "--num-layers",
+            "4",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     subprocess.run(
         [py, "-m", "slime.tools.make_demo_task", "--out", task], check=True, capture_output=True, cwd=ROOT
     )
@@ -82,8 +123,10 @@ def main() -> int:
         parser.error("--num-rollout must be larger than --warmup")
     out = args.out or tempfile.mkdtemp(prefix="bench-loop-")
     model, task = make_demo(out)
-    results = {s: summarize(run(s, out, model, task, args.num_rollout), args.warmup)
-               for s in ("train.py", "train_async.py")}  # fmt: skip
+    results = {
+        s: summarize(run(s, out, model, task, args.num_rollout), args.warmup)
+        for s in ("train.py", "train_async.py")
+    }
 
     print(f"demo workload, {args.num_rollout} rollouts per schedule, means over steps {args.warmup + 1}+")
     print(f"{'phase (s/step)':<18}" + "".join(f"{s:>22}" for s in results))
@@ -93,8 +136,11 @@ def main() -> int:
     traced = tracing_cost(out, model, task, args.num_rollout, args.warmup, results["train.py"]["step"])
     sync, off = results["train.py"]["steps_per_min"], results["train_async.py"]["steps_per_min"]
     print(f"{'steps/min':<18}{sync:>22.1f}{off:>22.1f}")
-    print(f"idle share: sync {100 * results['train.py']['idle'] / results['train.py']['step']:.1f}%, "
-          f"async {100 * results['train_async.py']['idle'] / results['train_async.py']['step']:.1f}% (target < 10%)")  # fmt: skip
+    print(
+        f"idle share: sync {100 * results['train.py']['idle'] / results['train.py']['step']:.1f}%, async "
+        f"{100 * results['train_async.py']['idle'] / results['train_async.py']['step']:.1f}% (target < "
+        "10%)"
+    )
     print(f"train_async / train = {off / sync:.2f}x steps per minute (target >= 1.4x)")
     print("(generate runs concurrently with training in train_async.py: its share there is not on the")
     print(" critical path; wait_generate is the part of it the step waited for)")

@@ -38,8 +38,11 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
     from slime.config.lora import LoRAConfig
     from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
 
-    cfg = TrainConfig(hf_checkpoint=model_path, optimizer=OptimizerConfig(lr=1e-5),
-                      batch=BatchConfig(global_batch_size=32, micro_batch_size=8))  # fmt: skip
+    cfg = TrainConfig(
+        hf_checkpoint=model_path,
+        optimizer=OptimizerConfig(lr=1e-5),
+        batch=BatchConfig(global_batch_size=32, micro_batch_size=8),
+    )
     if lora_rank:
         cfg = dataclasses.replace(
             cfg, lora=LoRAConfig(rank=lora_rank, alpha=2 * lora_rank, target_modules=targets)
@@ -54,13 +57,21 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
         seconds.append(time.perf_counter() - start)
 
     def local_bytes(tensors) -> int:
-        return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-                   for t in tensors)  # fmt: skip
+        return sum(
+            t.to_local().numel() * t.element_size()
+            if hasattr(t, "to_local")
+            else t.numel() * t.element_size()
+            for t in tensors
+        )
 
     params = list(actor.model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    optimizer = sum(local_bytes([v]) for s in actor.optimizer.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)  # fmt: skip
+    optimizer = sum(
+        local_bytes([v])
+        for s in actor.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     start = time.perf_counter()
     pushed = sum(t.numel() * t.element_size() for bucket in actor.export_weights(1 << 30) for _, t in bucket)
     push_s = time.perf_counter() - start
@@ -96,8 +107,20 @@ def main() -> int:
         from slime.tools.make_tiny_model import main as make_tiny_model
 
         model_path = os.path.join(tempfile.mkdtemp(prefix="bench-lora-"), "model")
-        make_tiny_model(["--out", model_path, "--hidden-size", "768", "--num-layers", "12", "--num-heads", "12",
-                         "--num-kv-heads", "4"])  # fmt: skip
+        make_tiny_model(
+            [
+                "--out",
+                model_path,
+                "--hidden-size",
+                "768",
+                "--num-layers",
+                "12",
+                "--num-heads",
+                "12",
+                "--num-kv-heads",
+                "4",
+            ]
+        )
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from tests.dist_helpers import run_ranks
 

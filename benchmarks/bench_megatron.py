@@ -47,10 +47,13 @@ def _rank(rank: int, world: int, init: str, out: str, model: str, layout: str, r
 
     backend, _, tp, pp = LAYOUTS[layout]
     cfg = TrainConfig(
-        hf_checkpoint=model, backend=backend, loss=LossConfig(),
-        optimizer=OptimizerConfig(lr=1e-5), batch=BatchConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH),
+        hf_checkpoint=model,
+        backend=backend,
+        loss=LossConfig(),
+        optimizer=OptimizerConfig(lr=1e-5),
+        batch=BatchConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH),
         megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-    )  # fmt: skip
+    )
     actor = make_train_actor(cfg, rank, world, init)
     actor.init()
     vocab = actor.hf_config.vocab_size
@@ -71,8 +74,9 @@ def run(model: str, layout: str, rollouts: int, tmp: str) -> float:
     world = LAYOUTS[layout][1]
     init = f"file://{os.path.join(tmp, 'rdzv-' + layout)}"
     out = os.path.join(tmp, layout + ".pt")
-    mp.start_processes(_rank, args=(world, init, out, model, layout, rollouts), nprocs=world, join=True,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _rank, args=(world, init, out, model, layout, rollouts), nprocs=world, join=True, start_method="spawn"
+    )
     return float(torch.load(out)["tokens_per_s"])
 
 

@@ -157,20 +157,25 @@ def main() -> int:
         f"dense MLP width {TOP_K * EXPERT_WIDTH}; threads {args.threads}"
     )
     print(
-        f"engine: {NUM_REQUESTS} requests, prompt 8-48, max_new_tokens 32-96 (seed {args.seed}), concurrency "
-        f"{CONCURRENCY}, median of {args.rollouts}; train: FSDP actor, 1 rank, median of {args.rollouts} rollouts"
+        f"engine: {NUM_REQUESTS} requests, prompt 8-48, max_new_tokens 32-96 (seed {args.seed}), "
+        f"concurrency {CONCURRENCY}, median of {args.rollouts}; train: FSDP actor, 1 rank, median of "
+        f"{args.rollouts} rollouts"
     )
-    header = f"{'model':<6} | {'total params':>12} | {'active params':>13} | {'engine tok/s':>12} | {'train tok/s':>11}"
+    header = (
+        f"{'model':<6} | {'total params':>12} | {'active params':>13} | {'engine tok/s':>12} | "
+        f"{'train tok/s':>11}"
+    )
     print(header)
     print("-" * len(header))
     for name in paths:
         c = counts[name]
         print(
-            f"{name:<6} | {c.total:>12,} | {c.active:>13,} | {engine_tps[name]:>12,.0f} | {train_tps[name]:>11,.0f}"
+            f"{name:<6} | {c.total:>12,} | {c.active:>13,} | {engine_tps[name]:>12,.0f} | "
+            f"{train_tps[name]:>11,.0f}"
         )
     print(
-        f"active params: MoE - dense = {moe.active - dense.active:,} (the routers, {LAYERS} x {NUM_EXPERTS} x "
-        f"{HIDDEN}); MoE total / active = {moe.total / moe.active:.2f}x"
+        f"active params: MoE - dense = {moe.active - dense.active:,} (the routers, {LAYERS} x "
+        f"{NUM_EXPERTS} x {HIDDEN}); MoE total / active = {moe.total / moe.active:.2f}x"
     )
     print(f"ratio MoE / dense, engine tokens/s: {engine_tps['MoE'] / engine_tps['dense']:.2f}x")
     print(f"ratio MoE / dense, train tokens/s:  {train_tps['MoE'] / train_tps['dense']:.2f}x")

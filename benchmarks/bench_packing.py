@@ -3,14 +3,13 @@ the peak memory of the rank, for both train backends, in the same run.
 
     python benchmarks/bench_packing.py [--backends fsdp,megatron] [--repeats 2] [--rounds 1] [--samples 40]
 
-Workloads (fixed seeds; prompts 16-48 tokens):
-- long-tail: responses with a median of 64 tokens (32-96) and one sample in ten 8x longer (512);
-- equal: every sample a 32-token prompt and a 64-token response (nothing to pad).
-Micro-batches: `fixed` (--micro-batch-size 8, in rollout order) and `budget`
-(--use-dynamic-batch-size --max-tokens-per-gpu 2048: real tokens when packed, padded size when
-padded). Each configuration runs in a fresh process with one train rank (so `ru_maxrss` is that
-configuration's peak) on a 6-layer, 384-wide Qwen3 built locally (vocabulary 4,096), the trainer's full work per
-rollout: `actor.train` (its log-prob pass, GRPO loss, AdamW), after one warm-up rollout.
+Workloads (fixed seeds; prompts 16-48 tokens): - long-tail: responses with a median of 64 tokens (32-96) and
+one sample in ten 8x longer (512); - equal: every sample a 32-token prompt and a 64-token response (nothing to
+pad). Micro-batches: `fixed` (--micro-batch-size 8, in rollout order) and `budget` (--use-dynamic-batch-size
+--max-tokens-per-gpu 2048: real tokens when packed, padded size when padded). Each configuration runs in a
+fresh process with one train rank (so `ru_maxrss` is that configuration's peak) on a 6-layer, 384-wide Qwen3
+built locally (vocabulary 4,096), the trainer's full work per rollout: `actor.train` (its log-prob pass, GRPO
+loss, AdamW), after one warm-up rollout.
 
 A second table measures --log-probs-chunk-size: the same model with a 32,768-token vocabulary,
 token-budget micro-batches of 4096 tokens, log-softmax over all tokens at once against chunks of
@@ -109,8 +108,13 @@ def child(spec: dict) -> dict:
 
 def run_child(spec: dict) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         env=env, check=False)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if out.returncode:
         raise SystemExit(f"configuration {spec} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -140,8 +144,12 @@ def main() -> int:
     parser.add_argument("--batchings", default="fixed,budget")
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2, help="measured rollouts after the warm-up")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="processes per layout, alternating; the table shows each layout's fastest")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="processes per layout, alternating; the table shows each layout's fastest",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-chunks", action="store_true", help="skip the --log-probs-chunk-size table")
     args = parser.parse_args()
@@ -165,37 +173,63 @@ def main() -> int:
         full = {**base, **spec, "rendezvous": os.path.join(tmp, f"rdv{next(counter)}")}
         return run_child(full)
 
-    print(f"model: Qwen3 {NUM_LAYERS} layers x {HIDDEN}, {args.samples} samples per rollout, threads {args.threads}, "
-          f"median of {args.repeats} rollouts, fastest of {args.rounds} process(es) per layout")  # fmt: skip
-    print(f"{'backend':<9}{'micro-batches':<15}{'workload':<11}{'padded/real':>12}{'padded tok/s':>14}"
-          f"{'packed tok/s':>14}{'packed/padded':>15}{'peak GiB pad/pack':>19}")  # fmt: skip
+    print(
+        f"model: Qwen3 {NUM_LAYERS} layers x {HIDDEN}, {args.samples} samples per rollout, threads "
+        f"{args.threads}, median of {args.repeats} rollouts, fastest of {args.rounds} process(es) per "
+        "layout"
+    )
+    print(
+        f"{'backend':<9}{'micro-batches':<15}{'workload':<11}{'padded/real':>12}{'padded tok/s':>14}"
+        f"{'packed tok/s':>14}{'packed/padded':>15}{'peak GiB pad/pack':>19}"
+    )
     for backend in args.backends.split(","):
         for batching_mode in args.batchings.split(","):
             for workload in args.workloads.split(","):
                 runs: dict[bool, list[dict]] = {True: [], False: []}
                 for _ in range(args.rounds):  # padded and packed processes alternate
                     for padded in (True, False):
-                        runs[padded].append(measure(model=small, backend=backend, batching=batching_mode,
-                                                    workload=workload, padded=padded))  # fmt: skip
+                        runs[padded].append(
+                            measure(
+                                model=small,
+                                backend=backend,
+                                batching=batching_mode,
+                                workload=workload,
+                                padded=padded,
+                            )
+                        )
                 # the least disturbed process of each layout (this machine is shared)
                 pad, pack = (max(runs[p], key=lambda r: r["tokens_per_s"]) for p in (True, False))
-                print(f"{backend:<9}{batching_mode:<15}{workload:<11}{pad['padded_over_real']:>12.2f}"
-                      f"{pad['tokens_per_s']:>14,.0f}{pack['tokens_per_s']:>14,.0f}"
-                      f"{pack['tokens_per_s'] / pad['tokens_per_s']:>14.2f}x"
-                      f"{gib(pad['peak_rss']) + ' / ' + gib(pack['peak_rss']):>19}", flush=True)  # fmt: skip
+                print(
+                    f"{backend:<9}{batching_mode:<15}{workload:<11}{pad['padded_over_real']:>12.2f}"
+                    f"{pad['tokens_per_s']:>14,.0f}{pack['tokens_per_s']:>14,.0f}"
+                    f"{pack['tokens_per_s'] / pad['tokens_per_s']:>14.2f}x"
+                    f"{gib(pad['peak_rss']) + ' / ' + gib(pack['peak_rss']):>19}",
+                    flush=True,
+                )
     if args.skip_chunks:
         return 0
     print(
-        "\n--log-probs-chunk-size (vocabulary 32,768; packed micro-batches of <= 4096 tokens, long-tail workload)"
+        "\n--log-probs-chunk-size (vocabulary 32,768; packed micro-batches of <= 4096 tokens, long-tail "
+        "workload)"
     )
     print(f"{'backend':<9}{'chunk':>7}{'tok/s':>10}{'log-prob pass peak GiB':>24}{'training peak GiB':>19}")
     for backend in args.backends.split(","):
         rows = {}
         for chunk in (-1, 256):
-            rows[chunk] = row = measure(model=wide, backend=backend, batching="budget", workload="long-tail",
-                                        padded=False, chunk=chunk, budget=4096)  # fmt: skip
-            print(f"{backend:<9}{chunk:>7}{row['tokens_per_s']:>10,.0f}{gib(row['log_prob_peak_rss']):>24}"
-                  f"{gib(row['peak_rss']):>19}", flush=True)  # fmt: skip
+            rows[chunk] = row = measure(
+                model=wide,
+                backend=backend,
+                batching="budget",
+                workload="long-tail",
+                padded=False,
+                chunk=chunk,
+                budget=4096,
+            )
+            print(
+                f"{backend:<9}{chunk:>7}{row['tokens_per_s']:>10,.0f}{gib(row['log_prob_peak_rss']):>24}"
+                f"{gib(row['peak_rss']):>19}",
+                flush=True,
+            )
         for what, key in (("log-prob pass", "log_prob_peak_rss"), ("training", "peak_rss")):
             saved = rows[-1][key] - rows[256][key]
             print(

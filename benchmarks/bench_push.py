@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -63,7 +64,8 @@ async def push_rate(url: str, transport: str, model: str, state, bucket_bytes: i
         for r in range(repeats + 1):  # the first push sets up (group, shared-memory file)
             buckets = buckets_of(state, bucket_bytes)
             if transport == "flattened":
-                buckets = share_buckets(buckets, bridge.transport, sglang_reductions=False)  # type: ignore[arg-type]
+                ipc: Any = bridge.transport  # an IpcTransport for this transport
+                buckets = share_buckets(buckets, ipc, sglang_reductions=False)
             stats = await bridge.push(buckets, f"{transport}-{r}")
             if r:
                 best = min(best, stats["seconds"])

@@ -39,12 +39,20 @@ def make_samples(num_samples: int, response_len: int, prompt_len: int = 64) -> l
         tokens = [rng.randrange(1, 150_000) for _ in range(prompt_len + response_len)]
         samples.append(
             Sample(
-                index=i, group_index=i // 8, prompt="x" * 200, tokens=tokens, response="y" * 1_000,
-                response_length=response_len, label="42", reward=float(i % 2), loss_mask=[1] * response_len,
-                rollout_log_probs=[-rng.random() for _ in range(response_len)], status=Status.COMPLETED,
+                index=i,
+                group_index=i // 8,
+                prompt="x" * 200,
+                tokens=tokens,
+                response="y" * 1_000,
+                response_length=response_len,
+                label="42",
+                reward=float(i % 2),
+                loss_mask=[1] * response_len,
+                rollout_log_probs=[-rng.random() for _ in range(response_len)],
+                status=Status.COMPLETED,
                 weight_versions=["0"],
             )
-        )  # fmt: skip
+        )
     return samples
 
 
@@ -123,10 +131,22 @@ def main() -> None:
         rows = {}
         for mode in ("value", "reference"):
             out = subprocess.run(
-                [sys.executable, __file__, "--measure", mode, str(n), "--response-len", str(args.response_len),
-                 "--ranks", str(args.ranks)],
-                env=env, capture_output=True, text=True, check=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    __file__,
+                    "--measure",
+                    mode,
+                    str(n),
+                    "--response-len",
+                    str(args.response_len),
+                    "--ranks",
+                    str(args.ranks),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
             assert rows[mode]["samples_seen"] == (n * args.ranks if mode == "value" else n)
             print(f"{n:>8} {mode:>10} {rows[mode]['bytes']:>18,} {rows[mode]['rss_growth_mb']:>21.1f}")

@@ -140,9 +140,28 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="bench_r3_")
     model = os.path.join(tmp, "tiny-moe")
-    make_tiny_model(["--out", model, "--arch", "qwen3_moe", "--hidden-size", "128", "--num-layers", str(LAYERS),
-                     "--num-heads", "4", "--num-kv-heads", "2", "--num-experts", str(EXPERTS),
-                     "--num-experts-per-tok", str(TOP_K), "--moe-intermediate-size", "64"])  # fmt: skip
+    make_tiny_model(
+        [
+            "--out",
+            model,
+            "--arch",
+            "qwen3_moe",
+            "--hidden-size",
+            "128",
+            "--num-layers",
+            str(LAYERS),
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--num-experts",
+            str(EXPERTS),
+            "--num-experts-per-tok",
+            str(TOP_K),
+            "--moe-intermediate-size",
+            "64",
+        ]
+    )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -157,10 +176,13 @@ def main() -> int:
         assert batch.rollout_routed_experts is not None
         own = own_routing(model, batch)
         differ = sum(
-            int((own[i].sort(-1).values != torch.as_tensor(batch.rollout_routed_experts[i]).sort(-1).values)
-                .any(-1).sum())
+            int(
+                (own[i].sort(-1).values != torch.as_tensor(batch.rollout_routed_experts[i]).sort(-1).values)
+                .any(-1)
+                .sum()
+            )
             for i in range(len(batch))
-        )  # fmt: skip
+        )
         routings = sum(o.shape[0] * o.shape[1] for o in own)
         plain = gaps(batch, trainer_log_probs(model, batch, False, tmp))
         replay = gaps(batch, trainer_log_probs(model, dataclasses.replace(batch), True, tmp))
@@ -168,7 +190,8 @@ def main() -> int:
 
     print(
         f"\nmodel: tiny Qwen3-MoE, hidden 128, {LAYERS} layers, {EXPERTS} experts, top-{TOP_K}; "
-        f"{args.requests} requests x {args.new_tokens} sampled tokens (seed {args.seed}), {args.threads} threads"
+        f"{args.requests} requests x {args.new_tokens} sampled tokens (seed {args.seed}), {args.threads} "
+        "threads"
     )
     header = "engine dtype | routing differs | |gap| mean / p99 / max, no R3 | with R3 | max ratio"
     print(header)

@@ -35,7 +35,10 @@ from slime.tools.make_tiny_model import main as make_tiny_model
 from slime.tools.make_vision_task import draw_dots
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
 
-TEXT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many "
+    "dots?<|im_end|>\n<|im_start|>assistant\n"
+)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -45,8 +48,11 @@ async def engine_run(url: str, images: list[str], new_tokens: int) -> tuple[floa
             text=TEXT, image_data=[images[0]], sampling_params={**GREEDY, "max_new_tokens": 2}
         )
         start = time.perf_counter()
-        out = await client.generate(text=[TEXT] * len(images), image_data=[[u] for u in images],
-                                    sampling_params={**GREEDY, "max_new_tokens": new_tokens})  # fmt: skip
+        out = await client.generate(
+            text=[TEXT] * len(images),
+            image_data=[[u] for u in images],
+            sampling_params={**GREEDY, "max_new_tokens": new_tokens},
+        )
         return time.perf_counter() - start, [r["output_ids"] for r in out]
 
 
@@ -62,8 +68,15 @@ def hf_run(path: str, images: list, new_tokens: int) -> tuple[float, list[list[i
 
     def one(image, n):
         inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, suppress_tokens=placeholders)  # fmt: skip
+        out = model.generate(
+            **inputs,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            suppress_tokens=placeholders,
+        )
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     with torch.no_grad():
@@ -87,8 +100,18 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "vlm")
-        make_tiny_model(["--out", path, "--arch", args.arch, "--hidden-size", str(args.hidden_size),
-                         "--num-layers", str(args.num_layers)])  # fmt: skip
+        make_tiny_model(
+            [
+                "--out",
+                path,
+                "--arch",
+                args.arch,
+                "--hidden-size",
+                str(args.hidden_size),
+                "--num-layers",
+                str(args.num_layers),
+            ]
+        )
         with start_torch_engine(
             path, ["--num-threads", str(args.threads)], log_path=os.path.join(tmp, "e.log")
         ) as eng:
@@ -100,15 +123,21 @@ def main() -> int:
                 hf_seconds, want = hf_run(path, images, args.new_tokens)
                 rows.append((size, seconds, hf_seconds, got == want))
     n, tokens = args.requests, args.requests * args.new_tokens
-    print(f"\n{args.arch}: {n} requests of one image x {args.new_tokens} greedy tokens, hidden {args.hidden_size}, "
-          f"{args.num_layers} layers, {args.threads} threads\n")  # fmt: skip
     print(
-        "| image | engine images/s | HF images/s | engine tok/s | HF generate tok/s | ratio | tokens equal HF's |"
+        f"\n{args.arch}: {n} requests of one image x {args.new_tokens} greedy tokens, hidden "
+        f"{args.hidden_size}, {args.num_layers} layers, {args.threads} threads\n"
+    )
+    print(
+        "| image | engine images/s | HF images/s | engine tok/s | HF generate tok/s | ratio | tokens "
+        "equal HF's |"
     )
     print("|---|---|---|---|---|---|---|")
     for size, ours, theirs, same in rows:
-        print(f"| {size}x{size} ({(size // 32) ** 2} tokens) | {n / ours:.1f} | {n / theirs:.1f} | {tokens / ours:.0f} "
-              f"| {tokens / theirs:.0f} | {theirs / ours:.2f}x | {'yes' if same else 'NO'} |")  # fmt: skip
+        print(
+            f"| {size}x{size} ({(size // 32) ** 2} tokens) | {n / ours:.1f} | {n / theirs:.1f} | "
+            f"{tokens / ours:.0f} | {tokens / theirs:.0f} | {theirs / ours:.2f}x | "
+            f"{'yes' if same else 'NO'} |"
+        )
     return 0 if all(r[3] for r in rows) else 1
 
 

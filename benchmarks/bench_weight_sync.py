@@ -75,7 +75,8 @@ def main() -> int:
             ["--out", models["large"], "--hidden-size", "1024", "--num-layers", "8", "--num-heads", "8"]
         )
     print(
-        f"{'model':<16}{'transport':<13}{'push s':>9}{'push+check s':>14}{'trainer fp s':>14}{'compare s':>11}{'overhead':>10}"
+        f"{'model':<16}{'transport':<13}{'push s':>9}{'push+check s':>14}"
+        f"{'trainer fp s':>14}{'compare s':>11}{'overhead':>10}"
     )
     for label, model in models.items():
         engine = start_torch_engine(model, ["--num-threads", "1"], log_path=os.path.join(tmp, "engine.log"))
@@ -83,8 +84,10 @@ def main() -> int:
             for transport in ("tensor", "distributed", "disk"):
                 b = measure(engine.url, model, transport, args.repeats)
                 overhead = b["checked"] / b["plain"] - 1
-                print(f"{label:<16}{transport:<13}{b['plain']:>9.4f}{b['checked']:>14.4f}{b['trainer']:>14.4f}"
-                      f"{b['compare']:>11.4f}{100 * overhead:>9.1f}%")  # fmt: skip
+                print(
+                    f"{label:<16}{transport:<13}{b['plain']:>9.4f}{b['checked']:>14.4f}{b['trainer']:>14.4f}"
+                    f"{b['compare']:>11.4f}{100 * overhead:>9.1f}%"
+                )
         finally:
             engine.stop()
     return 0

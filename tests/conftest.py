@@ -101,9 +101,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 PLAIN_JOBS = {
-    "test_loop_e2e", "test_deterministic", "test_debug_modes", "test_continuous_e2e", "test_check_precision_e2e",
+    "test_loop_e2e",
+    "test_deterministic",
+    "test_debug_modes",
+    "test_continuous_e2e",
+    "test_check_precision_e2e",
     "test_moe_e2e",
-}  # fmt: skip
+}
 """The modules of the second group of end-to-end jobs (see below)."""
 
 

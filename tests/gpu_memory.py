@@ -45,7 +45,8 @@ def left_on_device(limit: int = 30) -> dict[str, Any]:
     ]
     blocks.sort(key=lambda b: -b["size"])
     lines = [
-        f"{b['size']:>12,} B (requested {b.get('requested_size', '?')}) at {b.get('address', 0):#x}: {_stack(b)}"
+        f"{b['size']:>12,} B (requested {b.get('requested_size', '?')}) at {b.get('address', 0):#x}: "
+        f"{_stack(b)}"
         for b in blocks[:limit]
     ]
     if len(blocks) > limit:
@@ -69,9 +70,11 @@ def _segments(limit: int = 8) -> list[str]:
     lines = []
     for seg in snapshot.get("segments", [])[:limit]:
         start, size = seg.get("address", 0), seg.get("total_size", 0)
-        lines.append(f"segment {size:,} B at {start:#x} pool {seg.get('segment_pool_id')} stream "
-                     f"{seg.get('stream')} type {seg.get('segment_type')} allocated "
-                     f"{seg.get('allocated_size', 0):,} B")  # fmt: skip
+        lines.append(
+            f"segment {size:,} B at {start:#x} pool {seg.get('segment_pool_id')} stream "
+            f"{seg.get('stream')} type {seg.get('segment_type')} allocated "
+            f"{seg.get('allocated_size', 0):,} B"
+        )
         for block in seg.get("blocks", [])[:4]:
             lines.append(f"    block {block.get('size', 0):,} B {block.get('state')}: {_stack(block)}")
         inside = [t for t in traces if start <= t.get("addr", -1) < start + size][-4:]

@@ -42,8 +42,17 @@ class RayCluster:
         port = free_port(HEAD_IP)
         self.address = f"{HEAD_IP}:{port}"
         try:
-            self._start("--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--num-cpus", str(head_cpus),
-                        "--include-dashboard", "false")  # fmt: skip
+            self._start(
+                "--head",
+                "--node-ip-address",
+                HEAD_IP,
+                "--port",
+                str(port),
+                "--num-cpus",
+                str(head_cpus),
+                "--include-dashboard",
+                "false",
+            )
             for ip, cpus in (nodes or {}).items():
                 self._start("--address", self.address, "--node-ip-address", ip, "--num-cpus", str(cpus))
             self._wait_for(1 + len(nodes or {}))
@@ -52,15 +61,25 @@ class RayCluster:
             raise
 
     def _start(self, *args: str) -> None:
-        subprocess.run([*RAY, "start", *args, "--temp-dir", self.temp_dir, "--disable-usage-stats"],
-                       env=self.env, check=True, capture_output=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            [*RAY, "start", *args, "--temp-dir", self.temp_dir, "--disable-usage-stats"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     def _wait_for(self, num_nodes: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         probe = "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"
         while True:
-            out = subprocess.run([sys.executable, "-c", probe], env={**self.env, "RAY_ADDRESS": self.address},
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            out = subprocess.run(
+                [sys.executable, "-c", probe],
+                env={**self.env, "RAY_ADDRESS": self.address},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(num_nodes):
                 return
             if time.monotonic() > deadline:

@@ -37,10 +37,18 @@ def test_a_ppo_step_runs_values_actor_critic_with_one_side_awake_at_a_time():
     group = ActorCritic(Fake("actor", calls), Fake("critic", calls), num_critic_only_steps=1, critic_save="c")
     warm = group.train(Rollout(0, {}, 8, ()))
     assert [(who, what) for who, what, _ in calls] == [
-        ("actor", "sleep"), ("critic", "wake"), ("critic", "values"), ("critic", "sleep"),
-        ("actor", "wake"), ("actor", "train"), ("actor", "sleep"), ("critic", "wake"),
-        ("critic", "train_values"), ("critic", "sleep"), ("actor", "wake"),
-    ]  # fmt: skip
+        ("actor", "sleep"),
+        ("critic", "wake"),
+        ("critic", "values"),
+        ("critic", "sleep"),
+        ("actor", "wake"),
+        ("actor", "train"),
+        ("actor", "sleep"),
+        ("critic", "wake"),
+        ("critic", "train_values"),
+        ("critic", "sleep"),
+        ("actor", "wake"),
+    ]
     assert calls[5][2] is False  # rollout 0 < --num-critic-only-steps 1: no actor step
     assert warm.steps == [{"critic-value_loss": 2.0}, {"critic-value_loss": 1.5}] and warm.returns is None
     calls.clear()
@@ -53,8 +61,13 @@ def test_a_ppo_step_runs_values_actor_critic_with_one_side_awake_at_a_time():
     group.push_weights(2)
     group.save_hf()
     # The critic saves first: the actor's checkpoint, the one --load resumes from, completes the pair.
-    assert calls == [("critic", "save", None), ("actor", "save", None), ("actor", "push_weights", None),
-                     ("actor", "save_hf", None), ("critic", "save_hf", None)]  # fmt: skip
+    assert calls == [
+        ("critic", "save", None),
+        ("actor", "save", None),
+        ("actor", "push_weights", None),
+        ("actor", "save_hf", None),
+        ("critic", "save_hf", None),
+    ]
 
 
 def test_actor_and_critic_must_resume_the_same_rollout():

@@ -183,8 +183,10 @@ def test_an_anthropic_agent_streams_and_is_recorded_the_same_way(served, hf_mode
         assert final.usage.output_tokens == len(s.turns[-1].output_ids)
         text = "".join(b.text for b in final.content if b.type == "text")
         texts.append(text)
-        messages += [{"role": "assistant", "content": [{"type": "text", "text": text}]},
-                     {"role": "user", "content": f"more {k}"}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+            {"role": "user", "content": f"more {k}"},
+        ]
     count = client.messages.count_tokens(model="tiny", messages=messages, system="sys")
     assert count.input_tokens > len(s.turns[-1].prompt_ids)
     (sample,) = s.finish("a1")
@@ -193,7 +195,8 @@ def test_an_anthropic_agent_streams_and_is_recorded_the_same_way(served, hf_mode
 
 UPPER_HISTORY = (  # a template that writes earlier replies in capitals: a re-render always drifts
     "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content | upper if m.role == 'assistant' "
-    "else m.content) + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "else m.content) + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|im_start|>assistant\\n' }}"
     "{% endif %}"
 )
 
@@ -226,8 +229,16 @@ def test_a_rewritten_reply_is_not_trained_twice(served, hf_model):
     reply = (
         chat(s.url, "w", [{"role": "user", "content": "x"}], max_tokens=6).choices[0].message.content or ""
     )
-    chat(s.url, "w", [{"role": "user", "content": "x"}, {"role": "assistant", "content": reply + " (edited)"},
-                      {"role": "user", "content": "y"}], max_tokens=4)  # fmt: skip
+    chat(
+        s.url,
+        "w",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": reply + " (edited)"},
+            {"role": "user", "content": "y"},
+        ],
+        max_tokens=4,
+    )
     (sample,) = s.finish("w")
     assert len(check_exact(sample, s.turns, hf_model)) == 1  # only the second reply trains
     assert sample.metadata["rendered_in_full"] == 1
@@ -318,10 +329,14 @@ def test_a_session_finished_while_a_turn_hangs_records_only_whole_turns(served):
     async def scenario():
         async def hanging():  # a long generation the session is finished under
             try:
-                async with aiohttp.ClientSession() as http, http.post(
-                    f"{s.url}/v1/chat/completions", headers={"Authorization": "Bearer h"},
-                    json={"messages": [{"role": "user", "content": "z"}]},
-                ) as r:  # fmt: skip
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.post(
+                        f"{s.url}/v1/chat/completions",
+                        headers={"Authorization": "Bearer h"},
+                        json={"messages": [{"role": "user", "content": "z"}]},
+                    ) as r,
+                ):
                     return r.status
             except aiohttp.ClientError:  # the cancelled handler closed the connection
                 return None
@@ -367,8 +382,15 @@ def test_tool_calls_round_trip_in_both_protocols(tokenizer, tmp_path):
     scripted SGLang-protocol server (the adapters' own code runs unchanged)."""
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call><|im_end|>'
     engine = ScriptedEngine(tokenizer, [call, "42<|im_end|>"] * 2)
-    tools_openai = [{"type": "function", "function": {"name": "python", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}}}}}]  # fmt: skip
+    tools_openai = [
+        {
+            "type": "function",
+            "function": {
+                "name": "python",
+                "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+            },
+        }
+    ]
     try:
         s = Served(OpenAIAdapter(tokenizer=tokenizer, sglang_url=engine.url, tool_parser="qwen25"))
         s.adapter.open_session("t")
@@ -398,8 +420,10 @@ def test_tool_calls_round_trip_in_both_protocols(tokenizer, tmp_path):
         first = client.messages.create(model="m", max_tokens=64, messages=msgs, tools=tools)
         (use,) = [b for b in first.content if b.type == "tool_use"]
         assert first.stop_reason == "tool_use" and use.input == {"code": "print(6*7)"}
-        msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}]  # fmt: skip
+        msgs += [
+            {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]},
+        ]
         second = client.messages.create(model="m", max_tokens=64, messages=msgs, tools=tools)
         assert second.stop_reason == "end_turn" and second.content[0].text == "42"
         (sample,) = s.finish("t")
@@ -429,9 +453,17 @@ class ScriptedEngine:
 
         await request.json()
         ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False)
-        return web.json_response({"text": "", "output_ids": ids, "meta_info": {
-            "output_token_logprobs": [[-0.5, t, None] for t in ids], "finish_reason": {"type": "stop"},
-            "weight_version": "3"}})  # fmt: skip
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": ids,
+                "meta_info": {
+                    "output_token_logprobs": [[-0.5, t, None] for t in ids],
+                    "finish_reason": {"type": "stop"},
+                    "weight_version": "3",
+                },
+            }
+        )
 
     def close(self):
         self.handle.stop()
@@ -462,8 +494,15 @@ def test_the_held_reply_is_closed_the_way_the_template_closes_a_turn(tokenizer, 
         s.adapter.open_session("c")
         first = chat(s.url, "c", [{"role": "user", "content": "q"}]).choices[0].message.content
         assert first == "hi"
-        chat(s.url, "c", [{"role": "user", "content": "q"}, {"role": "assistant", "content": first},
-                          {"role": "user", "content": "r"}])  # fmt: skip
+        chat(
+            s.url,
+            "c",
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": first},
+                {"role": "user", "content": "r"},
+            ],
+        )
         t1, t2 = s.turns
         tail = tokenizer.decode(t2.prompt_ids[len(t1.prompt_ids) + len(t1.output_ids) :])
         assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
@@ -489,8 +528,19 @@ def test_openai_streaming_carries_the_tool_call_and_the_usage(tokenizer):
         assert tc.function.name == "python" and json.loads(tc.function.arguments) == {"code": "print(1)"}
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert chunks[-1].usage.completion_tokens == len(s.turns[0].output_ids)
-        messages += [{"role": "assistant", "tool_calls": [{"id": tc.id, "type": "function", "function": {
-            "name": "python", "arguments": tc.function.arguments}}]}, {"role": "tool", "tool_call_id": tc.id, "content": "1"}]  # fmt: skip
+        messages += [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": tc.id,
+                        "type": "function",
+                        "function": {"name": "python", "arguments": tc.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": tc.id, "content": "1"},
+        ]
         stream = client.chat.completions.create(model="m", messages=messages, tools=tools, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream) == "1"
         (sample,) = s.finish("st")
@@ -513,8 +563,10 @@ def test_a_reply_that_kept_one_of_two_tool_calls_is_not_reused(tokenizer):
         messages = [{"role": "user", "content": "1?"}]
         first = chat(s.url, "two", messages, tools=tools).choices[0].message
         assert len(first.tool_calls) == 1
-        messages += [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": first.tool_calls[0].id,
-                                                            "content": "1"}]  # fmt: skip
+        messages += [
+            first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "1"},
+        ]
         chat(s.url, "two", messages, tools=tools)
         t1, t2 = s.turns
         assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] != t1.prompt_ids + t1.output_ids

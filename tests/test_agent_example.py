@@ -88,8 +88,20 @@ def test_sft_rows_are_the_prompts_the_adapter_sends(rollout, tiny_model, tokeniz
     from slime_plugins.examples.agent_tool import task
 
     out = tmp_path / "task"
-    subprocess.run([sys.executable, "-m", "slime_plugins.examples.agent_tool.task", "--out", str(out),
-                    "--hf-checkpoint", tiny_model, "--num-sft", "3"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slime_plugins.examples.agent_tool.task",
+            "--out",
+            str(out),
+            "--hf-checkpoint",
+            tiny_model,
+            "--num-sft",
+            "3",
+        ],
+        check=True,
+    )
     train = [json.loads(x) for x in open(out / "train.jsonl")]
     held = {json.loads(x)["prompt"] for x in open(out / "eval.jsonl")}
     assert len(train) + len(held) == len(task.problems()) and not held & {r["prompt"] for r in train}
@@ -122,8 +134,13 @@ def test_sft_rows_are_the_prompts_the_adapter_sends(rollout, tiny_model, tokeniz
 def test_the_agent_example_learns(tmp_path):
     """scripts/run-agent-cpu.sh, shortened: held-out success rises (docs/agents.md has a full run)."""
     env = {**os.environ, "PYTHON": sys.executable, "NUM_ROLLOUT": "40", "EVAL_INTERVAL": "20"}
-    proc = subprocess.run(["bash", "scripts/run-agent-cpu.sh", str(tmp_path / "run")], env=env, capture_output=True,
-                          text=True, timeout=1500)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "scripts/run-agent-cpu.sh", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("held-out success")][-1]
     first, last = (float(x.split()[0]) for x in (line.split("success: ")[1], line.split("-> ")[1]))

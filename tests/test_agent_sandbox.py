@@ -155,8 +155,13 @@ class EchoHarness(BaseHarness):
         await sb.write_file(f"{ctx.workdir}/config", ctx.adapter_url)
 
     async def launch_and_wait(self, sb, ctx, prompt, time_budget_sec):
-        return await run_agent(sb, workdir=ctx.workdir, start_cmd=f"echo $KEY {prompt} $(cat config); exit 7",
-                               env={"KEY": ctx.session_id}, time_budget_sec=time_budget_sec)  # fmt: skip
+        return await run_agent(
+            sb,
+            workdir=ctx.workdir,
+            start_cmd=f"echo $KEY {prompt} $(cat config); exit 7",
+            env={"KEY": ctx.session_id},
+            time_budget_sec=time_budget_sec,
+        )
 
 
 @needs_namespaces
@@ -165,8 +170,14 @@ def test_a_harness_runs_its_agent_in_the_sandbox():
         async with LocalSandbox() as sb:
             workdir = f"{sb.root}/repo"
             os.makedirs(workdir)
-            code = await EchoHarness().run(sb, workdir=workdir, session_id="sid-1", adapter_url="http://a:1",
-                                           time_budget_sec=10, prompt="fix-it")  # fmt: skip
+            code = await EchoHarness().run(
+                sb,
+                workdir=workdir,
+                session_id="sid-1",
+                adapter_url="http://a:1",
+                time_budget_sec=10,
+                prompt="fix-it",
+            )
             return code, await sb.read_file(f"{workdir}/.harness/trajectory.jsonl")
 
     assert run_sync(go()) == (7, "sid-1 fix-it http://a:1\n")

@@ -53,8 +53,12 @@ def test_appended_turns_make_one_sample_with_only_model_tokens_trained():
     t1 = turn([1, 2, 3], [10, 11])
     m.record_turn("a", turn=t1, prompt_messages=sys_user, response_message=msg("assistant", "x"))
     t2 = turn([1, 2, 3, 10, 11, 20, 21], [12, 13, 14], version="6")
-    m.record_turn("a", turn=t2, prompt_messages=[*sys_user, msg("assistant", "x"), msg("tool", "r")],
-                  response_message=msg("assistant", "y"))  # fmt: skip
+    m.record_turn(
+        "a",
+        turn=t2,
+        prompt_messages=[*sys_user, msg("assistant", "x"), msg("tool", "r")],
+        response_message=msg("assistant", "y"),
+    )
     assert m.turn_count("a") == 2
     (s,) = m.get_trajectory("a", base_sample=BASE, reward=1.5)
     assert s.tokens == [1, 2, 3, 10, 11, 20, 21, 12, 13, 14] and s.response_length == 7
@@ -73,8 +77,12 @@ def test_a_short_drift_inside_the_last_response_realigns_it_out_of_the_loss():
     m.record_turn("a", turn=t1, prompt_messages=user, response_message=msg("assistant", "x"))
     # The same messages, but the template re-renders the response with 11 -> 99: inside it.
     t2 = turn([1, 2, 10, 99, 12, 30], [13])
-    m.record_turn("a", turn=t2, prompt_messages=[*user, msg("assistant", "x"), msg("user", "v")],
-                  response_message=msg("assistant", "z"))  # fmt: skip
+    m.record_turn(
+        "a",
+        turn=t2,
+        prompt_messages=[*user, msg("assistant", "x"), msg("user", "v")],
+        response_message=msg("assistant", "z"),
+    )
     (s,) = m.get_trajectory("a", base_sample=BASE)
     assert s.tokens == [1, 2, 10, 99, 12, 30, 13]
     assert s.loss_mask == [0, 0, 0, 0, 1]  # the drifted response is no longer trained
@@ -90,8 +98,12 @@ def test_other_drift_forks_into_a_new_sample(where):
     m.record_turn("a", turn=t1, prompt_messages=user, response_message=msg("assistant", "x"))
     prompt = [1, 7, 10, 11, 30] if where == "before the last response" else [1, 2, 10, 77, 30]
     t2 = turn(prompt, [13, 14, 15])  # 3 output tokens: not below the threshold
-    m.record_turn("a", turn=t2, prompt_messages=[*user, msg("assistant", "x"), msg("user", "v")],
-                  response_message=msg("assistant", "z"))  # fmt: skip
+    m.record_turn(
+        "a",
+        turn=t2,
+        prompt_messages=[*user, msg("assistant", "x"), msg("user", "v")],
+        response_message=msg("assistant", "z"),
+    )
     first, second = m.get_trajectory("a", base_sample=BASE, reward=1.0)
     assert first.tokens == [1, 2, 10, 11] and first.loss_mask == [1, 1]
     assert second.tokens == [*prompt, 13, 14, 15] and second.loss_mask == [1, 1, 1]
@@ -139,21 +151,33 @@ def test_a_rewritten_short_reply_replaces_its_leaf_instead_of_training_twice():
     t1 = turn([1, 2], [10, 11])
     m.record_turn("a", turn=t1, prompt_messages=user, response_message=msg("assistant", "ok"))
     t2 = turn([1, 2, 10, 12, 30], [13])  # the reply came back as "ok " (a whitespace rewrite)
-    m.record_turn("a", turn=t2, prompt_messages=[*user, msg("assistant", "ok "), msg("user", "v")],
-                  response_message=msg("assistant", "z"))  # fmt: skip
+    m.record_turn(
+        "a",
+        turn=t2,
+        prompt_messages=[*user, msg("assistant", "ok "), msg("user", "v")],
+        response_message=msg("assistant", "z"),
+    )
     (s,) = m.get_trajectory("a", base_sample=BASE)  # "ok" is now part of the prompt, not trained
     assert s.tokens == [1, 2, 10, 12, 30, 13] and s.loss_mask == [1] and s.response_length == 1
 
 
 def test_max_sample_tokens_truncates_and_a_turn_with_bad_log_probs_is_refused():
     m = TrajectoryManager()
-    m.record_turn("a", turn=turn([1, 2], [10, 11, 12, 13]), prompt_messages=[msg("user", "u")],
-                  response_message=msg("assistant", "x"))  # fmt: skip
+    m.record_turn(
+        "a",
+        turn=turn([1, 2], [10, 11, 12, 13]),
+        prompt_messages=[msg("user", "u")],
+        response_message=msg("assistant", "x"),
+    )
     (s,) = m.get_trajectory("a", base_sample=BASE, max_sample_tokens=4)
     assert s.tokens == [1, 2, 10, 11] and s.loss_mask == [1, 1] and len(s.rollout_log_probs) == 2
     with pytest.raises(ValueError, match="2 log-probs for 3 output tokens"):
-        m.record_turn("b", turn=TurnRecord([1], [2, 3, 4], "stop", [0.0, 0.0]), prompt_messages=[msg("user", "u")],
-                      response_message=None)  # fmt: skip
+        m.record_turn(
+            "b",
+            turn=TurnRecord([1], [2, 3, 4], "stop", [0.0, 0.0]),
+            prompt_messages=[msg("user", "u")],
+            response_message=None,
+        )
 
 
 def test_random_sessions_keep_every_trained_token_exact():

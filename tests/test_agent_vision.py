@@ -19,7 +19,7 @@ SAMPLING = {"temperature": 1.0, "max_new_tokens": 6}
 
 
 @pytest.fixture
-def served_vlm(vlm_engine, tiny_vlm):  # noqa: F811
+def served_vlm(vlm_engine, tiny_vlm):
     processor = load_processor(tiny_vlm)
     s = Served(OpenAIAdapter(tokenizer=processor.tokenizer, sglang_url=vlm_engine.url, processor=processor))
     yield s
@@ -39,8 +39,10 @@ def test_image_parts_reach_the_model_and_the_sample_trains_with_them(served_vlm,
         {"role": "user", "content": [_part(dot_images[0]), {"type": "text", "text": "How many dots?"}]}
     ]
     first = chat(s.url, "v1", messages, max_tokens=6)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                 {"role": "user", "content": [{"type": "text", "text": "And here?"}, _part(dot_images[2])]}]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": [{"type": "text", "text": "And here?"}, _part(dot_images[2])]},
+    ]
     chat(s.url, "v1", messages, max_tokens=6)
     turns = s.turns
     pad = s.adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -84,8 +86,10 @@ def test_an_image_arriving_later_in_a_tool_message_and_a_cut_sample_keep_ids_and
     s.adapter.open_session("v3", sampling_defaults=SAMPLING)
     messages = [{"role": "user", "content": "Look at the screen."}]
     first = chat(s.url, "v3", messages, max_tokens=4)  # no image yet
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                 {"role": "tool", "content": [{"type": "text", "text": "screen:"}, _part(dot_images[1])]}]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "tool", "content": [{"type": "text", "text": "screen:"}, _part(dot_images[1])]},
+    ]
     chat(s.url, "v3", messages, max_tokens=4)
     turns = s.turns
     pad = s.adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -113,7 +117,7 @@ def test_image_parts_must_be_data_or_http_urls(served_vlm, tmp_path, dot_images)
 
 
 def test_anthropic_image_blocks_in_user_messages_and_tool_results_reach_the_model(
-    vlm_engine,  # noqa: F811 - the fixture
+    vlm_engine,
     tiny_vlm,
     dot_images,
 ):
@@ -128,8 +132,14 @@ def test_anthropic_image_blocks_in_user_messages_and_tool_results_reach_the_mode
     def block(image):
         png = io.BytesIO()
         image.save(png, format="PNG")
-        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                            "data": base64.b64encode(png.getvalue()).decode()}}  # fmt: skip
+        return {
+            "type": "image",
+            "source": {
+                "type": "base64",
+                "media_type": "image/png",
+                "data": base64.b64encode(png.getvalue()).decode(),
+            },
+        }
 
     processor = load_processor(tiny_vlm)
     s = Served(
@@ -144,9 +154,17 @@ def test_anthropic_image_blocks_in_user_messages_and_tool_results_reach_the_mode
         first = client.messages.create(model="tiny", max_tokens=4, messages=messages)
         messages += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                          "content": [{"type": "text", "text": "screen:"}, block(dot_images[3])]}]},
-        ]  # fmt: skip
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "screen:"}, block(dot_images[3])],
+                    }
+                ],
+            },
+        ]
         count = client.messages.count_tokens(model="tiny", messages=messages).input_tokens
         client.messages.create(model="tiny", max_tokens=4, messages=messages)
         turns = s.turns
@@ -155,7 +173,15 @@ def test_anthropic_image_blocks_in_user_messages_and_tool_results_reach_the_mode
         assert [t.prompt_ids.count(pad) for t in turns] == [4, 8] and [len(t.images) for t in turns] == [1, 2]
         assert count == len(turns[1].prompt_ids)  # the images' tokens counted as the engine runs them
         with pytest.raises(anthropic.BadRequestError, match="source of type 'file'"):
-            client.messages.create(model="tiny", max_tokens=2, messages=[
-                {"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f1"}}]}])  # fmt: skip
+            client.messages.create(
+                model="tiny",
+                max_tokens=2,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "file", "file_id": "f1"}}],
+                    }
+                ],
+            )
     finally:
         s.close()

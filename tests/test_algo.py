@@ -390,15 +390,23 @@ def test_off_policy_metrics_add_up_over_micro_batches():
 @pytest.mark.parametrize(
     "kwargs, flags",
     [
-        (dict(use_decoupled_loss=True, use_rollout_logprobs=True), ("--use-decoupled-loss", "--use-rollout-logprobs")),
+        (
+            dict(use_decoupled_loss=True, use_rollout_logprobs=True),
+            ("--use-decoupled-loss", "--use-rollout-logprobs"),
+        ),
         (dict(use_decoupled_loss=True, use_tis=True), ("--use-decoupled-loss", "--use-tis")),
-        (dict(use_decoupled_loss=True, loss_type="sft_loss", compute_advantages_and_returns=False),
-         ("--use-decoupled-loss", "--loss-type sft_loss")),
-        (dict(use_decoupled_loss=True, behav_imp_weight_cap=1.0), ("--behav-imp-weight-cap", "--use-decoupled-loss")),
+        (
+            dict(use_decoupled_loss=True, loss_type="sft_loss", compute_advantages_and_returns=False),
+            ("--use-decoupled-loss", "--loss-type sft_loss"),
+        ),
+        (
+            dict(use_decoupled_loss=True, behav_imp_weight_cap=1.0),
+            ("--behav-imp-weight-cap", "--use-decoupled-loss"),
+        ),
         (dict(behav_imp_weight_cap=5.0), ("--behav-imp-weight-cap", "--use-decoupled-loss")),
         (dict(use_opsm=True, loss_type="sft_loss"), ("--use-opsm", "--loss-type sft_loss")),
     ],
-)  # fmt: skip
+)
 def test_off_policy_corrections_refuse_combinations_naming_both_flags(kwargs, flags):
     with pytest.raises(ValueError) as e:
         LossConfig(**kwargs)
@@ -438,8 +446,13 @@ def test_opd_penalty_subtracts_the_reverse_kl_per_token():
         [torch.tensor([1.0, 1.0])], [torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, -1.0])], 0.5
     )
     assert torch.allclose(out[0], torch.tensor([0.75, 1.5]))
-    masked = opd_penalty([torch.tensor([0.0, 1.0])], [torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, -1.0])],
-                         0.5, [torch.tensor([0, 1])])  # fmt: skip
+    masked = opd_penalty(
+        [torch.tensor([0.0, 1.0])],
+        [torch.tensor([-1.0, -2.0])],
+        [torch.tensor([-1.5, -1.0])],
+        0.5,
+        [torch.tensor([0, 1])],
+    )
     assert torch.allclose(masked[0], torch.tensor([0.0, 1.5]))  # a token outside the loss keeps its 0
     with pytest.raises(ValueError, match="sample 0: 2 advantages, 2 student and 1 teacher"):
         opd_penalty([torch.ones(2)], [torch.ones(2)], [torch.ones(1)], 1.0)

@@ -18,13 +18,40 @@ def prompts(tmp_path):
 
 
 def base(prompts, *extra):
-    return ["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "exact", *extra]  # fmt: skip
+    return [
+        "--hf-checkpoint",
+        "/m",
+        "--prompt-data",
+        prompts,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "3",
+        "--rm-type",
+        "exact",
+        *extra,
+    ]
 
 
 def test_flags_reach_their_components(prompts):
-    cfg = parse_args(base(prompts, "--rollout-temperature", "0.7", "--global-batch-size", "4", "--colocate",
-                          "--actor-num-gpus-per-node", "2", "--update-weight-transport", "disk", "--lr", "1e-5"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            prompts,
+            "--rollout-temperature",
+            "0.7",
+            "--global-batch-size",
+            "4",
+            "--colocate",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--update-weight-transport",
+            "disk",
+            "--lr",
+            "1e-5",
+        )
+    )
     assert (
         cfg.cluster.num_train_ranks == 2
         and cfg.cluster.rollout_num_gpus == 2
@@ -40,9 +67,23 @@ def test_flags_reach_their_components(prompts):
 
 
 def test_eval_sampling_inherits_the_rollout_and_takes_eval_flags(prompts):
-    cfg = parse_args(base(prompts, "--rollout-temperature", "0.7", "--rollout-top-k", "5",
-                          "--eval-interval", "2", "--eval-prompt-data", prompts, "--eval-temperature", "0",
-                          "--n-samples-per-eval-prompt", "3"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            prompts,
+            "--rollout-temperature",
+            "0.7",
+            "--rollout-top-k",
+            "5",
+            "--eval-interval",
+            "2",
+            "--eval-prompt-data",
+            prompts,
+            "--eval-temperature",
+            "0",
+            "--n-samples-per-eval-prompt",
+            "3",
+        )
+    )
     (only,) = cfg.eval.datasets
     s = only.sampling
     assert only.name is None and only.prefix == "eval" and only.data.prompt_data == prompts
@@ -95,21 +136,78 @@ def test_fault_tolerance_takes_slimes_flags_and_defaults(prompts):
     r = parse_args(base(prompts)).rollout
     assert not r.fault_tolerance
     r = parse_args(base(prompts, "--use-fault-tolerance")).rollout
-    assert (r.fault_tolerance, r.health_check_interval, r.health_check_timeout, r.health_check_first_wait) == (
-        True, 30.0, 30.0, 0.0,
-    )  # fmt: skip
-    r = parse_args(base(prompts, "--use-fault-tolerance", "--rollout-health-check-interval", "10",
-                        "--rollout-health-check-timeout", "5", "--rollout-health-check-first-wait", "600")).rollout  # fmt: skip
+    assert (
+        r.fault_tolerance,
+        r.health_check_interval,
+        r.health_check_timeout,
+        r.health_check_first_wait,
+    ) == (
+        True,
+        30.0,
+        30.0,
+        0.0,
+    )
+    r = parse_args(
+        base(
+            prompts,
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "10",
+            "--rollout-health-check-timeout",
+            "5",
+            "--rollout-health-check-first-wait",
+            "600",
+        )
+    ).rollout
     assert (r.health_check_interval, r.health_check_timeout, r.health_check_first_wait) == (10.0, 5.0, 600.0)
 
 
 def test_required_flags(prompts, capsys):
     for argv, message in [
-        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--num-rollout", "1", "--rm-type", "exact"], "--rollout-batch-size is required"),
-        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "1", "--rm-type", "exact"], "--num-rollout or --num-epoch"),
-        (["--hf-checkpoint", "/m", "--prompt-data", prompts, "--rollout-batch-size", "1", "--num-rollout", "1"], "choose a reward"),
-        (["--prompt-data", prompts, "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "exact"], "--hf-checkpoint is required"),
-    ]:  # fmt: skip
+        (
+            ["--hf-checkpoint", "/m", "--prompt-data", prompts, "--num-rollout", "1", "--rm-type", "exact"],
+            "--rollout-batch-size is required",
+        ),
+        (
+            [
+                "--hf-checkpoint",
+                "/m",
+                "--prompt-data",
+                prompts,
+                "--rollout-batch-size",
+                "1",
+                "--rm-type",
+                "exact",
+            ],
+            "--num-rollout or --num-epoch",
+        ),
+        (
+            [
+                "--hf-checkpoint",
+                "/m",
+                "--prompt-data",
+                prompts,
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+            ],
+            "choose a reward",
+        ),
+        (
+            [
+                "--prompt-data",
+                prompts,
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "exact",
+            ],
+            "--hf-checkpoint is required",
+        ),
+    ]:
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -159,8 +257,18 @@ def test_debug_mode_flags_exit_2(prompts, capsys, extra, message):
 
 
 def test_load_implies_train_only_and_needs_no_rollout_flags(tmp_path):
-    cfg = parse_args(["--hf-checkpoint", "/m", "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"),
-                      "--num-rollout", "2", "--load-debug-rollout-data-subsample", "0.5"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            "/m",
+            "--load-debug-rollout-data",
+            str(tmp_path / "r_{rollout_id}.pt"),
+            "--num-rollout",
+            "2",
+            "--load-debug-rollout-data-subsample",
+            "0.5",
+        ]
+    )
     assert cfg.debug.train_only and not cfg.debug.rollout_only and cfg.debug.subsample == 0.5
 
 
@@ -218,12 +326,26 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             "TP 8 must divide the attention heads (4) and the key/value heads (2)",
         ),
         (
-            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-             "--sequence-parallel"],
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
             "--sequence-parallel needs --transformer-impl transformer_engine",
         ),
         (
-            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"],
+            [
+                "--train-backend",
+                "megatron",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--expert-model-parallel-size",
+                "2",
+            ],
             "EP 2: expert parallelism needs a mixture-of-experts model",
         ),
         (
@@ -235,7 +357,7 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             "--fsdp-cpu-offload configure the FSDP backend",
         ),
     ],
-)  # fmt: skip
+)
 def test_megatron_layout_flags_are_checked_against_ranks_and_model(
     tiny_model, prompts, capsys, extra, message
 ):
@@ -251,10 +373,17 @@ def test_megatron_layout_flags_are_checked_against_ranks_and_model(
     "extra",
     [
         ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "4"],
-        ["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        [
+            "--actor-num-gpus-per-node",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
         ["--actor-num-gpus-per-node", "2"],
     ],
-)  # fmt: skip
+)
 def test_megatron_layouts_that_fit_the_model_parse(tiny_model, prompts, extra):
     argv = base(prompts, "--train-backend", "megatron", *extra)
     argv[argv.index("/m")] = tiny_model

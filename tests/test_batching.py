@@ -98,9 +98,13 @@ def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, d
     batch = _batch(lengths)
     cfg = TrainConfig(
         hf_checkpoint=tiny_model,
-        batch=BatchConfig(global_batch_size=4, micro_batch_size=1, use_dynamic_batch_size=dynamic,
-                          max_tokens_per_gpu=16 if dynamic else None),
-    )  # fmt: skip
+        batch=BatchConfig(
+            global_batch_size=4,
+            micro_batch_size=1,
+            use_dynamic_batch_size=dynamic,
+            max_tokens_per_gpu=16 if dynamic else None,
+        ),
+    )
     parts = split_rollout(batch, cfg.batch, 2)
     for d in range(2):
         rank = TrainActorBase()
@@ -169,8 +173,9 @@ def test_the_per_sample_loss_counts_each_execution_once():
             masks = torch.zeros(len(share), 6)
             for row, g in enumerate(share):
                 masks[row, : loss_tokens[g]] = 1
-            w = token_weights(masks, False, step.num_executions, step.num_tokens,
-                              step.row_denominators(range(len(share))))  # fmt: skip
+            w = token_weights(
+                masks, False, step.num_executions, step.num_tokens, step.row_denominators(range(len(share)))
+            )
             for row, g in enumerate(share):
                 totals[executions[g]] += float(w[row].sum())
         assert all(abs(v - 0.2) < 1e-7 for v in totals.values()), (dp, totals)
@@ -199,7 +204,14 @@ def test_balance_by_flops_cuts_the_token_budgets_count_and_evens_the_flops():
 def test_flops_coefficient_from_the_model_shape():
     from types import SimpleNamespace
 
-    dense = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, intermediate_size=128, vocab_size=100)  # fmt: skip
+    dense = SimpleNamespace(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=100,
+    )
     linear = 2 * (2 * 64 * (4 + 4) * 16 + 2 * 64 * 64 + 6 * 64 * 128) + 2 * 64 * 100
     assert batching.flops_coefficient(dense) == pytest.approx(linear / (2 * 4 * 16 * 2))

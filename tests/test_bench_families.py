@@ -14,9 +14,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_bench_families_runs_and_prints_its_table():
     proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_families.py", "--archs", "qwen3,qwen3_next", "--requests", "1",
-         "--new-tokens", "2", "--hidden-size", "32", "--num-layers", "2", "--threads", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/bench_families.py",
+            "--archs",
+            "qwen3,qwen3_next",
+            "--requests",
+            "1",
+            "--new-tokens",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-layers",
+            "2",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "| qwen3 | BatchedRunner |" in proc.stdout and "| qwen3_next | GenericRunner |" in proc.stdout

@@ -13,8 +13,20 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-VISION_ARGS = ["--requests", "2", "--new-tokens", "2", "--image-sizes", "64", "--hidden-size", "64",
-               "--num-layers", "1", "--threads", "1"]  # fmt: skip
+VISION_ARGS = [
+    "--requests",
+    "2",
+    "--new-tokens",
+    "2",
+    "--image-sizes",
+    "64",
+    "--hidden-size",
+    "64",
+    "--num-layers",
+    "1",
+    "--threads",
+    "1",
+]
 # name: (smallest arguments, a line its table prints, slow)
 BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
     "bench_push": (

@@ -61,7 +61,8 @@ def hook(phase, info):
         print(f"CHAOS: {spec.strip()} at {phase} {info}", flush=True)
         if target in ("engine", "engine-stop"):  # engine-stop: SIGSTOP, an engine that hangs
             url = info.get("engine") or info["engines"][0]
-            _kill(_pid_listening(url), f"engine {url}", signal.SIGSTOP if target == "engine-stop" else signal.SIGKILL)
+            sig = signal.SIGSTOP if target == "engine-stop" else signal.SIGKILL
+            _kill(_pid_listening(url), f"engine {url}", sig)
         elif target == "engines":
             for url in info["engines"]:
                 _kill(_pid_listening(url), f"engine {url}")
@@ -88,13 +89,32 @@ FT = [
 pytestmark = pytest.mark.e2e
 
 
-def chaos_job(tmp_path, tiny_model, prompts, chaos, *extra, num_rollout=3, path=(), check=True):  # noqa: F811
+def chaos_job(tmp_path, tiny_model, prompts, chaos, *extra, num_rollout=3, path=(), check=True):
     (tmp_path / "chaos.py").write_text(HOOK)
     template = str(tmp_path / "dumps" / "r_{rollout_id}.pt")
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--rollout-num-gpus", "2",
-                   *FT, "--debug-phase-hook", "chaos.hook", "--num-rollout", str(num_rollout),
-                   "--rollout-max-response-len", "48", "--save-debug-rollout-data", template, *(["--check-weight-sync"] if check else []),
-                   *extra, env={"CHAOS": chaos, "CHAOS_DIR": str(tmp_path)}, path=path)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--rollout-num-gpus",
+        "2",
+        *FT,
+        "--debug-phase-hook",
+        "chaos.hook",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-max-response-len",
+        "48",
+        "--save-debug-rollout-data",
+        template,
+        *(["--check-weight-sync"] if check else []),
+        *extra,
+        env={"CHAOS": chaos, "CHAOS_DIR": str(tmp_path)},
+        path=path,
+    )
     return proc, template
 
 
@@ -117,17 +137,20 @@ def assert_nothing_lost(proc, template, num_rollout, kills, pushes):
 
 
 @pytest.mark.slow  # ~60 s
-def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompts, tmp_path):
     """One job, one fault per rollout: both engines at once during generation (rollout 0), one
     during generation (rollout 1; with 48-token responses of varied length its other groups are
     still generating), one between the generation and the push (rollout 2), one during the push
     after its first bucket (version 4)."""
-    chaos = ("group_generated:rollout_id=0:evaluation=False:groups=1->engines;"
-             "group_generated:rollout_id=1:evaluation=False:groups=1->engine;"
-             "rollout_done:rollout_id=2->engine;"
-             "push_bucket:version=4:bucket=0->engine")  # fmt: skip
-    proc, template = chaos_job(tmp_path, tiny_model, prompts, chaos, "--update-weight-buffer-size", "65536",
-                               num_rollout=4)  # fmt: skip
+    chaos = (
+        "group_generated:rollout_id=0:evaluation=False:groups=1->engines;"
+        "group_generated:rollout_id=1:evaluation=False:groups=1->engine;"
+        "rollout_done:rollout_id=2->engine;"
+        "push_bucket:version=4:bucket=0->engine"
+    )
+    proc, template = chaos_job(
+        tmp_path, tiny_model, prompts, chaos, "--update-weight-buffer-size", "65536", num_rollout=4
+    )
     assert_nothing_lost(proc, template, 4, kills=5, pushes=4)
     assert "its group is generated again" in proc.stderr
     assert "pushing again to the others" in proc.stderr  # the push that lost an engine
@@ -139,28 +162,43 @@ CELLS = {
     "generation_hang": ("group_generated:rollout_id=0:evaluation=False:groups=1->engine-stop", []),
     "after_generation": ("rollout_done:rollout_id=0->engine", []),
     "push_tensor": ("push_bucket:version=1:bucket=0->engine", ["--update-weight-transport", "tensor"]),
-    "push_distributed": ("push_bucket:version=1:bucket=0->engine", ["--update-weight-transport", "distributed"]),
+    "push_distributed": (
+        "push_bucket:version=1:bucket=0->engine",
+        ["--update-weight-transport", "distributed"],
+    ),
     "push_disk": ("push_bucket:version=1:bucket=0->engine", ["--update-weight-transport", "disk"]),
-    "eval": ("group_generated:rollout_id=0:evaluation=True:groups=1->engine",
-             ["--eval-interval", "1", "--eval-prompt-data", "PROMPTS", "--eval-temperature", "0"]),
+    "eval": (
+        "group_generated:rollout_id=0:evaluation=True:groups=1->engine",
+        ["--eval-interval", "1", "--eval-prompt-data", "PROMPTS", "--eval-temperature", "0"],
+    ),
     "colocate_release": ("release->engine", ["--colocate", "--actor-num-gpus-per-node", "2"]),
     "colocate_resume": ("resume:tags=['weights']->engine", ["--colocate", "--actor-num-gpus-per-node", "2"]),
     "both_engines": ("group_generated:rollout_id=1:evaluation=False:groups=1->engines", []),
-    "router": ("group_generated:rollout_id=0:evaluation=False:groups=1->router", ["--rollout-backend", "sglang"]),
-}  # fmt: skip
+    "router": (
+        "group_generated:rollout_id=0:evaluation=False:groups=1->router",
+        ["--rollout-backend", "sglang"],
+    ),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", sorted(CELLS))
-def test_fault_matrix(tiny_model, prompts, tmp_path, cell):  # noqa: F811
+def test_fault_matrix(tiny_model, prompts, tmp_path, cell):
     chaos, extra = CELLS[cell]
     if cell != "router":  # rollout 2 waits for the restart, so a push reaches the new engine
         chaos += ";group_generated:rollout_id=2:evaluation=False:groups=1->await:admitted"
     extra = [prompts if a == "PROMPTS" else a for a in extra]
     if cell.startswith("push"):
         extra += ["--update-weight-buffer-size", "65536"]
-    proc, template = chaos_job(tmp_path, tiny_model, prompts, chaos, *extra,
-                               path=[FAKE_SGLANG] if cell == "router" else [], check=cell != "router")  # fmt: skip
+    proc, template = chaos_job(
+        tmp_path,
+        tiny_model,
+        prompts,
+        chaos,
+        *extra,
+        path=[FAKE_SGLANG] if cell == "router" else [],
+        check=cell != "router",
+    )
     if cell == "router":  # the engines stayed up; the router came back with both of them
         assert proc.returncode == 0, proc.stderr[-5000:]
         assert "CHAOS: killing the sglang-router" in proc.stdout + proc.stderr
@@ -175,14 +213,26 @@ def test_fault_matrix(tiny_model, prompts, tmp_path, cell):  # noqa: F811
 @pytest.mark.parametrize(
     "phase, what", [("train", "the train step of rollout 2"), ("save", "the checkpoint save of rollout 2")]
 )
-def test_a_killed_train_rank_ends_the_job_and_the_run_resumes(tiny_model, prompts, tmp_path, phase, what):  # noqa: F811
+def test_a_killed_train_rank_ends_the_job_and_the_run_resumes(tiny_model, prompts, tmp_path, phase, what):
     """Rank 1 of 2 killed in the train step (or the checkpoint save) of rollout 2: exit code 1 at
     once (not after a timeout) naming the rank and the phase; the checkpoint of rollout 1 is intact,
     and --load continues with rollout 2, training no rollout twice."""
     (tmp_path / "chaos.py").write_text(HOOK)
     save = str(tmp_path / "ckpt")
-    common = ["--rm-type", "exact", "--actor-num-gpus-per-node", "2", "--save", save, "--save-interval", "1",
-              "--num-rollout", "4", "--distributed-timeout-minutes", "5"]  # fmt: skip
+    common = [
+        "--rm-type",
+        "exact",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--save",
+        save,
+        "--save-interval",
+        "1",
+        "--num-rollout",
+        "4",
+        "--distributed-timeout-minutes",
+        "5",
+    ]
     env = {"CHAOS": f"{phase}:rank=1:rollout_id=2->self", "CHAOS_DIR": str(tmp_path)}
     proc = run_job(
         "train.py", tiny_model, prompts, tmp_path, *common, "--debug-phase-hook", "chaos.hook", env=env

@@ -23,17 +23,29 @@ def cluster():
     c.stop()
 
 
-def _job(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
-    return run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--colocate",
-                   "--actor-num-gpus-per-node", "2", "--update-weight-transport", transport, "--check-weight-sync",
-                   env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+def _job(cluster, tiny_model, prompts, tmp_path, transport):
+    return run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--colocate",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--update-weight-transport",
+        transport,
+        "--check-weight-sync",
+        env={"RAY_ADDRESS": cluster.address},
+    )
 
 
 # ~35 s, and the one default job that timed out under load; the refusals below stay in the default
 # run on the same two-node cluster, the rendezvous and the group's addresses are tested in process
 # (tests/test_distributed_topology.py)
 @pytest.mark.slow
-def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, prompts, tmp_path):
     proc = _job(cluster, tiny_model, prompts, tmp_path, "distributed")
     assert proc.returncode == 0, proc.stderr[-4000:]
     err = proc.stderr
@@ -57,7 +69,7 @@ def test_two_nodes_train_and_push_over_a_distributed_group(cluster, tiny_model, 
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
+def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts, tmp_path, transport):
     # Engine 1 sits with train rank 1 on the other node: shared-memory files and the temporary
     # directory of train rank 0's node do not reach it. One line, exit 2, naming the fix, before
     # any engine or train rank starts (the placement group's nodes tell).
@@ -74,12 +86,22 @@ def test_node_local_transports_refuse_a_far_engine(cluster, tiny_model, prompts,
 # what most end-to-end jobs push with, and the two-node placement is run by the test above.
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_node_local_transports_work_on_one_node(cluster, tiny_model, prompts, tmp_path, transport):  # noqa: F811
+def test_node_local_transports_work_on_one_node(cluster, tiny_model, prompts, tmp_path, transport):
     # One train rank and its colocated engine share one bundle, so one node (either): shared
     # memory and the temporary directory reach the engine, at its node address, with the key.
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--colocate",
-                   "--update-weight-transport", transport, "--check-weight-sync",
-                   env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--colocate",
+        "--update-weight-transport",
+        transport,
+        "--check-weight-sync",
+        env={"RAY_ADDRESS": cluster.address},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     node = re.search(r"rank nodes: ([\d.]+)\)", proc.stderr).group(1)
     assert node in (HEAD_IP, "127.0.0.2") and re.search(r"engine nodes: (.*)", proc.stderr).group(1) == node

@@ -23,9 +23,23 @@ from slime.config.records import (
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.config.train import BatchConfig, FSDPConfig, MegatronConfig, OptimizerConfig, TrainConfig
 
-RECORDS = (TrainConfig, LossConfig, OptimizerConfig, BatchConfig, FSDPConfig, MegatronConfig, AsyncConfig,
-           CheckpointConfig, DebugConfig, LoggingConfig, DataConfig, SamplingConfig, RolloutConfig, ClusterConfig,
-           BridgeConfig)  # fmt: skip
+RECORDS = (
+    TrainConfig,
+    LossConfig,
+    OptimizerConfig,
+    BatchConfig,
+    FSDPConfig,
+    MegatronConfig,
+    AsyncConfig,
+    CheckpointConfig,
+    DebugConfig,
+    LoggingConfig,
+    DataConfig,
+    SamplingConfig,
+    RolloutConfig,
+    ClusterConfig,
+    BridgeConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -68,13 +82,38 @@ def test_the_parsers_defaults_are_the_records_defaults():
 def test_a_flag_reaches_its_field_through_parse():
     from slime.config.arguments import parse
 
-    parsed = parse(["--hf-checkpoint", "m", "--rm-type", "math", "--prompt-data", "p.jsonl",
-                    "--rollout-batch-size", "2", "--num-rollout", "1", "--lr", "0.5", "--fsdp-param-dtype",
-                    "bfloat16", "--eps-clip-high", "0.3", "--device", "cpu"])  # fmt: skip
+    parsed = parse(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--rm-type",
+            "math",
+            "--prompt-data",
+            "p.jsonl",
+            "--rollout-batch-size",
+            "2",
+            "--num-rollout",
+            "1",
+            "--lr",
+            "0.5",
+            "--fsdp-param-dtype",
+            "bfloat16",
+            "--eps-clip-high",
+            "0.3",
+            "--device",
+            "cpu",
+        ]
+    )
     ns = parsed.ns
     assert (ns.lr, ns.fsdp_param_dtype, ns.eps_clip_high) == (0.5, "bfloat16", 0.3)
-    train = from_flags(TrainConfig, ns, device="cpu", loss=from_flags(LossConfig, ns),
-                       optimizer=from_flags(OptimizerConfig, ns), fsdp=from_flags(FSDPConfig, ns))  # fmt: skip
+    train = from_flags(
+        TrainConfig,
+        ns,
+        device="cpu",
+        loss=from_flags(LossConfig, ns),
+        optimizer=from_flags(OptimizerConfig, ns),
+        fsdp=from_flags(FSDPConfig, ns),
+    )
     assert (train.optimizer.lr, train.fsdp.param_dtype, train.loss.eps_clip_high) == (0.5, "bfloat16", 0.3)
 
 

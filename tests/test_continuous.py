@@ -114,12 +114,36 @@ def _manager(tiny_model, url, tmp_path, *extra, schedule=("--fully-async",)):
     from slime.ray.cli import parse_args
     from slime.rollout.producer import RolloutProducer
 
-    cfg = parse_args([
-        "--hf-checkpoint", tiny_model, "--prompt-data", _prompts(tmp_path, 12), "--input-key", "prompt",
-        "--label-key", "label", "--rm-type", "exact", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "6", "--num-rollout", "6", "--global-batch-size", "4", *schedule,
-        "--rollout-backend", "torch", "--train-backend", "fsdp", *extra,
-    ])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            _prompts(tmp_path, 12),
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+            "--rm-type",
+            "exact",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            "6",
+            "--num-rollout",
+            "6",
+            "--global-batch-size",
+            "4",
+            *schedule,
+            "--rollout-backend",
+            "torch",
+            "--train-backend",
+            "fsdp",
+            *extra,
+        ]
+    )
     m = RolloutProducer(cfg)
     m.connect([url])
     return m
@@ -165,10 +189,15 @@ class FakeGen:
             await self.gate.wait()
         await asyncio.sleep(0.001)
         return [
-            Sample(response_length=3, loss_mask=[1, 1, 1], weight_version_spans=[[v, 3]], reward=1.0,
-                   metadata={"prompt_index": prompt.index})
+            Sample(
+                response_length=3,
+                loss_mask=[1, 1, 1],
+                weight_version_spans=[[v, 3]],
+                reward=1.0,
+                metadata={"prompt_index": prompt.index},
+            )
             for _ in range(2)
-        ]  # fmt: skip
+        ]
 
 
 class CountingDataset:
@@ -282,10 +311,22 @@ def test_partial_rollout_continues_the_groups_over_sampling_cut_off(own_engine, 
     import torch
 
     dumps = str(tmp_path / "r_{rollout_id}.pt")
-    m = _manager(tiny_model, own_engine.url, tmp_path, "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                 "--over-sampling-batch-size", "6", "--rollout-max-response-len", "160",
-                 "--custom-generate-function-path", "tests.test_continuous.short_even_prompts",
-                 "--save-debug-rollout-data", dumps, schedule=())  # fmt: skip
+    m = _manager(
+        tiny_model,
+        own_engine.url,
+        tmp_path,
+        "--partial-rollout",
+        "--mask-offpolicy-in-partial-rollout",
+        "--over-sampling-batch-size",
+        "6",
+        "--rollout-max-response-len",
+        "160",
+        "--custom-generate-function-path",
+        "tests.test_continuous.short_even_prompts",
+        "--save-debug-rollout-data",
+        dumps,
+        schedule=(),
+    )
     try:
         r0 = m.generate(0, 0)
         cut = {
@@ -329,18 +370,37 @@ def test_partial_rollout_is_refused_with_deterministic_mode(tmp_path, capsys):
     from slime.ray.cli import parse_args
 
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", "/m", "--prompt-data", _prompts(tmp_path, 2), "--rollout-batch-size", "2",
-                    "--num-rollout", "1", "--rm-type", "exact", "--partial-rollout", "--deterministic-mode"])  # fmt: skip
+        parse_args(
+            [
+                "--hf-checkpoint",
+                "/m",
+                "--prompt-data",
+                _prompts(tmp_path, 2),
+                "--rollout-batch-size",
+                "2",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "exact",
+                "--partial-rollout",
+                "--deterministic-mode",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--partial-rollout" in err and "--deterministic-mode" in err, err
 
 
 def _group(index, version, n=2):
     return [
-        Sample(response_length=3, loss_mask=[1, 1, 1], weight_version_spans=[[str(version), 3]], reward=1.0,
-               metadata={"prompt_index": index})
+        Sample(
+            response_length=3,
+            loss_mask=[1, 1, 1],
+            weight_version_spans=[[str(version), 3]],
+            reward=1.0,
+            metadata={"prompt_index": index},
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def test_the_oldest_finished_group_is_taken_first():

@@ -40,18 +40,35 @@ def _train_metrics(log_dir):
     return [(r["rollout_id"], r["train/loss"], r["train/pg_loss"], r["train/grad_norm"]) for r in records]
 
 
-def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_model, prompts, tmp_path):
     """A continuous run: the lag bound holds for every trained token (metrics and dumps), a
     checkpoint returns the prompts in flight, and its dumps replayed (train.py
     --load-debug-rollout-data) train the same steps bit for bit: the dumps record what was trained."""
     dumps = tmp_path / "dumps" / "rollout_{rollout_id}.pt"
     proc = run_job(
-        "train_async.py", tiny_model, prompts, tmp_path, "--custom-rm-path",
-        "tests.test_continuous_e2e.last_token_parity", "--num-rollout", "4",
-        "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-        "--max-policy-version-lag", "1", "--rollout-max-response-len", "8", "--save-debug-rollout-data", str(dumps),
-        "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--trace-dir", str(tmp_path / "trace"),
-    )  # fmt: skip
+        "train_async.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--custom-rm-path",
+        "tests.test_continuous_e2e.last_token_parity",
+        "--num-rollout",
+        "4",
+        "--rollout-function-path",
+        "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "--max-policy-version-lag",
+        "1",
+        "--rollout-max-response-len",
+        "8",
+        "--save-debug-rollout-data",
+        str(dumps),
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "2",
+        "--trace-dir",
+        str(tmp_path / "trace"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "schedule: continuous" in proc.stderr
     check_continuous_timeline(tmp_path / "trace", proc.stderr)
@@ -81,8 +98,9 @@ def test_fully_async_job_keeps_every_trained_token_within_the_lag_bound(tiny_mod
     # The replay: the same steps from the dumps alone, no engine.
     replay = tmp_path / "replay"
     replay.mkdir()
-    again = run_job("train.py", tiny_model, prompts, replay, "--load-debug-rollout-data", str(dumps),
-                    "--num-rollout", "4")  # fmt: skip
+    again = run_job(
+        "train.py", tiny_model, prompts, replay, "--load-debug-rollout-data", str(dumps), "--num-rollout", "4"
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     original = _train_metrics(tmp_path / "logs")
     assert any(g > 0 for *_, g in original)

@@ -17,8 +17,10 @@ def fake_returns(batch, seed: int) -> dict[int, list[float]]:
     """Returns to fit: the reward plus a smooth per-token drift (what GAE makes of them is
     tested in tests/test_algo.py)."""
     g = torch.Generator().manual_seed(seed)
-    return {i: (r + 0.1 * torch.randn(n, generator=g).cumsum(0)).tolist()
-            for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))}  # fmt: skip
+    return {
+        i: (r + 0.1 * torch.randn(n, generator=g).cumsum(0)).tolist()
+        for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))
+    }
 
 
 def critic_run(rank, world_size, init_method, model, rollouts=2, steps_per_batch=1):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def dumps(tiny_model, prompts, tmp_path_factory):  # noqa: F811
+def dumps(tiny_model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollout-only")
     template = str(tmp / "dumps" / "rollout_{rollout_id}.pt")
     proc = run_job(
@@ -48,8 +48,11 @@ def test_rollout_only_starts_no_trainer_and_saves_every_rollout(dumps, tokenizer
     assert "mode: rollout only (no trainer)" in proc.stderr
     assert "TrainRank" not in proc.stderr and "train rank 0" not in proc.stderr
     assert sorted(p.name for p in (tmp / "dumps").iterdir()) == [
-        "eval_-1.pt", "eval_1.pt", "rollout_0.pt", "rollout_1.pt",
-    ]  # fmt: skip
+        "eval_-1.pt",
+        "eval_1.pt",
+        "rollout_0.pt",
+        "rollout_1.pt",
+    ]
     for rollout_id in (0, 1):
         dump = torch.load(template.format(rollout_id=rollout_id), weights_only=True)
         assert dump["rollout_id"] == rollout_id and len(dump["samples"]) == 8
@@ -64,12 +67,22 @@ def test_rollout_only_starts_no_trainer_and_saves_every_rollout(dumps, tokenizer
     assert not any(k.startswith("train/") for r in steps for k in r)
 
 
-def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, tmp_path):
     _, template, _ = dumps
     train_template = str(tmp_path / "train" / "r{rollout_id}_rank{rank}.pt")
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--actor-num-gpus-per-node", "2", "--save-debug-train-data", train_template,
-                   "--check-precision")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--load-debug-rollout-data",
+        template,
+        "--actor-num-gpus-per-node",
+        "2",
+        "--save-debug-train-data",
+        train_template,
+        "--check-precision",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The trainer agrees with the engine that made the dump (greedy: log-probs at temperature 1).
     assert (
@@ -100,19 +113,29 @@ def test_train_only_replays_the_dumps_on_two_ranks(dumps, tiny_model, prompts, t
             assert len(row["log_probs"]) == len(row["advantages"]) == s["response_length"]
 
 
-def test_a_missing_dump_exits_2_before_anything_starts(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_a_missing_dump_exits_2_before_anything_starts(dumps, tiny_model, prompts, tmp_path):
     _, template, _ = dumps
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--num-rollout", "3")  # fmt: skip
+    proc = run_job(
+        "train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template, "--num-rollout", "3"
+    )
     assert proc.returncode == 2
     assert "1 of the 3 rollout dumps (--num-rollout) do not exist" in proc.stderr
     assert "rollout_2.pt" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_check_precision_names_a_temperature_mismatch_with_the_dump(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_check_precision_names_a_temperature_mismatch_with_the_dump(dumps, tiny_model, prompts, tmp_path):
     _, template, _ = dumps
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--check-precision", "--rollout-temperature", "0.5")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--load-debug-rollout-data",
+        template,
+        "--check-precision",
+        "--rollout-temperature",
+        "0.5",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "--check-precision: 1 of 4 checks FAILED at rollout 0" in proc.stderr
     assert "  FAIL trainer vs engine log-probs (mean and max |diff|)" in proc.stderr
@@ -126,11 +149,18 @@ def test_check_precision_names_a_temperature_mismatch_with_the_dump(dumps, tiny_
     )
 
 
-def test_check_precision_fails_a_replay_with_other_weights(dumps, tiny_model_b, prompts, tmp_path):  # noqa: F811
+def test_check_precision_fails_a_replay_with_other_weights(dumps, tiny_model_b, prompts, tmp_path):
     """The engine log-probs in the dump are another model's than the trainer's: the gap gate."""
     _, template, _ = dumps
-    proc = run_job("train.py", tiny_model_b, prompts, tmp_path, "--load-debug-rollout-data", template,
-                   "--check-precision")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model_b,
+        prompts,
+        tmp_path,
+        "--load-debug-rollout-data",
+        template,
+        "--check-precision",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "  FAIL trainer vs engine log-probs (mean and max |diff|)" in proc.stderr
     assert "the replayed dump was generated with other weights than --hf-checkpoint" in proc.stderr
@@ -146,7 +176,7 @@ def _train_metrics(tmp_path):
 
 
 @pytest.mark.slow  # ~75 s; two ranks training like one is checked in-process (test_fsdp_actor)
-def test_replay_is_deterministic_and_layout_independent(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_replay_is_deterministic_and_layout_independent(dumps, tiny_model, prompts, tmp_path):
     """The same dump replayed twice: bit-identical losses and grad norms; on 1 and on 2 FSDP
     ranks: equal within relative 1e-5 (rewards varied within groups so the gradients are not 0)."""
     from slime.rollout.dump import load_dump, save_dump
@@ -165,8 +195,18 @@ def test_replay_is_deterministic_and_layout_independent(dumps, tiny_model, promp
     for name, ranks in (("one", "1"), ("again", "1"), ("two", "2")):
         out = tmp_path / name
         out.mkdir()
-        proc = run_job("train.py", tiny_model, prompts, out, "--load-debug-rollout-data", varied,
-                       "--actor-num-gpus-per-node", ranks, "--lr", "1e-3")  # fmt: skip
+        proc = run_job(
+            "train.py",
+            tiny_model,
+            prompts,
+            out,
+            "--load-debug-rollout-data",
+            varied,
+            "--actor-num-gpus-per-node",
+            ranks,
+            "--lr",
+            "1e-3",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = _train_metrics(out)
     assert runs["one"] == runs["again"]  # bit for bit
@@ -179,11 +219,22 @@ def test_replay_is_deterministic_and_layout_independent(dumps, tiny_model, promp
 # In -m slow (13 s): tests/test_deterministic.py runs whole seeded jobs twice and compares them
 # bitwise, which covers this; the default suite keeps 10 minutes.
 @pytest.mark.slow
-def test_greedy_rollout_only_saves_the_same_dump_twice(dumps, tiny_model, prompts, tmp_path):  # noqa: F811
+def test_greedy_rollout_only_saves_the_same_dump_twice(dumps, tiny_model, prompts, tmp_path):
     _, template, _ = dumps
     again = str(tmp_path / "dumps" / "rollout_{rollout_id}.pt")
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--debug-rollout-only",
-                   "--save-debug-rollout-data", again, "--rollout-temperature", "0")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--debug-rollout-only",
+        "--save-debug-rollout-data",
+        again,
+        "--rollout-temperature",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for i in (0, 1):
         first = torch.load(template.format(rollout_id=i), weights_only=True)

@@ -83,8 +83,13 @@ def test_twenty_delta_pushes_keep_the_engine_bitwise_equal_and_late_hosts_catch_
         assert _engine_matches(engine.url, state) == [], f"push {step}"
     assert sorted(os.listdir(disk)) == [f"weight_v{v:06d}" for v in range(1, 21)]
     index = json.load(open(os.path.join(disk, "weight_v000020", wd.INDEX)))
-    assert index["metadata"] == {"version": "000020", "base_version": "000019", "delta_encoding": "xor",
-                                 "compression_format": "zstd", "checksum_format": "xxh3-128"}  # fmt: skip
+    assert index["metadata"] == {
+        "version": "000020",
+        "base_version": "000019",
+        "delta_encoding": "xor",
+        "compression_format": "zstd",
+        "checksum_format": "xxh3-128",
+    }
     # A host that joins late seeds from the engine's model (version 0) and applies all 20.
     late = str(tmp_path / "host-b")
     done = wd.pull_weights(late, disk, 20, tiny_model)

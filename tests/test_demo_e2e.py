@@ -19,8 +19,12 @@ def test_demo_raises_held_out_accuracy_by_25_points(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "run-tiny-cpu.sh"), str(out)],
-        env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/accuracy" in r]
@@ -43,8 +47,12 @@ def test_the_demo_with_ppo_and_a_critic_learns(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "RAY_AUTH_MODE": "disabled", "NUM_ROLLOUT": "150"}
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "run-tiny-cpu.sh"), str(out), "--advantage-estimator", "ppo"],
-        env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/accuracy" in r]
@@ -55,10 +63,21 @@ def test_the_demo_with_ppo_and_a_critic_learns(tmp_path):
 
 def _demo(out, num_rollout: int, eval_interval: int, *flags: str) -> list[tuple[int, float]]:
     """The demo script's (step, held-out accuracy) after `num_rollout` rollouts with `flags`."""
-    env = {**os.environ, "PYTHON": sys.executable, "RAY_AUTH_MODE": "disabled", "NUM_ROLLOUT": str(num_rollout),
-           "EVAL_INTERVAL": str(eval_interval)}  # fmt: skip
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run-tiny-cpu.sh"), str(out), *flags],
-                          env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "RAY_AUTH_MODE": "disabled",
+        "NUM_ROLLOUT": str(num_rollout),
+        "EVAL_INTERVAL": str(eval_interval),
+    }
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "run-tiny-cpu.sh"), str(out), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
@@ -74,8 +93,16 @@ def test_opd_from_the_demos_final_model_lifts_the_student_faster_than_grpo(tmp_p
     0.703 (docs/ppo.md). One run each and the runs are not bit-reproducible, so the bar is only
     "ahead"."""
     _demo(tmp_path / "teacher", 150, 50)
-    opd = _demo(tmp_path / "opd", 60, 10, "--use-opd", "--opd-type", "sglang",
-                "--opd-teacher-load", str(tmp_path / "teacher" / "final"))  # fmt: skip
+    opd = _demo(
+        tmp_path / "opd",
+        60,
+        10,
+        "--use-opd",
+        "--opd-type",
+        "sglang",
+        "--opd-teacher-load",
+        str(tmp_path / "teacher" / "final"),
+    )
     grpo = _demo(tmp_path / "grpo", 60, 10)
     assert [s for s, _ in opd] == [s for s, _ in grpo] == list(range(0, 70, 10))
 

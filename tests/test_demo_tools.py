@@ -20,10 +20,44 @@ def _rows(path):
 def test_task_splits_are_disjoint_complete_and_deterministic(tmp_path):
     from slime.tools.make_demo_task import main
 
-    assert main(["--out", str(tmp_path / "a"), "--max-a", "19", "--max-b", "4", "--eval-size", "10",
-                 "--sft-size", "20", "--seed", "3"]) == 0  # fmt: skip
-    assert main(["--out", str(tmp_path / "b"), "--max-a", "19", "--max-b", "4", "--eval-size", "10",
-                 "--sft-size", "20", "--seed", "3"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--out",
+                str(tmp_path / "a"),
+                "--max-a",
+                "19",
+                "--max-b",
+                "4",
+                "--eval-size",
+                "10",
+                "--sft-size",
+                "20",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "--out",
+                str(tmp_path / "b"),
+                "--max-a",
+                "19",
+                "--max-b",
+                "4",
+                "--eval-size",
+                "10",
+                "--sft-size",
+                "20",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     splits = {name: _rows(tmp_path / "a" / f"{name}.jsonl") for name in ("eval", "sft", "train")}
     assert [len(splits[n]) for n in ("eval", "sft", "train")] == [10, 20, 90]
     held_out = {r["prompt"] for r in splits["eval"]}
@@ -42,10 +76,25 @@ def test_task_splits_are_disjoint_complete_and_deterministic(tmp_path):
 
 def test_task_sizes_that_leave_no_train_problems_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "slime.tools.make_demo_task", "--out", str(tmp_path), "--max-a", "9",
-         "--max-b", "9", "--eval-size", "60", "--sft-size", "41"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slime.tools.make_demo_task",
+            "--out",
+            str(tmp_path),
+            "--max-a",
+            "9",
+            "--max-b",
+            "9",
+            "--eval-size",
+            "60",
+            "--sft-size",
+            "41",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert "--eval-size 60 + --sft-size 41" in proc.stderr and "Traceback" not in proc.stderr
     assert not os.listdir(tmp_path)
@@ -78,11 +127,37 @@ def test_sft_lowers_the_response_loss_and_writes_a_loadable_checkpoint(tiny_mode
     data.write_text("".join(json.dumps({"q": f"{a}+1=", "a": str(a + 1)}) + "\n" for a in range(8)))
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "slime.tools.sft", "--hf-checkpoint", tiny_model, "--data", str(data),
-         "--input-key", "q", "--response-key", "a", "--save-hf", str(out), "--num-epoch", "6",
-         "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "3e-3", "--train-backend", backend],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slime.tools.sft",
+            "--hf-checkpoint",
+            tiny_model,
+            "--data",
+            str(data),
+            "--input-key",
+            "q",
+            "--response-key",
+            "a",
+            "--save-hf",
+            str(out),
+            "--num-epoch",
+            "6",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--lr",
+            "3e-3",
+            "--train-backend",
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 6/6: 2 steps" in proc.stderr
     assert not os.path.exists(str(out) + ".partial")
@@ -98,10 +173,26 @@ def test_sft_megatron_layout_that_does_not_fit_exits_2(tiny_model, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "slime.tools.sft", "--hf-checkpoint", tiny_model, "--data", str(data),
-         "--save-hf", str(tmp_path / "out"), "--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slime.tools.sft",
+            "--hf-checkpoint",
+            tiny_model,
+            "--data",
+            str(data),
+            "--save-hf",
+            str(tmp_path / "out"),
+            "--train-backend",
+            "megatron",
+            "--tensor-model-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "= 2 does not divide the 1 ranks" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -110,10 +201,22 @@ def test_sft_missing_response_key_exits_2_naming_row_and_flag(tiny_model, tmp_pa
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "slime.tools.sft", "--hf-checkpoint", tiny_model, "--data", str(data),
-         "--save-hf", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slime.tools.sft",
+            "--hf-checkpoint",
+            tiny_model,
+            "--data",
+            str(data),
+            "--save-hf",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert f"{data}:1" in proc.stderr and "--response-key" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
@@ -152,8 +255,11 @@ def test_the_demos_last_line(tmp_path, capsys):
     from slime.tools.plot_metrics import main
 
     metrics = tmp_path / "metrics.jsonl"
-    records = [{"step": 0, "eval/accuracy": 0.25}, {"step": 5, "rollout/reward_mean": 0.5},
-               {"step": 10, "eval/accuracy": 0.8}]  # fmt: skip
+    records = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 5, "rollout/reward_mean": 0.5},
+        {"step": 10, "eval/accuracy": 0.8},
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main([str(metrics), "--since", str(time.time() - 42)]) == 0
     last = capsys.readouterr().out.splitlines()[-1]

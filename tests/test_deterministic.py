@@ -52,8 +52,13 @@ def test_a_seeded_request_gets_the_same_bits_alone_and_in_a_crowd(tiny_model, tm
 
 
 def test_sample_seeds_name_their_sample():
-    seeds = {sample_seed(1234, kind, r, draw, k) for kind in ("rollout", "eval") for r in range(3)
-             for draw in range(4) for k in range(4)}  # fmt: skip
+    seeds = {
+        sample_seed(1234, kind, r, draw, k)
+        for kind in ("rollout", "eval")
+        for r in range(3)
+        for draw in range(4)
+        for k in range(4)
+    }
     assert len(seeds) == 2 * 3 * 4 * 4 and all(0 <= s < 2**63 for s in seeds)
     assert sample_seed(1234, "rollout", 0, 1, 2) == sample_seed(1234, "rollout", 0, 1, 2)
     assert sample_seed(1234, "rollout", 0, 1, 2) != sample_seed(1235, "rollout", 0, 1, 2)
@@ -73,16 +78,34 @@ def test_enable_deterministic_seeds_and_turns_on_deterministic_kernels():
 
 @pytest.mark.e2e
 @pytest.mark.slow  # two whole jobs (~60 s); the seeded engine requests above stay in the default run
-def test_two_deterministic_runs_are_identical(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_two_deterministic_runs_are_identical(tiny_model, prompts, tmp_path):
     """train_async.py on two engines with over-sampling, sampled at temperature 1: the rollouts,
     rewards, losses and grad norms of two runs are the same bits."""
     runs = []
     for name in ("a", "b"):
         out = tmp_path / name
         out.mkdir()
-        proc = run_job("train_async.py", tiny_model, prompts, out, "--rm-type", "exact", "--deterministic-mode",
-                       "--rollout-num-gpus", "2", "--over-sampling-batch-size", "6", "--rollout-max-response-len", "8",
-                       "--lr", "1e-3", "--num-rollout", "3", "--save-debug-rollout-data", str(out / "r_{rollout_id}.pt"))  # fmt: skip
+        proc = run_job(
+            "train_async.py",
+            tiny_model,
+            prompts,
+            out,
+            "--rm-type",
+            "exact",
+            "--deterministic-mode",
+            "--rollout-num-gpus",
+            "2",
+            "--over-sampling-batch-size",
+            "6",
+            "--rollout-max-response-len",
+            "8",
+            "--lr",
+            "1e-3",
+            "--num-rollout",
+            "3",
+            "--save-debug-rollout-data",
+            str(out / "r_{rollout_id}.pt"),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
         metrics = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]

@@ -185,13 +185,24 @@ def test_the_leftover_report_lists_live_blocks_with_their_stacks(monkeypatch):
     torch_frame = {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_apply"}
     ours = {"filename": "/x/megatron/core/rotary_pos_embedding.py", "line": 160, "name": "get_emb"}
     segments = [
-        {"blocks": [
-            {"size": 512, "requested_size": 128, "address": 4096, "state": "active_allocated",
-             "frames": [torch_frame, ours]},
-            {"size": 1 << 20, "address": 8192, "state": "inactive"},
-        ]},
-        {"blocks": [{"size": 67_108_864, "requested_size": 67_108_864, "address": 0, "state": "active_allocated"}]},
-    ]  # fmt: skip
+        {
+            "blocks": [
+                {
+                    "size": 512,
+                    "requested_size": 128,
+                    "address": 4096,
+                    "state": "active_allocated",
+                    "frames": [torch_frame, ours],
+                },
+                {"size": 1 << 20, "address": 8192, "state": "inactive"},
+            ]
+        },
+        {
+            "blocks": [
+                {"size": 67_108_864, "requested_size": 67_108_864, "address": 0, "state": "active_allocated"}
+            ]
+        },
+    ]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 67_109_376)

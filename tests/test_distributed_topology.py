@@ -83,18 +83,26 @@ class StandInEngine:
 
         def join(tp_rank: int) -> Any:
             rank = body["rank_offset"] + tp_rank  # SGLang's rule
-            return sdist.new_group(body["backend"], body["master_address"], body["master_port"], rank,
-                                   body["world_size"], JOIN_TIMEOUT_S)  # fmt: skip
+            return sdist.new_group(
+                body["backend"],
+                body["master_address"],
+                body["master_port"],
+                rank,
+                body["world_size"],
+                JOIN_TIMEOUT_S,
+            )
 
         try:
             self.groups = await self._on_workers(join)
         except Exception as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         self.joined = [
-            {**{k: body[k] for k in ("master_address", "world_size", "backend", "group_name")},
-             "rank": body["rank_offset"] + k}
+            {
+                **{k: body[k] for k in ("master_address", "world_size", "backend", "group_name")},
+                "rank": body["rank_offset"] + k,
+            }
             for k in range(self.tp_size)
-        ]  # fmt: skip
+        ]
         return web.json_response({"success": True, "message": "joined"})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
@@ -265,17 +273,38 @@ def test_nodes_default_from_urls_and_master_is_train_rank_0():
 
 def test_cuda_ipc_feeds_each_engine_gpu_from_the_train_rank_on_it():
     nodes = ["10.0.0.1"] * 2 + ["10.0.0.2"] * 4
-    ok = build_topology("tensor", "cuda", ["http://a:1", "http://b:1"], [2, 4], ["10.0.0.1", "10.0.0.2"],
-                        nodes, colocated=True)  # fmt: skip
+    ok = build_topology(
+        "tensor",
+        "cuda",
+        ["http://a:1", "http://b:1"],
+        [2, 4],
+        ["10.0.0.1", "10.0.0.2"],
+        nodes,
+        colocated=True,
+    )
     assert ok.label == "cuda_ipc"
     with pytest.raises(
         TopologyError, match=r"engine 1 \(http://b:1\) runs on node 10.0.0.1, but train rank 2"
     ):
-        build_topology("tensor", "cuda", ["http://a:1", "http://b:1"], [2, 4], ["10.0.0.1", "10.0.0.1"],
-                       nodes, colocated=True)  # fmt: skip
+        build_topology(
+            "tensor",
+            "cuda",
+            ["http://a:1", "http://b:1"],
+            [2, 4],
+            ["10.0.0.1", "10.0.0.1"],
+            nodes,
+            colocated=True,
+        )
     with pytest.raises(TopologyError, match=r"the engines have 6 GPUs .* but there are 4 train ranks"):
-        build_topology("tensor", "cuda", ["http://a:1", "http://b:1"], [2, 4], train_nodes=["10.0.0.1"] * 4,
-                       engine_nodes=["10.0.0.1"] * 2, colocated=True)  # fmt: skip
+        build_topology(
+            "tensor",
+            "cuda",
+            ["http://a:1", "http://b:1"],
+            [2, 4],
+            train_nodes=["10.0.0.1"] * 4,
+            engine_nodes=["10.0.0.1"] * 2,
+            colocated=True,
+        )
 
 
 def test_planned_engines_without_urls_are_checked_by_node():

@@ -17,9 +17,24 @@ def calls(monkeypatch):
 
 def _config(tiny_model, tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(tmp_path / "p.jsonl"),
-                       "--rollout-batch-size", "6", "--global-batch-size", "6", "--actor-num-gpus-per-node", "3",
-                       "--num-rollout", "1", "--rm-type", "exact"])  # fmt: skip
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(tmp_path / "p.jsonl"),
+            "--rollout-batch-size",
+            "6",
+            "--global-batch-size",
+            "6",
+            "--actor-num-gpus-per-node",
+            "3",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "exact",
+        ]
+    )
 
 
 @pytest.mark.parametrize("value", [None, ""])

@@ -60,8 +60,13 @@ def test_generated_keys_pass_as_a_command_line_value():
 
 def test_every_route_but_health_needs_the_key(keyed_engine):
     url = keyed_engine.url
-    wrong = [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {KEY}"},
-             {"Authorization": f"Bearer {KEY[:-1]}"}, {"Authorization": "Bearer \u00e9\u00e8"}]  # fmt: skip
+    wrong = [
+        {},
+        {"Authorization": "Bearer wrong-key"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+        {"Authorization": "Bearer \u00e9\u00e8"},
+    ]
 
     async def scenario() -> list[str]:
         problems = []
@@ -135,8 +140,9 @@ def test_the_api_key_flag_for_engines_started_by_hand(tiny_model, capsys):
 
 
 def test_sglang_gets_the_key_in_a_config_file_and_its_log_is_scrubbed(tiny_model, tmp_path):
-    launch = SGLangLaunch(tiny_model, 1, "127.0.0.1", free_port("127.0.0.1"), free_port("127.0.0.1"), 0,
-                          api_key=KEY)  # fmt: skip
+    launch = SGLangLaunch(
+        tiny_model, 1, "127.0.0.1", free_port("127.0.0.1"), free_port("127.0.0.1"), 0, api_key=KEY
+    )
     assert KEY not in repr(launch) and KEY not in " ".join(launch.command())
     with pytest.raises(ValueError, match="--sglang-config"):
         SGLangLaunch(tiny_model, 1, "127.0.0.1", 1, 2, 0, extra_args=("--config", "x.yaml"), api_key=KEY)

@@ -151,9 +151,13 @@ def cases(env: SimpleNamespace, routes: list[tuple[str, str]], stray: str) -> li
             for handle in (
                 {"kind": "slime-shm", "path": "/proc/self/mem", "nbytes": 2**64, "tensors": []},
                 {"kind": "slime-shm", "path": "/dev/zero", "nbytes": -1, "tensors": []},
-                {"kind": "slime-shm", "path": str(env.log), "nbytes": 8, "tensors": [
-                    {"name": PARAM, "dtype": "float32", "shape": [-1, 2**40], "offset": -5}]},
-            ):  # fmt: skip
+                {
+                    "kind": "slime-shm",
+                    "path": str(env.log),
+                    "nbytes": 8,
+                    "tensors": [{"name": PARAM, "dtype": "float32", "shape": [-1, 2**40], "offset": -5}],
+                },
+            ):
                 out.append(
                     (method, path, json.dumps({"serialized_named_tensors": [json.dumps(handle)]}).encode())
                 )

@@ -43,11 +43,21 @@ def _server_state(url: str) -> dict:
 def _seeded_run(url: str, reqs: list[tuple[list[int], int]]) -> list[dict]:
     async def scenario():
         async with EngineClient(url) as c:
-            return await asyncio.gather(*[
-                c.generate(input_ids=p, return_logprob=True, sampling_params={
-                    "temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": i})
-                for i, (p, m) in enumerate(reqs)
-            ])  # fmt: skip
+            return await asyncio.gather(
+                *[
+                    c.generate(
+                        input_ids=p,
+                        return_logprob=True,
+                        sampling_params={
+                            "temperature": 1.0,
+                            "max_new_tokens": m,
+                            "ignore_eos": True,
+                            "sampling_seed": i,
+                        },
+                    )
+                    for i, (p, m) in enumerate(reqs)
+                ]
+            )
 
     return asyncio.run(scenario())
 
@@ -174,12 +184,21 @@ def test_release_memory_gives_the_gpu_back(tiny_model, tmp_path):
     with start_engine(tiny_model, tmp_path, "--device", "cuda") as eng:
         _seeded_run(eng.url, [([5, 6, 7], 8), ([9, 10], 12)])
         before = _server_state(eng.url)
-        req = urllib.request.Request(f"{eng.url}/release_memory_occupation", data=json.dumps({}).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{eng.url}/release_memory_occupation",
+            data=json.dumps({}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=60).read()
         after = _server_state(eng.url)
-    print("engine GPU memory before release:", before["cuda_memory_allocated"], before["cuda_memory_reserved"],
-          "after:", after["cuda_memory_allocated"], after["cuda_memory_reserved"])  # fmt: skip
+    print(
+        "engine GPU memory before release:",
+        before["cuda_memory_allocated"],
+        before["cuda_memory_reserved"],
+        "after:",
+        after["cuda_memory_allocated"],
+        after["cuda_memory_reserved"],
+    )
     assert before["cuda_memory_allocated"] > 1 << 20
     # What may stay: the model's few small non-parameter buffers (rotary inverse frequencies),
     # which no weight push restores, in one small segment of the caching allocator.

@@ -81,9 +81,13 @@ def rollout(urls, health, tokenizer, tmp_path, prompts=2):
         clients = [EngineClient(u, ClientConfig(timeout_s=120.0, max_retries=0)) for u in urls]
         try:
             gen = RolloutGenerator(
-                PromptDataset(DataConfig(str(path)), tokenizer), clients, RewardModel("exact", None, False, None),
-                SamplingConfig(n_samples_per_prompt=2, max_response_len=4), prompts, health=health,
-            )  # fmt: skip
+                PromptDataset(DataConfig(str(path)), tokenizer),
+                clients,
+                RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=2, max_response_len=4),
+                prompts,
+                health=health,
+            )
             return await gen.generate_rollout()
         finally:
             await asyncio.gather(*(c.close() for c in clients))

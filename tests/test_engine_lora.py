@@ -24,8 +24,10 @@ def make_adapter(base: str, out: str, seed: int, targets: list[str]) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # fmt: skip
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -52,14 +54,21 @@ def reference_log_probs(base: str, adapter: str | None, prompt: list[int], outpu
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("adapters")
-    return {"a1": make_adapter(tiny_model, str(out / "a1"), 1, ["q_proj", "v_proj", "down_proj"]),
-            "a2": make_adapter(tiny_model, str(out / "a2"), 2, ["o_proj", "gate_proj", "up_proj"])}  # fmt: skip
+    return {
+        "a1": make_adapter(tiny_model, str(out / "a1"), 1, ["q_proj", "v_proj", "down_proj"]),
+        "a2": make_adapter(tiny_model, str(out / "a2"), 2, ["o_proj", "gate_proj", "up_proj"]),
+    }
 
 
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model, tmp_path_factory, adapters):
-    proc = start_engine(tiny_model, tmp_path_factory.mktemp("engine-logs"), "--enable-lora",
-                        "--lora-paths", f"a1={adapters['a1']}")  # fmt: skip
+    proc = start_engine(
+        tiny_model,
+        tmp_path_factory.mktemp("engine-logs"),
+        "--enable-lora",
+        "--lora-paths",
+        f"a1={adapters['a1']}",
+    )
     yield proc
     proc.stop()
 
@@ -69,10 +78,16 @@ def post(url: str, path: str, body: dict) -> tuple[int, object]:
 
 
 def generate(url: str, loras: list[str | None]) -> list[dict]:
-    status, results = post(url, "/generate", {
-        "input_ids": PROMPTS, "lora_path": loras, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-    })  # fmt: skip
+    status, results = post(
+        url,
+        "/generate",
+        {
+            "input_ids": PROMPTS,
+            "lora_path": loras,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+        },
+    )
     assert status == 200, results
     assert isinstance(results, list)
     return results
@@ -89,8 +104,11 @@ def test_each_row_of_a_batch_runs_with_its_own_adapter(lora_engine, tiny_model, 
     status, answer = post(
         lora_engine.url, "/load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"]}
     )
-    assert status == 200 and answer == {"success": True, "error_message": None,
-                                        "loaded_adapters": {"a1": adapters["a1"], "a2": adapters["a2"]}}  # fmt: skip
+    assert status == 200 and answer == {
+        "success": True,
+        "error_message": None,
+        "loaded_adapters": {"a1": adapters["a1"], "a2": adapters["a2"]},
+    }
     try:
         loras = ["a1", None, "a2"]
         results = generate(lora_engine.url, loras)
@@ -118,8 +136,11 @@ def test_an_adapter_pushed_as_tensors_serves_like_its_directory(lora_engine, tin
     tensors = load_file(f"{adapters['a1']}/adapter_model.safetensors")
     handle, buffer = pack_named_tensors(sorted(tensors.items()))
     try:
-        status, answer = post(lora_engine.url, "/load_lora_adapter_from_tensors", {
-            "lora_name": "pushed", "config_dict": config, "serialized_named_tensors": [handle]})  # fmt: skip
+        status, answer = post(
+            lora_engine.url,
+            "/load_lora_adapter_from_tensors",
+            {"lora_name": "pushed", "config_dict": config, "serialized_named_tensors": [handle]},
+        )
     finally:
         buffer.close()
     assert status == 200 and answer["loaded_adapters"]["pushed"] == "__tensor__"
@@ -132,8 +153,11 @@ def test_an_adapter_pushed_as_tensors_serves_like_its_directory(lora_engine, tin
     a2 = load_file(f"{adapters['a2']}/adapter_model.safetensors")
     handle, buffer = pack_named_tensors(sorted(a2.items()))
     try:
-        body = {"lora_name": "pushed", "config_dict": json.loads(open(f"{adapters['a2']}/adapter_config.json").read()),
-                "serialized_named_tensors": [handle]}  # fmt: skip
+        body = {
+            "lora_name": "pushed",
+            "config_dict": json.loads(open(f"{adapters['a2']}/adapter_config.json").read()),
+            "serialized_named_tensors": [handle],
+        }
         status, refused = post(lora_engine.url, "/load_lora_adapter_from_tensors", body)
         assert status == 400 and "already loaded" in refused["error_message"]  # type: ignore[index]
         status, _ = post(lora_engine.url, "/load_lora_adapter_from_tensors", {**body, "upsert": True})
@@ -195,15 +219,30 @@ def test_the_adapter_push_checks_what_each_engine_received(lora_engine, adapters
 @pytest.mark.parametrize(
     "path, body, message",
     [
-        ("/generate", {"input_ids": [1, 2], "lora_path": "nope"}, "the requested LoRA adapter 'nope' is not loaded"),
-        ("/load_lora_adapter", {"lora_name": "a1", "lora_path": "/tmp"}, "LoRA adapter 'a1' is already loaded"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "lora_path": "nope"},
+            "the requested LoRA adapter 'nope' is not loaded",
+        ),
+        (
+            "/load_lora_adapter",
+            {"lora_name": "a1", "lora_path": "/tmp"},
+            "LoRA adapter 'a1' is already loaded",
+        ),
         ("/unload_lora_adapter", {"lora_name": "nope"}, "LoRA adapter 'nope' is not loaded"),
-        ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}, "cannot read LoRA adapter 'x'"),
-        ("/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {"r": 4, "lora_alpha": 8}},
-         "'serialized_named_tensors' must be a list"),
+        (
+            "/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "/nonexistent"},
+            "cannot read LoRA adapter 'x'",
+        ),
+        (
+            "/load_lora_adapter_from_tensors",
+            {"lora_name": "x", "config_dict": {"r": 4, "lora_alpha": 8}},
+            "'serialized_named_tensors' must be a list",
+        ),
     ],
     ids=["unknown-adapter", "name-taken", "unload-unknown", "bad-path", "no-tensors"],
-)  # fmt: skip
+)
 def test_refusals_name_the_adapter(lora_engine, path, body, message):
     status, answer = post(lora_engine.url, path, body)
     assert status == 400
@@ -217,7 +256,8 @@ def test_an_engine_without_enable_lora_refuses_adapters(engine):
     status, answer = post(engine.url, "/generate", {"input_ids": [1, 2], "lora_path": "a1"})
     assert status == 400 and "--enable-lora" in answer["message"]  # type: ignore[index]
     status, answer = post(engine.url, "/load_lora_adapter", {"lora_name": "a1", "lora_path": "/tmp"})
-    assert status == 400 and answer["success"] is False and "--enable-lora" in answer["error_message"]  # type: ignore[index]
+    assert status == 400 and answer["success"] is False  # type: ignore[index]
+    assert "--enable-lora" in answer["error_message"]  # type: ignore[index]
 
 
 class _Block(torch.nn.Module):
@@ -284,8 +324,15 @@ def test_unload_waits_for_its_requests_and_refuses_new_ones(lora_engine, adapter
     answers: dict[str, tuple[int, object]] = {}
 
     def long_request() -> None:
-        answers["long"] = post(lora_engine.url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "busy",
-                               "sampling_params": {"max_new_tokens": 1200, "temperature": 0.0, "ignore_eos": True}})  # fmt: skip
+        answers["long"] = post(
+            lora_engine.url,
+            "/generate",
+            {
+                "input_ids": PROMPTS[0],
+                "lora_path": "busy",
+                "sampling_params": {"max_new_tokens": 1200, "temperature": 0.0, "ignore_eos": True},
+            },
+        )
         times["long"] = time.perf_counter()
 
     def unload() -> None:

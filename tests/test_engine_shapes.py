@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -108,11 +109,22 @@ def _serve(
 
     async def scenario(url: str):
         async with EngineClient(url) as c:
-            return await asyncio.gather(*[
-                c.generate(input_ids=p, return_logprob=True, sampling_params={
-                    "temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": i, **params})
-                for i, (p, m) in enumerate(reqs)
-            ])  # fmt: skip
+            return await asyncio.gather(
+                *[
+                    c.generate(
+                        input_ids=p,
+                        return_logprob=True,
+                        sampling_params={
+                            "temperature": 1.0,
+                            "max_new_tokens": m,
+                            "ignore_eos": True,
+                            "sampling_seed": i,
+                            **params,
+                        },
+                    )
+                    for i, (p, m) in enumerate(reqs)
+                ]
+            )
 
     transfer.to_host, transfer.to_host_async = counting, counting_async
     try:
@@ -263,7 +275,8 @@ def test_a_round_copies_down_once(tiny_model, overlap, launched):
     assert engine.rounds is not None
     sizes, copies = [], []
     size, to_host_async = engine.rounds.round_size, transfer.to_host_async
-    engine.rounds.round_size = lambda seqs: sizes.append(size(seqs)) or sizes[-1]  # type: ignore[method-assign]
+    rounds: Any = engine.rounds  # its round_size replaced by a recording one
+    rounds.round_size = lambda seqs: sizes.append(size(seqs)) or sizes[-1]
     transfer.to_host_async = lambda t: copies.append(t.shape) or to_host_async(t)
     try:
         while engine.scheduler.has_work():
@@ -330,7 +343,7 @@ def test_a_round_never_takes_a_sequence_past_its_max_new_tokens():
     assert rounds.round_size([seq(100, 0), seq(100, 98)]) == 1  # all in flight: one step, as overlap does
 
 
-def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):  # noqa: F811
+def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):
     """LoRA rows in a batch padded to a bucket (3 rows -> 4): each real row keeps its adapter,
     the same answers as exact shapes."""
     from tests.test_engine_lora import PROMPTS
@@ -343,8 +356,12 @@ def test_bucketed_decode_gives_padding_rows_no_adapter(tiny_model, adapters):  #
 
         async def scenario(url: str):
             async with EngineClient(url) as c:
-                return await c.generate(input_ids=PROMPTS, lora_path=["a1", None, "a1"], return_logprob=True,
-                                        sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})  # fmt: skip
+                return await c.generate(
+                    input_ids=PROMPTS,
+                    lora_path=["a1", None, "a1"],
+                    return_logprob=True,
+                    sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+                )
 
         with server:
             return asyncio.run(scenario(server.url))
@@ -371,10 +388,12 @@ def _watch_overlap(tiny_model, probe: bool) -> tuple[list, list[bool], list[bool
 
     async def scenario(url: str):
         async with EngineClient(url) as c:
-            jobs = asyncio.gather(*[
-                c.generate(input_ids=p, sampling_params={"max_new_tokens": m, "ignore_eos": True})
-                for p, m in reqs
-            ])  # fmt: skip
+            jobs = asyncio.gather(
+                *[
+                    c.generate(input_ids=p, sampling_params={"max_new_tokens": m, "ignore_eos": True})
+                    for p, m in reqs
+                ]
+            )
             seen = []
             while probe and not jobs.done():
                 seen.append(await asyncio.wrap_future(engine.call(lambda: engine.rounds.pending is not None)))

@@ -13,7 +13,10 @@ from slime.engines.client import EngineClient, EngineError
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
 from tests.conftest import start_engine
 
-TEXT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many "
+    "dots?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,16 @@ def _teacher_forced(model, processor, image, output_ids, temperature):
     out = _inputs(processor, image)
     ids = torch.cat([out["input_ids"], torch.tensor([output_ids])], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits[0].float()  # fmt: skip
+        logits = (
+            model(
+                input_ids=ids,
+                pixel_values=out["pixel_values"],
+                image_grid_thw=out["image_grid_thw"],
+                mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            )
+            .logits[0]
+            .float()
+        )
     start = out["input_ids"].shape[1]
     logp = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
@@ -63,10 +74,15 @@ def test_image_requests_sample_like_the_model_and_see_their_image(vlm_engine, re
 
     async def scenario(c):
         before = (await c.get_server_info())["internal_states"][0]["num_images_encoded"]
-        by_text = await c.generate(text=[TEXT] * 4, image_data=[[u] for u in urls], sampling_params=sampling,
-                                   return_logprob=True)  # fmt: skip
-        by_ids = await c.generate(input_ids=expanded[0], image_data=[urls[0]], return_logprob=True,
-                                  sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})  # fmt: skip
+        by_text = await c.generate(
+            text=[TEXT] * 4, image_data=[[u] for u in urls], sampling_params=sampling, return_logprob=True
+        )
+        by_ids = await c.generate(
+            input_ids=expanded[0],
+            image_data=[urls[0]],
+            return_logprob=True,
+            sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+        )
         after = (await c.get_server_info())["internal_states"][0]["num_images_encoded"]
         info = await c.request("GET", "/model_info")
         return by_text, by_ids, after - before, info
@@ -128,8 +144,14 @@ def test_bad_image_requests_are_refused_with_the_reason(vlm_engine, reference, d
 
 def test_image_data_to_a_text_model_is_refused(engine, dot_images):
     with pytest.raises(EngineError, match="'image_data': model_type 'qwen3' is a text model"):
-        _run(engine.url, lambda c: c.generate(text="hi", image_data=[encode_image_for_rollout_engine(dot_images[0])],
-                                              sampling_params={"max_new_tokens": 2}))  # fmt: skip
+        _run(
+            engine.url,
+            lambda c: c.generate(
+                text="hi",
+                image_data=[encode_image_for_rollout_engine(dot_images[0])],
+                sampling_params={"max_new_tokens": 2},
+            ),
+        )
 
 
 def test_the_engine_never_samples_image_placeholders(vlm_engine, reference, dot_images):
@@ -138,8 +160,12 @@ def test_the_engine_never_samples_image_placeholders(vlm_engine, reference, dot_
     model, processor = reference
     url = encode_image_for_rollout_engine(dot_images[2])
     sp = {"max_new_tokens": 96, "temperature": 4.0, "ignore_eos": True}
-    out = _run(vlm_engine.url, lambda c: c.generate(text=[TEXT] * 16, image_data=[[url]] * 16, sampling_params=sp,
-                                                    return_logprob=True))  # fmt: skip
+    out = _run(
+        vlm_engine.url,
+        lambda c: c.generate(
+            text=[TEXT] * 16, image_data=[[url]] * 16, sampling_params=sp, return_logprob=True
+        ),
+    )
     banned = {model.config.image_token_id, model.config.video_token_id}
     assert not banned & {t for r in out for t in r["output_ids"]}
     ref = _teacher_forced(model, processor, dot_images[2], out[0]["output_ids"], 4.0)
@@ -173,11 +199,18 @@ def test_a_partial_sample_with_images_goes_on_like_one_request(vlm_engine, refer
     sp = {"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}
 
     async def scenario(c):
-        first = await c.generate(input_ids=prompt, image_data=[url], return_logprob=True,
-                                 sampling_params={**sp, "max_new_tokens": 3})  # fmt: skip
+        first = await c.generate(
+            input_ids=prompt,
+            image_data=[url],
+            return_logprob=True,
+            sampling_params={**sp, "max_new_tokens": 3},
+        )
         sample = Sample(tokens=list(prompt), status=Status.ABORTED)
-        sample.append_response_tokens(None, tokens=first["output_ids"],
-                                      log_probs=[lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]])  # fmt: skip
+        sample.append_response_tokens(
+            None,
+            tokens=first["output_ids"],
+            log_probs=[lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]],
+        )
         sample.status = Status.ABORTED
         return await continue_sample(c, sample, sp, image_data=[url])
 
@@ -192,8 +225,9 @@ def test_abort_with_images_in_flight(vlm_engine, dot_images):
 
     async def scenario(c):
         sp = {"max_new_tokens": 400, "ignore_eos": True}
-        task = asyncio.create_task(c.generate(text=TEXT, image_data=[url], sampling_params=sp, rid="img-victim",
-                                              return_logprob=True))  # fmt: skip
+        task = asyncio.create_task(
+            c.generate(text=TEXT, image_data=[url], sampling_params=sp, rid="img-victim", return_logprob=True)
+        )
         while (await c.get_server_info())["internal_states"][0]["num_running_reqs"] < 1:
             await asyncio.sleep(0.01)
         assert (await c.abort_request("img-victim"))["num_aborted"] == 1

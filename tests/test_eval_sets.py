@@ -27,17 +27,47 @@ def files(tmp_path):
 
 
 def base(files, *extra):
-    return ["--hf-checkpoint", "/m", "--prompt-data", files["train"], "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "math", "--rollout-temperature", "0.8", "--eval-interval", "5",
-            *extra]  # fmt: skip
+    return [
+        "--hf-checkpoint",
+        "/m",
+        "--prompt-data",
+        files["train"],
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "math",
+        "--rollout-temperature",
+        "0.8",
+        "--eval-interval",
+        "5",
+        *extra,
+    ]
 
 
 def test_name_path_pairs_make_named_sets(files):
-    cfg = parse_args(base(files, "--eval-prompt-data", "aime", files["aime"], "gsm", files["gsm"],
-                          "--n-samples-per-eval-prompt", "4", "--eval-top-p", "0.9"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            files,
+            "--eval-prompt-data",
+            "aime",
+            files["aime"],
+            "gsm",
+            files["gsm"],
+            "--n-samples-per-eval-prompt",
+            "4",
+            "--eval-top-p",
+            "0.9",
+        )
+    )
     aime, gsm = cfg.eval.datasets
     assert (aime.name, aime.data.prompt_data, gsm.name, gsm.data.prompt_data) == (
-        "aime", files["aime"], "gsm", files["gsm"])  # fmt: skip
+        "aime",
+        files["aime"],
+        "gsm",
+        files["gsm"],
+    )
     for ds in (aime, gsm):
         # --eval-* flags first, then the rollout's
         assert (ds.sampling.n_samples_per_prompt, ds.sampling.top_p, ds.sampling.temperature) == (4, 0.9, 0.8)
@@ -64,8 +94,19 @@ eval:
       label_key: a
 """
     )
-    cfg = parse_args(base(files, "--eval-config", str(yaml_path), "--eval-prompt-data", files["gsm"],
-                          "--eval-max-response-len", "32", "--eval-top-k", "7"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            files,
+            "--eval-config",
+            str(yaml_path),
+            "--eval-prompt-data",
+            files["gsm"],
+            "--eval-max-response-len",
+            "32",
+            "--eval-top-k",
+            "7",
+        )
+    )
     aime, gsm = cfg.eval.datasets  # --eval-config wins over --eval-prompt-data
     assert (aime.sampling.n_samples_per_prompt, aime.sampling.max_response_len, aime.rm_type) == (
         16,
@@ -147,16 +188,28 @@ def test_metric_flags_pass_at_k_reward_categories_and_the_eval_reward_key():
         s.reward, s.group_index, s.index = r, i // 2, i
         samples.append(s)
     data, sampling = DataConfig("x.jsonl"), SamplingConfig()
-    cfg = RolloutConfig(data=data, sampling=sampling, rollout_batch_size=2, num_rollout=1, num_epoch=None, reward_key="score",
-                        eval_reward_key="acc", log_passrate=True, log_reward_category="why")  # fmt: skip
+    cfg = RolloutConfig(
+        data=data,
+        sampling=sampling,
+        rollout_batch_size=2,
+        num_rollout=1,
+        num_epoch=None,
+        reward_key="score",
+        eval_reward_key="acc",
+        log_passrate=True,
+        log_reward_category="why",
+    )
     m = eval_metrics(EvalDataset("aime", data, sampling), samples, cfg)
     assert m["eval/aime"] == 0.5  # the acc entry, not the trained score
     # each group: one of two passes -> pass@1 = 1/2, pass@2 = 1
     assert m["eval/aime-pass@1"] == 0.5 and m["eval/aime-pass@2"] == 1.0
     assert m["eval/aime/error_cat/ok"] == 0.5 and m["eval/aime/error_cat/format"] == 0.5
     with pytest.raises(UsageError, match="--log-reward-category missing"):
-        eval_metrics(EvalDataset("aime", data, sampling), samples,
-                     dataclasses.replace(cfg, log_reward_category="missing"))  # fmt: skip
+        eval_metrics(
+            EvalDataset("aime", data, sampling),
+            samples,
+            dataclasses.replace(cfg, log_reward_category="missing"),
+        )
 
 
 def test_pass_at_k_is_the_unbiased_estimate():

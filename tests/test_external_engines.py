@@ -15,12 +15,21 @@ from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fi
 
 @pytest.mark.e2e
 @pytest.mark.slow  # ~25 s; the flags and an unreachable engine are checked below
-def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_model, prompts, tmp_path):
     engines = [start_engine(tiny_model, tmp_path) for _ in range(2)]
     try:
         addrs = [e.url.removeprefix("http://") for e in engines]
-        proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--check-weight-sync",
-                       "--rollout-external-engine-addrs", *addrs)  # fmt: skip
+        proc = run_job(
+            "train.py",
+            tiny_model,
+            prompts,
+            tmp_path,
+            "--rm-type",
+            "exact",
+            "--check-weight-sync",
+            "--rollout-external-engine-addrs",
+            *addrs,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"2 × external engine (http://{addrs[0]}, http://{addrs[1]})" in proc.stderr
         assert proc.stderr.count("attached external engine http://127.0.0.1:") == 2
@@ -41,9 +50,17 @@ def test_a_job_trains_with_two_external_engines_and_leaves_them_running(tiny_mod
 
 
 @pytest.mark.e2e
-def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tmp_path):  # noqa: F811
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact",
-                   "--rollout-external-engine-addrs", "127.0.0.1:9")  # fmt: skip
+def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tmp_path):
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--rollout-external-engine-addrs",
+        "127.0.0.1:9",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--rollout-external-engine-addrs: http://127.0.0.1:9 cannot be used" in proc.stderr
     assert "start that engine first or fix the address" in proc.stderr
@@ -62,8 +79,18 @@ def test_an_unreachable_external_engine_is_a_usage_error(tiny_model, prompts, tm
 def test_external_engine_flags_are_checked(tiny_model, tmp_path, capsys, extra, message):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "exact"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+    ]
     with pytest.raises(SystemExit) as e:
         parse_args([*base, *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -31,7 +31,7 @@ ENGINE_BOUND = 1e-4
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
-def test_the_engine_on_cuda_serves_each_family_like_hugging_face_on_cpu(family_models, tmp_path, arch):  # noqa: F811
+def test_the_engine_on_cuda_serves_each_family_like_hugging_face_on_cpu(family_models, tmp_path, arch):
     """Greedy: each token is Hugging Face's argmax (within the bound, so a near-tie may go either
     way); sampled: log-probs equal a teacher-forced float32 forward on CPU within ENGINE_BOUND."""
     from transformers import AutoModelForCausalLM
@@ -68,8 +68,10 @@ def test_the_engine_on_cuda_serves_each_family_like_hugging_face_on_cpu(family_m
             logits = model(ids).logits[0, len(prompt) - 1 : -1]
         chosen = logits.gather(1, torch.tensor(res["output_ids"])[:, None])[:, 0]
         worst_argmax = max(worst_argmax, (logits.max(dim=1).values - chosen).max().item())
-    print(f"{arch} engine on cuda vs HF float32 on cpu: sampled log-probs max |diff| {worst_gap:.3g}; "
-          f"greedy tokens below HF's argmax logit by at most {worst_argmax:.3g}")  # fmt: skip
+    print(
+        f"{arch} engine on cuda vs HF float32 on cpu: sampled log-probs max |diff| {worst_gap:.3g}; "
+        f"greedy tokens below HF's argmax logit by at most {worst_argmax:.3g}"
+    )
     assert worst_gap < ENGINE_BOUND, (arch, worst_gap)
     assert worst_argmax < ENGINE_BOUND, (arch, worst_argmax)
 
@@ -106,14 +108,23 @@ def _megatron_logits(path: str, dtype: torch.dtype, ids: torch.Tensor) -> torch.
     config = AutoConfig.from_pretrained(path)
     layout = Layout.from_hf_config(config)
     bf16 = dtype == torch.bfloat16
-    mc = transformer_config(layout, config, dtype, bf16=bf16, tensor_model_parallel_size=1,
-                            pipeline_model_parallel_size=1, moe_token_dispatcher_type="alltoall")  # fmt: skip
+    mc = transformer_config(
+        layout,
+        config,
+        dtype,
+        bf16=bf16,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        moe_token_dispatcher_type="alltoall",
+    )
     model = build_gpt_model(layout, config, mc, tp=1)
     if bf16:
         model.bfloat16()
     model = model.cuda().eval()
-    converted = {k: v if k.endswith("expert_bias") else v.to(dtype)
-                 for k, v in hf_to_megatron(load_file(f"{path}/model.safetensors"), layout, 1).items()}  # fmt: skip
+    converted = {
+        k: v if k.endswith("expert_bias") else v.to(dtype)
+        for k, v in hf_to_megatron(load_file(f"{path}/model.safetensors"), layout, 1).items()
+    }
     missing = model.load_state_dict(converted, strict=False).missing_keys
     assert not [k for k in missing if not k.endswith("._extra_state")], missing
     assert set(model_state(model)) == set(converted)
@@ -139,7 +150,7 @@ def _hf_logits(path: str, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor
     ["glm4", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_no_q_latent", "glm4_moe_lite"],
 )
 def test_megatron_core_on_cuda_gives_hugging_faces_logits_for_each_family(
-    models,  # noqa: F811
+    models,
     megatron_on_cuda,
     arch,
     dtype,
@@ -165,14 +176,23 @@ def test_megatron_core_on_cuda_gives_hugging_faces_logits_for_each_family(
 
 # One job per backend, each on a family the other job does not cover.
 JOBS = {
-    "megatron-deepseek_v3": ("deepseek_v3", ["--train-backend", "megatron", "--transformer-impl", "local",
-                                             "--moe-router-bias-update-rate", "0.001"]),
+    "megatron-deepseek_v3": (
+        "deepseek_v3",
+        [
+            "--train-backend",
+            "megatron",
+            "--transformer-impl",
+            "local",
+            "--moe-router-bias-update-rate",
+            "0.001",
+        ],
+    ),
     "fsdp-qwen3_5": ("qwen3_5", ["--train-backend", "fsdp"]),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("job", list(JOBS))
-def test_a_family_grpo_job_on_cuda_passes_the_step_0_gates(family_models, prompts, tmp_path, job):  # noqa: F811
+def test_a_family_grpo_job_on_cuda_passes_the_step_0_gates(family_models, prompts, tmp_path, job):
     """Colocated on the one GPU, pushed over CUDA IPC with --offload: --check-precision's gates at
     step 0 and --check-weight-sync on every push (the expert bias included, as it moves)."""
     from safetensors import safe_open
@@ -181,10 +201,30 @@ def test_a_family_grpo_job_on_cuda_passes_the_step_0_gates(family_models, prompt
 
     arch, flags = JOBS[job]
     model = family_models[arch]
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--device", "cuda", "--colocate",
-                   "--rollout-backend", "torch", "--update-weight-transport", "tensor", "--offload",
-                   "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01", "--check-precision",
-                   "--check-weight-sync", *flags)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--device",
+        "cuda",
+        "--colocate",
+        "--rollout-backend",
+        "torch",
+        "--update-weight-transport",
+        "tensor",
+        "--offload",
+        "--advantage-estimator",
+        "grpo",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--check-precision",
+        "--check-weight-sync",
+        *flags,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
@@ -217,13 +257,29 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
     from tests.test_megatron_gpu import no_tf32
     from tests.test_megatron_mtp import mtp_loss_of, mtp_samples, reference_mean
 
-    path = make_model(str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3",
-                      "--mtp-layers", "1")  # fmt: skip
+    path = make_model(
+        str(tmp_path / "ds"),
+        0,
+        "--arch",
+        "deepseek_v3",
+        "--hidden-size",
+        "64",
+        "--num-layers",
+        "3",
+        "--mtp-layers",
+        "1",
+    )
     model_parallel_cuda_manual_seed(0)
     config = AutoConfig.from_pretrained(path)
     layout = Layout.from_hf_config(config, mtp_layers=1)
-    mc = transformer_config(layout, config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                            moe_token_dispatcher_type="alltoall", variable_seq_lengths=True)  # fmt: skip
+    mc = transformer_config(
+        layout,
+        config,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        moe_token_dispatcher_type="alltoall",
+        variable_seq_lengths=True,
+    )
     model = build_gpt_model(layout, config, mc, tp=1).cuda().eval()
     state = {
         k: v.cuda() for k, v in hf_to_megatron(load_file(f"{path}/model.safetensors"), layout, 1).items()
@@ -235,8 +291,10 @@ def test_megatron_cores_mtp_loss_on_cuda_is_the_reference_built_from_hf_layers(
     with no_tf32():
         got = mtp_loss_of(model, tokens, packed, "cuda")
     want = reference_mean(path, tokens)
-    print(f"deepseek_v3 MTP loss on cuda ({'packed' if packed else 'padded'}): {got:.7f}, reference {want:.7f}, "
-          f"relative {abs(got - want) / want:.2g}")  # fmt: skip
+    print(
+        f"deepseek_v3 MTP loss on cuda ({'packed' if packed else 'padded'}): {got:.7f}, reference "
+        f"{want:.7f}, relative {abs(got - want) / want:.2g}"
+    )
     assert got == pytest.approx(want, rel=1e-5), (got, want)
 
 
@@ -247,8 +305,18 @@ def test_the_mtp_actor_on_cuda_trains_like_on_cpu(tmp_path):
     from tests.dist_helpers import run_ranks
     from tests.test_megatron_mtp import _actor_run
 
-    path = make_model(str(tmp_path / "ds"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers", "3",
-                      "--mtp-layers", "1")  # fmt: skip
+    path = make_model(
+        str(tmp_path / "ds"),
+        0,
+        "--arch",
+        "deepseek_v3",
+        "--hidden-size",
+        "64",
+        "--num-layers",
+        "3",
+        "--mtp-layers",
+        "1",
+    )
     cpu = run_ranks(1, _actor_run, path, True, 1, "cpu")[0]
     gpu = run_ranks(1, _actor_run, path, True, 1, "cuda")[0]
     cpu_steps = [s for o in cpu["outputs"] for s in o]

@@ -27,20 +27,54 @@ def prompts(tmp_path):
 
 
 def base(model, prompts, *extra):
-    return ["--hf-checkpoint", model, "--prompt-data", prompts, "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "math", *extra]  # fmt: skip
+    return [
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        prompts,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "3",
+        "--rm-type",
+        "math",
+        *extra,
+    ]
 
 
 def model_args(model) -> list[str]:
     """The Megatron-LM flags that describe the tiny Qwen3 checkpoint, as slime's scripts write them."""
     c = json.load(open(os.path.join(model, "config.json")))
     theta = c.get("rope_theta") or c["rope_parameters"]["rope_theta"]
-    out = ["--swiglu", "--num-layers", str(c["num_hidden_layers"]), "--hidden-size", str(c["hidden_size"]),
-           "--ffn-hidden-size", str(c["intermediate_size"]), "--num-attention-heads", str(c["num_attention_heads"]),
-           "--group-query-attention", "--num-query-groups", str(c["num_key_value_heads"]),
-           "--kv-channels", str(c["head_dim"]), "--vocab-size", str(c["vocab_size"]), "--normalization", "RMSNorm",
-           "--norm-epsilon", str(c["rms_norm_eps"]), "--disable-bias-linear", "--qk-layernorm",
-           "--use-rotary-position-embeddings", "--rotary-base", str(theta)]  # fmt: skip
+    out = [
+        "--swiglu",
+        "--num-layers",
+        str(c["num_hidden_layers"]),
+        "--hidden-size",
+        str(c["hidden_size"]),
+        "--ffn-hidden-size",
+        str(c["intermediate_size"]),
+        "--num-attention-heads",
+        str(c["num_attention_heads"]),
+        "--group-query-attention",
+        "--num-query-groups",
+        str(c["num_key_value_heads"]),
+        "--kv-channels",
+        str(c["head_dim"]),
+        "--vocab-size",
+        str(c["vocab_size"]),
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        str(c["rms_norm_eps"]),
+        "--disable-bias-linear",
+        "--qk-layernorm",
+        "--use-rotary-position-embeddings",
+        "--rotary-base",
+        str(theta),
+    ]
     return out + ([] if c.get("tie_word_embeddings") else ["--untie-embeddings-and-output-weights"])
 
 
@@ -56,7 +90,8 @@ def test_every_flag_slimes_launch_scripts_pass_is_known():
     known = set(build_parser()._option_string_actions)
     flags = [line.strip() for line in open(FLAGS) if line.strip()]
     assert len(flags) > 200
-    # --sglang-* are SGLang's own (checked by SGLang's parser where it is installed, passed through otherwise).
+    # --sglang-* are SGLang's own (checked by SGLang's parser where it is installed, passed through
+    # otherwise).
     assert [f for f in flags if f not in known and not f.startswith("--sglang-")] == []
 
 
@@ -80,8 +115,19 @@ def test_the_docs_flag_table_is_the_parsers():
 
 
 def test_a_matching_model_description_parses_and_no_effect_flags_are_listed(tiny_model, prompts):
-    cfg = parse_args(base(tiny_model, prompts, *model_args(tiny_model), "--attention-backend", "flash",
-                          "--optimizer-cpu-offload", "--expert-tensor-parallel-size", "1", "--balance-data"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            tiny_model,
+            prompts,
+            *model_args(tiny_model),
+            "--attention-backend",
+            "flash",
+            "--optimizer-cpu-offload",
+            "--expert-tensor-parallel-size",
+            "1",
+            "--balance-data",
+        )
+    )
     assert (
         "no effect in this backend (fsdp): --attention-backend, --optimizer-cpu-offload"
         in cfg.args.resolution
@@ -122,8 +168,8 @@ def test_refused_flags_name_the_feature_and_neutral_values_pass(tiny_model, prom
         assert "--use-rollout-routing-replay needs a mixture-of-experts model" in err
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention"))
     assert (
-        f"--multi-latent-attention disagrees with --hf-checkpoint {tiny_model}: config.json kv_lora_rank = None"
-        in err
+        f"--multi-latent-attention disagrees with --hf-checkpoint {tiny_model}: config.json kv_lora_rank "
+        "= None" in err
     )
     # checked against config.json with either backend now that Megatron builds MLA
     err = error(capsys, base(tiny_model, prompts, "--multi-latent-attention", "--train-backend", "megatron"))
@@ -162,9 +208,19 @@ def test_colocation_offloads_as_in_slime(tiny_model, prompts, capsys):
 
 def test_plugin_hook_flags(tiny_model, prompts, capsys):
     hooks = "tests.fixtures.loss_hooks"
-    cfg = parse_args(base(tiny_model, prompts, "--use-tis", "--custom-tis-function-path", f"{hooks}.clamp_tis",
-                          "--custom-pg-loss-reducer-function-path", f"{hooks}.sample_mean_reducer",
-                          "--custom-reward-post-process-path", f"{hooks}.group_mean_only"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            tiny_model,
+            prompts,
+            "--use-tis",
+            "--custom-tis-function-path",
+            f"{hooks}.clamp_tis",
+            "--custom-pg-loss-reducer-function-path",
+            f"{hooks}.sample_mean_reducer",
+            "--custom-reward-post-process-path",
+            f"{hooks}.group_mean_only",
+        )
+    )
     loss = cfg.train.loss
     assert loss.custom_tis_function_path == f"{hooks}.clamp_tis"
     assert loss.custom_pg_loss_reducer_function_path == f"{hooks}.sample_mean_reducer"
@@ -185,10 +241,26 @@ def test_plugin_hook_flags(tiny_model, prompts, capsys):
 
 
 def test_training_flags_reach_the_config(tiny_model, prompts, tmp_path):
-    cfg = parse_args(base(tiny_model, prompts, "--optimizer", "sgd", "--sgd-momentum", "0.5",
-                          "--attention-dropout", "0.1", "--recompute-granularity", "full",
-                          "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.25",
-                          "--global-batch-size", "4"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            tiny_model,
+            prompts,
+            "--optimizer",
+            "sgd",
+            "--sgd-momentum",
+            "0.5",
+            "--attention-dropout",
+            "0.1",
+            "--recompute-granularity",
+            "full",
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-fraction",
+            "0.25",
+            "--global-batch-size",
+            "4",
+        )
+    )
     o = cfg.train.optimizer
     # 3 rollouts x (8 samples / 4 per step) = 6 steps: the decay's default, and a quarter of it warms up.
     assert (o.optimizer, o.sgd_momentum, o.lr_decay_iters, o.lr_warmup_iters) == ("sgd", 0.5, 6, 2)
@@ -208,8 +280,17 @@ def test_training_flags_reach_the_config(tiny_model, prompts, tmp_path):
 def test_epoch_runs_size_the_schedule_from_the_prompts_and_tp1_sequence_parallel_is_off(tiny_model, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(10)))
-    argv = base(tiny_model, str(rows), "--lr-warmup-fraction", "0.5", "--lr-decay-style", "linear",
-                "--sequence-parallel", "--train-backend", "megatron")  # fmt: skip
+    argv = base(
+        tiny_model,
+        str(rows),
+        "--lr-warmup-fraction",
+        "0.5",
+        "--lr-decay-style",
+        "linear",
+        "--sequence-parallel",
+        "--train-backend",
+        "megatron",
+    )
     argv[argv.index("--num-rollout") : argv.index("--num-rollout") + 2] = ["--num-epoch", "2"]
     cfg = parse_args(argv)
     # 2 epochs x 10 prompts / 4 per rollout = 5 rollouts of one step: decay over 5, warm up for 2 (round 2.5).
@@ -242,10 +323,29 @@ def test_auto_means_sglang_and_megatron_where_a_gpu_is_visible(tiny_model, promp
 
 def test_dry_run_prints_the_plan_and_starts_nothing(tiny_model, prompts, capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(base(tiny_model, prompts, *model_args(tiny_model), "--dry-run", "--actor-num-nodes", "2",
-                        "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine",
-                        "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--bf16",
-                        "--sglang-mem-fraction-static", "0.7"))  # fmt: skip
+        parse_args(
+            base(
+                tiny_model,
+                prompts,
+                *model_args(tiny_model),
+                "--dry-run",
+                "--actor-num-nodes",
+                "2",
+                "--actor-num-gpus-per-node",
+                "4",
+                "--rollout-num-gpus",
+                "4",
+                "--rollout-num-gpus-per-engine",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--global-batch-size",
+                "4",
+                "--bf16",
+                "--sglang-mem-fraction-static",
+                "0.7",
+            )
+        )
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     for line in (
@@ -287,8 +387,21 @@ def test_dry_run_lists_unknown_flags_with_the_rest(tiny_model, prompts, capsys):
 def test_dry_run_reports_a_missing_checkpoint_directory(tmp_path, prompts, capsys):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", missing, "--prompt-data", prompts, "--rollout-batch-size", "1",
-                    "--num-rollout", "1", "--rm-type", "math", "--dry-run"])  # fmt: skip
+        parse_args(
+            [
+                "--hf-checkpoint",
+                missing,
+                "--prompt-data",
+                prompts,
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "math",
+                "--dry-run",
+            ]
+        )
     out = capsys.readouterr().out
     assert e.value.code == 2 and "problem" in out and missing in out
 
@@ -309,12 +422,31 @@ def test_uneven_pipeline_stage_flags(tiny_model, prompts, capsys):
     megatron = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2"]
     err = error(capsys, base(tiny_model, prompts, *megatron, "--decoder-first-pipeline-num-layers", "1"))
     assert (
-        "--decoder-first-pipeline-num-layers sets a pipeline stage's layers: give --pipeline-model-parallel-size > 1"
-        in err
+        "--decoder-first-pipeline-num-layers sets a pipeline stage's layers: give "
+        "--pipeline-model-parallel-size > 1" in err
     )
-    err = error(capsys, base(tiny_model, prompts, *megatron, "--pipeline-model-parallel-size", "2",
-                             "--decoder-first-pipeline-num-layers", "4"))  # fmt: skip
+    err = error(
+        capsys,
+        base(
+            tiny_model,
+            prompts,
+            *megatron,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "4",
+        ),
+    )
     assert "does not split the model's 4 layers" in err
-    cfg = parse_args(base(tiny_model, prompts, *megatron, "--pipeline-model-parallel-size", "2",
-                          "--decoder-first-pipeline-num-layers", "1"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            tiny_model,
+            prompts,
+            *megatron,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+        )
+    )
     assert cfg.train.megatron.stage_layers == (1, None)

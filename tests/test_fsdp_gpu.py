@@ -50,5 +50,7 @@ def test_cuda_matches_cpu_and_sleep_releases_memory(tiny_model):
                 assert a[name] == pytest.approx(b[name], rel=1e-3, abs=1e-5), (step, name, a[name], b[name])
         assert gpu["first"][0]["ppo_kl"] == 0.0 and gpu["first"][0]["kl_loss"] == 0.0
 
-    run_checks(lambda: assert_released(gpu["left"], f"FSDP actor ({gpu['awake_bytes']:,} B allocated awake)"),
-               same_numbers)  # fmt: skip
+    run_checks(
+        lambda: assert_released(gpu["left"], f"FSDP actor ({gpu['awake_bytes']:,} B allocated awake)"),
+        same_numbers,
+    )

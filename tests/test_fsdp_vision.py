@@ -14,7 +14,10 @@ from slime.utils.batch import RolloutBatch
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config
 
-TEXT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many "
+    "dots?<|im_end|>\n<|im_start|>assistant\n"
+)
 PLAIN = "<|im_start|>user\nno image<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -42,8 +45,15 @@ def vision_batch(model: str, n: int = 8) -> RolloutBatch:
         tokens.append(ids + torch.randint(4, 100, (r,), generator=g).tolist())
         lengths.append(r)
         inputs.append(train)
-    return RolloutBatch(tokens, lengths, [float(i % 2) for i in range(n)], [i // 2 for i in range(n)],
-                        [[1] * r for r in lengths], [[-4.0] * r for r in lengths], multimodal_train_inputs=inputs)  # fmt: skip
+    return RolloutBatch(
+        tokens,
+        lengths,
+        [float(i % 2) for i in range(n)],
+        [i // 2 for i in range(n)],
+        [[1] * r for r in lengths],
+        [[-4.0] * r for r in lengths],
+        multimodal_train_inputs=inputs,
+    )
 
 
 def run(rank, world_size, init_method, model, padded, train_vision, micro_batch_size=2):
@@ -86,8 +96,13 @@ def _hf_log_probs(model_dir: str, batch: RolloutBatch) -> list[torch.Tensor]:
     for ids, r, images in zip(batch.tokens, batch.response_lengths, batch.multimodal_train_inputs or []):
         t = torch.tensor([ids])
         with torch.no_grad():
-            logits = model(input_ids=t, mm_token_type_ids=(t == model.config.image_token_id).int(),
-                           **(images or {})).logits[0].float()  # fmt: skip
+            logits = (
+                model(
+                    input_ids=t, mm_token_type_ids=(t == model.config.image_token_id).int(), **(images or {})
+                )
+                .logits[0]
+                .float()
+            )
         n = len(ids)
         out.append(torch.log_softmax(logits[n - r - 1 : n - 1], -1).gather(-1, t[0, n - r :, None])[:, 0])
     return out
@@ -147,8 +162,11 @@ def test_a_critic_of_a_vision_language_model_is_refused_by_name(tiny_vlm):
     from slime.backends.fsdp.model_init import build_meta_model
     from slime.backends.hf_checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"'qwen3_vl': a value model .* of this model is not "
-                       "built with FSDP \\(transformers has no token classifier of it\\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"'qwen3_vl': a value model .* of this model is not "
+        "built with FSDP \\(transformers has no token classifier of it\\)",
+    ):
         build_meta_model(AutoConfig.from_pretrained(tiny_vlm), "sdpa", value_head=True)
 
 

@@ -24,8 +24,14 @@ def run_script(tmp_path, *parts):
         "CUDA_VISIBLE_DEVICES": "",
     }
     env.pop("GPU_CHECK_DEVICE", None)  # the CPU rehearsal switch would run the jobs
-    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), *parts], env=env, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh"), *parts],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def part_lines(stdout: str) -> list[str]:

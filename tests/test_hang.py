@@ -74,14 +74,25 @@ if os.environ.get("HANG_RANK") and "default_worker.py" in " ".join(sys.argv):
 
 @pytest.mark.slow  # ~40 s; the watchdog and the driver's wait are tested in process above
 @pytest.mark.e2e
-def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(tiny_model, prompts, tmp_path):
     """Rank 1 stops in Python at rollout 1; rank 0 waits for it inside an FSDP collective. Both
     stacks are written and the job exits 1 long before the hang would end (subprocess timeout)."""
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     start = time.monotonic()
     # The workers read HANG_RANK and sitecustomize.py at start-up (run_job's runtime environment).
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
-                   "--hang-timeout", "10", env={"HANG_RANK": "1"})  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--hang-timeout",
+        "10",
+        env={"HANG_RANK": "1"},
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr[-3000:]
     hang_dir = tmp_path / "logs" / "hang"

@@ -18,13 +18,23 @@ def dump_path(tmp_path, tiny_model, tokenizer):
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         for a in answers:
             resp = [*tokenizer.encode(a, add_special_tokens=False), tokenizer.eos_token_id]
-            samples.append({
-                "index": len(samples), "group_index": g, "prompt": prompt, "tokens": prompt_ids + resp,
-                "response": a, "response_length": len(resp), "label": str(2 * (g + 1)),
-                "reward": float(a == str(2 * (g + 1))), "loss_mask": [1] * len(resp),
-                "rollout_log_probs": [-0.5, -0.25][: len(resp)], "status": "completed",
-                "weight_version": "1", "metadata": {},
-            })  # fmt: skip
+            samples.append(
+                {
+                    "index": len(samples),
+                    "group_index": g,
+                    "prompt": prompt,
+                    "tokens": prompt_ids + resp,
+                    "response": a,
+                    "response_length": len(resp),
+                    "label": str(2 * (g + 1)),
+                    "reward": float(a == str(2 * (g + 1))),
+                    "loss_mask": [1] * len(resp),
+                    "rollout_log_probs": [-0.5, -0.25][: len(resp)],
+                    "status": "completed",
+                    "weight_version": "1",
+                    "metadata": {},
+                }
+            )
     meta = {"tokenizer_fingerprint": "f" * 64, "flags": {"hf_checkpoint": tiny_model}}
     return save_dump(str(tmp_path / "r_{rollout_id}.pt"), 7, samples, meta), samples, meta
 

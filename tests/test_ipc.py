@@ -1,4 +1,5 @@
-"""slime.utils.flattened_bucket (and slime.bridge.ipc): SGLang's flattened-bucket payload, shared by handle (CPU: by shared-memory
+"""slime.utils.flattened_bucket (and slime.bridge.ipc): SGLang's flattened-bucket payload, shared by handle
+(CPU: by shared-memory
 file; the CUDA-IPC handle itself needs a GPU and is tested in tests/test_engine_gpu.py)."""
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from slime.utils.shm_tensors import SharedBuffer
 
 
 def test_a_bucket_of_mixed_dtypes_round_trips_by_handle():
-    bucket = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7).to(torch.bfloat16)),
-              ("c.scale", torch.arange(6, dtype=torch.int32).reshape(2, 3)), ("d", torch.randn(4, 2).t())]  # fmt: skip
+    bucket = [
+        ("a.weight", torch.randn(3, 5)),
+        ("b.bias", torch.randn(7).to(torch.bfloat16)),
+        ("c.scale", torch.arange(6, dtype=torch.int32).reshape(2, 3)),
+        ("d", torch.randn(4, 2).t()),
+    ]
     shared = SharedBuffer.create(4096)
     try:
         flat, meta = flatten(bucket, shared.data)

@@ -37,11 +37,22 @@ NOT_CLUSTER_SCRIPTS = {"run-tiny-cpu.sh", "run-agent-cpu.sh", "run-vision-cpu.sh
 # Flags every model script gives (the scripts describe the model completely: an absent size is
 # not compared by the architecture check, so its absence is caught here).
 REQUIRED = [
-    "--swiglu", "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-    "--group-query-attention", "--num-query-groups", "--kv-channels", "--vocab-size", "--normalization",
-    "--norm-epsilon", "--disable-bias-linear", "--position-embedding-type", "--rotary-base",
+    "--swiglu",
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--group-query-attention",
+    "--num-query-groups",
+    "--kv-channels",
+    "--vocab-size",
+    "--normalization",
+    "--norm-epsilon",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "--rotary-base",
     "--max-position-embeddings",
-]  # fmt: skip
+]
 
 
 # model_types dry-run with FSDP rather than Megatron. Llama 3.x's llama3 RoPE scaling is not in
@@ -52,8 +63,14 @@ FSDP_DRY_RUN = ("llama",)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 GQA = ["--group-query-attention", "--num-query-groups"]
-MLA = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-       "--v-head-dim"]  # fmt: skip
+MLA = [
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "--kv-lora-rank",
+    "--qk-head-dim",
+    "--qk-pos-emb-head-dim",
+    "--v-head-dim",
+]
 
 
 def model_args(name: str) -> list[str]:
@@ -96,11 +113,30 @@ def dry_run(capsys, argv: list[str]) -> tuple[int, str]:
 
 def base_flags(hf_dir: Path, prompts: Path) -> list[str]:
     return [
-        "--hf-checkpoint", str(hf_dir), "--prompt-data", str(prompts), "--input-key", "prompt",
-        "--label-key", "label", "--rm-type", "math", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--num-rollout", "2", "--global-batch-size", "16", "--actor-num-gpus-per-node", "8", "--colocate",
-        "--device", "cuda",
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(hf_dir),
+        "--prompt-data",
+        str(prompts),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rm-type",
+        "math",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--actor-num-gpus-per-node",
+        "8",
+        "--colocate",
+        "--device",
+        "cuda",
+    ]
 
 
 # ---- the tables agree with each other -----------------------------------------------------------
@@ -166,8 +202,12 @@ def test_a_released_qwen3_5_checkpoint_is_checked_against_its_text_model(
     model's fields under text_config): the script's flags are compared with the text model's, the
     FSDP plan is made, and the Megatron backend refuses the checkpoint by name."""
     text = dict(HF_CONFIGS["qwen3.5-9B"])
-    released = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen3_5_text"}, "tie_word_embeddings": text["tie_word_embeddings"]}  # fmt: skip
+    released = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": {**text, "model_type": "qwen3_5_text"},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
     hf_dir = write_config("qwen3.5-9B", tmp_path / "released")
     (hf_dir / "config.json").write_text(json.dumps(released))
     args = [*model_args("qwen3.5-9B"), *base_flags(hf_dir, prompt_file)]
@@ -181,8 +221,10 @@ def test_a_released_qwen3_5_checkpoint_is_checked_against_its_text_model(
     code, out = dry_run(capsys, [*args, *vl_spec, "--train-backend", "fsdp"])
     assert code == 0, out
     text_dir = write_config("qwen3.5-9B", tmp_path / "text")
-    code, out = dry_run(capsys, [*model_args("qwen3.5-9B"), *base_flags(text_dir, prompt_file), *vl_spec,
-                                 "--train-backend", "fsdp"])  # fmt: skip
+    code, out = dry_run(
+        capsys,
+        [*model_args("qwen3.5-9B"), *base_flags(text_dir, prompt_file), *vl_spec, "--train-backend", "fsdp"],
+    )
     assert code == 2 and "is slime's layer spec for model_type qwen3_5, qwen3_5_moe" in out, out
 
 

@@ -25,12 +25,14 @@ class FakeSource:
     def wait(self, rollout_id):
         self.log.append(("wait", rollout_id))
         return Rollout(
-            rollout_id, {"rollout/reward_mean": 0.5, "time/generate": 0.25,
-                         "perf/request/e2e_latency/mean": 0.125}, 4,
+            rollout_id,
+            {"rollout/reward_mean": 0.5, "time/generate": 0.25, "perf/request/e2e_latency/mean": 0.125},
+            4,
             (None if self.replayed else str(self.versions[rollout_id]),),
             data_state=None if self.replayed else {"offset": rollout_id + 1},
-            parts=("part0",), replayed=self.replayed,
-        )  # fmt: skip
+            parts=("part0",),
+            replayed=self.replayed,
+        )
 
     def restore(self, data_state):
         self.log.append(("restore", data_state))
@@ -198,9 +200,17 @@ def test_sync_generates_trains_and_pushes_each_rollout_in_turn():
     make(log, sink=sink).run()
     step = [("release",), ("wake",)]
     assert log == [
-        ("start", 0, 0), ("wait", 0), *step, ("train", 0), *push(1),
-        ("start", 1, 1), ("wait", 1), *step, ("train", 1), *push(2),
-    ]  # fmt: skip
+        ("start", 0, 0),
+        ("wait", 0),
+        *step,
+        ("train", 0),
+        *push(1),
+        ("start", 1, 1),
+        ("wait", 1),
+        *step,
+        ("train", 1),
+        *push(2),
+    ]
     assert [s for s, _ in sink.records] == [1, 2]
     record = sink.records[0][1]
     assert (
@@ -233,11 +243,25 @@ def test_one_step_off_starts_the_next_rollout_before_training_and_pushes_when_it
     log: list = []
     make(log, total=3, schedule=ONE_STEP_OFF).run()
     assert log == [
-        ("start", 0, 0), ("wait", 0), ("start", 1, 0),
-        ("wake",), ("train", 0), ("wait", 1), *push(1),  # engines keep their memory: rollout 1 runs on them
-        ("wait", 1), ("start", 2, 1), ("wake",), ("train", 1), ("wait", 2), *push(2),
-        ("wait", 2), ("release",), ("wake",), ("train", 2), *push(3),  # nothing left to generate
-    ]  # fmt: skip
+        ("start", 0, 0),
+        ("wait", 0),
+        ("start", 1, 0),
+        ("wake",),
+        ("train", 0),
+        ("wait", 1),
+        *push(1),  # engines keep their memory: rollout 1 runs on them
+        ("wait", 1),
+        ("start", 2, 1),
+        ("wake",),
+        ("train", 1),
+        ("wait", 2),
+        *push(2),
+        ("wait", 2),
+        ("release",),
+        ("wake",),
+        ("train", 2),
+        *push(3),  # nothing left to generate
+    ]
 
 
 def test_update_weights_interval_pushes_after_every_nth_rollout_and_widens_the_lag():
@@ -292,11 +316,30 @@ def test_rollout_only_generates_and_evaluates_without_a_trainer():
     sink = Sink()
     source = FakeSource(log)
     evaluate = hooks.Evaluate(source, interval=2, before_train=True, log=sink.log)
-    make(log, total=4, schedule=ONE_STEP_OFF, source=source, train=False, engines=False, extra_hooks=[evaluate],
-         sink=sink).run()  # fmt: skip
+    make(
+        log,
+        total=4,
+        schedule=ONE_STEP_OFF,
+        source=source,
+        train=False,
+        engines=False,
+        extra_hooks=[evaluate],
+        sink=sink,
+    ).run()
     # One step off changes nothing without a trainer: no version moves, nothing runs ahead.
-    assert log == [("evaluate", -1), ("start", 0, 0), ("wait", 0), ("start", 1, 0), ("wait", 1), ("evaluate", 1),
-                   ("start", 2, 0), ("wait", 2), ("start", 3, 0), ("wait", 3), ("evaluate", 3)]  # fmt: skip
+    assert log == [
+        ("evaluate", -1),
+        ("start", 0, 0),
+        ("wait", 0),
+        ("start", 1, 0),
+        ("wait", 1),
+        ("evaluate", 1),
+        ("start", 2, 0),
+        ("wait", 2),
+        ("start", 3, 0),
+        ("wait", 3),
+        ("evaluate", 3),
+    ]
     assert [s for s, _ in sink.records] == [0, 1, 2, 3, 4]
     assert "eval/accuracy" in sink.records[2][1] and "eval/accuracy" not in sink.records[1][1]
     assert sink.records[1][1]["rollout/reward_mean"] == 0.5 and "time/eval" in sink.records[0][1]
@@ -305,8 +348,16 @@ def test_rollout_only_generates_and_evaluates_without_a_trainer():
 def test_train_only_replays_without_engines_or_pushes():
     log: list = []
     make(log, source=FakeSource(log, replayed=True), engines=False).run()
-    assert log == [("start", 0, 0), ("wait", 0), ("wake",), ("train", 0), ("start", 1, 1), ("wait", 1), ("wake",),
-                   ("train", 1)]  # fmt: skip
+    assert log == [
+        ("start", 0, 0),
+        ("wait", 0),
+        ("wake",),
+        ("train", 0),
+        ("start", 1, 1),
+        ("wait", 1),
+        ("wake",),
+        ("train", 1),
+    ]
 
 
 def test_resume_restores_the_data_position_and_pushes_before_the_next_rollout():
@@ -359,9 +410,15 @@ def test_a_restarted_engine_reconnects_the_trainer_before_the_push():
     i = log.index(("restart",))
     # It gets the weights with the push and takes requests only after it.
     assert log[i - 1 : i + 7] == [
-        ("sleep", True), ("restart",), ("resume", ("weights",)), ("connect", ("http://e0-restart2",)), ("push", 2),
-        ("sleep", False), ("resume", ("kv_cache", "cuda_graph")), ("admit", "http://e0-restart2"),
-    ]  # fmt: skip
+        ("sleep", True),
+        ("restart",),
+        ("resume", ("weights",)),
+        ("connect", ("http://e0-restart2",)),
+        ("push", 2),
+        ("sleep", False),
+        ("resume", ("kv_cache", "cuda_graph")),
+        ("admit", "http://e0-restart2"),
+    ]
 
 
 def test_a_push_that_fails_on_a_dead_engine_is_done_again_after_the_probe():
@@ -372,9 +429,15 @@ def test_a_push_that_fails_on_a_dead_engine_is_done_again_after_the_probe():
     loop.run()
     i = log.index(("probe",))
     assert log[i - 1 : i + 7] == [
-        ("push", 1), ("probe",), ("resume", ("weights",)), ("connect", ("http://e0-restarted",)), ("push", 1),
-        ("sleep", False), ("resume", ("kv_cache", "cuda_graph")), ("admit", "http://e0-restarted"),
-    ]  # fmt: skip
+        ("push", 1),
+        ("probe",),
+        ("resume", ("weights",)),
+        ("connect", ("http://e0-restarted",)),
+        ("push", 1),
+        ("sleep", False),
+        ("resume", ("kv_cache", "cuda_graph")),
+        ("admit", "http://e0-restarted"),
+    ]
 
 
 def test_a_push_that_fails_with_every_engine_up_fails_the_job():
@@ -394,8 +457,12 @@ def test_engines_restarted_during_a_generation_get_the_weights_before_requests()
     engines.urls, engines.joining = ["http://e0-new"], {0: "http://e0-new"}
     loop.heal()
     assert log == [
-        ("sleep", True), ("connect", ("http://e0-new",)), ("push", 0), ("sleep", False), ("admit", "http://e0-new"),
-    ]  # fmt: skip
+        ("sleep", True),
+        ("connect", ("http://e0-new",)),
+        ("push", 0),
+        ("sleep", False),
+        ("admit", "http://e0-new"),
+    ]
 
 
 def test_a_failing_hook_after_training_stops_the_step_before_the_push():

@@ -39,12 +39,36 @@ def run_job(script, model, prompts, tmp_path, *extra, env=None, path=()):
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     pythonpath = os.pathsep.join([*path, ROOT, str(tmp_path), *inherited])
     runtime_env = {"env_vars": {**own, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}}
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "SLIME_LOG_DIR": str(tmp_path / "logs"),
-           "PYTHONPATH": pythonpath, **own, "RAY_ADDRESS": (env or {}).get("RAY_ADDRESS") or shared_address(),
-           "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": runtime_env})}  # fmt: skip
-    argv = [sys.executable, os.path.join(ROOT, script), "--hf-checkpoint", model, "--prompt-data", prompts,
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
-            "--rollout-max-response-len", "3", "--global-batch-size", "8", "--micro-batch-size", "4", *extra]  # fmt: skip
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "SLIME_LOG_DIR": str(tmp_path / "logs"),
+        "PYTHONPATH": pythonpath,
+        **own,
+        "RAY_ADDRESS": (env or {}).get("RAY_ADDRESS") or shared_address(),
+        "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": runtime_env}),
+    }
+    argv = [
+        sys.executable,
+        os.path.join(ROOT, script),
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        prompts,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        *(["--num-rollout", "2"] if "--num-rollout" not in extra else []),
+        "--rollout-max-response-len",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        *extra,
+    ]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
 
 
@@ -65,10 +89,31 @@ def test_two_ranks_run_and_save(tiny_model, prompts, tmp_path, script, layout):
     # One unnamed evaluation set (metrics eval/...), or two named ones (eval/<name>...).
     named = script == "train_async.py"
     sets = ["held", prompts, "again", prompts] if named else [prompts]
-    proc = run_job(script, tiny_model, prompts, tmp_path, "--rm-type", "exact", "--actor-num-gpus-per-node", "2",
-                   *layout, "--save", str(tmp_path / "ckpt"), "--eval-interval", "2", "--eval-prompt-data", *sets,
-                   "--eval-temperature", "0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-tensorboard",
-                   "--check-precision", "--check-weight-update-equal")  # fmt: skip
+    proc = run_job(
+        script,
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--actor-num-gpus-per-node",
+        "2",
+        *layout,
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        *sets,
+        "--eval-temperature",
+        "0",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--use-tensorboard",
+        "--check-precision",
+        "--check-weight-update-equal",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The step-0 gates pass on a correct setup, across ranks, transports and schedules.
     # Snapshot, noise, push, compare: the first push restored every engine parameter exactly; then
@@ -135,7 +180,8 @@ def test_bad_flags_exit_2_before_starting_anything(tiny_model, prompts, tmp_path
     assert proc.returncode == 2 and "--global-batch-size 3" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow  # ~60 s; resume is tested in process (test_loop_core, the actors' checkpoint tests) and by test_chaos
+# ~60 s; resume is tested in process (test_loop_core, the actors' checkpoint tests) and by test_chaos
+@pytest.mark.slow
 def test_resume_after_a_crash_continues_from_the_saved_rollout(tiny_model, prompts, tmp_path):
     # The reward function crashes once it has scored 3 rollouts' worth of samples (8 each).
     (tmp_path / "flaky_rm.py").write_text(
@@ -149,8 +195,19 @@ def test_resume_after_a_crash_continues_from_the_saved_rollout(tiny_model, promp
         "    return float(sample.response.strip() == sample.label)\n"
     )
     ckpt = str(tmp_path / "ckpt")
-    common = ["--custom-rm-path", "flaky_rm.reward", "--num-rollout", "5", "--save", ckpt, "--save-interval", "1",
-              "--load", ckpt, "--rollout-shuffle"]  # fmt: skip
+    common = [
+        "--custom-rm-path",
+        "flaky_rm.reward",
+        "--num-rollout",
+        "5",
+        "--save",
+        ckpt,
+        "--save-interval",
+        "1",
+        "--load",
+        ckpt,
+        "--rollout-shuffle",
+    ]
     crashed = run_job("train.py", tiny_model, prompts, tmp_path, *common, env={"CRASH": "1"})
     # A failing reward function ends the job with exit code 1, naming its error.
     assert crashed.returncode == 1 and "job failed: RuntimeError: simulated crash" in crashed.stderr

@@ -19,29 +19,54 @@ from tests.test_fsdp_actor import base_config, make_batch
 ALL = ("all-linear",)
 
 
-def lora_run(rank, world_size, init_method, model, targets=ALL, exclude=(), save=None, load=None, rollouts=2,
-             hf_dir=None, adapter=None, bf16_reference_first=False):  # fmt: skip
+def lora_run(
+    rank,
+    world_size,
+    init_method,
+    model,
+    targets=ALL,
+    exclude=(),
+    save=None,
+    load=None,
+    rollouts=2,
+    hf_dir=None,
+    adapter=None,
+    bf16_reference_first=False,
+):
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
     from slime.config.train import FSDPConfig
 
-    lora = LoRAConfig(rank=4, alpha=8, target_modules=targets, exclude_modules=exclude, adapter_path=adapter,
-                      save_merged=hf_dir is not None)  # fmt: skip
+    lora = LoRAConfig(
+        rank=4,
+        alpha=8,
+        target_modules=targets,
+        exclude_modules=exclude,
+        adapter_path=adapter,
+        save_merged=hf_dir is not None,
+    )
     cfg = dataclasses.replace(
         base_config(model, micro_batch_size=2), check_precision=True, load=load, lora=lora
     )
     if bf16_reference_first:  # the engine's log-probs are the old policy: the reference pass runs first
-        cfg = dataclasses.replace(cfg, fsdp=FSDPConfig(param_dtype="bfloat16"),
-                                  loss=dataclasses.replace(cfg.loss, use_rollout_logprobs=True, use_tis=False))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg,
+            fsdp=FSDPConfig(param_dtype="bfloat16"),
+            loss=dataclasses.replace(cfg.loss, use_rollout_logprobs=True, use_tis=False),
+        )
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     info = actor.init()
 
     def full() -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
 
-    result = {"info": info, "before": full(), "outputs": [],
-              "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
-              "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])}  # fmt: skip
+    result = {
+        "info": info,
+        "before": full(),
+        "outputs": [],
+        "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
+        "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]),
+    }
     first = 0 if info["resumed_rollout_id"] is None else info["resumed_rollout_id"] + 1
     for r in range(first, rollouts):
         result["outputs"].append(actor.train(r, make_batch(r)))
@@ -244,8 +269,21 @@ def _parse(tiny_model, tmp_path, *flags):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-                       "--num-rollout", "1", "--rm-type", "math", *flags])  # fmt: skip
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            "2",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "math",
+            *flags,
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -255,27 +293,84 @@ def _parse(tiny_model, tmp_path, *flags):
         (["--lora-rank", "8"], "--lora-rank 8 needs --target-modules"),
         (["--lora-rank", "8", "--target-modules", "all-linear,q_proj"], "give it alone"),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-dropout", "1.5"], "--lora-dropout must be"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-adapter-path", "/nonexistent"],
-         "has no adapter_config.json"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--train-backend", "megatron"],
-         "LoRA is built for the FSDP backend only so far"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
-         "a LoRA run's reference is its base model"),
+        (
+            ["--lora-rank", "8", "--target-modules", "q_proj", "--lora-dropout", "1.5"],
+            "--lora-dropout must be",
+        ),
+        (
+            ["--lora-rank", "8", "--target-modules", "q_proj", "--lora-adapter-path", "/nonexistent"],
+            "has no adapter_config.json",
+        ),
+        (
+            ["--lora-rank", "8", "--target-modules", "q_proj", "--train-backend", "megatron"],
+            "LoRA is built for the FSDP backend only so far",
+        ),
+        (
+            ["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
+            "a LoRA run's reference is its base model",
+        ),
         (["--lora-push", "adapter"], "--lora-push configures LoRA: give --lora-rank too"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--update-weight-transport",
-          "disk"], "--lora-push adapter with --update-weight-transport disk: the adapter is handed over as tensors"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--update-weight-transport",
-          "distributed"], "no engine route takes an adapter through a process group"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-push", "adapter", "--rollout-backend", "sglang",
-          "--fully-async"], "--lora-push adapter to SGLang engines with --fully-async: upstream SGLang replaces"),
-        (["--lora-rank", "8", "--target-modules", "q_proj", "--lora-save-merged"],
-         "--lora-save-merged writes the merged model beside --save-hf's adapter: give --save-hf DIR"),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--target-modules",
+                "q_proj",
+                "--lora-push",
+                "adapter",
+                "--update-weight-transport",
+                "disk",
+            ],
+            "--lora-push adapter with --update-weight-transport disk: the adapter is handed over as tensors",
+        ),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--target-modules",
+                "q_proj",
+                "--lora-push",
+                "adapter",
+                "--update-weight-transport",
+                "distributed",
+            ],
+            "no engine route takes an adapter through a process group",
+        ),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--target-modules",
+                "q_proj",
+                "--lora-push",
+                "adapter",
+                "--rollout-backend",
+                "sglang",
+                "--fully-async",
+            ],
+            "--lora-push adapter to SGLang engines with --fully-async: upstream SGLang replaces",
+        ),
+        (
+            ["--lora-rank", "8", "--target-modules", "q_proj", "--lora-save-merged"],
+            "--lora-save-merged writes the merged model beside --save-hf's adapter: give --save-hf DIR",
+        ),
     ],
-    ids=["target-without-rank", "rank-without-targets", "all-linear-and-more", "negative-rank", "dropout",
-         "adapter-path", "megatron", "ref-load", "push-without-rank", "push-by-disk", "push-by-group",
-         "push-to-sglang-fully-async", "save-merged-without-save-hf"],
-)  # fmt: skip
+    ids=[
+        "target-without-rank",
+        "rank-without-targets",
+        "all-linear-and-more",
+        "negative-rank",
+        "dropout",
+        "adapter-path",
+        "megatron",
+        "ref-load",
+        "push-without-rank",
+        "push-by-disk",
+        "push-by-group",
+        "push-to-sglang-fully-async",
+        "save-merged-without-save-hf",
+    ],
+)
 def test_lora_flags_are_checked(tiny_model, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
         _parse(tiny_model, tmp_path, *flags)
@@ -293,7 +388,13 @@ def test_the_adapter_push_launches_engines_that_serve_it_and_checks_it(tiny_mode
     config = _parse(tiny_model, tmp_path, *lora, "--rollout-backend", "sglang", "--check-weight-update-equal")
     assert config.bridge.verify
     assert engine_launch_args(config.train.lora, sglang=True) == [
-        "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]  # fmt: skip
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-target-modules",
+        "q_proj",
+        "v_proj",
+    ]
     given = ("--max-lora-rank=16", "--enable-lora")
     assert engine_launch_args(config.train.lora, True, given) == ["--lora-target-modules", "q_proj", "v_proj"]
     assert engine_launch_args(config.train.lora, sglang=False) == ["--enable-lora"]
@@ -308,8 +409,18 @@ def test_the_adapter_push_launches_engines_that_serve_it_and_checks_it(tiny_mode
 
 
 def test_lora_flags_reach_the_actor_but_not_the_critic(tiny_model, tmp_path):
-    config = _parse(tiny_model, tmp_path, "--lora-rank", "8", "--lora-alpha", "32", "--target-modules",
-                    "q_proj, v_proj", "--advantage-estimator", "ppo")  # fmt: skip
+    config = _parse(
+        tiny_model,
+        tmp_path,
+        "--lora-rank",
+        "8",
+        "--lora-alpha",
+        "32",
+        "--target-modules",
+        "q_proj, v_proj",
+        "--advantage-estimator",
+        "ppo",
+    )
     lo = config.train.lora
     assert (lo.rank, lo.alpha, lo.target_modules, lo.scaling) == (8, 32, ("q_proj", "v_proj"), 4.0)
     assert config.critic is not None and not config.critic.train.lora.enabled
@@ -323,8 +434,9 @@ def adapter_push_run(rank, world_size, init_method, model, urls):
     from slime.config.lora import LoRAConfig
 
     lora = LoRAConfig(rank=4, alpha=8, target_modules=ALL, push="adapter")
-    actor = FSDPTrainActor(dataclasses.replace(base_config(model, micro_batch_size=2), lora=lora), rank,
-                           world_size, init_method)  # fmt: skip
+    actor = FSDPTrainActor(
+        dataclasses.replace(base_config(model, micro_batch_size=2), lora=lora), rank, world_size, init_method
+    )
     actor.init()
     actor.train(0, make_batch(0))
     # The CUDA-IPC push's code path with CPU buffers: engine j opens train rank j's copy.
@@ -351,8 +463,10 @@ def test_the_adapter_push_shares_each_ranks_copy_with_the_engine_on_its_gpu(tiny
     from tests.conftest import start_engine
     from tests.test_engine_server import raw_post
 
-    engines = [start_engine(tiny_model, tmp_path, "--enable-lora", "--debug-dump-dir", str(tmp_path / "dump"))
-               for j in range(2)]  # fmt: skip
+    engines = [
+        start_engine(tiny_model, tmp_path, "--enable-lora", "--debug-dump-dir", str(tmp_path / "dump"))
+        for j in range(2)
+    ]
     try:
         rank0, rank1 = run_ranks(2, adapter_push_run, tiny_model, [e.url for e in engines])
         for j, e in enumerate(engines):

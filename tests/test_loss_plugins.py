@@ -103,9 +103,14 @@ def _hooks_from_flags(*argv: str) -> tuple[LossConfig, LossHooks]:
 
 def test_icepop_at_slimes_path_by_hand():
     cfg, hooks = _hooks_from_flags(
-        "--use-tis", "--custom-tis-function-path", f"{SLIME_LOSS}.icepop_function",
-        "--tis-clip-low", "0.5", "--tis-clip", "2.0",
-    )  # fmt: skip
+        "--use-tis",
+        "--custom-tis-function-path",
+        f"{SLIME_LOSS}.icepop_function",
+        "--tis-clip-low",
+        "0.5",
+        "--tis-clip",
+        "2.0",
+    )
     # Sample 0 (A = 1): r = exp(old - engine) = e (outside [0.5, 2]: 0), 1. Sample 1 (A = -1):
     # e^-1 (outside: 0), e^0.5, and e^-3 on a token outside the loss. The ratio new / old is 1, so
     # the clipped loss is -A per token; each sample's mean is over its 2 loss tokens, of 2 samples.
@@ -134,13 +139,22 @@ def test_icepop_at_slimes_path_by_hand():
 
 def test_vanilla_tis_at_slimes_path_is_the_builtin_exactly():
     cfg, hooks = _hooks_from_flags(
-        "--use-tis", "--custom-tis-function-path", f"{SLIME_LOSS}.vanilla_tis_function",
-        "--tis-clip-low", "0.5", "--tis-clip", "1.5",
-    )  # fmt: skip
+        "--use-tis",
+        "--custom-tis-function-path",
+        f"{SLIME_LOSS}.vanilla_tis_function",
+        "--tis-clip-low",
+        "0.5",
+        "--tis-clip",
+        "1.5",
+    )
     # Layouts where rescaling the weights by each sample's normaliser would round differently
     # (11 loss tokens of 7 samples): a hook that rejects nothing leaves the weights as they are.
-    for per_token, lengths, num_samples in ((False, LENGTHS, NUM_SAMPLES), (True, LENGTHS, NUM_SAMPLES),
-                                            (False, [12, 9, 13], 7), (True, [12, 9, 13], 7)):  # fmt: skip
+    for per_token, lengths, num_samples in (
+        (False, LENGTHS, NUM_SAMPLES),
+        (True, LENGTHS, NUM_SAMPLES),
+        (False, [12, 9, 13], 7),
+        (True, [12, 9, 13], 7),
+    ):
         t = _terms(per_token, lengths, num_samples)
         builtin_cfg = LossConfig(
             use_tis=True, tis_clip=1.5, tis_clip_low=0.5, calculate_per_token_loss=per_token
@@ -282,8 +296,9 @@ def test_reward_post_process_rewards_are_what_trains():
     args = argparse.Namespace(n_samples_per_prompt=2)
     post = reward_post_process(f"{HOOKS}.group_mean_only", args)
     metrics: dict[str, float] = {}
-    rollout = package_rollout(0, _samples([1.0, 0.0, 1.0, 1.0], 2), None, (BatchConfig(), 1), lambda p: p,
-                              metrics, post)  # fmt: skip
+    rollout = package_rollout(
+        0, _samples([1.0, 0.0, 1.0, 1.0], 2), None, (BatchConfig(), 1), lambda p: p, metrics, post
+    )
     (part,) = rollout.parts
     assert part.rewards == [0.5, -0.5, 0.0, 0.0] and part.rewards_normalized
     assert part.batch.rewards == part.rewards and part.batch.rewards_normalized

@@ -97,8 +97,9 @@ def test_qwen3_moe_checkpoint(tmp_path):
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, config.vocab_size)
     again = make_model(str(tmp_path / "again"), 0, *args)
-    assert filecmp.cmp(os.path.join(out, "model.safetensors"), os.path.join(again, "model.safetensors"),
-                       shallow=False)  # fmt: skip
+    assert filecmp.cmp(
+        os.path.join(out, "model.safetensors"), os.path.join(again, "model.safetensors"), shallow=False
+    )
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,22 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return weights
 
 
-def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", save_dir=None, dynamic=False,
-              recompute=False, padded=False, chunk=-1, first=None, cp=1):  # fmt: skip
+def train_run(
+    rank,
+    world_size,
+    init_method,
+    model,
+    tp,
+    pp,
+    backend="megatron",
+    save_dir=None,
+    dynamic=False,
+    recompute=False,
+    padded=False,
+    chunk=-1,
+    first=None,
+    cp=1,
+):
     from slime.backends import make_train_actor
     from slime.config.train import FSDPConfig
 
@@ -64,11 +78,13 @@ def train_run(rank, world_size, init_method, model, tp, pp, backend="megatron", 
         )
     # padded: one right-padded row per sample instead of packed micro-batches; chunk: the
     # log-softmax a few tokens at a time, recomputed in backward (TP collectives inside)
-    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=padded,
-                                                             log_probs_chunk_size=chunk))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=padded, log_probs_chunk_size=chunk)
+    )
     if dynamic:  # token-budget micro-batches (different counts and shapes) instead of fixed pairs
-        cfg = dataclasses.replace(cfg, batch=BatchConfig(global_batch_size=4, use_dynamic_batch_size=True,
-                                                         max_tokens_per_gpu=32))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg, batch=BatchConfig(global_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=32)
+        )
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     batch = make_batch(0)
@@ -156,10 +172,23 @@ def test_tp2_trains_like_one_fsdp_rank(fsdp, tp2):
 
 @pytest.mark.parametrize(
     "tp, pp, world, dynamic, recompute, padded, chunk",
-    [(1, 2, 2, False, False, False, -1), (1, 1, 2, False, False, False, -1), (2, 2, 4, False, False, False, -1),
-     (1, 2, 2, True, False, False, -1), (2, 1, 2, False, True, False, 3), (1, 2, 2, True, False, True, -1)],
-    ids=["pp2", "dp2", "tp2xpp2", "pp2-dynamic-batches", "tp2-recompute-log-probs-chunks", "pp2-dynamic-padded"],
-)  # fmt: skip
+    [
+        (1, 2, 2, False, False, False, -1),
+        (1, 1, 2, False, False, False, -1),
+        (2, 2, 4, False, False, False, -1),
+        (1, 2, 2, True, False, False, -1),
+        (2, 1, 2, False, True, False, 3),
+        (1, 2, 2, True, False, True, -1),
+    ],
+    ids=[
+        "pp2",
+        "dp2",
+        "tp2xpp2",
+        "pp2-dynamic-batches",
+        "tp2-recompute-log-probs-chunks",
+        "pp2-dynamic-padded",
+    ],
+)
 def test_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, tp, pp, world, dynamic, recompute, padded, chunk):
     """Packed micro-batches (the default) and --padded-micro-batches alike."""
     ranks = run_ranks(
@@ -213,8 +242,16 @@ def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp
 
     save_dir, ranks = tp2
     target = str(tmp_path / "pp2")
-    args = ["--load-dir", save_dir, "--save-dir", target, "--target-tensor-parallel-size", "1",
-            "--target-pipeline-parallel-size", "2"]  # fmt: skip
+    args = [
+        "--load-dir",
+        save_dir,
+        "--save-dir",
+        target,
+        "--target-tensor-parallel-size",
+        "1",
+        "--target-pipeline-parallel-size",
+        "2",
+    ]
     assert convert(args) == 0
     loaded = run_ranks(2, resumed_run, tiny_model, 1, 2, target)
     assert loaded[0]["info"]["resumed_rollout_id"] is None  # a converted checkpoint: weights only
@@ -224,16 +261,35 @@ def test_checkpoint_converted_to_pp2_loads_the_same_weights(tiny_model, tp2, tmp
         )
 
 
-@pytest.mark.slow  # ~35 s; the actor, push and checkpoints are tested in process in this file and test_actor_push.py
+# ~35 s; the actor, push and checkpoints are tested in process in this file and test_actor_push.py
+@pytest.mark.slow
 @pytest.mark.e2e
-def test_grpo_job_with_the_megatron_backend(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_grpo_job_with_the_megatron_backend(tiny_model, prompts, tmp_path):
     """train.py as users start it: two GRPO rollouts at TP 2 on real Ray with a colocated torch
     engine, the step-0 precision gates and the weight checks on, a checkpoint at the end (the
     CPU counterpart of tests/test_megatron_gpu.py's GRPO run)."""
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--train-backend", "megatron",
-                   "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--colocate",
-                   "--use-kl-loss", "--kl-loss-coef", "0.01", "--check-precision", "--check-weight-update-equal",
-                   "--save", str(tmp_path / "ckpt"))  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--train-backend",
+        "megatron",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--colocate",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--check-precision",
+        "--check-weight-update-equal",
+        "--save",
+        str(tmp_path / "ckpt"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
     assert proc.stderr.count("--check-weight-sync: 46 tensors match on every engine") == 3

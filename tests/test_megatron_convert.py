@@ -25,8 +25,15 @@ from slime.backends.megatron.sharding import (
     split_tp,
 )
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=101, max_position_embeddings=64)  # fmt: skip
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=101,
+    max_position_embeddings=64,
+)
 
 
 def tiny(kind: str, **over) -> tuple[Layout, dict[str, torch.Tensor]]:
@@ -108,8 +115,10 @@ def test_a_tp_shard_holds_whole_query_groups_and_its_gate_and_up_halves():
     ffn = layout.ffn_hidden_size
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(r1[fc1], torch.cat([gate[ffn // 2 :], up[ffn // 2 :]]))
-    assert torch.equal(r0["decoder.layers.0.self_attention.linear_proj.weight"],
-                       hf["model.layers.0.self_attn.o_proj.weight"][:, : layout.num_heads * layout.head_dim // 2])  # fmt: skip
+    assert torch.equal(
+        r0["decoder.layers.0.self_attention.linear_proj.weight"],
+        hf["model.layers.0.self_attn.o_proj.weight"][:, : layout.num_heads * layout.head_dim // 2],
+    )
     assert torch.equal(
         r0["decoder.layers.0.self_attention.q_layernorm.weight"],
         r1["decoder.layers.0.self_attention.q_layernorm.weight"],

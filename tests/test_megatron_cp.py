@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_ranks
-from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, config, exported, fsdp, train_run  # noqa: F401
+from tests.test_megatron_actor import (  # noqa: F401 - fsdp is a fixture
+    ROLLOUTS,
+    assert_trains_like,
+    config,
+    exported,
+    fsdp,
+    train_run,
+)
 
 
 def test_chunks_are_megatron_cores_load_balanced_halves():
@@ -44,14 +51,14 @@ def test_the_cp_view_holds_each_samples_tokens_once_and_their_next_tokens():
 @pytest.mark.parametrize(
     "padded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["packed", "padded"]
 )
-def test_two_cp_ranks_train_like_one_fsdp_rank(fsdp, tiny_model, padded):  # noqa: F811
+def test_two_cp_ranks_train_like_one_fsdp_rank(fsdp, tiny_model, padded):
     ranks = run_ranks(2, train_run, tiny_model, 1, 1, "megatron", None, False, False, padded, -1, None, 2)
     assert_trains_like(fsdp, ranks)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2xcp2", "pp2xcp2"])
-def test_cp_with_tp_or_pp_trains_like_one_fsdp_rank(fsdp, tiny_model, tp, pp):  # noqa: F811
+def test_cp_with_tp_or_pp_trains_like_one_fsdp_rank(fsdp, tiny_model, tp, pp):
     ranks = run_ranks(4, train_run, tiny_model, tp, pp, "megatron", None, False, False, False, -1, None, 2)
     assert_trains_like(fsdp, ranks)
 
@@ -64,8 +71,11 @@ def test_cp_trains_multi_latent_attention_and_experts_like_fsdp(tmp_path, tiny_m
     from tests.conftest import make_model
     from tests.test_megatron_moe_actor import moe_run
 
-    model = tiny_moe if arch == "qwen3_moe" else make_model(str(tmp_path / arch), 0, "--arch", arch,
-                                                            "--hidden-size", "64", "--num-layers", "3")  # fmt: skip
+    model = (
+        tiny_moe
+        if arch == "qwen3_moe"
+        else make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "3")
+    )
     fsdp_run = run_ranks(1, moe_run, model, "fsdp")[0]
     ranks = run_ranks(2, moe_run, model, "megatron", 1, 1, 2, 2, None, None, False, False, 2)
     assert_trains_like(fsdp_run, ranks)
@@ -77,19 +87,61 @@ def test_cp_flags_are_accepted_and_what_is_not_built_is_refused(tiny_model, tiny
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    cfg = parse_args(base(tiny_model, str(data), "--train-backend", "megatron", "--context-parallel-size", "2",
-                          "--actor-num-gpus-per-node", "2", "--allgather-cp"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            tiny_model,
+            str(data),
+            "--train-backend",
+            "megatron",
+            "--context-parallel-size",
+            "2",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--allgather-cp",
+        )
+    )
     assert cfg.train.megatron.context_parallel_size == 2
     cases = [
-        (tiny_model, ["--train-backend", "fsdp", "--context-parallel-size", "2"], "configure --train-backend megatron"),
-        (tiny_model, ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
-         "does not divide the 3 train ranks"),
-        (tiny_moe, ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2",
-                    "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff with --context-parallel-size 2 is not built"),
-    ]  # fmt: skip
+        (
+            tiny_model,
+            ["--train-backend", "fsdp", "--context-parallel-size", "2"],
+            "configure --train-backend megatron",
+        ),
+        (
+            tiny_model,
+            ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
+            "does not divide the 3 train ranks",
+        ),
+        (
+            tiny_moe,
+            [
+                "--train-backend",
+                "megatron",
+                "--context-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--moe-aux-loss-coeff",
+                "0.01",
+            ],
+            "--moe-aux-loss-coeff with --context-parallel-size 2 is not built",
+        ),
+    ]
     # megatron-core's own router dtype needs no hook: accepted with CP
-    parse_args(base(tiny_moe, str(data), "--train-backend", "megatron", "--context-parallel-size", "2",
-                    "--actor-num-gpus-per-node", "2", "--moe-router-dtype", "fp32"))  # fmt: skip
+    parse_args(
+        base(
+            tiny_moe,
+            str(data),
+            "--train-backend",
+            "megatron",
+            "--context-parallel-size",
+            "2",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--moe-router-dtype",
+            "fp32",
+        )
+    )
     for model, extra, message in cases:
         assert message in error(capsys, base(model, str(data), *extra)), extra
 
@@ -100,7 +152,7 @@ def test_cp_flags_are_accepted_and_what_is_not_built_is_refused(tiny_model, tiny
     [(4, 2, False, False, -1), (4, 4, False, False, -1), (2, 2, True, False, -1), (2, 2, False, True, 3)],
     ids=["dp2xcp2", "cp4", "cp2-dynamic-batches", "cp2-recompute-log-prob-chunks"],
 )
-def test_more_cp_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, world, cp, dynamic, recompute, chunk):  # noqa: F811
+def test_more_cp_layouts_train_like_one_fsdp_rank(fsdp, tiny_model, world, cp, dynamic, recompute, chunk):
     """Data and context parallelism together, four CP ranks (chunks r and 2 x CP - 1 - r), token-budget
     micro-batches (a GPU's budget times CP, as slime counts it), full recompute with chunked log-probs."""
     ranks = run_ranks(

@@ -31,8 +31,9 @@ def _everyone(per_rank: dict) -> dict:
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def megatron_critic_run(rank, world_size, init_method, model, tp, pp, save_dir=None, hf_dir=None, load=None,
-                        critic_load=None):  # fmt: skip
+def megatron_critic_run(
+    rank, world_size, init_method, model, tp, pp, save_dir=None, hf_dir=None, load=None, critic_load=None
+):
     """Two rollouts of one value step each (as tests/test_critic.py's critic_run); with
     `save_dir` a checkpoint after rollout 0, with `load` a resumed run of rollout 1."""
     from slime.backends import make_train_actor
@@ -179,8 +180,11 @@ def _with_head(tiny_model: str, out: str, **head: torch.Tensor) -> str:
 
 
 def test_a_head_of_another_shape_is_refused(tiny_model, tmp_path):
-    bad = _with_head(tiny_model, str(tmp_path / "two_labels"), **{"score.weight": torch.zeros(2, 64),
-                                                                  "score.bias": torch.zeros(2)})  # fmt: skip
+    bad = _with_head(
+        tiny_model,
+        str(tmp_path / "two_labels"),
+        **{"score.weight": torch.zeros(2, 64), "score.bias": torch.zeros(2)},
+    )
     with pytest.raises(Exception, match=r"score.weight \(2, 64\), score.bias \(2,\); a critic's head"):
         run_ranks(1, megatron_critic_run, tiny_model, 1, 1, None, None, None, bad)
 

@@ -37,8 +37,16 @@ def models(tmp_path_factory):
     return made
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}  # fmt: skip
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.8,
+    "mscale_all_dim": 1.0,
+}
 """DeepSeek-V3's rope scaling (its released config: factor 40 over 4096 positions, mscale 1 and
 1), at a tiny size; mscale differs from mscale_all_dim so the rotary magnitude is not 1."""
 
@@ -85,30 +93,52 @@ def _hf(path):
 
 NAMES = {  # a tensor of each family's own, by the name slime's Megatron side gives it
     "deepseek_v3_no_q_latent": ["decoder.layers.0.self_attention.linear_q_proj.weight"],
-    "glm4": ["decoder.layers.0.post_self_attn_layernorm.weight", "decoder.layers.2.post_mlp_layernorm.weight",
-             "decoder.layers.1.self_attention.linear_qkv.bias"],
-    "glm4_moe": ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
-                 "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.q_layernorm.weight"],
-    "deepseek_v3": ["decoder.layers.0.self_attention.linear_q_down_proj.weight",
-                    "decoder.layers.0.self_attention.q_layernorm.weight",
-                    "decoder.layers.1.self_attention.linear_kv_down_proj.weight",
-                    "decoder.layers.1.self_attention.kv_layernorm.weight",
-                    "decoder.layers.2.self_attention.linear_kv_up_proj.weight", "decoder.layers.2.mlp.router.expert_bias",
-                    "decoder.layers.2.mlp.shared_experts.linear_fc2.weight"],
-    "glm4_moe_lite": ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.expert_bias",
-                      "decoder.layers.2.self_attention.linear_kv_down_proj.weight"],
-    "qwen3_next": ["decoder.layers.0.self_attention.input_layernorm.weight",
-                   "decoder.layers.0.self_attention.linear_attn.in_proj_qkvz.weight",
-                   "decoder.layers.2.self_attention.linear_attn.in_proj_ba.weight",
-                   "decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.input_layernorm.weight",
-                   "decoder.layers.1.mlp.shared_experts.gate_weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"],
-    "qwen3_5": ["decoder.layers.0.self_attention.linear_attn.in_proj_qkv.weight",
-                "decoder.layers.0.self_attention.linear_attn.in_proj_z.weight",
-                "decoder.layers.2.self_attention.linear_attn.A_log", "decoder.layers.1.self_attention.q_layernorm.weight"],
-    "qwen3_5_moe": ["decoder.layers.0.self_attention.linear_attn.in_proj_b.weight",
-                    "decoder.layers.2.self_attention.linear_attn.conv1d.weight",
-                    "decoder.layers.1.mlp.shared_experts.gate_weight"],
-}  # fmt: skip
+    "glm4": [
+        "decoder.layers.0.post_self_attn_layernorm.weight",
+        "decoder.layers.2.post_mlp_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_qkv.bias",
+    ],
+    "glm4_moe": [
+        "decoder.layers.1.mlp.router.expert_bias",
+        "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.1.self_attention.q_layernorm.weight",
+    ],
+    "deepseek_v3": [
+        "decoder.layers.0.self_attention.linear_q_down_proj.weight",
+        "decoder.layers.0.self_attention.q_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_kv_down_proj.weight",
+        "decoder.layers.1.self_attention.kv_layernorm.weight",
+        "decoder.layers.2.self_attention.linear_kv_up_proj.weight",
+        "decoder.layers.2.mlp.router.expert_bias",
+        "decoder.layers.2.mlp.shared_experts.linear_fc2.weight",
+    ],
+    "glm4_moe_lite": [
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.1.mlp.router.expert_bias",
+        "decoder.layers.2.self_attention.linear_kv_down_proj.weight",
+    ],
+    "qwen3_next": [
+        "decoder.layers.0.self_attention.input_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_attn.in_proj_qkvz.weight",
+        "decoder.layers.2.self_attention.linear_attn.in_proj_ba.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.1.mlp.shared_experts.gate_weight",
+        "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+    ],
+    "qwen3_5": [
+        "decoder.layers.0.self_attention.linear_attn.in_proj_qkv.weight",
+        "decoder.layers.0.self_attention.linear_attn.in_proj_z.weight",
+        "decoder.layers.2.self_attention.linear_attn.A_log",
+        "decoder.layers.1.self_attention.q_layernorm.weight",
+    ],
+    "qwen3_5_moe": [
+        "decoder.layers.0.self_attention.linear_attn.in_proj_b.weight",
+        "decoder.layers.2.self_attention.linear_attn.conv1d.weight",
+        "decoder.layers.1.mlp.shared_experts.gate_weight",
+    ],
+}
 
 
 @pytest.mark.parametrize("arch", [*MEGATRON_FAMILIES, "deepseek_v3_no_q_latent"])
@@ -226,19 +256,40 @@ def _rank_model(rank, world_size, init_method, path, tp, pp, ep):
     from slime.backends.megatron.sharding import hf_to_megatron_shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
     cpu_shim.enable()
     cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     config, hf = _hf(path)
     layout = Layout.from_hf_config(config, stages=(1, None) if pp > 1 else (None, None))
-    mc_config = transformer_config(layout, config, cpu_init=True, tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                   expert_tensor_parallel_size=1, variable_seq_lengths=True,
-                                   moe_token_dispatcher_type="alltoall")  # fmt: skip
+    mc_config = transformer_config(
+        layout,
+        config,
+        cpu_init=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+    )
     model = build_gpt_model(layout, config, mc_config, tp)
-    mine = hf_to_megatron_shard(hf, layout, tp, pp, ps.get_tensor_model_parallel_rank(),
-                                ps.get_pipeline_model_parallel_rank(), ep, 1, ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
+    mine = hf_to_megatron_shard(
+        hf,
+        layout,
+        tp,
+        pp,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ep,
+        1,
+        ps.get_expert_model_parallel_rank(),
+        0,
+    )
     built = {k: tuple(v.shape) for k, v in model_state(model).items()}
     missing = model.load_state_dict(mine, strict=False).missing_keys
     return config, model, mine, built, missing
@@ -259,8 +310,9 @@ def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = torch.tensor([0, 7, 12], dtype=torch.int32)
-        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                      max_seqlen_q=7, max_seqlen_kv=7)  # fmt: skip
+        kwargs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7
+        )
         row = torch.cat([ids[0], ids[1, :5]]).unsqueeze(0)
         inputs, positions = row, torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0)
     else:
@@ -289,9 +341,16 @@ def _forward(rank, world_size, init_method, path, tp, pp, ep, packed):
             reference = [hf_model(ids[i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return {"built": built, "mine": {k: tuple(v.shape) for k, v in mine.items()}, "packed": packed,
-            "missing": [k for k in missing if not k.endswith("._extra_state")], "logits": logits,
-            "reference": reference, "vocab": config.vocab_size, "lengths": lengths}  # fmt: skip
+    return {
+        "built": built,
+        "mine": {k: tuple(v.shape) for k, v in mine.items()},
+        "packed": packed,
+        "missing": [k for k in missing if not k.endswith("._extra_state")],
+        "logits": logits,
+        "reference": reference,
+        "vocab": config.vocab_size,
+        "lengths": lengths,
+    }
 
 
 def _check(results):
@@ -317,15 +376,23 @@ CASES = [
     *(
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
-            ("glm4", 1, 1, 1, False), ("glm4", 1, 2, 1, False),
-            ("glm4_moe", 1, 1, 1, False), ("glm4_moe", 2, 1, 1, False),
-            ("deepseek_v3", 1, 1, 1, False), ("deepseek_v3", 1, 2, 1, True), ("deepseek_v3_yarn", 1, 1, 1, False),
-            ("deepseek_v3_yarn", 1, 1, 1, True), ("deepseek_v3_no_q_latent", 1, 1, 1, False),
-            ("qwen3_next", 1, 1, 1, True), ("qwen3_next", 1, 2, 2, False), ("qwen3_5", 2, 1, 1, True),
-            ("qwen3_5", 1, 2, 1, False), ("qwen3_5_moe", 2, 1, 1, False),
+            ("glm4", 1, 1, 1, False),
+            ("glm4", 1, 2, 1, False),
+            ("glm4_moe", 1, 1, 1, False),
+            ("glm4_moe", 2, 1, 1, False),
+            ("deepseek_v3", 1, 1, 1, False),
+            ("deepseek_v3", 1, 2, 1, True),
+            ("deepseek_v3_yarn", 1, 1, 1, False),
+            ("deepseek_v3_yarn", 1, 1, 1, True),
+            ("deepseek_v3_no_q_latent", 1, 1, 1, False),
+            ("qwen3_next", 1, 1, 1, True),
+            ("qwen3_next", 1, 2, 2, False),
+            ("qwen3_5", 2, 1, 1, True),
+            ("qwen3_5", 1, 2, 1, False),
+            ("qwen3_5_moe", 2, 1, 1, False),
         ]
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("arch, tp, pp, ep, packed", CASES)
@@ -385,8 +452,13 @@ def _bf16_pp2_export(rank, world_size, init_method, model):
     from tests.test_fsdp_actor import base_config, make_batch
     from tests.test_megatron_actor import exported
 
-    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), backend="megatron", megatron=MegatronConfig(
-        pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1, bf16=True))  # fmt: skip
+    cfg = dataclasses.replace(
+        base_config(model, micro_batch_size=2),
+        backend="megatron",
+        megatron=MegatronConfig(
+            pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1, bf16=True
+        ),
+    )
     actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     actor.train(0, make_batch(0))
@@ -422,8 +494,16 @@ def test_the_conversion_tools_move_a_family_between_layouts_and_back_bitwise(mod
     hf = models[arch]
     ep = ["--expert-model-parallel-size", "2"] if arch == "deepseek_v3" else []
     first = tmp_path / "tp2"
-    r = tool("convert_hf_to_megatron", "--hf-checkpoint", hf, "--save-dir", str(first), "--tensor-model-parallel-size",
-             "2", *ep)  # fmt: skip
+    r = tool(
+        "convert_hf_to_megatron",
+        "--hf-checkpoint",
+        hf,
+        "--save-dir",
+        str(first),
+        "--tensor-model-parallel-size",
+        "2",
+        *ep,
+    )
     assert r.returncode == 0, r.stderr
     shard = torch.load(sorted(first.glob("release/mp_rank_01*"))[0] / "model_optim_rng.pt", weights_only=True)
     args = shard["args"]
@@ -436,8 +516,19 @@ def test_the_conversion_tools_move_a_family_between_layouts_and_back_bitwise(mod
             args["post_self_attn_layernorm"] and args["rotary_interleaved"] and args["rotary_percent"] == 0.5
         )
     pp2 = tmp_path / "pp2"
-    r = tool("convert_checkpoint", "--load-dir", str(first), "--save-dir", str(pp2), "--target-tensor-parallel-size",
-             "1", "--target-pipeline-parallel-size", "2", "--target-decoder-first-pipeline-num-layers", "1")  # fmt: skip
+    r = tool(
+        "convert_checkpoint",
+        "--load-dir",
+        str(first),
+        "--save-dir",
+        str(pp2),
+        "--target-tensor-parallel-size",
+        "1",
+        "--target-pipeline-parallel-size",
+        "2",
+        "--target-decoder-first-pipeline-num-layers",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     back = tmp_path / "hf_back"
     r = tool("convert_megatron_to_hf", "--load-dir", str(pp2), "--hf-checkpoint", hf, "--save-dir", str(back))
@@ -547,12 +638,24 @@ def test_a_bias_update_rate_needs_routers_with_a_bias(tiny_moe, models, tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     for backend in ("fsdp", "megatron"):
-        err = error(capsys, base(tiny_moe, str(prompts), "--moe-router-bias-update-rate", "0.001",
-                                 "--train-backend", backend))  # fmt: skip
+        err = error(
+            capsys,
+            base(
+                tiny_moe, str(prompts), "--moe-router-bias-update-rate", "0.001", "--train-backend", backend
+            ),
+        )
         assert (
             "--moe-router-bias-update-rate 0.001 needs routers with an expert bias" in err
             and "qwen3_moe" in err
         )
-        cfg = parse_args(base(models["deepseek_v3"], str(prompts), "--moe-router-bias-update-rate", "0.001",
-                              "--train-backend", backend))  # fmt: skip
+        cfg = parse_args(
+            base(
+                models["deepseek_v3"],
+                str(prompts),
+                "--moe-router-bias-update-rate",
+                "0.001",
+                "--train-backend",
+                backend,
+            )
+        )
         assert cfg.train.moe.moe_router_bias_update_rate == 0.001

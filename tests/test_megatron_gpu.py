@@ -44,8 +44,14 @@ def megatron_logits(kind, layout, hf_state, dtype, ids):
     from tests.test_megatron_model import layout_config
 
     hf_config = AutoConfig.for_model(kind, **layout_config(kind, {}))
-    config = transformer_config(layout, hf_config, params_dtype=dtype, tensor_model_parallel_size=1,
-                                pipeline_model_parallel_size=1, bf16=dtype == torch.bfloat16)  # fmt: skip
+    config = transformer_config(
+        layout,
+        hf_config,
+        params_dtype=dtype,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        bf16=dtype == torch.bfloat16,
+    )
     model = build_gpt_model(layout, hf_config, config, tp=1).to("cuda").eval()
     converted = {k: v.to(dtype) for k, v in hf_to_megatron(hf_state, layout, 1).items()}
     missing = model.load_state_dict(converted, strict=False).missing_keys
@@ -136,15 +142,36 @@ def cuda_run(rank, world_size, init_method, model):
     ],
     ids=["colocated-disk", "colocated-cuda-ipc-bf16", "disaggregated"],
 )
-def test_two_grpo_steps_with_the_megatron_backend(tiny_model, prompts, tmp_path, layout):  # noqa: F811
+def test_two_grpo_steps_with_the_megatron_backend(tiny_model, prompts, tmp_path, layout):
     """Issue 9's GPU run: two GRPO steps, Megatron backend, torch engine, step-0 gates on."""
     if torch.cuda.device_count() < (1 if "--colocate" in layout else 2):
         pytest.skip("not enough GPUs for this layout")
     from tests.test_loop_e2e import run_job
 
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--device", "cuda",
-                   "--train-backend", "megatron", "--rollout-backend", "torch", "--transformer-impl", "local", "--advantage-estimator", "grpo", "--use-kl-loss",
-                   "--kl-loss-coef", "0.01", "--check-precision", "--check-weight-update-equal", *layout)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--device",
+        "cuda",
+        "--train-backend",
+        "megatron",
+        "--rollout-backend",
+        "torch",
+        "--transformer-impl",
+        "local",
+        "--advantage-estimator",
+        "grpo",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--check-precision",
+        "--check-weight-update-equal",
+        *layout,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     if "--bf16" in layout:  # bfloat16 parameters into the float32 engine: compared at bfloat16, and said
         assert "compared with the snapshot rounded to bfloat16" in proc.stderr

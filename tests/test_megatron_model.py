@@ -33,8 +33,9 @@ def build_and_load(rank, world_size, init_method, kind, tp, pp, over):
         (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     ]
     hf_config = AutoConfig.for_model(kind, **layout_config(kind, over))
-    config = transformer_config(layout, hf_config, cpu_init=True, tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp)  # fmt: skip
+    config = transformer_config(
+        layout, hf_config, cpu_init=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
     model = build_gpt_model(layout, hf_config, config, tp)
     built = {k: tuple(v.shape) for k, v in model_state(model).items()}
     result = model.load_state_dict(mine, strict=False)

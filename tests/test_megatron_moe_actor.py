@@ -30,8 +30,22 @@ def routed_batch(seed: int, r3: bool = False):
     return dataclasses.replace(batch, rollout_routed_experts=tables)
 
 
-def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs=2, save_dir=None, moe=None,
-            recompute=False, padded=False, cp=1):  # fmt: skip
+def moe_run(
+    rank,
+    world_size,
+    init_method,
+    model,
+    backend,
+    tp=1,
+    pp=1,
+    ep=1,
+    mbs=2,
+    save_dir=None,
+    moe=None,
+    recompute=False,
+    padded=False,
+    cp=1,
+):
     from slime.backends import make_train_actor
     from slime.config.train import ModelOptions, MoEOptions
 
@@ -43,9 +57,16 @@ def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs
     if padded:  # one right-padded row per sample: padding tokens reach the routers
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, padded_micro_batches=True))
     if backend == "megatron":
-        cfg = dataclasses.replace(cfg, backend="megatron", megatron=MegatronConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-            context_parallel_size=cp))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg,
+            backend="megatron",
+            megatron=MegatronConfig(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                expert_model_parallel_size=ep,
+                context_parallel_size=cp,
+            ),
+        )
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     r3 = bool(moe and moe.get("use_rollout_routing_replay"))
@@ -65,8 +86,12 @@ def moe_run(rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, mbs
 def resumed(rank, world_size, init_method, model, ep, load):
     from slime.backends import make_train_actor
 
-    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), backend="megatron", load=load,
-                              megatron=MegatronConfig(expert_model_parallel_size=ep))  # fmt: skip
+    cfg = dataclasses.replace(
+        base_config(model, micro_batch_size=2),
+        backend="megatron",
+        load=load,
+        megatron=MegatronConfig(expert_model_parallel_size=ep),
+    )
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     outputs = [actor.train(r, make_batch(r)) for r in range(info["resumed_rollout_id"] + 1, ROLLOUTS)]

@@ -25,9 +25,22 @@ from slime.backends.megatron.sharding import (
 )
 from slime.utils.hf_experts import checkpoint_tensors
 
-MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-           num_hidden_layers=4, mlp_only_layers=[1], num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-           vocab_size=101, max_position_embeddings=64, norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
+MOE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=4,
+    mlp_only_layers=[1],
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    vocab_size=101,
+    max_position_embeddings=64,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_moe(**over) -> tuple[Layout, dict[str, torch.Tensor]]:
@@ -157,8 +170,15 @@ def test_bad_expert_layouts_are_named():
 def test_shared_experts_are_read_only_where_the_modeling_has_them():
     from transformers import Qwen2MoeConfig
 
-    qwen2_moe = Qwen2MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=4,
-                               shared_expert_intermediate_size=32, moe_intermediate_size=16, vocab_size=50)  # fmt: skip
+    qwen2_moe = Qwen2MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        moe_intermediate_size=16,
+        vocab_size=50,
+    )
     with pytest.raises(
         ConversionError, match="'qwen2_moe': not among the families the Megatron backend builds"
     ):

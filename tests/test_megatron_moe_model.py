@@ -23,19 +23,39 @@ def forward_ranks(rank, world_size, init_method, tp, pp, ep):
     from slime.backends.megatron.sharding import hf_to_megatron_shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)  # fmt: skip
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
     cpu_shim.enable()
     cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     layout, hf = tiny_moe()
     hf_config = Qwen3MoeConfig(**MOE)
-    config = transformer_config(layout, hf_config, cpu_init=True, tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                expert_tensor_parallel_size=1, variable_seq_lengths=True)  # fmt: skip
+    config = transformer_config(
+        layout,
+        hf_config,
+        cpu_init=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        variable_seq_lengths=True,
+    )
     model = build_gpt_model(layout, hf_config, config, tp)
-    mine = hf_to_megatron_shard(hf, layout, tp, pp, ps.get_tensor_model_parallel_rank(),
-                                ps.get_pipeline_model_parallel_rank(), ep, 1,
-                                ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
+    mine = hf_to_megatron_shard(
+        hf,
+        layout,
+        tp,
+        pp,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ep,
+        1,
+        ps.get_expert_model_parallel_rank(),
+        0,
+    )
     built = {k: tuple(v.shape) for k, v in model_state(model).items()}
     result = model.load_state_dict(mine, strict=False)
     model.eval()
@@ -68,9 +88,14 @@ def forward_ranks(rank, world_size, init_method, tp, pp, ep):
             reference = hf_model(ids).logits
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return {"built": built, "mine": {k: tuple(v.shape) for k, v in mine.items()},
-            "missing": [k for k in result.missing_keys if not k.endswith("._extra_state")],
-            "unexpected": list(result.unexpected_keys), "logits": logits, "reference": reference}  # fmt: skip
+    return {
+        "built": built,
+        "mine": {k: tuple(v.shape) for k, v in mine.items()},
+        "missing": [k for k in result.missing_keys if not k.endswith("._extra_state")],
+        "unexpected": list(result.unexpected_keys),
+        "logits": logits,
+        "reference": reference,
+    }
 
 
 @pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2), (1, 2, 2)])

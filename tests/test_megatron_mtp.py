@@ -25,8 +25,12 @@ FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 @pytest.fixture(scope="module")
 def mtp_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {a: make_model(str(root / a), 0, "--arch", a, "--hidden-size", "64", "--num-layers", "3",
-                          "--mtp-layers", "1") for a in FAMILIES}  # fmt: skip
+    return {
+        a: make_model(
+            str(root / a), 0, "--arch", a, "--hidden-size", "64", "--num-layers", "3", "--mtp-layers", "1"
+        )
+        for a in FAMILIES
+    }
 
 
 def _hf(path):
@@ -46,8 +50,13 @@ def test_mtp_modules_convert_bitwise_both_ways_through_tp_and_ep(mtp_models, arc
     layout = Layout.from_hf_config(config, mtp_layers=1)
     mc = hf_to_megatron(hf, layout, 2)
     mtp = {k for k in mc if k.startswith("mtp.layers.0.")}
-    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
-            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.mlp.router.weight"} <= mtp  # fmt: skip
+    assert {
+        "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.enorm.weight",
+        "mtp.layers.0.hnorm.weight",
+        "mtp.layers.0.final_layernorm.weight",
+        "mtp.layers.0.transformer_layer.mlp.router.weight",
+    } <= mtp
     back = megatron_to_hf(mc, layout)
     assert set(back) == set(hf)  # the module's copies of the embedding and the head included
     for name, t in hf.items():
@@ -86,8 +95,9 @@ def reference_mtp_loss(path: str, ids: torch.Tensor, mask: torch.Tensor) -> floa
     deeper_config.num_hidden_layers = L + 1
     if getattr(deeper_config, "mlp_layer_types", None):
         deeper_config.mlp_layer_types = [*deeper_config.mlp_layer_types, "sparse"]
-    deeper = AutoModelForCausalLM.from_pretrained(path, config=deeper_config, dtype=torch.float32,
-                                                  attn_implementation="sdpa").eval()  # fmt: skip
+    deeper = AutoModelForCausalLM.from_pretrained(
+        path, config=deeper_config, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     mtp_layer = deeper.model.layers[L]
     p = f"model.layers.{L}."
     s = ids.shape[1]
@@ -163,18 +173,40 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed, cp=1):
     from slime.backends.megatron.sharding import hf_to_megatron_shard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=1, context_parallel_size=cp)  # fmt: skip
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        context_parallel_size=cp,
+    )
     cpu_shim.enable()
     cpu_shim.seed(0, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     config, hf = _hf(path)
     layout = Layout.from_hf_config(config, mtp_layers=1)
-    mc = transformer_config(layout, config, cpu_init=True, tensor_model_parallel_size=tp,
-                            expert_model_parallel_size=ep, expert_tensor_parallel_size=1, variable_seq_lengths=True,
-                            moe_token_dispatcher_type="alltoall", context_parallel_size=cp)  # fmt: skip
+    mc = transformer_config(
+        layout,
+        config,
+        cpu_init=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        context_parallel_size=cp,
+    )
     model = build_gpt_model(layout, config, mc, tp)
-    shard = hf_to_megatron_shard(hf, layout, tp, 1, ps.get_tensor_model_parallel_rank(), 0, ep, 1,
-                                 ps.get_expert_model_parallel_rank(), 0)  # fmt: skip
+    shard = hf_to_megatron_shard(
+        hf,
+        layout,
+        tp,
+        1,
+        ps.get_tensor_model_parallel_rank(),
+        0,
+        ep,
+        1,
+        ps.get_expert_model_parallel_rank(),
+        0,
+    )
     missing = model.load_state_dict(shard, strict=False).missing_keys
     assert not [k for k in missing if not k.endswith("._extra_state")], missing
     group = ps.get_context_parallel_group() if cp > 1 else None
@@ -191,11 +223,14 @@ def _mtp_forward(rank, world_size, init_method, path, tp, ep, packed, cp=1):
 
 @pytest.mark.parametrize(
     "arch, tp, ep, packed, cp",
-    [("deepseek_v3", 1, 1, True, 1), ("glm4_moe", 1, 1, False, 2),
-     pytest.param("glm4_moe_lite", 1, 1, False, 1, marks=pytest.mark.slow),
-     pytest.param("glm4_moe", 2, 2, True, 1, marks=pytest.mark.slow),
-     pytest.param("deepseek_v3", 1, 2, True, 2, marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        ("deepseek_v3", 1, 1, True, 1),
+        ("glm4_moe", 1, 1, False, 2),
+        pytest.param("glm4_moe_lite", 1, 1, False, 1, marks=pytest.mark.slow),
+        pytest.param("glm4_moe", 2, 2, True, 1, marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", 1, 2, True, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_megatron_cores_mtp_loss_is_a_reference_built_from_hf_layers(mtp_models, arch, tp, ep, packed, cp):
     """Also split over CP ranks: megatron-core rolls the targets across the ranks' chunks."""
     path = mtp_models[arch]
@@ -225,12 +260,30 @@ def test_the_tiny_checkpoint_has_the_mtp_modules_as_released_ones_store_them(mtp
         assert torch.equal(
             f.get_tensor("model.layers.3.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight")
         )
-    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
-            "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names  # fmt: skip
+    assert {
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.shared_head.head.weight",
+        "model.layers.3.mlp.experts.0.gate_proj.weight",
+        "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+    } <= names
 
 
-def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu", factor=0.2, ref_load=None,
-               bf16=False, clip=None, cp=1, pp=1, recompute=False):  # fmt: skip
+def _actor_run(
+    rank,
+    world_size,
+    init_method,
+    path,
+    train_mtp,
+    ep=1,
+    device="cpu",
+    factor=0.2,
+    ref_load=None,
+    bf16=False,
+    clip=None,
+    cp=1,
+    pp=1,
+    recompute=False,
+):
     """Two rollouts of the Megatron actor with the MTP modules built (trained or kept; with PP, on
     the last stage: the returned tensors are the rank's own)."""
     import dataclasses
@@ -240,12 +293,19 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
     from tests.test_megatron_actor import config, exported
 
     cfg = config(path, device=device)
-    megatron = dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=train_mtp,
-                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-                                   mtp_loss_scaling_factor=factor, bf16=bf16, context_parallel_size=cp,
-                                   pipeline_model_parallel_size=pp,
-                                   # uneven stages, as slime's GLM-4.7-Flash script has them
-                                   decoder_last_pipeline_num_layers=1 if pp > 1 else None)  # fmt: skip
+    megatron = dataclasses.replace(
+        cfg.megatron,
+        mtp_num_layers=1,
+        enable_mtp_training=train_mtp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        mtp_loss_scaling_factor=factor,
+        bf16=bf16,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        # uneven stages, as slime's GLM-4.7-Flash script has them
+        decoder_last_pipeline_num_layers=1 if pp > 1 else None,
+    )
     cfg = dataclasses.replace(cfg, megatron=megatron, ref_load=ref_load)
     if recompute:  # megatron-core's full recompute of the decoder's layers
         from slime.config.train import ModelOptions
@@ -273,9 +333,19 @@ def _actor_run(rank, world_size, init_method, path, train_mtp, ep=1, device="cpu
     local = {k: v.detach() for k, v in actor.model_state().items()}
     saved = dict(export_hf_tensors(local, actor.layout, actor.mesh, with_mtp=True))
     actor.close()
-    return {"lp": lp, "outputs": [o.steps for o in outputs], "before": before, "after": after, "pushed": pushed,
-            "shapes": shapes, "saved": set(saved), "calls": calls, "weights": weights,
-            "saved_tensors": saved, "pushed_tensors": pushed_tensors}  # fmt: skip
+    return {
+        "lp": lp,
+        "outputs": [o.steps for o in outputs],
+        "before": before,
+        "after": after,
+        "pushed": pushed,
+        "shapes": shapes,
+        "saved": set(saved),
+        "calls": calls,
+        "weights": weights,
+        "saved_tensors": saved,
+        "pushed_tensors": pushed_tensors,
+    }
 
 
 @pytest.mark.slow
@@ -352,8 +422,9 @@ def test_mtp_training_under_full_recompute_is_like_without(mtp_models):
     recomputed = run_ranks(1, _actor_run, path, True, 1, "cpu", 0.2, None, False, None, 1, 1, True)[0]
     for k, v in plain["after"].items():
         torch.testing.assert_close(recomputed["after"][k], v, rtol=1e-5, atol=1e-6)
-    for a, b in zip([s for o in plain["outputs"] for s in o], [s for o in recomputed["outputs"] for s in o],
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        [s for o in plain["outputs"] for s in o], [s for o in recomputed["outputs"] for s in o], strict=True
+    ):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-6)
 
 
@@ -364,35 +435,60 @@ def test_the_mtp_flags_are_refused_where_nothing_is_built(mtp_models, tiny_model
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     model = mtp_models["deepseek_v3"]
-    cfg = parse_args(base(model, str(data), "--train-backend", "megatron", "--mtp-num-layers", "1",
-                          "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.1"))  # fmt: skip
+    cfg = parse_args(
+        base(
+            model,
+            str(data),
+            "--train-backend",
+            "megatron",
+            "--mtp-num-layers",
+            "1",
+            "--enable-mtp-training",
+            "--mtp-loss-scaling-factor",
+            "0.1",
+        )
+    )
     m = cfg.train.megatron
     assert (m.mtp_num_layers, m.enable_mtp_training, m.mtp_loss_scaling_factor) == (1, True, 0.1)
     cases = [
-        (["--train-backend", "fsdp", "--mtp-num-layers", "1"], "multi-token prediction modules are built by the Megatron"),
+        (
+            ["--train-backend", "fsdp", "--mtp-num-layers", "1"],
+            "multi-token prediction modules are built by the Megatron",
+        ),
         (["--train-backend", "megatron", "--enable-mtp-training"], "give --mtp-num-layers N"),
         (["--train-backend", "megatron", "--mtp-num-layers", "2"], "num_nextn_predict_layers"),
-    ]  # fmt: skip
+    ]
     for extra, message in cases:
         assert message in error(capsys, base(model, str(data), *extra)), extra
     # a checkpoint without MTP modules
-    assert "this model has none" in error(capsys, base(tiny_model, str(data), "--train-backend", "megatron",
-                                                       "--mtp-num-layers", "1"))  # fmt: skip
+    assert "this model has none" in error(
+        capsys, base(tiny_model, str(data), "--train-backend", "megatron", "--mtp-num-layers", "1")
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout",
-    [["--expert-model-parallel-size", "2"],
-     # slime's GLM-4.7-Flash layout in small: uneven pipeline stages and CP, MTP on the last stage
-     ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1", "--context-parallel-size",
-      "2", "--actor-num-gpus-per-node", "4"]],
+    [
+        ["--expert-model-parallel-size", "2"],
+        # slime's GLM-4.7-Flash layout in small: uneven pipeline stages and CP, MTP on the last stage
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-last-pipeline-num-layers",
+            "1",
+            "--context-parallel-size",
+            "2",
+            "--actor-num-gpus-per-node",
+            "4",
+        ],
+    ],
     ids=["ep2", "pp2-cp2"],
-)  # fmt: skip
+)
 def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(
     mtp_models,
-    prompts,  # noqa: F811
+    prompts,
     tmp_path,
     layout,
 ):
@@ -401,10 +497,29 @@ def test_a_megatron_grpo_job_trains_the_mtp_modules_and_pushes_without_them(
     from tests.test_loop_e2e import run_job
 
     model = mtp_models["deepseek_v3"]
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
-                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01", "--actor-num-gpus-per-node", "2",
-                   "--train-backend", "megatron", "--mtp-num-layers", "1", "--enable-mtp-training", "--save-hf",
-                   str(tmp_path / "hf"), *layout)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--check-precision",
+        "--check-weight-sync",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--train-backend",
+        "megatron",
+        "--mtp-num-layers",
+        "1",
+        "--enable-mtp-training",
+        "--save-hf",
+        str(tmp_path / "hf"),
+        *layout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]

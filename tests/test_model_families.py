@@ -111,8 +111,14 @@ def _train(rank, world_size, init_method, model):
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
     after = {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
     exported = [n for bucket in actor.export_weights(bucket_bytes=200_000) for n, _ in bucket]
-    result = dict(outputs=outputs, before=before, after=after, exported=exported, packed=actor.packs_sequences,
-                  log_probs=log_probs)  # fmt: skip
+    result = dict(
+        outputs=outputs,
+        before=before,
+        after=after,
+        exported=exported,
+        packed=actor.packs_sequences,
+        log_probs=log_probs,
+    )
     actor.close()
     return result
 
@@ -201,15 +207,23 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     assert "'glm4_moe'" in err
     err = error(capsys, base(family_models["qwen3_next"], str(prompts), "--moe-aux-loss-coeff", "0.01"))
     assert "--moe-aux-loss-coeff: routing replay" in err and "'qwen3_next'" in err
-    err = error(capsys, base(family_models["deepseek_v3"], str(prompts), "--lora-rank", "4", "--target-modules",
-                             "all-linear"))  # fmt: skip
+    err = error(
+        capsys,
+        base(
+            family_models["deepseek_v3"], str(prompts), "--lora-rank", "4", "--target-modules", "all-linear"
+        ),
+    )
     assert "--lora-rank 4: LoRA is not built for model_type 'deepseek_v3'" in err
     err = error(
         capsys, base(glm, str(prompts), "--train-backend", "megatron", "--use-rollout-routing-replay")
     )
     assert "--use-rollout-routing-replay: routing replay" in err and "'glm4_moe'" in err
-    err = error(capsys, base(family_models["qwen3_5_moe"], str(prompts), "--train-backend", "megatron",
-                             "--use-routing-replay"))  # fmt: skip
+    err = error(
+        capsys,
+        base(
+            family_models["qwen3_5_moe"], str(prompts), "--train-backend", "megatron", "--use-routing-replay"
+        ),
+    )
     assert "--use-routing-replay: routing replay" in err and "'qwen3_5_moe_text'" in err
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
@@ -248,49 +262,196 @@ def _slime_model_args(arch: str, c: dict) -> list[str]:
     """The MODEL_ARGS a slime model script (scripts/models/*.sh) writes for the family, with the
     tiny checkpoint's sizes: the flags spelled as slime's scripts for GLM-4-9B, GLM-4.5,
     DeepSeek-V3, Qwen3-Next and Qwen3.5 spell them."""
-    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
-              "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--vocab-size", "101",
-              "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-rope-fusion"]  # fmt: skip
+    common = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        "1e-6",
+        "--vocab-size",
+        "101",
+        "--untie-embeddings-and-output-weights",
+        "--position-embedding-type",
+        "rope",
+        "--no-rope-fusion",
+    ]
     gqa = ["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16"]
     if arch == "glm4":
-        return [*common, *gqa, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
-                "--add-qkv-bias", "--post-self-attn-layernorm", "--post-mlp-layernorm", "--rotary-interleaved",
-                "--rotary-percent", "0.5", "--spec", "slime_plugins.models.glm4", "get_glm_spec"]  # fmt: skip
-    moe = ["--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--num-experts", "4", "--moe-aux-loss-coeff",
-           "0", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32"]  # fmt: skip
+        return [
+            *common,
+            *gqa,
+            "--ffn-hidden-size",
+            str(c["intermediate_size"]),
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--post-self-attn-layernorm",
+            "--post-mlp-layernorm",
+            "--rotary-interleaved",
+            "--rotary-percent",
+            "0.5",
+            "--spec",
+            "slime_plugins.models.glm4",
+            "get_glm_spec",
+        ]
+    moe = [
+        "--moe-ffn-hidden-size",
+        "32",
+        "--moe-router-topk",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-aux-loss-coeff",
+        "0",
+        "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-router-dtype",
+        "fp32",
+    ]
     if arch == "glm4_moe":
-        return [*common, *gqa, *moe, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
-                "--add-qkv-bias", "--qk-layernorm", "--rotary-percent", "0.5", "--moe-layer-freq", "[0]*1+[1]*1",
-                "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
-                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                "--moe-router-bias-update-rate", "0", "--moe-router-load-balancing-type", "seq_aux_loss",
-                "--moe-router-topk-scaling-factor", "2.5"]  # fmt: skip
+        return [
+            *common,
+            *gqa,
+            *moe,
+            "--ffn-hidden-size",
+            str(c["intermediate_size"]),
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--qk-layernorm",
+            "--rotary-percent",
+            "0.5",
+            "--moe-layer-freq",
+            "[0]*1+[1]*1",
+            "--moe-shared-expert-intermediate-size",
+            "32",
+            "--moe-router-pre-softmax",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate",
+            "0",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-topk-scaling-factor",
+            "2.5",
+        ]
     if arch == "deepseek_v3":
-        return [*common, *moe, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
-                "--kv-channels", "16", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
-                "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm",
-                "--rotary-base", "10000", "--mscale", "1.0", "--mscale-all-dim", "1.0", "--moe-layer-freq", "[0]*1+[1]*1",
-                "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
-                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-bias-update-rate", "0",
-                "--moe-router-group-topk", "1", "--moe-router-num-groups", "2", "--moe-router-topk-scaling-factor", "2.5"]  # fmt: skip
+        return [
+            *common,
+            *moe,
+            "--ffn-hidden-size",
+            str(c["intermediate_size"]),
+            "--disable-bias-linear",
+            "--kv-channels",
+            "16",
+            "--multi-latent-attention",
+            "--q-lora-rank",
+            "32",
+            "--kv-lora-rank",
+            "16",
+            "--qk-head-dim",
+            "16",
+            "--qk-pos-emb-head-dim",
+            "8",
+            "--v-head-dim",
+            "16",
+            "--qk-layernorm",
+            "--rotary-base",
+            "10000",
+            "--mscale",
+            "1.0",
+            "--mscale-all-dim",
+            "1.0",
+            "--moe-layer-freq",
+            "[0]*1+[1]*1",
+            "--moe-shared-expert-intermediate-size",
+            "32",
+            "--moe-router-pre-softmax",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-bias-update-rate",
+            "0",
+            "--moe-router-group-topk",
+            "1",
+            "--moe-router-num-groups",
+            "2",
+            "--moe-router-topk-scaling-factor",
+            "2.5",
+        ]
     if arch == "glm4_moe_lite":  # as slime's glm4.7-30B-A3B script spells them (--add-qkv-bias included)
-        return [*common, *moe, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
-                "--add-qkv-bias", "--kv-channels", "16", "--multi-latent-attention", "--q-lora-rank", "32",
-                "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim",
-                str(c["v_head_dim"]),
-                "--qk-layernorm", "--rotary-base", "10000", "--moe-layer-freq", "[0]*1+[1]*1",
-                "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
-                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                "--moe-router-bias-update-rate", "0", "--moe-router-load-balancing-type", "seq_aux_loss",
-                "--moe-router-topk-scaling-factor", "1.8"]  # fmt: skip
-    hybrid = [*common, *gqa, "--ffn-hidden-size", str(c["intermediate_size"]), "--disable-bias-linear",
-              "--qk-layernorm", "--use-gated-attention", "--apply-layernorm-1p", "--rotary-percent", "0.25",
-              "--attention-output-gate", "--spec", *SLIME_SPECS[arch]]  # fmt: skip
+        return [
+            *common,
+            *moe,
+            "--ffn-hidden-size",
+            str(c["intermediate_size"]),
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--kv-channels",
+            "16",
+            "--multi-latent-attention",
+            "--q-lora-rank",
+            "32",
+            "--kv-lora-rank",
+            "16",
+            "--qk-head-dim",
+            "16",
+            "--qk-pos-emb-head-dim",
+            "8",
+            "--v-head-dim",
+            str(c["v_head_dim"]),
+            "--qk-layernorm",
+            "--rotary-base",
+            "10000",
+            "--moe-layer-freq",
+            "[0]*1+[1]*1",
+            "--moe-shared-expert-intermediate-size",
+            "32",
+            "--moe-router-pre-softmax",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate",
+            "0",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-topk-scaling-factor",
+            "1.8",
+        ]
+    hybrid = [
+        *common,
+        *gqa,
+        "--ffn-hidden-size",
+        str(c["intermediate_size"]),
+        "--disable-bias-linear",
+        "--qk-layernorm",
+        "--use-gated-attention",
+        "--apply-layernorm-1p",
+        "--rotary-percent",
+        "0.25",
+        "--attention-output-gate",
+        "--spec",
+        *SLIME_SPECS[arch],
+    ]
     if arch == "qwen3_5":
         return hybrid
-    return [*hybrid, *moe, "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "softmax",
-            "--moe-shared-expert-gate"]  # fmt: skip
+    return [
+        *hybrid,
+        *moe,
+        "--moe-shared-expert-intermediate-size",
+        "32",
+        "--moe-router-score-function",
+        "softmax",
+        "--moe-shared-expert-gate",
+    ]
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
@@ -314,10 +475,12 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     noted = [line for line in cfg.args.resolution if line.startswith("no effect in this backend (fsdp)")]
     # slime's spec of the family describes the model both backends build: accepted, not listed
     assert not noted or "--spec" not in noted[0]
-    flag = {"glm4": "--rotary-interleaved", "glm4_moe": "--moe-router-enable-expert-bias",
-            "deepseek_v3": "--multi-latent-attention", "glm4_moe_lite": "--multi-latent-attention"}.get(
-        arch, "--apply-layernorm-1p"
-    )  # fmt: skip
+    flag = {
+        "glm4": "--rotary-interleaved",
+        "glm4_moe": "--moe-router-enable-expert-bias",
+        "deepseek_v3": "--multi-latent-attention",
+        "glm4_moe_lite": "--multi-latent-attention",
+    }.get(arch, "--apply-layernorm-1p")
     left_out = [a for a in args if a != flag]
     for backend in ("fsdp", "megatron"):
         err = error(capsys, base(path, str(prompts), *left_out, "--train-backend", backend))
@@ -333,17 +496,21 @@ def test_slimes_model_flags_for_each_family_are_checked_against_the_checkpoint(
     assert f"--spec {other[1]} {other[2]} is slime's layer spec for model_type" in err, err
 
 
-SLIME_SPECS = {"glm4": ["slime_plugins.models.glm4", "get_glm_spec"],
-               "qwen3_next": ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
-               "qwen3_5": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
-               "qwen3_5_moe": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]}  # fmt: skip
+SLIME_SPECS = {
+    "glm4": ["slime_plugins.models.glm4", "get_glm_spec"],
+    "qwen3_next": ["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"],
+    "qwen3_5": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
+    "qwen3_5_moe": ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"],
+}
 
 
 @pytest.mark.parametrize(
     "arch",
-    [a if a == "glm4" else pytest.param(a, marks=pytest.mark.slow)
-     for a in (f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora)],
-)  # fmt: skip
+    [
+        a if a == "glm4" else pytest.param(a, marks=pytest.mark.slow)
+        for a in (f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora)
+    ],
+)
 def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, arch):
     """Only the adapters train, the step-0 gates are exact, and the push is PEFT's own merge."""
     from peft import LoraConfig, get_peft_model
@@ -356,8 +523,10 @@ def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, ar
     first = result["outputs"][0]
     assert first.steps[0]["kl_loss"] == 0.0 and first.precision["ref_max_abs_diff"] == 0.0
     assert all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # fmt: skip
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
     peft_model.load_state_dict({"base_model.model." + n: t for n, t in result["after"].items()}, strict=False)
     merged = peft_model.merge_and_unload().state_dict()
     assert result["exported"].keys() == merged.keys()

@@ -21,11 +21,23 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
-def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, arch):  # noqa: F811
+def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, arch):
     model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
-                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01",
-                   "--actor-num-gpus-per-node", "2")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--check-precision",
+        "--check-weight-sync",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--actor-num-gpus-per-node",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
     assert checks and all(c["ok"] is not False for c in checks), checks
@@ -53,11 +65,26 @@ MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(MEGATRON_JOBS))
-def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompts, tmp_path, arch):  # noqa: F811
+def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompts, tmp_path, arch):
     model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
-                   "--check-weight-sync", "--use-kl-loss", "--kl-loss-coef", "0.01", "--actor-num-gpus-per-node",
-                   "2", "--train-backend", "megatron", *MEGATRON_JOBS[arch])  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--check-precision",
+        "--check-weight-sync",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--train-backend",
+        "megatron",
+        *MEGATRON_JOBS[arch],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
     assert checks and all(c["ok"] is not False for c in checks), checks
@@ -67,13 +94,35 @@ def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora])
-def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(prompts, tmp_path, arch):  # noqa: F811
+def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(prompts, tmp_path, arch):
     """--lora-push adapter on the per-sequence runner: the engine applies the trained adapter
     (trainer and engine log-probs agree after the adapters trained), and the sync check passes."""
     model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--lora-rank", "8", "--lora-alpha",
-                   "16", "--target-modules", "all-linear", "--lora-push", "adapter", "--num-rollout", "3", "--lr",
-                   "1e-2", "--check-weight-sync", "--check-precision", "--use-kl-loss", "--kl-loss-coef", "0.01")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--lora-rank",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--target-modules",
+        "all-linear",
+        "--lora-push",
+        "adapter",
+        "--num-rollout",
+        "3",
+        "--lr",
+        "1e-2",
+        "--check-weight-sync",
+        "--check-precision",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
     assert checks and all(c["ok"] is not False for c in checks), checks

@@ -53,8 +53,10 @@ def test_the_losses_are_megatron_cores():
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("balancing")
-    return {arch: make_model(str(root / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "3")
-            for arch in ("deepseek_v3", "glm4_moe_lite")}  # fmt: skip
+    return {
+        arch: make_model(str(root / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "3")
+        for arch in ("deepseek_v3", "glm4_moe_lite")
+    }
 
 
 def _fsdp_seq_aux_by_hand(path, options):
@@ -71,8 +73,13 @@ def _fsdp_seq_aux_by_hand(path, options):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     batch = make_batch(0)
     logits_per_layer: dict[int, list[torch.Tensor]] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: logits_per_layer.setdefault(li, []).append(out[0]))
-             for li, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]  # fmt: skip
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda m, a, out, li=li: logits_per_layer.setdefault(li, []).append(out[0])
+        )
+        for li, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
     with torch.no_grad():
         for tokens in batch.tokens[:4]:
             model(torch.tensor([tokens]))
@@ -106,10 +113,13 @@ def test_seq_aux_loss_of_a_sigmoid_router_is_each_samples_own(moe_models):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "arch, kind, ep, world, mbs",
-    [("deepseek_v3", "seq_aux_loss", 1, 1, 2), ("glm4_moe_lite", "aux_loss", 1, 1, 2),
-     ("deepseek_v3", "seq_aux_loss", 2, 2, 2),  # additive over samples: any split of the step
-     ("glm4_moe_lite", "aux_loss", 2, 2, 1)],  # one sample per micro-batch: the same micro-batches
-)  # fmt: skip
+    [
+        ("deepseek_v3", "seq_aux_loss", 1, 1, 2),
+        ("glm4_moe_lite", "aux_loss", 1, 1, 2),
+        ("deepseek_v3", "seq_aux_loss", 2, 2, 2),  # additive over samples: any split of the step
+        ("glm4_moe_lite", "aux_loss", 2, 2, 1),
+    ],  # one sample per micro-batch: the same micro-batches
+)
 def test_the_megatron_actor_balances_sigmoid_routers_like_fsdp(moe_models, arch, kind, ep, world, mbs):
     from tests.test_megatron_actor import assert_trains_like
     from tests.test_megatron_moe_actor import moe_run
@@ -131,8 +141,18 @@ def test_balancing_flags_with_the_sigmoid_families(moe_models, tmp_path, capsys)
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     path = moe_models["deepseek_v3"]
     for backend in ("fsdp", "megatron"):
-        cfg = parse_args(base(path, str(prompts), "--train-backend", backend, "--moe-aux-loss-coeff", "0.01",
-                              "--moe-router-load-balancing-type", "seq_aux_loss"))  # fmt: skip
+        cfg = parse_args(
+            base(
+                path,
+                str(prompts),
+                "--train-backend",
+                backend,
+                "--moe-aux-loss-coeff",
+                "0.01",
+                "--moe-router-load-balancing-type",
+                "seq_aux_loss",
+            )
+        )
         assert cfg.train.moe.per_sequence and cfg.train.moe.aux_loss_coeff == 0.01
         err = error(
             capsys, base(path, str(prompts), "--train-backend", backend, "--use-rollout-routing-replay")
@@ -152,9 +172,11 @@ def _mtp_router_step(rank, world_size, init_method, path, coeff):
 
     cfg = config(path)
     cfg = dataclasses.replace(
-        cfg, megatron=dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=True),
-        moe=MoEOptions(moe_aux_loss_coeff=coeff), optimizer=dataclasses.replace(cfg.optimizer, clip_grad=0.0),
-    )  # fmt: skip
+        cfg,
+        megatron=dataclasses.replace(cfg.megatron, mtp_num_layers=1, enable_mtp_training=True),
+        moe=MoEOptions(moe_aux_loss_coeff=coeff),
+        optimizer=dataclasses.replace(cfg.optimizer, clip_grad=0.0),
+    )
     actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     steps = actor.train(0, make_batch(0, num_samples=4)).steps  # (global batch 4: one optimizer step)
@@ -168,8 +190,18 @@ def _mtp_router_step(rank, world_size, init_method, path, coeff):
 def test_the_aux_loss_reaches_the_mtp_modules_router(tmp_path):
     """As megatron-core's aux loss reaches every router: with MTP training, the MTP module's MoE
     router is balanced too (its weights move otherwise than without the loss)."""
-    path = make_model(str(tmp_path / "mtp"), 0, "--arch", "deepseek_v3", "--hidden-size", "64", "--num-layers",
-                      "2", "--mtp-layers", "1")  # fmt: skip
+    path = make_model(
+        str(tmp_path / "mtp"),
+        0,
+        "--arch",
+        "deepseek_v3",
+        "--hidden-size",
+        "64",
+        "--num-layers",
+        "2",
+        "--mtp-layers",
+        "1",
+    )
     plain = run_ranks(1, _mtp_router_step, path, 0.0)[0]
     balanced = run_ranks(1, _mtp_router_step, path, 1.0)[0]
     mtp = "mtp.layers.0.transformer_layer.mlp.router.weight"
@@ -187,9 +219,17 @@ def test_an_unlisted_families_aux_loss_is_refused(tmp_path, capsys):
     from tests.test_flag_surface import base, error
 
     path = tmp_path / "dots1"
-    transformers.Dots1Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                             intermediate_size=128, vocab_size=101).save_pretrained(path)  # fmt: skip
+    transformers.Dots1Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+        vocab_size=101,
+    ).save_pretrained(path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     err = error(capsys, base(str(path), str(prompts), "--moe-aux-loss-coeff", "0.01"))

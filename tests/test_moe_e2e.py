@@ -38,10 +38,23 @@ pytestmark = pytest.mark.e2e
     ],
     ids=["fsdp", "megatron-ep2"],
 )
-def test_rollout_routing_replay_job_passes_the_step_0_gates(tiny_moe, prompts, tmp_path, backend):  # noqa: F811
-    proc = run_job("train.py", tiny_moe, prompts, tmp_path, "--rm-type", "exact", "--check-precision",
-                   "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-rollout-routing-replay",
-                   "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"), *backend)  # fmt: skip
+def test_rollout_routing_replay_job_passes_the_step_0_gates(tiny_moe, prompts, tmp_path, backend):
+    proc = run_job(
+        "train.py",
+        tiny_moe,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--check-precision",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--use-rollout-routing-replay",
+        "--save-debug-rollout-data",
+        str(tmp_path / "rollout_{rollout_id}.pt"),
+        *backend,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
     assert checks and all(c["ok"] is not False for c in checks), checks

@@ -174,8 +174,21 @@ def test_a_teacher_of_another_architecture_is_refused_in_the_train_pass(tiny_mod
 def _parse(tiny_model, prompts, *flags):
     from slime.ray.cli import parse_args
 
-    return parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts, "--rm-type", "math",
-                       "--rollout-batch-size", "1", "--num-rollout", "1", *flags])  # fmt: skip
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            prompts,
+            "--rm-type",
+            "math",
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            *flags,
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -259,8 +272,17 @@ def test_opd_flags_reach_both_sides(tiny_model, tmp_path):
     assert config.opd == config.train.opd
     assert config.opd.kl_coef == 1.0 and config.opd.teacher_engine and not config.opd.in_train
     # slime's recipe: the user's reward and post-process functions set the teacher's log-probs.
-    recipe = _parse(tiny_model, str(prompts), "--use-opd", "--opd-type", "sglang", "--custom-rm-path",
-                    "slime.rollout.on_policy_distillation.reward_func", "--opd-kl-coef", "0.3")  # fmt: skip
+    recipe = _parse(
+        tiny_model,
+        str(prompts),
+        "--use-opd",
+        "--opd-type",
+        "sglang",
+        "--custom-rm-path",
+        "slime.rollout.on_policy_distillation.reward_func",
+        "--opd-kl-coef",
+        "0.3",
+    )
     assert recipe.opd.enabled and not recipe.opd.scores_in_rollout and recipe.opd.kl_coef == 0.3
 
 
@@ -272,8 +294,17 @@ def test_a_sample_without_teacher_log_probs_is_named_before_it_trains():
     from slime.utils.errors import UsageError
     from slime.utils.sample import Sample
 
-    samples = [Sample(index=i, group_index=i // 2, tokens=[1, 2, 3], response_length=1, reward=1.0,
-                      teacher_log_probs=None if i == 2 else [-0.5]) for i in range(4)]  # fmt: skip
+    samples = [
+        Sample(
+            index=i,
+            group_index=i // 2,
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=1.0,
+            teacher_log_probs=None if i == 2 else [-0.5],
+        )
+        for i in range(4)
+    ]
     split = (BatchConfig(), 1)
     with pytest.raises(UsageError, match=r"sample 2 \(group 1\) carries no 'teacher_log_probs'"):
         package_rollout(0, samples, None, split, lambda p: p, {}, None, True)

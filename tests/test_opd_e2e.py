@@ -21,17 +21,34 @@ def records(logs) -> list[dict]:
 
 
 def train_metrics(logs) -> list[tuple]:
-    return [(r["rollout_id"], r.get("train/pg_loss"), r.get("train/grad_norm"), r.get("rollout/opd_reverse_kl"))
-            for r in records(logs) if r["rollout_id"] >= 0]  # fmt: skip
+    return [
+        (r["rollout_id"], r.get("train/pg_loss"), r.get("train/grad_norm"), r.get("rollout/opd_reverse_kl"))
+        for r in records(logs)
+        if r["rollout_id"] >= 0
+    ]
 
 
 @pytest.mark.slow  # ~40 s: a student and a teacher engine and a replay
-def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(tiny_model, tiny_model_b, tmp_path,
-                                                                       prompts):  # noqa: F811  # fmt: skip
+def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(
+    tiny_model,
+    tiny_model_b,
+    tmp_path,
+    prompts,
+):
     dumps = tmp_path / "dumps" / "rollout_{rollout_id}.pt"
     opd = ["--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "0.5", "--rm-type", "exact"]
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, *opd, "--opd-teacher-load", tiny_model_b,
-                   "--save-debug-rollout-data", str(dumps), "--check-precision")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        *opd,
+        "--opd-teacher-load",
+        tiny_model_b,
+        "--save-debug-rollout-data",
+        str(dumps),
+        "--check-precision",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stderr + proc.stdout
     assert "OPD teacher engine: bundle(s) 2 (1 CPU each)" in out and f"({tiny_model_b})" in out
@@ -45,16 +62,36 @@ def test_an_opd_job_scores_with_a_teacher_engine_and_replays_without_it(tiny_mod
     # The replay: the teacher's log-probs come from the dumps; no engine, no teacher.
     replay = tmp_path / "replay"
     replay.mkdir()
-    again = run_job("train.py", tiny_model, prompts, replay, *opd, "--opd-teacher-load", tiny_model_b,
-                    "--load-debug-rollout-data", str(dumps))  # fmt: skip
+    again = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        replay,
+        *opd,
+        "--opd-teacher-load",
+        tiny_model_b,
+        "--load-debug-rollout-data",
+        str(dumps),
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "OPD teacher engine" not in again.stderr + again.stdout
     assert train_metrics(replay / "logs") == train_metrics(tmp_path / "logs")
 
 
-def test_a_teacher_with_another_tokenizer_stops_the_job_before_it_starts(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_a_teacher_with_another_tokenizer_stops_the_job_before_it_starts(tiny_model, prompts, tmp_path):
     other = swapped_tokenizer(tiny_model, tmp_path / "teacher")
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, "--use-opd", "--opd-type", "sglang",
-                   "--opd-teacher-load", other, "--rm-type", "exact")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--use-opd",
+        "--opd-type",
+        "sglang",
+        "--opd-teacher-load",
+        other,
+        "--rm-type",
+        "exact",
+    )
     assert proc.returncode == 2
     assert f"--opd-teacher-load '{other}': its tokenizer (101 tokens) is not --hf-checkpoint" in proc.stderr

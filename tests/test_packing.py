@@ -176,8 +176,12 @@ def test_segments_of_equal_length_attend_like_separate_calls(lengths):
     )
     got = causal_per_segment(q, k, v, torch.tensor(bounds))
     for a, b in itertools.pairwise(bounds):
-        want = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1),
-                                              v[:, :, a:b].repeat_interleave(2, 1), is_causal=True)  # fmt: skip
+        want = F.scaled_dot_product_attention(
+            q[:, :, a:b],
+            k[:, :, a:b].repeat_interleave(2, 1),
+            v[:, :, a:b].repeat_interleave(2, 1),
+            is_causal=True,
+        )
         torch.testing.assert_close(got[:, :, a:b], want, rtol=0, atol=1e-6)
 
 
@@ -186,8 +190,9 @@ def test_a_row_padded_to_a_multiple_keeps_its_tail_apart():
     (positions restarting, its own bound), and the predictions of the samples do not move."""
     tokens, response_lengths = [[5, 6, 7, 8], [9, 10, 11]], [2, 1]
     plain = make_micro_batch([0, 1], tokens, response_lengths, None, torch.device("cpu"), packed=True)
-    padded = make_micro_batch([0, 1], tokens, response_lengths, None, torch.device("cpu"), packed=True,
-                              multiple_of=4)  # fmt: skip
+    padded = make_micro_batch(
+        [0, 1], tokens, response_lengths, None, torch.device("cpu"), packed=True, multiple_of=4
+    )
     assert padded.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 0]]
     assert padded.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
     assert plain.cu_seq_lens().tolist() == [0, 4, 7] and padded.cu_seq_lens().tolist() == [0, 4, 7, 8]
@@ -206,10 +211,16 @@ def test_packed_forward_with_a_tail_equals_without(model):
     positions = list(range(len(tokens)))
     with torch.no_grad():
         values = [
-            response_log_probs(model, make_micro_batch(positions, tokens, response_lengths, None,
-                                                       torch.device("cpu"), packed=True, multiple_of=m), 1.0, True)
+            response_log_probs(
+                model,
+                make_micro_batch(
+                    positions, tokens, response_lengths, None, torch.device("cpu"), packed=True, multiple_of=m
+                ),
+                1.0,
+                True,
+            )
             for m in (1, 16)
-        ]  # fmt: skip
+        ]
     torch.testing.assert_close(values[1][0], values[0][0], rtol=0, atol=1e-5)
     torch.testing.assert_close(values[1][1], values[0][1], rtol=0, atol=1e-5)
 

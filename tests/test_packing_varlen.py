@@ -41,14 +41,40 @@ def stand_ins() -> dict[str, tuple]:
         assert key.shape[1] == query.shape[1], "torch 2.10's kernel got grouped-query heads"
         return loop(query, key, value, cu_seq_q, is_causal=is_causal)
 
-    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1)):  # fmt: skip
+    def torch_2_11(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+    ):
         seen.append(key.shape[1])
         assert key.shape[1] == query.shape[1], "torch 2.11's kernel got grouped-query heads"
         return loop(query, key, value, cu_seq_q, scale, window_size)
 
-    def torch_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+    def torch_2_12(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
         seen.append(key.shape[1])
         assert enable_gqa == (key.shape[1] != query.shape[1])
         return loop(query, key, value, cu_seq_q, scale, window_size)
@@ -56,8 +82,12 @@ def stand_ins() -> dict[str, tuple]:
     def no_causal_keyword(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
         raise AssertionError("a kernel that cannot be told to be causal must not be called")
 
-    return {"2.10": (torch_2_10, seen), "2.11": (torch_2_11, seen), "2.12": (torch_2_12, seen),
-            "none": (no_causal_keyword, seen)}  # fmt: skip
+    return {
+        "2.10": (torch_2_10, seen),
+        "2.11": (torch_2_11, seen),
+        "2.12": (torch_2_12, seen),
+        "none": (no_causal_keyword, seen),
+    }
 
 
 @pytest.mark.parametrize("release, kv_heads_seen", [("2.11", HEADS), ("2.12", KV_HEADS), ("2.10", HEADS)])

@@ -16,8 +16,15 @@ def test_disaggregated_cpu():
 
 
 def test_colocated_gpu_with_tensor_parallel_engines():
-    cluster = ClusterConfig(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8,
-                            rollout_num_gpus_per_engine=4, colocate=True, rollout_backend="sglang", device="cuda")  # fmt: skip
+    cluster = ClusterConfig(
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=4,
+        rollout_num_gpus=8,
+        rollout_num_gpus_per_engine=4,
+        colocate=True,
+        rollout_backend="sglang",
+        device="cuda",
+    )
     p = plan_placement(cluster)
     assert p.num_bundles == 8 and p.bundle_specs()[0] == {"GPU": 1.0, "CPU": 1.0}
     assert [s.bundles for s in p.engines] == [(0, 1, 2, 3), (4, 5, 6, 7)]
@@ -57,8 +64,14 @@ def test_a_ppo_critic_shares_the_train_bundles_when_colocated_and_follows_the_en
 def test_the_opd_teacher_engine_gets_bundles_of_its_own_at_the_end():
     """--opd-type sglang --opd-teacher-load: --rollout-num-gpus-per-engine whole bundles after every
     other, colocated or not (it scores while the engines generate); none without engines."""
-    colocated = ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, rollout_num_gpus_per_engine=2,
-                              colocate=True, device="cuda", rollout_backend="sglang")  # fmt: skip
+    colocated = ClusterConfig(
+        actor_num_gpus_per_node=2,
+        rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=2,
+        colocate=True,
+        device="cuda",
+        rollout_backend="sglang",
+    )
     p = plan_placement(colocated, num_critic=2, teacher=True)
     assert p.num_bundles == 4 and [(s.bundles, s.share) for s in p.teacher] == [((2, 3), 1.0)]
     assert "OPD teacher engine: bundle(s) 2, 3 (1 GPU each)" in p.describe()

@@ -25,9 +25,25 @@ def manager(tiny_model, engine, tmp_path, *flags):
     from slime.ray.cli import parse_args
     from slime.ray.rollout_manager import RolloutManager
 
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts(tmp_path), "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rollout-max-response-len", "20",
-                      "--save-debug-rollout-data", str(tmp_path / "dumps" / "r_{rollout_id}.pt"), *flags])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            prompts(tmp_path),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "2",
+            "--rollout-max-response-len",
+            "20",
+            "--save-debug-rollout-data",
+            str(tmp_path / "dumps" / "r_{rollout_id}.pt"),
+            *flags,
+        ]
+    )
     m = RolloutManager(cfg)
     m.connect([engine.url])
     return m
@@ -42,9 +58,17 @@ def generate_samples(m, rollout_id):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("2+3", "5"), ("x 2*(3+4)=", "14"), ("7/2", "3.5"), ("1/0", "error"), ("abc", "error"), ("2**100", "error"),
-     ("__import__('os')", "error"), ("", "error")],
-)  # fmt: skip
+    [
+        ("2+3", "5"),
+        ("x 2*(3+4)=", "14"),
+        ("7/2", "3.5"),
+        ("1/0", "error"),
+        ("abc", "error"),
+        ("2**100", "error"),
+        ("__import__('os')", "error"),
+        ("", "error"),
+    ],
+)
 def test_the_calculator_evaluates_arithmetic_only(text, value):
     assert calculator_tool.calculate(text) == value
 
@@ -62,8 +86,15 @@ def test_a_multi_turn_tool_rollout_keeps_the_engines_tokens_and_masks_the_tool(
         return out
 
     monkeypatch.setattr(calculator_tool, "post", recording_post)
-    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact",
-                "--custom-generate-function-path", "slime_plugins.examples.calculator_tool.generate")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--custom-generate-function-path",
+        "slime_plugins.examples.calculator_tool.generate",
+    )
     samples = generate_samples(m, 0)
     tool_segments = 0
     for s in samples:
@@ -109,17 +140,27 @@ def test_the_group_reward_ranks_the_shortest_correct_answer():
 
 
 def test_the_group_reward_runs_with_group_rm(tiny_model, engine, tmp_path):
-    m = manager(tiny_model, engine, tmp_path, "--group-rm",
-                "--custom-rm-path", "slime_plugins.examples.group_rewards.shortest_correct")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--group-rm",
+        "--custom-rm-path",
+        "slime_plugins.examples.group_rewards.shortest_correct",
+    )
     samples = generate_samples(m, 0)
     assert len(samples) == 4 and all(s.reward in (0.0, 1.0, 1.5) for s in samples)
 
 
 @pytest.mark.parametrize(
     "rewards, keep, reason",
-    [([1.0, 0.0], True, None), ([1.0, 1.0], False, "all_correct"), ([0.0, 0.0], False, "all_wrong"),
-     ([0.5, 0.5], False, "all_equal")],
-)  # fmt: skip
+    [
+        ([1.0, 0.0], True, None),
+        ([1.0, 1.0], False, "all_correct"),
+        ([0.0, 0.0], False, "all_wrong"),
+        ([0.5, 0.5], False, "all_equal"),
+    ],
+)
 def test_the_filter_names_why_it_drops(rewards, keep, reason):
     out = filters.drop_uniform_groups(None, [Sample(reward=r) for r in rewards])
     assert (out.keep, out.reason) == (keep, reason)
@@ -132,9 +173,19 @@ def parity_group_reward(args, samples):
 
 
 def test_the_filter_drops_uniform_groups_and_the_rollout_counts_the_reason(tiny_model, engine, tmp_path):
-    m = manager(tiny_model, engine, tmp_path, "--group-rm", "--deterministic-mode", "--over-sampling-batch-size", "4",
-                "--custom-rm-path", "tests.test_plugin_examples.parity_group_reward",
-                "--dynamic-sampling-filter-path", "slime_plugins.examples.filters.drop_uniform_groups")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--group-rm",
+        "--deterministic-mode",
+        "--over-sampling-batch-size",
+        "4",
+        "--custom-rm-path",
+        "tests.test_plugin_examples.parity_group_reward",
+        "--dynamic-sampling-filter-path",
+        "slime_plugins.examples.filters.drop_uniform_groups",
+    )
     rollout = m.generate(0)
     # Groups are decided in draw order: prompt 0 kept, 1 dropped (4 drawn for 2 wanted), 2 kept.
     assert rollout.num_samples == 4 and rollout.metrics["rollout/dynamic_filter/drop_all_wrong"] == 1.0
@@ -143,8 +194,17 @@ def test_the_filter_drops_uniform_groups_and_the_rollout_counts_the_reason(tiny_
 def test_a_rollout_function_with_its_own_loop_over_two_rollouts_and_an_evaluation(
     tiny_model, engine, tmp_path
 ):
-    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-prompt-data", prompts(tmp_path, 3, "e.jsonl"),
-                "--rollout-function-path", "slime_plugins.examples.rollout_fn.generate_rollout")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--eval-prompt-data",
+        prompts(tmp_path, 3, "e.jsonl"),
+        "--rollout-function-path",
+        "slime_plugins.examples.rollout_fn.generate_rollout",
+    )
     for rollout_id in range(2):  # the second reuses GenerateState (its semaphore, on the same loop)
         rollout = m.generate(rollout_id)
         assert rollout.num_samples == 4 and rollout.metrics["rollout/example/kept_share"] == 0.5
@@ -162,10 +222,24 @@ def test_generate_rollout_needs_the_data_source_it_was_given():
 def test_slimes_default_rollout_path_is_the_built_in_rollout(tiny_model, tmp_path):
     from slime.ray.cli import parse_args
 
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", prompts(tmp_path), "--rollout-batch-size", "1",
-                      "--num-rollout", "1", "--rm-type", "exact",
-                      "--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout",
-                      "--custom-generate-function-path", "slime_plugins.examples.calculator_tool.generate"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            prompts(tmp_path),
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "exact",
+            "--rollout-function-path",
+            "slime.rollout.sglang_rollout.generate_rollout",
+            "--custom-generate-function-path",
+            "slime_plugins.examples.calculator_tool.generate",
+        ]
+    )
     assert cfg.rollout.rollout_function_path is None
     assert cfg.rollout.custom_generate_function_path == "slime_plugins.examples.calculator_tool.generate"
 
@@ -204,8 +278,15 @@ def remove_first(args, groups):
 def test_the_sample_filter_marks_samples_out_of_the_loss(tiny_model, engine, tmp_path):
     from slime.utils.sample import samples_to_batch
 
-    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact",
-                "--rollout-sample-filter-path", "tests.test_plugin_examples.remove_first")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--rollout-sample-filter-path",
+        "tests.test_plugin_examples.remove_first",
+    )
     rollout = m.generate(0)
     assert rollout.metrics["rollout/removed_samples"] == 2.0
     from slime.rollout.dump import load_dump
@@ -235,8 +316,17 @@ def test_an_evaluation_sets_own_reward_reaches_a_rollout_function(tiny_model, en
         f"datasets:\n  - name: hard\n    path: {prompts(tmp_path, 2, 'e.jsonl')}\n"
         "    custom_rm_path: tests.test_plugin_examples.minus_one\n"
     )
-    m = manager(tiny_model, engine, tmp_path, "--rm-type", "exact", "--eval-config", str(config),
-                "--rollout-function-path", "tests.test_plugin_examples.answer_eval")  # fmt: skip
+    m = manager(
+        tiny_model,
+        engine,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--eval-config",
+        str(config),
+        "--rollout-function-path",
+        "tests.test_plugin_examples.answer_eval",
+    )
     assert m.evaluate(0).metrics["eval/hard"] == -1.0
 
 

@@ -16,8 +16,10 @@ GAMMA, LAMBD = 0.9, 0.8
 
 def critic_values(batch) -> dict[int, list[float]]:
     """Values a critic might give: a different ramp per sample."""
-    return {i: (0.05 * i + 0.01 * torch.arange(n, dtype=torch.float32)).tolist()
-            for i, n in enumerate(batch.response_lengths)}  # fmt: skip
+    return {
+        i: (0.05 * i + 0.01 * torch.arange(n, dtype=torch.float32)).tolist()
+        for i, n in enumerate(batch.response_lengths)
+    }
 
 
 def ppo_run(rank, world_size, init_method, model, update=True, estimator="ppo", dump=None):
@@ -25,9 +27,13 @@ def ppo_run(rank, world_size, init_method, model, update=True, estimator="ppo", 
     from slime.backends.fsdp.actor import FSDPTrainActor
 
     cfg = base_config(model, micro_batch_size=2)
-    cfg = dataclasses.replace(cfg, loss=dataclasses.replace(
-        cfg.loss, advantage_estimator=estimator, gamma=GAMMA, lambd=LAMBD, kl_coef=0.05, use_kl_loss=False),
-        save_debug_train_data=dump)  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        loss=dataclasses.replace(
+            cfg.loss, advantage_estimator=estimator, gamma=GAMMA, lambd=LAMBD, kl_coef=0.05, use_kl_loss=False
+        ),
+        save_debug_train_data=dump,
+    )
     assert isinstance(cfg.loss, LossConfig)
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
@@ -133,8 +139,21 @@ def test_critic_settings_that_cannot_run_are_refused_at_start_up(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-                    "--num-rollout", "1", "--rm-type", "math", *flags])  # fmt: skip
+        parse_args(
+            [
+                "--hf-checkpoint",
+                tiny_model,
+                "--prompt-data",
+                str(prompts),
+                "--rollout-batch-size",
+                "2",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "math",
+                *flags,
+            ]
+        )
     assert e.value.code == 2
     captured = capsys.readouterr()
     assert message in captured.err + captured.out
@@ -145,11 +164,41 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    config = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-                         "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo", "--lr", "1e-5",
-                         "--critic-lr", "3e-5", "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-coef", "0.05",
-                         "--save", str(tmp_path / "s"), "--load", str(tmp_path / "s"), "--value-clip", "0.3",
-                         "--lambd", "0.95", "--lr-warmup-iters", "10"])  # fmt: skip
+    config = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            "2",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "math",
+            "--advantage-estimator",
+            "ppo",
+            "--lr",
+            "1e-5",
+            "--critic-lr",
+            "3e-5",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.1",
+            "--kl-coef",
+            "0.05",
+            "--save",
+            str(tmp_path / "s"),
+            "--load",
+            str(tmp_path / "s"),
+            "--value-clip",
+            "0.3",
+            "--lambd",
+            "0.95",
+            "--lr-warmup-iters",
+            "10",
+        ]
+    )
     critic = config.critic
     assert critic is not None and critic.num_ranks == 1 and critic.save == str(tmp_path / "s" / "critic")
     assert critic.train.optimizer.lr == 3e-5 and config.train.optimizer.lr == 1e-5
@@ -158,8 +207,23 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
     assert critic.train.load == str(tmp_path / "s" / "critic") and critic.train.hf_checkpoint == tiny_model
     assert not critic.train.loss.needs_ref and config.train.loss.needs_ref
     assert (config.train.loss.value_clip, config.train.loss.lambd) == (0.3, 0.95)
-    assert parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-                       "--num-rollout", "1", "--rm-type", "math"]).critic is None  # fmt: skip
+    assert (
+        parse_args(
+            [
+                "--hf-checkpoint",
+                tiny_model,
+                "--prompt-data",
+                str(prompts),
+                "--rollout-batch-size",
+                "2",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "math",
+            ]
+        ).critic
+        is None
+    )
 
 
 def test_a_bad_critic_load_is_named_before_the_job_starts(tiny_model, tmp_path):
@@ -170,8 +234,20 @@ def test_a_bad_critic_load_is_named_before_the_job_starts(tiny_model, tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-            "--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "2",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "math",
+        "--advantage-estimator",
+        "ppo",
+    ]
     problems = input_problems(parse_args([*base, "--critic-load", str(tmp_path / "nowhere")]), reach=False)
     assert problems == [f"--critic-load {str(tmp_path / 'nowhere')!r} is not a directory"]
     assert input_problems(parse_args([*base, "--critic-load", tiny_model]), reach=False) == []

@@ -19,13 +19,24 @@ def records(tmp_path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # ~45 s; the job below (slow too) also runs PPO end to end, tests/test_actor_critic_group.py the step
-def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_path):  # noqa: F811
+# ~45 s; the job below (slow too) also runs PPO end to end, tests/test_actor_critic_group.py the step
+@pytest.mark.slow
+def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_path):
     """Colocated: the critic rank shares the train rank's bundle with the engine. Its rollout
     dumps replay (--debug-train-only) with PPO and pass --check-precision, the critic's gate too."""
     dumps = str(tmp_path / "dumps" / "rollout_{rollout_id}.pt")
-    proc = run_job("train.py", tiny_model, prompts, tmp_path, *PPO, "--save", str(tmp_path / "ckpt"), "--colocate",
-                   "--save-debug-rollout-data", dumps)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path,
+        *PPO,
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--colocate",
+        "--save-debug-rollout-data",
+        dumps,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = records(tmp_path)[-2:]
     assert "train/critic-value_loss" in first and "train/pg_loss" not in first  # the critic only
@@ -35,15 +46,24 @@ def test_a_ppo_job_trains_the_critic_first_then_both(tiny_model, prompts, tmp_pa
     assert "critic rank 0: bundle 0 (0.2 CPU)" in proc.stderr + proc.stdout
     replay = tmp_path / "replay"
     replay.mkdir()
-    again = run_job("train.py", tiny_model, prompts, replay, *PPO, "--load-debug-rollout-data", dumps,
-                    "--debug-train-only", "--check-precision")  # fmt: skip
+    again = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        replay,
+        *PPO,
+        "--load-debug-rollout-data",
+        dumps,
+        "--debug-train-only",
+        "--check-precision",
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     out = again.stderr + again.stdout
     assert "--check-precision: passed at rollout 0" in out and "critic values 0" in out
 
 
 @pytest.mark.slow  # ~50 s: two runs of two ranks each
-def test_a_ppo_job_on_two_ranks_resumes_actor_and_critic(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_a_ppo_job_on_two_ranks_resumes_actor_and_critic(tiny_model, prompts, tmp_path):
     save = str(tmp_path / "ckpt")
     common = [*PPO, "--save", save, "--actor-num-gpus-per-node", "2"]
     proc = run_job("train.py", tiny_model, prompts, tmp_path, *common)
@@ -56,14 +76,26 @@ def test_a_ppo_job_on_two_ranks_resumes_actor_and_critic(tiny_model, prompts, tm
     assert last["rollout_id"] == 2 and "train/critic-value_loss" in last and "train/pg_loss" in last
 
 
-@pytest.mark.slow  # ~60 s: two runs of TP 2 actor and critic; tests/test_megatron_critic.py tests the critic in process
-def test_a_ppo_job_with_the_megatron_backend_resumes_actor_and_critic(tiny_model, prompts, tmp_path):  # noqa: F811
+# ~60 s: two runs of TP 2 actor and critic; tests/test_megatron_critic.py tests the critic in process
+@pytest.mark.slow
+def test_a_ppo_job_with_the_megatron_backend_resumes_actor_and_critic(tiny_model, prompts, tmp_path):
     """--train-backend megatron at TP 2, colocated: the Megatron critic beside the Megatron actor,
     --check-precision's gates (the critic's too), and a resumed run that picks both up."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
     save = str(tmp_path / "ckpt")
-    common = [*PPO, "--save", save, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
-              "--tensor-model-parallel-size", "2", "--colocate", "--check-precision"]  # fmt: skip
+    common = [
+        *PPO,
+        "--save",
+        save,
+        "--train-backend",
+        "megatron",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--colocate",
+        "--check-precision",
+    ]
     proc = run_job("train.py", tiny_model, prompts, tmp_path, *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stderr + proc.stdout

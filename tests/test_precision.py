@@ -12,11 +12,20 @@ from slime.debug import precision as p
 from slime.ray.cli import parse_args
 
 GOOD_ROLLOUT = {
-    "log_probs": -4.6, "ref_log_probs": -4.6, "kl": 0.0, "rollout_log_probs": -4.6,
-    "train_rollout_logprob_abs_diff": 1e-7, "train_rollout_logprob_abs_diff_max": 5e-7,
-}  # fmt: skip
-GOOD_PRECISION = {"nonfinite": 0.0, "max_log_prob": -4.1, "ref_max_abs_diff": 0.0, "ref_tokens_differ": 0.0,
-                  "first_step_max_abs_diff": 0.0}  # fmt: skip
+    "log_probs": -4.6,
+    "ref_log_probs": -4.6,
+    "kl": 0.0,
+    "rollout_log_probs": -4.6,
+    "train_rollout_logprob_abs_diff": 1e-7,
+    "train_rollout_logprob_abs_diff_max": 5e-7,
+}
+GOOD_PRECISION = {
+    "nonfinite": 0.0,
+    "max_log_prob": -4.1,
+    "ref_max_abs_diff": 0.0,
+    "ref_tokens_differ": 0.0,
+    "first_step_max_abs_diff": 0.0,
+}
 GOOD_STEP = {"ppo_kl": 0.0, "kl_loss": 0.0, "grad_norm": 0.09, "pg_loss": 0.0}
 
 
@@ -49,20 +58,36 @@ def test_a_correct_setup_passes_with_one_summary_line():
 @pytest.mark.parametrize(
     "change, failing, message, cause",
     [
-        ({"precision": {"ref_max_abs_diff": 3e-8, "ref_tokens_differ": 2}}, "actor log-probs == reference",
-         "max |diff| 3.000e-08 over 2 differing tokens", "non-deterministic kernels"),
-        ({"step": {"ppo_kl": 1e-9}, "precision": {"first_step_max_abs_diff": 2e-7}}, "ppo_kl == 0",
-         "ppo_kl 1.000e-09, max |old - new log-prob| 2.000e-07", "dropout is active"),
+        (
+            {"precision": {"ref_max_abs_diff": 3e-8, "ref_tokens_differ": 2}},
+            "actor log-probs == reference",
+            "max |diff| 3.000e-08 over 2 differing tokens",
+            "non-deterministic kernels",
+        ),
+        (
+            {"step": {"ppo_kl": 1e-9}, "precision": {"first_step_max_abs_diff": 2e-7}},
+            "ppo_kl == 0",
+            "ppo_kl 1.000e-09, max |old - new log-prob| 2.000e-07",
+            "dropout is active",
+        ),
         ({"step": {"kl_loss": 0.25}}, "kl_loss == 0", "kl_loss 0.25", "non-deterministic kernels"),
-        ({"rollout": {"train_rollout_logprob_abs_diff": 0.08}}, "trainer vs engine", "mean 0.08, max 5.000e-07",
-         "the engines do not hold the trainer's weights"),
-        ({"rollout": {"train_rollout_logprob_abs_diff_max": 0.3}}, "trainer vs engine", "max 0.3",
-         "chat template or tokenization mismatch"),
+        (
+            {"rollout": {"train_rollout_logprob_abs_diff": 0.08}},
+            "trainer vs engine",
+            "mean 0.08, max 5.000e-07",
+            "the engines do not hold the trainer's weights",
+        ),
+        (
+            {"rollout": {"train_rollout_logprob_abs_diff_max": 0.3}},
+            "trainer vs engine",
+            "max 0.3",
+            "chat template or tokenization mismatch",
+        ),
         ({"precision": {"nonfinite": 3}}, "log-probs finite", "3 non-finite", "did not load"),
         ({"precision": {"max_log_prob": 0.5}}, "log-probs finite", "max 0.5", "log-softmax bug"),
         ({"step": {"grad_norm": float("nan")}}, "grad_norm finite", "nan", "NaN or infinite reward"),
     ],
-)  # fmt: skip
+)
 def test_each_gate_fails_alone_with_its_value_and_causes(change, failing, message, cause):
     checks, report = run(**change)
     bad = p.failed(checks)
@@ -103,9 +128,10 @@ def test_checks_that_do_not_apply_are_skipped_and_said_so():
     )
     skipped = {c.name: c.detail for c in checks if c.ok is None}
     assert set(skipped) == {
-        "actor log-probs == reference log-probs (bitwise)", "kl_loss == 0 on the first optimizer step",
+        "actor log-probs == reference log-probs (bitwise)",
+        "kl_loss == 0 on the first optimizer step",
         "trainer vs engine log-probs (mean and max |diff|)",
-    }  # fmt: skip
+    }
     assert "no reference model" in skipped["actor log-probs == reference log-probs (bitwise)"]
     assert "not applicable: actor log-probs == reference log-probs" in p.summary(context, checks)
     # sft_loss: no log-prob pass, no ppo_kl.
@@ -140,8 +166,12 @@ def test_later_rollouts_check_only_ppo_kl():
 def test_the_critics_first_step_is_checked_on_every_rollout():
     """PPO: the critic's first step's values against its value pass, bitwise, like ppo_kl."""
     for first in (True, False):
-        checks = p.gates(ctx(rollout_id=0 if first else 3, first=first), GOOD_ROLLOUT,
-                         {**GOOD_PRECISION, "critic_first_step_max_abs_diff": 0.0}, GOOD_STEP)  # fmt: skip
+        checks = p.gates(
+            ctx(rollout_id=0 if first else 3, first=first),
+            GOOD_ROLLOUT,
+            {**GOOD_PRECISION, "critic_first_step_max_abs_diff": 0.0},
+            GOOD_STEP,
+        )
         critic = [c for c in checks if c.name.startswith("critic values")]
         assert len(critic) == 1 and critic[0].ok
     checks, report = run(precision={"critic_first_step_max_abs_diff": 3e-7})
@@ -178,12 +208,25 @@ def test_nan_measurements_fail():
 def test_flags_choose_tolerances_by_dtype_and_refuse_bad_combinations(tiny_model, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "exact"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+    ]
     d = parse_args([*base, "--check-precision"]).debug
     assert (d.check_precision, d.precision_dtype, d.precision_logprob_tol, d.precision_logprob_max_tol) == (
-        True, "float32", 1e-4, 1e-3,
-    )  # fmt: skip
+        True,
+        "float32",
+        1e-4,
+        1e-3,
+    )
     d = parse_args([*base, "--fsdp-param-dtype", "bfloat16", "--precision-logprob-max-tol", "3"]).debug
     assert (d.precision_dtype, d.precision_logprob_tol, d.precision_logprob_max_tol) == (
         "bfloat16",
@@ -242,8 +285,11 @@ def test_each_fault_changes_only_its_tensors_and_never_the_source(spec):
 def test_fault_check_runs_before_any_push():
     shapes = {n: tuple(t.shape) for n, t in flat(buckets()).items()}
     PushFault.parse("swap:a,b").check(shapes)
-    for spec, message in [("drop:zz", "no parameter named 'zz'; some that exist: a, b, c, d"),
-                          ("transpose:c", "not a matrix"), ("swap:a,d", "shapes (3, 3) and (2, 5) differ")]:  # fmt: skip
+    for spec, message in [
+        ("drop:zz", "no parameter named 'zz'; some that exist: a, b, c, d"),
+        ("transpose:c", "not a matrix"),
+        ("swap:a,d", "shapes (3, 3) and (2, 5) differ"),
+    ]:
         with pytest.raises(ValueError, match="--debug-push-fault") as e:
             PushFault.parse(spec).check(shapes)
         assert message in str(e.value)

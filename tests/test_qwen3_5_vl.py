@@ -92,8 +92,9 @@ def test_the_engine_serves_it_like_the_model_with_and_without_images(
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
     async def scenario(c):
-        by_text = await c.generate(text=[TEXT] * 2, image_data=[[u] for u in urls], sampling_params=sampling,
-                                   return_logprob=True)  # fmt: skip
+        by_text = await c.generate(
+            text=[TEXT] * 2, image_data=[[u] for u in urls], sampling_params=sampling, return_logprob=True
+        )
         by_ids = await c.generate(input_ids=expanded, image_data=[urls[0]], sampling_params=greedy)
         text_only = await c.generate(input_ids=plain, sampling_params=sampling, return_logprob=True)
         stats = (await c.get_server_info())["internal_states"][0]
@@ -113,8 +114,13 @@ def test_the_engine_serves_it_like_the_model_with_and_without_images(
         assert (got - other).abs().max().item() > 1e-3  # the image is seen
     with torch.no_grad():  # the engine never samples the image placeholders: HF leaves them out too
         out = _inputs(processor, dot_images[0])
-        hf = model.generate(**out, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            suppress_tokens=[model.config.image_token_id, model.config.video_token_id])  # fmt: skip
+        hf = model.generate(
+            **out,
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            suppress_tokens=[model.config.image_token_id, model.config.video_token_id],
+        )
     assert by_ids["output_ids"] == hf[0, out["input_ids"].shape[1] :].tolist()
     # a prompt without an image (text RL on a released checkpoint): transformers' text positions
     ids = torch.tensor([plain + text_only["output_ids"]])
@@ -252,8 +258,10 @@ def test_lora_adapts_the_language_model_only_and_pushes_peft_s_merge(qwen3_5_vl,
     moved = {n for n, t in result["exported"].items() if not torch.equal(t, base[n])}
     assert moved and not any(n.startswith("model.visual.") for n in moved)  # trained; the tower as it was
     with pytest.raises(UsageError, match="a vision-language model's vision tower takes no adapters"):
-        inject(AutoModelForImageTextToText.from_pretrained(qwen3_5_vl),
-               LoRAConfig(rank=4, alpha=8, target_modules=("linear_fc1",)))  # fmt: skip
+        inject(
+            AutoModelForImageTextToText.from_pretrained(qwen3_5_vl),
+            LoRAConfig(rank=4, alpha=8, target_modules=("linear_fc1",)),
+        )
 
 
 @pytest.mark.slow  # an engine (about 8 s); the engine's LoRA runs by default on text (test_engine_lora)
@@ -281,9 +289,13 @@ def test_the_engine_serves_a_lora_adapter_with_images_like_peft(qwen3_5_vl, refe
     url = encode_image_for_rollout_engine(dot_images[1])
 
     async def scenario(c):
-        return await c.generate(text=[TEXT, TEXT], image_data=[[url], [url]], lora_path=["a1", None],
-                                return_logprob=True, sampling_params={"max_new_tokens": 6, "temperature": 1.0,
-                                                                      "ignore_eos": True})  # fmt: skip
+        return await c.generate(
+            text=[TEXT, TEXT],
+            image_data=[[url], [url]],
+            lora_path=["a1", None],
+            return_logprob=True,
+            sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+        )
 
     proc = start_engine(qwen3_5_vl, tmp_path, "--enable-lora", "--lora-paths", f"a1={adapter}")
     try:
@@ -325,8 +337,12 @@ def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
     url = encode_image_for_rollout_engine(dot_images[2])
 
     async def scenario(c):
-        return await c.generate(text=TEXT, image_data=[url], return_logprob=True,
-                                sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})  # fmt: skip
+        return await c.generate(
+            text=TEXT,
+            image_data=[url],
+            return_logprob=True,
+            sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+        )
 
     proc = start_engine(path, tmp_path)
     try:
@@ -354,8 +370,9 @@ def test_megatron_refuses_the_released_checkpoint_and_names_its_text_model(qwen3
 
 @pytest.mark.slow  # a whole job, about 30 s each; the Qwen3-VL job runs by default (test_vision_e2e)
 @pytest.mark.e2e
-@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4", "--target-modules", "all-linear", "--lr", "1e-3"]],
-                         ids=["full", "lora"])  # fmt: skip
+@pytest.mark.parametrize(
+    "lora", [[], ["--lora-rank", "4", "--target-modules", "all-linear", "--lr", "1e-3"]], ids=["full", "lora"]
+)
 def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path, lora):
     """train.py with --multimodal-keys on the released layout, fully or with LoRA (the merged
     push): real Ray, a torch engine, a gloo train rank; the trainer's log-probs of rollout 0 are
@@ -366,8 +383,19 @@ def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path, 
 
     task = str(tmp_path / "task")
     assert main(["--out", task, "--train-size", "8", "--eval-size", "4", "--sft-size", "0"]) == 0
-    proc = run_job("train.py", qwen3_5_vl, f"{task}/train.jsonl", tmp_path, *KEYS, "--rm-type", "exact",
-                   "--rollout-max-response-len", "2", "--check-precision", *lora)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        qwen3_5_vl,
+        f"{task}/train.jsonl",
+        tmp_path,
+        *KEYS,
+        "--rm-type",
+        "exact",
+        "--rollout-max-response-len",
+        "2",
+        "--check-precision",
+        *lora,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--check-precision: passed at rollout 0" in proc.stderr
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]

@@ -75,8 +75,9 @@ def test_tools_go_to_the_chat_template_and_metadata_with_its_kwargs(tmp_path, to
 
     tokenizer.apply_chat_template = spy
     try:
-        ds = PromptDataset(DataConfig(path, apply_chat_template=True, apply_chat_template_kwargs={"flavour": 1}),
-                           tokenizer)  # fmt: skip
+        ds = PromptDataset(
+            DataConfig(path, apply_chat_template=True, apply_chat_template_kwargs={"flavour": 1}), tokenizer
+        )
     finally:
         del tokenizer.apply_chat_template
     assert seen[0]["tools"] == [tool] and seen[1]["tools"] is None and seen[0]["flavour"] == 1
@@ -122,9 +123,21 @@ def test_parquet(tmp_path, tokenizer):
 
 
 def test_sample_round_trips_plain_dicts(tmp_path):
-    s = Sample(index=3, group_index=1, prompt="1+1=", tokens=[5, 6, 7], response="2", response_length=1,
-               label="2", reward=1.0, loss_mask=[1], rollout_log_probs=[-0.5], status=Status.COMPLETED,
-               weight_versions=["4"], metadata={"k": [1, 2]})  # fmt: skip
+    s = Sample(
+        index=3,
+        group_index=1,
+        prompt="1+1=",
+        tokens=[5, 6, 7],
+        response="2",
+        response_length=1,
+        label="2",
+        reward=1.0,
+        loss_mask=[1],
+        rollout_log_probs=[-0.5],
+        status=Status.COMPLETED,
+        weight_versions=["4"],
+        metadata={"k": [1, 2]},
+    )
     path = tmp_path / "s.pt"
     torch.save([s.to_dict()], path)
     loaded = torch.load(path, weights_only=True)
@@ -133,10 +146,16 @@ def test_sample_round_trips_plain_dicts(tmp_path):
 
 def test_samples_to_batch_and_dict_rewards():
     samples = [
-        Sample(index=i, group_index=i // 2, tokens=[1, 2, 3], response_length=2, reward={"acc": float(i), "fmt": 1.0},
-               rollout_log_probs=[-1.0, -2.0])
+        Sample(
+            index=i,
+            group_index=i // 2,
+            tokens=[1, 2, 3],
+            response_length=2,
+            reward={"acc": float(i), "fmt": 1.0},
+            rollout_log_probs=[-1.0, -2.0],
+        )
         for i in range(4)
-    ]  # fmt: skip
+    ]
     with pytest.raises(KeyError, match="--reward-key"):
         samples_to_batch(samples)
     batch = samples_to_batch(samples, reward_key="acc")

@@ -14,7 +14,7 @@ from slime.rollout.dump import (
     subsample,
     tokenizer_fingerprint,
 )
-from slime.utils.files import template_problem  # fmt: skip
+from slime.utils.files import template_problem
 from slime.utils.sample import Sample, Status
 
 
@@ -22,10 +22,20 @@ def samples(n_groups=3, n=2):
     out = []
     for g in range(n_groups):
         for k in range(n):
-            s = Sample(index=len(out), group_index=g, prompt=f"{g}+1=", tokens=[5, 6, 7], response="7",
-                       response_length=1, label=str(g + 1), reward={"acc": float(k), "len": 1},
-                       rollout_log_probs=[-0.25], status=Status.COMPLETED, weight_versions=["3"],
-                       metadata={"prompt_index": g})  # fmt: skip
+            s = Sample(
+                index=len(out),
+                group_index=g,
+                prompt=f"{g}+1=",
+                tokens=[5, 6, 7],
+                response="7",
+                response_length=1,
+                label=str(g + 1),
+                reward={"acc": float(k), "len": 1},
+                rollout_log_probs=[-0.25],
+                status=Status.COMPLETED,
+                weight_versions=["3"],
+                metadata={"prompt_index": g},
+            )
             out.append(s.to_dict())
     return out
 
@@ -109,22 +119,46 @@ def slime_written(rollout_id=3):
     rows = []
     for g in range(2):
         for k in range(2):
-            rows.append({
-                "group_index": g, "index": 2 * g + k, "rollout_id": None, "prompt": "1+1=",
-                "tokens": [5, 6, 7, 8], "multimodal_inputs": None, "multimodal_train_inputs": None,
-                "multimodal_train_input_id": None, "apply_chat_template_kwargs": {}, "response": "2",
-                "response_length": 2, "label": "2", "reward": float(k), "loss_mask": [1, 0],
-                "weight_versions": ["4", "5"], "rollout_log_probs": [-0.5, 0.0],
-                "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None,
-                "rollout_routed_experts": torch.zeros(3, 2, 1, dtype=torch.int32), "remove_sample": False,
-                "teacher_log_probs": None, "status": "truncated", "metadata": {"src": "x"},
-                "generate_function_path": None, "custom_rm_path": None, "train_metadata": {"loss": "a"},
-                "session_id": "s-1", "non_generation_time": 0.5,
-                "spec_info": {"spec_accept_token_num": 1, "spec_draft_token_num": 2, "spec_verify_ct": 1,
-                              "completion_token_num": 2},
-                "prefix_cache_info": {"cached_tokens": 3, "total_prompt_tokens": 4},
-                "an_attribute_a_plugin_set": [1],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "group_index": g,
+                    "index": 2 * g + k,
+                    "rollout_id": None,
+                    "prompt": "1+1=",
+                    "tokens": [5, 6, 7, 8],
+                    "multimodal_inputs": None,
+                    "multimodal_train_inputs": None,
+                    "multimodal_train_input_id": None,
+                    "apply_chat_template_kwargs": {},
+                    "response": "2",
+                    "response_length": 2,
+                    "label": "2",
+                    "reward": float(k),
+                    "loss_mask": [1, 0],
+                    "weight_versions": ["4", "5"],
+                    "rollout_log_probs": [-0.5, 0.0],
+                    "rollout_top_p_token_ids": None,
+                    "rollout_top_p_token_offsets": None,
+                    "rollout_routed_experts": torch.zeros(3, 2, 1, dtype=torch.int32),
+                    "remove_sample": False,
+                    "teacher_log_probs": None,
+                    "status": "truncated",
+                    "metadata": {"src": "x"},
+                    "generate_function_path": None,
+                    "custom_rm_path": None,
+                    "train_metadata": {"loss": "a"},
+                    "session_id": "s-1",
+                    "non_generation_time": 0.5,
+                    "spec_info": {
+                        "spec_accept_token_num": 1,
+                        "spec_draft_token_num": 2,
+                        "spec_verify_ct": 1,
+                        "completion_token_num": 2,
+                    },
+                    "prefix_cache_info": {"cached_tokens": 3, "total_prompt_tokens": 4},
+                    "an_attribute_a_plugin_set": [1],
+                }
+            )
     return {"rollout_id": rollout_id, "samples": rows}
 
 

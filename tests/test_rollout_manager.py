@@ -25,9 +25,12 @@ def run_rollout(engine_url, tokenizer, path, **kw):
         async with EngineClient(engine_url) as client:
             ds = PromptDataset(DataConfig(path), tokenizer)
             gen = RolloutGenerator(
-                ds, [client], RewardModel("exact", None, False, None),
-                SamplingConfig(n_samples_per_prompt=3, max_response_len=kw.pop("max_len", 4)), **kw,
-            )  # fmt: skip
+                ds,
+                [client],
+                RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=3, max_response_len=kw.pop("max_len", 4)),
+                **kw,
+            )
             return await gen.generate_rollout(), ds
 
     return asyncio.run(go())
@@ -256,10 +259,14 @@ def run_generate_fn(engine, tokenizer, tmp_path, generate_fn, **args):
     async def go():
         async with EngineClient(engine.url) as client:
             gen = RolloutGenerator(
-                PromptDataset(DataConfig(str(path)), tokenizer), [client], RewardModel("exact", None, False, None),
-                SamplingConfig(n_samples_per_prompt=2), rollout_batch_size=1,
-                args=SimpleNamespace(url=engine.url.removeprefix("http://"), **args), generate_fn=generate_fn,
-            )  # fmt: skip
+                PromptDataset(DataConfig(str(path)), tokenizer),
+                [client],
+                RewardModel("exact", None, False, None),
+                SamplingConfig(n_samples_per_prompt=2),
+                rollout_batch_size=1,
+                args=SimpleNamespace(url=engine.url.removeprefix("http://"), **args),
+                generate_fn=generate_fn,
+            )
             return await gen.generate_rollout()
 
     return asyncio.run(go())
@@ -343,10 +350,26 @@ def test_rollout_function_path_without_engines(tiny_model, tokenizer, tmp_path):
 
     for flat in (False, True):
         dump = str(tmp_path / f"flat{flat}" / "rollout_{rollout_id}.pt")
-        cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "2",
-                          "--n-samples-per-prompt", "3", "--num-rollout", "2", "--rm-type", "exact",
-                          "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout",
-                          "--save-debug-rollout-data", dump])  # fmt: skip
+        cfg = parse_args(
+            [
+                "--hf-checkpoint",
+                tiny_model,
+                "--prompt-data",
+                str(path),
+                "--rollout-batch-size",
+                "2",
+                "--n-samples-per-prompt",
+                "3",
+                "--num-rollout",
+                "2",
+                "--rm-type",
+                "exact",
+                "--rollout-function-path",
+                "tests.test_rollout_manager.scripted_rollout",
+                "--save-debug-rollout-data",
+                dump,
+            ]
+        )
         cfg.args.answer_token = tokenizer.convert_tokens_to_ids("2")
         cfg.args.flat = flat
         manager = RolloutProducer(cfg)
@@ -390,8 +413,20 @@ def test_rollout_function_path_errors_name_the_flag(tiny_model, tmp_path):
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "1",
-                      "--num-rollout", "1", "--rollout-function-path", "tests.test_rollout_manager.wrong_rollout"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(path),
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            "--rollout-function-path",
+            "tests.test_rollout_manager.wrong_rollout",
+        ]
+    )
     with pytest.raises(TypeError, match="--rollout-function-path"):
         RolloutProducer(cfg).generate(0)
 
@@ -402,9 +437,24 @@ def test_a_rollout_function_returning_slimes_train_output(tiny_model, tokenizer,
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "2"}) + "\n" for i in range(4)))
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(path), "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "3", "--num-rollout", "1", "--rm-type", "exact",
-                      "--rollout-function-path", "tests.test_rollout_manager.scripted_rollout"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(path),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "3",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "exact",
+            "--rollout-function-path",
+            "tests.test_rollout_manager.scripted_rollout",
+        ]
+    )
     cfg.args.answer_token, cfg.args.flat, cfg.args.wrap = tokenizer.convert_tokens_to_ids("2"), False, True
     rollout = RolloutProducer(cfg).generate(0)
     assert rollout.num_samples == 6 and rollout.metrics["rollout/scripted"] == 7.0

@@ -62,8 +62,13 @@ def test_the_finish_reason_sets_the_status(finish, status):
     )
     assert s.status is status
     s2 = Sample(tokens=[1])
-    s2.append_response_tokens(None, tokens=[2], log_probs=[-1.0], meta_info={"finish_reason": {"type": finish}},
-                              update_terminal_info=False)  # fmt: skip
+    s2.append_response_tokens(
+        None,
+        tokens=[2],
+        log_probs=[-1.0],
+        meta_info={"finish_reason": {"type": finish}},
+        update_terminal_info=False,
+    )
     assert s2.status is Status.PENDING
 
 
@@ -76,12 +81,17 @@ def test_routed_experts_from_sglang_are_decoded_and_continued():
         num_layers, moe_router_topk = 2, 1
 
     s = Sample(tokens=[1, 2])  # 2 prompt tokens + 2 response tokens: 3 positions routed
-    s.append_response_tokens(Args, tokens=[3, 4], log_probs=[-1.0, -1.0],
-                             meta_info={"routed_experts": _b64([0, 1, 2, 3, 4, 5])})  # fmt: skip
+    s.append_response_tokens(
+        Args, tokens=[3, 4], log_probs=[-1.0, -1.0], meta_info={"routed_experts": _b64([0, 1, 2, 3, 4, 5])}
+    )
     assert s.rollout_routed_experts.tolist() == [[[0], [1]], [[2], [3]], [[4], [5]]]
     # A continuation re-routes from row 2 on: rows before it are kept.
-    s.append_response_tokens(Args, tokens=[5], log_probs=[-1.0],
-                             meta_info={"routed_experts": [9, 9, 8, 8], "routed_experts_start_len": 2})  # fmt: skip
+    s.append_response_tokens(
+        Args,
+        tokens=[5],
+        log_probs=[-1.0],
+        meta_info={"routed_experts": [9, 9, 8, 8], "routed_experts_start_len": 2},
+    )
     assert s.rollout_routed_experts.tolist() == [[[0], [1]], [[2], [3]], [[9], [9]], [[8], [8]]]
     with pytest.raises(ValueError, match="do not fit 5 tokens x 2 layers"):
         s.append_response_tokens(Args, tokens=[6], log_probs=[-1.0], meta_info={"routed_experts": [1, 2]})
@@ -92,18 +102,34 @@ def test_top_p_replay_spans_grow_with_the_response():
     meta = {"top_p_token_ids": [7, 8, 9], "top_p_token_offsets": [0, 2, 3]}
     s.append_response_tokens(None, tokens=[7, 9], log_probs=[-1.0, -1.0], meta_info=meta)
     s.append_response_tokens(None, tokens=[50], trainable=False)  # a tool token: an empty span
-    s.append_response_tokens(None, tokens=[8], log_probs=[-1.0],
-                             meta_info={"top_p_kept_token_ids": _b64([8]), "top_p_kept_token_offsets": [0, 1]})  # fmt: skip
+    s.append_response_tokens(
+        None,
+        tokens=[8],
+        log_probs=[-1.0],
+        meta_info={"top_p_kept_token_ids": _b64([8]), "top_p_kept_token_offsets": [0, 1]},
+    )
     assert s.rollout_top_p_token_ids.tolist() == [7, 8, 9, 8]
     assert s.rollout_top_p_token_offsets.tolist() == [0, 2, 3, 3, 4]
     with pytest.raises(ValueError, match="do not fit 1 tokens"):
-        s.append_response_tokens(None, tokens=[1], log_probs=[-1.0],
-                                 meta_info={"top_p_token_ids": [1], "top_p_token_offsets": [0, 1, 1]})  # fmt: skip
+        s.append_response_tokens(
+            None,
+            tokens=[1],
+            log_probs=[-1.0],
+            meta_info={"top_p_token_ids": [1], "top_p_token_offsets": [0, 1, 1]},
+        )
 
 
 def test_round_trip_keeps_fields_and_attributes_and_copies():
-    s = Sample(index=3, tokens=[1, 2], response_length=1, loss_mask=[1], reward={"acc": 1.0},
-               status=Status.TRUNCATED, weight_versions=["1", "2"], train_metadata={"t": 1})  # fmt: skip
+    s = Sample(
+        index=3,
+        tokens=[1, 2],
+        response_length=1,
+        loss_mask=[1],
+        reward={"acc": 1.0},
+        status=Status.TRUNCATED,
+        weight_versions=["1", "2"],
+        train_metadata={"t": 1},
+    )
     s.spec_info.add({"spec_accept_token_num": 3, "spec_draft_token_num": 4})
     s.extra = {"plugin": True}  # slime keeps attributes a plugin sets
     s.trace = {"version": 1, "trace_id": "t", "events": [{"type": "event", "name": "e", "ts": 1.0}]}

@@ -70,10 +70,29 @@ def test_sft_rollout_through_the_rollout_manager(tiny_model, tokenizer, tmp_path
     rows = [CONVERSATION, [{"role": "user", "content": "3+3="}, {"role": "assistant", "content": "6"}]]
     data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--input-key", "messages",
-                      "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-mask-type",
-                      "qwen3", "--loss-type", "sft_loss", "--debug-train-only", "--rollout-batch-size", "2",
-                      "--num-rollout", "1", "--save-debug-rollout-data", dump])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(data),
+            "--input-key",
+            "messages",
+            "--rollout-function-path",
+            "slime.rollout.sft_rollout.generate_rollout",
+            "--loss-mask-type",
+            "qwen3",
+            "--loss-type",
+            "sft_loss",
+            "--debug-train-only",
+            "--rollout-batch-size",
+            "2",
+            "--num-rollout",
+            "1",
+            "--save-debug-rollout-data",
+            dump,
+        ]
+    )
     rollout = RolloutProducer(cfg).generate(0)
     samples = load_dump(rollout.dump_path)["samples"]
     assert rollout.num_samples == 2 and [s["reward"] for s in samples] == [0, 0]
@@ -90,8 +109,22 @@ def test_list_prompts_without_a_chat_template_still_need_one_for_the_built_in_ro
 
     data = tmp_path / "m.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATION[:1], "label": "2"}) + "\n")
-    cfg = parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--input-key", "messages",
-                      "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "exact"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--hf-checkpoint",
+            tiny_model,
+            "--prompt-data",
+            str(data),
+            "--input-key",
+            "messages",
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "exact",
+        ]
+    )
     with pytest.raises(DataError, match="add --apply-chat-template"):
         PromptDataset(cfg.rollout.data, None)
 
@@ -102,8 +135,25 @@ def test_an_unsupported_loss_mask_type_is_named_at_parse_time(tiny_model, tmp_pa
     data = tmp_path / "m.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--input-key", "messages",
-                    "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-mask-type",
-                    "qwen3_5", "--rollout-batch-size", "1", "--num-rollout", "1", "--loss-type", "sft_loss"])  # fmt: skip
+        parse_args(
+            [
+                "--hf-checkpoint",
+                tiny_model,
+                "--prompt-data",
+                str(data),
+                "--input-key",
+                "messages",
+                "--rollout-function-path",
+                "slime.rollout.sft_rollout.generate_rollout",
+                "--loss-mask-type",
+                "qwen3_5",
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--loss-type",
+                "sft_loss",
+            ]
+        )
     assert e.value.code == 2
     assert "--loss-mask-type qwen3_5 is not supported here" in capsys.readouterr().err

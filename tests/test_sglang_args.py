@@ -29,18 +29,50 @@ def base(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(sglang_args, "load_server_cli", lambda: stub_add_cli_args)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "exact", "--rollout-backend", "sglang",
-            "--rollout-external-engine-addrs", "10.0.0.5:30000"]  # fmt: skip
+    return [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+        "--rollout-backend",
+        "sglang",
+        "--rollout-external-engine-addrs",
+        "10.0.0.5:30000",
+    ]
 
 
 def test_given_flags_become_sglang_arguments_and_only_those(base):
-    config = parse_args([*base, "--sglang-mem-fraction-static", "0.7", "--sglang-attention-backend", "fa3",
-                         "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-deterministic-inference"])  # fmt: skip
+    config = parse_args(
+        [
+            *base,
+            "--sglang-mem-fraction-static",
+            "0.7",
+            "--sglang-attention-backend",
+            "fa3",
+            "--sglang-cuda-graph-bs",
+            "1",
+            "2",
+            "4",
+            "--sglang-enable-deterministic-inference",
+        ]
+    )
     assert config.cluster.sglang_server_args == (
-        "--mem-fraction-static", "0.7", "--attention-backend", "fa3", "--cuda-graph-bs", "1", "2", "4",
+        "--mem-fraction-static",
+        "0.7",
+        "--attention-backend",
+        "fa3",
+        "--cuda-graph-bs",
+        "1",
+        "2",
+        "4",
         "--enable-deterministic-inference",
-    )  # fmt: skip
+    )
     assert parse_args(base).cluster.sglang_server_args == ()  # SGLang's own defaults otherwise
 
 
@@ -63,15 +95,44 @@ def test_bad_sglang_flags_exit_2(base, capsys, extra, message):
 def test_without_sglang_the_flags_pass_through_as_written(tiny_model, tmp_path, capsys, caplog):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "exact"]  # fmt: skip
-    given = ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention", "--sglang-cuda-graph-bs", "1",
-             "2", "4", "--sglang-dp-size=2", "--sglang-watchdog-timeout", "-1"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+    ]
+    given = [
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-enable-dp-attention",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "--sglang-dp-size=2",
+        "--sglang-watchdog-timeout",
+        "-1",
+    ]
     config = parse_args([*base, "--rollout-backend", "sglang", *given])
     assert list(config.cluster.sglang_server_args) == [
-        "--mem-fraction-static", "0.7", "--enable-dp-attention", "--cuda-graph-bs", "1", "2", "4",
-        "--dp-size", "2", "--watchdog-timeout", "-1",
-    ]  # fmt: skip
+        "--mem-fraction-static",
+        "0.7",
+        "--enable-dp-attention",
+        "--cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "--dp-size",
+        "2",
+        "--watchdog-timeout",
+        "-1",
+    ]
     assert "passed through unchecked" in caplog.text
     # Reserved options stay refused, and the torch engine refuses SGLang's flags.
     with pytest.raises(SystemExit) as e:

@@ -80,8 +80,9 @@ class ReplayServer:
         answer = RESPONSES[path][case]
         kind = answer["content_type"]
         if kind == "json":
-            return web.Response(status=answer["status"], body=json.dumps(answer["body"]),
-                                content_type="application/json")  # fmt: skip
+            return web.Response(
+                status=answer["status"], body=json.dumps(answer["body"]), content_type="application/json"
+            )
         if kind == "none":
             return web.Response(status=answer["status"])
         resp = web.Response(status=answer["status"], body=answer["body"].encode())
@@ -187,9 +188,19 @@ def test_every_request_slime_sends_uses_sglang_field_names(tmp_path, tiny_model)
         return check_against_sglang(server.calls)
 
     seen = asyncio.run(scenario())
-    assert {"/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
-            "/update_weights_from_distributed", "/release_memory_occupation", "/resume_memory_occupation",
-            "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update"} <= seen  # fmt: skip
+    assert {
+        "/generate",
+        "/update_weights_from_tensor",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/begin_weight_update",
+        "/end_weight_update",
+    } <= seen
 
 
 def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and_fields():
@@ -199,8 +210,10 @@ def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and
     from slime.utils.checksum import bytes_sha256
     from slime.utils.flattened_bucket import deserialize
 
-    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
-             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]  # fmt: skip
+    names = [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    ]
     named = [(names[0], torch.arange(16.0).reshape(2, 8)), (names[1], torch.ones(8, 2))]
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
@@ -222,8 +235,13 @@ def test_the_adapter_push_to_sglang_replaces_the_adapter_with_sglangs_routes_and
 
     for tp, server in zip((1, 2), asyncio.run(scenario())):
         check_against_sglang(server.calls)
-        one_push = ["/pause_generation", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
-                    "/update_weight_version", "/continue_generation"]  # fmt: skip
+        one_push = [
+            "/pause_generation",
+            "/unload_lora_adapter",
+            "/load_lora_adapter_from_tensors",
+            "/update_weight_version",
+            "/continue_generation",
+        ]
         assert [p for _, p, _ in server.calls] == one_push * 2
         assert server.loras == {"slime_lora"}
         loads = [b for _, p, b in server.calls if p == "/load_lora_adapter_from_tensors"]
@@ -249,8 +267,14 @@ def test_a_push_runs_inside_sglangs_weight_update_session(sessions):
     paths = asyncio.run(scenario())
     updates = ["/update_weights_from_tensor"] * 2
     if sessions:  # SGLang 0.5.23 refuses these updates outside a session
-        assert paths == ["/pause_generation", "/flush_cache", "/begin_weight_update", *updates,
-                         "/end_weight_update", "/continue_generation"]  # fmt: skip
+        assert paths == [
+            "/pause_generation",
+            "/flush_cache",
+            "/begin_weight_update",
+            *updates,
+            "/end_weight_update",
+            "/continue_generation",
+        ]
     else:  # older SGLang: no session routes (404), the updates go straight in
         assert paths == [
             "/pause_generation",
@@ -274,8 +298,8 @@ def test_a_failed_update_ends_the_session_and_resumes_generation():
     paths, message = asyncio.run(scenario())
     assert paths[-2:] == ["/end_weight_update", "/continue_generation"]
     assert (
-        message
-        == "HTTP 400: update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        message == "HTTP 400: update_weights_from_tensor must run between begin_weight_update() and "
+        "end_weight_update()"
     )
 
 
@@ -302,8 +326,13 @@ def test_sglang_answers_are_read_as_slime_expects():
             assert (await c.flush_cache()).startswith("Cache flushed.")  # plain text
             assert await c.health_generate() is True  # 200, empty body
             assert (await WeightBridge(TensorTransport(), [url]).engine_dtype()) is None  # dtype "auto"
-        cases = {"/update_weights_from_disk": "failed", "/release_memory_occupation": "busy",
-                 "/health_generate": "stuck", "/generate": "unknown_sampling_field", "/weights_checker": "differs"}  # fmt: skip
+        cases = {
+            "/update_weights_from_disk": "failed",
+            "/release_memory_occupation": "busy",
+            "/health_generate": "stuck",
+            "/generate": "unknown_sampling_field",
+            "/weights_checker": "differs",
+        }
         async with ReplayServer(cases) as url, EngineClient(url) as c:
             with pytest.raises(EngineError) as e:
                 await c.update_weights_from_disk("/nowhere")

@@ -33,14 +33,32 @@ def model(tiny_model):
     ],
     ids=["colocated", "disaggregated"],
 )
-def test_two_grpo_steps_with_sglang_engines(model, prompts, tmp_path, layout):  # noqa: F811
+def test_two_grpo_steps_with_sglang_engines(model, prompts, tmp_path, layout):
     import torch
 
     if torch.cuda.device_count() < (1 if "--colocate" in layout else 2):
         pytest.skip("not enough GPUs for this layout")
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--device", "cuda",
-                   "--rollout-backend", "sglang", "--train-backend", "fsdp", "--advantage-estimator", "grpo", "--check-precision",
-                   "--check-weight-update-equal", "--sglang-mem-fraction-static", "0.3", *layout)  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--device",
+        "cuda",
+        "--rollout-backend",
+        "sglang",
+        "--train-backend",
+        "fsdp",
+        "--advantage-estimator",
+        "grpo",
+        "--check-precision",
+        "--check-weight-update-equal",
+        "--sglang-mem-fraction-static",
+        "0.3",
+        *layout,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "--check-precision: passed at rollout 0" in proc.stderr
     assert "after the first push every engine parameter equals the checkpoint" in proc.stderr

@@ -41,10 +41,21 @@ def generate(args, sample, sampling_params):
 pytestmark = pytest.mark.e2e
 
 
-def sglang_job(model, prompts, tmp_path, *extra, env=None):  # noqa: F811
+def sglang_job(model, prompts, tmp_path, *extra, env=None):
     record = tmp_path / "launches.jsonl"
-    proc = run_job("train.py", model, prompts, tmp_path, "--rm-type", "exact", "--rollout-backend", "sglang", *extra,
-                   env={"FAKE_SGLANG_RECORD": str(record), **(env or {})}, path=[FAKE])  # fmt: skip
+    proc = run_job(
+        "train.py",
+        model,
+        prompts,
+        tmp_path,
+        "--rm-type",
+        "exact",
+        "--rollout-backend",
+        "sglang",
+        *extra,
+        env={"FAKE_SGLANG_RECORD": str(record), **(env or {})},
+        path=[FAKE],
+    )
     launches = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return proc, launches
 
@@ -60,12 +71,24 @@ def engine_events(log: str) -> list[str]:
     return events
 
 
-def test_colocated_sglang_engines_release_and_resume_in_order(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_colocated_sglang_engines_release_and_resume_in_order(tiny_model, prompts, tmp_path):
     proc, launches = sglang_job(
-        tiny_model, prompts, tmp_path, "--colocate", "--update-weight-transport", "distributed",
-        "--sglang-mem-fraction-static", "0.5", "--sglang-cuda-graph-bs", "1", "2", "--check-precision",
-        "--deterministic-mode", "--seed", "7",
-    )  # fmt: skip
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--colocate",
+        "--update-weight-transport",
+        "distributed",
+        "--sglang-mem-fraction-static",
+        "0.5",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "--check-precision",
+        "--deterministic-mode",
+        "--seed",
+        "7",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # One server, started with slime's settings and exactly the --sglang-* flags given.
     assert len(launches) == 1
@@ -91,14 +114,22 @@ def test_colocated_sglang_engines_release_and_resume_in_order(tiny_model, prompt
     assert (tmp_path / "logs" / "router.log").exists()
 
 
-def test_disaggregated_sglang_engines_behind_the_router(tiny_model, prompts, tmp_path):  # noqa: F811
+def test_disaggregated_sglang_engines_behind_the_router(tiny_model, prompts, tmp_path):
     (tmp_path / "router_gen.py").write_text(ROUTER_GENERATE)
     calls = tmp_path / "router_calls.txt"
     proc, launches = sglang_job(
-        tiny_model, prompts, tmp_path, "--rollout-num-gpus", "2", "--update-weight-transport", "tensor",
-        "--custom-generate-function-path", "router_gen.generate", "--check-weight-update-equal",
+        tiny_model,
+        prompts,
+        tmp_path,
+        "--rollout-num-gpus",
+        "2",
+        "--update-weight-transport",
+        "tensor",
+        "--custom-generate-function-path",
+        "router_gen.generate",
+        "--check-weight-update-equal",
         env={"ROUTER_CALLS_LOG": str(calls)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(launches) == 2 and len({json.dumps(x["argv"]) for x in launches}) == 2  # own ports each
     assert "--enable-memory-saver" not in launches[0]["argv"]
@@ -112,22 +143,45 @@ def test_disaggregated_sglang_engines_behind_the_router(tiny_model, prompts, tmp
     assert "after the first push every engine parameter equals the checkpoint" in proc.stderr
 
 
-@pytest.mark.slow  # ~39 s; the engines behind a router also run in test_disaggregated_sglang_engines_behind_the_router
-def test_engines_register_with_a_running_router_and_leave_it_when_done(tiny_model, prompts, tmp_path):  # noqa: F811
+# ~39 s; the engines behind a router also run in test_disaggregated_sglang_engines_behind_the_router
+@pytest.mark.slow
+def test_engines_register_with_a_running_router_and_leave_it_when_done(tiny_model, prompts, tmp_path):
     from slime.engines.router import Router
 
     router = Router.start("127.0.0.1", str(tmp_path / "router.log"))
     try:
-        proc = run_job("train.py", tiny_model, prompts, tmp_path, "--rm-type", "exact", "--rollout-num-gpus", "2",
-                       "--sglang-router-ip", router.host, "--sglang-router-port", str(router.port))  # fmt: skip
+        proc = run_job(
+            "train.py",
+            tiny_model,
+            prompts,
+            tmp_path,
+            "--rm-type",
+            "exact",
+            "--rollout-num-gpus",
+            "2",
+            "--sglang-router-ip",
+            router.host,
+            "--sglang-router-port",
+            str(router.port),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert re.search(rf"router {re.escape(router.url)} in front of engines \S+, \S+", proc.stderr)
         assert router.workers() == {}  # slime removed the engines it registered; the router runs on
     finally:
         router.stop()
     (tmp_path / "bad").mkdir()
-    bad = run_job("train.py", tiny_model, prompts, tmp_path / "bad", "--rm-type", "exact",
-                  "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "9")  # fmt: skip
+    bad = run_job(
+        "train.py",
+        tiny_model,
+        prompts,
+        tmp_path / "bad",
+        "--rm-type",
+        "exact",
+        "--sglang-router-ip",
+        "127.0.0.1",
+        "--sglang-router-port",
+        "9",
+    )
     # A router that does not answer: one line, exit 2, before any process starts.
     errors = [line for line in bad.stderr.splitlines() if " ERROR " in line]
     assert bad.returncode == 2 and len(errors) == 1, bad.stderr[-3000:]

@@ -36,8 +36,18 @@ def base(tmp_path):
     prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     model = tmp_path / "m"
     model.mkdir()
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--rollout-batch-size", "1",
-            "--num-rollout", "2", "--rm-type", "exact"]  # fmt: skip
+    return [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "2",
+        "--rm-type",
+        "exact",
+    ]
 
 
 def error(capsys, argv) -> str:
@@ -100,8 +110,21 @@ def test_slime_flags_this_run_cannot_honour_exit_2_naming_them(base, capsys, ext
 
 
 def test_neutral_values_of_refused_flags_are_accepted(base):
-    cfg = parse_args([*base, "--rollout-data-transport", "object-store", "--qwen-gdn-backend", "fla",
-                      "--sglang-pp-size", "1", "--min-batch-collection-ratio", "0.5", "--http-proxy", "http://p:1"])  # fmt: skip
+    cfg = parse_args(
+        [
+            *base,
+            "--rollout-data-transport",
+            "object-store",
+            "--qwen-gdn-backend",
+            "fla",
+            "--sglang-pp-size",
+            "1",
+            "--min-batch-collection-ratio",
+            "0.5",
+            "--http-proxy",
+            "http://p:1",
+        ]
+    )
     assert cfg.rollout.num_rollout == 2
 
 
@@ -205,9 +228,21 @@ def test_ci_grad_norms_are_saved_and_compared(base, tmp_path):
 
 
 def test_delta_mode_flags_reach_the_push_topology(base, tmp_path):
-    argv = [*base, "--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir",
-            str(tmp_path / "shared"), "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
-            "--update-weight-delta-encoding", "overwrite", "--update-weight-delta-checksum", "adler32"]  # fmt: skip
+    argv = [
+        *base,
+        "--update-weight-mode",
+        "delta",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        str(tmp_path / "shared"),
+        "--update-weight-local-checkpoint-dir",
+        str(tmp_path / "local"),
+        "--update-weight-delta-encoding",
+        "overwrite",
+        "--update-weight-delta-checksum",
+        "adler32",
+    ]
     b = parse_args(argv).bridge
     assert (b.mode, b.delta_encoding, b.delta_checksum) == ("delta", "overwrite", "adler32")
     from slime.bridge.bridge import make_transport

@@ -106,8 +106,11 @@ def test_a_teacher_with_another_tokenizer_is_refused(tiny_model, tokenizer, tmp_
 
     other = swapped_tokenizer(tiny_model, tmp_path / "swapped")
     check_same_tokenizer(tiny_model, tiny_model)
-    with pytest.raises(UsageError, match=r"--opd-teacher-load .*swapped.*its tokenizer \(101 tokens\) is not "
-                                         r"--hf-checkpoint .*'s \(101 tokens\); id \d+ is '[78]'"):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=r"--opd-teacher-load .*swapped.*its tokenizer \(101 tokens\) is not "
+        r"--hf-checkpoint .*'s \(101 tokens\); id \d+ is '[78]'",
+    ):
         check_same_tokenizer(tiny_model, other)
     handle = start_engine(other, tmp_path)
     try:

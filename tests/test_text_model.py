@@ -75,8 +75,10 @@ def test_extract_writes_the_text_model_transformers_loads_and_computes_alike(rel
     vl = _tensors(released)
     assert counts == {"kept": len(tensors), "vision tower": sum(k.startswith("model.visual.") for k in vl)}
     assert "mtp.fc.weight" in tensors and not any("visual" in k or "language_model" in k for k in tensors)
-    assert torch.equal(tensors["model.layers.0.linear_attn.in_proj_qkv.weight"],
-                       vl["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])  # fmt: skip
+    assert torch.equal(
+        tensors["model.layers.0.linear_attn.in_proj_qkv.weight"],
+        vl["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+    )
     index = json.load(open(f"{text}/model.safetensors.index.json"))
     assert set(index["weight_map"]) == set(tensors)
     model, info = AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32, output_loading_info=True)
@@ -150,8 +152,20 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(released, tiny_model, tm
     )
     err = refused(["merge", "--text", tiny_model, "--hf-checkpoint", released, "--out", str(out)])
     assert "is model_type 'qwen3'; --hf-checkpoint" in err and "text model is 'qwen3_5_text'" in err
-    other = make_model(str(tmp_path / "other"), 0, "--arch", "qwen3_5", "--hidden-size", "96", "--num-heads", "2",
-                       "--num-kv-heads", "1", "--num-layers", "2")  # fmt: skip
+    other = make_model(
+        str(tmp_path / "other"),
+        0,
+        "--arch",
+        "qwen3_5",
+        "--hidden-size",
+        "96",
+        "--num-heads",
+        "2",
+        "--num-kv-heads",
+        "1",
+        "--num-layers",
+        "2",
+    )
     capsys.readouterr()
     err = refused(["merge", "--text", other, "--hf-checkpoint", released, "--out", str(out)])
     assert re.search(

@@ -42,8 +42,14 @@ def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = LoggingConfig(use_wandb=True, wandb_mode="offline", wandb_project="slime-test", wandb_group="g",
-                        wandb_team="team", wandb_dir=str(tmp_path / "runs"))  # fmt: skip
+    cfg = LoggingConfig(
+        use_wandb=True,
+        wandb_mode="offline",
+        wandb_project="slime-test",
+        wandb_group="g",
+        wandb_team="team",
+        wandb_dir=str(tmp_path / "runs"),
+    )
     tracker = Tracker(str(tmp_path / "logs"), cfg, {"lr": 1e-3})
     tracker.log({"rollout/reward_mean": 0.5}, step=1)
     # as slime's: the group and name carry an 8-character random suffix unless --disable-wandb-random-suffix
@@ -82,8 +88,22 @@ def test_a_wandb_key_means_online_unless_a_mode_is_given(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", "/m", "--prompt-data", str(prompts), "--rollout-batch-size", "1", "--num-rollout",
-            "1", "--rm-type", "exact", "--wandb-team", "t", "--wandb-host", "https://w.example"]  # fmt: skip
+    base = [
+        "--hf-checkpoint",
+        "/m",
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+        "--wandb-team",
+        "t",
+        "--wandb-host",
+        "https://w.example",
+    ]
     assert parse_args(base).logging.wandb_mode == "offline"
     cfg = parse_args([*base, "--wandb-key", "k"]).logging
     assert (cfg.wandb_mode, cfg.wandb_key, cfg.wandb_host, cfg.wandb_team) == (

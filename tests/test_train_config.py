@@ -21,11 +21,29 @@ def parse(*argv: str):
 
 def test_flags_fill_typed_configs():
     cfg = parse(
-        "--hf-checkpoint", "/m", "--lr", "3e-4", "--eps-clip", "0.1", "--eps-clip-high", "0.3",
-        "--use-kl-loss", "--kl-loss-type", "low_var_kl", "--global-batch-size", "8",
-        "--micro-batch-size", "2", "--fsdp-param-dtype", "bfloat16", "--gradient-checkpointing",
-        "--use-tis", "--calculate-per-token-loss", "--advantage-estimator", "rloo",
-    )  # fmt: skip
+        "--hf-checkpoint",
+        "/m",
+        "--lr",
+        "3e-4",
+        "--eps-clip",
+        "0.1",
+        "--eps-clip-high",
+        "0.3",
+        "--use-kl-loss",
+        "--kl-loss-type",
+        "low_var_kl",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--fsdp-param-dtype",
+        "bfloat16",
+        "--gradient-checkpointing",
+        "--use-tis",
+        "--calculate-per-token-loss",
+        "--advantage-estimator",
+        "rloo",
+    )
     assert cfg.hf_checkpoint == "/m"
     assert cfg.optimizer.lr == 3e-4
     assert cfg.loss.clip_high == 0.3 and cfg.loss.kl_loss_type == "low_var_kl" and cfg.loss.use_kl_loss
@@ -143,22 +161,45 @@ def test_off_policy_correction_flags():
 @pytest.mark.parametrize(
     "extra, flags",
     [
-        (["--use-decoupled-loss", "--use-rollout-logprobs"], ["--use-decoupled-loss", "--use-rollout-logprobs"]),
+        (
+            ["--use-decoupled-loss", "--use-rollout-logprobs"],
+            ["--use-decoupled-loss", "--use-rollout-logprobs"],
+        ),
         (["--use-decoupled-loss", "--use-tis"], ["--use-decoupled-loss", "--use-tis"]),
-        (["--use-decoupled-loss", "--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"],
-         ["--use-decoupled-loss", "--loss-type sft_loss"]),
-        (["--use-decoupled-loss", "--behav-imp-weight-cap", "0.9"], ["--behav-imp-weight-cap", "--use-decoupled-loss"]),
+        (
+            ["--use-decoupled-loss", "--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"],
+            ["--use-decoupled-loss", "--loss-type sft_loss"],
+        ),
+        (
+            ["--use-decoupled-loss", "--behav-imp-weight-cap", "0.9"],
+            ["--behav-imp-weight-cap", "--use-decoupled-loss"],
+        ),
         (["--behav-imp-weight-cap", "5"], ["--behav-imp-weight-cap", "--use-decoupled-loss"]),
     ],
-)  # fmt: skip
+)
 def test_off_policy_corrections_refused_at_parse_time(tmp_path, capsys, extra, flags):
     from slime.ray.cli import parse_args
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", "/m", "--prompt-data", str(prompts), "--rollout-batch-size", "4",
-                    "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "exact", *extra])  # fmt: skip
+        parse_args(
+            [
+                "--hf-checkpoint",
+                "/m",
+                "--prompt-data",
+                str(prompts),
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "2",
+                "--num-rollout",
+                "3",
+                "--rm-type",
+                "exact",
+                *extra,
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and all(f in err for f in flags), err
 

@@ -27,8 +27,19 @@ def data(tmp_path):
 
 def run_main(capfd, tiny_model, prompts, *extra):
     """main() in this process; the one line it logged (stderr)."""
-    argv = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(prompts), "--rollout-batch-size", "2",
-            "--num-rollout", "1", "--rm-type", "exact", *extra]  # fmt: skip
+    argv = [
+        "--hf-checkpoint",
+        str(tiny_model),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-batch-size",
+        "2",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "exact",
+        *extra,
+    ]
     try:
         code = main(argv)
     finally:

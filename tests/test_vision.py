@@ -56,11 +56,20 @@ def test_tiny_vlm_same_seed_same_bytes_and_loads_with_its_processor(tiny_vlm, tm
 
 def test_chat_template_places_images_and_the_processor_expands_them(tiny_vlm, dot_images):
     processor = processing_utils.load_processor(tiny_vlm)
-    messages = [{"role": "user", "content": [{"type": "image", "image": dot_images[0]},
-                                             {"type": "text", "text": "How many dots?"}]}]  # fmt: skip
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": dot_images[0]},
+                {"type": "text", "text": "How many dots?"},
+            ],
+        }
+    ]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n"
-                    "<|im_start|>assistant\n")  # fmt: skip
+    assert text == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many dots?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     images = processing_utils.process_vision_info(messages, processor)
     out = processor(text=text, **processing_utils.build_processor_kwargs(images))
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -136,9 +145,11 @@ def test_multimodal_keys_rows_become_prompts_with_expanded_ids(tiny_vlm, dot_ima
     for i, image in enumerate(dot_images[:2]):
         files.append(str(tmp_path / f"{i}.png"))
         image.save(files[-1])
-    rows = [{"prompt": "<image>How many?", "images": [files[0]], "label": "1"},
-            {"prompt": "Left <image> right <image>, more?", "images": files, "label": "2"},
-            {"prompt": "no image here", "images": [], "label": "0"}]  # fmt: skip
+    rows = [
+        {"prompt": "<image>How many?", "images": [files[0]], "label": "1"},
+        {"prompt": "Left <image> right <image>, more?", "images": files, "label": "2"},
+        {"prompt": "no image here", "images": [], "label": "0"},
+    ]
     cfg = _data(tmp_path, rows)
     assert check_prompt_file(cfg) == 3
     processor = processing_utils.load_processor(tiny_vlm)
@@ -153,8 +164,10 @@ def test_multimodal_keys_rows_become_prompts_with_expanded_ids(tiny_vlm, dot_ima
     assert group[0].multimodal_train_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
     second = ds.prompts[1].text
     assert second.index("Left ") < second.index("<|vision_start|>") < second.index(" right ")
-    assert torch.equal(processing_utils.image_to_tensor(ds.prompts[1].images[1]),
-                       processing_utils.image_to_tensor(dot_images[1]))  # fmt: skip
+    assert torch.equal(
+        processing_utils.image_to_tensor(ds.prompts[1].images[1]),
+        processing_utils.image_to_tensor(dot_images[1]),
+    )
 
 
 @pytest.mark.parametrize(
@@ -190,8 +203,11 @@ def test_parquet_image_records_and_bytes_are_images(tiny_vlm, dot_images, tmp_pa
     record = {"bytes": _png(dot_images[1]), "path": None}
     table = pa.table({"prompt": ["<image>How many?"], "images": [[record]], "label": ["2"]})
     pq.write_table(table, tmp_path / "rows.parquet")
-    cfg = DataConfig(prompt_data=str(tmp_path / "rows.parquet"), multimodal_keys={"image": "images"},
-                     apply_chat_template=True)  # fmt: skip
+    cfg = DataConfig(
+        prompt_data=str(tmp_path / "rows.parquet"),
+        multimodal_keys={"image": "images"},
+        apply_chat_template=True,
+    )
     processor = processing_utils.load_processor(tiny_vlm)
     assert check_prompt_file(cfg, processor=processor) == 1
     prompt = PromptDataset(cfg, AutoTokenizer.from_pretrained(tiny_vlm), processor=processor).prompts[0]
@@ -212,8 +228,11 @@ def test_images_the_processor_refuses_and_per_image_sizes_stop_the_start(tiny_vl
     strip = {"prompt": "<image>", "images": [str(tmp_path / "strip.png")], "label": "1"}
     with pytest.raises(DataError, match=r"rows.jsonl:1: field 'images'\[0\]: .*aspect ratio"):
         check_prompt_file(_data(tmp_path, [strip]), processor=processor)
-    sized = {"prompt": "<image>", "images": [{"type": "image", "image": str(tmp_path / "ok.png"), "max_pixels": 4096}],
-             "label": "1"}  # fmt: skip
+    sized = {
+        "prompt": "<image>",
+        "images": [{"type": "image", "image": str(tmp_path / "ok.png"), "max_pixels": 4096}],
+        "label": "1",
+    }
     with pytest.raises(
         DataError, match=r"\['max_pixels'\] \(Qwen-VL's per-image sizes\) are not applied here"
     ):
@@ -256,15 +275,23 @@ def test_a_dump_keeps_images_as_pixels_and_loads_with_weights_only(tiny_vlm, dot
 
     processor = processing_utils.load_processor(tiny_vlm)
     images = prompt_images(processor, [dot_images[3]])
-    sample = Sample(prompt="p", tokens=[1, 2, 3], response_length=1, reward=1.0,
-                    multimodal_inputs={"images": [dot_images[3]]}, multimodal_train_inputs=images.train_inputs)  # fmt: skip
+    sample = Sample(
+        prompt="p",
+        tokens=[1, 2, 3],
+        response_length=1,
+        reward=1.0,
+        multimodal_inputs={"images": [dot_images[3]]},
+        multimodal_train_inputs=images.train_inputs,
+    )
     path = save_dump(str(tmp_path / "r{rollout_id}.pt"), 0, [sample.to_dict()], {})
     dump = load_dump(path)  # weights_only=True
     stored = dump["samples"][0]["multimodal_inputs"]["images"][0]
     assert stored.dtype == torch.uint8 and stored.shape == (64, 64, 3)
     back = Sample.from_dict(dump["samples"][0])
-    assert torch.equal(processing_utils.image_to_tensor(back.multimodal_inputs["images"][0]),
-                       processing_utils.image_to_tensor(dot_images[3]))  # fmt: skip
+    assert torch.equal(
+        processing_utils.image_to_tensor(back.multimodal_inputs["images"][0]),
+        processing_utils.image_to_tensor(dot_images[3]),
+    )
     batch = samples_to_batch([back])
     assert batch.multimodal_train_inputs is not None
     assert torch.equal(batch.multimodal_train_inputs[0]["pixel_values"], images.train_inputs["pixel_values"])

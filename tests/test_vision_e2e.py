@@ -30,9 +30,24 @@ def task(tmp_path_factory):
 def job(tiny_vlm, task, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vlm-job")
     template = str(tmp / "dumps" / "rollout_{rollout_id}.pt")
-    proc = run_job("train.py", tiny_vlm, f"{task}/train.jsonl", tmp, *KEYS, "--rm-type", "exact",
-                   "--rollout-max-response-len", "2", "--save-debug-rollout-data", template, "--check-precision",
-                   "--eval-interval", "2", "--eval-prompt-data", f"{task}/eval.jsonl")  # fmt: skip
+    proc = run_job(
+        "train.py",
+        tiny_vlm,
+        f"{task}/train.jsonl",
+        tmp,
+        *KEYS,
+        "--rm-type",
+        "exact",
+        "--rollout-max-response-len",
+        "2",
+        "--save-debug-rollout-data",
+        template,
+        "--check-precision",
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        f"{task}/eval.jsonl",
+    )
     return tmp, template, proc
 
 
@@ -55,8 +70,18 @@ def test_a_vision_language_job_trains_with_engine_and_trainer_agreeing(job):
 def test_train_only_replays_the_multimodal_dump(job, tiny_vlm, task, tmp_path):
     _, template, proc = job
     assert proc.returncode == 0, proc.stderr[-3000:]
-    replay = run_job("train.py", tiny_vlm, f"{task}/train.jsonl", tmp_path, *KEYS, "--load-debug-rollout-data",
-                     template, "--check-precision", "--num-rollout", "1")  # fmt: skip
+    replay = run_job(
+        "train.py",
+        tiny_vlm,
+        f"{task}/train.jsonl",
+        tmp_path,
+        *KEYS,
+        "--load-debug-rollout-data",
+        template,
+        "--check-precision",
+        "--num-rollout",
+        "1",
+    )
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "mode: train only (no engine)" in replay.stderr
     assert "--check-precision: passed at rollout 0" in replay.stderr

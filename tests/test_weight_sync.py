@@ -132,8 +132,10 @@ def test_compare_after_a_bfloat16_push_rounds_the_snapshot_and_still_catches_a_d
             if fault is None:
                 message = call(engine.url, "weights_checker", "compare")["message"]
                 n = len(actor.state)
-                assert message == (f"compare: parameters equal the snapshot ({n} compared with the snapshot "
-                                   "rounded to bfloat16, the dtype their update arrived in)")  # fmt: skip
+                assert message == (
+                    f"compare: parameters equal the snapshot ({n} compared with the snapshot "
+                    "rounded to bfloat16, the dtype their update arrived in)"
+                )
             else:
                 with pytest.raises(EngineError) as e:
                     call(engine.url, "weights_checker", "compare")
@@ -174,10 +176,14 @@ def test_checker_lines_counts_and_exit_codes(tmp_path, capsys):
         f"{torch.tensor(float(a.double().mean()))!s}|max_abs=0.5|first_index=15"
     )
     assert out[1:] == [
-        "PASS|0|b", "MISSING_AFTER|0|extra", "MISSING_BEFORE|0|new",
-        "DIFF|0|shape|torch.Size([4, 6])|tensor(0.)|torch.Size([6, 4])|tensor(0.)|max_abs=n/a|first_index=n/a",
-        "PASS|1|a", "ALL: 6, PASS: 2, DIFF: 2, MISSING: 2",
-    ]  # fmt: skip
+        "PASS|0|b",
+        "MISSING_AFTER|0|extra",
+        "MISSING_BEFORE|0|new",
+        "DIFF|0|shape|torch.Size([4, 6])|tensor(0.)|torch.Size([6, "
+        "4])|tensor(0.)|max_abs=n/a|first_index=n/a",
+        "PASS|1|a",
+        "ALL: 6, PASS: 2, DIFF: 2, MISSING: 2",
+    ]
     # Tolerances: within atol the moved element passes; --json for machines.
     assert checker.main(["--root_dir", str(tmp_path), "--atol", "0.6", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)

@@ -4,7 +4,7 @@ the router) at exactly that moment instead of after a sleep. Off unless the flag
 
 | phase | process | info |
 |---|---|---|
-| `group_generated` | rollout manager | rollout_id, evaluation, groups (generated so far), engine, engines, router (its address, or None) |
+| `group_generated` | rollout manager | rollout_id, evaluation, groups (so far), engine, engines, router |
 | `rollout_done` | driver | rollout_id, engines |
 | `release` / `resume` | driver | version, engines, tags (resume) |
 | `push` | driver | version, engines |
@@ -12,7 +12,8 @@ the router) at exactly that moment instead of after a sleep. Off unless the flag
 | `admitted` | driver | engine (address), index: a restarted engine has the weights and takes requests |
 | `train` / `save` | every train rank | rank, rollout_id |
 
-`engines` are the addresses of the engines up at that moment. What the function raises fails
+`engines` are the addresses of the engines up at that moment; `router` is the router's address,
+or None. What the function raises fails
 that phase, as any other error there would.
 """
 

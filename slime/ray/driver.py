@@ -12,7 +12,7 @@ import ray
 from slime.config.arguments import Config, describe
 from slime.debug.phases import load_phase_hook
 from slime.loop import hooks
-from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop
+from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop, Schedule
 from slime.loop.metrics import Metrics
 from slime.observability.job_trace import RECORDER
 from slime.ray.inputs import check_inputs
@@ -92,6 +92,23 @@ def make_hooks(
     return out
 
 
+def rollout_schedule(
+    config: Config, manager: Any, replay: ReplayedRollouts | None, progress: RolloutBar, off_policy: bool
+) -> tuple[GeneratedRollouts | None, Schedule]:
+    """Where generated rollouts come from (the rollout manager's rollouts, or its continuous pool
+    with --fully-async; None without a manager), and the loop's schedule."""
+    fully_async = config.rollout.asynchrony.fully_async
+    generated = None
+    if manager is not None:
+        kind = ContinuousRollouts if fully_async and replay is None else GeneratedRollouts
+        generated = kind(manager, progress)
+    if fully_async and replay is None:
+        return generated, CONTINUOUS
+    if fully_async:
+        logger.info("--fully-async: the saved rollouts are replayed in order; the schedule does not apply")
+    return generated, ONE_STEP_OFF if off_policy else SYNC
+
+
 def run(config: Config, off_policy: bool, log_dir: str) -> int:
     """Run the whole job; returns the process exit code."""
     from slime.utils.tracking import Tracker
@@ -128,19 +145,7 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         progress = RolloutBar(total, 0 if resumed is None else resumed + 1, job.manager)
         phase = load_phase_hook(config.debug.phase_hook)
         train, engines = job.groups(progress, phase)
-        schedule = ONE_STEP_OFF if off_policy else SYNC
-        fully_async = config.rollout.asynchrony.fully_async
-        generated = None
-        if job.manager is not None:
-            generated = (ContinuousRollouts if fully_async and replay is None else GeneratedRollouts)(
-                job.manager, progress
-            )
-        if fully_async and replay is None:
-            schedule = CONTINUOUS
-        elif fully_async:
-            logger.info(
-                "--fully-async: the saved rollouts are replayed in order; the schedule does not apply"
-            )
+        generated, schedule = rollout_schedule(config, job.manager, replay, progress, off_policy)
         source = replay if replay is not None else generated
         assert source is not None
         loop_hooks = make_hooks(

@@ -68,14 +68,16 @@ CHAT_TEMPLATE = (
     " + ((f.parameters.properties if f.parameters is defined and f.parameters.properties is defined else {})"
     " | list | join(',')) + ')' -%}"
     "{%- endfor -%}"
-    "{%- if messages[0].role != 'system' -%}{{ '<|im_start|>system\n' + ns.tools + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- if messages[0].role != 'system' -%}"
+    "{{ '<|im_start|>system\n' + ns.tools + '<|im_end|>\n' }}{%- endif -%}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set ns.content = message.content if message.content is string else '' -%}"
     "{%- if loop.first and message.role == 'system' and ns.tools -%}"
     "{%- set ns.content = ns.content + '\n' + ns.tools -%}{%- endif -%}"
     "{%- if message.role == 'assistant' and message.tool_calls is defined and message.tool_calls -%}"
-    "{%- for call in message.tool_calls -%}{%- set f = call.function if call.function is defined else call -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set f = call.function if call.function is defined else call -%}"
     "{%- set ns.content = ns.content + '<tool_call>' + ({'name': f.name, 'arguments': f.arguments} | tojson)"
     " + '</tool_call>' -%}"
     "{%- endfor -%}{%- endif -%}"
@@ -89,13 +91,13 @@ CHAT_TEMPLATE = (
 # rms_norm_eps 1e-6 are this tool's fixed values for qwen2 / qwen3, and these models' too; Qwen2's
 # head dim is hidden / heads (its config has no head_dim).
 # fmt: off
-PRESET_FLAGS = ("arch", "vocab", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "max_position_embeddings", "rope_theta", "dtype")
+PRESET_FLAGS = ("arch", "vocab", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "dtype")
 PRESETS: dict[str, dict[str, object]] = {name: dict(zip(PRESET_FLAGS, row)) for name, row in {
     #                arch     vocab   hidden  inter  layers heads kv  head_dim  max_pos rope_theta dtype
-    "qwen3-0.6b":   ("qwen3", 151936, 1024,   3072,  28,    16,   8,  128,      40960,  1e6,       "bfloat16"),
-    "qwen2.5-0.5b": ("qwen2", 151936, 896,    4864,  24,    14,   2,  None,     32768,  1e6,       "bfloat16"),
-    "qwen3-1.7b":   ("qwen3", 151936, 2048,   6144,  28,    16,   8,  128,      40960,  1e6,       "bfloat16"),
+    "qwen3-0.6b":   ("qwen3", 151936, 1024,   3072,  28,    16,   8,  128,      40960,  1e6,      "bfloat16"),
+    "qwen2.5-0.5b": ("qwen2", 151936, 896,    4864,  24,    14,   2,  None,     32768,  1e6,      "bfloat16"),
+    "qwen3-1.7b":   ("qwen3", 151936, 2048,   6144,  28,    16,   8,  128,      40960,  1e6,      "bfloat16"),
 }.items()}
 # fmt: on
 

@@ -24,7 +24,8 @@ HTML_TEMPLATE = r"""<!doctype html>
   #details { width: 360px; flex: none; overflow: auto; padding: 8px 12px;
              border-left: 1px solid var(--line); background: #fafbfc; }
   .row { display: flex; min-width: max-content; border-bottom: 1px solid #eef0f3; }
-  .axis { position: sticky; top: 0; z-index: 3; height: 24px; background: #fff; border-bottom: 1px solid #c4c9d2; }
+  .axis { position: sticky; top: 0; z-index: 3; height: 24px; background: #fff;
+          border-bottom: 1px solid #c4c9d2; }
   .label { position: sticky; left: 0; z-index: 2; width: var(--label); flex: none; padding: 3px 8px;
            background: #fff; border-right: 1px solid var(--line); cursor: pointer;
            white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
@@ -35,7 +36,8 @@ HTML_TEMPLATE = r"""<!doctype html>
          border: 1px solid rgba(0, 0, 0, .25); border-radius: 3px; cursor: pointer; overflow: hidden;
          font-size: 11px; line-height: calc(var(--lane) - 6px); white-space: nowrap; }
   .bar.open { border-right: 3px dashed #b42318;
-              background-image: repeating-linear-gradient(135deg, transparent 0 6px, rgba(255, 255, 255, .6) 6px 9px); }
+              background-image: repeating-linear-gradient(135deg, transparent 0 6px,
+                                                          rgba(255, 255, 255, .6) 6px 9px); }
   .point { position: absolute; width: 10px; height: 10px; margin-left: -5px; transform: rotate(45deg);
            background: #1d2330; cursor: pointer; }
   .point.orphan_end { background: #b42318; }
@@ -57,7 +59,9 @@ HTML_TEMPLATE = r"""<!doctype html>
 __NOTICE__
 <main>
   <div id="timeline">
-    <div class="row axis"><div class="label">time since first event</div><div class="track" id="axis"></div></div>
+    <div class="row axis">
+      <div class="label">time since first event</div><div class="track" id="axis"></div>
+    </div>
     <div id="rows"></div>
   </div>
   <aside id="details">
@@ -92,7 +96,8 @@ function secs(s) {
   if (s === null || s === undefined) return "—";
   const a = Math.abs(s);
   if (a === 0) return "0 s";
-  return a < 1e-3 ? `${(s * 1e6).toFixed(0)} µs` : a < 1 ? `${(s * 1e3).toFixed(2)} ms` : `${s.toFixed(3)} s`;
+  if (a < 1e-3) return `${(s * 1e6).toFixed(0)} µs`;
+  return a < 1 ? `${(s * 1e3).toFixed(2)} ms` : `${s.toFixed(3)} s`;
 }
 const at = (ts) => (ts === null || ts === undefined ? "—" : `+${secs(ts - t0)}`);
 const x = (ts) => ((ts - t0) / range) * width;
@@ -120,8 +125,9 @@ function select(node, contents) {
 function itemDetails(row, item) {
   const facts = {sample: row.sample_index, kind: item.state.replace("_", " ")};
   if (item.type === "span") {
-    Object.assign(facts, {start: at(item.start_ts), end: item.end_ts === null ? "none recorded" : at(item.end_ts),
-                          duration: (item.end_ts === null ? "at least " : "") + secs(item.duration)});
+    const open = item.end_ts === null;
+    Object.assign(facts, {start: at(item.start_ts), end: open ? "none recorded" : at(item.end_ts),
+                          duration: (open ? "at least " : "") + secs(item.duration)});
   } else {
     facts.at = at(item.ts);
   }
@@ -130,11 +136,15 @@ function itemDetails(row, item) {
   const out = [el("h2", "", item.name), table(facts)];
   if (item.state === "open_span") {
     const to = CLIPPED[item.attrs.end_attrs.clipped_by] ?? "last event of this sample";
-    out.push(el("p", "warn", `Open: a span_start without its span_end (a partial trace); drawn up to the ${to}.`));
+    const why = `Open: a span_start without its span_end (a partial trace); drawn up to the ${to}.`;
+    out.push(el("p", "warn", why));
   }
-  if (item.state === "orphan_end") out.push(el("p", "warn", "A span_end without its span_start (a partial trace)."));
+  if (item.state === "orphan_end") {
+    out.push(el("p", "warn", "A span_end without its span_start (a partial trace)."));
+  }
   if (item.type === "span") {
-    out.push(...attrs("attrs at start", item.attrs.start_attrs), ...attrs("attrs at end", item.attrs.end_attrs));
+    out.push(...attrs("attrs at start", item.attrs.start_attrs),
+             ...attrs("attrs at end", item.attrs.end_attrs));
   } else {
     out.push(...attrs("attrs", item.attrs));
   }
@@ -143,8 +153,9 @@ function itemDetails(row, item) {
 function sampleDetails(row) {
   return [el("h2", "", `sample ${row.sample_index}`), table({
     group: row.group_index, status: row.status, reward: row.reward, label: row.label, trace_id: row.trace_id,
-    attempt: row.attempt, start: at(row.start), duration: secs(row.duration), "closed spans": row.closed_span_count,
-    "open spans": row.open_span_count, events: row.point_event_count, "unmatched ends": row.orphan_count})];
+    attempt: row.attempt, start: at(row.start), duration: secs(row.duration),
+    "closed spans": row.closed_span_count, "open spans": row.open_span_count,
+    events: row.point_event_count, "unmatched ends": row.orphan_count})];
 }
 
 function mark(row, item) {
@@ -167,7 +178,8 @@ function mark(row, item) {
   return node;
 }
 function matches(row, query) {
-  const words = [`sample ${row.sample_index}`, `group ${row.group_index}`, text(row.status), ...row.items.map((i) => i.name)];
+  const words = [`sample ${row.sample_index}`, `group ${row.group_index}`, text(row.status),
+                 ...row.items.map((i) => i.name)];
   return !query || words.some((w) => w.toLowerCase().includes(query));
 }
 function drawAxis() {

@@ -1,7 +1,8 @@
 """An agent that answers arithmetic questions with a python tool: an ordinary OpenAI client
 program. It knows nothing of slime; it runs its own tool loop and is given a way to run code.
 
-    python -m slime_plugins.examples.agent_tool.agent --base-url http://HOST:PORT/v1 --api-key KEY "compute 37*41"
+    python -m slime_plugins.examples.agent_tool.agent --base-url http://HOST:PORT/v1 --api-key KEY \\
+        "compute 37*41"
 
 (alone, its tool runs in a subprocess of this machine.)
 """
@@ -30,15 +31,19 @@ RunCode = Callable[[str], Awaitable[str]]
 
 
 async def solve(
-    client: openai.AsyncOpenAI, question: str, run_code: RunCode, *, model: str = "agent", max_turns: int = 3,
+    client: openai.AsyncOpenAI,
+    question: str,
+    run_code: RunCode,
+    *,
+    model: str = "agent",
+    max_turns: int = 3,
     max_tokens: int = 96,
-) -> str:  # fmt: skip
+) -> str:
     """Ask, run the code the model asks to run, give it the output, until it answers."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
     create: Any = client.chat.completions.create  # messages as plain dicts, as most agents write them
     for _ in range(max_turns):
-        reply = await create(model=model, messages=messages, tools=[PYTHON_TOOL],
-                                                     max_tokens=max_tokens)  # fmt: skip
+        reply = await create(model=model, messages=messages, tools=[PYTHON_TOOL], max_tokens=max_tokens)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
@@ -53,8 +58,9 @@ async def solve(
 
 
 async def run_in_subprocess(code: str, timeout_s: float = 10.0) -> str:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except asyncio.TimeoutError:

@@ -49,8 +49,11 @@ class AdapterService(metaclass=SingletonMeta):
             tool_parser=getattr(args, "sglang_tool_call_parser", None) or "hermes",
         )
         # Errors and slow requests only in the access log (an agent run makes many requests).
-        self.handle = run_app_in_thread(self.adapter.app, thread_name="agent-adapter",
-                                        runner_kwargs={"access_log_class": FilteredAccessLogger})  # fmt: skip
+        self.handle = run_app_in_thread(
+            self.adapter.app,
+            thread_name="agent-adapter",
+            runner_kwargs={"access_log_class": FilteredAccessLogger},
+        )
         self.url = self.handle.url
 
 
@@ -73,8 +76,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
             async with openai.AsyncOpenAI(base_url=f"{service.url}/v1", api_key=sid, max_retries=2) as client:
                 answer = await asyncio.wait_for(solve(client, question, run_code), AGENT_TIMEOUT_S)
         reward = float(answer.strip() == str(sample.label).strip())
-        samples = await service.adapter.finish_session(sid, base_sample=sample, reward=reward,
-                                                       extra_metadata={"agent_answer": answer})  # fmt: skip
+        samples = await service.adapter.finish_session(
+            sid, base_sample=sample, reward=reward, extra_metadata={"agent_answer": answer}
+        )
     except asyncio.CancelledError:  # the rollout is cancelling this group: nothing of the session stays
         service.adapter.discard_session(sid)
         raise

@@ -38,9 +38,15 @@ def sft_rows(tokenizer: Any, a: int, b: int) -> list[dict[str, str]]:
     user = {"role": "user", "content": question(a, b)}
     turns: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
         ([user], {"role": "assistant", "content": "", "tool_calls": [call]}),
-        ([user, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": str(a * b)}],
-         {"role": "assistant", "content": str(a * b)}),
-    ]  # fmt: skip
+        (
+            [
+                user,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": str(a * b)},
+            ],
+            {"role": "assistant", "content": str(a * b)},
+        ),
+    ]
     rows = []
     for history, reply in turns:
         prompt = tokenizer.apply_chat_template(
