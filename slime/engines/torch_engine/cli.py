@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -37,59 +38,95 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model-path", required=True, help="local Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="TCP port; 0 lets the OS pick a free one")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument(
+    _server_flags(p.add_argument_group("server"))
+    _scheduling_flags(p.add_argument_group("scheduling"))
+    _requests_and_their_outputs_flags(p.add_argument_group("requests and their outputs"))
+    _lora_adapters_flags(p.add_argument_group("LoRA adapters"))
+    _cuda_flags(p.add_argument_group("CUDA"))
+    return p
+
+
+def _server_flags(g: Any) -> None:
+    g.add_argument("--model-path", required=True, help="local Hugging Face checkpoint directory")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=0, help="TCP port; 0 lets the OS pick a free one")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="parameter dtype; float32 on CPU (bf16 is emulated there and drifts)",
     )
-    p.add_argument("--max-running-requests", type=int, default=64, help="most sequences decoding at once")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded token budget of one prefill")
-    p.add_argument("--context-length", type=int, default=None, help="default: model max_position_embeddings")
-    p.add_argument(
+    g.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health* (as SGLang's flag); "
         f"prefer the {API_KEY_ENV} environment variable, which other users cannot read",
     )
-    p.add_argument(
+    g.add_argument(
         "--debug-dump-dir",
         default=None,
         help="the directory /slime/dump_parameters may write under (paths outside it are refused "
         "with 403); without it the route is refused",
     )
-    p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
-    p.add_argument("--weight-version", default="default", help="weight_version reported before any update")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument(
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _scheduling_flags(g: Any) -> None:
+    g.add_argument("--max-running-requests", type=int, default=64, help="most sequences decoding at once")
+    g.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded token budget of one prefill")
+    g.add_argument("--context-length", type=int, default=None, help="default: model max_position_embeddings")
+    g.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="most decode steps launched per host round trip, their tokens brought down in one "
+        "copy; requests that arrive meanwhile wait for the round to end (SGLang's flag; default 1)",
+    )
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="on CUDA, book each decode step before launching the next (SGLang's flag)",
+    )
+
+
+def _requests_and_their_outputs_flags(g: Any) -> None:
+    g.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
+    g.add_argument("--weight-version", default="default", help="weight_version reported before any update")
+    g.add_argument(
         "--max-top-logprobs-num",
         type=int,
         default=20,
         help="largest top_logprobs_num (and OpenAI logprobs) a request may ask for",
     )
-    p.add_argument(
+    g.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="let requests ask for the experts each token was routed to ('return_routed_experts'; "
         "mixture-of-experts models; SGLang's flag of the same name)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
+        "log-probs whatever else the engine runs (slower; SGLang's flag of the same name)",
+    )
+
+
+def _lora_adapters_flags(g: Any) -> None:
+    g.add_argument(
         "--enable-lora",
         action="store_true",
         help="serve LoRA adapters: /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter "
         "and the 'lora_path' field of /generate (SGLang's flag)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-loaded-loras",
         type=int,
         default=None,
         help="most LoRA adapters loaded at once (SGLang's flag; default: no limit)",
     )
-    p.add_argument(
+    g.add_argument(
         "--lora-paths",
         nargs="*",
         default=[],
@@ -97,23 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEFT adapter directories to load at start, each named NAME or by its path (SGLang's flag; "
         "implies --enable-lora)",
     )
-    p.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="batch-invariant forwards: a request with a sampling_seed gets the same tokens and "
-        "log-probs whatever else the engine runs (slower; SGLang's flag of the same name)",
-    )
-    p.add_argument(
+
+
+def _cuda_flags(g: Any) -> None:
+    g.add_argument(
         "--disable-cuda-graph",
         action="store_true",
         help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs (SGLang's flag)",
     )
-    p.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="on CUDA, book each decode step before launching the next (SGLang's flag)",
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
+        "--max-running-requests; 0: none)",
     )
-    p.add_argument(
+    g.add_argument(
         "--attention-backend",
         choices=["auto", "flash", "torch_native"],
         default="auto",
@@ -121,21 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16/float16, Ampere or newer); torch_native attends over keys padded to the longest; "
         "auto: flash where it runs (SGLang's flag, our choices)",
     )
-    p.add_argument(
-        "--num-continuous-decode-steps",
-        type=int,
-        default=1,
-        help="most decode steps launched per host round trip, their tokens brought down in one "
-        "copy; requests that arrive meanwhile wait for the round to end (SGLang's flag; default 1)",
-    )
-    p.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=None,
-        help="largest decode batch replayed as a CUDA graph (SGLang's flag; default: "
-        "--max-running-requests; 0: none)",
-    )
-    return p
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
