@@ -36,6 +36,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from slime.tools import tiny_vision
 from slime.tools.tiny_families import (
@@ -285,7 +286,7 @@ def make_tiny_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m slime.tools.make_tiny_model",
         description=__doc__,
@@ -300,65 +301,76 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         "values; a flag given overrides). Weights are built in float32 first: qwen3-1.7b "
         "peaks at ~8 GB of memory",
     )
-    parser.add_argument(
+    _shape_flags(parser.add_argument_group("shape"))
+    _moe_flags(parser.add_argument_group("mixture of experts"))
+    tiny_vision.add_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _shape_flags(g: Any) -> None:
+    g.add_argument(
         "--arch",
         choices=["qwen3", "qwen2", "qwen3_moe", *NEW_FAMILIES, *tiny_vision.VISION_FAMILIES],
         default="qwen3",
     )
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument(
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--intermediate-size", type=int, default=None, help="default: ~8/3 x hidden size")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--num-kv-heads", type=int, default=2)
+    g.add_argument(
         "--head-dim",
         type=int,
         default=None,
         help="qwen3, qwen3_moe: each head's width (default: hidden size / heads)",
     )
-    parser.add_argument(
+    g.add_argument(
         "--vocab",
         type=int,
         default=None,
         help="embedding rows; default: the tokenizer size. Larger values pad the vocabulary",
     )
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
-    parser.add_argument(
+    g.add_argument("--max-position-embeddings", type=int, default=2048)
+    g.add_argument(
         "--rope-theta",
         type=float,
         default=None,
         help="qwen3, qwen2, qwen3_moe: the rotary base (default: transformers' 10000)",
     )
-    parser.add_argument(
+    g.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="dtype of the saved weights (built in float32, then cast)",
     )
-    parser.add_argument(
-        "--num-experts", type=int, default=None, help="MoE archs: experts per layer (default 4)"
-    )
-    parser.add_argument(
+
+
+def _moe_flags(g: Any) -> None:
+    g.add_argument("--num-experts", type=int, default=None, help="MoE archs: experts per layer (default 4)")
+    g.add_argument(
         "--num-experts-per-tok",
         type=int,
         default=None,
         help="MoE archs: experts each token is routed to (default 2)",
     )
-    parser.add_argument(
+    g.add_argument(
         "--moe-intermediate-size",
         type=int,
         default=None,
         help="MoE archs: each expert's MLP width (default: half the hidden size)",
     )
-    parser.add_argument(
+    g.add_argument(
         "--mtp-layers",
         type=int,
         default=0,
         help="multi-token prediction modules after the decoder (num_nextn_predict_layers; "
         "glm4_moe, deepseek_v3, glm4_moe_lite)",
     )
-    tiny_vision.add_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.preset is not None:
         # The preset's values become the defaults, so a flag given on the command line still wins.
