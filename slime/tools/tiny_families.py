@@ -38,8 +38,6 @@ layers (`model.layers.{num_hidden_layers + k}.*`: DeepSeek-V3's layer 61, GLM-4.
 
 def family_config(args: argparse.Namespace, common: dict[str, Any], arch: str | None = None) -> Any:
     """The config of `arch` (default `args.arch`; one of NEW_FAMILIES) with the `common` size fields."""
-    import transformers
-
     arch = arch or args.arch
     head_dim = args.hidden_size // args.num_heads
     common = {**common, "tie_word_embeddings": False}  # every one of these families unties
@@ -49,77 +47,111 @@ def family_config(args: argparse.Namespace, common: dict[str, Any], arch: str | 
         "head_dim": head_dim,
         "num_nextn_predict_layers": getattr(args, "mtp_layers", 0) or 0,
     }
-    glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     moe: dict[str, Any] = {}
     if arch in MOE_FAMILIES:
         moe = dict(
             num_experts_per_tok=args.num_experts_per_tok,
             moe_intermediate_size=args.moe_intermediate_size or args.hidden_size // 2,
         )
+    if arch in ("glm4", "glm4_moe"):
+        return _glm_config(arch, args, head_dim, loose, moe, common)
+    if arch in ("deepseek_v3", "glm4_moe_lite"):
+        return _latent_attention_config(arch, args, head_dim, loose, moe, common)
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        return _hybrid_config(arch, args, head_dim, moe, common)
+    raise ValueError(f"unknown --arch {arch!r}")
+
+
+def _glm_config(
+    arch: str,
+    args: argparse.Namespace,
+    head_dim: int,
+    loose: dict[str, Any],
+    moe: dict[str, Any],
+    common: dict[str, Any],
+) -> Any:
+    """GLM-4 and GLM-4.5: half-rotary attention with q/k/v biases."""
+    import transformers
+
+    glm_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     if arch == "glm4":
         return transformers.Glm4Config(
             head_dim=head_dim, attention_bias=True, rope_parameters=glm_rope, **common
         )
-    if arch == "glm4_moe":
-        return transformers.Glm4MoeConfig(
-            attention_bias=True,
-            rope_parameters=glm_rope,
-            n_routed_experts=args.num_experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            use_qk_norm=True,
-            **loose,
-            **moe,
-            **common,
-        )
+    return transformers.Glm4MoeConfig(
+        attention_bias=True,
+        rope_parameters=glm_rope,
+        n_routed_experts=args.num_experts,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        **loose,
+        **moe,
+        **common,
+    )
+
+
+def _latent_attention_config(
+    arch: str,
+    args: argparse.Namespace,
+    head_dim: int,
+    loose: dict[str, Any],
+    moe: dict[str, Any],
+    common: dict[str, Any],
+) -> Any:
+    """DeepSeek-V3 and GLM-4.7-Flash: multi-latent attention, every head reading the latent."""
+    import transformers
+
+    rope = max(2, head_dim // 2)
+    common = {**common, "num_key_value_heads": args.num_heads}
+    latent = dict(
+        q_lora_rank=args.hidden_size // 2,
+        kv_lora_rank=args.hidden_size // 4,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=rope,
+        rope_interleave=True,
+        n_routed_experts=args.num_experts,
+        n_shared_experts=1,
+        topk_group=1,
+        norm_topk_prob=True,
+    )
     if arch == "deepseek_v3":
-        rope = max(2, head_dim // 2)
-        common = {**common, "num_key_value_heads": args.num_heads}  # MLA: every head reads the latent
-        loose["head_dim"] = rope  # transformers rotates head_dim channels: the rotary part's width
+        loose = {**loose, "head_dim": rope}  # transformers rotates head_dim channels: the rotary part's width
         return transformers.DeepseekV3Config(
-            q_lora_rank=args.hidden_size // 2,
-            kv_lora_rank=args.hidden_size // 4,
-            qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope,
             v_head_dim=head_dim,
-            rope_interleave=True,
-            n_routed_experts=args.num_experts,
-            n_shared_experts=1,
             first_k_dense_replace=1,
             n_group=2 if args.num_experts % 2 == 0 else 1,
-            topk_group=1,
-            norm_topk_prob=True,
             routed_scaling_factor=2.5,
+            **latent,
             **loose,
             **moe,
             **common,
         )
-    if arch == "glm4_moe_lite":
-        rope = max(2, head_dim // 2)
-        common = {**common, "num_key_value_heads": args.num_heads}
-        loose.pop("head_dim")  # the config maps head_dim to qk_rope_head_dim
-        return transformers.Glm4MoeLiteConfig(
-            # values wider than the keys' non-rotary part, as GLM-4.7-Flash's (256 against 192)
-            q_lora_rank=args.hidden_size // 2,
-            kv_lora_rank=args.hidden_size // 4,
-            qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=rope,
-            v_head_dim=head_dim + head_dim // 2,
-            rope_interleave=True,
-            n_routed_experts=args.num_experts,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.8,
-            **loose,
-            **moe,
-            **common,
-        )
+    loose = {
+        k: v for k, v in loose.items() if k != "head_dim"
+    }  # the config maps head_dim to qk_rope_head_dim
+    return transformers.Glm4MoeLiteConfig(
+        # values wider than the keys' non-rotary part, as GLM-4.7-Flash's (256 against 192)
+        v_head_dim=head_dim + head_dim // 2,
+        n_group=1,
+        routed_scaling_factor=1.8,
+        **latent,
+        **loose,
+        **moe,
+        **common,
+    )
+
+
+def _hybrid_config(
+    arch: str, args: argparse.Namespace, head_dim: int, moe: dict[str, Any], common: dict[str, Any]
+) -> Any:
+    """Qwen3-Next and Qwen3.5: gated delta-net layers, full attention every second layer."""
+    import transformers
+
     linear: dict[str, Any] = dict(
         head_dim=head_dim,
         linear_conv_kernel_dim=4,
@@ -143,9 +175,7 @@ def family_config(args: argparse.Namespace, common: dict[str, Any], arch: str | 
         )
     if arch == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**linear, **common)
-    if arch == "qwen3_5_moe":
-        return transformers.Qwen3_5MoeTextConfig(**linear, **experts, **moe, **common)
-    raise ValueError(f"unknown --arch {arch!r}")
+    return transformers.Qwen3_5MoeTextConfig(**linear, **experts, **moe, **common)
 
 
 def seed_family_state(model: Any, seed: int) -> None:
