@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from slime.engines.protocol import new_api_key
-from slime.observability.job_trace import ENV, Recorder, StateRow
 from slime.observability.timeline import (
     TimeAccount,
     TraceFile,
@@ -28,6 +27,7 @@ from slime.observability.timeline import (
     trace_dir_problem,
     union,
 )
+from slime.utils.job_trace import ENV, Recorder, StateRow
 
 MS = 1_000_000
 
@@ -204,8 +204,8 @@ def test_the_trace_file_is_chromes_format_with_each_node_moved_onto_the_drivers_
 def test_a_timeline_that_cannot_be_written_never_fails_the_job(tmp_path, caplog):
     """A full disk under a running job: the drain after a step gives the timeline up, and the end
     of the job says so, raising nothing."""
-    from slime.observability.job_trace import RECORDER
     from slime.ray.tracing import JobTracing
+    from slime.utils.job_trace import RECORDER
 
     tracing = JobTracing(str(tmp_path / "traces"))  # no job attached: the driver's events only
     try:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from slime.observability.job_trace import RECORDER
 from slime.utils import flops
+from slime.utils.job_trace import RECORDER
 
 logger = logging.getLogger(__name__)
 

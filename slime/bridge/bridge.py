@@ -23,8 +23,8 @@ from slime.bridge.base import Bucket, Transport
 from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import EngineClient, EngineError
-from slime.observability.job_trace import span
 from slime.utils.async_utils import run_sync
+from slime.utils.job_trace import span
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from slime.loop.core import Hook, Loop
 from slime.loop.parts import Evaluator, Step
-from slime.observability.job_trace import span
+from slime.utils.job_trace import span
 
 logger = logging.getLogger(__name__)
 

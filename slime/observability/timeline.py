@@ -1,6 +1,6 @@
 """The job's timeline file (--trace-dir) and its "where the time went" table, in the driver.
 
-Every process records its events (slime.observability.job_trace); the driver drains them after
+Every process records its events (slime.utils.job_trace); the driver drains them after
 each step and hands them here with the name of the track they belong on ("driver", "engine 0",
 "train rank 1", ...). They are written at once to a spool file beside the trace (so a long job
 holds none of them in memory, and a job that fails keeps what it recorded), and at the end the

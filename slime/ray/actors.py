@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from slime.config.train import TrainConfig
-from slime.observability.job_trace import RECORDER, span
 from slime.utils.async_utils import run_sync
 from slime.utils.batch import RolloutBatch, TrainOutput
+from slime.utils.job_trace import RECORDER, span
 
 if TYPE_CHECKING:
     from slime.bridge.topology import PushTopology

@@ -14,12 +14,12 @@ from slime.debug.phases import load_phase_hook
 from slime.loop import hooks
 from slime.loop.core import CONTINUOUS, ONE_STEP_OFF, SYNC, Hook, Loop, Schedule
 from slime.loop.metrics import Metrics
-from slime.observability.job_trace import RECORDER
 from slime.ray.inputs import check_inputs
 from slime.ray.job import Job
 from slime.ray.placement import data_parallel_size, job_placement
 from slime.ray.rollout_source import ContinuousRollouts, GeneratedRollouts, ReplayedRollouts
 from slime.ray.waiting import RolloutBar
+from slime.utils.job_trace import RECORDER
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from slime.bridge.topology import PushTopology
 from slime.debug.phases import no_hook
 from slime.engines.client import ClientConfig, EngineClient, EngineError
 from slime.loop.parts import CACHE_TAGS, WEIGHT_TAGS
-from slime.observability.job_trace import RECORDER, instant
 from slime.rollout.health import engine_down
 from slime.utils.async_utils import run_sync
 from slime.utils.errors import UsageError
+from slime.utils.job_trace import RECORDER, instant
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from slime.config.arguments import Config, describe
 from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
 from slime.engines.protocol import API_KEY_ENV, new_api_key
-from slime.observability.job_trace import ENV
 from slime.ray.actors import (
     EngineActor,
     SGLangEngineActor,
@@ -32,6 +31,7 @@ from slime.ray.placement import Placement, Slot, data_parallel_size, job_placeme
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import RayTrainGroup
 from slime.ray.waiting import RolloutBar, wait_refs
+from slime.utils.job_trace import ENV
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Job:
         # The --sglang-* options the torch engine shares with SGLang (checked at parse).
         engine_args += c.sglang_server_args
         self.engine_args = engine_args
-        # --trace-dir: every process records its events (slime.observability.job_trace).
+        # --trace-dir: every process records its events (slime.utils.job_trace).
         self.env_vars = {ENV: "1"} if config.debug.trace_dir is not None else {}
         self.api_key = engine_api_key(bool(c.external_engine_addrs), engines_leave_loopback())
         self.dump_dir = (

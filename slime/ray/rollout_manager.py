@@ -17,11 +17,11 @@ from typing import Any
 
 from slime.config.arguments import Config
 from slime.engines.router_front import RouterFront
-from slime.observability.job_trace import span
 from slime.ray.actors import Traced
 from slime.rollout.health import HealthMonitor
 from slime.rollout.producer import RolloutProducer
 from slime.utils.batch import Evaluation, Rollout
+from slime.utils.job_trace import span
 from slime.utils.net import host_port
 
 

@@ -17,8 +17,8 @@ import ray
 
 from slime.loop.core import Hook, Loop
 from slime.loop.parts import Step
-from slime.observability.job_trace import RECORDER
 from slime.observability.timeline import TraceFile, estimate_offset
+from slime.utils.job_trace import RECORDER
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from typing import Any
 
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
-from slime.observability.job_trace import RECORDER
 from slime.observability.trace_utils import trace_span
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel
+from slime.utils.job_trace import RECORDER
 from slime.utils.net import host_port
 from slime.utils.processing_utils import prompt_images
 from slime.utils.sample import Sample, Status

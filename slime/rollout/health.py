@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from slime.engines.client import ClientConfig, EngineClient, EngineError
-from slime.observability.job_trace import instant, span
+from slime.utils.job_trace import instant, span
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from slime.observability.job_trace import instant
+from slime.utils.job_trace import instant
 
 T = TypeVar("T")
 

@@ -174,7 +174,7 @@ class TorchEngine:
             # so the wait below cannot sleep through it.
             self._wakeup.clear()
             self._run_commands()
-            self.timeline.look(self)
+            self.timeline.look(self.paused, self.weights.released, self.scheduler)
             if self.paused or self.weights.released or not self.scheduler.has_work():
                 self._book_in_flight()  # a last launched step whose sequences had all finished
                 self._wakeup.wait(timeout=1.0)

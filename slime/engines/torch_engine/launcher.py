@@ -55,7 +55,7 @@ class EngineProcess:
 
     def trace_events(self, timeout_s: float = 60.0) -> list[dict]:
         """The server's events for the job's timeline since the last call (GET
-        /slime/trace_events; slime.observability.job_trace): none unless it records."""
+        /slime/trace_events; slime.utils.job_trace): none unless it records."""
         import urllib.request
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from slime.engines.torch_engine.engine import TorchEngine
+    from slime.engines.torch_engine.scheduler import Scheduler
     from slime.engines.torch_engine.sequence import Sequence
 
 
@@ -240,7 +240,7 @@ class EngineMetrics:
 
 
 class EngineTimeline:
-    """The engine's row of the job's timeline (--trace-dir; slime.observability.job_trace): its
+    """The engine's row of the job's timeline (--trace-dir; slime.utils.job_trace): its
     state as spans (busy, paused, memory released; idle is the gaps) and its running and queued
     requests as a counter, looked at once per turn of the engine thread (nothing when the
     process does not record)."""
@@ -250,17 +250,17 @@ class EngineTimeline:
     leaves 0 at once)."""
 
     def __init__(self) -> None:
-        from slime.observability.job_trace import RECORDER, StateRow
+        from slime.utils.job_trace import RECORDER, StateRow
 
         self.recorder = RECORDER
         self.row = StateRow("scheduler")
 
-    def look(self, engine: TorchEngine) -> None:
+    def look(self, paused: bool, released: bool, scheduler: Scheduler) -> None:
+        """`paused`: generation paused; `released`: the memory released."""
         if not self.recorder.enabled:
             return
-        scheduler = engine.scheduler
         busy = "busy" if scheduler.has_work() else "idle"
-        self.row.set("paused" if engine.paused else "memory released" if engine.weights.released else busy)
+        self.row.set("paused" if paused else "memory released" if released else busy)
         counts = {"running": len(scheduler.running), "queued": len(scheduler.waiting)}
         self.recorder.counter("requests", counts, "scheduler", self.COUNTER_INTERVAL_NS)
 

@@ -44,8 +44,8 @@ from slime.engines.torch_engine.pull_api import PullAPI
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.weights_api import WeightsAPI
-from slime.observability.job_trace import RECORDER
 from slime.utils.device_memory import cuda_memory_held
+from slime.utils.job_trace import RECORDER
 from slime.utils.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -302,7 +302,7 @@ class EngineAPI:
 
     async def trace_events(self, request: web.Request) -> web.Response:
         """The job's timeline (--trace-dir): this process's events since the last call, each given
-        out once (slime.observability.job_trace); none unless it records."""
+        out once (slime.utils.job_trace); none unless it records."""
         if RECORDER.enabled:
             with contextlib.suppress(Exception):  # a dead engine thread: its events so far
                 await self.engine.run(self.engine.timeline.cut)
