@@ -174,3 +174,11 @@ def test_every_flag_of_train_py_says_what_it_does():
     parser = build_parser()
     silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not (a.help or "").strip()]
     assert silent == [], "give these flags a docstring on their field (or help=)"
+
+
+def test_the_lora_flags_name_the_constants_they_describe():
+    """Two docstrings spell out a constant (a docstring is no f-string): they must say its value."""
+    from slime.config.lora import ADAPTER_NAME, ALL_LINEAR
+
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert ALL_LINEAR in helps["--target-modules"] and repr(ADAPTER_NAME) in helps["--lora-push"]

@@ -21,29 +21,17 @@ class FSDPConfig:
     """`--fsdp-reduce-dtype`: dtype of the gradient reduce-scatter."""
     cpu_offload: bool = flag("--fsdp-cpu-offload", False)
     """`--fsdp-cpu-offload`: sharded parameters, gradients and optimizer states in CPU memory."""
-    gradient_checkpointing: bool = flag(
-        "--gradient-checkpointing",
-        False,
-        help="recompute each decoder layer's activations in backward (FSDP: Hugging Face's "
-        "checkpointing; Megatron: megatron-core's full recompute)",
-    )
-    """`--gradient-checkpointing`: recompute decoder-layer activations in backward (both backends)."""
+    gradient_checkpointing: bool = flag("--gradient-checkpointing", False)
+    """recompute each decoder layer's activations in backward (FSDP: Hugging Face's checkpointing;
+    Megatron: megatron-core's full recompute)"""
     attn_implementation: str = flag("--attn-implementation", "sdpa")
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
-    disable_sharding: bool = flag(
-        "--debug-disable-sharding",
-        False,
-        help="one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), "
-        "to step through the model in a debugger",
-    )
-    """`--debug-disable-sharding`: one rank, the plain module without fully_shard (for a debugger)."""
-    train_vision_model: bool = flag(
-        "--train-vision-model",
-        False,
-        help="vision-language models: train the vision tower too (default: frozen, the language model "
-        "trains)",
-    )
-    """`--train-vision-model`: the vision tower's parameters train (slime.backends.fsdp.vision)."""
+    disable_sharding: bool = flag("--debug-disable-sharding", False)
+    """one train rank running the plain module (no fully_shard: plain tensors, no FSDP hooks), to
+    step through the model in a debugger"""
+    train_vision_model: bool = flag("--train-vision-model", False)
+    """vision-language models: train the vision tower too (default: frozen, the language model
+    trains)"""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -76,26 +64,17 @@ class MegatronConfig:
     """Megatron-LM's default: None, the tensor-parallel size."""
     sequence_parallel: bool = flag("--sequence-parallel", False)
     """Megatron: with TP, the activations outside attention and MLP split along the sequence too."""
-    make_vocab_size_divisible_by: int = flag(
-        "--make-vocab-size-divisible-by",
-        128,
-        help="pad the vocabulary to a multiple of this x TP",
-    )
-    """The vocabulary is padded to a multiple of this x TP (slime.backends.megatron.convert)."""
+    make_vocab_size_divisible_by: int = flag("--make-vocab-size-divisible-by", 128)
+    """pad the vocabulary to a multiple of this x TP"""
     transformer_impl: str = "local"
     """`local` (megatron-core's layer spec) or `transformer_engine`."""
     decoder_first_pipeline_num_layers: int | None = None
     """`--decoder-first-pipeline-num-layers`: the first pipeline stage's layers (None: an even split)."""
     decoder_last_pipeline_num_layers: int | None = None
     """`--decoder-last-pipeline-num-layers`: the last pipeline stage's layers (None: an even split)."""
-    bf16: bool = flag(
-        "--bf16",
-        False,
-        help="bfloat16 parameters and activations, float32 master weights, gradient reductions and "
-        "optimizer states (megatron's mixed precision)",
-    )
-    """`--bf16`: bfloat16 parameters and activations; float32 master weights, gradient reductions
-    and optimizer states (megatron-core's mixed precision, done by the actor)."""
+    bf16: bool = flag("--bf16", False)
+    """bfloat16 parameters and activations, float32 master weights, gradient reductions and
+    optimizer states (megatron's mixed precision)"""
     mtp_num_layers: int | None = None
     """`--mtp-num-layers`: the checkpoint's multi-token prediction modules to build (None: none)."""
     mtp_loss_scaling_factor: float = 0.2

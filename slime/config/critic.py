@@ -23,32 +23,22 @@ from slime.config.train import TrainConfig
 
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
-    num_critic_only_steps: int = flag(
-        "--num-critic-only-steps",
-        0,
-        help="the first N rollouts train the critic only; the actor's weights stay (slime's)",
-    )
-    load: str | None = flag(
-        "--critic-load",
-        None,
-        help="Hugging Face directory the critic starts from (default: --hf-checkpoint with a fresh value "
-        "head; a critic's --save-hf export keeps its head)",
-    )
-    save: str | None = flag("--critic-save", None, help="the critic's checkpoints (default: <--save>/critic)")
-    """Where the critic's checkpoints go: `--critic-save`, else <--save>/critic."""
-    lr: float | None = flag(
-        "--critic-lr", None, type=float, help="the critic's learning rate (default: --lr)"
-    )
-    lr_warmup_iters: int = flag(
-        "--critic-lr-warmup-iters",
-        0,
-        help="the critic's learning-rate warm-up steps (slime's; 0: none, whatever --lr-warmup-iters says); "
-        "its decay follows the actor's --lr-decay-style and --min-lr",
-    )
-    num_nodes: int = flag("--critic-num-nodes", 1, unset=None, type=int, help="default: --actor-num-nodes")
-    num_gpus_per_node: int = flag(
-        "--critic-num-gpus-per-node", 1, unset=None, type=int, help="default: --actor-num-gpus-per-node"
-    )
+    num_critic_only_steps: int = flag("--num-critic-only-steps", 0)
+    """the first N rollouts train the critic only; the actor's weights stay (slime's)"""
+    load: str | None = flag("--critic-load", None)
+    """Hugging Face directory the critic starts from (default: --hf-checkpoint with a fresh value
+    head; a critic's --save-hf export keeps its head)"""
+    save: str | None = flag("--critic-save", None)
+    """the critic's checkpoints (default: <--save>/critic)"""
+    lr: float | None = flag("--critic-lr", None, type=float)
+    """the critic's learning rate (default: --lr)"""
+    lr_warmup_iters: int = flag("--critic-lr-warmup-iters", 0)
+    """the critic's learning-rate warm-up steps (slime's; 0: none, whatever --lr-warmup-iters says);
+    its decay follows the actor's --lr-decay-style and --min-lr"""
+    num_nodes: int = flag("--critic-num-nodes", 1, unset=None, type=int)
+    """default: --actor-num-nodes"""
+    num_gpus_per_node: int = flag("--critic-num-gpus-per-node", 1, unset=None, type=int)
+    """default: --actor-num-gpus-per-node"""
     train: TrainConfig
     """The critic ranks' config: the actor's, with the critic's model, learning rate and checkpoints."""
 

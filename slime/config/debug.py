@@ -16,64 +16,29 @@ from slime.utils.files import template_problem
 class DebugConfig:
     """The decoupled debug modes (docs/debugging.md)."""
 
-    rollout_only: bool = flag(
-        "--debug-rollout-only",
-        False,
-        help="start only the engines and the rollout manager; weights stay --hf-checkpoint's",
-    )
-    """`--debug-rollout-only`: engines and rollout manager only; no trainer, no weight push."""
-    train_only: bool = flag(
-        "--debug-train-only",
-        False,
-        help="start only the trainer; rollouts come from --load-debug-rollout-data or a "
-        "--rollout-function-path",
-    )
-    """`--debug-train-only` (implied by `--load-debug-rollout-data`): trainer only; no engine."""
-    save_rollout_data: str | None = flag(
-        "--save-debug-rollout-data",
-        None,
-        metavar="TEMPLATE",
-        help="write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt",
-    )
-    """`--save-debug-rollout-data TEMPLATE` with {rollout_id}."""
-    save_eval_data: str | None = flag(
-        "--save-debug-eval-data",
-        None,
-        metavar="TEMPLATE",
-        help="write every eval rollout to this template ({rollout_id}; -1 = before training)",
-    )
-    """`--save-debug-eval-data TEMPLATE` with {rollout_id}."""
-    dump_details: str | None = flag(
-        "--dump-details",
-        None,
-        metavar="DIR",
-        help="every rollout, evaluation and train-data dump under DIR in slime's layout (rollout_data/, "
-        "train_data/) and the tokenizer in DIR/tokenizer, for post-hoc analysis",
-    )
-    """`--dump-details DIR`: the dump paths set under DIR (slime.config.derived.dump_details)."""
-    load_rollout_data: str | None = flag(
-        "--load-debug-rollout-data",
-        None,
-        metavar="TEMPLATE",
-        help="train on saved rollouts instead of generating (implies --debug-train-only)",
-    )
-    """`--load-debug-rollout-data TEMPLATE` with {rollout_id}."""
+    rollout_only: bool = flag("--debug-rollout-only", False)
+    """start only the engines and the rollout manager; weights stay --hf-checkpoint's"""
+    train_only: bool = flag("--debug-train-only", False)
+    """start only the trainer; rollouts come from --load-debug-rollout-data or a
+    --rollout-function-path"""
+    save_rollout_data: str | None = flag("--save-debug-rollout-data", None, metavar="TEMPLATE")
+    """write every rollout to TEMPLATE.format(rollout_id=...), e.g. dumps/rollout_{rollout_id}.pt"""
+    save_eval_data: str | None = flag("--save-debug-eval-data", None, metavar="TEMPLATE")
+    """write every eval rollout to this template ({rollout_id}; -1 = before training)"""
+    dump_details: str | None = flag("--dump-details", None, metavar="DIR")
+    """every rollout, evaluation and train-data dump under DIR in slime's layout (rollout_data/,
+    train_data/) and the tokenizer in DIR/tokenizer, for post-hoc analysis"""
+    load_rollout_data: str | None = flag("--load-debug-rollout-data", None, metavar="TEMPLATE")
+    """train on saved rollouts instead of generating (implies --debug-train-only)"""
     subsample: float = 1.0
     """`--load-debug-rollout-data-subsample R`: the fraction of prompt groups replayed."""
-    allow_tokenizer_mismatch: bool = flag(
-        "--allow-tokenizer-mismatch",
-        False,
-        help="replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's",
-    )
-    """`--allow-tokenizer-mismatch`: replay a dump made with another tokenizer."""
+    allow_tokenizer_mismatch: bool = flag("--allow-tokenizer-mismatch", False)
+    """replay dumps whose tokenizer fingerprint differs from --hf-checkpoint's"""
     check_precision: bool = flag(
-        "--check-precision",
-        False,
-        group="debug: precision checks (docs/debugging.md, Precision)",
-        help="fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, "
-        "trainer and engine log-probs agree within the tolerances, log-probs and grad_norm are sane",
+        "--check-precision", False, group="debug: precision checks (docs/debugging.md, Precision)"
     )
-    """`--check-precision`: the step-0 gates (slime.debug.precision)."""
+    """fail at the first rollout unless actor == reference bitwise, ppo_kl == kl_loss == 0, trainer
+    and engine log-probs agree within the tolerances, log-probs and grad_norm are sane"""
     precision_dtype: str = "float32"
     """The lower precision of engines and trainer, which the tolerances below default for."""
     precision_logprob_tol: float = 1e-4
@@ -85,96 +50,82 @@ class DebugConfig:
         None,
         group="debug: precision checks (docs/debugging.md, Precision)",
         metavar="SPEC",
-        help="break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME, "
-        "transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)",
     )
-    """`--debug-push-fault SPEC`: break the weight push on purpose (slime.bridge.faults)."""
+    """break every weight push on purpose to see the checks fail: perturb:NAME, noise:NAME,
+    transpose:NAME, drop:NAME or swap:NAME1,NAME2 (HF parameter names)"""
     phase_hook: str | None = flag(
         "--debug-phase-hook",
         None,
         group="debug: precision checks (docs/debugging.md, Precision)",
         metavar="MODULE.FUNCTION",
-        help="call FUNCTION(phase, info) at the named phases of every step, in the process that runs "
-        "them (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests "
-        "(docs/debugging.md, Fault tolerance)",
     )
-    """`--debug-phase-hook PATH`: f(phase, info) at the named phases of a step (slime.debug.phases)."""
+    """call FUNCTION(phase, info) at the named phases of every step, in the process that runs them
+    (driver, rollout manager, train ranks): a deterministic moment for fault-injection tests
+    (docs/debugging.md, Fault tolerance)"""
     sync_parameters_path: str | None = flag(
         "--debug-sync-parameters-path",
         None,
         group="debug: parameter sync (docs/debugging.md, Parameter sync)",
         metavar="DIR",
-        help="(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to "
-        "DIR/before_sync_parameter/<rank>/, push the trainer's weights once, dump to "
-        "DIR/after_sync_parameter/<rank>/, exit; compare with python -m "
-        "slime.tools.check_sync_parameter --root_dir DIR",
     )
-    """`--debug-sync-parameters-path DIR` (or DEBUG_SYNC_PARAMETERS_PATH): dump every engine's
-    parameters before and after the first push, then exit."""
+    """(or DEBUG_SYNC_PARAMETERS_PATH) dump every engine's parameters to
+    DIR/before_sync_parameter/<rank>/, push the trainer's weights once, dump to
+    DIR/after_sync_parameter/<rank>/, exit; compare with python -m
+    slime.tools.check_sync_parameter --root_dir DIR"""
     check_weight_update_equal: bool = flag(
         "--check-weight-update-equal",
         False,
         group="debug: parameter sync (docs/debugging.md, Parameter sync)",
-        help="before the first rollout: engines snapshot their loaded weights, overwrite them with noise, "
-        "receive the first push, and must equal the snapshot exactly",
     )
-    """`--check-weight-update-equal`: snapshot, scramble, push, compare, before the first rollout."""
-    ci_test: bool = flag(
-        "--ci-test",
-        False,
-        group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="end the job when slime's CI checks fail: KL exactly 0 at step 0, -1 < rollout/log_probs < 0, "
-        "0 < rollout/entropy < 1, the trainer-engine log-prob gap under its threshold",
-    )
+    """before the first rollout: engines snapshot their loaded weights, overwrite them with noise,
+    receive the first push, and must equal the snapshot exactly"""
+    ci_test: bool = flag("--ci-test", False, group="debug: slime's CI checks (slime.loop.ci_checks)")
+    """end the job when slime's CI checks fail: KL exactly 0 at step 0, -1 < rollout/log_probs < 0,
+    0 < rollout/entropy < 1, the trainer-engine log-prob gap under its threshold"""
     ci_disable_kl_checker: bool = flag(
-        "--ci-disable-kl-checker",
-        False,
-        group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="--ci-test without the step-0 KL checks",
+        "--ci-disable-kl-checker", False, group="debug: slime's CI checks (slime.loop.ci_checks)"
     )
+    """--ci-test without the step-0 KL checks"""
     ci_train_rollout_logprob_abs_diff_threshold: float = flag(
         "--ci-train-rollout-logprob-abs-diff-threshold",
         0.1,
         group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="--ci-test's bound on rollout/train_rollout_logprob_abs_diff (0.1)",
     )
+    """--ci-test's bound on rollout/train_rollout_logprob_abs_diff (0.1)"""
     ci_save_grad_norm: str | None = flag(
         "--ci-save-grad-norm",
         None,
         metavar="TEMPLATE",
         group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="save every optimizer step's grad norm to TEMPLATE ({role}, {rollout_id}, {step_id})",
     )
+    """save every optimizer step's grad norm to TEMPLATE ({role}, {rollout_id}, {step_id})"""
     ci_load_grad_norm: str | None = flag(
         "--ci-load-grad-norm",
         None,
         metavar="TEMPLATE",
         group="debug: slime's CI checks (slime.loop.ci_checks)",
-        help="end the job when a step's grad norm differs from the one saved there by more than 0.01 "
-        "(relative or absolute)",
     )
+    """end the job when a step's grad norm differs from the one saved there by more than 0.01
+    (relative or absolute)"""
     hang_timeout: float | None = flag(
         "--hang-timeout",
         None,
         group="debug: hangs (docs/debugging.md, Hangs and breakpoints)",
         type=float,
         metavar="SECONDS",
-        help="when a train step or weight push runs longer, every train rank writes its Python stacks "
-        "(all threads) to <log dir>/hang/rank{r}.txt and the job exits 1",
     )
-    """`--hang-timeout S`: a train step or weight push longer than this dumps every rank's stacks
-    to <log dir>/hang/ and ends the job (slime.debug.hang)."""
+    """when a train step or weight push runs longer, every train rank writes its Python stacks (all
+    threads) to <log dir>/hang/rank{r}.txt and the job exits 1"""
     trace_dir: str | None = flag(
         "--trace-dir",
         None,
         group="debug: the job's timeline (docs/observability.md, The job's timeline)",
         metavar="DIR",
-        help="write a timeline of the whole job into DIR (trace-<date>-<time>-<pid>.json, Chrome's "
-        "trace-event format: open it in Perfetto or chrome://tracing): a track per process with its "
-        "phases, the engines' requests as counters; and end the job with a 'where the time went' "
-        "table in the log",
     )
-    """`--trace-dir DIR`: the job's timeline (slime.ray.tracing, slime.observability.timeline)."""
+    """write a timeline of the whole job into DIR (trace-<date>-<time>-<pid>.json, Chrome's
+    trace-event format: open it in Perfetto or chrome://tracing): a track per process with its
+    phases, the engines' requests as counters; and end the job with a 'where the time went' table
+    in the log"""
 
 
 # (mean, max) |trainer - engine| log-prob tolerances by the lower precision of engine and

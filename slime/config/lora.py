@@ -24,50 +24,28 @@ PUSH_MODES = ("merged", "adapter")
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    rank: int = flag(
-        "--lora-rank",
-        0,
-        help="train LoRA adapters of this rank on --target-modules, the base weights frozen (0: off)",
-    )
-    """The adapters' rank r (0: no LoRA, full fine-tuning)."""
-    alpha: int = flag("--lora-alpha", 16, help="the adapters' output is scaled by alpha / rank")
-    dropout: float = flag("--lora-dropout", 0.0, help="dropout on the adapters' input")
-    """In training steps."""
-    target_modules: tuple[str, ...] = flag(
-        "--target-modules",
-        (),
-        unset=None,
-        help="the linear layers that get adapters: Hugging Face module names, comma-separated "
-        f"(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or {ALL_LINEAR} (every linear layer "
-        "but the LM head)",
-    )
-    """Hugging Face module names (q_proj, ...), or (`all-linear`,); the flag's comma-separated list."""
-    exclude_modules: tuple[str, ...] = flag(
-        "--exclude-modules", (), unset=None, help="module names (comma-separated) left without an adapter"
-    )
-    adapter_path: str | None = flag(
-        "--lora-adapter-path",
-        None,
-        help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its "
-        "rank and alpha must be the flags', and its tensors the adapters --target-modules gives",
-    )
-    push: str = flag(
-        "--lora-push",
-        "merged",
-        unset=None,
-        choices=PUSH_MODES,
-        help="(ours) merged (default): push the base weights with the adapters merged, to any engine; "
-        f"adapter: push the adapters alone (1-2%% of the bytes), which the engines serve as {ADAPTER_NAME!r} "
-        "and every rollout request names (SGLang's lora_path)",
-    )
-    """`merged` sends the base weights with the adapters merged (any engine); `adapter` sends the
-    adapters alone, which the engines serve (`lora_path`)."""
-    save_merged: bool = flag(
-        "--lora-save-merged",
-        False,
-        help="(ours) --save-hf also writes the base model with the adapters merged, a plain Hugging Face "
-        "checkpoint, into <--save-hf>/merged",
-    )
+    rank: int = flag("--lora-rank", 0)
+    """train LoRA adapters of this rank on --target-modules, the base weights frozen (0: off)"""
+    alpha: int = flag("--lora-alpha", 16)
+    """the adapters' output is scaled by alpha / rank"""
+    dropout: float = flag("--lora-dropout", 0.0)
+    """dropout on the adapters' input"""
+    target_modules: tuple[str, ...] = flag("--target-modules", (), unset=None)
+    """the linear layers that get adapters: Hugging Face module names, comma-separated
+    (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or all-linear (every linear layer but
+    the LM head)"""
+    exclude_modules: tuple[str, ...] = flag("--exclude-modules", (), unset=None)
+    """module names (comma-separated) left without an adapter"""
+    adapter_path: str | None = flag("--lora-adapter-path", None)
+    """a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its
+    rank and alpha must be the flags', and its tensors the adapters --target-modules gives"""
+    push: str = flag("--lora-push", "merged", unset=None, choices=PUSH_MODES)
+    """(ours) merged (default): push the base weights with the adapters merged, to any engine;
+    adapter: push the adapters alone (1-2% of the bytes), which the engines serve as 'slime_lora'
+    and every rollout request names (SGLang's lora_path)"""
+    save_merged: bool = flag("--lora-save-merged", False)
+    """(ours) --save-hf also writes the base model with the adapters merged, a plain Hugging Face
+    checkpoint, into <--save-hf>/merged"""
 
     @property
     def pushes_adapter(self) -> bool:

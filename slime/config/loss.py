@@ -37,134 +37,73 @@ class LossConfig:
     """`--kl-loss-coef`: the weight of the KL term (--use-kl-loss)."""
     kl_loss_type: str = flag("--kl-loss-type", "k1", choices=KL_TYPES)
     """`--kl-loss-type`: k1, k2, k3, low_var_kl."""
-    use_unbiased_kl: bool = flag(
-        "--use-unbiased-kl",
-        False,
-        help="with --use-kl-loss: each token's KL estimate times p / p_old (the importance ratio to the "
-        "policy that generated it; gradient through it), DeepSeek-V3.2's unbiased estimator",
-    )
-    """`--use-unbiased-kl`: the KL loss per token times exp(log p - log p_old)
-    (slime.algo.losses.approx_kl)."""
-    ref_update_interval: int | None = flag(
-        "--ref-update-interval",
-        None,
-        type=int,
-        help="every N rollouts, after training, the reference model becomes the actor's weights (as "
-        "slime; kept in memory, not in checkpoints: a resumed run starts from --ref-load again)",
-    )
-    """`--ref-update-interval N`: the reference refreshed from the actor after every N rollouts."""
-    kl_coef: float = flag("--kl-coef", 0.0, help="KL penalty in the token rewards (REINFORCE++, PPO)")
-    """`--kl-coef`: KL penalty folded into REINFORCE++ token rewards."""
-    gamma: float = flag("--gamma", 1.0, help="discount (REINFORCE++ returns, PPO's GAE)")
-    """`--gamma`: discount of REINFORCE++ returns and of PPO's GAE."""
-    lambd: float = flag("--lambd", 1.0, help="GAE's lambda (PPO)")
-    """`--lambd`: GAE's lambda (PPO)."""
-    value_clip: float = flag("--value-clip", 0.2, help="the critic's value loss clips V - V_old (PPO)")
-    """`--value-clip`: the critic's value loss clips V - V_old to [-value_clip, value_clip]."""
+    use_unbiased_kl: bool = flag("--use-unbiased-kl", False)
+    """with --use-kl-loss: each token's KL estimate times p / p_old (the importance ratio to the
+    policy that generated it; gradient through it), DeepSeek-V3.2's unbiased estimator"""
+    ref_update_interval: int | None = flag("--ref-update-interval", None, type=int)
+    """every N rollouts, after training, the reference model becomes the actor's weights (as slime;
+    kept in memory, not in checkpoints: a resumed run starts from --ref-load again)"""
+    kl_coef: float = flag("--kl-coef", 0.0)
+    """KL penalty in the token rewards (REINFORCE++, PPO)"""
+    gamma: float = flag("--gamma", 1.0)
+    """discount (REINFORCE++ returns, PPO's GAE)"""
+    lambd: float = flag("--lambd", 1.0)
+    """GAE's lambda (PPO)"""
+    value_clip: float = flag("--value-clip", 0.2)
+    """the critic's value loss clips V - V_old (PPO)"""
     entropy_coef: float = flag("--entropy-coef", 0.0)
     """`--entropy-coef`: subtract entropy_coef * entropy from the loss."""
-    keep_old_actor: bool = flag(
-        "--keep-old-actor",
-        False,
-        help="the old policy's log-probs come from the weights that generated the rollout (kept in host "
-        "memory at every push), not the weights being trained: they differ one step off-policy "
-        "(train_async.py) and with --update-weights-interval",
-    )
-    """`--keep-old-actor`: the log-prob pass with the generating version's weights
-    (slime.backends.old_actor)."""
-    use_rollout_entropy: bool = flag(
-        "--use-rollout-entropy",
-        False,
-        help="the log-prob passes also measure each token's entropy (at --rollout-temperature): "
-        "rollout/entropy and rollout/ref_entropy, token means over the loss mask",
-    )
-    """`--use-rollout-entropy`: entropy in the log-prob passes (TrainActorBase.pass_entropy)."""
+    keep_old_actor: bool = flag("--keep-old-actor", False)
+    """the old policy's log-probs come from the weights that generated the rollout (kept in host
+    memory at every push), not the weights being trained: they differ one step off-policy
+    (train_async.py) and with --update-weights-interval"""
+    use_rollout_entropy: bool = flag("--use-rollout-entropy", False)
+    """the log-prob passes also measure each token's entropy (at --rollout-temperature):
+    rollout/entropy and rollout/ref_entropy, token means over the loss mask"""
     use_tis: bool = flag("--use-tis", False)
     """`--use-tis`: truncated importance sampling against the engine's log-probs."""
-    get_mismatch_metrics: bool = flag(
-        "--get-mismatch-metrics",
-        False,
-        help="with --custom-tis-function-path: call it on every micro-batch for its train/rollout "
-        "mismatch metrics (train/ois and the function's, e.g. slime's mis.py: train/mis_*), without "
-        "--use-tis; the loss is what the function returns (slime's mis.py leaves it unchanged "
-        "without --use-tis)",
-    )
-    """`--get-mismatch-metrics`: the TIS hook's metrics without --use-tis (slime.algo.objective)."""
+    get_mismatch_metrics: bool = flag("--get-mismatch-metrics", False)
+    """with --custom-tis-function-path: call it on every micro-batch for its train/rollout mismatch
+    metrics (train/ois and the function's, e.g. slime's mis.py: train/mis_*), without --use-tis;
+    the loss is what the function returns (slime's mis.py leaves it unchanged without --use-tis)"""
     tis_clip: float = flag("--tis-clip", 2.0)
     """`--tis-clip`: upper bound of the TIS weight."""
     tis_clip_low: float = flag("--tis-clip-low", 0.0)
     """`--tis-clip-low`: lower bound of the TIS weight."""
-    use_opsm: bool = flag(
-        "--use-opsm",
-        False,
-        help="off-policy sequence masking (as slime): in a sample whose mean log-ratio old - new over its "
-        "loss tokens exceeds --opsm-delta, the negative-advantage tokens leave the policy loss",
-    )
-    """`--use-opsm`: off-policy sequence masking, as in slime: in a sample whose mean log-ratio
-    old - new over its loss tokens exceeds --opsm-delta, the tokens with a negative advantage
-    leave the policy loss (slime.algo.losses.opsm_keep)."""
-    opsm_delta: float = flag("--opsm-delta", 1e-4, help="the threshold of --use-opsm")
-    """`--opsm-delta`: the sample's mean log-ratio above which --use-opsm masks."""
-    use_decoupled_loss: bool = flag(
-        "--use-decoupled-loss",
-        False,
-        help="AReaL's decoupled PPO: the ratio against the recomputed log-probs (proximal policy), each "
-        "token's loss times exp(proximal - engine log-prob), the behaviour importance weight",
-    )
-    """`--use-decoupled-loss` (AReaL's): the PPO ratio against the trainer's recomputed log-probs
-    (the proximal policy), each token's loss weighted by exp(proximal - engine), the behaviour
-    importance weight (slime.algo.losses.behaviour_weights)."""
-    behav_imp_weight_cap: float | None = flag(
-        "--behav-imp-weight-cap",
-        None,
-        type=float,
-        help="with --use-decoupled-loss: tokens whose behaviour importance weight exceeds it (> 1) "
-        "leave the loss (masked, not clamped as --tis-clip does)",
-    )
-    """`--behav-imp-weight-cap` (AReaL's): tokens whose behaviour importance weight exceeds it
-    leave the loss (masked, not clamped); no masking when None."""
+    use_opsm: bool = flag("--use-opsm", False)
+    """off-policy sequence masking (as slime): in a sample whose mean log-ratio old - new over its
+    loss tokens exceeds --opsm-delta, the negative-advantage tokens leave the policy loss"""
+    opsm_delta: float = flag("--opsm-delta", 1e-4)
+    """the threshold of --use-opsm"""
+    use_decoupled_loss: bool = flag("--use-decoupled-loss", False)
+    """AReaL's decoupled PPO: the ratio against the recomputed log-probs (proximal policy), each
+    token's loss times exp(proximal - engine log-prob), the behaviour importance weight"""
+    behav_imp_weight_cap: float | None = flag("--behav-imp-weight-cap", None, type=float)
+    """with --use-decoupled-loss: tokens whose behaviour importance weight exceeds it (> 1) leave
+    the loss (masked, not clamped as --tis-clip does)"""
     calculate_per_token_loss: bool = flag("--calculate-per-token-loss", False)
     """`--calculate-per-token-loss`: average over tokens of the batch instead of per sample."""
-    use_rollout_logprobs: bool = flag(
-        "--use-rollout-logprobs",
-        False,
-        help="the engine's log-probs are the old policy of the PPO ratio (no recompute pass)",
-    )
-    """`--use-rollout-logprobs`: the engine's log-probs are the old policy (no recompute pass)."""
+    use_rollout_logprobs: bool = flag("--use-rollout-logprobs", False)
+    """the engine's log-probs are the old policy of the PPO ratio (no recompute pass)"""
     compute_advantages_and_returns: bool = flag(
         "--disable-compute-advantages-and-returns",
         True,
         dest="compute_advantages_and_returns",
         action="store_false",
-        help="no log-prob passes and no advantages (with --loss-type sft_loss)",
     )
-    """Off with `--disable-compute-advantages-and-returns`: no log-prob passes and no advantages
-    (for --loss-type sft_loss)."""
+    """no log-prob passes and no advantages (with --loss-type sft_loss)"""
     rewards_normalization: bool = flag(
-        "--disable-rewards-normalization",
-        True,
-        dest="rewards_normalization",
-        action="store_false",
-        help="no group baseline: advantages from the raw rewards",
+        "--disable-rewards-normalization", True, dest="rewards_normalization", action="store_false"
     )
-    """Off with `--disable-rewards-normalization`: no group baseline, the advantages start from the
-    raw rewards (grpo, gspo, rloo, reinforce_plus_plus_baseline)."""
-    custom_tis_function_path: str | None = flag(
-        "--custom-tis-function-path",
-        None,
-        metavar="module.function",
-        help="with --use-tis: slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
-        "loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)",
-    )
-    """`--custom-tis-function-path`: slime's TIS hook (slime.algo.plugins), in place of --tis-clip."""
+    """no group baseline: advantages from the raw rewards"""
+    custom_tis_function_path: str | None = flag("--custom-tis-function-path", None, metavar="module.function")
+    """with --use-tis: slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
+    loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)"""
     custom_pg_loss_reducer_function_path: str | None = flag(
-        "--custom-pg-loss-reducer-function-path",
-        None,
-        metavar="module.function",
-        help="slime's pg_loss reducer factory(total_lengths, response_lengths, loss_masks, "
-        "calculate_per_token_loss) -> reduce(pg_loss)",
+        "--custom-pg-loss-reducer-function-path", None, metavar="module.function"
     )
-    """`--custom-pg-loss-reducer-function-path`: slime's reducer of the policy loss (slime.algo.plugins)."""
+    """slime's pg_loss reducer factory(total_lengths, response_lengths, loss_masks,
+    calculate_per_token_loss) -> reduce(pg_loss)"""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

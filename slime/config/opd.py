@@ -29,35 +29,20 @@ OTHER_ARCHITECTURE = "a teacher of another architecture goes with --opd-type sgl
 
 @dataclass(frozen=True)
 class OPDConfig:
-    enabled: bool = flag(
-        "--use-opd",
-        False,
-        help="distil from a teacher on the student's samples: the per-token reverse KL "
-        "log p_student - log p_teacher, times --opd-kl-coef, comes off every advantage",
-    )
-    type: str | None = flag(
-        "--opd-type",
-        None,
-        choices=OPD_TYPES,
-        help="sglang: a teacher engine scores each sample during the rollout; megatron: the train "
-        "backend (FSDP or Megatron) holds the teacher's weights and scores in the train pass",
-    )
-    kl_coef: float = flag(
-        "--opd-kl-coef", 1.0, unset=None, type=float, help="the reverse KL's weight (default 1.0, slime's)"
-    )
-    """Weight of the per-token reverse KL taken from the advantages."""
-    teacher_load: str | None = flag(
-        "--opd-teacher-load",
-        None,
-        help="the teacher's Hugging Face directory: --opd-type megatron loads it into the train ranks (the "
-        "student's architecture); --opd-type sglang starts an engine on it (any architecture, the "
-        "student's tokenizer)",
-    )
-    teacher_url: str | None = flag(
-        "--opd-teacher-url",
-        None,
-        help="(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher",
-    )
+    enabled: bool = flag("--use-opd", False)
+    """distil from a teacher on the student's samples: the per-token reverse KL log p_student - log
+    p_teacher, times --opd-kl-coef, comes off every advantage"""
+    type: str | None = flag("--opd-type", None, choices=OPD_TYPES)
+    """sglang: a teacher engine scores each sample during the rollout; megatron: the train backend
+    (FSDP or Megatron) holds the teacher's weights and scores in the train pass"""
+    kl_coef: float = flag("--opd-kl-coef", 1.0, unset=None, type=float)
+    """the reverse KL's weight (default 1.0, slime's)"""
+    teacher_load: str | None = flag("--opd-teacher-load", None)
+    """the teacher's Hugging Face directory: --opd-type megatron loads it into the train ranks (the
+    student's architecture); --opd-type sglang starts an engine on it (any architecture, the
+    student's tokenizer)"""
+    teacher_url: str | None = flag("--opd-teacher-url", None)
+    """(ours) --opd-type sglang: the URL of a running SGLang-protocol engine serving the teacher"""
 
     @property
     def teacher_engine(self) -> bool:

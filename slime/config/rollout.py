@@ -42,8 +42,8 @@ def json_object(text: str) -> dict[str, Any]:
 class DataConfig:
     """How prompt rows become prompts (slime's flag names)."""
 
-    prompt_data: str = flag("--prompt-data", help="jsonl or parquet prompts")
-    """`--prompt-data`: jsonl or parquet file."""
+    prompt_data: str = flag("--prompt-data")
+    """jsonl or parquet prompts"""
     input_key: str = flag("--input-key", "prompt")
     """`--input-key`: field holding the prompt (text, or a list of chat messages)."""
     label_key: str | None = flag("--label-key", "label")
@@ -53,32 +53,19 @@ class DataConfig:
     apply_chat_template: bool = flag("--apply-chat-template", False)
     """`--apply-chat-template`: format prompts with the tokenizer's chat template."""
     apply_chat_template_kwargs: Mapping[str, Any] | None = flag(
-        "--apply-chat-template-kwargs",
-        None,
-        type=json_object,
-        metavar="JSON",
-        help="with --apply-chat-template: more arguments of the tokenizer's apply_chat_template, a JSON "
-        "object (e.g. '{\"enable_thinking\": false}')",
+        "--apply-chat-template-kwargs", None, type=json_object, metavar="JSON"
     )
-    """`--apply-chat-template-kwargs`: keyword arguments of `tokenizer.apply_chat_template`."""
-    tool_key: str | None = flag(
-        "--tool-key",
-        "tools",
-        help="the field holding a row's tool schemas (a list, or its JSON text): given to the chat template "
-        "(tools=...) and to rollout functions as metadata['tools']",
-    )
-    """`--tool-key`: the row's tool schemas (slime.rollout.data.row_tools)."""
+    """with --apply-chat-template: more arguments of the tokenizer's apply_chat_template, a JSON
+    object (e.g. '{"enable_thinking": false}')"""
+    tool_key: str | None = flag("--tool-key", "tools")
+    """the field holding a row's tool schemas (a list, or its JSON text): given to the chat template
+    (tools=...) and to rollout functions as metadata['tools']"""
     multimodal_keys: Mapping[str, str] | None = flag(
-        "--multimodal-keys",
-        None,
-        type=json_object,
-        metavar="JSON",
-        help="vision-language prompts: a JSON object from a modality to the row field holding its list of "
-        'items, e.g. \'{"image": "images"}\'; each <image> in the prompt\'s text takes the next image '
-        "(a path, data URL, base64 or URL). Needs --apply-chat-template",
+        "--multimodal-keys", None, type=json_object, metavar="JSON"
     )
-    """`--multimodal-keys`: {"image": field} (slime's flag); the images of a row, in the order of
-    the `<image>` placeholders of its prompt (slime.rollout.vision)."""
+    """vision-language prompts: a JSON object from a modality to the row field holding its list of
+    items, e.g. '{"image": "images"}'; each <image> in the prompt's text takes the next image (a
+    path, data URL, base64 or URL). Needs --apply-chat-template"""
     max_prompt_len: int | None = flag("--rollout-max-prompt-len", None, type=int, group="rollout")
     """`--rollout-max-prompt-len`: drop longer prompts (in tokens)."""
     shuffle: bool = flag("--rollout-shuffle", False)

@@ -33,8 +33,8 @@ class OptimizerConfig:
     """`--lr-decay-style`: constant, linear or cosine (after warm-up)."""
     lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
     """`--lr-warmup-iters`: optimizer steps of linear warm-up from --lr-warmup-init to --lr."""
-    lr_warmup_init: float = flag("--lr-warmup-init", 0.0, help="the learning rate of the first warm-up step")
-    """`--lr-warmup-init`: the learning rate of the first warm-up step."""
+    lr_warmup_init: float = flag("--lr-warmup-init", 0.0)
+    """the learning rate of the first warm-up step"""
     lr_decay_iters: int | None = flag("--lr-decay-iters", None, type=int)
     """`--lr-decay-iters`: the optimizer step at which linear/cosine decay reaches --min-lr, counted
     from the first step (warm-up included), as in Megatron-LM."""
@@ -52,39 +52,23 @@ class OptimizerConfig:
     """`--optimizer`: adam (AdamW, as Megatron-LM's adam) or sgd."""
     sgd_momentum: float = 0.9
     """`--sgd-momentum`: momentum of --optimizer sgd."""
-    reset_optimizer_states: bool = flag(
-        "--reset-optimizer-states",
-        False,
-        help="clear the optimizer's states (Adam's moments and step counts, SGD's momentum) before each "
-        "rollout's first step, as slime; the learning-rate schedule goes on",
-    )
-    """`--reset-optimizer-states`: the optimizer states cleared before each rollout's training."""
-    use_stateless_adam: bool = flag(
-        "--use-stateless-adam",
-        False,
-        help="Adam without moments kept between steps: every step is Adam's first (bias-corrected: "
-        "-lr * g / (|g| + eps), weight decay decoupled), as slime's StatelessAdam; nothing to checkpoint",
-    )
-    """`--use-stateless-adam`: every step is a fresh Adam's first (slime.backends.optim.StatelessAdamW)."""
+    reset_optimizer_states: bool = flag("--reset-optimizer-states", False)
+    """clear the optimizer's states (Adam's moments and step counts, SGD's momentum) before each
+    rollout's first step, as slime; the learning-rate schedule goes on"""
+    use_stateless_adam: bool = flag("--use-stateless-adam", False)
+    """Adam without moments kept between steps: every step is Adam's first (bias-corrected: -lr * g
+    / (|g| + eps), weight decay decoupled), as slime's StatelessAdam; nothing to checkpoint"""
     only_train_params_name_list: tuple[str, ...] | None = flag(
-        "--only-train-params-name-list",
-        None,
-        nargs="*",
-        metavar="REGEX",
-        help="train only the parameters whose name matches one of these (re.search), freeze the rest; "
-        "names are the backend's own: Megatron's (decoder.layers.3.mlp.linear_fc1.weight) or Hugging "
-        "Face's with fsdp",
+        "--only-train-params-name-list", None, nargs="*", metavar="REGEX"
     )
-    """`--only-train-params-name-list`: the parameters that train (slime.backends.optim.freeze_parameters)."""
+    """train only the parameters whose name matches one of these (re.search), freeze the rest; names
+    are the backend's own: Megatron's (decoder.layers.3.mlp.linear_fc1.weight) or Hugging Face's
+    with fsdp"""
     freeze_params_name_list: tuple[str, ...] | None = flag(
-        "--freeze-params-name-list",
-        None,
-        nargs="*",
-        metavar="REGEX",
-        help="freeze the parameters whose name matches one of these (re.search); names as "
-        "--only-train-params-name-list's",
+        "--freeze-params-name-list", None, nargs="*", metavar="REGEX"
     )
-    """`--freeze-params-name-list`: the parameters that do not train."""
+    """freeze the parameters whose name matches one of these (re.search); names as
+    --only-train-params-name-list's"""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
@@ -144,22 +128,12 @@ class BatchConfig:
     """`--max-tokens-per-gpu`: token budget of a training micro-batch (its real or padded tokens)."""
     log_probs_max_tokens_per_gpu: int | None = flag("--log-probs-max-tokens-per-gpu", None, type=int)
     """`--log-probs-max-tokens-per-gpu`: token budget of the log-prob pass (default: the train one)."""
-    padded_micro_batches: bool = flag(
-        "--padded-micro-batches",
-        False,
-        help="right-pad each micro-batch to its longest sample instead of packing its samples into one "
-        "row (both backends pack by default; for comparison)",
-    )
-    """`--padded-micro-batches` (ours): one right-padded row per sample instead of packed
-    micro-batches, for comparison (docs/train.md)."""
-    log_probs_chunk_size: int = flag(
-        "--log-probs-chunk-size",
-        -1,
-        help="response tokens per chunk of the log-softmax over the vocabulary, so no [tokens x vocab] "
-        "float32 tensor is held at once (-1: no chunks); the values are the same",
-    )
-    """`--log-probs-chunk-size`: compute the log-softmax over the vocabulary for this many
-    response tokens at a time (-1: all at once); memory only, the values are the same."""
+    padded_micro_batches: bool = flag("--padded-micro-batches", False)
+    """right-pad each micro-batch to its longest sample instead of packing its samples into one row
+    (both backends pack by default; for comparison)"""
+    log_probs_chunk_size: int = flag("--log-probs-chunk-size", -1)
+    """response tokens per chunk of the log-softmax over the vocabulary, so no [tokens x vocab]
+    float32 tensor is held at once (-1: no chunks); the values are the same"""
 
     def __post_init__(self) -> None:
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -249,43 +223,31 @@ class ModelOptions:
 class TrainConfig:
     """Everything a train actor needs."""
 
-    hf_checkpoint: str = flag("--hf-checkpoint", help="Hugging Face model directory")
-    """`--hf-checkpoint`: Hugging Face model directory (config, weights, tokenizer)."""
+    hf_checkpoint: str = flag("--hf-checkpoint")
+    """Hugging Face model directory"""
     backend: str = "fsdp"
     """`--train-backend`: fsdp (slime.backends.fsdp) or megatron (slime.backends.megatron)."""
-    ref_load: str | None = flag("--ref-load", None, help="reference weights (default: --hf-checkpoint)")
-    """`--ref-load`: reference-model weights (HF directory; default: --hf-checkpoint)."""
+    ref_load: str | None = flag("--ref-load", None)
+    """reference weights (default: --hf-checkpoint)"""
     device: str = "cpu"
     """`--device`: cpu (gloo) or cuda (NCCL)."""
     seed: int = flag("--seed", 1234)
     """`--seed`: the trainer's random seed (and the engines' with --deterministic-mode)."""
     rollout_temperature: float = flag("--rollout-temperature", 1.0)
     """`--rollout-temperature`: log-probs and entropy are computed at this temperature."""
-    load: str | None = flag("--load", None, help="checkpoint root to resume from")
-    """`--load`: checkpoint root to resume from (holds latest_checkpointed_iteration.txt)."""
+    load: str | None = flag("--load", None)
+    """checkpoint root to resume from"""
     override_opt_param_scheduler: bool = flag("--override-opt-param-scheduler", False)
     """`--override-opt-param-scheduler`: on resume, use the flags' LR schedule, not the saved one."""
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
     """`--distributed-timeout-minutes`: timeout of every collective of the train group."""
-    peak_tflops: float | None = flag(
-        "--peak-tflops",
-        None,
-        type=float,
-        metavar="TFLOPS",
-        help="a train GPU's peak TFLOPS, for perf/actor_train_mfu (perf/actor_train_tflops / this); "
-        "default: the dense BF16 peak of a known NVIDIA GPU (slime.utils.flops.PEAK_BF16_TFLOPS); on "
-        "a CPU or another GPU without it, no MFU is reported",
-    )
-    """`--peak-tflops` (ours): the peak perf/actor_train_mfu divides by (None: the GPU's, from
-    slime.utils.flops.PEAK_BF16_TFLOPS, and no MFU where it is not listed)."""
-    save_debug_train_data: str | None = flag(
-        "--save-debug-train-data",
-        None,
-        metavar="TEMPLATE",
-        help="per rank and rollout, what it trained on (tokens, masks, log-probs, advantages, rewards); "
-        "TEMPLATE has {rollout_id} and {rank}",
-    )
-    """`--save-debug-train-data TEMPLATE` ({rollout_id}, {rank}): what each rank trained on."""
+    peak_tflops: float | None = flag("--peak-tflops", None, type=float, metavar="TFLOPS")
+    """a train GPU's peak TFLOPS, for perf/actor_train_mfu (perf/actor_train_tflops / this);
+    default: the dense BF16 peak of a known NVIDIA GPU (slime.utils.flops.PEAK_BF16_TFLOPS); on a
+    CPU or another GPU without it, no MFU is reported"""
+    save_debug_train_data: str | None = flag("--save-debug-train-data", None, metavar="TEMPLATE")
+    """per rank and rollout, what it trained on (tokens, masks, log-probs, advantages, rewards);
+    TEMPLATE has {rollout_id} and {rank}"""
     deterministic: bool = False
     """`--deterministic-mode`: seeded, deterministic kernels (slime.utils.seed); the rollout
     seeds every sample and the engines run batch-invariant."""
