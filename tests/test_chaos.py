@@ -26,8 +26,9 @@ FAKE_SGLANG = os.path.join(ROOT, "tests", "fake_sglang")
 #   phase[:key=value...]->target ; ...
 # A kill fires once (a marker file per kill, since the hook runs in several processes), when the
 # phase's info matches every key=value. target: `engine` (the engine the info names: `engine`,
-# else the first of `engines`), `engine-stop` (the same with SIGSTOP: an engine that hangs without
-# dying), `engines` (every engine up), `router` (the one the info names),
+# else the first of `engines`), `engine-busy` (that engine, at the first such phase where it has a
+# request in flight), `engine-stop` (the same with SIGSTOP: an engine that hangs without dying),
+# `engines` (every engine up), `router` (the one the info names),
 # `self` (this process), or
 # `await:admitted` (hold this phase until a restarted engine was admitted: the run then goes on
 # long enough for a push to reach it, however long its restart took).
@@ -41,6 +42,14 @@ def _pid_listening(url):
             return c.pid
     raise RuntimeError(f"nothing listens at {url}")
 
+def _busy(url):  # a request running or queued at the engine (its /metrics: no key on loopback)
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("sglang:num_running_reqs{", "sglang:num_queue_reqs{"))]
+    return sum(counts) > 0
+
 def _kill(pid, what, sig=signal.SIGKILL):
     print(f"CHAOS: killing {what} (pid {pid}, {signal.Signals(sig).name})", flush=True)
     os.kill(pid, sig)
@@ -53,13 +62,15 @@ def hook(phase, info):
         name, *conds = when.split(":")
         if name != phase or any(str(info.get(c.split("=")[0])) != c.split("=")[1] for c in conds):
             continue
+        if target == "engine-busy" and not _busy(info.get("engine") or info["engines"][0]):
+            continue  # armed until the engine has a request in flight (which is then generated again)
         try:
             fd = os.open(os.path.join(os.environ["CHAOS_DIR"], f"fired{k}"), os.O_CREAT | os.O_EXCL)
             os.close(fd)
         except FileExistsError:
             continue
         print(f"CHAOS: {spec.strip()} at {phase} {info}", flush=True)
-        if target in ("engine", "engine-stop"):  # engine-stop: SIGSTOP, an engine that hangs
+        if target in ("engine", "engine-busy", "engine-stop"):  # engine-stop: SIGSTOP, an engine that hangs
             url = info.get("engine") or info["engines"][0]
             sig = signal.SIGSTOP if target == "engine-stop" else signal.SIGKILL
             _kill(_pid_listening(url), f"engine {url}", sig)
@@ -139,12 +150,11 @@ def assert_nothing_lost(proc, template, num_rollout, kills, pushes):
 @pytest.mark.slow  # ~60 s
 def test_engines_killed_in_every_phase_of_a_step_lose_nothing(tiny_model, prompts, tmp_path):
     """One job, one fault per rollout: both engines at once during generation (rollout 0), one
-    during generation (rollout 1; with 48-token responses of varied length its other groups are
-    still generating), one between the generation and the push (rollout 2), one during the push
-    after its first bucket (version 4)."""
+    during generation while it has requests in flight (rollout 1), one between the generation and
+    the push (rollout 2), one during the push after its first bucket (version 4)."""
     chaos = (
         "group_generated:rollout_id=0:evaluation=False:groups=1->engines;"
-        "group_generated:rollout_id=1:evaluation=False:groups=1->engine;"
+        "group_generated:rollout_id=1:evaluation=False->engine-busy;"
         "rollout_done:rollout_id=2->engine;"
         "push_bucket:version=4:bucket=0->engine"
     )

@@ -88,8 +88,10 @@ def push_actor_weights(
             verify_trainer_seconds=prints.seconds, verify_compare_seconds=time.perf_counter() - start
         )
         logger.info(
-            "--check-weight-sync: %d tensors match on every engine (trainer fingerprints %.4f s)",
+            "--check-weight-sync: %d tensors match on every engine, weight version %s (trainer "
+            "fingerprints %.4f s)",
             len(prints.entries),
+            weight_version,
             prints.seconds,
         )
     return stats
