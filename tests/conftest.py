@@ -111,8 +111,32 @@ PLAIN_JOBS = {
 """The modules of the second group of end-to-end jobs (see below)."""
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow-shard",
+        default=None,
+        metavar="K/N",
+        help="run only shard K (0-based) of N of the slow tests (tests/slow_shards.py; CI runs one)",
+    )
+
+
+def _slow_shard(config, items):
+    """--slow-shard K/N: the slow tests of other shards deselected (tests/slow_shards.py)."""
+    from tests.slow_shards import assign, load, parse_shard
+
+    k, n = parse_shard(config.getoption("--slow-shard"))
+    _, seconds = load()
+    shard = assign([i.nodeid for i in items if "slow" in i.keywords], n, seconds)
+    other = [i for i in items if shard.get(i.nodeid, k) != k]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [i for i in items if shard.get(i.nodeid, k) == k]
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group marks into node ids
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow-shard"):
+        _slow_shard(config, items)
     # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the end-to-end jobs run
     # in two groups, each one job after another on one worker (a worker's jobs share one Ray
     # cluster): the jobs that time faults (kills, hangs, health checks, restarts) in one, the

@@ -199,7 +199,7 @@ def test_aborted_completion_reports_abort(served):
 def test_tokenizer_work_stays_off_the_event_loop(served, monkeypatch):
     engine = served.engine
     threads: list[threading.Thread] = []
-    real_encode, real_decode = engine.encode, engine.decode
+    real_encode, real_decode = engine.tokens.encode, engine.tokens.decode
 
     def encode(text: str) -> list[int]:
         threads.append(threading.current_thread())
@@ -209,8 +209,8 @@ def test_tokenizer_work_stays_off_the_event_loop(served, monkeypatch):
         threads.append(threading.current_thread())
         return real_decode(ids, skip_special_tokens)
 
-    monkeypatch.setattr(engine, "encode", encode)
-    monkeypatch.setattr(engine, "decode", decode)
+    monkeypatch.setattr(engine.tokens, "encode", encode)
+    monkeypatch.setattr(engine.tokens, "decode", decode)
 
     async def scenario():
         async with EngineClient(served.url, PATIENT) as c:

@@ -32,6 +32,7 @@ from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
+from slime.engines.torch_engine.tokens import SharedTokenizer
 from slime.engines.torch_engine.vision import ImagePreparer, VisionRunner
 from slime.engines.torch_engine.weights import WeightStore
 
@@ -42,7 +43,6 @@ class TorchEngine:
     """Continuous-batching generation over a Hugging Face causal LM."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoTokenizer
 
         self.config = config
         if config.num_threads:
@@ -53,8 +53,9 @@ class TorchEngine:
             enable_deterministic(config.random_seed)
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.model: Any = load_model(config.model_path, dtype, self.device)
+        self.tokens = SharedTokenizer(config.model_path, self.model)
+        self.tokenizer = self.tokens.tokenizer
         model_config = self.model.config.get_text_config()
         self.vocab_size = int(model_config.vocab_size)
         self.context_length = int(
@@ -91,7 +92,10 @@ class TorchEngine:
             for name, path in config.lora_paths:
                 self.adapters.load_dir(name, path)
         self.scheduler = Scheduler(
-            config.max_running_requests, config.max_prefill_tokens, self._eos_token_ids(), self._detokenize
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            self.tokens.eos_token_ids,
+            self.tokens.decode,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.random_seed)
         self._weight_version = config.weight_version
@@ -102,7 +106,6 @@ class TorchEngine:
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
-        self._tokenizer_lock = threading.Lock()
         # Guards the hand-over between call() and a dying thread: a command is either queued
         # before the queue is drained for good, or refused.
         self._commands_lock = threading.Lock()
@@ -355,7 +358,7 @@ class TorchEngine:
         elif req.input_ids is not None:
             ids = list(req.input_ids)
         else:
-            ids = self.encode(req.text) if req.text else []
+            ids = self.tokens.encode(req.text) if req.text else []
             if not ids:
                 raise ProtocolError("'text' tokenizes to no tokens; give a non-empty prompt")
         routed = None
@@ -480,37 +483,3 @@ class TorchEngine:
             seq.num_cached = 0
         self.scheduler.retract(retracted)
         return len(retracted)
-
-    # ---- helpers ----------------------------------------------------------------------------
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(source, "eos_token_id", None)
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, (list, tuple)):
-                ids.update(int(e) for e in eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
-
-    # Worker threads encode while the engine thread decodes; a fast tokenizer is not safe to
-    # share across threads ("Already borrowed"), so every use goes through one lock. The event
-    # loop never takes it: the server encodes and decodes in worker threads.
-    def encode(self, text: str) -> list[int]:
-        """Tokenize a text prompt as SGLang does: with the tokenizer's special tokens (e.g. BOS)."""
-        with self._tokenizer_lock:
-            return list(self.tokenizer.encode(text))
-
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self._tokenizer_lock:
-            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-
-    decode = _detokenize
-
-    def _token_texts(self, ids: list[int]) -> list[str]:
-        """Each token's own text, special tokens included (SGLang's return_text_in_logprobs)."""
-        with self._tokenizer_lock:
-            return [
-                str(t) for t in self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-            ]

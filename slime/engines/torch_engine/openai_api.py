@@ -57,12 +57,12 @@ def completion_response(
         }
         if body.logprobs is not None:
             ids = res["output_ids"]
-            tokens = [engine.decode([t], False) for t in ids]
+            tokens = [engine.tokens.decode([t], False) for t in ids]
             choice["logprobs"] = {
                 "tokens": tokens,
                 "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
                 "top_logprobs": [
-                    {engine.decode([t], False): lp for lp, t, _ in top}
+                    {engine.tokens.decode([t], False): lp for lp, t, _ in top}
                     for top in meta.get("output_top_logprobs", [[] for _ in ids])
                 ],
                 "text_offset": _offsets(tokens),

@@ -14,7 +14,7 @@ from slime.engines.torch_engine.sequence import RequestTimes, Sequence
 def result_of(engine: Any, seq: Sequence) -> dict[str, Any]:
     """SGLang's /generate response object for one finished sequence of `engine` (a TorchEngine);
     stamps `seq.times.responded`, where its `e2e_latency` ends."""
-    text = engine._detokenize(seq.output_ids, seq.params.skip_special_tokens)
+    text = engine.tokens.decode(seq.output_ids, seq.params.skip_special_tokens)
     if seq.stop_text_end is not None:
         text = text[: seq.stop_text_end]
     meta: dict[str, Any] = {
@@ -28,7 +28,7 @@ def result_of(engine: Any, seq: Sequence) -> dict[str, Any]:
         "weight_version_spans": [list(span) for span in seq.version_spans],
     }
     if seq.return_logprob:
-        texts = engine._token_texts if seq.return_text_in_logprobs else (lambda ids: [None] * len(ids))
+        texts = engine.tokens.token_texts if seq.return_text_in_logprobs else (lambda ids: [None] * len(ids))
         meta["output_token_logprobs"] = [
             [lp, t, text] for lp, t, text in zip(seq.output_logprobs, seq.output_ids, texts(seq.output_ids))
         ]
