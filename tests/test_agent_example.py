@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime.agent.sandbox import _namespaces_work
+from slime.agent.local_sandbox import _namespaces_work
 from slime.utils.async_utils import run_sync
 from slime.utils.misc import SingletonMeta
 from slime.utils.net import host_port

@@ -12,15 +12,8 @@ import time
 import pytest
 
 from slime.agent.harness import BaseHarness, ClaudeCodeHarness, CodexHarness, HarnessContext, run_agent
-from slime.agent.sandbox import (
-    EXIT_TIME_BUDGET_EXCEEDED,
-    EXIT_TIMEOUT,
-    E2BSandbox,
-    LocalSandbox,
-    Sandbox,
-    _namespaces_work,
-    exec_and_wait,
-)
+from slime.agent.local_sandbox import EXIT_TIMEOUT, LocalSandbox, _namespaces_work
+from slime.agent.sandbox import EXIT_TIME_BUDGET_EXCEEDED, E2BSandbox, Sandbox, exec_and_wait
 from slime.utils.async_utils import run_sync
 
 needs_namespaces = pytest.mark.skipif(not _namespaces_work(), reason="no unprivileged user namespaces here")

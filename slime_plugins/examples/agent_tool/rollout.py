@@ -23,7 +23,7 @@ import openai
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import FilteredAccessLogger, run_app_in_thread
-from slime.agent.sandbox import LocalSandbox
+from slime.agent.local_sandbox import LocalSandbox
 from slime.utils.misc import SingletonMeta
 from slime.utils.sample import Sample
 from slime_plugins.examples.agent_tool.agent import solve
