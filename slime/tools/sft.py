@@ -21,6 +21,7 @@ import random
 import socket
 import sys
 import time
+from typing import Any
 
 from slime.config.train import add_train_arguments, train_config_from_args
 
@@ -141,23 +142,48 @@ def main(argv: list[str] | None = None) -> int:
     problem = _megatron_problem(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if problem:
         parser.error(problem)
-
-    from transformers import AutoTokenizer
+    examples, images = _read_examples(parser, ns, cfg.hf_checkpoint)
+    batch_size = cfg.batch.global_batch_size or len(examples)
+    if batch_size > len(examples):
+        parser.error(
+            f"--global-batch-size {batch_size} is larger than the {len(examples)} examples in --data"
+        )
 
     from slime.backends import make_train_actor
-    from slime.rollout.data import DataError
-    from slime.utils.batch import RolloutBatch
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    torchrun = "MASTER_ADDR" in os.environ
+    actor = (
+        make_train_actor(cfg) if torchrun else make_train_actor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+    )
+    actor.init()
+    configure_logging(f"rank {actor.rank}")
+    try:
+        step = _train(actor, examples, batch_size, ns.num_epoch, random.Random(cfg.seed), images)
+        actor.save_hf(ns.save_hf)  # atomic: written beside it and renamed; with the tokenizer
+        if actor.rank == 0:
+            logger.info("wrote %s after %d steps", ns.save_hf, step)
+    finally:
+        actor.close()
+    return 0
+
+
+def _read_examples(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, checkpoint: str
+) -> tuple[list[Any], bool]:
+    """--data tokenized with the checkpoint's tokenizer (and its image processor with
+    --multimodal-keys); whether the examples carry images. A bad input is a parser error."""
+    from transformers import AutoTokenizer
+
+    from slime.rollout.data import DataError
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     processor = None
     if ns.multimodal_keys:
         from slime.utils.processing_utils import load_processor
 
-        processor = load_processor(cfg.hf_checkpoint)
+        processor = load_processor(checkpoint)
         if processor is None:
-            parser.error(
-                f"--multimodal-keys: {cfg.hf_checkpoint} has no image processor (preprocessor_config.json)"
-            )
+            parser.error(f"--multimodal-keys: {checkpoint} has no image processor (preprocessor_config.json)")
     try:
         examples = load_examples(
             ns.data,
@@ -170,53 +196,44 @@ def main(argv: list[str] | None = None) -> int:
         )
     except DataError as e:
         parser.error(str(e))
-    batch_size = cfg.batch.global_batch_size or len(examples)
-    if batch_size > len(examples):
-        parser.error(
-            f"--global-batch-size {batch_size} is larger than the {len(examples)} examples in --data"
-        )
+    return examples, processor is not None
 
-    torchrun = "MASTER_ADDR" in os.environ
-    actor = (
-        make_train_actor(cfg) if torchrun else make_train_actor(cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
-    )
-    actor.init()
-    configure_logging(f"rank {actor.rank}")
-    rng = random.Random(cfg.seed)
+
+def _train(
+    actor: Any, examples: list[Any], batch_size: int, epochs: int, rng: random.Random, images: bool
+) -> int:
+    """`epochs` passes over the examples in shuffled batches (the last partial one dropped), a
+    train call each; returns the steps taken."""
+    from slime.utils.batch import RolloutBatch
+
     step, start = 0, time.perf_counter()
-    try:
-        for epoch in range(ns.num_epoch):
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-            losses: list[float] = []
-            for lo in range(0, len(order) - batch_size + 1, batch_size):  # drops the last partial batch
-                chosen = [examples[i] for i in order[lo : lo + batch_size]]
-                batch = RolloutBatch(
-                    tokens=[t for t, _, _ in chosen],
-                    response_lengths=[n for _, n, _ in chosen],
-                    rewards=[0.0] * len(chosen),
-                    group_indices=list(range(len(chosen))),
-                    multimodal_train_inputs=[m for _, _, m in chosen] if processor is not None else None,
-                )
-                out = actor.train(step, batch)
-                losses.extend(s["loss"] for s in out.steps)
-                step += 1
-            if actor.rank == 0:
-                logger.info(
-                    "epoch %d/%d: %d steps, loss %.4f (last %.4f), %.1f s",
-                    epoch + 1,
-                    ns.num_epoch,
-                    len(losses),
-                    sum(losses) / len(losses),
-                    losses[-1],
-                    time.perf_counter() - start,
-                )
-        actor.save_hf(ns.save_hf)  # atomic: written beside it and renamed; with the tokenizer
+    for epoch in range(epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        losses: list[float] = []
+        for lo in range(0, len(order) - batch_size + 1, batch_size):
+            chosen = [examples[i] for i in order[lo : lo + batch_size]]
+            batch = RolloutBatch(
+                tokens=[t for t, _, _ in chosen],
+                response_lengths=[n for _, n, _ in chosen],
+                rewards=[0.0] * len(chosen),
+                group_indices=list(range(len(chosen))),
+                multimodal_train_inputs=[m for _, _, m in chosen] if images else None,
+            )
+            out = actor.train(step, batch)
+            losses.extend(s["loss"] for s in out.steps)
+            step += 1
         if actor.rank == 0:
-            logger.info("wrote %s after %d steps", ns.save_hf, step)
-    finally:
-        actor.close()
-    return 0
+            logger.info(
+                "epoch %d/%d: %d steps, loss %.4f (last %.4f), %.1f s",
+                epoch + 1,
+                epochs,
+                len(losses),
+                sum(losses) / len(losses),
+                losses[-1],
+                time.perf_counter() - start,
+            )
+    return step
 
 
 if __name__ == "__main__":
