@@ -46,6 +46,45 @@ from slime.backends.megatron.layer_map import layer_pairs, mtp_shared_copies
 State = dict[str, torch.Tensor]
 
 
+def convertible_family(config: Any) -> dict[str, Any]:
+    """The SUPPORTED entry of `config`'s family; ConversionError naming what the conversion does
+    not build (a vision-language checkpoint, another family, quantized weights, a rope scaling or an
+    activation megatron-core is not built with here, an output projection bias)."""
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "text_config", None) is not None and model_type in ("qwen3_5", "qwen3_5_moe"):
+        raise ConversionError(
+            f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
+            "model.language_model): the Megatron backend builds the text model only (model_type "
+            f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out "
+            "with python -m slime.tools.text_model extract"
+        )
+    if model_type not in SUPPORTED:
+        from slime.utils.model_families import megatron_refusal
+
+        raise ConversionError(
+            f"model_type {model_type!r}: {megatron_refusal(model_type) or 'not converted'} (the Megatron "
+            f"backend and conversion build {', '.join(SUPPORTED)}; docs/models.md)"
+        )
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ConversionError(
+            f"model_type {model_type!r} with quantization_config ({method}): its weights are stored "
+            "quantized (FP8 blocks with separate scales), which the conversion does not read; convert "
+            "a bfloat16 copy"
+        )
+    rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
+    family = SUPPORTED[model_type]
+    bias = bool(getattr(config, "attention_bias", False))
+    if bias and family.get("output_bias"):
+        raise ConversionError(
+            f"model_type {model_type!r} with attention_bias: the output projection's bias is not converted"
+        )
+    return family
+
+
 @dataclass(frozen=True)
 class Layout:
     """What the conversion needs to know about the model (from an HF config)."""
@@ -164,39 +203,9 @@ class Layout:
         """A config of one of the SUPPORTED families (SiLU-gated MLPs, RMSNorm); `stages`: the
         first and last pipeline stage's layers (uneven stages; None: as the others); `mtp_layers`:
         the multi-token prediction modules to build, at most the checkpoint's."""
-        model_type = getattr(config, "model_type", None)
-        if getattr(config, "text_config", None) is not None and model_type in ("qwen3_5", "qwen3_5_moe"):
-            raise ConversionError(
-                f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
-                "model.language_model): the Megatron backend builds the text model only (model_type "
-                f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out "
-                "with python -m slime.tools.text_model extract"
-            )
-        if model_type not in SUPPORTED:
-            from slime.utils.model_families import megatron_refusal
-
-            raise ConversionError(
-                f"model_type {model_type!r}: {megatron_refusal(model_type) or 'not converted'} (the Megatron "
-                f"backend and conversion build {', '.join(SUPPORTED)}; docs/models.md)"
-            )
-        quantized = getattr(config, "quantization_config", None)
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            raise ConversionError(
-                f"model_type {model_type!r} with quantization_config ({method}): its weights are stored "
-                "quantized (FP8 blocks with separate scales), which the conversion does not read; convert "
-                "a bfloat16 copy"
-            )
-        rope_theta(config)  # refuses a rope scaling megatron-core's GPTModel is not built with here
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
-        family = SUPPORTED[model_type]
+        family = convertible_family(config)
+        model_type = config.model_type
         bias = bool(getattr(config, "attention_bias", False))
-        if bias and family.get("output_bias"):
-            raise ConversionError(
-                f"model_type {model_type!r} with attention_bias: the output projection's bias is not "
-                "converted"
-            )
         from slime.config.architecture import partial_rotary
 
         heads = config.num_attention_heads
