@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -60,7 +61,10 @@ def junit_seconds(path: str) -> dict[str, float]:
     out = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
-        out[f"{module}.py::{case.get('name')}"] = round(float(case.get("time", 0.0)), 1)
+        if not module:  # a module skipped as a whole (no test of its own)
+            continue
+        name = re.sub(r"@[\w-]+$", "", case.get("name", ""))  # pytest-xdist's `@group` suffix
+        out[f"{module}.py::{name}"] = round(float(case.get("time", 0.0)), 1)
     return out
 
 

@@ -30,7 +30,7 @@ def test_durations_come_from_a_junit_report(tmp_path):
     report = tmp_path / "r.xml"
     report.write_text(
         '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.test_chaos" name="test_fault_matrix[eval]" time="71.234"/>'
+        '<testcase classname="tests.test_chaos" name="test_fault_matrix[eval]@e2e" time="71.234"/>'
         '<testcase classname="tests.test_loop_e2e" name="test_resume" time="60.0"/>'
         "</testsuite></testsuites>"
     )
