@@ -244,12 +244,12 @@ class TraceFile:
             name = str(event.pop("track", track))
             t = self.track(name)
             self.account.add(name, event)
-            row = self._row(t, str(event.pop("tid", "main")))
-            out = {**event, "pid": t.pid, "tid": row}
-            out["ts"] = round((event["ts"] - self.start_ns) / 1e3, 3)
-            if "dur" in out:
-                out["dur"] = round(int(out["dur"]) / 1e3, 3)
-            self._write(out)
+            event["tid"] = self._row(t, str(event.pop("tid", "main")))
+            event["pid"] = t.pid
+            event["ts"] = round((event["ts"] - self.start_ns) / 1e3, 3)
+            if "dur" in event:
+                event["dur"] = round(int(event["dur"]) / 1e3, 3)
+            self._write(event)
         self._spool.flush()
 
     def close(self) -> str:

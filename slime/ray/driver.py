@@ -55,9 +55,11 @@ def make_hooks(
     evaluator: Any,
     tracker: Any,
     progress: RolloutBar,
+    tracing: Hook | None = None,
 ) -> list[Hook]:
     """The hooks the flags ask for, in the order they run (metrics last: it logs the record the
-    others filled). `train`/`engines`: whether the job has a train group / an engine group."""
+    others filled). `train`/`engines`: whether the job has a train group / an engine group;
+    `tracing`: --trace-dir's drain, just before the metrics (a step's time includes it)."""
     d = config.debug
     adapter = config.train.lora.pushes_adapter
     out: list[Hook] = []
@@ -88,6 +90,7 @@ def make_hooks(
     if train and (config.checkpoint.save or config.checkpoint.save_hf):
         c = config.checkpoint
         out.append(hooks.Save(c.save_interval, bool(c.save), bool(c.save_hf)))
+    out += [tracing] if tracing is not None else []
     out.append(Metrics(tracker, progress, config.logging.wandb_always_use_train_step))
     return out
 
@@ -149,10 +152,16 @@ def run(config: Config, off_policy: bool, log_dir: str) -> int:
         source = replay if replay is not None else generated
         assert source is not None
         loop_hooks = make_hooks(
-            config, log_dir, train is not None, engines is not None, replay, generated, tracker, progress
+            config,
+            log_dir,
+            train is not None,
+            engines is not None,
+            replay,
+            generated,
+            tracker,
+            progress,
+            tracing,
         )
-        if tracing is not None:  # before the metrics: a step's time includes its drain
-            loop_hooks.insert(len(loop_hooks) - 1, tracing)
         logger.info("schedule: %s", schedule.name)
         loop = Loop(
             source,

@@ -118,7 +118,11 @@ class Recorder:
     @contextlib.contextmanager
     def lane(self, thread: str) -> Iterator[str]:
         """A row for work that may overlap other work of its kind (concurrent HTTP requests): the
-        first of `thread`, `thread 2`, ... that no unfinished span holds."""
+        first of `thread`, `thread 2`, ... that no unfinished span holds (no bookkeeping when the
+        process does not record: a rollout takes one per prompt group)."""
+        if not self.enabled:
+            yield thread
+            return
         with self._lanes_lock:
             busy = self._lanes.setdefault(thread, [])
             k = busy.index(False) if False in busy else len(busy)

@@ -55,7 +55,6 @@ class TorchEngine:
         dtype = getattr(torch, config.dtype)
         self.model: Any = load_model(config.model_path, dtype, self.device)
         self.tokens = SharedTokenizer(config.model_path, self.model)
-        self.tokenizer = self.tokens.tokenizer
         model_config = self.model.config.get_text_config()
         self.vocab_size = int(model_config.vocab_size)
         self.context_length = int(
