@@ -118,7 +118,7 @@ def main() -> int:
             )
             actor = FSDPTrainActor(cfg, 0, 1, f"file://{run}-rendezvous")
             actor.init()
-            vocab = actor.hf_config.vocab_size
+            vocab = actor.backend.hf_config.vocab_size
             delta = {
                 e: DeltaDiskTransport(bf16, os.path.join(run, e), os.path.join(run, e + "-host"), e)
                 for e in wd.ENCODINGS

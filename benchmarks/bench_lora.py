@@ -49,7 +49,7 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
         )
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
-    vocab = actor.hf_config.vocab_size
+    vocab = actor.backend.hf_config.vocab_size
     seconds = []
     for r in range(rollouts + 1):
         start = time.perf_counter()
@@ -64,11 +64,11 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
             for t in tensors
         )
 
-    params = list(actor.model.parameters())
+    params = list(actor.backend.model.parameters())
     trainable = [p for p in params if p.requires_grad]
     optimizer = sum(
         local_bytes([v])
-        for s in actor.optimizer.state.values()
+        for s in actor.backend.optimizer.state.values()
         for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )

@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, init: str, out: str, model: str, layout: str, r
     )
     actor = make_train_actor(cfg, rank, world, init)
     actor.init()
-    vocab = actor.hf_config.vocab_size
+    vocab = actor.backend.hf_config.vocab_size
     times, tokens = [], []
     for r in range(rollouts + 1):
         batch = make_rollout(r, vocab)

@@ -108,7 +108,7 @@ def bench_train(model_path: str, vocab: int, rollouts: int, rendezvous: str) -> 
     )
     actor = FSDPTrainActor(cfg, 0, 1, f"file://{rendezvous}")  # a one-rank gloo process group
     actor.init()
-    experts_impl = str(getattr(actor.model.config, "_experts_implementation", None))
+    experts_impl = str(getattr(actor.backend.model.config, "_experts_implementation", None))
     try:
 
         def run(rollout_id: int, batch: RolloutBatch) -> float:

@@ -90,7 +90,9 @@ def test_split_rollout_gives_each_replica_the_share_it_plans_with():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, dynamic):
-    from slime.backends.train_common import TrainActorBase
+    from types import SimpleNamespace
+
+    from slime.backends.planning import plan
     from slime.config.train import BatchConfig, TrainConfig
     from slime.utils.batch import BatchError, split_rollout
 
@@ -107,22 +109,20 @@ def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, d
     )
     parts = split_rollout(batch, cfg.batch, 2)
     for d in range(2):
-        rank = TrainActorBase()
-        rank.cfg, rank.dp_rank, rank.dp_size = cfg, d, 2
-        whole = rank.plan(batch)
-        mine = rank.plan(parts[d])
+        rank = SimpleNamespace(dp_rank=d, dp_size=2, context_parallel=1)
+        whole = plan(cfg, rank, batch)
+        mine = plan(cfg, rank, parts[d])
         # The same micro-batches, named by position in the part instead of in the rollout.
         assert [[[parts[d].positions[p] for p in mb] for mb in s.micro_batches] for s in mine] == [
             s.micro_batches for s in whole
         ]
         assert [(s.num_samples, s.num_tokens) for s in mine] == [(s.num_samples, s.num_tokens) for s in whole]
-    rank = TrainActorBase()
-    rank.cfg, rank.dp_rank, rank.dp_size = cfg, 0, 2
+    rank = SimpleNamespace(dp_rank=0, dp_size=2, context_parallel=1)
     with pytest.raises(BatchError, match="without sample"):
-        rank.plan(parts[1])  # another replica's part
+        plan(cfg, rank, parts[1])  # another replica's part
     rank.dp_size = 4
     with pytest.raises(BatchError, match="split for 2 data-parallel replicas, but this job trains on 4"):
-        rank.plan(parts[0])
+        plan(cfg, rank, parts[0])
 
 
 def test_a_step_counts_executions_and_keeps_each_together():

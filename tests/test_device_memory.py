@@ -1,4 +1,4 @@
-"""Sleep releases every byte of device memory (slime.utils.device_memory and the actors' `_move`),
+"""Sleep releases every byte of device memory (slime.utils.device_memory and the backends' sleep and wake),
 on CPU with torch.cuda's functions stood in for. The first GPU run left 67,108,864 B after sleep
 (FSDP and Megatron: cuBLAS's workspaces, which empty_cache alone keeps) and 31,232 B more
 (Megatron: megatron-core's rotary tables and inv_freq, outside the module's parameters)."""
@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from slime.backends import train_common
-from slime.backends.train_common import TrainActorBase
+from slime.backends import optim
+from slime.backends.fsdp.actor import FSDPBackend
 from slime.utils import device_memory
 
 CLEAR = "_cuda_clearCublasWorkspaces"
@@ -47,8 +47,8 @@ def test_release_is_a_no_op_before_cuda_starts(calls, monkeypatch):
     assert calls == []
 
 
-def fake_actor(cls: type, model: torch.nn.Module, params: list[torch.Tensor]) -> TrainActorBase:
-    """An actor of `cls` with only what `_move` reads, "on CUDA" (its tensors stay on the CPU)."""
+def fake_actor(cls: type, model: torch.nn.Module, params: list[torch.Tensor]):
+    """A backend of `cls` with only what sleep and wake read, "on CUDA" (its tensors stay on the CPU)."""
     actor = cls.__new__(cls)
     actor.device = torch.device("cuda", 0)
     actor.model = model
@@ -63,15 +63,11 @@ def counted_release(monkeypatch, module: types.ModuleType) -> list[str]:
     return released
 
 
-class Actor(TrainActorBase):
-    pass
-
-
 @pytest.mark.parametrize("keep_params", [False, True])
 def test_sleep_releases_device_memory_once_and_wake_does_not(monkeypatch, keep_params):
-    released = counted_release(monkeypatch, train_common)
+    released = counted_release(monkeypatch, optim)
     model = torch.nn.Linear(3, 2)
-    actor = fake_actor(Actor, model, list(model.parameters()))
+    actor = fake_actor(FSDPBackend, model, list(model.parameters()))
     model(torch.ones(1, 3)).sum().backward()
     actor.optimizer.step()  # momentum buffers: optimizer state to move
     actor.sleep(keep_params=keep_params)
@@ -92,9 +88,9 @@ def test_no_local_of_the_sleep_path_holds_a_tensor_when_memory_is_released(monke
         frame = sys._getframe(1)
         held.append([k for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)])
 
-    monkeypatch.setattr(train_common, "release_device_memory", release)
+    monkeypatch.setattr(optim, "release_device_memory", release)
     model = torch.nn.Linear(3, 2)
-    actor = fake_actor(Actor, model, list(model.parameters()))
+    actor = fake_actor(FSDPBackend, model, list(model.parameters()))
     model(torch.ones(1, 3)).sum().backward()
     actor.optimizer.step()
     actor.sleep()
@@ -102,8 +98,8 @@ def test_no_local_of_the_sleep_path_holds_a_tensor_when_memory_is_released(monke
 
 
 def test_sleep_on_a_cpu_actor_touches_no_device(monkeypatch):
-    released = counted_release(monkeypatch, train_common)
-    actor = fake_actor(Actor, torch.nn.Linear(2, 2), [])
+    released = counted_release(monkeypatch, optim)
+    actor = fake_actor(FSDPBackend, torch.nn.Linear(2, 2), [])
     actor.device = torch.device("cpu")
     actor.sleep()
     actor.wake()
@@ -139,14 +135,14 @@ def megatron_actor(monkeypatch, bf16: bool):
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state
 
-    from slime.backends.megatron.actor import MegatronTrainActor
+    from slime.backends.megatron.actor import MegatronBackend
 
     model, rotary_cls = rotary_model(monkeypatch)
     scratch = types.SimpleNamespace(buffer={"attention": torch.zeros(4)})
     monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: scratch)
     master = torch.zeros(3, requires_grad=True)
     master.grad = torch.ones(3)  # the last step's gradient, kept until the next zero_grad
-    actor = fake_actor(MegatronTrainActor, model, [master])
+    actor = fake_actor(MegatronBackend, model, [master])
     from slime.backends.megatron.masters import MasterWeights
 
     actor.masters = MasterWeights({torch.zeros(3): master} if bf16 else {})
@@ -155,7 +151,7 @@ def megatron_actor(monkeypatch, bf16: bool):
 
 def test_megatron_sleep_drops_the_rotary_tables_and_the_scratch_buffer(monkeypatch):
     actor, _, scratch, rotary_cls = megatron_actor(monkeypatch, bf16=False)
-    released = counted_release(monkeypatch, train_common)
+    released = counted_release(monkeypatch, optim)
     actor.sleep()
     assert released == ["release"]
     assert scratch.buffer == {} and rotary_cls.forward.cache_info().currsize == 0
@@ -165,7 +161,7 @@ def test_megatron_sleep_takes_the_bf16_masters_gradients_along(monkeypatch):
     """The masters' gradients live until the next step's zero_grad: sleep moves them with their
     masters (the tensors stay on this CPU-only machine: which ones `.to` was asked to move counts)."""
     actor, master, _, _ = megatron_actor(monkeypatch, bf16=True)
-    counted_release(monkeypatch, train_common)
+    counted_release(monkeypatch, optim)
     moved: list[torch.Tensor] = []
     to = torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: moved.append(self) or to(self, *a, **k))

@@ -80,7 +80,7 @@ def base_config(model: str, **batch) -> TrainConfig:
 
 
 def full_params(actor) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+    return {n: p.full_tensor().detach().clone() for n, p in actor.backend.model.named_parameters()}
 
 
 def run_single(rank, world_size, init_method, model, padded=False, peak=None):

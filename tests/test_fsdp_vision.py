@@ -64,12 +64,12 @@ def run(rank, world_size, init_method, model, padded, train_vision, micro_batch_
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
     batch = vision_batch(model)
-    before = {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    before = {n: p.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
     out = dict(
         log_probs=actor.compute_log_probs(batch), ref=actor.compute_log_probs(batch, use_reference=True)
     )
     out["steps"] = actor.train(0, batch).steps
-    after = {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    after = {n: p.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
     out["moved"] = {n for n in before if not torch.equal(before[n], after[n])}
     out["pushed"] = {n for bucket in actor.export_weights(bucket_bytes=1 << 20) for n, _ in bucket}
     out["names"] = set(before)

@@ -58,14 +58,14 @@ def lora_run(
     info = actor.init()
 
     def full() -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+        return {n: p.full_tensor().detach().clone() for n, p in actor.backend.model.named_parameters()}
 
     result = {
         "info": info,
         "before": full(),
         "outputs": [],
-        "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
-        "optimized": sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]),
+        "trainable": sorted(n for n, p in actor.backend.model.named_parameters() if p.requires_grad),
+        "optimized": sum(p.numel() for g in actor.backend.optimizer.param_groups for p in g["params"]),
     }
     first = 0 if info["resumed_rollout_id"] is None else info["resumed_rollout_id"] + 1
     for r in range(first, rollouts):

@@ -103,7 +103,7 @@ def train_run(
                 actor.save(r, save_dir, extra={"next_prompt": 3})
     result["weights"] = exported(actor)
     if backend == "megatron":  # this stage's layers
-        result["layers"] = len(getattr(actor.model, "module", actor.model).decoder.layers)
+        result["layers"] = len(getattr(actor.backend.model, "module", actor.backend.model).decoder.layers)
     actor.close()
     return result
 
@@ -332,10 +332,12 @@ def bf16_run(rank, world_size, init_method, model, tp, backend="megatron", save_
             actor.save(r, save_dir)
     result["weights"] = exported(actor)
     if backend == "megatron":
-        params = list(actor.model.parameters())
-        result["dtypes"] = {str(p.dtype) for p in params} | {str(m.dtype) for m in actor.masters.values()}
-        result["rounded"] = all(torch.equal(p, actor.masters[p].to(p.dtype)) for p in params)
-        result["finer"] = any(not torch.equal(actor.masters[p], p.float()) for p in params)
+        params = list(actor.backend.model.parameters())
+        result["dtypes"] = {str(p.dtype) for p in params} | {
+            str(m.dtype) for m in actor.backend.masters.values()
+        }
+        result["rounded"] = all(torch.equal(p, actor.backend.masters[p].to(p.dtype)) for p in params)
+        result["finer"] = any(not torch.equal(actor.backend.masters[p], p.float()) for p in params)
     actor.close()
     return result
 
@@ -411,7 +413,7 @@ def broken_save_and_load(rank, world_size, init_method, model, root):
                 shutil.rmtree(shard_1)
         dist.barrier()
         try:
-            actor.load(os.path.join(root, "ok"))
+            actor.backend.load(os.path.join(root, "ok"))
         except Exception as e:
             errors.append(str(e))
     actor.close()

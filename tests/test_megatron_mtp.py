@@ -317,21 +317,25 @@ def _actor_run(
     actor.init()
     calls = {"log_probs": 0, "train": 0}  # the MTP block's forwards in each kind of pass
     phase = ["log_probs"]
-    if hasattr(actor.model, "mtp"):  # (the last stage's)
-        actor.model.mtp.register_forward_hook(lambda *_: calls.__setitem__(phase[0], calls[phase[0]] + 1))
-    before = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    if hasattr(actor.backend.model, "mtp"):  # (the last stage's)
+        actor.backend.model.mtp.register_forward_hook(
+            lambda *_: calls.__setitem__(phase[0], calls[phase[0]] + 1)
+        )
+    before = {k: v.cpu().clone() for k, v in actor.backend.model_state().items() if k.startswith("mtp.")}
     lp = actor.compute_log_probs(make_batch(0))
     phase[0] = "train"  # (a train call runs its own log-prob passes too: counted here)
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
-    weights = {k: v.float().cpu().clone() for k, v in actor.model_state().items() if not k.startswith("mtp.")}
-    after = {k: v.cpu().clone() for k, v in actor.model_state().items() if k.startswith("mtp.")}
+    weights = {
+        k: v.float().cpu().clone() for k, v in actor.backend.model_state().items() if not k.startswith("mtp.")
+    }
+    after = {k: v.cpu().clone() for k, v in actor.backend.model_state().items() if k.startswith("mtp.")}
     pushed_tensors = exported(actor)
     pushed = set(pushed_tensors)
     shapes = set(actor.weight_shapes())
     from slime.backends.megatron.export import export_hf_tensors
 
-    local = {k: v.detach() for k, v in actor.model_state().items()}
-    saved = dict(export_hf_tensors(local, actor.layout, actor.mesh, with_mtp=True))
+    local = {k: v.detach() for k, v in actor.backend.model_state().items()}
+    saved = dict(export_hf_tensors(local, actor.backend.layout, actor.backend.mesh, with_mtp=True))
     actor.close()
     return {
         "lp": lp,

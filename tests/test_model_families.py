@@ -107,16 +107,16 @@ def _train(rank, world_size, init_method, model):
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
     log_probs = actor.compute_log_probs(make_batch(0))
-    before = {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+    before = {n: p.full_tensor().detach().clone() for n, p in actor.backend.model.named_parameters()}
     outputs = [actor.train(r, make_batch(r)) for r in range(2)]
-    after = {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+    after = {n: p.full_tensor().detach().clone() for n, p in actor.backend.model.named_parameters()}
     exported = [n for bucket in actor.export_weights(bucket_bytes=200_000) for n, _ in bucket]
     result = dict(
         outputs=outputs,
         before=before,
         after=after,
         exported=exported,
-        packed=actor.packs_sequences,
+        packed=actor.backend.packs_sequences,
         log_probs=log_probs,
     )
     actor.close()
@@ -584,7 +584,7 @@ def _log_probs(rank, world_size, init_method, cfg):
 
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
-    routing = actor.routing and actor.routing.score_function
+    routing = actor.backend.routing and actor.backend.routing.score_function
     out = {"routing": routing, "log_probs": actor.compute_log_probs(make_batch(0))}
     actor.close()
     return out

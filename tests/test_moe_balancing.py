@@ -181,7 +181,9 @@ def _mtp_router_step(rank, world_size, init_method, path, coeff):
     actor.init()
     steps = actor.train(0, make_batch(0, num_samples=4)).steps  # (global batch 4: one optimizer step)
     assert len(steps) == 1
-    routers = {k: v.clone() for k, v in actor.model_state().items() if k.endswith("mlp.router.weight")}
+    routers = {
+        k: v.clone() for k, v in actor.backend.model_state().items() if k.endswith("mlp.router.weight")
+    }
     actor.close()
     return routers
 

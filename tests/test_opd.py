@@ -49,8 +49,10 @@ def train_once(rank, world_size, init_method, model, opd, dump, teacher_lp=None,
     output = actor.train(0, batch) if error is None else None
     actor.close()
     rows = None
-    if output is not None and dump is not None and actor.writes_train_data:  # one rank per replica
-        rows = torch.load(dump.format(rollout_id=0, rank=actor.dp_rank), weights_only=False)["samples"]
+    if output is not None and dump is not None and actor.backend.writes_train_data:  # one rank per replica
+        rows = torch.load(dump.format(rollout_id=0, rank=actor.backend.dp_rank), weights_only=False)[
+            "samples"
+        ]
     return {"output": output, "rows": rows, "log_probs": log_probs, "error": error}
 
 

@@ -122,7 +122,7 @@ def _megatron_log_probs(rank, world_size, init_method, model_dir, tp, pp, varian
     actor.init()
     results = {}
     for name, batch_over in variants.items():  # the same weights, micro-batches laid out each way
-        actor.cfg = dataclasses.replace(
+        actor.backend.cfg = dataclasses.replace(
             cfg, batch=BatchConfig(global_batch_size=6, micro_batch_size=3, **batch_over)
         )
         results[name] = actor.compute_log_probs(batch)

@@ -38,6 +38,8 @@ CHANGED = {"clean": set(), "swap": {Q0, Q1}, "transpose": {O1}, "drop": {NORM}, 
 class CheckpointActor:
     """A trainer holding exactly the checkpoint the engine loaded (as at step 0)."""
 
+    pushes_adapter = False
+
     def __init__(self, model_dir: str):
         self.state = load_file(f"{model_dir}/model.safetensors")
 

@@ -13,7 +13,7 @@ def make_train_actor(
     critic: bool = False,
 ) -> Any:
     """The train actor of `cfg.backend` (imported lazily: megatron-core is optional); with
-    `critic`, PPO's value model (slime.backends.critic_common)."""
+    `critic`, PPO's critic (slime.backends.value)."""
     if critic and cfg.backend == "megatron":
         from slime.backends.megatron.critic import MegatronCritic
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from slime.backends.train_common import TrainActorBase
+from slime.backends.optim import LRSchedule
+from slime.config.train import TrainConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -62,18 +62,18 @@ def latest_rollout_id(root: str) -> int | None:
         return int(f.read().strip())
 
 
-def apply_optimizer_flags(actor: TrainActorBase) -> None:
+def apply_optimizer_flags(train: TrainConfig, optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> None:
     """Loaded param_groups carry the saved hyper-parameters: the schedule refused a change unless
     --override-opt-param-scheduler, which makes the flags' values count; the schedule decides the lr."""
-    cfg = actor.cfg.optimizer
-    for group in actor.optimizer.param_groups:
-        if actor.cfg.override_opt_param_scheduler:
+    cfg = train.optimizer
+    for group in optimizer.param_groups:
+        if train.override_opt_param_scheduler:
             group["weight_decay"] = cfg.weight_decay
             if cfg.optimizer == "sgd":
                 group["momentum"] = cfg.sgd_momentum
             else:
                 group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-        group["lr"] = actor.schedule.lr
+        group["lr"] = schedule.lr
 
 
 def rng_state() -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from slime.config.train import OptimizerConfig
+from slime.utils.device_memory import release_device_memory
 
 SCHEDULE_RULE = 2
 """The schedule `lr_at` computes, saved with every checkpoint: 2 is Megatron-LM's (1 warmed up from
@@ -201,3 +202,21 @@ def move_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> 
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[key] = value.to(device, non_blocking=True)
+
+
+def move_model(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: str | torch.device,
+    params: bool = True,
+) -> None:
+    """Colocation: optimizer states, and parameters with `params`, to `device`; on the way to the
+    host every unused byte of device memory goes back to the driver (a colocated engine needs
+    every byte, cuBLAS's workspaces too)."""
+    if params:
+        model.to(device)
+    move_state(optimizer, device)
+    if torch.device(device).type == "cpu":
+        release_device_memory()
+    else:
+        torch.cuda.synchronize()

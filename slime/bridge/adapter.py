@@ -33,20 +33,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from slime.engines.client import EngineClient, EngineError
 from slime.utils.async_utils import run_sync
 
 if TYPE_CHECKING:
+    import torch
+
     from slime.bridge.bridge import PushStats, WeightBridge
     from slime.bridge.topology import PushTopology
 
 logger = logging.getLogger(__name__)
 
 
+class AdapterSource(Protocol):
+    """A train rank that holds a LoRA adapter (slime.backends.policy.PolicyTrainer)."""
+
+    def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """The adapter whole under PEFT's names, and its PEFT config (every rank takes part)."""
+        ...
+
+
 def push_actor_adapter(
-    actor: Any,
+    actor: AdapterSource,
     bridge: WeightBridge | None,
     weight_version: str,
     topology: PushTopology | None,

@@ -7,19 +7,39 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
-from slime.bridge.adapter import push_actor_adapter
+from slime.bridge.adapter import AdapterSource, push_actor_adapter
 from slime.bridge.bridge import PushStats, WeightBridge
 from slime.bridge.faults import PushFault
 from slime.bridge.topology import PushTopology
 from slime.utils.async_utils import run_sync
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
 
+class WeightSource(AdapterSource, Protocol):
+    """What a push reads from a train rank: the policy (slime.backends.policy.PolicyTrainer), or a
+    test's stand-in."""
+
+    @property
+    def pushes_adapter(self) -> bool:
+        """Whether the push sends the LoRA adapter alone (--lora-push adapter)."""
+        ...
+
+    def export_weights(
+        self, bucket_bytes: int, every_rank: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """(HF name, full tensor) in buckets of at most `bucket_bytes`; every rank must iterate."""
+        ...
+
+
 def push_actor_weights(
-    actor: Any,
+    actor: WeightSource,
     bridge: WeightBridge | None,
     weight_version: str,
     bucket_bytes: int,
@@ -33,8 +53,7 @@ def push_actor_weights(
     ranks of one push must be given the same topology. With `verify` (--check-weight-sync) the
     engines are checked against fingerprints of the exported tensors (taken before the fault).
     Returns the push statistics on rank 0, None elsewhere."""
-    lora = getattr(getattr(actor, "cfg", None), "lora", None)
-    if lora is not None and lora.pushes_adapter:
+    if actor.pushes_adapter:
         return push_actor_adapter(actor, bridge, weight_version, topology, verify)
     ipc = topology is not None and topology.every_rank_shares
     if bridge is not None:

@@ -136,9 +136,7 @@ class TrainRank(Traced):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         info = {**self.actor.init(), "node_ip": node_ip()}
         if self._keeps_old_actor():  # the engines' weights until the first push (the job starts them at "0")
-            from slime.backends.old_actor import keep_weights
-
-            keep_weights(self.actor, "0")
+            self.actor.keep_weights("0")
         return info
 
     def _keeps_old_actor(self) -> bool:
@@ -234,11 +232,10 @@ class TrainRank(Traced):
     ) -> dict[str, float | str] | None:
         """One push (every rank): the statistics on rank 0, with the transport's label under
         "transport"; None elsewhere."""
-        from slime.backends.old_actor import keep_weights
         from slime.bridge.push import push_actor_weights
 
         if self._keeps_old_actor():  # --keep-old-actor: the weights the engines generate with from now
-            keep_weights(self.actor, weight_version)
+            self.actor.keep_weights(weight_version)
         with self._watch(f"the weight push of version {weight_version}"), span("push", cat="push"):
             return push_actor_weights(
                 self.actor, self.bridge, weight_version, bucket_bytes, self.fault, verify, self.topology

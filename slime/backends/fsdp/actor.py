@@ -1,4 +1,5 @@
-"""The FSDP2 train actor: one data-parallel rank that computes log-probs and trains.
+"""The FSDP2 backend: one data-parallel rank's model, its forward passes and optimizer step
+(slime.backends.interface.TrainBackend); `FSDPTrainActor` is the policy over it.
 
 Losses are reduced over the *global* batch (see slime.algo.losses.token_weights) and FSDP
 sums gradients across ranks instead of averaging them, so N ranks compute the same gradient
@@ -24,10 +25,13 @@ from slime.backends.expert_bias import TokenCounts
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe, vision
 from slime.backends.fsdp.forward import response_log_probs
+from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition, State
+from slime.backends.measures import sum_over_ranks
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
-from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, state_bytes
-from slime.backends.train_common import TrainActorBase
-from slime.backends.train_records import nan_max
+from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
+from slime.backends.planning import packs_sequences
+from slime.backends.policy import PolicyTrainer
+from slime.backends.weight_copies import swapped
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts, model_families
@@ -40,12 +44,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FSDPTrainActor(TrainActorBase):
-    """Implements slime.backends.interface.TrainActor with torch FSDP2 (fully_shard)."""
+class FSDPBackend:
+    """Implements slime.backends.interface.TrainBackend with torch FSDP2 (fully_shard)."""
 
     routing: moe.Routing | None
     value_head = False
     """A value model (slime.backends.fsdp.critic) instead of the causal LM."""
+    dp_group: Any = None  # the default group: every rank is a replica of its own
+    context_parallel = 1
+    writes_train_data = True
+    ref_state: State | None = None
+    teacher_state: State | None = None
 
     def __init__(
         self,
@@ -63,7 +72,6 @@ class FSDPTrainActor(TrainActorBase):
         self.optimizer: torch.optim.Optimizer
         self.schedule: LRSchedule
         self.hf_config: Any = None
-        self.rollout_id = -1  # last rollout trained (or resumed)
         self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -115,7 +123,7 @@ class FSDPTrainActor(TrainActorBase):
                     self.model, cfg.ref_load, self.rank, self.world_size
                 )
             else:
-                self.ref_state = self._snapshot()
+                self.ref_state = self.snapshot()
         if cfg.opd.in_train:  # the teacher must have the student's parameters (names and shapes)
             assert cfg.opd.teacher_load is not None
             self.teacher_state = model_init.read_local_shards(
@@ -193,11 +201,20 @@ class FSDPTrainActor(TrainActorBase):
             else lora.fresh_adapters(model, self.cfg.seed)
         )
 
-    def _reference_weights(self) -> contextlib.AbstractContextManager[None]:
-        """LoRA: the reference is the base model, the adapters switched off (no second copy)."""
-        if not self.cfg.lora.enabled:
-            return super()._reference_weights()
-        return self._adapters_off()
+    @property
+    def packs_sequences(self) -> bool:
+        return packs_sequences(self.cfg, self.hf_config)
+
+    def reference_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The reference's weights (--ref-load, else the start's); with LoRA the base model, the
+        adapters switched off (no second copy)."""
+        if self.cfg.lora.enabled:
+            return self._adapters_off()
+        if self.ref_state is None:
+            raise RuntimeError(
+                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
+            )
+        return swapped(self, self.ref_state)
 
     @contextlib.contextmanager
     def _adapters_off(self) -> Iterator[None]:
@@ -253,16 +270,18 @@ class FSDPTrainActor(TrainActorBase):
             )
         return counts
 
-    def _routing_state(self, mb: MicroBatch, record: bool = False, aux: bool = False) -> Any:
-        """The router hooks' state for micro-batch `mb` (a null context for a dense model)."""
+    def _routing_state(
+        self, mb: MicroBatch, replay: PerPosition | None, record: bool = False, aux: bool = False
+    ) -> Any:
+        """The router hooks' state for micro-batch `mb`, replaying `replay`'s routing (a null
+        context for a dense model)."""
         if self.routing is None:
             return contextlib.nullcontext(None)
-        replay = None
-        if self.routing_tables is not None:
-            replay = self.routing.replay_rows(
-                self.routing_tables, mb.positions, mb.token_starts(), mb.input_ids.numel()
-            ).to(self.device)
-        return self.routing.micro_batch(replay, record=record, aux=aux)
+        rows = None
+        if replay is not None:
+            rows = self.routing.replay_rows(replay, mb.positions, mb.token_starts(), mb.input_ids.numel())
+            rows = rows.to(self.device)
+        return self.routing.micro_batch(rows, record=record, aux=aux)
 
     @property
     def _aux_coeff(self) -> float:
@@ -317,79 +336,64 @@ class FSDPTrainActor(TrainActorBase):
 
     # ---- log-probs --------------------------------------------------------------------------
     @torch.no_grad()
-    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
-        out: dict[int, torch.Tensor] = {}
+    def log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan], how: Pass) -> PassResult:
+        result = PassResult({}, {} if how.entropy else None)
+        record = how.record and self.routing is not None
+        if record:
+            result.routing = {}
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
-            record = self.recorded_routing is not None and self.routing is not None
             for step in plans:
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
-                    with self._routing_state(mb, record=record) as state:
+                    with self._routing_state(mb, how.replay, record=record) as state:
                         log_probs, entropy = response_log_probs(
                             self.model,
                             mb,
                             self.cfg.rollout_temperature,
-                            self.pass_entropy is not None,
+                            how.entropy,
                             self.cfg.batch.log_probs_chunk_size,
                         )
-                    if record:
-                        assert self.recorded_routing is not None and self.routing is not None
+                    if result.routing is not None:
+                        assert self.routing is not None
                         routed = self.routing.recorded(state, mb.input_ids.numel(), self.device).cpu()
                         for start, p in zip(mb.token_starts(), mb.positions):
-                            self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
+                            result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
                     log_probs = log_probs.cpu()
                     for row, p in enumerate(mb.positions):
-                        out[p] = log_probs[row, : mb.response_lengths[row]].clone()
-                        if entropy is not None and self.pass_entropy is not None:
-                            self.pass_entropy[p] = entropy[row, : mb.response_lengths[row]].float().cpu()
+                        result.log_probs[p] = log_probs[row, : mb.response_lengths[row]].clone()
+                        if entropy is not None and result.entropy is not None:
+                            result.entropy[p] = entropy[row, : mb.response_lengths[row]].float().cpu()
         finally:
             self.model.train()
         model_init.reshard(self.model)
-        return out
+        return result
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> State:
         return model_init.snapshot_shards(self.model)
 
-    def _copy_in(self, state: dict[str, torch.Tensor]) -> None:
+    def copy_in(self, state: State) -> None:
         model_init.copy_into_shards(self.model, state)
 
-    def _train_step(
-        self,
-        batch: RolloutBatch,
-        step: StepPlan,
-        old: dict[int, torch.Tensor] | None,
-        ref: dict[int, torch.Tensor] | None,
-        advantages: dict[int, torch.Tensor] | None,
-        compare: dict[int, torch.Tensor] | None = None,
-        precision: dict[str, float] | None = None,
+    def train_step(
+        self, batch: RolloutBatch, step: StepPlan, loss: MicroBatchLoss, replay: PerPosition | None
     ) -> dict[str, float]:
-        """One optimizer step. With `compare` (the log-prob pass's values, --check-precision),
-        the largest |log-prob pass - this forward| over the loss mask goes to
-        precision["first_step_max_abs_diff"]."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        worst = 0.0
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             if self.bias_counts is not None:
                 self.bias_counts.begin(mb.real_tokens())
-            with self._routing_state(mb, aux=self._aux_coeff > 0) as state:
+            with self._routing_state(mb, replay, aux=self._aux_coeff > 0) as state:
                 log_probs, entropy = response_log_probs(
                     self.model, mb, cfg.rollout_temperature, True, cfg.batch.log_probs_chunk_size
                 )
                 assert entropy is not None
-                loss, gap = self._micro_batch_loss(
-                    batch, step, mb, log_probs, entropy, (old, ref, advantages), sums, compare
-                )
-                loss = self._with_aux_loss(loss, state, mb, step, sums)
-                worst = nan_max(worst, gap)
-                loss.backward()
+                total = self._with_aux_loss(loss(mb, log_probs, entropy, sums), state, mb, step, sums)
+                total.backward()
             if self.bias_counts is not None:
                 self.bias_counts.end()
-        if compare is not None and precision is not None:
-            precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         return self._optimizer_step(sums)
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -401,7 +405,7 @@ class FSDPTrainActor(TrainActorBase):
         self.schedule.step()
         if self.bias_counts is not None:
             self.bias_counts.step(self.cfg.moe.moe_router_bias_update_rate)
-        result = self._sum_over_ranks(sums)
+        result = sum_over_ranks(sums)
         result.update(grad_norm=grad_norm, lr=lr)
         return result
 
@@ -417,10 +421,7 @@ class FSDPTrainActor(TrainActorBase):
         return ckpt.save_checkpoint(self, rollout_id, path, extra)
 
     def load(self, path: str) -> int | None:
-        rollout_id = ckpt.load_checkpoint(self, path)
-        if rollout_id is not None:
-            self.rollout_id = rollout_id
-        return rollout_id
+        return ckpt.load_checkpoint(self, path)
 
     def save_hf(self, path: str) -> None:
         """A Hugging Face directory; with LoRA a PEFT adapter directory (PeftModel.from_pretrained
@@ -466,6 +467,15 @@ class FSDPTrainActor(TrainActorBase):
         }
         return hf_experts.checkpoint_shapes(self.hf_config.model_type, shapes)
 
+    # ---- colocation -------------------------------------------------------------------------
+    def sleep(self, keep_params: bool = False) -> None:
+        if self.device.type != "cpu":
+            move_model(self.model, self.optimizer, "cpu", params=not keep_params)
+
+    def wake(self) -> None:
+        if self.device.type != "cpu":
+            move_model(self.model, self.optimizer, self.device)
+
     def close(self) -> None:
         """Leave the process group together: a rank tearing gloo down while a peer still talks
         to it can abort the peer."""
@@ -474,3 +484,9 @@ class FSDPTrainActor(TrainActorBase):
                 dist.barrier()
             finally:
                 dist.destroy_process_group()
+
+
+class FSDPTrainActor(PolicyTrainer[FSDPBackend]):
+    """The policy on one FSDP rank (slime.backends.interface.TrainActor)."""
+
+    backend_class = FSDPBackend

@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,21 +35,31 @@ from slime.backends.checkpointing import (
     set_rng_state,
     start_save,
 )
+from slime.backends.optim import LRSchedule
+from slime.config.train import TrainConfig
 from slime.utils import hf_experts
 from slime.utils.buckets import iter_buckets
 from slime.utils.files import atomic_write_text
-
-if TYPE_CHECKING:
-    from slime.backends.train_common import TrainActorBase
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(
-    actor: TrainActorBase, rollout_id: int, root: str, extra: dict[str, Any] | None = None
-) -> str:
+class Rank(Protocol):
+    """What a checkpoint reads and writes of an FSDP rank (slime.backends.fsdp.actor.FSDPBackend)."""
+
+    cfg: TrainConfig
+    hf_config: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    rank: int
+    world_size: int
+    resumed_extra: dict[str, Any]
+
+
+def save_checkpoint(actor: Rank, rollout_id: int, root: str, extra: dict[str, Any] | None = None) -> str:
     """Save; `extra` (plain data, e.g. the data position) is stored with the trainer state and
     becomes visible atomically with the rest."""
     import torch.distributed.checkpoint as dcp
@@ -80,7 +90,7 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
+def load_checkpoint(actor: Rank, root: str) -> int | None:
     """Resume model, optimizer, schedule and RNG from the newest checkpoint under `root`.
 
     Returns the rollout id it was saved at, or None when `root` has no checkpoint yet (a fresh
@@ -137,7 +147,7 @@ def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
         optim_state_dict=optim_state,
         options=options,
     )
-    apply_optimizer_flags(actor)
+    apply_optimizer_flags(actor.cfg, actor.optimizer, actor.schedule)
     rng = state["rng"]
     if state["world_size"] == actor.world_size:
         set_rng_state(rng[actor.rank])
@@ -155,7 +165,7 @@ def load_checkpoint(actor: TrainActorBase, root: str) -> int | None:
     return rollout_id
 
 
-def _state_options(actor: TrainActorBase) -> Any:
+def _state_options(actor: Rank) -> Any:
     """What a checkpoint holds: every parameter, or with LoRA the adapters alone (the base
     weights are frozen: --hf-checkpoint has them), with their optimizer state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -164,7 +174,7 @@ def _state_options(actor: TrainActorBase) -> Any:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
-def _states(actor: TrainActorBase, options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _states(actor: Rank, options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and the optimizer's state dicts as a checkpoint holds them. With LoRA the
     frozen weights are left out (torch keeps a tied one, the LM head, under its second name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -177,7 +187,7 @@ def _states(actor: TrainActorBase, options: Any) -> tuple[dict[str, Any], dict[s
     return model_state, optim_state
 
 
-def _lora_shape(actor: TrainActorBase) -> dict[str, Any] | None:
+def _lora_shape(actor: Rank) -> dict[str, Any] | None:
     """The LoRA settings that shape a checkpoint's tensors and what they mean (None: no LoRA)."""
     lo = actor.cfg.lora
     if not lo.enabled:
@@ -226,7 +236,7 @@ def export_weight_buckets(
 
 
 def save_hf_checkpoint(
-    actor: TrainActorBase,
+    actor: Rank,
     path: str,
     shard_bytes: int = 2 << 30,
     merge: Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = None,
@@ -261,9 +271,7 @@ def save_hf_checkpoint(
     dist.barrier()
 
 
-def _finish_hf_dir(
-    actor: TrainActorBase, partial: str, final: str, index: dict[str, str], num_files: int
-) -> None:
+def _finish_hf_dir(actor: Rank, partial: str, final: str, index: dict[str, str], num_files: int) -> None:
     if num_files == 1:
         os.replace(
             os.path.join(partial, "model-00001.safetensors"), os.path.join(partial, "model.safetensors")

@@ -1,8 +1,8 @@
-"""The Megatron-core train actor: one rank of a TP x PP x DP layout.
+"""The Megatron-core backend: one rank of a TP x PP x DP layout (slime.backends.interface.
+TrainBackend); `MegatronTrainActor` is the policy over it.
 
 megatron-core supplies the parallel state, the GPTModel (this rank's TP shard of its stage's layers)
-and the pipeline schedules; slime supplies what the FSDP actor also does (slime.backends.train_common),
-the loss (slime.algo), the optimizer (the same AdamW and schedule) and the gradient reduction and
+and the pipeline schedules; slime supplies the step (slime.backends.policy), the loss (slime.algo), the optimizer (the same AdamW and schedule) and the gradient reduction and
 clipping (slime.backends.megatron.grads). Log-probs are computed on the last stage from the
 vocabulary-parallel logits (slime.backends.megatron.logprobs) and broadcast to the other stages.
 On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim.
@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import hf_checkpoint
+from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition
+from slime.backends.measures import sum_over_ranks
 from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads, mtp
 from slime.backends.megatron.context_parallel import cp_response_stats, run_micro_batch
@@ -32,23 +34,28 @@ from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, upda
 from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
 from slime.backends.megatron.sharding import hf_to_megatron_shard
 from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
-from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, state_bytes
-from slime.backends.train_common import TrainActorBase
-from slime.backends.train_records import nan_max
+from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
+from slime.backends.planning import packs_sequences
+from slime.backends.policy import PolicyTrainer
+from slime.backends.weight_copies import swapped
 from slime.config.opd import OTHER_ARCHITECTURE
 from slime.config.train import TrainConfig
 from slime.utils.batch import RolloutBatch
 from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group
+from slime.utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronTrainActor(TrainActorBase):
-    """Implements slime.backends.interface.TrainActor with megatron-core."""
+class MegatronBackend:
+    """Implements slime.backends.interface.TrainBackend with megatron-core."""
 
     routing: MegatronRouting | None
     value_head = False  # a PPO critic's output layer is its value head (slime.backends.megatron.critic)
+    writes_train_data = True
+    ref_state: State | None = None
+    teacher_state: State | None = None
 
     def __init__(
         self,
@@ -62,7 +69,6 @@ class MegatronTrainActor(TrainActorBase):
         self.rank, self.world_size = 0, 1
         self.model: Any = None
         self.masters = MasterWeights()  # --bf16: parameter -> float32 master weight
-        self.rollout_id = -1
         self.resumed_extra: dict[str, Any] = {}
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -135,7 +141,7 @@ class MegatronTrainActor(TrainActorBase):
         if cfg.loss.needs_ref:
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
             self.ref_state = (
-                self._snapshot()
+                self.snapshot()
                 if ref_dir == cfg.hf_checkpoint
                 else self._read_hf_shard(ref_dir, own_mtp=True)
             )
@@ -229,14 +235,19 @@ class MegatronTrainActor(TrainActorBase):
         return build_gpt_model(self.layout, self.hf_config, config, self.tp)
 
     def _routing_states(
-        self, mbs: list[MicroBatch], record: bool = False, step: StepPlan | None = None
+        self,
+        mbs: list[MicroBatch],
+        replay: PerPosition | None,
+        record: bool = False,
+        step: StepPlan | None = None,
     ) -> list[MicroBatchRouting | None]:
-        """The router hooks' state for each micro-batch (`step`: a training step's, with the aux loss)."""
+        """The router hooks' state for each micro-batch, replaying `replay`'s routing (`step`: a
+        training step's, with the aux loss)."""
         if self.routing is None:
             return [None] * len(mbs)
         aux = self.cfg.moe.aux_loss_coeff if step is not None else 0.0
         samples = step.num_samples if step is not None else 0
-        return self.routing.states(mbs, self.routing_tables, record, aux, samples, self.cfg.moe.per_sequence)
+        return self.routing.states(mbs, replay, record, aux, samples, self.cfg.moe.per_sequence)
 
     def _read_hf_shard(self, hf_dir: str, lm_head: bool = True, own_mtp: bool = False) -> State:
         """This rank's megatron-core shard of an HF checkpoint: only its stage's tensors are read,
@@ -259,14 +270,25 @@ class MegatronTrainActor(TrainActorBase):
         return {**state, **mtp.module_state(self.model)} if own_mtp else state
 
     def _load_hf(self, hf_dir: str) -> None:
-        self._copy_in(self._read_hf_shard(hf_dir), masters=True)
+        self.copy_in(self._read_hf_shard(hf_dir), masters=True)
 
-    def _copy_in(self, state: State, masters: bool = False) -> None:
+    def copy_in(self, state: State, masters: bool = False) -> None:
         """`state` into the model (with `masters`, --bf16's master weights too: masters.copy_in)."""
         copy_in(self.model, self.masters if masters else None, state)
 
-    def _snapshot(self) -> State:
+    def snapshot(self) -> State:
         return snapshot(self.model)
+
+    def reference_weights(self) -> contextlib.AbstractContextManager[None]:
+        if self.ref_state is None:
+            raise RuntimeError(
+                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
+            )
+        return swapped(self, self.ref_state)
+
+    @property
+    def packs_sequences(self) -> bool:
+        return packs_sequences(self.cfg, self.hf_config)
 
     def local_state_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -393,62 +415,51 @@ class MegatronTrainActor(TrainActorBase):
         return out
 
     @torch.no_grad()
-    def _log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+    def log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan], how: Pass) -> PassResult:
         mbs = self._micro_batches(batch, plans)
-        record = self.recorded_routing is not None
-        states = self._routing_states(mbs, record=record)
-        want = self.pass_entropy is not None  # --use-rollout-entropy: [log-prob, entropy] per token
+        record = how.record
+        states = self._routing_states(mbs, how.replay, record=record)
+        want = how.entropy  # --use-rollout-entropy: [log-prob, entropy] per token
+        result = PassResult({}, {} if want else None, {} if record and self.routing is not None else None)
 
         def per_token(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
             log_probs, entropy = self._response_log_probs(logits, mb, want)
             return log_probs if entropy is None else torch.stack((log_probs, entropy), -1)
 
         out = self._collect(mbs, per_token, states)
-        if record and self.routing is not None:  # R2: each stage keeps its own layers' routing
-            assert self.recorded_routing is not None
+        if result.routing is not None:  # R2: each stage keeps its own layers' routing
+            assert self.routing is not None
             for mb, state in zip(mbs, states):
                 assert state is not None
                 routed = self.routing.recorded(state, mb.input_ids.numel(), mb.input_ids.shape[0])
                 for start, p in zip(mb.token_starts(), mb.positions):
-                    self.recorded_routing[p] = routed[start : start + len(batch.tokens[p])].clone()
+                    result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
         if self.pp > 1:  # the last stage's values, to every stage
             positions = [p for mb in mbs for p in mb.positions]
             sizes = [batch.response_lengths[p] * (1 + want) for p in positions]
             flat = {p: v.reshape(-1) for p, v in out.items()}
             out = from_last_stage(flat, positions, sizes, self.last_stage, self.device, self.mesh.pp_group)
-        if want:
-            assert self.pass_entropy is not None
-            self.pass_entropy.update({p: v.reshape(-1, 2)[:, 1].clone() for p, v in out.items()})
-        return {p: v.reshape(-1, 2)[:, 0].clone() for p, v in out.items()} if want else out
+        if result.entropy is not None:
+            result.entropy.update({p: v.reshape(-1, 2)[:, 1].clone() for p, v in out.items()})
+            out = {p: v.reshape(-1, 2)[:, 0].clone() for p, v in out.items()}
+        result.log_probs = out
+        return result
 
     # ---- training ---------------------------------------------------------------------------
-    def _train_step(
-        self,
-        batch: RolloutBatch,
-        step: StepPlan,
-        old: dict[int, torch.Tensor] | None,
-        ref: dict[int, torch.Tensor] | None,
-        advantages: dict[int, torch.Tensor] | None,
-        compare: dict[int, torch.Tensor] | None = None,
-        precision: dict[str, float] | None = None,
+    def train_step(
+        self, batch: RolloutBatch, step: StepPlan, loss: MicroBatchLoss, replay: PerPosition | None
     ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        worst = 0.0
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            nonlocal worst
             log_probs, entropy = self._response_log_probs(logits, mb, True)
             assert entropy is not None
-            loss, gap = self._micro_batch_loss(
-                batch, step, mb, log_probs, entropy, (old, ref, advantages), sums, compare
-            )
-            worst = nan_max(worst, gap)
-            return loss
+            return loss(mb, log_probs, entropy, sums)
 
         mbs = self._micro_batches(batch, [step])
-        states = self._routing_states(mbs, step=step)
+        states = self._routing_states(mbs, replay, step=step)
         objective = mtp.begin_step(
             self.model,
             mbs,
@@ -459,8 +470,6 @@ class MegatronTrainActor(TrainActorBase):
         self._run(mbs, loss_fn, forward_only=False, routing=states)
         if objective is not None:
             sums.update(objective.end())
-        if compare is not None and precision is not None:
-            precision["first_step_max_abs_diff"] = self._max_over_ranks(worst)
         return {**self._optimizer_step(sums), **self._aux_metrics(states)}
 
     def _aux_metrics(self, states: list[MicroBatchRouting | None]) -> dict[str, float]:
@@ -469,7 +478,7 @@ class MegatronTrainActor(TrainActorBase):
         if self.cfg.moe.aux_loss_coeff == 0 or self.routing is None:
             return {}
         aux = torch.tensor(float(sum(s.aux_sum for s in states if s is not None)), dtype=torch.float64)
-        return self._sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0)
+        return sum_over_ranks({"moe_aux_loss": aux}, contribute=self.mesh.tp_rank == 0)
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reduce and clip the gradients, step the optimizer and the schedule (and the routers'
@@ -492,7 +501,7 @@ class MegatronTrainActor(TrainActorBase):
     def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
         """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
         contributes, the other ranks join the reduction with zeros."""
-        result = self._sum_over_ranks(sums, contribute=self.writes_train_data)
+        result = sum_over_ranks(sums, contribute=self.writes_train_data)
         result.update(grad_norm=grad_norm, lr=lr)
         return result
 
@@ -523,10 +532,7 @@ class MegatronTrainActor(TrainActorBase):
         return mckpt.save_train_checkpoint(self, rollout_id, path, extra)
 
     def load(self, path: str) -> int | None:
-        rollout_id = mckpt.load_train_checkpoint(self, path)
-        if rollout_id is not None:
-            self.rollout_id = rollout_id
-        return rollout_id
+        return mckpt.load_train_checkpoint(self, path)
 
     def save_hf(self, path: str) -> None:  # with the MTP modules built (a push leaves them out)
         tensors = export_hf_tensors(
@@ -545,19 +551,30 @@ class MegatronTrainActor(TrainActorBase):
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}
 
-    # ---- colocation -------------------------------------------------------------------------
-    def _move(self, device: str | torch.device, params: bool = True) -> None:
-        """TrainActorBase's move, plus the --bf16 masters and their gradients (optimizer side:
-        they move whatever `params` says; the optimizer holds these very tensors), megatron-core's
-        rotary tables and its attention scratch buffer (freed on sleep, allocated again on use)."""
-        if self.device.type != "cpu":
-            self.masters.move(device)
-            move_rotary_tables(self.model, device)
-            if torch.device(device).type == "cpu":
-                from megatron.core import parallel_state as ps
+    def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        raise UsageError("LoRA is built on the FSDP backend only (--train-backend fsdp)")
 
-                ps.get_global_memory_buffer().buffer.clear()
-        super()._move(device, params)
+    # ---- colocation -------------------------------------------------------------------------
+    def sleep(self, keep_params: bool = False) -> None:
+        self._move("cpu", params=not keep_params)
+
+    def wake(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str | torch.device, params: bool = True) -> None:
+        """The model and optimizer states (slime.backends.optim.move_model), the --bf16 masters
+        and their gradients (optimizer side: they move whatever `params` says; the optimizer
+        holds these very tensors), megatron-core's rotary tables and its attention scratch buffer
+        (freed on sleep, allocated again on use). A no-op on --device cpu."""
+        if self.device.type == "cpu":
+            return
+        self.masters.move(device)
+        move_rotary_tables(self.model, device)
+        if torch.device(device).type == "cpu":
+            from megatron.core import parallel_state as ps
+
+            ps.get_global_memory_buffer().buffer.clear()
+        move_model(self.model, self.optimizer, device, params)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -569,3 +586,9 @@ class MegatronTrainActor(TrainActorBase):
 
                     ps.destroy_model_parallel()
                 dist.destroy_process_group()
+
+
+class MegatronTrainActor(PolicyTrainer[MegatronBackend]):
+    """The policy on one Megatron rank (slime.backends.interface.TrainActor)."""
+
+    backend_class = MegatronBackend

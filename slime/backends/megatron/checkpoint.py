@@ -402,7 +402,7 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
         error = f"--load {root!r}: rank {actor.rank} cannot read its shard ({type(e).__name__}: {e})"
     _agree(error)  # the same error on every rank: none goes on to wait for the others
     # the float32 master weights where --bf16 saved them; the buffers (expert bias) from the model's
-    actor._copy_in({**blob["model"], **(blob.get("main_params") or {})}, masters=True)
+    actor.copy_in({**blob["model"], **(blob.get("main_params") or {})}, masters=True)
     if tag == "release" or "optimizer" not in blob:
         return None
     # The settings first: a changed --optimizer must be refused before torch loads its state.
@@ -412,7 +412,7 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
     actor.optimizer.load_state_dict(blob["optimizer"])
     from slime.backends.checkpointing import apply_optimizer_flags
 
-    apply_optimizer_flags(actor)
+    apply_optimizer_flags(actor.cfg, actor.optimizer, actor.schedule)
     set_rng_state(blob["rng_state"])
     actor.resumed_extra = blob.get("slime", {}).get("extra", {})
     return int(blob["iteration"])

@@ -1,5 +1,6 @@
-"""The critic of PPO (`--advantage-estimator ppo`) on megatron-core (what every backend's critic
-does: slime.backends.critic_common).
+"""The critic of PPO (`--advantage-estimator ppo`) on megatron-core: the value model (a backend,
+slime.backends.interface.ValueBackend) and the critic over it (slime.backends.value.ValueTrainer,
+what every backend's critic does).
 
 The value model is the actor's GPTModel with its output layer replaced, on the last pipeline
 stage, by a value head (`ValueHead`: hidden -> 1 with a bias, replicated over TP), as slime's
@@ -9,7 +10,7 @@ token classifier has no LM head to tie).
 
 It starts from `--critic-load` or the actor's checkpoint: the trunk is converted like the actor's
 (slime.backends.megatron.convert, without an output layer), the head is the checkpoint's `score`
-(a critic's --save-hf export) or slime.backends.critic_common.fresh_value_head. Its `--save`
+(a critic's --save-hf export) or slime.backends.value.fresh_value_head. Its `--save`
 checkpoints are the actor's layout with the head as `output_layer.weight` [1, hidden] and
 `output_layer.bias` [1] (marked `value_head` in the args: the conversion tools refuse them); its
 --save-hf export is a Hugging Face token classifier, as the FSDP critic's.
@@ -28,12 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.critic_common import HEAD_NAMES, ValueModel, fresh_value_head, value_model_config
+from slime.backends.interface import PerPosition, ValueLoss
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron.actor import MegatronTrainActor
+from slime.backends.megatron.actor import MegatronBackend
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.micro_batch import MicroBatch
-from slime.backends.train_records import nan_max
+from slime.backends.value import HEAD_NAMES, ValueTrainer, fresh_value_head, value_model_config
 from slime.utils.batch import RolloutBatch
 from slime.utils.batching import StepPlan
 
@@ -70,8 +71,10 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
-class MegatronCritic(ValueModel, MegatronTrainActor):
-    """A value model on Megatron ranks (module docstring)."""
+class MegatronValueModel(MegatronBackend):
+    """The Megatron backend with a value head as its output layer (module docstring)."""
+
+    value_head = True
 
     def _model_layout(self) -> Layout:
         return dataclasses.replace(super()._model_layout(), tied_embeddings=False, mtp_layers=0)
@@ -91,7 +94,7 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         state = self._read_hf_shard(hf_dir, lm_head=False)
         if self.last_stage:
             state.update(head)
-        self._copy_in(state, masters=True)
+        self.copy_in(state, masters=True)
 
     def _head(self, hf_dir: str) -> State:
         """The checkpoint's value head (a critic's export), a fresh one, or
@@ -127,35 +130,29 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
         return mb.scatter(output[rows, cols, 0].float())
 
     @torch.no_grad()
-    def _value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
+    def value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> PerPosition:
         """TP rank 0 of the last stage answers for the replica; the other ranks return nothing."""
         mbs = self._micro_batches(batch, plans)
-        out = self._collect(mbs, self._response_values, self._routing_states(mbs))
+        out = self._collect(mbs, self._response_values, self._routing_states(mbs, None))
         return out if self.writes_train_data else {}
 
     # ---- training ---------------------------------------------------------------------------
-    def _value_step(
-        self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
-    ) -> tuple[dict[str, float], float]:
+    def value_step(self, batch: RolloutBatch, step: StepPlan, loss: ValueLoss) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        gap = 0.0
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
-            nonlocal gap
-            total, mb_gap = self._value_loss(step, mb, self._response_values(output, mb), old, ret, sums)
-            gap = nan_max(gap, mb_gap)
-            return total
+            return loss(mb, self._response_values(output, mb), sums)
 
         mbs = self._micro_batches(batch, [step])
-        states = self._routing_states(mbs, step=step)  # --moe-aux-loss-coeff's aux loss, as the actor's
+        states = self._routing_states(mbs, None, step=step)  # --moe-aux-loss-coeff's aux loss, as the actor's
         self._run(mbs, loss_fn, forward_only=False, routing=states)
-        return {**self._optimizer_step(sums), **self._aux_metrics(states)}, gap
+        return {**self._optimizer_step(sums), **self._aux_metrics(states)}
 
     # ---- export -----------------------------------------------------------------------------
     def save_hf(self, path: str) -> None:
-        """A Hugging Face token classifier (slime.backends.critic_common.value_model_config), as
+        """A Hugging Face token classifier (slime.backends.value.value_model_config), as
         the FSDP critic's: `--critic-load` takes it back. Every rank takes part."""
         from slime.backends.megatron.export import export_hf_tensors
 
@@ -183,3 +180,9 @@ class MegatronCritic(ValueModel, MegatronTrainActor):
             dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
         flat = flat.cpu()
         return {"score.weight": flat[:h].reshape(1, h).clone(), "score.bias": flat[h:].clone()}
+
+
+class MegatronCritic(ValueTrainer[MegatronValueModel]):
+    """PPO's critic on one Megatron rank."""
+
+    backend_class = MegatronValueModel

@@ -1,5 +1,5 @@
 """The critic of PPO (`--advantage-estimator ppo`), what it does the same way on every train
-backend (FSDP: slime.backends.fsdp.critic; Megatron: slime.backends.megatron.critic).
+backend (the value models: slime.backends.fsdp.critic, slime.backends.megatron.critic).
 
 The value model is the actor's transformer with a one-output linear head (slime's value head, a
 hidden -> 1 linear with a bias; Hugging Face's *ForTokenClassification `score` head with
@@ -7,7 +7,7 @@ hidden -> 1 linear with a bias; Hugging Face's *ForTokenClassification `score` h
 one, `fresh_value_head`: the same on every rank and on both backends.
 
 Per rollout the critic does two things, on the data-parallel layout of the actor's train ranks
-(slime.backends.train_common: the same planning, micro-batches and token weights):
+(slime.backends.planning: the same planning, micro-batches and token weights):
 
 - `compute_values`: the value of every response token (read at the position before it, where
   the token's log-prob is predicted), before this rollout's update: the baseline of GAE and the
@@ -16,8 +16,8 @@ Per rollout the critic does two things, on the data-parallel layout of the actor
   against the returns the advantages came with, reduced like the policy loss (per sample, or
   per token with --calculate-per-token-loss).
 
-A backend supplies `_value_pass` (this rank's values of its samples) and `_value_step` (one
-optimizer step through `_value_loss`).
+`ValueTrainer` does both over a backend's value model (slime.backends.interface.ValueBackend:
+its `value_pass` and its `value_step`, given the loss of a micro-batch, `ValueLossOf`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,19 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
+from slime.backends import measures, planning
+from slime.backends.interface import PerPosition, ValueBackend
+from slime.backends.measures import loss_mask, nan_max
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
-from slime.backends.train_common import TrainActorBase
+from slime.backends.trainer import RankTrainer
+from slime.config.loss import LossConfig
 from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.batching import StepPlan
 
@@ -67,33 +71,51 @@ def value_model_config(hf_config: Any) -> Any:
     return config
 
 
-class ValueModel(TrainActorBase):
-    """The backend-independent half of a critic; a backend's critic derives from it and from the
-    backend's train actor (whose forward, reductions and optimizer step it uses)."""
+class ValueLossOf:
+    """The clipped value loss of one optimizer step's micro-batches (a ValueLoss) against the
+    `returns`, with `old` the value pass's values (V_old). It keeps the largest |values - V_old|
+    over the loss mask in `worst`: on the weights of the value pass the step's forward gives its
+    values bitwise unless kernels, dropout or other micro-batches change the bits (the critic's
+    ppo_kl == 0)."""
 
-    value_head = True
+    def __init__(self, cfg: LossConfig, step: StepPlan, old: PerPosition, returns: PerPosition):
+        self.cfg, self.step, self.old, self.returns = cfg, step, old, returns
+        self.worst = 0.0
 
-    def _value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[int, torch.Tensor]:
-        """The values of this rank's samples by position; ranks that do not answer for their
-        replica (Megatron's other TP and pipeline ranks) may return none."""
-        raise NotImplementedError
+    def __call__(self, mb: MicroBatch, values: torch.Tensor, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        dev, step = values.device, self.step
+        old_values = mb.response_tensor([self.old[p] for p in mb.positions]).to(dev)
+        gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
+        self.worst = nan_max(self.worst, float(gaps.double().max()) if gaps.numel() else 0.0)
+        weights = token_weights(
+            mb.loss_mask,
+            self.cfg.calculate_per_token_loss,
+            step.num_executions,
+            step.num_tokens,
+            step.row_denominators(mb.positions),
+        ).to(dev)
+        returns = mb.response_tensor([self.returns[p] for p in mb.positions]).to(dev)
+        loss, clipped = value_loss(values, old_values, returns, self.cfg.value_clip)
+        total = weighted_sum(loss, weights)
+        sums["value_loss"] += total.detach().double().cpu()
+        sums["value_clipfrac"] += weighted_sum(clipped, weights).detach().double().cpu()
+        return total
 
-    def _value_step(
-        self, batch: RolloutBatch, step: StepPlan, old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
-    ) -> tuple[dict[str, float], float]:
-        """One optimizer step; its metrics, and this rank's largest |step forward - value pass|
-        over the loss mask (--check-precision's gate reads the first step's)."""
-        raise NotImplementedError
+
+V = TypeVar("V", bound=ValueBackend)
+
+
+class ValueTrainer(RankTrainer[V]):
+    """PPO's critic on one train rank, over a backend's value model (module docstring)."""
 
     def _check_batch(self, batch: RolloutBatch) -> None:
-        batch.validate(self.hf_config.get_text_config().vocab_size)
+        self.check_vocabulary(batch)
         if any(batch.multimodal_train_inputs or ()):
             raise BatchError(
                 "PPO's critic on samples with images is not built (its forward takes no pixels): use "
                 "--advantage-estimator grpo (or another critic-free one) with images"
             )
 
-    # ---- values -----------------------------------------------------------------------------
     @torch.no_grad()
     def compute_values(self, data: RolloutBatch | RolloutPart) -> PerSample:
         """The value of every response token of this rank's samples, keyed by sample index (the
@@ -101,11 +123,10 @@ class ValueModel(TrainActorBase):
         part = RolloutPart.of(data)
         batch = part.batch
         self._check_batch(batch)
-        out = self._value_pass(batch, self._log_prob_plans(part, self.plan(part)))
+        out = self.backend.value_pass(batch, self.log_prob_plans(part, self.plan(part)))
         index = batch.sample_indices or part.positions
         return {index[p]: v.tolist() for p, v in out.items()}
 
-    # ---- training ---------------------------------------------------------------------------
     def train_values(
         self, rollout_id: int, data: RolloutBatch | RolloutPart, old_values: PerSample, returns: PerSample
     ) -> TrainOutput:
@@ -116,10 +137,10 @@ class ValueModel(TrainActorBase):
         self._check_batch(batch)
         index = batch.sample_indices or part.positions
         plans = self.plan(part)
-        mine = [p for step in plans for mb in step.micro_batches for p in mb]
-        self._raise_agreed(
-            self._missing(batch, mine, index, old_values, "values")
-            or self._missing(batch, mine, index, returns, "returns")
+        mine = planning.positions(plans)
+        measures.raise_agreed(
+            _missing(batch, mine, index, old_values, "values")
+            or _missing(batch, mine, index, returns, "returns")
         )
         old = {p: torch.tensor(old_values[index[p]], dtype=torch.float32) for p in mine}
         ret = {p: torch.tensor(returns[index[p]], dtype=torch.float32) for p in mine}
@@ -127,37 +148,26 @@ class ValueModel(TrainActorBase):
         start = time.perf_counter()
         output.rollout.update(self._value_metrics(batch, mine, old, ret))
         if self.cfg.optimizer.reset_optimizer_states:
-            reset_states(self.optimizer)
+            reset_states(self.backend.optimizer)
         for k, step in enumerate(plans):
-            metrics, gap = self._value_step(batch, step, old, ret)
-            output.steps.append(metrics)
+            loss = ValueLossOf(self.cfg.loss, step, old, ret)
+            output.steps.append(self.backend.value_step(batch, step, loss))
             if k == 0 and self.cfg.check_precision:  # --check-precision's gate (slime.debug.precision)
-                output.precision["critic_first_step_max_abs_diff"] = self._max_over_ranks(gap)
+                output.precision["critic_first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst)
         output.timings["train"] = time.perf_counter() - start
-        self.rollout_id = rollout_id
         return output
 
-    @classmethod
-    def _missing(
-        cls, batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample, what: str
-    ) -> str | None:
-        p = cls._uncovered(batch, mine, index, per_sample)
-        if p is None:
-            return None
-        got = f"{len(per_sample[index[p]])}" if index[p] in per_sample else "none"
-        return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
-
     def _value_metrics(
-        self, batch: RolloutBatch, mine: list[int], old: dict[int, torch.Tensor], ret: dict[int, torch.Tensor]
+        self, batch: RolloutBatch, mine: list[int], old: PerPosition, ret: PerPosition
     ) -> dict[str, float]:
         """Token means over the loss mask, over the replicas (one rank of each counts): the values
         and returns, and the explained variance of the returns by the values."""
-        masks = [self._loss_mask(batch, p) for p in mine]
+        masks = [loss_mask(batch, p) for p in mine]
         stats = adv.explained_variance([old[p] for p in mine], [ret[p] for p in mine], masks)
         sums = torch.zeros(3, dtype=torch.float64)
         for p, m in zip(mine, masks):
             sums += torch.stack([(old[p] * m).sum().double(), (ret[p] * m).sum().double(), m.sum().double()])
-        reduced = torch.cat([stats, sums]) * float(self.writes_train_data)
+        reduced = torch.cat([stats, sums]) * float(self.backend.writes_train_data)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(reduced)
         count = float(reduced[7]) or 1.0
@@ -167,47 +177,12 @@ class ValueModel(TrainActorBase):
             out["explained_variance"] = explained
         return out
 
-    def _value_loss(
-        self,
-        step: StepPlan,
-        mb: MicroBatch,
-        values: torch.Tensor,
-        old: dict[int, torch.Tensor],
-        ret: dict[int, torch.Tensor],
-        sums: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, float]:
-        """A micro-batch's share of the step's value loss from its `values` ([batch, max
-        response], with grad), its metric sums added to `sums`, and its largest |values - V_old|
-        over the loss mask: on the weights of the value pass the step's forward gives its values
-        bitwise unless kernels, dropout or other micro-batches change the bits (the critic's
-        ppo_kl == 0)."""
-        dev = values.device
-        old_values = mb.response_tensor([old[p] for p in mb.positions]).to(dev)
-        gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
-        gap = float(gaps.double().max()) if gaps.numel() else 0.0
-        weights = token_weights(
-            mb.loss_mask,
-            self.cfg.loss.calculate_per_token_loss,
-            step.num_executions,
-            step.num_tokens,
-            step.row_denominators(mb.positions),
-        ).to(dev)
-        returns = mb.response_tensor([ret[p] for p in mb.positions]).to(dev)
-        loss, clipped = value_loss(values, old_values, returns, self.cfg.loss.value_clip)
-        total = weighted_sum(loss, weights)
-        sums["value_loss"] += total.detach().double().cpu()
-        sums["value_clipfrac"] += weighted_sum(clipped, weights).detach().double().cpu()
-        return total, gap
 
-    # ---- what a critic does not do ----------------------------------------------------------
-    def train(
-        self,
-        rollout_id: int,
-        data: RolloutBatch | RolloutPart,
-        values: dict[int, list[float]] | None = None,
-        update: bool = True,
-    ) -> TrainOutput:
-        raise NotImplementedError("a critic trains with train_values(rollout_id, data, old_values, returns)")
-
-    def export_weights(self, bucket_bytes: int, every_rank: bool = False) -> Any:
-        raise NotImplementedError("a critic's weights never go to the engines")
+def _missing(
+    batch: RolloutBatch, mine: list[int], index: list[int], per_sample: PerSample, what: str
+) -> str | None:
+    p = measures.uncovered(batch, mine, index, per_sample)
+    if p is None:
+        return None
+    got = f"{len(per_sample[index[p]])}" if index[p] in per_sample else "none"
+    return f"sample {index[p]}: {got} {what} for its {batch.response_lengths[p]} response tokens"
