@@ -35,6 +35,13 @@ def swapped(backend: TrainBackend, state: State) -> Iterator[None]:
         backend.copy_in(saved)
 
 
+def reference(backend: TrainBackend) -> contextlib.AbstractContextManager[None]:
+    """Context: the reference's weights (`backend.ref_state`) are in the backend's model."""
+    if backend.ref_state is None:
+        raise RuntimeError("no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)")
+    return swapped(backend, backend.ref_state)
+
+
 class KeptWeights:
     """The weights of the versions a rank pushed (its part of them, on the host), newest last."""
 

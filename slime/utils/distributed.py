@@ -7,7 +7,9 @@ by a new trainer), so the group is built directly from a TCPStore: gloo on CPU, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,3 +97,18 @@ def init_train_group(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     return rank, world_size
+
+
+def leave_train_group(teardown: Callable[[], None] | None = None) -> None:
+    """Leave the process group together: a rank tearing gloo down while a peer still talks to it
+    can abort the peer. `teardown` (megatron-core's parallel state) runs before the group goes;
+    its failure does not keep the group."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        if teardown is not None:
+            with contextlib.suppress(Exception):
+                teardown()
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends import hf_checkpoint
+from slime.backends import hf_checkpoint, startup
 from slime.backends.expert_bias import TokenCounts
 from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe, vision
@@ -31,13 +31,12 @@ from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
 from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
-from slime.backends.weight_copies import swapped
-from slime.config.opd import OTHER_ARCHITECTURE
+from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts, model_families
 from slime.utils.batch import RolloutBatch
 from slime.utils.batching import StepPlan
-from slime.utils.distributed import init_train_group
+from slime.utils.distributed import init_train_group, leave_train_group
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +76,7 @@ class FSDPBackend:
     # ---- set-up -----------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         cfg = self.cfg
-        # Checks that read only files run before the process group exists: a bad flag is then
-        # the same error on every rank, never a hang.
-        self.hf_config = hf_checkpoint.check_hf_checkpoint(cfg.hf_checkpoint)
-        if cfg.ref_load and cfg.loss.needs_ref:
-            hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
-        if cfg.opd.in_train:
-            assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            hf_checkpoint.check_same_architecture(
-                self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load", OTHER_ARCHITECTURE
-            )
+        self.hf_config = startup.check_files(cfg)
         self.rank, self.world_size = init_train_group(
             cfg.device, *self._dist_args, timeout_minutes=cfg.distributed_timeout_minutes
         )
@@ -97,16 +87,7 @@ class FSDPBackend:
                 f"--debug-disable-sharding runs one unsharded rank, but the job has {self.world_size} "
                 "train ranks: use --actor-num-nodes 1 --actor-num-gpus-per-node 1"
             )
-        if cfg.deterministic:
-            from slime.utils.seed import enable_deterministic
-
-            enable_deterministic(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        self.device = (
-            torch.device(cfg.device, torch.cuda.current_device())
-            if cfg.device == "cuda"
-            else torch.device("cpu")
-        )
+        self.device = startup.seed_device(cfg)
         self.model = self._build_model()
         self.routing = self._install_routing()
         self.bias_counts = self._install_bias_counts()
@@ -132,18 +113,7 @@ class FSDPBackend:
         resumed = None
         if cfg.load:
             resumed = self.load(cfg.load)
-        info = {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "dp_rank": self.dp_rank,
-            "dp": self.dp_size,
-            "num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "local_state_bytes": self.local_state_bytes(),
-            "resumed_rollout_id": resumed,
-            "resumed_extra": self.resumed_extra,
-        }
-        logger.info("rank %d/%d: FSDP actor ready %s", self.rank, self.world_size, info)
-        return info
+        return startup.ready("FSDP", self, resumed)
 
     def _build_model(self) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -208,13 +178,7 @@ class FSDPBackend:
     def reference_weights(self) -> contextlib.AbstractContextManager[None]:
         """The reference's weights (--ref-load, else the start's); with LoRA the base model, the
         adapters switched off (no second copy)."""
-        if self.cfg.lora.enabled:
-            return self._adapters_off()
-        if self.ref_state is None:
-            raise RuntimeError(
-                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
-            )
-        return swapped(self, self.ref_state)
+        return self._adapters_off() if self.cfg.lora.enabled else reference(self)
 
     @contextlib.contextmanager
     def _adapters_off(self) -> Iterator[None]:
@@ -477,13 +441,7 @@ class FSDPBackend:
             move_model(self.model, self.optimizer, self.device)
 
     def close(self) -> None:
-        """Leave the process group together: a rank tearing gloo down while a peer still talks
-        to it can abort the peer."""
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        leave_train_group()
 
 
 class FSDPTrainActor(PolicyTrainer[FSDPBackend]):

@@ -1,9 +1,10 @@
 """The Megatron-core backend: one rank of a TP x PP x DP layout (slime.backends.interface.
 TrainBackend); `MegatronTrainActor` is the policy over it.
 
-megatron-core supplies the parallel state, the GPTModel (this rank's TP shard of its stage's layers)
-and the pipeline schedules; slime supplies the step (slime.backends.policy), the loss (slime.algo), the optimizer (the same AdamW and schedule) and the gradient reduction and
-clipping (slime.backends.megatron.grads). Log-probs are computed on the last stage from the
+megatron-core supplies the parallel state, the GPTModel (this rank's TP shard of its stage's
+layers) and the pipeline schedules; slime supplies the step (slime.backends.policy), the loss
+(slime.algo), the optimizer (the same AdamW and schedule) and the gradient reduction and clipping
+(slime.backends.megatron.grads). Log-probs are computed on the last stage from the
 vocabulary-parallel logits (slime.backends.megatron.logprobs) and broadcast to the other stages.
 On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim.
 """
@@ -11,41 +12,35 @@ On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from slime.backends import hf_checkpoint
+from slime.backends import startup
 from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition
 from slime.backends.measures import sum_over_ranks
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron import grads, mtp
-from slime.backends.megatron.context_parallel import cp_response_stats, run_micro_batch
+from slime.backends.megatron import grads, mtp, settings, train_checkpoint
+from slime.backends.megatron.context_parallel import run_micro_batch
 from slime.backends.megatron.convert import Layout, State
 from slime.backends.megatron.export import Mesh, export_hf_buckets, export_hf_tensors, meta_hf_state
-from slime.backends.megatron.logprobs import from_last_stage, vocab_parallel_log_probs
+from slime.backends.megatron.logprobs import from_last_stage, response_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
-from slime.backends.megatron.model import move_rotary_tables
-from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting, update_expert_bias
-from slime.backends.megatron.settings import check_moe, check_supported, recompute_settings
+from slime.backends.megatron.model import model_state, move_rotary_tables
+from slime.backends.megatron.moe import MegatronRouting, MicroBatchRouting
 from slime.backends.megatron.sharding import hf_to_megatron_shard
-from slime.backends.micro_batch import MicroBatch, make_micro_batch, response_token_stats
+from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
 from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
-from slime.backends.weight_copies import swapped
-from slime.config.opd import OTHER_ARCHITECTURE
+from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
 from slime.utils.batch import RolloutBatch
 from slime.utils.batching import StepPlan
-from slime.utils.distributed import init_train_group
+from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.errors import UsageError
-
-logger = logging.getLogger(__name__)
 
 
 class MegatronBackend:
@@ -74,22 +69,15 @@ class MegatronBackend:
     # ---- set-up -----------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         cfg, m = self.cfg, self.cfg.megatron
-        self.hf_config = hf_checkpoint.check_hf_checkpoint(cfg.hf_checkpoint)
-        if cfg.ref_load and cfg.loss.needs_ref:
-            hf_checkpoint.check_hf_checkpoint(cfg.ref_load, "--ref-load")
-        if cfg.opd.in_train:
-            assert cfg.opd.teacher_load is not None  # slime.config.opd checked
-            hf_checkpoint.check_same_architecture(
-                self.hf_config, cfg.opd.teacher_load, "--opd-teacher-load", OTHER_ARCHITECTURE
-            )
-        unsupported = check_supported(m)
+        self.hf_config = startup.check_files(cfg)
+        unsupported = settings.check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
         self.layout = self._model_layout()
         self.tp, self.pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         self.ep, self.etp = m.expert_model_parallel_size, m.etp
         self.layout.check_parallel(self.tp, self.pp, self.ep, self.etp)
-        unsupported = check_moe(m, self.layout, cfg.moe)
+        unsupported = settings.check_moe(m, self.layout, cfg.moe)
         if unsupported:
             raise ValueError(unsupported)
         self.rank, self.world_size = init_train_group(
@@ -116,17 +104,15 @@ class MegatronBackend:
         # One rank per replica writes the replica's files and counts its step metrics.
         self.writes_train_data = self.last_stage and self.mesh.tp_rank == 0 and self.cp_rank == 0
         cfg.batch.check_layout(self.dp_size)
-        if cfg.deterministic:
-            from slime.utils.seed import enable_deterministic
-
-            enable_deterministic(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        )
+        self.device = startup.seed_device(cfg)
         self.model, self.config = self._build_model()
         self.routing = MegatronRouting.install(
-            self.model, self.layout, self.hf_config, recompute_settings(cfg), self.mesh, m.sequence_parallel
+            self.model,
+            self.layout,
+            self.hf_config,
+            settings.recompute_settings(cfg),
+            self.mesh,
+            m.sequence_parallel,
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -149,20 +135,7 @@ class MegatronBackend:
             assert cfg.opd.teacher_load is not None
             self.teacher_state = self._read_hf_shard(cfg.opd.teacher_load, own_mtp=True)
         resumed = self.load(cfg.load) if cfg.load else None
-        info = {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "dp_rank": self.dp_rank,
-            "tp": self.tp,
-            "pp": self.pp,
-            "dp": self.dp_size,
-            "num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "local_state_bytes": self.local_state_bytes(),
-            "resumed_rollout_id": resumed,
-            "resumed_extra": self.resumed_extra,
-        }
-        logger.info("rank %d/%d: Megatron actor ready %s", self.rank, self.world_size, info)
-        return info
+        return startup.ready("Megatron", self, resumed, tp=self.tp, pp=self.pp)
 
     def _model_layout(self) -> Layout:
         m = self.cfg.megatron
@@ -183,28 +156,9 @@ class MegatronBackend:
         on_cpu = self.device.type == "cpu"
         if not on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
+        dtype = torch.bfloat16 if m.bf16 else torch.float32
         config = transformer_config(
-            self.layout,
-            self.hf_config,
-            torch.bfloat16 if m.bf16 else torch.float32,
-            cpu_init=on_cpu,
-            bf16=m.bf16,
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            context_parallel_size=m.context_parallel_size,
-            router_dtype=self.cfg.moe.moe_router_dtype,
-            sequence_parallel=m.sequence_parallel,
-            # Micro-batches differ in length and size: the pipeline exchanges shapes first.
-            variable_seq_lengths=True,
-            moe_token_dispatcher_type="alltoall",  # megatron-core refuses its default with variable lengths
-            # The loss function returns each micro-batch's share of the global loss already.
-            calculate_per_token_loss=True,
-            **recompute_settings(self.cfg),
-            attention_dropout=self.cfg.model.attention_dropout,
-            hidden_dropout=self.cfg.model.hidden_dropout,
-            attention_softmax_in_fp32=self.cfg.model.attention_softmax_in_fp32,
+            self.layout, self.hf_config, dtype, **settings.transformer_settings(self.cfg, on_cpu)
         )
         if on_cpu:
             from megatron.core import parallel_state
@@ -280,11 +234,7 @@ class MegatronBackend:
         return snapshot(self.model)
 
     def reference_weights(self) -> contextlib.AbstractContextManager[None]:
-        if self.ref_state is None:
-            raise RuntimeError(
-                "no reference model: the loss flags do not use one (--use-kl-loss / --kl-coef)"
-            )
-        return swapped(self, self.ref_state)
+        return reference(self)
 
     @property
     def packs_sequences(self) -> bool:
@@ -312,35 +262,12 @@ class MegatronBackend:
     def _response_log_probs(
         self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns of the
-        [rows, tokens, padded vocabulary / TP] logits."""
-
-        def stats(logits_: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return vocab_parallel_log_probs(
-                logits_,
-                targets,
-                self.layout.vocab_size,
-                self.mesh.tp_rank,
-                self.tp,
-                self.mesh.tp_group,
-                with_entropy,
-            )
-
-        def at(index: torch.Tensor | None, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return response_token_stats(
-                logits.flatten(0, 1),
-                index,
-                targets,
-                self.cfg.rollout_temperature,
-                stats,
-                self.cfg.batch.log_probs_chunk_size,
-            )
-
-        if mb.cp is not None:  # context parallelism: every local token's, gathered over the CP ranks
-            return cp_response_stats(mb, at)
-        rows, cols, targets = mb.predictions()
-        log_probs, entropy = at(rows * logits.shape[1] + cols, targets)
-        return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)
+        """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns."""
+        c = self.cfg
+        vocab = (self.layout.vocab_size, self.mesh.tp_rank, self.tp, self.mesh.tp_group)
+        return response_log_probs(
+            logits, mb, vocab, c.rollout_temperature, c.batch.log_probs_chunk_size, with_entropy
+        )
 
     def _run(
         self,
@@ -482,63 +409,43 @@ class MegatronBackend:
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reduce and clip the gradients, step the optimizer and the schedule (and the routers'
-        expert bias); the step's metric sums over the replicas, with grad_norm and the learning
-        rate the step used."""
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        lr = self.schedule.lr
-        self.optimizer.step()
-        self.schedule.step()
-        self.masters.copy_back()
-        update_expert_bias(self.model, self._bias_rate)
-        return self._step_metrics(sums, grad_norm, lr)
+        expert bias: slime.backends.megatron.grads.optimizer_step); the step's metric sums over
+        the replicas (one rank of each, last stage and TP rank 0, contributes; the others join
+        with zeros), with grad_norm and the learning rate the step used."""
+        grad_norm, lr = grads.optimizer_step(
+            self.model,
+            self.mesh,
+            self.layout,
+            self.grad_group,
+            self.masters,
+            self.device,
+            (self.optimizer, self.schedule, self.cfg.optimizer.clip_grad),
+            self._bias_rate,
+        )
+        result = sum_over_ranks(sums, contribute=self.writes_train_data)
+        result.update(grad_norm=grad_norm, lr=lr)
+        return result
 
     @property
     def _bias_rate(self) -> float:
         """--moe-router-bias-update-rate where the routers have an expert bias (0 otherwise)."""
         return self.cfg.moe.moe_router_bias_update_rate if self.layout.expert_bias else 0.0
 
-    def _step_metrics(self, sums: dict[str, torch.Tensor], grad_norm: float, lr: float) -> dict[str, float]:
-        """Sum the metrics over the replicas: one rank per replica (last stage, TP rank 0)
-        contributes, the other ranks join the reduction with zeros."""
-        result = sum_over_ranks(sums, contribute=self.writes_train_data)
-        result.update(grad_norm=grad_norm, lr=lr)
-        return result
-
-    def _reduce_gradients(self) -> None:
-        grads.reduce_gradients(
-            self.model,
-            self.mesh,
-            self.grad_group,
-            self.layout.qk_norm,
-            self.layout.tied_embeddings or bool(self.layout.mtp_layers),
-            self.device,
-            self.masters.grad_of,
-            ensure_grad=self.masters.ensure_grad,
-        )
-
-    def _clip_gradients(self) -> float:
-        return grads.clip_gradients(
-            self.model, self.mesh, self.cfg.optimizer.clip_grad, self.device, self.masters.grad_of
-        )
-
     # ---- checkpoints and weights ------------------------------------------------------------
     def model_state(self) -> State:
-        from slime.backends.megatron.model import model_state
-
         return model_state(self.model)
 
     def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str:
-        return mckpt.save_train_checkpoint(self, rollout_id, path, extra)
+        return train_checkpoint.save_train_checkpoint(self, rollout_id, path, extra)
 
     def load(self, path: str) -> int | None:
-        return mckpt.load_train_checkpoint(self, path)
+        return train_checkpoint.load_train_checkpoint(self, path)
 
     def save_hf(self, path: str) -> None:  # with the MTP modules built (a push leaves them out)
         tensors = export_hf_tensors(
             {k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh, with_mtp=True
         )
-        mckpt.save_hf_from_actor(
+        train_checkpoint.save_hf_from_actor(
             self, path, tensors=tensors, config=mtp.saved_config(self.hf_config, self.layout)
         )
 
@@ -577,15 +484,9 @@ class MegatronBackend:
         move_model(self.model, self.optimizer, device, params)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                with contextlib.suppress(Exception):
-                    from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps
 
-                    ps.destroy_model_parallel()
-                dist.destroy_process_group()
+        leave_train_group(ps.destroy_model_parallel)
 
 
 class MegatronTrainActor(PolicyTrainer[MegatronBackend]):

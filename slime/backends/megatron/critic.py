@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from slime.backends.interface import PerPosition, ValueLoss
 from slime.backends.megatron import checkpoint as mckpt
+from slime.backends.megatron import train_checkpoint
 from slime.backends.megatron.actor import MegatronBackend
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.micro_batch import MicroBatch
@@ -162,7 +163,7 @@ class MegatronValueModel(MegatronBackend):
             export_hf_tensors(local, dataclasses.replace(self.layout, tied_embeddings=True), self.mesh)
         )
         head = self._head_from_last_stage()
-        mckpt.save_hf_from_actor(
+        train_checkpoint.save_hf_from_actor(
             self, path, tensors=trunk + list(head.items()), config=value_model_config(self.hf_config)
         )
 

@@ -34,8 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron.convert import Layout
 from slime.backends.megatron.export import Mesh
 from slime.backends.megatron.layer_map import is_expert
+from slime.backends.megatron.masters import MasterWeights
+from slime.backends.megatron.moe import update_expert_bias
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -144,3 +147,37 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any, device: torch.
         for t in same:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def optimizer_step(
+    model: Any,
+    mesh: Mesh,
+    layout: Layout,
+    grad_group: Any,
+    masters: MasterWeights,
+    device: torch.device,
+    optimizer: tuple[torch.optim.Optimizer, Any, float],
+    bias_rate: float,
+) -> tuple[float, float]:
+    """One optimizer step of a rank: its gradients reduced (over `grad_group`, DP x CP, and over
+    TP where a parameter is replicated) and clipped, the optimizer and its schedule stepped on the
+    --bf16 masters (copied back into the model), the routers' expert bias updated at `bias_rate`.
+    `optimizer`: (the optimizer, its LR schedule, --clip-grad). Returns (grad_norm, the lr used)."""
+    opt, schedule, clip_grad = optimizer
+    reduce_gradients(
+        model,
+        mesh,
+        grad_group,
+        layout.qk_norm,
+        layout.tied_embeddings or bool(layout.mtp_layers),
+        device,
+        masters.grad_of,
+        ensure_grad=masters.ensure_grad,
+    )
+    grad_norm = clip_gradients(model, mesh, clip_grad, device, masters.grad_of)
+    lr = schedule.lr
+    opt.step()
+    schedule.step()
+    masters.copy_back()
+    update_expert_bias(model, bias_rate)
+    return grad_norm, lr

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron.context_parallel import cp_response_stats
+from slime.backends.micro_batch import MicroBatch, Stats, response_token_stats
+
 
 class _SumOverTP(torch.autograd.Function):
     """Sum over the TP group forward; identity backward: every TP rank computes the same loss
@@ -100,3 +103,30 @@ def from_last_stage(
     flat = (torch.cat([values[p] for p in positions]) if last_stage else torch.empty(sum(sizes))).to(device)
     dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
     return dict(zip(positions, flat.cpu().split(sizes)))
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    mb: MicroBatch,
+    vocab: tuple[int, int, int, Any],
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> Stats:
+    """[B, max_response] log-probs (and entropy) of micro-batch `mb`'s responses from a rank's
+    columns of the [rows, tokens, padded vocabulary / TP] logits; `vocab`: (the real vocabulary
+    size, the TP rank, TP size, TP group). With context parallelism every local token's, gathered
+    over the CP ranks."""
+    vocab_size, tp_rank, tp, tp_group = vocab
+
+    def stats(logits_: torch.Tensor, targets: torch.Tensor) -> Stats:
+        return vocab_parallel_log_probs(logits_, targets, vocab_size, tp_rank, tp, tp_group, with_entropy)
+
+    def at(index: torch.Tensor | None, targets: torch.Tensor) -> Stats:
+        return response_token_stats(logits.flatten(0, 1), index, targets, temperature, stats, chunk_size)
+
+    if mb.cp is not None:
+        return cp_response_stats(mb, at)
+    rows, cols, targets = mb.predictions()
+    log_probs, entropy = at(rows * logits.shape[1] + cols, targets)
+    return mb.scatter(log_probs), None if entropy is None else mb.scatter(entropy)

@@ -28,6 +28,32 @@ def recompute_settings(cfg: Any) -> dict[str, Any]:
     return {}
 
 
+def transformer_settings(cfg: Any, cpu_init: bool) -> dict[str, Any]:
+    """megatron-core's TransformerConfig settings that the flags give (the model's shapes come
+    from its Hugging Face config: slime.backends.megatron.model.transformer_config)."""
+    m = cfg.megatron
+    return dict(
+        cpu_init=cpu_init,
+        bf16=m.bf16,
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.etp,
+        context_parallel_size=m.context_parallel_size,
+        router_dtype=cfg.moe.moe_router_dtype,
+        sequence_parallel=m.sequence_parallel,
+        # Micro-batches differ in length and size: the pipeline exchanges shapes first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # megatron-core refuses its default with variable lengths
+        # The loss function returns each micro-batch's share of the global loss already.
+        calculate_per_token_loss=True,
+        **recompute_settings(cfg),
+        attention_dropout=cfg.model.attention_dropout,
+        hidden_dropout=cfg.model.hidden_dropout,
+        attention_softmax_in_fp32=cfg.model.attention_softmax_in_fp32,
+    )
+
+
 def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
     """What megatron-core's MoE layer does not train, and a MoE option given with a dense model
     (refused at start-up, exit 2; parse_args refuses those flags by name first)."""
