@@ -43,11 +43,23 @@ from slime.agent.adapters.errors import AdapterError
 from slime.agent.adapters.generate import call_sglang_generate, check_int
 from slime.agent.adapters.history import ChatHistory, Held
 from slime.agent.adapters.images import SessionImage, session_images
+from slime.agent.adapters.messages import flatten_content, manager_finish_reason, tool_call_dict
 from slime.agent.parsing import ParsedModelOutput, check_parser_names, parse_model_output
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
 from slime.observability.trace_utils import TraceHandle, bind_trace, export_trace, import_trace
 
-__all__ = ["AdapterError", "BaseAdapter", "Reply", "Session", "TurnRecord", "flatten_content"]
+# slime's plugins import these from here (flatten_content, tool_call_dict, manager_finish_reason
+# live in slime.agent.adapters.messages).
+__all__ = [
+    "AdapterError",
+    "BaseAdapter",
+    "Reply",
+    "Session",
+    "TurnRecord",
+    "flatten_content",
+    "manager_finish_reason",
+    "tool_call_dict",
+]
 
 
 @dataclasses.dataclass
@@ -83,63 +95,6 @@ class Reply:
     complete: bool = True
     """Whether the recorded message carries all the output said (an OpenAI reply keeps one tool
     call of several): only then may a later request reuse the output's tokens for it."""
-
-
-def flatten_content(c: Any) -> str:
-    """A message's content (a string, or OpenAI / Anthropic content blocks) as chat-template text:
-    text blocks joined by newlines, tool results flattened, images as "[image omitted]"."""
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if not isinstance(c, list):
-        return str(c)
-    parts = []
-    for block in c:
-        if isinstance(block, str):
-            parts.append(block)
-        elif not isinstance(block, dict):
-            parts.append(str(block))
-        elif block.get("type") in ("text", "input_text", "output_text"):
-            parts.append(str(block.get("text") or ""))
-        elif block.get("type") in ("image", "image_url", "input_image"):
-            parts.append("[image omitted]")
-        elif "content" in block:
-            parts.append(flatten_content(block["content"]))
-        elif "text" in block:
-            parts.append(str(block.get("text") or ""))
-    return "\n".join(p for p in parts if p)
-
-
-def tool_call_dict(name: str, arguments: dict[str, Any] | None) -> dict[str, Any]:
-    """A tool call as recorded: no wire id, arguments a mapping (the chat template wants one, and
-    the echo of the call must compare equal to the recorded message)."""
-    return {"type": "function", "function": {"name": name, "arguments": arguments or {}}}
-
-
-def function_tool(name: str, description: Any, parameters: Any) -> dict[str, Any]:
-    """A tool as the chat template takes it (a function with a JSON-schema of parameters)."""
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description or "",
-            "parameters": parameters or {"type": "object", "properties": {}},
-        },
-    }
-
-
-def tool_specs(tools: Any) -> list[dict[str, Any]]:
-    """The request's `tools`, a list (400 otherwise); [] when absent."""
-    if not tools:
-        return []
-    if not isinstance(tools, list):
-        raise AdapterError(400, "'tools' must be a list")
-    return [t for t in tools if isinstance(t, dict)]
-
-
-def manager_finish_reason(tool_uses: list[dict[str, Any]], raw_finish: str) -> str:
-    return "tool_calls" if tool_uses else (raw_finish or "stop")
 
 
 def sid_from_bearer(request: web.Request) -> str | None:

@@ -9,7 +9,7 @@ source) become chat-template image items
 model's placeholder where each image stood. The turn's images, in the order of the messages, go
 to the engine as `image_data` with the prompt's ids (each placeholder expanded by the processor)
 and are recorded with the turn, so its samples train with them. Without a processor (a text
-model) images stay "[image omitted]" text (slime.agent.adapters.common.flatten_content).
+model) images stay "[image omitted]" text (slime.agent.adapters.messages.flatten_content).
 """
 
 from __future__ import annotations

@@ -20,19 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from slime.agent.adapters.common import (
-    AdapterError,
-    BaseAdapter,
-    Reply,
+from slime.agent.adapters.common import BaseAdapter, Reply, sid_from_bearer, sid_from_body
+from slime.agent.adapters.errors import AdapterError
+from slime.agent.adapters.images import content_with_images
+from slime.agent.adapters.messages import (
     flatten_content,
     function_tool,
     manager_finish_reason,
-    sid_from_bearer,
-    sid_from_body,
     tool_call_dict,
     tool_specs,
 )
-from slime.agent.adapters.images import content_with_images
 from slime.agent.parsing import ParsedModelOutput
 
 logger = logging.getLogger(__name__)
