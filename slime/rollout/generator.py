@@ -28,12 +28,12 @@ from typing import Any
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
 from slime.observability.trace_utils import trace_span
+from slime.rollout.base_types import number_groups
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
 from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
-from slime.rollout.rewards import RewardModel
-from slime.utils.job_trace import RECORDER
+from slime.rollout.rewards import RewardModel, score_unscored
 from slime.utils.net import host_port
 from slime.utils.processing_utils import prompt_images
 from slime.utils.sample import Sample, Status
@@ -399,17 +399,8 @@ class RolloutGenerator:
             failed = True
             raise
         finally:
-            try:
-                if running:
-                    aborted = len(running)
-                    await self._abort_all()
-                if self.carry is not None and not failed and (running or finished_late):
-                    await self._keep_cut_off(running | finished_late, drawn, prompts)
-            finally:
-                for task in running:
-                    task.cancel()
-                await asyncio.gather(*running, return_exceptions=True)
-                await asyncio.gather(*(c.close() for c in self._opened))
+            aborted = len(running)
+            await self._end(running, finished_late if not failed else None, drawn, prompts)
         # Groups finish in any order; numbered in the order their prompts were drawn, the same
         # prompts give the same rollout however the engines interleave them.
         kept.sort(key=lambda item: item[0])
@@ -431,6 +422,27 @@ class RolloutGenerator:
             len(carried) if carrying else None,
             len(self.carry or ()) if carrying else None,
         )
+
+    async def _end(
+        self,
+        running: set[asyncio.Task],
+        finished_late: set[asyncio.Task] | None,
+        drawn: dict[asyncio.Task, int],
+        prompts: dict[asyncio.Task, Prompt],
+    ) -> None:
+        """End a rollout: abort the requests still running; with --partial-rollout keep their
+        groups cut off, and those `finished_late`, for the next rollout (None: the rollout
+        failed, nothing is kept); close the clients opened for it."""
+        try:
+            if running:
+                await self._abort_all()
+            if self.carry is not None and finished_late is not None and (running or finished_late):
+                await self._keep_cut_off(running | finished_late, drawn, prompts)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in self._opened))
 
     async def _abort_all(self) -> None:
         await asyncio.gather(
@@ -457,46 +469,7 @@ class RolloutGenerator:
                 self.carry.append((prompts[task], task.result()))
 
 
-def number_groups(result: Any, n_samples_per_prompt: int, flag: str) -> list[Sample]:
-    """A rollout function's result (groups, or a flat list in groups of n) as numbered samples."""
-    if not isinstance(result, list | tuple) or not result:
-        raise TypeError(f"{flag} must return a non-empty list of sample groups, got {type(result).__name__}")
-    if all(isinstance(s, Sample) for s in result):
-        if len(result) % n_samples_per_prompt:
-            raise ValueError(
-                f"{flag} returned {len(result)} samples, not groups of --n-samples-per-prompt "
-                f"{n_samples_per_prompt}"
-            )
-        result = [result[i : i + n_samples_per_prompt] for i in range(0, len(result), n_samples_per_prompt)]
-    samples: list[Sample] = []
-    executions: dict[tuple[int, int], int] = {}
-    for group_index, group in enumerate(result):
-        if not isinstance(group, list | tuple) or not all(isinstance(s, Sample) for s in group):
-            raise TypeError(f"{flag} must return lists of Sample (group {group_index} is not)")
-        for s in group:
-            s.group_index, s.index = group_index, len(samples)
-            if s.rollout_id is not None:  # an execution's id: the index of its first sample
-                s.rollout_id = executions.setdefault((group_index, s.rollout_id), s.index)
-            samples.append(s)
-    return samples
-
-
 async def _traced(sample: Sample, call: Any) -> Any:
     """One sample's generate call as slime's `generate_and_rm` span."""
     with trace_span(sample, "generate_and_rm"):
         return await call
-
-
-async def score_unscored(reward: RewardModel | None, group: list[Sample], flag: str) -> None:
-    """Score one prompt group as slime does: a sample a custom function (`flag`) already gave a
-    reward keeps it; a group reward (--group-rm) scores the whole group."""
-    todo = group if reward is not None and reward.group else [s for s in group if s.reward is None]
-    if not todo:
-        return
-    if reward is None:
-        raise ValueError(
-            f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
-        )
-    name = "group_reward_model" if reward.group else "reward_model"
-    with trace_span(todo, name), RECORDER.lane("reward") as row, RECORDER.span(name, row, samples=len(todo)):
-        await reward.score_group(todo)  # a span of the job's timeline too (--trace-dir)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import logging
 import os
 import time
@@ -25,11 +24,11 @@ from slime.config.arguments import Config
 from slime.config.eval_sets import EvalDataset, eval_flag
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
-from slime.rollout.base_types import unwrap
+from slime.rollout.base_types import number_groups
 from slime.rollout.continuous import BusyMeter, ContinuousPool
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.dump import make_meta, save_dump
-from slime.rollout.generator import GenerationProgress, RolloutGenerator, number_groups, score_unscored
+from slime.rollout.generator import GenerationProgress, RolloutGenerator
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
 from slime.rollout.summary import (
@@ -41,7 +40,7 @@ from slime.rollout.summary import (
     rollout_metrics,
 )
 from slime.rollout.teacher import TeacherScorer
-from slime.rollout.user_rollout import BuiltInRollout, DataSource
+from slime.rollout.user_rollout import rollout_function_samples
 from slime.rollout.vision import vision_processor
 from slime.utils.async_utils import run
 from slime.utils.batch import Evaluation, Rollout
@@ -208,7 +207,9 @@ class RolloutProducer:
             return samples, metrics
 
         if self.rollout_fn is not None:
-            samples, extra = _rollout_fn_samples(self, rollout_id, self.dataset, self.reward, built_in)
+            samples, extra = rollout_function_samples(
+                self.rollout_fn, self.config, rollout_id, self.dataset, self.reward, built_in, self.progress
+            )
         else:
             samples, extra = built_in()
         return self._package(rollout_id, weight_version, samples, extra, start)
@@ -282,7 +283,9 @@ class RolloutProducer:
             dataset.epoch = dataset.offset = 0
             built_in = functools.partial(self._evaluate_set, rollout_id, ds, dataset, reward, generate_fn)
             if self.rollout_fn is not None:
-                samples, extra = _rollout_fn_samples(self, rollout_id, dataset, reward, built_in, ds)
+                samples, extra = rollout_function_samples(
+                    self.rollout_fn, self.config, rollout_id, dataset, reward, built_in, self.progress, ds
+                )
                 metrics.update(extra)
             else:
                 samples, _ = built_in()
@@ -357,53 +360,6 @@ class RolloutProducer:
 # slime): what a plugin keeps between rollouts (a GenerateState semaphore, an aiohttp session) stays
 # bound to a loop that is still running. They are module functions, called through `run` from the
 # producer's synchronous methods, which the rollout manager actor calls from Ray's threads.
-def _rollout_fn_samples(
-    producer: RolloutProducer,
-    rollout_id: int,
-    dataset: PromptDataset | None,
-    reward: RewardModel | None,
-    built_in: Callable[[], tuple[list[Sample], dict[str, float]]],
-    eval_ds: EvalDataset | None = None,
-) -> tuple[list[Sample], dict[str, float]]:
-    """Run the user's rollout function for a training rollout, or for the evaluation set
-    `eval_ds`; score the samples it left without a reward. Returns them and the function's own
-    metrics (RolloutFnTrainOutput's). `built_in`: this rollout (or evaluation set) as the
-    built-in rollout makes it, for a function that calls
-    slime.rollout.sglang_rollout.generate_rollout.
-
-    The function is called from this (synchronous) thread, as slime calls it: slime's own
-    rollout functions call `slime.utils.async_utils.run` themselves."""
-    assert producer.rollout_fn is not None
-    flag = "--rollout-function-path"
-    evaluation = eval_ds is not None
-    eval_set = eval_ds.name if eval_ds is not None else None
-    n = (eval_ds or producer.config.rollout).sampling.n_samples_per_prompt
-    fields = {}  # slime sets an evaluation set's own functions on its samples
-    if eval_ds is not None:
-        fields = {
-            "custom_rm_path": eval_ds.custom_rm_path,
-            "generate_function_path": eval_ds.custom_generate_function_path,
-        }
-    source = DataSource(
-        dataset,
-        n,
-        BuiltInRollout(rollout_id, evaluation, eval_set, built_in),
-        fields,
-        blank=not producer.config.rollout.global_dataset and not evaluation,
-    )
-    result = producer.rollout_fn(producer.config.args, rollout_id, source, evaluation=evaluation)
-    if inspect.isawaitable(result):
-        result = run(result)
-    groups_out, fn_metrics = unwrap(result, evaluation, eval_set)
-    samples = number_groups(groups_out, n, flag)
-    start = time.perf_counter()
-    todo = [g for g in group_samples(samples) if any(s.reward is None for s in g)]
-    if todo:
-        run(_score_groups(reward, todo, flag))
-    producer.progress.reward_seconds += time.perf_counter() - start
-    return samples, fn_metrics
-
-
 async def _start_pool(producer: RolloutProducer, version: int) -> ContinuousPool:
     """The continuous pool of `producer`, started on the background loop."""
     if producer.dataset is None:
@@ -448,11 +404,6 @@ async def _start_pool(producer: RolloutProducer, version: int) -> ContinuousPool
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` on the background loop (the pool's state is touched from that thread only)."""
     return fn(*args)
-
-
-async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:
-    for group in groups:
-        await score_unscored(reward, group, flag)
 
 
 async def _generate(

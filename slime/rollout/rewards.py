@@ -16,9 +16,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from slime.observability.trace_utils import trace_span
 from slime.rollout.rm_hub import RemoteRMConfig, check_rm_type, is_remote, score_samples
 from slime.utils.async_utils import call_maybe_async
 from slime.utils.errors import UsageError
+from slime.utils.job_trace import RECORDER
 from slime.utils.misc import load_function
 from slime.utils.sample import Sample
 
@@ -84,3 +86,18 @@ class RewardModel:
         results = await asyncio.gather(*(call_maybe_async(self.fn, self.args, s) for s in samples))
         for s, r in zip(samples, results):
             s.reward = r
+
+
+async def score_unscored(reward: RewardModel | None, group: list[Sample], flag: str) -> None:
+    """Score one prompt group as slime does: a sample a custom function (`flag`) already gave a
+    reward keeps it; a group reward (--group-rm) scores the whole group."""
+    todo = group if reward is not None and reward.group else [s for s in group if s.reward is None]
+    if not todo:
+        return
+    if reward is None:
+        raise ValueError(
+            f"{flag} returned samples without a reward and no --rm-type/--custom-rm-path is set to score them"
+        )
+    name = "group_reward_model" if reward.group else "reward_model"
+    with trace_span(todo, name), RECORDER.lane("reward") as row, RECORDER.span(name, row, samples=len(todo)):
+        await reward.score_group(todo)  # a span of the job's timeline too (--trace-dir)

@@ -1,15 +1,24 @@
-"""What a `--rollout-function-path` function is given (slime's interface): the `data_source` it
-draws prompts from, and the built-in rollout it may call (slime.rollout.sglang_rollout.generate_rollout)."""
+"""A `--rollout-function-path` function: what it is given (slime's interface: the `data_source` it
+draws prompts from, and the built-in rollout it may call, slime.rollout.sglang_rollout.generate_rollout),
+and `rollout_function_samples`, which calls it and scores what it returns."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from slime.config.arguments import Config
+from slime.config.eval_sets import EvalDataset
+from slime.rollout.base_types import number_groups, unwrap
 from slime.rollout.data import PromptDataset
+from slime.rollout.generator import GenerationProgress
+from slime.rollout.rewards import RewardModel, score_unscored
+from slime.utils.async_utils import run
 from slime.utils.processing_utils import image_train_inputs
 from slime.utils.sample import Sample, Status, group_samples
 
@@ -121,3 +130,56 @@ class DataSource:
                 ]
             )
         return groups
+
+
+def rollout_function_samples(
+    fn: Callable[..., Any],
+    config: Config,
+    rollout_id: int,
+    dataset: PromptDataset | None,
+    reward: RewardModel | None,
+    built_in: Callable[[], tuple[list[Sample], dict[str, float]]],
+    progress: GenerationProgress,
+    eval_ds: EvalDataset | None = None,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Run the user's rollout function `fn` for a training rollout, or for the evaluation set
+    `eval_ds`; score the samples it left without a reward. Returns them and the function's own
+    metrics (RolloutFnTrainOutput's). `built_in`: this rollout (or evaluation set) as the
+    built-in rollout makes it, for a function that calls
+    slime.rollout.sglang_rollout.generate_rollout.
+
+    The function is called from this (synchronous) thread, as slime calls it: slime's own
+    rollout functions call `slime.utils.async_utils.run` themselves."""
+    flag = "--rollout-function-path"
+    evaluation = eval_ds is not None
+    eval_set = eval_ds.name if eval_ds is not None else None
+    n = (eval_ds or config.rollout).sampling.n_samples_per_prompt
+    fields = {}  # slime sets an evaluation set's own functions on its samples
+    if eval_ds is not None:
+        fields = {
+            "custom_rm_path": eval_ds.custom_rm_path,
+            "generate_function_path": eval_ds.custom_generate_function_path,
+        }
+    source = DataSource(
+        dataset,
+        n,
+        BuiltInRollout(rollout_id, evaluation, eval_set, built_in),
+        fields,
+        blank=not config.rollout.global_dataset and not evaluation,
+    )
+    result = fn(config.args, rollout_id, source, evaluation=evaluation)
+    if inspect.isawaitable(result):
+        result = run(result)
+    groups_out, fn_metrics = unwrap(result, evaluation, eval_set)
+    samples = number_groups(groups_out, n, flag)
+    start = time.perf_counter()
+    todo = [g for g in group_samples(samples) if any(s.reward is None for s in g)]
+    if todo:
+        run(_score_groups(reward, todo, flag))
+    progress.reward_seconds += time.perf_counter() - start
+    return samples, fn_metrics
+
+
+async def _score_groups(reward: RewardModel | None, groups: list[list[Sample]], flag: str) -> None:
+    for group in groups:
+        await score_unscored(reward, group, flag)
