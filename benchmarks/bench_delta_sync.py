@@ -70,7 +70,7 @@ def make_model(out: str, shape: str) -> tuple[str, str]:
 
 
 def rollout(seed: int, vocab: int):
-    from slime.utils.batch import RolloutBatch
+    from slime.utils.rollout_batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens, resp, rewards = [], [], []

@@ -46,7 +46,7 @@ from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig  # noqa
 from slime.engines.torch_engine.launcher import start_torch_engine  # noqa: E402
 from slime.tools.make_tiny_model import main as make_tiny_model  # noqa: E402
 from slime.utils import hf_experts  # noqa: E402
-from slime.utils.batch import RolloutBatch  # noqa: E402
+from slime.utils.rollout_batch import RolloutBatch  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 4, 4, 2
 NUM_EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 128

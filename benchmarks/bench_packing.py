@@ -37,7 +37,7 @@ NUM_LAYERS, HIDDEN = "6", "384"
 def make_rollout(workload: str, seed: int, samples: int):
     import torch
 
-    from slime.utils.batch import RolloutBatch
+    from slime.utils.rollout_batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     long = set(torch.randperm(samples, generator=g)[: samples // 10].tolist())
@@ -61,7 +61,7 @@ def child(spec: dict) -> dict:
     from slime.algo.objective import LossConfig
     from slime.backends import make_train_actor
     from slime.config.train import BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
-    from slime.utils import batching
+    from slime.utils import step_plans
 
     torch.set_num_threads(spec["threads"])
     if spec["batching"] == "fixed":
@@ -90,7 +90,7 @@ def child(spec: dict) -> dict:
         lengths = [len(t) for t in batch.tokens]
         plan = actor.plan(batch)
         padded_sizes.append(
-            sum(batching.padded_tokens(mb, lengths) for s in plan for mb in s.micro_batches) / real
+            sum(step_plans.padded_tokens(mb, lengths) for s in plan for mb in s.micro_batches) / real
         )
         start = time.perf_counter()
         actor.train(r, batch)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slime.engines.client import ClientConfig, EngineClient
 from slime.engines.torch_engine.launcher import start_torch_engine
 from slime.tools.make_tiny_model import main as make_tiny_model
-from slime.utils.batch import RolloutBatch
+from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.sample import int32_meta_array
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2

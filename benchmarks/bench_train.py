@@ -29,8 +29,8 @@ from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.micro_batch import make_micro_batch
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
 from slime.tools.make_tiny_model import main as make_tiny_model
-from slime.utils import batching
-from slime.utils.batch import RolloutBatch
+from slime.utils import step_plans
+from slime.utils.rollout_batch import RolloutBatch
 
 GLOBAL_BATCH, MICRO_BATCH, NUM_SAMPLES = 32, 8, 64
 
@@ -48,8 +48,8 @@ def make_rollout(seed: int, vocab: int) -> RolloutBatch:
 
 def plain_loop(model, optimizer, batch: RolloutBatch, loss_cfg: LossConfig) -> None:
     """The same algorithm as FSDPTrainActor.train, written as a bare loop on one model."""
-    steps = batching.split_steps(len(batch), GLOBAL_BATCH)
-    mbs = [[batching.fixed_micro_batches(step, MICRO_BATCH)] for step in steps]
+    steps = step_plans.split_steps(len(batch), GLOBAL_BATCH)
+    mbs = [[step_plans.fixed_micro_batches(step, MICRO_BATCH)] for step in steps]
     old = {}
     with torch.no_grad():
         for step_mbs in mbs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from slime.loop.critic import ActorCritic
-from slime.utils.batch import Rollout, TrainOutput
+from slime.utils.rollout_batch import Rollout, TrainOutput
 
 
 class Fake:

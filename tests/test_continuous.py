@@ -11,7 +11,7 @@ import json
 import pytest
 
 from slime.engines.client import EngineClient
-from slime.rollout.generate import apply_response, continue_sample
+from slime.rollout.default_generate import apply_response, continue_sample
 from slime.utils.sample import Sample, Status
 from tests.conftest import start_engine
 

@@ -15,8 +15,8 @@ import pytest
 
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.engines.client import ClientConfig, EngineClient
+from slime.rollout.builtin_rollout import RolloutGenerator
 from slime.rollout.data import PromptDataset
-from slime.rollout.generator import RolloutGenerator
 from slime.rollout.health import EngineHealth, HealthMonitor
 from slime.rollout.rewards import RewardModel
 from slime.utils.net import free_port

@@ -190,7 +190,7 @@ def test_sampling_leaves_out_the_never_sampled_ids_only():
 
 def test_a_partial_sample_with_images_goes_on_like_one_request(vlm_engine, reference, dot_images):
     """--partial-rollout: an aborted sample continues from its tokens with its images."""
-    from slime.rollout.generate import continue_sample
+    from slime.rollout.default_generate import continue_sample
     from slime.utils.sample import Sample, Status
 
     model, processor = reference

@@ -21,7 +21,7 @@ import torch
 
 from slime.algo.objective import LossConfig
 from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
-from slime.utils.batch import RolloutBatch, split_rollout
+from slime.utils.rollout_batch import RolloutBatch, split_rollout
 from tests.dist_helpers import run_ranks
 
 NUM_ROLLOUTS = 5

@@ -17,7 +17,7 @@ from slime.algo.objective import LossConfig
 from slime.backends.fsdp.actor import FSDPTrainActor
 from slime.backends.hf_checkpoint import CheckpointError
 from slime.config.train import BatchConfig, FSDPConfig, ModelOptions, OptimizerConfig, TrainConfig
-from slime.utils.batch import BatchError, RolloutBatch
+from slime.utils.rollout_batch import BatchError, RolloutBatch
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import make_batch
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slime.config.train import FSDPConfig
-from slime.utils.batch import RolloutBatch
+from slime.utils.rollout_batch import RolloutBatch
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config
 

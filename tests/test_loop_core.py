@@ -8,7 +8,7 @@ import pytest
 from slime.loop import hooks
 from slime.loop.core import ONE_STEP_OFF, SYNC, Hook, Loop
 from slime.loop.metrics import Metrics
-from slime.utils.batch import Evaluation, Rollout, TrainOutput
+from slime.utils.rollout_batch import Evaluation, Rollout, TrainOutput
 
 
 class FakeSource:
@@ -478,7 +478,7 @@ def test_a_failing_hook_after_training_stops_the_step_before_the_push():
 
 def test_samples_without_a_weight_version_are_not_checked_for_staleness(caplog):
     from slime.loop.core import SYNC
-    from slime.utils.batch import Rollout
+    from slime.utils.rollout_batch import Rollout
 
     rollout = Rollout(4, {}, 2, (None, "3"))  # an SFT sample (no engine) beside a generated one
     with caplog.at_level("WARNING"):

@@ -138,7 +138,7 @@ def test_megatron_packed_log_probs_equal_per_sample_forwards(tiny_model, tp, pp)
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from transformers import AutoModelForCausalLM
 
-    from slime.utils.batch import RolloutBatch
+    from slime.utils.rollout_batch import RolloutBatch
     from tests.dist_helpers import run_ranks
 
     tokens, response_lengths = _samples(n=6, seed=3)

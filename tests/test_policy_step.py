@@ -20,7 +20,7 @@ from slime.backends.weight_copies import swapped
 from slime.config.loss import LossConfig
 from slime.config.moe import MoEOptions
 from slime.config.train import BatchConfig, TrainConfig
-from slime.utils.batch import BatchError, RolloutBatch
+from slime.utils.rollout_batch import BatchError, RolloutBatch
 
 VOCAB = 8
 

@@ -10,8 +10,8 @@ import pytest
 
 from slime.config.rollout import DataConfig, SamplingConfig
 from slime.engines.client import EngineClient
+from slime.rollout.builtin_rollout import RolloutGenerator
 from slime.rollout.data import PromptDataset
-from slime.rollout.generator import RolloutGenerator
 from slime.rollout.rewards import RewardModel
 from slime.utils.sample import Status
 

@@ -28,7 +28,7 @@ from slime.bridge.disk import DiskTransport
 from slime.bridge.tensor import TensorTransport
 from slime.config.rollout import SamplingConfig
 from slime.engines.client import EngineClient, EngineError
-from slime.rollout.generate import apply_response, generate
+from slime.rollout.default_generate import apply_response, generate
 from slime.utils.sample import Sample, Status
 from slime.utils.seed import sample_seed
 

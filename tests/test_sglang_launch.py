@@ -24,7 +24,7 @@ FAKE = os.path.join(ROOT, "tests", "fake_sglang")
 
 ROUTER_GENERATE = """
 import json, os, urllib.request
-from slime.rollout.generate import apply_response
+from slime.rollout.default_generate import apply_response
 
 def generate(args, sample, sampling_params):
     # What a user's generate function does: one request to the router slime put in front of the engines.

@@ -137,7 +137,7 @@ def test_the_torch_engine_refuses_min_new_tokens_it_would_not_apply():
 
 
 def test_without_the_global_dataset_a_rollout_function_gets_numbered_blank_groups(base, capsys):
-    from slime.rollout.user_rollout import DataSource
+    from slime.rollout.rollout_function import DataSource
 
     source = DataSource(None, 2, blank=True)
     first, second = source.get_samples(2), source.get_samples(1)
@@ -186,7 +186,7 @@ def test_forge_load_replays_dumps_by_rollout_id_with_rollout_0_as_the_fallback(t
 
 def _ci_step(rollout_id, steps, rollout):
     from slime.loop.parts import Step
-    from slime.utils.batch import TrainOutput
+    from slime.utils.rollout_batch import TrainOutput
 
     step = Step(rollout_id)
     step.output = TrainOutput(steps=steps, rollout=rollout)

@@ -157,7 +157,7 @@ def test_multimodal_keys_rows_become_prompts_with_expanded_ids(tiny_vlm, dot_ima
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert [len(p.images) for p in ds.prompts] == [1, 2, 0]
     assert [p.token_ids.count(pad) for p in ds.prompts] == [4, 8, 0]
-    from slime.rollout.user_rollout import DataSource
+    from slime.rollout.rollout_function import DataSource
 
     group = DataSource(ds, 2).get_samples(1)[0]  # what a --rollout-function-path function is given
     assert group[0].tokens == ds.prompts[0].token_ids and len(group[0].multimodal_inputs["images"]) == 1

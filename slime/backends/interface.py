@@ -1,7 +1,7 @@
 """The contracts of the trainer, at its two edges.
 
 - `TrainActor`: what the Ray layer (or a test) calls on one data-parallel rank, one process per
-  rank. A rank trains on a `RolloutPart` (slime.utils.batch, the data contract): its replica's
+  rank. A rank trains on a `RolloutPart` (slime.utils.rollout_batch, the data contract): its replica's
   samples and the few per-sample numbers of the whole rollout that every replica's plan needs.
   slime.backends.policy.PolicyTrainer (the policy) and slime.backends.value.ValueTrainer (PPO's
   critic) implement it over a backend.
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from slime.utils.batch import RolloutBatch, RolloutPart, TrainOutput
-from slime.utils.batching import StepPlan
+from slime.utils.rollout_batch import RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.step_plans import StepPlan
 
 if TYPE_CHECKING:  # the driver imports this module, and never needs torch itself
     import torch

@@ -15,7 +15,7 @@ from slime.algo.losses import approx_kl
 from slime.backends.interface import PerPosition
 from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
-from slime.utils.batch import BatchError, RolloutBatch, RolloutPart
+from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart
 
 
 def nan_max(a: float, b: float) -> float:

@@ -1,6 +1,6 @@
 """A train rank's plan of a rollout: its micro-batches for each optimizer step.
 
-Every rank plans every rank's share of the whole rollout (slime.utils.batching), so the ranks
+Every rank plans every rank's share of the whole rollout (slime.utils.step_plans), so the ranks
 agree on the number of steps and of micro-batches without talking; a rank then keeps its own,
 as positions in the part of the rollout it was given.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from slime.config.train import TrainConfig
-from slime.utils import batching
-from slime.utils.batch import BatchError, RolloutBatch, RolloutPart
-from slime.utils.batching import StepPlan
+from slime.utils import step_plans
 from slime.utils.model_families import packable
+from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart
+from slime.utils.step_plans import StepPlan
 
 
 class Place(Protocol):
@@ -52,27 +52,27 @@ def plan(
             f"{place.dp_size}; the rollout manager and the train ranks disagree on the layout"
         )
     local, plans = {g: k for k, g in enumerate(part.positions)}, []
-    flops = batching.flops_coefficient(hf_config) if b.balance_by_flops else None
+    flops = step_plans.flops_coefficient(hf_config) if b.balance_by_flops else None
     packed = packs_sequences(cfg, hf_config)
     for step, shares in zip(
-        batching.split_steps(part.num_samples, global_batch, part.executions),
-        batching.step_shares(lengths, global_batch, place.dp_size, part.executions),
+        step_plans.split_steps(part.num_samples, global_batch, part.executions),
+        step_plans.step_shares(lengths, global_batch, place.dp_size, part.executions),
     ):
         if b.use_dynamic_batch_size:
             budget = max_tokens or b.max_tokens_per_gpu
             assert budget is not None
             budget *= place.context_parallel  # slime's rule: each GPU holds 1 / CP of a micro-batch
             per_rank = [
-                batching.pack_micro_batches(s, lengths, budget, packed)
+                step_plans.pack_micro_batches(s, lengths, budget, packed)
                 if flops is None
-                else batching.flops_micro_batches(s, lengths, budget, flops)
+                else step_plans.flops_micro_batches(s, lengths, budget, flops)
                 for s in shares
             ]
         else:
-            per_rank = [batching.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
-        per_rank, merged = batching.rank_micro_batches(per_rank, shares, lengths)
+            per_rank = [step_plans.fixed_micro_batches(s, b.micro_batch_size) for s in shares]
+        per_rank, merged = step_plans.rank_micro_batches(per_rank, shares, lengths)
         if merged and place.dp_rank == 0 and not max_tokens:
-            batching.warn_merged(len(step), place.dp_size, b.use_dynamic_batch_size)
+            step_plans.warn_merged(len(step), place.dp_size, b.use_dynamic_batch_size)
         mine = per_rank[place.dp_rank]
         missing = [g for mb in mine for g in mb if g not in local]
         if missing:
@@ -81,7 +81,7 @@ def plan(
                 "its share: the rollout was split by another rule or for another layout"
             )
         num_tokens = sum(part.loss_tokens[g] for g in step)
-        norms = batching.execution_normalisers(step, part.loss_tokens, part.executions, local)
+        norms = step_plans.execution_normalisers(step, part.loss_tokens, part.executions, local)
         plans.append(StepPlan([[local[g] for g in mb] for mb in mine], len(step), int(num_tokens), *norms))
     return plans
 

@@ -34,9 +34,9 @@ from slime.backends.trainer import B, RankTrainer
 from slime.backends.weight_copies import KeptWeights, swapped
 from slime.config.loss import LossConfig
 from slime.config.train import TrainConfig
-from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
-from slime.utils.batching import StepPlan
 from slime.utils.errors import UsageError
+from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.step_plans import StepPlan
 
 
 class PolicyLoss:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.utils.batch import RolloutBatch
 from slime.utils.errors import UsageError
+from slime.utils.rollout_batch import RolloutBatch
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 """--moe-router-dtype: the precision of the router's logits, softmax and top-k."""

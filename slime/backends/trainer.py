@@ -8,8 +8,8 @@ from typing import Any, Generic, TypeVar
 from slime.backends import planning
 from slime.backends.interface import TrainBackend
 from slime.config.train import TrainConfig
-from slime.utils.batch import RolloutBatch, RolloutPart
-from slime.utils.batching import StepPlan
+from slime.utils.rollout_batch import RolloutBatch, RolloutPart
+from slime.utils.step_plans import StepPlan
 
 B = TypeVar("B", bound=TrainBackend)
 """The backend a trainer drives (a subclass names its own, for its own methods)."""

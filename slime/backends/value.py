@@ -38,8 +38,8 @@ from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.trainer import RankTrainer
 from slime.config.loss import LossConfig
-from slime.utils.batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
-from slime.utils.batching import StepPlan
+from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
+from slime.utils.step_plans import StepPlan
 
 PerSample = dict[int, list[float]]
 

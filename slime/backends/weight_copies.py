@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slime.backends.interface import State, TrainBackend
-from slime.utils.batch import BatchError, RolloutBatch
+from slime.utils.rollout_batch import BatchError, RolloutBatch
 
 KEPT = 3
 

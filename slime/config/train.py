@@ -123,7 +123,7 @@ class BatchConfig:
     """`--micro-batch-size`: samples per forward/backward when batches are not dynamic."""
     use_dynamic_batch_size: bool = flag("--use-dynamic-batch-size", False)
     """`--use-dynamic-batch-size`: pack micro-batches under --max-tokens-per-gpu instead."""
-    balance_by_flops: bool = False  # slime's --balance-by-flops (slime.utils.batching.flops_micro_batches)
+    balance_by_flops: bool = False  # slime's --balance-by-flops (slime.utils.step_plans.flops_micro_batches)
     max_tokens_per_gpu: int | None = flag("--max-tokens-per-gpu", None, type=int)
     """`--max-tokens-per-gpu`: token budget of a training micro-batch (its real or padded tokens)."""
     log_probs_max_tokens_per_gpu: int | None = flag("--log-probs-max-tokens-per-gpu", None, type=int)

@@ -26,8 +26,8 @@ from slime.loop.parts import (
     TrainGroup,
     TrainRankDied,
 )
-from slime.utils.batch import Rollout
 from slime.utils.job_trace import span
+from slime.utils.rollout_batch import Rollout
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.loop.parts import EngineGroup
-from slime.utils.batch import Rollout, TrainOutput
+from slime.utils.rollout_batch import Rollout, TrainOutput
 
 
 class ActorCritic:

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slime.utils.batch import Evaluation, Rollout, TrainOutput
 from slime.utils.job_trace import span
+from slime.utils.rollout_batch import Evaluation, Rollout, TrainOutput
 
 # SGLang's memory tags (GPU_MEMORY_TYPE_*): colocated engines take back the memory of their weights
 # before a push, and their KV cache and CUDA graphs after it.

@@ -15,8 +15,8 @@ import ray
 
 from slime.config.train import TrainConfig
 from slime.utils.async_utils import run_sync
-from slime.utils.batch import RolloutBatch, TrainOutput
 from slime.utils.job_trace import RECORDER, span
+from slime.utils.rollout_batch import RolloutBatch, TrainOutput
 
 if TYPE_CHECKING:
     from slime.bridge.topology import PushTopology

@@ -20,9 +20,9 @@ from slime.engines.router_front import RouterFront
 from slime.ray.actors import Traced
 from slime.rollout.health import HealthMonitor
 from slime.rollout.producer import RolloutProducer
-from slime.utils.batch import Evaluation, Rollout
 from slime.utils.job_trace import span
 from slime.utils.net import host_port
+from slime.utils.rollout_batch import Evaluation, Rollout
 
 
 def _put(part: Any) -> Any:

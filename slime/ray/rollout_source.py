@@ -21,7 +21,7 @@ from slime.rollout.dump import (
     subsample,
 )
 from slime.rollout.summary import package_rollout, reward_post_process, rollout_metrics
-from slime.utils.batch import Evaluation, Rollout
+from slime.utils.rollout_batch import Evaluation, Rollout
 from slime.utils.sample import Sample
 
 logger = logging.getLogger(__name__)

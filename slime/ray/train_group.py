@@ -11,7 +11,7 @@ import ray
 from slime.config.arguments import Config
 from slime.loop.parts import EngineGroup, TrainRankDied
 from slime.ray.waiting import RolloutBar, wait_refs
-from slime.utils.batch import Rollout, TrainOutput
+from slime.utils.rollout_batch import Rollout, TrainOutput
 
 logger = logging.getLogger(__name__)
 

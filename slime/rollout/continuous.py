@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.config.records import AsyncConfig
+from slime.rollout.builtin_rollout import RolloutGenerator
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
-from slime.rollout.generator import RolloutGenerator
 from slime.utils.sample import Sample, Status
 
 logger = logging.getLogger(__name__)

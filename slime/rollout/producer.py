@@ -25,12 +25,13 @@ from slime.config.eval_sets import EvalDataset, eval_flag
 from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.base_types import number_groups
+from slime.rollout.builtin_rollout import GenerationProgress, RolloutGenerator
 from slime.rollout.continuous import BusyMeter, ContinuousPool
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.dump import make_meta, save_dump
-from slime.rollout.generator import GenerationProgress, RolloutGenerator
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
+from slime.rollout.rollout_function import rollout_function_samples
 from slime.rollout.summary import (
     eval_metrics,
     flag_metrics,
@@ -40,11 +41,10 @@ from slime.rollout.summary import (
     rollout_metrics,
 )
 from slime.rollout.teacher import TeacherScorer
-from slime.rollout.user_rollout import rollout_function_samples
 from slime.rollout.vision import vision_processor
 from slime.utils.async_utils import run
-from slime.utils.batch import Evaluation, Rollout
 from slime.utils.misc import load_function
+from slime.utils.rollout_batch import Evaluation, Rollout
 from slime.utils.sample import Sample, group_samples
 
 logger = logging.getLogger(__name__)

@@ -174,7 +174,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         payload["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
     if getattr(args, "use_rollout_routing_replay", False):
         payload["return_routed_experts"] = True
-    from slime.rollout.generate import lora_path
+    from slime.rollout.default_generate import lora_path
 
     adapter = lora_path(args)
     if adapter is not None:  # --lora-push adapter: the engines serve the policy as an adapter

@@ -1,5 +1,5 @@
 """A rollout's samples turned into what leaves the process that made them: the metrics and the
-typed summary the driver sees (slime.utils.batch.Rollout), and one train part per data-parallel
+typed summary the driver sees (slime.utils.rollout_batch.Rollout), and one train part per data-parallel
 replica, put where the train ranks fetch it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from slime.config.eval_sets import EvalDataset
 from slime.config.records import RolloutConfig
-from slime.utils.batch import Rollout, split_rollout
 from slime.utils.errors import UsageError
+from slime.utils.rollout_batch import Rollout, split_rollout
 from slime.utils.sample import Sample, Status, samples_to_batch
 
 

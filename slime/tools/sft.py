@@ -204,7 +204,7 @@ def _train(
 ) -> int:
     """`epochs` passes over the examples in shuffled batches (the last partial one dropped), a
     train call each; returns the steps taken."""
-    from slime.utils.batch import RolloutBatch
+    from slime.utils.rollout_batch import RolloutBatch
 
     step, start = 0, time.perf_counter()
     for epoch in range(epochs):

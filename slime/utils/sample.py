@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from slime.utils.batch import RolloutBatch
+from slime.utils.rollout_batch import RolloutBatch
 
 
 def int32_meta_array(meta_info: dict[str, Any], keys: str | Iterable[str]) -> Any:

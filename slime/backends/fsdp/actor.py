@@ -34,9 +34,9 @@ from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts, model_families
-from slime.utils.batch import RolloutBatch
-from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group, leave_train_group
+from slime.utils.rollout_batch import RolloutBatch
+from slime.utils.step_plans import StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from slime.backends.fsdp.actor import FSDPBackend
 from slime.backends.fsdp.forward import response_values
 from slime.backends.interface import PerPosition, ValueLoss
 from slime.backends.value import ValueTrainer, fresh_value_head, value_model_config
-from slime.utils.batch import RolloutBatch
-from slime.utils.batching import StepPlan
+from slime.utils.rollout_batch import RolloutBatch
+from slime.utils.step_plans import StepPlan
 
 
 class FSDPValueModel(FSDPBackend):

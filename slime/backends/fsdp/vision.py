@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from slime.backends.micro_batch import MicroBatch
-from slime.utils.batch import BatchError, RolloutBatch
+from slime.utils.rollout_batch import BatchError, RolloutBatch
 
 
 def vision_tower(model: Any) -> torch.nn.Module | None:

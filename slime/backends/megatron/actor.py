@@ -37,10 +37,10 @@ from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
-from slime.utils.batch import RolloutBatch
-from slime.utils.batching import StepPlan
 from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.errors import UsageError
+from slime.utils.rollout_batch import RolloutBatch
+from slime.utils.step_plans import StepPlan
 
 
 class MegatronBackend:

@@ -36,8 +36,8 @@ from slime.backends.megatron.actor import MegatronBackend
 from slime.backends.megatron.convert import ConversionError, Layout, State
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.value import HEAD_NAMES, ValueTrainer, fresh_value_head, value_model_config
-from slime.utils.batch import RolloutBatch
-from slime.utils.batching import StepPlan
+from slime.utils.rollout_batch import RolloutBatch
+from slime.utils.step_plans import StepPlan
 
 
 class ValueHead(torch.nn.Module):

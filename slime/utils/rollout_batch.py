@@ -2,7 +2,7 @@
 
 A rollout is produced as `Sample`s (slime.utils.sample), turned into one `RolloutBatch` and cut
 into one `RolloutPart` per data-parallel replica with `split_rollout`, by the same rule every
-train rank plans with (slime.utils.batching), so each rank fetches only its own part; an actor
+train rank plans with (slime.utils.step_plans), so each rank fetches only its own part; an actor
 given the whole `RolloutBatch` (tests, tools) cuts its share itself. A train rank answers with a
 `TrainOutput`. The driver sees a finished rollout as a `Rollout` (a summary and one handle per
 replica, never the samples) and an evaluation as an `Evaluation`.
@@ -146,7 +146,7 @@ class RolloutPart:
     rewards: list[float]
     group_indices: list[int]
     executions: list[int] | None = None
-    """Every sample's execution (`batching.execution_keys`); None: each sample its own."""
+    """Every sample's execution (`step_plans.execution_keys`); None: each sample its own."""
     dp_size: int | None = None
     """The number of replicas the rollout was split for; None: the whole rollout."""
 
@@ -172,7 +172,7 @@ class RolloutPart:
     @classmethod
     def whole(cls, batch: RolloutBatch) -> RolloutPart:
         """The whole rollout as one part (a rank given it cuts its share itself)."""
-        from slime.utils.batching import execution_keys
+        from slime.utils.step_plans import execution_keys
 
         masks = batch.loss_masks
         keys = execution_keys(batch.rollout_ids, len(batch))
@@ -191,9 +191,9 @@ class RolloutPart:
 
 
 def split_rollout(batch: RolloutBatch, batch_cfg: Any, dp_size: int) -> list[RolloutPart]:
-    """The rollout cut into one part per data-parallel replica, by `batching.step_shares` (the
+    """The rollout cut into one part per data-parallel replica, by `step_plans.step_shares` (the
     rule every rank plans with). `batch_cfg` is the train config's BatchConfig."""
-    from slime.utils.batching import step_shares
+    from slime.utils.step_plans import step_shares
 
     whole = RolloutPart.whole(batch)
     global_batch = batch_cfg.global_batch_for(whole.num_executions)

@@ -15,8 +15,8 @@ from typing import Any
 from slime.config.arguments import Config
 from slime.config.eval_sets import EvalDataset
 from slime.rollout.base_types import number_groups, unwrap
+from slime.rollout.builtin_rollout import GenerationProgress
 from slime.rollout.data import PromptDataset
-from slime.rollout.generator import GenerationProgress
 from slime.rollout.rewards import RewardModel, score_unscored
 from slime.utils.async_utils import run
 from slime.utils.processing_utils import image_train_inputs

@@ -30,8 +30,8 @@ from slime.engines.client import EngineClient, EngineError
 from slime.observability.trace_utils import trace_span
 from slime.rollout.base_types import number_groups
 from slime.rollout.data import Prompt, PromptDataset
+from slime.rollout.default_generate import continue_sample, generate
 from slime.rollout.filter_hub.base_types import as_filter_output, drops
-from slime.rollout.generate import continue_sample, generate
 from slime.rollout.health import EngineHealth, engine_down
 from slime.rollout.rewards import RewardModel, score_unscored
 from slime.utils.net import host_port

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from slime.utils import batching
+from slime.utils import step_plans
 
 
 def test_split_steps_in_rollout_order_and_refuses_remainders():
-    assert batching.split_steps(6, 3) == [[0, 1, 2], [3, 4, 5]]
-    assert batching.split_steps(4, None) == [[0, 1, 2, 3]]
+    assert step_plans.split_steps(6, 3) == [[0, 1, 2], [3, 4, 5]]
+    assert step_plans.split_steps(4, None) == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="--global-batch-size 4"):
-        batching.split_steps(6, 4)
+        step_plans.split_steps(6, 4)
 
 
 def test_balanced_shares_equal_counts_similar_tokens():
     lengths = [100, 90, 10, 10, 50, 40, 5, 5]
-    shares = batching.balanced_shares(range(8), lengths, 2)
+    shares = step_plans.balanced_shares(range(8), lengths, 2)
     assert sorted(i for s in shares for i in s) == list(range(8))
     assert [len(s) for s in shares] == [4, 4]
     totals = [sum(lengths[i] for i in s) for s in shares]
@@ -24,38 +24,38 @@ def test_balanced_shares_equal_counts_similar_tokens():
     # contiguous halves would give 250 vs 60
     assert all(s == sorted(s) for s in shares)
     # A count the ranks do not divide (several samples per execution): counts one apart.
-    uneven = batching.balanced_shares(range(7), [9, 1, 1, 1, 1, 1, 1], 2)
+    uneven = step_plans.balanced_shares(range(7), [9, 1, 1, 1, 1, 1, 1], 2)
     assert uneven == [
         [0, 4, 5, 6],
         [1, 2, 3],
     ]  # the larger count first; the long sample balanced by short ones
     with pytest.raises(ValueError, match="one"):
-        batching.balanced_shares(range(1), [1], 2)
+        step_plans.balanced_shares(range(1), [1], 2)
 
 
 def test_pack_micro_batches_respects_padded_budget():
     lengths = [30, 8, 9, 10, 7, 60]
-    batches = batching.pack_micro_batches(range(6), lengths, max_tokens=32)
+    batches = step_plans.pack_micro_batches(range(6), lengths, max_tokens=32)
     assert sorted(i for b in batches for i in b) == list(range(6))
     for b in batches:
-        assert batching.padded_tokens(b, lengths) <= 32 or len(b) == 1
+        assert step_plans.padded_tokens(b, lengths) <= 32 or len(b) == 1
     assert [5] in batches  # longer than the budget: alone
     assert any(len(b) == 3 for b in batches)  # 10, 9, 8 -> 30 padded tokens
 
 
 def test_split_to_count_splits_largest_first():
-    assert batching.split_to_count([[1, 2, 3, 4], [5]], 3) == [[1, 2], [3, 4], [5]]
-    assert batching.split_to_count([[1], [2]], 2) == [[1], [2]]
+    assert step_plans.split_to_count([[1, 2, 3, 4], [5]], 3) == [[1, 2], [3, 4], [5]]
+    assert step_plans.split_to_count([[1], [2]], 2) == [[1], [2]]
     with pytest.raises(ValueError, match="cannot split"):
-        batching.split_to_count([[1]], 2)
+        step_plans.split_to_count([[1]], 2)
 
 
 def test_fixed_micro_batches():
-    assert batching.fixed_micro_batches([4, 5, 6, 7, 8], 2) == [[4, 5], [6, 7], [8]]
+    assert step_plans.fixed_micro_batches([4, 5, 6, 7, 8], 2) == [[4, 5], [6, 7], [8]]
 
 
 def _batch(lengths: list[int], rewards: list[float] | None = None):
-    from slime.utils.batch import RolloutBatch
+    from slime.utils.rollout_batch import RolloutBatch
 
     n = len(lengths)
     return RolloutBatch(
@@ -69,12 +69,12 @@ def _batch(lengths: list[int], rewards: list[float] | None = None):
 
 def test_split_rollout_gives_each_replica_the_share_it_plans_with():
     from slime.config.train import BatchConfig
-    from slime.utils.batch import split_rollout
+    from slime.utils.rollout_batch import split_rollout
 
     lengths = [9, 3, 7, 4, 12, 5, 6, 8]
     batch = _batch(lengths)
     parts = split_rollout(batch, BatchConfig(global_batch_size=4, micro_batch_size=1), 2)
-    steps = batching.step_shares(lengths, 4, 2)
+    steps = step_plans.step_shares(lengths, 4, 2)
     for d, part in enumerate(parts):
         assert part.positions == sorted(p for step in steps for p in step[d])
         assert part.batch.tokens == [batch.tokens[p] for p in part.positions]
@@ -94,7 +94,7 @@ def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, d
 
     from slime.backends.planning import plan
     from slime.config.train import BatchConfig, TrainConfig
-    from slime.utils.batch import BatchError, split_rollout
+    from slime.utils.rollout_batch import BatchError, split_rollout
 
     lengths = [9, 3, 7, 4, 12, 5, 6, 8]
     batch = _batch(lengths)
@@ -128,28 +128,28 @@ def test_a_rank_plans_its_part_like_its_share_of_the_whole_rollout(tiny_model, d
 def test_a_step_counts_executions_and_keeps_each_together():
     """slime's --global-batch-size with an agent session split into several samples: a step
     takes that many executions, all of an execution's samples in the same step."""
-    executions = batching.execution_keys([7, 7, 3, None, 5, 5, 5, None], 8)
+    executions = step_plans.execution_keys([7, 7, 3, None, 5, 5, 5, None], 8)
     assert executions == [0, 0, 1, 2, 3, 3, 3, 4]
-    assert batching.execution_keys(None, 3) == [0, 1, 2]
+    assert step_plans.execution_keys(None, 3) == [0, 1, 2]
     with pytest.raises(ValueError, match="5 executions"):
-        batching.split_steps(8, 2, executions)
+        step_plans.split_steps(8, 2, executions)
     executions = [0, 0, 1, 2, 2, 2, 3, 4, 5]
-    assert batching.split_steps(9, 3, executions) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    assert step_plans.split_steps(9, 3, executions) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
     # Interleaved siblings still land in one step, each step in rollout order.
-    assert batching.split_steps(6, 2, [0, 1, 0, 2, 3, 2]) == [[0, 1, 2], [3, 4, 5]]
+    assert step_plans.split_steps(6, 2, [0, 1, 0, 2, 3, 2]) == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_ranks_holding_different_sample_counts_still_run_as_many_micro_batches():
     lengths = [5, 5, 5, 5, 5, 5, 5]
-    shares = batching.balanced_shares(range(7), lengths, 2)  # 4 and 3 samples
-    per_rank = [batching.fixed_micro_batches(s, 1) for s in shares]
-    fitted, merged = batching.rank_micro_batches(per_rank, shares, lengths)
+    shares = step_plans.balanced_shares(range(7), lengths, 2)  # 4 and 3 samples
+    per_rank = [step_plans.fixed_micro_batches(s, 1) for s in shares]
+    fitted, merged = step_plans.rank_micro_batches(per_rank, shares, lengths)
     assert merged and [len(m) for m in fitted] == [3, 3]
     assert [sorted(i for mb in m for i in mb) for m in fitted] == [sorted(s) for s in shares]
     # Equal shares never merge: the most any rank packed wins, the others split.
     shares = [[0, 1, 2, 3], [4, 5, 6, 7]]
     per_rank = [[[0, 1, 2, 3]], [[4], [5], [6, 7]]]
-    fitted, merged = batching.rank_micro_batches(per_rank, shares, [1] * 8)
+    fitted, merged = step_plans.rank_micro_batches(per_rank, shares, [1] * 8)
     assert not merged and [len(m) for m in fitted] == [3, 3]
 
 
@@ -165,11 +165,11 @@ def test_the_per_sample_loss_counts_each_execution_once():
     lengths = [t + 2 for t in loss_tokens]
     for dp in (1, 2):
         totals = dict.fromkeys(range(5), 0.0)
-        for share in batching.step_shares(lengths, 5, dp, executions)[0]:
+        for share in step_plans.step_shares(lengths, 5, dp, executions)[0]:
             local = {g: k for k, g in enumerate(share)}
-            count, denominators = batching.execution_normalisers(range(8), loss_tokens, executions, local)
+            count, denominators = step_plans.execution_normalisers(range(8), loss_tokens, executions, local)
             assert count == 5 and denominators is not None
-            step = batching.StepPlan([list(range(len(share)))], 8, sum(loss_tokens), count, denominators)
+            step = step_plans.StepPlan([list(range(len(share)))], 8, sum(loss_tokens), count, denominators)
             masks = torch.zeros(len(share), 6)
             for row, g in enumerate(share):
                 masks[row, : loss_tokens[g]] = 1
@@ -180,13 +180,13 @@ def test_the_per_sample_loss_counts_each_execution_once():
                 totals[executions[g]] += float(w[row].sum())
         assert all(abs(v - 0.2) < 1e-7 for v in totals.values()), (dp, totals)
     # Without several samples per execution the weights are those of plain samples.
-    assert batching.execution_normalisers([0, 1], [3, 2], None, {0: 0, 1: 1}) == (2, None)
+    assert step_plans.execution_normalisers([0, 1], [3, 2], None, {0: 0, 1: 1}) == (2, None)
 
 
 def test_balance_by_flops_cuts_the_token_budgets_count_and_evens_the_flops():
     lengths = [100, 90, 10, 10, 10, 10, 10, 10, 10, 10, 30, 30]
     indices = list(range(len(lengths)))
-    batches = batching.flops_micro_batches(indices, lengths, max_tokens=120, coefficient=50.0)
+    batches = step_plans.flops_micro_batches(indices, lengths, max_tokens=120, coefficient=50.0)
     assert len(batches) == 3  # ceil(330 / 120)
     assert sorted(i for b in batches for i in b) == indices and all(b == sorted(b) for b in batches)
 
@@ -196,9 +196,9 @@ def test_balance_by_flops_cuts_the_token_budgets_count_and_evens_the_flops():
     # the heaviest micro-batch is the longest sample alone (no split can do better); packing by
     # tokens gives three micro-batches too, two of them that heavy: [15000, 15000, 7200]
     assert loads(batches) == [15000, 12600, 9600]
-    packed = batching.pack_micro_batches(indices, lengths, 120, packed=True)
+    packed = step_plans.pack_micro_batches(indices, lengths, 120, packed=True)
     assert sorted(loads(packed), reverse=True) == [15000, 15000, 7200]
-    assert batching.flops_micro_batches([0, 1], lengths, max_tokens=10, coefficient=1.0) == [[0], [1]]
+    assert step_plans.flops_micro_batches([0, 1], lengths, max_tokens=10, coefficient=1.0) == [[0], [1]]
 
 
 def test_flops_coefficient_from_the_model_shape():
@@ -214,4 +214,4 @@ def test_flops_coefficient_from_the_model_shape():
         vocab_size=100,
     )
     linear = 2 * (2 * 64 * (4 + 4) * 16 + 2 * 64 * 64 + 6 * 64 * 128) + 2 * 64 * 100
-    assert batching.flops_coefficient(dense) == pytest.approx(linear / (2 * 4 * 16 * 2))
+    assert step_plans.flops_coefficient(dense) == pytest.approx(linear / (2 * 4 * 16 * 2))
