@@ -13,7 +13,7 @@ from typing import Any
 
 from slime.config.megatron_lm import SLIME_SPECS, SPECS
 from slime.config.surface import CHECKED, given
-from slime.utils.model_families import FAMILIES
+from slime.utils.model_families import trait
 
 
 def count_architecture_flags(ns: argparse.Namespace) -> int:
@@ -139,11 +139,11 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "normalization": "RMSNorm" if hasattr(config, "rms_norm_eps") else "LayerNorm",
         "norm_epsilon": getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None),
         # GLM's attention_bias is on q/k/v only (Megatron-LM: --add-qkv-bias with --disable-bias-linear)
-        "add_bias_linear": (attention_bias and model_type not in _QKV_BIAS_ONLY)
+        "add_bias_linear": (attention_bias and not trait(model_type, "bias_on_qkv_only"))
         or bool(getattr(config, "mlp_bias", False)),
-        "add_qkv_bias": model_type == "qwen2" or attention_bias,
+        "add_qkv_bias": trait(model_type, "qkv_bias") or attention_bias,
         # q/k norms; DeepSeek-V3's are its latents' (q_a_layernorm, kv_a_layernorm), GLM-4.5's use_qk_norm
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe", "deepseek_v3", *_HYBRID)
+        "qk_layernorm": trait(model_type, "qk_norm")
         or bool(getattr(config, "use_qk_norm", False))
         or bool(getattr(config, "kv_lora_rank", None)),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
@@ -167,13 +167,10 @@ def hf_architecture(config: Any) -> HFArchitecture:
     return HFArchitecture(values, keys)
 
 
-# Families by what their layers are (transformers' model_type; slime.utils.model_families).
-# The gated delta-net families are the ones that cannot pack (the registry says it once).
-_HYBRID = {f.model_type for f in FAMILIES.values() if not f.packs}
-_EXPERT_BIAS = {"deepseek_v3", "glm4_moe", "glm4_moe_lite"}
-_QKV_BIAS_ONLY = {"glm4", "glm4_moe"}
-_SHARED_EXPERT = {"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
-"""The softmax-routed families with a (gated) shared expert beside the routed ones."""
+def _shared_expert(model_type: str) -> bool:
+    """A gated shared expert beside the softmax-routed experts: the registry's families, and
+    Qwen2-MoE (not among them, its config read the same way)."""
+    return trait(model_type, "shared_expert") or model_type == "qwen2_moe"
 
 
 def partial_rotary(config: Any) -> float:
@@ -190,12 +187,12 @@ def _family_values(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or {}
     yarn = params.get("rope_type") == "yarn"
     return {
-        "rotary_interleaved": model_type == "glm4",
-        "apply_layernorm_1p": model_type in _HYBRID,
-        "post_self_attn_layernorm": model_type == "glm4",
-        "post_mlp_layernorm": model_type == "glm4",
-        "attention_output_gate": model_type in _HYBRID,
-        "use_gated_attention": model_type in _HYBRID,
+        "rotary_interleaved": trait(model_type, "glm_layers"),
+        "apply_layernorm_1p": trait(model_type, "hybrid"),
+        "post_self_attn_layernorm": trait(model_type, "glm_layers"),
+        "post_mlp_layernorm": trait(model_type, "glm_layers"),
+        "attention_output_gate": trait(model_type, "hybrid"),
+        "use_gated_attention": trait(model_type, "hybrid"),
         "multi_latent_attention": mla,
         **(
             {
@@ -247,7 +244,7 @@ def hf_moe(config: Any) -> dict[str, Any]:
             "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
             "moe_router_num_groups": getattr(config, "n_group", None),
             "moe_router_group_topk": getattr(config, "topk_group", None),
-            "moe_router_enable_expert_bias": model_type in _EXPERT_BIAS,
+            "moe_router_enable_expert_bias": trait(model_type, "expert_bias"),
             "moe_shared_expert_gate": False,
         }
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -259,14 +256,14 @@ def hf_moe(config: Any) -> dict[str, Any]:
         "moe_router_topk": getattr(config, "num_experts_per_tok", None),
         # (Qwen3-MoE's modeling has no shared expert, whatever its config says)
         "moe_shared_expert_intermediate_size": (getattr(config, "shared_expert_intermediate_size", None) or 0)
-        if model_type in _SHARED_EXPERT
+        if _shared_expert(model_type)
         else 0,
         "moe_router_score_function": "softmax",  # the Qwen MoE families (slime.utils.hf_experts)
         "moe_router_pre_softmax": not _norm_topk(config),
         "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
         "moe_router_enable_expert_bias": False,
         # Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: a shared expert, where there is one, is gated
-        "moe_shared_expert_gate": model_type in _SHARED_EXPERT
+        "moe_shared_expert_gate": _shared_expert(model_type)
         and bool(getattr(config, "shared_expert_intermediate_size", None)),
     }
 

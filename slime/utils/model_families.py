@@ -1,8 +1,10 @@
-"""The model families this project runs, and what runs each: one registry the engine, the train
-backends, the flag checks and docs/models.md read (a test keeps the table equal to it).
+"""The model families this project runs, what runs each and what their layers are: one registry
+the engine, the train backends (FSDP, and Megatron's conversion), the flag checks and
+docs/models.md read (a test keeps the table equal to it).
 
 A family is transformers' `model_type` (the key of config.json). Where a piece is not built for
-a family, `megatron` holds the reason it is refused, which the Megatron backend prints.
+a family, `megatron` holds the reason it is refused, which the Megatron backend prints. A
+family's layer traits are what its config.json does not say (the config gives the shapes).
 """
 
 from __future__ import annotations
@@ -41,11 +43,28 @@ class Family:
     router_fp32: bool = False
     """transformers' modeling computes the router's logits in float32 whatever the parameters'
     dtype (so --moe-router-dtype fp32 asks for what happens anyway)."""
-    packs: bool = True
-    """Packed micro-batches (several samples in one row) in the FSDP actor. transformers' gated
-    delta-net keeps packed samples apart only with the flash-linear-attention kernels (CUDA), so
-    FSDP trains the hybrid families on padded rows, one sample per row; the Megatron actor packs
-    them (slime.backends.megatron.linear_attention runs each packed sequence apart)."""
+    hybrid: bool = False
+    """Gated delta-net (linear attention) layers beside gated full attention, with zero-centred
+    norms (Qwen3-Next, Qwen3.5). transformers' gated delta-net keeps packed samples apart only
+    with the flash-linear-attention kernels (CUDA), so FSDP trains these families on padded rows,
+    one sample per row (`packs`); the Megatron actor packs them
+    (slime.backends.megatron.linear_attention runs each packed sequence apart)."""
+    qkv_bias: bool = False
+    """q, k and v projections with a bias whatever attention_bias says (Qwen2)."""
+    qk_norm: bool = False
+    """A per-head RMSNorm on q and k (Qwen3, the hybrid families)."""
+    bias_on_qkv_only: bool = False
+    """attention_bias gives q, k and v a bias and no other layer (GLM-4, GLM-4.5+)."""
+    output_bias: bool = False
+    """attention_bias gives the attention's output projection a bias too (Llama, the hybrid
+    families), which the Megatron conversion does not take (refused)."""
+    glm_layers: bool = False
+    """GLM-4's layers: interleaved partial rotary, sandwich norms after attention and MLP, the
+    MLP's gate and up stored as one tensor."""
+    expert_bias: bool = False
+    """Sigmoid routers with an expert bias (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash)."""
+    shared_expert: bool = False
+    """A gated shared expert beside the softmax-routed ones (Qwen3-Next, Qwen3.5-MoE)."""
     fused_experts: bool = False
     """transformers fuses the experts of a layer into `mlp.experts.gate_up_proj` / `down_proj`
     (slime.utils.hf_experts maps them to the per-expert checkpoint names)."""
@@ -58,6 +77,11 @@ class Family:
     `python -m slime.tools.text_model extract` writes it from a checkpoint, for what only the
     text model has (the Megatron backend)."""
 
+    @property
+    def packs(self) -> bool:
+        """Packed micro-batches (several samples in one row) in the FSDP actor (see `hybrid`)."""
+        return not self.hybrid
+
 
 VISION_ON_FSDP = (
     "vision-language models train with --train-backend fsdp (the vision tower is not converted to Megatron)"
@@ -66,9 +90,9 @@ VISION_ON_FSDP = (
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("qwen2", "qwen2", "Qwen2, Qwen2.5", BATCHED),
-        Family("qwen3", "qwen3", "Qwen3 dense", BATCHED),
-        Family("llama", "", "Llama 2 / 3", BATCHED),
+        Family("qwen2", "qwen2", "Qwen2, Qwen2.5", BATCHED, qkv_bias=True),
+        Family("qwen3", "qwen3", "Qwen3 dense", BATCHED, qk_norm=True),
+        Family("llama", "", "Llama 2 / 3", BATCHED, output_bias=True),
         Family("mistral", "", "Mistral", BATCHED, megatron="Mistral is not converted to Megatron"),
         Family(
             "qwen3_moe",
@@ -77,18 +101,23 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             router_hooks=True,
             fused_experts=True,
+            qk_norm=True,
         ),
         Family(
             "glm4",
             "glm4",
             "GLM-4-0414 (9B, 32B)",
             PER_SEQUENCE,
+            glm_layers=True,
+            bias_on_qkv_only=True,
         ),
         Family(
             "glm4_moe",
             "glm4_moe",
             "GLM-4.5, GLM-4.6, GLM-4.7 (355B-A32B, Air)",
             PER_SEQUENCE,
+            bias_on_qkv_only=True,
+            expert_bias=True,
             aux_loss=True,
             lora=False,
             fused_experts=True,
@@ -99,6 +128,7 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3",
             "DeepSeek-V3 / R1, Kimi-K2, Moonlight",
             PER_SEQUENCE,
+            expert_bias=True,
             aux_loss=True,
             lora=False,
             fused_experts=True,
@@ -109,6 +139,7 @@ FAMILIES: dict[str, Family] = {
             "glm4_moe_lite",
             "GLM-4.7-Flash (30B-A3B)",
             PER_SEQUENCE,
+            expert_bias=True,
             aux_loss=True,
             lora=False,
             fused_experts=True,
@@ -121,9 +152,20 @@ FAMILIES: dict[str, Family] = {
             PER_SEQUENCE,
             lora=False,
             fused_experts=True,
-            packs=False,
+            hybrid=True,
+            qk_norm=True,
+            output_bias=True,
+            shared_expert=True,
         ),
-        Family("qwen3_5_text", "qwen3_5", "Qwen3.5 dense, its text model", PER_SEQUENCE, packs=False),
+        Family(
+            "qwen3_5_text",
+            "qwen3_5",
+            "Qwen3.5 dense, its text model",
+            PER_SEQUENCE,
+            hybrid=True,
+            qk_norm=True,
+            output_bias=True,
+        ),
         Family(
             "qwen3_5_moe_text",
             "qwen3_5_moe",
@@ -131,7 +173,10 @@ FAMILIES: dict[str, Family] = {
             PER_SEQUENCE,
             lora=False,
             fused_experts=True,
-            packs=False,
+            hybrid=True,
+            qk_norm=True,
+            output_bias=True,
+            shared_expert=True,
         ),
         Family(
             "qwen3_vl",
@@ -147,7 +192,9 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5 dense as released (0.8B-27B: the vision-language model)",
             PER_SEQUENCE,
             megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`, slime.tools.text_model) is built",
-            packs=False,
+            hybrid=True,
+            qk_norm=True,
+            output_bias=True,
             vision=True,
             text_model="qwen3_5_text",
         ),
@@ -160,7 +207,10 @@ FAMILIES: dict[str, Family] = {
             + "; its text model (`qwen3_5_moe_text`, slime.tools.text_model) is built",
             lora=False,
             fused_experts=True,
-            packs=False,
+            hybrid=True,
+            qk_norm=True,
+            output_bias=True,
+            shared_expert=True,
             vision=True,
             text_model="qwen3_5_moe_text",
         ),
@@ -189,6 +239,12 @@ def auto_model_class(config: object) -> Any:
         if is_vision(getattr(config, "model_type", None))
         else AutoModelForCausalLM
     )
+
+
+def trait(model_type: str | None, name: str) -> bool:
+    """A layer trait of `model_type`'s family (`Family.qk_norm`, ...); False for a family not listed."""
+    f = family(model_type)
+    return f is not None and bool(getattr(f, name))
 
 
 def packable(model_type: str | None, backend: str = "fsdp") -> bool:

@@ -42,12 +42,13 @@ from slime.backends.megatron.families import mla_yarn as mla_yarn
 from slime.backends.megatron.families import rope_theta as rope_theta
 from slime.backends.megatron.layer_map import expert_names as expert_names
 from slime.backends.megatron.layer_map import layer_pairs, mtp_shared_copies
+from slime.utils.model_families import Family
 
 State = dict[str, torch.Tensor]
 
 
-def convertible_family(config: Any) -> dict[str, Any]:
-    """The SUPPORTED entry of `config`'s family; ConversionError naming what the conversion does
+def convertible_family(config: Any) -> Family:
+    """The registry's family of `config` (slime.utils.model_families), one the backend builds; ConversionError naming what the conversion does
     not build (a vision-language checkpoint, another family, quantized weights, a rope scaling or an
     activation megatron-core is not built with here, an output projection bias)."""
     model_type = getattr(config, "model_type", None)
@@ -78,7 +79,7 @@ def convertible_family(config: Any) -> dict[str, Any]:
         raise ConversionError(f"hidden_act {config.hidden_act!r}: only SiLU-gated MLPs are converted")
     family = SUPPORTED[model_type]
     bias = bool(getattr(config, "attention_bias", False))
-    if bias and family.get("output_bias"):
+    if bias and family.output_bias:
         raise ConversionError(
             f"model_type {model_type!r} with attention_bias: the output projection's bias is not converted"
         )
@@ -213,11 +214,11 @@ class Layout:
             "num_query_groups": getattr(config, "num_key_value_heads", None) or heads,
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
             "rotary_percent": partial_rotary(config),
-            "rotary_interleaved": bool(family.get("interleaved")),
+            "rotary_interleaved": family.glm_layers,
         }
         if getattr(config, "kv_lora_rank", None):
             attention = mla_fields(config, bias)
-        if family.get("hybrid"):
+        if family.hybrid:
             attention.update(hybrid_fields(config))
         if mtp_layers:
             has = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
@@ -235,15 +236,15 @@ class Layout:
             ffn_hidden_size=int(getattr(config, "intermediate_size", None) or config.moe_intermediate_size),
             vocab_size=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=bool(family.get("qkv_bias")) or bias,
-            qk_norm=bool(family.get("qk_norm")) or bool(getattr(config, "use_qk_norm", False)),
+            qkv_bias=family.qkv_bias or bias,
+            qk_norm=family.qk_norm or bool(getattr(config, "use_qk_norm", False)),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             fold_norms=fold_norms,
             first_stage_layers=stages[0],
             last_stage_layers=stages[1],
             model_type=model_type,
-            post_norms=bool(family.get("post_norms")),
-            fused_gate_up=bool(family.get("post_norms")),
+            post_norms=family.glm_layers,
+            fused_gate_up=family.glm_layers,
             mtp_layers=mtp_layers,
             **attention,
             **moe_fields(config),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime.utils.model_families import FAMILIES, Family
+
 
 class ConversionError(ValueError):
     """A checkpoint or config that cannot be converted (names what and why)."""
@@ -61,23 +63,9 @@ def mla_yarn(config: Any) -> dict[str, Any]:
     }
 
 
-SUPPORTED: dict[str, dict[str, bool]] = {
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "llama": {"output_bias": True},  # attention_bias also gives o_proj a bias, not converted
-    "qwen3_moe": {"qk_norm": True},
-    # GLM-4: interleaved partial rotary, sandwich norms, [gate; up] stored as one tensor
-    "glm4": {"interleaved": True, "post_norms": True},
-    "glm4_moe": {},  # q/k/v biases and per-head q/k norms from attention_bias / use_qk_norm
-    "deepseek_v3": {},  # multi-latent attention (mla_fields)
-    "glm4_moe_lite": {},  # GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts
-    # gated delta-net layers beside gated full attention, zero-centred norms (hybrid_fields)
-    # (attention_bias gives o_proj a bias too, not converted: refused)
-    "qwen3_next": {"qk_norm": True, "hybrid": True, "output_bias": True},
-    "qwen3_5_text": {"qk_norm": True, "hybrid": True, "output_bias": True},
-    "qwen3_5_moe_text": {"qk_norm": True, "hybrid": True, "output_bias": True},
-}
-"""The model_types the Megatron backend builds, with what their layers have beyond Llama's."""
+SUPPORTED: dict[str, Family] = {t: f for t, f in FAMILIES.items() if f.megatron is None}
+"""The model_types the Megatron backend builds; what their layers have beyond Llama's is the
+registry's (slime.utils.model_families: qkv_bias, qk_norm, output_bias, glm_layers, hybrid)."""
 
 
 def mla_fields(config: Any, bias: bool) -> dict[str, Any]:
