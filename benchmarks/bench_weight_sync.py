@@ -33,6 +33,10 @@ from slime.utils.buckets import iter_buckets
 
 
 class Exporter:
+    """A trainer holding exactly the checkpoint the engine loaded (a push source: slime.bridge.push)."""
+
+    pushes_adapter = False
+
     def __init__(self, model_dir: str):
         self.state = load_file(os.path.join(model_dir, "model.safetensors"))
 

@@ -4,6 +4,7 @@ handed back for the critic, N ranks like one, and the critic-only steps that lea
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -224,6 +225,28 @@ def test_the_critic_config_follows_the_actor(tiny_model, tmp_path):
         ).critic
         is None
     )
+
+
+def test_the_critic_leaves_out_the_actors_reference_and_old_actor_flags(tiny_model, tmp_path):
+    """--ref-update-interval and --keep-old-actor are the policy's: the critic (no log-probs) keeps no
+    reference and no pushed versions, and its rank does not keep the old actor's copies."""
+    from slime.ray.actors import TrainRank
+    from slime.ray.cli import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", str(prompts), "--rollout-batch-size", "2"]
+    base += ["--num-rollout", "1", "--rm-type", "math", "--advantage-estimator", "ppo"]
+    config = parse_args([*base, "--kl-coef", "0.05", "--ref-update-interval", "2", "--keep-old-actor"])
+    assert config.train.loss.ref_update_interval == 2 and config.train.loss.keep_old_actor
+    assert config.critic is not None
+    loss = config.critic.train.loss
+    assert loss.ref_update_interval is None and not loss.keep_old_actor and not loss.needs_ref
+    rank = TrainRank.__new__(TrainRank)  # what init() asks, without building a model
+    rank.actor, rank.critic = types.SimpleNamespace(cfg=config.train), True
+    assert not rank._keeps_old_actor()
+    rank.critic = False
+    assert rank._keeps_old_actor()
 
 
 def test_a_bad_critic_load_is_named_before_the_job_starts(tiny_model, tmp_path):

@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Literal, overload
+
+if TYPE_CHECKING:
+    from slime.backends.interface import CriticActor, TrainActor
+    from slime.config.train import TrainConfig
 
 
+@overload
 def make_train_actor(
-    cfg: Any,
+    cfg: TrainConfig,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    critic: Literal[False] = False,
+) -> TrainActor: ...
+
+
+@overload
+def make_train_actor(
+    cfg: TrainConfig,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    *,
+    critic: Literal[True],
+) -> CriticActor: ...
+
+
+@overload
+def make_train_actor(
+    cfg: TrainConfig,
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
     critic: bool = False,
-) -> Any:
+) -> TrainActor | CriticActor: ...
+
+
+def make_train_actor(
+    cfg: TrainConfig,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    critic: bool = False,
+) -> TrainActor | CriticActor:
     """The train actor of `cfg.backend` (imported lazily: megatron-core is optional); with
     `critic`, PPO's critic (slime.backends.value)."""
     if critic and cfg.backend == "megatron":

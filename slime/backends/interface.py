@@ -3,8 +3,8 @@
 - `TrainActor`: what the Ray layer (or a test) calls on one data-parallel rank, one process per
   rank. A rank trains on a `RolloutPart` (slime.utils.rollout_batch, the data contract): its replica's
   samples and the few per-sample numbers of the whole rollout that every replica's plan needs.
-  slime.backends.policy.PolicyTrainer (the policy) and slime.backends.value.ValueTrainer (PPO's
-  critic) implement it over a backend.
+  slime.backends.policy.PolicyTrainer implements it over a backend; `CriticActor` is PPO's
+  critic's (slime.backends.value.ValueTrainer).
 - `TrainBackend` and `ValueBackend`: what a backend (FSDP, Megatron) provides to those two: the
   model's forward passes, its optimizer step, its weights (for the reference swap, the push and
   the old-actor copies) and its checkpoints. The step itself (planning, the loss, advantages,
@@ -36,6 +36,12 @@ PerPosition = dict[int, "torch.Tensor"]
 
 class TrainActor(Protocol):
     """One data-parallel rank of a train backend."""
+
+    @property
+    def cfg(self) -> TrainConfig: ...
+
+    @property
+    def rank(self) -> int: ...
 
     def init(self) -> dict[str, Any]:
         """Build the model (and reference), optimizer and scheduler; resume from --load if set.
@@ -87,6 +93,52 @@ class TrainActor(Protocol):
         """Take device memory back before the next train call."""
         ...
 
+    def keep_weights(self, version: str) -> None:
+        """--keep-old-actor: the weights about to be pushed as `version`, kept on the host."""
+        ...
+
+    @property
+    def pushes_adapter(self) -> bool:
+        """--lora-push adapter: a push sends the LoRA adapter alone."""
+        ...
+
+    def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """LoRA: the adapter whole under PEFT's names, and its PEFT config (every rank takes part)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CriticActor(Protocol):
+    """One data-parallel rank of PPO's critic (slime.backends.value.ValueTrainer)."""
+
+    @property
+    def cfg(self) -> TrainConfig: ...
+
+    def init(self) -> dict[str, Any]: ...
+
+    def compute_values(self, batch: RolloutBatch | RolloutPart) -> dict[int, list[float]]:
+        """The value of every response token of this rank's samples, keyed by sample index."""
+        ...
+
+    def train_values(
+        self,
+        rollout_id: int,
+        batch: RolloutBatch | RolloutPart,
+        old_values: dict[int, list[float]],
+        returns: dict[int, list[float]],
+    ) -> TrainOutput:
+        """Optimizer steps of the clipped value loss against `returns`."""
+        ...
+
+    def save(self, rollout_id: int, path: str, extra: dict[str, Any] | None = None) -> str: ...
+
+    def save_hf(self, path: str) -> None: ...
+
+    def sleep(self, keep_params: bool = False) -> None: ...
+
+    def wake(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -121,7 +173,8 @@ class Pass:
 
 @dataclass
 class PassResult:
-    """A log-prob pass's answer on every rank of the replica, by position."""
+    """A log-prob pass's answer, by position: the log-probs (and entropy) on every rank of the
+    replica; the routing of the layers this rank holds (a pipeline stage: its own layers)."""
 
     log_probs: PerPosition
     entropy: PerPosition | None = None

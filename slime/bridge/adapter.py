@@ -89,7 +89,7 @@ def push_actor_adapter(
 
 async def push_adapter(
     bridge: WeightBridge,
-    named: list[tuple[str, Any]],
+    named: list[tuple[str, torch.Tensor]],
     config: dict[str, Any],
     weight_version: str,
     payloads: list[str] | None = None,
@@ -157,7 +157,7 @@ async def load_into(
 
 async def push(
     bridge: WeightBridge,
-    named: list[tuple[str, Any]],
+    named: list[tuple[str, torch.Tensor]],
     config: dict[str, Any],
     weight_version: str,
     per_engine: list[list[str]],

@@ -108,8 +108,11 @@ def critic_config(ns: argparse.Namespace, actor: TrainConfig) -> CriticConfig | 
         load=load,
         ref_load=None,
         optimizer=optimizer,
-        # The critic computes no log-probs: no reference, no routing replay, no train-data dumps.
-        loss=dataclasses.replace(actor.loss, use_kl_loss=False, kl_coef=0.0),
+        # The critic computes no log-probs: no reference (nor its updates), no old actor's copies,
+        # no routing replay, no train-data dumps.
+        loss=dataclasses.replace(
+            actor.loss, use_kl_loss=False, kl_coef=0.0, ref_update_interval=None, keep_old_actor=False
+        ),
         moe=dataclasses.replace(actor.moe, use_routing_replay=False, use_rollout_routing_replay=False),
         save_debug_train_data=None,
         opd=OPDConfig(),  # the teacher is the actor's business

@@ -103,9 +103,11 @@ class TrainRank(Traced):
         configure_logging(f"rank {rank}")
         from slime.backends import make_train_actor
 
-        self.rank = rank
+        self.rank, self.critic = rank, critic
         self.phase = load_phase_hook(phase_hook)
-        self.actor = make_train_actor(cfg, rank, world_size, critic=critic)
+        # A TrainActor, or with `critic` a CriticActor (slime.backends.interface): one Ray actor class
+        # serves both roles, and the driver calls each role's methods only.
+        self.actor: Any = make_train_actor(cfg, rank, world_size, critic=critic)
         self.bridge: Any = None
         self.fault: Any = None  # --debug-push-fault
         self.topology: Any = None  # slime.bridge.topology.PushTopology, from connect_engines
@@ -140,8 +142,9 @@ class TrainRank(Traced):
         return info
 
     def _keeps_old_actor(self) -> bool:
+        """--keep-old-actor on a policy rank (a critic's weights never generate)."""
         loss = getattr(getattr(self.actor, "cfg", None), "loss", None)
-        return bool(getattr(loss, "keep_old_actor", False))
+        return not self.critic and bool(getattr(loss, "keep_old_actor", False))
 
     def train(
         self, rollout_id: int, batch: RolloutBatch, values: list[Any] | None = None, update: bool = True
