@@ -48,9 +48,10 @@ State = dict[str, torch.Tensor]
 
 
 def convertible_family(config: Any) -> Family:
-    """The registry's family of `config` (slime.utils.model_families), one the backend builds; ConversionError naming what the conversion does
-    not build (a vision-language checkpoint, another family, quantized weights, a rope scaling or an
-    activation megatron-core is not built with here, an output projection bias)."""
+    """The registry's family of `config` (slime.utils.model_families), one the backend builds;
+    ConversionError naming what the conversion does not build (a vision-language checkpoint,
+    another family, quantized weights, a rope scaling or an activation megatron-core is not built
+    with here, an output projection bias)."""
     model_type = getattr(config, "model_type", None)
     if getattr(config, "text_config", None) is not None and model_type in ("qwen3_5", "qwen3_5_moe"):
         raise ConversionError(
