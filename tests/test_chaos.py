@@ -44,8 +44,11 @@ def _pid_listening(url):
 
 def _busy(url):  # a request running or queued at the engine (its /metrics: no key on loopback)
     import urllib.request
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
-        text = answer.read().decode()
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+    except OSError:  # an engine killed before (its restart not seen yet): nothing in flight there
+        return False
     counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(("sglang:num_running_reqs{", "sglang:num_queue_reqs{"))]
     return sum(counts) > 0
