@@ -33,7 +33,6 @@ from slime.backends.optim import reset_states
 from slime.backends.trainer import B, RankTrainer
 from slime.backends.weight_copies import KeptWeights, swapped
 from slime.config.loss import LossConfig
-from slime.config.train import TrainConfig
 from slime.utils.errors import UsageError
 from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.step_plans import StepPlan
@@ -106,16 +105,10 @@ class PolicyLoss:
 class PolicyTrainer(RankTrainer[B]):
     """The policy on one train rank (implements slime.backends.interface.TrainActor)."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        rank: int | None = None,
-        world_size: int | None = None,
-        init_method: str | None = None,
-    ):
-        super().__init__(cfg, rank, world_size, init_method)
-        self.kept = KeptWeights(self.backend)
+    @functools.cached_property
+    def kept(self) -> KeptWeights:
         """--keep-old-actor: the weights of the versions pushed."""
+        return KeptWeights(self.backend)
 
     @functools.cached_property
     def step_perf(self) -> perf.StepPerf:

@@ -13,7 +13,7 @@ from typing import Any
 
 from slime.config.megatron_lm import SLIME_SPECS, SPECS
 from slime.config.surface import CHECKED, given
-from slime.utils.model_families import trait
+from slime.utils.model_families import layer_traits
 
 
 def count_architecture_flags(ns: argparse.Namespace) -> int:
@@ -122,7 +122,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    model_type = getattr(config, "model_type", "")
+    traits = layer_traits(getattr(config, "model_type", ""))
     attention_bias = bool(getattr(config, "attention_bias", False))
     scaling_kind, factor, theta = rope_scaling(config)
     values = {
@@ -139,11 +139,11 @@ def hf_architecture(config: Any) -> HFArchitecture:
         "normalization": "RMSNorm" if hasattr(config, "rms_norm_eps") else "LayerNorm",
         "norm_epsilon": getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None),
         # GLM's attention_bias is on q/k/v only (Megatron-LM: --add-qkv-bias with --disable-bias-linear)
-        "add_bias_linear": (attention_bias and not trait(model_type, "bias_on_qkv_only"))
+        "add_bias_linear": (attention_bias and not traits.bias_on_qkv_only)
         or bool(getattr(config, "mlp_bias", False)),
-        "add_qkv_bias": trait(model_type, "qkv_bias") or attention_bias,
+        "add_qkv_bias": traits.qkv_bias or attention_bias,
         # q/k norms; DeepSeek-V3's are its latents' (q_a_layernorm, kv_a_layernorm), GLM-4.5's use_qk_norm
-        "qk_layernorm": trait(model_type, "qk_norm")
+        "qk_layernorm": traits.qk_norm
         or bool(getattr(config, "use_qk_norm", False))
         or bool(getattr(config, "kv_lora_rank", None)),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
@@ -170,7 +170,7 @@ def hf_architecture(config: Any) -> HFArchitecture:
 def _shared_expert(model_type: str) -> bool:
     """A gated shared expert beside the softmax-routed experts: the registry's families, and
     Qwen2-MoE (not among them, its config read the same way)."""
-    return trait(model_type, "shared_expert") or model_type == "qwen2_moe"
+    return layer_traits(model_type).shared_expert or model_type == "qwen2_moe"
 
 
 def partial_rotary(config: Any) -> float:
@@ -182,17 +182,17 @@ def partial_rotary(config: Any) -> float:
 
 def _family_values(config: Any) -> dict[str, Any]:
     """The layer kinds of the families beyond Qwen/Llama, as Megatron-LM's flags say them."""
-    model_type = getattr(config, "model_type", "")
+    traits = layer_traits(getattr(config, "model_type", ""))
     mla = bool(getattr(config, "kv_lora_rank", None))
     params = getattr(config, "rope_parameters", None) or {}
     yarn = params.get("rope_type") == "yarn"
     return {
-        "rotary_interleaved": trait(model_type, "glm_layers"),
-        "apply_layernorm_1p": trait(model_type, "hybrid"),
-        "post_self_attn_layernorm": trait(model_type, "glm_layers"),
-        "post_mlp_layernorm": trait(model_type, "glm_layers"),
-        "attention_output_gate": trait(model_type, "hybrid"),
-        "use_gated_attention": trait(model_type, "hybrid"),
+        "rotary_interleaved": traits.glm_layers,
+        "apply_layernorm_1p": traits.hybrid,
+        "post_self_attn_layernorm": traits.glm_layers,
+        "post_mlp_layernorm": traits.glm_layers,
+        "attention_output_gate": traits.hybrid,
+        "use_gated_attention": traits.hybrid,
         "multi_latent_attention": mla,
         **(
             {
@@ -244,7 +244,7 @@ def hf_moe(config: Any) -> dict[str, Any]:
             "moe_router_topk_scaling_factor": getattr(config, "routed_scaling_factor", None) or 1.0,
             "moe_router_num_groups": getattr(config, "n_group", None),
             "moe_router_group_topk": getattr(config, "topk_group", None),
-            "moe_router_enable_expert_bias": trait(model_type, "expert_bias"),
+            "moe_router_enable_expert_bias": layer_traits(model_type).expert_bias,
             "moe_shared_expert_gate": False,
         }
     step = getattr(config, "decoder_sparse_step", 1) or 1

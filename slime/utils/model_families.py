@@ -241,10 +241,14 @@ def auto_model_class(config: object) -> Any:
     )
 
 
-def trait(model_type: str | None, name: str) -> bool:
-    """A layer trait of `model_type`'s family (`Family.qk_norm`, ...); False for a family not listed."""
-    f = family(model_type)
-    return f is not None and bool(getattr(f, name))
+UNLISTED = Family("", "", "a family not listed", PER_SEQUENCE)
+"""What is known of a model_type the registry does not list: none of the layer traits."""
+
+
+def layer_traits(model_type: str | None) -> Family:
+    """The family of `model_type`, to read its layer traits (`qk_norm`, ...): UNLISTED, with none,
+    for a family not listed."""
+    return family(model_type) or UNLISTED
 
 
 def packable(model_type: str | None, backend: str = "fsdp") -> bool:

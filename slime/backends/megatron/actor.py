@@ -264,9 +264,14 @@ class MegatronBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns."""
         c = self.cfg
-        vocab = (self.layout.vocab_size, self.mesh.tp_rank, self.tp, self.mesh.tp_group)
         return response_log_probs(
-            logits, mb, vocab, c.rollout_temperature, c.batch.log_probs_chunk_size, with_entropy
+            logits,
+            mb,
+            self.layout.vocab_size,
+            self.mesh,
+            c.rollout_temperature,
+            c.batch.log_probs_chunk_size,
+            with_entropy,
         )
 
     def _run(
@@ -419,7 +424,9 @@ class MegatronBackend:
             self.grad_group,
             self.masters,
             self.device,
-            (self.optimizer, self.schedule, self.cfg.optimizer.clip_grad),
+            self.optimizer,
+            self.schedule,
+            self.cfg.optimizer.clip_grad,
             self._bias_rate,
         )
         result = sum_over_ranks(sums, contribute=self.writes_train_data)

@@ -156,14 +156,15 @@ def optimizer_step(
     grad_group: Any,
     masters: MasterWeights,
     device: torch.device,
-    optimizer: tuple[torch.optim.Optimizer, Any, float],
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    clip_grad: float,
     bias_rate: float,
 ) -> tuple[float, float]:
     """One optimizer step of a rank: its gradients reduced (over `grad_group`, DP x CP, and over
     TP where a parameter is replicated) and clipped, the optimizer and its schedule stepped on the
     --bf16 masters (copied back into the model), the routers' expert bias updated at `bias_rate`.
-    `optimizer`: (the optimizer, its LR schedule, --clip-grad). Returns (grad_norm, the lr used)."""
-    opt, schedule, clip_grad = optimizer
+    Returns (grad_norm, the lr used)."""
     reduce_gradients(
         model,
         mesh,
@@ -176,7 +177,7 @@ def optimizer_step(
     )
     grad_norm = clip_gradients(model, mesh, clip_grad, device, masters.grad_of)
     lr = schedule.lr
-    opt.step()
+    optimizer.step()
     schedule.step()
     masters.copy_back()
     update_expert_bias(model, bias_rate)

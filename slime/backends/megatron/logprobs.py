@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron.context_parallel import cp_response_stats
+from slime.backends.megatron.export import Mesh
 from slime.backends.micro_batch import MicroBatch, Stats, response_token_stats
 
 
@@ -108,19 +109,20 @@ def from_last_stage(
 def response_log_probs(
     logits: torch.Tensor,
     mb: MicroBatch,
-    vocab: tuple[int, int, int, Any],
+    vocab_size: int,
+    mesh: Mesh,
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
 ) -> Stats:
     """[B, max_response] log-probs (and entropy) of micro-batch `mb`'s responses from a rank's
-    columns of the [rows, tokens, padded vocabulary / TP] logits; `vocab`: (the real vocabulary
-    size, the TP rank, TP size, TP group). With context parallelism every local token's, gathered
-    over the CP ranks."""
-    vocab_size, tp_rank, tp, tp_group = vocab
+    columns of the [rows, tokens, padded vocabulary / TP] logits (`vocab_size`: the real
+    vocabulary's). With context parallelism every local token's, gathered over the CP ranks."""
 
     def stats(logits_: torch.Tensor, targets: torch.Tensor) -> Stats:
-        return vocab_parallel_log_probs(logits_, targets, vocab_size, tp_rank, tp, tp_group, with_entropy)
+        return vocab_parallel_log_probs(
+            logits_, targets, vocab_size, mesh.tp_rank, mesh.tp, mesh.tp_group, with_entropy
+        )
 
     def at(index: torch.Tensor | None, targets: torch.Tensor) -> Stats:
         return response_token_stats(logits.flatten(0, 1), index, targets, temperature, stats, chunk_size)
