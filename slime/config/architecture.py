@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -475,3 +476,16 @@ def architecture_problems(ns: argparse.Namespace, config: Any, where: str) -> li
             "other than Llama 3's, and YaRN with --multi-latent-attention, is not supported"
         )
     return out
+
+
+def hf_config(path: str | None) -> Any:
+    """--hf-checkpoint's config, or None where it cannot be read here: a missing or bad checkpoint is reported
+    by the input checks, with the reason."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception:  # transformers raises many types for bad configs
+        return None

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from slime.config import megatron_lm, slime_flags
+from slime.config.checks import config_problems
 from slime.config.critic import add_critic_arguments, critic_config
 from slime.config.debug import TOLERANCES, DebugConfig, lower_precision
 from slime.config.derived import custom_config, flag_problems, no_effect_lines
 from slime.config.eval_sets import eval_datasets
 from slime.config.flags import add_flags, flag_name, from_flags
 from slime.config.lora import add_lora_arguments
+from slime.config.model_checks import model_problems
 from slime.config.opd import add_opd_arguments, opd_config
 from slime.config.records import (
     PAUSE_MODES,
@@ -212,14 +214,6 @@ def _debug_and_logging_flags(p: argparse.ArgumentParser) -> None:
         "a sampling_seed per sample, batch-invariant engines (slower; docs/debugging.md)",
     )
 
-    g = debug["debug: parameter sync (docs/debugging.md, Parameter sync)"]
-    g.add_argument(
-        "--check-weight-sync",
-        action="store_true",
-        help="after every push, compare per-tensor fingerprints of what the trainer exported with what "
-        "every engine holds; a difference stops the job (on with --check-precision)",
-    )
-
     g = add_flags(p, LoggingConfig, "logging")["logging"]
     g.add_argument(
         "--wandb-mode",
@@ -328,7 +322,11 @@ def _configs(ns: argparse.Namespace) -> Config:
         ),
         checkpoint=from_flags(CheckpointConfig, ns),
         eval=from_flags(
-            EvalConfig, ns, datasets=eval_datasets(ns), before_train=not ns.skip_eval_before_train
+            EvalConfig,
+            ns,
+            datasets=eval_datasets(ns),
+            before_train=not ns.skip_eval_before_train,
+            config_path=ns.eval_config,
         ),
         logging=from_flags(LoggingConfig, ns, wandb_mode=wandb_mode),
         train=(train := _train_config(ns)),
@@ -397,6 +395,8 @@ def parse(argv: list[str] | None = None) -> Parsed:
         except Exception:  # settings already found wrong cannot always make a config: they are listed
             if not found:
                 raise
+    if config is not None:  # the rules between settings read the records
+        found += [*config_problems(config), *model_problems(config)]
     note = getattr(ns, "sequence_parallel_note", None)
     if note:
         resolution.lines.append(note)

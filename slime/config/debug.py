@@ -1,15 +1,12 @@
 """The debug modes' and checks' flags (docs/debugging.md): their record, the precision
-tolerances, and the rules between them and the other flags (each returns the first problem as one
-message naming the flag and the fix, or None)."""
+tolerances and --debug-push-fault's grammar. Their rules: slime.config.command_line (each flag's
+own value) and slime.config.checks (against the other settings)."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass
 
 from slime.config.flags import flag
-from slime.utils.files import template_problem
 
 
 @dataclass(frozen=True)
@@ -72,6 +69,11 @@ class DebugConfig:
     DIR/before_sync_parameter/<rank>/, push the trainer's weights once, dump to
     DIR/after_sync_parameter/<rank>/, exit; compare with python -m
     slime.tools.check_sync_parameter --root_dir DIR"""
+    check_weight_sync: bool = flag(
+        "--check-weight-sync", False, group="debug: parameter sync (docs/debugging.md, Parameter sync)"
+    )
+    """after every push, compare per-tensor fingerprints of what the trainer exported with what
+    every engine holds; a difference stops the job (on with --check-precision)"""
     check_weight_update_equal: bool = flag(
         "--check-weight-update-equal",
         False,
@@ -137,108 +139,6 @@ _RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 def lower_precision(*dtypes: str) -> str:
     return max(dtypes, key=lambda d: _RANK[d])
-
-
-def check_debug(ns: argparse.Namespace) -> str | None:
-    """The debug modes' rules; --load-debug-rollout-data turns on --debug-train-only."""
-
-    for dest in ("save_debug_rollout_data", "save_debug_eval_data", "load_debug_rollout_data"):
-        template = getattr(ns, dest)
-        if template is not None:
-            problem = template_problem(template, "--" + dest.replace("_", "-"))
-            if problem:
-                return problem
-    if ns.load_debug_rollout_data is not None:
-        ns.debug_train_only = True
-    elif ns.load_debug_rollout_data_subsample is not None:
-        return "--load-debug-rollout-data-subsample needs --load-debug-rollout-data"
-    r = ns.load_debug_rollout_data_subsample
-    if r is not None and not 0 < r <= 1:
-        return f"--load-debug-rollout-data-subsample must be in (0, 1], got {r}"
-    if ns.debug_rollout_only and ns.debug_train_only:
-        return (
-            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each "
-            "other: the first runs no trainer, the second no engine"
-        )
-    if not ns.debug_train_only:
-        return None
-    if ns.load_debug_rollout_data is None and ns.rollout_function_path is None:
-        return (
-            "--debug-train-only starts no engine: give --load-debug-rollout-data TEMPLATE, or a "
-            "--rollout-function-path that needs no engine"
-        )
-    if ns.load_debug_rollout_data is not None and ns.num_rollout is None:
-        return "--load-debug-rollout-data replays rollout ids 0 .. --num-rollout - 1: give --num-rollout"
-    if ns.eval_interval is not None and ns.rollout_function_path is None:
-        return (
-            "--eval-interval generates with an engine, and --debug-train-only starts none: drop "
-            "--eval-interval (or evaluate with a --rollout-function-path that needs no engine)"
-        )
-    if ns.save_debug_rollout_data is not None and ns.load_debug_rollout_data is not None:
-        return "--save-debug-rollout-data with --load-debug-rollout-data would copy the dumps: give one"
-    return None
-
-
-def check_debug_checks(ns: argparse.Namespace) -> str | None:
-    """The precision, weight-sync and hang checks' rules."""
-
-    for dest in ("precision_logprob_tol", "precision_logprob_max_tol", "hang_timeout"):
-        value = getattr(ns, dest)
-        if value is not None and not value > 0:
-            return f"--{dest.replace('_', '-')} must be > 0, got {value}"
-    if ns.check_precision and ns.use_rollout_logprobs:
-        return (
-            "--check-precision gates the first step on ppo_kl == 0, and --use-rollout-logprobs measures "
-            "the ratio against the engine's log-probs (ppo_kl is the trainer-engine gap): give one of "
-            "them"
-        )
-    if ns.check_precision and ns.debug_rollout_only:
-        return (
-            "--check-precision checks the trainer against the engines, and --debug-rollout-only "
-            "starts no trainer"
-        )
-    if ns.debug_sync_parameters_path is None:
-        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
-    checks = {
-        "--debug-sync-parameters-path": ns.debug_sync_parameters_path is not None,
-        "--check-weight-sync": ns.check_weight_sync,
-        "--check-weight-update-equal": ns.check_weight_update_equal,
-    }
-    for name, on in checks.items():
-        if on and (ns.debug_rollout_only or ns.debug_train_only):
-            return (
-                f"{name} checks the weight push from the trainer to the engines, which "
-                "--debug-rollout-only / --debug-train-only never run"
-            )
-    adapter_push = bool(getattr(ns, "lora_rank", 0)) and getattr(ns, "lora_push", None) == "adapter"
-    for name in ("--debug-sync-parameters-path", "--check-weight-sync"):
-        if name == "--check-weight-sync" and adapter_push:
-            continue  # the adapter's check is SGLang's own expected_checksums (slime.bridge.adapter)
-        if checks[name] and ns.rollout_backend == "sglang":
-            return (
-                f"{name} needs engines that report what they wrote (the torch engine's slime extensions); "
-                "SGLang does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang "
-                "engines"
-            )
-    root = ns.debug_sync_parameters_path
-    if root is not None:
-        for part in ("before_sync_parameter", "after_sync_parameter"):
-            if os.path.isdir(os.path.join(root, part)) and os.listdir(os.path.join(root, part)):
-                return (
-                    f"--debug-sync-parameters-path {root!r} already holds {part}/ from an earlier run: "
-                    "choose an empty directory or remove it (nothing is overwritten)"
-                )
-    if ns.debug_push_fault is not None:
-        if ns.debug_rollout_only or ns.debug_train_only:
-            return (
-                "--debug-push-fault breaks the weight push, which --debug-rollout-only / "
-                "--debug-train-only never run"
-            )
-        try:
-            parse_push_fault(ns.debug_push_fault)
-        except ValueError as e:
-            return str(e)
-    return None
 
 
 PUSH_FAULT_KINDS = ("perturb", "noise", "transpose", "drop", "swap")

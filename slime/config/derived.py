@@ -11,11 +11,11 @@ import os
 from typing import Any
 
 from slime.config import architecture, megatron_lm, slime_flags
-from slime.config.checks import rule_problems
+from slime.config.command_line import command_line_problems, size_problem
 from slime.config.resolve import Resolution, package_problems
 from slime.config.sglang_args import reserved_problem, server_argv, torch_engine_problem
 from slime.config.surface import no_effect_given, refused_problems
-from slime.utils.model_families import family, is_vision, refusal, routes_in_fp32, value_model_refusal
+from slime.utils.model_families import family, refusal, routes_in_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ def fill_defaults(ns: argparse.Namespace) -> list[str]:
             setattr(ns, name, os.path.abspath(getattr(ns, name)))
     if ns.release_train:  # slime restarts the trainer's processes; here it gives its memory up
         ns.offload_train = True
+    if ns.load_debug_rollout_data is not None:
+        ns.debug_train_only = True  # a replay starts no engine
+    if ns.debug_sync_parameters_path is None:
+        ns.debug_sync_parameters_path = os.environ.get("DEBUG_SYNC_PARAMETERS_PATH") or None
     if ns.eval_max_context_len is None:
         ns.eval_max_context_len = ns.rollout_max_context_len
     out += dump_details(ns)
@@ -204,26 +208,13 @@ def checkpoint_architecture_problems(ns: argparse.Namespace) -> list[str]:
     spec = getattr(ns, "spec", None)
     if not architecture.megatron_architecture(ns) and not spec:
         return []  # no architecture flag given: nothing to compare, nothing to read
-    config = _hf_config(ns.hf_checkpoint)
+    config = architecture.hf_config(ns.hf_checkpoint)
     if config is None:
         return []
     where = f"--hf-checkpoint {ns.hf_checkpoint}"
     return architecture.spec_problems(spec, config, where) + architecture.architecture_problems(
         ns, config, where
     )
-
-
-def _hf_config(path: str | None) -> Any:
-    """--hf-checkpoint's config, or None where it cannot be read here: a missing or bad checkpoint is reported
-    by the input checks, with the reason."""
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception:  # transformers raises many types for bad configs
-        return None
 
 
 def no_effect_lines(ns: argparse.Namespace) -> list[str]:
@@ -234,10 +225,11 @@ def no_effect_lines(ns: argparse.Namespace) -> list[str]:
 def flag_problems(
     ns: argparse.Namespace, mirrored: dict[str, tuple[str, str]], resolution: Resolution
 ) -> list[str]:
-    """Every problem with the flags (and, where it can be read, the HF config), in order; the
-    first is what a normal start reports. Defaults that depend on other flags are filled in."""
+    """Every problem with the command line (and, where it can be read, the HF config), in order;
+    the first is what a normal start reports. Defaults that depend on other flags are filled in.
+    The rules between settings run on the records built after (slime.config.checks)."""
     out = refused_problems(ns, SPECS, ns.train_backend)
-    sizes = next(iter(rule_problems(ns, sizes_only=True)), None)
+    sizes = size_problem(ns)
     if sizes:  # the rules below divide by them
         return [*out, sizes]
     reserved = reserved_problem(ns, mirrored)
@@ -254,53 +246,10 @@ def flag_problems(
         resolution.lines += [f"not installed here (the GPU machine needs it): {p}" for p in packages]
     else:
         out += packages
-    out += list(rule_problems(ns))
+    out += command_line_problems(ns)
     out += checkpoint_architecture_problems(ns)
     out += moe_flag_problems(ns)
-    out += family_problems(ns)
     return out
-
-
-def family_problems(ns: argparse.Namespace) -> list[str]:
-    """LoRA with a family it is not built for (slime.utils.model_families), PPO's critic where
-    the FSDP backend cannot build it or on prompts with images, and an expert-bias update rate for
-    a model whose routers have no bias, refused by name."""
-    out = []
-    if getattr(ns, "advantage_estimator", None) == "ppo":
-        critic = getattr(ns, "critic_load", None) or ns.hf_checkpoint
-        model_type = getattr(_hf_config(critic), "model_type", None)
-        if ns.train_backend == "fsdp" and (why := value_model_refusal(model_type)):
-            out.append(f"--advantage-estimator ppo: the critic starts from {critic}, {why}")
-        elif ns.train_backend != "fsdp" and is_vision(model_type):
-            out.append(
-                f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
-                "vision-language model, which the Megatron backend does not build"
-            )
-        elif getattr(ns, "multimodal_keys", None):
-            out.append(
-                "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is "
-                "not built (its forward takes no pixels); use grpo (or another critic-free estimator)"
-            )
-    if (getattr(ns, "moe_router_bias_update_rate", 0.0) or 0.0) > 0:
-        from slime.config.architecture import hf_moe
-        from slime.config.flags import from_flags
-        from slime.config.train import MoEOptions
-
-        config = _hf_config(ns.hf_checkpoint)
-        if config is not None and not hf_moe(config).get("moe_router_enable_expert_bias"):
-            try:
-                options = from_flags(MoEOptions, ns)
-            except ValueError:  # a bad MoE flag: train_config_from_args names it
-                options = None
-            if options is not None:
-                out.append(
-                    options.no_expert_bias(f"--hf-checkpoint {ns.hf_checkpoint} ({config.model_type})")
-                )
-    if (getattr(ns, "lora_rank", 0) or 0) <= 0:
-        return out
-    config = _hf_config(ns.hf_checkpoint)
-    why = refusal(getattr(config, "model_type", None), "lora") if config is not None else None
-    return out + ([f"--lora-rank {ns.lora_rank}: {why}"] if why else [])
 
 
 def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
@@ -325,7 +274,7 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     if r3 and ns.rollout_backend != "torch" and "--enable-return-routed-experts" not in ns.sglang_server_args:
         ns.sglang_server_args = [*ns.sglang_server_args, "--enable-return-routed-experts"]
     path = ns.hf_checkpoint
-    config = _hf_config(path)
+    config = architecture.hf_config(path)
     if config is None:
         return []
     text = config.get_text_config()  # a vision-language model's experts are its language model's

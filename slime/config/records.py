@@ -242,6 +242,8 @@ class EvalConfig:
     """`--eval-prompt-data [NAME] PATH ...` or `--eval-config` (slime.config.eval_sets)."""
     before_train: bool = True
     """Evaluate once before the first rollout (off with `--skip-eval-before-train`)."""
+    config_path: str | None = None
+    """`--eval-config`: the YAML file the sets come from (None: `--eval-prompt-data`)."""
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def check_supported(m: Any, installed: bool = True) -> str | None:
 def layout_problem(ns: argparse.Namespace) -> str | None:
     """--train-backend megatron's flags against what this actor builds and the --hf-checkpoint
     model allows (TP dividing the heads, PP the layers, EP the experts; MoE options with a dense
-    model): the first problem, or None. The flags' own rules (slime.config.checks.check_megatron)
+    model): the first problem, or None. The rules between settings (slime.config.checks.megatron_problem)
     have passed."""
     from slime.config.flags import from_flags
     from slime.config.train import MegatronConfig

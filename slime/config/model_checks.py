@@ -1,0 +1,42 @@
+"""The rules between the settings and the model --hf-checkpoint holds, read on the records: what
+a model family is not built for (slime.utils.model_families) is refused by name. The architecture
+flags against the checkpoint's config are compared on the command line (slime.config.derived),
+since Megatron-LM's flags have no record."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from slime.config.architecture import hf_config, hf_moe
+from slime.config.records import Config
+from slime.utils.model_families import is_vision, refusal, value_model_refusal
+
+
+def model_problems(config: Config) -> Iterator[str]:
+    """PPO's critic where the backend cannot build it or on prompts with images, an expert-bias
+    update rate for routers without a bias, and LoRA on a family it is not built for."""
+    train, backend = config.train, config.cluster.train_backend
+    if config.critic is not None:
+        critic = config.critic.load or train.hf_checkpoint
+        model_type = getattr(hf_config(critic), "model_type", None)
+        data = config.rollout.data
+        if backend == "fsdp" and (why := value_model_refusal(model_type)):
+            yield f"--advantage-estimator ppo: the critic starts from {critic}, {why}"
+        elif backend != "fsdp" and is_vision(model_type):
+            yield (
+                f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
+                "vision-language model, which the Megatron backend does not build"
+            )
+        elif data is not None and data.multimodal_keys:
+            yield (
+                "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is "
+                "not built (its forward takes no pixels); use grpo (or another critic-free estimator)"
+            )
+    model = hf_config(train.hf_checkpoint)
+    if model is None:
+        return
+    if train.moe.moe_router_bias_update_rate > 0 and not hf_moe(model).get("moe_router_enable_expert_bias"):
+        yield train.moe.no_expert_bias(f"--hf-checkpoint {train.hf_checkpoint} ({model.model_type})")
+    why = refusal(model.model_type, "lora") if train.lora.rank > 0 else None
+    if why:
+        yield f"--lora-rank {train.lora.rank}: {why}"
