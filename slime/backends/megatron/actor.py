@@ -264,15 +264,8 @@ class MegatronBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, max_response] log-probs (and entropy) from this rank's vocabulary columns."""
         c = self.cfg
-        return response_log_probs(
-            logits,
-            mb,
-            self.layout.vocab_size,
-            self.mesh,
-            c.rollout_temperature,
-            c.batch.log_probs_chunk_size,
-            with_entropy,
-        )
+        vocab, chunk = self.layout.vocab_size, c.batch.log_probs_chunk_size
+        return response_log_probs(logits, mb, vocab, self.mesh, c.rollout_temperature, chunk, with_entropy)
 
     def _run(
         self,
