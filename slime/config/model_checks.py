@@ -32,6 +32,8 @@ def model_problems(config: Config) -> Iterator[str]:
                 "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is "
                 "not built (its forward takes no pixels); use grpo (or another critic-free estimator)"
             )
+    if train.moe.moe_router_bias_update_rate <= 0 and train.lora.rank <= 0:
+        return  # nothing below to check: the checkpoint's config is not read
     model = hf_config(train.hf_checkpoint)
     if model is None:
         return
