@@ -9,8 +9,8 @@ torch engine serves --requests greedy requests of --new-tokens tokens each (igno
 at once, and Hugging Face's `generate` runs the same prompts one after the other in this process
 (batch 1: transformers' padded batches change a hybrid model's linear-attention state, so one
 sequence at a time is the exact reference). Reported per family: the engine's runner, its
-output tokens/s, HF's, their ratio, and whether the engine's greedy tokens equal HF's. qwen3 is
-the baseline row: the batched runner; the others run on the per-sequence runner.
+output tokens/s, HF's, their ratio, and whether the engine's greedy tokens equal HF's. Each
+family runs on the runner docs/models.md names for it (qwen3, the first row, on the batched one).
 """
 
 from __future__ import annotations

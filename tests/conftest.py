@@ -156,3 +156,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Tiny checkpoints of the families beyond Qwen2/Qwen3 (slime.tools.tiny_families), two layers each.
+FAMILY_SIZE = (
+    "--hidden-size",
+    "64",
+    "--num-layers",
+    "2",
+)  # two layers: a linear and a full one, a dense and a MoE one
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from slime.tools.tiny_families import NEW_FAMILIES
+
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_model(str(root / arch), 0, "--arch", arch, *FAMILY_SIZE) for arch in NEW_FAMILIES}

@@ -21,7 +21,6 @@ from tests.conftest import start_engine
 from tests.test_engine_server import teacher_forced_logprobs
 from tests.test_loop_e2e import prompts  # noqa: F401 - a fixture
 from tests.test_megatron_families import models  # noqa: F401 - a fixture (3-layer Megatron families)
-from tests.test_model_families import family_models  # noqa: F401 - a fixture (every new family)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 

@@ -1,7 +1,7 @@
 """The model families beyond Qwen2/Qwen3 (slime.utils.model_families), each from
-`make_tiny_model --arch`: served by the torch engine like Hugging Face's own forward, trained by
-the FSDP actor on two ranks like on one with a step-0 KL of exactly 0, refused by name by the
-Megatron backend, and listed in docs/models.md as the registry says."""
+`make_tiny_model --arch`: trained by the FSDP actor on two ranks like on one with a step-0 KL of
+exactly 0, refused by name by the Megatron backend, and listed in docs/models.md as the registry
+says (the engine on each family: tests/test_engine_families.py)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,9 @@ import torch
 
 from slime.tools.tiny_families import NEW_FAMILIES
 from slime.utils.model_families import FAMILIES, models_table
-from tests.conftest import make_model
 from tests.dist_helpers import run_ranks
-from tests.test_engine_generic import assert_serves_like_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZE = (
-    "--hidden-size",
-    "64",
-    "--num-layers",
-    "2",
-)  # two layers: a linear and a full one, a dense and a MoE one
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {arch: make_model(str(root / arch), 0, "--arch", arch, *SIZE) for arch in NEW_FAMILIES}
 
 
 def test_every_tiny_family_has_its_real_config_fields(family_models):
@@ -52,51 +38,6 @@ def test_every_tiny_family_has_its_real_config_fields(family_models):
     by_type = {f.arch: f for f in FAMILIES.values()}
     for arch in NEW_FAMILIES:  # the registry knows each by the model_type the checkpoint says
         assert FAMILIES[config(arch)["model_type"]] is by_type[arch]
-
-
-# Hybrid linear attention and multi-latent attention (with sigmoid routing and the expert bias)
-# in the default run; the others in the slow run.
-DEFAULT_ENGINE = ("qwen3_next", "deepseek_v3")
-
-
-@pytest.mark.parametrize(
-    "arch", [a if a in DEFAULT_ENGINE else pytest.param(a, marks=pytest.mark.slow) for a in NEW_FAMILIES]
-)
-def test_the_engine_serves_each_family_like_hugging_face(family_models, tmp_path, arch):
-    """Greedy tokens equal `generate`; sampled log-probs a teacher-forced forward within 1e-5
-    (the hybrid families' per-sequence cache holds each linear layer's recurrent state)."""
-    from transformers import AutoModelForCausalLM
-
-    path = family_models[arch]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert_serves_like_hf(path, model, [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40]], tmp_path, "GenericRunner")
-
-
-def test_the_engine_caches_deepseek_v3s_compressed_latent_not_full_keys_and_values(family_models):
-    """Multi-latent attention in the per-sequence runner: each attention layer's cache holds, per
-    token, the normalised key/value latent (kv_lora_rank) and the shared rotary key
-    (qk_rope_head_dim), as transformers' DeepseekV3Attention writes them before expanding the
-    latent into every head's keys and values."""
-    from transformers import AutoModelForCausalLM
-
-    from slime.engines.torch_engine.runner import GenericRunner
-    from slime.engines.torch_engine.sequence import Sequence
-    from slime.utils.sampling_params import SamplingParams
-
-    model = AutoModelForCausalLM.from_pretrained(family_models["deepseek_v3"], dtype=torch.float32).eval()
-    c = model.config
-    runner = GenericRunner(model)
-    seq = Sequence("r", [5, 6, 7, 8], SamplingParams())
-    runner.prefill([seq])
-    seq.output_ids.append(9)
-    runner.decode()
-    layers = seq.runner_state["hf_cache"].layers
-    assert len(layers) == c.num_hidden_layers
-    for layer in layers:  # 5 tokens: the prompt and one decoded
-        assert tuple(layer.keys.shape) == (1, 1, 5, c.kv_lora_rank)
-        assert tuple(layer.values.shape) == (1, 1, 5, c.qk_rope_head_dim)
-    full = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-    assert c.kv_lora_rank + c.qk_rope_head_dim < full / 5  # 24 numbers a token per layer, not 160
 
 
 def _train(rank, world_size, init_method, model):
@@ -228,34 +169,6 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
     assert "'qwen3_5_text': a value model (PPO's critic) of this model is not built with FSDP" in err
-
-
-@pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])
-def test_a_hybrid_models_state_survives_a_pause_and_a_push(family_models, tmp_path, mode):
-    """Qwen3-Next's linear-attention state across pause/continue and a weight push of the same
-    weights: retracted (recomputed from the tokens) or kept in place, the tokens are those of a
-    request that ran alone."""
-    import asyncio
-
-    from slime.engines.client import EngineClient
-    from tests.conftest import start_engine
-    from tests.test_continuous import GREEDY, _push_during
-
-    path = family_models["qwen3_next"]
-    prompt = [5, 6, 7, 8, 9]
-
-    async def go(url):
-        async with EngineClient(url) as c:
-            alone = await c.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
-            return alone, await _push_during(c, path, f"{mode}-1", mode, prompt)
-
-    with start_engine(path, tmp_path) as eng:
-        alone, out = asyncio.run(go(eng.url))
-    assert len(out["meta_info"]["weight_version_spans"]) == 2  # the push landed mid-request
-    assert out["meta_info"]["weight_version_spans"][-1][0] == f"{mode}-1"
-    assert out["output_ids"] == alone["output_ids"]
-    lp, ref = ([x[0] for x in r["meta_info"]["output_token_logprobs"]] for r in (out, alone))
-    assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-5
 
 
 def _slime_model_args(arch: str, c: dict) -> list[str]:

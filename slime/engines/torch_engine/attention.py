@@ -42,8 +42,8 @@ def sdpa_masked(
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One query per row: q [B, H, 1, D], k/v [B, KV, S, D], mask [B, 1, 1, S] (True: attend)
-    -> [B, H, 1, D]. Only matmuls and elementwise kernels (no per-shape plan, capturable in a
+    """One query per row: q [B, H, 1, D], k [B, KV, S, D], v [B, KV, S, Dv], mask [B, 1, 1, S]
+    (True: attend) -> [B, H, 1, Dv]. Only matmuls and elementwise kernels (no per-shape plan, capturable in a
     CUDA graph)."""
     B, H, _, D = q.shape
     KV, S = k.shape[1], k.shape[2]
@@ -53,8 +53,9 @@ def decode_attention(
     scores = scores * scale
     scores = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.bmm(probs.view(B * KV, groups, S), v.reshape(B * KV, S, D))
-    return out.view(B, H, 1, D)
+    value_dim = v.shape[-1]  # multi-latent attention: narrower than the keys
+    out = torch.bmm(probs.view(B * KV, groups, S), v.reshape(B * KV, S, value_dim))
+    return out.view(B, H, 1, value_dim)
 
 
 def _scores(q_rows: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,8 @@ class TorchEngine:
         self.rounds = DecodeRounds(self, steps, overlap) if batched and (overlap or steps > 1) else None
         self.adapters: ServedAdapters | None = None
         if config.enable_lora:
-            self.adapters = ServedAdapters(self.model, config.max_loaded_loras)
+            unapplied = getattr(self.runner, "unapplied_linears", ())
+            self.adapters = ServedAdapters(self.model, config.max_loaded_loras, unapplied)
             self.runner.adapters = self.adapters
             for name, path in config.lora_paths:
                 self.adapters.load_dir(name, path)

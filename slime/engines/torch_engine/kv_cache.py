@@ -8,6 +8,9 @@ Two layouts of a layer's buffer, chosen once:
 * token-major (rows, length, kv_heads, head_dim): a row's tokens follow each other, so the whole
   buffer is one variable-length key sequence per row, `length` apart, and the flash kernel reads
   each row's live keys alone (`live_decode_attention`).
+
+With `values_in_keys` N (multi-latent attention: slime.engines.torch_engine.layers) there is no
+value buffer: a position's value is the first N numbers of its key, read in place.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ class SlotKVCache:
         max_rows: int,
         max_len: int,
         token_major: bool = False,
+        values_in_keys: int | None = None,
     ):
+        self.values_in_keys = values_in_keys
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.max_rows, self.max_len = max_rows, max_len
@@ -67,7 +72,7 @@ class SlotKVCache:
         old_part = self._index(slice(0, self.rows), slice(0, self.length))
         shape = self._shape(new_rows, new_len)
         try:
-            for store in (self.k, self.v):
+            for store in self._stores():
                 for i in range(self.num_layers):
                     fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
                     if i < len(store):
@@ -88,7 +93,8 @@ class SlotKVCache:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         index = self._index(rows, slice(0, T))
         self.k[layer][index] = k
-        self.v[layer][index] = v
+        if self.values_in_keys is None:
+            self.v[layer][index] = v
 
     def write_decode(
         self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -96,17 +102,22 @@ class SlotKVCache:
         """One new position per row: k, v [rows, kv_heads, 1, head_dim] at `positions` [rows]."""
         index = self._index(rows, positions)
         self.k[layer][index] = k[:, :, 0]
-        self.v[layer][index] = v[:, :, 0]
+        if self.values_in_keys is None:
+            self.v[layer][index] = v[:, :, 0]
 
     def view(self, layer: int, rows: slice, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `rows`' first `key_len` positions, [rows, kv_heads, key_len,
         head_dim] (a view, strided in the token-major layout)."""
         index = self._index(rows, slice(0, key_len))
-        k, v = self.k[layer][index], self.v[layer][index]
+        k = self.k[layer][index]
+        v = self.v[layer][index] if self.values_in_keys is None else k[..., : self.values_in_keys]
         return (k.transpose(1, 2), v.transpose(1, 2)) if self.token_major else (k, v)
 
+    def _stores(self) -> tuple[list[torch.Tensor], ...]:
+        return (self.k,) if self.values_in_keys is not None else (self.k, self.v)
+
     def move_row(self, src: int, dst: int, length: int) -> None:
-        for store in (self.k, self.v):
+        for store in self._stores():
             for buf in store:
                 buf[self._index(dst, slice(0, length))] = buf[self._index(src, slice(0, length))]
 

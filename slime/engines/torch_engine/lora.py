@@ -71,6 +71,9 @@ class ServedAdapters:
 
     model: Any
     max_loaded: int | None = None
+    unapplied: tuple[str, ...] = ()
+    """Linear layers the runner does not call as modules (multi-latent attention's kv_b_proj, in
+    the absorbed form: slime.engines.torch_engine.layers), so an adapter on one is refused."""
     adapters: dict[str, Adapter] = field(default_factory=dict)
     _rows: list[tuple[Adapter, torch.Tensor]] | None = None
     _batch: int = 0
@@ -124,6 +127,12 @@ class ServedAdapters:
         for module, ab in sorted(pairs.items()):
             if module not in self.linear:
                 raise ProtocolError(f"LoRA adapter {name!r}: the model has no linear layer {module!r}", 400)
+            if module.rsplit(".", 1)[-1] in self.unapplied:
+                raise ProtocolError(
+                    f"LoRA adapter {name!r}: {module} is computed in multi-latent attention's absorbed "
+                    "form, where this engine applies no adapter",
+                    400,
+                )
             if set(ab) != {"A", "B"}:
                 raise ProtocolError(f"LoRA adapter {name!r}: {module} has lora_{''.join(ab)} alone", 400)
             layer = self.linear[module][1]

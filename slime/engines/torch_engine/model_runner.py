@@ -2,8 +2,10 @@
 
 Two runners share one interface (`prefill`, `decode`, `release`, `free_cache`):
 
-* `BatchedRunner`, for Llama-style decoders (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral without
-  sliding window): drives the Hugging Face modules layer by layer with a slot KV cache. Running
+* `BatchedRunner`, for decoders of attention layers (grouped-query or multi-latent:
+  slime.engines.torch_engine.layers) and MLP or MoE layers (Llama, Qwen2, Qwen3, Qwen3-MoE,
+  Mistral without sliding window, GLM-4, GLM-4.5+, DeepSeek-V3, GLM-4.7-Flash): drives the
+  Hugging Face modules layer by layer with a slot KV cache. Running
   sequences occupy rows [0, B) of the cache; a finished sequence's row is refilled by the last
   row, so decode attends over a view of the cache with no gather. Prefill pads new prompts to
   the longest and writes their keys/values straight into fresh rows.
@@ -43,6 +45,8 @@ from slime.engines.torch_engine.attention import (
 )
 from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
 from slime.engines.torch_engine.kv_cache import SlotKVCache
+from slime.engines.torch_engine.layers import attention_kind
+from slime.engines.torch_engine.linear_states import LinearStates
 from slime.engines.torch_engine.runner import GenericRunner, Runner, TokenSource, lora_rows
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
@@ -51,10 +55,10 @@ from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class
 
 logger = logging.getLogger(__name__)
 
-# The families the batched runner knows (slime.utils.model_families: engine BATCHED). qwen3_moe:
-# Qwen3's attention; its MLP is a router over experts that works token by token, so a padded
-# batch routes each real token as it would alone (HF's experts have no capacity limit).
-_LLAMA_LIKE = {f.model_type for f in FAMILIES.values() if f.engine == BATCHED}
+# The families the batched runner knows (slime.utils.model_families: engine BATCHED). An MoE
+# layer's router works token by token, so a padded batch routes each real token as it would
+# alone (HF's experts have no capacity limit).
+_BATCHED = {f.model_type for f in FAMILIES.values() if f.engine == BATCHED}
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any:
@@ -68,18 +72,22 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any
     return model
 
 
-def is_llama_like(model: Any) -> bool:
+def fits_batched_runner(model: Any) -> bool:
     """True when the batched runner knows this architecture's layer layout."""
     config = model.config
-    if getattr(config, "model_type", None) not in _LLAMA_LIKE:
+    if getattr(config, "model_type", None) not in _BATCHED:
         return False
     layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    if any(t not in ("full_attention", "linear_attention") for t in layer_types):
         return False
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
-    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
+    attention = [getattr(layer, "self_attn", None) for layer in inner.layers]
+    linear = [hasattr(layer, "linear_attn") for layer in inner.layers]
+    if not all(a is not None or is_linear for a, is_linear in zip(attention, linear)) or all(linear):
+        return False
+    return all(getattr(a, "sliding_window", None) is None for a in attention)
 
 
 def make_runner(
@@ -92,7 +100,7 @@ def make_runner(
 ) -> Runner:
     """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
     None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run)."""
-    if not is_llama_like(model):
+    if not fits_batched_runner(model):
         if attention_backend == "flash":
             raise ValueError(
                 f"--attention-backend flash: model_type {model.config.model_type!r} runs on the "
@@ -169,18 +177,8 @@ def input_log_probs(
     return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
-    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
-
-
 class BatchedRunner(Runner):
-    """Continuous-batching runner for Llama-style decoder stacks (see module docstring).
+    """Continuous-batching runner for the decoder stacks of the module docstring.
 
     On CUDA (and not deterministic) decode shapes are bucketed (slime.engines.torch_engine.shapes),
     attention builds no per-shape plan (slime.engines.torch_engine.attention), a step's inputs go
@@ -208,23 +206,34 @@ class BatchedRunner(Runner):
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        first_attn = self.inner.layers[0].self_attn
+        # Hybrid models (Qwen3-Next, Qwen3.5): linear-attention layers keep per-row states of their
+        # own (slime.engines.torch_engine.linear_states); the KV cache holds the attention layers'.
+        linear = [li for li, layer in enumerate(self.inner.layers) if hasattr(layer, "linear_attn")]
+        attention = [li for li in range(len(self.inner.layers)) if li not in linear]
+        self.cache_index = {li: i for i, li in enumerate(attention)}
+        self.states = LinearStates(linear, max_running, next(model.parameters()).device) if linear else None
+        first_attn = self.inner.layers[attention[0]].self_attn
         self.head_dim = getattr(first_attn, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = getattr(first_attn, "scaling", self.head_dim**-0.5)
+        self.kind = attention_kind(first_attn, self.num_heads, self.head_dim)
+        self.unapplied_linears = self.kind.unapplied
+        """Linear layers this runner computes without calling them (no LoRA hook runs)."""
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        if live_keys is None and not deterministic:
+        latent = self.kind.value_dim is not None  # the flash kernel reads values as wide as keys
+        if live_keys is None and not deterministic and not latent:
             live_keys = live_keys_kernel(self.device, self.dtype, self.head_dim)
         self.live_keys: LiveKernel | None = live_keys if callable(live_keys) else None
         self.cache = SlotKVCache(
-            len(self.inner.layers),
-            self.num_kv_heads,
-            self.head_dim,
+            len(attention),
+            self.kind.cache_heads,
+            self.kind.key_dim,
             self.dtype,
             self.device,
             max_running,
             context_length,
             token_major=self.live_keys is not None,
+            values_in_keys=self.kind.value_dim,
         )
         self.active: list[Sequence] = []
         on_cuda = self.device.type == "cuda"
@@ -243,7 +252,8 @@ class BatchedRunner(Runner):
         # structure, not by the router's class, which changed between transformers releases).
         self.graphs: DecodeGraphs | None = None
         experts = any(hasattr(getattr(layer, "mlp", None), "experts") for layer in self.inner.layers)
-        if on_cuda and bucketed and not experts and not self.routers and cuda_graph_max_bs != 0:
+        plain = not experts and not self.routers and self.states is None  # (delta-nets: not captured yet)
+        if on_cuda and bucketed and plain and cuda_graph_max_bs != 0:
             max_batch = min(cuda_graph_max_bs or max_running, max_running)
             self.graphs = DecodeGraphs(self._graph_forward, max_batch, self.shapes.rows(max_batch))
         self._graphs_generation = self.cache.generation
@@ -263,15 +273,6 @@ class BatchedRunner(Runner):
             out[:, :, li] = indices.view(B, T, -1).to("cpu", torch.int32)
         return out
 
-    def _attention_inputs(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, -1, self.head_dim)
-        k = attn.k_proj(x).view(B, T, -1, self.head_dim)
-        v = attn.v_proj(x).view(B, T, -1, self.head_dim)
-        if getattr(attn, "q_norm", None) is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def _forward(
         self,
         ids_BT: torch.Tensor,
@@ -286,26 +287,33 @@ class BatchedRunner(Runner):
         over the layer's cache. Returns float32 logits at `last_index_B`."""
         h = self.inner.embed_tokens(ids_BT)
         cos, sin = self.inner.rotary_emb(h, pos_BT)
-        B, T = ids_BT.shape
+        B = ids_BT.shape[0]
         row_index = torch.arange(rows.start, rows.stop, device=self.device)
         for li, layer in enumerate(self.inner.layers):
-            attn = layer.self_attn
-            q, k, v = self._attention_inputs(attn, layer.input_layernorm(h))
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            if write_pos_B is None:  # prefill: fresh rows, positions [0, T)
-                self.cache.write_prefill(li, rows, k, v)
-                out = attend(q, k, v)
-            else:  # decode: one new position per row
-                self.cache.write_decode(li, row_index, write_pos_B, k, v)
-                out = attend(q, li)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.input_layernorm(h)
+            ci = self.cache_index.get(li)
+            if ci is None:  # a linear-attention layer, on its rows' states
+                assert self.states is not None
+                a = layer.linear_attn(x, cache=self.states.of(rows, prefill=write_pos_B is None))
+            else:
+                q, k, v, extra = self.kind.qkv(layer.self_attn, x, cos, sin)
+                if write_pos_B is None:  # prefill: fresh rows, positions [0, T)
+                    self.cache.write_prefill(ci, rows, k, v)
+                    out = attend(q, k, v)
+                else:  # decode: one new position per row
+                    self.cache.write_decode(ci, row_index, write_pos_B, k, v)
+                    out = attend(q, ci)
+                a = self.kind.output(layer.self_attn, out, extra)
+            sandwich = getattr(layer, "post_self_attn_layernorm", None)  # GLM-4: each output normed
+            h = h + (a if sandwich is None else sandwich(a))
+            m = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (m if sandwich is None else layer.post_mlp_layernorm(m))
         last = h[torch.arange(B, device=self.device), last_index_B]
         return self.model.lm_head(self.inner.norm(last)).float()
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        if self.deterministic:
+        if self.deterministic or self.states is not None:  # (linear layers: no right padding)
             return torch.cat([self._prefill([s]) for s in seqs])
         return self._prefill(seqs)
 
@@ -314,6 +322,8 @@ class BatchedRunner(Runner):
         lengths = [s.num_tokens for s in seqs]
         T = max(lengths)
         self.cache.ensure(start + len(seqs), T)
+        if self.states is not None:
+            self.states.ensure(start + len(seqs))
         host = torch.zeros((len(seqs), T + 1), dtype=torch.long)  # each row: its ids, then its length
         for i, s in enumerate(seqs):
             host[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
@@ -347,6 +357,8 @@ class BatchedRunner(Runner):
         seqs = list(self.active)
         longest = max(s.num_cached for s in seqs) + 1
         self.cache.ensure(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
+        if self.states is not None:
+            self.states.ensure(self.shapes.rows(len(seqs)))
         if self.deterministic:
             assert tokens_from is None, "deterministic decoding does not overlap"
             logits = torch.cat([self._decode(seqs[i : i + 1], i) for i in range(len(seqs))])
@@ -439,6 +451,8 @@ class BatchedRunner(Runner):
         if row != last:
             moved = self.active[last]
             self.cache.move_row(last, row, moved.num_cached)
+            if self.states is not None:
+                self.states.move_row(last, row)
             self.active[row] = moved
         self.active.pop()
 
@@ -446,11 +460,15 @@ class BatchedRunner(Runner):
         assert not self.active, "free_cache with active sequences"
         self.forget_graphs()
         self.cache.free()
+        if self.states is not None:
+            self.states.free()
 
     def reset(self) -> None:
         self.active.clear()
         self.forget_graphs()
         self.cache.free()
+        if self.states is not None:
+            self.states.free()
 
     def forget_graphs(self) -> None:
         if self.graphs is not None:
