@@ -145,3 +145,61 @@ def test_a_hybrid_models_state_survives_a_pause_and_a_push(family_models, tmp_pa
     assert out["output_ids"] == alone["output_ids"]
     lp, ref = ([x[0] for x in r["meta_info"]["output_token_logprobs"]] for r in (out, alone))
     assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-5
+
+
+def _hf_routing(model, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """The experts each MoE layer of a teacher-forced Hugging Face forward routes `tokens` to."""
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
+        for li, layer in enumerate(model.model.layers)
+        if hasattr(getattr(layer.mlp, "gate", None), "top_k")
+    ]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return chosen
+
+
+MOE = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a == "deepseek_v3" else pytest.param(a, marks=pytest.mark.slow) for a in MOE]
+)
+def test_the_batched_runner_reports_the_experts_each_family_routes_to(family_models, tmp_path, arch):
+    """`return_routed_experts` on the batched runner, two requests batched: every MoE layer's
+    experts are those of a teacher-forced Hugging Face forward of the whole sequence (sigmoid
+    routers with groups and the expert bias included); a dense layer reports zeros."""
+    import asyncio
+    import base64
+
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.client import EngineClient
+    from tests.conftest import start_engine
+
+    path = family_models[arch]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    layers, top_k = model.model.layers, model.config.num_experts_per_tok
+    prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15]]
+
+    async def ask(url):
+        async with EngineClient(url) as c:
+            params = {"max_new_tokens": 5, "temperature": 0.8, "ignore_eos": True}
+            return await c.generate(prompts, sampling_params=params, return_routed_experts=True)
+
+    with start_engine(path, tmp_path, "--enable-return-routed-experts") as eng:
+        outputs = asyncio.run(ask(eng.url))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens = prompt + out["output_ids"]
+        raw = base64.b64decode(out["meta_info"]["routed_experts"])
+        routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(
+            len(tokens) - 1, len(layers), top_k
+        )
+        chosen = _hf_routing(model, tokens[:-1])
+        assert chosen, "no MoE layer"
+        for li in range(len(layers)):
+            want = chosen[li].to(torch.int32) if li in chosen else torch.zeros_like(routed[:, li])
+            assert torch.equal(routed[:, li], want), (arch, li)
