@@ -58,6 +58,33 @@ def test_the_engine_caches_deepseek_v3s_compressed_latent_not_full_keys_and_valu
     assert per_token == c.kv_lora_rank + c.qk_rope_head_dim < full / 5  # 24 numbers, not 160
 
 
+def test_the_absorbed_attention_reads_new_weights_after_they_are_copied_in(family_models, tmp_path):
+    """A push copies weights into the model's parameters: the next prefill's logits are the new
+    model's (the absorbed form keeps no copy of kv_b_proj)."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.torch_engine.model_runner import BatchedRunner
+    from slime.engines.torch_engine.sequence import Sequence
+    from slime.utils.sampling_params import SamplingParams
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    model = AutoModelForCausalLM.from_pretrained(family_models["deepseek_v3"], dtype=torch.float32).eval()
+    other_path = make_model(str(tmp_path / "other"), 1, "--arch", "deepseek_v3", *FAMILY_SIZE)
+    other = AutoModelForCausalLM.from_pretrained(other_path, dtype=torch.float32).eval()
+    runner = BatchedRunner(model, max_running=2, context_length=64)
+    prompt = [5, 6, 7, 8]
+    runner.prefill([Sequence("a", prompt, SamplingParams())])
+    runner.release(runner.active[0])
+    with torch.no_grad():
+        before = model(torch.tensor([prompt])).logits[0, -1]
+        for name, tensor in other.state_dict().items():
+            model.state_dict()[name].copy_(tensor)
+        want = other(torch.tensor([prompt])).logits[0, -1]
+    got = runner.prefill([Sequence("b", prompt, SamplingParams())])[0]
+    assert (before - want).abs().max() > 1e-3  # the two models differ
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_an_adapter_on_the_absorbed_latent_projection_is_refused_by_name(family_models):
     """The batched runner never calls DeepSeek-V3's kv_b_proj (the absorbed form reads its weight),
     so the engine refuses an adapter on it instead of serving the base projection silently; an
@@ -119,10 +146,19 @@ def test_a_hybrid_rows_linear_state_moves_with_it_when_a_row_is_refilled(family_
         torch.testing.assert_close(torch.stack(steps[seq.rid]), want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])
-def test_a_hybrid_models_state_survives_a_pause_and_a_push(family_models, tmp_path, mode):
-    """Qwen3-Next's linear-attention state across pause/continue and a weight push of the same
-    weights: retracted (recomputed from the tokens) or kept in place, the tokens are those of a
+@pytest.mark.parametrize(
+    ("arch", "mode"),
+    [
+        ("qwen3_next", "retract"),
+        pytest.param("qwen3_next", "in_place", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", "retract", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", "in_place", marks=pytest.mark.slow),
+    ],
+)
+def test_a_models_cache_survives_a_pause_and_a_push(family_models, tmp_path, arch, mode):
+    """A cache of each kind across pause/continue and a weight push of the same weights (Qwen3-Next's
+    linear-attention states, DeepSeek-V3's latents, whose absorbed projection is read after the
+    push): retracted (recomputed from the tokens) or kept in place, the tokens are those of a
     request that ran alone."""
     import asyncio
 
@@ -130,7 +166,7 @@ def test_a_hybrid_models_state_survives_a_pause_and_a_push(family_models, tmp_pa
     from tests.conftest import start_engine
     from tests.test_continuous import GREEDY, _push_during
 
-    path = family_models["qwen3_next"]
+    path = family_models[arch]
     prompt = [5, 6, 7, 8, 9]
 
     async def go(url):
