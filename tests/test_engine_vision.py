@@ -73,7 +73,9 @@ def test_image_requests_sample_like_the_model_and_see_their_image(vlm_engine, re
     sampling = {"max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True}
 
     async def scenario(c):
-        before = (await c.get_server_info())["internal_states"][0]["num_images_encoded"]
+        state = await c.get_server_info()
+        assert state["runner"] == "BatchedVisionRunner"  # decode steps batch the rows
+        before = state["internal_states"][0]["num_images_encoded"]
         by_text = await c.generate(
             text=[TEXT] * 4, image_data=[[u] for u in urls], sampling_params=sampling, return_logprob=True
         )
@@ -105,6 +107,40 @@ def test_image_requests_sample_like_the_model_and_see_their_image(vlm_engine, re
         out = _inputs(processor, dot_images[0])
         greedy = model.generate(**out, max_new_tokens=10, do_sample=False, eos_token_id=None)
     assert by_ids["output_ids"] == greedy[0, out["input_ids"].shape[1] :].tolist()
+
+
+def test_a_row_keeps_its_rotary_offset_when_a_finished_row_is_refilled(vlm_engine, reference, dot_images):
+    """An image prompt's rotary positions run behind its token positions (its image tokens share
+    positions), a text prompt's do not. Three prompts decode together; when the first image
+    request ends, its row is refilled by the text request, which takes its own offset along: the
+    log-probs of all three are still a teacher-forced forward's."""
+    model, processor = reference
+    urls = [encode_image_for_rollout_engine(image) for image in dot_images[:2]]
+    plain = "a picture of nothing"
+
+    async def scenario(c):
+        return await c.generate(
+            text=[TEXT, TEXT, plain],
+            image_data=[[urls[0]], [urls[1]], None],
+            sampling_params=[
+                {"max_new_tokens": n, "temperature": 0.8, "ignore_eos": True} for n in (3, 7, 10)
+            ],
+            return_logprob=True,
+        )
+
+    first, second, text = _run(vlm_engine.url, scenario)
+    for image, res in ((dot_images[0], first), (dot_images[1], second)):
+        got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+        assert (got - _teacher_forced(model, processor, image, res["output_ids"], 0.8)).abs().max() < 1e-5
+    ids = processor.tokenizer(plain)["input_ids"] + text["output_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    start = len(ids) - len(text["output_ids"])
+    ref = torch.log_softmax(logits[start - 1 : -1] / 0.8, dim=-1).gather(
+        -1, torch.tensor(text["output_ids"])[:, None]
+    )
+    got = torch.tensor([lp for lp, _, _ in text["meta_info"]["output_token_logprobs"]])
+    assert len(got) == 10 and (got - ref[:, 0]).abs().max() < 1e-5
 
 
 def test_bad_image_requests_are_refused_with_the_reason(vlm_engine, reference, dot_images, tmp_path):

@@ -29,11 +29,12 @@ from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics, EngineTimeline
 from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
 from slime.engines.torch_engine.rounds import DecodeRounds
+from slime.engines.torch_engine.runner import GenericRunner
 from slime.engines.torch_engine.sampling import sample
 from slime.engines.torch_engine.scheduler import Scheduler
 from slime.engines.torch_engine.sequence import Sequence, check_request
 from slime.engines.torch_engine.tokens import SharedTokenizer
-from slime.engines.torch_engine.vision import ImagePreparer, VisionRunner
+from slime.engines.torch_engine.vision import BatchedVisionRunner, ImagePreparer, VisionRunner
 from slime.engines.torch_engine.weights import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -63,17 +64,16 @@ class TorchEngine:
         # A vision-language model: its images' processor, and its placeholders, never sampled.
         self.images = ImagePreparer.of(config.model_path, self.model.config)
         self.never_sampled = self.images.placeholder_ids if self.images is not None else None
-        self.runner = (
-            VisionRunner(self.model)
-            if self.images is not None
-            else make_runner(
-                self.model,
-                config.max_running_requests,
-                self.context_length,
-                config.deterministic,
-                cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
-                attention_backend=config.attention_backend,
-            )
+        vision = self.images is not None
+        self.runner = make_runner(
+            self.model,
+            config.max_running_requests,
+            self.context_length,
+            config.deterministic,
+            cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+            attention_backend=config.attention_backend,
+            batched=BatchedVisionRunner if vision else None,
+            generic=VisionRunner if vision else GenericRunner,
         )
         self.weights = WeightStore(self.model)
         overlap = config.overlap_schedule

@@ -40,6 +40,13 @@ def rotary_function(attn: Any) -> Rotate:
     return module.apply_rotary_pos_emb
 
 
+def text_model(model: Any) -> Any:
+    """The decoder stack of a causal LM: `model.model`, or a vision-language model's language model
+    (`model.model.language_model`)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
 def is_latent(attn: Any) -> bool:
     return hasattr(attn, "kv_a_proj_with_mqa") and hasattr(attn, "kv_b_proj")
 

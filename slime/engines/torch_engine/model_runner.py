@@ -45,7 +45,7 @@ from slime.engines.torch_engine.attention import (
 )
 from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
 from slime.engines.torch_engine.kv_cache import SlotKVCache
-from slime.engines.torch_engine.layers import attention_kind
+from slime.engines.torch_engine.layers import attention_kind, text_model
 from slime.engines.torch_engine.linear_states import LinearStates
 from slime.engines.torch_engine.runner import GenericRunner, Runner, TokenSource, lora_rows
 from slime.engines.torch_engine.sequence import Sequence
@@ -74,13 +74,12 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Any
 
 def fits_batched_runner(model: Any) -> bool:
     """True when the batched runner knows this architecture's layer layout."""
-    config = model.config
-    if getattr(config, "model_type", None) not in _BATCHED:
+    if getattr(model.config, "model_type", None) not in _BATCHED:
         return False
-    layer_types = getattr(config, "layer_types", None) or []
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     if any(t not in ("full_attention", "linear_attention") for t in layer_types):
         return False
-    inner = getattr(model, "model", None)
+    inner = text_model(model) if hasattr(model, "model") else None
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
     attention = [getattr(layer, "self_attn", None) for layer in inner.layers]
@@ -97,9 +96,13 @@ def make_runner(
     deterministic: bool = False,
     cuda_graph_max_bs: int | None = None,
     attention_backend: str = "auto",
+    batched: type[BatchedRunner] | None = None,
+    generic: Callable[[Any], Runner] = GenericRunner,
 ) -> Runner:
     """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
-    None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run)."""
+    None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run).
+    `batched` / `generic`: the runners' classes (a vision-language model's: slime.engines.
+    torch_engine.vision)."""
     if not fits_batched_runner(model):
         if attention_backend == "flash":
             raise ValueError(
@@ -107,8 +110,8 @@ def make_runner(
                 "per-sequence runner, whose attention is transformers'; use auto"
             )
         logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
-        return GenericRunner(model)
-    runner = BatchedRunner(
+        return generic(model)
+    runner = (batched or BatchedRunner)(
         model,
         max_running,
         context_length,
@@ -202,8 +205,8 @@ class BatchedRunner(Runner):
         None: the flash kernel where it runs (never in deterministic mode); False: padded keys."""
         self.model = model
         self.deterministic = deterministic
-        self.inner: Any = model.model
-        config = model.config
+        self.inner: Any = text_model(model)
+        config = model.config.get_text_config()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         # Hybrid models (Qwen3-Next, Qwen3.5): linear-attention layers keep per-row states of their
@@ -236,6 +239,9 @@ class BatchedRunner(Runner):
             values_in_keys=self.kind.value_dim,
         )
         self.active: list[Sequence] = []
+        self.rope_offsets: torch.Tensor | None = None
+        """Per row, what its rotary positions add to its token positions (a vision-language
+        prompt's multimodal rotary delta: slime.engines.torch_engine.vision); None: nothing."""
         on_cuda = self.device.type == "cuda"
         bucketed = on_cuda and not deterministic if bucket_shapes is None else bucket_shapes
         self.shapes = DecodeShapes(bucketed, max_running, context_length)
@@ -409,6 +415,7 @@ class BatchedRunner(Runner):
         """inputs [2, rows]: token ids and positions. No host synchronisation (CUDA-graph safe)."""
         rows = inputs.shape[1]
         ids, positions = inputs[0], inputs[1]
+        rotary = positions if self.rope_offsets is None else positions + self.rope_offsets[first_row:][:rows]
         cache, live = self.cache, self.live_keys
         if live is not None:
             live_rows = LiveRows.of(positions, first_row, cache.length)
@@ -427,7 +434,7 @@ class BatchedRunner(Runner):
 
         zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
         return self._forward(
-            ids[:, None], positions[:, None], attend, slice(first_row, first_row + rows), positions, zeros
+            ids[:, None], rotary[:, None], attend, slice(first_row, first_row + rows), positions, zeros
         )
 
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:

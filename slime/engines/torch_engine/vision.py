@@ -8,10 +8,12 @@ A request gives its images with either
 - `input_ids`: already expanded (what the processor gave the rollout): each image's run of pad
   tokens must have exactly that image's number of tokens, or the request is refused naming both.
 
-`VisionRunner` is the generic runner (one cache per sequence, the model's own forward) with the
-vision tower run once, at the prefill that first feeds the prompt, and the multimodal rotary
-positions (Qwen-VL's mrope) computed by the model's own `get_rope_index`: the positions of a
-sequence's later tokens follow from the offset saved then, so a decode step feeds no pixels.
+`BatchedVisionRunner` prefills each prompt with the model's own forward, the vision tower run
+once, and the multimodal rotary positions (Qwen-VL's mrope) computed by the model's own
+`get_rope_index`: the positions of a sequence's later tokens follow from the offset saved then, so
+a decode step feeds no pixels, and decode batches every row like a text model's.
+`VisionRunner` is the generic runner (one cache per sequence) with the same prefill, for a
+language model the batched runner does not know.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from slime.engines.protocol import GenerateRequest, ProtocolError
+from slime.engines.torch_engine.model_runner import BatchedRunner
 from slime.engines.torch_engine.runner import GenericRunner
 from slime.engines.torch_engine.sequence import Sequence
 from slime.utils.model_families import is_vision
@@ -149,15 +152,38 @@ class ImagePreparer:
             )
 
 
+def prompt_inputs(model: Any, seq: Sequence, ids: list[int], device: torch.device) -> dict[str, Any]:
+    """The model's inputs for the first feed of a sequence (its prompt): its pixels and the
+    model's own multimodal rotary positions (`get_rope_index`); the offset of its later tokens'
+    positions is saved in `seq.runner_state["rope_delta"]`."""
+    tokens = torch.tensor([ids], device=device)
+    image_token, video_token = (
+        int(model.config.image_token_id),
+        int(getattr(model.config, "video_token_id", -1)),
+    )
+    images: ImageInputs | None = seq.images
+    grid = images.image_grid_thw.to(device) if images is not None else None
+    token_types = (tokens == image_token).int() + 2 * (tokens == video_token).int()
+    positions, delta = model.model.get_rope_index(tokens, token_types, image_grid_thw=grid)
+    seq.runner_state["rope_delta"] = int(delta.reshape(-1)[0])
+    inputs = {"input_ids": tokens, "position_ids": positions}
+    if images is not None:
+        inputs.update(pixel_values=images.pixel_values.to(device, model.dtype), image_grid_thw=grid)
+    return inputs
+
+
+def images_of(seq: Sequence) -> int:
+    return int(seq.images.image_grid_thw.shape[0]) if seq.images is not None else 0
+
+
 class VisionRunner(GenericRunner):
-    """A vision-language model: the generic runner with pixels at prefill and mrope positions."""
+    """A vision-language model: the generic runner with pixels at prefill and mrope positions (for
+    a model whose language model the batched runner does not know)."""
 
     def __init__(self, model: Any):
         super().__init__(model)
         self.num_images_encoded = 0
         """Images through the vision tower since start (one per image of each request)."""
-        self.image_token_id = int(model.config.image_token_id)
-        self.video_token_id = int(getattr(model.config, "video_token_id", -1))
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "num_images_encoded": self.num_images_encoded}
@@ -165,22 +191,67 @@ class VisionRunner(GenericRunner):
     def _inputs(self, seq: Sequence, ids: list[int]) -> dict[str, Any]:
         """The first feed of a sequence (its prompt) gets its pixels and the model's rotary positions;
         later tokens continue from the offset saved then, with no pixels."""
-        tokens = torch.tensor([ids], device=self.device)
         if seq.num_cached:
             start = seq.num_cached + seq.runner_state["rope_delta"]
             positions = (
                 torch.arange(start, start + len(ids), device=self.device).view(1, 1, -1).expand(3, 1, -1)
             )
-            return {"input_ids": tokens, "position_ids": positions}
-        images: ImageInputs | None = seq.images
-        grid = images.image_grid_thw.to(self.device) if images is not None else None
-        token_types = (tokens == self.image_token_id).int() + 2 * (tokens == self.video_token_id).int()
-        positions, delta = self.model.model.get_rope_index(tokens, token_types, image_grid_thw=grid)
-        seq.runner_state["rope_delta"] = int(delta.reshape(-1)[0])
-        inputs = {"input_ids": tokens, "position_ids": positions}
-        if images is not None:
-            inputs.update(
-                pixel_values=images.pixel_values.to(self.device, self.model.dtype), image_grid_thw=grid
-            )
-            self.num_images_encoded += int(images.image_grid_thw.shape[0])
-        return inputs
+            return {"input_ids": torch.tensor([ids], device=self.device), "position_ids": positions}
+        self.num_images_encoded += images_of(seq)
+        return prompt_inputs(self.model, seq, ids, self.device)
+
+
+class BatchedVisionRunner(BatchedRunner):
+    """A vision-language model on the batched runner. Each prompt is prefilled alone by the model's
+    own forward (the vision tower once per image, the multimodal rotary positions, Qwen3-VL's
+    deepstack features), and what its cache then holds, each attention layer's keys and values
+    and a hybrid's linear-attention states, is copied into the sequence's rows. Decode steps batch
+    every row over the language model's layers; no image token is fed again, so each row's rotary
+    position is its token position plus its prompt's multimodal delta (`rope_offsets`)."""
+
+    def __init__(self, model: Any, max_running: int, context_length: int, *args: Any, **kwargs: Any):
+        super().__init__(model, max_running, context_length, *args, **kwargs)
+        self.rope_offsets = torch.zeros(self.shapes.rows(max_running), dtype=torch.long, device=self.device)
+        self.num_images_encoded = 0
+        """Images through the vision tower since start (one per image of each request)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "num_images_encoded": self.num_images_encoded}
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.cat([self._prefill_alone(s) for s in seqs])
+
+    def _prefill_alone(self, seq: Sequence) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        row, ids = len(self.active), seq.prompt_ids + seq.output_ids
+        rows = slice(row, row + 1)
+        self.cache.ensure(row + 1, len(ids))
+        if self.states is not None:
+            self.states.ensure(row + 1)
+        cache = DynamicCache(config=self.model.config)
+        inputs = prompt_inputs(self.model, seq, ids, self.device)
+        with self._lora([seq]):
+            logits = self.model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        self.num_images_encoded += images_of(seq)
+        layers: list[Any] = list(cache.layers)  # transformers' cache layers, attention or linear
+        for li, layer in enumerate(layers):
+            ci = self.cache_index.get(li)
+            if ci is not None:
+                self.cache.write_prefill(ci, rows, layer.keys, layer.values)
+            else:
+                assert self.states is not None
+                self.states.store(self.states.conv, li, rows, layer.conv_states[0])
+                self.states.store(self.states.recurrent, li, rows, layer.recurrent_states[0])
+        assert self.rope_offsets is not None
+        self.rope_offsets[row] = seq.runner_state["rope_delta"]
+        seq.num_cached = len(ids)
+        self.active.append(seq)
+        return logits
+
+    @torch.inference_mode()
+    def release(self, seq: Sequence) -> None:
+        assert self.rope_offsets is not None
+        self.rope_offsets[self.active.index(seq)] = self.rope_offsets[len(self.active) - 1]
+        super().release(seq)
