@@ -2,10 +2,10 @@
 
 Two runners share one interface (`prefill`, `decode`, `release`, `free_cache`):
 
-* `BatchedRunner`, for decoders of attention layers (grouped-query or multi-latent:
-  slime.engines.torch_engine.layers) and MLP or MoE layers (Llama, Qwen2, Qwen3, Qwen3-MoE,
-  Mistral without sliding window, GLM-4, GLM-4.5+, DeepSeek-V3, GLM-4.7-Flash): drives the
-  Hugging Face modules layer by layer with a slot KV cache. Running
+* `BatchedRunner`, for every family the registry (slime.utils.model_families) marks batched:
+  decoders of attention layers (grouped-query or multi-latent: slime.engines.torch_engine.layers)
+  or linear-attention layers (per-row states: slime.engines.torch_engine.linear_states), and MLP
+  or MoE layers; drives the Hugging Face modules layer by layer with a slot KV cache. Running
   sequences occupy rows [0, B) of the cache; a finished sequence's row is refilled by the last
   row, so decode attends over a view of the cache with no gather. Prefill pads new prompts to
   the longest and writes their keys/values straight into fresh rows.
@@ -208,7 +208,6 @@ class BatchedRunner(Runner):
         self.inner: Any = text_model(model)
         config = model.config.get_text_config()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         # Hybrid models (Qwen3-Next, Qwen3.5): linear-attention layers keep per-row states of their
         # own (slime.engines.torch_engine.linear_states); the KV cache holds the attention layers'.
         linear = [li for li, layer in enumerate(self.inner.layers) if hasattr(layer, "linear_attn")]
