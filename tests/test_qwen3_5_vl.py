@@ -5,6 +5,7 @@ transformers' own model, and the FSDP actor training it on padded rows."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 
@@ -341,16 +342,33 @@ def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
             text=TEXT,
             image_data=[url],
             return_logprob=True,
+            return_routed_experts=True,
             sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
         )
 
-    proc = start_engine(path, tmp_path)
+    proc = start_engine(path, tmp_path, "--enable-return-routed-experts")
     try:
         res = _run(proc.url, scenario)
     finally:
         assert proc.stop() in (0, -15)
+    chosen: dict[int, torch.Tensor] = {}
+    layers = model.model.language_model.layers
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
+        for li, layer in enumerate(layers)
+    ]
+    ref = _teacher_forced(model, processor, dot_images[2], res["output_ids"], 1.0)
+    for h in hooks:
+        h.remove()
     got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
-    assert (got - _teacher_forced(model, processor, dot_images[2], res["output_ids"], 1.0)).abs().max() < 1e-5
+    assert (got - ref).abs().max() < 1e-5
+    # The experts of every token but the last (prompt and image tokens included), as the model routes them
+    raw = base64.b64decode(res["meta_info"]["routed_experts"])
+    routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(
+        -1, len(layers), model.config.text_config.num_experts_per_tok
+    )
+    want = torch.stack([chosen[li] for li in range(len(layers))], dim=1).to(torch.int32)
+    assert routed.shape[0] == want.shape[0] - 1 and torch.equal(routed, want[:-1])
     result = run_ranks(1, run, path, True, False)[0]
     for i, ref in enumerate(_hf_log_probs(path, vision_batch(path))):
         assert (torch.as_tensor(result["log_probs"][i]) - ref).abs().max().item() < 1e-5, i

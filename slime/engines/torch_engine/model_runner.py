@@ -119,6 +119,8 @@ def make_runner(
         cuda_graph_max_bs=cuda_graph_max_bs,
         live_keys=False if attention_backend == "torch_native" else None,
     )
+    if attention_backend == "flash" and runner.kind.value_dim is not None:
+        raise ValueError("--attention-backend flash: multi-latent attention reads padded keys; use auto")
     if attention_backend == "flash" and runner.live_keys is None:
         raise ValueError(
             "--attention-backend flash needs CUDA, --dtype bfloat16 or float16, an Ampere or newer GPU, a "

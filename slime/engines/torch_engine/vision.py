@@ -232,8 +232,12 @@ class BatchedVisionRunner(BatchedRunner):
             self.states.ensure(row + 1)
         cache = DynamicCache(config=self.model.config)
         inputs = prompt_inputs(self.model, seq, ids, self.device)
+        self._routed = {} if seq.return_routed_experts else None  # (the router hooks record)
         with self._lora([seq]):
             logits = self.model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        if self._routed is not None:
+            seq.routed_experts = [self._routed_rows(1, len(ids))[0]]
+            self._routed = None
         self.num_images_encoded += images_of(seq)
         layers: list[Any] = list(cache.layers)  # transformers' cache layers, attention or linear
         for li, layer in enumerate(layers):
