@@ -10,6 +10,7 @@ import torch
 from slime.tools.tiny_families import NEW_FAMILIES
 from slime.utils.model_families import BATCHED, FAMILIES
 from tests.test_engine_generic import assert_serves_like_hf
+from tests.test_engine_moe import routed_by_layer
 
 # Hybrid linear attention, multi-latent attention (with sigmoid routing and the expert bias) and
 # GLM-4's layers on the batched runner in the default run; the others in the slow run.
@@ -183,21 +184,6 @@ def test_a_models_cache_survives_a_pause_and_a_push(family_models, tmp_path, arc
     assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-5
 
 
-def _hf_routing(model, tokens: list[int]) -> dict[int, torch.Tensor]:
-    """The experts each MoE layer of a teacher-forced Hugging Face forward routes `tokens` to."""
-    chosen: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
-        for li, layer in enumerate(model.model.layers)
-        if hasattr(getattr(layer.mlp, "gate", None), "top_k")
-    ]
-    with torch.no_grad():
-        model(torch.tensor([tokens]))
-    for h in hooks:
-        h.remove()
-    return chosen
-
-
 MOE = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
 
 
@@ -234,7 +220,8 @@ def test_the_batched_runner_reports_the_experts_each_family_routes_to(family_mod
         routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(
             len(tokens) - 1, len(layers), top_k
         )
-        chosen = _hf_routing(model, tokens[:-1])
+        with routed_by_layer(layers) as chosen, torch.no_grad():
+            model(torch.tensor([tokens[:-1]]))
         assert chosen, "no MoE layer"
         for li in range(len(layers)):
             want = chosen[li].to(torch.int32) if li in chosen else torch.zeros_like(routed[:, li])

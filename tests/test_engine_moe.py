@@ -4,6 +4,9 @@ forward of the whole sequence within the engine's bound, with several requests b
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -76,19 +79,27 @@ def test_weight_store_speaks_per_expert_checkpoint_names(moe_model, tmp_path):
     assert list(sums) == [experts[0]]
 
 
-def hf_routing(model, tokens: list[int]) -> torch.Tensor:
-    """The experts Hugging Face's forward routes each token of `tokens` to: [tokens, layers, top-k]."""
+@contextlib.contextmanager
+def routed_by_layer(layers) -> Iterator[dict[int, torch.Tensor]]:
+    """While open, each forward's top-k experts by decoder layer, for the layers with a router
+    (`mlp.gate` with a `top_k`), as Hugging Face's forward routes them: {layer: [tokens, k]}."""
     chosen: dict[int, torch.Tensor] = {}
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
-        for li, layer in enumerate(model.model.layers)
+        for li, layer in enumerate(layers)
+        if hasattr(getattr(layer.mlp, "gate", None), "top_k")
     ]
     try:
-        with torch.no_grad():
-            model(torch.tensor([tokens]))
+        yield chosen
     finally:
         for h in hooks:
             h.remove()
+
+
+def hf_routing(model, tokens: list[int]) -> torch.Tensor:
+    """The experts Hugging Face's forward routes each token of `tokens` to: [tokens, layers, top-k]."""
+    with routed_by_layer(model.model.layers) as chosen, torch.no_grad():
+        model(torch.tensor([tokens]))
     return torch.stack([chosen[li] for li in range(len(model.model.layers))], dim=1).to(torch.int32)
 
 

@@ -17,6 +17,7 @@ from slime.utils.model_families import FAMILIES, family, is_vision, packable
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
 from tests.conftest import make_model, start_engine
 from tests.dist_helpers import run_ranks
+from tests.test_engine_moe import routed_by_layer
 from tests.test_engine_vision import TEXT, _inputs, _run, _teacher_forced
 from tests.test_fsdp_vision import _hf_log_probs, run, vision_batch
 
@@ -351,15 +352,9 @@ def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
         res = _run(proc.url, scenario)
     finally:
         assert proc.stop() in (0, -15)
-    chosen: dict[int, torch.Tensor] = {}
     layers = model.model.language_model.layers
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: chosen.__setitem__(li, out[2]))
-        for li, layer in enumerate(layers)
-    ]
-    ref = _teacher_forced(model, processor, dot_images[2], res["output_ids"], 1.0)
-    for h in hooks:
-        h.remove()
+    with routed_by_layer(layers) as chosen:
+        ref = _teacher_forced(model, processor, dot_images[2], res["output_ids"], 1.0)
     got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
     assert (got - ref).abs().max() < 1e-5
     # The experts of every token but the last (prompt and image tokens included), as the model routes them

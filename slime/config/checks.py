@@ -96,16 +96,19 @@ def debug_checks(c: Config) -> Iterator[str]:
             "--debug-rollout-only / --debug-train-only never run"
         )
         return
-    for name in on[:2]:
-        if name == "--check-weight-sync" and c.train.lora.pushes_adapter:
-            continue  # the adapter's check is SGLang's own expected_checksums (slime.bridge.adapter)
-        if name != "--check-weight-update-equal" and c.cluster.rollout_backend == "sglang":
-            yield (
-                f"{name} needs engines that report what they wrote (the torch engine's slime extensions); "
-                "SGLang does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang "
-                "engines"
-            )
-            return
+    # The checks the engines answer themselves (the adapter push's is SGLang's own
+    # expected_checksums: slime.bridge.adapter).
+    adapter = c.train.lora.pushes_adapter
+    reported = [
+        n for n in on if n == "--debug-sync-parameters-path" or (n == "--check-weight-sync" and not adapter)
+    ]
+    if reported and c.cluster.rollout_backend == "sglang":
+        yield (
+            f"{reported[0]} needs engines that report what they wrote (the torch engine's slime extensions); "
+            "SGLang does not: use --check-weight-update-equal (SGLang's /weights_checker) with SGLang "
+            "engines"
+        )
+        return
     root = d.sync_parameters_path
     full = [p for p in ("before_sync_parameter", "after_sync_parameter") if root and _non_empty(root, p)]
     if full:

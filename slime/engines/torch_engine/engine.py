@@ -27,7 +27,8 @@ from slime.engines.protocol import GenerateRequest, ProtocolError
 from slime.engines.torch_engine.config import EngineConfig
 from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics, EngineTimeline
-from slime.engines.torch_engine.model_runner import BatchedRunner, input_log_probs, load_model, make_runner
+from slime.engines.torch_engine.model_runner import BatchedRunner, load_model, make_runner
+from slime.engines.torch_engine.prompt_logprobs import input_log_probs
 from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.runner import GenericRunner
 from slime.engines.torch_engine.sampling import sample

@@ -23,9 +23,8 @@ class LinearStates:
     """Convolution and recurrent states by decoder-layer index, [rows, ...] each, allocated at a
     layer's first state (its shape and dtype are the module's) and grown by doubling."""
 
-    def __init__(self, layers: list[int], max_rows: int, device: torch.device):
-        self.layers = layers
-        self.max_rows, self.device = max_rows, device
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
         self.rows = 0
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
@@ -56,9 +55,6 @@ class LinearStates:
     def free(self) -> None:
         self.conv, self.recurrent = {}, {}
         self.rows = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.conv.values(), *self.recurrent.values()])
 
     def of(self, rows: slice, prefill: bool) -> RowStates:
         return RowStates(self, rows, prefill)

@@ -130,58 +130,6 @@ def make_runner(
     return runner
 
 
-@torch.inference_mode()
-def input_log_probs(
-    model: Any,
-    prompts: list[list[int]],
-    starts: list[int],
-    temperatures: list[float],
-    max_tokens: int,
-    one_by_one: bool = False,
-    adapters: Any = None,
-    loras: list[Any] | None = None,
-) -> list[list[float | None]]:
-    """Each prompt's input-token log-probs from position `starts[i]` on, in SGLang's layout: the
-    first entry is None whatever the start (SGLang reports no value there), then log
-    softmax(logits / temperature) of each later token given the tokens before it (plain log
-    softmax at temperature 0, like the sampled tokens'). A teacher-forced forward of whole prompts, apart
-    from the KV cache; prompts are right-padded into batches of at most `max_tokens` padded tokens
-    (`one_by_one`: each alone, for batch invariance). Causal attention keeps right padding out of
-    the real positions. `adapters` / `loras`: the served LoRA adapters and each prompt's (or None)."""
-    device = next(model.parameters()).device
-    out: list[list[float | None]] = [[] for _ in prompts]
-    batch: list[int] = []
-
-    def run(rows: list[int]) -> None:
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            ids[r, : len(prompts[i])] = torch.tensor(prompts[i], device=device)
-            mask[r, : len(prompts[i])] = 1
-        with lora_rows(adapters, [loras[i] for i in rows] if loras else []):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        for r, i in enumerate(rows):
-            first = starts[i] + 1
-            # position t's token is predicted by position t - 1's logits
-            pred = logits[r, first - 1 : len(prompts[i]) - 1].float()
-            if temperatures[i] > 0:
-                pred = pred / temperatures[i]
-            target = torch.tensor(prompts[i][first:], device=device)
-            values = torch.log_softmax(pred, dim=-1).gather(-1, target[:, None])[:, 0]
-            out[i] = [None, *values.cpu().tolist()]
-
-    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        width = len(prompts[i])  # sorted: the newest is the longest
-        if batch and (one_by_one or width * (len(batch) + 1) > max_tokens):
-            run(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        run(batch)
-    return out
-
-
 class BatchedRunner(Runner):
     """Continuous-batching runner for the decoder stacks of the module docstring.
 
@@ -215,7 +163,7 @@ class BatchedRunner(Runner):
         linear = [li for li, layer in enumerate(self.inner.layers) if hasattr(layer, "linear_attn")]
         attention = [li for li in range(len(self.inner.layers)) if li not in linear]
         self.cache_index = {li: i for i, li in enumerate(attention)}
-        self.states = LinearStates(linear, max_running, next(model.parameters()).device) if linear else None
+        self.states = LinearStates(max_running) if linear else None
         first_attn = self.inner.layers[attention[0]].self_attn
         self.head_dim = getattr(first_attn, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = getattr(first_attn, "scaling", self.head_dim**-0.5)
@@ -241,8 +189,7 @@ class BatchedRunner(Runner):
         )
         self.active: list[Sequence] = []
         self.rope_offsets: torch.Tensor | None = None
-        """Per row, what its rotary positions add to its token positions (a vision-language
-        prompt's multimodal rotary delta: slime.engines.torch_engine.vision); None: nothing."""
+        """Per row, what its rotary positions add to its token positions (a vision prompt's delta)."""
         on_cuda = self.device.type == "cuda"
         bucketed = on_cuda and not deterministic if bucket_shapes is None else bucket_shapes
         self.shapes = DecodeShapes(bucketed, max_running, context_length)
@@ -271,6 +218,24 @@ class BatchedRunner(Runner):
                 self._routed[li] = output[2]  # the top-k expert indices, [tokens, k]
 
         return hook
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """Room in the KV cache (and a hybrid's linear-attention states) for `rows` x `length`."""
+        self.cache.ensure(rows, length)
+        if self.states is not None:
+            self.states.ensure(rows)
+
+    def _record(self, seqs: list[Sequence]) -> None:
+        """The next forward records the routing when one of `seqs` asks for its experts."""
+        self._routed = {} if any(s.return_routed_experts for s in seqs) else None
+
+    def _keep_routed(self, seqs: list[Sequence], lengths: list[int], T: int) -> None:
+        """After a prefill that recorded routing: each sequence that asked keeps its tokens' experts."""
+        if self._routed is None:
+            return
+        for s, row, n in zip(seqs, self._routed_rows(len(seqs), T), lengths):
+            s.routed_experts = [row[:n]] if s.return_routed_experts else []
+        self._routed = None
 
     def _routed_rows(self, B: int, T: int) -> torch.Tensor:
         """What the routers chose in the last forward: [B, T, layers, top-k] int32 (dense layers 0)."""
@@ -328,17 +293,14 @@ class BatchedRunner(Runner):
         start = len(self.active)
         lengths = [s.num_tokens for s in seqs]
         T = max(lengths)
-        self.cache.ensure(start + len(seqs), T)
-        if self.states is not None:
-            self.states.ensure(start + len(seqs))
+        self._reserve(start + len(seqs), T)
         host = torch.zeros((len(seqs), T + 1), dtype=torch.long)  # each row: its ids, then its length
         for i, s in enumerate(seqs):
             host[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.output_ids)
             host[i, T] = lengths[i]
         uploaded = transfer.to_device(host, self.device)
         ids, lens = uploaded[:, :T], uploaded[:, T]
-        record = any(s.return_routed_experts for s in seqs)
-        self._routed = {} if record else None
+        self._record(seqs)
         pos = torch.arange(T, device=self.device)
         if self.device.type == "cuda":  # causal alone keeps right padding out of real positions
             attend = functools.partial(prefill_attention_cuda, scale=self.scaling)
@@ -349,11 +311,7 @@ class BatchedRunner(Runner):
             logits = self._forward(
                 ids, pos[None].expand(len(seqs), T), attend, slice(start, start + len(seqs)), None, lens - 1
             )
-        if record:
-            routed = self._routed_rows(len(seqs), T)
-            for s, row, n in zip(seqs, routed, lengths):
-                s.routed_experts = [row[:n]] if s.return_routed_experts else []
-            self._routed = None
+        self._keep_routed(seqs, lengths, T)
         for s, n in zip(seqs, lengths):
             s.num_cached = n
         self.active.extend(seqs)
@@ -363,9 +321,7 @@ class BatchedRunner(Runner):
     def decode(self, tokens_from: TokenSource | None = None) -> tuple[list[Sequence], torch.Tensor]:
         seqs = list(self.active)
         longest = max(s.num_cached for s in seqs) + 1
-        self.cache.ensure(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
-        if self.states is not None:
-            self.states.ensure(self.shapes.rows(len(seqs)))
+        self._reserve(self.shapes.rows(len(seqs)), self.shapes.keys(longest))
         if self.deterministic:
             assert tokens_from is None, "deterministic decoding does not overlap"
             logits = torch.cat([self._decode(seqs[i : i + 1], i) for i in range(len(seqs))])
@@ -397,8 +353,8 @@ class BatchedRunner(Runner):
             inputs = torch.stack((tokens_from[0].index_select(0, inputs[0]), inputs[1]))
         if self.shapes.bucketed:  # exact shapes would grow this without bound
             self.decode_shapes[(rows, key_len)] += 1
-        record = any(s.return_routed_experts for s in seqs)
-        self._routed = {} if record else None
+        self._record(seqs)
+        record = self._routed is not None
         if self._graph_ready(seqs, first_row, record):
             assert self.graphs is not None
             logits = self.graphs.run(inputs, key_len)
@@ -461,6 +417,8 @@ class BatchedRunner(Runner):
             self.cache.move_row(last, row, moved.num_cached)
             if self.states is not None:
                 self.states.move_row(last, row)
+            if self.rope_offsets is not None:
+                self.rope_offsets[row] = self.rope_offsets[last]
             self.active[row] = moved
         self.active.pop()
 
@@ -473,10 +431,7 @@ class BatchedRunner(Runner):
 
     def reset(self) -> None:
         self.active.clear()
-        self.forget_graphs()
-        self.cache.free()
-        if self.states is not None:
-            self.states.free()
+        self.free_cache()
 
     def forget_graphs(self) -> None:
         if self.graphs is not None:

@@ -211,7 +211,9 @@ class BatchedVisionRunner(BatchedRunner):
 
     def __init__(self, model: Any, max_running: int, context_length: int, *args: Any, **kwargs: Any):
         super().__init__(model, max_running, context_length, *args, **kwargs)
-        self.rope_offsets = torch.zeros(self.shapes.rows(max_running), dtype=torch.long, device=self.device)
+        self.rope_offsets: torch.Tensor = torch.zeros(
+            self.shapes.rows(max_running), dtype=torch.long, device=self.device
+        )
         self.num_images_encoded = 0
         """Images through the vision tower since start (one per image of each request)."""
 
@@ -227,17 +229,13 @@ class BatchedVisionRunner(BatchedRunner):
 
         row, ids = len(self.active), seq.prompt_ids + seq.output_ids
         rows = slice(row, row + 1)
-        self.cache.ensure(row + 1, len(ids))
-        if self.states is not None:
-            self.states.ensure(row + 1)
+        self._reserve(row + 1, len(ids))
         cache = DynamicCache(config=self.model.config)
         inputs = prompt_inputs(self.model, seq, ids, self.device)
-        self._routed = {} if seq.return_routed_experts else None  # (the router hooks record)
+        self._record([seq])
         with self._lora([seq]):
             logits = self.model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1].float()
-        if self._routed is not None:
-            seq.routed_experts = [self._routed_rows(1, len(ids))[0]]
-            self._routed = None
+        self._keep_routed([seq], [len(ids)], len(ids))
         self.num_images_encoded += images_of(seq)
         layers: list[Any] = list(cache.layers)  # transformers' cache layers, attention or linear
         for li, layer in enumerate(layers):
@@ -248,14 +246,7 @@ class BatchedVisionRunner(BatchedRunner):
                 assert self.states is not None
                 self.states.store(self.states.conv, li, rows, layer.conv_states[0])
                 self.states.store(self.states.recurrent, li, rows, layer.recurrent_states[0])
-        assert self.rope_offsets is not None
         self.rope_offsets[row] = seq.runner_state["rope_delta"]
         seq.num_cached = len(ids)
         self.active.append(seq)
         return logits
-
-    @torch.inference_mode()
-    def release(self, seq: Sequence) -> None:
-        assert self.rope_offsets is not None
-        self.rope_offsets[self.active.index(seq)] = self.rope_offsets[len(self.active) - 1]
-        super().release(seq)
