@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -301,3 +302,22 @@ def test_a_dump_keeps_images_as_pixels_and_loads_with_weights_only(tiny_vlm, dot
         ).multimodal_train_inputs
         is None
     )
+
+
+def test_a_sample_keeps_image_references_as_given_and_they_are_checked_where_used(tiny_vlm, tmp_path):
+    """A dump written where the images are must load where they are not (a replay, an inspection):
+    references are serialized as they are, and the processor names the missing one when used."""
+    from slime.rollout.dump import load_dump, save_dump
+    from slime.utils.processing_utils import prompt_images
+    from slime.utils.sample import Sample
+
+    missing = str(tmp_path / "elsewhere.png")
+    refs = {"images": ["some_url", missing, b"raw bytes"]}
+    sample = Sample(prompt="p", tokens=[1, 2], response_length=1, reward=0.0, multimodal_inputs=refs)
+    assert Sample.from_dict(sample.to_dict()).multimodal_inputs == refs
+    path = save_dump(str(tmp_path / "r{rollout_id}.pt"), 0, [sample.to_dict()], {})
+    back = Sample.from_dict(load_dump(path)["samples"][0])  # weights_only=True
+    assert back.multimodal_inputs == refs
+    processor = processing_utils.load_processor(tiny_vlm)
+    with pytest.raises(ImageError, match=re.escape(f"image file {missing!r} does not exist")):
+        prompt_images(processor, back.multimodal_inputs["images"][1:2])

@@ -45,17 +45,21 @@ def int32_meta_array(meta_info: dict[str, Any], keys: str | Iterable[str]) -> An
 
 
 def _images_as(inputs: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
-    """`multimodal_inputs` with its images as uint8 pixel tensors [H, W, 3] (`kind` "tensor": what a
-    dump keeps, read with weights_only=True) or as RGB PIL images ("image": what a sample holds)."""
+    """`multimodal_inputs` with its decoded images as uint8 pixel tensors [H, W, 3] (`kind`
+    "tensor": what a dump keeps, read with weights_only=True) or as RGB PIL images ("image": what a
+    sample holds). A reference (a path, URL, base64 text, bytes) is kept as given, as slime does: a
+    dump must load where the images are not; the engine request and the processor check them."""
     if not inputs or not inputs.get("images"):
         return inputs
+    from PIL import Image
+
     from slime.utils.processing_utils import image_to_tensor, tensor_to_image
 
     def convert(image: Any) -> Any:
-        is_tensor = hasattr(image, "numpy") and getattr(image, "dim", lambda: 0)() == 3
         if kind == "tensor":
-            return image if is_tensor else image_to_tensor(image)
-        return tensor_to_image(image) if is_tensor else image
+            return image_to_tensor(image) if isinstance(image, Image.Image) else image
+        is_pixels = hasattr(image, "numpy") and getattr(image, "dim", lambda: 0)() == 3
+        return tensor_to_image(image) if is_pixels else image
 
     return {**inputs, "images": [convert(image) for image in inputs["images"]]}
 
