@@ -429,6 +429,33 @@ def test_the_megatron_actor_trains_each_family_like_fsdp(models, arch, tp, ep, w
         assert torch.equal(ranks[0]["weights"][name], hf[name]) and hf[name].abs().sum() > 0
 
 
+REPLAY_CASES = [
+    ("glm4_moe", "r3", 2),  # sigmoid routers with an expert bias and two groups, EP 2
+    pytest.param("deepseek_v3", "r2_aux", 2, marks=pytest.mark.slow),
+    pytest.param("glm4_moe_lite", "r3", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", "r2_aux", 2, marks=pytest.mark.slow),  # softmax, a gated shared expert
+    pytest.param("qwen3_5_moe", "r3", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("arch, options, ep", REPLAY_CASES)
+def test_routing_replay_trains_each_moe_family_like_fsdp(models, arch, options, ep):
+    """Routing replay (R3: tables unlike the model's own routing; R2 with the aux loss) on the
+    sigmoid-routed and hybrid families: the Megatron actor gives the FSDP rank's log-probs, step
+    metrics and weights (the FSDP actor's replay against Hugging Face's forced forward:
+    tests/test_routing_families.py). One sample per micro-batch: the aux loss balances each
+    micro-batch as a whole."""
+    from tests.test_megatron_actor import assert_trains_like
+    from tests.test_megatron_moe_actor import R2_AUX, R3, moe_run
+
+    moe = R2_AUX if options == "r2_aux" else R3
+    fsdp = run_ranks(1, moe_run, models[arch], "fsdp", 1, 1, 1, 1, None, moe)[0]
+    ranks = run_ranks(ep, moe_run, models[arch], "megatron", 1, 1, ep, 1, None, moe)
+    assert_trains_like(fsdp, ranks)
+    if options == "r2_aux":
+        assert all(s["moe_aux_loss"] > 0 for o in ranks[0]["outputs"] for s in o.steps)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, ep", [("qwen3_5", 1), ("qwen3_5_moe", 2)])
 def test_context_parallel_runs_the_delta_nets_on_whole_sequences(models, arch, ep):

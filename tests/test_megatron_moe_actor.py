@@ -18,16 +18,28 @@ from tests.test_fsdp_actor import base_config, make_batch
 from tests.test_megatron_actor import ROLLOUTS, assert_trains_like, exported
 
 
-def routed_batch(seed: int, r3: bool = False):
-    """make_batch(seed); with `r3`, engine routing tables too: for each token, two distinct
-    experts of the tiny MoE's four in each of its two layers, drawn at random (not the routing
-    the model would choose, so replaying them changes the log-probs)."""
+def routed_batch(seed: int, r3: bool = False, shape: tuple[int, int, int] = (2, 4, 2)):
+    """make_batch(seed); with `r3`, engine routing tables too: for each token and each of the
+    model's layers, k distinct experts of its E (`shape`: layers, E, k; the tiny MoE's two
+    layers, four experts, two per token) drawn at random (not the routing the model would choose,
+    so replaying them changes the log-probs)."""
     batch = make_batch(seed)
     if not r3:
         return batch
+    layers, experts, k = shape
     g = torch.Generator().manual_seed(100 + seed)
-    tables = [torch.rand(len(t) - 1, 2, 4, generator=g).argsort(-1)[..., :2].int() for t in batch.tokens]
+    tables = [
+        torch.rand(len(t) - 1, layers, experts, generator=g).argsort(-1)[..., :k].int() for t in batch.tokens
+    ]
     return dataclasses.replace(batch, rollout_routed_experts=tables)
+
+
+def routing_shape(model: str) -> tuple[int, int, int]:
+    """The checkpoint's (layers, experts, experts per token)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model)
+    return c.num_hidden_layers, getattr(c, "num_experts", None) or c.n_routed_experts, c.num_experts_per_tok
 
 
 def moe_run(
@@ -70,11 +82,12 @@ def moe_run(
     actor = make_train_actor(cfg, rank, world_size, init_method)
     info = actor.init()
     r3 = bool(moe and moe.get("use_rollout_routing_replay"))
-    result = {"info": info, "lp": actor.compute_log_probs(routed_batch(0, r3)), "outputs": []}
+    shape = routing_shape(model) if r3 else (0, 0, 0)
+    result = {"info": info, "lp": actor.compute_log_probs(routed_batch(0, r3, shape)), "outputs": []}
     for r in range(ROLLOUTS):
-        result["outputs"].append(actor.train(r, routed_batch(r, r3)))
+        result["outputs"].append(actor.train(r, routed_batch(r, r3, shape)))
         if r == 0:
-            result["probe"] = actor.compute_log_probs(routed_batch(7, r3))
+            result["probe"] = actor.compute_log_probs(routed_batch(7, r3, shape))
             if save_dir:
                 actor.save(r, save_dir)
                 result["saved"] = exported(actor)

@@ -136,18 +136,12 @@ def test_docs_models_table_is_the_registry():
 
 
 def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys):
-    """LoRA and the router hooks (R3, R2, the aux loss) are not built for the new families yet:
-    their flags exit 2 naming the family, before anything starts."""
+    """LoRA is not built for the new MoE families yet: its flags exit 2 naming the family, before
+    anything starts (as PPO's FSDP critic for a model transformers has no token classifier of)."""
     from tests.test_flag_surface import base, error
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    glm = family_models["glm4_moe"]
-    err = error(capsys, base(glm, str(prompts), "--use-rollout-routing-replay"))
-    assert "--use-rollout-routing-replay: routing replay is not built for " in err
-    assert "'glm4_moe'" in err
-    err = error(capsys, base(family_models["qwen3_next"], str(prompts), "--moe-aux-loss-coeff", "0.01"))
-    assert "--moe-aux-loss-coeff: routing replay" in err and "'qwen3_next'" in err
     err = error(
         capsys,
         base(
@@ -155,17 +149,6 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
         ),
     )
     assert "--lora-rank 4: LoRA is not built for model_type 'deepseek_v3'" in err
-    err = error(
-        capsys, base(glm, str(prompts), "--train-backend", "megatron", "--use-rollout-routing-replay")
-    )
-    assert "--use-rollout-routing-replay: routing replay" in err and "'glm4_moe'" in err
-    err = error(
-        capsys,
-        base(
-            family_models["qwen3_5_moe"], str(prompts), "--train-backend", "megatron", "--use-routing-replay"
-        ),
-    )
-    assert "--use-routing-replay: routing replay" in err and "'qwen3_5_moe_text'" in err
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
     assert "'qwen3_5_text': a value model (PPO's critic) of this model is not built with FSDP" in err
@@ -460,14 +443,13 @@ def test_a_released_qwen3_5_checkpoint_is_the_vision_language_family():
             megatron_refusal(released) or ""
         )
         assert megatron_refusal(text) is None
-    assert refusal("qwen3_5_moe", "router_hooks") and refusal("qwen3_5_moe", "lora")
+    assert refusal("qwen3_5_moe", "router_hooks") is None and refusal("qwen3_5_moe", "lora")
     assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
 
 
 def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
-    """--moe-router-dtype fp32 with DeepSeek-V3 (which routes in float32 by itself) changes nothing
-    (its router hooks only read scores, for the load-balancing losses): the trained model's
-    log-probs stay Hugging Face's."""
+    """--moe-router-dtype fp32 with DeepSeek-V3 (which routes in float32 by itself) changes nothing:
+    the trained model's log-probs stay Hugging Face's."""
     import dataclasses
 
     from tests.test_fsdp_actor import base_config, make_batch
@@ -476,7 +458,7 @@ def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
     cfg = base_config(path)
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_router_dtype="fp32"))
     result = run_ranks(1, _log_probs, cfg)[0]
-    assert result["routing"] == "sigmoid"
+    assert result["routing"] == (True, None)  # sigmoid routers, left to route in their own float32
     from transformers import AutoModelForCausalLM
 
     from tests.test_engine_server import teacher_forced_logprobs
@@ -486,9 +468,6 @@ def test_fp32_routing_flags_leave_a_sigmoid_routers_logits_alone(family_models):
     for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
         ref = teacher_forced_logprobs(hf, tokens[:-n], tokens[-n:], 1.0)
         assert (torch.tensor(result["log_probs"][i]) - ref).abs().max() < 1e-5, i
-    bad = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, use_routing_replay=True))
-    with pytest.raises(Exception, match="--use-routing-replay: routing replay is not built"):
-        run_ranks(1, _log_probs, bad)
 
 
 def _log_probs(rank, world_size, init_method, cfg):
@@ -497,7 +476,7 @@ def _log_probs(rank, world_size, init_method, cfg):
 
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
-    routing = actor.backend.routing and actor.backend.routing.score_function
+    routing = actor.backend.routing and (actor.backend.routing.sigmoid, actor.backend.routing.dtype)
     out = {"routing": routing, "log_probs": actor.compute_log_probs(make_batch(0))}
     actor.close()
     return out

@@ -131,11 +131,11 @@ def test_the_megatron_actor_balances_sigmoid_routers_like_fsdp(moe_models, arch,
     assert all(s["moe_aux_loss"] > 0 for o in ranks[0]["outputs"] for s in o.steps)
 
 
-def test_balancing_flags_with_the_sigmoid_families(moe_models, tmp_path, capsys):
-    """seq_aux_loss with a coefficient parses for DeepSeek-V3 with either backend; routing replay
-    stays refused by name for it."""
+def test_balancing_flags_with_the_sigmoid_families(moe_models, tmp_path):
+    """seq_aux_loss with a coefficient parses for DeepSeek-V3 with either backend, and so do routing
+    replay and the float64 router."""
     from slime.ray.cli import parse_args
-    from tests.test_flag_surface import base, error
+    from tests.test_flag_surface import base
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
@@ -154,10 +154,9 @@ def test_balancing_flags_with_the_sigmoid_families(moe_models, tmp_path, capsys)
             )
         )
         assert cfg.train.moe.per_sequence and cfg.train.moe.aux_loss_coeff == 0.01
-        err = error(
-            capsys, base(path, str(prompts), "--train-backend", backend, "--use-rollout-routing-replay")
-        )
-        assert "--use-rollout-routing-replay: routing replay" in err and "'deepseek_v3'" in err
+        flags = ("--use-rollout-routing-replay", "--moe-router-dtype", "fp64")
+        cfg = parse_args(base(path, str(prompts), "--train-backend", backend, *flags))
+        assert cfg.train.moe.use_rollout_routing_replay and cfg.train.moe.moe_router_dtype == "fp64"
 
 
 def _mtp_router_step(rank, world_size, init_method, path, coeff):

@@ -40,6 +40,35 @@ def choose(
     return top, experts
 
 
+def sigmoid_weights(
+    logits: torch.Tensor, experts: torch.Tensor, normalize: bool, scale: float
+) -> torch.Tensor:
+    """A sigmoid router's weights (DeepSeek-V3, GLM-4.5+) of `experts` [T, k], chosen by it or
+    replayed: their sigmoid scores (the expert bias only chooses, it does not weigh), renormalised
+    over the k (+1e-20) when the model does, times its routed scaling factor; the weights
+    transformers' and megatron-core's routers give those experts."""
+    top = torch.sigmoid(logits.float()).type_as(logits).gather(1, experts)
+    if normalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * scale
+
+
+def group_limited_topk(
+    scores: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, group_top: int
+) -> torch.Tensor:
+    """The experts [T, k] a sigmoid router with an expert bias and groups routes to, as
+    transformers' DeepSeek-V3 router chooses them: the `group_top` groups whose two best biased
+    scores sum highest, then the top k biased scores within them (for --moe-router-dtype fp64,
+    which recomputes the choice)."""
+    choice = scores + bias.to(scores.dtype)
+    tokens, num_experts = choice.shape
+    per_group = choice.view(tokens, groups, num_experts // groups)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(group_top, dim=-1).indices, 1.0)
+    mask = kept.bool().unsqueeze(-1).expand(tokens, groups, num_experts // groups).reshape(tokens, -1)
+    return choice.masked_fill(~mask, float("-inf")).topk(top_k, dim=-1).indices
+
+
 def load_balancing_loss(
     probs: torch.Tensor, routed: torch.Tensor, top_k: int, group: Any = None
 ) -> torch.Tensor:

@@ -280,18 +280,14 @@ def moe_flag_problems(ns: argparse.Namespace) -> list[str]:
     text = config.get_text_config()  # a vision-language model's experts are its language model's
     experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
     why = refusal(config.model_type, "router_hooks") if experts else None
-    if (
-        experts and not why and not getattr(text, "num_experts", None)
-    ):  # a family not listed, routed otherwise
+    if experts and family(config.model_type) is None and not getattr(text, "num_experts", None):
+        # a family not listed, routed otherwise than the Qwen MoE families' routers
         why = (
             f"routing replay and the router's aux loss are not built for model_type {config.model_type!r} yet"
         )
     if why:
         hooked = options.needs_router_hooks(
-            router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype),
-            # (a family not listed routes otherwise: nothing is built for it)
-            aux_built=family(config.model_type) is not None
-            and refusal(config.model_type, "aux_loss") is None,
+            router_fp32=routes_in_fp32(config.model_type, ns.fsdp_param_dtype)
         )
         return [f"{hooked}: {why}"] if hooked else []
     if not experts or not getattr(text, "num_experts_per_tok", None):

@@ -60,13 +60,12 @@ class MoEOptions:
         """The first flag given that only a mixture-of-experts model can honour (None: none)."""
         return self.needs_router_hooks(router_fp32=False)
 
-    def needs_router_hooks(self, router_fp32: bool, aux_built: bool = False) -> str | None:
+    def needs_router_hooks(self, router_fp32: bool) -> str | None:
         """The first flag given that the train backends honour by hooking the routers (None:
         none); `router_fp32`: the model routes in float32 by itself, so --moe-router-dtype fp32
-        needs nothing; `aux_built`: the load-balancing loss is built for the model without the
-        other hooks (slime.utils.model_families: `aux_loss`)."""
+        needs nothing."""
         for name, on in (
-            ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0 and not aux_built),
+            ("--moe-aux-loss-coeff", self.aux_loss_coeff > 0),
             ("--moe-router-dtype", self.moe_router_dtype not in (None, *(("fp32",) if router_fp32 else ()))),
             ("--use-routing-replay", self.use_routing_replay),
             ("--use-rollout-routing-replay", self.use_rollout_routing_replay),

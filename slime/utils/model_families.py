@@ -30,13 +30,9 @@ class Family:
     megatron_scope: str = ""
     """What of a built family the Megatron backend takes (none: all of it), for the table."""
     router_hooks: bool = False
-    """The train backends hook the routers (mixture-of-experts families): --use-routing-replay,
-    --use-rollout-routing-replay, --moe-aux-loss-coeff and --moe-router-dtype act; without them
-    those flags are refused."""
-    aux_loss: bool = False
-    """The load-balancing losses (--moe-aux-loss-coeff with --moe-router-load-balancing-type
-    aux_loss or seq_aux_loss) act without the other router hooks: the routers' scores are read,
-    their routing is left as the model computes it (sigmoid routers with a bias and groups)."""
+    """The train backends hook the routers (mixture-of-experts families, softmax and sigmoid
+    routers alike): --use-routing-replay, --use-rollout-routing-replay, --moe-aux-loss-coeff and
+    --moe-router-dtype act; without them those flags are refused."""
     lora: bool = True
     """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused.
     A vision-language model's adapters are its language model's (the vision tower gets none)."""
@@ -118,7 +114,7 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             bias_on_qkv_only=True,
             expert_bias=True,
-            aux_loss=True,
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -129,7 +125,7 @@ FAMILIES: dict[str, Family] = {
             "DeepSeek-V3 / R1, Kimi-K2, Moonlight",
             BATCHED,
             expert_bias=True,
-            aux_loss=True,
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -140,7 +136,7 @@ FAMILIES: dict[str, Family] = {
             "GLM-4.7-Flash (30B-A3B)",
             BATCHED,
             expert_bias=True,
-            aux_loss=True,
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             router_fp32=True,
@@ -150,6 +146,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_next",
             "Qwen3-Next-80B-A3B",
             BATCHED,
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             hybrid=True,
@@ -171,6 +168,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_moe",
             "Qwen3.5 MoE, its text model",
             BATCHED,
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             hybrid=True,
@@ -205,6 +203,7 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             megatron=VISION_ON_FSDP
             + "; its text model (`qwen3_5_moe_text`, slime.tools.text_model) is built",
+            router_hooks=True,
             lora=False,
             fused_experts=True,
             hybrid=True,
@@ -259,13 +258,12 @@ def packable(model_type: str | None, backend: str = "fsdp") -> bool:
 
 
 def refusal(model_type: str | None, feature: str) -> str | None:
-    """Why `feature` ("router_hooks", "aux_loss", "lora") is refused for `model_type` (None: it is built, or
-    the family is unknown and the feature's own checks decide)."""
+    """Why `feature` ("router_hooks", "lora") is refused for `model_type` (None: it is built, or the
+    family is unknown and the feature's own checks decide)."""
     f = family(model_type)
-    if f is None or getattr(f, feature) or (feature == "aux_loss" and f.router_hooks):
+    if f is None or getattr(f, feature):
         return None
-    hooks = "routing replay is" if f.aux_loss else "routing replay and the router's aux loss are"
-    what = {"router_hooks": hooks, "lora": "LoRA is", "aux_loss": "the router's aux loss is"}[feature]
+    what = {"router_hooks": "routing replay and the router's aux loss are", "lora": "LoRA is"}[feature]
     return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
 
 
@@ -305,15 +303,14 @@ def models_table() -> str:
     yes = {True: "yes", False: "no"}
     lines = [
         "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and "
-        "conversion | routing replay | aux loss | LoRA |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "conversion | routing replay, aux loss | LoRA |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES.values():
         lines.append(
             f"| `{f.model_type}` | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
-            f"{megatron_cell(f)} | {yes[f.router_hooks]} | "
-            f"{yes[f.router_hooks or f.aux_loss]} | {yes[f.lora]} |"
+            f"{megatron_cell(f)} | {yes[f.router_hooks]} | {yes[f.lora]} |"
         )
     return "\n".join(lines) + "\n"
 

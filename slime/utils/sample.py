@@ -45,10 +45,9 @@ def int32_meta_array(meta_info: dict[str, Any], keys: str | Iterable[str]) -> An
 
 
 def _images_as(inputs: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
-    """`multimodal_inputs` with its decoded images as uint8 pixel tensors [H, W, 3] (`kind`
-    "tensor": what a dump keeps, read with weights_only=True) or as RGB PIL images ("image": what a
-    sample holds). A reference (a path, URL, base64 text, bytes) is kept as given, as slime does: a
-    dump must load where the images are not; the engine request and the processor check them."""
+    """`multimodal_inputs` with its decoded images as uint8 pixel tensors [H, W, 3] (`kind` "tensor":
+    a dump's, read with weights_only=True) or RGB PIL images ("image": a sample's). A reference (a
+    path, URL, base64, bytes) stays as given, as in slime: a dump loads where the images are not."""
     if not inputs or not inputs.get("images"):
         return inputs
     from PIL import Image

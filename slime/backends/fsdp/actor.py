@@ -192,20 +192,6 @@ class FSDPBackend:
         """The router hooks of a mixture-of-experts model (slime.backends.fsdp.moe); a MoE flag
         with a dense model is refused by name."""
         layers = model_init.decoder_layers(self.model)
-        model_type = self.hf_config.model_type
-        why = model_families.refusal(model_type, "router_hooks")
-        if why and hf_experts.find_routers(layers):
-            # The family routes otherwise than the hooks do (sigmoid scores, a bias, groups): its
-            # modeling routes, untouched; a flag that needs the hooks is refused (at parse time too),
-            # except the load-balancing loss where it is built (its scores read, the routing kept).
-            fp32 = model_families.routes_in_fp32(model_type, self.cfg.fsdp.param_dtype)
-            aux = model_families.refusal(model_type, "aux_loss") is None
-            flag = self.cfg.moe.needs_router_hooks(router_fp32=fp32, aux_built=aux)
-            if flag:
-                raise hf_checkpoint.CheckpointError(f"{flag}: {why}")
-            if not aux:
-                return None
-            return moe.Routing(layers, None, True, score_function="sigmoid")
         if not hf_experts.find_routers(layers):
             flag = self.cfg.moe.needs_moe
             if flag:
@@ -214,10 +200,14 @@ class FSDPBackend:
                     f"({self.hf_config.model_type}) has no routed experts"
                 )
             return None
-        opts = self.cfg.moe
-        return moe.Routing(
-            layers, opts.moe_router_dtype, bool(getattr(self.hf_config, "norm_topk_prob", False))
-        )
+        why = model_families.refusal(self.hf_config.model_type, "router_hooks")
+        if why:  # a family whose routers the hooks do not follow (refused at parse time too)
+            fp32 = model_families.routes_in_fp32(self.hf_config.model_type, self.cfg.fsdp.param_dtype)
+            flag = self.cfg.moe.needs_router_hooks(router_fp32=fp32)
+            if flag:
+                raise hf_checkpoint.CheckpointError(f"{flag}: {why}")
+            return None
+        return moe.Routing(layers, self.cfg.moe.moe_router_dtype)
 
     def _install_bias_counts(self) -> TokenCounts | None:
         """--moe-router-bias-update-rate > 0: count each router's real training tokens per expert

@@ -15,9 +15,11 @@ needs another one, and leaves it untouched otherwise (no flag: bit-identical to 
   megatron-core's `aux_loss` (switch-transformer load balancing) per layer, summed over layers,
   or its `seq_aux_loss` (each sample's own).
 
-Sigmoid routers (DeepSeek-V3, GLM-4.5+: a bias and expert groups; `score_function` sigmoid) get
-the load-balancing losses only: their routing stays the model's, and the losses read
-megatron-core's scores for them (slime.backends.routing.sigmoid_aux_routing).
+Sigmoid routers (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash: an expert bias and groups) replay and
+record alike: a replayed expert is weighed by its sigmoid score as the model weighs its own
+choice (slime.backends.routing.sigmoid_weights); --moe-router-dtype fp64 recomputes the choice,
+bias and groups included, in float64 (fp32 is what these routers compute anyway); the
+load-balancing losses read megatron-core's scores for them (routing.sigmoid_aux_routing).
 
 The hooks fire again when gradient checkpointing recomputes a layer in backward, so a micro-batch's
 state stays set until its backward is done (`Routing.micro_batch`).
@@ -37,9 +39,11 @@ from slime.backends.routing import (
     DTYPES,
     RouterHooks,
     choose,
+    group_limited_topk,
     load_balancing_loss,
     sequence_balancing_loss,
     sigmoid_aux_routing,
+    sigmoid_weights,
 )
 from slime.utils.errors import UsageError
 from slime.utils.hf_experts import find_routers
@@ -62,13 +66,7 @@ class _State:
 class Routing(RouterHooks):
     """The hooks on one model's routers (module docstring)."""
 
-    def __init__(
-        self,
-        layers: list[torch.nn.Module],
-        router_dtype: str | None,
-        norm_topk_prob: bool,
-        score_function: str = "softmax",
-    ):
+    def __init__(self, layers: list[torch.nn.Module], router_dtype: str | None):
         self.routers = find_routers(layers)  # slime.utils.hf_experts
         if not self.routers:
             raise UsageError("the model has no mixture-of-experts layers")
@@ -77,9 +75,10 @@ class Routing(RouterHooks):
         self.top_k: int = int(first.top_k)
         self.num_experts: int = int(first.num_experts)
         self.moe_layers = list(self.routers)
-        self.norm_topk_prob = norm_topk_prob
+        self.sigmoid = hasattr(first, "e_score_correction_bias")
         self.dtype = DTYPES[router_dtype] if router_dtype else None
-        self.score_function = score_function
+        if self.sigmoid and self.dtype == torch.float32:
+            self.dtype = None  # (these routers compute in float32 whatever the parameters' dtype)
         self.state: _State | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._hook(li))
@@ -89,30 +88,54 @@ class Routing(RouterHooks):
             state = self.state
             if self.dtype is None and (state is None or not state.active):
                 return None  # the model's own routing, untouched (every forward without a flag)
-            return self._route(li, module, args[0], output, state or _State())
+            route = self._route_sigmoid if self.sigmoid else self._route
+            return route(li, module, args[0], output, state or _State())
 
         return hook
 
     def _route(self, li: int, module: Any, hidden: torch.Tensor, output: Any, state: _State) -> Any:
         logits, weights, _ = output
-        if self.score_function == "sigmoid":  # the load-balancing losses only: the model's routing stays
-            if state.aux is not None and li not in state.aux_done:
-                scores, routed = sigmoid_aux_routing(logits, self.top_k)
-                state.aux.append((scores, routed.bool()))
-                state.aux_done.add(li)
-            return None
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if self.dtype is not None:
             logits = F.linear(hidden.to(self.dtype), module.weight.to(self.dtype))
         probs = torch.softmax(logits, dim=-1, dtype=self.dtype or torch.float32)
         replay = None if state.replay is None else state.replay[:, li]
-        top, experts = choose(probs, self.top_k, replay, self.norm_topk_prob)
+        # (Qwen3.5-MoE's router always renormalises: it has no norm_topk_prob)
+        top, experts = choose(probs, self.top_k, replay, getattr(module, "norm_topk_prob", True))
         if state.record is not None:
             state.record[li] = experts.detach()
-        if state.aux is not None and li not in state.aux_done:
-            state.aux.append((probs, experts.detach()))
-            state.aux_done.add(li)
+        self._keep_aux(li, state, probs, experts.detach())
         return output[0], top.to(weights.dtype), experts
+
+    def _route_sigmoid(self, li: int, module: Any, hidden: torch.Tensor, output: Any, state: _State) -> Any:
+        logits, weights, experts = output
+        if self.dtype is not None:
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            logits = F.linear(hidden.to(self.dtype), module.weight.to(self.dtype))
+            bias = module.e_score_correction_bias
+            experts = group_limited_topk(
+                torch.sigmoid(logits), bias, self.top_k, module.num_group, module.topk_group
+            )
+        if state.aux is not None and li not in state.aux_done:
+            scores, routed = sigmoid_aux_routing(logits, self.top_k)
+            self._keep_aux(li, state, scores, routed.bool())
+        replay = None if state.replay is None else state.replay[:, li]
+        if replay is not None:
+            experts = torch.where(replay >= 0, replay.to(experts.device), experts)
+        if state.record is not None:
+            state.record[li] = experts.detach()
+        if replay is None and self.dtype is None:
+            return None  # recording or the aux loss only: the model's own routing stays
+        top = sigmoid_weights(logits, experts, module.norm_topk_prob, module.routed_scaling_factor)
+        return output[0], top.to(weights.dtype), experts
+
+    @staticmethod
+    def _keep_aux(li: int, state: _State, scores: torch.Tensor, routed: torch.Tensor) -> None:
+        """The aux loss's scores and routing of layer `li`, once per micro-batch (not again when
+        a checkpointed layer is recomputed)."""
+        if state.aux is not None and li not in state.aux_done:
+            state.aux.append((scores, routed))
+            state.aux_done.add(li)
 
     @contextlib.contextmanager
     def micro_batch(

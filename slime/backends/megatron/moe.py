@@ -17,8 +17,10 @@ slime needs another one and leaves it untouched otherwise (no flag: megatron-cor
   it is megatron-core's per-sequence loss instead: each sample's own, divided by the step's
   samples (megatron-core's is a micro-batch's [sequence, batch] rows, which packing would mix).
 
-Sigmoid routers (DeepSeek-V3, GLM-4.5+: a bias and expert groups) get the load-balancing losses
-only: their routing stays megatron-core's, and the losses read megatron-core's scores for them
+Sigmoid routers (DeepSeek-V3, GLM-4.5+, GLM-4.7-Flash: an expert bias and groups) replay and
+record alike: a replayed expert is weighed by its sigmoid score as megatron-core weighs its own
+choice (routing.sigmoid_weights); a token the table leaves to the router (-1) keeps megatron-core's
+choice, bias and groups included. The load-balancing losses read megatron-core's scores for them
 (the sigmoid scores normalised over the experts, and their own top-k; routing.sigmoid_aux_routing).
 
 Tokens reach the router as [sequence, rows] flattened (sequence-major), and with sequence
@@ -45,6 +47,7 @@ from slime.backends.routing import (
     load_balancing_loss,
     sequence_balancing_loss,
     sigmoid_aux_routing,
+    sigmoid_weights,
 )
 
 
@@ -158,9 +161,9 @@ class MegatronRouting(RouterHooks):
     ) -> MegatronRouting | None:
         """The hooks on a mixture-of-experts model's routers (None for a dense model, and for a
         family whose routing they do not follow: megatron-core's router routes it, untouched)."""
-        from slime.backends.megatron.settings import aux_hooks, router_hooks
+        from slime.backends.megatron.settings import router_hooks
 
-        if not layout.num_experts or not (router_hooks(layout) or aux_hooks(layout)):
+        if not layout.num_experts or not router_hooks(layout):
             return None
         from slime.config.architecture import hf_moe
 
@@ -272,7 +275,14 @@ class MegatronRouting(RouterHooks):
                 scores, routed = torch.softmax(logits, dim=-1, dtype=wide), None
             if state.replay is not None and li < self.num_layers:
                 replay = state.replay[:, li].to(scores.device)
-                weights, experts = choose(scores, self.top_k, replay, self.renormalize)
+                if self.score_function == "sigmoid":  # -1: the router's own choice (bias, groups)
+                    own = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
+                    experts = torch.where(replay >= 0, replay, own)
+                    scale = module.config.moe_router_topk_scaling_factor or 1.0
+                    # (megatron-core renormalises a sigmoid router's top k whenever k > 1)
+                    weights = sigmoid_weights(logits, experts, self.top_k > 1, scale)
+                else:
+                    weights, experts = choose(scores, self.top_k, replay, self.renormalize)
                 probs = torch.zeros_like(probs).scatter(1, experts, weights.to(probs.dtype))
                 routing_map = torch.zeros_like(routing_map).scatter(1, experts, True)
             if aux:

@@ -68,15 +68,10 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
         from slime.utils import model_families
 
         # megatron-core routes in float32 with --moe-router-dtype fp32 (its own setting, no hook)
-        flag = moe.needs_router_hooks(router_fp32=True, aux_built=aux_hooks(layout))
+        flag = moe.needs_router_hooks(router_fp32=True)
         if flag:
             return f"{flag}: {model_families.refusal(layout.model_type, 'router_hooks')}"
-    if (
-        moe is not None
-        and layout.num_experts
-        and m.context_parallel_size > 1
-        and (router_hooks(layout) or aux_hooks(layout))
-    ):
+    if moe is not None and layout.num_experts and m.context_parallel_size > 1 and router_hooks(layout):
         import dataclasses  # (the router dtype is megatron-core's own setting here, no hook)
 
         flag = dataclasses.replace(moe, moe_router_dtype=None).needs_router_hooks(router_fp32=False)
@@ -94,19 +89,11 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
 
 
 def router_hooks(layout: Layout) -> bool:
-    """Whether the actor hooks the routers of this MoE layout (routing replay, the aux loss):
-    not for the families that route with sigmoid scores, a bias or groups (docs/models.md)."""
+    """Whether the actor hooks the routers of this MoE layout (routing replay, the aux loss): every
+    family of the registry with routed experts (docs/models.md)."""
     from slime.utils import model_families
 
     return model_families.refusal(layout.model_type, "router_hooks") is None
-
-
-def aux_hooks(layout: Layout) -> bool:
-    """Whether the actor reads this MoE layout's router scores for the load-balancing losses
-    (the families with every router hook, and the sigmoid-routed ones: routing left alone)."""
-    from slime.utils import model_families
-
-    return model_families.refusal(layout.model_type, "aux_loss") is None
 
 
 def check_supported(m: Any, installed: bool = True) -> str | None:
