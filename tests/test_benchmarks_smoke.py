@@ -66,7 +66,11 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         "ratio engine / HF generate",
         True,
     ),
-    "bench_routing_replay": (["--threads", "1", "--requests", "1", "--new-tokens", "2"], "bfloat16 ", True),
+    "bench_routing_replay": (
+        ["--arch", "glm4_moe", "--threads", "1", "--requests", "1", "--new-tokens", "2"],
+        "glm4_moe      | bfloat16 ",
+        True,
+    ),
     "bench_moe": (["--threads", "1", "--rollouts", "1"], "ratio MoE / dense, train tokens/s", True),
     "bench_train": (["--threads", "1", "--rollouts", "1"], "overhead ratio", True),
     "bench_packing": (

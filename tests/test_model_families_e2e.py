@@ -1,7 +1,8 @@
 """Each model family of docs/models.md in a GRPO job started as users start it (real Ray, a torch
 engine, gloo ranks), with the FSDP backend and, for the families it builds, the Megatron backend:
 --check-precision's step-0 gates (actor == reference bitwise, KL 0, trainer vs engine log-probs,
-the fingerprinted weight push) and --check-weight-sync pass."""
+the fingerprinted weight push) and --check-weight-sync pass; the mixture-of-experts families
+replay the engine's routing (R3) in every trainer pass."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 import pytest
 from safetensors import safe_open
 
-from slime.tools.tiny_families import NEW_FAMILIES
+from slime.tools.tiny_families import MOE_FAMILIES, NEW_FAMILIES
 from slime.utils.model_families import FAMILIES
 from tests.conftest import make_model
 from tests.test_loop_e2e import prompts, run_job  # noqa: F401 - prompts is a fixture
@@ -37,6 +38,7 @@ def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, ar
         "0.01",
         "--actor-num-gpus-per-node",
         "2",
+        *(["--use-rollout-routing-replay"] if arch in MOE_FAMILIES else []),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
@@ -50,15 +52,17 @@ def test_a_grpo_job_of_each_family_passes_the_step_0_gates(prompts, tmp_path, ar
         }
 
 
+R3 = "--use-rollout-routing-replay"
 MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout of its own
     "glm4": ["--tensor-model-parallel-size", "2"],
-    "glm4_moe": ["--expert-model-parallel-size", "2"],
+    "glm4_moe": ["--expert-model-parallel-size", "2", R3],
     # the expert bias moves every step, and every push must still match the engine
-    "deepseek_v3": ["--expert-model-parallel-size", "2", "--moe-router-bias-update-rate", "0.001"],
-    "glm4_moe_lite": ["--pipeline-model-parallel-size", "2"],
-    # the hybrids: the delta-nets replicated over TP; over CP, on whole sequences
+    "deepseek_v3": ["--expert-model-parallel-size", "2", "--moe-router-bias-update-rate", "0.001", R3],
+    "glm4_moe_lite": ["--pipeline-model-parallel-size", "2", R3],
+    # the hybrids: the delta-nets replicated over TP; over CP, on whole sequences (where the
+    # router hooks are refused: a CP rank does not hold whole sequences)
     "qwen3_5": ["--tensor-model-parallel-size", "2"],
-    "qwen3_next": ["--expert-model-parallel-size", "2"],
+    "qwen3_next": ["--expert-model-parallel-size", "2", R3],
     "qwen3_5_moe": ["--context-parallel-size", "2"],
 }
 
