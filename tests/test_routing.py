@@ -97,3 +97,48 @@ def _gather_slices(rank, world_size, init_method):
 def test_router_order_slices_gather_back_over_the_sequence_parallel_group():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     assert run_ranks(2, _gather_slices) == [list(range(12))] * 2
+
+
+def test_a_routing_table_is_checked_in_the_moe_layers_a_stage_holds():
+    """A table's expert ids are checked in the MoE layers only (a dense layer's entries are
+    ignored), and a pipeline stage of dense layers only takes any table of the right shape."""
+    from slime.backends.routing import RouterHooks
+    from slime.utils.errors import UsageError
+
+    hooks = RouterHooks()
+    hooks.num_layers, hooks.top_k, hooks.num_experts, hooks.moe_layers = 2, 2, 4, [1]
+    table = torch.tensor([[[-1, -1], [0, 3]]] * 3)
+    assert torch.equal(hooks.check_table(table, 3, "t"), table)
+    with pytest.raises(UsageError, match=r"t: expert ids outside \[0, 4\) in the MoE layers \[1\]"):
+        hooks.check_table(torch.tensor([[[0, 1], [0, 4]]] * 3), 3, "t")
+    with pytest.raises(UsageError, match=r"t: shape \(2, 2, 2\), expected \(3, 2, 2\)"):
+        hooks.check_table(table[:2], 3, "t")
+    hooks.moe_layers = []  # a stage of dense layers only (DeepSeek-V3's first, under PP)
+    assert torch.equal(hooks.check_table(table, 3, "t"), table)
+
+
+def test_group_limited_topk_and_sigmoid_weights_are_deepseek_v3s_router():
+    """The float64 router's choice (bias, groups) and the replay weights equal transformers'
+    DeepSeek-V3 router on the same scores: 16 experts in 4 groups, 2 groups kept, top-4."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from slime.backends.routing import group_limited_topk, sigmoid_weights
+
+    config = DeepseekV3Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2
+    )
+    config.routed_scaling_factor = 2.5
+    router = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+    logits, weights, experts = router(torch.randn(64, 32, generator=g))
+    ours = group_limited_topk(logits.sigmoid(), router.e_score_correction_bias, 4, 4, 2)
+    assert torch.equal(ours.sort(-1).values, experts.sort(-1).values)
+    # groups matter here: the plain top-4 of the biased scores differs for some tokens
+    plain = (logits.sigmoid() + router.e_score_correction_bias).topk(4, dim=-1).indices
+    assert not torch.equal(plain.sort(-1).values, experts.sort(-1).values)
+    assert torch.equal(sigmoid_weights(logits, experts, True, 2.5), weights)
+    assert not torch.allclose(sigmoid_weights(logits, experts, False, 2.5), weights)

@@ -147,8 +147,8 @@ class RouterHooks:
                 f"{what}: shape {tuple(t.shape)}, expected ({rows}, {self.num_layers}, {self.top_k}) "
                 "(tokens - 1, the model's layers, its num_experts_per_tok)"
             )
-        moe = self.moe_layers
-        if t.numel() and (int(t[:, moe].min()) < 0 or int(t[:, moe].max()) >= self.num_experts):
+        moe = self.moe_layers  # (none on a pipeline stage of dense layers only)
+        if t.numel() and moe and (int(t[:, moe].min()) < 0 or int(t[:, moe].max()) >= self.num_experts):
             raise UsageError(f"{what}: expert ids outside [0, {self.num_experts}) in the MoE layers {moe}")
         return t.long()
 
