@@ -18,8 +18,9 @@ def export_on_ranks(rank, world_size, init_method, kind, tp, pp, bucket_bytes):
     from megatron.core import parallel_state
 
     from slime.backends.megatron.convert import hf_to_megatron
-    from slime.backends.megatron.export import Mesh, export_hf_buckets
+    from slime.backends.megatron.export import Mesh, export_hf_tensors
     from slime.backends.megatron.rank_files import shard
+    from slime.utils.buckets import iter_buckets
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -27,7 +28,7 @@ def export_on_ranks(rank, world_size, init_method, kind, tp, pp, bucket_bytes):
     layout, hf = tiny(kind, num_hidden_layers=4)
     parts = shard(hf_to_megatron(hf, layout, tp), layout, tp, pp)
     local = parts[(mesh.tp_rank, mesh.pp_rank)]
-    buckets = [list(b) for b in export_hf_buckets(local, layout, mesh, bucket_bytes)]
+    buckets = [list(b) for b in iter_buckets(export_hf_tensors(local, layout, mesh), bucket_bytes)]
     got = {n: t.clone() for b in buckets for n, t in b}
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

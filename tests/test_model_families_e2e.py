@@ -64,13 +64,20 @@ MEGATRON_JOBS = {  # the families the Megatron backend builds, each on a layout 
     "qwen3_5": ["--tensor-model-parallel-size", "2"],
     "qwen3_next": ["--expert-model-parallel-size", "2", R3],
     "qwen3_5_moe": ["--context-parallel-size", "2"],
+    # the released (vision-language) checkpoints: their language model trained, pushed and
+    # checked under the checkpoint's names, the engine serving the whole model
+    "qwen3_5_vl": ["--tensor-model-parallel-size", "2"],
+    "qwen3_5_moe_vl": ["--expert-model-parallel-size", "2", R3],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(MEGATRON_JOBS))
 def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompts, tmp_path, arch):
-    model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
+    heads = ["--num-heads", "2", "--num-kv-heads", "2"] if arch.endswith("_vl") else []  # (mrope: dim 32)
+    model = make_model(
+        str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2", *heads
+    )
     proc = run_job(
         "train.py",
         model,

@@ -13,25 +13,32 @@ from slime.utils.model_families import is_vision, refusal, value_model_refusal
 
 
 def model_problems(config: Config) -> Iterator[str]:
-    """PPO's critic where the backend cannot build it or on prompts with images, an expert-bias
-    update rate for routers without a bias, and LoRA on a family it is not built for."""
-    train, backend = config.train, config.cluster.train_backend
+    """PPO's critic where the backend cannot build it or on prompts with images, images where the
+    backend has no vision tower, an expert-bias update rate for routers without a bias, and LoRA
+    on a family it is not built for."""
+    train, backend, data = config.train, config.cluster.train_backend, config.rollout.data
     if config.critic is not None:
         critic = config.critic.load or train.hf_checkpoint
         model_type = getattr(hf_config(critic), "model_type", None)
-        data = config.rollout.data
         if backend == "fsdp" and (why := value_model_refusal(model_type)):
             yield f"--advantage-estimator ppo: the critic starts from {critic}, {why}"
         elif backend != "fsdp" and is_vision(model_type):
             yield (
                 f"--advantage-estimator ppo: the critic starts from {critic} (model_type {model_type!r}), a "
-                "vision-language model, which the Megatron backend does not build"
+                "vision-language model, which the Megatron backend's critic is not built from (use "
+                "--train-backend fsdp, or a critic-free estimator such as grpo)"
             )
         elif data is not None and data.multimodal_keys:
             yield (
                 "--advantage-estimator ppo with --multimodal-keys: PPO's critic on prompts with images is "
                 "not built (its forward takes no pixels); use grpo (or another critic-free estimator)"
             )
+    if backend == "megatron" and data is not None and data.multimodal_keys:
+        yield (
+            "--multimodal-keys with --train-backend megatron: the Megatron backend trains a "
+            "vision-language model's language model only (its vision tower is not converted); train "
+            "prompts with images with --train-backend fsdp"
+        )
     if train.moe.moe_router_bias_update_rate <= 0 and train.lora.rank <= 0:
         return  # nothing below to check: the checkpoint's config is not read
     model = hf_config(train.hf_checkpoint)

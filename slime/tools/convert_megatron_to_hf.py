@@ -20,10 +20,12 @@ from slime.backends.megatron.rank_files import merge_ranks
 def main(argv: list[str] | None = None) -> int:
     from slime.backends.megatron.checkpoint import (
         check_target,
+        is_vision_language,
         load_megatron,
         save_hf,
         stored_layout,
         stored_parallel,
+        vision_language_state,
     )
     from slime.tools.convert_hf_to_megatron import describe, hf_layout
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         source = stored_parallel(args)
         state = megatron_to_hf(merge_ranks(parts, layout, source), layout)
+        if is_vision_language(ns.hf_checkpoint):  # the released Qwen3.5 again: its names, its vision tower
+            state = vision_language_state(state, ns.hf_checkpoint)
     except ConversionError as e:
         p.error(str(e))
     save_hf(state, ns.hf_checkpoint, ns.save_dir)

@@ -29,12 +29,11 @@ import sys
 from typing import Any
 
 from slime.utils.files import staged_directory
-from slime.utils.model_families import FAMILIES
+from slime.utils.model_families import FAMILIES, VISION, language_name, text_name
 
 TEXT_MODELS = {f.model_type: f.text_model for f in FAMILIES.values() if f.text_model}
 """A vision-language model_type -> its text model's (slime.utils.model_families)."""
 
-LANGUAGE, VISION = "model.language_model.", "model.visual."
 NOT_COPIED = (
     "model.safetensors.index.json",
     "preprocessor_config.json",
@@ -154,11 +153,7 @@ def extract(hf_checkpoint: str, out: str) -> dict[str, int]:
         for shard in shards:
             tensors = load_file(shard)
             _add(seen, dict.fromkeys(tensors), shard)
-            kept = {
-                ("model." + k[len(LANGUAGE) :] if k.startswith(LANGUAGE) else k): v
-                for k, v in tensors.items()
-                if not k.startswith(VISION)
-            }
+            kept = {name: v for k, v in tensors.items() if (name := text_name(k)) is not None}
             counts["vision tower"] += len(tensors) - len(kept)
             counts["kept"] += len(kept)
             writer.write(kept)
@@ -197,9 +192,7 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
         for shard in _shards(text):
             renamed = {}
             for name, tensor in load_file(shard).items():
-                full = name  # a name already the vision-language model's (transformers' save of one) stays
-                if name.startswith("model.") and not name.startswith(LANGUAGE):
-                    full = LANGUAGE + name[len("model.") :]
+                full = language_name(name)  # (transformers' save of the whole model: as it is)
                 if full not in wanted:
                     raise TextModelError(
                         f"--text {text}: tensor {name!r} ({full!r} in the vision-language model) is "
@@ -219,9 +212,8 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
         # untied lm_head included): one missing would silently stay untrained.
         missing = [k for k in wanted if k not in taken and not k.startswith((VISION, "mtp."))]
         if missing:
-            name = "model." + missing[0][len(LANGUAGE) :] if missing[0].startswith(LANGUAGE) else missing[0]
             raise TextModelError(
-                f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {name!r}: "
+                f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {text_name(missing[0])!r}: "
                 "give a whole checkpoint of it"
             )
         for shard in sorted({wanted[k][2] for k in wanted if k not in taken}):  # one shard at a time

@@ -69,9 +69,9 @@ class Family:
     the language model): images in prompts (--multimodal-keys, the engine's `image_data`), built
     with AutoModelForImageTextToText."""
     text_model: str | None = None
-    """A vision-language family's language model as a family of its own (its model_type):
-    `python -m slime.tools.text_model extract` writes it from a checkpoint, for what only the
-    text model has (the Megatron backend)."""
+    """A vision-language family's language model as a family of its own (its model_type): the
+    Megatron backend builds it from the released checkpoint (`language_name`, `text_config`), and
+    `python -m slime.tools.text_model extract` writes it as a checkpoint of its own."""
 
     @property
     def packs(self) -> bool:
@@ -81,6 +81,11 @@ class Family:
 
 VISION_ON_FSDP = (
     "vision-language models train with --train-backend fsdp (the vision tower is not converted to Megatron)"
+)
+
+LANGUAGE_MODEL_ONLY = (
+    "its language model, read from and written to the released checkpoint (the vision tower stays "
+    "as loaded; prompts without images)"
 )
 
 FAMILIES: dict[str, Family] = {
@@ -189,7 +194,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_vl",
             "Qwen3.5 dense as released (0.8B-27B: the vision-language model)",
             BATCHED,
-            megatron=VISION_ON_FSDP + "; its text model (`qwen3_5_text`, slime.tools.text_model) is built",
+            megatron_scope=LANGUAGE_MODEL_ONLY,
             hybrid=True,
             qk_norm=True,
             output_bias=True,
@@ -201,8 +206,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3_5_moe_vl",
             "Qwen3.5 MoE as released (35B-A3B: the vision-language model)",
             BATCHED,
-            megatron=VISION_ON_FSDP
-            + "; its text model (`qwen3_5_moe_text`, slime.tools.text_model) is built",
+            megatron_scope=LANGUAGE_MODEL_ONLY,
             router_hooks=True,
             lora=False,
             fused_experts=True,
@@ -215,6 +219,33 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
+
+
+LANGUAGE, VISION = "model.language_model.", "model.visual."
+"""Where a released Qwen3.5 checkpoint keeps its language model's and its vision tower's tensors
+(`lm_head` and `mtp.*` sit at the top, as in the text model)."""
+
+
+def text_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as its text model's (None: the vision tower's)."""
+    if name.startswith(VISION):
+        return None
+    return "model." + name[len(LANGUAGE) :] if name.startswith(LANGUAGE) else name
+
+
+def language_name(name: str) -> str:
+    """A text model's tensor name in its vision-language checkpoint (`text_name`'s inverse; a name
+    already the vision-language model's stays)."""
+    if name.startswith("model.") and not name.startswith(LANGUAGE):
+        return LANGUAGE + name[len("model.") :]
+    return name
+
+
+def text_config(config: Any) -> Any:
+    """The config of the model a text-only trainer builds: a vision-language family's text model
+    (its `text_config`, model_type `Family.text_model`), any other config as it is."""
+    f = family(getattr(config, "model_type", None))
+    return config.text_config if f is not None and f.text_model else config
 
 
 def family(model_type: str | None) -> Family | None:

@@ -25,7 +25,7 @@ from slime.backends.megatron import checkpoint as mckpt
 from slime.backends.megatron import grads, mtp, settings, train_checkpoint
 from slime.backends.megatron.context_parallel import run_micro_batch
 from slime.backends.megatron.convert import Layout, State
-from slime.backends.megatron.export import Mesh, export_hf_buckets, export_hf_tensors, meta_hf_state
+from slime.backends.megatron.export import Mesh, export_hf_tensors, meta_hf_state
 from slime.backends.megatron.logprobs import from_last_stage, response_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import model_state, move_rotary_tables
@@ -37,6 +37,8 @@ from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
+from slime.utils import model_families
+from slime.utils.buckets import iter_buckets
 from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.errors import UsageError
 from slime.utils.rollout_batch import RolloutBatch
@@ -69,7 +71,8 @@ class MegatronBackend:
     # ---- set-up -----------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         cfg, m = self.cfg, self.cfg.megatron
-        self.hf_config = startup.check_files(cfg)
+        # a released Qwen3.5 checkpoint: its language model (checkpoint.as_stored: its names)
+        self.hf_config = model_families.text_config(startup.check_files(cfg))
         unsupported = settings.check_supported(m)
         if unsupported:
             raise ValueError(unsupported)
@@ -445,18 +448,20 @@ class MegatronBackend:
         tensors = export_hf_tensors(
             {k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh, with_mtp=True
         )
-        train_checkpoint.save_hf_from_actor(
-            self, path, tensors=tensors, config=mtp.saved_config(self.hf_config, self.layout)
-        )
+        config = mtp.saved_config(self.hf_config, self.layout)
+        train_checkpoint.save_hf_from_actor(self, path, tensors=tensors, config=config)
 
     def export_weights(
         self, bucket_bytes: int, every_rank: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         local = {k: v.detach() for k, v in self.model_state().items()}
-        return export_hf_buckets(local, self.layout, self.mesh, bucket_bytes, every_rank)
+        named = export_hf_tensors(local, self.layout, self.mesh, every_rank)
+        yields = every_rank or self.rank == 0
+        return iter_buckets(mckpt.as_stored(named, self.cfg.hf_checkpoint, yields), bucket_bytes)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}
+        shapes = {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}
+        return mckpt.stored_shapes(shapes, self.cfg.hf_checkpoint)
 
     def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         raise UsageError("LoRA is built on the FSDP backend only (--train-backend fsdp)")

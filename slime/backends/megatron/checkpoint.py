@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -190,22 +190,35 @@ def stored_layout(args: dict[str, Any], load_dir: str) -> Layout:
 
 class LazyHFState(Mapping):
     """An HF checkpoint's tensors by name, each read from its safetensors file when asked for
-    (a train rank converts only its own shard: hf_to_megatron_shard)."""
+    (a train rank converts only its own shard: hf_to_megatron_shard). A released Qwen3.5
+    checkpoint (vision-language) reads as its language model: text model names, no vision tower
+    (`as_text` False: every tensor by its stored name)."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, as_text: bool = True):
         from safetensors import safe_open
+
+        from slime.utils.model_families import text_name
 
         files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
         if not files:
             raise ConversionError(f"--hf-checkpoint {hf_dir!r} holds no *.safetensors weights")
+        rename = text_name if as_text and is_vision_language(hf_dir) else (lambda name: name)
         self._handles = [safe_open(path, framework="pt") for path in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+        self._where = {
+            key: (h, name) for h in self._handles for name in h.keys() if (key := rename(name)) is not None
+        }
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        handle, stored = self._where[name]
+        return handle.get_tensor(stored)
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor
         return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, without reading it."""
+        handle, stored = self._where[name]
+        return tuple(handle.get_slice(stored).get_shape())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -214,16 +227,66 @@ class LazyHFState(Mapping):
         return len(self._where)
 
 
-def load_hf_state(hf_dir: str) -> State:
-    from safetensors.torch import load_file
+def is_vision_language(hf_dir: str) -> bool:
+    """Whether `hf_dir` is a vision-language checkpoint whose text model the backend builds
+    (released Qwen3.5: model_families.Family.text_model)."""
+    from slime.utils.model_families import family
 
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not files:
-        raise ConversionError(f"--hf-checkpoint {hf_dir!r} holds no *.safetensors weights")
-    state: State = {}
-    for path in files:
-        state.update(load_file(path))
-    return state
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as file:
+            found = family(json.load(file).get("model_type"))
+    except (OSError, ValueError):
+        return False
+    return found is not None and found.text_model is not None
+
+
+def as_stored(
+    named: Iterable[tuple[str, torch.Tensor]], hf_dir: str, yields: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The exported (HF name, tensor) pairs as --hf-checkpoint `hf_dir` holds them: a released
+    Qwen3.5's language model renamed (model_families.language_name), then, on the ranks that
+    `yields`, its vision tower as loaded (the engine serves the whole model, and
+    --check-weight-sync checks every tensor it holds); another checkpoint's as they are."""
+    if not is_vision_language(hf_dir):
+        yield from named
+        return
+    from slime.utils.model_families import VISION, language_name
+
+    device = torch.device("cpu")
+    for name, tensor in named:
+        device = tensor.device
+        yield language_name(name), tensor
+    if yields:
+        stored = LazyHFState(hf_dir, as_text=False)
+        yield from ((name, stored[name].to(device)) for name in stored if name.startswith(VISION))
+
+
+def stored_shapes(shapes: dict[str, tuple[int, ...]], hf_dir: str) -> dict[str, tuple[int, ...]]:
+    """`as_stored`'s names and shapes, from the exported tensors' `shapes` (no tensor read)."""
+    if not is_vision_language(hf_dir):
+        return shapes
+    from slime.utils.model_families import VISION, language_name
+
+    stored = LazyHFState(hf_dir, as_text=False)
+    vision = {name: stored.shape(name) for name in stored if name.startswith(VISION)}
+    return {**{language_name(name): shape for name, shape in shapes.items()}, **vision}
+
+
+def load_hf_state(hf_dir: str) -> State:
+    """Every tensor of an HF checkpoint (LazyHFState's names), read now."""
+    lazy = LazyHFState(hf_dir)
+    return {name: lazy[name] for name in lazy}
+
+
+def vision_language_state(state: State, hf_dir: str) -> State:
+    """A text model's `state` as its vision-language checkpoint `hf_dir` holds it: the names
+    renamed (model_families.language_name), and the tensors `state` does not hold (the vision
+    tower, MTP modules not built) read from `hf_dir` as they are."""
+    from slime.utils.model_families import language_name
+
+    out = {language_name(name): t for name, t in state.items()}
+    stored = LazyHFState(hf_dir, as_text=False)
+    return {**{name: stored[name] for name in stored if name not in out}, **out}
 
 
 def save_hf(

@@ -49,17 +49,10 @@ State = dict[str, torch.Tensor]
 
 def convertible_family(config: Any) -> Family:
     """The registry's family of `config` (slime.utils.model_families), one the backend builds;
-    ConversionError naming what the conversion does not build (a vision-language checkpoint,
-    another family, quantized weights, a rope scaling or an activation megatron-core is not built
-    with here, an output projection bias)."""
+    ConversionError naming what the conversion does not build (another family, quantized weights,
+    a rope scaling or an activation megatron-core is not built with here, an output projection
+    bias)."""
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "text_config", None) is not None and model_type in ("qwen3_5", "qwen3_5_moe"):
-        raise ConversionError(
-            f"model_type {model_type!r} is Qwen3.5's vision-language checkpoint (its text model under "
-            "model.language_model): the Megatron backend builds the text model only (model_type "
-            f"{model_type}_text); train this one with --train-backend fsdp, or take its text model out "
-            "with python -m slime.tools.text_model extract"
-        )
     if model_type not in SUPPORTED:
         from slime.utils.model_families import megatron_refusal
 
@@ -204,7 +197,11 @@ class Layout:
     ) -> Layout:
         """A config of one of the SUPPORTED families (SiLU-gated MLPs, RMSNorm); `stages`: the
         first and last pipeline stage's layers (uneven stages; None: as the others); `mtp_layers`:
-        the multi-token prediction modules to build, at most the checkpoint's."""
+        the multi-token prediction modules to build, at most the checkpoint's. A released Qwen3.5
+        (vision-language) config gives its language model's layout (model_families.text_config)."""
+        from slime.utils.model_families import text_config
+
+        config = text_config(config)
         family = convertible_family(config)
         model_type = config.model_type
         bias = bool(getattr(config, "attention_bias", False))

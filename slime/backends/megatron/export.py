@@ -1,6 +1,6 @@
 """Stream a TP/PP-sharded megatron-core model to the weight bridge as HF-named buckets.
 
-Collective over the whole job: every rank iterates `export_hf_buckets` (as every FSDP rank
+Collective over the whole job: every rank iterates `export_hf_tensors` (as every FSDP rank
 iterates its export), in the same order of units (the embedding, layer 0 .. L-1, the final norm
 and output layer). For each unit, the pipeline stage that owns it all-gathers its TP shards in
 its TP group; its TP rank 0 then broadcasts the merged tensors to global rank 0 over the
@@ -37,7 +37,6 @@ from slime.backends.megatron.layer_map import (
     mtp_shared_copies,
 )
 from slime.backends.megatron.sharding import merge_fc1, merge_tp
-from slime.utils.buckets import iter_buckets
 
 FLOAT32_KEPT = (".router.expert_bias",)
 """Tensors megatron-core keeps in float32 whatever the parameters' dtype (its router's expert bias)."""
@@ -208,14 +207,6 @@ def export_hf_tensors(
             if "output_layer.weight" in merged:
                 own_tensors["lm_head.weight"] = merged["output_layer.weight"][: layout.vocab_size]
                 yield "lm_head.weight", own_tensors["lm_head.weight"]
-
-
-def export_hf_buckets(
-    local: State, layout: Layout, mesh: Mesh, bucket_bytes: int, every_rank: bool = False
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """export_hf_tensors (the weight push: no MTP modules) in buckets of at most `bucket_bytes`
-    (every rank must iterate)."""
-    return iter_buckets(export_hf_tensors(local, layout, mesh, every_rank), bucket_bytes)
 
 
 def _gather_experts(local: State, layout: Layout, mesh: Mesh, layer: int, prefix: str) -> State:

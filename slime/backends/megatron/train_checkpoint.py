@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from slime.backends.checkpointing import TRACKER
-from slime.backends.megatron.checkpoint import megatron_args, rank_dir, save_hf, stored_layout
+from slime.backends.megatron.checkpoint import (
+    is_vision_language,
+    megatron_args,
+    rank_dir,
+    save_hf,
+    stored_layout,
+    vision_language_state,
+)
 from slime.backends.megatron.convert import ConversionError, Layout, State
 
 
@@ -250,7 +257,9 @@ def save_hf_from_actor(
 ) -> None:
     """The actor's weights as a Hugging Face directory (rank 0 writes; every rank takes part).
     `tensors`: the (HF name, full tensor) pairs to write instead of the actor's export (they come
-    on rank 0), `config`: the config to write instead of --hf-checkpoint's (both: the critic's)."""
+    on rank 0), `config`: the config to write instead of --hf-checkpoint's (both: the critic's).
+    A released Qwen3.5 checkpoint's language model is written as that checkpoint again: its
+    names, config and vision tower (checkpoint.vision_language_state)."""
     import torch.distributed as dist
 
     from slime.backends.checkpointing import checkpoint_dtype
@@ -258,6 +267,8 @@ def save_hf_from_actor(
     if tensors is None:
         tensors = (pair for bucket in actor.export_weights(shard_bytes) for pair in bucket)
     state: State = {n: t.detach().cpu() for n, t in tensors}
+    if actor.rank == 0 and is_vision_language(actor.cfg.hf_checkpoint):
+        state, config = vision_language_state(state, actor.cfg.hf_checkpoint), None
     if actor.rank == 0:
         dtype = checkpoint_dtype(actor.hf_config)
         final = os.path.abspath(path)
