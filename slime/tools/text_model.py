@@ -213,8 +213,8 @@ def merge(text: str, hf_checkpoint: str, out: str) -> dict[str, int]:
         missing = [k for k in wanted if k not in taken and not k.startswith((VISION, "mtp."))]
         if missing:
             raise TextModelError(
-                f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. {text_name(missing[0])!r}: "
-                "give a whole checkpoint of it"
+                f"--text {text} lacks {len(missing)} tensor(s) of the text model, e.g. "
+                f"{text_name(missing[0])!r}: give a whole checkpoint of it"
             )
         for shard in sorted({wanted[k][2] for k in wanted if k not in taken}):  # one shard at a time
             with safe_open(shard, "pt") as f:
