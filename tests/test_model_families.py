@@ -114,8 +114,8 @@ def _model_type(path: str) -> str:
 
 
 def test_megatron_builds_each_family_and_names_what_it_refuses(family_models):
-    """Every new family converts (tests/test_megatron_families.py checks the numbers); Qwen3.5's
-    released vision-language checkpoint, whose text model sits under model.language_model, is
+    """Every new family converts (tests/test_megatron_families.py checks the numbers); of Qwen3.5's
+    released vision-language checkpoint, the text model under model.language_model; Qwen3-VL is
     refused by name, pointing at FSDP."""
     import transformers
     from transformers import AutoConfig
@@ -124,10 +124,14 @@ def test_megatron_builds_each_family_and_names_what_it_refuses(family_models):
 
     for arch in NEW_FAMILIES:
         assert Layout.from_hf_config(AutoConfig.from_pretrained(family_models[arch])).num_layers == 2
-    text = AutoConfig.from_pretrained(family_models["qwen3_5"]).to_dict()
-    released = transformers.Qwen3_5Config(text_config=text)
-    with pytest.raises(ConversionError, match=r"vision-language checkpoint .* --train-backend fsdp"):
-        Layout.from_hf_config(released)
+    text = AutoConfig.from_pretrained(family_models["qwen3_5"])
+    released = transformers.Qwen3_5Config(text_config=text.to_dict())
+    assert Layout.from_hf_config(released) == Layout.from_hf_config(text)
+    qwen3_vl = transformers.Qwen3VLConfig()
+    with pytest.raises(
+        ConversionError, match=r"'qwen3_vl': vision-language models train with --train-backend fsdp"
+    ):
+        Layout.from_hf_config(qwen3_vl)
 
 
 def test_docs_models_table_is_the_registry():
@@ -432,17 +436,16 @@ def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, ar
 
 def test_a_released_qwen3_5_checkpoint_is_the_vision_language_family():
     """Qwen3.5's released config.json says model_type qwen3_5 (qwen3_5_moe): the vision-language
-    model, its own family (tests/test_qwen3_5_vl.py runs it), apart from the text model the
-    Megatron backend builds; FSDP never packs either's gated delta-net layers (Megatron does)."""
-    from slime.utils.model_families import family, is_vision, megatron_refusal, packable, refusal
+    model, its own family (tests/test_qwen3_5_vl.py runs it), apart from its text model, which the
+    Megatron backend builds from it; FSDP never packs either's gated delta-net layers (Megatron
+    does)."""
+    from slime.utils.model_families import FAMILIES, family, is_vision, megatron_refusal, packable, refusal
 
     for released, text in (("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")):
         assert family(released) is not family(text) and is_vision(released) and not is_vision(text)
         assert not packable(released) and not packable(text) and packable(text, "megatron")
-        assert f"its text model (`{text}`, slime.tools.text_model) is built" in (
-            megatron_refusal(released) or ""
-        )
-        assert megatron_refusal(text) is None
+        assert megatron_refusal(released) is None and megatron_refusal(text) is None
+        assert FAMILIES[released].text_model == text and "language model" in FAMILIES[released].megatron_scope
     assert refusal("qwen3_5_moe", "router_hooks") is None and refusal("qwen3_5_moe", "lora")
     assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
 

@@ -369,16 +369,17 @@ def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
         assert (torch.as_tensor(result["log_probs"][i]) - ref).abs().max().item() < 1e-5, i
 
 
-def test_megatron_refuses_the_released_checkpoint_and_names_its_text_model(qwen3_5_vl):
+def test_megatrons_layout_of_the_released_checkpoint_is_its_text_models(qwen3_5_vl):
+    """The Megatron backend builds the released checkpoint's language model
+    (tests/test_megatron_vision_language.py trains it)."""
     pytest.importorskip("megatron.core")
     from transformers import AutoConfig
 
-    from slime.backends.megatron.convert import ConversionError, Layout
+    from slime.backends.megatron.convert import Layout
 
-    with pytest.raises(
-        ConversionError, match=r"'qwen3_5' is Qwen3.5's vision-language checkpoint.*qwen3_5_text"
-    ):
-        Layout.from_hf_config(AutoConfig.from_pretrained(qwen3_5_vl))
+    config = AutoConfig.from_pretrained(qwen3_5_vl)
+    layout = Layout.from_hf_config(config)
+    assert layout == Layout.from_hf_config(config.text_config) and layout.model_type == "qwen3_5_text"
 
 
 @pytest.mark.slow  # a whole job, about 30 s each; the Qwen3-VL job runs by default (test_vision_e2e)

@@ -5,8 +5,9 @@
 
 Qwen3.5's released checkpoints are the vision-language model (model_type `qwen3_5` /
 `qwen3_5_moe`: the vision tower under `model.visual`, the language model under
-`model.language_model`). The Megatron backend builds the text model (`qwen3_5_text` /
-`qwen3_5_moe_text`), so a text-only run with it starts from the checkpoint `extract` writes:
+`model.language_model`). The Megatron backend builds their text model (`qwen3_5_text` /
+`qwen3_5_moe_text`) from the released checkpoint itself; `extract` writes that text model as a
+checkpoint of its own (for tools that take a causal LM, transformers' AutoModelForCausalLM):
 config.json is the checkpoint's `text_config` (architectures `Qwen3_5ForCausalLM`), the weights
 are the language model's with `model.` names, `lm_head` and any other top-level tensors
 (`mtp.*`) as they are, the vision tower's left out, and the other files (tokenizer, chat
