@@ -8,11 +8,12 @@ Model: a tiny model of each `--arch` (a mixture-of-experts family of `make_tiny_
 Qwen3-MoE; `all`: every one) built here: hidden 128, 4 layers, 8 experts, top-2, random weights,
 fixed seed. The sigmoid-routed families (GLM-4.5+, DeepSeek-V3, GLM-4.7-Flash) route with their
 expert bias and groups, DeepSeek-V3's and GLM-4.7-Flash's first layer is dense; the hybrids
-(Qwen3-Next, Qwen3.5-MoE) alternate gated delta-net and full attention. The engine is slime's torch engine over HTTP, started as a job starts it, with
---enable-return-routed-experts; each request samples --new-tokens tokens at temperature 1 and
-returns its log-probs and the experts it routed every token to. The trainer is the FSDP actor on
-one rank in float32, computing the log-probs of the same tokens once with the router's own choice
-and once replaying the engine's (R3).
+(Qwen3-Next, Qwen3.5-MoE) alternate gated delta-net and full attention. The engine is slime's
+torch engine over HTTP, started as a job starts it, with --enable-return-routed-experts; each
+request samples --new-tokens tokens at temperature 1 and returns its log-probs and the experts
+it routed every token to. The trainer is the FSDP actor on one rank in float32, computing the
+log-probs of the same tokens once with the router's own choice and once replaying the engine's
+(R3).
 
 Two engine settings, each with its own rollout:
 - float32: the same arithmetic as the trainer up to kernel order (the baseline: routing agrees);

@@ -55,7 +55,6 @@ def test_the_megatron_backend_builds_exactly_the_families_the_registry_does_not_
 NAMED = {
     "backends/megatron/families.py": {"qwen3_next"},  # its delta-net projections are split
     "config/architecture.py": {"qwen3_5_moe", "qwen3_5_moe_text"},  # top-k renormalised, no field
-    "backends/megatron/convert.py": {"qwen3_5", "qwen3_5_moe"},  # the released VLM: its message
 }
 
 

@@ -371,7 +371,8 @@ def test_the_moe_model_serves_and_trains_like_the_model(tmp_path, dot_images):
 
 def test_megatrons_layout_of_the_released_checkpoint_is_its_text_models(qwen3_5_vl):
     """The Megatron backend builds the released checkpoint's language model
-    (tests/test_megatron_vision_language.py trains it)."""
+    (tests/test_megatron_vision_language.py trains it), tied or not as transformers ties the whole
+    model: by its own tie_word_embeddings, not text_config's."""
     pytest.importorskip("megatron.core")
     from transformers import AutoConfig
 
@@ -379,7 +380,10 @@ def test_megatrons_layout_of_the_released_checkpoint_is_its_text_models(qwen3_5_
 
     config = AutoConfig.from_pretrained(qwen3_5_vl)
     layout = Layout.from_hf_config(config)
-    assert layout == Layout.from_hf_config(config.text_config) and layout.model_type == "qwen3_5_text"
+    assert layout.model_type == "qwen3_5_text" and layout.num_layers == config.text_config.num_hidden_layers
+    assert not layout.tied_embeddings
+    config.tie_word_embeddings, config.text_config.tie_word_embeddings = True, False
+    assert Layout.from_hf_config(config).tied_embeddings
 
 
 @pytest.mark.slow  # a whole job, about 30 s each; the Qwen3-VL job runs by default (test_vision_e2e)

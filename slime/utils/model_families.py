@@ -235,17 +235,27 @@ def text_name(name: str) -> str | None:
 
 def language_name(name: str) -> str:
     """A text model's tensor name in its vision-language checkpoint (`text_name`'s inverse; a name
-    already the vision-language model's stays)."""
-    if name.startswith("model.") and not name.startswith(LANGUAGE):
+    already the vision-language model's, its vision tower's included, stays)."""
+    if name.startswith("model.") and not name.startswith((LANGUAGE, VISION)):
         return LANGUAGE + name[len("model.") :]
     return name
 
 
 def text_config(config: Any) -> Any:
     """The config of the model a text-only trainer builds: a vision-language family's text model
-    (its `text_config`, model_type `Family.text_model`), any other config as it is."""
+    (a copy of its `text_config`, model_type `Family.text_model`, with the whole model's
+    `tie_word_embeddings` and dtype, by which transformers builds and stores it, as
+    `slime.tools.text_model extract` writes them), any other config as it is."""
+    import copy
+
     f = family(getattr(config, "model_type", None))
-    return config.text_config if f is not None and f.text_model else config
+    if f is None or not f.text_model:
+        return config
+    text = copy.deepcopy(config.text_config)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    if getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text
 
 
 def family(model_type: str | None) -> Family | None:
