@@ -686,3 +686,8 @@ def test_a_bias_update_rate_needs_routers_with_a_bias(tiny_moe, models, tmp_path
             )
         )
         assert cfg.train.moe.moe_router_bias_update_rate == 0.001
+    # with replay: FSDP counts the replayed experts; megatron-core counts its own choice (refused)
+    rate = ["--moe-router-bias-update-rate", "0.001", "--use-rollout-routing-replay"]
+    assert parse_args(base(models["deepseek_v3"], str(prompts), *rate)).train.moe.use_rollout_routing_replay
+    err = error(capsys, base(models["deepseek_v3"], str(prompts), *rate, "--train-backend", "megatron"))
+    assert "--use-rollout-routing-replay with --moe-router-bias-update-rate is not built with" in err

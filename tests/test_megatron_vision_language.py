@@ -98,6 +98,8 @@ def test_megatron_takes_a_released_qwen3_5_for_text_prompts_only(tmp_path, capsy
     images = ["--apply-chat-template", "--multimodal-keys", '{"image": "images"}']
     err = error(capsys, base(released, str(prompts), *megatron, *images))
     assert "--multimodal-keys with --train-backend megatron: the Megatron backend trains a vision" in err
+    err = error(capsys, base(released, str(prompts), *megatron, "--train-vision-model"))
+    assert "--train-vision-model configure the FSDP backend; with --train-backend megatron drop them" in err
     err = error(capsys, base(released, str(prompts), *megatron, "--advantage-estimator", "ppo"))
     assert "the Megatron backend's critic is not built from (use --train-backend fsdp" in err
 

@@ -118,6 +118,7 @@ def _rank(rank, world_size, init_method, path):
     try:
         actor = actor_with(use_routing_replay=True, moe_aux_loss_coeff=0.01, moe_router_dtype="fp64")
         out["fp64"] = actor.compute_log_probs(batch)
+        out["fp64_dtype"] = actor.backend.routing.dtype
         out["plans"] = [[list(mb) for mb in step.micro_batches] for step in actor.plan(batch)]
         # where each sample starts in its micro-batch (packed back to back, or one per padded row)
         out["starts"] = [
@@ -165,6 +166,7 @@ def _check(path, out):
                 want = out["own"][p][:, li].long().sort(-1).values
                 assert torch.equal(experts[rows].sort(-1).values, want), (p, li)
                 assert torch.equal(table[rows, li].sort(-1).values, want), (p, li)
+    assert out["fp64_dtype"] == torch.float64  # (the float32 router would pass the bound above too)
     assert out["r2_steps"][0]["kl_loss"] == 0.0 and out["r2_steps"][0]["moe_aux_loss"] > 0
 
 

@@ -47,7 +47,8 @@ def sigmoid_weights(
     replayed: their sigmoid scores (the expert bias only chooses, it does not weigh), renormalised
     over the k (+1e-20) when the model does, times its routed scaling factor; the weights
     transformers' and megatron-core's routers give those experts."""
-    top = torch.sigmoid(logits.float()).type_as(logits).gather(1, experts)
+    wide = logits if logits.dtype == torch.float64 else logits.float()  # (--moe-router-dtype fp64)
+    top = torch.sigmoid(wide).type_as(logits).gather(1, experts)
     if normalize:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
     return top * scale

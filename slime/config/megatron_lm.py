@@ -161,9 +161,9 @@ SPECS: tuple[Spec, ...] = (
         "--hf-checkpoint's transformers modeling, which the spec describes. slime's specs for GLM-4 "
         "(slime_plugins.models.glm4 get_glm_spec), Qwen3-Next (slime_plugins.models.qwen3_next "
         "get_qwen3_next_spec) and Qwen3.5 (slime_plugins.models.qwen3_5 get_qwen3_5_spec) are accepted by "
-        "both backends: the Megatron backend builds those families' layers itself; slime's Qwen3.5 "
-        "vision-language provider (slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider) with "
-        "FSDP, which builds the released checkpoint's own model",
+        "both backends: the Megatron backend builds those families' layers itself; so is slime's Qwen3.5 "
+        "vision-language provider (slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider): FSDP "
+        "builds the released checkpoint's own model, Megatron its language model (prompts without images)",
         neutral=tuple(list(spec) for spec in SLIME_SPECS),
         group="architecture",
         refused_note="custom Megatron layer specs are not supported: the Megatron backend builds "

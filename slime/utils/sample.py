@@ -50,13 +50,11 @@ def _images_as(inputs: dict[str, Any] | None, kind: str) -> dict[str, Any] | Non
     path, URL, base64, bytes) stays as given, as in slime: a dump loads where the images are not."""
     if not inputs or not inputs.get("images"):
         return inputs
-    from PIL import Image
-
     from slime.utils.processing_utils import image_to_tensor, tensor_to_image
 
     def convert(image: Any) -> Any:
-        if kind == "tensor":
-            return image_to_tensor(image) if isinstance(image, Image.Image) else image
+        if kind == "tensor":  # a decoded image is PIL's (not imported here: a dump may hold none)
+            return image_to_tensor(image) if type(image).__module__.startswith("PIL.") else image
         is_pixels = hasattr(image, "numpy") and getattr(image, "dim", lambda: 0)() == 3
         return tensor_to_image(image) if is_pixels else image
 

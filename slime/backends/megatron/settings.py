@@ -64,6 +64,14 @@ def check_moe(m: Any, layout: Layout, moe: Any = None) -> str | None:
         )
     if moe is not None and moe.moe_router_bias_update_rate > 0 and not layout.expert_bias:
         return moe.no_expert_bias(f"the --hf-checkpoint model ({layout.model_type})")
+    replay = moe is not None and (moe.use_routing_replay or moe.use_rollout_routing_replay)
+    if replay and moe.moe_router_bias_update_rate > 0:
+        flag = "--use-routing-replay" if moe.use_routing_replay else "--use-rollout-routing-replay"
+        return (
+            f"{flag} with --moe-router-bias-update-rate is not built with --train-backend megatron: "
+            "megatron-core counts the experts it chose, before the replay, for the bias update (the "
+            "FSDP backend counts the replayed ones); use --train-backend fsdp, or one of the two"
+        )
     if moe is not None and layout.num_experts and not router_hooks(layout):
         from slime.utils import model_families
 
