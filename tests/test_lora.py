@@ -302,10 +302,6 @@ def _parse(tiny_model, tmp_path, *flags):
             "has no adapter_config.json",
         ),
         (
-            ["--lora-rank", "8", "--target-modules", "q_proj", "--train-backend", "megatron"],
-            "LoRA is built for the FSDP backend only so far",
-        ),
-        (
             ["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
             "a LoRA run's reference is its base model",
         ),
@@ -362,7 +358,6 @@ def _parse(tiny_model, tmp_path, *flags):
         "negative-rank",
         "dropout",
         "adapter-path",
-        "megatron",
         "ref-load",
         "push-without-rank",
         "push-by-disk",

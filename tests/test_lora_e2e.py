@@ -18,9 +18,11 @@ LORA = ["--rm-type", "exact", "--lora-rank", "8", "--lora-alpha", "16", "--targe
 
 
 @pytest.mark.slow  # ~53 s; the adapter-push job below keeps a LoRA job in the default run
-def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model, prompts, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model, prompts, tmp_path, backend):
     save = str(tmp_path / "ckpt")
     common = [*LORA, "--colocate", "--save", save, "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    common += ["--train-backend", backend]
     proc = run_job(
         "train.py",
         tiny_model,
@@ -46,7 +48,8 @@ def test_a_lora_job_pushes_merged_weights_saves_adapters_and_resumes(tiny_model,
     assert records[-1]["rollout_id"] == 2 and records[-1]["train/grad_norm"] > 0
 
 
-def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.slow)])
+def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path, backend):
     """--lora-push adapter: the engines start with --enable-lora, get the adapter before the first
     rollout, every push sends the adapter alone (a few hundred KB, not the model), and every
     request names it: the trainer's and the engine's log-probs of the samples agree after the
@@ -58,6 +61,8 @@ def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path):
         prompts,
         tmp_path,
         *LORA,
+        "--train-backend",
+        backend,
         "--colocate",
         "--lora-push",
         "adapter",

@@ -414,6 +414,10 @@ def megatron_problem(c: Config) -> str | None:
         return (
             f"{', '.join(given)} configure --train-backend megatron; with --train-backend {backend} drop them"
         )
+    if c.train.lora.enabled and megatron.transformer_impl == "transformer_engine":
+        from slime.config.lora import MEGATRON_TE
+
+        return MEGATRON_TE
     ranks = c.cluster.num_train_ranks
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     cp = megatron.context_parallel_size

@@ -20,6 +20,11 @@ ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "slime_lora"
 """The name the adapter push loads the policy's adapter under in the engines (`lora_path`)."""
 PUSH_MODES = ("merged", "adapter")
+MEGATRON_TE = (
+    "--lora-rank with --transformer-impl transformer_engine: Transformer Engine's layers fold the layer "
+    "norm into the linear layer, whose normed input the adapters need; use --transformer-impl local"
+)
+"""Why the Megatron backend's adapters are refused with Transformer Engine's layers."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,8 @@ def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    title = "LoRA (Miles's flags; the FSDP backend)"
-    for action in add_flags(parser, LoRAConfig, title)[title]._group_actions:
-        # slime.tools.flag_table shows them refused with megatron
-        action.backends = ("fsdp",)  # type: ignore[attr-defined]
+    title = "LoRA (Miles's flags)"
+    add_flags(parser, LoRAConfig, title)
 
 
 def _names(value: str | None) -> tuple[str, ...]:
@@ -136,11 +139,6 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
         raise ValueError(
             f"--lora-adapter-path {adapter!r} has no adapter_config.json: not a PEFT adapter directory "
             "(the --save-hf export of a LoRA run writes one)"
-        )
-    if getattr(ns, "train_backend", "fsdp") != "fsdp":
-        raise ValueError(
-            f"--lora-rank with --train-backend {ns.train_backend}: LoRA is built for the FSDP backend only "
-            "so far (use --train-backend fsdp)"
         )
     if getattr(ns, "train_vision_model", False):
         raise ValueError(

@@ -49,3 +49,9 @@ def model_problems(config: Config) -> Iterator[str]:
     why = refusal(model.model_type, "lora") if train.lora.rank > 0 else None
     if why:
         yield f"--lora-rank {train.lora.rank}: {why}"
+    elif train.lora.rank > 0 and backend == "megatron" and is_vision(model.model_type):
+        yield (
+            f"--lora-rank with --train-backend megatron and {train.hf_checkpoint} (model_type "
+            f"{model.model_type!r}, vision-language): the Megatron backend's adapters are built for text "
+            "models; use --train-backend fsdp"
+        )

@@ -103,6 +103,13 @@ def is_adapter(name: str) -> bool:
     return _ADAPTER_PARAM.match(name) is not None
 
 
+def adapter_parts(name: str) -> tuple[str, str]:
+    """(the module, "A" or "B") of an adapter parameter's name."""
+    m = _ADAPTER_PARAM.match(name)
+    assert m is not None, name
+    return m.group(1), m.group(2)
+
+
 def checkpoint_name(name: str) -> str:
     """A model parameter's name in the base checkpoint (the frozen linear of a LoRA layer is its
     `base_layer`)."""

@@ -22,10 +22,10 @@ from slime.backends import startup
 from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition
 from slime.backends.measures import sum_over_ranks
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron import grads, mtp, settings, train_checkpoint
+from slime.backends.megatron import grads, lora, mtp, settings, train_checkpoint, weights_out
 from slime.backends.megatron.context_parallel import run_micro_batch
 from slime.backends.megatron.convert import Layout, State
-from slime.backends.megatron.export import Mesh, export_hf_tensors, meta_hf_state
+from slime.backends.megatron.export import Mesh
 from slime.backends.megatron.logprobs import from_last_stage, response_log_probs
 from slime.backends.megatron.masters import MasterWeights, copy_in, snapshot
 from slime.backends.megatron.model import model_state, move_rotary_tables
@@ -38,9 +38,7 @@ from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
 from slime.utils import model_families
-from slime.utils.buckets import iter_buckets
 from slime.utils.distributed import init_train_group, leave_train_group
-from slime.utils.errors import UsageError
 from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.step_plans import StepPlan
 
@@ -52,6 +50,7 @@ class MegatronBackend:
     value_head = False  # a PPO critic's output layer is its value head (slime.backends.megatron.critic)
     writes_train_data = True
     ref_state: State | None = None
+    lora: lora.MegatronLoRA | None = None
     teacher_state: State | None = None
 
     def __init__(
@@ -127,7 +126,7 @@ class MegatronBackend:
         self._load_hf(cfg.hf_checkpoint)
         self.optimizer = make_optimizer(list(self.masters.values()) or trained, cfg.optimizer)
         self.schedule = LRSchedule(self.optimizer, cfg.optimizer)
-        if cfg.loss.needs_ref:
+        if cfg.loss.needs_ref and self.lora is None:  # (LoRA's reference: the adapters off)
             ref_dir = cfg.ref_load or cfg.hf_checkpoint
             self.ref_state = (
                 self.snapshot()
@@ -178,6 +177,7 @@ class MegatronBackend:
         model = self._build_gpt(config)
         if self.layout.mtp_layers:  # trained (--enable-mtp-training) or kept as loaded
             mtp.attach(model, self.layout, self.mesh, m.enable_mtp_training, self._cp and self._cp[2])
+        self.lora = lora.build(self.cfg, self.layout, self.hf_config, self.mesh, model)
         if m.bf16:  # megatron-core's torch norms keep float32 weights: Float16Module's cast, done here
             model.bfloat16()
         if not on_cpu:
@@ -227,7 +227,8 @@ class MegatronBackend:
         return {**state, **mtp.module_state(self.model)} if own_mtp else state
 
     def _load_hf(self, hf_dir: str) -> None:
-        self.copy_in(self._read_hf_shard(hf_dir), masters=True)
+        initial = self.lora.initial_state() if self.lora is not None else {}  # (not the checkpoint's)
+        self.copy_in({**self._read_hf_shard(hf_dir), **initial}, masters=True)
 
     def copy_in(self, state: State, masters: bool = False) -> None:
         """`state` into the model (with `masters`, --bf16's master weights too: masters.copy_in)."""
@@ -237,7 +238,7 @@ class MegatronBackend:
         return snapshot(self.model)
 
     def reference_weights(self) -> contextlib.AbstractContextManager[None]:
-        return reference(self)
+        return self.lora.off() if self.lora is not None else reference(self)
 
     @property
     def packs_sequences(self) -> bool:
@@ -444,27 +445,19 @@ class MegatronBackend:
     def load(self, path: str) -> int | None:
         return train_checkpoint.load_train_checkpoint(self, path)
 
-    def save_hf(self, path: str) -> None:  # with the MTP modules built (a push leaves them out)
-        tensors = export_hf_tensors(
-            {k: v.detach() for k, v in self.model_state().items()}, self.layout, self.mesh, with_mtp=True
-        )
-        config = mtp.saved_config(self.hf_config, self.layout)
-        train_checkpoint.save_hf_from_actor(self, path, tensors=tensors, config=config)
+    def save_hf(self, path: str) -> None:
+        weights_out.save_hf(self, path)
 
     def export_weights(
         self, bucket_bytes: int, every_rank: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        local = {k: v.detach() for k, v in self.model_state().items()}
-        named = export_hf_tensors(local, self.layout, self.mesh, every_rank)
-        yields = every_rank or self.rank == 0
-        return iter_buckets(mckpt.as_stored(named, self.cfg.hf_checkpoint, yields), bucket_bytes)
+        return weights_out.export_weights(self, bucket_bytes, every_rank)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {name: tuple(t.shape) for name, t in meta_hf_state(self.layout, with_mtp=False).items()}
-        return mckpt.stored_shapes(shapes, self.cfg.hf_checkpoint)
+        return weights_out.weight_shapes(self)
 
     def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-        raise UsageError("LoRA is built on the FSDP backend only (--train-backend fsdp)")
+        return weights_out.export_adapter(self)
 
     # ---- colocation -------------------------------------------------------------------------
     def sleep(self, keep_params: bool = False) -> None:

@@ -76,6 +76,7 @@ def reduce_gradients(
             for n, g in named
             if (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
             or getattr(params[n], "sequence_parallel", False)
+            or getattr(params[n], "tp_partial", False)  # LoRA adapters on a split layer (megatron.lora)
         ]
         all_reduce_coalesced(partial, mesh.tp_group, device)
         replicated = [g for n, g in named if getattr(params[n], "average_over_tp", False)]

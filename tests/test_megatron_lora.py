@@ -1,0 +1,172 @@
+"""LoRA on the Megatron actor (slime.backends.megatron.lora): the same job trains like the FSDP
+actor's PEFT adapters (log-probs, step metrics, the merged weights and the adapters themselves
+within 1e-5 in float32) over TP 2, PP 2 and, on Qwen3-MoE's attention, EP 2; step 0 is the base
+model bit for bit; --save-hf writes a PEFT adapter directory PEFT loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[lora]')")
+
+from tests.dist_helpers import run_ranks
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ("all-linear",)}
+
+
+def _run(
+    rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, save_hf=None, lora=True, targets=None
+):
+    from slime.backends import make_train_actor
+    from slime.config.lora import LoRAConfig
+    from slime.config.train import MegatronConfig
+    from tests.test_fsdp_actor import base_config, make_batch
+    from tests.test_megatron_actor import exported
+
+    torch.set_num_threads(1)
+    cfg = base_config(model, micro_batch_size=2)
+    if lora:
+        settings = {**LORA, "target_modules": targets or LORA["target_modules"]}
+        cfg = dataclasses.replace(cfg, lora=LoRAConfig(**settings, save_merged=save_hf is not None))
+    if backend == "megatron":
+        parallel = MegatronConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
+        cfg = dataclasses.replace(cfg, backend="megatron", megatron=parallel)
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    out = {"lp0": actor.compute_log_probs(make_batch(0))}
+    if not lora:
+        actor.close()
+        return out
+    out["steps"] = [s for r in range(2) for s in actor.train(r, make_batch(r)).steps]
+    out["lp1"] = actor.compute_log_probs(make_batch(7))
+    out["weights"] = exported(actor)
+    named, config = actor.export_adapter()
+    out["adapter"], out["config"] = {n: t.clone() for n, t in named}, config
+    if save_hf:
+        actor.save_hf(save_hf)
+        actor.save(0, save_hf + "-megatron")
+    actor.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_lora(tiny_model):
+    return run_ranks(1, _run, tiny_model, "fsdp")[0]
+
+
+def _same(fsdp, ranks):
+    for key in ("lp0", "lp1"):
+        for result in ranks:  # each rank: its data-parallel share, keyed by sample index
+            for i, values in result[key].items():
+                torch.testing.assert_close(
+                    torch.tensor(values), torch.tensor(fsdp[key][i]), rtol=0, atol=1e-5
+                )
+    for a, b in zip(fsdp["steps"], ranks[0]["steps"], strict=True):
+        for metric in ("loss", "pg_loss", "grad_norm", "kl_loss"):
+            assert abs(a[metric] - b[metric]) < 1e-5 * max(1.0, abs(a[metric])), (
+                metric,
+                a[metric],
+                b[metric],
+            )
+    weights = ranks[0]["weights"]
+    assert weights.keys() == fsdp["weights"].keys()
+    for name, value in fsdp["weights"].items():  # the push: base weights with the adapters merged
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+    adapter = ranks[0]["adapter"]
+    assert adapter.keys() == fsdp["adapter"].keys() and ranks[0]["config"] == fsdp["config"]
+    for name, value in fsdp["adapter"].items():
+        torch.testing.assert_close(adapter[name], value, rtol=0, atol=1e-5, msg=name)
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # the adapters trained
+
+
+@pytest.mark.parametrize(
+    "tp, pp", [(1, 1), (2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp1", "tp2", "pp2"]
+)
+def test_megatron_lora_trains_like_fsdp_lora(fsdp_lora, tiny_model, tp, pp):
+    _same(fsdp_lora, run_ranks(tp * pp, _run, tiny_model, "megatron", tp, pp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["glm4", "qwen3_5"])
+def test_megatron_lora_on_other_layer_kinds_over_tp2_trains_like_fsdp(tmp_path, arch):
+    """GLM-4's gate and up stored as one tensor; Qwen3.5's gated attention (query and gate in one
+    q_proj) and gated delta-net projections."""
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    path = make_model(str(tmp_path / arch), 0, "--arch", arch, *FAMILY_SIZE)
+    _same(run_ranks(1, _run, path, "fsdp")[0], run_ranks(2, _run, path, "megatron", 2))
+
+
+@pytest.mark.slow
+def test_megatron_lora_on_a_moe_models_attention_over_ep2_trains_like_fsdp(tiny_moe):
+    """Qwen3-MoE with adapters on its attention; the experts, split over two expert-parallel
+    ranks, stay frozen."""
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    fsdp = run_ranks(1, _run, tiny_moe, "fsdp", 1, 1, 1, None, True, attention)[0]
+    _same(fsdp, run_ranks(2, _run, tiny_moe, "megatron", 1, 1, 2, None, True, attention))
+
+
+def test_step_0_is_the_base_model_and_save_hf_writes_what_peft_loads(tiny_model, tmp_path):
+    """B starts at zero: the first log-probs are the base model's, bit for bit (at TP 1: with TP
+    megatron-core runs frozen weights through another kernel path, an ulp apart). --save-hf writes
+    the adapter PEFT loads on --hf-checkpoint (its merge equal to the pushed weights), and
+    --lora-save-merged the merged model beside it."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = run_ranks(1, _run, tiny_model, "megatron", 1, 1, 1, None, False)
+    lora = run_ranks(1, _run, tiny_model, "megatron", 1, 1, 1, str(tmp_path / "hf"))
+    assert lora[0]["lp0"] == base[0]["lp0"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(hf, str(tmp_path / "hf")).merge_and_unload()
+    state = merged.state_dict()
+    written = load_file(tmp_path / "hf" / "merged" / "model.safetensors")
+    for name, value in lora[0]["weights"].items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(written[name], value), name
+    # its Megatron checkpoint holds the adapters beside the base model: the conversion tool, which
+    # writes a base model, refuses it rather than drop them
+    from tests.test_megatron_tools import tool
+
+    r = tool(
+        "convert_megatron_to_hf",
+        "--load-dir",
+        str(tmp_path / "hf-megatron"),
+        "--hf-checkpoint",
+        tiny_model,
+        "--save-dir",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode == 2 and "a LoRA run's checkpoint" in r.stderr, r.stderr
+
+
+def test_what_megatron_lora_does_not_build_is_refused(tiny_model, tmp_path):
+    """Transformer Engine's fused layer-norm linears (the adapters need the normed input) and an
+    adapter outside the decoder layers (lm_head): refused by name."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from slime.backends.megatron import lora
+    from slime.backends.megatron.convert import Layout
+    from slime.config.lora import LoRAConfig
+    from slime.utils.errors import UsageError
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    mesh = SimpleNamespace(tp=1, pp=1, tp_rank=0, pp_rank=0)
+    cfg = SimpleNamespace(lora=LoRAConfig(rank=4, target_modules=("all-linear",)), seed=0)
+    with pytest.raises(UsageError, match="--lora-rank with --transformer-impl transformer_engine"):
+        lora.build(cfg, Layout.from_hf_config(config, fold_norms=True), config, mesh, torch.nn.Module())
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    untied = AutoConfig.from_pretrained(make_model(str(tmp_path / "glm4"), 0, "--arch", "glm4", *FAMILY_SIZE))
+    cfg = SimpleNamespace(lora=LoRAConfig(rank=4, target_modules=("q_proj", "lm_head")), seed=0)
+    with pytest.raises(UsageError, match="LoRA on lm_head is not built with --train-backend megatron"):
+        lora.build(cfg, Layout.from_hf_config(untied), untied, mesh, torch.nn.Module())
