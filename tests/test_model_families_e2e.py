@@ -105,10 +105,15 @@ def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora])
-def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(prompts, tmp_path, arch):
-    """--lora-push adapter on the per-sequence runner: the engine applies the trained adapter
-    (trainer and engine log-probs agree after the adapters trained), and the sync check passes."""
+@pytest.mark.parametrize(
+    "arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora and f.megatron is None]
+)
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(
+    prompts, tmp_path, arch, backend
+):
+    """--lora-push adapter: the engine applies the trained adapter (trainer and engine log-probs
+    agree after the adapters trained), and the sync check passes, with either backend."""
     model = make_model(str(tmp_path / arch), 0, "--arch", arch, "--hidden-size", "64", "--num-layers", "2")
     proc = run_job(
         "train.py",
@@ -134,6 +139,8 @@ def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(p
         "--use-kl-loss",
         "--kl-loss-coef",
         "0.01",
+        "--train-backend",
+        backend,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]
