@@ -170,3 +170,20 @@ def test_what_megatron_lora_does_not_build_is_refused(tiny_model, tmp_path):
     cfg = SimpleNamespace(lora=LoRAConfig(rank=4, target_modules=("q_proj", "lm_head")), seed=0)
     with pytest.raises(UsageError, match="LoRA on lm_head is not built with --train-backend megatron"):
         lora.build(cfg, Layout.from_hf_config(untied), untied, mesh, torch.nn.Module())
+
+
+def test_adapters_on_a_moe_models_experts_or_router_are_refused_by_name(tiny_moe):
+    """PEFT's all-linear also wraps Qwen3-MoE's fused experts and its router, which are not linear
+    layers: refused naming one, for both backends (they build the adapters alike)."""
+    from transformers import AutoConfig
+
+    from slime.backends.megatron.lora import hf_adapters
+    from slime.config.lora import LoRAConfig
+    from slime.utils.errors import UsageError
+
+    config = AutoConfig.from_pretrained(tiny_moe)
+    with pytest.raises(
+        UsageError, match=r"PEFT puts an adapter on model\.layers\.0\.mlp\.\w+, which is not a linear"
+    ):
+        hf_adapters(config, LoRAConfig(rank=4, target_modules=("all-linear",)), 0)
+    assert hf_adapters(config, LoRAConfig(rank=4, target_modules=("q_proj", "o_proj")), 0)

@@ -82,6 +82,19 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             "would then change twice; leave lm_head out"
         )
     model = inject_adapter_in_model(peft_config(cfg, tower), model)
+    # PEFT also wraps a mixture-of-experts model's fused experts and router (their weights, not
+    # linear layers: its ParamWrapper), which neither the checkpoint reader nor the engine maps yet
+    wrapped = [
+        n.removesuffix(".base_layer")
+        for n, m in model.named_modules()
+        if hasattr(m, "get_base_layer") and not isinstance(m.get_base_layer(), nn.Linear)
+    ]
+    if wrapped:
+        raise UsageError(
+            f"--target-modules {','.join(cfg.target_modules)}: PEFT puts an adapter on {wrapped[0]}, which is "
+            "not a linear layer (a mixture-of-experts model's experts or router); LoRA on those is not built "
+            "yet: name the linear layers instead (e.g. q_proj,k_proj,v_proj,o_proj)"
+        )
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
     return model
