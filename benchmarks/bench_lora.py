@@ -1,8 +1,11 @@
-"""LoRA against full fine-tuning on the FSDP actor: memory per rank, the push's size and time, the
-step time, in one run (the baseline is full fine-tuning of the same model).
+"""LoRA against full fine-tuning on the FSDP actor (and the Megatron actor: --train-backends
+fsdp megatron): memory per rank, the push's size and time, the step time, in one run (the
+baseline is full fine-tuning of the same model with the same backend).
 
     python benchmarks/bench_lora.py [--model-path DIR] [--ranks 2] [--rank 8] [--rollouts 3]
-        [--target-modules all-linear]
+        [--target-modules all-linear] [--train-backends fsdp megatron]
+
+With Megatron the ranks are tensor-parallel ranks (each holds its shard of every layer).
 
 The model (default: a 12-layer, 768-wide Qwen3 built here, 75.6 M parameters) trains on --ranks
 gloo ranks, one process each, with the rollout of benchmarks/bench_train.py (64 samples, two
@@ -30,13 +33,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, rollouts):
+def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, rollouts, backend):
     import torch
     from bench_train import make_rollout
 
-    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.backends import make_train_actor
     from slime.config.lora import LoRAConfig
-    from slime.config.train import BatchConfig, OptimizerConfig, TrainConfig
+    from slime.config.train import BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
 
     cfg = TrainConfig(
         hf_checkpoint=model_path,
@@ -47,7 +50,11 @@ def run_rank(rank, world_size, init_method, model_path, lora_rank, targets, roll
         cfg = dataclasses.replace(
             cfg, lora=LoRAConfig(rank=lora_rank, alpha=2 * lora_rank, target_modules=targets)
         )
-    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    if backend == "megatron":
+        cfg = dataclasses.replace(
+            cfg, backend="megatron", megatron=MegatronConfig(tensor_model_parallel_size=world_size)
+        )
+    actor = make_train_actor(cfg, rank, world_size, init_method)
     actor.init()
     vocab = actor.backend.hf_config.vocab_size
     seconds = []
@@ -101,6 +108,7 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=8, help="the LoRA rank")
     parser.add_argument("--target-modules", default="all-linear")
     parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--train-backends", nargs="+", default=["fsdp"], choices=["fsdp", "megatron"])
     args = parser.parse_args()
     model_path = args.model_path
     if model_path is None:
@@ -125,12 +133,19 @@ def main() -> int:
     from tests.dist_helpers import run_ranks
 
     targets = tuple(t.strip() for t in args.target_modules.split(","))
-    full = run_ranks(args.ranks, run_rank, model_path, 0, targets, args.rollouts)[0]
-    low = run_ranks(args.ranks, run_rank, model_path, args.rank, targets, args.rollouts)[0]
+    for backend in args.train_backends:
+        full = run_ranks(args.ranks, run_rank, model_path, 0, targets, args.rollouts, backend)[0]
+        low = run_ranks(args.ranks, run_rank, model_path, args.rank, targets, args.rollouts, backend)[0]
+        print(
+            f"\n{backend}: model {model_path}, {args.ranks} ranks, LoRA rank {args.rank} on "
+            f"{args.target_modules}; per rank 0:"
+        )
+        table(full, low)
+    return 0
+
+
+def table(full: dict, low: dict) -> None:
     mb = 1e6
-    print(
-        f"model {model_path}, {args.ranks} ranks, LoRA rank {args.rank} on {args.target_modules}; per rank 0:"
-    )
     print(f"{'':34}{'full':>14}{'LoRA':>14}{'LoRA / full':>14}")
     rows = [
         ("trainable parameters", full["trainable"], low["trainable"], 1),
@@ -144,7 +159,6 @@ def main() -> int:
     ]
     for label, a, b, unit in rows:
         print(f"{label:34}{a / unit:>14.4g}{b / unit:>14.4g}{b / a if a else float('nan'):>14.4f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -92,7 +92,11 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         "packed/padded",
         True,
     ),
-    "bench_lora": (["--ranks", "1", "--rollouts", "1"], "push MB (full / adapters alone)", True),
+    "bench_lora": (
+        ["--ranks", "1", "--rollouts", "1", "--train-backends", "fsdp", "megatron"],
+        "megatron: model",
+        True,
+    ),
     "bench_megatron": (["--rollouts", "1"], "megatron", True),
     "bench_deterministic": (["--threads", "1", "--num-rollout", "4"], "deterministic / default =", True),
     "bench_loop": (["--num-rollout", "2", "--warmup", "0"], "train_async / train =", True),

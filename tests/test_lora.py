@@ -302,6 +302,20 @@ def _parse(tiny_model, tmp_path, *flags):
             "has no adapter_config.json",
         ),
         (
+            [
+                "--lora-rank",
+                "8",
+                "--target-modules",
+                "q_proj",
+                "--enable-mtp-training",
+                "--mtp-num-layers",
+                "1",
+                "--train-backend",
+                "megatron",
+            ],
+            "--enable-mtp-training with --lora-rank: the multi-token prediction modules get no adapters",
+        ),
+        (
             ["--lora-rank", "8", "--target-modules", "q_proj", "--ref-load", "/elsewhere", "--use-kl-loss"],
             "a LoRA run's reference is its base model",
         ),
@@ -358,6 +372,7 @@ def _parse(tiny_model, tmp_path, *flags):
         "negative-rank",
         "dropout",
         "adapter-path",
+        "mtp-training",
         "ref-load",
         "push-without-rank",
         "push-by-disk",

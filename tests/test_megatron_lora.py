@@ -19,7 +19,18 @@ LORA = {"rank": 4, "alpha": 8, "target_modules": ("all-linear",)}
 
 
 def _run(
-    rank, world_size, init_method, model, backend, tp=1, pp=1, ep=1, save_hf=None, lora=True, targets=None
+    rank,
+    world_size,
+    init_method,
+    model,
+    backend,
+    tp=1,
+    pp=1,
+    ep=1,
+    save_hf=None,
+    lora=True,
+    targets=None,
+    recompute=False,
 ):
     from slime.backends import make_train_actor
     from slime.config.lora import LoRAConfig
@@ -32,6 +43,10 @@ def _run(
     if lora:
         settings = {**LORA, "target_modules": targets or LORA["target_modules"]}
         cfg = dataclasses.replace(cfg, lora=LoRAConfig(**settings, save_merged=save_hf is not None))
+    if recompute:  # megatron-core's full recompute: each layer runs again in backward (reentrant)
+        from slime.config.train import ModelOptions
+
+        cfg = dataclasses.replace(cfg, model=ModelOptions(recompute_granularity="full"))
     if backend == "megatron":
         parallel = MegatronConfig(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
@@ -86,10 +101,14 @@ def _same(fsdp, ranks):
 
 
 @pytest.mark.parametrize(
-    "tp, pp", [(1, 1), (2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp1", "tp2", "pp2"]
+    "tp, pp, recompute",
+    [(1, 1, False), (2, 1, False), (1, 1, True), pytest.param(1, 2, True, marks=pytest.mark.slow)],
+    ids=["tp1", "tp2", "tp1-recompute", "pp2-recompute"],
 )
-def test_megatron_lora_trains_like_fsdp_lora(fsdp_lora, tiny_model, tp, pp):
-    _same(fsdp_lora, run_ranks(tp * pp, _run, tiny_model, "megatron", tp, pp))
+def test_megatron_lora_trains_like_fsdp_lora(fsdp_lora, tiny_model, tp, pp, recompute):
+    """With full recompute too: every layer, the first included, trains its adapters."""
+    ranks = run_ranks(tp * pp, _run, tiny_model, "megatron", tp, pp, 1, None, True, None, recompute)
+    _same(fsdp_lora, ranks)
 
 
 @pytest.mark.slow
@@ -135,16 +154,40 @@ def test_step_0_is_the_base_model_and_save_hf_writes_what_peft_loads(tiny_model,
     # writes a base model, refuses it rather than drop them
     from tests.test_megatron_tools import tool
 
-    r = tool(
-        "convert_megatron_to_hf",
-        "--load-dir",
-        str(tmp_path / "hf-megatron"),
-        "--hf-checkpoint",
-        tiny_model,
-        "--save-dir",
-        str(tmp_path / "out"),
+    ckpt = str(tmp_path / "hf-megatron")
+    for args in (
+        ["convert_megatron_to_hf", "--hf-checkpoint", tiny_model],
+        ["convert_checkpoint", "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"],
+    ):
+        r = tool(*args, "--load-dir", ckpt, "--save-dir", str(tmp_path / "out"))
+        assert r.returncode == 2 and "a LoRA run's checkpoint" in r.stderr, r.stderr
+
+
+def test_a_lora_run_starts_from_a_converted_base_checkpoint(tiny_model, tmp_path):
+    """--load of convert_hf_to_megatron's release checkpoint: the base from it, the adapters fresh
+    (the same first log-probs as from --hf-checkpoint)."""
+    from tests.test_megatron_tools import tool
+
+    r = tool("convert_hf_to_megatron", "--hf-checkpoint", tiny_model, "--save-dir", str(tmp_path / "release"))
+    assert r.returncode == 0, r.stderr
+    from_hf = run_ranks(1, _run, tiny_model, "megatron")[0]
+    loaded = run_ranks(1, _load_run, tiny_model, str(tmp_path / "release"))[0]
+    assert loaded == from_hf["lp0"]
+
+
+def _load_run(rank, world_size, init_method, model, load):
+    from slime.backends import make_train_actor
+    from slime.config.lora import LoRAConfig
+    from tests.test_fsdp_actor import base_config, make_batch
+
+    cfg = dataclasses.replace(
+        base_config(model, micro_batch_size=2), backend="megatron", load=load, lora=LoRAConfig(**LORA)
     )
-    assert r.returncode == 2 and "a LoRA run's checkpoint" in r.stderr, r.stderr
+    actor = make_train_actor(cfg, rank, world_size, init_method)
+    actor.init()
+    out = actor.compute_log_probs(make_batch(0))
+    actor.close()
+    return out
 
 
 def test_what_megatron_lora_does_not_build_is_refused(tiny_model, tmp_path):

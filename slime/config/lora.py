@@ -140,6 +140,11 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
             f"--lora-adapter-path {adapter!r} has no adapter_config.json: not a PEFT adapter directory "
             "(the --save-hf export of a LoRA run writes one)"
         )
+    if getattr(ns, "enable_mtp_training", False):
+        raise ValueError(
+            "--enable-mtp-training with --lora-rank: the multi-token prediction modules get no adapters "
+            "and the base stays frozen, so nothing of them would train; drop one of the flags"
+        )
     if getattr(ns, "train_vision_model", False):
         raise ValueError(
             "--train-vision-model with --lora-rank: the adapters are the language model's and only they "

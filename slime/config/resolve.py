@@ -75,13 +75,15 @@ def resolve(ns: argparse.Namespace) -> Resolution:
         why = f"auto: {'Megatron on GPUs, as in slime' if ns.device == 'cuda' else 'FSDP on CPU'}"
     backend = getattr(ns, "train_backend", "fsdp")
     out.lines.append(f"train backend: {backend} ({why})")
-    if ns.transformer_impl == "auto":
-        te = backend == "megatron" and ns.device == "cuda"
+    if ns.transformer_impl == "auto":  # (LoRA's adapters need the local spec: slime.config.lora)
+        te = backend == "megatron" and ns.device == "cuda" and not (getattr(ns, "lora_rank", 0) or 0)
         ns.transformer_impl = "transformer_engine" if te else "local"
         if backend == "megatron":
             out.lines.append(
                 f"transformer impl: {ns.transformer_impl} (auto: "
                 f"{'Megatron-LM default on GPUs' if te else 'megatron-core local spec on CPU'})"
+                if te or ns.device != "cuda"
+                else "transformer impl: local (auto: the local spec, which LoRA's adapters need)"
             )
     elif backend == "megatron":
         out.lines.append(f"transformer impl: {ns.transformer_impl} (given)")

@@ -24,6 +24,7 @@ from slime.backends.megatron.sharding import repad_vocab
 
 def main(argv: list[str] | None = None) -> int:
     from slime.backends.megatron.checkpoint import (
+        check_no_adapters,
         check_target,
         load_megatron,
         save_megatron,
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_target(ns.save_dir)
         parts, args = load_megatron(ns.load_dir)
+        check_no_adapters(parts, ns.load_dir)
         layout = stored_layout(args, ns.load_dir)
         if ns.make_vocab_size_divisible_by is not None:
             layout = dataclasses.replace(layout, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by)

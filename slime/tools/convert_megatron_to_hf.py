@@ -19,6 +19,7 @@ from slime.backends.megatron.rank_files import merge_ranks
 
 def main(argv: list[str] | None = None) -> int:
     from slime.backends.megatron.checkpoint import (
+        check_no_adapters,
         check_target,
         is_vision_language,
         load_megatron,
@@ -43,12 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_target(ns.save_dir)
         parts, args = load_megatron(ns.load_dir)
-        if any(name.startswith("lora_adapters.") for part in parts.values() for name in part):
-            raise ConversionError(
-                f"--load-dir {ns.load_dir}: a LoRA run's checkpoint (its adapters beside the frozen base "
-                "model), which this tool does not merge; the run's --save-hf writes the adapter as a PEFT "
-                "directory, and with --lora-save-merged the merged model"
-            )
+        check_no_adapters(parts, ns.load_dir)
         layout = stored_layout(args, ns.load_dir)
         # the pipeline stages are the checkpoint's layout, not the model's: taken from it
         expected = hf_layout(

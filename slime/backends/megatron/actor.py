@@ -227,7 +227,7 @@ class MegatronBackend:
         return {**state, **mtp.module_state(self.model)} if own_mtp else state
 
     def _load_hf(self, hf_dir: str) -> None:
-        initial = self.lora.initial_state() if self.lora is not None else {}  # (not the checkpoint's)
+        initial = self.lora.initial if self.lora is not None else {}  # (not the checkpoint's)
         self.copy_in({**self._read_hf_shard(hf_dir), **initial}, masters=True)
 
     def copy_in(self, state: State, masters: bool = False) -> None:

@@ -137,6 +137,17 @@ def save_megatron(
     publish(partial, final)
 
 
+def check_no_adapters(parts: Mapping[Any, State], load_dir: str) -> None:
+    """The conversion tools move a model's weights; a LoRA run's checkpoint (its adapters beside
+    the frozen base, `lora_adapters.*`) is refused rather than written without them."""
+    if any(name.startswith("lora_adapters.") for part in parts.values() for name in part):
+        raise ConversionError(
+            f"--load-dir {load_dir}: a LoRA run's checkpoint (its adapters beside the frozen base model), "
+            "which the conversion tools do not carry; the run's --save-hf writes the adapter as a PEFT "
+            "directory, and with --lora-save-merged the merged model"
+        )
+
+
 def load_megatron(load_dir: str) -> tuple[dict[Key, State], dict[str, Any]]:
     """Every (TP rank, stage, EP rank) state dict of the tracked iteration, and the stored args."""
     tracker = os.path.join(load_dir, TRACKER)

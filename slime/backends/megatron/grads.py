@@ -7,7 +7,8 @@
   megatron-core) see only a rank's part of the sequence, so their gradients are summed over the
   TP group (as megatron-core's finalize_model_grads does); modules every TP rank computes whole
   (the gated delta-nets: `average_over_tp`) have their gradients averaged over it, so rounding
-  differences between ranks never make the replicas drift;
+  differences between ranks never make the replicas drift; LoRA adapters on a layer cut over TP
+  (`tp_partial`, slime.backends.megatron.lora) have theirs summed, each rank's being its part;
 - pipeline with tied embeddings: the first stage's embedding and the last stage's output layer
   are one HF tensor; their gradients are summed over megatron-core's embedding group; so are the
   embedding's and the last stage's copy of it that its multi-token prediction modules read (they

@@ -8,18 +8,23 @@ shapes, and they start as PEFT starts them (slime.backends.fsdp.lora: fresh from
 whole on every rank of its pipeline stage.
 
 megatron-core fuses and splits the HF modules (q, k and v in one `linear_qkv` grouped by query
-group, [gate; up] in `linear_fc1`, each cut over the tensor-parallel ranks). Which HF row and
-column each element of a rank's weight is, is found by running the checkpoint conversion itself
-(slime.backends.megatron.layer_map, sharding.split_tp) on index tensors, so every layer kind the
+group, [gate; up] in `linear_fc1`, each cut over the tensor-parallel ranks). Which HF rows a rank's
+weight holds, and whether its columns are cut, is found by running the checkpoint conversion
+itself (slime.backends.megatron.layer_map, sharding.split_tp) on small index tensors ([out, tp]:
+the conversion moves whole rows, and cuts columns only into TP's parts), so every layer kind the
 conversion knows is placed the way its weights are. A forward hook on each such layer adds
 scaling * B A x, in one of two shapes:
 
-- column (the layer's input whole, its output rows this rank's): A x on the whole input (under
-  sequence parallelism gathered first, as the layer does), then this rank's rows of B. The input
-  gradient is summed over TP as the layer sums its own (copy_to_tensor_model_parallel_region).
+- column (the layer's input whole, its output rows this rank's): A x, then this rank's rows of
+  B. The input gradient is summed over TP as the layer sums its own
+  (copy_to_tensor_model_parallel_region).
 - row (the input's columns split over TP, the output whole: linear_proj, linear_fc2): this rank's
-  columns of A, the partial products summed over TP, then B (under sequence parallelism the
-  output cut to this rank's part of the sequence, as the layer's).
+  columns of A, the partial products summed over TP, then B.
+
+Sequence parallelism needs Transformer Engine here, whose fused layer-norm linears take the input
+before the norm: LoRA is refused with it (so a MoE model's adapters run at TP 1). The embedding's
+output asks for a gradient, so that megatron-core's full recompute (a reentrant checkpoint) gives
+the adapters of every layer theirs.
 
 Gradients: a rank computes a part of A's and B's where it holds part of the layer (summed over
 TP: `tp_partial`), the whole where it holds the layer whole (equal on every rank:
@@ -28,7 +33,6 @@ TP: `tp_partial`), the whole where it holds the layer whole (equal on every rank
 The base weights are frozen; only the adapters train. The reference pass runs with the adapters
 off (`enabled`), the base model. The push merges W + scaling * B A in HF names (as
 slime.backends.fsdp.lora.merged, PEFT's merge), or sends the adapters alone under PEFT's names.
-Transformer Engine's fused layer-norm linears take the input before the norm: not built here.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ class Target:
     cols: torch.Tensor | None  # row: the HF input columns of this rank's input
     whole: bool  # the rank holds the whole layer (TP 1, or a layer TP leaves whole)
 
+    def to(self, device: torch.device) -> None:
+        """The index tensors on `device` (once: the hook reads them every forward)."""
+        if self.order.device != device:
+            self.rows = [r.to(device) for r in self.rows]
+            self.order = self.order.to(device)
+            self.cols = None if self.cols is None else self.cols.to(device)
+
 
 def hf_adapters(hf_config: Any, cfg: LoRAConfig, seed: int) -> dict[str, torch.Tensor]:
     """PEFT's adapters of --hf-checkpoint's transformers model ("<module>.lora_A.default.weight"),
@@ -90,13 +101,13 @@ def plan(
             hit = [n.removesuffix(".weight") for n in pair.hf if n.removesuffix(".weight") in ids]
             if not pair.mc.endswith(".weight") or not hit:
                 continue
-            index = [_index(n, s, ids) for n, s in zip(pair.hf, pair.shapes, strict=True)]
+            index = [_index(n, s, ids, tp) for n, s in zip(pair.hf, pair.shapes, strict=True)]
             full = pair.to_megatron(index, layout.num_query_groups)
             local = split_tp({pair.mc: full}, layout, tp)[tp_rank][pair.mc]
             name = pair.mc.removesuffix(".weight").replace(
                 f"decoder.layers.{i}.", f"decoder.layers.{i - layers.start}.", 1
             )
-            targets.append(_target(name, local, hit, ids, shapes))
+            targets.append(_target(name, local, hit, ids, shapes, tp))
             found.update(hit)
     missing = sorted(m for m in shapes if layer_of(m) in layers and m not in found)
     if missing:
@@ -115,28 +126,32 @@ def layer_of(module: str) -> int | None:
     return None
 
 
-def _index(hf_name: str, shape: tuple[int, ...], ids: dict[str, int]) -> torch.Tensor:
+def _index(hf_name: str, shape: tuple[int, ...], ids: dict[str, int], tp: int) -> torch.Tensor:
+    """An HF weight's stand-in: module id << 42 | row << 21 | j, [out, tp]. The conversion moves
+    whole rows (fuses, groups, cuts them over TP) and cuts columns only into TP's equal parts, so
+    `tp` columns tell a column cut (one left, j = the part) from a row cut (all left)."""
     module = hf_name.removesuffix(".weight")
     if module not in ids:
-        return torch.full(shape, -1, dtype=torch.int64)
-    out, inp = shape
-    if max(out, inp) > _MASK:
-        raise UsageError(f"LoRA on {module}: {shape} is past the {_MASK + 1} rows or columns placed here")
-    rows = torch.arange(out, dtype=torch.int64)[:, None] << _BITS
-    return (ids[module] << (2 * _BITS)) | rows | torch.arange(inp, dtype=torch.int64)[None, :]
+        return torch.full((shape[0], tp), -1, dtype=torch.int64)
+    if shape[0] > _MASK:
+        raise UsageError(f"LoRA on {module}: {shape[0]} rows, past the {_MASK + 1} placed here")
+    rows = torch.arange(shape[0], dtype=torch.int64)[:, None] << _BITS
+    return (ids[module] << (2 * _BITS)) | rows | torch.arange(tp, dtype=torch.int64)[None, :]
 
 
 def _target(
-    name: str, local: torch.Tensor, hit: list[str], ids: dict[str, int], shapes: dict[str, tuple[int, ...]]
+    name: str,
+    local: torch.Tensor,
+    hit: list[str],
+    ids: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
+    tp: int,
 ) -> Target:
     """The shape of the adapters on one layer, read off its index tensor (module docstring)."""
-    mid, row, col = local >> (2 * _BITS), (local >> _BITS) & _MASK, local & _MASK
-    targeted = mid[:, 0] >= 0
-    hf_in = shapes[hit[0]][1]
-    whole_input = local.shape[1] == hf_in and bool((col[targeted] == torch.arange(hf_in)).all())
-    per_row = bool((mid == mid[:, :1]).all()) and bool((row == row[:, :1]).all())
+    mid, row, part = local >> (2 * _BITS), (local >> _BITS) & _MASK, local & _MASK
     modules = [m for m in ids if m in hit]
-    if whole_input and per_row:
+    per_row = bool((mid == mid[:, :1]).all()) and bool((row == row[:, :1]).all())
+    if per_row and local.shape[1] == tp:  # the input whole: a column layer (or a layer left whole)
         rows, order, offset = [], torch.full((local.shape[0],), -1, dtype=torch.int64), 0
         for m in modules:
             mine = (mid[:, 0] == ids[m]).nonzero()[:, 0]
@@ -147,13 +162,20 @@ def _target(
         whole = all(len(r) == shapes[m][0] for m, r in zip(modules, rows, strict=True))
         return Target(name, "column", modules, rows, order, None, whole)
     whole_output = len(modules) == 1 and local.shape[0] == shapes[modules[0]][0]
-    if whole_output and per_row and bool((mid == ids[modules[0]]).all()) and bool((col == col[:1]).all()):
-        return Target(name, "row", modules, [row[:, 0]], torch.empty(0), col[0], whole=False)
+    if per_row and whole_output and bool((mid == ids[modules[0]]).all()):  # the input cut: a row layer
+        cols = torch.arange(shapes[modules[0]][1]).chunk(tp)[int(part[0, 0])]
+        return Target(name, "row", modules, [row[:, 0]], torch.empty(0), cols, whole=False)
     raise UsageError(
         f"LoRA on {', '.join(hit)} is not built with --train-backend megatron: megatron-core's {name} "
         "holds them in a layout the adapters are not placed in (use --train-backend fsdp, or "
         "--target-modules without them)"
     )
+
+
+def key(name: str) -> str:
+    """An adapter's key in the model (`lora_adapters.weights.<key>`): its PEFT name, dots dashed
+    (a parameter's name holds none), so a checkpoint names what it holds."""
+    return name.replace(".", "-")
 
 
 class MegatronLoRA(nn.Module):
@@ -162,31 +184,26 @@ class MegatronLoRA(nn.Module):
     def __init__(self, adapters: dict[str, torch.Tensor], targets: list[Target], cfg: LoRAConfig):
         super().__init__()
         self.scaling, self.dropout, self.enabled = cfg.scaling, cfg.dropout, True
-        self.names: list[str] = []  # PEFT's model-side names, in the order of `weights`
-        self.weights = nn.ParameterList()
-        index: dict[str, int] = {}
+        self.weights = nn.ParameterDict()
         for target in targets:
             for module in target.modules:
                 for which in ("A", "B"):
-                    name = f"{module}.lora_{which}.default.weight"
-                    index[name] = len(self.names)
-                    self.names.append(name)
-                    p = nn.Parameter(adapters[name].clone())
+                    p = nn.Parameter(adapters[f"{module}.lora_{which}.default.weight"].clone())
                     if target.kind == "row":
                         p.tp_partial = which == "A"  # type: ignore[attr-defined]
                         p.average_over_tp = which == "B"  # type: ignore[attr-defined]
                     else:
                         p.tp_partial = not target.whole  # type: ignore[attr-defined]
                         p.average_over_tp = target.whole  # type: ignore[attr-defined]
-                    self.weights.append(p)
+                    self.weights[key(f"{module}.lora_{which}.default.weight")] = p
         self.targets = targets
-        self.initial = [adapters[name] for name in self.names]  # (float32, before a --bf16 cast)
-        self._index = index
+        # as they start, in float32 (before a --bf16 cast), for the master weights
+        self.initial = {f"lora_adapters.weights.{k}": adapters[k.replace("-", ".")] for k in self.weights}
 
     def pair(self, module: str) -> tuple[nn.Parameter, nn.Parameter]:
         return (
-            self.weights[self._index[f"{module}.lora_A.default.weight"]],
-            self.weights[self._index[f"{module}.lora_B.default.weight"]],
+            self.weights[key(f"{module}.lora_A.default.weight")],
+            self.weights[key(f"{module}.lora_B.default.weight")],
         )
 
     def attach(self, model: nn.Module) -> None:
@@ -206,8 +223,7 @@ class MegatronLoRA(nn.Module):
                 return None
             out = output[0] if isinstance(output, tuple) else output
             x = args[0]
-            sp = bool(getattr(module, "sequence_parallel", False))
-            delta = self._column(target, x, sp) if target.kind == "column" else self._row(target, x, sp)
+            delta = self._column(target, x) if target.kind == "column" else self._row(target, x)
             out = out + (self.scaling * delta).to(out.dtype)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
@@ -216,29 +232,28 @@ class MegatronLoRA(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
 
-    def _column(self, target: Target, x: torch.Tensor, sp: bool) -> torch.Tensor:
+    def _column(self, target: Target, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        if sp:  # the layer gathers the sequence first; the gradient is reduce-scattered back
-            x = mappings.gather_from_sequence_parallel_region(x)
-        elif not target.whole:  # the input gradient summed over TP, as the layer's own
+        if not target.whole:  # the input gradient summed over TP, as the layer's own
             x = mappings.copy_to_tensor_model_parallel_region(x)
+        target.to(x.device)
         parts = []
         for module, rows in zip(target.modules, target.rows, strict=True):
             a, b = self.pair(module)
-            parts.append(self._drop(x) @ a.t() @ b.index_select(0, rows.to(b.device)).t())
+            parts.append(self._drop(x) @ a.t() @ b.index_select(0, rows).t())
         parts.append(x.new_zeros(*x.shape[:-1], 1))
-        return torch.cat(parts, dim=-1).index_select(-1, target.order.to(x.device))
+        return torch.cat(parts, dim=-1).index_select(-1, target.order)
 
-    def _row(self, target: Target, x: torch.Tensor, sp: bool) -> torch.Tensor:
+    def _row(self, target: Target, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
+        target.to(x.device)
         a, b = self.pair(target.modules[0])
         assert target.cols is not None
-        z = self._drop(x) @ a.index_select(1, target.cols.to(a.device)).t()
+        z = self._drop(x) @ a.index_select(1, target.cols).t()
         z = mappings.reduce_from_tensor_model_parallel_region(z)
-        out = z @ b.index_select(0, target.rows[0].to(b.device)).t()
-        return mappings.scatter_to_sequence_parallel_region(out) if sp else out
+        return z @ b.index_select(0, target.rows[0]).t()
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
@@ -249,13 +264,13 @@ class MegatronLoRA(nn.Module):
         finally:
             self.enabled = True
 
-    def initial_state(self) -> dict[str, torch.Tensor]:
-        """The adapters as they start, under their names in the model (`lora_adapters.`)."""
-        return {f"lora_adapters.weights.{k}": t for k, t in enumerate(self.initial)}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """This stage's adapters under PEFT's model-side names (detached)."""
-        return {n: p.detach() for n, p in zip(self.names, self.weights, strict=True)}
+    def state(self, masters: Any = None) -> dict[str, torch.Tensor]:
+        """This stage's adapters under PEFT's model-side names (detached; with `masters`, --bf16's
+        float32 master weights where they are)."""
+        return {
+            k.replace("-", "."): (masters[p] if masters is not None and p in masters else p).detach()
+            for k, p in self.weights.items()
+        }
 
 
 def merged(
@@ -282,6 +297,12 @@ def build(cfg: Any, layout: Any, hf_config: Any, mesh: Any, model: nn.Module) ->
         from slime.config.lora import MEGATRON_TE
 
         raise UsageError(MEGATRON_TE)
+    if cfg.lora.dropout and mesh.tp > 1:  # (each rank would draw its part of a row layer's mask alike)
+        raise UsageError(
+            f"--lora-dropout {cfg.lora.dropout} with --tensor-model-parallel-size {mesh.tp}: not built (the "
+            "ranks of a row-parallel layer would draw the same mask for their parts of its input); use "
+            "--lora-dropout 0 or TP 1"
+        )
     adapters = hf_adapters(hf_config, cfg.lora, cfg.seed)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in adapters.items():
@@ -301,4 +322,12 @@ def build(cfg: Any, layout: Any, hf_config: Any, mesh: Any, model: nn.Module) ->
     adapter_module = MegatronLoRA(adapters, targets, cfg.lora)
     adapter_module.attach(model)
     model.add_module("lora_adapters", adapter_module)
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        # With everything before the first layer frozen, megatron-core's full recompute (a reentrant
+        # checkpoint) would see no input needing a gradient and give the adapters inside none: the
+        # embedding's output asks for one (as transformers' enable_input_require_grads).
+        embedding.register_forward_hook(
+            lambda m, a, out: out.requires_grad_(True) if torch.is_grad_enabled() else out
+        )
     return adapter_module

@@ -153,7 +153,10 @@ def load_train_checkpoint(actor: Any, root: str) -> int | None:
         error = f"--load {root!r}: rank {actor.rank} cannot read its shard ({type(e).__name__}: {e})"
     _agree(error)  # the same error on every rank: none goes on to wait for the others
     # the float32 master weights where --bf16 saved them; the buffers (expert bias) from the model's
-    actor.copy_in({**blob["model"], **(blob.get("main_params") or {})}, masters=True)
+    state = {**blob["model"], **(blob.get("main_params") or {})}
+    if tag == "release" and getattr(actor, "lora", None) is not None:  # a base model: fresh adapters
+        state = {**actor.lora.initial, **state}
+    actor.copy_in(state, masters=True)
     if tag == "release" or "optimizer" not in blob:
         return None
     # The settings first: a changed --optimizer must be refused before torch loads its state.

@@ -56,7 +56,7 @@ def adapters(actor: Any) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
     first = actor.mesh.tp_rank == 0 and actor.dp_rank == 0 and actor.cp_rank == 0
-    mine = {n: t.cpu() for n, t in actor.lora.state().items()} if first else {}
+    mine = {n: t.cpu() for n, t in actor.lora.state(actor.masters).items()} if first else {}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {n: t for stage in everyone for n, t in stage.items()}
