@@ -92,8 +92,8 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     if wrapped:
         raise UsageError(
             f"--target-modules {','.join(cfg.target_modules)}: PEFT puts an adapter on {wrapped[0]}, "
-            "which is not a linear layer (a mixture-of-experts model's experts or router); LoRA on those is not built "
-            "yet: name the linear layers instead (e.g. q_proj,k_proj,v_proj,o_proj)"
+            "which is not a linear layer (a mixture-of-experts model's experts or router); LoRA on those "
+            "is not built yet: name the linear layers instead (e.g. q_proj,k_proj,v_proj,o_proj)"
         )
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
