@@ -93,7 +93,7 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
         True,
     ),
     "bench_lora": (
-        ["--ranks", "1", "--rollouts", "1", "--train-backends", "fsdp", "megatron"],
+        ["--ranks", "1", "--rollouts", "1", "--train-backends", "megatron"],
         "megatron: model",
         True,
     ),
