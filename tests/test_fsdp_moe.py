@@ -17,6 +17,7 @@ from slime.backends.fsdp import model_init
 from slime.utils import hf_experts
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import NUM_ROLLOUTS, assert_steps_match, run_sharded, run_single
+from tests.test_routing_families import forced_log_probs, moe_actor, r3_log_probs
 
 
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -114,38 +115,12 @@ def test_export_and_save_hf_use_per_expert_names(runs, tiny_moe):
         assert torch.equal(loaded[name].detach(), value), name
 
 
-def forced_log_probs(model, tokens: list[int], response_length: int, experts: torch.Tensor | None):
-    """Hugging Face's forward of one sample with each token's experts forced to `experts`
-    ([tokens, layers, k]; None: the model's own routing), weights renormalised over them."""
-    hooks = []
-    if experts is not None:
-        for li, layer in enumerate(model.model.layers):
-
-            def hook(module, args, out, li=li):
-                probs = torch.softmax(out[0], dim=-1, dtype=torch.float32)
-                chosen = experts[:, li].long()
-                top = probs.gather(1, chosen)
-                return out[0], (top / top.sum(-1, keepdim=True)).to(out[1].dtype), chosen
-
-            hooks.append(layer.mlp.gate.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([tokens])).logits[0].float()
-    finally:
-        for h in hooks:
-            h.remove()
-    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return lp[-response_length:]
-
-
 def replay_rank(rank, world_size, init_method, model):
     import dataclasses
 
     from slime.backends.fsdp import moe
-    from slime.backends.fsdp.actor import FSDPTrainActor
-    from slime.config.train import MoEOptions
     from tests.test_engine_moe import hf_routing
-    from tests.test_fsdp_actor import base_config, make_batch
+    from tests.test_fsdp_actor import make_batch
 
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -157,18 +132,10 @@ def replay_rank(rank, world_size, init_method, model):
     out = {}
 
     def actor_with(**flags):
-        cfg = base_config(model, micro_batch_size=2)
-        cfg = dataclasses.replace(cfg, moe=MoEOptions(**flags))
-        actor = FSDPTrainActor(cfg, rank, world_size, init_method)
-        actor.init()
-        return actor
+        return moe_actor(model, rank, world_size, init_method, **flags)
 
-    actor = actor_with()
-    out["plain"] = actor.compute_log_probs(batch)
-    actor.close()
+    out.update(r3_log_probs(actor_with, batch, own, rotated))
     actor = actor_with(use_rollout_routing_replay=True)
-    out["r3_own"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=own))
-    out["r3_rotated"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=rotated))
     try:
         actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=[r[:-1] for r in own]))
     except Exception as e:
@@ -213,7 +180,7 @@ def test_rollout_routing_replay_routes_as_told(replay, hf_moe):
         table = torch.cat(
             [replay["rotated"][i], replay["own"][i][-1:]]
         )  # last token: any (not predicted from)
-        expected = forced_log_probs(hf_moe, tokens, r, table)
+        expected = forced_log_probs(hf_moe, tokens, r, table)  # (tests/test_routing_families.py)
         assert torch.allclose(torch.tensor(replay["r3_rotated"][i]), expected, atol=1e-5, rtol=0), i
         assert max(abs(a - b) for a, b in zip(replay["r3_rotated"][i], replay["plain"][i])) > 1e-3
     assert "'rollout_routed_experts': shape" in replay["short_table"]

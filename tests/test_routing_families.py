@@ -7,6 +7,7 @@ actor: tests/test_megatron_moe_actor.py)."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -75,15 +76,41 @@ def forced_log_probs(model, tokens: list[int], response_length: int, table: torc
     return lp[-response_length:]
 
 
-def _rank(rank, world_size, init_method, path):
+def moe_actor(path: str, rank: int, world_size: int, init_method: str, **flags: Any) -> Any:
+    """An FSDP actor of `path` with MoEOptions(**flags), initialised."""
     import dataclasses
+
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.config.train import MoEOptions
+    from tests.test_fsdp_actor import base_config
+
+    cfg = dataclasses.replace(base_config(path, micro_batch_size=2), moe=MoEOptions(**flags))
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    actor.init()
+    return actor
+
+
+def r3_log_probs(actor_with: Any, batch: Any, own: list, rotated: list) -> dict[str, Any]:
+    """The log-probs of `batch`: plain, and under R3 with the model's own routing and another."""
+    import dataclasses
+
+    out = {}
+    actor = actor_with()
+    out["plain"] = actor.compute_log_probs(batch)
+    actor.close()
+    actor = actor_with(use_rollout_routing_replay=True)
+    out["r3_own"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=own))
+    out["r3_rotated"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=rotated))
+    actor.close()
+    return out
+
+
+def _rank(rank, world_size, init_method, path):
 
     from transformers import AutoModelForCausalLM
 
     from slime.backends.fsdp import moe
-    from slime.backends.fsdp.actor import FSDPTrainActor
-    from slime.config.train import MoEOptions
-    from tests.test_fsdp_actor import base_config, make_batch
+    from tests.test_fsdp_actor import make_batch
 
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -94,18 +121,9 @@ def _rank(rank, world_size, init_method, path):
     out = {"own": own, "rotated": rotated}
 
     def actor_with(**flags):
-        cfg = dataclasses.replace(base_config(path, micro_batch_size=2), moe=MoEOptions(**flags))
-        actor = FSDPTrainActor(cfg, rank, world_size, init_method)
-        actor.init()
-        return actor
+        return moe_actor(path, rank, world_size, init_method, **flags)
 
-    actor = actor_with()
-    out["plain"] = actor.compute_log_probs(batch)
-    actor.close()
-    actor = actor_with(use_rollout_routing_replay=True)
-    out["r3_own"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=own))
-    out["r3_rotated"] = actor.compute_log_probs(dataclasses.replace(batch, rollout_routed_experts=rotated))
-    actor.close()
+    out.update(r3_log_probs(actor_with, batch, own, rotated))
     seen = []  # R2: what the log-prob pass recorded and the training steps replayed
     original = moe.Routing.micro_batch
 
