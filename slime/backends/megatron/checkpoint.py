@@ -16,6 +16,7 @@ name and renamed when complete; an existing non-empty target is refused.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -238,9 +239,11 @@ class LazyHFState(Mapping):
         return len(self._where)
 
 
+@functools.lru_cache(maxsize=16)
 def is_vision_language(hf_dir: str) -> bool:
     """Whether `hf_dir` is a vision-language checkpoint whose text model the backend builds
-    (released Qwen3.5: model_families.Family.text_model)."""
+    (released Qwen3.5: model_families.Family.text_model). Read once per directory: every push,
+    export and save asks."""
     from slime.utils.model_families import family
 
     try:
@@ -249,6 +252,13 @@ def is_vision_language(hf_dir: str) -> bool:
     except (OSError, ValueError):
         return False
     return found is not None and found.text_model is not None
+
+
+@functools.lru_cache(maxsize=4)
+def _stored_tensors(hf_dir: str) -> LazyHFState:
+    """A released checkpoint's tensors by their stored names, opened once (each push reads its
+    vision tower from them, --save-hf what the model does not hold)."""
+    return LazyHFState(hf_dir, as_text=False)
 
 
 def as_stored(
@@ -268,7 +278,7 @@ def as_stored(
         device = tensor.device
         yield language_name(name), tensor
     if yields:
-        stored = LazyHFState(hf_dir, as_text=False)
+        stored = _stored_tensors(hf_dir)
         yield from ((name, stored[name].to(device)) for name in stored if name.startswith(VISION))
 
 
@@ -278,7 +288,7 @@ def stored_shapes(shapes: dict[str, tuple[int, ...]], hf_dir: str) -> dict[str, 
         return shapes
     from slime.utils.model_families import VISION, language_name
 
-    stored = LazyHFState(hf_dir, as_text=False)
+    stored = _stored_tensors(hf_dir)
     vision = {name: stored.shape(name) for name in stored if name.startswith(VISION)}
     return {**{language_name(name): shape for name, shape in shapes.items()}, **vision}
 
@@ -296,7 +306,7 @@ def vision_language_state(state: State, hf_dir: str) -> State:
     from slime.utils.model_families import language_name
 
     out = {language_name(name): t for name, t in state.items()}
-    stored = LazyHFState(hf_dir, as_text=False)
+    stored = _stored_tensors(hf_dir)
     return {**{name: stored[name] for name in stored if name not in out}, **out}
 
 
