@@ -32,6 +32,8 @@ def lora_run(
     hf_dir=None,
     adapter=None,
     bf16_reference_first=False,
+    parameters=(),
+    dropout=0.0,
 ):
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.lora import LoRAConfig
@@ -41,6 +43,8 @@ def lora_run(
         rank=4,
         alpha=8,
         target_modules=targets,
+        target_parameters=parameters,
+        dropout=dropout,
         exclude_modules=exclude,
         adapter_path=adapter,
         save_merged=hf_dir is not None,
@@ -504,13 +508,13 @@ def test_the_adapter_config_keeps_module_names_as_lists():
     before matched no module, so PEFT excluded nothing on loading."""
     from peft import LoraConfig
 
-    from slime.backends.fsdp.lora import adapter_config_dict
+    from slime.backends.fsdp.lora import adapter_config_dict, peft_config
     from slime.config.lora import LoRAConfig
 
     cfg = LoRAConfig(
         rank=4, alpha=8, target_modules=("q_proj", "v_proj"), exclude_modules=("layers.0.self_attn.q_proj",)
     )
-    data = adapter_config_dict(cfg, "base", ["model.visual.blocks.0.attn.qkv"])
+    data = adapter_config_dict(peft_config(cfg, ["model.visual.blocks.0.attn.qkv"]), "base")
     assert data["target_modules"] == ["q_proj", "v_proj"]
     assert data["exclude_modules"] == ["layers.0.self_attn.q_proj", "model.visual.blocks.0.attn.qkv"]
     back = LoraConfig(**{k: v for k, v in data.items() if k in LoraConfig.__dataclass_fields__})

@@ -31,6 +31,7 @@ def _run(
     lora=True,
     targets=None,
     recompute=False,
+    parameters=(),
 ):
     from slime.backends import make_train_actor
     from slime.config.lora import LoRAConfig
@@ -41,7 +42,8 @@ def _run(
     torch.set_num_threads(1)
     cfg = base_config(model, micro_batch_size=2)
     if lora:
-        settings = {**LORA, "target_modules": targets or LORA["target_modules"]}
+        settings = {**LORA, "target_modules": LORA["target_modules"] if targets is None else targets}
+        settings["target_parameters"] = parameters
         cfg = dataclasses.replace(cfg, lora=LoRAConfig(**settings, save_merged=save_hf is not None))
     if recompute:  # megatron-core's full recompute: each layer runs again in backward (reentrant)
         from slime.config.train import ModelOptions
@@ -131,6 +133,40 @@ def test_megatron_lora_on_a_moe_models_attention_over_ep2_trains_like_fsdp(tiny_
     _same(fsdp, run_ranks(2, _run, tiny_moe, "megatron", 1, 1, 2, None, True, attention))
 
 
+@pytest.mark.parametrize(
+    "arch, targets, parameters",
+    [
+        ("qwen3_moe", None, ()),
+        pytest.param("deepseek_v3", None, (), marks=pytest.mark.slow),
+        pytest.param("glm4_moe_lite", None, (), marks=pytest.mark.slow),
+        pytest.param(
+            "qwen3_next", ("q_proj", "gate_proj", "up_proj", "down_proj", "gate"), (), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "qwen3_5_moe",
+            ("q_proj",),
+            ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_megatron_lora_on_the_experts_and_router_over_ep2_trains_like_fsdp(
+    tmp_path, arch, targets, parameters
+):
+    """PEFT's adapters on the fused experts (per expert on megatron-core's local experts, two per
+    expert-parallel rank) and on the router (its logits before the top-k): the same job as the
+    FSDP actor's, the merged push per expert and the adapters within 1e-5."""
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    path = make_model(str(tmp_path / arch), 0, "--arch", arch, *FAMILY_SIZE)
+    args = (None, True, targets, False, parameters)
+    fsdp = run_ranks(1, _run, path, "fsdp", 1, 1, 1, *args)[0]
+    megatron = run_ranks(2, _run, path, "megatron", 1, 1, 2, *args)
+    assert any(".mlp.experts.lora_B." in n for n in fsdp["adapter"])
+    assert any(".mlp.gate.lora_B." in n for n in fsdp["adapter"]) == (not parameters)
+    _same(fsdp, megatron)
+
+
 def test_step_0_is_the_base_model_and_save_hf_writes_what_peft_loads(tiny_model, tmp_path):
     """B starts at zero: the first log-probs are the base model's, bit for bit (at TP 1: with TP
     megatron-core runs frozen weights through another kernel path, an ulp apart). --save-hf writes
@@ -215,18 +251,22 @@ def test_what_megatron_lora_does_not_build_is_refused(tiny_model, tmp_path):
         lora.build(cfg, Layout.from_hf_config(untied), untied, mesh, torch.nn.Module())
 
 
-def test_adapters_on_a_moe_models_experts_or_router_are_refused_by_name(tiny_moe):
-    """PEFT's all-linear also wraps Qwen3-MoE's fused experts and its router, which are not linear
-    layers: refused naming one, for both backends (they build the adapters alike)."""
-    from transformers import AutoConfig
+def test_what_megatron_does_not_build_of_lora_on_experts_is_refused_by_name():
+    """Expert tensor parallelism and grouped experts (Transformer Engine's) take no adapters on
+    the experts: refused naming the module; otherwise each EP rank's local experts take theirs."""
+    from types import SimpleNamespace
 
-    from slime.backends.megatron.lora import hf_adapters
-    from slime.config.lora import LoRAConfig
+    from slime.backends.megatron import lora_experts
     from slime.utils.errors import UsageError
 
-    config = AutoConfig.from_pretrained(tiny_moe)
-    with pytest.raises(
-        UsageError, match=r"PEFT puts an adapter on model\.layers\.0\.mlp\.\w+, which is not a linear"
-    ):
-        hf_adapters(config, LoRAConfig(rank=4, target_modules=("all-linear",)), 0)
-    assert hf_adapters(config, LoRAConfig(rank=4, target_modules=("q_proj", "o_proj")), 0)
+    wrapped = {"model.layers.0.mlp.experts": "model.layers.0.mlp.experts.down_proj"}
+    mesh = SimpleNamespace(ep=1, etp=2, ep_rank=0)
+    with pytest.raises(UsageError, match=r"mlp\.experts .*--expert-tensor-parallel-size 2 is not built"):
+        lora_experts.plan(wrapped, range(2), 4, mesh, grouped=False)
+    with pytest.raises(UsageError, match="with grouped experts is not built"):
+        lora_experts.plan(wrapped, range(2), 4, SimpleNamespace(ep=1, etp=1, ep_rank=0), grouped=True)
+    targets = lora_experts.plan(wrapped, range(2), 4, SimpleNamespace(ep=2, etp=1, ep_rank=1), grouped=False)
+    assert [(t.module, t.expert) for t in targets] == [
+        ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2", 2),
+        ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2", 3),
+    ]

@@ -140,19 +140,12 @@ def test_docs_models_table_is_the_registry():
 
 
 def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys):
-    """LoRA is not built for the new MoE families yet: its flags exit 2 naming the family, before
-    anything starts (as PPO's FSDP critic for a model transformers has no token classifier of)."""
+    """PPO's FSDP critic for a model transformers has no token classifier of: exit 2 naming the
+    family, before anything starts."""
     from tests.test_flag_surface import base, error
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    err = error(
-        capsys,
-        base(
-            family_models["deepseek_v3"], str(prompts), "--lora-rank", "4", "--target-modules", "all-linear"
-        ),
-    )
-    assert "--lora-rank 4: LoRA is not built for model_type 'deepseek_v3'" in err
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
     assert "'qwen3_5_text': a value model (PPO's critic) of this model is not built with FSDP" in err
@@ -408,11 +401,12 @@ SLIME_SPECS = {
     "arch",
     [
         a if a == "glm4" else pytest.param(a, marks=pytest.mark.slow)
-        for a in (f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora)
+        for a in (f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and not f.router_hooks)
     ],
 )
-def test_lora_on_the_families_that_have_it_pushes_peft_s_merge(family_models, arch):
-    """Only the adapters train, the step-0 gates are exact, and the push is PEFT's own merge."""
+def test_lora_on_the_dense_families_pushes_peft_s_merge(family_models, arch):
+    """Only the adapters train, the step-0 gates are exact, and the push is PEFT's own merge (the
+    mixture-of-experts families, their experts adapted: tests/test_lora_experts.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -446,7 +440,7 @@ def test_a_released_qwen3_5_checkpoint_is_the_vision_language_family():
         assert not packable(released) and not packable(text) and packable(text, "megatron")
         assert megatron_refusal(released) is None and megatron_refusal(text) is None
         assert FAMILIES[released].text_model == text and "language model" in FAMILIES[released].megatron_scope
-    assert refusal("qwen3_5_moe", "router_hooks") is None and refusal("qwen3_5_moe", "lora")
+    assert refusal("qwen3_5_moe", "router_hooks") is None and refusal("qwen3", "router_hooks")
     assert packable("qwen3") and packable("some_future_model")  # unknown: packs, as before
 
 

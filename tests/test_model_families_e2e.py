@@ -106,7 +106,7 @@ def test_a_megatron_grpo_job_of_each_built_family_passes_the_step_0_gates(prompt
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.lora and f.megatron is None]
+    "arch", [f.arch for f in FAMILIES.values() if f.arch in NEW_FAMILIES and f.megatron is None]
 )
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(
@@ -141,6 +141,12 @@ def test_a_lora_job_of_each_family_pushes_the_adapter_and_the_engine_serves_it(
         "0.01",
         "--train-backend",
         backend,
+        # megatron-core's shared-expert gate is a parameter inside its MLP, not a linear layer
+        *(
+            ["--exclude-modules", "shared_expert_gate"]
+            if backend == "megatron" and arch in ("qwen3_next", "qwen3_5_moe")
+            else []
+        ),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads((tmp_path / "logs" / "precision.json").read_text())["checks"]

@@ -423,8 +423,8 @@ def test_a_job_trains_it_with_engine_and_trainer_agreeing(qwen3_5_vl, tmp_path, 
 
 def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, tmp_path, capsys):
     """PPO's critic on prompts with images or of the MoE (transformers has no token classifier of
-    it), LoRA and (for the MoE) routing replay: exit 2 naming the model, before anything starts;
-    the MoE's experts are read from its language model's config."""
+    it) and LoRA on the vision tower: exit 2 naming the model, before anything starts; the MoE's
+    routing replay and LoRA are accepted (its experts read from its language model's config)."""
     from tests.test_flag_surface import base, error
 
     prompts = tmp_path / "p.jsonl"
@@ -442,9 +442,6 @@ def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, t
     assert "--train-vision-model with --lora-rank: the adapters are the language model's" in err
     moe = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_5_moe_vl", *SIZE)
     capsys.readouterr()
-    err = error(capsys, base(moe, str(prompts), *lora))
-    assert "--lora-rank 4: LoRA is not built for model_type 'qwen3_5_moe'" in err
-    capsys.readouterr()
     err = error(capsys, base(moe, str(prompts), "--advantage-estimator", "ppo"))
     assert (
         "the critic starts from" in err
@@ -455,3 +452,4 @@ def test_what_the_released_checkpoints_lack_is_refused_when_parsed(qwen3_5_vl, t
     assert parse_args(
         base(moe, str(prompts), "--use-rollout-routing-replay")
     ).train.moe.use_rollout_routing_replay
+    assert parse_args(base(moe, str(prompts), *lora)).train.lora.rank == 4  # LoRA: its language model's

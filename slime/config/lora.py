@@ -39,6 +39,10 @@ class LoRAConfig:
     """the linear layers that get adapters: Hugging Face module names, comma-separated
     (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or all-linear (every linear layer but
     the LM head)"""
+    target_parameters: tuple[str, ...] = flag("--target-parameters", (), unset=None)
+    """(PEFT's target_parameters) parameters that get adapters, comma-separated: a mixture-of-experts
+    model's fused experts (mlp.experts.gate_up_proj,mlp.experts.down_proj) or router (mlp.gate.weight);
+    all-linear and the expert names gate_proj,up_proj,down_proj,gate reach them where PEFT maps those"""
     exclude_modules: tuple[str, ...] = flag("--exclude-modules", (), unset=None)
     """module names (comma-separated) left without an adapter"""
     adapter_path: str | None = flag("--lora-adapter-path", None)
@@ -89,6 +93,7 @@ def from_namespace(ns: argparse.Namespace) -> LoRAConfig:
         LoRAConfig,
         ns,
         target_modules=_names(ns.target_modules),
+        target_parameters=_names(getattr(ns, "target_parameters", None)),
         exclude_modules=_names(getattr(ns, "exclude_modules", None)),
     )
 
@@ -109,6 +114,7 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
         f
         for f, v in (
             ("--target-modules", getattr(ns, "target_modules", None)),
+            ("--target-parameters", getattr(ns, "target_parameters", None)),
             ("--lora-push", getattr(ns, "lora_push", None)),
             ("--exclude-modules", getattr(ns, "exclude_modules", None)),
             ("--lora-adapter-path", getattr(ns, "lora_adapter_path", None)),
@@ -127,10 +133,10 @@ def lora_config(ns: argparse.Namespace) -> LoRAConfig:
     if not 0.0 <= ns.lora_dropout < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {ns.lora_dropout}")
     targets = _names(ns.target_modules)
-    if not targets:
+    if not targets and not _names(getattr(ns, "target_parameters", None)):
         raise ValueError(
             f"--lora-rank {rank} needs --target-modules: Hugging Face module names (q_proj,v_proj,...) or "
-            f"{ALL_LINEAR}"
+            f"{ALL_LINEAR} (or --target-parameters)"
         )
     if ALL_LINEAR in targets and len(targets) > 1:
         raise ValueError(f"--target-modules {ALL_LINEAR} names every linear layer: give it alone")

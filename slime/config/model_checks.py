@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from slime.config.architecture import hf_config, hf_moe
 from slime.config.records import Config
-from slime.utils.model_families import is_vision, refusal, value_model_refusal
+from slime.utils.model_families import is_vision, value_model_refusal
 
 
 def model_problems(config: Config) -> Iterator[str]:
@@ -46,10 +46,7 @@ def model_problems(config: Config) -> Iterator[str]:
         return
     if train.moe.moe_router_bias_update_rate > 0 and not hf_moe(model).get("moe_router_enable_expert_bias"):
         yield train.moe.no_expert_bias(f"--hf-checkpoint {train.hf_checkpoint} ({model.model_type})")
-    why = refusal(model.model_type, "lora") if train.lora.rank > 0 else None
-    if why:
-        yield f"--lora-rank {train.lora.rank}: {why}"
-    elif train.lora.rank > 0 and backend == "megatron" and is_vision(model.model_type):
+    if train.lora.rank > 0 and backend == "megatron" and is_vision(model.model_type):
         yield (
             f"--lora-rank with --train-backend megatron and {train.hf_checkpoint} (model_type "
             f"{model.model_type!r}, vision-language): the Megatron backend's adapters are built for text "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from slime.utils.model_families import FAMILIES
+from slime.utils.peft_experts import BASE_LAYER
 
 # Model families whose transformers modeling fuses experts as described above (the families
 # transformers maps with its "qwen2_moe" conversion rule and the same parameter names: those of
@@ -58,11 +59,15 @@ class ExpertSlice:
 
 def find_routers(layers: Sequence[Any]) -> dict[int, Any]:
     """Decoder layer index -> its router (`mlp.gate`), for the layers whose MLP is a routed
-    mixture of experts in Hugging Face's modeling (a router with `top_k` and `num_experts`)."""
+    mixture of experts in Hugging Face's modeling (a router with `top_k` and `num_experts`). A
+    router PEFT wraps (LoRA on its weight) is its base module: a hook on it sees the adapted
+    weight, which PEFT puts in place around the base module's forward."""
     out = {}
     for li, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
         gate = getattr(mlp, "gate", None)
+        if hasattr(gate, "get_base_layer"):
+            gate = gate.get_base_layer()
         if hasattr(mlp, "experts") and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
             out[li] = gate
     return out
@@ -135,8 +140,9 @@ def checkpoint_shapes(
 def persistent_buffers(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The buffers a checkpoint stores (those state_dict() holds: persistent, not rotary tables),
     by their checkpoint names: the routers' expert-score correction bias of DeepSeek-V3 and
-    GLM-4.5 (`mlp.gate.e_score_correction_bias`), which aux-loss-free balancing moves."""
+    GLM-4.5 (`mlp.gate.e_score_correction_bias`), which aux-loss-free balancing moves. A module
+    PEFT wraps (LoRA on a router) holds them under its `base_layer`, which the checkpoint lacks."""
     for module_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name), buf
+                yield (f"{module_name}.{name}" if module_name else name).replace(BASE_LAYER, ""), buf

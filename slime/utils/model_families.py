@@ -33,9 +33,6 @@ class Family:
     """The train backends hook the routers (mixture-of-experts families, softmax and sigmoid
     routers alike): --use-routing-replay, --use-rollout-routing-replay, --moe-aux-loss-coeff and
     --moe-router-dtype act; without them those flags are refused."""
-    lora: bool = True
-    """LoRA adapters (training, the push, the engine's adapters); without, --lora-rank is refused.
-    A vision-language model's adapters are its language model's (the vision tower gets none)."""
     router_fp32: bool = False
     """transformers' modeling computes the router's logits in float32 whatever the parameters'
     dtype (so --moe-router-dtype fp32 asks for what happens anyway)."""
@@ -120,7 +117,6 @@ FAMILIES: dict[str, Family] = {
             bias_on_qkv_only=True,
             expert_bias=True,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             router_fp32=True,
         ),
@@ -131,7 +127,6 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             expert_bias=True,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             router_fp32=True,
         ),
@@ -142,7 +137,6 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             expert_bias=True,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             router_fp32=True,
         ),
@@ -152,7 +146,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3-Next-80B-A3B",
             BATCHED,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             hybrid=True,
             qk_norm=True,
@@ -174,7 +167,6 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5 MoE, its text model",
             BATCHED,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             hybrid=True,
             qk_norm=True,
@@ -208,7 +200,6 @@ FAMILIES: dict[str, Family] = {
             BATCHED,
             megatron_scope=LANGUAGE_MODEL_ONLY,
             router_hooks=True,
-            lora=False,
             fused_experts=True,
             hybrid=True,
             qk_norm=True,
@@ -299,12 +290,12 @@ def packable(model_type: str | None, backend: str = "fsdp") -> bool:
 
 
 def refusal(model_type: str | None, feature: str) -> str | None:
-    """Why `feature` ("router_hooks", "lora") is refused for `model_type` (None: it is built, or the
+    """Why `feature` ("router_hooks") is refused for `model_type` (None: it is built, or the
     family is unknown and the feature's own checks decide)."""
     f = family(model_type)
     if f is None or getattr(f, feature):
         return None
-    what = {"router_hooks": "routing replay and the router's aux loss are", "lora": "LoRA is"}[feature]
+    what = {"router_hooks": "routing replay and the router's aux loss are"}[feature]
     return f"{what} not built for model_type {f.model_type!r} ({f.models}) yet (docs/models.md)"
 
 
@@ -344,14 +335,14 @@ def models_table() -> str:
     yes = {True: "yes", False: "no"}
     lines = [
         "| model_type | models | `make_tiny_model --arch` | engine runner | FSDP | Megatron and "
-        "conversion | routing replay, aux loss | LoRA |",
-        "|---|---|---|---|---|---|---|---|",
+        "conversion | routing replay, aux loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES.values():
         lines.append(
             f"| `{f.model_type}` | {f.models} | {f'`{f.arch}`' if f.arch else '-'} | {f.engine} | "
             f"{'yes' if f.packs else 'yes (padded rows)'} | "
-            f"{megatron_cell(f)} | {yes[f.router_hooks]} | {yes[f.lora]} |"
+            f"{megatron_cell(f)} | {yes[f.router_hooks]} |"
         )
     return "\n".join(lines) + "\n"
 

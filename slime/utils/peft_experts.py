@@ -22,6 +22,7 @@ here: the trainer, the engine and the Megatron actor share these rules.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,12 @@ def targets(key: str, target_parameters: Iterable[str]) -> bool:
     """PEFT's rule: parameter `key` (`<module>.<param>`) is targeted when it is one of the names
     or ends with "." + one of them."""
     return any(key == t or key.endswith("." + t) for t in target_parameters)
+
+
+def targets_any(target: str, keys: Iterable[str]) -> bool:
+    """Whether `target` names one of `keys` (full parameter names) by PEFT's rule, a wrapped
+    parameter's `.base_layer`s left out."""
+    return any(targets(k.replace(BASE_LAYER, ""), [target]) for k in keys)
 
 
 def wrapped(module: str, params: Sequence[str], target_parameters: Iterable[str]) -> list[str]:
@@ -85,16 +92,23 @@ def delta(a: torch.Tensor, b: torch.Tensor, scaling: float, shape: Sequence[int]
 
 
 def uniform_scaling(config: Mapping[str, Any]) -> float:
-    """alpha / r of a PEFT adapter config, the same for every module: a rank or alpha pattern is
-    accepted only where it keeps that ratio (PEFT's own, for a fused gate_up_proj). ValueError
-    naming the pattern otherwise."""
+    """alpha / r of a PEFT adapter config (alpha / sqrt(r) with `use_rslora`, as PEFT scales),
+    the same for every module: a rank or alpha pattern is accepted only where it keeps that
+    scaling (PEFT's own for a fused gate_up_proj does, unless with rsLoRA). ValueError naming the
+    pattern otherwise."""
     rank, alpha = config["r"], config["lora_alpha"]
+    rslora = bool(config.get("use_rslora"))
+
+    def scaling(r: int, a: float) -> float:
+        return float(a) / (r**0.5 if rslora else r)
+
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     for key in set(ranks) | set(alphas):
         r_k, a_k = ranks.get(key, rank), alphas.get(key, alpha)
-        if a_k * rank != alpha * r_k:
+        if not math.isclose(scaling(r_k, a_k), scaling(rank, alpha), rel_tol=1e-12):
             raise ValueError(
                 f"rank_pattern/alpha_pattern {key!r} gives rank {r_k} and alpha {a_k}, a scaling other than "
-                f"lora_alpha / r = {alpha} / {rank}: only one scaling for every module is served"
+                f"lora_alpha / {'sqrt(r)' if rslora else 'r'} = {alpha} / {rank}: only one scaling for "
+                "every module is served"
             )
-    return float(alpha) / rank
+    return scaling(rank, alpha)

@@ -403,15 +403,13 @@ class FSDPBackend:
     def export_adapter(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """LoRA: the adapters as full tensors under PEFT's names, and their PEFT config (every
         rank takes part; --lora-push adapter sends them)."""
-        config = lora.adapter_config_dict(
-            self.cfg.lora, self.cfg.hf_checkpoint, lora.tower_linear(self.model)
-        )
+        config = lora.adapter_config_dict(lora.injected_config(self.model), self.cfg.hf_checkpoint)
         return lora.full_adapters(self.model), config
 
     def _merge_adapters(
         self, named: Iterator[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return lora.merged(named, self.cfg.lora.scaling)
+        return lora.merged(named, self.cfg.lora.scaling, lora.adapted(self.model))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {

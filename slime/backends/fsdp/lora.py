@@ -15,6 +15,12 @@ Names on the way in and out:
   every rank and every run with the seed builds the same;
 - a PEFT adapter directory names them `base_model.model.<module>.lora_A.weight` (`peft_name`);
 - the engines get the merged weights under the checkpoint's names (`merged`): W + (alpha / r) B A.
+
+A mixture-of-experts model's fused experts and router are parameters, not linear layers: PEFT
+adapts them with its `ParamWrapper` (slime.utils.peft_experts has the layout), nested when it
+wraps both expert parameters of one module, so a base name may hold `.base_layer` more than once.
+`all-linear` and the transformers 4 names (`gate_proj`, `up_proj`, `down_proj`, `gate`) reach
+them where PEFT maps those names onto the fused parameters; `--target-parameters` names them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch import nn
 
 from slime.config.lora import ALL_LINEAR, LoRAConfig
+from slime.utils import peft_experts
 from slime.utils.errors import UsageError
 from slime.utils.peft_files import read_adapter_dir
 
@@ -37,9 +44,15 @@ _ADAPTER_PARAM = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
 PEFT_PREFIX = "base_model.model."
 
 
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj", "gate")
+"""The transformers 4 names of an MoE layer's expert projections and router, which PEFT maps onto
+the fused parameters of transformers 5 where it knows the family (slime.utils.peft_experts)."""
+
+
 def peft_config(cfg: LoRAConfig, also_excluded: list[str] | None = None) -> Any:
     """PEFT's LoraConfig of the flags; `also_excluded`: whole module names left without adapters
-    besides --exclude-modules (a vision-language model's vision tower)."""
+    besides --exclude-modules (a vision-language model's vision tower). Injection completes it
+    (PEFT maps expert names onto parameters): `injected_config` is what the adapter is."""
     from peft import LoraConfig
 
     targets: Any = ALL_LINEAR if cfg.target_modules == (ALL_LINEAR,) else list(cfg.target_modules)
@@ -49,10 +62,17 @@ def peft_config(cfg: LoRAConfig, also_excluded: list[str] | None = None) -> Any:
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        target_parameters=list(cfg.target_parameters) or None,
         exclude_modules=excluded or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def injected_config(model: nn.Module) -> Any:
+    """The PEFT config of the adapters `inject` put on `model`, as PEFT completed it (the
+    parameters it wraps, the fused gate_up_proj's rank and alpha): what adapter_config.json says."""
+    return model.peft_config[ADAPTER]  # type: ignore[index]
 
 
 def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
@@ -64,37 +84,41 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     # (frozen), its linear layers named whole, as PEFT matches a name or a name's last parts.
     tower = tower_linear(model)
     linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in tower]
+    experts = any(".experts." in n and p.dim() == 3 for n, p in model.named_parameters())
     for flag, names in (("--target-modules", cfg.target_modules), ("--exclude-modules", cfg.exclude_modules)):
         # PEFT's rule for a plain name: the module's name is it, or ends with "." + it.
         unknown = [
-            n for n in names if n != ALL_LINEAR and not any(m == n or m.endswith("." + n) for m in linear)
+            n
+            for n in names
+            if n != ALL_LINEAR
+            and not any(m == n or m.endswith("." + n) for m in linear)
+            and not (experts and flag == "--target-modules" and n in EXPERT_NAMES)
         ]
         if unknown:
             raise UsageError(
                 f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear "
                 f"layers are {', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
+                + (f"; its experts: {','.join(EXPERT_NAMES)} or --target-parameters" if experts else "")
                 + ("; a vision-language model's vision tower takes no adapters" if tower else "")
             )
+    params = {n for n, _ in model.named_parameters()}
+    unknown = [t for t in cfg.target_parameters if not peft_experts.targets_any(t, params)]
+    if unknown:
+        raise UsageError(
+            f"--target-parameters {','.join(unknown)}: no parameter of this model has that name (PEFT's rule: "
+            "a parameter's full name, or its end after a dot, e.g. mlp.experts.gate_up_proj, mlp.gate.weight)"
+        )
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head" in cfg.target_modules:
         raise UsageError(
             "--target-modules lm_head: this model ties its LM head to the embedding, whose weight an adapter "
             "would then change twice; leave lm_head out"
         )
-    model = inject_adapter_in_model(peft_config(cfg, tower), model)
-    # PEFT also wraps a mixture-of-experts model's fused experts and router (their weights, not
-    # linear layers: its ParamWrapper), which neither the checkpoint reader nor the engine maps yet
-    wrapped = [
-        n.removesuffix(".base_layer")
-        for n, m in model.named_modules()
-        if hasattr(m, "get_base_layer") and not isinstance(m.get_base_layer(), nn.Linear)
-    ]
-    if wrapped:
-        raise UsageError(
-            f"--target-modules {','.join(cfg.target_modules)}: PEFT puts an adapter on {wrapped[0]}, "
-            "which is not a linear layer (a mixture-of-experts model's experts or router); LoRA on those "
-            "is not built yet: name the linear layers instead (e.g. q_proj,k_proj,v_proj,o_proj)"
-        )
+    try:
+        model = inject_adapter_in_model(peft_config(cfg, tower), model)
+    except ValueError as e:  # PEFT's refusals: LoRA on parameters takes no dropout, a half-named pair
+        flags = "--lora-dropout" if "lora_dropout" in str(e) else "--target-modules/--target-parameters"
+        raise UsageError(f"{flags}: PEFT refuses these adapters on this model: {e}") from None
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
     return model
@@ -125,8 +149,21 @@ def adapter_parts(name: str) -> tuple[str, str]:
 
 def checkpoint_name(name: str) -> str:
     """A model parameter's name in the base checkpoint (the frozen linear of a LoRA layer is its
-    `base_layer`)."""
-    return name.replace(".base_layer.", ".")
+    `base_layer`; nested parameter wrappers put in one each)."""
+    return name.replace(peft_experts.BASE_LAYER, "")
+
+
+def adapted(model: nn.Module) -> dict[str, str]:
+    """Each LoRA module's name -> the full name of the parameter it adapts (a linear layer's
+    `<module>.base_layer.weight`; a wrapped parameter's under its innermost base layer)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for name, m in model.named_modules():
+        if not hasattr(m, "get_base_layer") or ADAPTER not in getattr(m, "lora_A", {}):
+            continue
+        param = getattr(m, "parameter_name", None)
+        out[name] = f"{names[id(m.get_base_layer())]}.{param or 'weight'}"
+    return out
 
 
 def peft_name(name: str) -> str:
@@ -170,10 +207,14 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
             ("peft_type", "LORA"),
             ("use_rslora", False),
             ("use_dora", False),
-            ("rank_pattern", {}),
-            ("alpha_pattern", {}),
         )
         if saved.get(key, plain) not in (plain, None)
+    ]
+    own = injected_config(model)  # the patterns PEFT sets itself (a fused gate_up_proj: twice r and alpha)
+    unsupported += [
+        f"{key} {saved[key]!r}"
+        for key in ("rank_pattern", "alpha_pattern")
+        if (saved.get(key) or {}) != (getattr(own, key) or {})
     ]
     if unsupported:
         raise UsageError(
@@ -217,17 +258,30 @@ def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
             m._disable_adapters = not enabled
 
 
-def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+def wrapped_parameters(model: nn.Module) -> dict[str, str]:
+    """The LoRA modules on parameters rather than linear layers (PEFT's ParamWrapper: fused
+    experts, a router) -> the checkpoint name of the parameter each adapts."""
+    return {
+        module: checkpoint_name(param)
+        for module, param in adapted(model).items()
+        if hasattr(model.get_submodule(module), "parameter_name")
+    }
+
+
+def merged(
+    named: Iterator[tuple[str, torch.Tensor]], scaling: float, targets: dict[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors in `named_parameters` order -> the base model's tensors with each adapter
-    merged into its base weight, W + scaling * B @ A (in float32, then W's dtype), under the
-    checkpoint's names. A LoRA layer's parameters come in the order base_layer (weight, bias),
-    lora_A, lora_B, so one layer is held at a time."""
+    merged into the parameter it adapts (`targets`: `adapted`), W + scaling * B A in float32, then
+    W's dtype (per expert for fused experts, as PEFT merges), under the checkpoint's names. A LoRA
+    module's parameters come base first, then lora_A, lora_B, so one module is held at a time."""
+    bases = {param: module for module, param in targets.items()}
     held: dict[str, torch.Tensor] = {}
     for name, t in named:
         m = _ADAPTER_PARAM.match(name)
         if m is None:
-            if ".base_layer.weight" in name:
-                held[name.replace(".base_layer.weight", "")] = t
+            if name in bases:
+                held[name] = t
             else:
                 yield checkpoint_name(name), t
             continue
@@ -235,16 +289,20 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterato
         if which == "A":
             held[module + ".A"] = t
             continue
-        base, a = held.pop(module), held.pop(module + ".A")
-        delta = scaling * (t.float() @ a.float())
-        yield f"{module}.weight", (base.float() + delta).to(base.dtype)
+        base_name = targets[module]
+        base, a = held.pop(base_name), held.pop(module + ".A")
+        delta = peft_experts.delta(a, t, scaling, base.shape)
+        yield checkpoint_name(base_name), (base.float() + delta).to(base.dtype)
     assert not held, f"LoRA layers without their adapters: {sorted(held)[:3]}"
 
 
-def adapter_config_dict(cfg: LoRAConfig, base: str, also_excluded: list[str] | None = None) -> dict[str, Any]:
-    """The adapter's PEFT config as JSON data (adapter_config.json; SGLang's `config_dict`);
-    `also_excluded`: as for `peft_config` (the vision tower's layers), so PEFT loads it as trained."""
-    config = peft_config(cfg, also_excluded)
+def adapter_config_dict(config: Any, base: str) -> dict[str, Any]:
+    """The adapter's PEFT config (`injected_config`: the vision tower's layers excluded, the expert
+    parameters PEFT wraps) as JSON data (adapter_config.json; SGLang's `config_dict`), so PEFT
+    loads it as trained."""
+    import copy
+
+    config = copy.copy(config)
     config.base_model_name_or_path = base
     data = config.to_dict()
     for key, value in data.items():  # PEFT holds module names as sets: JSON lists (not a str of a set)

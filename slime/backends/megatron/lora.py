@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from slime.backends.fsdp import lora as peft_lora
+from slime.backends.megatron import lora_experts
 from slime.backends.megatron.layer_map import layer_pairs
 from slime.backends.megatron.sharding import split_tp
 from slime.config.lora import LoRAConfig
@@ -75,17 +76,30 @@ class Target:
             self.cols = None if self.cols is None else self.cols.to(device)
 
 
-def hf_adapters(hf_config: Any, cfg: LoRAConfig, seed: int) -> dict[str, torch.Tensor]:
-    """PEFT's adapters of --hf-checkpoint's transformers model ("<module>.lora_A.default.weight"),
-    fresh from `seed` or read from --lora-adapter-path, as the FSDP actor starts them."""
+@dataclass
+class HFAdapters:
+    """PEFT's adapters of --hf-checkpoint's transformers model, as the FSDP actor starts them."""
+
+    tensors: dict[str, torch.Tensor]
+    """"<module>.lora_A.default.weight" -> fresh from --seed or read from --lora-adapter-path"""
+    wrapped: dict[str, str]
+    """The modules on parameters (experts, routers) -> the parameter each adapts
+    (slime.backends.megatron.lora_experts)"""
+    config: Any
+    """PEFT's config as injection completed it (adapter_config.json)"""
+
+
+def hf_adapters(hf_config: Any, cfg: LoRAConfig, seed: int) -> HFAdapters:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     model = peft_lora.inject(model, cfg)
     if cfg.adapter_path:
-        return peft_lora.read_adapter(cfg.adapter_path, model, cfg)
-    return peft_lora.fresh_adapters(model, seed)
+        tensors = peft_lora.read_adapter(cfg.adapter_path, model, cfg)
+    else:
+        tensors = peft_lora.fresh_adapters(model, seed)
+    return HFAdapters(tensors, peft_lora.wrapped_parameters(model), peft_lora.injected_config(model))
 
 
 def plan(
@@ -181,10 +195,24 @@ def key(name: str) -> str:
 class MegatronLoRA(nn.Module):
     """The adapters of one pipeline stage and the hooks that apply them (module docstring)."""
 
-    def __init__(self, adapters: dict[str, torch.Tensor], targets: list[Target], cfg: LoRAConfig):
+    def __init__(
+        self,
+        hf: HFAdapters,
+        targets: list[Target],
+        param_targets: list[lora_experts.ParamTarget],
+        cfg: LoRAConfig,
+    ):
         super().__init__()
+        adapters = hf.tensors
         self.scaling, self.dropout, self.enabled = cfg.scaling, cfg.dropout, True
+        self.wrapped, self.peft_config = hf.wrapped, hf.config
         self.weights = nn.ParameterDict()
+        for module in dict.fromkeys(t.adapter for t in param_targets):  # whole on every rank
+            for which in ("A", "B"):
+                p = nn.Parameter(adapters[f"{module}.lora_{which}.default.weight"].clone())
+                p.tp_partial, p.average_over_tp = False, True  # type: ignore[attr-defined]
+                self.weights[key(f"{module}.lora_{which}.default.weight")] = p
+        self.param_targets = param_targets
         for target in targets:
             for module in target.modules:
                 for which in ("A", "B"):
@@ -216,6 +244,13 @@ class MegatronLoRA(nn.Module):
                     "put the adapters on (use --train-backend fsdp)"
                 )
             layers[target.module].register_forward_hook(self._hook(target))
+        for param_target in self.param_targets:
+            if param_target.module not in layers:
+                raise UsageError(
+                    f"LoRA on {param_target.adapter}: this model has no layer {param_target.module!r} to put "
+                    "the adapter on (use --train-backend fsdp)"
+                )
+            lora_experts.hook(self, param_target, layers[param_target.module])
 
     def _hook(self, target: Target) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -303,10 +338,12 @@ def build(cfg: Any, layout: Any, hf_config: Any, mesh: Any, model: nn.Module) ->
             "ranks of a row-parallel layer would draw the same mask for their parts of its input); use "
             "--lora-dropout 0 or TP 1"
         )
-    adapters = hf_adapters(hf_config, cfg.lora, cfg.seed)
+    hf = hf_adapters(hf_config, cfg.lora, cfg.seed)
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, t in adapters.items():
+    for name, t in hf.tensors.items():
         module, which = peft_lora.adapter_parts(name)
+        if module in hf.wrapped:
+            continue
         out_in = shapes.setdefault(module, (0, 0))
         shapes[module] = (t.shape[0], out_in[1]) if which == "B" else (out_in[0], t.shape[1])
     outside = [m for m in shapes if layer_of(m) is None]
@@ -317,9 +354,10 @@ def build(cfg: Any, layout: Any, hf_config: Any, mesh: Any, model: nn.Module) ->
         )
     layers = layout.stages(mesh.pp)[mesh.pp_rank]
     targets = plan(layout, shapes, mesh.tp, mesh.tp_rank, layers)
+    param_targets = lora_experts.plan(hf.wrapped, layers, layout.num_experts, mesh, layout.grouped_experts)
     for p in model.parameters():
         p.requires_grad_(False)
-    adapter_module = MegatronLoRA(adapters, targets, cfg.lora)
+    adapter_module = MegatronLoRA(hf, targets, param_targets, cfg.lora)
     adapter_module.attach(model)
     model.add_module("lora_adapters", adapter_module)
     embedding = getattr(model, "embedding", None)

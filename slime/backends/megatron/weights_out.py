@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from slime.backends.megatron import checkpoint as mckpt
-from slime.backends.megatron import lora, mtp, train_checkpoint
+from slime.backends.megatron import lora, lora_experts, mtp, train_checkpoint
 from slime.backends.megatron.export import export_hf_tensors, meta_hf_state
 from slime.utils.buckets import iter_buckets
 
@@ -42,7 +42,13 @@ def _tensors(actor: Any, every_rank: bool, with_mtp: bool) -> Named:
     named = export_hf_tensors(local, actor.layout, actor.mesh, every_rank, with_mtp)
     if actor.lora is None:
         return named
-    return lora.merged(named, adapters(actor), actor.cfg.lora.scaling)
+    held = adapters(actor)
+    scaling = actor.cfg.lora.scaling
+    linear = lora.merged(named, held, scaling)  # (a router's adapter merges as a linear layer's)
+    num_experts = actor.layout.num_experts
+    return lora_experts.merged(
+        linear, held, actor.lora.wrapped, actor.hf_config.model_type, num_experts, scaling
+    )
 
 
 def weight_shapes(actor: Any) -> dict[str, tuple[int, ...]]:
@@ -71,7 +77,7 @@ def export_adapter(actor: Any) -> tuple[list[tuple[str, torch.Tensor]], dict[str
 
         raise UsageError("the adapter push needs LoRA (--lora-rank)")
     named = [(peft_lora.peft_name(n), t) for n, t in sorted(adapters(actor).items())]
-    return named, peft_lora.adapter_config_dict(actor.cfg.lora, actor.cfg.hf_checkpoint)
+    return named, peft_lora.adapter_config_dict(actor.lora.peft_config, actor.cfg.hf_checkpoint)
 
 
 def save_hf(actor: Any, path: str) -> None:
