@@ -365,3 +365,23 @@ def test_an_engine_that_expands_images_its_own_way_is_caught():
             await generate(c, Sample(prompt="p"), [1, 2, 3, 4, 5], {"max_new_tokens": 3})  # text: not checked
 
     asyncio.run(scenario())
+
+
+def test_an_adapter_on_experts_is_not_pushed_to_sglang():
+    """SGLang serves no LoRA on a mixture-of-experts model's fused experts or router: the adapter
+    push refuses such an adapter by name before any engine is asked (the merged push serves it)."""
+    import pytest
+
+    from slime.bridge.bridge import WeightBridge
+    from slime.bridge.tensor import TensorTransport
+    from slime.utils.async_utils import run_sync
+    from slime.utils.errors import UsageError
+
+    named = [("base_model.model.model.layers.0.mlp.experts.lora_A.weight", torch.ones(8, 4))]
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_parameters": ["down_proj"]}
+    bridge = WeightBridge(TensorTransport(), ["http://127.0.0.1:9"], sglang=True)
+    try:
+        with pytest.raises(UsageError, match=r"adapts parameters \(down_proj: .*use --lora-push merged"):
+            run_sync(push_adapter(bridge, named, config, "1"))
+    finally:
+        run_sync(bridge.close())

@@ -167,6 +167,15 @@ async def push(
     """Rank 0: pause, load into every engine, set the version, continue."""
     from slime.utils.checksum import bytes_sha256
 
+    if bridge.sglang and config.get("target_parameters"):
+        from slime.utils.errors import UsageError
+
+        raise UsageError(
+            f"--lora-push adapter to SGLang engines: the adapter adapts parameters "
+            f"({', '.join(sorted(config['target_parameters']))}: a mixture-of-experts model's experts or "
+            "router), which SGLang serves no LoRA on; use --lora-push merged, or the torch engine"
+        )
+
     expected = {n: bytes_sha256(t) for n, t in named} if checksums else None
     engines = [bridge.make_client(u) for u in bridge.engine_urls]
     start = time.perf_counter()
