@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from slime.utils.model_families import FAMILIES
-from slime.utils.peft_experts import BASE_LAYER
+from slime.utils.peft_experts import unwrapped
 
 # Model families whose transformers modeling fuses experts as described above (the families
 # transformers maps with its "qwen2_moe" conversion rule and the same parameter names: those of
@@ -65,7 +65,7 @@ def find_routers(layers: Sequence[Any]) -> dict[int, Any]:
     out = {}
     for li, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate", None)
+        gate: Any = getattr(mlp, "gate", None)
         if hasattr(gate, "get_base_layer"):
             gate = gate.get_base_layer()
         if hasattr(mlp, "experts") and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
@@ -145,4 +145,4 @@ def persistent_buffers(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for module_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name).replace(BASE_LAYER, ""), buf
+                yield unwrapped(f"{module_name}.{name}" if module_name else name), buf

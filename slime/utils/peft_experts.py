@@ -23,12 +23,14 @@ here: the trainer, the engine and the Megatron actor share these rules.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 BASE_LAYER = ".base_layer"
+_WRAPPER = re.compile(r"\.base_layer(?=\.)")
 
 
 def targets(key: str, target_parameters: Iterable[str]) -> bool:
@@ -37,10 +39,16 @@ def targets(key: str, target_parameters: Iterable[str]) -> bool:
     return any(key == t or key.endswith("." + t) for t in target_parameters)
 
 
+def unwrapped(name: str) -> str:
+    """A parameter's or buffer's name with PEFT's wrappers (`.base_layer`, once per nesting) left
+    out: the checkpoint's name."""
+    return _WRAPPER.sub("", name)
+
+
 def targets_any(target: str, keys: Iterable[str]) -> bool:
     """Whether `target` names one of `keys` (full parameter names) by PEFT's rule, a wrapped
     parameter's `.base_layer`s left out."""
-    return any(targets(k.replace(BASE_LAYER, ""), [target]) for k in keys)
+    return any(targets(unwrapped(k), [target]) for k in keys)
 
 
 def wrapped(module: str, params: Sequence[str], target_parameters: Iterable[str]) -> list[str]:

@@ -150,7 +150,7 @@ def adapter_parts(name: str) -> tuple[str, str]:
 def checkpoint_name(name: str) -> str:
     """A model parameter's name in the base checkpoint (the frozen linear of a LoRA layer is its
     `base_layer`; nested parameter wrappers put in one each)."""
-    return name.replace(peft_experts.BASE_LAYER, "")
+    return peft_experts.unwrapped(name)
 
 
 def adapted(model: nn.Module) -> dict[str, str]:

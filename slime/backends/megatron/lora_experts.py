@@ -82,10 +82,10 @@ def _layer(param: str) -> int:
     return int(parts[2])
 
 
-def hook(lora: Any, target: ParamTarget, module: nn.Module) -> None:
+def hook(lora: Any, target: ParamTarget, module: Any) -> None:
     """Put `target`'s adapter on `module` (`lora`: the MegatronLoRA holding the factors)."""
     if target.expert < 0:
-        gating = module.gating  # type: ignore[attr-defined]
+        gating = module.gating
 
         def adapted_gating(x: torch.Tensor) -> torch.Tensor:
             logits = gating(x)
@@ -95,7 +95,7 @@ def hook(lora: Any, target: ParamTarget, module: nn.Module) -> None:
             z = x.to(logits.dtype) @ a.to(logits.dtype).t() @ b.to(logits.dtype).t()
             return logits + lora.scaling * z
 
-        module.gating = adapted_gating  # type: ignore[assignment]
+        module.gating = adapted_gating
         return
 
     def add(m: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

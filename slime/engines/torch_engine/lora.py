@@ -6,7 +6,9 @@ An adapter is, for some of the model's linear layers, a pair A [r, in], B [out, 
 alpha / r (PEFT's LoRA): the layer's output gains scaling * (x A^T) B^T, in PEFT's order of
 operations. The base weights are never changed; a forward hook on each adapted linear layer adds
 the terms of the adapters its batch rows use (rows without an adapter get the base model), so the
-engine's weight names, its weight updates and its checks stay those of the base model.
+engine's weight names, its weight updates and its checks stay those of the base model. A
+mixture-of-experts layer's fused experts and router, which PEFT adapts as parameters
+(`target_parameters`), get a forward of their own instead (slime.engines.torch_engine.lora_experts).
 
 Why not PEFT here (the trainer uses it, slime.backends.fsdp.lora): PEFT's per-request adapters
 (`adapter_names`) go through its PeftModel forward, while the batched runner drives the model's
@@ -28,6 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from slime.engines.protocol import ProtocolError
+from slime.engines.torch_engine import lora_experts
+from slime.engines.torch_engine.lora_experts import ParamLoRA, TokenGroup
+from slime.utils.peft_experts import uniform_scaling
 from slime.utils.peft_files import LORA_TENSOR, dump_name, read_adapter_dir
 
 
@@ -49,7 +54,10 @@ class Adapter:
     rank: int
     scaling: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    """Model module name -> (A [r, in], B [out, r]) in the model's dtype, on its device."""
+    """Linear layer name -> (A [r, in], B [out, r]) in the model's dtype, on its device."""
+    params: dict[str, dict[str, ParamLoRA]] = field(default_factory=dict)
+    """Experts or router name -> its adapted parameters' factors (slime.engines.torch_engine.
+    lora_experts)."""
     users: int = 0
     """Sequences admitted with this adapter and not finished yet."""
     unloading: bool = False
@@ -61,7 +69,7 @@ class Adapter:
             "path": self.path,
             "rank": self.rank,
             "scaling": self.scaling,
-            "num_layers": len(self.weights),
+            "num_layers": len(self.weights) + sum(len(p) for p in self.params.values()),
         }
 
 
@@ -78,6 +86,8 @@ class ServedAdapters:
     _rows: list[tuple[Adapter, torch.Tensor]] | None = None
     _batch: int = 0
     """The number of batch rows of the forward `_rows` describe."""
+    _tokens: dict[int, list[tuple[Adapter, torch.Tensor]]] = field(default_factory=dict)
+    """Number of tokens -> each adapter's token indices in the current forward (`_token_rows`)."""
     _hooked: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -88,6 +98,7 @@ class ServedAdapters:
             m = re.search(r"(layers\.\d+\..+)$", name)
             if isinstance(module, nn.Linear) and m is not None:
                 self.linear[m.group(1)] = (name, module)
+        self.experts_and_routers = lora_experts.adaptable(self.model)
 
     # ---- loading ------------------------------------------------------------------------------
     def load(
@@ -105,56 +116,69 @@ class ServedAdapters:
         current = self.adapters.get(name) if upsert else None
         if current is None:
             self.check_new(name)
-        if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-            raise ProtocolError(
-                f"LoRA adapter {name!r}: only plain LoRA is served (peft_type LORA, no DoRA)", 400
-            )
-        rank, alpha = config.get("r"), config.get("lora_alpha")
-        if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-            raise ProtocolError(
-                f"LoRA adapter {name!r}: its config needs 'r' (int >= 1) and 'lora_alpha'", 400
-            )
-        scaling = float(alpha) / (rank**0.5 if config.get("use_rslora") else rank)
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            m = LORA_TENSOR.match(key)
-            if m is None:
-                raise ProtocolError(
-                    f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a layer", 400
-                )
-            pairs.setdefault(m.group(1), {})[m.group(2)] = t
-        weights = {}
-        for module, ab in sorted(pairs.items()):
-            if module not in self.linear:
-                raise ProtocolError(f"LoRA adapter {name!r}: the model has no linear layer {module!r}", 400)
-            if module.rsplit(".", 1)[-1] in self.unapplied:
-                raise ProtocolError(
-                    f"LoRA adapter {name!r}: {module} is computed in multi-latent attention's absorbed "
-                    "form, where this engine applies no adapter",
-                    400,
-                )
+        rank, scaling = _rank_and_scaling(name, config)
+        targets = config.get("target_parameters") or []
+        targets = [targets] if isinstance(targets, str) else targets
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise ProtocolError(f"LoRA adapter {name!r}: 'target_parameters' must be a list of names", 400)
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        params: dict[str, dict[str, ParamLoRA]] = {}
+        for module, ab in sorted(_pairs(name, tensors).items()):
             if set(ab) != {"A", "B"}:
                 raise ProtocolError(f"LoRA adapter {name!r}: {module} has lora_{''.join(ab)} alone", 400)
-            layer = self.linear[module][1]
-            a, b = ab["A"], ab["B"]
-            if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
-                raise ProtocolError(
-                    f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; rank "
-                    f"{rank} needs A ({rank}, {layer.in_features}) and B ({layer.out_features}, {rank})",
-                    400,
+            if module in self.linear:
+                weights[module] = self._linear_pair(name, module, ab["A"][1], ab["B"][1], rank)
+            else:
+                found, param, lora = lora_experts.read_param_lora(
+                    name, module, ab, self.experts_and_routers, targets
                 )
-            w = layer.weight
-            weights[module] = (a.to(w.device, w.dtype, copy=True), b.to(w.device, w.dtype, copy=True))
-        if not weights:
+                params.setdefault(found, {})[param] = lora
+        if not weights and not params:
             raise ProtocolError(f"LoRA adapter {name!r} holds no LoRA weights", 400)
+        self._serve(weights, params)
+        if current is not None:
+            current.path, current.rank, current.scaling = path, rank, scaling
+            current.weights, current.params = weights, params
+        else:
+            self.adapters[name] = Adapter(name, path, rank, scaling, weights, params)
+
+    def _linear_pair(
+        self, name: str, module: str, a: torch.Tensor, b: torch.Tensor, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear layer's (A, B), checked against the layer and copied to its dtype and device."""
+        if module.rsplit(".", 1)[-1] in self.unapplied:
+            raise ProtocolError(
+                f"LoRA adapter {name!r}: {module} is computed in multi-latent attention's absorbed "
+                "form, where this engine applies no adapter",
+                400,
+            )
+        layer = self.linear[module][1]
+        if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
+            raise ProtocolError(
+                f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; rank "
+                f"{rank} needs A ({rank}, {layer.in_features}) and B ({layer.out_features}, {rank})",
+                400,
+            )
+        w = layer.weight
+        return a.to(w.device, w.dtype, copy=True), b.to(w.device, w.dtype, copy=True)
+
+    def _serve(self, weights: dict[str, Any], params: dict[str, Any]) -> None:
+        """Hook the linear layers and take over the experts' and routers' forwards an adapter
+        adapts, once each (they serve the base model while no row uses an adapter on them)."""
         for module in weights:
             if module not in self._hooked:
                 self.linear[module][1].register_forward_hook(self._hook(module))
                 self._hooked.add(module)
-        if current is not None:
-            current.path, current.rank, current.scaling, current.weights = path, rank, scaling, weights
-        else:
-            self.adapters[name] = Adapter(name, path, rank, scaling, weights)
+        for module in params:
+            if module not in self._hooked:
+                target = self.experts_and_routers[module][1]
+                serve = (
+                    lora_experts.serve_experts
+                    if lora_experts.is_experts(target)
+                    else lora_experts.serve_router
+                )
+                serve(target, module, self._token_groups)
+                self._hooked.add(module)
 
     def check_new(self, name: str) -> None:
         if name in self.adapters:
@@ -196,10 +220,16 @@ class ServedAdapters:
     def dump_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every loaded adapter's A and B as held (the model's dtype), under dump_name's names
         (--debug-sync-parameters-path)."""
-        return [
-            (dump_name(a.name, module, which), t)
+        pairs = [(a.name, module, pair) for a in self.adapters.values() for module, pair in a.weights.items()]
+        pairs += [
+            (a.name, lora.module, lora.peft_layout())
             for a in self.adapters.values()
-            for module, pair in sorted(a.weights.items())
+            for by_param in a.params.values()
+            for lora in by_param.values()
+        ]
+        return [
+            (dump_name(n, module, which), t)
+            for n, module, pair in sorted(pairs, key=lambda p: p[:2])
             for which, t in zip("AB", pair)
         ]
 
@@ -225,6 +255,30 @@ class ServedAdapters:
             yield
         finally:
             self._rows = None
+            self._tokens.clear()
+
+    def _token_rows(self, num_tokens: int) -> list[tuple[Adapter, torch.Tensor]]:
+        """Each adapter of the current forward with the indices of its rows' tokens among
+        `num_tokens`: the batch's tokens, flattened row-major when more than its rows."""
+        if self._rows is None:
+            return []
+        out = self._tokens.get(num_tokens)
+        if out is None:
+            if num_tokens % self._batch:
+                raise RuntimeError(f"LoRA: {num_tokens} tokens for {self._batch} batch rows")
+            per_row = num_tokens // self._batch
+            steps = torch.arange(per_row, device=self._rows[0][1].device)
+            out = [(a, (rows[:, None] * per_row + steps).reshape(-1)) for a, rows in self._rows]
+            self._tokens[num_tokens] = out
+        return out
+
+    def _token_groups(self, module: str, num_tokens: int) -> list[TokenGroup]:
+        """lora_experts.Groups: the current forward's adapters that adapt experts or router `module`."""
+        return [
+            TokenGroup(a.scaling, a.params[module], tokens)
+            for a, tokens in self._token_rows(num_tokens)
+            if module in a.params
+        ]
 
     def _hook(self, module: str) -> Any:
         def add_adapters(layer: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
@@ -252,3 +306,31 @@ class ServedAdapters:
             return out
 
         return add_adapters
+
+
+def _rank_and_scaling(name: str, config: dict[str, Any]) -> tuple[int, float]:
+    """The adapter's rank r and its one scaling (slime.utils.peft_experts.uniform_scaling)."""
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise ProtocolError(
+            f"LoRA adapter {name!r}: only plain LoRA is served (peft_type LORA, no DoRA)", 400
+        )
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise ProtocolError(f"LoRA adapter {name!r}: its config needs 'r' (int >= 1) and 'lora_alpha'", 400)
+    try:
+        return rank, uniform_scaling(config)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # another scaling; malformed
+        raise ProtocolError(f"LoRA adapter {name!r}: {e}", 400) from None
+
+
+def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
+    """PEFT module name from `layers.<i>.` on -> {"A"|"B": (the tensor's stored name, tensor)}."""
+    pairs: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        m = LORA_TENSOR.match(key)
+        if m is None:
+            raise ProtocolError(
+                f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a layer", 400
+            )
+        pairs.setdefault(m.group(1), {})[m.group(2)] = (key, t)
+    return pairs
