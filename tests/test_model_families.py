@@ -140,12 +140,21 @@ def test_docs_models_table_is_the_registry():
 
 
 def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys):
-    """PPO's FSDP critic for a model transformers has no token classifier of: exit 2 naming the
-    family, before anything starts."""
+    """PPO's FSDP critic for a model transformers has no token classifier of, and the adapter push
+    of multi-latent attention's kv_b_proj to the torch engine (its absorbed form takes no
+    adapter): exit 2 naming them, before anything starts."""
     from tests.test_flag_surface import base, error
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    lora = ["--lora-rank", "4", "--target-modules", "all-linear", "--lora-push", "adapter"]
+    err = error(capsys, base(family_models["deepseek_v3"], str(prompts), *lora))
+    assert "multi-latent attention): the torch engine computes kv_b_proj in the absorbed form" in err
+    from slime.ray.cli import parse_args
+
+    fine = base(family_models["deepseek_v3"], str(prompts), *lora, "--exclude-modules", "kv_b_proj")
+    assert parse_args(fine).train.lora.exclude_modules == ("kv_b_proj",)
+    capsys.readouterr()
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))
     assert "'qwen3_5_text': a value model (PPO's critic) of this model is not built with FSDP" in err

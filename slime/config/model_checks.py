@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from slime.config.architecture import hf_config, hf_moe
+from slime.config.lora import ALL_LINEAR
 from slime.config.records import Config
 from slime.utils.model_families import is_vision, value_model_refusal
 
@@ -15,7 +16,8 @@ from slime.utils.model_families import is_vision, value_model_refusal
 def model_problems(config: Config) -> Iterator[str]:
     """PPO's critic where the backend cannot build it or on prompts with images, images where the
     backend has no vision tower, an expert-bias update rate for routers without a bias, and LoRA
-    on a family it is not built for."""
+    where it is not built (the Megatron backend on a vision-language model, the torch engine's
+    adapter on multi-latent attention's kv_b_proj)."""
     train, backend, data = config.train, config.cluster.train_backend, config.rollout.data
     if config.critic is not None:
         critic = config.critic.load or train.hf_checkpoint
@@ -46,6 +48,22 @@ def model_problems(config: Config) -> Iterator[str]:
         return
     if train.moe.moe_router_bias_update_rate > 0 and not hf_moe(model).get("moe_router_enable_expert_bias"):
         yield train.moe.no_expert_bias(f"--hf-checkpoint {train.hf_checkpoint} ({model.model_type})")
+    lora = train.lora
+    latent = getattr(model, "kv_lora_rank", None) is not None  # multi-latent attention
+    adapts_kv_b = ALL_LINEAR in lora.target_modules or "kv_b_proj" in lora.target_modules
+    if (
+        lora.pushes_adapter
+        and latent
+        and adapts_kv_b
+        and "kv_b_proj" not in lora.exclude_modules
+        and config.cluster.rollout_backend == "torch"
+    ):
+        yield (
+            f"--lora-push adapter with --target-modules {','.join(lora.target_modules)} on "
+            f"{train.hf_checkpoint} ({model.model_type}, multi-latent attention): the torch engine computes "
+            "kv_b_proj in the absorbed form, where it applies no adapter; add --exclude-modules kv_b_proj, "
+            "or use --lora-push merged"
+        )
     if train.lora.rank > 0 and backend == "megatron" and is_vision(model.model_type):
         yield (
             f"--lora-rank with --train-backend megatron and {train.hf_checkpoint} (model_type "
