@@ -128,6 +128,23 @@ def test_all_linear_adapts_the_experts_and_the_push_is_peft_s_merge(models, arch
         assert torch.equal(again["before"][name], result["after"][name]), name
 
 
+def test_two_ranks_train_the_experts_adapters_like_one(models):
+    """PEFT puts the experts' adapted weight in place around every forward; over two FSDP ranks
+    (the experts' factors sharded) the steps and the merged push are one rank's."""
+    model_dir = models("qwen3_moe")
+    one = run_ranks(1, lora_run, model_dir, ALL, (), None, None, 2)[0]
+    two = run_ranks(2, lora_run, model_dir, ALL, (), None, None, 2)[0]
+    for a, b in zip(one["outputs"], two["outputs"], strict=True):
+        for sa, sb in zip(a.steps, b.steps, strict=True):
+            for key in sa:
+                assert sb[key] == pytest.approx(sa[key], rel=2e-5, abs=1e-6), key
+    for name, tensor in one["exported"].items():
+        torch.testing.assert_close(two["exported"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert any(
+        not torch.equal(one["before"][n], one["after"][n]) for n in one["trainable"] if ".experts." in n
+    )
+
+
 def test_target_parameters_adapt_the_experts_peft_s_all_linear_leaves(models, tmp_path):
     """Qwen3.5-MoE: PEFT's all-linear reaches its shared expert, not its routed experts;
     --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj adapts those (rank r
@@ -152,7 +169,12 @@ def test_target_parameters_adapt_the_experts_peft_s_all_linear_leaves(models, tm
             0.0,
             "--target-parameters mlp.experts.up_proj: no parameter of this model",
         ),
-        (("expert_proj",), (), 0.0, "its experts: gate_proj,up_proj,down_proj,gate or --target-parameters"),
+        (
+            ("expert_proj",),
+            (),
+            0.0,
+            "its experts and router: --target-parameters \\(PEFT maps gate_proj,up_proj,down_proj,gate",
+        ),
     ],
     ids=["dropout", "half-of-a-fused-pair", "unknown-parameter", "unknown-module"],
 )
@@ -200,3 +222,22 @@ def test_routing_replay_hooks_a_router_peft_wraps(models):
             adapted = router.weight + wrapper.get_delta_weight("default")
             torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, adapted))
             assert not torch.allclose(logits, torch.nn.functional.linear(hidden, router.weight))
+
+
+def test_experts_stored_transposed_are_refused(models):
+    """Fused experts in another layout (gpt-oss's: each expert [in, out], `is_transposed`) would
+    merge wrong under these rules: refused by name, not pushed."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp.lora import inject
+    from slime.config.lora import LoRAConfig
+    from slime.utils.errors import UsageError
+
+    model = AutoModelForCausalLM.from_pretrained(models("qwen3_moe"), dtype=torch.float32)
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj"):
+            module.is_transposed = True
+    with pytest.raises(
+        UsageError, match=r"PEFT adapts model\.layers\.\d\.mlp\.experts\.\w+, experts in a layout"
+    ):
+        inject(model, LoRAConfig(rank=4, alpha=8, target_modules=ALL))

@@ -167,6 +167,15 @@ def test_megatron_lora_on_the_experts_and_router_over_ep2_trains_like_fsdp(
     _same(fsdp, megatron)
 
 
+@pytest.mark.slow
+def test_megatron_lora_on_the_experts_over_pp2_trains_like_fsdp(tmp_path):
+    """Each pipeline stage holds its own layers' expert and router adapters."""
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    path = make_model(str(tmp_path / "moe"), 0, "--arch", "qwen3_moe", *FAMILY_SIZE)
+    _same(run_ranks(1, _run, path, "fsdp")[0], run_ranks(2, _run, path, "megatron", 1, 2))
+
+
 def test_step_0_is_the_base_model_and_save_hf_writes_what_peft_loads(tiny_model, tmp_path):
     """B starts at zero: the first log-probs are the base model's, bit for bit (at TP 1: with TP
     megatron-core runs frozen weights through another kernel path, an ulp apart). --save-hf writes
@@ -252,20 +261,28 @@ def test_what_megatron_lora_does_not_build_is_refused(tiny_model, tmp_path):
 
 
 def test_what_megatron_does_not_build_of_lora_on_experts_is_refused_by_name():
-    """Expert tensor parallelism and grouped experts (Transformer Engine's) take no adapters on
-    the experts: refused naming the module; otherwise each EP rank's local experts take theirs."""
+    """TP above 1 (the factors' gradients are whole on every rank), expert tensor parallelism and
+    grouped experts (Transformer Engine's) take no adapters on the experts: refused naming the
+    module; a router's adapter has no expert parallelism to refuse; otherwise each EP rank's
+    local experts take theirs."""
     from types import SimpleNamespace
 
     from slime.backends.megatron import lora_experts
     from slime.utils.errors import UsageError
 
+    def mesh(tp=1, ep=1, etp=1, ep_rank=0):
+        return SimpleNamespace(tp=tp, ep=ep, etp=etp, ep_rank=ep_rank)
+
     wrapped = {"model.layers.0.mlp.experts": "model.layers.0.mlp.experts.down_proj"}
-    mesh = SimpleNamespace(ep=1, etp=2, ep_rank=0)
+    router = {"model.layers.0.mlp.gate": "model.layers.0.mlp.gate.weight"}
     with pytest.raises(UsageError, match=r"mlp\.experts .*--expert-tensor-parallel-size 2 is not built"):
-        lora_experts.plan(wrapped, range(2), 4, mesh, grouped=False)
+        lora_experts.plan(wrapped, range(2), 4, mesh(etp=2), grouped=False)
     with pytest.raises(UsageError, match="with grouped experts is not built"):
-        lora_experts.plan(wrapped, range(2), 4, SimpleNamespace(ep=1, etp=1, ep_rank=0), grouped=True)
-    targets = lora_experts.plan(wrapped, range(2), 4, SimpleNamespace(ep=2, etp=1, ep_rank=1), grouped=False)
+        lora_experts.plan(wrapped, range(2), 4, mesh(), grouped=True)
+    with pytest.raises(UsageError, match=r"mlp\.gate .*--tensor-model-parallel-size 2 is not built"):
+        lora_experts.plan(router, range(2), 4, mesh(tp=2), grouped=False)
+    assert len(lora_experts.plan(router, range(2), 4, mesh(etp=2), grouped=True)) == 1
+    targets = lora_experts.plan(wrapped, range(2), 4, mesh(ep=2, ep_rank=1), grouped=False)
     assert [(t.module, t.expert) for t in targets] == [
         ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2", 2),
         ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2", 3),

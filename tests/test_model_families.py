@@ -152,8 +152,8 @@ def test_what_a_family_lacks_is_refused_by_name(family_models, tmp_path, capsys)
     assert "multi-latent attention): the torch engine computes kv_b_proj in the absorbed form" in err
     from slime.ray.cli import parse_args
 
-    fine = base(family_models["deepseek_v3"], str(prompts), *lora, "--exclude-modules", "kv_b_proj")
-    assert parse_args(fine).train.lora.exclude_modules == ("kv_b_proj",)
+    fine = base(family_models["deepseek_v3"], str(prompts), *lora, "--exclude-modules", "self_attn.kv_b_proj")
+    assert parse_args(fine).train.lora.exclude_modules == ("self_attn.kv_b_proj",)
     capsys.readouterr()
     # PPO's critic with FSDP is transformers' token classifier, which Qwen3.5's text model lacks
     err = error(capsys, base(family_models["qwen3_5"], str(prompts), "--advantage-estimator", "ppo"))

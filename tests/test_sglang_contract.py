@@ -368,8 +368,9 @@ def test_an_engine_that_expands_images_its_own_way_is_caught():
 
 
 def test_an_adapter_on_experts_is_not_pushed_to_sglang():
-    """SGLang serves no LoRA on a mixture-of-experts model's fused experts or router: the adapter
-    push refuses such an adapter by name before any engine is asked (the merged push serves it)."""
+    """An adapter of PEFT's fused experts or router (target_parameters), a layout not checked
+    against SGLang: the adapter push refuses it by name before anything is copied or any engine
+    asked (the merged push serves it)."""
     import pytest
 
     from slime.bridge.bridge import WeightBridge
@@ -381,7 +382,10 @@ def test_an_adapter_on_experts_is_not_pushed_to_sglang():
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_parameters": ["down_proj"]}
     bridge = WeightBridge(TensorTransport(), ["http://127.0.0.1:9"], sglang=True)
     try:
-        with pytest.raises(UsageError, match=r"adapts parameters \(down_proj: .*use --lora-push merged"):
+        with pytest.raises(
+            UsageError,
+            match=r"adapts parameters \(down_proj: .*not checked SGLang serves; use --lora-push merged",
+        ):
             run_sync(push_adapter(bridge, named, config, "1"))
     finally:
         run_sync(bridge.close())

@@ -101,6 +101,15 @@ async def push_adapter(
     copies the adapter into its shared-memory file, one payload for every engine."""
     from slime.config.lora import ADAPTER_NAME
 
+    if bridge.sglang and config.get("target_parameters"):
+        from slime.utils.errors import UsageError
+
+        raise UsageError(
+            f"--lora-push adapter to SGLang engines: the adapter adapts parameters "
+            f"({', '.join(sorted(config['target_parameters']))}: a mixture-of-experts model's fused experts "
+            "or router) in PEFT's target_parameters layout, which slime has not checked SGLang serves; use "
+            "--lora-push merged, or the torch engine"
+        )
     if payloads is None:
         from slime.utils.flattened_bucket import flat_size, flatten, serialize
         from slime.utils.shm_tensors import SharedBuffer
@@ -166,15 +175,6 @@ async def push(
 ) -> PushStats:
     """Rank 0: pause, load into every engine, set the version, continue."""
     from slime.utils.checksum import bytes_sha256
-
-    if bridge.sglang and config.get("target_parameters"):
-        from slime.utils.errors import UsageError
-
-        raise UsageError(
-            f"--lora-push adapter to SGLang engines: the adapter adapts parameters "
-            f"({', '.join(sorted(config['target_parameters']))}: a mixture-of-experts model's experts or "
-            "router), which SGLang serves no LoRA on; use --lora-push merged, or the torch engine"
-        )
 
     expected = {n: bytes_sha256(t) for n, t in named} if checksums else None
     engines = [bridge.make_client(u) for u in bridge.engine_urls]

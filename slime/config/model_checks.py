@@ -50,12 +50,15 @@ def model_problems(config: Config) -> Iterator[str]:
         yield train.moe.no_expert_bias(f"--hf-checkpoint {train.hf_checkpoint} ({model.model_type})")
     lora = train.lora
     latent = getattr(model, "kv_lora_rank", None) is not None  # multi-latent attention
-    adapts_kv_b = ALL_LINEAR in lora.target_modules or "kv_b_proj" in lora.target_modules
+
+    def kv_b(names: tuple[str, ...]) -> bool:  # PEFT's rule: a name or a dotted tail
+        return any(n.rsplit(".", 1)[-1] == "kv_b_proj" for n in names)
+
     if (
         lora.pushes_adapter
         and latent
-        and adapts_kv_b
-        and "kv_b_proj" not in lora.exclude_modules
+        and (ALL_LINEAR in lora.target_modules or kv_b(lora.target_modules))
+        and not kv_b(lora.exclude_modules)
         and config.cluster.rollout_backend == "torch"
     ):
         yield (

@@ -99,6 +99,24 @@ def delta(a: torch.Tensor, b: torch.Tensor, scaling: float, shape: Sequence[int]
     return scaling * torch.bmm(b_e, a_e)
 
 
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def is_fused_experts(module: Any) -> bool:
+    """transformers' fused experts in the layout these rules read: [gate; up] rows, each expert's
+    weight [out, in], no biases. gpt-oss and others store them transposed (`is_transposed`) or
+    with biases: not served, and refused by the trainers."""
+    params = dict(module.named_parameters(recurse=False))
+    return (
+        hasattr(module, "num_experts")
+        and all(name in params and params[name].dim() == 3 for name in EXPERT_PARAMS)
+        and not getattr(module, "is_transposed", False)
+        and getattr(module, "is_concatenated", True)
+        and getattr(module, "has_gate", True)
+        and not getattr(module, "has_bias", False)
+    )
+
+
 def uniform_scaling(config: Mapping[str, Any]) -> float:
     """alpha / r of a PEFT adapter config (alpha / sqrt(r) with `use_rslora`, as PEFT scales),
     the same for every module: a rank or alpha pattern is accepted only where it keeps that

@@ -25,6 +25,7 @@ them where PEFT maps those names onto the fused parameters; `--target-parameters
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -98,7 +99,12 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             raise UsageError(
                 f"{flag} {','.join(unknown)}: no linear layer of this model has that name; its linear "
                 f"layers are {', '.join(sorted({m.rsplit('.', 1)[-1] for m in linear}))} (or {ALL_LINEAR})"
-                + (f"; its experts: {','.join(EXPERT_NAMES)} or --target-parameters" if experts else "")
+                + (
+                    f"; its experts and router: --target-parameters (PEFT maps {','.join(EXPERT_NAMES)} onto "
+                    "them for the families it knows)"
+                    if experts
+                    else ""
+                )
                 + ("; a vision-language model's vision tower takes no adapters" if tower else "")
             )
     params = {n for n, _ in model.named_parameters()}
@@ -119,8 +125,20 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     except ValueError as e:  # PEFT's refusals: LoRA on parameters takes no dropout, a half-named pair
         flags = "--lora-dropout" if "lora_dropout" in str(e) else "--target-modules/--target-parameters"
         raise UsageError(f"{flags}: PEFT refuses these adapters on this model: {e}") from None
+    flags = f"--target-modules {','.join(cfg.target_modules)} / --target-parameters {','.join(cfg.target_parameters)}"
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
-        raise UsageError(f"--target-modules {','.join(cfg.target_modules)}: no layer got an adapter")
+        raise UsageError(f"{flags}: no layer got an adapter")
+    for name, m in model.named_modules():
+        base = m.get_base_layer() if hasattr(m, "parameter_name") else None
+        if (
+            base is not None
+            and getattr(base, m.parameter_name).dim() == 3
+            and not peft_experts.is_fused_experts(base)
+        ):
+            raise UsageError(
+                f"{flags}: PEFT adapts {peft_experts.unwrapped(name)}.{m.parameter_name}, experts in a layout "
+                "LoRA is not built for here (transposed, or with biases); leave them out"
+            )
     return model
 
 
@@ -231,7 +249,8 @@ def read_adapter(path: str, model: nn.Module, cfg: LoRAConfig) -> dict[str, torc
     extra = sorted(set(stored) - set(wanted))
     if missing or extra:
         raise UsageError(
-            f"--lora-adapter-path {path!r} does not fit --target-modules {','.join(cfg.target_modules)}: "
+            f"--lora-adapter-path {path!r} does not fit --target-modules {','.join(cfg.target_modules)} "
+            f"--target-parameters {','.join(cfg.target_parameters)}: "
             + (f"it lacks {missing[0]}" if missing else f"it has {extra[0]}, which the model's adapters lack")
             + f" ({len(missing)} missing, {len(extra)} extra)"
         )
@@ -300,8 +319,6 @@ def adapter_config_dict(config: Any, base: str) -> dict[str, Any]:
     """The adapter's PEFT config (`injected_config`: the vision tower's layers excluded, the expert
     parameters PEFT wraps) as JSON data (adapter_config.json; SGLang's `config_dict`), so PEFT
     loads it as trained."""
-    import copy
-
     config = copy.copy(config)
     config.base_model_name_or_path = base
     data = config.to_dict()

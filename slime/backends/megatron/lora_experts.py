@@ -9,13 +9,15 @@ linear layers' adapters do (slime.backends.megatron.lora), and the hooks take vi
 - expert e's `linear_fc1` (SequentialMLP's local expert, its rows [gate; up] as gate_up_proj[e]'s)
   adds scaling * B_e A_e x of the gate_up_proj adapter, its `linear_fc2` that of down_proj's;
   this rank's experts are its expert-parallel rank's (global e = EP rank * local + j);
-- the router's logits gain scaling * B A x before its top-k (megatron-core's `gating`, so the
-  routing replay hooks, which call it again, see the adapted logits too).
+- the router's logits are megatron-core's `gating` with W + scaling * B A (folded in W's dtype,
+  as PEFT folds it), before its top-k; the routing replay hooks, which call `gating` again, see
+  the adapted logits too.
 
 The experts' factors are not split over EP: a rank's gradient holds its experts' slices (zero
 elsewhere), and the sum over the data-parallel group, which holds every EP rank, adds each
-expert's replicas, every token counted once, as for the attention's adapters. Expert tensor
-parallelism and grouped experts (Transformer Engine) are refused.
+expert's replicas, every token counted once, as for the attention's adapters. All this at TP 1
+(a MoE model's LoRA runs there: MoE with TP needs sequence parallelism, which needs Transformer
+Engine); TP above 1, expert tensor parallelism and grouped experts are refused.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ GATE_UP, DOWN, ROUTER = "gate_up_proj", "down_proj", "gate.weight"
 class ParamTarget:
     """One megatron-core module of this rank and the PEFT module whose adapter it takes."""
 
-    module: str  # the layer's name in this stage's model (its local numbering)
-    adapter: str  # the PEFT module (`model.layers.3.mlp.experts.base_layer`)
-    expert: int  # the global expert (-1: the router)
+    module: str
+    """The layer's name in this stage's model (its local numbering)."""
+    adapter: str
+    """The PEFT module (`model.layers.3.mlp.experts.base_layer`)."""
+    expert: int
+    """The global expert (-1: the router)."""
     num_experts: int
 
 
@@ -48,12 +53,24 @@ def plan(
 ) -> list[ParamTarget]:
     """The targets of this rank for the PEFT modules of `wrapped` (module -> the checkpoint name
     of the parameter it adapts) in this stage's `layers`."""
-    if wrapped and (grouped or mesh.etp > 1):
+    experts = [m for m, p in wrapped.items() if not p.endswith("." + ROUTER)]
+    # The factors' gradients are whole on every rank (average_over_tp): at TP 1 only, which MoE
+    # with LoRA is anyway (MoE with TP needs sequence parallelism, which needs Transformer Engine).
+    why = (
+        f"--tensor-model-parallel-size {mesh.tp}"
+        if wrapped and mesh.tp > 1
+        else "grouped experts"
+        if experts and grouped
+        else f"--expert-tensor-parallel-size {mesh.etp}"
+        if experts and mesh.etp > 1
+        else None
+    )
+    if why:
         raise UsageError(
-            f"LoRA on {next(iter(wrapped))} (a mixture-of-experts layer's experts or router) with "
-            + ("grouped experts" if grouped else f"--expert-tensor-parallel-size {mesh.etp}")
-            + " is not built on the Megatron backend: use --transformer-impl local and expert tensor "
-            "parallelism 1, or leave the experts out of --target-modules"
+            f"LoRA on {(experts or list(wrapped))[0]} (a mixture-of-experts layer's experts or router) with "
+            f"{why} is not built on the Megatron backend: use TP 1, --transformer-impl local and expert "
+            "tensor parallelism 1, or name the linear layers in --target-modules instead of all-linear, the "
+            "expert names and --target-parameters"
         )
     local = num_experts // mesh.ep
     out = []
@@ -88,12 +105,20 @@ def hook(lora: Any, target: ParamTarget, module: Any) -> None:
         gating = module.gating
 
         def adapted_gating(x: torch.Tensor) -> torch.Tensor:
-            logits = gating(x)
             if not lora.enabled:
-                return logits
+                return gating(x)
+            from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+            # megatron-core's gating with W + scaling * B A, folded in W's dtype as PEFT folds it
+            # (a bfloat16 router's near-tied top-k chooses as the FSDP actor's does)
             a, b = lora.pair(target.adapter)
-            z = x.to(logits.dtype) @ a.to(logits.dtype).t() @ b.to(logits.dtype).t()
-            return logits + lora.scaling * z
+            weight = module.weight + peft_experts.delta(a, b, lora.scaling, module.weight.shape).to(
+                module.weight.dtype
+            )
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+                module.config.moe_router_dtype, x.dtype
+            )
+            return router_gating_linear(x, weight, module.bias, dtype)
 
         module.gating = adapted_gating
         return

@@ -32,6 +32,7 @@ from torch import nn
 from slime.engines.protocol import ProtocolError
 from slime.engines.torch_engine import lora_experts
 from slime.engines.torch_engine.lora_experts import ParamLoRA, TokenGroup
+from slime.utils import peft_experts
 from slime.utils.peft_experts import uniform_scaling
 from slime.utils.peft_files import LORA_TENSOR, dump_name, read_adapter_dir
 
@@ -174,7 +175,7 @@ class ServedAdapters:
                 target = self.experts_and_routers[module][1]
                 serve = (
                     lora_experts.serve_experts
-                    if lora_experts.is_experts(target)
+                    if peft_experts.is_fused_experts(target)
                     else lora_experts.serve_router
                 )
                 serve(target, module, self._token_groups)

@@ -30,8 +30,6 @@ from torch import nn
 from slime.engines.protocol import ProtocolError
 from slime.utils import peft_experts
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-
 
 @dataclass(frozen=True)
 class ParamLoRA:
@@ -64,20 +62,6 @@ Groups = Callable[[str, int], list[TokenGroup]]
 rows that adapt that module, each with its tokens; empty when none does."""
 
 
-def is_experts(module: nn.Module) -> bool:
-    """transformers' fused experts in the layout the eager loop reads: [gate; up] rows, each
-    expert's weight [out, in], no biases (gpt-oss fuses otherwise and is not served)."""
-    params = dict(module.named_parameters(recurse=False))
-    return (
-        hasattr(module, "num_experts")
-        and all(name in params and params[name].dim() == 3 for name in EXPERT_PARAMS)
-        and not getattr(module, "is_transposed", False)
-        and getattr(module, "is_concatenated", True)
-        and getattr(module, "has_gate", True)
-        and not getattr(module, "has_bias", False)
-    )
-
-
 def is_router(module: nn.Module) -> bool:
     """A router of transformers' MoE blocks: `weight` [E, H], `top_k` and `num_experts`."""
     weight = getattr(module, "weight", None)
@@ -95,7 +79,7 @@ def adaptable(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     out = {}
     for name, module in model.named_modules():
         m = re.search(r"(layers\.\d+\..+)$", name)
-        if m is not None and (is_experts(module) or is_router(module)):
+        if m is not None and (peft_experts.is_fused_experts(module) or is_router(module)):
             out[m.group(1)] = (name, module)
     return out
 
@@ -184,8 +168,9 @@ def experts_forward(
     active: list[TokenGroup],
 ) -> torch.Tensor:
     """transformers' eager experts loop (each family's `Experts.forward`) over the groups' tokens,
-    each group's adapter terms added inside every expert in PEFT's order, lora_B(lora_A(x)) *
-    scaling; the other tokens (rows without an adapter) through `base_forward`, the module's own."""
+    each group's adapter terms added inside every expert, lora_B(lora_A(x)) * scaling on the input
+    side (PEFT folds scaling * B_e A_e into the weight first: equal in float32, an ulp apart in
+    bfloat16); the other tokens (rows without an adapter) through `base_forward`, the module's own."""
     num_experts = experts.num_experts
     owner, base = _owners(hidden_states.shape[0], active, hidden_states.device)
     final = torch.zeros_like(hidden_states)
