@@ -93,6 +93,7 @@ def test_a_lora_job_can_push_the_adapter_alone(tiny_model, prompts, tmp_path, ba
             "rank": 8,
             "alpha": 16,
             "target_modules": ["all-linear"],
+            "target_parameters": [],
             "push": "adapter",
             "adapter": "slime_lora",
             "adapter_path": None,

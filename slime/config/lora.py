@@ -78,6 +78,7 @@ def dump_record(lora: LoRAConfig) -> dict[str, object] | None:
         "rank": lora.rank,
         "alpha": lora.alpha,
         "target_modules": list(lora.target_modules),
+        "target_parameters": list(lora.target_parameters),
         "push": lora.push,
         "adapter": ADAPTER_NAME if lora.pushes_adapter else None,
         "adapter_path": lora.adapter_path,

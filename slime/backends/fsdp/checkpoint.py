@@ -121,7 +121,7 @@ def load_checkpoint(actor: Rank, root: str) -> int | None:
         raise ValueError(
             f"--load {root!r} was saved with LoRA {state.get('lora') or 'off'}, this run has "
             f"{_lora_shape(actor) or 'no LoRA'}: resume with the flags it was saved with (--lora-rank, "
-            "--lora-alpha, --target-modules, --exclude-modules)"
+            "--lora-alpha, --target-modules, --target-parameters, --exclude-modules)"
         )
     base = state.get("hf_checkpoint")
     if (
@@ -192,12 +192,15 @@ def _lora_shape(actor: Rank) -> dict[str, Any] | None:
     lo = actor.cfg.lora
     if not lo.enabled:
         return None
-    return {
+    shape: dict[str, Any] = {
         "rank": lo.rank,
         "alpha": lo.alpha,
         "target_modules": list(lo.target_modules),
         "exclude_modules": list(lo.exclude_modules),
     }
+    if lo.target_parameters:  # (only when given: checkpoints from before the flag resume)
+        shape["target_parameters"] = list(lo.target_parameters)
+    return shape
 
 
 # ---- weights out ------------------------------------------------------------------------------
