@@ -104,9 +104,9 @@ def models(tmp_path_factory):
     [
         "qwen3_moe",
         "deepseek_v3",
-        "glm4_moe",
-        "glm4_moe_lite",
-        "qwen3_next",
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("glm4_moe_lite", marks=pytest.mark.slow),
+        pytest.param("qwen3_next", marks=pytest.mark.slow),
     ],
 )
 def test_all_linear_adapts_the_experts_and_the_push_is_peft_s_merge(models, arch, tmp_path):

@@ -111,8 +111,9 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     unknown = [t for t in cfg.target_parameters if not peft_experts.targets_any(t, params)]
     if unknown:
         raise UsageError(
-            f"--target-parameters {','.join(unknown)}: no parameter of this model has that name (PEFT's rule: "
-            "a parameter's full name, or its end after a dot, e.g. mlp.experts.gate_up_proj, mlp.gate.weight)"
+            f"--target-parameters {','.join(unknown)}: no parameter of this model has that name (PEFT's "
+            "rule: a parameter's full name, or its end after a dot, e.g. mlp.experts.gate_up_proj, "
+            "mlp.gate.weight)"
         )
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head" in cfg.target_modules:
@@ -125,7 +126,17 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     except ValueError as e:  # PEFT's refusals: LoRA on parameters takes no dropout, a half-named pair
         flags = "--lora-dropout" if "lora_dropout" in str(e) else "--target-modules/--target-parameters"
         raise UsageError(f"{flags}: PEFT refuses these adapters on this model: {e}") from None
-    flags = f"--target-modules {','.join(cfg.target_modules)} / --target-parameters {','.join(cfg.target_parameters)}"
+    _check_injected(model, cfg)
+    return model
+
+
+def _check_injected(model: nn.Module, cfg: LoRAConfig) -> None:
+    """Some layer got an adapter, and every expert parameter PEFT wraps has the layout
+    slime.utils.peft_experts reads."""
+    flags = (
+        f"--target-modules {','.join(cfg.target_modules)} / "
+        f"--target-parameters {','.join(cfg.target_parameters)}"
+    )
     if not any(_ADAPTER_PARAM.match(n) for n, _ in model.named_parameters()):
         raise UsageError(f"{flags}: no layer got an adapter")
     for name, m in model.named_modules():
@@ -136,10 +147,9 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             and not peft_experts.is_fused_experts(base)
         ):
             raise UsageError(
-                f"{flags}: PEFT adapts {peft_experts.unwrapped(name)}.{m.parameter_name}, experts in a layout "
-                "LoRA is not built for here (transposed, or with biases); leave them out"
+                f"{flags}: PEFT adapts {peft_experts.unwrapped(name)}.{m.parameter_name}, experts in a "
+                "layout LoRA is not built for here (transposed, or with biases); leave them out"
             )
-    return model
 
 
 def tower_linear(model: nn.Module) -> list[str]:
