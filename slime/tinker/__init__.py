@@ -1,0 +1,1 @@
+"""A Tinker-compatible training and sampling service (`python -m slime.tinker`, docs/tinker.md)."""

@@ -1,0 +1,3 @@
+from slime.tinker.cli import main
+
+raise SystemExit(main())

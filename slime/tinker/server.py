@@ -1,0 +1,153 @@
+"""The Tinker service's HTTP surface, as the official `tinker` SDK (0.38) calls it: JSON under
+`/api/v1/`, protobuf for forward_backward requests and for forward / forward_backward / sample
+results, an `X-API-Key` on every request (keys start with `tml-`).
+
+Errors: bad input is a 4xx with a JSON body naming it (the SDK raises BadRequestError and the
+like; it retries 5xx, 408, 409 and 429 for minutes, and treats a 400 without a body as a network
+glitch, so neither is used for a user's error); work that fails later fails its future, with
+category "user" for bad input. A route this server does not build answers 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from slime.tinker.errors import TinkerUserError
+from slime.tinker.service import Service
+
+logger = logging.getLogger(__name__)
+
+PROTOBUF = "application/x-protobuf"
+API = "/api/v1"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"detail": message, "error": message}, status=status)
+
+
+def make_app(service: Service, api_keys: tuple[str, ...] = ()) -> web.Application:
+    """The aiohttp application; `api_keys`: the keys accepted (none given: any `tml-` key)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = request.headers.get("X-API-Key", "")
+        if not key.startswith("tml-") or (api_keys and key not in api_keys):
+            return _error(
+                401, "invalid API key: give one of this server's keys (--api-key), which start with tml-"
+            )
+        try:
+            return await handler(request)
+        except TinkerUserError as e:
+            return _error(e.status, str(e))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # a bug: still a 4xx, so the SDK does not retry it for minutes
+            logger.exception("tinker request %s failed", request.path)
+            return _error(400, f"the server failed on {request.path}: {type(e).__name__}: {e}")
+
+    app = web.Application(middlewares=[guard], client_max_size=1024**3)
+    _json_routes(app, service)
+    _work_routes(app, service)
+
+    async def not_built(request: web.Request) -> web.StreamResponse:
+        return _error(400, f"{request.method} {request.path} is not built on this server yet")
+
+    app.router.add_route("*", API + "/{tail:.*}", not_built)
+    app.cleanup_ctx.append(_reaper(service))
+    return app
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        data = json.loads(await request.read() or b"{}")
+    except ValueError as e:
+        raise TinkerUserError(f"{request.path}: the body is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TinkerUserError(f"{request.path}: the body must be a JSON object")
+    return data
+
+
+def _json_routes(app: web.Application, service: Service) -> None:
+    """The routes that answer at once, JSON in and out."""
+
+    def route(method: str, path: str, fn: Callable[[dict[str, Any]], Any]) -> None:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return web.json_response(fn(await _body(request)))
+
+        app.router.add_route(method, API + path, handle)
+
+    route("POST", "/client/config", lambda b: {})
+    route("POST", "/client/dynamic_config", lambda b: {})
+    route("POST", "/telemetry", lambda b: {"status": "accepted"})
+    route("POST", "/create_session", service.create_session)
+    route("POST", "/session_heartbeat", service.heartbeat)
+    route("POST", "/create_model", service.create_model)
+    route("POST", "/get_info", service.get_info)
+    route("POST", "/optim_step", service.optim_step)
+    route(
+        "GET",
+        "/get_server_capabilities",
+        lambda b: {"supported_models": [{"model_name": n, "trainable": True} for n in service.bases]},
+    )
+
+    async def finish(request: web.Request) -> web.StreamResponse:
+        service.end_session(service.session(request.match_info["session_id"]))
+        return web.json_response({})
+
+    app.router.add_post(API + "/sessions/{session_id}/finish", finish)
+
+
+def _work_routes(app: web.Application, service: Service) -> None:
+    """forward_backward (protobuf in) and the futures' results (protobuf or JSON out)."""
+
+    async def forward_backward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if request.headers.get("Content-Encoding") == "zstd":
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 32)
+        return web.json_response(service.forward_backward(raw))
+
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        data = await _body(request)
+        outcome = await service.futures.wait(data.get("request_id"))
+        if outcome is None:
+            return web.json_response(
+                {"type": "try_again", "request_id": data.get("request_id"), "queue_state": "active"}
+            )
+        if outcome.error is not None:
+            return web.json_response({"error": outcome.error, "category": outcome.category})
+        if outcome.proto is not None:
+            return web.Response(body=outcome.proto, content_type=PROTOBUF)
+        return web.json_response(outcome.json)
+
+    app.router.add_post(API + "/forward_backward", forward_backward)
+    app.router.add_post(API + "/retrieve_future", retrieve)
+
+
+def _reaper(service: Service) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The app's life: expired sessions ended every 30 s (their models freed); the training
+    thread stopped at the end."""
+
+    async def reaper(app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(min(30.0, service.session_timeout_s))
+                service.expire()
+
+        task = asyncio.get_running_loop().create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        service.executor.shutdown(wait=False, cancel_futures=True)
+
+    return reaper

@@ -1,0 +1,272 @@
+"""The Tinker service's state and rules, apart from HTTP (slime.tinker.server): sessions and
+their heartbeats, training clients' models, the order their requests run in, and the futures.
+
+- A session lives while the SDK sends heartbeats (every 10 s); after `session_timeout_s` without
+  one it expires: its requests are refused (410, naming the session) and its models released.
+- A training model is `<session>:train:<model_seq_id>`, the id the SDK derives itself when it
+  creates a client from a saved state.
+- A model's requests run in their `seq_id` order (1, 2, 3, ...), whatever order they arrive in
+  (the chunks of one forward_backward arrive concurrently). A request refused at submission
+  still uses up its seq_id, so the ones after it do not wait for it. A seq_id that ran or is
+  waiting already is refused as out of order.
+- All the models' work runs on one thread, in the order the models' queues hand it over: one
+  process group of one rank, the torch work never concurrent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.tinker import losses, wire
+from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
+from slime.tinker.futures import Futures, Outcome
+from slime.tinker.trainer import LoraSpec, TrainingModel
+from slime.utils.errors import UsageError
+
+ADAM_DEFAULTS = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
+"""Tinker's AdamParams defaults."""
+
+
+@dataclass
+class Session:
+    session_id: str
+    heartbeat: float = field(default_factory=time.monotonic)
+    ended: str | None = None
+    """Why the session ended (then its requests are refused, naming it)."""
+
+
+class SeqQueue:
+    """One model's requests in seq_id order (module docstring)."""
+
+    def __init__(self, ready: asyncio.Future[Any]):
+        self.ready = ready
+        self.next = 1
+        self.pending: dict[int, Callable[[], Awaitable[None]] | None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def admit(self, seq_id: int) -> None:
+        if not isinstance(seq_id, int) or seq_id < self.next or seq_id in self.pending:
+            raise TinkerUserError(
+                f"seq_id {seq_id!r} is out of order: this model has taken seq_ids up to {self.next - 1} "
+                f"and holds {sorted(self.pending)} waiting (each request's seq_id is the next one)"
+            )
+
+    def put(self, seq_id: int, job: Callable[[], Awaitable[None]] | None) -> None:
+        """Queue `job` as `seq_id` (None: a refused request, which only uses up its seq_id)."""
+        self.pending[seq_id] = job
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self.next in self.pending:
+            job = self.pending.pop(self.next)
+            self.next += 1
+            if job is not None:
+                await job()
+
+
+@dataclass
+class ModelEntry:
+    model_id: str
+    session_id: str
+    base_model: str
+    spec: LoraSpec
+    queue: SeqQueue
+    model: TrainingModel | None = None
+    build: asyncio.Task[None] | None = None
+
+
+class Service:
+    def __init__(self, bases: dict[str, str], device: str, lora_alpha: int, session_timeout_s: float):
+        self.bases, self.device, self.lora_alpha = bases, device, lora_alpha
+        self.session_timeout_s = session_timeout_s
+        self.futures = Futures()
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ModelEntry] = {}
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
+        fd, rendezvous = tempfile.mkstemp(prefix="slime-tinker-pg-")
+        os.close(fd)
+        os.unlink(rendezvous)  # (a file:// rendezvous wants a path that does not exist yet)
+        self.init_method = f"file://{rendezvous}"
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = f"sess-{uuid.uuid4().hex[:12]}"
+        self.sessions[session_id] = Session(session_id)
+        return {"type": "create_session", "session_id": session_id}
+
+    def session(self, session_id: Any) -> Session:
+        s = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if s is None:
+            raise TinkerNotFound(f"unknown session_id {session_id!r}")
+        if s.ended is None and time.monotonic() - s.heartbeat > self.session_timeout_s:
+            self.end_session(s, f"expired: no heartbeat for {self.session_timeout_s:g} s")
+        if s.ended is not None:
+            raise TinkerGone(f"session {session_id} {s.ended}; create a new ServiceClient")
+        return s
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.session(body.get("session_id")).heartbeat = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    def end_session(self, s: Session, why: str = "was finished (ServiceClient.close)") -> None:
+        s.ended = why
+        for model_id in [m for m, e in self.models.items() if e.session_id == s.session_id]:
+            del self.models[model_id]
+        self.futures.drop_session(s.session_id)
+
+    def expire(self) -> None:
+        """End the sessions past their heartbeat timeout (their models' memory goes)."""
+        now = time.monotonic()
+        for s in list(self.sessions.values()):
+            if s.ended is None and now - s.heartbeat > self.session_timeout_s:
+                self.end_session(s, f"expired: no heartbeat for {self.session_timeout_s:g} s")
+
+    # ---- training models --------------------------------------------------------------------
+    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        s = self.session(body.get("session_id"))
+        base = body.get("base_model")
+        if base not in self.bases:
+            raise TinkerUserError(f"base_model {base!r} is not served here; served: {', '.join(self.bases)}")
+        if body.get("lora_config") is None:
+            raise TinkerUserError(
+                "create_model without lora_config (full fine-tuning) is not built on this server"
+            )
+        spec = LoraSpec.parse(body["lora_config"])
+        model_id = f"{s.session_id}:train:{body.get('model_seq_id')}"
+        if model_id in self.models:
+            raise TinkerUserError(
+                f"model {model_id} exists already (model_seq_id {body.get('model_seq_id')!r} reused)"
+            )
+        loop = asyncio.get_running_loop()
+        entry = ModelEntry(model_id, s.session_id, base, spec, SeqQueue(loop.create_future()))
+        self.models[model_id] = entry
+        request_id = self.futures.create(s.session_id)
+        entry.build = loop.create_task(self._build(entry, request_id))
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def _build(self, entry: ModelEntry, request_id: str) -> None:
+        path = self.bases[entry.base_model]
+
+        def build() -> TrainingModel:
+            return TrainingModel(
+                entry.base_model, path, entry.spec, self.lora_alpha, self.device, self.init_method
+            )
+
+        try:
+            entry.model = await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        except Exception as e:
+            entry.queue.ready.set_exception(e)
+            self.futures.resolve(request_id, _failure(e))
+            return
+        entry.queue.ready.set_result(None)
+        self.futures.resolve(request_id, Outcome(json={"type": "create_model", "model_id": entry.model_id}))
+
+    def model(self, model_id: Any) -> ModelEntry:
+        entry = self.models.get(model_id) if isinstance(model_id, str) else None
+        if entry is None:
+            session_id = model_id.split(":")[0] if isinstance(model_id, str) else None
+            if session_id in self.sessions:
+                self.session(session_id)  # an expired or finished session says so
+            raise TinkerNotFound(f"unknown model_id {model_id!r}")
+        self.session(entry.session_id)
+        return entry
+
+    def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        entry = self.model(body.get("model_id"))
+        return {
+            "type": "get_info",
+            "model_id": entry.model_id,
+            "model_data": {"model_name": entry.base_model, "tokenizer_id": self.bases[entry.base_model]},
+            "is_lora": True,
+            "lora_rank": entry.spec.rank,
+            "model_name": entry.base_model,
+        }
+
+    def submit(
+        self, model_id: Any, seq_id: Any, check: Callable[[], None], work: Callable[[TrainingModel], Outcome]
+    ) -> dict[str, Any]:
+        """Queue `work` as the model's request `seq_id` after `check` passed (a refused request
+        still uses up its seq_id); its future's id."""
+        entry = self.model(model_id)
+        entry.queue.admit(seq_id)
+        try:
+            check()
+        except TinkerUserError:
+            entry.queue.put(seq_id, None)
+            raise
+        request_id = self.futures.create(entry.session_id)
+
+        async def job() -> None:
+            try:
+                await entry.queue.ready
+                assert entry.model is not None
+                outcome = await asyncio.get_running_loop().run_in_executor(self.executor, work, entry.model)
+            except Exception as e:
+                outcome = _failure(e)
+            self.futures.resolve(request_id, outcome)
+
+        entry.queue.put(seq_id, job)
+        return {"request_id": request_id, "model_id": entry.model_id}
+
+    def forward_backward(self, body: bytes) -> dict[str, Any]:
+        message = wire.parse_forward_backward(body)
+        request = wire.ForwardBackward(message.model_id, message.seq_id, [], "", {}, False)
+
+        def check() -> None:
+            nonlocal request
+            request = wire.decode_forward_backward(message)
+            if not request.data:
+                raise TinkerUserError("forward_backward: no data (a list of Datum)")
+            losses.check(request.loss_fn, [d.inputs for d in request.data], request.config)
+
+        def work(model: TrainingModel) -> Outcome:
+            model.check(request.data)
+            outputs, metrics = model.forward_backward(
+                request.data, request.loss_fn, request.config, backward=not request.forward_only
+            )
+            return Outcome(proto=wire.forward_backward_output(outputs, metrics))
+
+        return self.submit(message.model_id, message.seq_id, check, work)
+
+    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        given = body.get("adam_params")
+        adam = dict(ADAM_DEFAULTS)
+
+        def check() -> None:
+            if given is None:
+                raise TinkerUserError(
+                    "optim_step: only AdamParams (adam_params) is built here, not "
+                    f"{(body.get('optimizer_params') or {}).get('type', 'another optimizer')!r}"
+                )
+            for key, value in given.items():
+                if key in adam and isinstance(value, int | float):
+                    adam[key] = float(value)
+                elif key != "type":
+                    raise TinkerUserError(f"adam_params[{key!r}] = {value!r}: not a number of AdamParams")
+
+        def work(model: TrainingModel) -> Outcome:
+            return Outcome(json={"type": "optim_step", "metrics": model.optim_step(adam)})
+
+        return self.submit(body.get("model_id"), body.get("seq_id"), check, work)
+
+
+def _failure(e: BaseException) -> Outcome:
+    if isinstance(e, TinkerUserError | UsageError):
+        return Outcome(error=str(e), category="user")
+    return Outcome(error=f"{type(e).__name__}: {e}", category="server")

@@ -1,0 +1,180 @@
+"""A Tinker training client's model: the FSDP actor's model and optimizer (slime.backends.fsdp)
+with PEFT's LoRA adapters, driven by Tinker's requests instead of slime's RL loop.
+
+- `forward` / `forward_backward`: per datum, the log-probs of its target tokens (position i
+  predicts target_tokens[i] from the input up to i), the loss Tinker defines
+  (slime.tinker.losses) summed over tokens, its gradient added to the adapters' (gradients
+  accumulate over calls until the next optim_step, as Tinker's do).
+- `optim_step`: AdamW with the call's own learning rate, betas, eps and weight decay, the
+  gradient norm clipped when `grad_clip_norm` > 0; then the gradients are cleared.
+
+Which layers get adapters (Tinker's LoraConfig): `train_attn` the attention's linear layers
+(self-attention, linear attention), `train_mlp` the MLP's (a mixture-of-experts model's fused
+experts too, per expert, slime.utils.peft_experts), `train_unembed` the LM head. The adapters'
+alpha is this server's `--lora-alpha` (scaling alpha / rank).
+
+All of a server's models run on one thread (slime.tinker.service), in one process group of one
+rank: this module's calls are never concurrent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from slime.tinker import losses
+from slime.tinker.errors import TinkerUserError
+from slime.tinker.wire import Datum
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Tinker's LoraConfig."""
+
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    @classmethod
+    def parse(cls, data: Any) -> LoraSpec:
+        if not isinstance(data, dict) or not isinstance(data.get("rank"), int) or data["rank"] < 1:
+            raise TinkerUserError(f"lora_config must hold an int rank >= 1, got {data!r}")
+        spec = cls(
+            data["rank"],
+            data.get("seed"),
+            bool(data.get("train_mlp", True)),
+            bool(data.get("train_attn", True)),
+            bool(data.get("train_unembed", True)),
+        )
+        if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
+            raise TinkerUserError(
+                "lora_config: at least one of train_mlp, train_attn, train_unembed must be true"
+            )
+        return spec
+
+
+def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(--target-modules, --target-parameters) of a LoraConfig on the model of `hf_config`: each
+    linear layer named by its parent and its own name (`self_attn.q_proj`, `mlp.up_proj`, PEFT's
+    dotted-tail rule), the fused experts by theirs (`mlp.experts.gate_up_proj`)."""
+    from torch import nn
+
+    from slime.utils.model_families import auto_model_class
+
+    with torch.device("meta"):
+        model = auto_model_class(hf_config).from_config(hf_config)
+    wanted = {"unembed": spec.train_unembed, "mlp": spec.train_mlp, "attn": spec.train_attn, None: False}
+    modules: set[str] = set()
+    parameters: set[str] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".")
+        kind = (
+            "unembed"
+            if parts[-1] == "lm_head"
+            else "mlp"
+            if "mlp" in parts
+            else "attn"
+            if any("attn" in p for p in parts)
+            else None
+        )
+        if wanted[kind]:
+            modules.add("lm_head" if kind == "unembed" else ".".join(parts[-2:]))
+    if spec.train_mlp:
+        parameters = {
+            ".".join(n.split(".")[-3:])
+            for n, p in model.named_parameters()
+            if p.dim() == 3 and ".experts." in n
+        }
+    if spec.train_unembed and getattr(hf_config, "tie_word_embeddings", False):
+        raise TinkerUserError(
+            "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter on "
+            "the head would change too; create the training client with train_unembed=False"
+        )
+    if not modules and not parameters:
+        raise TinkerUserError(f"lora_config {spec}: no layer of this model gets an adapter")
+    return tuple(sorted(modules)), tuple(sorted(parameters))
+
+
+class TrainingModel:
+    """One training client's model (module docstring)."""
+
+    def __init__(self, base_model: str, path: str, spec: LoraSpec, alpha: int, device: str, init_method: str):
+        from slime.backends.fsdp.actor import FSDPBackend
+        from slime.config.lora import LoRAConfig
+        from slime.config.train import BatchConfig, TrainConfig
+
+        self.base_model, self.path, self.spec, self.alpha = base_model, path, spec, alpha
+        from transformers import AutoConfig
+
+        modules, parameters = lora_targets(AutoConfig.from_pretrained(path), spec)
+        lora = LoRAConfig(rank=spec.rank, alpha=alpha, target_modules=modules, target_parameters=parameters)
+        cfg = TrainConfig(
+            hf_checkpoint=path,
+            device=device,
+            seed=spec.seed if spec.seed is not None else 0,
+            lora=lora,
+            batch=BatchConfig(global_batch_size=1, micro_batch_size=1),
+        )
+        self.backend = FSDPBackend(cfg, 0, 1, init_method)
+        self.backend.init()
+        self.vocab_size = int(self.backend.hf_config.vocab_size)
+
+    @property
+    def model(self) -> Any:
+        return self.backend.model
+
+    def _target_log_probs(self, datum: Datum) -> torch.Tensor:
+        device = self.backend.device
+        ids = torch.tensor([datum.tokens], dtype=torch.long, device=device)
+        targets = torch.as_tensor(datum.inputs["target_tokens"], dtype=torch.long, device=device)
+        if bool((targets < 0).any()) or bool((targets >= self.vocab_size).any()):
+            raise TinkerUserError(f"target_tokens hold ids outside the vocabulary [0, {self.vocab_size})")
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    def check(self, data: list[Datum]) -> None:
+        for i, datum in enumerate(data):
+            if max(datum.tokens) >= self.vocab_size or min(datum.tokens) < 0:
+                raise TinkerUserError(
+                    f"datum {i}: model_input holds token ids outside [0, {self.vocab_size})"
+                )
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str, config: Mapping[str, float | str], backward: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per datum its target log-probs (and, with `backward`, the loss's gradient added in);
+        the metrics: `loss:sum`."""
+        outputs, total = [], 0.0
+        with torch.set_grad_enabled(backward):
+            for datum in data:
+                logp = self._target_log_probs(datum)
+                inputs = {k: torch.as_tensor(v, device=logp.device) for k, v in datum.inputs.items()}
+                inputs = {k: v.float() if k != "target_tokens" else v for k, v in inputs.items()}
+                loss = losses.loss(loss_fn, logp, inputs, config)
+                if backward:
+                    loss.backward()
+                total += float(loss.detach())
+                outputs.append({"logprobs": logp.detach().float().cpu().numpy()})
+        return outputs, {"loss:sum": total}
+
+    def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
+        optimizer = self.backend.optimizer
+        for group in optimizer.param_groups:
+            group["lr"] = adam["learning_rate"]
+            group["betas"] = (adam["beta1"], adam["beta2"])
+            group["eps"] = adam["eps"]
+            group["weight_decay"] = adam["weight_decay"]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"] or float("inf"))
+        full = getattr(norm, "full_tensor", None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": float(full() if full is not None else norm)}

@@ -1,0 +1,234 @@
+"""The Tinker service (slime.tinker) against the official `tinker` SDK: a real server process
+(`python -m slime.tinker`) on loopback, the SDK's ServiceClient and TrainingClient unchanged.
+
+Forward log-probs are Hugging Face's teacher-forced ones; the losses are Tinker's formulas;
+forward_backward accumulates gradients until optim_step, with the call's Adam parameters; a
+custom loss (forward_backward_custom) trains as the built-in cross_entropy; bad input is named
+and leaves other clients alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed (pip install -e '.[tinker]')")
+pytest.importorskip("peft", reason="peft is not installed")
+
+KEY = "tml-slime-test"
+TOKENS = [[5, 9, 11, 20, 33, 7], [3, 14, 15, 92, 65]]
+
+
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "slime.tinker", "--model", f"tiny={model}", "--port", "0", "--api-key", KEY]
+    proc = subprocess.Popen(
+        [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the ready line names the address
+        lines.append(line)
+        if line.startswith("slime.tinker serving"):
+            return proc, line.rsplit(" on ", 1)[1].strip()
+    raise AssertionError("the server exited before serving:\n" + "".join(lines))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    proc, url = start_server(tiny_model)
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return tinker.ServiceClient(base_url=server, api_key=KEY)
+
+
+def trainer(service, seed=0):
+    return service.create_lora_training_client(base_model="tiny", rank=4, seed=seed, train_unembed=False)
+
+
+def datum(tokens, **inputs):
+    from tinker import types
+
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], **inputs},
+    )
+
+
+def weights(tokens):
+    return [0.0] + [1.0] * (len(tokens) - 2)  # the first target is the prompt's
+
+
+def hf_log_probs(model: str, tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens[:-1]])).logits[0].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def log_probs(result, i=0) -> torch.Tensor:
+    return torch.tensor(result.loss_fn_outputs[i]["logprobs"].data)
+
+
+def test_forward_is_the_teacher_forced_log_probs_and_loss_sum_their_weighted_sum(service, tiny_model):
+    tc = trainer(service)
+    data = [datum(t, weights=weights(t)) for t in TOKENS]
+    result = tc.forward(data, "cross_entropy").result()
+    expected = 0.0
+    for i, tokens in enumerate(TOKENS):
+        reference = hf_log_probs(tiny_model, tokens)
+        torch.testing.assert_close(log_probs(result, i), reference, rtol=0, atol=1e-5)
+        expected -= float((reference * torch.tensor(weights(tokens))).sum())
+    assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_policy_losses_are_tinker_s_formulas(service):
+    tc = trainer(service)
+    tokens = TOKENS[0]
+    n = len(tokens) - 1
+    own = log_probs(tc.forward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result())
+    g = torch.Generator().manual_seed(0)
+    sampled = own + 0.3 * torch.randn(n, generator=g)  # another policy's log-probs
+    advantages = torch.randn(n, generator=g)
+    inputs = {"logprobs": sampled.tolist(), "advantages": advantages.tolist()}
+    ratio = torch.exp(own - sampled)
+    clipped = ratio.clamp(0.9, 1.1)
+    expected = {
+        "importance_sampling": -(ratio * advantages).sum(),
+        "ppo": -torch.minimum(ratio * advantages, clipped * advantages).sum(),
+        "cispo": -(clipped * own * advantages).sum(),
+    }
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    for loss_fn, value in expected.items():
+        result = tc.forward(
+            [datum(tokens, **inputs)], loss_fn, config if loss_fn != "importance_sampling" else None
+        )
+        assert result.result().metrics["loss:sum"] == pytest.approx(float(value), rel=1e-5, abs=1e-6), loss_fn
+    assert (ratio < 0.9).any() or (ratio > 1.1).any()  # the clip acted
+
+
+def test_gradients_accumulate_until_optim_step_with_its_own_adam_parameters(service):
+    """Two forward_backward calls then a step equal one call with the weights doubled; a step of
+    learning rate 0 changes nothing; one of 1e-2 lowers the loss."""
+    from tinker import types
+
+    tokens = TOKENS[0]
+    one, two, still = (trainer(service, seed=3) for _ in range(3))
+    data = [datum(tokens, weights=weights(tokens))]
+    twice = [datum(tokens, weights=[2 * w for w in weights(tokens)])]
+    before = one.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    still.forward_backward(data, "cross_entropy").result()
+    assert still.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] > 0
+    assert still.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
+    one.forward_backward(data, "cross_entropy").result()
+    one.forward_backward(data, "cross_entropy").result()
+    two.forward_backward(twice, "cross_entropy").result()
+    adam = types.AdamParams(learning_rate=1e-2, beta2=0.99, weight_decay=0.01, grad_clip_norm=1.0)
+    norms = [c.optim_step(adam).result().metrics["grad_norm:mean"] for c in (one, two)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    after = [c.forward(data, "cross_entropy").result() for c in (one, two)]
+    torch.testing.assert_close(log_probs(after[0]), log_probs(after[1]), rtol=0, atol=1e-6)
+    assert after[0].metrics["loss:sum"] < before
+
+
+def test_a_custom_loss_trains_as_the_built_in_cross_entropy(service):
+    from tinker import types
+
+    tokens = TOKENS[1]
+    w = torch.tensor(weights(tokens))
+    builtin, custom = trainer(service, seed=5), trainer(service, seed=5)
+    data = [datum(tokens, weights=w.tolist())]
+    result = builtin.forward_backward(data, "cross_entropy").result()
+
+    def nll(batch, logprobs):
+        loss = -(logprobs[0] * w).sum()
+        return loss, {"nll": float(loss)}
+
+    mine = custom.forward_backward_custom(data, nll).result()
+    assert mine.metrics["loss:sum"] == pytest.approx(result.metrics["loss:sum"], rel=1e-6)
+    for c in (builtin, custom):
+        c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [log_probs(c.forward(data, "cross_entropy").result()) for c in (builtin, custom)]
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
+
+
+def post(url: str, path: str, body: dict, key: str = KEY) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json", "X-API-Key": key}
+    )
+    try:
+        with urllib.request.urlopen(request) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
+    from tinker import types
+
+    tc = trainer(service)
+    tokens = TOKENS[0]
+    good = [datum(tokens, weights=weights(tokens))]
+    before = log_probs(tc.forward(good, "cross_entropy").result())
+    with pytest.raises(tinker.BadRequestError, match="base_model 'nope' is not served here; served: tiny"):
+        service.create_lora_training_client(base_model="nope", rank=4).get_info()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' is not built on this server"):
+        tc.forward_backward(good, "dro").result()
+    with pytest.raises(
+        tinker.BadRequestError, match=r"loss_fn_inputs\['weights'\] has shape \[2\]; it needs one"
+    ):
+        tc.forward([datum(tokens, weights=[1.0, 1.0])], "cross_entropy").result()
+    with pytest.raises(
+        tinker.BadRequestError, match="needs loss_fn_inputs target_tokens, logprobs, advantages"
+    ):
+        tc.forward(good, "ppo").result()
+    with pytest.raises(
+        tinker.RequestFailedError, match=r"target_tokens hold ids outside the vocabulary \[0, 101\)"
+    ):
+        tc.forward([datum([1, 2, 500], weights=[1.0, 1.0])], "cross_entropy").result()
+    model_id = tc.get_info().model_id
+    status, answer = post(
+        server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}}
+    )
+    assert status == 400 and "seq_id 1 is out of order" in answer["detail"]
+    status, answer = post(server, "/api/v1/get_info", {"model_id": model_id}, key="tml-wrong")
+    assert status == 401 and "invalid API key" in answer["detail"]
+    torch.testing.assert_close(log_probs(tc.forward(good, "cross_entropy").result()), before, rtol=0, atol=0)
+    assert types  # (the SDK's types module imported as users do)
+
+
+def test_an_expired_session_is_refused_by_name(tiny_model):
+    proc, url = start_server(tiny_model, "--session-timeout", "0.5")
+    try:
+        status, created = post(url, "/api/v1/create_session", {"tags": [], "sdk_version": "0.38.0"})
+        assert status == 200
+        import time
+
+        time.sleep(1.0)  # past the timeout: no heartbeat came
+        body = {
+            "session_id": created["session_id"],
+            "model_seq_id": 0,
+            "base_model": "tiny",
+            "lora_config": {"rank": 4},
+        }
+        status, answer = post(url, "/api/v1/create_model", body)
+        assert status == 410 and "expired: no heartbeat for 0.5 s" in answer["detail"], answer
+    finally:
+        stop(proc)
