@@ -25,9 +25,10 @@ KEY = "tml-slime-test"
 TOKENS = [[5, 9, 11, 20, 33, 7], [3, 14, 15, 92, 65]]
 
 
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, store: str, *extra: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "slime.tinker", "--model", f"tiny={model}", "--port", "0", "--api-key", KEY]
+    cmd += ["--store", store]
     proc = subprocess.Popen(
         [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -46,8 +47,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    proc, url = start_server(tiny_model)
+def store(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tinker-store"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, store):
+    proc, url = start_server(tiny_model, store)
     yield url
     stop(proc)
 
@@ -214,8 +220,8 @@ def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
     assert types  # (the SDK's types module imported as users do)
 
 
-def test_an_expired_session_is_refused_by_name(tiny_model):
-    proc, url = start_server(tiny_model, "--session-timeout", "0.5")
+def test_an_expired_session_is_refused_by_name(tiny_model, tmp_path):
+    proc, url = start_server(tiny_model, str(tmp_path), "--session-timeout", "0.5")
     try:
         status, created = post(url, "/api/v1/create_session", {"tags": [], "sdk_version": "0.38.0"})
         assert status == 200
@@ -230,5 +236,65 @@ def test_an_expired_session_is_refused_by_name(tiny_model):
         }
         status, answer = post(url, "/api/v1/create_model", body)
         assert status == 410 and "expired: no heartbeat for 0.5 s" in answer["detail"], answer
+    finally:
+        stop(proc)
+
+
+def test_a_saved_state_is_the_trained_adapters_and_loads_with_its_optimizer_after_a_restart(
+    service, tiny_model, store
+):
+    """save_state writes the trained adapters as a PEFT directory (the base plus them computes
+    what the server's model computes: only the adapters changed) and the AdamW moments; a client
+    from the state with its optimizer steps as the original does, one without does not; the
+    store outlives the server."""
+    from peft import PeftModel
+    from tinker import types
+    from transformers import AutoModelForCausalLM
+
+    tokens = TOKENS[0]
+    data = [datum(tokens, weights=weights(tokens))]
+    adam = types.AdamParams(learning_rate=1e-2)
+    tc = trainer(service, seed=7)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    trained = log_probs(tc.forward(data, "cross_entropy").result())
+    path = tc.save_state("s1").result().path
+    assert path == f"tinker://{tc.get_info().model_id}/weights/s1"
+    directory = os.path.join(store, *path[len("tinker://") :].split("/"))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+        os.path.join(directory, "adapter"),
+    ).eval()
+    with torch.no_grad():
+        logits = peft(torch.tensor([tokens[:-1]])).logits[0].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    torch.testing.assert_close(trained, expected, rtol=0, atol=1e-5)
+
+    resumed = service.create_training_client_from_state_with_optimizer(path)
+    fresh = service.create_training_client_from_state(path)
+    for c in (resumed, fresh):
+        torch.testing.assert_close(
+            log_probs(c.forward(data, "cross_entropy").result()), trained, rtol=0, atol=0
+        )
+    for c in (tc, resumed, fresh):
+        c.forward_backward(data, "cross_entropy").result()
+        c.optim_step(adam).result()
+    after = [log_probs(c.forward(data, "cross_entropy").result()) for c in (tc, resumed, fresh)]
+    torch.testing.assert_close(after[1], after[0], rtol=0, atol=1e-6)
+    assert (after[2] - after[0]).abs().max() > 1e-4  # fresh AdamW moments step otherwise
+
+    sampler_path = tc.save_weights_for_sampler("s1").result().path
+    assert sampler_path.endswith("/sampler_weights/s1")
+    with pytest.raises(tinker.RequestFailedError, match="holds no optimizer state"):
+        service.create_training_client_from_state_with_optimizer(sampler_path).get_info()
+    with pytest.raises(tinker.NotFoundError, match="no such checkpoint in this server's store"):
+        service.create_training_client_from_state("tinker://nope/weights/x").get_info()
+
+    proc, url = start_server(tiny_model, store)
+    try:
+        again = tinker.ServiceClient(base_url=url, api_key=KEY).create_training_client_from_state(path)
+        torch.testing.assert_close(
+            log_probs(again.forward(data, "cross_entropy").result()), trained, rtol=0, atol=0
+        )
     finally:
         stop(proc)

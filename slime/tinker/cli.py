@@ -39,6 +39,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-alpha", type=int, default=32, help="the adapters' alpha (scaling alpha / rank; default 32)"
     )
     parser.add_argument(
+        "--store",
+        default="tinker-store",
+        help="the directory of the tinker:// checkpoints (kept across restarts)",
+    )
+    parser.add_argument(
         "--session-timeout",
         type=float,
         default=600.0,
@@ -97,7 +102,7 @@ async def serve(args: argparse.Namespace, bases: dict[str, str]) -> None:
     from slime.tinker.server import make_app
     from slime.tinker.service import Service
 
-    service = Service(bases, args.device, args.lora_alpha, args.session_timeout)
+    service = Service(bases, args.device, args.lora_alpha, args.session_timeout, args.store)
     runner = web.AppRunner(make_app(service, tuple(args.api_key)), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -92,6 +92,9 @@ def _json_routes(app: web.Application, service: Service) -> None:
     route("POST", "/create_model", service.create_model)
     route("POST", "/get_info", service.get_info)
     route("POST", "/optim_step", service.optim_step)
+    route("POST", "/save_weights", service.save_weights)
+    route("POST", "/save_weights_for_sampler", lambda b: service.save_weights(b, sampler=True))
+    route("POST", "/load_weights", service.load_weights)
     route(
         "GET",
         "/get_server_capabilities",

@@ -22,12 +22,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slime.tinker import losses, wire
 from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
 from slime.tinker.futures import Futures, Outcome
+from slime.tinker.store import Store
 from slime.tinker.trainer import LoraSpec, TrainingModel
 from slime.utils.errors import UsageError
 
@@ -92,9 +93,12 @@ class ModelEntry:
 
 
 class Service:
-    def __init__(self, bases: dict[str, str], device: str, lora_alpha: int, session_timeout_s: float):
+    def __init__(
+        self, bases: dict[str, str], device: str, lora_alpha: int, session_timeout_s: float, store: str
+    ):
         self.bases, self.device, self.lora_alpha = bases, device, lora_alpha
         self.session_timeout_s = session_timeout_s
+        self.store = Store(store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelEntry] = {}
@@ -147,26 +151,31 @@ class Service:
             raise TinkerUserError(
                 "create_model without lora_config (full fine-tuning) is not built on this server"
             )
-        spec = LoraSpec.parse(body["lora_config"])
-        model_id = f"{s.session_id}:train:{body.get('model_seq_id')}"
+        return self._new_model(s, body.get("model_seq_id"), base, LoraSpec.parse(body["lora_config"]), None)
+
+    def _new_model(
+        self, s: Session, model_seq_id: Any, base: str, spec: LoraSpec, load: tuple[str, bool] | None
+    ) -> dict[str, Any]:
+        """A training model built on the training thread (then, with `load`, a checkpoint's
+        directory and whether its optimizer state, loaded into it); its future's id."""
+        model_id = f"{s.session_id}:train:{model_seq_id}"
         if model_id in self.models:
-            raise TinkerUserError(
-                f"model {model_id} exists already (model_seq_id {body.get('model_seq_id')!r} reused)"
-            )
+            raise TinkerUserError(f"model {model_id} exists already (model_seq_id {model_seq_id!r} reused)")
         loop = asyncio.get_running_loop()
         entry = ModelEntry(model_id, s.session_id, base, spec, SeqQueue(loop.create_future()))
         self.models[model_id] = entry
         request_id = self.futures.create(s.session_id)
-        entry.build = loop.create_task(self._build(entry, request_id))
+        entry.build = loop.create_task(self._build(entry, request_id, load))
         return {"request_id": request_id, "model_id": model_id}
 
-    async def _build(self, entry: ModelEntry, request_id: str) -> None:
-        path = self.bases[entry.base_model]
+    async def _build(self, entry: ModelEntry, request_id: str, load: tuple[str, bool] | None) -> None:
+        path, alpha = self.bases[entry.base_model], self.lora_alpha
 
         def build() -> TrainingModel:
-            return TrainingModel(
-                entry.base_model, path, entry.spec, self.lora_alpha, self.device, self.init_method
-            )
+            model = TrainingModel(entry.base_model, path, entry.spec, alpha, self.device, self.init_method)
+            if load is not None:
+                model.load(*load)
+            return model
 
         try:
             entry.model = await asyncio.get_running_loop().run_in_executor(self.executor, build)
@@ -175,7 +184,8 @@ class Service:
             self.futures.resolve(request_id, _failure(e))
             return
         entry.queue.ready.set_result(None)
-        self.futures.resolve(request_id, Outcome(json={"type": "create_model", "model_id": entry.model_id}))
+        kind = "create_model" if load is None else "load_weights"
+        self.futures.resolve(request_id, Outcome(json={"type": kind, "model_id": entry.model_id}))
 
     def model(self, model_id: Any) -> ModelEntry:
         entry = self.models.get(model_id) if isinstance(model_id, str) else None
@@ -264,6 +274,60 @@ class Service:
             return Outcome(json={"type": "optim_step", "metrics": model.optim_step(adam)})
 
         return self.submit(body.get("model_id"), body.get("seq_id"), check, work)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_weights(self, body: dict[str, Any], sampler: bool = False) -> dict[str, Any]:
+        """save_state (`weights`, with the optimizer state) or save_weights_for_sampler
+        (`sampler_weights`, the adapters alone) under the name given."""
+        entry = self.model(body.get("model_id"))
+        if sampler and "path" not in body:
+            raise TinkerUserError(
+                "save_weights_for_sampler without a name (save_weights_and_get_sampling_client): sampling is "
+                "not built on this server yet; give a name"
+            )
+        kind = "sampler_weights" if sampler else "weights"
+        target = self.store.checkpoint(entry.model_id, kind, body.get("path"))
+        overwrite = bool(body.get("overwrite", False))
+
+        def work(model: TrainingModel) -> Outcome:
+            partial = self.store.partial(target, overwrite)
+            model.save(partial, optimizer=not sampler)
+            self.store.commit(partial, target, {**model.meta(), "kind": kind})
+            answer = "save_weights_for_sampler" if sampler else "save_weights"
+            return Outcome(json={"type": answer, "path": target.uri})
+
+        return self.submit(entry.model_id, body.get("seq_id"), lambda: None, work)
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """load_state on a model (in its seq_id order), or a new model from a saved state
+        (create_training_client_from_state: a session and a model_seq_id, no model_id)."""
+        optimizer = bool(body.get("optimizer", False))
+        if "model_id" not in body:
+            s = self.session(body.get("session_id"))
+            found = self.store.find(body.get("path"))
+            meta = found.meta()
+            base = body.get("base_model") or meta["base_model"]
+            if base not in self.bases:
+                raise TinkerUserError(
+                    f"{found.uri} was trained on {base!r}, which this server does not serve"
+                )
+            spec = LoraSpec.parse(meta["lora_config"])
+            return self._new_model(s, body.get("model_seq_id"), base, spec, (found.directory, optimizer))
+        entry = self.model(body.get("model_id"))
+
+        def check() -> None:
+            meta = self.store.find(body.get("path")).meta()
+            if meta["base_model"] != entry.base_model or LoraSpec.parse(meta["lora_config"]) != entry.spec:
+                raise TinkerUserError(
+                    f"{body.get('path')} holds adapters of {meta['base_model']} with {meta['lora_config']}; "
+                    f"this model is {entry.base_model} with {asdict(entry.spec)}"
+                )
+
+        def work(model: TrainingModel) -> Outcome:
+            model.load(self.store.find(body.get("path")).directory, optimizer)
+            return Outcome(json={"type": "load_weights", "path": body.get("path")})
+
+        return self.submit(entry.model_id, body.get("seq_id"), check, work)
 
 
 def _failure(e: BaseException) -> Outcome:

@@ -19,8 +19,9 @@ rank: this module's calls are never concurrent.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -178,3 +179,38 @@ class TrainingModel:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": float(full() if full is not None else norm)}
+
+    # ---- checkpoints (slime.tinker.store) ---------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint records of this model, to build it again."""
+        return {"base_model": self.base_model, "lora_config": asdict(self.spec), "lora_alpha": self.alpha}
+
+    def save(self, directory: str, optimizer: bool) -> None:
+        """The adapters as a PEFT directory in `directory`/adapter; with `optimizer` also the
+        actor's checkpoint (adapters and AdamW moments) in `directory`/state."""
+        from slime.utils.peft_files import write_adapter_dir
+
+        named, config = self.backend.export_adapter()
+        write_adapter_dir(os.path.join(directory, "adapter"), config, dict(named))
+        if optimizer:
+            self.backend.save(0, os.path.join(directory, "state"))
+
+    def load(self, directory: str, optimizer: bool) -> None:
+        """The adapters of a checkpoint (`save`); with `optimizer` its AdamW moments too, else the
+        optimizer starts afresh."""
+        if optimizer:
+            if not os.path.isdir(os.path.join(directory, "state")):
+                raise TinkerUserError(
+                    "this checkpoint holds no optimizer state (saved for a sampler, or without it)"
+                )
+            self.backend.load(os.path.join(directory, "state"))
+            return
+        from slime.backends.fsdp import lora
+
+        tensors = lora.read_adapter(os.path.join(directory, "adapter"), self.model, self.backend.cfg.lora)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in tensors:  # (one rank: its shard is the whole tensor)
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.copy_(tensors[name].to(local.dtype))
+        self.backend.optimizer.state.clear()

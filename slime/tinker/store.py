@@ -1,0 +1,79 @@
+"""The `tinker://` checkpoint store: `tinker://<run>/<kind>/<name>` is the directory
+`<store>/<run>/<kind>/<name>/` (run: the training model's id; kind: `weights` for save_state,
+`sampler_weights` for save_weights_for_sampler). On disk, so it survives a server restart.
+
+A checkpoint directory holds `meta.json` (the base model's name, the LoRA config, the alpha),
+`adapter/` (a PEFT adapter directory: PeftModel.from_pretrained loads it on the base model) and,
+for a state saved with its optimizer, `state/` (the FSDP actor's checkpoint of the adapters and
+their AdamW moments). A directory is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from slime.tinker.errors import TinkerNotFound, TinkerUserError
+
+PREFIX = "tinker://"
+KINDS = ("weights", "sampler_weights")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    run: str
+    kind: str
+    name: str
+    directory: str
+
+    @property
+    def uri(self) -> str:
+        return f"{PREFIX}{self.run}/{self.kind}/{self.name}"
+
+    def meta(self) -> dict[str, Any]:
+        with open(os.path.join(self.directory, "meta.json")) as f:
+            return dict(json.load(f))
+
+
+class Store:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def checkpoint(self, run: str, kind: str, name: Any) -> Checkpoint:
+        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+            raise TinkerUserError(f"checkpoint name {name!r}: give a non-empty name without '/'")
+        return Checkpoint(run, kind, name, os.path.join(self.root, run, kind, name))
+
+    def find(self, uri: Any) -> Checkpoint:
+        """The checkpoint a `tinker://` path names; refused by name when malformed or absent."""
+        if not isinstance(uri, str) or not uri.startswith(PREFIX):
+            raise TinkerUserError(f"path {uri!r}: a checkpoint path starts with {PREFIX}")
+        parts = uri[len(PREFIX) :].split("/")
+        if len(parts) != 3 or parts[1] not in KINDS or not all(parts) or ".." in parts:
+            raise TinkerUserError(f"path {uri!r}: expected {PREFIX}<run>/<weights|sampler_weights>/<name>")
+        found = Checkpoint(parts[0], parts[1], parts[2], os.path.join(self.root, *parts))
+        if not os.path.isfile(os.path.join(found.directory, "meta.json")):
+            raise TinkerNotFound(f"path {uri!r}: no such checkpoint in this server's store ({self.root})")
+        return found
+
+    @staticmethod
+    def partial(target: Checkpoint, overwrite: bool) -> str:
+        """A fresh temporary directory beside `target` (refused when it exists and not `overwrite`)."""
+        if os.path.exists(target.directory) and not overwrite:
+            raise TinkerUserError(f"{target.uri} exists already: save under another name, or with overwrite")
+        partial = target.directory + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        return partial
+
+    @staticmethod
+    def commit(partial: str, target: Checkpoint, meta: dict[str, Any]) -> None:
+        with open(os.path.join(partial, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+        if os.path.exists(target.directory):
+            shutil.rmtree(target.directory)
+        os.replace(partial, target.directory)
