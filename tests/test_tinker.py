@@ -298,3 +298,68 @@ def test_a_saved_state_is_the_trained_adapters_and_loads_with_its_optimizer_afte
         )
     finally:
         stop(proc)
+
+
+def sequence_log_probs(tc, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The training model's log-probs of `tokens` after `prompt` (a forward)."""
+    full = prompt + tokens
+    result = tc.forward([datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result()
+    return log_probs(result)[len(prompt) - 1 :]
+
+
+def test_sampling_serves_the_base_or_exactly_the_saved_weights(service, tiny_model):
+    """A sampler's log-probs of its own samples are the training model's (the base model, or the
+    weights saved for it, within 1e-5 in float32); num_samples, seeds, stops by token id, prompt
+    log-probs and compute_logprobs as the SDK asks."""
+    from tinker import types
+
+    prompt = [5, 9, 11]
+    base_model = trainer(service, seed=11)  # B = 0: the base model
+    sampler = service.create_sampling_client(base_model="tiny")
+    params = types.SamplingParams(max_tokens=6, seed=3)
+    first = sampler.sample(
+        types.ModelInput.from_ints(prompt), 2, params, include_prompt_logprobs=True
+    ).result()
+    assert len(first.sequences) == 2 and first.sequences[0].tokens != first.sequences[1].tokens
+    for seq in first.sequences:
+        assert seq.stop_reason == "length" and len(seq.tokens) == 6
+        expected = sequence_log_probs(base_model, prompt, seq.tokens)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, rtol=0, atol=1e-5)
+    again = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
+    tokens = first.sequences[0].tokens
+    k = next(i for i in range(1, 6) if tokens[i] not in tokens[:i])
+    stopped = sampler.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, seed=3, stop=[tokens[k]])
+    ).result()
+    assert stopped.sequences[0].tokens == tokens[: k + 1] and stopped.sequences[0].stop_reason == "stop"
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tiny_model).decode(tokens)
+    cut = next(i for i in range(1, len(text)) if text[i] not in text[:i])
+    by_string = sampler.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, seed=3, stop=[text[cut]])
+    ).result()
+    assert by_string.sequences[0].stop_reason == "stop" and len(by_string.sequences[0].tokens) < 6
+    whole = prompt + tokens
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(whole)).result()
+    forward = log_probs(base_model.forward([datum(whole, weights=[1.0] * 8)], "cross_entropy").result())
+    assert scored[0] is None and first.prompt_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(scored[1:]), forward, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(first.prompt_logprobs[1:]), forward[:2], rtol=0, atol=1e-5)
+
+    tc = trainer(service, seed=11)
+    tc.forward_backward([datum(whole, weights=[1.0] * 8)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler("trained").result().path
+    for trained in (
+        service.create_sampling_client(model_path=path),
+        tc.save_weights_and_get_sampling_client(),
+    ):
+        seq = trained.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+        torch.testing.assert_close(
+            torch.tensor(seq.logprobs), sequence_log_probs(tc, prompt, seq.tokens), rtol=0, atol=1e-5
+        )
+        assert (
+            torch.tensor(seq.logprobs) - sequence_log_probs(base_model, prompt, seq.tokens)
+        ).abs().max() > 1e-3

@@ -95,6 +95,8 @@ def _json_routes(app: web.Application, service: Service) -> None:
     route("POST", "/save_weights", service.save_weights)
     route("POST", "/save_weights_for_sampler", lambda b: service.save_weights(b, sampler=True))
     route("POST", "/load_weights", service.load_weights)
+    route("POST", "/create_sampling_session", service.create_sampling_session)
+    route("POST", "/asample", service.asample)
     route(
         "GET",
         "/get_server_capabilities",
@@ -105,7 +107,11 @@ def _json_routes(app: web.Application, service: Service) -> None:
         service.end_session(service.session(request.match_info["session_id"]))
         return web.json_response({})
 
+    async def sampler(request: web.Request) -> web.StreamResponse:
+        return web.json_response(service.get_sampler(request.match_info["sampler_id"]))
+
     app.router.add_post(API + "/sessions/{session_id}/finish", finish)
+    app.router.add_get(API + "/samplers/{sampler_id}", sampler)
 
 
 def _work_routes(app: web.Application, service: Service) -> None:
@@ -152,5 +158,6 @@ def _reaper(service: Service) -> Callable[[web.Application], AsyncIterator[None]
         with contextlib.suppress(asyncio.CancelledError):
             await task
         service.executor.shutdown(wait=False, cancel_futures=True)
+        await service.samplers.close()
 
     return reaper

@@ -28,6 +28,7 @@ from typing import Any
 from slime.tinker import losses, wire
 from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
 from slime.tinker.futures import Futures, Outcome
+from slime.tinker.sampler import SampleRequest, Samplers
 from slime.tinker.store import Store
 from slime.tinker.trainer import LoraSpec, TrainingModel
 from slime.utils.errors import UsageError
@@ -99,6 +100,8 @@ class Service:
         self.bases, self.device, self.lora_alpha = bases, device, lora_alpha
         self.session_timeout_s = session_timeout_s
         self.store = Store(store)
+        self.samplers = Samplers(bases, device, self.store.logs)
+        self._tasks: set[asyncio.Task[None]] = set()
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelEntry] = {}
@@ -280,19 +283,26 @@ class Service:
         """save_state (`weights`, with the optimizer state) or save_weights_for_sampler
         (`sampler_weights`, the adapters alone) under the name given."""
         entry = self.model(body.get("model_id"))
-        if sampler and "path" not in body:
-            raise TinkerUserError(
-                "save_weights_for_sampler without a name (save_weights_and_get_sampling_client): sampling is "
-                "not built on this server yet; give a name"
-            )
         kind = "sampler_weights" if sampler else "weights"
-        target = self.store.checkpoint(entry.model_id, kind, body.get("path"))
-        overwrite = bool(body.get("overwrite", False))
+        # Unnamed (save_weights_and_get_sampling_client): a sampling session on the weights saved
+        # under a name of the session's sampler count.
+        unnamed = sampler and body.get("path") is None
+        seq = body.get("sampling_session_seq_id")
+        name = f"sampler-{seq}" if unnamed else body.get("path")
+        target = self.store.checkpoint(entry.model_id, kind, name)
+        overwrite = bool(body.get("overwrite", False)) or unnamed
+        sampler_id = None
+        if unnamed:  # (its engine loads the adapter at the first sample, after the save)
+            sampler_id = self.samplers.create(
+                entry.session_id, seq, entry.base_model, target.uri, target.directory
+            )
 
         def work(model: TrainingModel) -> Outcome:
             partial = self.store.partial(target, overwrite)
             model.save(partial, optimizer=not sampler)
             self.store.commit(partial, target, {**model.meta(), "kind": kind})
+            if sampler_id is not None:
+                return Outcome(json={"type": "save_weights_for_sampler", "sampling_session_id": sampler_id})
             answer = "save_weights_for_sampler" if sampler else "save_weights"
             return Outcome(json={"type": answer, "path": target.uri})
 
@@ -328,6 +338,55 @@ class Service:
             return Outcome(json={"type": "load_weights", "path": body.get("path")})
 
         return self.submit(entry.model_id, body.get("seq_id"), check, work)
+
+    # ---- sampling ----------------------------------------------------------------------------
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A sampler of a saved checkpoint (`model_path`) or of a base model."""
+        s = self.session(body.get("session_id"))
+        seq = body.get("sampling_session_seq_id")
+        if body.get("model_path") is not None:
+            found = self.store.find(body["model_path"])
+            base = found.meta()["base_model"]
+            if base not in self.bases:
+                raise TinkerUserError(
+                    f"{found.uri} was trained on {base!r}, which this server does not serve"
+                )
+            sampler_id = self.samplers.create(s.session_id, seq, base, found.uri, found.directory)
+        else:
+            base = body.get("base_model")
+            if base not in self.bases:
+                raise TinkerUserError(
+                    f"base_model {base!r} is not served here; served: {', '.join(self.bases)}"
+                )
+            sampler_id = self.samplers.create(s.session_id, seq, base, None, None)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        found = self.samplers.get(sampler_id)
+        return {
+            "sampler_id": found.sampler_id,
+            "base_model": found.base_model,
+            "model_path": found.model_path,
+        }
+
+    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sampler = self.samplers.get(body.get("sampling_session_id"))
+        self.session(sampler.session_id)
+        request = SampleRequest.parse(body)
+        request_id = self.futures.create(sampler.session_id)
+
+        async def run() -> None:
+            try:
+                outcome = Outcome(proto=await self.samplers.sample(sampler, request))
+            except Exception as e:
+                outcome = _failure(e)
+            self.futures.resolve(request_id, outcome)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        ids = [f"{request_id}:{i}" for i in range(request.num_samples)]
+        return {"request_id": request_id, "sample_sequence_ids": ids}
 
 
 def _failure(e: BaseException) -> Outcome:

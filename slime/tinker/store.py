@@ -41,7 +41,9 @@ class Checkpoint:
 class Store:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+        self.logs = os.path.join(self.root, ".logs")
+        """The sampling engines' logs."""
+        os.makedirs(self.logs, exist_ok=True)
 
     def checkpoint(self, run: str, kind: str, name: Any) -> Checkpoint:
         if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):

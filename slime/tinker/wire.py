@@ -119,7 +119,7 @@ def tensor(what: str, t: Any) -> np.ndarray:
             for r in range(len(rows) - 1):
                 dense[r, cols[rows[r] : rows[r + 1]]] = values[rows[r] : rows[r + 1]]
             return dense
-        flat = np.frombuffer(t.dense, dtype=dtype)
+        flat = np.frombuffer(t.dense, dtype=dtype).copy()  # (writable, for torch)
         return flat.reshape(shape) if shape else flat
     except (ValueError, IndexError) as e:
         raise TinkerUserError(f"{what}: its data does not fit its shape {list(shape)} ({e})") from None
