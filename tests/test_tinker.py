@@ -363,3 +363,29 @@ def test_sampling_serves_the_base_or_exactly_the_saved_weights(service, tiny_mod
         assert (
             torch.tensor(seq.logprobs) - sequence_log_probs(base_model, prompt, seq.tokens)
         ).abs().max() > 1e-3
+
+
+def test_the_rest_listing_shows_runs_and_checkpoints_and_deletes_one(service):
+    """The SDK's RestClient (which tinker-cookbook reads): the training runs, a run's checkpoints
+    with their tinker paths, a checkpoint's LoRA config, a deletion."""
+    tc = trainer(service, seed=13)
+    run = tc.get_info().model_id
+    state = tc.save_state("r1").result().path
+    sampler = tc.save_weights_for_sampler("r1").result().path
+    rest = service.create_rest_client()
+    listed = rest.list_checkpoints(run).result().checkpoints
+    assert {(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in listed} == {
+        ("weights/r1", "training", state),
+        ("sampler_weights/r1", "sampler", sampler),
+    }
+    assert all(c.size_bytes > 0 for c in listed)
+    training_run = rest.get_training_run(run).result()
+    assert training_run.base_model == "tiny" and training_run.lora_rank == 4
+    assert training_run.last_checkpoint.tinker_path == state
+    assert run in [r.training_run_id for r in rest.list_training_runs(limit=1000).result().training_runs]
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert info.lora_rank == 4 and info.train_unembed is False and info.train_mlp is True
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints] == [state]
+    with pytest.raises(tinker.NotFoundError, match="unknown training run 'nope'"):
+        rest.get_training_run("nope").result()

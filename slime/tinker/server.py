@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slime.tinker import rest
 from slime.tinker.errors import TinkerUserError
 from slime.tinker.service import Service
 
@@ -110,6 +111,23 @@ def _json_routes(app: web.Application, service: Service) -> None:
     async def sampler(request: web.Request) -> web.StreamResponse:
         return web.json_response(service.get_sampler(request.match_info["sampler_id"]))
 
+    def get(path: str, fn: Callable[[web.Request], Any]) -> None:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return web.json_response(fn(request))
+
+        app.router.add_get(API + path, handle)
+
+    get("/training_runs", lambda r: rest.training_runs(service, dict(r.query)))
+    get("/training_runs/{run}", lambda r: rest.training_run(service, r.match_info["run"]))
+    get("/training_runs/{run}/checkpoints", lambda r: rest.run_checkpoints(service, r.match_info["run"]))
+    get("/checkpoints", lambda r: rest.all_checkpoints(service, dict(r.query)))
+    route("POST", "/weights_info", lambda b: rest.weights_info(service, b))
+
+    async def delete(request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        return web.json_response(rest.delete_checkpoint(service, info["run"], info["checkpoint"]))
+
+    app.router.add_delete(API + "/training_runs/{run}/checkpoints/{checkpoint:.+}", delete)
     app.router.add_post(API + "/sessions/{session_id}/finish", finish)
     app.router.add_get(API + "/samplers/{sampler_id}", sampler)
 

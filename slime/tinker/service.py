@@ -91,6 +91,7 @@ class ModelEntry:
     queue: SeqQueue
     model: TrainingModel | None = None
     build: asyncio.Task[None] | None = None
+    created: float = field(default_factory=time.time)
 
 
 class Service:

@@ -33,6 +33,18 @@ class Checkpoint:
     def uri(self) -> str:
         return f"{PREFIX}{self.run}/{self.kind}/{self.name}"
 
+    @property
+    def mtime(self) -> float:
+        return os.path.getmtime(os.path.join(self.directory, "meta.json"))
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(
+            os.path.getsize(os.path.join(root, f))
+            for root, _, files in os.walk(self.directory)
+            for f in files
+        )
+
     def meta(self) -> dict[str, Any]:
         with open(os.path.join(self.directory, "meta.json")) as f:
             return dict(json.load(f))
@@ -79,3 +91,24 @@ class Store:
         if os.path.exists(target.directory):
             shutil.rmtree(target.directory)
         os.replace(partial, target.directory)
+
+    def runs(self) -> list[str]:
+        """The runs with a checkpoint on disk."""
+        return sorted(
+            d
+            for d in os.listdir(self.root)
+            if not d.startswith(".") and os.path.isdir(os.path.join(self.root, d))
+        )
+
+    def checkpoints(self, run: str) -> list[Checkpoint]:
+        """A run's complete checkpoints (a directory with its meta.json), oldest first."""
+        out = []
+        for kind in KINDS:
+            folder = os.path.join(self.root, run, kind)
+            for name in os.listdir(folder) if os.path.isdir(folder) else []:
+                found = Checkpoint(run, kind, name, os.path.join(folder, name))
+                if not name.endswith(".partial") and os.path.isfile(
+                    os.path.join(found.directory, "meta.json")
+                ):
+                    out.append(found)
+        return sorted(out, key=lambda c: c.mtime)
