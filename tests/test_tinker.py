@@ -53,7 +53,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, store):
-    proc, url = start_server(tiny_model, store)
+    proc, url = start_server(tiny_model, store, "--check-precision", "1e-4")
     yield url
     stop(proc)
 
@@ -389,3 +389,40 @@ def test_the_rest_listing_shows_runs_and_checkpoints_and_deletes_one(service):
     assert [c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints] == [state]
     with pytest.raises(tinker.NotFoundError, match="unknown training run 'nope'"):
         rest.get_training_run("nope").result()
+
+
+def test_check_precision_reports_the_sampler_trainer_gap_and_gates_the_first_step(service):
+    """--check-precision: an RL step on the sampler's own samples reports the largest |trainer -
+    sampler| log-prob (float32 both: under 1e-5); sampling log-probs that are not the sampler's
+    fail a model's first step by name, and the step is not taken."""
+    from tinker import types
+
+    prompt = [5, 9, 11]
+    seq = (
+        service.create_sampling_client(base_model="tiny")
+        .sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=1))
+        .result()
+        .sequences[0]
+    )
+    full = prompt + seq.tokens
+    sampled = [0.0] * (len(prompt) - 1) + list(seq.logprobs)
+    advantages = [0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens)
+
+    def rl(logprobs):
+        return [datum(full, logprobs=logprobs, advantages=advantages)]
+
+    tc = trainer(service, seed=17)
+    tc.forward_backward(rl(sampled), "importance_sampling").result()
+    metrics = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
+    assert 0 <= metrics["sampler_logprob_abs_diff:max"] < 1e-5
+    other = trainer(service, seed=17)
+    before = log_probs(
+        other.forward([datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result()
+    )
+    other.forward_backward(rl([q - 0.01 if q else q for q in sampled]), "importance_sampling").result()
+    with pytest.raises(
+        tinker.RequestFailedError, match=r"--check-precision: before the first step .* by up to 0.01"
+    ):
+        other.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    after = log_probs(other.forward([datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result())
+    assert torch.equal(after, before)

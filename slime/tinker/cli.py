@@ -39,6 +39,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-alpha", type=int, default=32, help="the adapters' alpha (scaling alpha / rank; default 32)"
     )
     parser.add_argument(
+        "--check-precision",
+        type=float,
+        nargs="?",
+        const=1e-4,
+        default=None,
+        metavar="TOL",
+        help="report each step's largest |trainer - sampler| log-prob of the sampled tokens "
+        "(sampler_logprob_abs_diff:max) and fail a model's first step above TOL (default 1e-4)",
+    )
+    parser.add_argument(
         "--store",
         default="tinker-store",
         help="the directory of the tinker:// checkpoints (kept across restarts)",
@@ -102,7 +112,9 @@ async def serve(args: argparse.Namespace, bases: dict[str, str]) -> None:
     from slime.tinker.server import make_app
     from slime.tinker.service import Service
 
-    service = Service(bases, args.device, args.lora_alpha, args.session_timeout, args.store)
+    service = Service(
+        bases, args.device, args.lora_alpha, args.session_timeout, args.store, args.check_precision
+    )
     runner = web.AppRunner(make_app(service, tuple(args.api_key)), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

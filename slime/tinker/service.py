@@ -96,9 +96,16 @@ class ModelEntry:
 
 class Service:
     def __init__(
-        self, bases: dict[str, str], device: str, lora_alpha: int, session_timeout_s: float, store: str
+        self,
+        bases: dict[str, str],
+        device: str,
+        lora_alpha: int,
+        session_timeout_s: float,
+        store: str,
+        check_precision: float | None = None,
     ):
         self.bases, self.device, self.lora_alpha = bases, device, lora_alpha
+        self.check_precision = check_precision
         self.session_timeout_s = session_timeout_s
         self.store = Store(store)
         self.samplers = Samplers(bases, device, self.store.logs)
@@ -176,7 +183,9 @@ class Service:
         path, alpha = self.bases[entry.base_model], self.lora_alpha
 
         def build() -> TrainingModel:
-            model = TrainingModel(entry.base_model, path, entry.spec, alpha, self.device, self.init_method)
+            model = TrainingModel(
+                entry.base_model, path, entry.spec, alpha, self.device, self.init_method, self.check_precision
+            )
             if load is not None:
                 model.load(*load)
             return model

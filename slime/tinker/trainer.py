@@ -104,10 +104,23 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
     return tuple(sorted(modules)), tuple(sorted(parameters))
 
 
+class PrecisionError(RuntimeError):
+    """--check-precision's step-0 gate failed."""
+
+
 class TrainingModel:
     """One training client's model (module docstring)."""
 
-    def __init__(self, base_model: str, path: str, spec: LoraSpec, alpha: int, device: str, init_method: str):
+    def __init__(
+        self,
+        base_model: str,
+        path: str,
+        spec: LoraSpec,
+        alpha: int,
+        device: str,
+        init_method: str,
+        check_precision: float | None = None,
+    ):
         from slime.backends.fsdp.actor import FSDPBackend
         from slime.config.lora import LoRAConfig
         from slime.config.train import BatchConfig, TrainConfig
@@ -127,6 +140,9 @@ class TrainingModel:
         self.backend = FSDPBackend(cfg, 0, 1, init_method)
         self.backend.init()
         self.vocab_size = int(self.backend.hf_config.vocab_size)
+        self.check_precision = check_precision
+        self.gap: float | None = None
+        self.steps = 0
 
     @property
     def model(self) -> Any:
@@ -162,11 +178,42 @@ class TrainingModel:
                 loss = losses.loss(loss_fn, logp, inputs, config)
                 if backward:
                     loss.backward()
+                    self._keep_gap(logp.detach(), inputs.get("logprobs"))
                 total += float(loss.detach())
                 outputs.append({"logprobs": logp.detach().float().cpu().numpy()})
         return outputs, {"loss:sum": total}
 
+    def _keep_gap(self, logp: torch.Tensor, sampled: torch.Tensor | None) -> None:
+        """--check-precision: the largest |trainer - sampler| log-prob of the sampled tokens since
+        the last step (the tokens whose sampling log-prob is not 0: a prompt's are sent as 0)."""
+        if self.check_precision is None or sampled is None:
+            return
+        mask = sampled != 0
+        if bool(mask.any()):
+            gap = float((logp - sampled).abs()[mask].max())
+            self.gap = gap if self.gap is None else max(self.gap, gap)
+
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
+        gap, self.gap = self.gap, None
+        if (
+            gap is not None
+            and self.steps == 0
+            and self.check_precision is not None
+            and gap > self.check_precision
+        ):
+            self.backend.optimizer.zero_grad(set_to_none=True)
+            raise PrecisionError(
+                f"--check-precision: before the first step the sampler's log-probs of its own samples differ "
+                f"from the trainer's by up to {gap:.3g} (> {self.check_precision:g}): the sampler and the trainer "
+                "do not compute the same model; the step was not taken and its gradients were dropped"
+            )
+        metrics = self._step(adam)
+        self.steps += 1
+        if gap is not None:
+            metrics["sampler_logprob_abs_diff:max"] = gap
+        return metrics
+
+    def _step(self, adam: Mapping[str, float]) -> dict[str, float]:
         optimizer = self.backend.optimizer
         for group in optimizer.param_groups:
             group["lr"] = adam["learning_rate"]
