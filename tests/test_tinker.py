@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -37,6 +38,8 @@ def start_server(model: str, store: str, *extra: str) -> tuple[subprocess.Popen,
     for line in proc.stdout:  # the ready line names the address
         lines.append(line)
         if line.startswith("slime.tinker serving"):
+            # the rest of its output read on, so the server never blocks on a full pipe
+            threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True).start()
             return proc, line.rsplit(" on ", 1)[1].strip()
     raise AssertionError("the server exited before serving:\n" + "".join(lines))
 
@@ -216,8 +219,16 @@ def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
     assert status == 400 and "seq_id 1 is out of order" in answer["detail"]
     status, answer = post(server, "/api/v1/get_info", {"model_id": model_id}, key="tml-wrong")
     assert status == 401 and "invalid API key" in answer["detail"]
+    with pytest.raises(tinker.BadRequestError, match="checkpoint name 'a/b': give a non-empty name"):
+        tc.save_state("a/b").result()
+    with pytest.raises(
+        tinker.BadRequestError, match=r"lora_config\.train_unembed: an adapter on the LM head"
+    ):
+        service.create_lora_training_client(base_model="tiny", rank=4).get_info()  # (the SDK's default)
+    assert (
+        tc.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics
+    )  # (refusals used up their seq_ids)
     torch.testing.assert_close(log_probs(tc.forward(good, "cross_entropy").result()), before, rtol=0, atol=0)
-    assert types  # (the SDK's types module imported as users do)
 
 
 def test_an_expired_session_is_refused_by_name(tiny_model, tmp_path):
@@ -285,7 +296,7 @@ def test_a_saved_state_is_the_trained_adapters_and_loads_with_its_optimizer_afte
 
     sampler_path = tc.save_weights_for_sampler("s1").result().path
     assert sampler_path.endswith("/sampler_weights/s1")
-    with pytest.raises(tinker.RequestFailedError, match="holds no optimizer state"):
+    with pytest.raises(tinker.BadRequestError, match="holds no optimizer state"):
         service.create_training_client_from_state_with_optimizer(sampler_path).get_info()
     with pytest.raises(tinker.NotFoundError, match="no such checkpoint in this server's store"):
         service.create_training_client_from_state("tinker://nope/weights/x").get_info()
@@ -426,3 +437,34 @@ def test_check_precision_reports_the_sampler_trainer_gap_and_gates_the_first_ste
         other.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     after = log_probs(other.forward([datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result())
     assert torch.equal(after, before)
+
+
+def test_the_policy_gradients_are_the_weighted_cross_entropy_s(service):
+    """importance_sampling's gradient is cross_entropy's with weights r A, cispo's with weights
+    sg(clip(r)) A (its ratio detached): one step of each equals one step of that cross_entropy.
+    (The log-probs here are not a sampler's: the step-0 gate of --check-precision is passed first.)"""
+    from tinker import types
+
+    tokens = TOKENS[1]
+    n = len(tokens) - 1
+    probe = trainer(service, seed=19)
+    own = log_probs(probe.forward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result())
+    g = torch.Generator().manual_seed(1)
+    sampled, advantages = own + 0.3 * torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ratio = torch.exp(own - sampled)
+    adam = types.AdamParams(learning_rate=1e-2)
+    inputs = {"logprobs": sampled.tolist(), "advantages": advantages.tolist()}
+    for loss_fn, weights in (
+        ("importance_sampling", ratio * advantages),
+        ("cispo", ratio.clamp(0.8, 1.2) * advantages),
+    ):
+        policy, weighted = trainer(service, seed=19), trainer(service, seed=19)
+        for c in (policy, weighted):  # a first step (of nothing) past the --check-precision gate
+            c.optim_step(types.AdamParams(learning_rate=0.0)).result()
+        policy.forward_backward([datum(tokens, **inputs)], loss_fn).result()
+        weighted.forward_backward([datum(tokens, weights=weights.tolist())], "cross_entropy").result()
+        after = []
+        for c in (policy, weighted):
+            c.optim_step(adam).result()
+            after.append(log_probs(c.forward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result()))
+        torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5, msg=loss_fn)

@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import signal
 import sys
 
 from slime.utils.errors import UsageError
@@ -121,7 +122,11 @@ async def serve(args: argparse.Namespace, bases: dict[str, str]) -> None:
     await site.start()
     port = runner.addresses[0][1]
     print(f"slime.tinker serving {', '.join(bases)} on http://{args.host}:{port}", flush=True)
+    # SIGTERM / SIGINT end the serving cleanly: the app's cleanup stops the sampling engines
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()

@@ -19,6 +19,7 @@ The answer is the SDK's SampleResponse protobuf: per sample its tokens (int32), 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +118,10 @@ class Samplers:
             args = ["--enable-lora", "--dtype", "float32", "--device", self.device, "--num-threads", "1"]
             log = os.path.join(self.log_dir, f"engine-{len(self._engines)}.log")
             start = asyncio.to_thread(start_torch_engine, self.bases[base], args, log)
-            self._engines[base] = asyncio.get_running_loop().create_task(start)
+            task = asyncio.get_running_loop().create_task(start)
+            # a start that failed is tried again by the next sampler (the error goes to its samples)
+            task.add_done_callback(lambda t: t.exception() is not None and self._engines.pop(base, None))
+            self._engines[base] = task
         return self._engines[base]
 
     async def close(self) -> None:
@@ -128,6 +132,10 @@ class Samplers:
             except Exception:
                 continue
             await asyncio.to_thread(proc.stop)
+
+    def drop_session(self, session_id: str) -> None:
+        for sampler_id in [k for k, v in self.sessions.items() if v.session_id == session_id]:
+            del self.sessions[sampler_id]
 
     def create(
         self, session_id: str, seq: Any, base: str, model_path: str | None, adapter_dir: str | None
@@ -151,6 +159,11 @@ class Samplers:
         from slime.engines.client import EngineClient
 
         proc = await self.engine(sampler.base_model)
+        if "max_new_tokens" not in request.params:  # (max_tokens None: up to the model's context)
+            left = self._context(sampler.base_model) - len(request.tokens)
+            if left < 1:
+                raise TinkerUserError(f"the prompt's {len(request.tokens)} tokens fill the model's context")
+            request = dataclasses.replace(request, params={**request.params, "max_new_tokens": left})
         async with EngineClient(proc.url) as engine:
             adapter = None
             if sampler.checkpoint is not None:
@@ -172,6 +185,11 @@ class Samplers:
                 body["lora_path"] = adapter
             answers = await engine.request("POST", "/generate", body)
         return sample_response(answers, len(request.tokens) if request.prompt_logprobs else None)
+
+    def _context(self, base: str) -> int:
+        from transformers import AutoConfig
+
+        return int(getattr(AutoConfig.from_pretrained(self.bases[base]), "max_position_embeddings", 4096))
 
     async def _load(self, engine: Any, base: str, checkpoint: str) -> str:
         """The checkpoint's adapter in the engine of `base` (loaded once per version of its files:

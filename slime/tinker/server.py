@@ -105,7 +105,11 @@ def _json_routes(app: web.Application, service: Service) -> None:
     )
 
     async def finish(request: web.Request) -> web.StreamResponse:
-        service.end_session(service.session(request.match_info["session_id"]))
+        found = service.sessions.get(request.match_info["session_id"])
+        if found is None:
+            service.session(request.match_info["session_id"])  # (404, named)
+        elif found.ended is None:  # (finishing an ended session is no error: ServiceClient.close)
+            service.end_session(found)
         return web.json_response({})
 
     async def sampler(request: web.Request) -> web.StreamResponse:
@@ -177,5 +181,6 @@ def _reaper(service: Service) -> Callable[[web.Application], AsyncIterator[None]
             await task
         service.executor.shutdown(wait=False, cancel_futures=True)
         await service.samplers.close()
+        service.close()
 
     return reaper

@@ -119,6 +119,12 @@ class Service:
         os.unlink(rendezvous)  # (a file:// rendezvous wants a path that does not exist yet)
         self.init_method = f"file://{rendezvous}"
 
+    def close(self) -> None:
+        """The process group's rendezvous file goes (it exists once a model was built)."""
+        path = self.init_method.removeprefix("file://")
+        if os.path.exists(path):
+            os.unlink(path)
+
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = f"sess-{uuid.uuid4().hex[:12]}"
@@ -141,6 +147,7 @@ class Service:
 
     def end_session(self, s: Session, why: str = "was finished (ServiceClient.close)") -> None:
         s.ended = why
+        self.samplers.drop_session(s.session_id)
         for model_id in [m for m, e in self.models.items() if e.session_id == s.session_id]:
             del self.models[model_id]
         self.futures.drop_session(s.session_id)
@@ -162,10 +169,17 @@ class Service:
             raise TinkerUserError(
                 "create_model without lora_config (full fine-tuning) is not built on this server"
             )
-        return self._new_model(s, body.get("model_seq_id"), base, LoraSpec.parse(body["lora_config"]), None)
+        spec = LoraSpec.parse(body["lora_config"])
+        return self._new_model(s, _seq(body.get("model_seq_id"), "model_seq_id"), base, spec, None)
 
     def _new_model(
-        self, s: Session, model_seq_id: Any, base: str, spec: LoraSpec, load: tuple[str, bool] | None
+        self,
+        s: Session,
+        model_seq_id: int,
+        base: str,
+        spec: LoraSpec,
+        load: tuple[str, bool] | None,
+        alpha: int | None = None,
     ) -> dict[str, Any]:
         """A training model built on the training thread (then, with `load`, a checkpoint's
         directory and whether its optimizer state, loaded into it); its future's id."""
@@ -176,11 +190,13 @@ class Service:
         entry = ModelEntry(model_id, s.session_id, base, spec, SeqQueue(loop.create_future()))
         self.models[model_id] = entry
         request_id = self.futures.create(s.session_id)
-        entry.build = loop.create_task(self._build(entry, request_id, load))
+        entry.build = loop.create_task(self._build(entry, request_id, load, alpha or self.lora_alpha))
         return {"request_id": request_id, "model_id": model_id}
 
-    async def _build(self, entry: ModelEntry, request_id: str, load: tuple[str, bool] | None) -> None:
-        path, alpha = self.bases[entry.base_model], self.lora_alpha
+    async def _build(
+        self, entry: ModelEntry, request_id: str, load: tuple[str, bool] | None, alpha: int
+    ) -> None:
+        path = self.bases[entry.base_model]
 
         def build() -> TrainingModel:
             model = TrainingModel(
@@ -230,7 +246,7 @@ class Service:
         entry.queue.admit(seq_id)
         try:
             check()
-        except TinkerUserError:
+        except BaseException:  # (any refusal: the seq_id is used up, the next ones do not wait)
             entry.queue.put(seq_id, None)
             raise
         request_id = self.futures.create(entry.session_id)
@@ -291,23 +307,28 @@ class Service:
     # ---- checkpoints -------------------------------------------------------------------------
     def save_weights(self, body: dict[str, Any], sampler: bool = False) -> dict[str, Any]:
         """save_state (`weights`, with the optimizer state) or save_weights_for_sampler
-        (`sampler_weights`, the adapters alone) under the name given."""
+        (`sampler_weights`, the adapters alone) under the name given; unnamed
+        (save_weights_and_get_sampling_client): a sampling session on the weights saved under a
+        name of the session's sampler count."""
         entry = self.model(body.get("model_id"))
         kind = "sampler_weights" if sampler else "weights"
-        # Unnamed (save_weights_and_get_sampling_client): a sampling session on the weights saved
-        # under a name of the session's sampler count.
         unnamed = sampler and body.get("path") is None
-        seq = body.get("sampling_session_seq_id")
-        name = f"sampler-{seq}" if unnamed else body.get("path")
-        target = self.store.checkpoint(entry.model_id, kind, name)
         overwrite = bool(body.get("overwrite", False)) or unnamed
-        sampler_id = None
-        if unnamed:  # (its engine loads the adapter at the first sample, after the save)
-            sampler_id = self.samplers.create(
-                entry.session_id, seq, entry.base_model, target.uri, target.directory
+        target, sampler_id = None, None
+
+        def check() -> None:
+            nonlocal target, sampler_id
+            seq = _seq(body.get("sampling_session_seq_id"), "sampling_session_seq_id") if unnamed else None
+            target = self.store.checkpoint(
+                entry.model_id, kind, f"sampler-{seq}" if unnamed else body.get("path")
             )
+            if unnamed:  # (its engine loads the adapter at the first sample, after the save)
+                sampler_id = self.samplers.create(
+                    entry.session_id, seq, entry.base_model, target.uri, target.directory
+                )
 
         def work(model: TrainingModel) -> Outcome:
+            assert target is not None
             partial = self.store.partial(target, overwrite)
             model.save(partial, optimizer=not sampler)
             self.store.commit(partial, target, {**model.meta(), "kind": kind})
@@ -316,7 +337,7 @@ class Service:
             answer = "save_weights_for_sampler" if sampler else "save_weights"
             return Outcome(json={"type": answer, "path": target.uri})
 
-        return self.submit(entry.model_id, body.get("seq_id"), lambda: None, work)
+        return self.submit(entry.model_id, body.get("seq_id"), check, work)
 
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         """load_state on a model (in its seq_id order), or a new model from a saved state
@@ -332,12 +353,19 @@ class Service:
                     f"{found.uri} was trained on {base!r}, which this server does not serve"
                 )
             spec = LoraSpec.parse(meta["lora_config"])
-            return self._new_model(s, body.get("model_seq_id"), base, spec, (found.directory, optimizer))
+            if optimizer and not os.path.isdir(os.path.join(found.directory, "state")):
+                raise TinkerUserError(
+                    f"{found.uri} holds no optimizer state (saved for a sampler, or without it)"
+                )
+            seq = _seq(body.get("model_seq_id"), "model_seq_id")
+            return self._new_model(s, seq, base, spec, (found.directory, optimizer), meta.get("lora_alpha"))
         entry = self.model(body.get("model_id"))
 
         def check() -> None:
             meta = self.store.find(body.get("path")).meta()
-            if meta["base_model"] != entry.base_model or LoraSpec.parse(meta["lora_config"]) != entry.spec:
+            alpha = entry.model.alpha if entry.model is not None else meta.get("lora_alpha")
+            same = meta["base_model"] == entry.base_model and meta.get("lora_alpha") == alpha
+            if not same or LoraSpec.parse(meta["lora_config"]) != entry.spec:
                 raise TinkerUserError(
                     f"{body.get('path')} holds adapters of {meta['base_model']} with {meta['lora_config']}; "
                     f"this model is {entry.base_model} with {asdict(entry.spec)}"
@@ -353,7 +381,7 @@ class Service:
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         """A sampler of a saved checkpoint (`model_path`) or of a base model."""
         s = self.session(body.get("session_id"))
-        seq = body.get("sampling_session_seq_id")
+        seq = _seq(body.get("sampling_session_seq_id"), "sampling_session_seq_id")
         if body.get("model_path") is not None:
             found = self.store.find(body["model_path"])
             base = found.meta()["base_model"]
@@ -397,6 +425,14 @@ class Service:
         task.add_done_callback(self._tasks.discard)
         ids = [f"{request_id}:{i}" for i in range(request.num_samples)]
         return {"request_id": request_id, "sample_sequence_ids": ids}
+
+
+def _seq(value: Any, field: str) -> int:
+    """A client's counter (model_seq_id, sampling_session_seq_id): it names models, samplers and
+    checkpoint directories, so it must be what the SDK sends, an int >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TinkerUserError(f"{field} must be an int >= 0, got {value!r}")
+    return value
 
 
 def _failure(e: BaseException) -> Outcome:

@@ -52,7 +52,7 @@ class Checkpoint:
 
 class Store:
     def __init__(self, root: str):
-        self.root = os.path.abspath(root)
+        self.root = os.path.realpath(root)
         self.logs = os.path.join(self.root, ".logs")
         """The sampling engines' logs."""
         os.makedirs(self.logs, exist_ok=True)
@@ -60,7 +60,14 @@ class Store:
     def checkpoint(self, run: str, kind: str, name: Any) -> Checkpoint:
         if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
             raise TinkerUserError(f"checkpoint name {name!r}: give a non-empty name without '/'")
-        return Checkpoint(run, kind, name, os.path.join(self.root, run, kind, name))
+        return Checkpoint(run, kind, name, self._inside(run, kind, name))
+
+    def _inside(self, *parts: str) -> str:
+        """The path of `parts` under the store, refused when it would leave it."""
+        path = os.path.realpath(os.path.join(self.root, *parts))
+        if not path.startswith(self.root + os.sep):
+            raise TinkerUserError(f"{'/'.join(parts)!r} is not a checkpoint of this store")
+        return path
 
     def find(self, uri: Any) -> Checkpoint:
         """The checkpoint a `tinker://` path names; refused by name when malformed or absent."""
@@ -69,7 +76,7 @@ class Store:
         parts = uri[len(PREFIX) :].split("/")
         if len(parts) != 3 or parts[1] not in KINDS or not all(parts) or ".." in parts:
             raise TinkerUserError(f"path {uri!r}: expected {PREFIX}<run>/<weights|sampler_weights>/<name>")
-        found = Checkpoint(parts[0], parts[1], parts[2], os.path.join(self.root, *parts))
+        found = Checkpoint(parts[0], parts[1], parts[2], self._inside(*parts))
         if not os.path.isfile(os.path.join(found.directory, "meta.json")):
             raise TinkerNotFound(f"path {uri!r}: no such checkpoint in this server's store ({self.root})")
         return found
