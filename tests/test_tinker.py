@@ -374,6 +374,9 @@ def test_sampling_serves_the_base_or_exactly_the_saved_weights(service, tiny_mod
         assert (
             torch.tensor(seq.logprobs) - sequence_log_probs(base_model, prompt, seq.tokens)
         ).abs().max() > 1e-3
+        scored = trained.compute_logprobs(types.ModelInput.from_ints(whole)).result()
+        trained_forward = log_probs(tc.forward([datum(whole, weights=[1.0] * 8)], "cross_entropy").result())
+        torch.testing.assert_close(torch.tensor(scored[1:]), trained_forward, rtol=0, atol=1e-5)
 
 
 def test_the_rest_listing_shows_runs_and_checkpoints_and_deletes_one(service):

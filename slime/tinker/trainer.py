@@ -204,9 +204,10 @@ class TrainingModel:
         ):
             self.backend.optimizer.zero_grad(set_to_none=True)
             raise PrecisionError(
-                f"--check-precision: before the first step the sampler's log-probs of its own samples differ "
-                f"from the trainer's by up to {gap:.3g} (> {self.check_precision:g}): the sampler and the trainer "
-                "do not compute the same model; the step was not taken and its gradients were dropped"
+                f"--check-precision: before the first step the sampler's log-probs of its own samples "
+                f"differ from the trainer's by up to {gap:.3g} (> {self.check_precision:g}): the sampler "
+                "and the trainer do not compute the same model; the step was not taken and its "
+                "gradients were dropped"
             )
         metrics = self._step(adam)
         self.steps += 1
