@@ -221,9 +221,7 @@ def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
     assert status == 401 and "invalid API key" in answer["detail"]
     with pytest.raises(tinker.BadRequestError, match="checkpoint name 'a/b': give a non-empty name"):
         tc.save_state("a/b").result()
-    with pytest.raises(
-        tinker.BadRequestError, match=r"lora_config\.train_unembed: an adapter on the LM head"
-    ):
+    with pytest.raises(tinker.BadRequestError, match=r"lora_config\.train_unembed: this model ties"):
         service.create_lora_training_client(base_model="tiny", rank=4).get_info()  # (the SDK's default)
     assert (
         tc.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics
@@ -471,3 +469,34 @@ def test_the_policy_gradients_are_the_weighted_cross_entropy_s(service):
             c.optim_step(adam).result()
             after.append(log_probs(c.forward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result()))
         torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5, msg=loss_fn)
+
+
+def test_train_unembed_adapts_the_lm_head_and_its_sampler_serves_it(tmp_path):
+    """train_unembed (the SDK's default) on a model whose LM head is its own (GLM-4): the head's
+    adapter trains and the sampler of the saved weights applies it (its log-probs are the
+    trainer's); on a tied head it is refused by name."""
+    from tinker import types
+
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    model = make_model(str(tmp_path / "glm4"), 0, "--arch", "glm4", *FAMILY_SIZE)
+    proc, url = start_server(model, str(tmp_path / "store"))
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
+        tokens = TOKENS[0]
+        tc.forward_backward([datum(tokens, weights=weights(tokens))], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        prompt = [5, 9, 11]
+        sampler = tc.save_weights_and_get_sampling_client()
+        seq = sampler.sample(
+            types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=2)
+        )
+        seq = seq.result().sequences[0]
+        expected = sequence_log_probs(tc, prompt, seq.tokens)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, rtol=0, atol=1e-5)
+        path = tc.save_state("head").result().path
+        info = service.create_rest_client().get_weights_info_by_tinker_path(path).result()
+        assert info.train_unembed is True
+    finally:
+        stop(proc)

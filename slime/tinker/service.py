@@ -170,7 +170,20 @@ class Service:
                 "create_model without lora_config (full fine-tuning) is not built on this server"
             )
         spec = LoraSpec.parse(body["lora_config"])
+        self._check_head(base, spec)
         return self._new_model(s, _seq(body.get("model_seq_id"), "model_seq_id"), base, spec, None)
+
+    def _check_head(self, base: str, spec: LoraSpec) -> None:
+        """train_unembed on a model whose LM head is its embedding: refused at submission."""
+        from transformers import AutoConfig
+
+        if spec.train_unembed and getattr(
+            AutoConfig.from_pretrained(self.bases[base]), "tie_word_embeddings", False
+        ):
+            raise TinkerUserError(
+                "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter "
+                "on the head would change too; create the training client with train_unembed=False"
+            )
 
     def _new_model(
         self,

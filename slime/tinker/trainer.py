@@ -57,12 +57,6 @@ class LoraSpec:
             raise TinkerUserError(
                 "lora_config: at least one of train_mlp, train_attn, train_unembed must be true"
             )
-        if spec.train_unembed:
-            raise TinkerUserError(
-                "lora_config.train_unembed: an adapter on the LM head is not built on this server yet (its "
-                "sampling engine serves adapters of the decoder layers); create the training client with "
-                "train_unembed=False"
-            )
         return spec
 
 
@@ -94,6 +88,11 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
         )
         if wanted[kind]:
             modules.add("lm_head" if kind == "unembed" else ".".join(parts[-2:]))
+    if spec.train_unembed and getattr(hf_config, "tie_word_embeddings", False):
+        raise TinkerUserError(
+            "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter on "
+            "the head would change too; create the training client with train_unembed=False"
+        )
     if spec.train_mlp:
         parameters = {
             ".".join(n.split(".")[-3:])

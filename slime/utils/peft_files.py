@@ -14,9 +14,9 @@ import torch
 
 CONFIG, WEIGHTS, OLD_WEIGHTS = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 
-LORA_TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+LORA_TENSOR = re.compile(r"^(?:.*?)(layers\.\d+\..+|(?<![^.])lm_head)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 """A LoRA tensor's name under any prefix (PEFT's `base_model.model.`, none, an adapter name):
-the module path from `layers.<i>.` on, and A or B."""
+the module path from `layers.<i>.` on (or the LM head, `lm_head`), and A or B."""
 
 
 def dump_name(adapter: str, module: str, which: str) -> str:

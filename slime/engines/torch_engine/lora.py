@@ -93,10 +93,10 @@ class ServedAdapters:
 
     def __post_init__(self) -> None:
         # Every linear layer of the decoder (by the name under which PEFT and SGLang address it,
-        # from `layers.<i>.` on); the LM head takes no adapter.
+        # from `layers.<i>.` on), and the LM head (`lm_head`: Tinker's train_unembed).
         self.linear: dict[str, tuple[str, nn.Linear]] = {}
         for name, module in self.model.named_modules():
-            m = re.search(r"(layers\.\d+\..+)$", name)
+            m = re.search(r"(layers\.\d+\..+|^lm_head)$", name)
             if isinstance(module, nn.Linear) and m is not None:
                 self.linear[m.group(1)] = (name, module)
         self.experts_and_routers = lora_experts.adaptable(self.model)
