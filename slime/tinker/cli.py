@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         bases = models(args.model)
         check(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args, bases))
@@ -121,7 +121,9 @@ async def serve(args: argparse.Namespace, bases: dict[str, str]) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     port = runner.addresses[0][1]
-    print(f"slime.tinker serving {', '.join(bases)} on http://{args.host}:{port}", flush=True)
+    # the ready line (stdout, as the engine's): whoever started the server reads its address here
+    sys.stdout.write(f"slime.tinker serving {', '.join(bases)} on http://{args.host}:{port}\n")
+    sys.stdout.flush()
     # SIGTERM / SIGINT end the serving cleanly: the app's cleanup stops the sampling engines
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

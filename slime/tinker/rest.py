@@ -62,9 +62,10 @@ def training_runs(service: Service, query: dict[str, str]) -> dict[str, Any]:
 
 
 def run_checkpoints(service: Service, run: str) -> dict[str, Any]:
-    if run not in service.models and not service.store.checkpoints(run):
+    saved = service.store.checkpoints(run)
+    if run not in service.models and not saved:
         raise TinkerNotFound(f"unknown training run {run!r}")
-    return {"checkpoints": [checkpoint(c) for c in service.store.checkpoints(run)], "cursor": None}
+    return {"checkpoints": [checkpoint(c) for c in saved], "cursor": None}
 
 
 def all_checkpoints(service: Service, query: dict[str, str]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from slime.tinker import wire
 from slime.tinker.errors import TinkerNotFound, TinkerUserError
+from slime.tinker.trainer import base_config
 
 
 @dataclass
@@ -187,9 +188,7 @@ class Samplers:
         return sample_response(answers, len(request.tokens) if request.prompt_logprobs else None)
 
     def _context(self, base: str) -> int:
-        from transformers import AutoConfig
-
-        return int(getattr(AutoConfig.from_pretrained(self.bases[base]), "max_position_embeddings", 4096))
+        return int(getattr(base_config(self.bases[base]), "max_position_embeddings", 4096))
 
     async def _load(self, engine: Any, base: str, checkpoint: str) -> str:
         """The checkpoint's adapter in the engine of `base` (loaded once per version of its files:

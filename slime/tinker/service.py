@@ -30,7 +30,7 @@ from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
 from slime.tinker.futures import Futures, Outcome
 from slime.tinker.sampler import SampleRequest, Samplers
 from slime.tinker.store import Store
-from slime.tinker.trainer import LoraSpec, TrainingModel
+from slime.tinker.trainer import LoraSpec, TrainingModel, base_config, check_head
 from slime.utils.errors import UsageError
 
 ADAM_DEFAULTS = {
@@ -170,20 +170,8 @@ class Service:
                 "create_model without lora_config (full fine-tuning) is not built on this server"
             )
         spec = LoraSpec.parse(body["lora_config"])
-        self._check_head(base, spec)
+        check_head(base_config(self.bases[base]), spec)  # (at submission, not in the model's build)
         return self._new_model(s, _seq(body.get("model_seq_id"), "model_seq_id"), base, spec, None)
-
-    def _check_head(self, base: str, spec: LoraSpec) -> None:
-        """train_unembed on a model whose LM head is its embedding: refused at submission."""
-        from transformers import AutoConfig
-
-        if spec.train_unembed and getattr(
-            AutoConfig.from_pretrained(self.bases[base]), "tie_word_embeddings", False
-        ):
-            raise TinkerUserError(
-                "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter "
-                "on the head would change too; create the training client with train_unembed=False"
-            )
 
     def _new_model(
         self,

@@ -19,6 +19,8 @@ rank: this module's calls are never concurrent.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -60,6 +62,24 @@ class LoraSpec:
         return spec
 
 
+@functools.cache
+def base_config(path: str) -> Any:
+    """The config of a served base model's checkpoint, read once (the creation of each training
+    client and each sample without max_tokens ask for it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def check_head(hf_config: Any, spec: LoraSpec) -> None:
+    """train_unembed on a model whose LM head is its embedding is refused."""
+    if spec.train_unembed and getattr(hf_config, "tie_word_embeddings", False):
+        raise TinkerUserError(
+            "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter on "
+            "the head would change too; create the training client with train_unembed=False"
+        )
+
+
 def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(--target-modules, --target-parameters) of a LoraConfig on the model of `hf_config`: each
     linear layer named by its parent and its own name (`self_attn.q_proj`, `mlp.up_proj`, PEFT's
@@ -69,7 +89,9 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
     from slime.utils.model_families import auto_model_class
 
     with torch.device("meta"):
-        model = auto_model_class(hf_config).from_config(hf_config)
+        model = auto_model_class(hf_config).from_config(
+            copy.deepcopy(hf_config)
+        )  # (the cached one untouched)
     wanted = {"unembed": spec.train_unembed, "mlp": spec.train_mlp, "attn": spec.train_attn, None: False}
     modules: set[str] = set()
     parameters: set[str] = set()
@@ -88,11 +110,7 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
         )
         if wanted[kind]:
             modules.add("lm_head" if kind == "unembed" else ".".join(parts[-2:]))
-    if spec.train_unembed and getattr(hf_config, "tie_word_embeddings", False):
-        raise TinkerUserError(
-            "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter on "
-            "the head would change too; create the training client with train_unembed=False"
-        )
+    check_head(hf_config, spec)
     if spec.train_mlp:
         parameters = {
             ".".join(n.split(".")[-3:])
@@ -126,9 +144,7 @@ class TrainingModel:
         from slime.config.train import BatchConfig, TrainConfig
 
         self.base_model, self.path, self.spec, self.alpha = base_model, path, spec, alpha
-        from transformers import AutoConfig
-
-        modules, parameters = lora_targets(AutoConfig.from_pretrained(path), spec)
+        modules, parameters = lora_targets(base_config(path), spec)
         lora = LoRAConfig(rank=spec.rank, alpha=alpha, target_modules=modules, target_parameters=parameters)
         cfg = TrainConfig(
             hf_checkpoint=path,

@@ -69,12 +69,6 @@ def resolve(adapter_module: str, params_wrapped: Sequence[str]) -> tuple[str, st
     return module, params_wrapped[len(params_wrapped) - 1 - depth]
 
 
-def adapter_module(module: str, param: str, params_wrapped: Sequence[str]) -> str:
-    """The inverse of `resolve`: the PEFT module name of `param`'s adapter on `module`."""
-    depth = len(params_wrapped) - 1 - list(params_wrapped).index(param)
-    return module + BASE_LAYER * depth
-
-
 def expert_factors(a: torch.Tensor, b: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert factors of a fused adapter: A [E r, in], B [out, E r] -> A_e [E, r, in],
     B_e [E, out, r] (views where the layout allows)."""

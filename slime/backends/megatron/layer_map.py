@@ -298,3 +298,11 @@ def parse_expert(name: str, layout: Layout) -> tuple[int, int, int] | None:
 
 def is_expert(name: str) -> bool:
     return _EXPERT.match(name) is not None
+
+
+def layer_of(module: str) -> int | None:
+    """The decoder layer an HF module sits in (None: outside the layers, e.g. lm_head)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None

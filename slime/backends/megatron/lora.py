@@ -47,7 +47,7 @@ from torch import nn
 
 from slime.backends.fsdp import lora as peft_lora
 from slime.backends.megatron import lora_experts
-from slime.backends.megatron.layer_map import layer_pairs
+from slime.backends.megatron.layer_map import layer_of, layer_pairs
 from slime.backends.megatron.sharding import split_tp
 from slime.config.lora import LoRAConfig
 from slime.utils.errors import UsageError
@@ -130,14 +130,6 @@ def plan(
             "it (use --train-backend fsdp, or --target-modules without it)"
         )
     return targets
-
-
-def layer_of(module: str) -> int | None:
-    """The decoder layer an HF module sits in (None: outside the layers, e.g. lm_head)."""
-    parts = module.split(".")
-    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2])
-    return None
 
 
 def _index(hf_name: str, shape: tuple[int, ...], ids: dict[str, int], tp: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime.backends.megatron.layer_map import layer_of
 from slime.utils import hf_experts, peft_experts
 from slime.utils.errors import UsageError
 
@@ -75,8 +76,8 @@ def plan(
     local = num_experts // mesh.ep
     out = []
     for adapter, param in sorted(wrapped.items()):
-        i = _layer(param)
-        if i not in layers:
+        i = layer_of(param)
+        if i is None or i not in layers:
             continue
         prefix = f"decoder.layers.{i - layers.start}.mlp."
         if param.endswith("." + ROUTER):
@@ -91,12 +92,6 @@ def plan(
             e = mesh.ep_rank * local + j
             out.append(ParamTarget(f"{prefix}experts.local_experts.{j}.{fc}", adapter, e, num_experts))
     return out
-
-
-def _layer(param: str) -> int:
-    parts = param.split(".")
-    assert parts[:2] == ["model", "layers"], param
-    return int(parts[2])
 
 
 def hook(lora: Any, target: ParamTarget, module: Any) -> None:
