@@ -97,6 +97,37 @@ def test_no_local_of_the_sleep_path_holds_a_tensor_when_memory_is_released(monke
     assert held == [[]]
 
 
+def test_sleep_drops_the_last_steps_gradients_and_copies_asynchronously(monkeypatch):
+    """Offload moves no gradient (every train step starts from none) and asks for non-blocking
+    copies, which torch makes into pinned host memory (pageable copies took 4.4 s for Qwen3-0.6B's
+    offload on an H200); wake's copies are non-blocking too, then synchronised."""
+    released = counted_release(monkeypatch, optim)
+    blocking: list[bool] = []
+    to = torch.Tensor.to
+
+    def recorded(self, *args, **kwargs):
+        # Module.to passes non_blocking third and positionally; move_state by keyword
+        blocking.append(not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+        return to(self, "cpu", *args[1:], **kwargs)  # "cuda": this machine has none
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded)
+    model = torch.nn.Linear(3, 2)
+    actor = fake_actor(FSDPBackend, model, list(model.parameters()))
+    weight = model.weight.detach().clone()
+    model(torch.ones(1, 3)).sum().backward()
+    actor.optimizer.step()
+    stepped = model.weight.detach().clone()
+    assert not torch.equal(weight, stepped)
+    actor.sleep()
+    assert [p.grad for p in model.parameters()] == [None, None]
+    assert blocking and not any(blocking), blocking
+    assert len(blocking) == 4  # two parameters, two momentum buffers: no gradient
+    blocking.clear()
+    actor.wake()
+    assert len(blocking) == 4 and not any(blocking) and released == ["release", "synchronize"]
+    assert torch.equal(model.weight, stepped)
+
+
 def test_sleep_on_a_cpu_actor_touches_no_device(monkeypatch):
     released = counted_release(monkeypatch, optim)
     actor = fake_actor(FSDPBackend, torch.nn.Linear(2, 2), [])

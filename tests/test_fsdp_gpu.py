@@ -33,10 +33,23 @@ def run_device(rank, world_size, init_method, model, device):
         out["awake_bytes"] = torch.cuda.memory_allocated()
         actor.sleep()
         out["left"] = gpu_memory.left_on_device()
+        out["pageable"] = pageable_host_tensors(actor)
         actor.wake()
     out["second"] = actor.train(1, make_batch(1)).steps
     actor.close()
     return out
+
+
+def pageable_host_tensors(actor) -> list[str]:
+    """What sleep left in pageable host memory (slow to copy: every offloaded tensor should be
+    pinned), and any gradient it kept."""
+    from slime.backends.fsdp.model_init import local_tensor
+
+    bad = [n for n, p in actor.model.named_parameters() if not local_tensor(p).is_pinned()]
+    bad += [f"{n}.grad" for n, p in actor.model.named_parameters() if p.grad is not None]
+    for i, state in enumerate(actor.optimizer.state.values()):
+        bad += [f"state {i} {k}" for k, v in state.items() if v.dim() > 0 and not local_tensor(v).is_pinned()]
+    return bad
 
 
 def test_cuda_matches_cpu_and_sleep_releases_memory(tiny_model):
@@ -50,7 +63,11 @@ def test_cuda_matches_cpu_and_sleep_releases_memory(tiny_model):
                 assert a[name] == pytest.approx(b[name], rel=1e-3, abs=1e-5), (step, name, a[name], b[name])
         assert gpu["first"][0]["ppo_kl"] == 0.0 and gpu["first"][0]["kl_loss"] == 0.0
 
+    def pinned() -> None:
+        assert gpu["pageable"] == [], gpu["pageable"]
+
     run_checks(
         lambda: assert_released(gpu["left"], f"FSDP actor ({gpu['awake_bytes']:,} B allocated awake)"),
         same_numbers,
+        pinned,
     )

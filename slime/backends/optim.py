@@ -212,11 +212,21 @@ def move_model(
 ) -> None:
     """Colocation: optimizer states, and parameters with `params`, to `device`; on the way to the
     host every unused byte of device memory goes back to the driver (a colocated engine needs
-    every byte, cuBLAS's workspaces too)."""
+    every byte, cuBLAS's workspaces too).
+
+    On the way to the host the last step's gradients are dropped, not moved (every train step
+    starts from none), and the copies are asynchronous: torch puts a non-blocking copy from the
+    device into pinned host memory, from its caching host allocator, so later offloads reuse those
+    blocks, and the copy back up is asynchronous too. Pageable copies made Qwen3-0.6B's offload
+    take 4.4 s on an H200 (about 2 GB/s). Both ways end in one synchronisation, before anything
+    reads the copies."""
+    to_host = torch.device(device).type == "cpu"
+    if to_host:
+        model.zero_grad(set_to_none=True)
     if params:
-        model.to(device)
+        model.to(device, non_blocking=True)
     move_state(optimizer, device)
-    if torch.device(device).type == "cpu":
+    if to_host:
         release_device_memory()
     else:
         torch.cuda.synchronize()

@@ -56,11 +56,13 @@ class MasterWeights(dict[torch.Tensor, torch.Tensor]):
         return holder.grad
 
     def move(self, device: str | torch.device) -> None:
-        """The masters and their gradients (the last step's, kept until the next zero_grad)."""
+        """The masters and their gradients (the last step's, kept until the next zero_grad),
+        asynchronously (pinned host memory, as slime.backends.optim.move_model): the caller
+        synchronises."""
         for master in self.values():
-            master.data = master.data.to(device)
+            master.data = master.data.to(device, non_blocking=True)
             if master.grad is not None:
-                master.grad = master.grad.to(device)
+                master.grad = master.grad.to(device, non_blocking=True)
 
     def nbytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.values())
