@@ -2,7 +2,7 @@
 
     python benchmarks/bench_grpo_step.py --device cuda [--preset qwen3-0.6b] [--train-backend fsdp|megatron]
         [--prompts 32] [--samples-per-prompt 16] [--prompt-len 64 256] [--max-new-tokens 512]
-        [--steps 3] [--bandwidth-gbs GB/S] [--peak-tflops TFLOPS] [--hf-samples 64] [--out DIR]
+        [--steps 3] [--bandwidth-gbs GB/S] [--peak-tflops TFLOPS] [--hf-samples 64] [--out DIR] [--profile]
     python benchmarks/bench_grpo_step.py --device cpu [...]     (the demo model: the smoke run)
 
 The job is train.py as users run it on one device: `--colocate --offload`, the torch engine and the
@@ -48,6 +48,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import step_profile  # noqa: E402
 from benchmarks.bench_engine import bench_hf_generate  # noqa: E402
 from slime.utils import flops  # noqa: E402
 
@@ -87,7 +88,7 @@ def make_inputs(args: argparse.Namespace, out: str) -> tuple[str, str]:
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 +-*="
     prompts = os.path.join(out, "prompts.jsonl")
     with open(prompts, "w") as f:
-        for _ in range(args.prompts * args.steps):
+        for _ in range(args.prompts * rollouts(args)):
             text = "".join(rng.choice(alphabet) for _ in range(rng.randint(*args.prompt_len)))
             f.write(json.dumps({"prompt": text, "label": "0"}) + "\n")
     return model, prompts
@@ -109,7 +110,7 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         "--advantage-estimator",
         "grpo",
         "--num-rollout",
-        str(args.steps),
+        str(rollouts(args)),
         "--rollout-batch-size",
         str(args.prompts),
         "--n-samples-per-prompt",
@@ -158,14 +159,23 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         argv += ["--peak-tflops", str(args.peak_tflops)]
     log_dir = os.path.join(out, "logs")
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "TOKENIZERS_PARALLELISM": "false"}
+    if args.profile:  # the extra last rollout
+        flags, settings = step_profile.job_flags(out, args.steps, args.max_new_tokens)
+        argv += flags
+        env.update(settings)
     start = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"train.py failed with exit code {proc.returncode}")
-    print(f"train.py: {args.steps} rollouts in {time.perf_counter() - start:.1f} s (logs in {log_dir})")
+    print(f"train.py: {rollouts(args)} rollouts in {time.perf_counter() - start:.1f} s (logs in {log_dir})")
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "time/step" in r]
+        return [r for r in map(json.loads, f) if "time/step" in r][: args.steps]
+
+
+def rollouts(args: argparse.Namespace) -> int:
+    """The job's rollouts: --steps, and the profiled one after them with --profile."""
+    return args.steps + (1 if args.profile else 0)
 
 
 def load_rollout(out: str, rollout_id: int) -> list[dict]:
@@ -287,6 +297,11 @@ def main() -> int:
     ap.add_argument("--hf-samples", type=int, default=64, help="samples HF generate runs")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help="where the model, data and logs go (default: a temp dir)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more rollout, profiled (trainer and engine; out of the medians): tables in <out>/profile",
+    )
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -307,7 +322,10 @@ def main() -> int:
     out = args.out or tempfile.mkdtemp(prefix="bench-grpo-step-")
     model, prompts = make_inputs(args, out)
     records = run_job(args, out, model, prompts)
-    return 0 if report(args, out, model, records) else 1  # 1: a target missed (scripts/gpu-check.sh)
+    met = report(args, out, model, records)
+    if args.profile:
+        step_profile.print_tables(out)
+    return 0 if met else 1  # 1: a target missed (scripts/gpu-check.sh)
 
 
 METRICS = (

@@ -10,8 +10,10 @@
 #                  --offload --check-precision --check-weight-sync, on a tiny model built here
 #   grpo-megatron  the same with --train-backend megatron --transformer-impl local
 #   bench-engine   benchmarks/bench_engine.py --device cuda
-#   bench-step     benchmarks/bench_grpo_step.py --device cuda --preset qwen3-0.6b: a whole GRPO step,
-#                  512 samples x up to 512 tokens, colocated on the one GPU, against its limits
+#   bench-step     benchmarks/bench_grpo_step.py --device cuda --preset qwen3-0.6b --profile: a whole
+#                  GRPO step, 512 samples x up to 512 tokens, colocated on the one GPU, against its
+#                  limits; one more rollout profiled (operator tables in the log, traces in
+#                  $GPU_CHECK_OUT/bench-step/profile)
 #
 # Prints PASS / FAIL / SKIP per part with its figure, then a summary; exits 1 if a part failed,
 # else 0. A part whose dependency is missing is SKIP with the reason, never PASS; without a CUDA
@@ -151,7 +153,7 @@ for part in "${PARTS[@]}"; do
         preset=(--preset qwen3-0.6b)
         [ "$DEVICE" = cuda ] || preset=()  # the CPU rehearsal runs the demo model
         limited "$T_STEP" "$PY" benchmarks/bench_grpo_step.py --device "$DEVICE" ${preset[@]+"${preset[@]}"} \
-            --out "$OUT/bench-step" >"$log" 2>&1
+            --profile --out "$OUT/bench-step" >"$log" 2>&1
         rc=$? secs=$((SECONDS - start))
         figure=$(grep -E '^(ratio engine / HF generate:|target )' "$log" | awk 'NR > 1 {printf "; "} {printf "%s", $0}')
         if [ "$rc" != 0 ]; then report FAIL "$part" "$(why "$rc" "$T_STEP")${figure:+: $figure} (see $log)"

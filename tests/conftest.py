@@ -79,11 +79,11 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def start_engine(model_path: str, log_dir, *extra: str):
+def start_engine(model_path: str, log_dir, *extra: str, env: dict[str, str] | None = None):
     from slime.engines.torch_engine.launcher import start_torch_engine
 
     log = os.path.join(str(log_dir), f"engine-{len(os.listdir(str(log_dir)))}.log")
-    return start_torch_engine(model_path, [*ENGINE_ARGS, *extra], log_path=log)
+    return start_torch_engine(model_path, [*ENGINE_ARGS, *extra], log_path=log, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,9 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
             "1",
             "--hf-samples",
             "2",
+            "--profile",
         ],
-        "ratio engine / HF generate",
+        "profile engine0-",  # after the table; the engine's window asked by the job's phase hook
         True,
     ),
     "bench_routing_replay": (

@@ -30,6 +30,7 @@ from slime.backends.interface import Pass, PerPosition
 from slime.backends.measures import TokenValues, loss_mask, nan_max
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
+from slime.backends.profiler import TrainProfiler
 from slime.backends.trainer import B, RankTrainer
 from slime.backends.weight_copies import KeptWeights, swapped
 from slime.config.loss import LossConfig
@@ -115,6 +116,11 @@ class PolicyTrainer(RankTrainer[B]):
         """The perf/* metrics' FLOPs count and peak (--peak-tflops), made at the first train call."""
         b = self.backend
         return perf.StepPerf(b.hf_config, b.device, self.cfg.peak_tflops, b.rank)
+
+    @functools.cached_property
+    def profiler(self) -> TrainProfiler:
+        """--use-pytorch-profiler (a no-op without it)."""
+        return TrainProfiler(self.cfg.profile, self.backend.device.type, self.backend.rank)
 
     @functools.cached_property
     def loss_hooks(self) -> LossHooks | None:
@@ -262,7 +268,8 @@ class PolicyTrainer(RankTrainer[B]):
                 "all of them (the teacher engine scores them during the rollout; a custom rollout, reward "
                 "or post-process function must set them; a replayed dump must have been made with OPD)"
             )
-        return self._train(rollout_id, part, plans, mine, TokenValues(critic=values), update)
+        with self.profiler.train_call(rollout_id):
+            return self._train(rollout_id, part, plans, mine, TokenValues(critic=values), update)
 
     def _train(
         self,
@@ -281,7 +288,8 @@ class PolicyTrainer(RankTrainer[B]):
         replay = self._replay(batch, mine)
         compute = loss_cfg.compute_advantages_and_returns
         if compute and (loss_cfg.loss_type == "policy_loss" or batch.rollout_log_probs is not None):
-            replay = self._log_probs(part, self.log_prob_plans(part, plans), mine, v, clock, replay)
+            with self.profiler.phase("train_log_probs"):
+                replay = self._log_probs(part, self.log_prob_plans(part, plans), mine, v, clock, replay)
             output.rollout.update(measures.rollout_metrics(self.cfg, batch, mine, v, b.dp_group))
             if self.cfg.check_precision:
                 output.precision.update(measures.precision_stats(batch, mine, v, b.dp_group))
@@ -297,13 +305,14 @@ class PolicyTrainer(RankTrainer[B]):
             measures.save_train_data(self.cfg, (b.dp_rank, b.dp_size), rollout_id, part, mine, v)
         if update and self.cfg.optimizer.reset_optimizer_states:
             reset_states(b.optimizer)
-        for k, step in enumerate(plans if update else []):
-            compare = v.old if k == 0 and self.cfg.check_precision else None
-            loss = PolicyLoss(loss_cfg, self.loss_hooks, batch, step, v, compare)
-            with clock("actor_train"):
-                output.steps.append(b.train_step(batch, step, loss, replay))
-            if compare is not None:
-                output.precision["first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst)
+        with self.profiler.phase("train_actor"):
+            for k, step in enumerate(plans if update else []):
+                compare = v.old if k == 0 and self.cfg.check_precision else None
+                loss = PolicyLoss(loss_cfg, self.loss_hooks, batch, step, v, compare)
+                with clock("actor_train"):
+                    output.steps.append(b.train_step(batch, step, loss, replay))
+                if compare is not None:
+                    output.precision["first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst)
         output.timings.update(log_probs=logprob_done - start, train=time.perf_counter() - logprob_done)
         output.perf = self.step_perf.metrics(part.lengths, b.world_size, clock.seconds)
         every = loss_cfg.ref_update_interval  # the reference becomes the weights trained so far

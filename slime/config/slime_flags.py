@@ -239,13 +239,6 @@ SPECS += (
         "backward pass to save memory; here the loss takes log-probs already gathered, and the "
         "vocabulary-wide log-softmax runs in chunks with --log-probs-chunk-size",
     ),
-    _same(
-        "--profile-target",
-        {"nargs": "+", "default": None, "choices": ["train_overall", "train_actor", "train_log_probs"]},
-        NO_EFFECT,
-        "what Megatron-LM's --use-pytorch-profiler profiles; that profiler is not built here (slime runs "
-        "train_overall only: the other two are accepted and never used)",
-    ),
     _same("--memory-recorder", {"default": None, "choices": ["torch", "memray"]}, NO_EFFECT, MEMORY),
     _same("--memory-snapshot-dir", {"default": None}, NO_EFFECT, MEMORY),
     _same("--memory-snapshot-num-steps", {"type": int, "default": None}, NO_EFFECT, MEMORY),

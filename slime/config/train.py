@@ -17,6 +17,7 @@ from slime.config.lora import LoRAConfig, lora_config
 from slime.config.loss import LossConfig
 from slime.config.moe import MoEOptions
 from slime.config.opd import OPDConfig, opd_config
+from slime.config.profile import ProfileConfig, profile_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -263,6 +264,8 @@ class TrainConfig:
     opd: OPDConfig = field(default_factory=OPDConfig)
     """On-policy distillation (slime.config.opd): the penalty, and with --opd-type megatron the teacher."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """--use-pytorch-profiler's windows (slime.config.profile)."""
     """LoRA adapters instead of full fine-tuning (slime.config.lora)."""
     plugin_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
     """The parsed command line, for slime's loss hooks (`fn(args, ...)`); only with a hook given."""
@@ -328,6 +331,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, OptimizerConfig, "train: optimizer")
     add_flags(parser, BatchConfig, "train: batching")
     add_flags(parser, FSDPConfig, "train: FSDP")
+    add_flags(parser, ProfileConfig, "train: profiling (docs/debugging.md, Profiling)")
     megatron = "megatron (--train-backend megatron; docs/megatron.md)"
     add_flags(parser, MegatronConfig, megatron)[megatron].add_argument(
         "--transformer-impl",
@@ -362,6 +366,7 @@ def train_config_from_args(ns: argparse.Namespace) -> TrainConfig:
         moe=from_flags(MoEOptions, ns),
         opd=opd_config(ns) if hasattr(ns, "use_opd") else OPDConfig(),
         lora=lora_config(ns),
+        profile=profile_config(ns),
         plugin_args=_plugin_args(ns),
     )
 

@@ -96,6 +96,9 @@ class Job:
         # --trace-dir: every process records its events (slime.utils.job_trace).
         self.env_vars = {ENV: "1"} if config.debug.trace_dir is not None else {}
         self.api_key = engine_api_key(bool(c.external_engine_addrs), engines_leave_loopback())
+        # SGLang's (and the torch engine's) profile directory: /start_profile writes under it only
+        profile_dir = os.environ.get("SGLANG_TORCH_PROFILER_DIR")
+        self.engine_env = {"SGLANG_TORCH_PROFILER_DIR": os.path.abspath(profile_dir)} if profile_dir else {}
         self.dump_dir = (
             os.path.abspath(config.debug.sync_parameters_path) if config.debug.sync_parameters_path else None
         )
@@ -312,7 +315,7 @@ class Job:
     def _start_engine(self, slot: Slot, j: int, model_path: str, log_name: str, dump: bool = True) -> Any:
         """An engine on `model_path` in `slot` (`j`: its index in `_engine_gpus`); `dump`: it
         writes --debug-sync-parameters dumps (the rollout engines do, the teacher does not)."""
-        options = _in(self.pg, slot, self.placement.resource, **self._env())
+        options = _in(self.pg, slot, self.placement.resource, **self._env(self.engine_env))
         log_path = os.path.join(self.log_dir, log_name)
         c, t = self.config.cluster, self.config.train
         if c.rollout_backend == "sglang":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from slime.config.profile import log_directory
 from slime.ray.cli import parse_args
 from slime.utils.logging_utils import configure_logging
 
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None, off_policy: bool = False) -> int:
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack
     configure_logging("driver")
     config = parse_args(argv)  # exits 2 on bad flags
-    log_dir = os.environ.get("SLIME_LOG_DIR") or os.path.join(config.checkpoint.save or ".", "logs")
+    log_dir = log_directory(config.checkpoint.save)
     from slime.ray.driver import run
     from slime.utils.errors import UsageError
 

@@ -1,7 +1,8 @@
 """Weight-debugging routes of the torch engine: SGLang's /weights_checker and slime's /slime/*
 extensions (checksums, fingerprints, parameter dumps).
 
-/slime/dump_parameters is the one route that writes files, so it writes only under the directory
+/slime/dump_parameters writes files (as /start_profile, which keeps to its own directory:
+slime.engines.torch_engine.profile_api), so it writes only under the directory
 the engine was started with (`--debug-dump-dir`). A requested path (relative paths are taken
 under that directory) must still lie under it once `..` and symlinks are resolved, else 403;
 without the flag the route answers 403 saying how to enable it. The directories are then

@@ -28,6 +28,7 @@ from slime.engines.torch_engine.config import EngineConfig
 from slime.engines.torch_engine.lora import ServedAdapters
 from slime.engines.torch_engine.metrics import EngineLoad, EngineMetrics, EngineTimeline
 from slime.engines.torch_engine.model_runner import BatchedRunner, load_model, make_runner
+from slime.engines.torch_engine.profile_api import EngineProfiler
 from slime.engines.torch_engine.prompt_logprobs import input_log_probs
 from slime.engines.torch_engine.rounds import DecodeRounds
 from slime.engines.torch_engine.runner import GenericRunner
@@ -121,6 +122,8 @@ class TorchEngine:
         self.metrics = EngineMetrics(config.model_path, self.current_load)
         """This engine's Prometheus metrics (GET /metrics; the HTTP front observes its requests)."""
         self.timeline = EngineTimeline()  # its row of the job's timeline (--trace-dir)
+        self.profiler = EngineProfiler(self.device.type)
+        """/start_profile's torch.profiler window over engine steps."""
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -246,6 +249,7 @@ class TorchEngine:
         plan = self.scheduler.plan()
         if plan is None:
             return
+        self.profiler.before_step(self.num_steps)
         t0 = time.perf_counter()
         try:
             rounds = self.rounds
@@ -259,6 +263,7 @@ class TorchEngine:
             self._run_plan(plan)
         finally:
             self.busy_seconds += time.perf_counter() - t0
+            self.profiler.after_step(self.num_steps)
 
     def _run_plan(self, plan: Any) -> None:
         started = time.perf_counter()  # a prefill's: when its sequences were admitted

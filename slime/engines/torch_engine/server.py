@@ -40,6 +40,7 @@ from slime.engines.torch_engine.http_util import (
 )
 from slime.engines.torch_engine.lora_api import LoRAAPI
 from slime.engines.torch_engine.openai_api import completion_requests, completion_response
+from slime.engines.torch_engine.profile_api import ProfileAPI
 from slime.engines.torch_engine.pull_api import PullAPI
 from slime.engines.torch_engine.results import result_of
 from slime.engines.torch_engine.sequence import Sequence
@@ -105,6 +106,7 @@ def make_app(
     LoRAAPI(engine).register(app.router)
     PullAPI(engine).register(app.router)
     WeightsAPI(engine).register(app.router)
+    ProfileAPI(engine).register(app.router)
     r = app.router
     r.add_get("/health", api.health)
     r.add_get("/health_generate", api.health_generate)
