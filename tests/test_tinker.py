@@ -221,8 +221,6 @@ def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
     assert status == 401 and "invalid API key" in answer["detail"]
     with pytest.raises(tinker.BadRequestError, match="checkpoint name 'a/b': give a non-empty name"):
         tc.save_state("a/b").result()
-    with pytest.raises(tinker.BadRequestError, match=r"lora_config\.train_unembed: this model ties"):
-        service.create_lora_training_client(base_model="tiny", rank=4).get_info()  # (the SDK's default)
     assert (
         tc.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics
     )  # (refusals used up their seq_ids)
@@ -471,15 +469,19 @@ def test_the_policy_gradients_are_the_weighted_cross_entropy_s(service):
         torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5, msg=loss_fn)
 
 
-def test_train_unembed_adapts_the_lm_head_and_its_sampler_serves_it(tmp_path):
-    """train_unembed (the SDK's default) on a model whose LM head is its own (GLM-4): the head's
-    adapter trains and the sampler of the saved weights applies it (its log-probs are the
-    trainer's); on a tied head it is refused by name."""
+@pytest.mark.parametrize("head", ["own", "tied"])
+def test_train_unembed_adapts_the_lm_head_and_its_sampler_serves_it(tiny_model, tmp_path, head):
+    """train_unembed (the SDK's default) on a model whose LM head is its own (GLM-4) and on one whose
+    head is its embedding (the tiny Qwen3): the head's adapter trains and the sampler of the saved
+    weights applies it (its log-probs are the trainer's). On the tied head the adapter acts on the
+    head's output alone: the embedding the prompt goes in through is the base model's."""
     from tinker import types
 
     from tests.conftest import FAMILY_SIZE, make_model
 
-    model = make_model(str(tmp_path / "glm4"), 0, "--arch", "glm4", *FAMILY_SIZE)
+    model = (
+        make_model(str(tmp_path / "glm4"), 0, "--arch", "glm4", *FAMILY_SIZE) if head == "own" else tiny_model
+    )
     proc, url = start_server(model, str(tmp_path / "store"))
     try:
         service = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -498,5 +500,18 @@ def test_train_unembed_adapts_the_lm_head_and_its_sampler_serves_it(tmp_path):
         path = tc.save_state("head").result().path
         info = service.create_rest_client().get_weights_info_by_tinker_path(path).result()
         assert info.train_unembed is True
+        adapter = load_adapter(tmp_path / "store", path)
+        head_factors = [n for n in adapter if "lm_head" in n]
+        assert len(head_factors) == 2 and not any("embed_tokens" in n for n in adapter), sorted(adapter)
+        assert any(float(adapter[n].abs().max()) > 0 for n in head_factors if "lora_B" in n)  # it trained
     finally:
         stop(proc)
+
+
+def load_adapter(store, path: str) -> dict:
+    """The PEFT adapter file of a tinker:// checkpoint in the server's store."""
+    from safetensors.torch import load_file
+
+    found = list(store.glob(f"**/{path.rsplit('/', 1)[-1]}/adapter/adapter_model.safetensors"))
+    assert len(found) == 1, found
+    return load_file(str(found[0]))

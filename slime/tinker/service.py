@@ -30,7 +30,7 @@ from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
 from slime.tinker.futures import Futures, Outcome
 from slime.tinker.sampler import SampleRequest, Samplers
 from slime.tinker.store import Store
-from slime.tinker.trainer import LoraSpec, TrainingModel, base_config, check_head
+from slime.tinker.trainer import LoraSpec, TrainingModel
 from slime.utils.errors import UsageError
 
 ADAM_DEFAULTS = {
@@ -170,7 +170,6 @@ class Service:
                 "create_model without lora_config (full fine-tuning) is not built on this server"
             )
         spec = LoraSpec.parse(body["lora_config"])
-        check_head(base_config(self.bases[base]), spec)  # (at submission, not in the model's build)
         return self._new_model(s, _seq(body.get("model_seq_id"), "model_seq_id"), base, spec, None)
 
     def _new_model(

@@ -71,15 +71,6 @@ def base_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def check_head(hf_config: Any, spec: LoraSpec) -> None:
-    """train_unembed on a model whose LM head is its embedding is refused."""
-    if spec.train_unembed and getattr(hf_config, "tie_word_embeddings", False):
-        raise TinkerUserError(
-            "lora_config.train_unembed: this model ties its LM head to the embedding, which an adapter on "
-            "the head would change too; create the training client with train_unembed=False"
-        )
-
-
 def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(--target-modules, --target-parameters) of a LoraConfig on the model of `hf_config`: each
     linear layer named by its parent and its own name (`self_attn.q_proj`, `mlp.up_proj`, PEFT's
@@ -110,7 +101,6 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
         )
         if wanted[kind]:
             modules.add("lm_head" if kind == "unembed" else ".".join(parts[-2:]))
-    check_head(hf_config, spec)
     if spec.train_mlp:
         parameters = {
             ".".join(n.split(".")[-3:])
@@ -145,7 +135,10 @@ class TrainingModel:
 
         self.base_model, self.path, self.spec, self.alpha = base_model, path, spec, alpha
         modules, parameters = lora_targets(base_config(path), spec)
-        lora = LoRAConfig(rank=spec.rank, alpha=alpha, target_modules=modules, target_parameters=parameters)
+        # served as adapters, never merged: a tied LM head's adapter acts on the head alone
+        lora = LoRAConfig(
+            rank=spec.rank, alpha=alpha, target_modules=modules, target_parameters=parameters, push="adapter"
+        )
         cfg = TrainConfig(
             hf_checkpoint=path,
             device=device,

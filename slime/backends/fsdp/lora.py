@@ -115,11 +115,14 @@ def inject(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
             "rule: a parameter's full name, or its end after a dot, e.g. mlp.experts.gate_up_proj, "
             "mlp.gate.weight)"
         )
+    # An adapter on a tied head acts on the head's output alone (PEFT adds B A x after lm_head);
+    # merged into the one weight both share, it would change the embedding too.
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    if tied and "lm_head" in cfg.target_modules:
+    if tied and "lm_head" in cfg.target_modules and (not cfg.pushes_adapter or cfg.save_merged):
         raise UsageError(
-            "--target-modules lm_head: this model ties its LM head to the embedding, whose weight an adapter "
-            "would then change twice; leave lm_head out"
+            "--target-modules lm_head: this model ties its LM head to the embedding, and merging an adapter "
+            "into their one weight (--lora-push merged, --lora-save-merged) would change the embedding "
+            "too; push the adapters (--lora-push adapter) or leave lm_head out"
         )
     try:
         model = inject_adapter_in_model(peft_config(cfg, tower), model)
