@@ -26,9 +26,20 @@ KEY = "tml-slime-test"
 TOKENS = [[5, 9, 11, 20, 33, 7], [3, 14, 15, 92, 65]]
 
 
-def start_server(model: str, store: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, store: str, *extra: str, name: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """The server on loopback serving `model` as `name`, and its address."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "slime.tinker", "--model", f"tiny={model}", "--port", "0", "--api-key", KEY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slime.tinker",
+        "--model",
+        f"{name}={model}",
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+    ]
     cmd += ["--store", store]
     proc = subprocess.Popen(
         [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
