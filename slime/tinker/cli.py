@@ -34,6 +34,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-backend", default="fsdp", choices=["fsdp"], help="the trainer (FSDP actor)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
+        "--train-ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="FSDP ranks each training model is sharded over: processes on this machine, with --device "
+        "cuda one GPU each (default 1)",
+    )
+    parser.add_argument(
         "--api-key", action="append", default=[], help="an accepted API key (tml-...; repeat for several)"
     )
     parser.add_argument(
@@ -91,6 +99,16 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"--host {args.host}: a server off loopback needs --api-key (the keys it accepts)")
     if args.lora_alpha < 1 or args.session_timeout <= 0:
         raise UsageError("--lora-alpha must be >= 1 and --session-timeout > 0")
+    if args.train_ranks < 1:
+        raise UsageError(f"--train-ranks {args.train_ranks}: give at least 1")
+    if args.device == "cuda":
+        import torch
+
+        if args.train_ranks > torch.cuda.device_count():
+            raise UsageError(
+                f"--train-ranks {args.train_ranks} with --device cuda: this machine has "
+                f"{torch.cuda.device_count()} GPU(s), one per rank"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +129,18 @@ async def serve(args: argparse.Namespace, bases: dict[str, str]) -> None:
     from aiohttp import web
 
     from slime.tinker.server import make_app
-    from slime.tinker.service import Service
+    from slime.tinker.service import Service, ServiceConfig
 
-    service = Service(
-        bases, args.device, args.lora_alpha, args.session_timeout, args.store, args.check_precision
+    config = ServiceConfig(
+        bases,
+        args.device,
+        args.lora_alpha,
+        args.session_timeout,
+        args.store,
+        args.check_precision,
+        args.train_ranks,
     )
+    service = Service(config)
     runner = web.AppRunner(make_app(service, tuple(args.api_key)), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -9,8 +9,9 @@ their heartbeats, training clients' models, the order their requests run in, and
   (the chunks of one forward_backward arrive concurrently). A request refused at submission
   still uses up its seq_id, so the ones after it do not wait for it. A seq_id that ran or is
   waiting already is refused as out of order.
-- All the models' work runs on one thread, in the order the models' queues hand it over: one
-  process group of one rank, the torch work never concurrent.
+- All the models' work runs on one thread, in the order the models' queues hand it over, the
+  torch work never concurrent; with `--train-ranks N` each call runs on N FSDP ranks in that
+  same order (slime.tinker.ranks).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Any
 from slime.tinker import losses, wire
 from slime.tinker.errors import TinkerGone, TinkerNotFound, TinkerUserError
 from slime.tinker.futures import Futures, Outcome
+from slime.tinker.ranks import RankGroup
 from slime.tinker.sampler import SampleRequest, Samplers
 from slime.tinker.store import Store
-from slime.tinker.trainer import LoraSpec, TrainingModel
+from slime.tinker.trainer import LoraSpec, RankedModel
 from slime.utils.errors import UsageError
 
 ADAM_DEFAULTS = {
@@ -89,26 +91,35 @@ class ModelEntry:
     base_model: str
     spec: LoraSpec
     queue: SeqQueue
-    model: TrainingModel | None = None
+    model: RankedModel | None = None
     build: asyncio.Task[None] | None = None
     created: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What `python -m slime.tinker` was started with (slime.tinker.cli)."""
+
+    bases: dict[str, str]
+    """--model: the served base models' checkpoint directories, by name."""
+    device: str = "cpu"
+    lora_alpha: int = 32
+    session_timeout_s: float = 600.0
+    store: str = "tinker_store"
+    check_precision: float | None = None
+    """--check-precision's tolerance (None: off)."""
+    train_ranks: int = 1
+    """--train-ranks: the FSDP ranks every training model is sharded over."""
+
+
 class Service:
-    def __init__(
-        self,
-        bases: dict[str, str],
-        device: str,
-        lora_alpha: int,
-        session_timeout_s: float,
-        store: str,
-        check_precision: float | None = None,
-    ):
-        self.bases, self.device, self.lora_alpha = bases, device, lora_alpha
-        self.check_precision = check_precision
-        self.session_timeout_s = session_timeout_s
-        self.store = Store(store)
-        self.samplers = Samplers(bases, device, self.store.logs)
+    def __init__(self, cfg: ServiceConfig):
+        self.bases, self.device, self.lora_alpha = cfg.bases, cfg.device, cfg.lora_alpha
+        self.check_precision = cfg.check_precision
+        self.session_timeout_s = cfg.session_timeout_s
+        self.store = Store(cfg.store)
+        self.samplers = Samplers(cfg.bases, cfg.device, self.store.logs)
+        self.ranks = RankGroup(cfg.train_ranks)
         self._tasks: set[asyncio.Task[None]] = set()
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
@@ -120,7 +131,9 @@ class Service:
         self.init_method = f"file://{rendezvous}"
 
     def close(self) -> None:
-        """The process group's rendezvous file goes (it exists once a model was built)."""
+        """The worker ranks stop; the process group's rendezvous file goes (it exists once a
+        model was built)."""
+        self.ranks.close()
         path = self.init_method.removeprefix("file://")
         if os.path.exists(path):
             os.unlink(path)
@@ -149,7 +162,9 @@ class Service:
         s.ended = why
         self.samplers.drop_session(s.session_id)
         for model_id in [m for m, e in self.models.items() if e.session_id == s.session_id]:
-            del self.models[model_id]
+            model = self.models.pop(model_id).model
+            if model is not None:  # (after the work queued before it; one still building closes itself)
+                self.executor.submit(model.close)
         self.futures.drop_session(s.session_id)
 
     def expire(self) -> None:
@@ -198,12 +213,22 @@ class Service:
     ) -> None:
         path = self.bases[entry.base_model]
 
-        def build() -> TrainingModel:
-            model = TrainingModel(
-                entry.base_model, path, entry.spec, alpha, self.device, self.init_method, self.check_precision
+        def build() -> RankedModel:
+            model = RankedModel(
+                self.ranks,
+                entry.model_id,
+                entry.base_model,
+                path,
+                entry.spec,
+                alpha,
+                self.device,
+                self.init_method,
+                self.check_precision,
             )
             if load is not None:
                 model.load(*load)
+            if entry.model_id not in self.models:  # its session ended while it was built
+                model.close()
             return model
 
         try:
@@ -238,7 +263,7 @@ class Service:
         }
 
     def submit(
-        self, model_id: Any, seq_id: Any, check: Callable[[], None], work: Callable[[TrainingModel], Outcome]
+        self, model_id: Any, seq_id: Any, check: Callable[[], None], work: Callable[[RankedModel], Outcome]
     ) -> dict[str, Any]:
         """Queue `work` as the model's request `seq_id` after `check` passed (a refused request
         still uses up its seq_id); its future's id."""
@@ -274,7 +299,7 @@ class Service:
                 raise TinkerUserError("forward_backward: no data (a list of Datum)")
             losses.check(request.loss_fn, [d.inputs for d in request.data], request.config)
 
-        def work(model: TrainingModel) -> Outcome:
+        def work(model: RankedModel) -> Outcome:
             model.check(request.data)
             outputs, metrics = model.forward_backward(
                 request.data, request.loss_fn, request.config, backward=not request.forward_only
@@ -299,7 +324,7 @@ class Service:
                 elif key != "type":
                     raise TinkerUserError(f"adam_params[{key!r}] = {value!r}: not a number of AdamParams")
 
-        def work(model: TrainingModel) -> Outcome:
+        def work(model: RankedModel) -> Outcome:
             return Outcome(json={"type": "optim_step", "metrics": model.optim_step(adam)})
 
         return self.submit(body.get("model_id"), body.get("seq_id"), check, work)
@@ -327,7 +352,7 @@ class Service:
                     entry.session_id, seq, entry.base_model, target.uri, target.directory
                 )
 
-        def work(model: TrainingModel) -> Outcome:
+        def work(model: RankedModel) -> Outcome:
             assert target is not None
             partial = self.store.partial(target, overwrite)
             model.save(partial, optimizer=not sampler)
@@ -371,7 +396,7 @@ class Service:
                     f"this model is {entry.base_model} with {asdict(entry.spec)}"
                 )
 
-        def work(model: TrainingModel) -> Outcome:
+        def work(model: RankedModel) -> Outcome:
             model.load(self.store.find(body.get("path")).directory, optimizer)
             return Outcome(json={"type": "load_weights", "path": body.get("path")})
 

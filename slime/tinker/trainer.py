@@ -13,8 +13,10 @@ Which layers get adapters (Tinker's LoraConfig): `train_attn` the attention's li
 experts too, per expert, slime.utils.peft_experts), `train_unembed` the LM head. The adapters'
 alpha is this server's `--lora-alpha` (scaling alpha / rank).
 
-All of a server's models run on one thread (slime.tinker.service), in one process group of one
-rank: this module's calls are never concurrent.
+All of a server's models run on one thread (slime.tinker.service) and, with `--train-ranks N`,
+on N FSDP ranks (slime.tinker.ranks): a TrainingModel is one rank's part, a RankedModel the
+model on all of them, which the service calls. Each rank takes every N-th datum of a request;
+the calls are never concurrent.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from slime.tinker import losses
 from slime.tinker.errors import TinkerUserError
+from slime.tinker.ranks import RankGroup
 from slime.tinker.wire import Datum
 
 
@@ -128,6 +131,8 @@ class TrainingModel:
         device: str,
         init_method: str,
         check_precision: float | None = None,
+        rank: int = 0,
+        world: int = 1,
     ):
         from slime.backends.fsdp.actor import FSDPBackend
         from slime.config.lora import LoRAConfig
@@ -144,9 +149,10 @@ class TrainingModel:
             device=device,
             seed=spec.seed if spec.seed is not None else 0,
             lora=lora,
-            batch=BatchConfig(global_batch_size=1, micro_batch_size=1),
+            batch=BatchConfig(global_batch_size=world, micro_batch_size=1),  # (unused: Tinker's own batches)
         )
-        self.backend = FSDPBackend(cfg, 0, 1, init_method)
+        self.backend = FSDPBackend(cfg, rank, world, init_method)
+        self.rank, self.world = rank, world
         self.backend.init()
         self.vocab_size = int(self.backend.hf_config.vocab_size)
         self.check_precision = check_precision
@@ -161,36 +167,52 @@ class TrainingModel:
         device = self.backend.device
         ids = torch.tensor([datum.tokens], dtype=torch.long, device=device)
         targets = torch.as_tensor(datum.inputs["target_tokens"], dtype=torch.long, device=device)
-        if bool((targets < 0).any()) or bool((targets >= self.vocab_size).any()):
-            raise TinkerUserError(f"target_tokens hold ids outside the vocabulary [0, {self.vocab_size})")
         logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
 
     def check(self, data: list[Datum]) -> None:
+        """What could fail in a request's data, before any rank starts on it (slime.tinker.ranks)."""
         for i, datum in enumerate(data):
             if max(datum.tokens) >= self.vocab_size or min(datum.tokens) < 0:
                 raise TinkerUserError(
                     f"datum {i}: model_input holds token ids outside [0, {self.vocab_size})"
                 )
+            targets = np.asarray(datum.inputs["target_tokens"])
+            if targets.size and (targets.min() < 0 or targets.max() >= self.vocab_size):
+                raise TinkerUserError(
+                    f"datum {i}: target_tokens hold ids outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def forward_backward(
         self, data: list[Datum], loss_fn: str, config: Mapping[str, float | str], backward: bool
-    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
-        """Per datum its target log-probs (and, with `backward`, the loss's gradient added in);
-        the metrics: `loss:sum`."""
+    ) -> tuple[list[tuple[int, dict[str, np.ndarray]]], float]:
+        """This rank's datums (every world-th, from its rank on): each one's target log-probs by
+        its index (and, with `backward`, the loss's gradient added in), and their loss sum.
+
+        Every rank runs as many passes as the rank with the most datums: one that has run out
+        repeats its first with the loss times 0 (FSDP's collectives need the same calls on all).
+        The ranks' gradients add up (slime's FSDP model sums them, slime.backends.fsdp), as
+        Tinker's loss is a sum over all the datums."""
+        mine = list(range(self.rank, len(data), self.world))
+        passes = -(-len(data) // self.world)
         outputs, total = [], 0.0
         with torch.set_grad_enabled(backward):
-            for datum in data:
+            for k in range(passes):
+                real = k < len(mine)
+                index = mine[k] if real else mine[0] if mine else 0
+                datum = data[index]
                 logp = self._target_log_probs(datum)
-                inputs = {k: torch.as_tensor(v, device=logp.device) for k, v in datum.inputs.items()}
-                inputs = {k: v.float() if k != "target_tokens" else v for k, v in inputs.items()}
+                inputs = {key: torch.as_tensor(v, device=logp.device) for key, v in datum.inputs.items()}
+                inputs = {key: v.float() if key != "target_tokens" else v for key, v in inputs.items()}
                 loss = losses.loss(loss_fn, logp, inputs, config)
                 if backward:
-                    loss.backward()
-                    self._keep_gap(logp.detach(), inputs.get("logprobs"))
-                total += float(loss.detach())
-                outputs.append({"logprobs": logp.detach().float().cpu().numpy()})
-        return outputs, {"loss:sum": total}
+                    (loss if real else loss * 0.0).backward()
+                    if real:
+                        self._keep_gap(logp.detach(), inputs.get("logprobs"))
+                if real:
+                    total += float(loss.detach())
+                    outputs.append((index, {"logprobs": logp.detach().float().cpu().numpy()}))
+        return outputs, total
 
     def _keep_gap(self, logp: torch.Tensor, sampled: torch.Tensor | None) -> None:
         """--check-precision: the largest |trainer - sampler| log-prob of the sampled tokens since
@@ -203,7 +225,7 @@ class TrainingModel:
             self.gap = gap if self.gap is None else max(self.gap, gap)
 
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
-        gap, self.gap = self.gap, None
+        gap, self.gap = self._gap_over_ranks(), None
         if (
             gap is not None
             and self.steps == 0
@@ -222,6 +244,16 @@ class TrainingModel:
         if gap is not None:
             metrics["sampler_logprob_abs_diff:max"] = gap
         return metrics
+
+    def _gap_over_ranks(self) -> float | None:
+        """The largest gap any rank saw (every rank then takes the gate's decision alike)."""
+        if self.world == 1 or self.check_precision is None:
+            return self.gap
+        import torch.distributed as dist
+
+        worst = torch.tensor(-1.0 if self.gap is None else self.gap, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return None if float(worst) < 0 else float(worst)
 
     def _step(self, adam: Mapping[str, float]) -> dict[str, float]:
         optimizer = self.backend.optimizer
@@ -247,8 +279,9 @@ class TrainingModel:
         actor's checkpoint (adapters and AdamW moments) in `directory`/state."""
         from slime.utils.peft_files import write_adapter_dir
 
-        named, config = self.backend.export_adapter()
-        write_adapter_dir(os.path.join(directory, "adapter"), config, dict(named))
+        named, config = self.backend.export_adapter()  # (every rank takes part)
+        if self.rank == 0:
+            write_adapter_dir(os.path.join(directory, "adapter"), config, dict(named))
         if optimizer:
             self.backend.save(0, os.path.join(directory, "state"))
 
@@ -267,7 +300,57 @@ class TrainingModel:
         tensors = lora.read_adapter(os.path.join(directory, "adapter"), self.model, self.backend.cfg.lora)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if name in tensors:  # (one rank: its shard is the whole tensor)
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    local.copy_(tensors[name].to(local.dtype))
+                if name not in tensors:
+                    continue
+                full = tensors[name].to(device=p.device, dtype=p.dtype)
+                if hasattr(p, "to_local"):  # this rank's shard, cut here from the file's whole tensor
+                    from torch.distributed.tensor import distribute_tensor
+
+                    p.to_local().copy_(
+                        distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                    )
+                else:
+                    p.copy_(full)
         self.backend.optimizer.state.clear()
+
+
+class RankedModel:
+    """A training client's model on every rank (slime.tinker.ranks): what the service calls.
+    Rank 0's TrainingModel checks requests and answers for the model; each call runs on all."""
+
+    def __init__(self, group: RankGroup, key: str, *args: Any):
+        """`args`: TrainingModel's, before its rank and world."""
+        self.group, self.key = group, key
+        self.local: TrainingModel = group.build(key, functools.partial(TrainingModel, *args))
+        self.base_model, self.spec, self.alpha = self.local.base_model, self.local.spec, self.local.alpha
+
+    def check(self, data: list[Datum]) -> None:
+        self.local.check(data)
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str, config: Mapping[str, float | str], backward: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per datum its target log-probs, in order; the metrics: `loss:sum` over all the datums."""
+        outputs: list[Any] = [None] * len(data)
+        total = 0.0
+        for share, loss in self.group.call(self.key, "forward_backward", data, loss_fn, config, backward):
+            for index, output in share:
+                outputs[index] = output
+            total += loss
+        return outputs, {"loss:sum": total}
+
+    def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
+        return self.group.call(self.key, "optim_step", adam)[0]
+
+    def save(self, directory: str, optimizer: bool) -> None:
+        self.group.call(self.key, "save", directory, optimizer)
+
+    def load(self, directory: str, optimizer: bool) -> None:
+        self.group.call(self.key, "load", directory, optimizer)
+
+    def meta(self) -> dict[str, Any]:
+        return self.local.meta()
+
+    def close(self) -> None:
+        """Its memory goes, on every rank."""
+        self.group.drop(self.key)
