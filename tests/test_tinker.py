@@ -584,3 +584,56 @@ def test_two_train_ranks_train_as_one(tiny_model, tmp_path):
         stop(proc)
     for a, b in zip(two["after"], loaded["after"]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def loaded_adapters(store: str) -> dict:
+    """The adapters the server's sampling engine holds (its answer to unloading none)."""
+    import glob
+    import re
+
+    import requests
+
+    (log,) = glob.glob(os.path.join(store, ".logs", "engine-*.log"))
+    with open(log) as f:
+        url = re.findall(r"ready at (http://\S+)", f.read())[-1]
+    answer = requests.post(url + "/unload_lora_adapter", json={"lora_name": "none-such"}, timeout=30)
+    return answer.json()["loaded_adapters"]
+
+
+def test_an_rl_loops_unnamed_samplers_do_not_pile_up(tiny_model, tmp_path):
+    """save_weights_and_get_sampling_client once per step, as the cookbook's RL loops call it:
+    the store keeps a model's last 8 unnamed weights and the engine its 8 most recently used
+    adapters; a superseded sampler is refused by name; the session's end takes the rest."""
+    from tinker import types
+
+    store = str(tmp_path / "store")
+    proc, url = start_server(tiny_model, store)
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        tc = trainer(service)
+        params = types.SamplingParams(max_tokens=2, seed=0)
+        prompt = types.ModelInput.from_ints([5, 9, 11])
+        samplers = []
+        for _ in range(10):
+            tc.forward_backward([datum(TOKENS[0], weights=weights(TOKENS[0]))], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            samplers.append(tc.save_weights_and_get_sampling_client())
+            samplers[-1].sample(prompt, 1, params).result()
+        run = tc.get_info().model_id
+        ephemeral = os.path.join(store, run, ".ephemeral")
+        assert sorted(os.listdir(ephemeral)) == sorted(f"sampler-{i}" for i in range(2, 10)), os.listdir(
+            ephemeral
+        )
+        assert len(loaded_adapters(store)) == 8
+        with pytest.raises(tinker.RequestFailedError, match="superseded by the model's newer ones"):
+            samplers[0].sample(prompt, 1, params).result()
+        samplers[5].sample(prompt, 1, params).result()  # a kept one, loaded again if it was unloaded
+        assert len(loaded_adapters(store)) == 8
+        assert service.create_rest_client().list_checkpoints(run).result().checkpoints == []  # none named
+        service.close("success").result()
+        # another session's training work runs after the ended session's clean-up (one thread)
+        other = tinker.ServiceClient(base_url=url, api_key=KEY)
+        trainer(other).forward([datum(TOKENS[0], weights=weights(TOKENS[0]))], "cross_entropy").result()
+        assert not os.path.exists(ephemeral) or os.listdir(ephemeral) == []
+    finally:
+        stop(proc)

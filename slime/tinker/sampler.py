@@ -19,7 +19,9 @@ The answer is the SDK's SampleResponse protobuf: per sample its tokens (int32), 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,9 @@ import numpy as np
 from slime.tinker import wire
 from slime.tinker.errors import TinkerNotFound, TinkerUserError
 from slime.tinker.trainer import base_config
+
+KEEP_LOADED = 8
+"""Adapters an engine keeps loaded (Samplers._load)."""
 
 
 @dataclass
@@ -108,7 +113,10 @@ class Samplers:
         self.sessions: dict[str, Sampler] = {}
         self._engines: dict[str, asyncio.Task[Any]] = {}
         self._adapters: dict[str, str] = {}  # adapter directory @ its files' version -> engine name
-        self._loaded: set[tuple[str, str]] = set()  # (base model, adapter name) in its engine
+        self._loaded: dict[tuple[str, str], str] = {}  # (base model, engine name) -> its key above,
+        # least recently used first
+        self._in_use: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._names = itertools.count()
         self._lock = asyncio.Lock()
 
     def engine(self, base: str) -> asyncio.Task[Any]:
@@ -169,41 +177,70 @@ class Samplers:
             adapter = None
             if sampler.checkpoint is not None:
                 adapter = await self._load(engine, sampler.base_model, sampler.checkpoint)
-            params = []
-            for i in range(request.num_samples):
-                p = dict(request.params)
-                if "seed" in p:
-                    p["seed"] = p["seed"] + i
-                params.append(p)
-            body: dict[str, Any] = {
-                "input_ids": [request.tokens] * request.num_samples,
-                "sampling_params": params,
-                "return_logprob": True,
-            }
-            if request.prompt_logprobs:
-                body["logprob_start_len"] = 0
-            if adapter is not None:
-                body["lora_path"] = adapter
-            answers = await engine.request("POST", "/generate", body)
+            try:
+                answers = await self._generate(engine, request, adapter)
+            finally:
+                if adapter is not None:
+                    self._in_use[(sampler.base_model, adapter)] -= 1
         return sample_response(answers, len(request.tokens) if request.prompt_logprobs else None)
+
+    @staticmethod
+    async def _generate(engine: Any, request: SampleRequest, adapter: str | None) -> Any:
+        """One /generate of num_samples copies of the prompt, sample i seeded seed + i."""
+        params = []
+        for i in range(request.num_samples):
+            p = dict(request.params)
+            if "seed" in p:
+                p["seed"] = p["seed"] + i
+            params.append(p)
+        body: dict[str, Any] = {
+            "input_ids": [request.tokens] * request.num_samples,
+            "sampling_params": params,
+            "return_logprob": True,
+        }
+        if request.prompt_logprobs:
+            body["logprob_start_len"] = 0
+        if adapter is not None:
+            body["lora_path"] = adapter
+        return await engine.request("POST", "/generate", body)
 
     def _context(self, base: str) -> int:
         return int(getattr(base_config(self.bases[base]), "max_position_embeddings", 4096))
 
     async def _load(self, engine: Any, base: str, checkpoint: str) -> str:
         """The checkpoint's adapter in the engine of `base` (loaded once per version of its files:
-        a checkpoint saved again under its name is loaded again); its name there."""
+        a checkpoint saved again under its name is loaded again), counted in use until the
+        caller's sample ends; its name there. An engine keeps its `KEEP_LOADED` most recently
+        used adapters: past that the least recently used one not in use is unloaded (it loads
+        again from its directory when a sampler asks for it)."""
         adapter = os.path.join(checkpoint, "adapter")
         try:
             stamp = os.stat(os.path.join(adapter, "adapter_model.safetensors")).st_mtime_ns
         except OSError:
-            raise TinkerNotFound(f"the checkpoint {checkpoint} is gone from the store") from None
+            raise TinkerNotFound(
+                f"the weights of this sampler ({checkpoint}) are gone from the store: deleted, or (from "
+                "save_weights_and_get_sampling_client) superseded by the model's newer ones, of which the "
+                "last 8 are kept"
+            ) from None
+        key = f"{adapter}@{stamp}"
         async with self._lock:
-            name = self._adapters.setdefault(f"{adapter}@{stamp}", f"ckpt-{len(self._adapters)}")
-            if (base, name) not in self._loaded:
+            name = self._adapters.get(key)
+            if name is None or (base, name) not in self._loaded:
+                name = f"ckpt-{next(self._names)}"
                 await engine.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": adapter})
-                self._loaded.add((base, name))
+                self._adapters[key] = name
+            self._loaded[(base, name)] = self._loaded.pop((base, name), key)  # the most recent now
+            self._in_use[(base, name)] += 1
+            await self._unload_beyond(engine, base)
         return name
+
+    async def _unload_beyond(self, engine: Any, base: str) -> None:
+        mine = [k for k in self._loaded if k[0] == base]  # least recently used first
+        for k in mine[: max(0, len(mine) - KEEP_LOADED)]:
+            if self._in_use[k] == 0:
+                await engine.request("POST", "/unload_lora_adapter", {"lora_name": k[1]})
+                self._adapters.pop(self._loaded.pop(k), None)
+                del self._in_use[k]
 
 
 def sample_response(answers: list[dict[str, Any]], prompt_length: int | None) -> bytes:

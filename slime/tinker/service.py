@@ -162,13 +162,16 @@ class Service:
         s.ended = why
         self.samplers.drop_session(s.session_id)
         for model_id in [m for m, e in self.models.items() if e.session_id == s.session_id]:
+            self.executor.submit(self.store.prune_ephemeral, model_id, 0)  # (after its queued saves)
             model = self.models.pop(model_id).model
             if model is not None:  # (after the work queued before it; one still building closes itself)
                 self.executor.submit(model.close)
         self.futures.drop_session(s.session_id)
 
     def expire(self) -> None:
-        """End the sessions past their heartbeat timeout (their models' memory goes)."""
+        """End the sessions past their heartbeat timeout (their models' memory goes); drop the
+        results fetched long enough ago (slime.tinker.futures)."""
+        self.futures.sweep()
         now = time.monotonic()
         for s in list(self.sessions.values()):
             if s.ended is None and now - s.heartbeat > self.session_timeout_s:
@@ -344,9 +347,11 @@ class Service:
         def check() -> None:
             nonlocal target, sampler_id
             seq = _seq(body.get("sampling_session_seq_id"), "sampling_session_seq_id") if unnamed else None
-            target = self.store.checkpoint(
-                entry.model_id, kind, f"sampler-{seq}" if unnamed else body.get("path")
-            )
+            if unnamed:
+                assert seq is not None
+                target = self.store.ephemeral(entry.model_id, seq)
+            else:
+                target = self.store.checkpoint(entry.model_id, kind, body.get("path"))
             if unnamed:  # (its engine loads the adapter at the first sample, after the save)
                 sampler_id = self.samplers.create(
                     entry.session_id, seq, entry.base_model, target.uri, target.directory
@@ -358,6 +363,7 @@ class Service:
             model.save(partial, optimizer=not sampler)
             self.store.commit(partial, target, {**model.meta(), "kind": kind})
             if sampler_id is not None:
+                self.store.prune_ephemeral(entry.model_id)
                 return Outcome(json={"type": "save_weights_for_sampler", "sampling_session_id": sampler_id})
             answer = "save_weights_for_sampler" if sampler else "save_weights"
             return Outcome(json={"type": answer, "path": target.uri})

@@ -6,6 +6,11 @@ A checkpoint directory holds `meta.json` (the base model's name, the LoRA config
 `adapter/` (a PEFT adapter directory: PeftModel.from_pretrained loads it on the base model) and,
 for a state saved with its optimizer, `state/` (the FSDP actor's checkpoint of the adapters and
 their AdamW moments). A directory is written under a temporary name and renamed when complete.
+
+The weights of save_weights_and_get_sampling_client are no checkpoint the client can name: they
+go to `<store>/<run>/.ephemeral/sampler-<seq>/`, which no `tinker://` path reaches and no listing
+shows. A run keeps its last `KEEP_EPHEMERAL` of them (an RL loop saves one per step) and loses
+them all when its session ends.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from slime.tinker.errors import TinkerNotFound, TinkerUserError
 
 PREFIX = "tinker://"
 KINDS = ("weights", "sampler_weights")
+EPHEMERAL = ".ephemeral"
+KEEP_EPHEMERAL = 8
+"""The unnamed sampler weights a run keeps (the newest)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,21 @@ class Store:
         if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
             raise TinkerUserError(f"checkpoint name {name!r}: give a non-empty name without '/'")
         return Checkpoint(run, kind, name, self._inside(run, kind, name))
+
+    def ephemeral(self, run: str, seq: int) -> Checkpoint:
+        """Where save_weights_and_get_sampling_client's weights of sampler `seq` go."""
+        name = f"sampler-{seq}"
+        return Checkpoint(run, "sampler_weights", name, self._inside(run, EPHEMERAL, name))
+
+    def prune_ephemeral(self, run: str, keep: int = KEEP_EPHEMERAL) -> None:
+        """All but the run's newest `keep` unnamed sampler weights go."""
+        folder = os.path.join(self.root, run, EPHEMERAL)
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        done = sorted(
+            (int(n.split("-")[1]), n) for n in names if n.startswith("sampler-") and n[8:].isdigit()
+        )
+        for _, name in done[:-keep] if keep else done:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
     def _inside(self, *parts: str) -> str:
         """The path of `parts` under the store, refused when it would leave it."""
