@@ -189,10 +189,12 @@ def test_a_custom_loss_trains_as_the_built_in_cross_entropy(service):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
 
 
-def post(url: str, path: str, body: dict, key: str = KEY) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url + path, json.dumps(body).encode(), {"Content-Type": "application/json", "X-API-Key": key}
-    )
+def post(url: str, path: str, body: dict, key: str = KEY, retry_of: str | None = None) -> tuple[int, dict]:
+    """A raw POST (`retry_of`: its X-Idempotency-Key, as the SDK sends with every try of a call)."""
+    headers = {"Content-Type": "application/json", "X-API-Key": key}
+    if retry_of is not None:
+        headers["X-Idempotency-Key"] = retry_of
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request) as answer:
             return answer.status, json.loads(answer.read())
@@ -637,3 +639,23 @@ def test_an_rl_loops_unnamed_samplers_do_not_pile_up(tiny_model, tmp_path):
         assert not os.path.exists(ephemeral) or os.listdir(ephemeral) == []
     finally:
         stop(proc)
+
+
+def test_a_retried_request_gets_its_first_answer_and_runs_once(service, server):
+    """The SDK retries a call after a network error with the same X-Idempotency-Key: the retry
+    gets the first try's answer (its request id, or its refusal), and the work runs once."""
+    from tinker import types
+
+    tc = trainer(service)
+    model_id = tc.get_info().model_id
+    tc.optim_step(types.AdamParams(learning_rate=0.0)).result()  # seq_id 1 (0: create)
+    body = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.0}}
+    first = post(server, "/api/v1/optim_step", body, retry_of="try-a")
+    again = post(server, "/api/v1/optim_step", body, retry_of="try-a")
+    assert first[0] == 200 and again == first
+    other = post(server, "/api/v1/optim_step", body, retry_of="try-b")  # another call, the same seq_id
+    assert other[0] == 400 and "seq_id 2 is out of order" in other[1]["detail"]
+    assert post(server, "/api/v1/optim_step", body, retry_of="try-b") == other
+    assert post(server, "/api/v1/optim_step", body, key="tml-wrong", retry_of="try-a")[0] == 401
+    done = post(server, "/api/v1/retrieve_future", {"request_id": first[1]["request_id"]})
+    assert done[0] == 200 and done[1]["type"] == "optim_step"

@@ -11,6 +11,7 @@ category "user" for bad input. A route this server does not build answers 400 na
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -34,16 +35,76 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"detail": message, "error": message}, status=status)
 
 
+REPLAYED = frozenset(
+    API + p
+    for p in (
+        "/create_session",
+        "/create_model",
+        "/forward",
+        "/forward_backward",
+        "/optim_step",
+        "/save_weights",
+        "/save_weights_for_sampler",
+        "/load_weights",
+        "/create_sampling_session",
+        "/asample",
+    )
+)
+"""The requests that start work or change state: a retry with the same X-Idempotency-Key gets the
+answer its first try got (Replies) instead of doing it twice (a second seq_id refused)."""
+
+
+class Replies:
+    """The answers of the REPLAYED requests, by (API key, X-Idempotency-Key): the SDK sends the
+    same key with every retry of one call. The last `size` are kept."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._answers: collections.OrderedDict[tuple[str, str], asyncio.Future[tuple[int, bytes, str]]] = (
+            collections.OrderedDict()
+        )
+
+    async def answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        idempotency = request.headers.get("X-Idempotency-Key")
+        if request.method != "POST" or request.path not in REPLAYED or not idempotency:
+            return await handler(request)
+        key = (request.headers.get("X-API-Key", ""), idempotency)
+        first = self._answers.get(key)
+        if first is not None:  # a retry: the first try's answer, once it has one
+            status, body, content_type = await asyncio.shield(first)
+            return web.Response(status=status, body=body, content_type=content_type)
+        pending: asyncio.Future[tuple[int, bytes, str]] = asyncio.get_running_loop().create_future()
+        self._answers[key] = pending
+        while len(self._answers) > self.size:
+            self._answers.popitem(last=False)
+        response: web.StreamResponse | None = None
+        try:
+            response = await handler(request)
+            return response
+        finally:
+            kept = response.body if isinstance(response, web.Response) else None
+            if isinstance(kept, bytes | bytearray) and response is not None:
+                pending.set_result((response.status, bytes(kept), response.content_type))
+            else:  # (no answer to keep: a retry does the work)
+                pending.cancel()
+                self._answers.pop(key, None)
+
+
 def make_app(service: Service, api_keys: tuple[str, ...] = ()) -> web.Application:
     """The aiohttp application; `api_keys`: the keys accepted (none given: any `tml-` key)."""
+    replies = Replies()
 
     @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         key = request.headers.get("X-API-Key", "")
         if not key.startswith("tml-") or (api_keys and key not in api_keys):
             return _error(
                 401, "invalid API key: give one of this server's keys (--api-key), which start with tml-"
             )
+        return await replies.answer(request, handler)
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except TinkerUserError as e:
@@ -54,7 +115,7 @@ def make_app(service: Service, api_keys: tuple[str, ...] = ()) -> web.Applicatio
             logger.exception("tinker request %s failed", request.path)
             return _error(400, f"the server failed on {request.path}: {type(e).__name__}: {e}")
 
-    app = web.Application(middlewares=[guard], client_max_size=1024**3)
+    app = web.Application(middlewares=[auth, errors], client_max_size=1024**3)
     _json_routes(app, service)
     _work_routes(app, service)
 
