@@ -659,3 +659,31 @@ def test_a_retried_request_gets_its_first_answer_and_runs_once(service, server):
     assert post(server, "/api/v1/optim_step", body, key="tml-wrong", retry_of="try-a")[0] == 401
     done = post(server, "/api/v1/retrieve_future", {"request_id": first[1]["request_id"]})
     assert done[0] == 200 and done[1]["type"] == "optim_step"
+
+
+def test_a_killed_server_leaves_no_sampling_engine_behind(tiny_model, tmp_path):
+    """SIGKILL gives the server no chance to stop its engines: each engine watches its parent's
+    pid (--parent-pid) and shuts itself down."""
+    import re
+    import select
+    import signal
+
+    from tinker import types
+
+    store = str(tmp_path / "store")
+    proc, url = start_server(tiny_model, store)
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        sampler = service.create_sampling_client(base_model="tiny")
+        sampler.sample(types.ModelInput.from_ints([5, 9]), 1, types.SamplingParams(max_tokens=1)).result()
+        with open(os.path.join(store, ".logs", "engine-0.log")) as f:
+            pid = int(re.findall(r"engine pid=(\d+)", f.read())[0])
+        engine = os.pidfd_open(pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    try:
+        readable, _, _ = select.select([engine], [], [], 120)  # its exit (the bound only guards a hang)
+        assert readable, f"the engine {pid} outlived its killed server"
+    finally:
+        os.close(engine)

@@ -125,6 +125,7 @@ class Samplers:
             from slime.engines.torch_engine.launcher import start_torch_engine
 
             args = ["--enable-lora", "--dtype", "float32", "--device", self.device, "--num-threads", "1"]
+            args += ["--parent-pid", str(os.getpid())]  # a SIGKILLed server leaves no engine behind
             log = os.path.join(self.log_dir, f"engine-{len(self._engines)}.log")
             start = asyncio.to_thread(start_torch_engine, self.bases[base], args, log)
             task = asyncio.get_running_loop().create_task(start)

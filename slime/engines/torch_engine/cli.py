@@ -70,6 +70,14 @@ def _server_flags(g: Any) -> None:
         "with 403); without it the route is refused",
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="shut down cleanly when process PID exits, however it ends (a server that starts engines "
+        "of its own passes its pid: a SIGKILL of it leaves no engine behind)",
+    )
 
 
 def _scheduling_flags(g: Any) -> None:
@@ -272,10 +280,51 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = _watch_parent(args.parent_pid, stop) if args.parent_pid else None
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     logger.info("shutting down")
     await runner.cleanup()
     engine.shutdown()
+
+
+def _watch_parent(pid: int, stop: asyncio.Event) -> asyncio.Task[None]:
+    """Set `stop` when process `pid` exits: its pidfd becomes readable (Linux), else a check
+    every second where pidfds are missing."""
+
+    async def watch() -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = None
+        except (AttributeError, OSError):  # no pidfd here: poll
+            while _alive(pid):
+                await asyncio.sleep(1.0)
+            fd = None
+        if fd is not None:
+            gone = asyncio.Event()
+            loop.add_reader(fd, gone.set)
+            try:
+                await gone.wait()
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        logger.info("the parent process %d exited", pid)
+        stop.set()
+
+    return asyncio.get_running_loop().create_task(watch())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
