@@ -687,3 +687,25 @@ def test_a_killed_server_leaves_no_sampling_engine_behind(tiny_model, tmp_path):
         assert readable, f"the engine {pid} outlived its killed server"
     finally:
         os.close(engine)
+
+
+def test_a_vision_language_base_trains_its_language_model_on_text(tiny_vlm, tmp_path):
+    """A Qwen3-VL base: the adapters go on its language model only (the vision tower's attention
+    and MLP are named like the language model's), and text data trains."""
+    from tinker import types
+
+    from slime.tinker.trainer import LoraSpec, base_config, lora_targets
+
+    modules, _ = lora_targets(base_config(tiny_vlm), LoraSpec(4))
+    assert "self_attn.q_proj" in modules and not {"attn.qkv", "attn.proj", "mlp.linear_fc1"} & set(modules)
+    proc, url = start_server(tiny_vlm, str(tmp_path / "store"))
+    try:
+        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            base_model="tiny", rank=4
+        )
+        data = [datum(TOKENS[0], weights=weights(TOKENS[0]))]
+        before = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < before
+    finally:
+        stop(proc)

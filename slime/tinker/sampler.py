@@ -206,7 +206,7 @@ class Samplers:
         return await engine.request("POST", "/generate", body)
 
     def _context(self, base: str) -> int:
-        return int(getattr(base_config(self.bases[base]), "max_position_embeddings", 4096))
+        return int(getattr(base_config(self.bases[base]).get_text_config(), "max_position_embeddings", 4096))
 
     async def _load(self, engine: Any, base: str, checkpoint: str) -> str:
         """The checkpoint's adapter in the engine of `base` (loaded once per version of its files:

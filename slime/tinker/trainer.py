@@ -77,9 +77,12 @@ def base_config(path: str) -> Any:
 def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(--target-modules, --target-parameters) of a LoraConfig on the model of `hf_config`: each
     linear layer named by its parent and its own name (`self_attn.q_proj`, `mlp.up_proj`, PEFT's
-    dotted-tail rule), the fused experts by theirs (`mlp.experts.gate_up_proj`)."""
+    dotted-tail rule), the fused experts by theirs (`mlp.experts.gate_up_proj`). A
+    vision-language model's vision tower gets none (its adapters are its language model's, as
+    the FSDP actor's LoRA has them)."""
     from torch import nn
 
+    from slime.backends.fsdp.lora import tower_linear
     from slime.utils.model_families import auto_model_class
 
     with torch.device("meta"):
@@ -89,8 +92,9 @@ def lora_targets(hf_config: Any, spec: LoraSpec) -> tuple[tuple[str, ...], tuple
     wanted = {"unembed": spec.train_unembed, "mlp": spec.train_mlp, "attn": spec.train_attn, None: False}
     modules: set[str] = set()
     parameters: set[str] = set()
+    tower = set(tower_linear(model))
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or name in tower:
             continue
         parts = name.split(".")
         kind = (
@@ -154,7 +158,7 @@ class TrainingModel:
         self.backend = FSDPBackend(cfg, rank, world, init_method)
         self.rank, self.world = rank, world
         self.backend.init()
-        self.vocab_size = int(self.backend.hf_config.vocab_size)
+        self.vocab_size = int(self.backend.hf_config.get_text_config().vocab_size)
         self.check_precision = check_precision
         self.gap: float | None = None
         self.steps = 0
