@@ -551,6 +551,7 @@ def run_ranks_client(url: str, data: list, state: str | None = None) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_two_train_ranks_train_as_one(tiny_model, tmp_path):
     """--train-ranks 2: each rank takes every other datum (of three: one rank runs a padding pass
     that counts for nothing), the gradients add up over the ranks. Log-probs, loss, gradient
@@ -602,6 +603,7 @@ def loaded_adapters(store: str) -> dict:
     return answer.json()["loaded_adapters"]
 
 
+@pytest.mark.slow
 def test_an_rl_loops_unnamed_samplers_do_not_pile_up(tiny_model, tmp_path):
     """save_weights_and_get_sampling_client once per step, as the cookbook's RL loops call it:
     the store keeps a model's last 8 unnamed weights and the engine its 8 most recently used
@@ -661,6 +663,7 @@ def test_a_retried_request_gets_its_first_answer_and_runs_once(service, server):
     assert done[0] == 200 and done[1]["type"] == "optim_step"
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_no_sampling_engine_behind(tiny_model, tmp_path):
     """SIGKILL gives the server no chance to stop its engines: each engine watches its parent's
     pid (--parent-pid) and shuts itself down."""
@@ -689,6 +692,7 @@ def test_a_killed_server_leaves_no_sampling_engine_behind(tiny_model, tmp_path):
         os.close(engine)
 
 
+@pytest.mark.slow
 def test_a_vision_language_base_trains_its_language_model_on_text(tiny_vlm, tmp_path):
     """A Qwen3-VL base: the adapters go on its language model only (the vision tower's attention
     and MLP are named like the language model's), and text data trains."""

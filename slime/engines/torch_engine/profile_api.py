@@ -167,9 +167,9 @@ class ProfileAPI:
         self.root = os.path.realpath(given) if given else None
 
     def register(self, router: web.UrlDispatcher) -> None:
-        for method in ("GET", "POST"):
-            router.add_route(method, "/start_profile", self.start_profile)
-            router.add_route(method, "/stop_profile", self.stop_profile)
+        # POST only: SGLang takes GET too, but a GET that writes files or fails is no GET
+        router.add_post("/start_profile", self.start_profile)
+        router.add_post("/stop_profile", self.stop_profile)
 
     async def start_profile(self, request: web.Request) -> web.Response:
         body = json_object(await read_json(request, required=False))
