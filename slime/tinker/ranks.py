@@ -6,9 +6,11 @@ Every call on a model runs on all ranks, in the order the training thread issues
 FSDP collectives inside (all-gathers in forward, reduce-scatters in backward, the gradient norm,
 a checkpoint) need each rank to make the same calls. So nothing a request carries may fail on
 one rank only: a request's data is checked on rank 0 before any rank starts
-(slime.tinker.trainer.TrainingModel.check), and what fails after that (a rank's process dying,
-out of memory) leaves the ranks out of step: the group is then broken, and every later
-training call is refused with the first failure's message until the server restarts.
+(slime.tinker.trainer.TrainingModel.check). A refusal every rank makes alike (a checkpoint
+without optimizer state, the precision gate on the gap the ranks agreed on) leaves them in
+step. A failure on some ranks only (a rank's process dying, out of memory on one GPU) does not:
+the group is then broken, and every later training call is refused with that failure's message
+until the server restarts.
 """
 
 from __future__ import annotations

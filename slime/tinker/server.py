@@ -71,7 +71,12 @@ class Replies:
         key = (request.headers.get("X-API-Key", ""), idempotency)
         first = self._answers.get(key)
         if first is not None:  # a retry: the first try's answer, once it has one
-            status, body, content_type = await asyncio.shield(first)
+            try:
+                status, body, content_type = await asyncio.shield(first)
+            except asyncio.CancelledError:
+                if not first.cancelled():  # (this request itself was cancelled)
+                    raise
+                return await handler(request)  # the first try kept no answer: this one does the work
             return web.Response(status=status, body=body, content_type=content_type)
         pending: asyncio.Future[tuple[int, bytes, str]] = asyncio.get_running_loop().create_future()
         self._answers[key] = pending
