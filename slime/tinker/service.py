@@ -17,6 +17,7 @@ their heartbeats, training clients' models, the order their requests run in, and
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 import time
@@ -34,6 +35,8 @@ from slime.tinker.sampler import SampleRequest, Samplers
 from slime.tinker.store import Store
 from slime.tinker.trainer import LoraSpec, RankedModel
 from slime.utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 ADAM_DEFAULTS = {
     "learning_rate": 1e-4,
@@ -54,6 +57,10 @@ class Session:
     """Why the session ended (then its requests are refused, naming it)."""
 
 
+GAP_S = 120.0
+"""How long a model's queue waits for a seq_id that never arrives (SeqQueue.skip_gap)."""
+
+
 class SeqQueue:
     """One model's requests in seq_id order (module docstring)."""
 
@@ -62,6 +69,27 @@ class SeqQueue:
         self.next = 1
         self.pending: dict[int, Callable[[], Awaitable[None]] | None] = {}
         self._task: asyncio.Task[None] | None = None
+        self._gap_since: float | None = None
+        """When requests were first seen waiting on a seq_id not yet sent."""
+
+    def skip_gap(self, now: float, gap_s: float = GAP_S) -> list[int]:
+        """Give up on the seq_ids that requests behind them have waited for longer than `gap_s`
+        (a client that took one and never sent it, its connection gone): the waiting requests
+        run, and the skipped seq_ids, should they come, are refused as out of order. Returns the
+        seq_ids given up on."""
+        if not self.pending or self.next in self.pending:
+            self._gap_since = None
+            return []
+        if self._gap_since is None:
+            self._gap_since = now
+        if now - self._gap_since <= gap_s:
+            return []
+        skipped = list(range(self.next, min(self.pending)))
+        self.next = min(self.pending)
+        self._gap_since = None
+        if self._task is None or self._task.done():  # (a drain mid-job goes on from the new next)
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return skipped
 
     def admit(self, seq_id: int) -> None:
         if not isinstance(seq_id, int) or seq_id < self.next or seq_id in self.pending:
@@ -170,9 +198,18 @@ class Service:
 
     def expire(self) -> None:
         """End the sessions past their heartbeat timeout (their models' memory goes); drop the
-        results fetched long enough ago (slime.tinker.futures)."""
+        results fetched long enough ago (slime.tinker.futures); give up on seq_ids never sent."""
         self.futures.sweep()
         now = time.monotonic()
+        for entry in self.models.values():
+            skipped = entry.queue.skip_gap(now)
+            if skipped:
+                logger.warning(
+                    "model %s: seq_ids %s never came in %g s; the requests after them run",
+                    entry.model_id,
+                    skipped,
+                    GAP_S,
+                )
         for s in list(self.sessions.values()):
             if s.ended is None and now - s.heartbeat > self.session_timeout_s:
                 self.end_session(s, f"expired: no heartbeat for {self.session_timeout_s:g} s")
