@@ -34,6 +34,7 @@ def run_device(rank, world_size, init_method, model, device):
         actor.sleep()
         out["left"] = gpu_memory.left_on_device()
         out["pageable"] = pageable_host_tensors(actor)
+        out["fused"] = actor.backend.optimizer.defaults.get("fused")
         actor.wake()
     out["second"] = actor.train(1, make_batch(1)).steps
     actor.close()
@@ -45,9 +46,10 @@ def pageable_host_tensors(actor) -> list[str]:
     pinned), and any gradient it kept."""
     from slime.backends.fsdp.model_init import local_tensor
 
-    bad = [n for n, p in actor.model.named_parameters() if not local_tensor(p).is_pinned()]
-    bad += [f"{n}.grad" for n, p in actor.model.named_parameters() if p.grad is not None]
-    for i, state in enumerate(actor.optimizer.state.values()):
+    backend = actor.backend
+    bad = [n for n, p in backend.model.named_parameters() if not local_tensor(p).is_pinned()]
+    bad += [f"{n}.grad" for n, p in backend.model.named_parameters() if p.grad is not None]
+    for i, state in enumerate(backend.optimizer.state.values()):
         bad += [f"state {i} {k}" for k, v in state.items() if v.dim() > 0 and not local_tensor(v).is_pinned()]
     return bad
 
@@ -63,11 +65,12 @@ def test_cuda_matches_cpu_and_sleep_releases_memory(tiny_model):
                 assert a[name] == pytest.approx(b[name], rel=1e-3, abs=1e-5), (step, name, a[name], b[name])
         assert gpu["first"][0]["ppo_kl"] == 0.0 and gpu["first"][0]["kl_loss"] == 0.0
 
-    def pinned() -> None:
+    def pinned_and_fused() -> None:
         assert gpu["pageable"] == [], gpu["pageable"]
+        assert gpu["fused"] is True  # AdamW's fused kernel on the DTensor shards
 
     run_checks(
         lambda: assert_released(gpu["left"], f"FSDP actor ({gpu['awake_bytes']:,} B allocated awake)"),
         same_numbers,
-        pinned,
+        pinned_and_fused,
     )

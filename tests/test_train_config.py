@@ -220,3 +220,20 @@ def test_stateless_adam_takes_a_fresh_adams_first_step_every_time():
         assert not opt.state  # nothing kept between steps
     with pytest.raises(ValueError, match="--use-stateless-adam"):
         OptimizerConfig(optimizer="sgd", use_stateless_adam=True)
+
+
+def test_adam_is_one_fused_kernel_where_every_parameter_is_on_a_gpu(monkeypatch):
+    """torch's fused AdamW on CUDA (one kernel per step, DTensor shards included); on the CPU
+    torch's default, so CPU runs compute exactly as before. (No GPU here: the parameters' device
+    is what decides, so an AdamW that records its arguments stands in.)"""
+    from types import SimpleNamespace
+
+    from slime.backends.optim import make_optimizer
+
+    made: list[dict] = []
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: made.append(kw) or SimpleNamespace())
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    make_optimizer([cuda, cuda], OptimizerConfig(lr=0.1))
+    make_optimizer([cuda, cpu], OptimizerConfig(lr=0.1))  # (--fsdp-cpu-offload keeps parameters on the CPU)
+    make_optimizer([cpu], OptimizerConfig(lr=0.1))
+    assert [kw.get("fused") for kw in made] == [True, None, None]

@@ -165,19 +165,26 @@ def freeze_parameters(model: torch.nn.Module, cfg: OptimizerConfig, strict: bool
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """--optimizer adam: AdamW (Megatron-LM's adam decouples the weight decay too); sgd: SGD with
+    """--optimizer adam: AdamW (Megatron-LM's adam decouples the weight decay too), one fused
+    kernel per step where every parameter is on a GPU (torch's `fused=True`, DTensor shards
+    included; the CPU keeps torch's default, so CPU runs compute as before); sgd: SGD with
     --sgd-momentum."""
+    params = list(params)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            list(params), lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay
-        )
-    adam = StatelessAdamW if cfg.use_stateless_adam else torch.optim.AdamW
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+    if cfg.use_stateless_adam:
+        adam: Any = StatelessAdamW
+        fused = {}
+    else:
+        adam = torch.optim.AdamW
+        fused = {"fused": True} if params and all(p.device.type == "cuda" for p in params) else {}
     return adam(
-        list(params),
+        params,
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
+        **fused,
     )
 
 
