@@ -221,6 +221,23 @@ def test_bad_input_is_named_and_leaves_other_clients_alone(service, server):
         tinker.BadRequestError, match="needs loss_fn_inputs target_tokens, logprobs, advantages"
     ):
         tc.forward(good, "ppo").result()
+    import numpy as np
+    from tinker.types.tensor_data import TensorData
+
+    wide = TensorData.from_numpy(np.ones((len(tokens) - 1, 2), dtype=np.float32))
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn_inputs\['weights'\] has shape \[5, 2\]"):
+        tc.forward([datum(tokens, weights=wide)], "cross_entropy").result()
+    nan = TensorData.from_numpy(np.array([1.0, np.nan, 2.0, 3.0, 4.0], dtype=np.float32))
+    with pytest.raises(tinker.BadRequestError, match=r"'target_tokens'\] must hold token ids"):
+        tc.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": nan, "weights": weights(tokens)[: len(tokens) - 1]},
+                )
+            ],
+            "cross_entropy",
+        ).result()
     with pytest.raises(
         tinker.RequestFailedError, match=r"target_tokens hold ids outside the vocabulary \[0, 101\)"
     ):

@@ -264,9 +264,9 @@ class TrainConfig:
     opd: OPDConfig = field(default_factory=OPDConfig)
     """On-policy distillation (slime.config.opd): the penalty, and with --opd-type megatron the teacher."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (slime.config.lora)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """--use-pytorch-profiler's windows (slime.config.profile)."""
-    """LoRA adapters instead of full fine-tuning (slime.config.lora)."""
     plugin_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
     """The parsed command line, for slime's loss hooks (`fn(args, ...)`); only with a hook given."""
 

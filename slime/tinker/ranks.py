@@ -10,7 +10,8 @@ one rank only: a request's data is checked on rank 0 before any rank starts
 without optimizer state, the precision gate on the gap the ranks agreed on) leaves them in
 step. A failure on some ranks only (a rank's process dying, out of memory on one GPU) does not:
 the group is then broken, and every later training call is refused with that failure's message
-until the server restarts.
+until the server restarts. A rank that fails inside a collective leaves the others waiting in it
+until the process group's timeout (10 minutes; on NCCL its watchdog may end the server).
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ class RankGroup:
     def _everywhere(self, command: tuple[Any, ...], here: Callable[[], Any]) -> list[Any]:
         if self.broken is not None:
             raise RanksBroken(self.broken)
-        for _, conn in self._workers:
-            conn.send(command)
+        for rank, (proc, conn) in enumerate(self._workers, start=1):
+            try:
+                conn.send(command)
+            except OSError:  # it died since the last call: the ranks sent to are in the call alone
+                proc.join(timeout=10)
+                self.broken = f"train rank {rank} exited (exit code {proc.exitcode})"
+                logger.error("%s", self.broken)
+                raise RanksBroken(self.broken) from None
         failures: list[BaseException] = []
         results: list[Any] = [None]
         try:

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ import numpy as np
 from slime.tinker import wire
 from slime.tinker.errors import TinkerNotFound, TinkerUserError
 from slime.tinker.trainer import base_config
+
+logger = logging.getLogger(__name__)
 
 KEEP_LOADED = 8
 """Adapters an engine keeps loaded (Samplers._load)."""
@@ -231,15 +234,19 @@ class Samplers:
                 await engine.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": adapter})
                 self._adapters[key] = name
             self._loaded[(base, name)] = self._loaded.pop((base, name), key)  # the most recent now
-            self._in_use[(base, name)] += 1
             await self._unload_beyond(engine, base)
+            self._in_use[(base, name)] += 1  # (last: a failed unload above leaves no count behind)
         return name
 
     async def _unload_beyond(self, engine: Any, base: str) -> None:
         mine = [k for k in self._loaded if k[0] == base]  # least recently used first
         for k in mine[: max(0, len(mine) - KEEP_LOADED)]:
             if self._in_use[k] == 0:
-                await engine.request("POST", "/unload_lora_adapter", {"lora_name": k[1]})
+                try:
+                    await engine.request("POST", "/unload_lora_adapter", {"lora_name": k[1]})
+                except Exception as e:  # kept loaded: the sample asked for goes on
+                    logger.warning("unloading adapter %s from the %s engine failed: %s", k[1], base, e)
+                    continue
                 self._adapters.pop(self._loaded.pop(k), None)
                 del self._in_use[k]
 

@@ -69,8 +69,8 @@ class SeqQueue:
         self.next = 1
         self.pending: dict[int, Callable[[], Awaitable[None]] | None] = {}
         self._task: asyncio.Task[None] | None = None
-        self._gap_since: float | None = None
-        """When requests were first seen waiting on a seq_id not yet sent."""
+        self._gap: tuple[int, float] | None = None
+        """(the seq_id waited for, when requests were first seen waiting on it)."""
 
     def skip_gap(self, now: float, gap_s: float = GAP_S) -> list[int]:
         """Give up on the seq_ids that requests behind them have waited for longer than `gap_s`
@@ -78,15 +78,15 @@ class SeqQueue:
         run, and the skipped seq_ids, should they come, are refused as out of order. Returns the
         seq_ids given up on."""
         if not self.pending or self.next in self.pending:
-            self._gap_since = None
+            self._gap = None
             return []
-        if self._gap_since is None:
-            self._gap_since = now
-        if now - self._gap_since <= gap_s:
+        if self._gap is None or self._gap[0] != self.next:  # a new gap: its own clock
+            self._gap = (self.next, now)
+        if now - self._gap[1] <= gap_s:
             return []
         skipped = list(range(self.next, min(self.pending)))
         self.next = min(self.pending)
-        self._gap_since = None
+        self._gap = None
         if self._task is None or self._task.done():  # (a drain mid-job goes on from the new next)
             self._task = asyncio.get_running_loop().create_task(self._drain())
         return skipped
@@ -267,8 +267,6 @@ class Service:
             )
             if load is not None:
                 model.load(*load)
-            if entry.model_id not in self.models:  # its session ended while it was built
-                model.close()
             return model
 
         try:
@@ -277,6 +275,8 @@ class Service:
             entry.queue.ready.set_exception(e)
             self.futures.resolve(request_id, _failure(e))
             return
+        if entry.model_id not in self.models:  # its session ended meanwhile (end_session saw none)
+            self.executor.submit(entry.model.close)
         entry.queue.ready.set_result(None)
         kind = "create_model" if load is None else "load_weights"
         self.futures.resolve(request_id, Outcome(json={"type": kind, "model_id": entry.model_id}))
@@ -390,8 +390,9 @@ class Service:
             else:
                 target = self.store.checkpoint(entry.model_id, kind, body.get("path"))
             if unnamed:  # (its engine loads the adapter at the first sample, after the save)
+                # (no model_path: these weights have no tinker:// path, slime.tinker.store)
                 sampler_id = self.samplers.create(
-                    entry.session_id, seq, entry.base_model, target.uri, target.directory
+                    entry.session_id, seq, entry.base_model, None, target.directory
                 )
 
         def work(model: RankedModel) -> Outcome:

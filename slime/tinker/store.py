@@ -82,7 +82,9 @@ class Store:
         done = sorted(
             (int(n.split("-")[1]), n) for n in names if n.startswith("sampler-") and n[8:].isdigit()
         )
-        for _, name in done[:-keep] if keep else done:
+        gone = [n for _, n in (done[:-keep] if keep else done)]
+        gone += [n for n in names if n.endswith(".partial") and not keep]  # (a save cut short)
+        for name in gone:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
     def _inside(self, *parts: str) -> str:

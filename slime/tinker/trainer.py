@@ -284,10 +284,11 @@ class TrainingModel:
         from slime.utils.peft_files import write_adapter_dir
 
         named, config = self.backend.export_adapter()  # (every rank takes part)
-        if self.rank == 0:
-            write_adapter_dir(os.path.join(directory, "adapter"), config, dict(named))
+        adapter = {n: t.detach().cpu().contiguous().clone() for n, t in named}  # (the save may touch them)
         if optimizer:
             self.backend.save(0, os.path.join(directory, "state"))
+        if self.rank == 0:  # after the collectives: a failed write leaves no rank waiting in one
+            write_adapter_dir(os.path.join(directory, "adapter"), config, adapter)
 
     def load(self, directory: str, optimizer: bool) -> None:
         """The adapters of a checkpoint (`save`); with `optimizer` its AdamW moments too, else the

@@ -95,11 +95,16 @@ def _datum(index: int, datum: Any) -> Datum:
         for name, t in datum.loss_fn_inputs.items()
     }
     for name, value in inputs.items():
-        if value.shape[:1] != (len(tokens),):
+        if value.shape != (len(tokens),):
             raise TinkerUserError(
                 f"datum {index}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}; it needs one value "
                 f"per input token ({len(tokens)})"
             )
+    targets = inputs.get("target_tokens")
+    if targets is not None and not (np.isfinite(targets).all() and (targets == np.round(targets)).all()):
+        raise TinkerUserError(
+            f"datum {index}: loss_fn_inputs['target_tokens'] must hold token ids (integers)"
+        )
     return Datum(tokens, inputs)
 
 

@@ -68,19 +68,32 @@ class EngineProfiler:
         activities(self.device_type, request.names)  # an unknown or impossible set: 400 now
         self.pending = request
         if request.start_step is None or step >= request.start_step:
-            self._open(step)
+            try:
+                self._open(step)
+            except BaseException:
+                self.pending = None
+                raise
 
     def before_step(self, step: int) -> None:
+        """A window whose start step has come opens (a failure to open is logged, the step runs)."""
         p = self.pending
         if p is not None and self.window is None and p.start_step is not None and step >= p.start_step:
-            self._open(step)
+            try:
+                self._open(step)
+            except Exception:
+                logger.exception("the profile window could not open; the profile is dropped")
+                self.pending = None
 
     def after_step(self, step: int) -> None:
-        """`step`: the engine's step count now (a decode round of several steps counts them all)."""
+        """`step`: the engine's step count now (a decode round of several steps counts them all).
+        A full window closes; a failure to write it is logged, never the step's."""
         p = self.pending
         window_full = p is not None and p.num_steps is not None and step - self.opened_at >= p.num_steps
         if self.window is not None and window_full:
-            self.end()
+            try:
+                self.end()
+            except Exception:
+                logger.exception("the profile window could not be written")
 
     def end(self) -> list[str]:
         """/stop_profile (or the last of num_steps): close the window, write its files."""
