@@ -38,7 +38,7 @@ def test_a_seq_id_never_sent_is_given_up_on_after_the_gap_time():
     """A client that took a seq_id and never sent it (its connection gone) would hold every later
     request of the model: after GAP_S they run, and the late one is refused as out of order."""
     from slime.tinker.errors import TinkerUserError
-    from slime.tinker.service import GAP_S, SeqQueue
+    from slime.tinker.order import GAP_S, SeqQueue
 
     async def run() -> list[int]:
         ran: list[int] = []
