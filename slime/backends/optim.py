@@ -172,19 +172,15 @@ def make_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torc
     params = list(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
-    if cfg.use_stateless_adam:
-        adam: Any = StatelessAdamW
-        fused = {}
-    else:
-        adam = torch.optim.AdamW
-        fused = {"fused": True} if params and all(p.device.type == "cuda" for p in params) else {}
+    adam = StatelessAdamW if cfg.use_stateless_adam else torch.optim.AdamW
+    on_gpu = adam is torch.optim.AdamW and params and all(p.device.type == "cuda" for p in params)
     return adam(
         params,
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        **fused,
+        **({"fused": True} if on_gpu else {}),
     )
 
 

@@ -28,6 +28,10 @@ class ProtocolError(Exception):
         self.status = status
 
 
+PROFILE_DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"
+"""SGLang's variable for where its profiles go; the torch engine's /start_profile writes only
+under the directory it names (slime.engines.torch_engine.profile_api)."""
+
 API_KEY_ENV = "SLIME_ENGINE_API_KEY"
 """The environment variable a torch engine reads its API key from: unlike a command-line flag
 (/proc/<pid>/cmdline is world-readable), a process's environment is readable only by its user."""

@@ -17,7 +17,7 @@ from slime.bridge.topology import DiskSettings, PushTopology, build_topology
 from slime.config.arguments import Config, describe
 from slime.config.lora import engine_launch_args
 from slime.engines.client import ClientConfig
-from slime.engines.protocol import API_KEY_ENV, new_api_key
+from slime.engines.protocol import API_KEY_ENV, PROFILE_DIR_ENV, new_api_key
 from slime.ray.actors import (
     EngineActor,
     SGLangEngineActor,
@@ -97,8 +97,8 @@ class Job:
         self.env_vars = {ENV: "1"} if config.debug.trace_dir is not None else {}
         self.api_key = engine_api_key(bool(c.external_engine_addrs), engines_leave_loopback())
         # SGLang's (and the torch engine's) profile directory: /start_profile writes under it only
-        profile_dir = os.environ.get("SGLANG_TORCH_PROFILER_DIR")
-        self.engine_env = {"SGLANG_TORCH_PROFILER_DIR": os.path.abspath(profile_dir)} if profile_dir else {}
+        profile_dir = os.environ.get(PROFILE_DIR_ENV)
+        self.engine_env = {PROFILE_DIR_ENV: os.path.abspath(profile_dir)} if profile_dir else {}
         self.dump_dir = (
             os.path.abspath(config.debug.sync_parameters_path) if config.debug.sync_parameters_path else None
         )

@@ -14,14 +14,14 @@ share of the window, so a slow step names its kernels without a trace viewer.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from slime.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,14 @@ class ProfileWindow:
         Returns the two paths."""
         self.profile.stop()
         seconds = time.perf_counter() - self.started
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(folder, exist_ok=True)
         trace, table = prefix + trace_suffix, f"{prefix}.txt"
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(prefix))) as tmp:
-            raw = os.path.join(tmp, "trace.json")
-            self.profile.export_chrome_trace(raw)
-            with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.replace(raw + ".gz", trace)
-        _write_atomic(table, self.table(seconds))
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            partial = os.path.join(tmp, "trace.json.gz")  # (torch gzips a .gz name itself)
+            self.profile.export_chrome_trace(partial)
+            os.replace(partial, trace)
+        atomic_write_text(table, self.table(seconds))
         logger.info("profile of %.2f s written: %s (table: %s)", seconds, trace, table)
         return [trace, table]
 
@@ -100,10 +99,3 @@ class ProfileWindow:
         whose = "the device" if on_device else "the host"
         head = f"{seconds:.3f} s profiled; most expensive first by {whose}'s own time ({sort_by})\n"
         return head + events.table(sort_by=sort_by, row_limit=ROWS, max_name_column_width=60) + "\n"
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -30,13 +30,11 @@ from typing import Any
 
 from aiohttp import web
 
-from slime.engines.protocol import ProtocolError
+from slime.engines.protocol import PROFILE_DIR_ENV, ProtocolError
 from slime.engines.torch_engine.http_util import json_object, read_json
 from slime.utils.profiling import ProfileWindow, activities
 
 logger = logging.getLogger(__name__)
-
-ROOT_ENV = "SGLANG_TORCH_PROFILER_DIR"
 
 
 @dataclass
@@ -134,8 +132,8 @@ def profile_request(body: dict[str, Any], root: str | None) -> ProfileRequest:
     directory the files must go under (None: profiles are off, 403)."""
     if root is None:
         raise ProtocolError(
-            f"profiles are off: this engine was started without {ROOT_ENV}; start it with "
-            f"{ROOT_ENV}=DIR in its environment to allow /start_profile under DIR",
+            f"profiles are off: this engine was started without {PROFILE_DIR_ENV}; start it with "
+            f"{PROFILE_DIR_ENV}=DIR in its environment to allow /start_profile under DIR",
             403,
         )
     for name in ("profile_by_stage", "profile_stages"):
@@ -158,7 +156,7 @@ def profile_request(body: dict[str, Any], root: str | None) -> ProfileRequest:
     if os.path.commonpath([root, target]) != root:
         raise ProtocolError(
             f"'output_dir' {out!r} resolves to {target!r}, outside the directory this engine may write "
-            f"profiles into, {root!r} ({ROOT_ENV}): refused",
+            f"profiles into, {root!r} ({PROFILE_DIR_ENV}): refused",
             403,
         )
     name = f"{prefix}-" if prefix else ""
@@ -175,7 +173,7 @@ def profile_request(body: dict[str, Any], root: str | None) -> ProfileRequest:
 class ProfileAPI:
     def __init__(self, engine: Any):
         self.engine = engine
-        given = os.environ.get(ROOT_ENV)
+        given = os.environ.get(PROFILE_DIR_ENV)
         # Resolved once, at start-up: a symlink swapped in for the directory later changes nothing.
         self.root = os.path.realpath(given) if given else None
 
