@@ -343,9 +343,8 @@ class Service:
 
         def work(model: RankedModel) -> Outcome:
             assert target is not None
-            partial = self.store.partial(target, overwrite)
-            model.save(partial, optimizer=not sampler)
-            self.store.commit(partial, target, {**model.meta(), "kind": kind})
+            with self.store.written(target, overwrite, {**model.meta(), "kind": kind}) as directory:
+                model.save(directory, optimizer=not sampler)
             if sampler_id is not None:
                 self.store.prune_ephemeral(entry.model_id)
                 return Outcome(json={"type": "save_weights_for_sampler", "sampling_session_id": sampler_id})

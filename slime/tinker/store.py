@@ -15,13 +15,16 @@ them all when its session ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from slime.tinker.errors import TinkerNotFound, TinkerUserError
+from slime.utils.files import staged_directory
 
 PREFIX = "tinker://"
 KINDS = ("weights", "sampler_weights")
@@ -83,7 +86,7 @@ class Store:
             (int(n.split("-")[1]), n) for n in names if n.startswith("sampler-") and n[8:].isdigit()
         )
         gone = [n for _, n in (done[:-keep] if keep else done)]
-        gone += [n for n in names if n.endswith(".partial") and not keep]  # (a save cut short)
+        gone += [n for n in names if n.startswith(".") and not keep]  # (a save's staging, cut short)
         for name in gone:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
@@ -107,22 +110,17 @@ class Store:
         return found
 
     @staticmethod
-    def partial(target: Checkpoint, overwrite: bool) -> str:
-        """A fresh temporary directory beside `target` (refused when it exists and not `overwrite`)."""
+    @contextlib.contextmanager
+    def written(target: Checkpoint, overwrite: bool, meta: dict[str, Any]) -> Iterator[str]:
+        """A directory to save `target` into, with `meta` as its meta.json, which becomes `target`
+        whole when the block ends (slime.utils.files.staged_directory: a hidden staging directory
+        beside it). Refused when `target` exists and not `overwrite`."""
         if os.path.exists(target.directory) and not overwrite:
             raise TinkerUserError(f"{target.uri} exists already: save under another name, or with overwrite")
-        partial = target.directory + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        return partial
-
-    @staticmethod
-    def commit(partial: str, target: Checkpoint, meta: dict[str, Any]) -> None:
-        with open(os.path.join(partial, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-        if os.path.exists(target.directory):
-            shutil.rmtree(target.directory)
-        os.replace(partial, target.directory)
+        with staged_directory(target.directory) as staging:
+            yield staging
+            with open(os.path.join(staging, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
 
     def runs(self) -> list[str]:
         """The runs with a checkpoint on disk."""
@@ -139,8 +137,6 @@ class Store:
             folder = os.path.join(self.root, run, kind)
             for name in os.listdir(folder) if os.path.isdir(folder) else []:
                 found = Checkpoint(run, kind, name, os.path.join(folder, name))
-                if not name.endswith(".partial") and os.path.isfile(
-                    os.path.join(found.directory, "meta.json")
-                ):
+                if not name.startswith(".") and os.path.isfile(os.path.join(found.directory, "meta.json")):
                     out.append(found)
         return sorted(out, key=lambda c: c.mtime)
