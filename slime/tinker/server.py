@@ -167,7 +167,7 @@ def _json_routes(app: web.Application, service: Service) -> None:
     route(
         "GET",
         "/get_server_capabilities",
-        lambda b: {"supported_models": [{"model_name": n, "trainable": True} for n in service.bases]},
+        lambda b: {"supported_models": [{"model_name": n, "trainable": True} for n in service.cfg.bases]},
     )
 
     async def finish(request: web.Request) -> web.StreamResponse:
@@ -237,7 +237,7 @@ def _reaper(service: Service) -> Callable[[web.Application], AsyncIterator[None]
     async def reaper(app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
-                await asyncio.sleep(min(30.0, service.session_timeout_s))
+                await asyncio.sleep(min(30.0, service.cfg.session_timeout_s))
                 service.expire()
 
         task = asyncio.get_running_loop().create_task(loop())

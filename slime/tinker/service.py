@@ -88,9 +88,7 @@ class ServiceConfig:
 
 class Service:
     def __init__(self, cfg: ServiceConfig):
-        self.bases, self.device, self.lora_alpha = cfg.bases, cfg.device, cfg.lora_alpha
-        self.check_precision = cfg.check_precision
-        self.session_timeout_s = cfg.session_timeout_s
+        self.cfg = cfg
         self.store = Store(cfg.store)
         self.samplers = Samplers(cfg.bases, cfg.device, self.store.logs)
         self.ranks = RankGroup(cfg.train_ranks)
@@ -122,8 +120,7 @@ class Service:
         s = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if s is None:
             raise TinkerNotFound(f"unknown session_id {session_id!r}")
-        if s.ended is None and time.monotonic() - s.heartbeat > self.session_timeout_s:
-            self.end_session(s, f"expired: no heartbeat for {self.session_timeout_s:g} s")
+        self._expire(s, time.monotonic())
         if s.ended is not None:
             raise TinkerGone(f"session {session_id} {s.ended}; create a new ServiceClient")
         return s
@@ -157,15 +154,25 @@ class Service:
                     GAP_S,
                 )
         for s in list(self.sessions.values()):
-            if s.ended is None and now - s.heartbeat > self.session_timeout_s:
-                self.end_session(s, f"expired: no heartbeat for {self.session_timeout_s:g} s")
+            self._expire(s, now)
+
+    def _expire(self, s: Session, now: float) -> None:
+        """End `s` if its last heartbeat is older than the timeout."""
+        if s.ended is None and now - s.heartbeat > self.cfg.session_timeout_s:
+            self.end_session(s, f"expired: no heartbeat for {self.cfg.session_timeout_s:g} s")
+
+    def _served(self, base: Any) -> str:
+        """`base`, a served base model's name; refused by name otherwise."""
+        if base not in self.cfg.bases:
+            raise TinkerUserError(
+                f"base_model {base!r} is not served here; served: {', '.join(self.cfg.bases)}"
+            )
+        return str(base)
 
     # ---- training models --------------------------------------------------------------------
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         s = self.session(body.get("session_id"))
-        base = body.get("base_model")
-        if base not in self.bases:
-            raise TinkerUserError(f"base_model {base!r} is not served here; served: {', '.join(self.bases)}")
+        base = self._served(body.get("base_model"))
         if body.get("lora_config") is None:
             raise TinkerUserError(
                 "create_model without lora_config (full fine-tuning) is not built on this server"
@@ -191,13 +198,13 @@ class Service:
         entry = ModelEntry(model_id, s.session_id, base, spec, SeqQueue(loop.create_future()))
         self.models[model_id] = entry
         request_id = self.futures.create(s.session_id)
-        entry.build = loop.create_task(self._build(entry, request_id, load, alpha or self.lora_alpha))
+        entry.build = loop.create_task(self._build(entry, request_id, load, alpha or self.cfg.lora_alpha))
         return {"request_id": request_id, "model_id": model_id}
 
     async def _build(
         self, entry: ModelEntry, request_id: str, load: tuple[str, bool] | None, alpha: int
     ) -> None:
-        path = self.bases[entry.base_model]
+        path = self.cfg.bases[entry.base_model]
 
         def build() -> RankedModel:
             model = RankedModel(
@@ -207,9 +214,9 @@ class Service:
                 path,
                 entry.spec,
                 alpha,
-                self.device,
+                self.cfg.device,
                 self.init_method,
-                self.check_precision,
+                self.cfg.check_precision,
             )
             if load is not None:
                 model.load(*load)
@@ -242,7 +249,7 @@ class Service:
         return {
             "type": "get_info",
             "model_id": entry.model_id,
-            "model_data": {"model_name": entry.base_model, "tokenizer_id": self.bases[entry.base_model]},
+            "model_data": {"model_name": entry.base_model, "tokenizer_id": self.cfg.bases[entry.base_model]},
             "is_lora": True,
             "lora_rank": entry.spec.rank,
             "model_name": entry.base_model,
@@ -362,7 +369,7 @@ class Service:
             found = self.store.find(body.get("path"))
             meta = found.meta()
             base = body.get("base_model") or meta["base_model"]
-            if base not in self.bases:
+            if base not in self.cfg.bases:
                 raise TinkerUserError(
                     f"{found.uri} was trained on {base!r}, which this server does not serve"
                 )
@@ -399,17 +406,13 @@ class Service:
         if body.get("model_path") is not None:
             found = self.store.find(body["model_path"])
             base = found.meta()["base_model"]
-            if base not in self.bases:
+            if base not in self.cfg.bases:
                 raise TinkerUserError(
                     f"{found.uri} was trained on {base!r}, which this server does not serve"
                 )
             sampler_id = self.samplers.create(s.session_id, seq, base, found.uri, found.directory)
         else:
-            base = body.get("base_model")
-            if base not in self.bases:
-                raise TinkerUserError(
-                    f"base_model {base!r} is not served here; served: {', '.join(self.bases)}"
-                )
+            base = self._served(body.get("base_model"))
             sampler_id = self.samplers.create(s.session_id, seq, base, None, None)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
