@@ -115,10 +115,10 @@ class Samplers:
         self.bases, self.device, self.log_dir = bases, device, log_dir
         self.sessions: dict[str, Sampler] = {}
         self._engines: dict[str, asyncio.Task[Any]] = {}
-        self._adapters: dict[str, str] = {}  # adapter directory @ its files' version -> engine name
-        self._loaded: dict[tuple[str, str], str] = {}  # (base model, engine name) -> its key above,
-        # least recently used first
-        self._in_use: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._loaded: dict[tuple[str, str], str] = {}
+        """(base model, adapter directory @ its files' version) -> its name in that base's engine,
+        least recently used first."""
+        self._in_use: collections.Counter[str] = collections.Counter()  # by engine name
         self._names = itertools.count()
         self._lock = asyncio.Lock()
 
@@ -185,7 +185,7 @@ class Samplers:
                 answers = await self._generate(engine, request, adapter)
             finally:
                 if adapter is not None:
-                    self._in_use[(sampler.base_model, adapter)] -= 1
+                    self._in_use[adapter] -= 1
         return sample_response(answers, len(request.tokens) if request.prompt_logprobs else None)
 
     @staticmethod
@@ -226,29 +226,29 @@ class Samplers:
                 "save_weights_and_get_sampling_client) superseded by the model's newer ones, of which the "
                 "last 8 are kept"
             ) from None
-        key = f"{adapter}@{stamp}"
+        key = (base, f"{adapter}@{stamp}")
         async with self._lock:
-            name = self._adapters.get(key)
-            if name is None or (base, name) not in self._loaded:
+            name = self._loaded.pop(key, None)
+            if name is None:
                 name = f"ckpt-{next(self._names)}"
                 await engine.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": adapter})
-                self._adapters[key] = name
-            self._loaded[(base, name)] = self._loaded.pop((base, name), key)  # the most recent now
+            self._loaded[key] = name  # the most recent now
             await self._unload_beyond(engine, base)
-            self._in_use[(base, name)] += 1  # (last: a failed unload above leaves no count behind)
+            self._in_use[name] += 1  # (last: a failed unload above leaves no count behind)
         return name
 
     async def _unload_beyond(self, engine: Any, base: str) -> None:
         mine = [k for k in self._loaded if k[0] == base]  # least recently used first
         for k in mine[: max(0, len(mine) - KEEP_LOADED)]:
-            if self._in_use[k] == 0:
+            name = self._loaded[k]
+            if self._in_use[name] == 0:
                 try:
-                    await engine.request("POST", "/unload_lora_adapter", {"lora_name": k[1]})
+                    await engine.request("POST", "/unload_lora_adapter", {"lora_name": name})
                 except Exception as e:  # kept loaded: the sample asked for goes on
-                    logger.warning("unloading adapter %s from the %s engine failed: %s", k[1], base, e)
+                    logger.warning("unloading adapter %s from the %s engine failed: %s", name, base, e)
                     continue
-                self._adapters.pop(self._loaded.pop(k), None)
-                del self._in_use[k]
+                del self._loaded[k]
+                self._in_use.pop(name, None)
 
 
 def sample_response(answers: list[dict[str, Any]], prompt_length: int | None) -> bytes:

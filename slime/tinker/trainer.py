@@ -194,7 +194,8 @@ class TrainingModel:
         its index (and, with `backward`, the loss's gradient added in), and their loss sum.
 
         Every rank runs as many passes as the rank with the most datums: one that has run out
-        repeats its first with the loss times 0 (FSDP's collectives need the same calls on all).
+        runs the request's first datum with the loss times 0 (FSDP's collectives need the same
+        calls on all).
         The ranks' gradients add up (slime's FSDP model sums them, slime.backends.fsdp), as
         Tinker's loss is a sum over all the datums."""
         mine = list(range(self.rank, len(data), self.world))
@@ -203,7 +204,7 @@ class TrainingModel:
         with torch.set_grad_enabled(backward):
             for k in range(passes):
                 real = k < len(mine)
-                index = mine[k] if real else mine[0] if mine else 0
+                index = mine[k] if real else 0  # (a padding pass: any datum, its loss times 0)
                 datum = data[index]
                 logp = self._target_log_probs(datum)
                 inputs = {key: torch.as_tensor(v, device=logp.device) for key, v in datum.inputs.items()}
