@@ -98,18 +98,24 @@ def test_the_supervised_then_the_rl_recipe_run_unchanged_and_learn(tiny_model, t
             "env=arithmetic",
             f"load_checkpoint_path={state}",
             "group_size=8",
-            "groups_per_batch=16",
-            "learning_rate=1e-4",
+            "groups_per_batch=32",
+            "learning_rate=2e-4",
             "max_tokens=12",
             "loss_fn=importance_sampling",
-            "max_steps=12",
+            "max_steps=16",
             "eval_every=0",
             "save_every=0",
         )
     finally:
         stop(proc)
     rewards = [r["env/all/reward/total"] for r in rl if "env/all/reward/total" in r]
-    assert len(rewards) == 12
-    # 128 samples a step: a step's mean reward varies by about 0.004 from sampling alone, and a
-    # step's by more (observed: the second half 0.012 above the first three steps, in two runs)
-    assert statistics.mean(rewards[6:]) > statistics.mean(rewards[:3]) + 0.005, rewards
+    formats = [r["env/all/format"] for r in rl if "env/all/format" in r]
+    assert len(rewards) == len(formats) == 16
+    # The tiny model hardly ever adds correctly: what it learns is the reward's format part (the
+    # answer ends with the renderer's stop sequence within 12 tokens), from about 25% of the
+    # samples to about 45%. In three runs here the last six steps' mean was 0.15-0.21 above the
+    # first three's, and the mean reward's 0.014-0.020. One step's 256 samples measure the share
+    # within about 0.03, and a rare correct sum moves the mean reward by 0.004: the margins below
+    # sit several such spreads under what was seen, and the reward as a whole must rise too.
+    assert statistics.mean(formats[-6:]) > statistics.mean(formats[:3]) + 0.05, formats
+    assert statistics.mean(rewards[-6:]) > statistics.mean(rewards[:3]) + 0.004, rewards
