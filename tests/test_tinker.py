@@ -168,6 +168,40 @@ def test_gradients_accumulate_until_optim_step_with_its_own_adam_parameters(serv
     assert after[0].metrics["loss:sum"] < before
 
 
+def test_a_forward_between_calls_leaves_the_step_and_a_loaded_state_alone(service):
+    """The LM head's adapter (train_unembed, the SDK's default) lives in FSDP's root module, which
+    a forward without gradients would leave gathered: a forward between forward_backward and
+    optim_step must not hide the head's gradients from the step's norm, nor one before load_state
+    keep the head's old weights under the loaded ones once a backward pass has run."""
+    from tinker import types
+
+    tokens = TOKENS[0]
+    data = [datum(tokens, weights=weights(tokens))]
+    adam = types.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+    plain, probed = (service.create_lora_training_client(base_model="tiny", rank=4, seed=5) for _ in range(2))
+    norms = []
+    for client, probe in ((plain, False), (probed, True)):
+        client.forward_backward(data, "cross_entropy").result()
+        if probe:
+            client.forward(data, "cross_entropy").result()
+        norms.append(client.optim_step(adam).result().metrics["grad_norm:mean"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+    path = plain.save_state("before-probe").result().path
+    probed.forward_backward(data, "cross_entropy").result()
+    probed.optim_step(adam).result()
+    probed.forward(data, "cross_entropy").result()
+    probed.load_state(path).result()
+    probed.forward_backward(data, "cross_entropy").result()  # its backward pass reshards the model
+    probed.optim_step(types.AdamParams(learning_rate=0.0)).result()
+    torch.testing.assert_close(
+        log_probs(probed.forward(data, "cross_entropy").result()),
+        log_probs(plain.forward(data, "cross_entropy").result()),
+        rtol=0,
+        atol=1e-6,
+    )
+
+
 def test_a_custom_loss_trains_as_the_built_in_cross_entropy(service):
     from tinker import types
 

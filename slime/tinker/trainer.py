@@ -217,6 +217,10 @@ class TrainingModel:
                 if real:
                     total += float(loss.detach())
                     outputs.append((index, {"logprobs": logp.detach().float().cpu().numpy()}))
+        if not backward:  # FSDP's root stays gathered after a forward alone, its shards out of use
+            from slime.backends.fsdp.model_init import reshard
+
+            reshard(self.model)
         return outputs, total
 
     def _keep_gap(self, logp: torch.Tensor, sampled: torch.Tensor | None) -> None:
