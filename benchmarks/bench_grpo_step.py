@@ -17,7 +17,9 @@ Per phase, the median over the steps after the first (the first warms kernels an
 - rollout: generated tokens/s and its share of the memory roofline: an ideal engine's time, each
   decode step reading the weights once plus every live sequence's K/V (its prompt and the tokens
   so far), all sequences starting together, at the device's bandwidth (a table of known GPUs,
-  --bandwidth-gbs to override);
+  --bandwidth-gbs to override); the engines' busy share of the step, and on CUDA their seconds
+  capturing decode graphs (again every step: the memory release drops them) and the share of
+  forward steps replayed from one (slime's perf/engine_* metrics);
 - the log-prob pass and the train step: tokens/s and TFLOPS as the trainer reports them (slime's
   perf/* metrics: 6N FLOPs per trained token plus attention), MFU against the device's dense bf16
   peak (--peak-tflops to override; left out on CPU);
@@ -344,6 +346,9 @@ METRICS = (
     "perf/wake_up_time",
     "perf/rollout_offload_time",
     "perf/rollout_onload_time",
+    "perf/engine_cuda_graph_capture_time",
+    "perf/engine_cuda_graph_replay_share",
+    "time/engine_busy_share",
 )
 
 
@@ -435,6 +440,12 @@ def phase_rows(m: dict, first: list[dict]) -> list[tuple[str, str, str]]:
     return [
         ("rollout", _f(m["time/generate"]), f"{m['rollout_tps']:,.0f} tok/s{share}"),
         ("  HF generate, same prompts", "", f"{m['hf_tps']:,.0f} tok/s"),
+        ("  engines busy (share of the step)", "", _f(m["time/engine_busy_share"], "{:.0%}")),
+        (
+            "  engines' CUDA graphs: captures",
+            seconds["perf/engine_cuda_graph_capture_time"],
+            f"forward steps replayed: {_f(m['perf/engine_cuda_graph_replay_share'], '{:.0%}')}",
+        ),
         ("log-prob pass", _f(m["time/log_probs"]), f"{_f(m['perf/log_probs_tflops'], '{:.3g}')} TFLOPS"),
         ("train step", _f(m["time/train"]), train),
         (

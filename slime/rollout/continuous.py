@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -325,26 +324,3 @@ def _as_int(version: str | None) -> int | None:
         return int(version) if version is not None else None
     except ValueError:
         return None
-
-
-class BusyMeter:
-    """The engines' busy share between two reads: the rate of the forward-step seconds the
-    torch engine reports (`internal_states[0].busy_seconds`); SGLang reports none (None)."""
-
-    def __init__(self) -> None:
-        self.last: tuple[float, dict[str, float]] | None = None
-
-    async def read(self, clients: list[Any]) -> float | None:
-        now = time.perf_counter()
-        busy: dict[str, float] = {}
-        for c in clients:
-            try:
-                info = await c.get_server_info()
-                busy[c.base_url] = float(info["internal_states"][0]["busy_seconds"])
-            except Exception:  # an engine without the counter, or down: no share from it
-                continue
-        last, self.last = self.last, (now, busy)
-        if last is None or not busy or now <= last[0]:
-            return None
-        shares = [(busy[u] - last[1][u]) / (now - last[0]) for u in busy if u in last[1]]
-        return min(1.0, sum(shares) / len(shares)) if shares else None

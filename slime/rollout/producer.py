@@ -26,9 +26,10 @@ from slime.debug.phases import load_phase_hook
 from slime.engines.client import ClientConfig, EngineClient
 from slime.rollout.base_types import number_groups
 from slime.rollout.builtin_rollout import GenerationProgress, RolloutGenerator
-from slime.rollout.continuous import BusyMeter, ContinuousPool
+from slime.rollout.continuous import ContinuousPool
 from slime.rollout.data import Prompt, PromptDataset
 from slime.rollout.dump import make_meta, save_dump
+from slime.rollout.engine_meter import EngineMeter
 from slime.rollout.health import EngineHealth
 from slime.rollout.rewards import RewardModel
 from slime.rollout.rollout_function import rollout_function_samples
@@ -122,7 +123,7 @@ class RolloutProducer:
         self.progress = GenerationProgress()
         self.pool: ContinuousPool | None = None
         """--fully-async: the groups in flight across rollouts (started by the first take)."""
-        self.busy = BusyMeter()
+        self.engine_meter = EngineMeter()
         self.carried: list[tuple[Prompt, list[Sample]]] = []
         """--partial-rollout (synchronous and one-step-off): the groups a rollout's over-sampling cut
         off, with their tokens, continued first by the next rollout."""
@@ -226,12 +227,10 @@ class RolloutProducer:
         n = self.config.rollout.sampling.n_samples_per_prompt
         self.progress.done, self.progress.total = 0, self.config.rollout.rollout_batch_size * n
         taken = run(self.pool.take(weight_version))
-        busy = run(self.busy.read(self.pool.gen.live_clients()))
+        engines = run(self.engine_meter.read(self.pool.gen.live_clients()))
         self.progress.done = self.progress.total
         samples = number_groups(taken.groups, n, "the continuous pool")
-        extra = dict(taken.metrics)
-        if busy is not None:
-            extra["time/engine_busy_share"] = busy
+        extra = {**taken.metrics, **engines}
         return self._package(rollout_id, weight_version, samples, extra, start)
 
     def _package(
@@ -395,7 +394,7 @@ async def _start_pool(producer: RolloutProducer, version: int) -> ContinuousPool
         producer.filter,
         exact_versions=producer.config.cluster.rollout_backend == "torch",
     )
-    await producer.busy.read(clients)
+    await producer.engine_meter.read(clients)
     pool.top_up()
     logger.info("continuous rollout: up to %d groups in flight, lag bound %s", pool.cap, r.asynchrony.max_lag)
     return pool
@@ -464,9 +463,9 @@ async def _generate(
         if not which[1] and producer.config.cluster.rollout_backend == "torch":
             live = set(producer.health.live()) if producer.health is not None else None
             # Over the whole step (generation and not); the clients of restarted engines are closed by now.
-            busy = await producer.busy.read([c for c in clients if live is None or c.base_url in live])
-            if busy is not None:
-                metrics["time/engine_busy_share"] = busy
+            metrics.update(
+                await producer.engine_meter.read([c for c in clients if live is None or c.base_url in live])
+            )
         for _, group in producer.carried:  # slime's mark: the rollout a partial sample started in
             for s in group:
                 if s.response_length:
