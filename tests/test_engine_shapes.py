@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from slime.engines.client import EngineClient
-from slime.engines.torch_engine import transfer
 from slime.engines.torch_engine.attention import decode_attention, sdpa_masked
 from slime.engines.torch_engine.model_runner import BatchedRunner
 from slime.engines.torch_engine.shapes import DecodeShapes, bucket
+from slime.utils import transfer
 from tests.inprocess import InProcessServer
 from tests.test_engine_lora import adapters  # noqa: F401 - a fixture
 from tests.test_engine_server import teacher_forced_logprobs

@@ -41,6 +41,14 @@ class TokenValues:
     """--use-rollout-entropy: the log-prob passes' entropy (and ref_entropy), by name."""
 
 
+def add_to(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    """`sums[name] += value` in float64 where `value` is: a micro-batch's metric never waits for
+    the device (a copy to the host would, before its backward pass is even launched);
+    `sum_over_ranks` brings the step's sums down once."""
+    value = value.detach().double()
+    sums[name] = sums[name] + value if name in sums else value
+
+
 def sum_over_ranks(sums: dict[str, torch.Tensor], contribute: bool = True) -> dict[str, float]:
     """A step's metric sums over every rank (one that does not `contribute` adds zeros). The
     names are gathered first: a TIS hook may report metrics the loss config does not name,
@@ -49,7 +57,7 @@ def sum_over_ranks(sums: dict[str, torch.Tensor], contribute: bool = True) -> di
     dist.all_gather_object(gathered, sorted(sums) if contribute else [])
     names = sorted(set().union(*gathered))
     zero = torch.zeros((), dtype=torch.float64)
-    values = [sums[n] if contribute and n in sums else zero for n in names]
+    values = [sums[n].double().cpu() if contribute and n in sums else zero for n in names]
     reduced = torch.stack(values) if names else torch.zeros(0, dtype=torch.float64)
     dist.all_reduce(reduced)
     return {n: float(v) for n, v in zip(names, reduced)}

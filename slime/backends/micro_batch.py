@@ -23,11 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from slime.algo.losses import entropy_from_log_probs
+from slime.utils.transfer import to_device
 
 PAD_ID = 0
 
 Stats = tuple[torch.Tensor, torch.Tensor | None]
 """Per-token log-probs and, when asked, entropies: each [tokens]."""
+
+HOST_BOUNDS = "slime_host_bounds"
+"""The attribute of a `cu_seq_lens` tensor holding its values as a list on the host."""
 
 
 @dataclass
@@ -72,7 +76,9 @@ class MicroBatch:
         bounds = [*self.offsets, end]
         if self.input_ids.shape[1] > end:
             bounds.append(self.input_ids.shape[1])
-        return torch.tensor(bounds, dtype=torch.int32, device=self.input_ids.device)
+        cu = to_device(torch.tensor(bounds, dtype=torch.int32), self.input_ids.device)
+        setattr(cu, HOST_BOUNDS, bounds)  # (read by slime.backends.packed_attention off the GPU)
+        return cu
 
     def longest_segment(self) -> int:
         """Packed: the longest segment of the row (a sample, or the tail of padding)."""
@@ -108,15 +114,15 @@ class MicroBatch:
         for row, (o, p, r) in enumerate(zip(starts, self.prompt_lengths, self.response_lengths)):
             rows.append(torch.full((r,), 0 if self.packed else row, dtype=torch.long))
             cols.append(torch.arange(o + p - 1, o + p + r - 1))
-        row_t, col_t = torch.cat(rows).to(self.input_ids.device), torch.cat(cols).to(self.input_ids.device)
+        row_t, col_t = (to_device(torch.cat(t), self.input_ids.device) for t in (rows, cols))
         return row_t, col_t, self.input_ids[row_t, col_t + 1]
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-token values in `predictions` order -> [batch, max_response_len] (0 past each response)."""
-        rows = torch.cat([torch.full((r,), row) for row, r in enumerate(self.response_lengths)]).to(
-            flat.device
+        rows = to_device(
+            torch.cat([torch.full((r,), row) for row, r in enumerate(self.response_lengths)]), flat.device
         )
-        cols = torch.cat([torch.arange(r) for r in self.response_lengths]).to(flat.device)
+        cols = to_device(torch.cat([torch.arange(r) for r in self.response_lengths]), flat.device)
         out = torch.zeros(self.response_mask.shape, dtype=flat.dtype, device=flat.device)
         return out.index_put((rows, cols), flat)
 
@@ -161,8 +167,8 @@ def make_micro_batch(
         tail = -sum(lengths) % multiple_of
         mb.offsets = list(itertools.accumulate(lengths[:-1], initial=0))
         flat = [t for p in positions for t in tokens[p]] + [PAD_ID] * tail
-        mb.input_ids = torch.tensor(flat, dtype=torch.long)[None].to(device)
-        mb.position_ids = torch.cat([torch.arange(n) for n in [*lengths, tail] if n])[None].to(device)
+        mb.input_ids = to_device(torch.tensor(flat, dtype=torch.long)[None], device)
+        mb.position_ids = to_device(torch.cat([torch.arange(n) for n in [*lengths, tail] if n])[None], device)
         return mb
     longest = max(len(tokens[p]) for p in positions)
     ids = torch.full((len(positions), longest - longest % -multiple_of), PAD_ID, dtype=torch.long)
@@ -171,7 +177,7 @@ def make_micro_batch(
         seq = tokens[p]
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[row, : len(seq)] = 1
-    mb.input_ids, mb.attention_mask = ids.to(device), attn.to(device)
+    mb.input_ids, mb.attention_mask = to_device(ids, device), to_device(attn, device)
     return mb
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime.backends.micro_batch import HOST_BOUNDS
+
 logger = logging.getLogger(__name__)
 
 NAME = "slime_segments"
@@ -70,7 +72,8 @@ def _per_segment(
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
         )
-    lengths = [b - a for a, b in itertools.pairwise(cu_seq_lens.tolist())]
+    bounds = getattr(cu_seq_lens, HOST_BOUNDS, None) or cu_seq_lens.tolist()  # (no read back: MicroBatch's)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     batch = query.shape[0]
     if len(set(lengths)) == 1 and batch == 1:  # equal lengths: the samples are a batch, no copies
         n, length = len(lengths), lengths[0]
@@ -231,17 +234,16 @@ def segment_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None  # causal attention per sample needs none (module docstring)
-
-
 def register() -> str:
     """Make `attn_implementation="slime_segments"` known to transformers; returns the name."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers import AttentionInterface
 
+        # No mask function: for an attention without one transformers builds no mask and looks
+        # for no packed samples in the position ids either, a check that waits for the device
+        # at every forward (masking_utils.find_packed_sequence_indices); this attention needs
+        # neither (module docstring).
         AttentionInterface.register(NAME, segment_attention)
-        AttentionMaskInterface.register(NAME, _no_mask)
         _registered = True
     return NAME

@@ -27,7 +27,7 @@ from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends import measures, perf, planning
 from slime.backends.interface import Pass, PerPosition
-from slime.backends.measures import TokenValues, loss_mask, nan_max
+from slime.backends.measures import TokenValues, add_to, loss_mask, nan_max
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.profiler import TrainProfiler
@@ -37,6 +37,7 @@ from slime.config.loss import LossConfig
 from slime.utils.errors import UsageError
 from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.step_plans import StepPlan
+from slime.utils.transfer import to_device
 
 
 class PolicyLoss:
@@ -63,27 +64,32 @@ class PolicyLoss:
     ) -> torch.Tensor:
         cfg, step, v = self.cfg, self.step, self.values
         dev = log_probs.device
-        mask = mb.loss_mask.to(dev)
+        mask = to_device(mb.loss_mask, dev)
         if self.compare is not None:
-            before = mb.response_tensor([self.compare[p] for p in mb.positions]).to(dev)
+            before = to_device(mb.response_tensor([self.compare[p] for p in mb.positions]), dev)
             diffs = (before - log_probs.detach()).abs()[mask.bool()]
             self.worst = nan_max(self.worst, float(diffs.double().max()) if diffs.numel() else 0.0)
 
         def lay_out(per_sample: PerPosition | None) -> torch.Tensor | None:
             if per_sample is None:
                 return None
-            return mb.response_tensor([per_sample[p] for p in mb.positions]).to(dev)
+            return to_device(mb.response_tensor([per_sample[p] for p in mb.positions]), dev)
 
         engine = self.batch.rollout_log_probs
-        rollout = None if engine is None else mb.response_tensor([engine[p] for p in mb.positions]).to(dev)
+        rollout = (
+            None if engine is None else to_device(mb.response_tensor([engine[p] for p in mb.positions]), dev)
+        )
 
-        weights = token_weights(
-            mb.loss_mask,
-            cfg.calculate_per_token_loss,
-            step.num_executions,
-            step.num_tokens,
-            step.row_denominators(mb.positions),
-        ).to(dev)
+        weights = to_device(
+            token_weights(
+                mb.loss_mask,
+                cfg.calculate_per_token_loss,
+                step.num_executions,
+                step.num_tokens,
+                step.row_denominators(mb.positions),
+            ),
+            dev,
+        )
         totals = [p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)]
         terms = MicroBatchTerms(
             log_probs=log_probs,
@@ -99,7 +105,7 @@ class PolicyLoss:
         )
         loss, metrics = micro_batch_loss(cfg, terms, self.hooks)
         for name, value in metrics.items():
-            sums[name] += value.double().cpu()
+            add_to(sums, name, value)
         return loss
 
 

@@ -33,13 +33,14 @@ from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends import measures, planning
 from slime.backends.interface import PerPosition, ValueBackend
-from slime.backends.measures import loss_mask, nan_max
+from slime.backends.measures import add_to, loss_mask, nan_max
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.trainer import RankTrainer
 from slime.config.loss import LossConfig
 from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart, TrainOutput
 from slime.utils.step_plans import StepPlan
+from slime.utils.transfer import to_device
 
 PerSample = dict[int, list[float]]
 
@@ -84,21 +85,24 @@ class ValueLossOf:
 
     def __call__(self, mb: MicroBatch, values: torch.Tensor, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         dev, step = values.device, self.step
-        old_values = mb.response_tensor([self.old[p] for p in mb.positions]).to(dev)
-        gaps = (values.detach() - old_values).abs()[mb.loss_mask.to(dev).bool()]
+        old_values = to_device(mb.response_tensor([self.old[p] for p in mb.positions]), dev)
+        gaps = (values.detach() - old_values).abs()[to_device(mb.loss_mask, dev).bool()]
         self.worst = nan_max(self.worst, float(gaps.double().max()) if gaps.numel() else 0.0)
-        weights = token_weights(
-            mb.loss_mask,
-            self.cfg.calculate_per_token_loss,
-            step.num_executions,
-            step.num_tokens,
-            step.row_denominators(mb.positions),
-        ).to(dev)
-        returns = mb.response_tensor([self.returns[p] for p in mb.positions]).to(dev)
+        weights = to_device(
+            token_weights(
+                mb.loss_mask,
+                self.cfg.calculate_per_token_loss,
+                step.num_executions,
+                step.num_tokens,
+                step.row_denominators(mb.positions),
+            ),
+            dev,
+        )
+        returns = to_device(mb.response_tensor([self.returns[p] for p in mb.positions]), dev)
         loss, clipped = value_loss(values, old_values, returns, self.cfg.value_clip)
         total = weighted_sum(loss, weights)
-        sums["value_loss"] += total.detach().double().cpu()
-        sums["value_clipfrac"] += weighted_sum(clipped, weights).detach().double().cpu()
+        add_to(sums, "value_loss", total)
+        add_to(sums, "value_clipfrac", weighted_sum(clipped, weights))
         return total
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from slime.backends.fsdp import checkpoint as ckpt
 from slime.backends.fsdp import lora, model_init, moe, vision
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition, State
-from slime.backends.measures import sum_over_ranks
+from slime.backends.measures import add_to, sum_over_ranks
 from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
 from slime.backends.planning import packs_sequences
@@ -37,6 +36,7 @@ from slime.utils import hf_experts, model_families
 from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.step_plans import StepPlan
+from slime.utils.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class FSDPBackend:
         rows = None
         if replay is not None:
             rows = self.routing.replay_rows(replay, mb.positions, mb.token_starts(), mb.input_ids.numel())
-            rows = rows.to(self.device)
+            rows = to_device(rows, self.device)
         return self.routing.micro_batch(rows, record=record, aux=aux)
 
     @property
@@ -257,7 +257,7 @@ class FSDPBackend:
             )
         else:
             aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
-        sums["moe_aux_loss"] += aux.detach().double().cpu()
+        add_to(sums, "moe_aux_loss", aux)
         return loss + self._aux_coeff * aux
 
     def local_state_bytes(self) -> int:
@@ -334,7 +334,7 @@ class FSDPBackend:
     ) -> dict[str, float]:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        sums: dict[str, torch.Tensor] = {}
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             if self.bias_counts is not None:

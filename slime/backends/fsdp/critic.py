@@ -10,8 +10,6 @@ any parameter.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from slime.backends.fsdp import model_init
@@ -49,7 +47,7 @@ class FSDPValueModel(FSDPBackend):
 
     def value_step(self, batch: RolloutBatch, step: StepPlan, loss: ValueLoss) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        sums: dict[str, torch.Tensor] = {}
         for positions in step.micro_batches:
             mb = self._micro_batch(batch, positions)
             with self._routing_state(mb, None, aux=self._aux_coeff > 0) as state:

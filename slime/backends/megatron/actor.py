@@ -12,7 +12,6 @@ On `--device cpu` megatron-core runs through slime.backends.megatron.cpu_shim.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -380,7 +379,7 @@ class MegatronBackend:
     ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        sums: dict[str, torch.Tensor] = {}
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             log_probs, entropy = self._response_log_probs(logits, mb, True)

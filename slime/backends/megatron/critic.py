@@ -23,7 +23,6 @@ gradient back).
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -141,7 +140,7 @@ class MegatronValueModel(MegatronBackend):
     def value_step(self, batch: RolloutBatch, step: StepPlan, loss: ValueLoss) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        sums: dict[str, torch.Tensor] = {}
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
             return loss(mb, self._response_values(output, mb), sums)

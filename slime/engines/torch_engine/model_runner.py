@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from slime.engines.torch_engine import transfer
 from slime.engines.torch_engine.attention import (
     LiveKernel,
     LiveRows,
@@ -50,7 +49,7 @@ from slime.engines.torch_engine.linear_states import LinearStates
 from slime.engines.torch_engine.runner import GenericRunner, Runner, TokenSource, lora_rows
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
-from slime.utils import hf_experts
+from slime.utils import hf_experts, transfer
 from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class
 
 logger = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class BatchedRunner(Runner):
 
     On CUDA (and not deterministic) decode shapes are bucketed (slime.engines.torch_engine.shapes),
     attention builds no per-shape plan (slime.engines.torch_engine.attention), a step's inputs go
-    up without waiting and its tokens come down in one copy (slime.engines.torch_engine.transfer),
+    up without waiting and its tokens come down in one copy (slime.utils.transfer),
     and decode batches of up to `cuda_graph_max_bs` rows replay CUDA graphs. `bucket_shapes`
     overrides the bucketing choice (tests run the CUDA shapes on CPU).
     """

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from slime.engines.torch_engine import transfer
 from slime.engines.torch_engine.sampling import BatchSampling, pack, sample_on_device
 from slime.engines.torch_engine.sequence import SeqStatus, Sequence
+from slime.utils import transfer
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.engines.torch_engine import transfer
+from slime.utils import transfer
 from slime.utils.sampling_params import SamplingParams
 
 

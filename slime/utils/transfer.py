@@ -1,10 +1,12 @@
-"""The engine's host <-> device copies, in one place so a step's transfers can be counted.
+"""Host <-> device copies that keep the host ahead of the device, in one place so that a step's
+transfers can be counted (the engine's decode steps, the trainer's micro-batch loops).
 
-On CUDA a plain `torch.tensor(values, device="cuda")` copies from pageable memory and waits for
-the GPU's queue to drain: a step that builds a few small input tensors that way stalls the GPU
-several times. Inputs go up from pinned memory without waiting (`to_device`); a step brings its
-results down once (`to_host`, the one synchronising copy of a decode step; `to_host_async`
-when the host has other work to do before it needs them).
+On CUDA a plain `torch.tensor(values, device="cuda")` or `t.to("cuda")` copies from pageable
+memory and waits for the GPU's queue to drain: a step that builds a few small input tensors that
+way stalls the GPU several times. Inputs go up from pinned memory without waiting (`to_device`;
+torch's caching host allocator keeps the pinned copy until the transfer is done, so the caller
+may drop or change its tensor at once); results come down once a step (`to_host`, a
+synchronising copy; `to_host_async` when the host has other work to do before it needs them).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`host` (a CPU tensor) on `device`; asynchronous on CUDA (pinned staging), a no-op on CPU."""
-    if device.type == "cpu":
+    if torch.device(device).type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
