@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 import slime
@@ -31,12 +32,23 @@ def blocking_copy(args: tuple, kwargs: dict) -> bool:
     return moves and not kwargs.get("non_blocking") and sys._getframe(2).f_code.co_filename.startswith(SLIME)
 
 
-def count_train_step_waits(rank, world_size, init_method, model, micro_batch_size):
-    from slime.backends.fsdp.actor import FSDPBackend, FSDPTrainActor
+def count_step_waits(rank, world_size, init_method, model, micro_batch_size, critic):
+    """The waits of each optimizer step of one train call: the policy's (FSDPBackend.train_step),
+    or with `critic` the value model's (FSDPValueModel.value_step); --check-precision on, so that
+    the step-0 gaps are kept too."""
+    import dataclasses
 
-    cfg = base_config(model, micro_batch_size=micro_batch_size)
-    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
-    actor.init()
+    from slime.backends.fsdp.actor import FSDPBackend, FSDPTrainActor
+    from slime.backends.fsdp.critic import FSDPCritic, FSDPValueModel
+
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=micro_batch_size), check_precision=True)
+    trainer = (FSDPCritic if critic else FSDPTrainActor)(cfg, rank, world_size, init_method)
+    trainer.init()
+    batch = make_batch(0)
+    if critic:
+        old = trainer.compute_values(batch)
+        returns = {i: [r] * n for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))}
+    owner, method = (FSDPValueModel, "value_step") if critic else (FSDPBackend, "train_step")
     counts = {"steps": 0, "waits": 0}
     originals = {name: getattr(torch.Tensor, name) for name in (*READS, "to")}
 
@@ -48,29 +60,33 @@ def count_train_step_waits(rank, world_size, init_method, model, micro_batch_siz
 
         return call
 
-    train_step = FSDPBackend.train_step
+    step = getattr(owner, method)
 
     def counting_step(self, *args, **kwargs):
         for name in originals:
             setattr(torch.Tensor, name, counted(name))
         try:
             counts["steps"] += 1
-            return train_step(self, *args, **kwargs)
+            return step(self, *args, **kwargs)
         finally:
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
 
-    FSDPBackend.train_step = counting_step
+    setattr(owner, method, counting_step)
     try:
-        actor.train(0, make_batch(0))
+        if critic:
+            trainer.train_values(0, batch, old, returns)
+        else:
+            trainer.train(0, batch)
     finally:
-        FSDPBackend.train_step = train_step
-        actor.close()
+        setattr(owner, method, step)
+        trainer.close()
     return counts
 
 
-def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_with_one(tiny_model):
-    one = run_ranks(1, count_train_step_waits, tiny_model, 4)[0]
-    four = run_ranks(1, count_train_step_waits, tiny_model, 1)[0]
+@pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
+def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_with_one(tiny_model, critic):
+    one = run_ranks(1, count_step_waits, tiny_model, 4, critic)[0]
+    four = run_ranks(1, count_step_waits, tiny_model, 1, critic)[0]
     assert one["steps"] == four["steps"] == 2  # 8 samples, 4 a step
     assert four["waits"] == one["waits"], (four, one)

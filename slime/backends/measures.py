@@ -4,7 +4,6 @@ trainer's token means (`rollout/*` metrics), --check-precision's measurements an
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +17,22 @@ from slime.config.train import TrainConfig
 from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart
 
 
-def nan_max(a: float, b: float) -> float:
-    """max that keeps a NaN (a NaN log-prob gap must reach --check-precision's gate)."""
-    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
+class DeviceMax:
+    """The largest |a - b| over masked positions seen so far, kept where the values are (no wait
+    for the device per micro-batch); a NaN stays (a NaN gap must reach --check-precision's gate).
+    `value` reads it on the host: 0 when nothing was masked in."""
+
+    def __init__(self) -> None:
+        self.top: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
+        gaps = (a.detach().double() - b.detach().double()).abs()
+        top = torch.where(mask.bool(), gaps, torch.zeros_like(gaps)).max()
+        self.top = top if self.top is None else torch.maximum(self.top, top)
+
+    @property
+    def value(self) -> float:
+        return 0.0 if self.top is None else float(self.top)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends import measures, perf, planning
 from slime.backends.interface import Pass, PerPosition
-from slime.backends.measures import TokenValues, add_to, loss_mask, nan_max
+from slime.backends.measures import DeviceMax, TokenValues, add_to, loss_mask
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.profiler import TrainProfiler
@@ -57,7 +57,7 @@ class PolicyLoss:
     ):
         self.cfg, self.hooks, self.batch, self.step = cfg, hooks, batch, step
         self.values, self.compare = values, compare
-        self.worst = 0.0
+        self.worst = DeviceMax()
 
     def __call__(
         self, mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor, sums: dict[str, torch.Tensor]
@@ -67,8 +67,7 @@ class PolicyLoss:
         mask = to_device(mb.loss_mask, dev)
         if self.compare is not None:
             before = to_device(mb.response_tensor([self.compare[p] for p in mb.positions]), dev)
-            diffs = (before - log_probs.detach()).abs()[mask.bool()]
-            self.worst = nan_max(self.worst, float(diffs.double().max()) if diffs.numel() else 0.0)
+            self.worst.add(before, log_probs, mask)
 
         def lay_out(per_sample: PerPosition | None) -> torch.Tensor | None:
             if per_sample is None:
@@ -318,7 +317,7 @@ class PolicyTrainer(RankTrainer[B]):
                 with clock("actor_train"):
                     output.steps.append(b.train_step(batch, step, loss, replay))
                 if compare is not None:
-                    output.precision["first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst)
+                    output.precision["first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst.value)
         output.timings.update(log_probs=logprob_done - start, train=time.perf_counter() - logprob_done)
         output.perf = self.step_perf.metrics(part.lengths, b.world_size, clock.seconds)
         every = loss_cfg.ref_update_interval  # the reference becomes the weights trained so far

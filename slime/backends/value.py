@@ -33,7 +33,7 @@ from slime.algo import advantages as adv
 from slime.algo.losses import token_weights, value_loss, weighted_sum
 from slime.backends import measures, planning
 from slime.backends.interface import PerPosition, ValueBackend
-from slime.backends.measures import add_to, loss_mask, nan_max
+from slime.backends.measures import DeviceMax, add_to, loss_mask
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.trainer import RankTrainer
@@ -81,13 +81,12 @@ class ValueLossOf:
 
     def __init__(self, cfg: LossConfig, step: StepPlan, old: PerPosition, returns: PerPosition):
         self.cfg, self.step, self.old, self.returns = cfg, step, old, returns
-        self.worst = 0.0
+        self.worst = DeviceMax()
 
     def __call__(self, mb: MicroBatch, values: torch.Tensor, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         dev, step = values.device, self.step
         old_values = to_device(mb.response_tensor([self.old[p] for p in mb.positions]), dev)
-        gaps = (values.detach() - old_values).abs()[to_device(mb.loss_mask, dev).bool()]
-        self.worst = nan_max(self.worst, float(gaps.double().max()) if gaps.numel() else 0.0)
+        self.worst.add(values, old_values, to_device(mb.loss_mask, dev))
         weights = to_device(
             token_weights(
                 mb.loss_mask,
@@ -157,7 +156,7 @@ class ValueTrainer(RankTrainer[V]):
             loss = ValueLossOf(self.cfg.loss, step, old, ret)
             output.steps.append(self.backend.value_step(batch, step, loss))
             if k == 0 and self.cfg.check_precision:  # --check-precision's gate (slime.debug.precision)
-                output.precision["critic_first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst)
+                output.precision["critic_first_step_max_abs_diff"] = measures.max_over_ranks(loss.worst.value)
         output.timings["train"] = time.perf_counter() - start
         return output
 
