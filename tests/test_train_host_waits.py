@@ -21,7 +21,7 @@ import slime
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
-READS = ("cpu", "item", "tolist", "__float__", "__bool__", "__int__")
+READS = ("cpu", "item", "tolist", "__float__", "__bool__", "__int__", "__index__")
 SLIME = os.path.dirname(slime.__file__)
 
 
@@ -90,3 +90,21 @@ def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_w
     four = run_ranks(1, count_step_waits, tiny_model, 1, critic)[0]
     assert one["steps"] == four["steps"] == 2  # 8 samples, 4 a step
     assert four["waits"] == one["waits"], (four, one)
+
+
+def test_the_precision_gap_is_a_masked_max_that_keeps_a_nan():
+    from slime.backends.measures import DeviceMax
+
+    gap = DeviceMax()
+    assert gap.value == 0.0
+    a, b = torch.tensor([[1.0, 5.0, 2.0]]), torch.tensor([[1.5, 0.0, 2.0]])
+    gap.add(a, b, torch.tensor([[1, 0, 1]]))  # the 5 is masked out
+    assert gap.value == 0.5
+    gap.add(a, b, torch.zeros(1, 3))  # nothing masked in: 0, the max stays
+    assert gap.value == 0.5
+    gap.add(torch.tensor([[float("nan"), 9.0]]), torch.zeros(1, 2), torch.tensor([[0, 1]]))
+    assert gap.value == 9.0  # a NaN outside the mask does not count
+    gap.add(torch.tensor([[float("nan")]]), torch.zeros(1, 1), torch.ones(1, 1))
+    assert gap.value != gap.value  # a NaN inside it stays, whatever comes after
+    gap.add(a, b, torch.ones(1, 3))
+    assert gap.value != gap.value

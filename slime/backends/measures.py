@@ -58,7 +58,7 @@ def add_to(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> Non
     the device (a copy to the host would, before its backward pass is even launched);
     `sum_over_ranks` brings the step's sums down once."""
     value = value.detach().double()
-    sums[name] = sums[name] + value if name in sums else value
+    sums[name] = sums[name] + value if name in sums else value.clone()  # (never the caller's storage)
 
 
 def sum_over_ranks(sums: dict[str, torch.Tensor], contribute: bool = True) -> dict[str, float]:

@@ -83,9 +83,11 @@ def load_balancing_loss(
     num_experts = probs.shape[-1]
     per_expert = probs.float().sum(dim=0)
     counts = routed.float().sum(dim=0).detach()
-    tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
-    per_expert = _group_sums(per_expert, counts, tokens, group)
-    total = float(tokens[0])
+    total = float(probs.shape[0])  # (known on the host: no wait for the device)
+    if group is not None and dist.get_world_size(group) > 1:
+        tokens = torch.tensor([total], device=probs.device)
+        per_expert = _group_sums(per_expert, counts, tokens, group)
+        total = float(tokens[0])  # the group's tokens (a wait, with sequence parallelism only)
     if total == 0:
         return per_expert.sum() * 0.0
     return (per_expert * counts).sum() * num_experts / (top_k * total * total)
@@ -126,7 +128,8 @@ def sequence_balancing_loss(
     num_experts = probs.shape[-1]
     per_expert = probs.float().new_zeros(num_seqs, num_experts).index_add(0, seq, probs.float())
     counts = routed.float().new_zeros(num_seqs, num_experts).index_add(0, seq, routed.float()).detach()
-    tokens = torch.bincount(seq, minlength=num_seqs).to(probs.device, torch.float32)
+    # (index_add, not bincount: bincount's output size waits for the device on CUDA)
+    tokens = probs.float().new_zeros(num_seqs).index_add(0, seq, torch.ones_like(seq, dtype=torch.float32))
     per_expert = _group_sums(per_expert, counts, tokens, group)
     scale = num_experts / (top_k * tokens.clamp(min=1.0) ** 2)
     return ((per_expert * counts).sum(dim=-1) * scale).sum()

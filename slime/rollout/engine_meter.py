@@ -1,7 +1,8 @@
 """What the torch engines did between two reads (one train step to the next), from the counters
 their /get_server_info reports (`internal_states[0]`): the share of the wall time spent in forward
 steps and, on CUDA, the seconds spent capturing decode graphs and the share of the forward steps
-replayed from one. SGLang reports none of these counters: no metric then.
+(prefills included, which never replay) replayed from one. SGLang reports none of these counters:
+no metric then.
 
 A decode graph holds on to the KV cache, so the engines capture their graphs again after every
 memory release (a colocated job's every step) and whenever the cache grows; the capture seconds
@@ -61,5 +62,7 @@ def metrics(deltas: list[dict[str, float]], seconds: float) -> dict[str, float]:
         )
         steps = sum(d["num_steps"] for d in graphs)
         if steps:
-            out["perf/engine_cuda_graph_replay_share"] = sum(d["cuda_graph_replays"] for d in graphs) / steps
+            # (a round's replays count when it is launched, its steps when booked: capped at 1)
+            replays = sum(d["cuda_graph_replays"] for d in graphs)
+            out["perf/engine_cuda_graph_replay_share"] = min(1.0, replays / steps)
     return out

@@ -201,26 +201,28 @@ class TrainingModel:
         mine = list(range(self.rank, len(data), self.world))
         passes = -(-len(data) // self.world)
         outputs, total = [], 0.0
-        with torch.set_grad_enabled(backward):
-            for k in range(passes):
-                real = k < len(mine)
-                index = mine[k] if real else 0  # (a padding pass: any datum, its loss times 0)
-                datum = data[index]
-                logp = self._target_log_probs(datum)
-                inputs = {key: torch.as_tensor(v, device=logp.device) for key, v in datum.inputs.items()}
-                inputs = {key: v.float() if key != "target_tokens" else v for key, v in inputs.items()}
-                loss = losses.loss(loss_fn, logp, inputs, config)
-                if backward:
-                    (loss if real else loss * 0.0).backward()
+        try:
+            with torch.set_grad_enabled(backward):
+                for k in range(passes):
+                    real = k < len(mine)
+                    index = mine[k] if real else 0  # (a padding pass: any datum, its loss times 0)
+                    datum = data[index]
+                    logp = self._target_log_probs(datum)
+                    inputs = {key: torch.as_tensor(v, device=logp.device) for key, v in datum.inputs.items()}
+                    inputs = {key: v.float() if key != "target_tokens" else v for key, v in inputs.items()}
+                    loss = losses.loss(loss_fn, logp, inputs, config)
+                    if backward:
+                        (loss if real else loss * 0.0).backward()
+                        if real:
+                            self._keep_gap(logp.detach(), inputs.get("logprobs"))
                     if real:
-                        self._keep_gap(logp.detach(), inputs.get("logprobs"))
-                if real:
-                    total += float(loss.detach())
-                    outputs.append((index, {"logprobs": logp.detach().float().cpu().numpy()}))
-        if not backward:  # FSDP's root stays gathered after a forward alone, its shards out of use
-            from slime.backends.fsdp.model_init import reshard
+                        total += float(loss.detach())
+                        outputs.append((index, {"logprobs": logp.detach().float().cpu().numpy()}))
+        finally:
+            if not backward:  # FSDP's root stays gathered after a forward alone (failed or not)
+                from slime.backends.fsdp.model_init import reshard
 
-            reshard(self.model)
+                reshard(self.model)
         return outputs, total
 
     def _keep_gap(self, logp: torch.Tensor, sampled: torch.Tensor | None) -> None:
