@@ -27,7 +27,7 @@ class EngineMeter:
         self.last: tuple[float, dict[str, dict[str, float]]] | None = None
 
     async def read(self, clients: list[Any]) -> dict[str, float]:
-        """`clients`: slime.utils.http_utils engine clients (their base_url names them)."""
+        """`clients`: slime.engines.client.EngineClient (each base_url names its engine)."""
         now = self.clock()
         counters: dict[str, dict[str, float]] = {}
         for c in clients:
