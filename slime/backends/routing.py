@@ -84,7 +84,7 @@ def load_balancing_loss(
     per_expert = probs.float().sum(dim=0)
     counts = routed.float().sum(dim=0).detach()
     total = float(probs.shape[0])  # (known on the host: no wait for the device)
-    if group is not None and dist.get_world_size(group) > 1:
+    if _splits_tokens(group):
         tokens = torch.tensor([total], device=probs.device)
         per_expert = _group_sums(per_expert, counts, tokens, group)
         total = float(tokens[0])  # the group's tokens (a wait, with sequence parallelism only)
@@ -93,13 +93,18 @@ def load_balancing_loss(
     return (per_expert * counts).sum() * num_experts / (top_k * total * total)
 
 
+def _splits_tokens(group: Any) -> bool:
+    """Whether `group` is ranks that split the tokens (megatron-core's sequence parallelism)."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
 def _group_sums(
     per_expert: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, group: Any
 ) -> torch.Tensor:
     """The load-balancing sums over the ranks of `group` that split the tokens: `counts` and
     `tokens` summed in place; the probability sums returned as the group's, with the gradient
     reaching this rank's own."""
-    if group is None or dist.get_world_size(group) == 1:
+    if not _splits_tokens(group):
         return per_expert
     others = per_expert.detach().clone()
     dist.all_reduce(others, group=group)
