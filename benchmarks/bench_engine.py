@@ -18,7 +18,8 @@ CUDA (`--device cuda`): a Qwen3 shape of hidden 1024 x 16 layers (16 heads, 8 KV
 parameters with the tiny model's character vocabulary) in bfloat16 unless --model-path; 256
 requests in flight (prompt 32-256 tokens, 64-512 new tokens, ignore_eos, temperature 1). The
 engine runs as configured by default (CUDA graphs, overlapped decode steps, attention over each
-sequence's live keys), then in rounds of 4 decode steps per host round trip, with attention over
+sequence's live keys), then with the decode step compiled (`--enable-torch-compile`, every batch
+size), in rounds of 4 decode steps per host round trip, with attention over
 padded keys (the kernel before live keys), with --disable-overlap-schedule and with
 --disable-cuda-graph; HF `generate` runs on the first
 --hf-requests requests in left-padded batches of 64 (its tokens/s per batch does not depend on
@@ -279,6 +280,11 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     results = {}
     configs = (
         ("CUDA graphs, overlap", []),
+        # every batch compiled (SGLang's default limit is 32); the warm-up's first step compiles
+        (
+            "torch.compile (--enable-torch-compile)",
+            ["--enable-torch-compile", "--torch-compile-max-bs", str(n)],
+        ),
         ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
         ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
         ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),

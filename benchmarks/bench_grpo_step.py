@@ -3,6 +3,7 @@
     python benchmarks/bench_grpo_step.py --device cuda [--preset qwen3-0.6b] [--train-backend fsdp|megatron]
         [--prompts 32] [--samples-per-prompt 16] [--prompt-len 64 256] [--max-new-tokens 512]
         [--steps 3] [--bandwidth-gbs GB/S] [--peak-tflops TFLOPS] [--hf-samples 64] [--out DIR] [--profile]
+        [--torch-compile]
     python benchmarks/bench_grpo_step.py --device cpu [...]     (the demo model: the smoke run)
 
 The job is train.py as users run it on one device: `--colocate --offload`, the torch engine and the
@@ -12,6 +13,9 @@ every step. Each rollout is --prompts prompts (random text, --prompt-len tokens,
 one optimizer step over the whole rollout (packed micro-batches under --max-tokens-per-gpu). On
 CUDA the engine and the trainer compute in bfloat16, the engine runs every sample at once, and the
 log-probs' float32 softmax runs 1,024 tokens at a time (`--log-probs-chunk-size`).
+
+With --torch-compile the engines decode through torch.compile (SGLang's --enable-torch-compile,
+for every batch size); the first rollout compiles.
 
 Per phase, the median over the steps after the first (the first warms kernels and CUDA graphs):
 - rollout: generated tokens/s and its share of the memory roofline: an ideal engine's time, each
@@ -159,6 +163,8 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         )
     if args.peak_tflops:
         argv += ["--peak-tflops", str(args.peak_tflops)]
+    if args.torch_compile:  # every batch size the rollout decodes (its first step compiles)
+        argv += ["--sglang-enable-torch-compile", "--sglang-torch-compile-max-bs", str(samples)]
     log_dir = os.path.join(out, "logs")
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "TOKENIZERS_PARALLELISM": "false"}
     if args.profile:  # the extra last rollout
@@ -303,6 +309,11 @@ def main() -> int:
         "--profile",
         action="store_true",
         help="one more rollout, profiled (trainer and engine; out of the medians): tables in <out>/profile",
+    )
+    ap.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="the engines decode through torch.compile (--sglang-enable-torch-compile, every batch size)",
     )
     args = ap.parse_args()
     cuda = args.device == "cuda"

@@ -63,6 +63,7 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
             "--hf-samples",
             "2",
             "--profile",
+            "--torch-compile",
         ],
         "profile engine0-",  # after the table; the engine's window asked by the job's phase hook
         True,

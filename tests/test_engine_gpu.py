@@ -65,7 +65,7 @@ def _seeded_run(url: str, reqs: list[tuple[list[int], int]]) -> list[dict]:
 def test_cuda_graphs_replay_what_eager_decoding_computes(tiny_model, tmp_path):
     """The same seeded requests with CUDA graphs and with --disable-cuda-graph: the same tokens and
     log-probs (same bucketed shapes, same kernels); graphs were captured and replayed. And with
-    --disable-overlap-schedule: the same tokens."""
+    --disable-overlap-schedule, rounds of 4 steps and --enable-torch-compile: the same tokens."""
     import random
 
     rng = random.Random(0)
@@ -78,6 +78,7 @@ def test_cuda_graphs_replay_what_eager_decoding_computes(tiny_model, tmp_path):
         ("eager", ["--disable-cuda-graph"]),
         ("booked", ["--disable-overlap-schedule"]),
         ("rounds", ["--num-continuous-decode-steps", "4"]),
+        ("compiled", ["--enable-torch-compile", "--torch-compile-max-bs", "16"]),
     ):
         with start_engine(tiny_model, tmp_path, "--device", "cuda", *flags) as eng:
             runs[name] = (_seeded_run(eng.url, reqs), _server_state(eng.url))
@@ -97,6 +98,12 @@ def test_cuda_graphs_replay_what_eager_decoding_computes(tiny_model, tmp_path):
     # shrinks at other steps (as booked), so the same float32 tolerance.
     worst = _same_tokens_logprob_gap(graphs[0], runs["rounds"][0])
     print(f"max |one step - rounds of 4| log-prob: {worst:.3g}")
+    assert worst <= 1e-4
+    # torch.compile inside the graphs: Inductor's fused kernels sum in another order.
+    compiled = runs["compiled"][1]
+    assert compiled["torch_compile_calls"] > 0 and "torch_compile_failed" not in compiled, compiled
+    worst = _same_tokens_logprob_gap(graphs[0], runs["compiled"][0])
+    print(f"max |eager - compiled| log-prob: {worst:.3g}")
     assert worst <= 1e-4
 
 

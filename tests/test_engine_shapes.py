@@ -72,12 +72,14 @@ def _serve(
     steps: int = 1,
     live_keys=None,
     context: int | None = None,
+    compile_max_bs: int = 0,
     **params,
 ) -> tuple[list, BatchedRunner, int, int]:
     """Run `reqs` through an in-process engine whose batched runner does (not) bucket its decode
     shapes (and does or not overlap its decode rounds of at most `steps` steps; `live_keys`: its
-    live-key decode kernel; `context`: its context length); returns the results, the runner, the
-    engine's steps and the host transfers made."""
+    live-key decode kernel; `context`: its context length; `compile_max_bs`: its
+    torch_compile_max_bs); returns the results, the runner, the engine's steps and the host
+    transfers made."""
     server = InProcessServer(
         model,
         max_running_requests=16,
@@ -87,7 +89,12 @@ def _serve(
     )
     engine = server.engine
     engine.runner = runner = BatchedRunner(
-        engine.model, 16, engine.context_length, bucket_shapes=bucketed, live_keys=live_keys
+        engine.model,
+        16,
+        engine.context_length,
+        bucket_shapes=bucketed,
+        live_keys=live_keys,
+        torch_compile_max_bs=compile_max_bs,
     )
     shapes.clear()
     forward = runner._decode_forward
@@ -414,3 +421,106 @@ def test_overlapped_steps_are_booked_before_admissions(tiny_model):
 def test_overlapped_steps_are_booked_before_commands(tiny_model):
     _, _, seen = _watch_overlap(tiny_model, probe=True)
     assert len(seen) > 5 and not any(seen)
+
+
+@torch.library.custom_op("slime_test::flash_contract", mutates_args=())
+def flash_contract(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seqused_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The flash varlen kernel's contract as an operator that torch.compile keeps whole, as it
+    keeps torch's flash operator (`poisoning_flash_contract`'s loop over rows would not trace)."""
+    return poisoning_flash_contract(q, k.clone(), v.clone(), cu_q, cu_k, max_q, max_k, seqused_k, scale)
+
+
+@flash_contract.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, scale):
+    return torch.empty_like(q)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("live", [False, True], ids=["padded-keys", "live-keys"])
+def test_compiled_decoding_gives_the_same_answers_from_one_compile(tiny_model, live):
+    """--enable-torch-compile (the runner's torch_compile_max_bs), with the CUDA path's bucketed
+    shapes: every request gets the eager run's tokens and log-probs, through batches that shrink
+    as requests finish and a KV cache that grows; the batch's rows and the cache's sizes are
+    dynamic, so one or two compiles serve every bucket; a batch of one row and batches over the
+    limit decode eagerly."""
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(7)  # contexts up to 160 tokens: the cache grows from 128 rows to 256
+    reqs = [
+        ([rng.randrange(4, 90) for _ in range(rng.randint(3, 100))], rng.randint(2, 60)) for _ in range(24)
+    ]
+    kernel = flash_contract if live else None
+    eager, _, _, _ = _serve(tiny_model, True, reqs, live_keys=kernel)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    compiled, runner, _, _ = _serve(tiny_model, True, reqs, live_keys=kernel, compile_max_bs=12)
+    _assert_same(compiled, eager)
+    stats = runner.stats()
+    assert "torch_compile_failed" not in stats, stats
+    assert stats["torch_compile_calls"] > 20
+    steps = runner.decode_shapes  # decode steps per (rows, key length) bucket
+    assert {1, 16} <= {rows for rows, _ in steps}  # (decoded eagerly)
+    assert stats["torch_compile_calls"] == sum(n for (rows, _), n in steps.items() if 2 <= rows <= 12)
+    compiled_shapes = {shape for shape in steps if 2 <= shape[0] <= 12}
+    assert len(compiled_shapes) >= 5 and len({keys for _, keys in compiled_shapes}) >= 2
+    assert runner.cache.length == 256
+    # One compile for live keys; padded keys take the key length as a Python int, which turns
+    # dynamic at its first change (a second). Unmarked, the first change of each size compiles again.
+    assert counters["stats"]["unique_graphs"] - before == (1 if live else 2)
+
+
+def test_a_compile_that_fails_decodes_eagerly_and_says_why(monkeypatch):
+    """A backend that cannot compile (Inductor without a C compiler, say): the step runs eagerly
+    with the same result, compiling stays off, and the stats say why."""
+    import functools
+
+    from slime.engines.torch_engine import compiled_decode
+
+    def no_compiler(graph, example_inputs):
+        raise RuntimeError("no C compiler found")
+
+    monkeypatch.setattr(
+        compiled_decode.torch, "compile", functools.partial(torch.compile, backend=no_compiler)
+    )
+    eager_calls = []
+
+    def forward(inputs: torch.Tensor, key_len: int) -> torch.Tensor:
+        eager_calls.append(inputs.shape[1])
+        return inputs.float() * key_len
+
+    torch._dynamo.reset()
+    compiled = compiled_decode.CompiledDecode(forward, lambda: [], max_bs=8)
+    inputs = torch.arange(8).view(2, 4)
+    assert torch.equal(compiled(inputs, 3), inputs.float() * 3)
+    stats = compiled.stats()
+    assert "no C compiler found" in stats["torch_compile_failed"] and stats["torch_compile_calls"] == 0
+    assert not compiled.covers(4) and torch.equal(compiled(inputs, 2), inputs.float() * 2)
+    assert eager_calls[-1] == 4 and compiled.stats()["torch_compile_calls"] == 0
+
+
+def test_the_compile_flags_are_sglangs(tiny_model, capsys):
+    """`--enable-torch-compile` and `--torch-compile-max-bs` (SGLang's names and default, 32); a
+    limit below 1 is a usage error that names the flag."""
+    from slime.engines.torch_engine.cli import build_parser, validate
+
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", tiny_model])
+    assert (args.enable_torch_compile, args.torch_compile_max_bs) == (False, 32)
+    args = parser.parse_args(
+        ["--model-path", tiny_model, "--enable-torch-compile", "--torch-compile-max-bs", "64"]
+    )
+    validate(args, parser)
+    assert (args.enable_torch_compile, args.torch_compile_max_bs) == (True, 64)
+    with pytest.raises(SystemExit) as e:
+        validate(parser.parse_args(["--model-path", tiny_model, "--torch-compile-max-bs", "0"]), parser)
+    assert e.value.code == 2 and "--torch-compile-max-bs 0 must be >= 1" in capsys.readouterr().err

@@ -177,6 +177,9 @@ def test_the_torch_engine_takes_the_sglang_options_it_shares(tiny_model, tmp_pat
         "--sglang-disable-overlap-schedule",
         "--sglang-attention-backend",
         "torch_native",
+        "--sglang-enable-torch-compile",
+        "--sglang-torch-compile-max-bs",
+        "64",
     ]
     config = parse_args([*base, *given])
     assert list(config.cluster.sglang_server_args) == [
@@ -189,6 +192,9 @@ def test_the_torch_engine_takes_the_sglang_options_it_shares(tiny_model, tmp_pat
         "--disable-overlap-schedule",
         "--attention-backend",
         "torch_native",
+        "--enable-torch-compile",
+        "--torch-compile-max-bs",
+        "64",
     ]
     for flag, value, message in (
         ("--sglang-dtype", "auto", "the torch engine takes float32 | bfloat16"),

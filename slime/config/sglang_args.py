@@ -55,6 +55,8 @@ TORCH_ENGINE_OPTIONS: dict[str, tuple[str, ...] | None] = {
     "--cuda-graph-max-bs": None,
     "--disable-overlap-schedule": None,
     "--num-continuous-decode-steps": None,
+    "--enable-torch-compile": None,
+    "--torch-compile-max-bs": None,
     # SGLang's own choices hold where SGLang is installed; torch_native is the one both share (the
     # torch engine's padded-key kernels; its default takes the flash kernel where it runs).
     "--attention-backend": ("torch_native",),

@@ -158,6 +158,18 @@ def _cuda_flags(g: Any) -> None:
         "--max-running-requests; 0: none)",
     )
     g.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="compile the decode step with torch.compile (Inductor fuses each layer's small kernels); "
+        "the first steps take seconds to minutes to compile (SGLang's flag)",
+    )
+    g.add_argument(
+        "--torch-compile-max-bs",
+        type=int,
+        default=32,
+        help="largest decode batch run compiled, with --enable-torch-compile (SGLang's flag and default)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["auto", "flash", "torch_native"],
         default="auto",
@@ -179,6 +191,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-running-requests must be >= 1")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 0:
         parser.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} must be >= 0 (0: no CUDA graphs)")
+    if args.torch_compile_max_bs < 1:
+        parser.error(f"--torch-compile-max-bs {args.torch_compile_max_bs} must be >= 1")
     if args.num_continuous_decode_steps < 1:
         parser.error(f"--num-continuous-decode-steps {args.num_continuous_decode_steps} must be >= 1")
     if args.max_prefill_tokens < 1:
@@ -244,6 +258,8 @@ async def serve(args: argparse.Namespace) -> None:
         overlap_schedule=False if args.disable_overlap_schedule else None,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
         attention_backend=args.attention_backend,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
         enable_return_routed_experts=args.enable_return_routed_experts,
         enable_lora=args.enable_lora or bool(args.lora_paths),
         max_loaded_loras=args.max_loaded_loras,
@@ -260,8 +276,9 @@ async def serve(args: argparse.Namespace) -> None:
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
+    compiled = getattr(engine.runner, "compiled", None)
     logger.info(
-        "torch engine %s ready at %s (%s, %s, %d running at most, %s, decode rounds of up to %d step(s)%s; "
+        "torch engine %s ready at %s (%s, %s, %d running at most, %s, decode rounds of up to %d step(s)%s%s; "
         "API key %s, parameter dumps %s)",
         args.model_path,
         url,
@@ -271,6 +288,7 @@ async def serve(args: argparse.Namespace) -> None:
         engine.runner.stats().get("decode_attention", "transformers' attention"),
         args.num_continuous_decode_steps,
         ", overlapped" if engine.rounds is not None and engine.rounds.overlap else "",
+        f", torch.compile up to {compiled.max_bs} rows" if compiled is not None else "",
         "required" if args.api_key else "off",
         f"under {os.path.realpath(args.debug_dump_dir)}" if args.debug_dump_dir else "off",
     )

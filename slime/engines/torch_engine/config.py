@@ -51,6 +51,11 @@ class EngineConfig:
     """Launch each decode round before booking the previous one (slime.engines.torch_engine.rounds);
     None: on CUDA with the batched runner, unless deterministic (`--disable-overlap-schedule`,
     SGLang's flag, turns it off)."""
+    enable_torch_compile: bool = False
+    """`--enable-torch-compile` (SGLang's): decode steps of the batched runner's dense models run
+    through torch.compile (slime.engines.torch_engine.compiled_decode), inside the CUDA graphs."""
+    torch_compile_max_bs: int = 32
+    """`--torch-compile-max-bs` (SGLang's, and its default): the largest decode batch compiled."""
     attention_backend: str = "auto"
     """`--attention-backend` (SGLang's flag, our choices): decode attention over each row's live
     keys with torch's flash kernel (`flash`), over keys padded to the batch's longest (`torch_native`),

@@ -74,6 +74,7 @@ class TorchEngine:
             config.deterministic,
             cuda_graph_max_bs=0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
             attention_backend=config.attention_backend,
+            torch_compile_max_bs=config.torch_compile_max_bs if config.enable_torch_compile else 0,
             batched=BatchedVisionRunner if vision else None,
             generic=VisionRunner if vision else GenericRunner,
         )

@@ -42,6 +42,7 @@ from slime.engines.torch_engine.attention import (
     prefill_attention_cuda,
     sdpa_masked,
 )
+from slime.engines.torch_engine.compiled_decode import CompiledDecode
 from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
 from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.layers import attention_kind, text_model
@@ -97,9 +98,11 @@ def make_runner(
     attention_backend: str = "auto",
     batched: type[BatchedRunner] | None = None,
     generic: Callable[[Any], Runner] = GenericRunner,
+    torch_compile_max_bs: int = 0,
 ) -> Runner:
     """`cuda_graph_max_bs`: on CUDA, decode batches up to this many rows replay CUDA graphs (0: none,
-    None: every batch). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run).
+    None: every batch). `torch_compile_max_bs`: decode batches up to this many rows run compiled
+    (0: none). `attention_backend`: EngineConfig's (ValueError where `flash` cannot run).
     `batched` / `generic`: the runners' classes (a vision-language model's: slime.engines.
     torch_engine.vision)."""
     if not fits_batched_runner(model):
@@ -108,6 +111,8 @@ def make_runner(
                 f"--attention-backend flash: model_type {model.config.model_type!r} runs on the "
                 "per-sequence runner, whose attention is transformers'; use auto"
             )
+        if torch_compile_max_bs:
+            logger.warning("--enable-torch-compile: the per-sequence runner decodes eagerly")
         logger.info("model_type %r: using the generic per-sequence runner", model.config.model_type)
         return generic(model)
     runner = (batched or BatchedRunner)(
@@ -117,6 +122,7 @@ def make_runner(
         deterministic,
         cuda_graph_max_bs=cuda_graph_max_bs,
         live_keys=False if attention_backend == "torch_native" else None,
+        torch_compile_max_bs=torch_compile_max_bs,
     )
     if attention_backend == "flash" and runner.kind.value_dim is not None:
         raise ValueError("--attention-backend flash: multi-latent attention reads padded keys; use auto")
@@ -148,10 +154,13 @@ class BatchedRunner(Runner):
         bucket_shapes: bool | None = None,
         cuda_graph_max_bs: int | None = None,
         live_keys: LiveKernel | bool | None = None,
+        torch_compile_max_bs: int = 0,
     ):
         """`live_keys`: decode attention reads only each row's live keys with this kernel
         (slime.engines.torch_engine.attention.live_decode_attention) over a token-major cache;
-        None: the flash kernel where it runs (never in deterministic mode); False: padded keys."""
+        None: the flash kernel where it runs (never in deterministic mode); False: padded keys.
+        `torch_compile_max_bs`: decode batches of 2 up to this many rows run through torch.compile
+        (slime.engines.torch_engine.compiled_decode; 0: none)."""
         self.model = model
         self.deterministic = deterministic
         self.inner: Any = text_model(model)
@@ -210,6 +219,15 @@ class BatchedRunner(Runner):
             max_batch = min(cuda_graph_max_bs or max_running, max_running)
             self.graphs = DecodeGraphs(self._graph_forward, max_batch, self.shapes.rows(max_batch))
         self._graphs_generation = self.cache.generation
+        # torch.compile, for the models CUDA graphs take, and not where each sequence decodes alone
+        self.compiled: CompiledDecode | None = None
+        if torch_compile_max_bs and plain and not deterministic:
+            self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, torch_compile_max_bs)
+        elif torch_compile_max_bs:
+            logger.warning(
+                "--enable-torch-compile: this model's decode runs eagerly (mixture-of-experts or "
+                "linear-attention layers, or --enable-deterministic-inference)"
+            )
 
     def _record_routing(self, li: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -357,6 +375,8 @@ class BatchedRunner(Runner):
         if self._graph_ready(seqs, first_row, record):
             assert self.graphs is not None
             logits = self.graphs.run(inputs, key_len)
+        elif self.compiled is not None and not first_row and not record and not self._lora_in(seqs):
+            logits = self.compiled(inputs, key_len)
         else:  # padding rows run the base model
             with lora_rows(self.adapters, [s.lora for s in seqs] + [None] * (rows - B)):
                 logits = self._decode_forward(inputs, key_len, first_row)
@@ -374,7 +394,9 @@ class BatchedRunner(Runner):
         rotary = positions if self.rope_offsets is None else positions + self.rope_offsets[first_row:][:rows]
         cache, live = self.cache, self.live_keys
         if live is not None:
-            live_rows = LiveRows.of(positions, first_row, cache.length)
+            # the length from the buffer's shape, not the int attribute: a compiled forward takes
+            # it as a dynamic size rather than compiling again whenever the cache grows
+            live_rows = LiveRows.of(positions, first_row, cache.k[0].shape[1])
 
             def attend(q: torch.Tensor, li: int) -> torch.Tensor:
                 return live_decode_attention(q, cache.k[li], cache.v[li], live_rows, self.scaling, live)
@@ -394,14 +416,24 @@ class BatchedRunner(Runner):
         )
 
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
-        return self._decode_forward(inputs, key_len)
+        return (self.compiled or self._decode_forward)(inputs, key_len)
+
+    def _growing_buffers(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The KV cache's layer buffers with their rows and length dimensions (they grow)."""
+        dims = (0, 1) if self.cache.token_major else (0, 2)
+        return [(buf, dims) for buf in self.cache.k + self.cache.v]
+
+    def _lora_in(self, seqs: list[Sequence]) -> bool:
+        """Whether one of `seqs` decodes with an adapter (the LoRA hooks choose adapters per row
+        in Python: neither a CUDA graph nor a compiled forward holds them)."""
+        return self.adapters is not None and any(s.lora is not None for s in seqs)
 
     def _graph_ready(self, seqs: list[Sequence], first_row: int, record: bool) -> bool:
         """Whether this step replays a CUDA graph (dropping graphs made stale by a cache regrow)."""
         if self.graphs is None or first_row or record or not self.graphs.covers(len(seqs)):
             return False
-        if self.adapters is not None and any(s.lora is not None for s in seqs):
-            return False  # the LoRA hooks choose adapters per row in Python
+        if self._lora_in(seqs):
+            return False
         if self._graphs_generation != self.cache.generation:
             self.graphs.clear()
             self._graphs_generation = self.cache.generation
@@ -450,4 +482,6 @@ class BatchedRunner(Runner):
             )
             if self.graphs.failed:
                 out["cuda_graph_failed"] = self.graphs.failed
+        if self.compiled is not None:
+            out.update(self.compiled.stats())
         return out
