@@ -7,7 +7,8 @@
 
 CPU (default). Workload: 64 requests, prompt lengths 8-64 and max_new_tokens 16-128 drawn with a
 fixed seed, all submitted at once; every request generates exactly its max_new_tokens
-(ignore_eos), sampled at temperature 1. Baseline, measured in the same run: `model.generate` on
+(ignore_eos), sampled at temperature 1; also with the decode step compiled (`--enable-torch-compile`,
+after a warm-up that compiles). Baseline, measured in the same run: `model.generate` on
 the same requests in left-padded batches of 32 (each batch runs to its longest max_new_tokens;
 only the requested tokens are counted). Also: torch-engine tokens/s at client concurrency 1, 8,
 32, 64, and the engine process RSS before and after --leak-requests requests. `--compare-src DIR`
@@ -198,6 +199,16 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
         rss_after = proc.memory_info().rss
     finally:
         engine.stop()
+    compiled = start_torch_engine(
+        model_path,
+        [*flags, "--enable-torch-compile", "--torch-compile-max-bs", "64"],
+        log_path=os.path.join(tmp, "compiled.log"),
+    )
+    try:
+        asyncio.run(run_engine(compiled.url, reqs[:8], 8))  # warm-up: its steps compile
+        compiled_tps, _ = asyncio.run(run_engine(compiled.url, reqs, 64))
+    finally:
+        compiled.stop()
     before_tps = None
     if args.compare_src:
         # PYTHONSAFEPATH: `python -m` must not put our working directory ahead of the other tree.
@@ -214,6 +225,7 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
     growth_mb = (rss_after - rss_before) / 2**20
     rows.append(("HF generate (padded batches of 32)", f"{hf_tps:,.0f}"))
     rows.append(("torch engine (64 at once)", f"{engine_tps:,.0f}"))
+    rows.append(("torch engine, --enable-torch-compile (64 at once)", f"{compiled_tps:,.0f}"))
     if before_tps is not None:
         rows.append((f"torch engine from {args.compare_src} (64 at once)", f"{before_tps:,.0f}"))
     for c, tps in sweep.items():
@@ -227,6 +239,7 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
         f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 1.5x: "
         f"{'PASS' if ratio >= 1.5 else 'FAIL'})"
     )
+    print(f"ratio --enable-torch-compile / eager decode steps: {compiled_tps / engine_tps:.2f}x")
     if before_tps is not None:
         print(
             f"ratio this tree / {args.compare_src}: {engine_tps / before_tps:.2f}x (target >= 1.0x within "
@@ -314,6 +327,8 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     for name, (_, _, stats) in results.items():
         print(f"{name}: engine stats {stats}")
     tps, busy_pct, _ = results["CUDA graphs, overlap"]
+    compiled_tps = results["torch.compile (--enable-torch-compile)"][0]
+    print(f"\nratio --enable-torch-compile / the default: {compiled_tps / tps:.2f}x")
     ratio = tps / hf_tps
     print(
         f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 10x: "

@@ -19,7 +19,7 @@
 # else 0. A part whose dependency is missing is SKIP with the reason, never PASS; without a CUDA
 # GPU every part is SKIP (exit 0). Environment: PYTHON (python3); GPU_CHECK_OUT, the folder for
 # the logs (default: a new mktemp folder); each part's limit in seconds, GPU_CHECK_TIMEOUT_TESTS
-# (480), GPU_CHECK_TIMEOUT_JOB (60, each job), GPU_CHECK_TIMEOUT_BENCH (240), GPU_CHECK_TIMEOUT_STEP
+# (480), GPU_CHECK_TIMEOUT_JOB (60, each job), GPU_CHECK_TIMEOUT_BENCH (360), GPU_CHECK_TIMEOUT_STEP
 # (540) (a part still running
 # at its limit gets SIGINT, which lets pytest print its summary and train.py shut Ray down, then
 # SIGKILL 10 s later). On an H100 the model-family and Megatron GPU tests alone took 345 s, so
@@ -35,7 +35,7 @@ PARTS=("$@")
 for p in "${PARTS[@]}"; do
     [[ " ${ALL[*]} " == *" $p "* ]] || { echo "unknown part '$p'; parts: ${ALL[*]}" >&2; exit 2; }
 done
-T_TESTS=${GPU_CHECK_TIMEOUT_TESTS:-480} T_JOB=${GPU_CHECK_TIMEOUT_JOB:-60} T_BENCH=${GPU_CHECK_TIMEOUT_BENCH:-240}
+T_TESTS=${GPU_CHECK_TIMEOUT_TESTS:-480} T_JOB=${GPU_CHECK_TIMEOUT_JOB:-60} T_BENCH=${GPU_CHECK_TIMEOUT_BENCH:-360}
 T_STEP=${GPU_CHECK_TIMEOUT_STEP:-540}
 # Hidden: GPU_CHECK_DEVICE=cpu exists only to rehearse the command lines on a machine without a
 # GPU (the jobs and the benchmark get --device cpu, the CUDA check is not made). Every flag below

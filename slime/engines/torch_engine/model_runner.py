@@ -210,18 +210,24 @@ class BatchedRunner(Runner):
         self._routed: dict[int, torch.Tensor] | None = None
         for li, router in self.routers.items():
             router.register_forward_hook(self._record_routing(li))
-        # CUDA graphs for dense models: HF's expert routing synchronises with the host (told by
-        # structure, not by the router's class, which changed between transformers releases).
-        self.graphs: DecodeGraphs | None = None
+        self._set_up_fast_decode(on_cuda and bucketed, max_running, cuda_graph_max_bs, torch_compile_max_bs)
+
+    def _set_up_fast_decode(
+        self, graphable: bool, max_running: int, cuda_graph_max_bs: int | None, torch_compile_max_bs: int
+    ) -> None:
+        """CUDA graphs (`graphable`: CUDA, bucketed shapes) and torch.compile, for dense models:
+        HF's expert routing synchronises with the host (told by structure, not by the router's
+        class, which changed between transformers releases); delta-nets are not captured yet."""
         experts = any(hasattr(getattr(layer, "mlp", None), "experts") for layer in self.inner.layers)
-        plain = not experts and not self.routers and self.states is None  # (delta-nets: not captured yet)
-        if on_cuda and bucketed and plain and cuda_graph_max_bs != 0:
+        plain = not experts and not self.routers and self.states is None
+        self.graphs: DecodeGraphs | None = None
+        if graphable and plain and cuda_graph_max_bs != 0:
             max_batch = min(cuda_graph_max_bs or max_running, max_running)
             self.graphs = DecodeGraphs(self._graph_forward, max_batch, self.shapes.rows(max_batch))
         self._graphs_generation = self.cache.generation
-        # torch.compile, for the models CUDA graphs take, and not where each sequence decodes alone
+        # not where each sequence decodes alone (deterministic mode)
         self.compiled: CompiledDecode | None = None
-        if torch_compile_max_bs and plain and not deterministic:
+        if torch_compile_max_bs and plain and not self.deterministic:
             self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, torch_compile_max_bs)
         elif torch_compile_max_bs:
             logger.warning(
