@@ -32,10 +32,11 @@ def blocking_copy(args: tuple, kwargs: dict) -> bool:
     return moves and not kwargs.get("non_blocking") and sys._getframe(2).f_code.co_filename.startswith(SLIME)
 
 
-def count_step_waits(rank, world_size, init_method, model, micro_batch_size, critic):
+def count_step_waits(rank, world_size, init_method, model, micro_batch_size, critic, passes=False):
     """The waits of each optimizer step of one train call: the policy's (FSDPBackend.train_step),
     or with `critic` the value model's (FSDPValueModel.value_step); --check-precision on, so that
-    the step-0 gaps are kept too."""
+    the step-0 gaps are kept too. With `passes`, the waits of the no-grad passes instead (the
+    policy's log-prob passes, the critic's value passes)."""
     import dataclasses
 
     from slime.backends.fsdp.actor import FSDPBackend, FSDPTrainActor
@@ -45,10 +46,9 @@ def count_step_waits(rank, world_size, init_method, model, micro_batch_size, cri
     trainer = (FSDPCritic if critic else FSDPTrainActor)(cfg, rank, world_size, init_method)
     trainer.init()
     batch = make_batch(0)
-    if critic:
-        old = trainer.compute_values(batch)
-        returns = {i: [r] * n for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))}
-    owner, method = (FSDPValueModel, "value_step") if critic else (FSDPBackend, "train_step")
+    owner = FSDPValueModel if critic else FSDPBackend
+    method = {(False, False): "train_step", (True, False): "value_step"}.get((critic, passes))
+    method = method or ("value_pass" if critic else "log_prob_pass")
     counts = {"steps": 0, "waits": 0}
     originals = {name: getattr(torch.Tensor, name) for name in (*READS, "to")}
 
@@ -75,6 +75,8 @@ def count_step_waits(rank, world_size, init_method, model, micro_batch_size, cri
     setattr(owner, method, counting_step)
     try:
         if critic:
+            old = trainer.compute_values(batch)
+            returns = {i: [r] * n for i, (r, n) in enumerate(zip(batch.rewards, batch.response_lengths))}
             trainer.train_values(0, batch, old, returns)
         else:
             trainer.train(0, batch)
@@ -90,6 +92,16 @@ def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_w
     four = run_ranks(1, count_step_waits, tiny_model, 1, critic)[0]
     assert one["steps"] == four["steps"] == 2  # 8 samples, 4 a step
     assert four["waits"] == one["waits"], (four, one)
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["log-prob-pass", "value-pass"])
+def test_a_no_grad_pass_waits_once_for_its_results_however_many_micro_batches(tiny_model, critic):
+    """The passes before the train steps bring their results down in one copy, not one per
+    micro-batch (8 micro-batches of 1 sample against 2 of 4)."""
+    two = run_ranks(1, count_step_waits, tiny_model, 4, critic, True)[0]
+    eight = run_ranks(1, count_step_waits, tiny_model, 1, critic, True)[0]
+    assert two["steps"] == eight["steps"] >= 1
+    assert eight["waits"] == two["waits"], (eight, two)
 
 
 def test_the_precision_gap_is_a_masked_max_that_keeps_a_nan():

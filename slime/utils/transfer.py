@@ -48,3 +48,33 @@ class HostCopy:
 def to_host_async(tensor: torch.Tensor) -> HostCopy:
     """Start copying `tensor` to the host (the step's one copy down, without waiting for it)."""
     return HostCopy(tensor)
+
+
+class RowsToHost:
+    """Results of a loop over micro-batches, one row per sample on the device, brought down in one
+    copy when the loop is done (`collect`): copying each micro-batch's down would make the host
+    wait for the device at every one, and launch the next only once the device sat idle."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        """`dtype`: the rows' dtype on the host (None: as they are)."""
+        self.dtype = dtype
+        self._parts: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+    def add(self, rows: torch.Tensor, keys: list[int], lengths: list[int]) -> None:
+        """`rows` [len(keys), width] on the device: row i is keys[i]'s, its first lengths[i] values."""
+        self._parts.append((rows if self.dtype is None else rows.to(self.dtype), keys, lengths))
+
+    def collect(self) -> dict[int, torch.Tensor]:
+        """Each key's values on the host (one copy down; waits for the device once)."""
+        if not self._parts:
+            return {}
+        flat = to_host(torch.cat([rows.reshape(-1) for rows, _, _ in self._parts]))
+        out: dict[int, torch.Tensor] = {}
+        offset = 0
+        for rows, keys, lengths in self._parts:
+            block = flat[offset : offset + rows.numel()].view(rows.shape)
+            offset += rows.numel()
+            for row, (key, n) in enumerate(zip(keys, lengths)):
+                out[key] = block[row, :n].clone()
+        self._parts.clear()
+        return out

@@ -32,7 +32,7 @@ from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
-from slime.utils import hf_experts, model_families
+from slime.utils import hf_experts, model_families, transfer
 from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.step_plans import StepPlan
@@ -291,10 +291,11 @@ class FSDPBackend:
     # ---- log-probs --------------------------------------------------------------------------
     @torch.no_grad()
     def log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan], how: Pass) -> PassResult:
-        result = PassResult({}, {} if how.entropy else None)
+        result = PassResult({})
         record = how.record and self.routing is not None
         if record:
             result.routing = {}
+        log_probs_down, entropy_down = transfer.RowsToHost(), transfer.RowsToHost(torch.float32)
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
             for step in plans:
@@ -313,14 +314,15 @@ class FSDPBackend:
                         routed = self.routing.recorded(state, mb.input_ids.numel(), self.device).cpu()
                         for start, p in zip(mb.token_starts(), mb.positions):
                             result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
-                    log_probs = log_probs.cpu()
-                    for row, p in enumerate(mb.positions):
-                        result.log_probs[p] = log_probs[row, : mb.response_lengths[row]].clone()
-                        if entropy is not None and result.entropy is not None:
-                            result.entropy[p] = entropy[row, : mb.response_lengths[row]].float().cpu()
+                    log_probs_down.add(log_probs, mb.positions, mb.response_lengths)
+                    if entropy is not None:
+                        entropy_down.add(entropy, mb.positions, mb.response_lengths)
         finally:
             self.model.train()
         model_init.reshard(self.model)
+        result.log_probs = log_probs_down.collect()
+        if how.entropy:
+            result.entropy = entropy_down.collect()
         return result
 
     def snapshot(self) -> State:

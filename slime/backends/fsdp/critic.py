@@ -17,6 +17,7 @@ from slime.backends.fsdp.actor import FSDPBackend
 from slime.backends.fsdp.forward import response_values
 from slime.backends.interface import PerPosition, ValueLoss
 from slime.backends.value import ValueTrainer, fresh_value_head, value_model_config
+from slime.utils import transfer
 from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.step_plans import StepPlan
 
@@ -31,19 +32,17 @@ class FSDPValueModel(FSDPBackend):
 
     @torch.no_grad()
     def value_pass(self, batch: RolloutBatch, plans: list[StepPlan]) -> PerPosition:
-        out: PerPosition = {}
+        values = transfer.RowsToHost()
         self.model.eval()
         try:
             for step in plans:
                 for positions in step.micro_batches:
                     mb = self._micro_batch(batch, positions)
-                    values = response_values(self.model, mb).cpu()
-                    for row, p in enumerate(mb.positions):
-                        out[p] = values[row, : mb.response_lengths[row]].clone()
+                    values.add(response_values(self.model, mb), mb.positions, mb.response_lengths)
         finally:
             self.model.train()
         model_init.reshard(self.model)
-        return out
+        return values.collect()
 
     def value_step(self, batch: RolloutBatch, step: StepPlan, loss: ValueLoss) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
