@@ -15,7 +15,9 @@ CUDA the engine and the trainer compute in bfloat16, the engine runs every sampl
 log-probs' float32 softmax runs 1,024 tokens at a time (`--log-probs-chunk-size`).
 
 With --torch-compile the engines decode through torch.compile (SGLang's --enable-torch-compile,
-for every batch size); the first rollout compiles.
+for every batch size) and the FSDP trainer's decoder layers run compiled (--fsdp-torch-compile);
+the first step compiles, the second compiles a few of the trainer's graphs again with a dynamic
+token count, so both are left out of the medians. The plain PyTorch loop stays eager.
 
 Per phase, the median over the steps after the first (the first warms kernels and CUDA graphs):
 - rollout: generated tokens/s and its share of the memory roofline: an ideal engine's time, each
@@ -163,8 +165,10 @@ def run_job(args: argparse.Namespace, out: str, model: str, prompts: str) -> lis
         )
     if args.peak_tflops:
         argv += ["--peak-tflops", str(args.peak_tflops)]
-    if args.torch_compile:  # every batch size the rollout decodes (its first step compiles)
+    if args.torch_compile:  # every batch size the rollout decodes; the FSDP trainer's layers
         argv += ["--sglang-enable-torch-compile", "--sglang-torch-compile-max-bs", str(samples)]
+        if args.train_backend == "fsdp":
+            argv += ["--fsdp-torch-compile"]
     log_dir = os.path.join(out, "logs")
     env = {**os.environ, "SLIME_LOG_DIR": log_dir, "TOKENIZERS_PARALLELISM": "false"}
     if args.profile:  # the extra last rollout
@@ -298,7 +302,12 @@ def main() -> int:
     ap.add_argument("--samples-per-prompt", type=int, default=None, help="default: 16; CPU 2")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 512; CPU 8")
-    ap.add_argument("--steps", type=int, default=3, help="rollouts; the first is left out of the medians")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="rollouts; the first is left out of the medians (the first two with --torch-compile)",
+    )
     ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="default: 8192; CPU 4096")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="default: the GPU's, from a table")
     ap.add_argument("--peak-tflops", type=float, default=None, help="default: the GPU's dense bf16 peak")
@@ -313,7 +322,7 @@ def main() -> int:
     ap.add_argument(
         "--torch-compile",
         action="store_true",
-        help="the engines decode through torch.compile (--sglang-enable-torch-compile, every batch size)",
+        help="the engines' decode step and the FSDP trainer's layers through torch.compile",
     )
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -330,8 +339,11 @@ def main() -> int:
     for name, (gpu, cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
-    if args.steps < 2:
-        ap.error("--steps must be at least 2 (the first warms up)")
+    if args.steps <= warm_up_steps(args):
+        ap.error(
+            f"--steps must be at least {warm_up_steps(args) + 1} (the first "
+            f"{'two warm' if args.torch_compile else 'warms'} up)"
+        )
     out = args.out or tempfile.mkdtemp(prefix="bench-grpo-step-")
     model, prompts = make_inputs(args, out)
     records = run_job(args, out, model, prompts)
@@ -363,6 +375,12 @@ METRICS = (
 )
 
 
+def warm_up_steps(args: argparse.Namespace) -> int:
+    """The steps left out of the medians: the first (kernels, CUDA graphs); with --torch-compile
+    the second too, where the trainer's graphs compile again with a dynamic token count."""
+    return 2 if args.torch_compile else 1
+
+
 def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) -> bool:
     """Print the phase table, the baselines and (Qwen3-0.6B on CUDA) the targets; False if one
     was missed."""
@@ -371,7 +389,7 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
     device_name = torch.cuda.get_device_name() if cuda else "CPU"
     bandwidth = args.bandwidth_gbs or (bandwidth_gbs(device_name) if cuda else None)
     peak = args.peak_tflops or (flops.peak_tflops(device_name) if cuda else None)
-    steady = records[1:]
+    steady = records[warm_up_steps(args) :]
     rollouts = [load_rollout(out, r["rollout_id"]) for r in steady]
     rollout_tps, roof_tps = [], []
     for r, samples in zip(steady, rollouts):
@@ -388,7 +406,7 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
         f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), "
         f"{args.train_backend}, {device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, "
         f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; "
-        f"medians of steps 2-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak "
+        f"medians of steps {warm_up_steps(args) + 1}-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak "
         f"{_f(peak, '{:,.0f}')} TFLOPS"
     )
     rows = phase_rows(m, first)

@@ -356,6 +356,7 @@ def test_sglang_engines_get_the_weight_checks_they_can_answer(prompts, capsys):
             ["--train-backend", "megatron", "--fsdp-cpu-offload", "--device", "cuda"],
             "--fsdp-cpu-offload configure the FSDP backend",
         ),
+        (["--train-backend", "megatron", "--fsdp-torch-compile"], "--fsdp-torch-compile configure the FSDP"),
     ],
 )
 def test_megatron_layout_flags_are_checked_against_ranks_and_model(

@@ -55,7 +55,7 @@ BENCHMARKS: dict[str, tuple[list[str], str, bool]] = {
             "--device",
             "cpu",
             "--steps",
-            "2",
+            "3",
             "--bandwidth-gbs",
             "20",
             "--peak-tflops",

@@ -203,6 +203,10 @@ def _varlen(
     return out.transpose(0, 1).unsqueeze(0)
 
 
+# Under --fsdp-torch-compile (slime.backends.fsdp.compiled) the attention stays out of the
+# compiled graph: one kernel already, whose per-segment path reads host-side bounds and whose
+# longest segment is a Python int that would otherwise compile again for every new length.
+@torch.compiler.disable
 def segment_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -230,8 +234,10 @@ def segment_attention(
         kwargs.get("max_length_q"),
         scaling,
         dropout if module.training else 0.0,
-    )
-    return out.transpose(1, 2).contiguous(), None
+    ).transpose(1, 2)
+    out = out.contiguous()
+    torch._dynamo.maybe_mark_dynamic(out, 1)  # the token axis (slime.backends.fsdp.compiled)
+    return out, None
 
 
 def register() -> str:

@@ -448,6 +448,7 @@ def megatron_problem(c: Config) -> str | None:
             ("--fsdp-cpu-offload", fsdp.cpu_offload),
             ("--fsdp-param-dtype", fsdp.param_dtype != "float32"),
             ("--fsdp-reduce-dtype", fsdp.reduce_dtype != "float32"),
+            ("--fsdp-torch-compile", fsdp.torch_compile),
             ("--train-vision-model", fsdp.train_vision_model),  # (Megatron has no vision tower)
         )
         if on

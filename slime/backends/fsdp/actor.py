@@ -22,7 +22,7 @@ import torch.distributed as dist
 from slime.backends import hf_checkpoint, startup
 from slime.backends.expert_bias import TokenCounts
 from slime.backends.fsdp import checkpoint as ckpt
-from slime.backends.fsdp import lora, model_init, moe, vision
+from slime.backends.fsdp import compiled, lora, model_init, moe, vision
 from slime.backends.fsdp.forward import response_log_probs
 from slime.backends.interface import MicroBatchLoss, Pass, PassResult, PerPosition, State
 from slime.backends.measures import add_to, sum_over_ranks
@@ -138,6 +138,8 @@ class FSDPBackend:
         )
         offload = CPUOffloadPolicy() if fsdp.cpu_offload else None
         model = model_init.shard_model(model, mesh, self.device, mp, offload, shard=not fsdp.disable_sharding)
+        if fsdp.torch_compile:
+            compiled.compile_layers(model_init.decoder_layers(model))
         if fsdp.disable_sharding:
             logger.warning("--debug-disable-sharding: training the plain module on one rank (no FSDP)")
         shards = model_init.read_local_shards(
