@@ -13,7 +13,7 @@ from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
 
-def train_rollouts(rank, world_size, init_method, model, compile_layers, checkpointing=False):
+def train_rollouts(rank, world_size, init_method, model, compile_layers, checkpointing=False, device="cpu"):
     """Two rollouts of two optimizer steps each (packed micro-batches of 2 samples, so the token
     count changes from one micro-batch to the next): each step's metrics, the log-probs of a
     third batch after them, and Dynamo's count of the graphs it compiled."""
@@ -25,13 +25,22 @@ def train_rollouts(rank, world_size, init_method, model, compile_layers, checkpo
 
     torch._dynamo.reset()
     fsdp = FSDPConfig(torch_compile=compile_layers, gradient_checkpointing=checkpointing)
-    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), fsdp=fsdp)
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), fsdp=fsdp, device=device)
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
     steps = [step for r in range(2) for step in actor.train(r, make_batch(r)).steps]
     log_probs = actor.compute_log_probs(make_batch(7))
     actor.close()
     return steps, log_probs, counters["stats"]["unique_graphs"]
+
+
+def assert_same_training(compiled, eager, compiled_lp, eager_lp, rel=1e-4, lp_abs=1e-5) -> None:
+    assert len(compiled) == len(eager) == 4
+    for got, want in zip(compiled, eager):
+        for name in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=rel, abs=1e-6), name
+    for p, want in eager_lp.items():
+        assert compiled_lp[p] == pytest.approx(want, abs=lp_abs)
 
 
 @pytest.mark.slow
@@ -41,12 +50,7 @@ def test_compiled_layers_train_as_the_eager_ones_from_one_set_of_graphs(tmp_path
     eager, eager_lp, eager_graphs = run_ranks(1, train_rollouts, two, False)[0]
     compiled, compiled_lp, graphs = run_ranks(1, train_rollouts, two, True)[0]
     assert eager_graphs == 0 and graphs > 0
-    assert len(compiled) == len(eager) == 4
-    for got, want in zip(compiled, eager):
-        for name in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
-    for p, want in eager_lp.items():
-        assert compiled_lp[p] == pytest.approx(want, abs=1e-5)
+    assert_same_training(compiled, eager, compiled_lp, eager_lp)
     # Three times the layers, the same graphs: the layers share them (their parameters are
     # inputs), and the micro-batches' changing lengths compiled a dynamic graph once.
     assert run_ranks(1, train_rollouts, six, True)[0][2] == graphs

@@ -74,3 +74,14 @@ def test_cuda_matches_cpu_and_sleep_releases_memory(tiny_model):
         same_numbers,
         pinned_and_fused,
     )
+
+
+def test_compiled_layers_train_as_the_eager_ones_on_cuda(tiny_model):
+    """--fsdp-torch-compile on CUDA (Inductor's Triton kernels, NCCL): the eager run's losses,
+    gradient norms and log-probs, float32."""
+    from tests.test_fsdp_compile import assert_same_training, train_rollouts
+
+    eager, eager_lp, _ = run_ranks(1, train_rollouts, tiny_model, False, False, "cuda")[0]
+    compiled, compiled_lp, graphs = run_ranks(1, train_rollouts, tiny_model, True, False, "cuda")[0]
+    assert graphs > 0
+    assert_same_training(compiled, eager, compiled_lp, eager_lp, rel=1e-3, lp_abs=1e-4)
