@@ -254,6 +254,22 @@ def bench_cpu(args: argparse.Namespace, tmp: str) -> int:
     return 0
 
 
+COMPILED = "torch.compile (--enable-torch-compile)"
+
+
+def cuda_configs(n: int) -> tuple[tuple[str, list[str]], ...]:
+    """The engine configurations the CUDA run measures, the default first; `n` requests."""
+    return (
+        ("CUDA graphs, overlap", []),
+        # every batch compiled (SGLang's default limit is 32); the engine compiles at its start
+        (COMPILED, ["--enable-torch-compile", "--torch-compile-max-bs", str(n)]),
+        ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
+        ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
+        ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
+        ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"]),
+    )
+
+
 def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     model_path = args.model_path or os.path.join(tmp, "qwen3-190m")
     if not args.model_path:
@@ -291,19 +307,7 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
         str(args.threads),
     ]
     results = {}
-    configs = (
-        ("CUDA graphs, overlap", []),
-        # every batch compiled (SGLang's default limit is 32); the warm-up's first step compiles
-        (
-            "torch.compile (--enable-torch-compile)",
-            ["--enable-torch-compile", "--torch-compile-max-bs", str(n)],
-        ),
-        ("rounds of 4 (--num-continuous-decode-steps 4)", ["--num-continuous-decode-steps", "4"]),
-        ("padded keys (--attention-backend torch_native)", ["--attention-backend", "torch_native"]),
-        ("CUDA graphs (--disable-overlap-schedule)", ["--disable-overlap-schedule"]),
-        ("eager (--disable-cuda-graph)", ["--disable-cuda-graph"]),
-    )
-    for name, extra in configs:
+    for name, extra in cuda_configs(n):
         log = os.path.join(tmp, f"engine-{len(results)}.log")
         engine = start_torch_engine(model_path, flags + extra, log_path=log)
         try:
@@ -327,8 +331,11 @@ def bench_cuda(args: argparse.Namespace, tmp: str) -> int:
     for name, (_, _, stats) in results.items():
         print(f"{name}: engine stats {stats}")
     tps, busy_pct, _ = results["CUDA graphs, overlap"]
-    compiled_tps = results["torch.compile (--enable-torch-compile)"][0]
+    compiled_tps, _, compiled_stats = results[COMPILED]
+    failed = compiled_stats.get("torch_compile_failed")
     print(f"\nratio --enable-torch-compile / the default: {compiled_tps / tps:.2f}x")
+    if failed:
+        print(f"WARNING: --enable-torch-compile fell back to eager decoding: {failed}")
     ratio = tps / hf_tps
     print(
         f"\nratio torch engine / HF generate: {ratio:.2f}x (target >= 10x: "
@@ -501,6 +508,9 @@ def _server_stats(url: str) -> dict:
         "cuda_graphs",
         "cuda_graph_replays",
         "cuda_graph_capture_seconds",
+        "cuda_graph_failed",
+        "torch_compile_calls",
+        "torch_compile_failed",
     )
     return {k: state[k] for k in keys if k in state}
 

@@ -406,8 +406,8 @@ def report(args: argparse.Namespace, out: str, model: str, records: list[dict]) 
         f"\n{args.preset or 'demo model'} ({config['_num_parameters']:,} parameters), "
         f"{args.train_backend}, {device_name}; {args.prompts} prompts x {args.samples_per_prompt} samples, "
         f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, up to {args.max_new_tokens} new; "
-        f"medians of steps {warm_up_steps(args) + 1}-{args.steps}; bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak "
-        f"{_f(peak, '{:,.0f}')} TFLOPS"
+        f"medians of steps {warm_up_steps(args) + 1}-{args.steps}; "
+        f"bandwidth {_f(bandwidth, '{:,.0f}')} GB/s, peak {_f(peak, '{:,.0f}')} TFLOPS"
     )
     rows = phase_rows(m, first)
     width = max(len(r[0]) for r in rows)

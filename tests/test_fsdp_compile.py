@@ -59,3 +59,27 @@ def test_compiled_layers_train_as_the_eager_ones_from_one_set_of_graphs(tmp_path
     recomputed, _, _ = run_ranks(1, train_rollouts, two, True, True)[0]
     for got, want in zip(recomputed, eager):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_the_flag_refuses_layers_it_cannot_compile(tiny_model, tiny_moe, tmp_path, capsys):
+    """Mixture-of-experts layers (transformers' expert loop depends on the data) are refused by
+    name at parse time, not found out after a rollout; a dense model takes the flag."""
+    import json
+
+    from slime.ray.cli import parse_args
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+
+    def argv(model: str) -> list[str]:
+        return [
+            *("--hf-checkpoint", model, "--prompt-data", str(prompts), "--rm-type", "exact"),
+            *("--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1"),
+            "--fsdp-torch-compile",
+        ]
+
+    assert parse_args(argv(tiny_model)).train.fsdp.torch_compile
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv(tiny_moe))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--fsdp-torch-compile with" in err and "mixture-of-experts" in err, err

@@ -9,6 +9,16 @@ from dataclasses import dataclass
 from slime.config.flags import flag
 
 DTYPES = ("float32", "bfloat16", "float16")
+FSDP_ONLY = (
+    "--debug-disable-sharding",
+    "--fsdp-cpu-offload",
+    "--fsdp-param-dtype",
+    "--fsdp-reduce-dtype",
+    "--fsdp-torch-compile",
+    "--train-vision-model",
+)
+"""The flags that configure the FSDP backend alone: refused with --train-backend megatron
+(slime.config.checks), and so in the flag table (slime.tools.flag_table)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+from slime.config.backends import FSDP_ONLY
 from slime.config.debug import DebugConfig
 from slime.config.records import Config
 from slime.config.rollout import needs_reward_key
@@ -441,18 +442,15 @@ def megatron_problem(c: Config) -> str | None:
             "ranks (megatron-core's expert layout)"
         )
     fsdp = c.train.fsdp
-    fsdp_only = [
-        flag
-        for flag, on in (
-            ("--debug-disable-sharding", fsdp.disable_sharding),
-            ("--fsdp-cpu-offload", fsdp.cpu_offload),
-            ("--fsdp-param-dtype", fsdp.param_dtype != "float32"),
-            ("--fsdp-reduce-dtype", fsdp.reduce_dtype != "float32"),
-            ("--fsdp-torch-compile", fsdp.torch_compile),
-            ("--train-vision-model", fsdp.train_vision_model),  # (Megatron has no vision tower)
-        )
-        if on
-    ]
+    set_here = {
+        "--debug-disable-sharding": fsdp.disable_sharding,
+        "--fsdp-cpu-offload": fsdp.cpu_offload,
+        "--fsdp-param-dtype": fsdp.param_dtype != "float32",
+        "--fsdp-reduce-dtype": fsdp.reduce_dtype != "float32",
+        "--fsdp-torch-compile": fsdp.torch_compile,
+        "--train-vision-model": fsdp.train_vision_model,  # (Megatron has no vision tower)
+    }
+    fsdp_only = [flag for flag in FSDP_ONLY if set_here[flag]]
     if fsdp_only:
         return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
     return None

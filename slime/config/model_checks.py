@@ -6,6 +6,7 @@ since Megatron-LM's flags have no record."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from slime.config.architecture import hf_config, hf_moe
 from slime.config.lora import ALL_LINEAR
@@ -41,11 +42,13 @@ def model_problems(config: Config) -> Iterator[str]:
             "vision-language model's language model only (its vision tower is not converted); train "
             "prompts with images with --train-backend fsdp"
         )
-    if train.moe.moe_router_bias_update_rate <= 0 and train.lora.rank <= 0:
+    if train.moe.moe_router_bias_update_rate <= 0 and train.lora.rank <= 0 and not train.fsdp.torch_compile:
         return  # nothing below to check: the checkpoint's config is not read
     model = hf_config(train.hf_checkpoint)
     if model is None:
         return
+    if train.fsdp.torch_compile and (why := _uncompiled_layers(model)):
+        yield f"--fsdp-torch-compile with {train.hf_checkpoint} ({model.model_type}): {why}; drop the flag"
     if train.moe.moe_router_bias_update_rate > 0 and not hf_moe(model).get("moe_router_enable_expert_bias"):
         yield train.moe.no_expert_bias(f"--hf-checkpoint {train.hf_checkpoint} ({model.model_type})")
     lora = train.lora
@@ -73,3 +76,16 @@ def model_problems(config: Config) -> Iterator[str]:
             f"{model.model_type!r}, vision-language): the Megatron backend's adapters are built for text "
             "models; use --train-backend fsdp"
         )
+
+
+def _uncompiled_layers(model: Any) -> str | None:
+    """Why --fsdp-torch-compile does not take this model's layers (None: it does). transformers'
+    mixture-of-experts forward loops over the experts that received tokens, a count read from the
+    device at every layer, and the linear-attention layers branch on their inputs likewise: torch
+    would break their graphs at every step and compile them again and again."""
+    text = model.get_text_config() if hasattr(model, "get_text_config") else model
+    if hf_moe(text)["num_experts"]:
+        return "its mixture-of-experts layers do not compile (their expert loop depends on the data)"
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        return "its linear-attention layers do not compile (they branch on their inputs)"
+    return None

@@ -5,7 +5,8 @@
 
 Generated from the parser itself (slime.config.arguments.build_parser), so the document cannot
 drift from the code: a test compares the two. Flags from slime.config.megatron_lm and
-slime.config.slime_flags carry their effect per train backend; every other flag is this project's
+slime.config.slime_flags carry their effect per train backend; the FSDP backend's own flags
+(slime.config.backends.FSDP_ONLY) are refused with Megatron; every other flag is this project's
 own setting, applied as its help says.
 """
 
@@ -25,6 +26,7 @@ def _cell(text: str | None) -> str:
 
 def render() -> str:
     from slime.config.arguments import build_parser
+    from slime.config.backends import FSDP_ONLY
     from slime.config.derived import SPECS
 
     specs = {s.flag: s for s in SPECS}
@@ -42,7 +44,7 @@ def render() -> str:
             if spec is not None:
                 out.append(f"| `{flag}` | {spec.fsdp} | {spec.megatron} | {_cell(spec.note)} |")
             else:
-                backends = getattr(a, "backends", ("fsdp", "megatron"))
+                backends = ("fsdp",) if flag in FSDP_ONLY else ("fsdp", "megatron")
                 cells = " | ".join("applied" if b in backends else "refused" for b in ("fsdp", "megatron"))
                 out.append(f"| `{flag}` | {cells} | {_cell(a.help)} |")
         out.append("")

@@ -40,9 +40,11 @@ def compile_layers(layers: list[torch.nn.Module]) -> None:
         return
     config: Any = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    compiled: Any = torch.compile(type(layers[0]).forward)
+    compiled: dict[type, Any] = {}  # one per layer class (a model may mix kinds of layers)
     for layer in layers:
-        layer.forward = compiled.__get__(layer)
+        if type(layer) not in compiled:
+            compiled[type(layer)] = torch.compile(type(layer).forward)
+        layer.forward = compiled[type(layer)].__get__(layer)
         layer.register_forward_pre_hook(_token_axis_dynamic, with_kwargs=True)
     logger.info("--fsdp-torch-compile: %d decoder layers compile at their first forward", len(layers))
 

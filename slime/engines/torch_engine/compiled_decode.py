@@ -9,13 +9,17 @@ generated kernels. The CUDA graphs (slime.engines.torch_engine.cuda_graphs) then
 compiled code, so a replay launches those fused kernels.
 
 Shapes: the batch's rows and the KV cache's rows and length are marked dynamic before the first
-call, so one compiled graph serves every bucket of rows and every cache size; a compile costs
-seconds on a CPU and tens of seconds on a GPU, at a batch's first step, not at every bucket.
-Batches of one row run eagerly (torch specialises a size of 1, which would compile again).
+call, so one compiled graph serves every bucket of rows and every cache size (torch's duck
+shaping, which would give two sizes that happen to be equal at that call one symbol and compile
+again when they part, is off for these calls). The runner compiles at its start (`warm_up`),
+before the engine serves: seconds on a CPU, likely tens of seconds on a GPU (not yet measured),
+never in the middle of a rollout. Batches of one row run eagerly (torch specialises a size of 1,
+which would compile again).
 
 A compile that fails (no C compiler for Inductor, an operator it cannot trace) switches compiling
-off for good with a warning naming the reason, and the step runs eagerly: the results are the
-same either way, only slower (`stats()['torch_compile_failed']`).
+off for good with a warning naming the reason, and the step runs eagerly: the eager results, only
+slower (`stats()['torch_compile_failed']`). An error in the compiled code's run itself (a kernel's
+first launch, out of memory) is raised as the eager step's would be.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class CompiledDecode:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(buf, dim)
         try:
-            out = self._compiled(inputs, key_len)
+            with _fx_config().patch(use_duck_shape=False):
+                out = self._compiled(inputs, key_len)
         except torch._dynamo.exc.TorchDynamoException as e:
             # tracing or code generation failed (Inductor's errors included); an error of the
             # step itself (out of memory, a kernel's) is raised again by the eager forward below
@@ -78,11 +83,25 @@ class CompiledDecode:
         self.num_calls += 1
         return out
 
+    def warm_up(self, inputs: torch.Tensor, key_lens: tuple[int, ...]) -> None:
+        """Compile now, on `inputs` (2 rows), once per key length given: a length that changes
+        (over padded keys, a Python int) compiles again at its first change."""
+        for key_len in key_lens:
+            self(inputs, key_len)
+        self.num_calls = 0
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"torch_compile_max_bs": self.max_bs, "torch_compile_calls": self.num_calls}
         if self.failed:
             out["torch_compile_failed"] = self.failed
         return out
+
+
+def _fx_config() -> Any:
+    """torch's symbolic-shape settings (a config module whose `patch` mypy cannot see)."""
+    from torch.fx.experimental import _config
+
+    return _config
 
 
 def _reason(e: BaseException) -> str:

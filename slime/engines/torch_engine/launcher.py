@@ -90,7 +90,8 @@ def start_torch_engine(
         model_path: HF checkpoint directory.
         extra_args: more server flags (e.g. ["--num-threads", "1"]); not `--api-key`.
         log_path: file for the server's stderr (default: inherit ours).
-        timeout_s: how long to wait for the ready line.
+        timeout_s: how long to wait for the ready line (at least 600 s with
+            --enable-torch-compile: the decode step compiles before it).
         env: more environment variables for the child.
         api_key: the key every route but /health* will require, passed in the child's
             environment; None: no key (an SLIME_ENGINE_API_KEY of ours is not inherited).
@@ -98,6 +99,8 @@ def start_torch_engine(
             under (made absolute here, against our working directory); None: dumps refused.
     """
     extra = list(extra_args or [])
+    if "--enable-torch-compile" in extra:
+        timeout_s = max(timeout_s, 600.0)
     if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
         raise ValueError(
             "pass the API key as start_torch_engine(api_key=...), not as --api-key in extra_args: "

@@ -47,10 +47,11 @@ from slime.engines.torch_engine.cuda_graphs import DecodeGraphs
 from slime.engines.torch_engine.kv_cache import SlotKVCache
 from slime.engines.torch_engine.layers import attention_kind, text_model
 from slime.engines.torch_engine.linear_states import LinearStates
+from slime.engines.torch_engine.routed_experts import RoutedExperts
 from slime.engines.torch_engine.runner import GenericRunner, Runner, TokenSource, lora_rows
 from slime.engines.torch_engine.sequence import Sequence
 from slime.engines.torch_engine.shapes import DecodeShapes
-from slime.utils import hf_experts, transfer
+from slime.utils import transfer
 from slime.utils.model_families import BATCHED, FAMILIES, auto_model_class
 
 logger = logging.getLogger(__name__)
@@ -203,13 +204,9 @@ class BatchedRunner(Runner):
         self.shapes = DecodeShapes(bucketed, max_running, context_length)
         self.decode_shapes: collections.Counter[tuple[int, int]] = collections.Counter()
         """Decode steps run per (batch rows, key length) bucket (counted when shapes are bucketed)."""
-        # Mixture-of-experts layers: their routers, and what they chose in the current forward
-        # when a sequence asked for its routed experts.
-        self.routers = hf_experts.find_routers(self.inner.layers)
-        self.top_k = next((r.top_k for r in self.routers.values()), 0)
-        self._routed: dict[int, torch.Tensor] | None = None
-        for li, router in self.routers.items():
-            router.register_forward_hook(self._record_routing(li))
+        # Mixture-of-experts layers: their routers, and what they chose for the sequences that ask.
+        self.experts = RoutedExperts(self.inner.layers)
+        self.routers = self.experts.routers
         self._set_up_fast_decode(on_cuda and bucketed, max_running, cuda_graph_max_bs, torch_compile_max_bs)
 
     def _set_up_fast_decode(
@@ -229,44 +226,18 @@ class BatchedRunner(Runner):
         self.compiled: CompiledDecode | None = None
         if torch_compile_max_bs and plain and not self.deterministic:
             self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, torch_compile_max_bs)
+            self._compile_now()
         elif torch_compile_max_bs:
             logger.warning(
                 "--enable-torch-compile: this model's decode runs eagerly (mixture-of-experts or "
                 "linear-attention layers, or --enable-deterministic-inference)"
             )
 
-    def _record_routing(self, li: int) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            if self._routed is not None:
-                self._routed[li] = output[2]  # the top-k expert indices, [tokens, k]
-
-        return hook
-
     def _reserve(self, rows: int, length: int) -> None:
         """Room in the KV cache (and a hybrid's linear-attention states) for `rows` x `length`."""
         self.cache.ensure(rows, length)
         if self.states is not None:
             self.states.ensure(rows)
-
-    def _record(self, seqs: list[Sequence]) -> None:
-        """The next forward records the routing when one of `seqs` asks for its experts."""
-        self._routed = {} if any(s.return_routed_experts for s in seqs) else None
-
-    def _keep_routed(self, seqs: list[Sequence], lengths: list[int], T: int) -> None:
-        """After a prefill that recorded routing: each sequence that asked keeps its tokens' experts."""
-        if self._routed is None:
-            return
-        for s, row, n in zip(seqs, self._routed_rows(len(seqs), T), lengths):
-            s.routed_experts = [row[:n]] if s.return_routed_experts else []
-        self._routed = None
-
-    def _routed_rows(self, B: int, T: int) -> torch.Tensor:
-        """What the routers chose in the last forward: [B, T, layers, top-k] int32 (dense layers 0)."""
-        assert self._routed is not None
-        out = torch.zeros((B, T, len(self.inner.layers), self.top_k), dtype=torch.int32)
-        for li, indices in self._routed.items():
-            out[:, :, li] = indices.view(B, T, -1).to("cpu", torch.int32)
-        return out
 
     def _forward(
         self,
@@ -323,7 +294,7 @@ class BatchedRunner(Runner):
             host[i, T] = lengths[i]
         uploaded = transfer.to_device(host, self.device)
         ids, lens = uploaded[:, :T], uploaded[:, T]
-        self._record(seqs)
+        self.experts.begin(seqs)
         pos = torch.arange(T, device=self.device)
         if self.device.type == "cuda":  # causal alone keeps right padding out of real positions
             attend = functools.partial(prefill_attention_cuda, scale=self.scaling)
@@ -334,7 +305,7 @@ class BatchedRunner(Runner):
             logits = self._forward(
                 ids, pos[None].expand(len(seqs), T), attend, slice(start, start + len(seqs)), None, lens - 1
             )
-        self._keep_routed(seqs, lengths, T)
+        self.experts.keep_prefill(seqs, lengths, T)
         for s, n in zip(seqs, lengths):
             s.num_cached = n
         self.active.extend(seqs)
@@ -376,21 +347,17 @@ class BatchedRunner(Runner):
             inputs = torch.stack((tokens_from[0].index_select(0, inputs[0]), inputs[1]))
         if self.shapes.bucketed:  # exact shapes would grow this without bound
             self.decode_shapes[(rows, key_len)] += 1
-        self._record(seqs)
-        record = self._routed is not None
+        record = self.experts.begin(seqs)
         if self._graph_ready(seqs, first_row, record):
             assert self.graphs is not None
             logits = self.graphs.run(inputs, key_len)
+            self._graphs_without_compile()
         elif self.compiled is not None and not first_row and not record and not self._lora_in(seqs):
             logits = self.compiled(inputs, key_len)
         else:  # padding rows run the base model
             with lora_rows(self.adapters, [s.lora for s in seqs] + [None] * (rows - B)):
                 logits = self._decode_forward(inputs, key_len, first_row)
-        if record:
-            for s, row in zip(seqs, self._routed_rows(rows, 1)):
-                if s.return_routed_experts:
-                    s.routed_experts.append(row)
-            self._routed = None
+        self.experts.append_decode(seqs, rows)
         return logits[:B]
 
     def _decode_forward(self, inputs: torch.Tensor, key_len: int, first_row: int = 0) -> torch.Tensor:
@@ -421,8 +388,32 @@ class BatchedRunner(Runner):
             ids[:, None], rotary[:, None], attend, slice(first_row, first_row + rows), positions, zeros
         )
 
+    @torch.inference_mode()
+    def _compile_now(self) -> None:
+        """Compile the decode forward before serving, on two rows of an empty cache (their keys
+        are written to rows no sequence holds; the cache is freed after). Over padded keys, at
+        the key lengths that compile apart: 1 (torch specialises it), another, and the whole cache
+        (whose view is the whole buffer)."""
+        assert self.compiled is not None
+        self._reserve(2, self.shapes.keys(4))
+        inputs = torch.zeros((2, 2), dtype=torch.long, device=self.device)
+        whole = self.cache.length
+        key_lens = (whole,) if self.live_keys else (self.shapes.keys(1), self.shapes.keys(4), whole)
+        self.compiled.warm_up(inputs, key_lens)
+        self.free_cache()
+
     def _graph_forward(self, inputs: torch.Tensor, key_len: int) -> torch.Tensor:
         return (self.compiled or self._decode_forward)(inputs, key_len)
+
+    def _graphs_without_compile(self) -> None:
+        """A CUDA graph of the compiled forward that failed to capture: compiling goes off and
+        the graphs capture the eager forward from the next step (graphs matter more than fusion)."""
+        graphs, compiled = self.graphs, self.compiled
+        if graphs is None or graphs.failed is None or compiled is None or compiled.failed is not None:
+            return
+        compiled.failed = f"a CUDA graph of the compiled decode step failed to capture ({graphs.failed})"
+        logger.warning("--enable-torch-compile: %s; graphs capture the eager step", compiled.failed)
+        graphs.failed = None
 
     def _growing_buffers(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The KV cache's layer buffers with their rows and length dimensions (they grow)."""

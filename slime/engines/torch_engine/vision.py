@@ -232,10 +232,10 @@ class BatchedVisionRunner(BatchedRunner):
         self._reserve(row + 1, len(ids))
         cache = DynamicCache(config=self.model.config)
         inputs = prompt_inputs(self.model, seq, ids, self.device)
-        self._record([seq])
+        self.experts.begin([seq])
         with self._lora([seq]):
             logits = self.model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1].float()
-        self._keep_routed([seq], [len(ids)], len(ids))
+        self.experts.keep_prefill([seq], [len(ids)], len(ids))
         self.num_images_encoded += images_of(seq)
         layers: list[Any] = list(cache.layers)  # transformers' cache layers, attention or linear
         for li, layer in enumerate(layers):
