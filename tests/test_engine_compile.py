@@ -115,3 +115,22 @@ def test_the_compile_flags_are_sglangs(tiny_model, capsys):
     with pytest.raises(SystemExit) as e:
         validate(parser.parse_args(["--model-path", tiny_model, "--torch-compile-max-bs", "0"]), parser)
     assert e.value.code == 2 and "--torch-compile-max-bs 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_graph_of_the_compiled_step_that_fails_to_capture_turns_compiling_off_not_graphs():
+    """(CUDA graphs cannot be captured here: the decision alone.) The graphs' failure is taken
+    back so that they capture the eager step from the next one on; compiling is off and says why.
+    A failure with compiling already off stays the graphs' own."""
+    from types import SimpleNamespace
+
+    from slime.engines.torch_engine.compiled_decode import CompiledDecode
+    from slime.engines.torch_engine.model_runner import BatchedRunner
+
+    compiled = CompiledDecode(lambda inputs, key_len: inputs, lambda: [], max_bs=8)
+    runner = SimpleNamespace(graphs=SimpleNamespace(failed="RuntimeError: capture"), compiled=compiled)
+    BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]
+    assert runner.graphs.failed is None and not compiled.covers(4)
+    assert "failed to capture (RuntimeError: capture)" in compiled.stats()["torch_compile_failed"]
+    runner.graphs.failed = "RuntimeError: again"
+    BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]
+    assert runner.graphs.failed == "RuntimeError: again"
