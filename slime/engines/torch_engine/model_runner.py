@@ -146,6 +146,9 @@ class BatchedRunner(Runner):
     overrides the bucketing choice (tests run the CUDA shapes on CPU).
     """
 
+    multimodal_rope = False
+    """Whether rows carry rotary offsets (`rope_offsets`: a vision-language subclass's)."""
+
     def __init__(
         self,
         model: Any,
@@ -197,11 +200,14 @@ class BatchedRunner(Runner):
             values_in_keys=self.kind.value_dim,
         )
         self.active: list[Sequence] = []
-        self.rope_offsets: torch.Tensor | None = None
-        """Per row, what its rotary positions add to its token positions (a vision prompt's delta)."""
         on_cuda = self.device.type == "cuda"
         bucketed = on_cuda and not deterministic if bucket_shapes is None else bucket_shapes
         self.shapes = DecodeShapes(bucketed, max_running, context_length)
+        self.rope_offsets: torch.Tensor | None = None
+        """Per row, what its rotary positions add to its token positions (a vision prompt's delta)."""
+        if self.multimodal_rope:  # made before the decode step compiles, which reads it
+            rows = self.shapes.rows(max_running)
+            self.rope_offsets = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.decode_shapes: collections.Counter[tuple[int, int]] = collections.Counter()
         """Decode steps run per (batch rows, key length) bucket (counted when shapes are bucketed)."""
         # Mixture-of-experts layers: their routers, and what they chose for the sequences that ask.

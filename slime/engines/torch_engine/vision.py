@@ -209,11 +209,10 @@ class BatchedVisionRunner(BatchedRunner):
     every row over the language model's layers; no image token is fed again, so each row's rotary
     position is its token position plus its prompt's multimodal delta (`rope_offsets`)."""
 
+    multimodal_rope = True
+
     def __init__(self, model: Any, max_running: int, context_length: int, *args: Any, **kwargs: Any):
         super().__init__(model, max_running, context_length, *args, **kwargs)
-        self.rope_offsets: torch.Tensor = torch.zeros(
-            self.shapes.rows(max_running), dtype=torch.long, device=self.device
-        )
         self.num_images_encoded = 0
         """Images through the vision tower since start (one per image of each request)."""
 
@@ -246,6 +245,7 @@ class BatchedVisionRunner(BatchedRunner):
                 assert self.states is not None
                 self.states.store(self.states.conv, li, rows, layer.conv_states[0])
                 self.states.store(self.states.recurrent, li, rows, layer.recurrent_states[0])
+        assert self.rope_offsets is not None  # (multimodal_rope)
         self.rope_offsets[row] = seq.runner_state["rope_delta"]
         seq.num_cached = len(ids)
         self.active.append(seq)
