@@ -32,7 +32,8 @@ building the step's inputs, sampling's bookkeeping, booking tokens, stop checks)
 forward replaced by a no-op that returns zero logits, so what is left is what the host spends per
 step, in microseconds. --batch sequences (prompts 32-95 tokens) decode --new-tokens tokens each,
 ignore_eos, temperature 1 (--temperature), all in one batch; the engine runs in process, stepped
-by this script.
+by this script; `--stop S` gives every request the stop string S (never produced), so the
+stop-string check is part of each step.
 Configurations: one step per host round trip, booked before the next launch; overlapped (the
 default on CUDA); rounds of 4 and 8 steps (`--num-continuous-decode-steps`), overlapped. With
 --compare-src DIR the same is measured on another source tree (a `git worktree` of an earlier
@@ -159,6 +160,11 @@ def main() -> int:
         type=float,
         default=1.0,
         help="--null-model: 0 leaves sampling's noise out (on CPU most of what is left is that)",
+    )
+    ap.add_argument(
+        "--stop",
+        default=None,
+        help="--null-model: a stop string every request carries (never produced: the check's cost)",
     )
     ap.add_argument("--null-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -383,12 +389,14 @@ def bench_null(args: argparse.Namespace, tmp: str) -> int:
             str(args.repeats),
             "--temperature",
             str(args.temperature),
+            *(["--stop", args.stop] if args.stop else []),
         ]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
         measured[label] = json.loads(out.strip().splitlines()[-1])
     print(
         f"\nno-op model: {args.batch} sequences x {args.new_tokens} tokens, prompts 32-95, ignore_eos, "
-        f"temperature {args.temperature:g}, {args.threads} thread(s), median of {args.repeats}"
+        f"temperature {args.temperature:g}{f', stop {args.stop!r}' if args.stop else ''}, "
+        f"{args.threads} thread(s), median of {args.repeats}"
     )
     rows = [
         (f"{label}: {name}", f"{us:,.0f}") for label, runs in measured.items() for name, us in runs.items()
@@ -447,6 +455,7 @@ def _null_run(config, args: argparse.Namespace, parse_generate) -> float:
             "max_new_tokens": args.new_tokens,
             "temperature": args.temperature,
             "ignore_eos": True,
+            **({"stop": [args.stop]} if args.stop else {}),
         },
     }
     finished = []

@@ -145,7 +145,8 @@ def test_benchmark_runs_with_its_smallest_arguments(name):
 
 def test_bench_engine_null_model_measures_this_tree_and_another():
     """`bench_engine.py --null-model`: the host's time per decode step, this tree's and (here, the
-    same tree again as --compare-src) another's, from worker processes that import each tree."""
+    same tree again as --compare-src) another's, from worker processes that import each tree;
+    with --stop, every request carries a stop string."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -159,6 +160,8 @@ def test_bench_engine_null_model_measures_this_tree_and_another():
             "4",
             "--repeats",
             "1",
+            "--stop",
+            "@@",
             "--compare-src",
             ROOT,
         ],
@@ -171,3 +174,4 @@ def test_bench_engine_null_model_measures_this_tree_and_another():
     ours, theirs = (sum(line.startswith(tree) for line in lines) for tree in ("this tree: ", f"{ROOT}: "))
     assert ours == theirs == 4, proc.stdout
     assert "host time per decode step at batch 8:" in proc.stdout and "ratio " in proc.stdout
+    assert "stop '@@'" in proc.stdout  # every request carried the stop string

@@ -133,3 +133,26 @@ def test_a_run_of_tokens_is_kept_up_to_the_one_that_finishes_it():
     assert free.output_ids == [1, 2, 3, 4] and not free.is_finished
     assert ignore.output_ids == run and not ignore.is_finished and len(ignore.output_logprobs) == 4
     assert [x.rid for x in s.running] == ["free", "ignore"]
+
+
+def test_a_stop_string_check_decodes_the_tail_and_finds_the_first_hit_in_the_whole_text():
+    """Each token's check decodes a bounded tail (4 tokens per stop character and 8 more), not
+    the whole output; a hit there is then placed in the whole text."""
+    decoded = []
+
+    def detok(ids, skip):
+        decoded.append(len(ids))
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    s = make(detok=detok)
+    a = seq("a", stop=("xyz",), max_new_tokens=1000)
+    s.add(a)
+    s.plan()
+    for tok in range(60):  # "a" to "w" over and over: no "x", "y" or "z"
+        assert s.append_tokens([a], [tok % 23], [0.0], None) == []
+    assert max(decoded) == 4 * 3 + 8 < len(a.output_ids)  # the tail, never the whole output
+    for tok in (23, 24):  # "x", "y"
+        assert s.append_tokens([a], [tok], [0.0], None) == []
+    assert s.append_tokens([a], [25], [0.0], None) == [a]  # "z" completes "xyz"
+    assert a.finish_reason.to_json() == {"type": "stop", "matched": "xyz"}
+    assert decoded[-1] == len(a.output_ids) == 63 and a.stop_text_end == 60

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from slime.engines.protocol import FinishReason
 from slime.engines.torch_engine.sequence import SeqStatus, Sequence
 
+TOKENS_PER_STOP_CHAR = 4
+"""The most tokens one character of a stop string may take (UTF-8's 4 bytes, each a token in
+a byte-level vocabulary): how far back the stop-string check decodes (`_stop_string_in_tail`)."""
+
 
 @dataclass
 class EngineStep:
@@ -174,7 +178,7 @@ class Scheduler:
         params = seq.params
         if token in seq.stop_ids:
             return FinishReason("stop", matched=token)
-        if params.stop:
+        if params.stop and self._stop_string_in_tail(seq):
             text = self.detokenize(seq.output_ids, params.skip_special_tokens)
             hits = [(text.find(s), s) for s in params.stop if s in text]
             if hits:
@@ -184,6 +188,18 @@ class Scheduler:
         if len(seq.output_ids) >= params.max_new_tokens:
             return FinishReason("length", length=len(seq.output_ids))
         return None
+
+    def _stop_string_in_tail(self, seq: Sequence) -> bool:
+        """Whether a stop string shows in the text of the last tokens. The output had none before
+        its last token (every token is checked), so a new one ends in that token's text: the tail
+        of TOKENS_PER_STOP_CHAR tokens per character of the longest stop string (a character
+        may take several byte tokens), and a few more, holds it. Decoding the tail alone keeps the
+        check's cost flat: decoding the whole output at every token made a request's stop checks
+        grow with the square of its length. A hit is then found in the whole text, as before."""
+        params = seq.params
+        window = TOKENS_PER_STOP_CHAR * max(len(s) for s in params.stop) + 8
+        tail = self.detokenize(seq.output_ids[-window:], params.skip_special_tokens)
+        return any(s in tail for s in params.stop)
 
     def finish_without_decoding(self, seq: Sequence) -> None:
         """A request with max_new_tokens == 0 finishes before any forward pass."""
