@@ -120,7 +120,7 @@ def test_the_compile_flags_are_sglangs(tiny_model, capsys):
 def test_a_graph_of_the_compiled_step_that_fails_to_capture_turns_compiling_off_not_graphs():
     """(CUDA graphs cannot be captured here: the decision alone.) The graphs' failure is taken
     back so that they capture the eager step from the next one on; compiling is off and says why.
-    A failure with compiling already off stays the graphs' own."""
+    If the eager capture fails too, the failure is the graphs' own and compiling comes back."""
     from types import SimpleNamespace
 
     from slime.engines.torch_engine.compiled_decode import CompiledDecode
@@ -131,6 +131,19 @@ def test_a_graph_of_the_compiled_step_that_fails_to_capture_turns_compiling_off_
     BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]
     assert runner.graphs.failed is None and not compiled.covers(4)
     assert "failed to capture (RuntimeError: capture)" in compiled.stats()["torch_compile_failed"]
+    # The eager step fails to capture too: compiling was not the cause; it comes back on.
     runner.graphs.failed = "RuntimeError: again"
     BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]
-    assert runner.graphs.failed == "RuntimeError: again"
+    assert runner.graphs.failed == "RuntimeError: again" and compiled.covers(4)
+    BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]  (stays so)
+    assert runner.graphs.failed == "RuntimeError: again" and compiled.covers(4)
+
+
+def test_an_engine_of_one_request_at_a_time_compiles_nothing(tiny_model):
+    """--max-running-requests 1: every batch is one row, which decodes eagerly; the engine starts
+    (it used to ask its cache for the two rows of the warm-up compile, over its limit)."""
+    from slime.engines.torch_engine.model_runner import BatchedRunner, load_model
+
+    model = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    assert BatchedRunner(model, 1, 256, torch_compile_max_bs=32).compiled is None
+    assert BatchedRunner(model, 4, 256, torch_compile_max_bs=1).compiled is None

@@ -156,3 +156,20 @@ def test_a_stop_string_check_decodes_the_tail_and_finds_the_first_hit_in_the_who
     assert s.append_tokens([a], [25], [0.0], None) == [a]  # "z" completes "xyz"
     assert a.finish_reason.to_json() == {"type": "stop", "matched": "xyz"}
     assert decoded[-1] == len(a.output_ids) == 63 and a.stop_text_end == 60
+
+
+def test_tokens_that_decode_to_nothing_widen_the_stop_string_tail():
+    """A stop string whose characters lie far apart in tokens (here 40 special tokens, decoded
+    to nothing, between two newlines) is still found at the token that completes it."""
+
+    def detok(ids, skip):
+        return "".join("\n" if i == 10 else "" if i >= 50 else chr(97 + i % 26) for i in ids)
+
+    s = make(detok=detok)
+    a = seq("a", stop=("\n\n",), max_new_tokens=1000)
+    s.add(a)
+    s.plan()
+    for tok in [0, 1, 10] + [60] * 40:  # "ab\n", then nothing
+        assert s.append_tokens([a], [tok], [0.0], None) == []
+    assert s.append_tokens([a], [10], [0.0], None) == [a]  # the second newline
+    assert a.finish_reason.to_json() == {"type": "stop", "matched": "\n\n"} and a.stop_text_end == 2

@@ -36,7 +36,7 @@ class FSDPConfig:
     Megatron: megatron-core's full recompute)"""
     torch_compile: bool = flag("--fsdp-torch-compile", False)
     """`--fsdp-torch-compile`: each decoder layer's forward (and so its backward) through
-    torch.compile, one compiled graph shared by every layer (slime.backends.fsdp.compiled)"""
+    torch.compile, the compiled graphs shared by the layers of a class (slime.backends.fsdp.compiled)"""
     attn_implementation: str = flag("--attn-implementation", "sdpa")
     """`--attn-implementation`: Hugging Face attention kernel (sdpa, eager, flash_attention_2)."""
     disable_sharding: bool = flag("--debug-disable-sharding", False)

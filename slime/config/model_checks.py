@@ -84,7 +84,7 @@ def _uncompiled_layers(model: Any) -> str | None:
     device at every layer, and the linear-attention layers branch on their inputs likewise: torch
     would break their graphs at every step and compile them again and again."""
     text = model.get_text_config() if hasattr(model, "get_text_config") else model
-    if hf_moe(text)["num_experts"]:
+    if hf_moe(text)["num_experts"] or getattr(text, "num_local_experts", None):  # (Mixtral's name)
         return "its mixture-of-experts layers do not compile (their expert loop depends on the data)"
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
         return "its linear-attention layers do not compile (they branch on their inputs)"

@@ -8,13 +8,15 @@ bytes as the matrix products take time. Inductor fuses each chain between two ma
 into one generated kernel, forward and backward (AOTAutograd), as torchtitan compiles each
 transformer block under FSDP2.
 
-How: each layer's `forward` is replaced by one compiled function. FSDP2's hooks (all-gather
-before, reshard after, the gradient reduce-scatter) stay outside it, in the module's call; the
-layers share one compiled graph (their parameters are the graph's inputs, not constants), so 28
-layers compile once. The attention kernel itself (slime.backends.packed_attention) stays out of
-the graph: a single kernel already, whose packed-sample bounds are host-side Python values. The
-token count of a micro-batch changes from one to the next: the first change compiles a graph with
-a dynamic length (a second compile), which every later micro-batch reuses.
+How: each layer's `forward` is replaced by its class's compiled forward. FSDP2's hooks
+(all-gather before, reshard after, the gradient reduce-scatter) stay outside it, in the module's
+call; the layers of a class share its compiled graphs (their parameters are the graphs' inputs,
+not constants), so 28 layers compile as often as one. The attention kernel itself
+(slime.backends.packed_attention) stays out of the graphs: a single kernel already, whose
+packed-sample bounds are host-side Python values, so a layer compiles in pieces, for training and
+for the no-grad passes apart. The token axis of a layer's inputs is marked dynamic, so that the
+micro-batches' changing lengths reuse the graphs; at the second step a few pieces compile once
+more, with a dynamic length, and later steps compile nothing.
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ class CompiledDecode:
         self._compiled: Forward | None = None
         self.failed: str | None = None
         """Why compiling failed (off from then on); None while it works."""
+        self.blamed_for_capture = False
+        """Whether a failed CUDA graph capture turned compiling off once (the runner's call)."""
         self.num_calls = 0
 
     def covers(self, rows: int) -> bool:

@@ -230,13 +230,14 @@ class BatchedRunner(Runner):
         self._graphs_generation = self.cache.generation
         # not where each sequence decodes alone (deterministic mode)
         self.compiled: CompiledDecode | None = None
-        if torch_compile_max_bs and plain and not self.deterministic:
-            self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, torch_compile_max_bs)
+        widest = min(torch_compile_max_bs, max_running)  # (batches of one row decode eagerly)
+        if widest >= 2 and plain and not self.deterministic:
+            self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, widest)
             self._compile_now()
         elif torch_compile_max_bs:
             logger.warning(
-                "--enable-torch-compile: this model's decode runs eagerly (mixture-of-experts or "
-                "linear-attention layers, or --enable-deterministic-inference)"
+                "--enable-torch-compile: this engine's decode runs eagerly (mixture-of-experts or "
+                "linear-attention layers, --enable-deterministic-inference, or one request at a time)"
             )
 
     def _reserve(self, rows: int, length: int) -> None:
@@ -413,13 +414,20 @@ class BatchedRunner(Runner):
 
     def _graphs_without_compile(self) -> None:
         """A CUDA graph of the compiled forward that failed to capture: compiling goes off and
-        the graphs capture the eager forward from the next step (graphs matter more than fusion)."""
+        the graphs capture the eager forward from the next step (graphs matter more than fusion).
+        If the eager capture fails too, compiling was not the cause: it comes back on, graphs
+        stay off."""
         graphs, compiled = self.graphs, self.compiled
-        if graphs is None or graphs.failed is None or compiled is None or compiled.failed is not None:
+        if graphs is None or graphs.failed is None or compiled is None:
             return
-        compiled.failed = f"a CUDA graph of the compiled decode step failed to capture ({graphs.failed})"
-        logger.warning("--enable-torch-compile: %s; graphs capture the eager step", compiled.failed)
-        graphs.failed = None
+        if compiled.failed is None and not compiled.blamed_for_capture:
+            compiled.failed = f"a CUDA graph of the compiled decode step failed to capture ({graphs.failed})"
+            compiled.blamed_for_capture = True
+            logger.warning("--enable-torch-compile: %s; graphs capture the eager step", compiled.failed)
+            graphs.failed = None
+        elif compiled.failed is not None and compiled.blamed_for_capture:
+            logger.warning("the eager decode step failed to capture too: compiling is back on")
+            compiled.failed = None
 
     def _growing_buffers(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The KV cache's layer buffers with their rows and length dimensions (they grow)."""

@@ -190,16 +190,25 @@ class Scheduler:
         return None
 
     def _stop_string_in_tail(self, seq: Sequence) -> bool:
-        """Whether a stop string shows in the text of the last tokens. The output had none before
-        its last token (every token is checked), so a new one ends in that token's text: the tail
-        of TOKENS_PER_STOP_CHAR tokens per character of the longest stop string (a character
-        may take several byte tokens), and a few more, holds it. Decoding the tail alone keeps the
-        check's cost flat: decoding the whole output at every token made a request's stop checks
-        grow with the square of its length. A hit is then found in the whole text, as before."""
+        """Whether a stop string may have appeared with the last token (True: look in the whole
+        text). The output had none before its last token (every token is checked), so a new one
+        ends in that token's text and starts at most its length before: a tail whose text before
+        the last token holds that many characters, and a few more (a character cut at the tail's
+        start, a leading space dropped), holds it. The tail starts at TOKENS_PER_STOP_CHAR tokens
+        per character of the longest stop string and 8 more, and doubles while its tokens decode
+        to too little text (special tokens skipped, several byte tokens to a character). Decoding
+        a tail keeps the check's cost flat: decoding the whole output at every token made a
+        request's stop checks grow with the square of its length."""
         params = seq.params
-        window = TOKENS_PER_STOP_CHAR * max(len(s) for s in params.stop) + 8
-        tail = self.detokenize(seq.output_ids[-window:], params.skip_special_tokens)
-        return any(s in tail for s in params.stop)
+        ids, skip = seq.output_ids, params.skip_special_tokens
+        longest = max(len(s) for s in params.stop)
+        window = TOKENS_PER_STOP_CHAR * longest + 8
+        while window < len(ids):
+            tail = self.detokenize(ids[-window:], skip)
+            if len(tail) - len(self.detokenize(ids[-1:], skip)) >= longest + 4:
+                return any(s in tail for s in params.stop)
+            window *= 2
+        return True
 
     def finish_without_decoding(self, seq: Sequence) -> None:
         """A request with max_new_tokens == 0 finishes before any forward pass."""
