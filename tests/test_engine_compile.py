@@ -90,7 +90,7 @@ def test_a_compile_that_fails_decodes_eagerly_and_says_why(monkeypatch):
         return inputs.float() * key_len
 
     torch._dynamo.reset()
-    compiled = compiled_decode.CompiledDecode(forward, lambda: [], max_bs=8)
+    compiled = compiled_decode.CompiledDecode(forward, max_bs=8)
     inputs = torch.arange(8).view(2, 4)
     assert torch.equal(compiled(inputs, 3), inputs.float() * 3)
     stats = compiled.stats()
@@ -126,7 +126,7 @@ def test_a_graph_of_the_compiled_step_that_fails_to_capture_turns_compiling_off_
     from slime.engines.torch_engine.compiled_decode import CompiledDecode
     from slime.engines.torch_engine.model_runner import BatchedRunner
 
-    compiled = CompiledDecode(lambda inputs, key_len: inputs, lambda: [], max_bs=8)
+    compiled = CompiledDecode(lambda inputs, key_len: inputs, max_bs=8)
     runner = SimpleNamespace(graphs=SimpleNamespace(failed="RuntimeError: capture"), compiled=compiled)
     BatchedRunner._graphs_without_compile(runner)  # type: ignore[arg-type]
     assert runner.graphs.failed is None and not compiled.covers(4)

@@ -40,17 +40,13 @@ class CompiledDecode:
 
     Args:
         forward: the eager decode forward; must not synchronise with the host.
-        buffers: the tensors the forward reads whose sizes change between calls (the KV cache's
-            layer buffers), each with the dimensions that change, asked for at every call (the
-            cache replaces its buffers when it grows).
         max_bs: the most rows a compiled call takes.
+    The tensors the forward reads whose sizes change (the KV cache's layer buffers) are marked
+    with `mark_dynamic` whenever they are made.
     """
 
-    def __init__(
-        self, forward: Forward, buffers: Callable[[], list[tuple[torch.Tensor, tuple[int, ...]]]], max_bs: int
-    ):
+    def __init__(self, forward: Forward, max_bs: int):
         self.forward = forward
-        self.buffers = buffers
         self.max_bs = max_bs
         self._compiled: Forward | None = None
         self.failed: str | None = None
@@ -68,9 +64,6 @@ class CompiledDecode:
         if self._compiled is None:
             self._compiled = torch.compile(self.forward)
         torch._dynamo.maybe_mark_dynamic(inputs, 1)
-        for buf, dims in self.buffers():
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(buf, dim)
         try:
             with _fx_config().patch(use_duck_shape=False):
                 out = self._compiled(inputs, key_len)
@@ -84,6 +77,13 @@ class CompiledDecode:
             return self.forward(inputs, key_len)
         self.num_calls += 1
         return out
+
+    @staticmethod
+    def mark_dynamic(buffers: list[torch.Tensor], dims: tuple[int, ...]) -> None:
+        """Sizes `dims` of `buffers` change between calls: a compile takes them as dynamic."""
+        for buf in buffers:
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(buf, dim)
 
     def warm_up(self, inputs: torch.Tensor, key_lens: tuple[int, ...]) -> None:
         """Compile now, on `inputs` (2 rows), once per key length given: a length that changes

@@ -232,7 +232,7 @@ class BatchedRunner(Runner):
         self.compiled: CompiledDecode | None = None
         widest = min(torch_compile_max_bs, max_running)  # (batches of one row decode eagerly)
         if widest >= 2 and plain and not self.deterministic:
-            self.compiled = CompiledDecode(self._decode_forward, self._growing_buffers, widest)
+            self.compiled = CompiledDecode(self._decode_forward, widest)
             self._compile_now()
         elif torch_compile_max_bs:
             logger.warning(
@@ -241,8 +241,13 @@ class BatchedRunner(Runner):
             )
 
     def _reserve(self, rows: int, length: int) -> None:
-        """Room in the KV cache (and a hybrid's linear-attention states) for `rows` x `length`."""
+        """Room in the KV cache (and a hybrid's linear-attention states) for `rows` x `length`;
+        a compiled forward takes new buffers' rows and length as dynamic sizes."""
+        generation = self.cache.generation
         self.cache.ensure(rows, length)
+        if self.compiled is not None and self.cache.generation != generation:
+            dims = (0, 1) if self.cache.token_major else (0, 2)
+            self.compiled.mark_dynamic(self.cache.k + self.cache.v, dims)
         if self.states is not None:
             self.states.ensure(rows)
 
@@ -428,11 +433,6 @@ class BatchedRunner(Runner):
         elif compiled.failed is not None and compiled.blamed_for_capture:
             logger.warning("the eager decode step failed to capture too: compiling is back on")
             compiled.failed = None
-
-    def _growing_buffers(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """The KV cache's layer buffers with their rows and length dimensions (they grow)."""
-        dims = (0, 1) if self.cache.token_major else (0, 2)
-        return [(buf, dims) for buf in self.cache.k + self.cache.v]
 
     def _lora_in(self, seqs: list[Sequence]) -> bool:
         """Whether one of `seqs` decodes with an adapter (the LoRA hooks choose adapters per row
