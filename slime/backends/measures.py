@@ -10,11 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.algo.losses import approx_kl
+from slime.algo.losses import approx_kl, token_weights
 from slime.backends.interface import PerPosition
+from slime.backends.micro_batch import MicroBatch
 from slime.config.lora import dump_record
 from slime.config.train import TrainConfig
 from slime.utils.rollout_batch import BatchError, RolloutBatch, RolloutPart
+from slime.utils.step_plans import StepPlan
+from slime.utils.transfer import to_device
 
 
 class DeviceMax:
@@ -51,6 +54,15 @@ class TokenValues:
     """PPO: the critic's values, by sample index."""
     entropies: dict[str, PerPosition] = field(default_factory=dict)
     """--use-rollout-entropy: the log-prob passes' entropy (and ref_entropy), by name."""
+
+
+def step_weights(mb: MicroBatch, step: StepPlan, per_token: bool, device: torch.device) -> torch.Tensor:
+    """The loss weights of `mb`'s tokens in optimizer step `step` (slime.algo.losses.token_weights;
+    `per_token`: --calculate-per-token-loss), on `device`."""
+    weights = token_weights(
+        mb.loss_mask, per_token, step.num_executions, step.num_tokens, step.row_denominators(mb.positions)
+    )
+    return to_device(weights, device)
 
 
 def add_to(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,6 +126,11 @@ class MicroBatch:
         cols = to_device(torch.cat([torch.arange(r) for r in self.response_lengths]), flat.device)
         out = torch.zeros(self.response_mask.shape, dtype=flat.dtype, device=flat.device)
         return out.index_put((rows, cols), flat)
+
+    def laid_out(self, per_position: Any, device: torch.device) -> torch.Tensor:
+        """The values `per_position` holds for this micro-batch's samples (indexed by position),
+        laid out as `response_tensor` does, on `device` (uploaded without a wait)."""
+        return to_device(self.response_tensor([per_position[p] for p in self.positions]), device)
 
     def response_tensor(self, per_sample: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
         """Lay per-sample response values out as [batch, max_response_len] (0-padded)."""

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from slime.algo import advantages as adv
-from slime.algo.losses import approx_kl, token_weights
+from slime.algo.losses import approx_kl
 from slime.algo.objective import MicroBatchTerms, micro_batch_loss
 from slime.algo.plugins import LossHooks, Ragged
 from slime.backends import measures, perf, planning
 from slime.backends.interface import Pass, PerPosition
-from slime.backends.measures import DeviceMax, TokenValues, add_to, loss_mask
+from slime.backends.measures import DeviceMax, TokenValues, add_to, loss_mask, step_weights
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.profiler import TrainProfiler
@@ -66,29 +66,13 @@ class PolicyLoss:
         dev = log_probs.device
         mask = to_device(mb.loss_mask, dev)
         if self.compare is not None:
-            before = to_device(mb.response_tensor([self.compare[p] for p in mb.positions]), dev)
-            self.worst.add(before, log_probs, mask)
+            self.worst.add(mb.laid_out(self.compare, dev), log_probs, mask)
 
-        def lay_out(per_sample: PerPosition | None) -> torch.Tensor | None:
-            if per_sample is None:
-                return None
-            return to_device(mb.response_tensor([per_sample[p] for p in mb.positions]), dev)
+        def lay_out(per_sample: Any) -> torch.Tensor | None:
+            return None if per_sample is None else mb.laid_out(per_sample, dev)
 
-        engine = self.batch.rollout_log_probs
-        rollout = (
-            None if engine is None else to_device(mb.response_tensor([engine[p] for p in mb.positions]), dev)
-        )
-
-        weights = to_device(
-            token_weights(
-                mb.loss_mask,
-                cfg.calculate_per_token_loss,
-                step.num_executions,
-                step.num_tokens,
-                step.row_denominators(mb.positions),
-            ),
-            dev,
-        )
+        rollout = lay_out(self.batch.rollout_log_probs)
+        weights = step_weights(mb, step, cfg.calculate_per_token_loss, dev)
         totals = [p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)]
         terms = MicroBatchTerms(
             log_probs=log_probs,

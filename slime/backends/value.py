@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 import torch
 
 from slime.algo import advantages as adv
-from slime.algo.losses import token_weights, value_loss, weighted_sum
+from slime.algo.losses import value_loss, weighted_sum
 from slime.backends import measures, planning
 from slime.backends.interface import PerPosition, ValueBackend
-from slime.backends.measures import DeviceMax, add_to, loss_mask
+from slime.backends.measures import DeviceMax, add_to, loss_mask, step_weights
 from slime.backends.micro_batch import MicroBatch
 from slime.backends.optim import reset_states
 from slime.backends.trainer import RankTrainer
@@ -85,19 +85,10 @@ class ValueLossOf:
 
     def __call__(self, mb: MicroBatch, values: torch.Tensor, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         dev, step = values.device, self.step
-        old_values = to_device(mb.response_tensor([self.old[p] for p in mb.positions]), dev)
+        old_values = mb.laid_out(self.old, dev)
         self.worst.add(values, old_values, to_device(mb.loss_mask, dev))
-        weights = to_device(
-            token_weights(
-                mb.loss_mask,
-                self.cfg.calculate_per_token_loss,
-                step.num_executions,
-                step.num_tokens,
-                step.row_denominators(mb.positions),
-            ),
-            dev,
-        )
-        returns = to_device(mb.response_tensor([self.returns[p] for p in mb.positions]), dev)
+        weights = step_weights(mb, step, self.cfg.calculate_per_token_loss, dev)
+        returns = mb.laid_out(self.returns, dev)
         loss, clipped = value_loss(values, old_values, returns, self.cfg.value_clip)
         total = weighted_sum(loss, weights)
         add_to(sums, "value_loss", total)

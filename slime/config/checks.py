@@ -9,8 +9,9 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
-from slime.config.backends import FSDP_ONLY
+from slime.config.backends import FSDP_ONLY, FSDPConfig
 from slime.config.debug import DebugConfig
+from slime.config.flags import flags_of
 from slime.config.records import Config
 from slime.config.rollout import needs_reward_key
 from slime.utils.tracking import check_available
@@ -441,16 +442,11 @@ def megatron_problem(c: Config) -> str | None:
             f"--pipeline-model-parallel-size {pp} = {ep * etp * pp} does not divide the {ranks} train "
             "ranks (megatron-core's expert layout)"
         )
-    fsdp = c.train.fsdp
-    set_here = {
-        "--debug-disable-sharding": fsdp.disable_sharding,
-        "--fsdp-cpu-offload": fsdp.cpu_offload,
-        "--fsdp-param-dtype": fsdp.param_dtype != "float32",
-        "--fsdp-reduce-dtype": fsdp.reduce_dtype != "float32",
-        "--fsdp-torch-compile": fsdp.torch_compile,
-        "--train-vision-model": fsdp.train_vision_model,  # (Megatron has no vision tower)
-    }
-    fsdp_only = [flag for flag in FSDP_ONLY if set_here[flag]]
+    # The FSDP-only flags given: their fields off their defaults (Megatron has no vision tower either).
+    fields = {spec.name: f for f, spec in flags_of(FSDPConfig)}
+    fsdp_only = [
+        flag for flag in FSDP_ONLY if getattr(c.train.fsdp, fields[flag].name) != fields[flag].default
+    ]
     if fsdp_only:
         return f"{', '.join(fsdp_only)} configure the FSDP backend; with --train-backend megatron drop them"
     return None
