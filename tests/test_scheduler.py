@@ -135,9 +135,9 @@ def test_a_run_of_tokens_is_kept_up_to_the_one_that_finishes_it():
     assert [x.rid for x in s.running] == ["free", "ignore"]
 
 
-def test_a_stop_string_check_decodes_the_tail_and_finds_the_first_hit_in_the_whole_text():
-    """Each token's check decodes a bounded tail (4 tokens per stop character and 8 more), not
-    the whole output; a hit there is then placed in the whole text."""
+def test_a_stop_string_check_decodes_each_token_with_its_context_and_places_the_hit_in_the_whole_text():
+    """Each token's check decodes the token with the one before it, not the whole output (that
+    cost the square of its length); a hit is then placed in the whole text."""
     decoded = []
 
     def detok(ids, skip):
@@ -150,7 +150,7 @@ def test_a_stop_string_check_decodes_the_tail_and_finds_the_first_hit_in_the_who
     s.plan()
     for tok in range(60):  # "a" to "w" over and over: no "x", "y" or "z"
         assert s.append_tokens([a], [tok % 23], [0.0], None) == []
-    assert max(decoded) == 4 * 3 + 8 < len(a.output_ids)  # the tail, never the whole output
+    assert max(decoded) == 2 < len(a.output_ids)
     for tok in (23, 24):  # "x", "y"
         assert s.append_tokens([a], [tok], [0.0], None) == []
     assert s.append_tokens([a], [25], [0.0], None) == [a]  # "z" completes "xyz"
@@ -158,7 +158,7 @@ def test_a_stop_string_check_decodes_the_tail_and_finds_the_first_hit_in_the_who
     assert decoded[-1] == len(a.output_ids) == 63 and a.stop_text_end == 60
 
 
-def test_tokens_that_decode_to_nothing_widen_the_stop_string_tail():
+def test_a_stop_string_whose_characters_lie_far_apart_in_tokens_is_found():
     """A stop string whose characters lie far apart in tokens (here 40 special tokens, decoded
     to nothing, between two newlines) is still found at the token that completes it."""
 

@@ -79,14 +79,7 @@ class TorchEngine:
             generic=VisionRunner if vision else GenericRunner,
         )
         self.weights = WeightStore(self.model)
-        overlap = config.overlap_schedule
-        if overlap is None:
-            overlap = self.device.type == "cuda" and not config.deterministic
-        steps = config.num_continuous_decode_steps
-        batched = isinstance(self.runner, BatchedRunner) and not config.deterministic
-        if steps > 1 and not batched:
-            logger.warning("--num-continuous-decode-steps %d: this runner decodes one step at a time", steps)
-        self.rounds = DecodeRounds(self, steps, overlap) if batched and (overlap or steps > 1) else None
+        self.rounds = self._decode_rounds()
         self.adapters: ServedAdapters | None = None
         if config.enable_lora:
             unapplied = getattr(self.runner, "unapplied_linears", ())
@@ -99,6 +92,7 @@ class TorchEngine:
             config.max_prefill_tokens,
             self.tokens.eos_token_ids,
             self.tokens.decode,
+            self.tokens.watch_stops,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.random_seed)
         self._weight_version = config.weight_version
@@ -125,6 +119,19 @@ class TorchEngine:
         self.timeline = EngineTimeline()  # its row of the job's timeline (--trace-dir)
         self.profiler = EngineProfiler(self.device.type)
         """/start_profile's torch.profiler window over engine steps."""
+
+    def _decode_rounds(self) -> DecodeRounds | None:
+        """How the batched runner decodes: rounds of several steps, overlapped with booking the
+        last round's tokens (on CUDA by default); None: a step at a time, in the loop."""
+        config = self.config
+        overlap = config.overlap_schedule
+        if overlap is None:
+            overlap = self.device.type == "cuda" and not config.deterministic
+        steps = config.num_continuous_decode_steps
+        batched = isinstance(self.runner, BatchedRunner) and not config.deterministic
+        if steps > 1 and not batched:
+            logger.warning("--num-continuous-decode-steps %d: this runner decodes one step at a time", steps)
+        return DecodeRounds(self, steps, overlap) if batched and (overlap or steps > 1) else None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:

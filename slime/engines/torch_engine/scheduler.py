@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from slime.engines.protocol import FinishReason
 from slime.engines.torch_engine.sequence import SeqStatus, Sequence
+from slime.engines.torch_engine.stop_watch import StopWatch
 
-TOKENS_PER_STOP_CHAR = 4
-"""The most tokens one character of a stop string may take (UTF-8's 4 bytes, each a token in
-a byte-level vocabulary): how far back the stop-string check decodes (`_stop_string_in_tail`)."""
+WatchStops = Callable[[tuple[str, ...], bool], StopWatch]
+"""(stop strings, skip_special_tokens) -> the StopWatch of one sequence."""
 
 
 @dataclass
@@ -35,7 +35,9 @@ class Scheduler:
         max_running: the most sequences decoding at once (`--max-running-requests`).
         max_prefill_tokens: token budget of one prefill step (padded length x batch).
         eos_token_ids: ids that end a sequence unless `ignore_eos`.
-        detokenize: ids -> text, used to detect stop strings.
+        detokenize: ids -> text, where a stop string is placed in the output.
+        watch_stops: a sequence's StopWatch (default: one over `detokenize`); the engine's decodes
+            with the tokenizer's own decoder, without the Python wrapper.
     """
 
     def __init__(
@@ -44,11 +46,15 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: set[int],
         detokenize: Callable[[list[int], bool], str],
+        watch_stops: WatchStops | None = None,
     ):
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        self.watch_stops = watch_stops or (
+            lambda stops, skip: StopWatch(lambda ids: detokenize(ids, skip), stops)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # In-flight sequences by rid: the engine refuses a second request with a rid in here.
@@ -63,6 +69,8 @@ class Scheduler:
         seq.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
+        if params.stop:
+            seq.stop_watch = self.watch_stops(tuple(params.stop), params.skip_special_tokens)
         self.waiting.append(seq)
         self._by_rid[seq.rid] = seq
 
@@ -178,7 +186,7 @@ class Scheduler:
         params = seq.params
         if token in seq.stop_ids:
             return FinishReason("stop", matched=token)
-        if params.stop and self._stop_string_in_tail(seq):
+        if seq.stop_watch is not None and seq.stop_watch.push(token):
             text = self.detokenize(seq.output_ids, params.skip_special_tokens)
             hits = [(text.find(s), s) for s in params.stop if s in text]
             if hits:
@@ -188,27 +196,6 @@ class Scheduler:
         if len(seq.output_ids) >= params.max_new_tokens:
             return FinishReason("length", length=len(seq.output_ids))
         return None
-
-    def _stop_string_in_tail(self, seq: Sequence) -> bool:
-        """Whether a stop string may have appeared with the last token (True: look in the whole
-        text). The output had none before its last token (every token is checked), so a new one
-        ends in that token's text and starts at most its length before: a tail whose text before
-        the last token holds that many characters, and a few more (a character cut at the tail's
-        start, a leading space dropped), holds it. The tail starts at TOKENS_PER_STOP_CHAR tokens
-        per character of the longest stop string and 8 more, and doubles while its tokens decode
-        to too little text (special tokens skipped, several byte tokens to a character). Decoding
-        a tail keeps the check's cost flat: decoding the whole output at every token made a
-        request's stop checks grow with the square of its length."""
-        params = seq.params
-        ids, skip = seq.output_ids, params.skip_special_tokens
-        longest = max(len(s) for s in params.stop)
-        window = TOKENS_PER_STOP_CHAR * longest + 8
-        while window < len(ids):
-            tail = self.detokenize(ids[-window:], skip)
-            if len(tail) - len(self.detokenize(ids[-1:], skip)) >= longest + 4:
-                return any(s in tail for s in params.stop)
-            window *= 2
-        return True
 
     def finish_without_decoding(self, seq: Sequence) -> None:
         """A request with max_new_tokens == 0 finishes before any forward pass."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.engines.protocol import FinishReason, GenerateRequest, ProtocolError
+from slime.engines.torch_engine.stop_watch import StopWatch
 from slime.utils.sampling_params import SamplingParams
 
 
@@ -81,6 +82,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     """The token ids that end it: its `stop_token_ids`, and the model's EOS ids unless `ignore_eos`
     (set by the scheduler when it is queued)."""
+    stop_watch: StopWatch | None = None
+    """With stop strings: what watches the output text for them (set when it is queued)."""
     # Where the stop string starts in the decoded text (for trimming), when one matched.
     stop_text_end: int | None = None
     # Per-backend state (e.g. the generic runner's per-sequence HF cache, a torch.Generator).

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from slime.engines.torch_engine.stop_watch import StopWatch
+
 
 class SharedTokenizer:
     def __init__(self, model_path: str, model: Any):
@@ -29,6 +31,22 @@ class SharedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
             return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def watch_stops(self, stops: tuple[str, ...], skip_special_tokens: bool) -> StopWatch:
+        """One sequence's StopWatch. A fast tokenizer's tokens decode with its Rust decoder alone
+        (about 1 us a call against 4-10 us through the Python wrapper, which adds only the space
+        cleanup, that the watch applies itself)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        decode_ids = self.tokenizer.decode if backend is None else backend.decode
+        clean_up = (
+            self.tokenizer.clean_up_tokenization if self.tokenizer.clean_up_tokenization_spaces else None
+        )
+
+        def decode(ids: list[int]) -> str:
+            with self._lock:
+                return str(decode_ids(ids, skip_special_tokens=skip_special_tokens))
+
+        return StopWatch(decode, stops, clean_up)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (SGLang's return_text_in_logprobs)."""
