@@ -89,15 +89,18 @@ class RayCluster:
             time.sleep(1)
 
     def pids(self) -> list[int]:
-        """Every process started under this cluster's temp dir."""
+        """Every process started under this cluster's temp dir, and the Ray client server that
+        the head starts, whose command line names only the cluster's address."""
+        marks = (self.temp_dir.encode(), f"--address={self.address}\0".encode())
         found = []
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if self.temp_dir.encode() in f.read():
-                        found.append(int(pid))
+                    cmdline = f.read()
+                if any(mark in cmdline for mark in marks):
+                    found.append(int(pid))
             except OSError:
                 continue
         return found
