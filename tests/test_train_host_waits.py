@@ -5,12 +5,14 @@ On a GPU every read on the host of a device tensor (`.cpu()`, `.item()`, `float(
 (`t.to(device)`: a synchronisation of the stream follows it). One inside the micro-batch loop keeps
 the host from launching the next work while the device computes. On CPU such calls are free, so
 this counts them instead: a step of four micro-batches must make as many as a step of one (the
-FSDP actor, one gloo rank). Copies to a device count where slime's own code makes them without
-`non_blocking` (the model's own `.to(x.device)` of a tensor already there copies nothing).
+FSDP and the Megatron actors, one gloo rank). Copies to a device count where slime's own code
+makes them without `non_blocking` (the model's own `.to(x.device)` of a tensor already there
+copies nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -25,6 +27,13 @@ READS = ("cpu", "item", "tolist", "__float__", "__bool__", "__int__", "__index__
 SLIME = os.path.dirname(slime.__file__)
 
 
+ROPE = "_apply_rotary_pos_emb_thd"
+"""megatron-core's unfused rotary embedding of packed rows, which reads the rows' bounds in every
+attention layer. slime hands it the bounds on the host (context_parallel._thd_params): its reads
+are not counted, and which tensor it gets is checked instead (MicroBatch's device tensor carries
+HOST_BOUNDS, the host copy does not)."""
+
+
 def blocking_copy(args: tuple, kwargs: dict) -> bool:
     """Whether `Tensor.to(*args, **kwargs)`, called from slime's code, is a copy to a device
     that waits for it."""
@@ -32,45 +41,72 @@ def blocking_copy(args: tuple, kwargs: dict) -> bool:
     return moves and not kwargs.get("non_blocking") and sys._getframe(2).f_code.co_filename.startswith(SLIME)
 
 
-def count_step_waits(rank, world_size, init_method, model, micro_batch_size, critic, passes=False):
-    """The waits of each optimizer step of one train call: the policy's (FSDPBackend.train_step),
-    or with `critic` the value model's (FSDPValueModel.value_step); --check-precision on, so that
-    the step-0 gaps are kept too. With `passes`, the waits of the no-grad passes instead (the
-    policy's log-prob passes, the critic's value passes)."""
-    import dataclasses
+@contextlib.contextmanager
+def counting_waits(counts: dict[str, int]):
+    """Count in `counts["waits"]` the reads of tensors and blocking copies to a device, and in
+    "rope_device_bounds" the calls of megatron-core's ROPE given bounds on the device."""
+    from megatron.core.models.common.embeddings import rope_utils
 
-    from slime.backends.fsdp.actor import FSDPBackend, FSDPTrainActor
-    from slime.backends.fsdp.critic import FSDPCritic, FSDPValueModel
+    from slime.backends.micro_batch import HOST_BOUNDS
 
-    cfg = dataclasses.replace(base_config(model, micro_batch_size=micro_batch_size), check_precision=True)
-    trainer = (FSDPCritic if critic else FSDPTrainActor)(cfg, rank, world_size, init_method)
-    trainer.init()
-    batch = make_batch(0)
-    owner = FSDPValueModel if critic else FSDPBackend
-    method = {(False, False): "train_step", (True, False): "value_step"}.get((critic, passes))
-    method = method or ("value_pass" if critic else "log_prob_pass")
-    counts = {"steps": 0, "waits": 0}
     originals = {name: getattr(torch.Tensor, name) for name in (*READS, "to")}
+    rope = getattr(rope_utils, ROPE)
 
     def counted(name):
         def call(self, *args, **kwargs):
-            if name != "to" or blocking_copy(args, kwargs):
+            if sys._getframe(1).f_code.co_name != ROPE and (name != "to" or blocking_copy(args, kwargs)):
                 counts["waits"] += 1
             return originals[name](self, *args, **kwargs)
 
         return call
 
+    def watched_rope(t, cu_seqlens, *args, **kwargs):
+        counts["rope_calls"] += 1
+        counts["rope_device_bounds"] += hasattr(cu_seqlens, HOST_BOUNDS)
+        return rope(t, cu_seqlens, *args, **kwargs)
+
+    for name in originals:
+        setattr(torch.Tensor, name, counted(name))
+    setattr(rope_utils, ROPE, watched_rope)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        setattr(rope_utils, ROPE, rope)
+
+
+def count_step_waits(
+    rank, world_size, init_method, model, micro_batch_size, critic, passes=False, backend="fsdp"
+):
+    """The waits of each optimizer step of one train call: the policy's (`train_step` of the
+    backend's class), or with `critic` the value model's (`value_step`); --check-precision on, so
+    that the step-0 gaps are kept too. With `passes`, the waits of the no-grad passes instead (the
+    policy's log-prob passes, the critic's value passes)."""
+    import dataclasses
+
+    from slime.backends import make_train_actor
+    from slime.config.train import MegatronConfig
+
+    cfg = dataclasses.replace(
+        base_config(model, micro_batch_size=micro_batch_size),
+        check_precision=True,
+        backend=backend,
+        megatron=MegatronConfig(),
+    )
+    trainer = make_train_actor(cfg, rank, world_size, init_method, critic=critic)
+    trainer.init()
+    batch = make_batch(0)
+    owner = type(trainer.backend)
+    method = {(False, False): "train_step", (True, False): "value_step"}.get((critic, passes))
+    method = method or ("value_pass" if critic else "log_prob_pass")
+    counts = {"steps": 0, "waits": 0, "rope_calls": 0, "rope_device_bounds": 0}
     step = getattr(owner, method)
 
     def counting_step(self, *args, **kwargs):
-        for name in originals:
-            setattr(torch.Tensor, name, counted(name))
-        try:
+        with counting_waits(counts):
             counts["steps"] += 1
             return step(self, *args, **kwargs)
-        finally:
-            for name, fn in originals.items():
-                setattr(torch.Tensor, name, fn)
 
     setattr(owner, method, counting_step)
     try:
@@ -86,22 +122,28 @@ def count_step_waits(rank, world_size, init_method, model, micro_batch_size, cri
     return counts
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
-def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_with_one(tiny_model, critic):
-    one = run_ranks(1, count_step_waits, tiny_model, 4, critic)[0]
-    four = run_ranks(1, count_step_waits, tiny_model, 1, critic)[0]
+def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_with_one(
+    tiny_model, critic, backend
+):
+    one = run_ranks(1, count_step_waits, tiny_model, 4, critic, False, backend)[0]
+    four = run_ranks(1, count_step_waits, tiny_model, 1, critic, False, backend)[0]
     assert one["steps"] == four["steps"] == 2  # 8 samples, 4 a step
     assert four["waits"] == one["waits"], (four, one)
+    assert (four["rope_calls"] > 0) == (backend == "megatron") and four["rope_device_bounds"] == 0
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 @pytest.mark.parametrize("critic", [False, True], ids=["log-prob-pass", "value-pass"])
-def test_a_no_grad_pass_waits_once_for_its_results_however_many_micro_batches(tiny_model, critic):
+def test_a_no_grad_pass_waits_once_for_its_results_however_many_micro_batches(tiny_model, critic, backend):
     """The passes before the train steps bring their results down in one copy, not one per
     micro-batch (8 micro-batches of 1 sample against 2 of 4)."""
-    two = run_ranks(1, count_step_waits, tiny_model, 4, critic, True)[0]
-    eight = run_ranks(1, count_step_waits, tiny_model, 1, critic, True)[0]
+    two = run_ranks(1, count_step_waits, tiny_model, 4, critic, True, backend)[0]
+    eight = run_ranks(1, count_step_waits, tiny_model, 1, critic, True, backend)[0]
     assert two["steps"] == eight["steps"] >= 1
     assert eight["waits"] == two["waits"], (eight, two)
+    assert (eight["rope_calls"] > 0) == (backend == "megatron") and eight["rope_device_bounds"] == 0
 
 
 def test_the_precision_gap_is_a_masked_max_that_keeps_a_nan():

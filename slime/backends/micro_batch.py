@@ -35,6 +35,13 @@ HOST_BOUNDS = "slime_host_bounds"
 """The attribute of a `cu_seq_lens` tensor holding its values as a list on the host."""
 
 
+def host_bounds(cu_seq_lens: torch.Tensor) -> list[int]:
+    """The values of a `cu_seq_lens` tensor as a list, without reading the device where
+    MicroBatch made it (it keeps them in HOST_BOUNDS)."""
+    bounds = getattr(cu_seq_lens, HOST_BOUNDS, None)
+    return bounds if bounds is not None else cu_seq_lens.tolist()
+
+
 @dataclass
 class MicroBatch:
     """Inputs of one micro-batch and where each sample's response lies.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slime.backends.micro_batch import HOST_BOUNDS
+from slime.backends.micro_batch import host_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _per_segment(
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, dropout_p=dropout_p
         )
-    bounds = getattr(cu_seq_lens, HOST_BOUNDS, None) or cu_seq_lens.tolist()  # (no read back: MicroBatch's)
+    bounds = host_bounds(cu_seq_lens)
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     batch = query.shape[0]
     if len(set(lengths)) == 1 and batch == 1:  # equal lengths: the samples are a batch, no copies

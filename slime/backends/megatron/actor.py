@@ -36,7 +36,7 @@ from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
-from slime.utils import model_families
+from slime.utils import model_families, transfer
 from slime.utils.distributed import init_train_group, leave_train_group
 from slime.utils.rollout_batch import RolloutBatch
 from slime.utils.step_plans import StepPlan
@@ -293,7 +293,15 @@ class MegatronBackend:
             if not forward_only and mtp.objective(model) is not None:  # the MTP loss's targets (mtp.py)
                 extra.update(labels=mb.input_ids, loss_mask=mtp.token_loss_mask(mb))
             scatter = self.cfg.megatron.sequence_parallel and self.mesh.pp_rank > 0
-            output = run_micro_batch(model, mb, extra, self._bias_rate > 0, scatter, self._cp)
+            output = run_micro_batch(
+                model,
+                mb,
+                extra,
+                self._bias_rate > 0,
+                scatter,
+                self._cp,
+                self.cfg.megatron.transformer_impl == "local",
+            )
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 return loss_fn(mb, logits), torch.tensor(1, dtype=torch.int), {}
@@ -326,13 +334,12 @@ class MegatronBackend:
         self, mbs: list[MicroBatch], per_token: Any, states: list[MicroBatchRouting | None]
     ) -> dict[int, torch.Tensor]:
         """A forward-only pass in eval mode; on the last stage `per_token(output, mb)` gives each
-        micro-batch's [batch, max response] values, kept per sample position (other stages: none)."""
-        out: dict[int, torch.Tensor] = {}
+        micro-batch's [batch, max response] values, kept per sample position (other stages: none),
+        brought to the host in one copy after the pass."""
+        down = transfer.RowsToHost()
 
         def collect(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
-            values = per_token(output, mb).cpu()
-            for row, p in enumerate(mb.positions):
-                out[p] = values[row, : mb.response_lengths[row]].clone()
+            down.add(per_token(output, mb), mb.positions, mb.response_lengths)
             return torch.zeros((), device=output.device)
 
         self.model.eval()
@@ -340,7 +347,7 @@ class MegatronBackend:
             self._run(mbs, collect, forward_only=True, routing=states)
         finally:
             self.model.train()
-        return out
+        return down.collect()
 
     @torch.no_grad()
     def log_prob_pass(self, batch: RolloutBatch, plans: list[StepPlan], how: Pass) -> PassResult:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from slime.backends.micro_batch import PAD_ID, MicroBatch
+from slime.backends.micro_batch import PAD_ID, MicroBatch, host_bounds
 
 
 def chunk_positions(length: int, cp: int, rank: int) -> torch.Tensor:
@@ -259,13 +259,14 @@ def run_micro_batch(
     count_mask: bool,
     scatter: bool,
     cp: tuple[int, int, Any] | None,
+    local_spec: bool = False,
 ) -> torch.Tensor:
     """The model's forward on `mb`: right-padded rows, packed rows (THD), or with `cp` (size,
     rank, group) this CP rank's share (`mb.cp` is set to its CPView, which the log-probs read).
     `count_mask`: give the routers megatron-core's padding mask (the expert-bias update counts only
     real tokens: slime.backends.megatron.moe.padding_mask; `scatter`: split over the
-    sequence-parallel ranks)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    sequence-parallel ranks). `local_spec`: the model has megatron-core's local layer spec, whose
+    rotary embedding can take packed rows' bounds on the host (`_thd_params`)."""
 
     from slime.backends.megatron.moe import padding_mask, sequence_parallel_share
 
@@ -281,13 +282,33 @@ def run_micro_batch(
         extra = {**extra, "padding_mask": padding_mask(mb, scatter)}
     ids = mb.input_ids
     if mb.packed:  # megatron-core's THD layout: one row, the sequences' bounds in cu_seqlens
-        cu, longest = mb.cu_seq_lens(), mb.longest_segment()
-        packed = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
+        packed = _thd_params(mb.cu_seq_lens(), mb.longest_segment(), local_spec)
         return model(ids, mb.position_ids, None, packed_seq_params=packed, **extra)
     positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     return model(ids, positions, None, **extra)
+
+
+def _thd_params(cu: torch.Tensor, longest: int, local_spec: bool) -> Any:
+    """megatron-core's PackedSeqParams for a packed row with sequence bounds `cu` (on the device).
+
+    With the local layer spec the `_padded` bounds, which megatron-core's rotary embedding reads
+    first, are the same bounds on the host: its unfused rotary embedding (Transformer Engine's
+    fused one is not there) reads them with `.tolist()` in every attention layer, which on a
+    device tensor makes the host wait for the GPU twice a layer, and run behind it from then on.
+    Nothing else of that spec reads them (our core attention takes `cu_seqlens_q`); Transformer
+    Engine's attention reads them on the device, so its spec leaves them unset."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    host = torch.tensor(host_bounds(cu), dtype=torch.int32) if local_spec else None
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        cu_seqlens_q_padded=host,
+        cu_seqlens_kv_padded=host,
+    )
 
 
 def cp_response_stats(mb: MicroBatch, local_stats: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -32,6 +32,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from slime.backends.megatron.layers import ZeroCenteredRMSNorm
+from slime.backends.micro_batch import host_bounds
 
 
 def hf_delta_net_class(model_type: str) -> Any:
@@ -81,7 +82,7 @@ class LinearAttention(MegatronModule):
             x = tensor_parallel.gather_from_sequence_parallel_region(
                 x, tensor_parallel_output_grad=False, group=parallel_state.get_tensor_model_parallel_group()
             )
-        cu = None if packed_seq_params is None else tuple(packed_seq_params.cu_seqlens_q.tolist())  # one sync
+        cu = None if packed_seq_params is None else tuple(host_bounds(packed_seq_params.cu_seqlens_q))
         if self.config.context_parallel_size > 1:
             from slime.backends.megatron.context_parallel import own_tokens, whole_sequences
 
