@@ -13,23 +13,32 @@ from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
 
-def train_rollouts(rank, world_size, init_method, model, compile_layers, checkpointing=False, device="cpu"):
+def train_rollouts(
+    rank, world_size, init_method, model, compile_layers, checkpointing=False, device="cpu", lora=False
+):
     """Two rollouts of two optimizer steps each (packed micro-batches of 2 samples, so the token
     count changes from one micro-batch to the next): each step's metrics, the log-probs of a
-    third batch after them, and Dynamo's count of the graphs it compiled."""
+    third batch after them, and Dynamo's count of the graphs it compiled. With `lora`, rank-4
+    adapters on every linear layer train instead, and the log-probs are the trained ones and the
+    reference's (the adapters off)."""
     import torch
     from torch._dynamo.utils import counters
 
     from slime.backends.fsdp.actor import FSDPTrainActor
     from slime.config.backends import FSDPConfig
+    from slime.config.lora import LoRAConfig
 
     torch._dynamo.reset()
     fsdp = FSDPConfig(torch_compile=compile_layers, gradient_checkpointing=checkpointing)
     cfg = dataclasses.replace(base_config(model, micro_batch_size=2), fsdp=fsdp, device=device)
+    if lora:
+        cfg = dataclasses.replace(cfg, lora=LoRAConfig(rank=4, alpha=8, target_modules=("all-linear",)))
     actor = FSDPTrainActor(cfg, rank, world_size, init_method)
     actor.init()
     steps = [step for r in range(2) for step in actor.train(r, make_batch(r)).steps]
     log_probs = actor.compute_log_probs(make_batch(7))
+    if lora:
+        log_probs = (log_probs, actor.compute_log_probs(make_batch(7), use_reference=True))
     actor.close()
     return steps, log_probs, counters["stats"]["unique_graphs"]
 
@@ -59,6 +68,22 @@ def test_compiled_layers_train_as_the_eager_ones_from_one_set_of_graphs(tmp_path
     recomputed, _, _ = run_ranks(1, train_rollouts, two, True, True)[0]
     for got, want in zip(recomputed, eager):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_lora_adapters_train_as_the_eager_ones(tmp_path):
+    """LoRA's adapters inside the compiled layers: the same steps, and the same reference
+    log-probs with the adapters switched off (a flag the compiled code is guarded on)."""
+    two = make_model(str(tmp_path / "two-layers"), 0, "--num-layers", "2")
+    eager, (eager_lp, eager_ref), _ = run_ranks(1, train_rollouts, two, False, False, "cpu", True)[0]
+    compiled, (compiled_lp, compiled_ref), graphs = run_ranks(
+        1, train_rollouts, two, True, False, "cpu", True
+    )[0]
+    assert graphs > 0
+    trained = [abs(a - b) for p in eager_lp for a, b in zip(eager_lp[p], eager_ref[p])]
+    assert max(trained) > 1e-3  # the adapters trained: switching them off shows
+    assert_same_training(compiled, eager, compiled_lp, eager_lp)
+    assert_same_training(compiled, eager, compiled_ref, eager_ref)
 
 
 def test_the_flag_refuses_layers_it_cannot_compile(tiny_model, tiny_moe, tmp_path, capsys):
