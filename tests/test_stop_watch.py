@@ -59,16 +59,21 @@ def _word_piece():
     return tok, {"clean_up_tokenization_spaces": True}
 
 
+def _shared(kind, path) -> SharedTokenizer:
+    """The engine's tokenizer over a tokenizer of `kind` (one of the three above), saved at `path`."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend, options = kind()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", **options)
+    tokenizer.save_pretrained(path)
+    return SharedTokenizer(str(path), SimpleNamespace(config=SimpleNamespace(eos_token_id=None)))
+
+
 @pytest.fixture(
     params=[_byte_level, _byte_fallback, _word_piece], ids=["byte-level", "byte-fallback", "wordpiece"]
 )
 def shared(request, tmp_path):
-    from transformers import PreTrainedTokenizerFast
-
-    backend, options = request.param()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", **options)
-    tokenizer.save_pretrained(tmp_path)
-    return SharedTokenizer(str(tmp_path), SimpleNamespace(config=SimpleNamespace(eos_token_id=None)))
+    return _shared(request.param, tmp_path)
 
 
 def _first_stop(push, decode, ids, stops):
@@ -103,6 +108,31 @@ def test_the_watch_stops_at_the_token_that_decoding_the_whole_output_stops_at(sh
         assert _first_stop(watch.push, decode, ids, stops) == expected, (ids, stops)
         checked += 1
     assert checked > 90
+
+
+def test_a_character_completed_after_invalid_bytes_is_seen(tmp_path):
+    """Byte tokens: two stray bytes, then the three of one character, then "h". Still incomplete
+    after four tokens, the text shows as it decodes (three replacement characters); the next token
+    turns the last of them into the character, which the watch then shows in its place."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    shared = _shared(_byte_level, tmp_path)
+    byte_token = bytes_to_unicode()
+    ids = [shared.tokenizer.convert_tokens_to_ids(byte_token[b]) for b in b"\x80\x80\xe4\xbd\xa0h"]
+    assert shared.decode(ids) == "\ufffd\ufffd你h"
+    for stop, at in (("你", 5), ("你h", 6), ("\ufffd你", 5)):
+        watch = shared.watch_stops((stop,), True)
+        assert _first_stop(watch.push, shared.decode, ids, (stop,)) == at, stop
+
+
+def test_a_first_token_that_shows_nothing_alone_keeps_its_space(tmp_path):
+    """SentencePiece-style: a first "▁" decodes to nothing alone (the leading space is stripped),
+    but "▁" then "▁the" decode to " the": the stop " the" ends the second token."""
+    shared = _shared(_byte_fallback, tmp_path)
+    ids = shared.tokenizer.convert_tokens_to_ids(["▁", "▁the"])
+    assert shared.decode(ids[:1]) == "" and shared.decode(ids) == " the"
+    watch = shared.watch_stops((" the",), True)
+    assert _first_stop(watch.push, shared.decode, ids, (" the",)) == 2
 
 
 def test_the_cleanup_of_spaces_is_watched_for():

@@ -292,11 +292,12 @@ def _thd_params(cu: torch.Tensor, longest: int, local_spec: bool) -> Any:
     """megatron-core's PackedSeqParams for a packed row with sequence bounds `cu` (on the device).
 
     With the local layer spec the `_padded` bounds, which megatron-core's rotary embedding reads
-    first, are the same bounds on the host: its unfused rotary embedding (Transformer Engine's
-    fused one is not there) reads them with `.tolist()` in every attention layer, which on a
-    device tensor makes the host wait for the GPU twice a layer, and run behind it from then on.
-    Nothing else of that spec reads them (our core attention takes `cu_seqlens_q`); Transformer
-    Engine's attention reads them on the device, so its spec leaves them unset."""
+    first, are the same bounds on the host: its unfused rotary embedding (the fused one is off,
+    slime.backends.megatron.model) reads them with `.tolist()` in every attention layer, which on
+    a device tensor makes the host wait for the GPU twice a layer, and run behind it from then
+    on. Nothing else of that spec reads them (our core attention takes `cu_seqlens_q`);
+    Transformer Engine's attention reads them on the device, so its spec leaves them unset (and
+    waits)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     host = torch.tensor(host_bounds(cu), dtype=torch.int32) if local_spec else None

@@ -55,16 +55,22 @@ class StopWatch:
         ids.append(token)
         text = self._decode(ids)
         shown = self._decode(ids[: self._read]) if self._read else ""
-        if len(text) <= len(shown):
-            if len(ids) - self._read == 1:
+        if text == shown:
+            if self._read and len(ids) - self._read == 1:
                 ids.pop()  # a token that shows nothing (a special one skipped) is left out
             return False
-        new = text[len(shown) :]
+        # The context's own text may change at its end (a character shown incomplete, now
+        # completed): the tail's end is rewritten from where the two texts part.
+        same = len(shown)
+        if not text.startswith(shown):
+            same = next((i for i, (a, b) in enumerate(zip(shown, text)) if a != b), len(text))
+        tail = self._tail[: max(0, len(self._tail) - (len(shown) - same))]
+        new = text[same:]
         if new.endswith(INCOMPLETE) and len(ids) - self._read < MAX_CHARACTER_TOKENS:
             # A character still incomplete: it shows with the token that ends it; what comes
             # before it is complete and checked now.
-            return self._holds_a_stop(self._tail + new.rstrip(INCOMPLETE))
-        window = self._tail + new
+            return self._holds_a_stop(tail + new.rstrip(INCOMPLETE))
+        window = tail + new
         self._tail = window[-self._keep :]
         del ids[: self._read]
         self._read = len(ids)
