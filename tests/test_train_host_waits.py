@@ -23,7 +23,9 @@ import slime
 from tests.dist_helpers import run_ranks
 from tests.test_fsdp_actor import base_config, make_batch
 
-READS = ("cpu", "item", "tolist", "__float__", "__bool__", "__int__", "__index__")
+READS = ("cpu", "item", "tolist", "__float__", "__bool__", "__int__", "__index__", "nonzero", "__getitem__")
+"""Tensor methods that read the device: `__getitem__` where a boolean mask indexes (the result's
+size is the mask's count), the others always."""
 SLIME = os.path.dirname(slime.__file__)
 
 
@@ -43,8 +45,8 @@ def blocking_copy(args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def counting_waits(counts: dict[str, int]):
-    """Count in `counts["waits"]` the reads of tensors and blocking copies to a device, and in
-    "rope_device_bounds" the calls of megatron-core's ROPE given bounds on the device."""
+    """Count in `counts["waits"]` the reads of tensors (READS) and blocking copies to a device,
+    and in "rope_device_bounds" the calls of megatron-core's ROPE given bounds on the device."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from slime.backends.micro_batch import HOST_BOUNDS
@@ -52,10 +54,17 @@ def counting_waits(counts: dict[str, int]):
     originals = {name: getattr(torch.Tensor, name) for name in (*READS, "to")}
     rope = getattr(rope_utils, ROPE)
 
+    def waits(name: str, args: tuple, kwargs: dict) -> bool:
+        if name == "to":
+            return blocking_copy(args, kwargs)
+        if name == "__getitem__":
+            index = args[0] if isinstance(args[0], tuple) else (args[0],)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        return sys._getframe(2).f_code.co_name != ROPE
+
     def counted(name):
         def call(self, *args, **kwargs):
-            if sys._getframe(1).f_code.co_name != ROPE and (name != "to" or blocking_copy(args, kwargs)):
-                counts["waits"] += 1
+            counts["waits"] += waits(name, args, kwargs)
             return originals[name](self, *args, **kwargs)
 
         return call
