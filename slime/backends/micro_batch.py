@@ -35,6 +35,14 @@ HOST_BOUNDS = "slime_host_bounds"
 """The attribute of a `cu_seq_lens` tensor holding its values as a list on the host."""
 
 
+def bounds_on(bounds: list[int], device: torch.device) -> torch.Tensor:
+    """Sequence bounds as a `cu_seq_lens` tensor (int32) on `device`, uploaded without a wait,
+    carrying their values on the host (HOST_BOUNDS)."""
+    cu = to_device(torch.tensor(bounds, dtype=torch.int32), device)
+    setattr(cu, HOST_BOUNDS, bounds)
+    return cu
+
+
 def host_bounds(cu_seq_lens: torch.Tensor) -> list[int]:
     """The values of a `cu_seq_lens` tensor as a list, without reading the device where
     MicroBatch made it (it keeps them in HOST_BOUNDS)."""
@@ -67,6 +75,8 @@ class MicroBatch:
     cp: object = None
     """Megatron with context parallelism: this rank's share, set by its forward
     (slime.backends.megatron.context_parallel.CPView)."""
+    host_ids: torch.Tensor | None = None
+    """`input_ids` as built, on the host (reading `input_ids` back would wait for the device)."""
 
     @property
     def packed(self) -> bool:
@@ -84,9 +94,7 @@ class MicroBatch:
         bounds = [*self.offsets, end]
         if self.input_ids.shape[1] > end:
             bounds.append(self.input_ids.shape[1])
-        cu = to_device(torch.tensor(bounds, dtype=torch.int32), self.input_ids.device)
-        setattr(cu, HOST_BOUNDS, bounds)  # (read by slime.backends.packed_attention off the GPU)
-        return cu
+        return bounds_on(bounds, self.input_ids.device)
 
     def longest_segment(self) -> int:
         """Packed: the longest segment of the row (a sample, or the tail of padding)."""
@@ -117,13 +125,17 @@ class MicroBatch:
         """Where the response tokens are predicted, one entry per response token in sample order:
         the row of `input_ids` (always 0 when packed), the position whose logits predict the token
         (token t is predicted at t - 1) and the token's id."""
+        row_t, col_t = (to_device(t, self.input_ids.device) for t in self.prediction_places())
+        return row_t, col_t, self.input_ids[row_t, col_t + 1]
+
+    def prediction_places(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`predictions`' rows and positions, on the host."""
         rows, cols = [], []
         starts = self.offsets or [0] * self.num_samples
         for row, (o, p, r) in enumerate(zip(starts, self.prompt_lengths, self.response_lengths)):
             rows.append(torch.full((r,), 0 if self.packed else row, dtype=torch.long))
             cols.append(torch.arange(o + p - 1, o + p + r - 1))
-        row_t, col_t = (to_device(torch.cat(t), self.input_ids.device) for t in (rows, cols))
-        return row_t, col_t, self.input_ids[row_t, col_t + 1]
+        return torch.cat(rows), torch.cat(cols)
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-token values in `predictions` order -> [batch, max_response_len] (0 past each response)."""
@@ -180,7 +192,8 @@ def make_micro_batch(
         tail = -sum(lengths) % multiple_of
         mb.offsets = list(itertools.accumulate(lengths[:-1], initial=0))
         flat = [t for p in positions for t in tokens[p]] + [PAD_ID] * tail
-        mb.input_ids = to_device(torch.tensor(flat, dtype=torch.long)[None], device)
+        mb.host_ids = torch.tensor(flat, dtype=torch.long)[None]
+        mb.input_ids = to_device(mb.host_ids, device)
         mb.position_ids = to_device(torch.cat([torch.arange(n) for n in [*lengths, tail] if n])[None], device)
         return mb
     longest = max(len(tokens[p]) for p in positions)
@@ -190,7 +203,7 @@ def make_micro_batch(
         seq = tokens[p]
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[row, : len(seq)] = 1
-    mb.input_ids, mb.attention_mask = to_device(ids, device), to_device(attn, device)
+    mb.host_ids, mb.input_ids, mb.attention_mask = ids, to_device(ids, device), to_device(attn, device)
     return mb
 
 

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from slime.backends.micro_batch import PAD_ID, MicroBatch, host_bounds
+from slime.backends.micro_batch import PAD_ID, MicroBatch, bounds_on, host_bounds
+from slime.utils.transfer import to_device
 
 
 def chunk_positions(length: int, cp: int, rank: int) -> torch.Tensor:
@@ -54,7 +55,9 @@ def local_order(cu: list[int], cp: int, rank: int) -> torch.Tensor:
 
 @dataclass
 class CPView:
-    """This CP rank's share of a micro-batch, in the THD layout (module docstring)."""
+    """This CP rank's share of a micro-batch, in the THD layout (module docstring). Every index
+    below is computed on the host when the view is cut and uploaded once, so that the layers and
+    the loss use it without reading the device."""
 
     ids: torch.Tensor
     """[1, local tokens] this rank's input ids."""
@@ -62,33 +65,39 @@ class CPView:
     """[1, local tokens] each token's position in its sequence."""
     packed: Any
     """megatron-core's PackedSeqParams: the padded sequences' global bounds."""
-    where: torch.Tensor
-    """[rows, length] of the micro-batch: each real token's place in the padded global row (-1: padding)."""
     targets: torch.Tensor
     """[local tokens] the next token of each local token in its sequence (PAD_ID at a sequence's end)."""
     real: torch.Tensor
     """[1, local tokens] bool: a sample's token, not padding."""
     cp: int
     group: Any
-    mine: torch.Tensor
-    """[padded global tokens] each token's place among this rank's (-1: another rank's)."""
+    where: torch.Tensor
+    """On the host, [rows, length] of the micro-batch: each real token's place in the padded
+    global row (-1: padding)."""
+    own: tuple[torch.Tensor, torch.Tensor]
+    """The micro-batch's tokens this rank holds: their places in the micro-batch's [rows x length]
+    flattened, and among this rank's tokens."""
+    predicting: tuple[torch.Tensor, torch.Tensor]
+    """This rank's tokens that predict a response token (their places among its tokens), and for
+    every response token, in `MicroBatch.predictions` order, the place in the padded global row of
+    the token that predicts it."""
 
     def local(self, values: torch.Tensor) -> torch.Tensor:
         """[rows, length] values over the micro-batch's tokens -> [1, local tokens] (0 on padding)."""
+        source, place = self.own
         out = values.new_zeros(self.ids.shape[1])
-        real = self.where >= 0
-        places = self.mine[self.where[real]]
-        keep = places >= 0
-        return out.index_put((places[keep],), values[real][keep]).unsqueeze(0)
+        return out.index_put((place,), values.reshape(-1)[source]).unsqueeze(0)
 
 
-def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1) -> CPView:
+def cp_view(
+    mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1, local_spec: bool = False
+) -> CPView:
     """The CP share of `mb` (packed or padded) for CP rank `rank`; each sequence padded to a
-    multiple of 2 x cp x `multiple` (sequence parallelism: TP, so each rank's share splits over TP)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+    multiple of 2 x cp x `multiple` (sequence parallelism: TP, so each rank's share splits over TP).
+    `local_spec`: megatron-core's local layer spec (`_thd_params`)."""
     device = mb.input_ids.device
-    flat = mb.input_ids.reshape(-1).cpu()
+    assert mb.host_ids is not None, "a micro-batch from make_micro_batch"
+    flat = mb.host_ids.reshape(-1)
     width = mb.input_ids.shape[1]
     where = torch.full(mb.input_ids.shape, -1, dtype=torch.long)
     padded_ids, real, cu = [], [], [0]
@@ -111,28 +120,41 @@ def cp_view(mb: MicroBatch, cp: int, rank: int, group: Any, multiple: int = 1) -
         nxt[a : b - 1] = ids[a + 1 : b]
     order = local_order(cu, cp, rank)
     positions = torch.cat([chunk_positions(b - a, cp, rank) for a, b in itertools.pairwise(cu)])
-    bounds = torch.tensor(cu, dtype=torch.int32, device=device)
-    longest = max(b - a for a, b in itertools.pairwise(cu))
-    packed = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=bounds,
-        cu_seqlens_kv=bounds,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
     mine = torch.full((cu[-1],), -1, dtype=torch.long)
     mine[order] = torch.arange(order.numel())
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    up = functools.partial(to_device, device=device)
     return CPView(
-        ids[order].unsqueeze(0).to(device),
-        positions.unsqueeze(0).to(device),
-        packed,
-        where.to(device),
-        nxt[order].to(device),
-        real_t[order].unsqueeze(0).to(device),
+        up(ids[order].unsqueeze(0)),
+        up(positions.unsqueeze(0)),
+        _thd_params(bounds_on(cu, device), longest, local_spec),
+        up(nxt[order]),
+        up(real_t[order].unsqueeze(0)),
         cp,
         group,
-        mine.to(device),
+        where,
+        _own_places(where, mine, up),
+        _predicting(mb, where, mine, up),
     )
+
+
+def _own_places(where: torch.Tensor, mine: torch.Tensor, up: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPView.own, from `where` and `mine` (each global place's among this rank's tokens, -1:
+    another rank's), on the host."""
+    source = (where.reshape(-1) >= 0).nonzero()[:, 0]
+    place = mine[where.reshape(-1)[source]]
+    held = place >= 0
+    return up(source[held]), up(place[held])
+
+
+def _predicting(
+    mb: MicroBatch, where: torch.Tensor, mine: torch.Tensor, up: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPView.predicting, on the host."""
+    rows, cols = mb.prediction_places()
+    at = where[rows, cols]
+    local = mine[at]
+    return up(local[local >= 0]), up(at)
 
 
 class _GatherKeepOwn(torch.autograd.Function):
@@ -174,7 +196,7 @@ def gather_tokens(local: torch.Tensor, view: CPView) -> torch.Tensor:
     group, cp = view.group, view.cp
     rank = dist.get_rank(group)
     gathered = _GatherKeepOwn.apply(local, group, rank, cp)
-    return gathered[_sequence_order(tuple(view.packed.cu_seqlens_q.tolist()), cp).to(local.device)]
+    return gathered[_orders(tuple(host_bounds(view.packed.cu_seqlens_q)), cp, rank, local.device).sequence]
 
 
 def whole_sequences(local: torch.Tensor, cu: tuple[int, ...], group: Any) -> torch.Tensor:
@@ -183,29 +205,34 @@ def whole_sequences(local: torch.Tensor, cu: tuple[int, ...], group: Any) -> tor
     the CP ranks, since each rank's outputs read earlier tokens of the others; each rank keeps its
     own)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    return _GatherSumGrads.apply(local, group, rank, cp)[_sequence_order(cu, cp).to(local.device)]
+    return _GatherSumGrads.apply(local, group, rank, cp)[_orders(cu, cp, rank, local.device).sequence]
 
 
 def own_tokens(whole: torch.Tensor, cu: tuple[int, ...], group: Any) -> torch.Tensor:
     """The inverse of whole_sequences' gather: this CP rank's tokens of whole sequences."""
-    return whole[_own_order(cu, dist.get_world_size(group), dist.get_rank(group)).to(whole.device)]
+    return whole[_orders(cu, dist.get_world_size(group), dist.get_rank(group), whole.device).own]
+
+
+@dataclass(frozen=True)
+class _Orders:
+    """Token orders of one micro-batch layout on the device, made once (not in every layer)."""
+
+    own: torch.Tensor
+    """local_order: where each of this rank's tokens sits in the padded global row."""
+    sequence: torch.Tensor
+    """For the padded global row: where each token sits in the ranks' gathered shares (rank 0's
+    tokens, then rank 1's, ...)."""
+    chunks: tuple[torch.Tensor, ...]
+    """Per sequence, chunk_positions: the positions this rank holds."""
 
 
 @functools.lru_cache(maxsize=8)
-def _own_order(cu: tuple[int, ...], cp: int, rank: int) -> torch.Tensor:
-    """local_order, computed once per micro-batch layout (not in every layer)."""
-    return local_order(list(cu), cp, rank)
-
-
-@functools.lru_cache(maxsize=8)
-def _sequence_order(cu: tuple[int, ...], cp: int) -> torch.Tensor:
-    """For the padded global row (bounds `cu`): where each token sits in the ranks' gathered
-    shares (rank 0's tokens, then rank 1's, ...); computed once per micro-batch layout, not once
-    per layer."""
+def _orders(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> _Orders:
     order = torch.cat([local_order(list(cu), cp, r) for r in range(cp)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
-    return inverse
+    chunks = tuple(to_device(chunk_positions(b - a, cp, rank), device) for a, b in itertools.pairwise(cu))
+    return _Orders(to_device(local_order(list(cu), cp, rank), device), to_device(inverse, device), chunks)
 
 
 def cp_attention(
@@ -226,14 +253,13 @@ def cp_attention(
             "context parallelism runs packed (THD) micro-batches only (context_parallel.run_micro_batch)"
         )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    cu = packed.cu_seqlens_q.tolist()
-    order = _sequence_order(tuple(cu), cp).to(query.device)
-    k = _GatherSumGrads.apply(key, group, rank, cp)[order]  # [global tokens, kv heads, dim]
-    v = _GatherSumGrads.apply(value, group, rank, cp)[order]
+    cu = host_bounds(packed.cu_seqlens_q)
+    orders = _orders(tuple(cu), cp, rank, query.device)
+    k = _GatherSumGrads.apply(key, group, rank, cp)[orders.sequence]  # [global tokens, kv heads, dim]
+    v = _GatherSumGrads.apply(value, group, rank, cp)[orders.sequence]
     gqa = {"enable_gqa": True} if query.shape[1] != k.shape[1] else {}
     outs, at = [], 0
-    for a, b in itertools.pairwise(cu):
-        mine = chunk_positions(b - a, cp, rank).to(query.device)
+    for (a, b), mine in zip(itertools.pairwise(cu), orders.chunks):
         q = query[at : at + mine.numel()].transpose(0, 1)  # [heads, local, dim]
         at += mine.numel()
         allowed = mine[:, None] >= torch.arange(b - a, device=query.device)[None, :]
@@ -272,7 +298,7 @@ def run_micro_batch(
 
     if cp is not None:
         sp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
-        view = mb.cp = cp_view(mb, *cp, sp)
+        view = mb.cp = cp_view(mb, *cp, sp, local_spec)
         if "labels" in extra:  # the MTP loss's targets (slime.backends.megatron.mtp): this rank's tokens
             extra = {**extra, "labels": view.ids, "loss_mask": view.local(extra["loss_mask"])}
         if count_mask:
@@ -319,10 +345,7 @@ def cp_response_stats(mb: MicroBatch, local_stats: Any) -> tuple[torch.Tensor, t
     ranks."""
     view = mb.cp
     assert isinstance(view, CPView)
-    rows, cols, _ = mb.predictions()
-    index = view.where[rows, cols]
-    local = view.mine[index]
-    local = local[local >= 0]
+    local, index = view.predicting
     log_probs, entropy = local_stats(local, view.targets[local])
     n = view.targets.numel()
 
