@@ -39,7 +39,7 @@ HOST_SIDE = (ROPE, "cp_view", "_own_places", "_predicting")
 """Functions whose reads are of host tensors: ROPE's (checked as said), and those that cut a
 context-parallel rank's share of a micro-batch from the ids MicroBatch keeps on the host."""
 
-BACKENDS = ["fsdp", "megatron", "megatron-cp2"]
+BACKENDS = ["fsdp", "megatron", pytest.param("megatron-cp2", marks=pytest.mark.slow)]
 """The trainers counted: FSDP, Megatron, and Megatron with context parallelism over two ranks."""
 
 
