@@ -86,6 +86,33 @@ def test_compiled_layers_with_lora_adapters_train_as_the_eager_ones(tmp_path):
     assert_same_training(compiled, eager, compiled_ref, eager_ref)
 
 
+def train_without_a_compiler(rank, world_size, init_method, model):
+    """One train call with --fsdp-torch-compile and no C++ compiler for Inductor."""
+    import torch._inductor.config as inductor
+
+    from slime.backends.fsdp.actor import FSDPTrainActor
+    from slime.config.backends import FSDPConfig
+
+    inductor.cpp.cxx = (None, "/nonexistent/c++")
+    cfg = dataclasses.replace(base_config(model, micro_batch_size=2), fsdp=FSDPConfig(torch_compile=True))
+    actor = FSDPTrainActor(cfg, rank, world_size, init_method)
+    actor.init()
+    try:
+        actor.train(0, make_batch(0))
+    finally:
+        actor.close()
+
+
+@pytest.mark.slow
+def test_a_compiler_that_fails_names_the_flag_and_the_way_out(tiny_model):
+    with pytest.raises(Exception) as failed:
+        run_ranks(1, train_without_a_compiler, tiny_model)
+    message = str(failed.value)
+    assert "--fsdp-torch-compile: torch.compile could not build the kernels of " in message
+    assert "Qwen3DecoderLayer: " in message  # (FSDP2's class of the layer: FSDPQwen3DecoderLayer)
+    assert "No working C++ compiler" in message and "Run without --fsdp-torch-compile" in message
+
+
 def test_the_flag_refuses_layers_it_cannot_compile(tiny_model, tiny_moe, tmp_path, capsys):
     """Mixture-of-experts layers (transformers' expert loop depends on the data) are refused by
     name at parse time, not found out after a rollout; a dense model takes the flag."""

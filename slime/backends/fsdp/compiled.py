@@ -45,10 +45,31 @@ def compile_layers(layers: list[torch.nn.Module]) -> None:
     compiled: dict[type, Any] = {}  # one per layer class (a model may mix kinds of layers)
     for layer in layers:
         if type(layer) not in compiled:
-            compiled[type(layer)] = torch.compile(type(layer).forward)
+            compiled[type(layer)] = _naming_the_flag(torch.compile(type(layer).forward), type(layer).__name__)
         layer.forward = compiled[type(layer)].__get__(layer)
         layer.register_forward_pre_hook(_token_axis_dynamic, with_kwargs=True)
     logger.info("--fsdp-torch-compile: %d decoder layers compile at their first forward", len(layers))
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not build a layer's kernels (Inductor's compiler missing or failing)."""
+
+
+def _naming_the_flag(forward: Any, layer: str) -> Any:
+    """`forward` (compiled), whose compiler's failure at the first step names the flag and the fix
+    instead of ending the step with torch's error alone (still chained below it)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            reason = str(e).strip().splitlines()[0]
+            raise CompileFailed(
+                f"--fsdp-torch-compile: torch.compile could not build the kernels of {layer}: "
+                f"{reason}. Run without --fsdp-torch-compile, or fix what torch names."
+            ) from e
+
+    return call
 
 
 def _token_axis_dynamic(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
