@@ -228,11 +228,13 @@ class _Orders:
 
 @functools.lru_cache(maxsize=8)
 def _orders(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> _Orders:
-    order = torch.cat([local_order(list(cu), cp, r) for r in range(cp)])
+    """_Orders of the layout `cu` for CP rank `rank` (cached: every layer asks for the same)."""
+    per_rank = [local_order(list(cu), cp, r) for r in range(cp)]
+    order = torch.cat(per_rank)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     chunks = tuple(to_device(chunk_positions(b - a, cp, rank), device) for a, b in itertools.pairwise(cu))
-    return _Orders(to_device(local_order(list(cu), cp, rank), device), to_device(inverse, device), chunks)
+    return _Orders(to_device(per_rank[rank], device), to_device(inverse, device), chunks)
 
 
 def cp_attention(
