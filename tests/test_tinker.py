@@ -8,6 +8,7 @@ and leaves other clients alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -60,6 +61,17 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+@contextlib.contextmanager
+def session(url: str):
+    """A ServiceClient whose session ends with the block, while its server still runs: the SDK's
+    heartbeat thread would otherwise outlive the server and warn for the rest of the test run."""
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    try:
+        yield service
+    finally:
+        service.close("success").result()
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tinker-store"))
@@ -74,7 +86,8 @@ def server(tiny_model, store):
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server, api_key=KEY)
+    with session(server) as service:
+        yield service
 
 
 def trainer(service, seed=0):
@@ -363,10 +376,11 @@ def test_a_saved_state_is_the_trained_adapters_and_loads_with_its_optimizer_afte
 
     proc, url = start_server(tiny_model, store)
     try:
-        again = tinker.ServiceClient(base_url=url, api_key=KEY).create_training_client_from_state(path)
-        torch.testing.assert_close(
-            log_probs(again.forward(data, "cross_entropy").result()), trained, rtol=0, atol=0
-        )
+        with session(url) as again_service:
+            again = again_service.create_training_client_from_state(path)
+            torch.testing.assert_close(
+                log_probs(again.forward(data, "cross_entropy").result()), trained, rtol=0, atol=0
+            )
     finally:
         stop(proc)
 
@@ -548,23 +562,24 @@ def test_train_unembed_adapts_the_lm_head_and_its_sampler_serves_it(tiny_model, 
     )
     proc, url = start_server(model, str(tmp_path / "store"))
     try:
-        service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
-        tokens = TOKENS[0]
-        tc.forward_backward([datum(tokens, weights=weights(tokens))], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-        prompt = [5, 9, 11]
-        sampler = tc.save_weights_and_get_sampling_client()
-        seq = sampler.sample(
-            types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=2)
-        )
-        seq = seq.result().sequences[0]
-        expected = sequence_log_probs(tc, prompt, seq.tokens)
-        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, rtol=0, atol=1e-5)
-        path = tc.save_state("head").result().path
-        info = service.create_rest_client().get_weights_info_by_tinker_path(path).result()
-        assert info.train_unembed is True
-        adapter = load_adapter(tmp_path / "store", path)
+        with session(url) as service:
+            tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
+            tokens = TOKENS[0]
+            tc.forward_backward([datum(tokens, weights=weights(tokens))], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            prompt = [5, 9, 11]
+            sampler = tc.save_weights_and_get_sampling_client()
+            seq = sampler.sample(
+                types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=2)
+            )
+            seq = seq.result().sequences[0]
+            expected = sequence_log_probs(tc, prompt, seq.tokens)
+            torch.testing.assert_close(torch.tensor(seq.logprobs), expected, rtol=0, atol=1e-5)
+            path = tc.save_state("head").result().path
+            info = service.create_rest_client().get_weights_info_by_tinker_path(path).result()
+            assert info.train_unembed is True
+            # read while the session lasts: its end clears its temporary files from the store
+            adapter = load_adapter(tmp_path / "store", path)
         head_factors = [n for n in adapter if "lm_head" in n]
         assert len(head_factors) == 2 and not any("embed_tokens" in n for n in adapter), sorted(adapter)
         assert any(float(adapter[n].abs().max()) > 0 for n in head_factors if "lora_B" in n)  # it trained
@@ -581,11 +596,10 @@ def load_adapter(store, path: str) -> dict:
     return load_file(str(found[0]))
 
 
-def run_ranks_client(url: str, data: list, state: str | None = None) -> dict:
+def run_ranks_client(service, data: list, state: str | None = None) -> dict:
     """forward_backward, a step, then a forward (from `state` when given); what each gave."""
     from tinker import types
 
-    service = tinker.ServiceClient(base_url=url, api_key=KEY)
     if state is not None:
         tc = service.create_training_client_from_state(state)
         return {"after": [log_probs(tc.forward(data, "cross_entropy").result(), i) for i in range(len(data))]}
@@ -612,16 +626,18 @@ def test_two_train_ranks_train_as_one(tiny_model, tmp_path):
     data = [datum(t, weights=weights(t)) for t in tokens]
     proc, url = start_server(tiny_model, str(tmp_path / "one"))
     try:
-        one = run_ranks_client(url, data)
+        with session(url) as service:
+            one = run_ranks_client(service, data)
     finally:
         stop(proc)
     proc, url = start_server(tiny_model, str(tmp_path / "two"), "--train-ranks", "2")
     try:
-        two = run_ranks_client(url, data)
-        with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
-            two["tc"].forward([datum([1, 2, 500], weights=[1.0, 1.0])], "cross_entropy").result()
-        again = two["tc"].forward(data, "cross_entropy").result()
-        state = two["tc"].save_state("two-ranks").result().path
+        with session(url) as service:
+            two = run_ranks_client(service, data)
+            with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+                two["tc"].forward([datum([1, 2, 500], weights=[1.0, 1.0])], "cross_entropy").result()
+            again = two["tc"].forward(data, "cross_entropy").result()
+            state = two["tc"].save_state("two-ranks").result().path
     finally:
         stop(proc)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
@@ -633,7 +649,8 @@ def test_two_train_ranks_train_as_one(tiny_model, tmp_path):
     torch.testing.assert_close(log_probs(again, 2), two["after"][2], rtol=0, atol=0)
     proc, url = start_server(tiny_model, str(tmp_path / "two"))  # one rank, the two ranks' store
     try:
-        loaded = run_ranks_client(url, data, state)
+        with session(url) as service:
+            loaded = run_ranks_client(service, data, state)
     finally:
         stop(proc)
     for a, b in zip(two["after"], loaded["after"]):
@@ -687,8 +704,8 @@ def test_an_rl_loops_unnamed_samplers_do_not_pile_up(tiny_model, tmp_path):
         assert service.create_rest_client().list_checkpoints(run).result().checkpoints == []  # none named
         service.close("success").result()
         # another session's training work runs after the ended session's clean-up (one thread)
-        other = tinker.ServiceClient(base_url=url, api_key=KEY)
-        trainer(other).forward([datum(TOKENS[0], weights=weights(TOKENS[0]))], "cross_entropy").result()
+        with session(url) as other:
+            trainer(other).forward([datum(TOKENS[0], weights=weights(TOKENS[0]))], "cross_entropy").result()
         assert not os.path.exists(ephemeral) or os.listdir(ephemeral) == []
     finally:
         stop(proc)
@@ -755,12 +772,11 @@ def test_a_vision_language_base_trains_its_language_model_on_text(tiny_vlm, tmp_
     assert "self_attn.q_proj" in modules and not {"attn.qkv", "attn.proj", "mlp.linear_fc1"} & set(modules)
     proc, url = start_server(tiny_vlm, str(tmp_path / "store"))
     try:
-        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
-            base_model="tiny", rank=4
-        )
-        data = [datum(TOKENS[0], weights=weights(TOKENS[0]))]
-        before = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < before
+        with session(url) as service:
+            tc = service.create_lora_training_client(base_model="tiny", rank=4)
+            data = [datum(TOKENS[0], weights=weights(TOKENS[0]))]
+            before = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < before
     finally:
         stop(proc)

@@ -240,9 +240,18 @@ def test_a_retry_is_no_part_of_the_attempt_it_replaced():
     assert point["parent_span_id"] == "a1"
 
 
+# The viewer as a terminal starts it, with Ctrl-C's SIGINT at Python's default even where these
+# tests run with it ignored (a background job of a non-interactive shell: its children inherit
+# that, and Python keeps an ignored SIGINT ignored).
+VIEWER_AT_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('slime.tools.trace_timeline_viewer', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_serves_the_page_on_loopback_until_interrupted(dump):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slime.tools.trace_timeline_viewer", dump, "--port", "0"],
+        [sys.executable, "-c", VIEWER_AT_A_TERMINAL, dump, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
