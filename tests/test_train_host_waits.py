@@ -35,12 +35,30 @@ attention layer. slime hands it the bounds on the host (context_parallel._thd_pa
 are not counted, and which tensor it gets is checked instead (the device tensor of the bounds
 carries HOST_BOUNDS, the host copy does not)."""
 
-HOST_SIDE = (ROPE, "cp_view", "_own_places", "_predicting")
-"""Functions whose reads are of host tensors: ROPE's (checked as said), and those that cut a
-context-parallel rank's share of a micro-batch from the ids MicroBatch keeps on the host."""
+HOST_SIDE = (ROPE, "cp_view", "_own_places", "_predicting", "real_token_index")
+"""Functions whose reads are of host tensors: ROPE's (checked as said), those that cut a
+context-parallel rank's share of a micro-batch from the ids MicroBatch keeps on the host, and the
+one that finds a micro-batch's real tokens for the load-balancing losses in its host sample ids."""
 
-BACKENDS = ["fsdp", "megatron", pytest.param("megatron-cp2", marks=pytest.mark.slow)]
-"""The trainers counted: FSDP, Megatron, and Megatron with context parallelism over two ranks."""
+FOREIGN = ("megatron/core/transformer/moe/",)
+"""Code whose reads are not counted: megatron-core's MoE layers, whose token dispatcher brings the
+routing's counts to the host once a layer by design (the experts' shapes depend on them) and whose
+experts and chunk sorting read those host copies."""
+
+MOE = {
+    "fsdp-moe": {"use_routing_replay": True, "moe_aux_loss_coeff": 0.01},
+    "megatron-moe": {
+        "use_routing_replay": True,
+        "moe_aux_loss_coeff": 0.01,
+        "moe_router_load_balancing_type": "seq_aux_loss",
+    },
+}
+"""The mixture-of-experts rows' flags: R2 (the log-prob pass records each layer's experts, the
+training steps replay them) and a load-balancing loss in every MoE layer."""
+
+BACKENDS = ["fsdp", "megatron", pytest.param("megatron-cp2", marks=pytest.mark.slow), *MOE]
+"""The trainers counted: FSDP, Megatron, Megatron with context parallelism over two ranks, and
+both with a mixture-of-experts model (MOE)."""
 
 
 def blocking_copy(args: tuple, kwargs: dict) -> bool:
@@ -64,11 +82,13 @@ def counting_waits(counts: dict[str, int]):
     def waits(name: str, args: tuple, kwargs: dict) -> bool:
         if name == "to":
             return blocking_copy(args, kwargs)
+        caller = sys._getframe(2).f_code
+        if caller.co_name in HOST_SIDE or any(part in caller.co_filename for part in FOREIGN):
+            return False
         if name == "__getitem__":
             index = args[0] if isinstance(args[0], tuple) else (args[0],)
-            masks = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
-            return masks and sys._getframe(2).f_code.co_name not in HOST_SIDE
-        return sys._getframe(2).f_code.co_name not in HOST_SIDE
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        return True
 
     def counted(name):
         def call(self, *args, **kwargs):
@@ -103,14 +123,16 @@ def count_step_waits(
     import dataclasses
 
     from slime.backends import make_train_actor
-    from slime.config.train import MegatronConfig
+    from slime.config.train import MegatronConfig, MoEOptions
 
-    backend, _, cp = backend.partition("-cp")
+    moe = MoEOptions(**MOE.get(backend, {}))
+    backend, _, cp = backend.removesuffix("-moe").partition("-cp")
     cfg = dataclasses.replace(
         base_config(model, micro_batch_size=micro_batch_size),
         check_precision=True,
         backend=backend,
         megatron=MegatronConfig(context_parallel_size=int(cp or 1)),
+        moe=moe,
     )
     trainer = make_train_actor(cfg, rank, world_size, init_method, critic=critic)
     trainer.init()
@@ -146,25 +168,42 @@ def counted_on_rank_0(backend: str, *args) -> dict[str, int]:
     return run_ranks(ranks, count_step_waits, *args, backend)[0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
+def model_of(request, backend: str) -> str:
+    return request.getfixturevalue("tiny_moe" if backend in MOE else "tiny_model")
+
+
+def rows(kinds: tuple[str, str]) -> list:
+    """(critic, backend) test rows, named `kind-backend`: each backend as the policy (kinds[0]) and
+    as the critic (kinds[1]); the MoE ones as the policy only (the critic's router hooks are the
+    same code)."""
+    out = []
+    for row in BACKENDS:
+        backend, marks = (row, ()) if isinstance(row, str) else (row.values[0], row.marks)
+        for critic, kind in zip((False, True), kinds):
+            if not (critic and backend in MOE):
+                out.append(pytest.param(critic, backend, marks=marks, id=f"{kind}-{backend}"))
+    return out
+
+
+@pytest.mark.parametrize("critic, backend", rows(("policy", "critic")))
 def test_a_train_step_waits_for_the_device_as_often_with_four_micro_batches_as_with_one(
-    tiny_model, critic, backend
+    request, critic, backend
 ):
-    one = counted_on_rank_0(backend, tiny_model, 4, critic, False)
-    four = counted_on_rank_0(backend, tiny_model, 1, critic, False)
+    model = model_of(request, backend)
+    one = counted_on_rank_0(backend, model, 4, critic, False)
+    four = counted_on_rank_0(backend, model, 1, critic, False)
     assert one["steps"] == four["steps"] == 2  # 8 samples, 4 a step
     assert four["waits"] == one["waits"], (four, one)
     assert (four["rope_calls"] > 0) == backend.startswith("megatron") and four["rope_device_bounds"] == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("critic", [False, True], ids=["log-prob-pass", "value-pass"])
-def test_a_no_grad_pass_waits_once_for_its_results_however_many_micro_batches(tiny_model, critic, backend):
+@pytest.mark.parametrize("critic, backend", rows(("log-prob-pass", "value-pass")))
+def test_a_no_grad_pass_waits_once_for_its_results_however_many_micro_batches(request, critic, backend):
     """The passes before the train steps bring their results down in one copy, not one per
-    micro-batch (8 micro-batches of 1 sample against 2 of 4)."""
-    two = counted_on_rank_0(backend, tiny_model, 4, critic, True)
-    eight = counted_on_rank_0(backend, tiny_model, 1, critic, True)
+    micro-batch (8 micro-batches of 1 sample against 2 of 4); R2's recorded experts too."""
+    model = model_of(request, backend)
+    two = counted_on_rank_0(backend, model, 4, critic, True)
+    eight = counted_on_rank_0(backend, model, 1, critic, True)
     assert two["steps"] == eight["steps"] >= 1
     assert eight["waits"] == two["waits"], (eight, two)
     assert (eight["rope_calls"] > 0) == backend.startswith("megatron") and eight["rope_device_bounds"] == 0

@@ -82,16 +82,19 @@ class TokenCounts:
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             if self.real is None or not torch.is_grad_enabled():
                 return
-            experts = output[2][self.real.to(output[2].device)]  # [real tokens, top-k]
-            # on the device: no host sync per router
-            self.current[i] = torch.bincount(experts.reshape(-1), minlength=self.experts).float()
+            experts = output[2]  # [tokens, top-k]
+            # Each real token's k experts counted once, on the device: index_add_ rather than a
+            # boolean mask or bincount (CUDA's reads the ids' maximum back), neither waits.
+            real = self.real[:, None].expand(experts.shape).reshape(-1)
+            counts = torch.zeros(self.experts, dtype=torch.float32, device=experts.device)
+            self.current[i] = counts.index_add_(0, experts.reshape(-1), real)
 
         return hook
 
     def begin(self, real: torch.Tensor) -> None:
         """A training micro-batch starts; `real`: its [rows * length] real-token mask (flattened as
-        the routers see the tokens)."""
-        self.real, self.current = real, {}
+        the routers see the tokens), on the routers' device."""
+        self.real, self.current = real.float(), {}
 
     def end(self) -> None:
         """The micro-batch's backward is done: its counts join the step's."""

@@ -111,10 +111,11 @@ class MicroBatch:
         """[rows * length] bool over `input_ids` flattened: true at the samples' tokens (not padding)."""
         return self.sample_ids() >= 0
 
-    def sample_ids(self) -> torch.Tensor:
+    def sample_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """[rows * length] long over `input_ids` flattened: each token's sample (its index in the
-        micro-batch), -1 at padding."""
-        out = torch.full((self.input_ids.numel(),), -1, dtype=torch.long, device=self.input_ids.device)
+        micro-batch), -1 at padding; on `device` (default: the inputs')."""
+        device = self.input_ids.device if device is None else device
+        out = torch.full((self.input_ids.numel(),), -1, dtype=torch.long, device=device)
         for i, (start, p, r) in enumerate(
             zip(self.token_starts(), self.prompt_lengths, self.response_lengths)
         ):

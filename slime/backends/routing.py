@@ -33,11 +33,18 @@ def choose(
     when the model does (Qwen3-MoE's norm_topk_prob; megatron-core's moe_router_pre_softmax off)."""
     top, experts = torch.topk(probs, top_k, dim=-1)
     if replay is not None:
-        experts = torch.where(replay >= 0, replay.to(experts.device), experts)
+        experts = torch.where(replay >= 0, replay, experts)  # (the replay table is on the device)
         top = probs.gather(1, experts)
     if renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return top, experts
+
+
+def real_token_index(sample_ids: torch.Tensor) -> torch.Tensor:
+    """Where the tokens of samples are among a micro-batch's tokens (not padding, whose sample id
+    is -1), from sample ids on the host: the load-balancing losses select these rows with it
+    (a boolean mask on the device would make the host wait for the device at every layer)."""
+    return (sample_ids >= 0).nonzero().squeeze(1)
 
 
 def sigmoid_weights(

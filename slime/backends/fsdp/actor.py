@@ -30,6 +30,7 @@ from slime.backends.micro_batch import MicroBatch, make_micro_batch
 from slime.backends.optim import LRSchedule, freeze_parameters, make_optimizer, move_model, state_bytes
 from slime.backends.planning import packs_sequences
 from slime.backends.policy import PolicyTrainer
+from slime.backends.routing import real_token_index
 from slime.backends.weight_copies import reference
 from slime.config.train import TrainConfig
 from slime.utils import hf_experts, model_families, transfer
@@ -252,13 +253,17 @@ class FSDPBackend:
         micro-batches of one sample give the same loss however the step is split over ranks)."""
         if self._aux_coeff == 0 or self.routing is None:
             return loss
+        ids = mb.sample_ids(torch.device("cpu"))
+        real = real_token_index(ids)
         if self.cfg.moe.per_sequence:  # seq_aux_loss: each sample's own, over the step's samples
+            samples = to_device(ids[real], self.device)
             aux = (
-                self.routing.aux_loss(state, mb.real_tokens(), mb.sample_ids(), mb.num_samples)
+                self.routing.aux_loss(state, to_device(real, self.device), samples, mb.num_samples)
                 / step.num_samples
             )
         else:
-            aux = self.routing.aux_loss(state, mb.real_tokens()) * (mb.num_samples / step.num_samples)
+            share = mb.num_samples / step.num_samples
+            aux = self.routing.aux_loss(state, to_device(real, self.device)) * share
         add_to(sums, "moe_aux_loss", aux)
         return loss + self._aux_coeff * aux
 
@@ -298,6 +303,7 @@ class FSDPBackend:
         if record:
             result.routing = {}
         log_probs_down, entropy_down = transfer.RowsToHost(), transfer.RowsToHost(torch.float32)
+        recorded: list[tuple[MicroBatch, torch.Tensor]] = []  # R2's routing, brought down after the pass
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
             for step in plans:
@@ -313,15 +319,17 @@ class FSDPBackend:
                         )
                     if result.routing is not None:
                         assert self.routing is not None
-                        routed = self.routing.recorded(state, mb.input_ids.numel(), self.device).cpu()
-                        for start, p in zip(mb.token_starts(), mb.positions):
-                            result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
+                        recorded.append((mb, self.routing.recorded(state, mb.input_ids.numel(), self.device)))
                     log_probs_down.add(log_probs, mb.positions, mb.response_lengths)
                     if entropy is not None:
                         entropy_down.add(entropy, mb.positions, mb.response_lengths)
         finally:
             self.model.train()
         model_init.reshard(self.model)
+        if result.routing is not None:
+            for (mb, _), routed in zip(recorded, transfer.all_to_host([r for _, r in recorded])):
+                for start, p in zip(mb.token_starts(), mb.positions):
+                    result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
         result.log_probs = log_probs_down.collect()
         if how.entropy:
             result.entropy = entropy_down.collect()

@@ -121,7 +121,7 @@ class Routing(RouterHooks):
             self._keep_aux(li, state, scores, routed.bool())
         replay = None if state.replay is None else state.replay[:, li]
         if replay is not None:
-            experts = torch.where(replay >= 0, replay.to(experts.device), experts)
+            experts = torch.where(replay >= 0, replay, experts)  # (the replay table is on the device)
         if state.record is not None:
             state.record[li] = experts.detach()
         if replay is None and self.dtype is None:
@@ -159,9 +159,10 @@ class Routing(RouterHooks):
     def aux_loss(
         self, state: _State, real: torch.Tensor, samples: torch.Tensor | None = None, num_samples: int = 0
     ) -> torch.Tensor:
-        """megatron-core's `aux_loss` summed over the MoE layers, over the tokens where `real` is
-        true (slime.backends.routing.load_balancing_loss); with `samples` (each token's sample,
-        of `num_samples`) its `seq_aux_loss`, summed over the samples."""
+        """megatron-core's `aux_loss` summed over the MoE layers, over the tokens at `real` (the
+        indexes of the tokens that are not padding, on the device;
+        slime.backends.routing.load_balancing_loss); with `samples` (each of those tokens'
+        sample, of `num_samples`) its `seq_aux_loss`, summed over the samples."""
         assert state.aux is not None
         total = torch.zeros((), dtype=torch.float32, device=real.device)
         for probs, chosen in state.aux:
@@ -170,11 +171,9 @@ class Routing(RouterHooks):
                 if chosen.dtype == torch.bool  # a sigmoid router's: [tokens, E] already
                 else torch.zeros_like(probs, dtype=torch.float32).scatter_(1, chosen, 1.0)
             )
+            kept, routed = probs.index_select(0, real), routed.index_select(0, real)
             if samples is None:
-                total = total + load_balancing_loss(probs[real], routed[real], self.top_k)
+                total = total + load_balancing_loss(kept, routed, self.top_k)
             else:
-                seq = samples.to(probs.device)[real]
-                total = total + sequence_balancing_loss(
-                    probs[real], routed[real], seq, num_samples, self.top_k
-                )
+                total = total + sequence_balancing_loss(kept, routed, samples, num_samples, self.top_k)
         return total

@@ -364,9 +364,7 @@ class MegatronBackend:
         out = self._collect(mbs, per_token, states)
         if result.routing is not None:  # R2: each stage keeps its own layers' routing
             assert self.routing is not None
-            for mb, state in zip(mbs, states):
-                assert state is not None
-                routed = self.routing.recorded(state, mb.input_ids.numel(), mb.input_ids.shape[0])
+            for mb, routed in zip(mbs, self.routing.recorded(mbs, states)):
                 for start, p in zip(mb.token_starts(), mb.positions):
                     result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
         if self.pp > 1:  # the last stage's values, to every stage

@@ -35,7 +35,7 @@ states in a queue: micro-batches go backward in the order they went forward (1F1
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,10 +45,12 @@ from slime.backends.routing import (
     RouterHooks,
     choose,
     load_balancing_loss,
+    real_token_index,
     sequence_balancing_loss,
     sigmoid_aux_routing,
     sigmoid_weights,
 )
+from slime.utils import transfer
 
 
 def router_order(x: torch.Tensor, rows: int, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
@@ -75,21 +77,32 @@ def from_router_order(x: torch.Tensor, rows: int, sp_group: Any = None, sp_size:
 
 @dataclass
 class MicroBatchRouting:
-    """What the hooks do during one micro-batch, per token in the router's order."""
+    """What the hooks do during one micro-batch, per token in the router's order. The per-token
+    tables are built on the host; each goes to the device once, when a layer first needs it
+    (`on`), so that no layer waits for the device."""
 
     replay: torch.Tensor | None = None  # [tokens, layers, k] long, -1: the router's own choice
     record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
-    real: torch.Tensor | None = None  # [tokens] bool: not padding (for the aux loss)
+    real: torch.Tensor | None = None  # [real tokens] long: where the tokens that are not padding are
     aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
-    samples: torch.Tensor | None = None  # seq_aux_loss: [tokens] each token's sample, -1 at padding
+    samples: torch.Tensor | None = None  # seq_aux_loss: [real tokens] each real token's sample
     num_samples: int = 0  # the micro-batch's samples, and the step's (for the aux loss)
     step_samples: int = 0
     aux_sum: Any = 0.0  # the aux losses attached, times their share (the step's metric; a tensor
     # once one is attached: summed on the device, read once after the step, no sync per layer)
 
+    uploaded: dict[str, torch.Tensor] = field(default_factory=dict)
+
     @property
     def active(self) -> bool:
         return self.replay is not None or self.record is not None or self.aux_coeff > 0
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """The host table `name` (replay, real, samples) on `device`: uploaded without a wait the
+        first time a layer asks, then kept for the micro-batch's other layers."""
+        if name not in self.uploaded:
+            self.uploaded[name] = transfer.to_device(getattr(self, name), device)
+        return self.uploaded[name]
 
     @property
     def aux_share(self) -> float:
@@ -216,14 +229,15 @@ class MegatronRouting(RouterHooks):
                     self.replay_rows(tables, mb.positions, mb.token_starts(), tokens), rows
                 )
             if aux_coeff > 0:
-                state.real = self.router_order(mb.real_tokens().cpu(), rows)
+                ids = self.router_order(mb.sample_ids(torch.device("cpu")), rows)
+                state.real = real_token_index(ids)
                 state.aux_coeff, state.num_samples, state.step_samples = (
                     aux_coeff,
                     mb.num_samples,
                     step_samples,
                 )
                 if per_sequence:
-                    state.samples = self.router_order(mb.sample_ids().cpu(), rows)
+                    state.samples = ids[state.real]
             states.append(state)
         return states
 
@@ -237,14 +251,20 @@ class MegatronRouting(RouterHooks):
         if completed and leftover:
             raise RuntimeError(f"recomputed MoE layers left micro-batches' routing behind: {leftover}")
 
-    def recorded(self, state: MicroBatchRouting, num_tokens: int, rows: int) -> torch.Tensor:
-        """The experts recorded in a forward, [num_tokens, layers, k] over the micro-batch's
-        [rows, length] flattened (row-major); -1 in dense layers and in other stages' layers."""
-        assert state.record is not None
-        out = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.long)
-        for li, experts in state.record.items():
-            out[:, li] = self.from_router_order(experts, rows).cpu()
-        return out
+    def recorded(self, mbs: list[MicroBatch], states: list[MicroBatchRouting | None]) -> list[torch.Tensor]:
+        """The experts recorded in a pass, per micro-batch [tokens, layers, k] over its input ids
+        flattened (row-major), brought to the host in one copy; -1 in dense layers and in other
+        stages' layers."""
+        tables = []
+        for mb, state in zip(mbs, states):
+            assert state is not None and state.record is not None
+            device = next((e.device for e in state.record.values()), torch.device("cpu"))
+            shape = (mb.input_ids.numel(), self.num_layers, self.top_k)
+            out = torch.full(shape, -1, dtype=torch.long, device=device)
+            for li, experts in state.record.items():
+                out[:, li] = self.from_router_order(experts, mb.input_ids.shape[0])
+            tables.append(out)
+        return transfer.all_to_host(tables)
 
     # ---- the hook ---------------------------------------------------------------------------
     def _hook(self, li: int, checkpointed: bool) -> Any:
@@ -274,7 +294,7 @@ class MegatronRouting(RouterHooks):
             else:
                 scores, routed = torch.softmax(logits, dim=-1, dtype=wide), None
             if state.replay is not None and li < self.num_layers:
-                replay = state.replay[:, li].to(scores.device)
+                replay = state.on("replay", scores.device)[:, li]
                 if self.score_function == "sigmoid":  # -1: the router's own choice (bias, groups)
                     own = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
                     experts = torch.where(replay >= 0, replay, own)
@@ -286,22 +306,18 @@ class MegatronRouting(RouterHooks):
                 probs = torch.zeros_like(probs).scatter(1, experts, weights.to(probs.dtype))
                 routing_map = torch.zeros_like(routing_map).scatter(1, experts, True)
             if aux:
-                assert state.real is not None
-                real = state.real.to(scores.device)
+                real = state.on("real", scores.device)
                 group = self.sp_group if self.sp_size > 1 else None
                 routed = routing_map if routed is None else routed
+                kept, chosen = scores.index_select(0, real), routed.index_select(0, real)
                 if state.samples is not None:  # seq_aux_loss: each sample's own, over the step's samples
-                    seq = state.samples.to(scores.device)[real]
+                    seq = state.on("samples", scores.device)
                     loss = (
-                        sequence_balancing_loss(
-                            scores[real], routed[real], seq, state.num_samples, self.top_k, group
-                        )
+                        sequence_balancing_loss(kept, chosen, seq, state.num_samples, self.top_k, group)
                         / state.step_samples
                     )
                 else:
-                    loss = (
-                        load_balancing_loss(scores[real], routed[real], self.top_k, group) * state.aux_share
-                    )
+                    loss = load_balancing_loss(kept, chosen, self.top_k, group) * state.aux_share
                 state.aux_sum = state.aux_sum + loss.detach()
                 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
