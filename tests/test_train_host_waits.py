@@ -45,16 +45,15 @@ FOREIGN = ("megatron/core/transformer/moe/",)
 routing's counts to the host once a layer by design (the experts' shapes depend on them) and whose
 experts and chunk sorting read those host copies."""
 
+R2_AUX = {"use_routing_replay": True, "moe_aux_loss_coeff": 0.01}
 MOE = {
-    "fsdp-moe": {"use_routing_replay": True, "moe_aux_loss_coeff": 0.01},
-    "megatron-moe": {
-        "use_routing_replay": True,
-        "moe_aux_loss_coeff": 0.01,
-        "moe_router_load_balancing_type": "seq_aux_loss",
-    },
+    "fsdp-moe": ("tiny_moe", R2_AUX),
+    "megatron-moe": ("tiny_moe", {**R2_AUX, "moe_router_load_balancing_type": "seq_aux_loss"}),
+    "fsdp-moe-sigmoid": ("sigmoid_moe", {**R2_AUX, "moe_router_bias_update_rate": 1e-3}),
 }
-"""The mixture-of-experts rows' flags: R2 (the log-prob pass records each layer's experts, the
-training steps replay them) and a load-balancing loss in every MoE layer."""
+"""The mixture-of-experts rows: their model and flags. R2 (the log-prob pass records each layer's
+experts, the training steps replay them) and a load-balancing loss in every MoE layer; with a
+sigmoid router (GLM-4.5's), its expert bias updated from the counts of the tokens routed."""
 
 BACKENDS = ["fsdp", "megatron", pytest.param("megatron-cp2", marks=pytest.mark.slow), *MOE]
 """The trainers counted: FSDP, Megatron, Megatron with context parallelism over two ranks, and
@@ -125,8 +124,8 @@ def count_step_waits(
     from slime.backends import make_train_actor
     from slime.config.train import MegatronConfig, MoEOptions
 
-    moe = MoEOptions(**MOE.get(backend, {}))
-    backend, _, cp = backend.removesuffix("-moe").partition("-cp")
+    moe = MoEOptions(**MOE[backend][1]) if backend in MOE else MoEOptions()
+    backend, cp = backend.split("-")[0], backend.partition("-cp")[2]
     cfg = dataclasses.replace(
         base_config(model, micro_batch_size=micro_batch_size),
         check_precision=True,
@@ -168,8 +167,17 @@ def counted_on_rank_0(backend: str, *args) -> dict[str, int]:
     return run_ranks(ranks, count_step_waits, *args, backend)[0]
 
 
+@pytest.fixture(scope="module")
+def sigmoid_moe(tmp_path_factory) -> str:
+    from tests.conftest import FAMILY_SIZE, make_model
+
+    return make_model(
+        str(tmp_path_factory.mktemp("models") / "glm4_moe"), 0, "--arch", "glm4_moe", *FAMILY_SIZE
+    )
+
+
 def model_of(request, backend: str) -> str:
-    return request.getfixturevalue("tiny_moe" if backend in MOE else "tiny_model")
+    return request.getfixturevalue(MOE[backend][0] if backend in MOE else "tiny_model")
 
 
 def rows(kinds: tuple[str, str]) -> list:

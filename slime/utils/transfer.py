@@ -26,14 +26,6 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu()
 
 
-def all_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors of one dtype on one device, on the CPU in one copy (one wait for the device)."""
-    if not tensors:
-        return []
-    flat = to_host(torch.cat([t.reshape(-1) for t in tensors]))
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
 class HostCopy:
     """A device tensor on its way to pinned host memory; `wait()` gives it once it has arrived."""
 

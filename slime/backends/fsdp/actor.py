@@ -303,7 +303,7 @@ class FSDPBackend:
         if record:
             result.routing = {}
         log_probs_down, entropy_down = transfer.RowsToHost(), transfer.RowsToHost(torch.float32)
-        recorded: list[tuple[MicroBatch, torch.Tensor]] = []  # R2's routing, brought down after the pass
+        recorded: list[tuple[MicroBatch, transfer.HostCopy]] = []  # R2's routing, on its way down
         self.model.eval()  # no dropout in log-prob passes (--attention-dropout acts in training steps)
         try:
             for step in plans:
@@ -319,17 +319,19 @@ class FSDPBackend:
                         )
                     if result.routing is not None:
                         assert self.routing is not None
-                        recorded.append((mb, self.routing.recorded(state, mb.input_ids.numel(), self.device)))
+                        table = self.routing.recorded(state, mb.input_ids.numel(), self.device)
+                        recorded.append((mb, transfer.to_host_async(table)))
                     log_probs_down.add(log_probs, mb.positions, mb.response_lengths)
                     if entropy is not None:
                         entropy_down.add(entropy, mb.positions, mb.response_lengths)
         finally:
             self.model.train()
         model_init.reshard(self.model)
-        if result.routing is not None:
-            for (mb, _), routed in zip(recorded, transfer.all_to_host([r for _, r in recorded])):
-                for start, p in zip(mb.token_starts(), mb.positions):
-                    result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
+        for mb, copy in recorded:
+            assert result.routing is not None
+            routed = copy.wait()
+            for start, p in zip(mb.token_starts(), mb.positions):
+                result.routing[p] = routed[start : start + len(batch.tokens[p])].clone()
         result.log_probs = log_probs_down.collect()
         if how.entropy:
             result.entropy = entropy_down.collect()

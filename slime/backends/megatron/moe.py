@@ -78,8 +78,8 @@ def from_router_order(x: torch.Tensor, rows: int, sp_group: Any = None, sp_size:
 @dataclass
 class MicroBatchRouting:
     """What the hooks do during one micro-batch, per token in the router's order. The per-token
-    tables are built on the host; each goes to the device once, when a layer first needs it
-    (`on`), so that no layer waits for the device."""
+    tables are built on the host and go to the device without a wait: the replay table a layer's
+    slice at a time, the real tokens' indexes and samples once (`on`)."""
 
     replay: torch.Tensor | None = None  # [tokens, layers, k] long, -1: the router's own choice
     record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
@@ -98,8 +98,8 @@ class MicroBatchRouting:
         return self.replay is not None or self.record is not None or self.aux_coeff > 0
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """The host table `name` (replay, real, samples) on `device`: uploaded without a wait the
-        first time a layer asks, then kept for the micro-batch's other layers."""
+        """The host table `name` (real, samples) on `device`: uploaded without a wait the first
+        time a layer asks, then kept for the micro-batch's other layers."""
         if name not in self.uploaded:
             self.uploaded[name] = transfer.to_device(getattr(self, name), device)
         return self.uploaded[name]
@@ -253,9 +253,10 @@ class MegatronRouting(RouterHooks):
 
     def recorded(self, mbs: list[MicroBatch], states: list[MicroBatchRouting | None]) -> list[torch.Tensor]:
         """The experts recorded in a pass, per micro-batch [tokens, layers, k] over its input ids
-        flattened (row-major), brought to the host in one copy; -1 in dense layers and in other
-        stages' layers."""
-        tables = []
+        flattened (row-major), on the host; -1 in dense layers and in other stages' layers. Each
+        table's copy down starts without a wait (one table on the device at a time); the host
+        waits once, for the last."""
+        copies = []
         for mb, state in zip(mbs, states):
             assert state is not None and state.record is not None
             device = next((e.device for e in state.record.values()), torch.device("cpu"))
@@ -263,8 +264,8 @@ class MegatronRouting(RouterHooks):
             out = torch.full(shape, -1, dtype=torch.long, device=device)
             for li, experts in state.record.items():
                 out[:, li] = self.from_router_order(experts, mb.input_ids.shape[0])
-            tables.append(out)
-        return transfer.all_to_host(tables)
+            copies.append(transfer.to_host_async(out))
+        return [copy.wait() for copy in copies]
 
     # ---- the hook ---------------------------------------------------------------------------
     def _hook(self, li: int, checkpointed: bool) -> Any:
@@ -294,7 +295,7 @@ class MegatronRouting(RouterHooks):
             else:
                 scores, routed = torch.softmax(logits, dim=-1, dtype=wide), None
             if state.replay is not None and li < self.num_layers:
-                replay = state.on("replay", scores.device)[:, li]
+                replay = transfer.to_device(state.replay[:, li].contiguous(), scores.device)
                 if self.score_function == "sigmoid":  # -1: the router's own choice (bias, groups)
                     own = torch.topk(routing_map.to(torch.float32), self.top_k, dim=-1).indices
                     experts = torch.where(replay >= 0, replay, own)
