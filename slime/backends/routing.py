@@ -91,15 +91,15 @@ def load_balancing_loss(
     per_expert = probs.float().sum(dim=0)
     counts = routed.float().sum(dim=0).detach()
     total = float(probs.shape[0])  # (known on the host: no wait for the device)
+    square: float | torch.Tensor = total * total
     if _splits_tokens(group):
         tokens = torch.tensor([total], dtype=torch.float64, device=probs.device)
         per_expert = _group_sums(per_expert, counts, tokens, group)
         # the group's tokens stay on the device (no wait); none at all: the sums are 0, so is this
         square = tokens[0].clamp(min=1) ** 2
-        return ((per_expert * counts).sum() * num_experts / (top_k * square)).to(per_expert.dtype)
-    if total == 0:
+    elif total == 0:
         return per_expert.sum() * 0.0
-    return (per_expert * counts).sum() * num_experts / (top_k * total * total)
+    return ((per_expert * counts).sum() * num_experts / (top_k * square)).to(per_expert.dtype)
 
 
 def _splits_tokens(group: Any) -> bool:

@@ -255,15 +255,12 @@ class FSDPBackend:
             return loss
         ids = mb.sample_ids(torch.device("cpu"))
         real = real_token_index(ids)
+        real_on_device = to_device(real, self.device)
         if self.cfg.moe.per_sequence:  # seq_aux_loss: each sample's own, over the step's samples
             samples = to_device(ids[real], self.device)
-            aux = (
-                self.routing.aux_loss(state, to_device(real, self.device), samples, mb.num_samples)
-                / step.num_samples
-            )
+            aux = self.routing.aux_loss(state, real_on_device, samples, mb.num_samples) / step.num_samples
         else:
-            share = mb.num_samples / step.num_samples
-            aux = self.routing.aux_loss(state, to_device(real, self.device)) * share
+            aux = self.routing.aux_loss(state, real_on_device) * (mb.num_samples / step.num_samples)
         add_to(sums, "moe_aux_loss", aux)
         return loss + self._aux_coeff * aux
 

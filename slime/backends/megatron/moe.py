@@ -35,7 +35,7 @@ states in a queue: micro-batches go backward in the order they went forward (1F1
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,30 +79,21 @@ def from_router_order(x: torch.Tensor, rows: int, sp_group: Any = None, sp_size:
 class MicroBatchRouting:
     """What the hooks do during one micro-batch, per token in the router's order. The per-token
     tables are built on the host and go to the device without a wait: the replay table a layer's
-    slice at a time, the real tokens' indexes and samples once (`on`)."""
+    slice at a time, the real tokens' indexes and samples when the state is made."""
 
     replay: torch.Tensor | None = None  # [tokens, layers, k] long, -1: the router's own choice
     record: dict[int, torch.Tensor] | None = None  # layer -> [tokens, k]
-    real: torch.Tensor | None = None  # [real tokens] long: where the tokens that are not padding are
+    real: torch.Tensor | None = None  # [real tokens] long (device): where tokens are not padding
     aux_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no aux loss)
-    samples: torch.Tensor | None = None  # seq_aux_loss: [real tokens] each real token's sample
+    samples: torch.Tensor | None = None  # seq_aux_loss: [real tokens] each one's sample (device)
     num_samples: int = 0  # the micro-batch's samples, and the step's (for the aux loss)
     step_samples: int = 0
     aux_sum: Any = 0.0  # the aux losses attached, times their share (the step's metric; a tensor
     # once one is attached: summed on the device, read once after the step, no sync per layer)
 
-    uploaded: dict[str, torch.Tensor] = field(default_factory=dict)
-
     @property
     def active(self) -> bool:
         return self.replay is not None or self.record is not None or self.aux_coeff > 0
-
-    def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """The host table `name` (real, samples) on `device`: uploaded without a wait the first
-        time a layer asks, then kept for the micro-batch's other layers."""
-        if name not in self.uploaded:
-            self.uploaded[name] = transfer.to_device(getattr(self, name), device)
-        return self.uploaded[name]
 
     @property
     def aux_share(self) -> float:
@@ -230,14 +221,15 @@ class MegatronRouting(RouterHooks):
                 )
             if aux_coeff > 0:
                 ids = self.router_order(mb.sample_ids(torch.device("cpu")), rows)
-                state.real = real_token_index(ids)
+                real = real_token_index(ids)
+                state.real = transfer.to_device(real, mb.input_ids.device)
                 state.aux_coeff, state.num_samples, state.step_samples = (
                     aux_coeff,
                     mb.num_samples,
                     step_samples,
                 )
                 if per_sequence:
-                    state.samples = ids[state.real]
+                    state.samples = transfer.to_device(ids[real], mb.input_ids.device)
             states.append(state)
         return states
 
@@ -307,14 +299,16 @@ class MegatronRouting(RouterHooks):
                 probs = torch.zeros_like(probs).scatter(1, experts, weights.to(probs.dtype))
                 routing_map = torch.zeros_like(routing_map).scatter(1, experts, True)
             if aux:
-                real = state.on("real", scores.device)
+                real = state.real
+                assert real is not None
                 group = self.sp_group if self.sp_size > 1 else None
                 routed = routing_map if routed is None else routed
                 kept, chosen = scores.index_select(0, real), routed.index_select(0, real)
                 if state.samples is not None:  # seq_aux_loss: each sample's own, over the step's samples
-                    seq = state.on("samples", scores.device)
                     loss = (
-                        sequence_balancing_loss(kept, chosen, seq, state.num_samples, self.top_k, group)
+                        sequence_balancing_loss(
+                            kept, chosen, state.samples, state.num_samples, self.top_k, group
+                        )
                         / state.step_samples
                     )
                 else:
